@@ -1,0 +1,41 @@
+"""Block keys: the contract between router, prefill nodes, decode nodes and the KV store.
+
+A key is xxh3-128 over (parent key, salt, the block's token ids as little-endian uint32). It
+depends on nothing but those bytes, so every process on every machine computes the same chain.
+This module imports no torch so the router can use it with only a tokenizer.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Sequence
+
+import xxhash
+
+KEY_BYTES = 16
+ROOT_KEY = b"\x00" * KEY_BYTES
+
+
+def kv_layout_salt(model_name: str, num_layers: int, num_kv_heads: int, head_dim: int,
+                   dtype: str, block_size: int) -> bytes:
+    """Salt naming the model and KV layout, so caches of different models never collide."""
+    text = f"pdserve-kv-v1|{model_name}|L{num_layers}|H{num_kv_heads}|D{head_dim}|{dtype}|B{block_size}"
+    return xxhash.xxh3_128_digest(text.encode())
+
+
+def block_key(parent: bytes, token_ids: Sequence[int], salt: bytes) -> bytes:
+    packed = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return xxhash.xxh3_128_digest(parent + salt + packed)
+
+
+def block_key_chain(token_ids: Sequence[int], block_size: int, salt: bytes,
+                    include_partial: bool = False) -> list[bytes]:
+    """Keys of each full block of `token_ids`, chained from the root; optionally the trailing
+    partial block too (its key covers only the tokens it holds, so it differs from any full block)."""
+    keys: list[bytes] = []
+    parent = ROOT_KEY
+    n_full = len(token_ids) // block_size
+    end = len(token_ids) if include_partial else n_full * block_size
+    for start in range(0, end, block_size):
+        parent = block_key(parent, token_ids[start:start + block_size], salt)
+        keys.append(parent)
+    return keys

@@ -1,0 +1,34 @@
+"""Engine settings shared by the offline API and both node kinds."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    model: str = "builtin:tiny"
+    dtype: str = "auto"  # auto -> float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    block_size: int = 16
+    # KV memory: an explicit block count wins over the memory budget.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    # Seconds a request may wait in WAITING_FOR_REMOTE_KVS before it is computed locally.
+    remote_kv_timeout_s: float = 30.0
+    kernel_backend: str = "auto"  # auto | torch | triton
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError("max_num_batched_tokens must be at least block_size")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.kernel_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")

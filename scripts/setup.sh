@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs pdserve with everything its tests and cluster use.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned: 2.13.0 is the local CPU wheel; an unpinned torch pulls a CUDA build.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[all,test]"
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null
+  else
+    sudo apt-get update -qq && sudo apt-get install -y -qq redis-server >/dev/null
+  fi
+fi
