@@ -1,0 +1,35 @@
+"""The KV store interface: blocks of the paged cache keyed by their block key.
+
+The paged cache is one block-major tensor: kv_cache[block_id] has shape
+[num_layers, 2, block_size, num_kv_heads, head_dim] and is contiguous, so one block is one
+contiguous byte range (one store value, one NIXL descriptor).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import torch
+
+
+class KVStore(ABC):
+    """Batched put/get of cache blocks under block keys (bytes from pdserve.engine.block_keys)."""
+
+    @abstractmethod
+    def put(self, keys: Sequence[bytes], kv_cache: torch.Tensor, block_ids: Sequence[int],
+            num_tokens: Sequence[int]) -> None:
+        """Store kv_cache[block_ids[i], :, :, :num_tokens[i]] under keys[i].
+        num_tokens[i] < block_size marks a trailing partial block."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[bytes], kv_cache: torch.Tensor, block_ids: Sequence[int],
+            num_tokens: Sequence[int]) -> int:
+        """Load keys[i] into kv_cache[block_ids[i]] for the longest leading run of keys that are
+        present and intact (shape and checksum verified); returns how many blocks were loaded."""
+
+    @abstractmethod
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys of the chain are present."""
+
+    def close(self) -> None:
+        """Release connections and memory."""
