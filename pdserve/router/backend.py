@@ -1,0 +1,31 @@
+"""What the HTTP layer needs from whatever generates tokens: one async stream per request.
+
+Implementations: an in-process engine (the monolithic node) and the disaggregated cluster
+client (router -> prefill node -> decode node over zmq).
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator, Protocol
+
+from pdserve.engine.outputs import StepOutput
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class BackendError(Exception):
+    """A generation failed for a reason the client should see (HTTP 503 / 500-class)."""
+
+
+class GenerationBackend(Protocol):
+    model_name: str
+
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[StepOutput]:
+        """Yields StepOutput deltas; the last one has finished=True. Raises BackendError."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stops the request on every node that holds it; safe to call twice."""
+        ...
+
+    async def health(self) -> dict:
+        ...
