@@ -1,0 +1,175 @@
+"""The engine core: add requests, step, get per-request token deltas. Both node kinds and the
+offline LLM run on this; it imports no server code."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pdserve.engine.block_keys import kv_layout_salt
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.output_processor import OutputProcessor
+from pdserve.engine.outputs import StepOutput
+from pdserve.engine.request import RemoteKV, Request, RequestStatus
+from pdserve.engine.sampler import sample
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.kernels import get_ops
+from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
+                                   else ("cpu" if config.device == "auto" else config.device))
+        self.model_path = resolve_model_path(config.model)
+        self.hf_config = load_hf_config(self.model_path)
+        self.dtype = default_dtype(config.dtype, self.device)
+        self.model = load_model(self.model_path, self.hf_config, self.dtype, self.device)
+        self.tokenizer = _load_tokenizer(self.model_path)
+        spec = self.model.spec
+        self.kv_cache = self._allocate_kv_cache()
+        self.max_model_len = self._max_model_len()
+        self.salt = kv_layout_salt(config.model, spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                   str(self.dtype).removeprefix("torch."), config.block_size)
+        self.pool = BlockPool(self.kv_cache.shape[0], config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, config.block_size, self.salt)
+        self.scheduler = Scheduler(config, self.kv)
+        ops = get_ops(config.kernel_backend, self.device.type)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, ops, self.device)
+        self.outputs = OutputProcessor(self.tokenizer, _eos_ids(self.hf_config, self.tokenizer), self.max_model_len)
+
+    # ---- set-up -------------------------------------------------------------------------
+    def _allocate_kv_cache(self) -> torch.Tensor:
+        spec, bs = self.model.spec, self.config.block_size
+        shape = (spec.num_layers, 2, bs, spec.num_kv_heads, spec.head_dim)
+        bytes_per_block = torch.Size(shape).numel() * self.dtype.itemsize
+        n = self.config.num_kv_blocks or int(self.config.kv_cache_memory_gb * 2**30 // bytes_per_block)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, bs, n * bytes_per_block / 2**20)
+        return torch.zeros((n, *shape), dtype=self.dtype, device=self.device)
+
+    def _max_model_len(self) -> int:
+        spec = self.model.spec
+        limit = min(spec.max_position_embeddings, self.kv_cache.shape[0] * self.config.block_size)
+        window = getattr(self.hf_config, "sliding_window", None)
+        if window and getattr(self.hf_config, "use_sliding_window", True):
+            limit = min(limit, window)  # sliding-window attention is not implemented: stay inside it
+        return min(self.config.max_model_len or limit, limit)
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    output_token_ids: list[int] | None = None, remote_kv_tokens: int = 0) -> Request:
+        """Queue a request. output_token_ids continues a generation (tokens drawn elsewhere);
+        remote_kv_tokens > 0 admits it in WAITING_FOR_REMOTE_KVS with blocks for that many
+        tokens allocated (see Request.block_ids), until report_remote_kv is called."""
+        self._validate(request_id, prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params)
+        for token in output_token_ids or []:
+            req.append_output(token)
+        self.outputs.add(request_id)
+        if remote_kv_tokens > 0:
+            remote = RemoteKV(min(remote_kv_tokens, req.num_tokens - 1),
+                              time.monotonic() + self.config.remote_kv_timeout_s)
+            self.scheduler.add_remote(req, remote)
+        else:
+            self.scheduler.add(req)
+        return req
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; this model accepts at most "
+                             f"{self.max_model_len - 1} so one token can be generated")
+        vocab = self.model.spec.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    def report_remote_kv(self, request_id: str, ok: bool) -> None:
+        """The remote KV of a WAITING_FOR_REMOTE_KVS request landed whole (ok) or failed."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.remote_kv is None:
+            return
+        req.remote_kv.landed, req.remote_kv.failed = ok, not ok
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self.outputs.remove(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.scheduler.requests.get(request_id)
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [T, vocab] at every prompt position (a reference hook for tests and tools)."""
+        req = Request("__prompt_logits__", list(token_ids), SamplingParams())
+        if not self.kv.allocate(req, len(token_ids)):
+            raise MemoryError("not enough free KV blocks")
+        try:
+            meta_items = [(req, len(token_ids))]
+            return self.runner.execute(meta_items, all_logits=True)[0]
+        finally:
+            self.kv.free(req)
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return []
+        logits, to_sample = self.runner.execute(batch.items)
+        for req, n in batch.items:
+            req.num_computed_tokens += n
+            self.kv.commit(req)
+        if not to_sample:
+            return []
+        params = [r.sampling_params for r in to_sample]
+        tokens, logprobs = sample(logits, params, [r.num_output_tokens for r in to_sample])
+        return [self._advance(req, tok, lp) for req, tok, lp in zip(to_sample, tokens, logprobs)]
+
+    def _advance(self, req: Request, token: int, logprob) -> StepOutput:
+        req.append_output(token)
+        status = self.outputs.check_stop(req)
+        text, stopped_by_string = self.outputs.new_text(req, status is not None)
+        if stopped_by_string:
+            status = RequestStatus.FINISHED_STOPPED
+        out = StepOutput(req.request_id, [token], text, status is not None,
+                         status.finish_reason if status else None,
+                         [logprob] if logprob is not None else None,
+                         req.num_prompt_tokens, req.num_cached_tokens)
+        if status is not None:
+            self.scheduler.finish(req, status)
+            self.outputs.remove(req.request_id)
+        return out
+
+
+def _load_tokenizer(path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer in %s (%s): text prompts and output text are unavailable", path, exc)
+        return None
+
+
+def _eos_ids(hf_config, tokenizer) -> set[int]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,88 @@
+"""The offline API, vLLM-shaped: LLM(model=...).generate(prompts, sampling_params)."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence, Union
+
+from tqdm.auto import tqdm
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+
+PromptType = Union[str, dict]
+
+
+class LLM:
+    def __init__(self, model: str = "builtin:tiny", **engine_options):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        results = {}
+        for prompt, p in zip(prompts, params):
+            rid = str(next(self._ids))
+            text, token_ids = self._tokenize(prompt)
+            self.engine.add_request(rid, token_ids, p)
+            results[rid] = _Collector(text, token_ids)
+        self._run(results, use_tqdm and len(prompts) > 1)
+        return [c.to_output(rid) for rid, c in results.items()]
+
+    def _run(self, results: dict, use_tqdm: bool) -> None:
+        bar = tqdm(total=len(results), desc="Generating", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    results[out.request_id].add(out)
+                    bar.update(int(out.finished))
+        except BaseException:
+            for rid in results:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt_token_ids'")
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]} instead")
+        return prompt, tokenizer(prompt)["input_ids"]
+
+
+class _Collector:
+    def __init__(self, prompt: str | None, prompt_token_ids: list[int]):
+        self.prompt, self.prompt_token_ids = prompt, prompt_token_ids
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list | None = None
+        self.finish_reason = None
+        self.num_cached_tokens = 0
+
+    def add(self, out) -> None:
+        self.token_ids += out.new_token_ids
+        self.text += out.new_text
+        if out.new_logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.new_logprobs
+        self.finish_reason = out.finish_reason
+        self.num_cached_tokens = out.num_cached_tokens
+
+    def to_output(self, rid: str) -> RequestOutput:
+        completion = CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)
+        return RequestOutput(rid, self.prompt, self.prompt_token_ids, [completion],
+                             num_cached_tokens=self.num_cached_tokens)

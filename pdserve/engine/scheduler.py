@@ -1,0 +1,131 @@
+"""Continuous batching: each step packs decodes and chunked prefills under a token budget.
+
+Running requests go first, in arrival order; when blocks run out the latest-arrived running
+request is preempted (its blocks freed, recomputed later). Waiting requests join only in steps
+that preempted nothing, so a preempted request is never starved by newcomers.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import RemoteKV, Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def add_remote(self, req: Request, remote: RemoteKV) -> bool:
+        """Admit a request whose first remote.num_tokens tokens of KV arrive from elsewhere.
+        Allocates their blocks now (prefix-cache hits first); False when the cache is full, in
+        which case the request waits as an ordinary local one."""
+        cached = self.kv.find_cached_prefix(req)
+        to_land = max(remote.num_tokens - len(cached) * self.kv.block_size, 0)
+        if not self.kv.allocate(req, to_land, cached):
+            self.add(req)
+            return False
+        req.num_computed_tokens = len(cached) * self.kv.block_size
+        req.num_cached_tokens = req.num_computed_tokens
+        req.remote_kv = remote
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.add(req)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        if not batch.preempted:
+            self._schedule_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    return budget
+            batch.items.append((req, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        held: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not self._resolve_remote(req):
+                held.append(self.waiting.popleft())
+                continue
+            cached = self.kv.find_cached_prefix(req) if not req.block_ids else []
+            n = min(req.num_tokens - req.num_computed_tokens - len(cached) * self.kv.block_size, budget)
+            if not self.kv.allocate(req, n, cached):
+                break
+            self.waiting.popleft()
+            if cached:
+                req.num_computed_tokens = len(cached) * self.kv.block_size
+                req.num_cached_tokens = max(req.num_cached_tokens, req.num_computed_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.items.append((req, n))
+            budget -= n
+        self.waiting.extendleft(reversed(held))
+
+    def _resolve_remote(self, req: Request) -> bool:
+        """True once the request may run: its KV landed, its transfer failed or timed out."""
+        remote = req.remote_kv
+        if remote.landed:
+            # Keep one token to compute so there are logits to sample from.
+            req.num_computed_tokens = max(req.num_computed_tokens, min(remote.num_tokens, req.num_tokens - 1))
+            req.num_cached_tokens = req.num_computed_tokens
+        elif not remote.failed and time.monotonic() < remote.deadline:
+            return False
+        # On failure or timeout the request recomputes into the blocks it already holds.
+        req.remote_kv = None
+        req.status = RequestStatus.WAITING
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request in any state, freeing every block it holds."""
+        req.status = status
+        self.kv.free(req)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.requests.pop(req.request_id, None)

@@ -1,0 +1,237 @@
+"""Attention and KV-cache ops as Triton kernels: the GPU path (CPU under TRITON_INTERPRET=1).
+
+Same three functions and contract as torch_ops. Cache views k_cache, v_cache are
+[num_blocks, block_size, kv_heads, head_dim] and usually strided views into the block-major KV
+tensor, so every kernel takes explicit strides. Slot = block_id * block_size + offset; -1 skips.
+
+One attention kernel serves both decode and prefill. A program owns one (sequence, KV head,
+query tile); the tile's rows are (query token, query head of that KV head's group) pairs, so a
+decode step's whole GQA group shares each K/V load and fills the matrix-multiply rows that a
+single query token would leave empty. Softmax is the online (flash) form, accumulated in fp32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # Optional fast prefill path; never required.
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # pragma: no cover - depends on the environment
+    flash_attn_varlen_func = None
+
+_MAX_HEAD_DIM = 256
+_LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------- store_kv
+
+@triton.jit
+def _store_kv_kernel(key, value, k_cache, v_cache, slots, kv_heads, head_dim, block_size,
+                     s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
+                     s_cb, s_co, s_ch, s_cd, s_wb, s_wo, s_wh, s_wd,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots + tok).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    # slot -1 (padding, or a token whose KV is not kept) turns the whole row into a no-op.
+    ok = (h < kv_heads) & (d < head_dim) & (slot >= 0)
+    blk = slot // block_size  # int64: block * block-stride overflows int32 in big caches
+    off = slot % block_size
+    k = tl.load(key + tok * s_kt + h * s_kh + d * s_kd, mask=ok)
+    v = tl.load(value + tok * s_vt + h * s_vh + d * s_vd, mask=ok)
+    tl.store(k_cache + blk * s_cb + off * s_co + h * s_ch + d * s_cd,
+             k.to(k_cache.dtype.element_ty), mask=ok)
+    tl.store(v_cache + blk * s_wb + off * s_wo + h * s_wh + d * s_wd,
+             v.to(v_cache.dtype.element_ty), mask=ok)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, kv_heads, head_dim] into the cache slots named by slot_mapping [T]."""
+    tokens, kv_heads, head_dim = key.shape
+    if tokens == 0:
+        return
+    _check_head_dim(head_dim)
+    _store_kv_kernel[(tokens,)](
+        key, value, k_cache, v_cache, slot_mapping, kv_heads, head_dim, k_cache.shape[1],
+        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+# ----------------------------------------------------------------------------- attention
+
+@triton.jit
+def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale):
+    """Fold one key tile into the running (max, sum, weighted-V) state; scores in log2 units."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with no visible key yet keeps m = -inf; subtracting 0 instead avoids inf - inf = nan.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q, k_new, v_new, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
+        qk_scale, head_dim, block_size,
+        s_qt, s_qh, s_qd, s_nt, s_nh, s_nd, s_wt, s_wh, s_wd,
+        s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, s_ot, s_oh, s_od, s_bt, s_bc,
+        GROUP: tl.constexpr, NEW_FROM_INPUT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q + seq)
+    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
+    ctx = tl.load(context_lens + seq)
+    if tile * BLOCK_M >= q_len * GROUP:  # grid is sized for the longest sequence
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP  # query token within the sequence
+    head = kv_head * GROUP + rows % GROUP  # query heads of a KV group are adjacent
+    row_ok = tok < q_len
+    q_pos = ctx - q_len + tok  # causal alignment: the new tokens END the context
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d[None, :] < head_dim
+    q_row = (q_start + tok).to(tl.int64)
+    qt = tl.load(q + q_row[:, None] * s_qt + head[:, None] * s_qh + d[None, :] * s_qd,
+                 mask=row_ok[:, None] & d_ok, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Part 1: keys in the paged cache, positions [0, n_cached); gathered per token so any
+    # block_size works and a tile may span several (non-contiguous) blocks.
+    n_cached = ctx - q_len if NEW_FROM_INPUT else ctx
+    n_cached = tl.minimum(n_cached, ctx - q_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
+    table = block_tables + seq.to(tl.int64) * s_bt
+    for start in range(0, n_cached, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < n_cached
+        blk = tl.load(table + (pos // block_size) * s_bc, mask=pos_ok, other=0).to(tl.int64)
+        off = pos % block_size
+        ld_ok = pos_ok[:, None] & d_ok
+        k = tl.load(k_cache + blk[:, None] * s_kb + off[:, None] * s_ko + kv_head * s_kh
+                    + d[None, :] * s_kd, mask=ld_ok, other=0.0)
+        v = tl.load(v_cache + blk[:, None] * s_vb + off[:, None] * s_vo + kv_head * s_vh
+                    + d[None, :] * s_vd, mask=ld_ok, other=0.0)
+        keep = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+        m_i, l_i, acc = _online_softmax_step(qt, k, v, keep, m_i, l_i, acc, qk_scale)
+
+    # Part 2 (prefill): the new tokens' own K/V straight from the inputs, causal among themselves.
+    if NEW_FROM_INPUT:
+        n_new = tl.minimum(q_len, (tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
+        for start in range(0, n_new, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            j_ok = j < n_new
+            kv_row = (q_start + j).to(tl.int64)
+            ld_ok = j_ok[:, None] & d_ok
+            k = tl.load(k_new + kv_row[:, None] * s_nt + kv_head * s_nh + d[None, :] * s_nd,
+                        mask=ld_ok, other=0.0)
+            v = tl.load(v_new + kv_row[:, None] * s_wt + kv_head * s_wh + d[None, :] * s_wd,
+                        mask=ld_ok, other=0.0)
+            keep = j_ok[None, :] & (j[None, :] <= tok[:, None]) & row_ok[:, None]
+            m_i, l_i, acc = _online_softmax_step(qt, k, v, keep, m_i, l_i, acc, qk_scale)
+
+    # Rows with no visible key (only padding rows here) get 0 rather than 0/0.
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out + q_row[:, None] * s_ot + head[:, None] * s_oh + d[None, :] * s_od,
+             o.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if head_dim > _MAX_HEAD_DIM:
+        raise ValueError(f"triton kernels support head_dim <= {_MAX_HEAD_DIM}, got {head_dim}")
+
+
+def _launch(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+            scale, max_q_len, new_from_input, block_m):
+    tokens, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    _check_head_dim(head_dim)
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    num_seqs = context_lens.shape[0]
+    if tokens == 0 or num_seqs == 0:
+        return out
+    # tl.dot needs every tile dimension >= 16.
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = 32 if block_d > 64 else 64  # keeps the K/V tiles within the register budget
+    grid = (num_seqs, kv_heads, triton.cdiv(max_q_len * group, block_m))
+    _paged_attention_kernel[grid](
+        q, k_new, v_new, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
+        scale * _LOG2E, head_dim, k_cache.shape[1],
+        *q.stride(), *k_new.stride(), *v_new.stride(), *k_cache.stride(), *v_cache.stride(),
+        *out.stride(), *block_tables.stride(),
+        GROUP=group, NEW_FROM_INPUT=new_from_input,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One query token per sequence: q [B, heads, head_dim] over each sequence's cached context.
+    block_tables [B, max_blocks] int32, context_lens [B] int32 (tokens in the cache, incl. this one)."""
+    batch = q.shape[0]
+    cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    # Everything, the current token included, is read from the cache; q doubles as the unused
+    # k_new/v_new pointer.
+    return _launch(q, q, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+                   scale, max_q_len=1, new_from_input=False, block_m=16)
+
+
+def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      context_lens: torch.Tensor, block_tables: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Causal attention for the new tokens of several sequences packed in q [T, heads, head_dim].
+
+    The prefix (context minus the new tokens) is read from the paged cache; the new tokens' K/V
+    come from k_new/v_new, which equals the cached copy when it is stored and stays right when a
+    new token's slot is -1.
+    """
+    fast = _flash_attn_prefill(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens,
+                               block_tables, scale)
+    if fast is not None:
+        return fast
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    max_q_len = int(q_lens.max()) if q_lens.numel() else 0
+    return _launch(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+                   scale, max_q_len=max_q_len, new_from_input=True, block_m=64)
+
+
+def _flash_attn_prefill(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens,
+                        block_tables, scale):
+    """flash-attn's varlen kernel when it is installed and the inputs suit it, else None.
+
+    Untested here: the test machine has neither a GPU nor flash_attn. Its causal mask is
+    bottom-right aligned (flash-attn >= 2.1), which matches this module's contract.
+    """
+    if flash_attn_varlen_func is None or not q.is_cuda:
+        return None
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 256:
+        return None
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    max_q = int(q_lens.max())
+    cu_q = cu_seqlens_q.to(torch.int32)
+    if bool((context_lens == q_lens).all()):  # no prefix: attend over the new K/V directly
+        return flash_attn_varlen_func(q, k_new, v_new, cu_q, cu_q, max_q, max_q,
+                                      softmax_scale=scale, causal=True)
+    # Paged K/V needs page sizes that are multiples of 256 and a unit-stride head dim.
+    if k_cache.shape[1] % 256 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        return None
+    cu_k = torch.zeros_like(cu_q)
+    torch.cumsum(context_lens, 0, out=cu_k[1:])
+    return flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max_q,
+                                  int(context_lens.max()), softmax_scale=scale, causal=True,
+                                  block_table=block_tables.to(torch.int32))

@@ -1,0 +1,321 @@
+"""Block-level KV transfer between processes over NIXL (UCX backend, CPU DRAM).
+
+The paged cache is one block-major tensor kv_cache[num_blocks, ...], so block b is the single
+byte range [base + b * block_nbytes, +block_nbytes). The prefill side pins blocks and sends
+their regions (plain ints, see nixl_messages); the decode side READs them into its own blocks
+with a notification, and the prefill side frees the blocks when that notification arrives.
+
+An agent is not thread-safe in NIXL's default sync mode, so every agent call here holds a lock.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal, Sequence
+
+import torch
+import xxhash
+
+logger = logging.getLogger(__name__)
+
+XferState = Literal["DONE", "PROC", "ERR"]
+Region = tuple[int, int, int]  # (addr, nbytes, dev_id)
+
+# Quiet UCX's and NIXL's own logging unless the user asked for something else.
+_QUIET_ENV = {"UCX_LOG_LEVEL": "error", "NIXL_LOG_LEVEL": "WARN"}
+
+
+class NixlTransferError(RuntimeError):
+    """A NIXL operation failed: bad peer, bad descriptors, remote gone, or transfer ERR."""
+
+
+class NixlTimeoutError(NixlTransferError):
+    """A transfer stayed in progress past its deadline (e.g. a hung peer)."""
+
+
+def _import_nixl() -> tuple[Any, Any]:
+    """Import nixl lazily: it is an optional extra and costs ~2 s to import."""
+    for key, value in _QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    raise_exc = logging.raiseExceptions
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:
+        raise ImportError(f"NIXL is not available: {exc}") from exc
+    finally:
+        # nixl's logging setup flips this process-wide flag; keep the host's choice.
+        logging.raiseExceptions = raise_exc
+    return nixl_agent, nixl_agent_config
+
+
+def _block_bytes(kv_cache: torch.Tensor, block_id: int) -> memoryview:
+    # uint8 view first: numpy has no bfloat16, and this avoids a copy for contiguous blocks.
+    return memoryview(kv_cache[block_id].contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def block_digest(kv_cache: torch.Tensor, block_ids: Iterable[int]) -> list[int]:
+    """xxh3_64 (seed 0) of each block's bytes; equal on both sides iff the bytes are equal."""
+    return [xxhash.xxh3_64_intdigest(_block_bytes(kv_cache, b)) for b in block_ids]
+
+
+def mismatched_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int],
+                      digests: Sequence[int]) -> list[int]:
+    """Positions i where kv_cache[block_ids[i]] does not match digests[i]."""
+    if len(block_ids) != len(digests):
+        raise ValueError(f"{len(digests)} digests for {len(block_ids)} blocks")
+    actual = block_digest(kv_cache, block_ids)
+    return [i for i, (a, e) in enumerate(zip(actual, digests)) if a != e]
+
+
+def coalesce_pairs(local: Sequence[Region], remote: Sequence[Region]
+                   ) -> tuple[list[Region], list[Region]]:
+    """Merge neighbouring descriptor pairs that are contiguous on both sides.
+
+    Fewer, larger descriptors mean fewer UCX operations; runs of consecutive block ids
+    (common: blocks are often allocated in order) collapse into one descriptor.
+    """
+    out_l: list[Region] = []
+    out_r: list[Region] = []
+    for (la, ln, ld), (ra, rn, rd) in zip(local, remote):
+        if out_l:
+            pla, pln, pld = out_l[-1]
+            pra, prn, prd = out_r[-1]
+            if pla + pln == la and pra + prn == ra and pld == ld and prd == rd:
+                out_l[-1] = (pla, pln + ln, pld)
+                out_r[-1] = (pra, prn + rn, prd)
+                continue
+        out_l.append((la, ln, ld))
+        out_r.append((ra, rn, rd))
+    return out_l, out_r
+
+
+@dataclass
+class NixlReadHandle:
+    """An in-flight READ. state is sticky once DONE or ERR."""
+
+    xfer: Any
+    peer: str
+    nbytes: int
+    num_descs: int
+    started_at: float
+    deadline: float
+    state: XferState = "PROC"
+    error: str = ""
+    released: bool = field(default=False, repr=False)
+
+
+class NixlKVAgent:
+    """A NIXL agent over one CPU kv_cache tensor registered as DRAM."""
+
+    def __init__(self, name: str, kv_cache: torch.Tensor, num_threads: int = 0) -> None:
+        if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+            raise ValueError("kv_cache must be a contiguous CPU tensor")
+        nixl_agent, nixl_agent_config = _import_nixl()
+        self.name = name
+        self.kv_cache = kv_cache
+        self.num_blocks = int(kv_cache.shape[0])
+        self.block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
+        self._base = kv_cache.data_ptr()
+        self._lock = threading.RLock()
+        self._peers: dict[bytes, str] = {}  # metadata -> agent name, makes add_peer idempotent
+        self._unreleased: list[NixlReadHandle] = []  # handles whose abort failed; retried later
+        t0 = time.perf_counter()
+        conf = nixl_agent_config(backends=["UCX"], num_threads=num_threads)
+        self._agent = nixl_agent(name, conf)
+        self._reg = self._agent.register_memory(kv_cache, "DRAM")
+        logger.info("NIXL agent %s up in %.2fs: %d blocks of %d bytes", name,
+                    time.perf_counter() - t0, self.num_blocks, self.block_nbytes)
+
+    # ---- peers ---------------------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        """This agent's metadata; send it to each peer once (see NixlPeerInfo)."""
+        with self._lock:
+            return bytes(self._agent.get_agent_metadata())
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its agent name. Same metadata twice is a no-op."""
+        with self._lock:
+            if metadata in self._peers:
+                return self._peers[metadata]
+            try:
+                raw = self._agent.add_remote_agent(metadata)
+            except Exception as exc:
+                raise NixlTransferError(f"add_remote_agent failed: {exc!r}") from exc
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            # A restarted peer keeps its name but sends new metadata: forget the old entry.
+            self._peers = {m: n for m, n in self._peers.items() if n != name}
+            self._peers[metadata] = name
+            return name
+
+    def make_connection(self, peer: str) -> None:
+        """Warm up the UCX endpoint so the first READ does not pay connection setup."""
+        with self._lock:
+            try:
+                self._agent.make_connection(peer)
+            except Exception as exc:
+                raise NixlTransferError(f"make_connection({peer}) failed: {exc!r}") from exc
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer (disconnects); later READs from it fail fast."""
+        with self._lock:
+            self._peers = {m: n for m, n in self._peers.items() if n != peer}
+            try:
+                self._agent.remove_remote_agent(peer)
+            except Exception as exc:  # already gone is fine: we only want it unusable
+                logger.debug("remove_remote_agent(%s): %r", peer, exc)
+
+    # ---- regions -------------------------------------------------------------------------
+
+    def block_regions(self, block_ids: Iterable[int]) -> list[Region]:
+        """(addr, nbytes, dev_id) of each block, as plain ints for a side-channel message."""
+        out: list[Region] = []
+        for b in block_ids:
+            b = int(b)
+            if not 0 <= b < self.num_blocks:
+                raise IndexError(f"block id {b} outside [0, {self.num_blocks})")
+            out.append((self._base + b * self.block_nbytes, self.block_nbytes, 0))
+        return out
+
+    # ---- transfers -----------------------------------------------------------------------
+
+    def start_read(self, peer: str, remote_regions: Sequence[Region],
+                   local_block_ids: Sequence[int], notif: bytes = b"",
+                   timeout_s: float = 30.0) -> NixlReadHandle:
+        """READ remote_regions[i] into local block local_block_ids[i]; one batched xfer.
+
+        The peer gets `notif` once the whole READ has completed. Raises NixlTransferError
+        if the request cannot be posted (unknown or dead peer, unregistered addresses).
+        """
+        local = self._check_pairs(remote_regions, local_block_ids)
+        loc, rem = coalesce_pairs(local, [tuple(map(int, r)) for r in remote_regions])
+        now = time.monotonic()
+        with self._lock:
+            xfer = None
+            try:
+                loc_d = self._agent.get_xfer_descs(loc, "DRAM")
+                rem_d = self._agent.get_xfer_descs(rem, "DRAM")
+                xfer = self._agent.initialize_xfer("READ", loc_d, rem_d, peer, notif)
+                state = self._agent.transfer(xfer)
+            except Exception as exc:
+                if xfer is not None:
+                    self._release(NixlReadHandle(xfer, peer, 0, 0, now, now))
+                raise NixlTransferError(f"READ from {peer} failed to post: {exc!r}") from exc
+        handle = NixlReadHandle(xfer, peer, len(local) * self.block_nbytes, len(loc),
+                                now, now + timeout_s)
+        if state == "ERR":
+            self._finish(handle, "ERR", "transfer() returned ERR")
+            raise NixlTransferError(f"READ from {peer} failed to post: ERR")
+        if state == "DONE":
+            self._finish(handle, "DONE")
+        return handle
+
+    def _check_pairs(self, remote_regions: Sequence[Region],
+                     local_block_ids: Sequence[int]) -> list[Region]:
+        if len(remote_regions) != len(local_block_ids):
+            raise ValueError(f"{len(remote_regions)} remote regions for "
+                             f"{len(local_block_ids)} local blocks")
+        if not remote_regions:
+            raise ValueError("empty READ")
+        for addr, nbytes, _dev in remote_regions:
+            # Different block layouts on the two sides would silently scramble the cache.
+            if nbytes != self.block_nbytes:
+                raise ValueError(f"remote block of {nbytes} bytes at {addr:#x}, "
+                                 f"local blocks are {self.block_nbytes}")
+        return self.block_regions(local_block_ids)
+
+    def poll(self, handle: NixlReadHandle) -> XferState:
+        """DONE / PROC / ERR; releases the NIXL handle on DONE/ERR and after the deadline."""
+        if handle.state != "PROC":
+            return handle.state
+        with self._lock:
+            try:
+                state = self._agent.check_xfer_state(handle.xfer)
+            except Exception as exc:
+                self._finish(handle, "ERR", f"check_xfer_state: {exc!r}")
+                return "ERR"
+        if state == "PROC" and time.monotonic() > handle.deadline:
+            self._finish(handle, "ERR", "deadline passed")
+            return "ERR"
+        if state != "PROC":
+            self._finish(handle, state, "" if state == "DONE" else "transfer ERR")
+        return handle.state
+
+    def wait(self, handle: NixlReadHandle, poll_interval_s: float = 0.0005) -> float:
+        """Block until the READ ends; returns seconds taken, raises on ERR or deadline."""
+        while self.poll(handle) == "PROC":
+            time.sleep(poll_interval_s)
+        if handle.state == "ERR":
+            kind = NixlTimeoutError if handle.error == "deadline passed" else NixlTransferError
+            raise kind(f"READ from {handle.peer}: {handle.error}")
+        return time.monotonic() - handle.started_at
+
+    def _finish(self, handle: NixlReadHandle, state: XferState, error: str = "") -> None:
+        handle.state = state
+        handle.error = error
+        if state == "ERR":
+            logger.warning("NIXL READ from %s (%d bytes) failed: %s",
+                           handle.peer, handle.nbytes, error)
+        self._release(handle)
+
+    def _release(self, handle: NixlReadHandle) -> None:
+        # Releasing an active xfer asks NIXL to cancel it; if that fails the local blocks
+        # may still be written, so keep the handle and retry instead of dropping it.
+        with self._lock:
+            try:
+                self._agent.release_xfer_handle(handle.xfer)
+                handle.released = True
+            except Exception as exc:
+                logger.error("could not release READ from %s: %r", handle.peer, exc)
+                if handle not in self._unreleased:
+                    self._unreleased.append(handle)
+
+    def release_pending(self) -> int:
+        """Retry releasing handles whose cancel failed; returns how many remain."""
+        for handle in list(self._unreleased):
+            self._unreleased.remove(handle)
+            self._release(handle)
+        return len(self._unreleased)
+
+    # ---- notifications -------------------------------------------------------------------
+
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        """New notifications as (sender agent name, message), in arrival order per sender."""
+        with self._lock:
+            notifs = self._agent.get_new_notifs()
+        return [(str(peer), bytes(msg)) for peer, msgs in notifs.items() for msg in msgs]
+
+    def send_notification(self, peer: str, msg: bytes) -> None:
+        """A notification not tied to a transfer (e.g. 'rejected, free these blocks')."""
+        with self._lock:
+            try:
+                self._agent.send_notif(peer, msg)
+            except Exception as exc:
+                raise NixlTransferError(f"send_notif to {peer} failed: {exc!r}") from exc
+
+    # ---- teardown ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release handles, forget peers, deregister memory and drop the agent. Idempotent."""
+        with self._lock:
+            if self._agent is None:
+                return
+            if self.release_pending():
+                logger.error("%d NIXL READs could not be cancelled", len(self._unreleased))
+            for peer in set(self._peers.values()):
+                self.remove_peer(peer)
+            try:
+                self._agent.deregister_memory(self._reg)
+            except Exception as exc:
+                logger.warning("deregister_memory failed: %r", exc)
+            self._agent = None
+            self._reg = None
+
+    def __enter__(self) -> "NixlKVAgent":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

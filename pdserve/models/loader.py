@@ -1,0 +1,151 @@
+"""Load a Llama-family model from a local Hugging Face directory (config.json + safetensors)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pdserve.models.llama import LlamaModel, ModelSpec
+from pdserve.models.rope import RotaryEmbedding
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+def resolve_model_path(model: str) -> Path:
+    if model.startswith("builtin:"):
+        from pdserve.models.builtin import ensure_builtin_model
+        return ensure_builtin_model(model)
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {model!r} does not exist (pdserve loads local Hugging Face "
+                             f"directories or builtin:tiny; it never downloads)")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json")
+    return path
+
+
+def load_hf_config(path: Path):
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(str(path))
+    archs = getattr(config, "architectures", None) or []
+    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"architecture {archs or 'unknown'} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return config
+
+
+def spec_from_config(config) -> ModelSpec:
+    arch = config.architectures[0]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    return ModelSpec(
+        architecture=arch, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim, rms_norm_eps=config.rms_norm_eps,
+        qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+        o_bias=arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM") and attention_bias,
+        qk_norm=arch == "Qwen3ForCausalLM",
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        max_position_embeddings=config.max_position_embeddings,
+        hidden_act=getattr(config, "hidden_act", "silu"),
+    )
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise ModelLoadError(f"{path} is missing weight shards: {', '.join(missing)}")
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weights")
+    return files
+
+
+def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    spec = spec_from_config(config)
+    rope = RotaryEmbedding(config, spec.head_dim, spec.max_position_embeddings)
+    with torch.device("meta"):
+        model = LlamaModel(spec, rope)
+    model = model.to_empty(device="cpu")
+    _load_weights(model, spec, safetensors_files(path))
+    if spec.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rope = rope.to(device)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _load_weights(model: LlamaModel, spec: ModelSpec, files: list[Path]) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                target = _place(name, f.get_tensor(name), params, spec)
+                if target:
+                    loaded.add(target)
+    expected = {n for n in params if not (spec.tie_word_embeddings and n == "lm_head.weight")}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
+                             + (" ..." if len(missing) > 8 else ""))
+
+
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def _place(name: str, tensor: torch.Tensor, params: dict, spec: ModelSpec) -> str | None:
+    """Copy one checkpoint tensor into its (possibly fused) parameter; returns a loaded-part id."""
+    name = name.removeprefix("model.") if not name.startswith("lm_head") else name
+    if "rotary_emb" in name:
+        return None
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in _FUSED:
+            fused, shard = _FUSED[part]
+            target = ".".join(parts[:i] + [fused] + parts[i + 1:])
+            offset, size = _shard_range(fused, shard, spec)
+            params[target].data[offset:offset + size].copy_(tensor)
+            return _mark_fused(target, shard, fused)
+    if name not in params:
+        if name == "lm_head.weight" and spec.tie_word_embeddings:
+            return None
+        raise ModelLoadError(f"unexpected weight {name!r} in checkpoint")
+    params[name].data.copy_(tensor)
+    return name
+
+
+def _mark_fused(target: str, shard: int, fused: str) -> str | None:
+    # A fused parameter counts as loaded once its last shard arrives.
+    last = 2 if fused == "qkv_proj" else 1
+    return target if shard == last else None
+
+
+def _shard_range(fused: str, shard: int, spec: ModelSpec) -> tuple[int, int]:
+    if fused == "gate_up_proj":
+        return shard * spec.intermediate_size, spec.intermediate_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    return [(0, q), (q, kv), (q + kv, kv)][shard]
+
+
+def default_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype {name!r} is not supported; supported: auto, {', '.join(dtypes)}")
+    if device.type == "cpu" and name == "float16":
+        raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
+    return dtypes[name]

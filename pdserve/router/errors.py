@@ -1,0 +1,117 @@
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with a matching status.
+
+Every failure the HTTP layer can see ends here, so clients (the official `openai` package
+included) get a parseable body and never a bare 500 with a traceback.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.router.backend import BackendError
+
+logger = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+NOT_FOUND = "not_found_error"
+SERVER_ERROR = "server_error"
+
+
+class APIError(Exception):
+    """Raised by handlers to answer with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, type: str = INVALID_REQUEST,
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, INVALID_REQUEST, param)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist.", NOT_FOUND, "model",
+                    "model_not_found")
+
+
+def backend_unavailable(exc: BaseException) -> APIError:
+    return APIError(503, f"Generation backend unavailable: {exc}", SERVER_ERROR, None,
+                    "service_unavailable")
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """Maps anything a generation can raise to the error a client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, BackendError):
+        return backend_unavailable(exc)
+    # Internal bug: log the traceback here, show the client only that it failed.
+    logger.error("internal error", exc_info=exc)
+    return APIError(500, "Internal server error", SERVER_ERROR)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return "Request body is not valid JSON", None
+    # loc is ("body", "field", ...); the OpenAI `param` is the field path without "body".
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    message, param = _validation_message(exc)
+    return JSONResponse(error_body(message, INVALID_REQUEST, param), status_code=400)
+
+
+async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
+    return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+async def _on_backend_error(_: Request, exc: Exception) -> JSONResponse:
+    err = backend_unavailable(exc)
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    err = as_api_error(exc)
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(BackendError, _on_backend_error)
+    app.add_exception_handler(Exception, _on_unexpected)
