@@ -5,6 +5,8 @@ Only msgspec bytes cross the Pipe (send_bytes/recv_bytes), as on the real side c
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
 import time
 from multiprocessing.connection import Connection
 
@@ -12,15 +14,14 @@ import msgspec
 import pytest
 import torch
 
-try:
-    import nixl._api  # noqa: F401
-except Exception as exc:  # pragma: no cover - depends on the optional extra
-    pytest.skip(f"nixl not importable: {exc!r}", allow_module_level=True)
-
 from pdserve.kvstore.nixl_messages import (NixlBlockRegions, NixlPeerInfo, decode_message,
                                            encode_message)
-from pdserve.kvstore.nixl_transfer import (NixlKVAgent, NixlTransferError, block_digest,
-                                           mismatched_blocks)
+from pdserve.kvstore.nixl_transfer import (NixlKVAgent, NixlTimeoutError, NixlTransferError,
+                                           block_digest, mismatched_blocks, nixl_import_error)
+
+_why = nixl_import_error()
+if _why is not None:  # pragma: no cover - depends on the optional extra
+    pytest.skip(f"nixl not importable: {_why}", allow_module_level=True)
 
 # [num_blocks, layers, 2, block_size, kv_heads, head_dim]: 2*2*16*2*32*2 B = 8 KiB blocks
 PREFILL_SHAPE = (64, 2, 2, 16, 2, 32)
@@ -49,10 +50,11 @@ def prefill_cache() -> torch.Tensor:
     return torch.randn(PREFILL_SHAPE, generator=gen, dtype=torch.float32).to(torch.bfloat16)
 
 
-def _prefill_worker(conn: Connection, name: str) -> None:
+def _prefill_worker(conn: Connection, name: str, peer_mode: bool) -> None:
     """Prefill side: publish block regions on request, report notifications until EOF."""
     kv = prefill_cache()
-    agent = NixlKVAgent(name, kv)
+    agent = NixlKVAgent(name, kv, error_handling="peer" if peer_mode else "none",
+                        progress_thread=peer_mode)
     conn.send_bytes(encode_message(NixlPeerInfo(agent.name, agent.metadata())))
     peer = decode_message(conn.recv_bytes())
     assert isinstance(peer, NixlPeerInfo)
@@ -79,10 +81,11 @@ def _prefill_worker(conn: Connection, name: str) -> None:
 class Prefill:
     """Handle on a spawned prefill worker whose agent the decode agent knows."""
 
-    def __init__(self, decode: NixlKVAgent, name: str) -> None:
+    def __init__(self, decode: NixlKVAgent, name: str, peer_mode: bool = False) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_prefill_worker, args=(child, name), daemon=True)
+        self.proc = ctx.Process(target=_prefill_worker, args=(child, name, peer_mode),
+                                daemon=True)
         self.proc.start()
         child.close()
         assert self.conn.poll(60), "prefill worker did not start"
@@ -175,6 +178,31 @@ def test_read_from_killed_peer_errors(decode: NixlKVAgent) -> None:
     assert time.monotonic() - t0 < 5
     decode.remove_peer(victim.name)
     victim.conn.close()
+
+
+def test_peer_mode_reads_and_times_out_on_hung_peer() -> None:
+    """The TCP path (UCX "peer" error mode, progress threads) moves data too; a stopped peer
+    cannot serve a TCP READ, so the deadline must end it."""
+    kv = torch.zeros(DECODE_SHAPE, dtype=torch.bfloat16)
+    with NixlKVAgent("test-decode-peer", kv, error_handling="peer",
+                     progress_thread=True) as decode:
+        worker = Prefill(decode, "test-prefill-peer", peer_mode=True)
+        try:
+            msg = worker.publish("req-p", [7, 2, 50])
+            _read(decode, msg, [0, 1, 2])
+            assert torch.equal(kv[[0, 1, 2]], prefill_cache()[[7, 2, 50]])
+            assert worker.notifications() == [(decode.name, b"req-p")]
+            os.kill(worker.proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            handle = decode.start_read(msg.agent_name, msg.regions, [3, 4, 5], b"x",
+                                       timeout_s=1.0)
+            with pytest.raises(NixlTimeoutError):
+                decode.wait(handle)
+            assert time.monotonic() - t0 < 3
+            assert handle.released  # cancelled, so the local blocks can be reused
+        finally:
+            os.kill(worker.proc.pid, signal.SIGCONT)
+            worker.stop()
 
 
 def test_bad_requests_rejected(decode: NixlKVAgent, prefill: Prefill) -> None:

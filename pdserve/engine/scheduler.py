@@ -32,6 +32,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -115,6 +116,7 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
+        self.num_preemptions += 1
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED

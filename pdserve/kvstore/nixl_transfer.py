@@ -6,6 +6,16 @@ their regions (plain ints, see nixl_messages); the decode side READs them into i
 with a notification, and the prefill side frees the blocks when that notification arrives.
 
 An agent is not thread-safe in NIXL's default sync mode, so every agent call here holds a lock.
+
+Defaults chosen for CPU peers on one host (measured on a 2-core box, see benchmarks/bench_nixl.py):
+- error_handling="none": NIXL's UCX default ("peer") needs a peer-failure handler, which UCX's
+  shared-memory transports lack, so every byte went over TCP loopback and the target had to
+  progress each READ. With "none", UCX reads the peer's memory directly (cma,
+  process_vm_readv): one-sided, one copy. A dead peer still surfaces as a disconnect error.
+- progress_thread=False: NIXL's progress thread busy-polls (zero delay, not configurable from
+  Python), burning a whole core per agent. Without it, progress happens inside our calls:
+  the reader's poll/wait and the target's get_notifications. Across hosts (TCP transport) the
+  target must then call get_notifications often, or use progress_thread=True.
 """
 from __future__ import annotations
 
@@ -51,6 +61,15 @@ def _import_nixl() -> tuple[Any, Any]:
     return nixl_agent, nixl_agent_config
 
 
+def nixl_import_error() -> str | None:
+    """None if NIXL imports here, else why not (for skips and startup checks)."""
+    try:
+        _import_nixl()
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
 def _block_bytes(kv_cache: torch.Tensor, block_id: int) -> memoryview:
     # uint8 view first: numpy has no bfloat16, and this avoids a copy for contiguous blocks.
     return memoryview(kv_cache[block_id].contiguous().reshape(-1).view(torch.uint8).numpy())
@@ -92,6 +111,21 @@ def coalesce_pairs(local: Sequence[Region], remote: Sequence[Region]
     return out_l, out_r
 
 
+def _create_agent(name: str, error_handling: str, progress_thread: bool,
+                  num_threads: int) -> Any:
+    nixl_agent, nixl_agent_config = _import_nixl()
+    # Backend created by hand: nixl_agent_config cannot pass UCX's error-handling mode.
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
+    params = {"ucx_error_handling_mode": error_handling}
+    if num_threads > 0:
+        params["num_threads"] = str(num_threads)
+    try:
+        agent.create_backend("UCX", params)
+    except Exception as exc:
+        raise NixlTransferError(f"UCX backend failed to start: {exc!r}") from exc
+    return agent
+
+
 @dataclass
 class NixlReadHandle:
     """An in-flight READ. state is sticky once DONE or ERR."""
@@ -110,10 +144,11 @@ class NixlReadHandle:
 class NixlKVAgent:
     """A NIXL agent over one CPU kv_cache tensor registered as DRAM."""
 
-    def __init__(self, name: str, kv_cache: torch.Tensor, num_threads: int = 0) -> None:
+    def __init__(self, name: str, kv_cache: torch.Tensor, *,
+                 error_handling: Literal["none", "peer"] = "none",
+                 progress_thread: bool = False, num_threads: int = 0) -> None:
         if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
             raise ValueError("kv_cache must be a contiguous CPU tensor")
-        nixl_agent, nixl_agent_config = _import_nixl()
         self.name = name
         self.kv_cache = kv_cache
         self.num_blocks = int(kv_cache.shape[0])
@@ -123,8 +158,7 @@ class NixlKVAgent:
         self._peers: dict[bytes, str] = {}  # metadata -> agent name, makes add_peer idempotent
         self._unreleased: list[NixlReadHandle] = []  # handles whose abort failed; retried later
         t0 = time.perf_counter()
-        conf = nixl_agent_config(backends=["UCX"], num_threads=num_threads)
-        self._agent = nixl_agent(name, conf)
+        self._agent: Any = _create_agent(name, error_handling, progress_thread, num_threads)
         self._reg = self._agent.register_memory(kv_cache, "DRAM")
         logger.info("NIXL agent %s up in %.2fs: %d blocks of %d bytes", name,
                     time.perf_counter() - t0, self.num_blocks, self.block_nbytes)

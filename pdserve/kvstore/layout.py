@@ -1,0 +1,58 @@
+"""KVLayout: the shape facts a store needs to size, check and describe cache blocks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.block_keys import kv_layout_salt
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Layout of the block-major paged cache [num_blocks, num_layers, 2, block_size, kv_heads,
+    head_dim]. Frozen so one layout object can be shared between stores and nodes."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype = torch.float32
+    model_name: str = "pdserve"
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def block_shape(self, num_tokens: int | None = None) -> tuple[int, int, int, int, int]:
+        """Shape of one stored block value holding num_tokens tokens (default: a full block)."""
+        n = self.block_size if num_tokens is None else num_tokens
+        return (self.num_layers, 2, n, self.num_kv_heads, self.head_dim)
+
+    def block_nbytes(self, num_tokens: int | None = None) -> int:
+        numel = 1
+        for d in self.block_shape(num_tokens):
+            numel *= d
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def salt(self) -> bytes:
+        """The block-key salt for this layout (see pdserve.engine.block_keys)."""
+        return kv_layout_salt(self.model_name, self.num_layers, self.num_kv_heads, self.head_dim,
+                              self.dtype_name, self.block_size)
+
+    @classmethod
+    def from_cache(cls, kv_cache: torch.Tensor, model_name: str = "pdserve") -> "KVLayout":
+        """Read the layout off a paged cache tensor [blocks, layers, 2, block, heads, dim]."""
+        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+            raise ValueError(f"not a block-major paged cache: shape {tuple(kv_cache.shape)}")
+        _, layers, _, block, heads, dim = kv_cache.shape
+        return cls(layers, heads, dim, block, kv_cache.dtype, model_name)
+
+
+def check_batch(keys: object, block_ids: object, num_tokens: object) -> None:
+    """put/get take three parallel sequences; a length mismatch is a caller bug, so fail loudly
+    rather than zip() silently dropping blocks."""
+    lens = {len(keys), len(block_ids), len(num_tokens)}  # type: ignore[arg-type]
+    if len(lens) != 1:
+        raise ValueError(f"keys/block_ids/num_tokens lengths differ: "
+                         f"{len(keys)}/{len(block_ids)}/{len(num_tokens)}")  # type: ignore[arg-type]

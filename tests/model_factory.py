@@ -1,0 +1,58 @@
+"""Random-weight Hugging Face checkpoints for tests, built offline with transformers.
+
+Weights use std 0.2 so greedy decoding has clear winners (std 0.02 gives near-flat logits
+whose argmax flips under any change in reduction order).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pdserve.models.builtin import build_byte_tokenizer
+
+BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2)
+
+ARCHS = {
+    "llama": ("LlamaForCausalLM", dict(tie_word_embeddings=False)),
+    "llama-tied-llama3rope": ("LlamaForCausalLM", dict(
+        tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama-linear-rope": ("LlamaForCausalLM", dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                                   rope_theta=50000.0)),
+    "mistral": ("MistralForCausalLM", dict(sliding_window=None)),
+    "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+}
+
+
+def make_model(root: Path, kind: str, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    arch, extra = ARCHS[kind]
+    tokenizer = build_byte_tokenizer()
+    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[arch]
+    config = AutoConfig.for_model(model_type, **{**BASE, **extra, **overrides}, vocab_size=len(tokenizer),
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  architectures=[arch])
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # biases and norms default to 0/1; randomise them so they are exercised
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    path = root / kind
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def load_reference(path: Path):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None  # compare with ignore_eos: never stop early
+    return model
