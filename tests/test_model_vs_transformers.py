@@ -71,8 +71,8 @@ def test_prefix_cache_hits_and_preemption_keep_output(checkpoint):
     base = _prompts(3, ref.config.vocab_size, [48])[0]
     prompts = [base + tail for tail in _prompts(4, ref.config.vocab_size, [5, 9, 20, 33])]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    # 9 blocks of 16 cannot hold four ~80-token requests at once even sharing the prefix.
-    llm = LLM(model=str(path), num_kv_blocks=9, max_num_batched_tokens=256)
+    # 7 blocks of 16 cannot hold four ~80-token requests at once even sharing the prefix.
+    llm = LLM(model=str(path), num_kv_blocks=7, max_num_batched_tokens=256)
     first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0, "the small cache should have forced a preemption"
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -60,9 +60,12 @@ def quiet_lmcache_logs() -> None:
             lg.handlers.clear()
             lg.propagate = True
             lg.setLevel(logging.WARNING)
-    # Its warnings are about LMCache's own token hashing (PYTHONHASHSEED, vLLM hash functions),
-    # which pdserve never uses: keys come from pdserve.engine.block_keys.
-    logging.getLogger("lmcache.v1.token_database").setLevel(logging.ERROR)
+    # Warnings with nothing to act on: ones about LMCache's own token hashing (PYTHONHASHSEED,
+    # vLLM hash functions), which pdserve never uses since keys come from
+    # pdserve.engine.block_keys; the cache controller we do not run; remote_url's deprecation.
+    for name in ("lmcache.v1.token_database", "lmcache.v1.storage_backend.local_cpu_backend",
+                 "lmcache.v1.storage_backend"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def chunk_hash(key: bytes) -> int:
@@ -190,30 +193,36 @@ def _remote_backends(engine: LMCacheEngine) -> list[RemoteBackend]:
     return [b for b in manager.storage_backends.values() if isinstance(b, RemoteBackend)]
 
 
-def _close_remote(backend: RemoteBackend, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
-    """Close a RemoteBackend's connection without its own close() (which deadlocks the loop)."""
-    conn = backend.connection
-
-    async def _close() -> None:
+async def _close_remotes(backends: list[RemoteBackend]) -> None:
+    """Runs on the engine's loop: close each remote connection, then let the tasks that were
+    cancelled (the job executors' workers) finish, so none is left pending when the loop stops."""
+    for backend in backends:
+        conn = backend.connection
         executor = getattr(conn, "pq_executor", None)
         if executor is not None:
             await executor.shutdown_async(wait=False)
         client = getattr(conn, "connection", None)
         if client is not None and hasattr(client, "aclose"):
             await client.aclose()
-
-    if conn is not None:
-        try:
-            asyncio.run_coroutine_threadsafe(_close(), loop).result(timeout)
-        except Exception as e:  # a dead server or a stuck loop must not block shutdown
-            logger.warning("closing LMCache remote connection: %s", e)
-    backend.close = lambda: None  # type: ignore[method-assign]
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    if others:
+        await asyncio.wait(others, timeout=1.0)
 
 
 def shutdown_engine(engine: LMCacheEngine, instance_id: str, timeout: float) -> None:
-    if engine.storage_manager is not None:
-        for backend in _remote_backends(engine):
-            _close_remote(backend, engine.storage_manager.loop, timeout)
+    """Close the remote tier ourselves, then let LMCache tear down the rest. RemoteBackend.close
+    is replaced by a no-op because it deadlocks the event loop (see the module docstring)."""
+    manager = engine.storage_manager
+    backends = _remote_backends(engine)
+    if manager is not None and backends:
+        try:
+            asyncio.run_coroutine_threadsafe(_close_remotes(backends), manager.loop).result(timeout)
+        except Exception as e:  # a dead server or a stuck loop must not block shutdown
+            logger.warning("closing LMCache remote connections: %s", e)
+        for backend in backends:
+            backend.close = lambda: None  # type: ignore[method-assign]
     LMCacheEngineBuilder.destroy(instance_id)
 
 

@@ -1,0 +1,227 @@
+"""NIXL READ bandwidth between two processes versus a single-thread memcpy.
+
+    .venv/bin/python benchmarks/bench_nixl.py [--total-mib 64] [--block-kib 256] [--runs 9]
+
+A prefill process and a decode process (both spawned, so each UCX config gets a clean
+environment) hold block-major caches twice the transfer size. The decode side READs
+total/block blocks per run; only msgspec bytes cross the pipes. Prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import statistics
+import time
+from multiprocessing.connection import Connection
+from typing import Callable
+
+import msgspec
+import torch
+
+from pdserve.kvstore.nixl_messages import (NixlBlockRegions, NixlPeerInfo, decode_message,
+                                           encode_message)
+from pdserve.kvstore.nixl_transfer import NixlKVAgent, block_digest, mismatched_blocks
+
+
+class Config(msgspec.Struct):
+    label: str
+    env: dict[str, str]
+    error_handling: str
+    progress_thread: bool
+
+
+class Job(msgspec.Struct):
+    config: Config
+    num_blocks: int  # per side; a transfer moves num_blocks // 2
+    block_elems: int  # bfloat16 elements per block
+    runs: int
+
+
+class Publish(msgspec.Struct):
+    block_ids: list[int]
+
+
+class Result(msgspec.Struct):
+    path: str
+    gbps: float
+    first_ms: float = 0.0
+    ok: bool = True
+
+
+CONFIGS = [
+    Config("cma, error_handling=none (default)", {}, "none", False),
+    Config("tcp, error_handling=peer + progress threads (NIXL default)", {}, "peer", True),
+    Config("tcp, error_handling=peer, no progress threads", {}, "peer", False),
+    Config("UCX_TLS=tcp, error_handling=none", {"UCX_TLS": "tcp"}, "none", False),
+]
+
+
+def _make_cache(job: Job, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (job.num_blocks, job.block_elems)
+    return torch.randint(-2**15, 2**15, shape, generator=gen, dtype=torch.int16)
+
+
+def _agent(name: str, job: Job, seed: int) -> NixlKVAgent:
+    c = job.config
+    return NixlKVAgent(name, _make_cache(job, seed),
+                       error_handling=c.error_handling, progress_thread=c.progress_thread)
+
+
+def prefill_main(conn: Connection, job_bytes: bytes) -> None:
+    """Serve block regions on request; poll notifications (which also drives UCX progress)."""
+    job = msgspec.msgpack.decode(job_bytes, type=Job)
+    agent = _agent("bench-prefill", job, seed=2)
+    conn.send_bytes(encode_message(NixlPeerInfo(agent.name, agent.metadata())))
+    peer = decode_message(conn.recv_bytes())
+    assert isinstance(peer, NixlPeerInfo)
+    agent.add_peer(peer.metadata)
+    pub_decoder = msgspec.msgpack.Decoder(Publish)
+    while True:
+        if conn.poll(0.001):
+            try:
+                ids = pub_decoder.decode(conn.recv_bytes()).block_ids
+            except EOFError:
+                break
+            msg = NixlBlockRegions("bench", agent.name, agent.block_regions(ids),
+                                   block_digest(agent.kv_cache, ids), time.time() + 60)
+            conn.send_bytes(encode_message(msg))
+        agent.get_notifications()
+    agent.close()
+
+
+def _time_reads(agent: NixlKVAgent, peer: str, msg: NixlBlockRegions, local: list[int],
+                runs: int, per_block: bool) -> tuple[float, float]:
+    """(first-run seconds, median seconds) of READing msg.regions into local blocks."""
+    def once() -> float:
+        t0 = time.perf_counter()
+        if per_block:  # one xfer per block, all posted before waiting
+            hs = [agent.start_read(peer, [r], [b]) for r, b in zip(msg.regions, local)]
+            for h in hs:
+                agent.wait(h)
+        else:
+            agent.wait(agent.start_read(peer, msg.regions, local))
+        return time.perf_counter() - t0
+    first = once()
+    once()  # warm-up
+    return first, statistics.median(once() for _ in range(runs))
+
+
+def decode_main(conn: Connection, out: Connection, job_bytes: bytes) -> None:
+    job = msgspec.msgpack.decode(job_bytes, type=Job)
+    t0 = time.perf_counter()
+    agent = _agent("bench-decode", job, seed=3)
+    setup_ms = (time.perf_counter() - t0) * 1e3
+    info = decode_message(conn.recv_bytes())
+    assert isinstance(info, NixlPeerInfo)
+    peer = agent.add_peer(info.metadata)
+    conn.send_bytes(encode_message(NixlPeerInfo(agent.name, agent.metadata())))
+    agent.make_connection(peer)
+    n = job.num_blocks // 2
+    rng = random.Random(0)
+    paths = [("random blocks, one xfer", rng.sample(range(job.num_blocks), n),
+              rng.sample(range(job.num_blocks), n), False),
+             ("random blocks, one xfer per block", rng.sample(range(job.num_blocks), n),
+              rng.sample(range(job.num_blocks), n), True),
+             ("contiguous blocks, coalesced to 1 desc", list(range(n)), list(range(n, 2 * n)),
+              False)]
+    results = [Result("agent setup (ms)", 0.0, setup_ms)]
+    for label, remote, local, per_block in paths:
+        conn.send_bytes(msgspec.msgpack.encode(Publish(remote)))
+        msg = decode_message(conn.recv_bytes())
+        assert isinstance(msg, NixlBlockRegions)
+        first, med = _time_reads(agent, peer, msg, local, job.runs, per_block)
+        ok = not mismatched_blocks(agent.kv_cache, local, msg.digests)
+        nbytes = n * agent.block_nbytes
+        results.append(Result(label, nbytes / med / 1e9, first * 1e3, ok))
+    out.send_bytes(msgspec.msgpack.encode(results))
+    agent.close()
+
+
+def run_config(job: Job) -> list[Result]:
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    res_r, res_w = ctx.Pipe(duplex=False)
+    saved = dict(os.environ)
+    os.environ.update(job.config.env)  # spawned children inherit the environment
+    try:
+        job_bytes = msgspec.msgpack.encode(job)
+        procs = [ctx.Process(target=prefill_main, args=(a, job_bytes)),
+                 ctx.Process(target=decode_main, args=(b, res_w, job_bytes))]
+        for p in procs:
+            p.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        if not res_r.poll(300):
+            raise TimeoutError(f"{job.config.label}: no result")
+        return msgspec.msgpack.decode(res_r.recv_bytes(), type=list[Result])
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+def _median_gbps(fn: Callable[[], None], nbytes: int, runs: int) -> float:
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def memcpy_baselines(job: Job) -> list[Result]:
+    """Single-thread torch copies of the same bytes in one process."""
+    torch.set_num_threads(1)
+    n = job.num_blocks // 2
+    src, dst = _make_cache(job, 1), torch.empty(job.num_blocks, job.block_elems,
+                                                dtype=torch.int16)
+    nbytes = n * job.block_elems * 2
+    rng = random.Random(0)
+    ridx = torch.tensor(rng.sample(range(job.num_blocks), n))
+    lidx = torch.tensor(rng.sample(range(job.num_blocks), n))
+    contiguous = _median_gbps(lambda: dst[n:].copy_(src[:n]), nbytes, job.runs)
+    gathered = _median_gbps(lambda: dst.index_copy_(0, lidx, src.index_select(0, ridx)),
+                            nbytes, job.runs)
+    per_block = _median_gbps(lambda: [dst[int(lb)].copy_(src[int(rb)])
+                                      for lb, rb in zip(lidx, ridx)], nbytes, job.runs)
+    return [Result("torch copy_, contiguous", contiguous),
+            Result("torch index_select+index_copy_, random blocks", gathered),
+            Result("torch copy_ per block, random blocks", per_block)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--total-mib", type=int, default=64)
+    ap.add_argument("--block-kib", type=int, default=256)
+    ap.add_argument("--runs", type=int, default=9)
+    ap.add_argument("--configs", default="0,1,2,3", help="indices into CONFIGS")
+    args = ap.parse_args()
+    block_elems = args.block_kib * 1024 // 2
+    num_blocks = 2 * args.total_mib * 1024 // args.block_kib
+    base = Job(CONFIGS[0], num_blocks, block_elems, args.runs)
+    mem = memcpy_baselines(base)
+    ref = mem[0].gbps
+    print(f"{args.total_mib} MiB per READ in {args.block_kib} KiB blocks, median of "
+          f"{args.runs} after warm-up, {os.cpu_count()} CPUs\n")
+    print("| path | GB/s | % of memcpy | first READ (ms) | bit-exact |")
+    print("|---|---:|---:|---:|---|")
+    for r in mem:
+        print(f"| {r.path} | {r.gbps:.2f} | {100 * r.gbps / ref:.0f}% | | |")
+    for i in map(int, args.configs.split(",")):
+        for r in run_config(Job(CONFIGS[i], num_blocks, block_elems, args.runs)):
+            if r.path.startswith("agent setup"):
+                print(f"| NIXL {CONFIGS[i].label}: agent setup | | | {r.first_ms:.0f} | |")
+                continue
+            print(f"| NIXL {CONFIGS[i].label}: {r.path} | {r.gbps:.2f} | "
+                  f"{100 * r.gbps / ref:.0f}% | {r.first_ms:.1f} | {'yes' if r.ok else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()
