@@ -181,8 +181,9 @@ def test_read_from_killed_peer_errors(decode: NixlKVAgent) -> None:
 
 
 def test_peer_mode_reads_and_times_out_on_hung_peer() -> None:
-    """The TCP path (UCX "peer" error mode, progress threads) moves data too; a stopped peer
-    cannot serve a TCP READ, so the deadline must end it."""
+    """NIXL's default config (UCX "peer" error mode, progress threads) works too. There a READ
+    completes only after the target acks over TCP, so a stopped peer hangs it: the deadline
+    must end it."""
     kv = torch.zeros(DECODE_SHAPE, dtype=torch.bfloat16)
     with NixlKVAgent("test-decode-peer", kv, error_handling="peer",
                      progress_thread=True) as decode:

@@ -19,7 +19,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Seconds a request may wait in WAITING_FOR_REMOTE_KVS before it is computed locally.
     remote_kv_timeout_s: float = 30.0
-    kernel_backend: str = "auto"  # auto | torch | triton
+    kernel_backend: str = "auto"  # auto | torch | numba | triton
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -30,5 +30,5 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be at least block_size")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
-        if self.kernel_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
+        if self.kernel_backend not in ("auto", "torch", "numba", "triton"):
+            raise ValueError(f"kernel_backend must be auto, torch, numba or triton, got {self.kernel_backend!r}")

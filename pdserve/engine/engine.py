@@ -43,6 +43,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, config.block_size, self.salt)
         self.scheduler = Scheduler(config, self.kv)
         ops = get_ops(config.kernel_backend, self.device.type)
+        if hasattr(ops, "warm_up"):
+            ops.warm_up()
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, ops, self.device)
         self.outputs = OutputProcessor(self.tokenizer, _eos_ids(self.hf_config, self.tokenizer), self.max_model_len)
 

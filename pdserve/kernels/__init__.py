@@ -7,21 +7,24 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "numba", "triton")
 
 
 def get_ops(backend: str = "auto", device: str = "cpu") -> ModuleType:
     """The module holding store_kv, paged_decode_attention and prefill_attention."""
     if backend == "auto":
-        backend = "triton" if device.startswith("cuda") and _triton_available() else "torch"
+        if device.startswith("cuda"):
+            backend = "triton" if _available("triton") else "torch"
+        else:
+            backend = "numba" if _available("numba") else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; supported: {', '.join(BACKENDS)}")
     return importlib.import_module(f"pdserve.kernels.{backend}_ops")
 
 
-def _triton_available() -> bool:
+def _available(module: str) -> bool:
     try:
-        import triton  # noqa: F401
+        importlib.import_module(module)
     except ImportError:
         return False
     return True

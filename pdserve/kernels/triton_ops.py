@@ -22,6 +22,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 _MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 # ----------------------------------------------------------------------------- store_kv
@@ -33,10 +34,11 @@ def _store_kv_kernel(key, value, k_cache, v_cache, slots, kv_heads, head_dim, bl
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + tok).to(tl.int64)
+    if slot < 0:  # -1: padding, or a token whose KV is not kept
+        return
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    # slot -1 (padding, or a token whose KV is not kept) turns the whole row into a no-op.
-    ok = (h < kv_heads) & (d < head_dim) & (slot >= 0)
+    ok = (h < kv_heads) & (d < head_dim)
     blk = slot // block_size  # int64: block * block-stride overflows int32 in big caches
     off = slot % block_size
     k = tl.load(key + tok * s_kt + h * s_kh + d * s_kd, mask=ok)
@@ -63,9 +65,10 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 # ----------------------------------------------------------------------------- attention
 
 @triton.jit
-def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale):
+def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr):
     """Fold one key tile into the running (max, sum, weighted-V) state; scores in log2 units."""
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
+    # "ieee" keeps fp32 inputs out of TF32 (matches the torch path); other dtypes ignore it.
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * qk_scale
     s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with no visible key yet keeps m = -inf; subtracting 0 instead avoids inf - inf = nan.
@@ -73,7 +76,7 @@ def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale):
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
     return m_new, l_i, acc
 
 
@@ -83,7 +86,7 @@ def _paged_attention_kernel(
         qk_scale, head_dim, block_size,
         s_qt, s_qh, s_qd, s_nt, s_nh, s_nd, s_wt, s_wh, s_wd,
         s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, s_ot, s_oh, s_od, s_bt, s_bc,
-        GROUP: tl.constexpr, NEW_FROM_INPUT: tl.constexpr,
+        GROUP: tl.constexpr, NEW_FROM_INPUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     seq, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_seqlens_q + seq)
@@ -100,7 +103,7 @@ def _paged_attention_kernel(
     d_ok = d[None, :] < head_dim
     q_row = (q_start + tok).to(tl.int64)
     qt = tl.load(q + q_row[:, None] * s_qt + head[:, None] * s_qh + d[None, :] * s_qd,
-                 mask=row_ok[:, None] & d_ok, other=0.0)
+                 mask=row_ok[:, None] & d_ok, other=0.0).to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -122,7 +125,7 @@ def _paged_attention_kernel(
         v = tl.load(v_cache + blk[:, None] * s_vb + off[:, None] * s_vo + kv_head * s_vh
                     + d[None, :] * s_vd, mask=ld_ok, other=0.0)
         keep = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
-        m_i, l_i, acc = _online_softmax_step(qt, k, v, keep, m_i, l_i, acc, qk_scale)
+        m_i, l_i, acc = _online_softmax_step(qt, k, v, keep, m_i, l_i, acc, qk_scale, DOT_DTYPE)
 
     # Part 2 (prefill): the new tokens' own K/V straight from the inputs, causal among themselves.
     if NEW_FROM_INPUT:
@@ -137,12 +140,22 @@ def _paged_attention_kernel(
             v = tl.load(v_new + kv_row[:, None] * s_wt + kv_head * s_wh + d[None, :] * s_wd,
                         mask=ld_ok, other=0.0)
             keep = j_ok[None, :] & (j[None, :] <= tok[:, None]) & row_ok[:, None]
-            m_i, l_i, acc = _online_softmax_step(qt, k, v, keep, m_i, l_i, acc, qk_scale)
+            m_i, l_i, acc = _online_softmax_step(qt, k, v, keep, m_i, l_i, acc, qk_scale, DOT_DTYPE)
 
     # Rows with no visible key (only padding rows here) get 0 rather than 0/0.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out + q_row[:, None] * s_ot + head[:, None] * s_oh + d[None, :] * s_od,
              o.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+
+
+def _dot_dtype(dtype: torch.dtype):
+    """tl.dot operand type: the input's, except bf16 under TRITON_INTERPRET, whose dot multiplies
+    raw bf16 bit patterns (triton-lang/triton#11584, unsupported upstream), so it gets fp32."""
+    if dtype not in _TL_DTYPES:
+        raise ValueError(f"triton kernels support float32/float16/bfloat16, got {dtype}")
+    if dtype == torch.bfloat16 and triton.knobs.runtime.interpret:
+        return tl.float32
+    return _TL_DTYPES[dtype]
 
 
 def _check_head_dim(head_dim: int) -> None:
@@ -172,7 +185,7 @@ def _launch(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens, block
         scale * _LOG2E, head_dim, k_cache.shape[1],
         *q.stride(), *k_new.stride(), *v_new.stride(), *k_cache.stride(), *v_cache.stride(),
         *out.stride(), *block_tables.stride(),
-        GROUP=group, NEW_FROM_INPUT=new_from_input,
+        GROUP=group, NEW_FROM_INPUT=new_from_input, DOT_DTYPE=_dot_dtype(q.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
     return out
 

@@ -16,10 +16,18 @@ How pdserve maps onto LMCache (checked against lmcache 0.5.6):
 * The connector moves tokens [start, end) between a MemoryObj ([2, layers, n, heads*dim]) and
   the block-major cache; store/retrieve pass it kv_cache= and slot_mapping= (token position ->
   block_id * block_size + offset).
-* close() never calls LMCache's shutdown path as is: RedisConnector.close() runs the blocking
-  pq_executor.shutdown() on the event-loop thread and deadlocks it, and that thread is not a
-  daemon, so the process could not exit. We close the remote connection ourselves, then destroy
+* put() returns once the blocks are in Redis (other nodes read them from there). LMCache writes
+  to the remote in the background and its batched path never records what is in flight, so we
+  make it record keys in RemoteBackend.put_tasks and wait for them to clear.
+* Every stored or fetched block is staged in the CPU tier (allocated and touched up front:
+  local_cpu_gb of RSS), and one call drops whatever does not fit. put()/get() go in slices of
+  at most a quarter of the tier so LRU eviction can make room between them.
+* A dead Redis reads as a miss (LMCache swallows remote errors): 0, not KVStoreError.
+* close() avoids LMCache's own shutdown of the remote tier: RedisConnector.close() runs the
+  blocking pq_executor.shutdown() on the event-loop thread and deadlocks it, and that thread is
+  not a daemon, so the process could not exit. We close the connection ourselves, then destroy
   the engine in a daemon thread with a timeout.
+* LMCacheEngine() sets the multiprocessing start method to "spawn" process-wide; we restore it.
 """
 from __future__ import annotations
 
@@ -30,21 +38,36 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")  # else it sends usage sta
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")  # INFO logs every store/retrieve
 
 import asyncio  # noqa: E402
+import contextlib  # noqa: E402
 import logging  # noqa: E402
 import multiprocessing  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
-from typing import Any, Sequence  # noqa: E402
+import warnings  # noqa: E402
+from typing import Any, Iterator, Sequence  # noqa: E402
 
 import torch  # noqa: E402
-from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder  # noqa: E402
-from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
-from lmcache.v1.gpu_connector import GPUConnectorInterface  # noqa: E402
-from lmcache.v1.memory_management import MemoryObj  # noqa: E402
-from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
-from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
-from lmcache.v1.token_database import ChunkedTokenDatabase  # noqa: E402
+
+
+@contextlib.contextmanager
+def _quiet_logger_setup() -> Iterator[None]:
+    """LMCache attaches opentelemetry's deprecated LoggingHandler to every logger it creates
+    (at import and while building an engine), each raising a DeprecationWarning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LoggingHandler.*deprecated",
+                                category=DeprecationWarning)
+        yield
+
+
+with _quiet_logger_setup():
+    from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.gpu_connector import GPUConnectorInterface
+    from lmcache.v1.memory_management import MemoryObj
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend.remote_backend import RemoteBackend
+    from lmcache.v1.token_database import ChunkedTokenDatabase
 
 from pdserve.kvstore.base import KVStore  # noqa: E402
 from pdserve.kvstore.layout import KVLayout, check_batch  # noqa: E402
@@ -62,9 +85,11 @@ def quiet_lmcache_logs() -> None:
             lg.setLevel(logging.WARNING)
     # Warnings with nothing to act on: ones about LMCache's own token hashing (PYTHONHASHSEED,
     # vLLM hash functions), which pdserve never uses since keys come from
-    # pdserve.engine.block_keys; the cache controller we do not run; remote_url's deprecation.
+    # pdserve.engine.block_keys; the cache controller we do not run; remote_url's deprecation;
+    # and the allocator's "no memory is available", logged on every full-tier allocation just
+    # before LRU eviction makes room (a real failure is still reported by the cache engine).
     for name in ("lmcache.v1.token_database", "lmcache.v1.storage_backend.local_cpu_backend",
-                 "lmcache.v1.storage_backend"):
+                 "lmcache.v1.storage_backend", "lmcache.v1.memory_management"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
@@ -82,8 +107,7 @@ class _KeyChain:
     the token count retrieve() needs for len() and carries our hashes to the token database."""
 
     def __init__(self, hashes: list[int], offsets: list[int]) -> None:
-        self.hashes = hashes
-        self.offsets = offsets
+        self.hashes, self.offsets = hashes, offsets
 
     def __len__(self) -> int:
         return sum(self.offsets)
@@ -176,14 +200,46 @@ def build_engine(layout: KVLayout, connector: PagedBlockConnector, remote_url: s
     # put back whatever the application had, since pdserve's own process handling may rely on it.
     previous = multiprocessing.get_start_method(allow_none=True)
     try:
-        engine = LMCacheEngineBuilder.get_or_create(instance_id, config, metadata, connector,
-                                                    _no_broadcast, _no_broadcast)
-        engine.token_database = _BlockKeyTokenDatabase(config, metadata)
-        engine.post_init()  # creates the storage backends; store() asserts without it
+        with _quiet_logger_setup():
+            engine = LMCacheEngineBuilder.get_or_create(instance_id, config, metadata, connector,
+                                                        _no_broadcast, _no_broadcast)
+            try:
+                engine.token_database = _BlockKeyTokenDatabase(config, metadata)
+                engine.post_init()  # creates the storage backends; store() asserts without it
+                for backend in _remote_backends(engine):
+                    _track_batched_puts(backend)
+            except BaseException:
+                # post_init may already run the (non-daemon) event-loop thread: stop it, or
+                # the process could never exit.
+                shutdown_engine(engine, instance_id, timeout=2.0)
+                raise
     finally:
         multiprocessing.set_start_method(previous, force=True)
         quiet_lmcache_logs()  # again: post_init imports modules that made new loggers
     return engine
+
+
+def _track_batched_puts(backend: RemoteBackend) -> None:
+    """Make backend.put_tasks list the keys of batched puts in flight, as it already does for
+    single puts: RemoteBackend.batched_submit_put_task removes keys from put_tasks when a batch
+    completes but never adds them, so nothing tells when a batch reached Redis. put() waits on
+    this set."""
+    submit = backend.batched_submit_put_task
+
+    def tracked(keys: Any, memory_objs: Any, *args: Any, **kwargs: Any) -> None:
+        conn = backend.connection
+        # Only the batched path: the per-key fallback skips keys already in put_tasks.
+        if conn is not None and conn.support_batched_put():
+            with backend.lock:
+                backend.put_tasks.update(keys)
+        try:
+            submit(keys, memory_objs, *args, **kwargs)
+        except BaseException:
+            with backend.lock:
+                backend.put_tasks.difference_update(keys)
+            raise
+
+    backend.batched_submit_put_task = tracked  # type: ignore[method-assign]
 
 
 def _remote_backends(engine: LMCacheEngine) -> list[RemoteBackend]:
@@ -227,9 +283,8 @@ def shutdown_engine(engine: LMCacheEngine, instance_id: str, timeout: float) -> 
 
 
 class LMCacheKVStore(KVStore):
-    """KVStore over an LMCacheEngine: local CPU tier (LRU, max_local_cpu_size) in front of an
-    optional Redis remote. LMCache swallows remote errors (a dead Redis reads as a miss), so this
-    backend returns 0 rather than raising KVStoreError when Redis is down."""
+    """KVStore over an LMCacheEngine: local CPU tier (LRU, local_cpu_gb) in front of an optional
+    Redis remote (remote_url=None: CPU tier only)."""
 
     def __init__(self, layout: KVLayout, remote_url: str | None, *, local_cpu_gb: float = 1.0,
                  wait_remote_s: float = 10.0, blocking_timeout_s: int = 5,
@@ -247,8 +302,14 @@ class LMCacheKVStore(KVStore):
         self._engine: LMCacheEngine | None = build_engine(
             layout, self._connector, remote_url, local_cpu_gb, self.instance_id,
             blocking_timeout_s)
-        # The connector's bad_start is per load; serialise loads so threads don't mix them.
+        # LMCache's engine expects one caller at a time (vLLM drives it from one worker
+        # thread), and the connector's bad_start is per load: serialise store/retrieve.
         self._lock = threading.Lock()
+        # LMCache stages every block (stored or fetched from Redis) in the CPU tier, and drops
+        # what does not fit in one call. Calls of at most a quarter of the tier, waiting for the
+        # remote writes in between, let LRU eviction make room instead.
+        tier_bytes = int(local_cpu_gb * (1 << 30))
+        self.blocks_per_call = max(1, tier_bytes // 4 // layout.block_nbytes())
 
     @property
     def engine(self) -> LMCacheEngine:
@@ -259,12 +320,15 @@ class LMCacheKVStore(KVStore):
     def put(self, keys: Sequence[bytes], kv_cache: torch.Tensor, block_ids: Sequence[int],
             num_tokens: Sequence[int]) -> None:
         check_batch(keys, block_ids, num_tokens)
-        if not keys:
-            return
-        hashes = [chunk_hash(k) for k in keys]
-        self.engine.store(hashes=hashes, offsets=list(num_tokens), kv_cache=kv_cache,
-                          slot_mapping=slot_mapping(block_ids, num_tokens, self.layout.block_size))
-        self._wait_remote(set(hashes))
+        step = self.blocks_per_call
+        for lo in range(0, len(keys), step):
+            part = slice(lo, lo + step)
+            hashes = [chunk_hash(k) for k in keys[part]]
+            slots = slot_mapping(block_ids[part], num_tokens[part], self.layout.block_size)
+            with self._lock:
+                self.engine.store(hashes=hashes, offsets=list(num_tokens[part]),
+                                  kv_cache=kv_cache, slot_mapping=slots)
+            self._wait_remote(set(hashes))
 
     def _wait_remote(self, hashes: set[int]) -> None:
         deadline = time.monotonic() + self.wait_remote_s
@@ -283,8 +347,19 @@ class LMCacheKVStore(KVStore):
     def get(self, keys: Sequence[bytes], kv_cache: torch.Tensor, block_ids: Sequence[int],
             num_tokens: Sequence[int]) -> int:
         check_batch(keys, block_ids, num_tokens)
-        if not keys:
-            return 0
+        loaded = 0
+        step = self.blocks_per_call
+        # Each key names its whole prefix, so a slice of the chain is a valid chain on its own.
+        for lo in range(0, len(keys), step):
+            part = slice(lo, lo + step)
+            got = self._get_part(keys[part], kv_cache, block_ids[part], num_tokens[part])
+            loaded += got
+            if got < len(keys[part]):
+                break
+        return loaded
+
+    def _get_part(self, keys: Sequence[bytes], kv_cache: torch.Tensor, block_ids: Sequence[int],
+                  num_tokens: Sequence[int]) -> int:
         chain = _KeyChain([chunk_hash(k) for k in keys], list(num_tokens))
         slots = torch.tensor(slot_mapping(block_ids, num_tokens, self.layout.block_size),
                              dtype=torch.long)

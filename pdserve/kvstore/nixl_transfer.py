@@ -9,13 +9,16 @@ An agent is not thread-safe in NIXL's default sync mode, so every agent call her
 
 Defaults chosen for CPU peers on one host (measured on a 2-core box, see benchmarks/bench_nixl.py):
 - error_handling="none": NIXL's UCX default ("peer") needs a peer-failure handler, which UCX's
-  shared-memory transports lack, so every byte went over TCP loopback and the target had to
-  progress each READ. With "none", UCX reads the peer's memory directly (cma,
-  process_vm_readv): one-sided, one copy. A dead peer still surfaces as a disconnect error.
+  shared-memory transports lack, so UCX's control lane falls back to TCP loopback. The bytes
+  still move by cma (process_vm_readv), but a READ only completes once the target has
+  progressed the TCP lane, so the target must poll or run a progress thread. With "none" the
+  control lane is shared memory and READs complete without the target: one-sided, one copy.
+  A dead peer still surfaces as a disconnect error (tested).
 - progress_thread=False: NIXL's progress thread busy-polls (zero delay, not configurable from
   Python), burning a whole core per agent. Without it, progress happens inside our calls:
-  the reader's poll/wait and the target's get_notifications. Across hosts (TCP transport) the
-  target must then call get_notifications often, or use progress_thread=True.
+  the reader's poll/wait and the target's get_notifications (which is also how notifications
+  arrive). With error_handling="peer", or across hosts over TCP, the target must call
+  get_notifications often, or use progress_thread=True.
 """
 from __future__ import annotations
 
@@ -223,6 +226,8 @@ class NixlKVAgent:
 
         The peer gets `notif` once the whole READ has completed. Raises NixlTransferError
         if the request cannot be posted (unknown or dead peer, unregistered addresses).
+        Over cma the copy itself runs inside this call (~13 ms per 64 MiB here) with the GIL
+        released, so a caller that must not stall can post from a worker thread.
         """
         local = self._check_pairs(remote_regions, local_block_ids)
         loc, rem = coalesce_pairs(local, [tuple(map(int, r)) for r in remote_regions])
@@ -254,6 +259,8 @@ class NixlKVAgent:
                              f"{len(local_block_ids)} local blocks")
         if not remote_regions:
             raise ValueError("empty READ")
+        if len(set(local_block_ids)) != len(local_block_ids):
+            raise ValueError("duplicate local block ids")
         for addr, nbytes, _dev in remote_regions:
             # Different block layouts on the two sides would silently scramble the cache.
             if nbytes != self.block_nbytes:

@@ -109,8 +109,11 @@ class RedisKVStore(KVStore):
         # connection that died (server restart) while a down server still fails fast. Timeouts
         # are not retried, so a hung server costs at most one socket_timeout per call.
         retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+        # A 1 MiB read size (default 64 KiB) cuts redis-py's per-chunk overhead on block-sized
+        # replies: MGET of 64 x 256 KiB measured ~25% faster here.
         self._client = redis.Redis.from_url(url, socket_timeout=socket_timeout,
-                                            socket_connect_timeout=connect_timeout, retry=retry)
+                                            socket_connect_timeout=connect_timeout, retry=retry,
+                                            socket_read_size=1 << 20)
 
     def name(self, key: bytes) -> bytes:
         """The Redis key holding a block key's value."""

@@ -1,0 +1,111 @@
+"""Offline throughput: pdserve vs transformers' continuous batching vs plain generate, in one run.
+
+Workload (issue 2): 64 requests, prompts of 32-512 tokens, 64 new tokens each, ignore_eos, on a
+~32M-parameter Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, vocab 8192), float32 on CPU.
+
+    .venv/bin/python benchmarks/bench_offline.py --repeats 3
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CONFIG = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+              num_key_value_heads=4, vocab_size=8192, max_position_embeddings=2048, tie_word_embeddings=False)
+
+
+def build_model(root: Path) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG, architectures=["LlamaForCausalLM"]))
+    model.save_pretrained(root)
+    return root
+
+
+def workload(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(CONFIG["vocab_size"]) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_pdserve(path: Path, prompts, new_tokens: int, batched_tokens: int) -> float:
+    from pdserve import LLM, SamplingParams
+    llm = LLM(model=str(path), num_kv_blocks=2560, max_num_batched_tokens=batched_tokens)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0][:32]}], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+    return len(prompts) * new_tokens / elapsed
+
+
+def run_hf_continuous_batching(path: Path, prompts, new_tokens: int) -> float:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="paged|sdpa").eval()
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
+                              pad_token_id=0, use_cuda_graph=False)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(r.generated_tokens) for r in out.values())
+    return produced / elapsed
+
+
+def run_hf_generate(path: Path, prompts, new_tokens: int) -> float:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    start = time.perf_counter()
+    produced = 0
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            produced += out.shape[1] - len(p)
+    return produced / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--plain-generate-requests", type=int, default=8,
+                    help="plain generate is one request at a time: time a subset")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--skip-peers", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    path = build_model(Path(tempfile.mkdtemp()) / "llama-32m")
+    prompts = workload(args.requests, 32, 512)
+    rows: dict[str, list[float]] = {"pdserve": [], "transformers generate_batch (paged|sdpa)": [],
+                                    "transformers generate, one at a time": []}
+    for r in range(args.repeats):
+        rows["pdserve"].append(run_pdserve(path, prompts, args.new_tokens, args.max_num_batched_tokens))
+        if not args.skip_peers:
+            rows["transformers generate_batch (paged|sdpa)"].append(run_hf_continuous_batching(path, prompts, args.new_tokens))
+            rows["transformers generate, one at a time"].append(
+                run_hf_generate(path, prompts[:args.plain_generate_requests], args.new_tokens))
+        print(f"run {r + 1}: " + ", ".join(f"{k}={v[-1]:.1f}" for k, v in rows.items() if v), flush=True)
+    print_table(rows)
+
+
+def print_table(rows: dict[str, list[float]]) -> None:
+    base = statistics.median(rows["transformers generate_batch (paged|sdpa)"] or [float("nan")])
+    print(f"\n| engine | output tokens/s (median of {len(rows['pdserve'])}) | vs generate_batch |")
+    print("|---|---:|---:|")
+    for name, values in rows.items():
+        if values:
+            med = statistics.median(values)
+            print(f"| {name} | {med:.1f} | {med / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

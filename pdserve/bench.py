@@ -1,0 +1,385 @@
+"""Load generator for any OpenAI-compatible server (streams /v1/completions over httpx).
+
+Workloads:
+  random         num_prompts prompts, lengths uniform in [input_len_min, input_len_max].
+  shared-prefix  num_groups x prompts_per_group prompts; each group shares a prefix_len-token
+                 prefix followed by a question_len-token question (order shuffled).
+  multi-round    num_users users x num_rounds rounds; each round sends the whole history
+                 (earlier questions and answers) plus a new question. Rounds of one user are
+                 sequential; users run concurrently.
+Load: --concurrency caps requests in flight; --request-rate spaces arrivals (of sessions:
+one request each, or one user for multi-round) as a Poisson process. Both may be combined.
+Prompts are token-id lists by default (exact lengths); --prompt-mode text sends random words.
+Requests set ignore_eos and a fixed max_tokens so every request generates output_len tokens.
+
+    python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000 --workload random \
+        --num-prompts 200 --concurrency 16 --output-json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import httpx
+from tqdm.asyncio import tqdm
+
+logger = logging.getLogger(__name__)
+
+Prompt = list[int] | str
+WORKLOADS = ("random", "shared-prefix", "multi-round")
+_WORDS = ("the of and to in is was for on that with as by at from his an were are which this "
+          "be or has had first one their its new after but who not they have her she two been "
+          "other when there all during into school time may years more most only over city "
+          "some world would where later up such used many can state about national out known "
+          "university united then made").split()
+
+
+@dataclass
+class BenchConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    model: str | None = None  # None: the first model the server lists
+    workload: str = "random"
+    num_prompts: int = 100
+    input_len_min: int = 128
+    input_len_max: int = 512
+    output_len: int = 128
+    num_groups: int = 4
+    prompts_per_group: int = 16
+    prefix_len: int = 1024
+    question_len: int = 32
+    num_users: int = 8
+    num_rounds: int = 4
+    prompt_mode: str = "token-ids"  # token-ids | text
+    min_token_id: int = 100  # random ids avoid the low (often special/byte) ids
+    max_token_id: int = 30000  # exclusive
+    concurrency: int | None = None
+    request_rate: float = math.inf
+    num_warmup: int = 2
+    seed: int = 0
+    temperature: float = 0.0
+    goodput_ttft_ms: float | None = None
+    goodput_tpot_ms: float | None = None
+    timeout_s: float = 600.0
+    api_key: str | None = None
+    output_json: str | None = None
+    disable_tqdm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {WORKLOADS}, got {self.workload!r}")
+        if self.prompt_mode not in ("token-ids", "text"):
+            raise ValueError(f"prompt_mode must be token-ids or text, got {self.prompt_mode!r}")
+        if not 1 <= self.input_len_min <= self.input_len_max:
+            raise ValueError("need 1 <= input_len_min <= input_len_max")
+        if not 0 <= self.min_token_id < self.max_token_id:
+            raise ValueError("need 0 <= min_token_id < max_token_id")
+
+
+@dataclass
+class Session:
+    questions: list[Prompt]
+    carry_history: bool = False
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    itls_s: list[float] = field(default_factory=list)
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+# ---------------------------------------------------------------- workloads
+
+def _random_prompt(rng: random.Random, length: int, cfg: BenchConfig) -> Prompt:
+    if cfg.prompt_mode == "text":
+        return " ".join(rng.choice(_WORDS) for _ in range(length))
+    return [rng.randrange(cfg.min_token_id, cfg.max_token_id) for _ in range(length)]
+
+
+def _concat(a: Prompt, b: Prompt) -> Prompt:
+    if isinstance(a, str) and isinstance(b, str):
+        return f"{a} {b}" if a else b
+    assert isinstance(a, list) and isinstance(b, list)
+    return a + b
+
+
+def _input_len(rng: random.Random, cfg: BenchConfig) -> int:
+    return rng.randint(cfg.input_len_min, cfg.input_len_max)
+
+
+def build_sessions(cfg: BenchConfig, rng: random.Random) -> list[Session]:
+    if cfg.workload == "random":
+        return [Session([_random_prompt(rng, _input_len(rng, cfg), cfg)])
+                for _ in range(cfg.num_prompts)]
+    if cfg.workload == "shared-prefix":
+        sessions = []
+        for _ in range(cfg.num_groups):
+            prefix = _random_prompt(rng, cfg.prefix_len, cfg)
+            sessions += [Session([_concat(prefix, _random_prompt(rng, cfg.question_len, cfg))])
+                         for _ in range(cfg.prompts_per_group)]
+        rng.shuffle(sessions)
+        return sessions
+    if cfg.workload == "multi-round":
+        return [Session([_random_prompt(rng, _input_len(rng, cfg), cfg)
+                         for _ in range(cfg.num_rounds)], carry_history=True)
+                for _ in range(cfg.num_users)]
+    raise ValueError(f"unknown workload {cfg.workload!r}; expected one of {WORKLOADS}")
+
+
+# ---------------------------------------------------------------- one request
+
+class _StreamTracker:
+    """Turns SSE events into timings; an event carrying text or ids counts as a token arrival."""
+
+    def __init__(self, result: RequestResult, start: float) -> None:
+        self.result = result
+        self.start = start
+        self.last = start
+        self.chunk_tokens = 0
+
+    def on_event(self, event: dict[str, Any], now: float) -> None:
+        if "error" in event:
+            self.result.error = str(event["error"].get("message", event["error"]))
+        if event.get("usage"):
+            self.result.prompt_tokens = event["usage"].get("prompt_tokens", 0)
+            self.result.output_tokens = event["usage"].get("completion_tokens", 0)
+        for choice in event.get("choices") or []:
+            ids = choice.get("token_ids") or []
+            if choice.get("text") or ids:
+                self._on_tokens(choice.get("text") or "", ids, now)
+
+    def _on_tokens(self, text: str, ids: list[int], now: float) -> None:
+        if self.result.ttft_s is None:
+            self.result.ttft_s = now - self.start
+        else:
+            self.result.itls_s.append(now - self.last)
+        self.last = now
+        self.chunk_tokens += len(ids) or 1
+        self.result.text += text
+        self.result.token_ids.extend(ids)
+
+
+def _parse_sse(line: str) -> dict[str, Any] | None | str:
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return "[DONE]" if data == "[DONE]" else json.loads(data)
+
+
+def _payload(cfg: BenchConfig, prompt: Prompt) -> dict[str, Any]:
+    return {"model": cfg.model, "prompt": prompt, "max_tokens": cfg.output_len,
+            "temperature": cfg.temperature, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
+            # vLLM extra: lets multi-round resend the exact answer tokens.
+            "return_token_ids": isinstance(prompt, list)}
+
+
+async def send_request(client: httpx.AsyncClient, cfg: BenchConfig,
+                       prompt: Prompt) -> RequestResult:
+    result = RequestResult(prompt_tokens=len(prompt) if isinstance(prompt, list)
+                           else len(prompt.split()))
+    start = time.perf_counter()
+    tracker = _StreamTracker(result, start)
+    try:
+        async with client.stream("POST", "/v1/completions", json=_payload(cfg, prompt)) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                result.error = f"HTTP {resp.status_code}: {body[:300]}"
+                return result
+            async for line in resp.aiter_lines():
+                event = _parse_sse(line)
+                if event == "[DONE]":
+                    break
+                if isinstance(event, dict):
+                    tracker.on_event(event, time.perf_counter())
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.e2e_s = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or tracker.chunk_tokens
+    result.success = result.error is None and result.ttft_s is not None
+    return result
+
+
+# ---------------------------------------------------------------- load
+
+async def _run_session(client: httpx.AsyncClient, cfg: BenchConfig, session: Session,
+                       limiter: asyncio.Semaphore | None, results: list[RequestResult],
+                       pbar: tqdm | None) -> None:
+    history: Prompt = "" if cfg.prompt_mode == "text" else []
+    for question in session.questions:
+        prompt = _concat(history, question) if session.carry_history else question
+        if limiter is None:
+            result = await send_request(client, cfg, prompt)
+        else:
+            async with limiter:
+                result = await send_request(client, cfg, prompt)
+        results.append(result)
+        if pbar is not None:
+            pbar.update(1)
+        # Servers without return_token_ids give no answer ids: history then has questions only.
+        history = _concat(prompt, result.text if isinstance(prompt, str) else result.token_ids)
+
+
+async def _run_load(client: httpx.AsyncClient, cfg: BenchConfig, sessions: list[Session],
+                    pbar: tqdm | None) -> list[RequestResult]:
+    limiter = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
+    arrivals = random.Random(cfg.seed + 1)
+    results: list[RequestResult] = []
+    tasks = []
+    for session in sessions:
+        tasks.append(asyncio.create_task(
+            _run_session(client, cfg, session, limiter, results, pbar)))
+        if math.isfinite(cfg.request_rate) and cfg.request_rate > 0:
+            await asyncio.sleep(arrivals.expovariate(cfg.request_rate))
+    await asyncio.gather(*tasks)
+    return results
+
+
+async def _warm_up(client: httpx.AsyncClient, cfg: BenchConfig) -> None:
+    """Untimed requests (own seed, so they do not pre-warm the measured prompts' cache)."""
+    rng = random.Random(cfg.seed + 12345)
+    prompts = [_random_prompt(rng, max(cfg.input_len_min, 1), cfg) for _ in range(cfg.num_warmup)]
+    results = await asyncio.gather(*(send_request(client, cfg, p) for p in prompts))
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        logger.warning("%d/%d warm-up requests failed: %s", len(failed), len(results), failed[0])
+
+
+async def _resolve_model(client: httpx.AsyncClient, cfg: BenchConfig) -> str:
+    if cfg.model:
+        return cfg.model
+    resp = await client.get("/v1/models")
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]
+
+
+# ---------------------------------------------------------------- metrics
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(pos), math.ceil(pos)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def _stats(name: str, values_s: Sequence[float]) -> dict[str, float | None]:
+    ms = [v * 1000.0 for v in values_s]
+    out: dict[str, float | None] = {f"mean_{name}_ms": sum(ms) / len(ms) if ms else None}
+    for q in (50, 90, 99):
+        out[f"p{q}_{name}_ms"] = percentile(ms, q)
+    return out
+
+
+def _is_good(r: RequestResult, cfg: BenchConfig) -> bool:
+    if cfg.goodput_ttft_ms is not None and (r.ttft_s or 0) * 1000 > cfg.goodput_ttft_ms:
+        return False
+    tpot = r.tpot_s
+    return cfg.goodput_tpot_ms is None or tpot is None or tpot * 1000 <= cfg.goodput_tpot_ms
+
+
+def compute_metrics(results: list[RequestResult], duration_s: float,
+                    cfg: BenchConfig) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    inp, outp = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
+    slo = cfg.goodput_ttft_ms is not None or cfg.goodput_tpot_ms is not None
+    metrics: dict[str, Any] = {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration_s,
+        "total_input_tokens": inp, "total_output_tokens": outp,
+        "request_throughput": len(ok) / duration_s,
+        "output_throughput": outp / duration_s,
+        "total_token_throughput": (inp + outp) / duration_s,
+        "goodput": sum(_is_good(r, cfg) for r in ok) / duration_s if slo else None,
+    }
+    metrics |= _stats("ttft", [r.ttft_s for r in ok if r.ttft_s is not None])
+    metrics |= _stats("tpot", [t for r in ok if (t := r.tpot_s) is not None])
+    metrics |= _stats("itl", [itl for r in ok for itl in r.itls_s])
+    metrics |= _stats("e2e", [r.e2e_s for r in ok])
+    metrics["errors"] = [r.error for r in results if not r.success][:10]
+    return metrics
+
+
+# ---------------------------------------------------------------- entry points
+
+async def run_benchmark(config: BenchConfig | dict[str, Any]) -> dict[str, Any]:
+    """Runs one benchmark and returns the metrics (also written to config.output_json)."""
+    cfg = config if isinstance(config, BenchConfig) else BenchConfig(**config)
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(cfg.timeout_s)) as client:
+        cfg.model = await _resolve_model(client, cfg)
+        sessions = build_sessions(cfg, random.Random(cfg.seed))
+        if cfg.num_warmup:
+            await _warm_up(client, cfg)
+        total = sum(len(s.questions) for s in sessions)
+        pbar = None if cfg.disable_tqdm else tqdm(total=total, desc=cfg.workload)
+        start = time.perf_counter()
+        results = await _run_load(client, cfg, sessions, pbar)
+        duration = time.perf_counter() - start
+        if pbar is not None:
+            pbar.close()
+    report = {"config": asdict(cfg), **compute_metrics(results, duration, cfg)}
+    if cfg.output_json:
+        with open(cfg.output_json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    defaults = BenchConfig()
+    for name, value in asdict(defaults).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            p.add_argument(flag, action="store_true")
+        elif name in ("workload",):
+            p.add_argument(flag, choices=WORKLOADS, default=value)
+        elif name == "prompt_mode":
+            p.add_argument(flag, choices=("token-ids", "text"), default=value)
+        else:
+            kind = {"concurrency": int, "goodput_ttft_ms": float, "goodput_tpot_ms": float,
+                    "model": str, "api_key": str, "output_json": str}.get(name, type(value))
+            p.add_argument(flag, type=kind, default=value)
+    return p
+
+
+def format_report(report: dict[str, Any]) -> str:
+    keys = [k for k in report if k not in ("config", "errors")]
+    lines = [f"{k:>26}: {report[k]:.3f}" if isinstance(report[k], float)
+             else f"{k:>26}: {report[k]}" for k in keys]
+    if report.get("errors"):
+        lines.append(f"{'first error':>26}: {report['errors'][0]}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    report = asyncio.run(run_benchmark(BenchConfig(**vars(args))))
+    print(format_report(report))
+    return 0 if report["completed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

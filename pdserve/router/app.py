@@ -1,0 +1,220 @@
+"""The router's OpenAI-compatible HTTP layer.
+
+    app = create_app(backend, tokenizer, model_name="m", max_model_len=4096)
+
+Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not),
+GET /v1/models, GET /health. The router tokenizes (and renders chat templates); nodes receive
+token ids and send back detokenized, stop-string-checked deltas, which are relayed here.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.backend import GenerationBackend
+from pdserve.router.errors import APIError, bad_request, error_body, install_error_handlers, \
+    model_not_found, SERVER_ERROR
+from pdserve.router.responses import (ChatFlavor, ChoiceState, CompletionFlavor, Flavor,
+                                      TokenTexts, chunk_body, response_body, usage)
+from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest, _GenerationRequest
+from pdserve.router.streaming import (AbortingStreamingResponse, ClientDisconnected,
+                                      GenerationGroup, run_until_disconnect, sse_events)
+
+logger = logging.getLogger(__name__)
+
+# Texts longer than this are tokenized in a worker thread so the event loop keeps streaming.
+_THREAD_TOKENIZE_CHARS = 16384
+
+
+def render_fallback_chat(messages: list[dict[str, str]]) -> str:
+    """Template for tokenizers without one: "<|role|>\\ncontent\\n" per message, then the
+    assistant header the model continues from."""
+    lines = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
+    return "".join(lines) + "<|assistant|>\n"
+
+
+def render_chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, bool]:
+    """Returns the prompt text and whether the tokenizer should add special tokens to it
+    (not when a real template rendered them already)."""
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=True)
+        except Exception as exc:  # jinja raise_exception(): e.g. roles must alternate
+            raise bad_request(f"chat template failed: {exc}", "messages") from exc
+        return text, False
+    return render_fallback_chat(messages), True
+
+
+class _Router:
+    """State shared by the route handlers."""
+
+    def __init__(self, backend: GenerationBackend, tokenizer: Any, model_name: str,
+                 max_model_len: int) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = len(tokenizer)
+        self.texts = TokenTexts(tokenizer)
+
+    def check_model(self, model: str | None) -> None:
+        # Absent model means "the served one" (as vLLM); a different name is a 404.
+        if model is not None and model != self.model_name:
+            raise model_not_found(model)
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) < _THREAD_TOKENIZE_CHARS:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(await anyio.to_thread.run_sync(
+            lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise bad_request("prompt must contain at least one token", param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                              param)
+
+    def resolve_max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
+        """Default: the rest of the context. Over-long requests are refused (as OpenAI and
+        vLLM do) rather than truncated, so clients learn about it."""
+        max_tokens = self.max_model_len - prompt_len if requested is None else requested
+        if prompt_len >= self.max_model_len or prompt_len + max(max_tokens, 0) > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
+                           f"tokens. However, you requested {prompt_len + max_tokens} tokens "
+                           f"({prompt_len} in the prompt, {max_tokens} in the completion).",
+                           param=param, code="context_length_exceeded")
+        return max_tokens
+
+    def build_params(self, body: _GenerationRequest, max_tokens: int,
+                     logprobs: int | None) -> list[SamplingParams]:
+        try:
+            return [body.sampling_params(max_tokens, logprobs, i) for i in range(body.num_choices)]
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+
+    async def completion_prompt(self, body: CompletionRequest) -> list[int]:
+        try:
+            prompt = body.single_prompt()
+        except ValueError as exc:
+            raise bad_request(str(exc), "prompt") from exc
+        ids = await self.encode(prompt, True) if isinstance(prompt, str) else list(prompt)
+        self.check_token_ids(ids, "prompt")
+        return ids
+
+    async def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        text, add_special = render_chat_prompt(self.tokenizer, body.plain_messages())
+        ids = await self.encode(text, add_special)
+        self.check_token_ids(ids, "messages")
+        return ids
+
+    async def serve(self, request: Request, body: _GenerationRequest, prompt_ids: list[int],
+                    params: list[SamplingParams], flavor: Flavor, prefix: str) -> Response:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        logger.info("%s: prompt_tokens=%d n=%d max_tokens=%d stream=%s", request_id,
+                    len(prompt_ids), len(params), params[0].max_tokens, bool(body.stream))
+        group = GenerationGroup(self.backend, request_id, prompt_ids, params)
+        headers = {"X-Request-Id": request_id}
+        created = int(time.time())
+        if body.stream:
+            chunks = self.stream_chunks(group, flavor, request_id, created, body.include_usage)
+            return AbortingStreamingResponse(sse_events(chunks), group, headers)
+        return await self.collect(request, group, flavor, request_id, created, headers)
+
+    async def stream_chunks(self, group: GenerationGroup, flavor: Flavor, request_id: str,
+                            created: int, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        states = [ChoiceState(i) for i in range(len(group.params))]
+        for choice in flavor.opening_choices(len(states)):
+            yield chunk_body(flavor, request_id, created, self.model_name, [choice])
+        async for index, out in group.outputs():
+            state = states[index]
+            choice = flavor.chunk_choice(state, out)
+            state.add(out)
+            # Empty deltas (text held back while a stop string may be forming) are skipped.
+            if out.new_text or out.new_token_ids or out.finished:
+                yield chunk_body(flavor, request_id, created, self.model_name, [choice])
+        if include_usage:
+            yield chunk_body(flavor, request_id, created, self.model_name, [],
+                             usage(len(group.prompt_ids), states))
+
+    async def collect(self, request: Request, group: GenerationGroup, flavor: Flavor,
+                      request_id: str, created: int, headers: dict[str, str]) -> Response:
+        states = [ChoiceState(i) for i in range(len(group.params))]
+
+        async def consume() -> None:
+            async for index, out in group.outputs():
+                states[index].add(out)
+
+        try:
+            await run_until_disconnect(request, consume)
+        except ClientDisconnected:
+            logger.info("%s: client disconnected", request_id)
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed"
+        finally:
+            await group.close()
+        body = response_body(flavor, request_id, created, self.model_name, states,
+                             len(group.prompt_ids))
+        return JSONResponse(body, headers=headers)
+
+
+def _add_openai_routes(app: FastAPI, router: _Router) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        router.check_model(body.model)
+        prompt_ids = await router.completion_prompt(body)
+        max_tokens = router.resolve_max_tokens(body.max_tokens, len(prompt_ids), "max_tokens")
+        params = router.build_params(body, max_tokens, body.logprobs)
+        flavor = CompletionFlavor(router.texts, body.logprobs is not None, body.return_token_ids)
+        return await router.serve(request, body, prompt_ids, params, flavor, "cmpl")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        router.check_model(body.model)
+        prompt_ids = await router.chat_prompt(body)
+        max_tokens = router.resolve_max_tokens(body.requested_max_tokens(), len(prompt_ids),
+                                               "max_tokens")
+        logprobs = body.engine_logprobs()
+        params = router.build_params(body, max_tokens, logprobs)
+        flavor = ChatFlavor(router.texts, logprobs is not None, body.return_token_ids)
+        return await router.serve(request, body, prompt_ids, params, flavor, "chatcmpl")
+
+
+def _add_info_routes(app: FastAPI, router: _Router, started: int) -> None:
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": router.model_name, "object": "model", "created": started,
+                "owned_by": "pdserve", "root": router.model_name,
+                "max_model_len": router.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            info = await router.backend.health()
+        except Exception as exc:
+            logger.warning("health check failed: %s", exc)
+            return JSONResponse(error_body(f"backend unhealthy: {exc}", SERVER_ERROR, None,
+                                           "service_unavailable"), status_code=503)
+        # A backend may report {"healthy": False} (e.g. no nodes registered) without raising.
+        status = 503 if isinstance(info, dict) and info.get("healthy") is False else 200
+        return JSONResponse(info, status_code=status)
+
+
+def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
+               max_model_len: int) -> FastAPI:
+    app = FastAPI(title="pdserve router")
+    install_error_handlers(app)
+    router = _Router(backend, tokenizer, model_name, max_model_len)
+    _add_openai_routes(app, router)
+    _add_info_routes(app, router, int(time.time()))
+    app.state.router = router
+    return app
