@@ -1,0 +1,163 @@
+"""Engine core behaviour on the built-in model: block keys, the block pool, remote-KV admission,
+aborts, and the incremental step API."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.block_keys import block_key_chain, kv_layout_salt
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.request import RequestStatus
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("builtin:tiny", num_kv_blocks=64, max_num_batched_tokens=256)
+
+
+def test_block_keys_are_identical_across_processes():
+    salt = kv_layout_salt("m", 2, 2, 64, "float32", 16)
+    tokens = list(range(1000, 1050))
+    here = [k.hex() for k in block_key_chain(tokens, 16, salt)]
+    code = ("from pdserve.engine.block_keys import *; s = kv_layout_salt('m', 2, 2, 64, 'float32', 16);"
+            "print(','.join(k.hex() for k in block_key_chain(list(range(1000, 1050)), 16, s)))")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    there = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert there.stdout.strip().split(",") == here and len(here) == 3
+
+
+def test_block_keys_chain_and_salt():
+    salt = kv_layout_salt("m", 2, 2, 64, "float32", 16)
+    tokens = list(range(64))
+    keys = block_key_chain(tokens, 16, salt)
+    changed = block_key_chain([999] + tokens[1:], 16, salt)
+    assert all(a != b for a, b in zip(keys, changed)), "a change in block 0 must change every later key"
+    assert block_key_chain(tokens, 16, kv_layout_salt("other", 2, 2, 64, "float32", 16))[0] != keys[0]
+    with_partial = block_key_chain(tokens + [1, 2], 16, salt, include_partial=True)
+    assert with_partial[:4] == keys and len(with_partial) == 5
+
+
+def test_block_pool_lru_eviction_and_reuse():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, b"key-a")
+    pool.cache_block(b, b"key-b")
+    pool.free([b, a])  # tail first: b is evicted before a
+    assert pool.lookup(b"key-a") == a and pool.num_free == 4
+    pool.touch([a])  # a prefix hit takes the block back out of the free queue
+    assert pool.num_free == 3 and pool.blocks[a].ref_cnt == 1
+    fresh = pool.allocate(3)  # the two never-used blocks, then b (least recently freed)
+    assert b in fresh and pool.lookup(b"key-b") is None and pool.lookup(b"key-a") == a
+    with pytest.raises(MemoryError):
+        pool.allocate(1)
+
+
+def test_prefix_reuse_across_requests(llm):
+    prompt = list(range(40, 120))
+    first = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    second = llm.generate({"prompt_token_ids": prompt + [5, 6]}, GREEDY, use_tqdm=False)[0]
+    assert second.num_cached_tokens == 80 and first.num_cached_tokens == 0
+    assert llm.engine.pool.num_in_use() == 0
+
+
+def _prefill_elsewhere(llm, prompt):
+    """Runs the prompt on `llm` until its first token; returns (first token, KV blocks)."""
+    engine = llm.engine
+    engine.add_request("donor", prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while not (outs := engine.step()):
+        pass
+    req = engine.get_request("donor")
+    blocks = engine.kv_cache[req.block_ids].clone()
+    engine.abort_request("donor")
+    return outs[0].new_token_ids[0], blocks
+
+
+def test_remote_kv_landing_resumes_from_landed_prefix(llm):
+    prompt = list(range(10, 60))  # 50 tokens: 3 full blocks and a partial one
+    want = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    receiver = LLM("builtin:tiny", num_kv_blocks=32, enable_prefix_caching=False)
+    first, blocks = _prefill_elsewhere(llm, prompt)
+    engine = receiver.engine
+    req = engine.add_request("r", prompt, GREEDY, output_token_ids=[first], remote_kv_tokens=len(prompt))
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and len(req.block_ids) == 4
+    engine.add_request("other", [1, 2, 3], GREEDY)
+    for _ in range(3):  # held: takes no budget while the other request runs
+        engine.step()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req.num_output_tokens == 1
+    engine.kv_cache[req.block_ids] = blocks
+    engine.report_remote_kv("r", ok=True)
+    got = _drain(engine, "r")
+    assert req.num_cached_tokens == len(prompt), "the landed prompt must not be recomputed"
+    assert [first] + got == want
+    assert engine.pool.num_in_use() == 0
+
+
+def test_remote_kv_deadline_and_failure_fall_back_to_local_compute(llm):
+    prompt = list(range(70, 110))
+    want = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    receiver = LLM("builtin:tiny", num_kv_blocks=32, remote_kv_timeout_s=0.3)
+    engine = receiver.engine
+    engine.add_request("late", prompt, GREEDY, output_token_ids=want[:1], remote_kv_tokens=len(prompt))
+    engine.add_request("failed", prompt, GREEDY, output_token_ids=want[:1], remote_kv_tokens=len(prompt))
+    engine.report_remote_kv("failed", ok=False)  # blocks hold garbage: they must be recomputed
+    assert want[:1] + _drain(engine, "late") == want
+    assert engine.pool.num_in_use() == 0
+
+
+def _drain(engine, request_id: str) -> list[int]:
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id:
+                tokens += out.new_token_ids
+    return tokens
+
+
+def test_abort_frees_blocks_in_every_state():
+    llm = LLM("builtin:tiny", num_kv_blocks=12, max_num_batched_tokens=32)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    engine.add_request("remote", list(range(30)), params, output_token_ids=[1], remote_kv_tokens=30)
+    for i in range(4):
+        engine.add_request(f"r{i}", list(range(i, i + 40)), params)
+    states = set()
+    for _ in range(40):
+        engine.step()
+        states |= {r.status for r in engine.scheduler.requests.values()}
+    assert {RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.RUNNING} <= states
+    assert engine.pool.num_in_use() > 0
+    for rid in ["remote"] + [f"r{i}" for i in range(4)]:
+        engine.abort_request(rid)
+    assert engine.pool.num_in_use() == 0 and not engine.has_unfinished_requests()
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_step_api_streams_tokens_and_text(llm):
+    engine = llm.engine
+    tok = llm.get_tokenizer()
+    prompt = tok("stream me")["input_ids"]
+    engine.add_request("s", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+    assert [len(d.new_token_ids) for d in deltas] == [1] * 6 and deltas[-1].finished
+    ids = [t for d in deltas for t in d.new_token_ids]
+    assert "".join(d.new_text for d in deltas) == tok.decode(ids, skip_special_tokens=True)
+    assert deltas[-1].finish_reason == "length"
+
+
+def test_bad_requests_are_rejected(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.engine.add_request("e", [], GREEDY)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.engine.add_request("v", [10**6], GREEDY)
+    with pytest.raises(ValueError, match="at most"):
+        llm.engine.add_request("l", [1] * 5000, GREEDY)
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0)
