@@ -76,7 +76,7 @@ def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.c
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
     return m_new, l_i, acc
 
 

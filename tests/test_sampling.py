@@ -1,0 +1,86 @@
+"""Sampling behaviour per request, checked against the model's own logits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("builtin:tiny", num_kv_blocks=128)
+
+
+PROMPT = {"prompt_token_ids": list(range(30, 70))}
+
+
+def _tokens(llm, params, prompt=PROMPT):
+    return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+
+
+def test_seed_reproducible_and_per_request(llm):
+    params = [SamplingParams(max_tokens=16, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 1, 2)]
+    outs = llm.generate([PROMPT] * 3, params, use_tqdm=False)
+    a, b, c = (o.outputs[0].token_ids for o in outs)
+    assert a == b, "same seed in one batch must give the same tokens"
+    assert a != c, "different seeds should differ"
+    again = _tokens(llm, params[0]).token_ids
+    assert again == a, "a seed must reproduce across batches"
+
+
+def test_top_k_one_is_greedy_and_top_k_limits_support(llm):
+    greedy = _tokens(llm, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)).token_ids
+    top1 = _tokens(llm, SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=3, ignore_eos=True)).token_ids
+    assert top1 == greedy
+    logits = llm.engine.prompt_logits(PROMPT["prompt_token_ids"])[-1]
+    top3 = set(logits.topk(3).indices.tolist())
+    firsts = {_tokens(llm, SamplingParams(max_tokens=1, temperature=5.0, top_k=3, seed=s)).token_ids[0]
+              for s in range(40)}
+    assert firsts <= top3 and len(firsts) >= 2
+
+
+def test_top_p_and_min_p_limit_support(llm):
+    logits = llm.engine.prompt_logits(PROMPT["prompt_token_ids"])[-1]
+    probs = logits.softmax(-1)
+    ordered = probs.sort(descending=True)
+    nucleus = set(ordered.indices[:int((ordered.values.cumsum(0) < 0.9).sum()) + 1].tolist())
+    above = set((probs >= 0.2 * probs.max()).nonzero().flatten().tolist())
+    for s in range(30):
+        tp = _tokens(llm, SamplingParams(max_tokens=1, top_p=0.9, seed=s)).token_ids[0]
+        mp = _tokens(llm, SamplingParams(max_tokens=1, min_p=0.2, seed=s)).token_ids[0]
+        assert tp in nucleus and mp in above
+
+
+def test_logprobs_match_reference_log_softmax(llm):
+    out = _tokens(llm, SamplingParams(max_tokens=3, temperature=0, logprobs=3, ignore_eos=True))
+    ids = PROMPT["prompt_token_ids"] + out.token_ids
+    ref = torch.log_softmax(llm.engine.prompt_logits(ids), dim=-1)
+    n = len(PROMPT["prompt_token_ids"])
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[n - 1 + i]
+        assert lp.token_id == tok and abs(lp.logprob - row[tok].item()) < 1e-4
+        assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+
+
+def test_stop_token_ids_stop_strings_and_max_tokens(llm):
+    greedy = _tokens(llm, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    stop_id = greedy.token_ids[4]
+    first_at = greedy.token_ids.index(stop_id)
+    by_id = _tokens(llm, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_id]))
+    assert by_id.token_ids == greedy.token_ids[:first_at + 1] and by_id.finish_reason == "stop"
+    tok = llm.get_tokenizer()
+    text = "".join(tok.decode([t]) for t in greedy.token_ids)
+    stop = greedy.text[3:5]
+    assert stop, text
+    by_str = _tokens(llm, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]))
+    assert by_str.finish_reason == "stop" and by_str.text == greedy.text[:greedy.text.index(stop)]
+    assert greedy.finish_reason == "length" and len(greedy.token_ids) == 12
+
+
+def test_mixed_batch_keeps_greedy_rows_greedy(llm):
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    alone = _tokens(llm, greedy).token_ids
+    mixed = llm.generate([PROMPT, PROMPT], [greedy, SamplingParams(max_tokens=8, seed=9, ignore_eos=True)],
+                         use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone
