@@ -111,7 +111,9 @@ def _paged_attention_kernel(
 
     # Part 1: keys in the paged cache, positions [0, n_cached); gathered per token so any
     # block_size works and a tile may span several (non-contiguous) blocks.
-    n_cached = ctx - q_len if NEW_FROM_INPUT else ctx
+    n_cached = ctx
+    if NEW_FROM_INPUT:
+        n_cached = ctx - q_len
     n_cached = tl.minimum(n_cached, ctx - q_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
     table = block_tables + seq.to(tl.int64) * s_bt
     for start in range(0, n_cached, BLOCK_N):
@@ -194,7 +196,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """One query token per sequence: q [B, heads, head_dim] over each sequence's cached context.
-    block_tables [B, max_blocks] int32, context_lens [B] int32 (tokens in the cache, incl. this one)."""
+
+    block_tables [B, max_blocks] int32; context_lens [B] int32, tokens in the cache including
+    this one. Padding entries of block_tables are never read.
+    """
     batch = q.shape[0]
     cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
     # Everything, the current token included, is read from the cache; q doubles as the unused
@@ -230,7 +235,7 @@ def _flash_attn_prefill(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context
     Untested here: the test machine has neither a GPU nor flash_attn. Its causal mask is
     bottom-right aligned (flash-attn >= 2.1), which matches this module's contract.
     """
-    if flash_attn_varlen_func is None or not q.is_cuda:
+    if flash_attn_varlen_func is None or not q.is_cuda or q.shape[0] == 0:
         return None
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 256:
         return None
