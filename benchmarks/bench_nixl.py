@@ -53,11 +53,11 @@ class Result(msgspec.Struct):
 
 
 CONFIGS = [
-    Config("cma, error_handling=none (default)", {}, "none", False),
-    Config("tcp, error_handling=peer + progress threads (NIXL default)", {}, "peer", True),
-    Config("tcp, error_handling=peer, no progress threads", {}, "peer", False),
+    Config("error_handling=none, no progress thread (ours)", {}, "none", False),
+    Config("error_handling=peer + progress threads (NIXL default)", {}, "peer", True),
+    Config("error_handling=peer, no progress threads", {}, "peer", False),
     Config("UCX_TLS=tcp, error_handling=none", {"UCX_TLS": "tcp"}, "none", False),
-    Config("cma, error_handling=none, UCX num_threads=2", {}, "none", False, 2),
+    Config("error_handling=none, UCX num_threads=2", {}, "none", False, 2),
 ]
 
 
