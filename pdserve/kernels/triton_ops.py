@@ -114,6 +114,7 @@ def _paged_attention_kernel(
     n_cached = ctx
     if NEW_FROM_INPUT:
         n_cached = ctx - q_len
+    # Keys past this tile's last query position are all masked: skip them.
     n_cached = tl.minimum(n_cached, ctx - q_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
     table = block_tables + seq.to(tl.int64) * s_bt
     for start in range(0, n_cached, BLOCK_N):
@@ -248,8 +249,7 @@ def _flash_attn_prefill(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context
     # Paged K/V needs page sizes that are multiples of 256 and a unit-stride head dim.
     if k_cache.shape[1] % 256 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         return None
-    cu_k = torch.zeros_like(cu_q)
-    torch.cumsum(context_lens, 0, out=cu_k[1:])
+    cu_k = torch.nn.functional.pad(context_lens.cumsum(0, dtype=torch.int32), (1, 0))
     return flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max_q,
                                   int(context_lens.max()), softmax_scale=scale, causal=True,
                                   block_table=block_tables.to(torch.int32))
