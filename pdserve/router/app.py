@@ -19,11 +19,11 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.backend import GenerationBackend
-from pdserve.router.errors import APIError, bad_request, error_body, install_error_handlers, \
-    model_not_found, SERVER_ERROR
+from pdserve.router.errors import (SERVER_ERROR, APIError, bad_request, error_body,
+                                   install_error_handlers, model_not_found)
 from pdserve.router.responses import (ChatFlavor, ChoiceState, CompletionFlavor, Flavor,
                                       TokenTexts, chunk_body, response_body, usage)
-from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest, _GenerationRequest
+from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from pdserve.router.streaming import (AbortingStreamingResponse, ClientDisconnected,
                                       GenerationGroup, run_until_disconnect, sse_events)
 
@@ -95,7 +95,7 @@ class _Router:
                            param=param, code="context_length_exceeded")
         return max_tokens
 
-    def build_params(self, body: _GenerationRequest, max_tokens: int,
+    def build_params(self, body: GenerationRequest, max_tokens: int,
                      logprobs: int | None) -> list[SamplingParams]:
         try:
             return [body.sampling_params(max_tokens, logprobs, i) for i in range(body.num_choices)]
@@ -117,7 +117,7 @@ class _Router:
         self.check_token_ids(ids, "messages")
         return ids
 
-    async def serve(self, request: Request, body: _GenerationRequest, prompt_ids: list[int],
+    async def serve(self, request: Request, body: GenerationRequest, prompt_ids: list[int],
                     params: list[SamplingParams], flavor: Flavor, prefix: str) -> Response:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         logger.info("%s: prompt_tokens=%d n=%d max_tokens=%d stream=%s", request_id,
@@ -131,7 +131,8 @@ class _Router:
         return await self.collect(request, group, flavor, request_id, created, headers)
 
     async def stream_chunks(self, group: GenerationGroup, flavor: Flavor, request_id: str,
-                            created: int, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+                            created: int,
+                            include_usage: bool) -> AsyncIterator[dict[str, Any]]:
         states = [ChoiceState(i) for i in range(len(group.params))]
         for choice in flavor.opening_choices(len(states)):
             yield chunk_body(flavor, request_id, created, self.model_name, [choice])

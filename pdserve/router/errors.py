@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 INVALID_REQUEST = "invalid_request_error"
 NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
 
 
 class APIError(Exception):
@@ -72,13 +73,17 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "Invalid request", None
-    first = errors[0]
+    # Our own validators' messages (value_error) say more than a failed union branch does.
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     if first.get("type") == "json_invalid":
         return "Request body is not valid JSON", None
     # loc is ("body", "field", ...); the OpenAI `param` is the field path without "body".
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Union members also appear in loc ("str", "list[int]"); they are not field names.
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and p not in _UNION_TAGS
+           and "[" not in str(p)]
     param = ".".join(loc) or None
-    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{param or 'body'}: {msg}", param
 
 
 async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:

@@ -10,9 +10,7 @@ because a silently ignored knob yields outputs the client did not ask for:
 """
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -25,7 +23,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model_config = ConfigDict(extra="allow")
 
@@ -52,7 +50,7 @@ class _GenerationRequest(BaseModel):
     return_token_ids: bool = False
 
     @model_validator(mode="after")
-    def _reject_unsupported(self) -> "_GenerationRequest":
+    def _reject_unsupported(self) -> "GenerationRequest":
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise ValueError(f"{name} is not supported (only 0 or absent)")
@@ -89,7 +87,7 @@ class _GenerationRequest(BaseModel):
         )
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -123,8 +121,15 @@ class CompletionRequest(_GenerationRequest):
 
 class TextContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str = ""
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value: str) -> str:
+        if value != "text":
+            raise ValueError(f"content parts of type {value!r} are not supported (only 'text')")
+        return value
 
 
 class ChatMessage(BaseModel):
@@ -141,7 +146,7 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
