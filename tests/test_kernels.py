@@ -1,4 +1,4 @@
-"""Both kernel backends against a naive float64 reference written here.
+"""Every kernel backend (torch, numba, triton) against a naive float64 reference written here.
 
 The Triton backend runs under TRITON_INTERPRET=1 when there is no GPU (set in conftest.py), so
 sizes stay small. Caches are strided per-layer views of a block-major tensor filled with random
@@ -16,7 +16,7 @@ import torch
 from pdserve.kernels import get_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "numba", "triton"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 NUM_LAYERS, LAYER = 3, 1

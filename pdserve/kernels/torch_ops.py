@@ -45,7 +45,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     valid = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
     group = heads // kv_heads
     # Each KV head's query group attends as `group` query rows: one batched SDPA, no repeat.
-    qg = q.view(batch, kv_heads, group, head_dim)
+    qg = q.reshape(batch, kv_heads, group, head_dim)
     out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=valid[:, None, None, :], scale=scale)
     return out.reshape(batch, heads, head_dim)

@@ -1,0 +1,96 @@
+"""Typed control-plane messages between router and nodes, encoded with msgspec msgpack.
+
+Every message is a tagged Struct, so a decoder accepts exactly the types listed in Message and
+nothing else travels on a socket: no pickle anywhere.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from pdserve.engine.outputs import StepOutput, TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class KVHandover(msgspec.Struct, frozen=True):
+    """Where a prompt's KV is and how to check it arrived whole."""
+    mode: str                      # "store" | "nixl" | "none" (decode recomputes)
+    num_tokens: int                # prompt tokens whose KV is handed over
+    keys: list[bytes] = []         # store: one key per block, the last maybe a partial block's
+    agent_name: str = ""           # nixl: the prefill node's agent
+    side_channel: str = ""         # nixl: zmq endpoint serving the agent's metadata
+    regions: list[tuple[int, int, int]] = []  # nixl: (address, bytes, device id) per block
+    digests: list[int] = []        # xxh3-64 of each block's bytes, checked after the READ
+    lease_s: float = 0.0           # nixl: seconds the prefill node keeps the blocks pinned
+
+
+class Ping(msgspec.Struct, tag=True):
+    seq: int
+
+
+class Pong(msgspec.Struct, tag=True):
+    seq: int
+    node_id: str
+    role: str
+    num_requests: int = 0
+    free_blocks: int = 0
+
+
+class PrefillRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    transfer: str  # "store" | "nixl"
+
+
+class PrefillResult(msgspec.Struct, tag=True):
+    request_id: str
+    first: StepOutput | None = None  # the first token, as the client will see it
+    handover: KVHandover | None = None
+    error: str | None = None
+
+
+class DecodeRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    first_token_ids: list[int] = []  # drawn by the prefill node
+    handover: KVHandover | None = None
+
+
+class TokenDelta(msgspec.Struct, tag=True):
+    output: StepOutput
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class NixlMetadataRequest(msgspec.Struct, tag=True):
+    pass
+
+
+class NixlMetadata(msgspec.Struct, tag=True):
+    agent_name: str
+    metadata: bytes
+
+
+Message = Union[Ping, Pong, PrefillRequest, PrefillResult, DecodeRequest, TokenDelta, Abort,
+                NixlMetadataRequest, NixlMetadata]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)
+
+
+__all__ = ["KVHandover", "Ping", "Pong", "PrefillRequest", "PrefillResult", "DecodeRequest", "TokenDelta",
+           "Abort", "NixlMetadataRequest", "NixlMetadata", "Message", "encode", "decode", "StepOutput",
+           "TokenLogprob"]
