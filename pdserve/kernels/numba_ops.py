@@ -48,29 +48,38 @@ def _decode_kernel(q, k_flat, k_offset, v_flat, v_offset, strides, block_size, k
     for work in prange(batch * kv_heads):
         b, kh = work // kv_heads, work % kv_heads
         length = context_lens[b]
+        qs = q[b, kh * group:(kh + 1) * group, :].copy() * scale
         scores = np.empty((group, length), dtype=np.float32)
-        qs = q[b, kh * group:(kh + 1) * group, :]
-        for t in range(length):
-            row = block_tables[b, t // block_size] * strides[0] + (t % block_size) * strides[1] + kh * strides[2]
-            for g in range(group):
-                acc = np.float32(0.0)
-                for d in range(head_dim):
-                    acc += qs[g, d] * k_flat[k_offset + row + d]
-                scores[g, t] = acc * scale
+        for t0 in range(0, length, block_size):
+            base = block_tables[b, t0 // block_size] * strides[0] + kh * strides[2]
+            for t in range(t0, min(t0 + block_size, length)):
+                row = k_offset + base + (t - t0) * strides[1]
+                key = k_flat[row:row + head_dim]  # 1-D contiguous views let LLVM vectorise
+                for g in range(group):
+                    qg = qs[g]
+                    acc = np.float32(0.0)
+                    for d in range(head_dim):
+                        acc += qg[d] * key[d]
+                    scores[g, t] = acc
         for g in range(group):
             peak = scores[g].max()
             total = np.float32(0.0)
             for t in range(length):
-                scores[g, t] = math.exp(scores[g, t] - peak)
-                total += scores[g, t]
+                e = math.exp(scores[g, t] - peak)
+                scores[g, t] = e
+                total += e
             scores[g] /= total
         acc_v = np.zeros((group, head_dim), dtype=np.float32)
-        for t in range(length):
-            row = block_tables[b, t // block_size] * strides[0] + (t % block_size) * strides[1] + kh * strides[2]
-            for g in range(group):
-                w = scores[g, t]
-                for d in range(head_dim):
-                    acc_v[g, d] += w * v_flat[v_offset + row + d]
+        for t0 in range(0, length, block_size):
+            base = block_tables[b, t0 // block_size] * strides[0] + kh * strides[2]
+            for t in range(t0, min(t0 + block_size, length)):
+                row = v_offset + base + (t - t0) * strides[1]
+                value = v_flat[row:row + head_dim]
+                for g in range(group):
+                    w = scores[g, t]
+                    acc_g = acc_v[g]
+                    for d in range(head_dim):
+                        acc_g[d] += w * value[d]
         out[b, kh * group:(kh + 1) * group, :] = acc_v
 
 
