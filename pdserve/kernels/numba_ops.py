@@ -45,42 +45,41 @@ def _decode_kernel(q, k_flat, k_offset, v_flat, v_offset, strides, block_size, k
                    block_tables, context_lens, scale, out):  # pragma: no cover
     batch, heads, head_dim = q.shape
     group = heads // kv_heads
-    for work in prange(batch * kv_heads):
-        b, kh = work // kv_heads, work % kv_heads
+    # One sequence per work item, all its KV heads together: each token's K (and V) row for all
+    # heads is one contiguous run, so the block streams through the cache in order.
+    for b in prange(batch):
         length = context_lens[b]
-        qs = q[b, kh * group:(kh + 1) * group, :].copy() * scale
-        scores = np.empty((group, length), dtype=np.float32)
-        for t0 in range(0, length, block_size):
-            base = block_tables[b, t0 // block_size] * strides[0] + kh * strides[2]
-            for t in range(t0, min(t0 + block_size, length)):
-                row = k_offset + base + (t - t0) * strides[1]
-                key = k_flat[row:row + head_dim]  # 1-D contiguous views let LLVM vectorise
-                for g in range(group):
-                    qg = qs[g]
+        qs = q[b].copy() * scale
+        scores = np.empty((heads, length), dtype=np.float32)
+        for t in range(length):
+            row = k_offset + block_tables[b, t // block_size] * strides[0] + (t % block_size) * strides[1]
+            for kh in range(kv_heads):
+                key = k_flat[row + kh * strides[2]:row + kh * strides[2] + head_dim]
+                for h in range(kh * group, (kh + 1) * group):
+                    qh = qs[h]
                     acc = np.float32(0.0)
                     for d in range(head_dim):
-                        acc += qg[d] * key[d]
-                    scores[g, t] = acc
-        for g in range(group):
-            peak = scores[g].max()
+                        acc += qh[d] * key[d]
+                    scores[h, t] = acc
+        for h in range(heads):
+            peak = scores[h].max()
             total = np.float32(0.0)
             for t in range(length):
-                e = math.exp(scores[g, t] - peak)
-                scores[g, t] = e
+                e = math.exp(scores[h, t] - peak)
+                scores[h, t] = e
                 total += e
-            scores[g] /= total
-        acc_v = np.zeros((group, head_dim), dtype=np.float32)
-        for t0 in range(0, length, block_size):
-            base = block_tables[b, t0 // block_size] * strides[0] + kh * strides[2]
-            for t in range(t0, min(t0 + block_size, length)):
-                row = v_offset + base + (t - t0) * strides[1]
-                value = v_flat[row:row + head_dim]
-                for g in range(group):
-                    w = scores[g, t]
-                    acc_g = acc_v[g]
+            scores[h] /= total
+        acc_v = np.zeros((heads, head_dim), dtype=np.float32)
+        for t in range(length):
+            row = v_offset + block_tables[b, t // block_size] * strides[0] + (t % block_size) * strides[1]
+            for kh in range(kv_heads):
+                value = v_flat[row + kh * strides[2]:row + kh * strides[2] + head_dim]
+                for h in range(kh * group, (kh + 1) * group):
+                    w = scores[h, t]
+                    acc_h = acc_v[h]
                     for d in range(head_dim):
-                        acc_g[d] += w * value[d]
-        out[b, kh * group:(kh + 1) * group, :] = acc_v
+                        acc_h[d] += w * value[d]
+        out[b] = acc_v
 
 
 def warm_up() -> None:
