@@ -11,7 +11,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "numba", "triton"])
@@ -33,6 +33,61 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default_transfer() -> str:
+    from importlib.util import find_spec
+    return "nixl" if find_spec("nixl") is not None else "store"
+
+
+def _add_node_args(p: argparse.ArgumentParser, role: str) -> None:
+    _add_engine_args(p)
+    p.add_argument("--node-id", default=f"{role}-0")
+    p.add_argument("--bind", default="tcp://127.0.0.1:5600", help="zmq endpoint for the router")
+    p.add_argument("--store", default=None, help="KV store URL: redis://, lmcache+redis://, memory://")
+    p.add_argument("--kv-timeout-s", type=float, default=30.0,
+                   help="how long a request may wait for its KV before it is computed locally")
+
+
+def _add_cluster_parsers(sub) -> None:
+    from pdserve.launcher import run_up
+    from pdserve.node_main import run_decode, run_prefill
+    from pdserve.router.main import run_router
+    pre = sub.add_parser("prefill", help="run one prefill node")
+    _add_node_args(pre, "prefill")
+    pre.add_argument("--nixl-side-channel", default=None, help="zmq endpoint serving NIXL metadata")
+    pre.add_argument("--lease-s", type=float, default=30.0, help="seconds NIXL-pinned blocks are kept")
+    pre.set_defaults(func=run_prefill)
+    dec = sub.add_parser("decode", help="run one decode node")
+    _add_node_args(dec, "decode")
+    dec.add_argument("--nixl", action="store_true", help="pull KV over NIXL")
+    dec.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute")
+    dec.add_argument("--pull-delay-s", type=float, default=0.0, help="fault injection: delay each KV pull")
+    dec.set_defaults(func=run_decode)
+    rt = sub.add_parser("router", help="run the OpenAI-compatible router")
+    rt.add_argument("--model", default="builtin:tiny")
+    rt.add_argument("--host", default="127.0.0.1")
+    rt.add_argument("--port", type=int, default=8000)
+    rt.add_argument("--prefill", action="append", help="a prefill node's zmq endpoint (repeat)")
+    rt.add_argument("--decode", action="append", help="a decode node's zmq endpoint (repeat)")
+    rt.add_argument("--kv-transfer", choices=["nixl", "store"], default=_default_transfer())
+    rt.add_argument("--block-size", type=int, default=16)
+    rt.add_argument("--dtype", default="auto")
+    rt.add_argument("--max-model-len", type=int, default=None)
+    rt.set_defaults(func=run_router)
+    up = sub.add_parser("up", help="start a local cluster: router, prefill and decode nodes (and Redis)")
+    _add_engine_args(up)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--prefill-nodes", type=int, default=1, help="0 runs whole requests on decode nodes")
+    up.add_argument("--decode-nodes", type=int, default=1)
+    up.add_argument("--kv-transfer", choices=["nixl", "store"], default=_default_transfer())
+    up.add_argument("--store", default=None,
+                    help="redis://host:port (direct Redis), lmcache+redis://host:port (LMCache CPU tier in "
+                         "front of Redis); with --kv-transfer store and no --store, a redis-server is started")
+    up.add_argument("--lease-s", type=float, default=30.0)
+    up.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute")
+    up.set_defaults(func=run_up)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     parser.add_argument("--log-level", default="INFO")
@@ -44,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
+    _add_cluster_parsers(sub)
     return parser
 
 

@@ -12,7 +12,7 @@ class EngineConfig:
     block_size: int = 16
     # KV memory: an explicit block count wins over the memory budget.
     num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
+    kv_cache_memory_gb: float = 0.5
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None

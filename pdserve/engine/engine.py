@@ -46,6 +46,7 @@ class LLMEngine:
         if hasattr(ops, "warm_up"):
             ops.warm_up()
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, ops, self.device)
+        self.last_step_tokens = 0
         self.outputs = OutputProcessor(self.tokenizer, _eos_ids(self.hf_config, self.tokenizer), self.max_model_len)
 
     # ---- set-up -------------------------------------------------------------------------
@@ -67,15 +68,17 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    output_token_ids: list[int] | None = None, remote_kv_tokens: int = 0) -> Request:
+                    output_token_ids: list[int] | None = None, remote_kv_tokens: int = 0,
+                    hold_blocks: bool = False) -> Request:
         """Queue a request. output_token_ids continues a generation (tokens drawn elsewhere);
         remote_kv_tokens > 0 admits it in WAITING_FOR_REMOTE_KVS with blocks for that many
-        tokens allocated (see Request.block_ids), until report_remote_kv is called."""
+        tokens allocated (see Request.block_ids), until report_remote_kv is called.
+        hold_blocks keeps the blocks after the request finishes, until release_blocks."""
         self._validate(request_id, prompt_token_ids, params)
-        req = Request(request_id, list(prompt_token_ids), params)
+        req = Request(request_id, list(prompt_token_ids), params, hold_blocks=hold_blocks)
         for token in output_token_ids or []:
             req.append_output(token)
-        self.outputs.add(request_id)
+        self.outputs.add(request_id, req.output_token_ids)
         if remote_kv_tokens > 0:
             remote = RemoteKV(min(remote_kv_tokens, req.num_tokens - 1),
                               time.monotonic() + self.config.remote_kv_timeout_s)
@@ -85,7 +88,7 @@ class LLMEngine:
         return req
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or request_id in self.scheduler.held:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -103,10 +106,14 @@ class LLMEngine:
             return
         req.remote_kv.landed, req.remote_kv.failed = ok, not ok
 
+    def release_blocks(self, request_id: str) -> bool:
+        """Free the blocks a finished hold_blocks request kept for its handover."""
+        return self.scheduler.release_held(request_id)
+
     def abort_request(self, request_id: str) -> bool:
         req = self.scheduler.requests.get(request_id)
         if req is None:
-            return False
+            return self.scheduler.release_held(request_id)
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         self.outputs.remove(request_id)
         return True
@@ -132,6 +139,7 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
+        self.last_step_tokens = batch.num_tokens
         if not batch.items:
             return []
         logits, to_sample = self.runner.execute(batch.items)

@@ -22,8 +22,13 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.states: dict[str, DetokenizerState] = {}
 
-    def add(self, request_id: str) -> None:
-        self.states[request_id] = DetokenizerState()
+    def add(self, request_id: str, output_token_ids: list[int] = ()) -> None:
+        """Track a request; output_token_ids were drawn (and sent) elsewhere already."""
+        state = DetokenizerState(read_offset=len(output_token_ids))
+        if output_token_ids and self.tokenizer is not None:
+            state.text = self.tokenizer.decode(list(output_token_ids), skip_special_tokens=True)
+            state.emitted = len(state.text)
+        self.states[request_id] = state
 
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)

@@ -50,6 +50,7 @@ class Request:
     remote_kv: RemoteKV | None = None
     block_keys: list[bytes] = field(default_factory=list)  # keys of full blocks, grown lazily
     num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
+    hold_blocks: bool = False  # on finish, keep the blocks (for a KV handover) until released
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -33,6 +33,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.held: dict[str, Request] = {}  # finished, blocks kept for a handover
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -123,11 +124,21 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """End a request in any state, freeing every block it holds."""
+        """End a request in any state, freeing every block it holds (or holding them for a
+        handover when the request asked for it and was not aborted)."""
         req.status = status
-        self.kv.free(req)
+        if req.hold_blocks and status != RequestStatus.FINISHED_ABORTED:
+            self.held[req.request_id] = req
+        else:
+            self.kv.free(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.requests.pop(req.request_id, None)
+
+    def release_held(self, request_id: str) -> bool:
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
+        return req is not None

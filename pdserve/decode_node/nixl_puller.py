@@ -1,0 +1,101 @@
+"""The decode side of a NIXL handover: fetch the prefill agent's metadata over its zmq side
+channel once, READ the blocks, then check lease and digests before trusting them."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from pdserve.kvstore.nixl_transfer import NixlKVAgent, NixlReadHandle, NixlTransferError, mismatched_blocks
+from pdserve.messages import KVHandover, NixlMetadata, NixlMetadataRequest, decode, encode
+
+log = logging.getLogger(__name__)
+METADATA_TIMEOUT_MS = 3000
+LEASE_MARGIN_S = 0.25  # a READ must finish this long before the lease ends to be trusted
+
+
+@dataclass
+class Pull:
+    handle: NixlReadHandle
+    handover: KVHandover
+    local_ids: list[int]
+    first: int
+    lease_end: float
+
+
+class NixlPuller:
+    def __init__(self, name: str, kv_cache, ctx: zmq.Context):
+        self.agent = NixlKVAgent(name, kv_cache)
+        self.kv_cache = kv_cache
+        self.ctx = ctx
+        self.peers: dict[str, str] = {}  # side channel -> agent name
+        self.pulls: dict[str, Pull] = {}
+
+    def _peer(self, side_channel: str) -> str:
+        if side_channel not in self.peers:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(side_channel)
+            try:
+                sock.send(encode(NixlMetadataRequest()))
+                if not sock.poll(METADATA_TIMEOUT_MS):
+                    raise NixlTransferError(f"no NIXL metadata from {side_channel}")
+                reply = decode(sock.recv())
+            finally:
+                sock.close(0)
+            if not isinstance(reply, NixlMetadata):
+                raise NixlTransferError(f"unexpected side-channel reply {type(reply).__name__}")
+            name = self.agent.add_peer(reply.metadata)
+            self.agent.make_connection(name)
+            self.peers[side_channel] = name
+        return self.peers[side_channel]
+
+    def start(self, rid: str, handover: KVHandover, local_ids: list[int], first: int) -> bool:
+        """Post the READ of blocks [first:] of the handover; False if it cannot start."""
+        lease_end = time.monotonic() + handover.lease_s  # measured from receipt: no clock skew
+        try:
+            peer = self._peer(handover.side_channel)
+            handle = self.agent.start_read(peer, handover.regions[first:], local_ids[first:], notif=rid.encode(),
+                                           timeout_s=max(handover.lease_s - LEASE_MARGIN_S, 0.1))
+        except (NixlTransferError, ValueError, IndexError) as exc:
+            log.warning("[%s] NIXL READ not started: %s", rid, exc)
+            self.peers.pop(handover.side_channel, None)
+            return False
+        self.pulls[rid] = Pull(handle, handover, local_ids, first, lease_end)
+        return True
+
+    def poll(self) -> list[tuple[str, bool]]:
+        """(request id, arrived whole) for each READ that ended since the last call."""
+        done = []
+        for rid, pull in list(self.pulls.items()):
+            state = self.agent.poll(pull.handle)
+            if state == "PROC":
+                continue
+            del self.pulls[rid]
+            done.append((rid, state == "DONE" and self._trusted(rid, pull)))
+        return done
+
+    def _trusted(self, rid: str, pull: Pull) -> bool:
+        if time.monotonic() > pull.lease_end - LEASE_MARGIN_S:
+            log.warning("[%s] READ ended after the lease: the blocks may have been reused", rid)
+            return False
+        ids = pull.local_ids[pull.first:]
+        bad = mismatched_blocks(self.kv_cache, ids, pull.handover.digests[pull.first:])
+        if bad:
+            log.warning("[%s] %d blocks failed their digest check", rid, len(bad))
+        return not bad
+
+    def release_remote(self, handover: KVHandover, rid: str) -> None:
+        """Tell the prefill node to free blocks we will not read."""
+        try:
+            self.agent.send_notification(self._peer(handover.side_channel), rid.encode())
+        except NixlTransferError as exc:
+            log.debug("[%s] could not notify the prefill node (its lease will free them): %s", rid, exc)
+
+    def in_flight(self, rid: str) -> bool:
+        return rid in self.pulls
+
+    def close(self) -> None:
+        self.agent.close()

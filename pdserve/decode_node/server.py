@@ -1,0 +1,132 @@
+"""Decode node: admits each request in WAITING_FOR_REMOTE_KVS with its blocks allocated, pulls
+the prompt's KV (NIXL READ or store fetch), checks it arrived whole, then decodes it in the
+continuous batch and streams tokens back. A failed or late pull never hangs a request: it is
+recomputed locally (or failed, if so configured)."""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.kvstore.base import KVStore
+from pdserve.kvstore.errors import KVStoreError
+from pdserve.messages import DecodeRequest, KVHandover, Message
+from pdserve.node_runtime import NodeRuntime
+from pdserve.decode_node.nixl_puller import NixlPuller
+
+log = logging.getLogger(__name__)
+
+
+class DecodeNode(NodeRuntime):
+    role = "decode"
+
+    def __init__(self, engine: LLMEngine, bind: str, node_id: str, store: KVStore | None = None,
+                 use_nixl: bool = False, on_transfer_failure: str = "recompute", pull_delay_s: float = 0.0):
+        super().__init__(engine, bind, node_id)
+        self.store = store
+        self.on_transfer_failure = on_transfer_failure
+        self.pull_delay_s = pull_delay_s  # fault injection for tests: wait before pulling
+        self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-fetch") if store else None
+        self.fetches: dict[str, Future] = {}
+        self.nixl = NixlPuller(node_id, engine.kv_cache, self.ctx) if use_nixl else None
+        self.deferred_aborts: set[str] = set()
+        self.delayed: list[tuple[float, Request, KVHandover]] = []
+
+    def handle(self, identity: bytes, msg: Message) -> None:
+        if not isinstance(msg, DecodeRequest):
+            log.warning("decode node ignores %s", type(msg).__name__)
+            return
+        rid, handover = msg.request_id, msg.handover
+        pull = handover is not None and handover.mode in ("store", "nixl") and handover.num_tokens > 0
+        try:
+            req = self.engine.add_request(rid, msg.prompt_token_ids, msg.params, output_token_ids=msg.first_token_ids,
+                                          remote_kv_tokens=handover.num_tokens if pull else 0)
+        except ValueError as exc:
+            return self.fail(identity, rid, str(exc))
+        self.origin[rid] = identity
+        self.stats.requests += 1
+        if pull and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.delayed.append((time.monotonic() + self.pull_delay_s, req, handover))
+            self._start_due_pulls()
+
+    def _start_due_pulls(self) -> None:
+        now = time.monotonic()
+        due = [d for d in self.delayed if d[0] <= now]
+        self.delayed = [d for d in self.delayed if d[0] > now]
+        for _, req, handover in due:
+            if req.request_id in self.engine.scheduler.requests:
+                self._start_pull(req, handover)
+
+    def _start_pull(self, req: Request, handover: KVHandover) -> None:
+        bs = self.engine.config.block_size
+        first = req.num_computed_tokens // bs  # blocks the local prefix cache already had
+        n_blocks = -(-handover.num_tokens // bs)
+        if first >= n_blocks:
+            self._finish_pull(req.request_id, True, handover)
+            return
+        if handover.mode == "store" and self.fetcher is not None:
+            counts = [min(bs, handover.num_tokens - i * bs) for i in range(first, n_blocks)]
+            self.fetches[req.request_id] = self.fetcher.submit(
+                self._fetch, handover.keys[first:n_blocks], req.block_ids[first:n_blocks], counts)
+        elif handover.mode == "nixl" and self.nixl is not None:
+            ok = self.nixl.start(req.request_id, handover, req.block_ids[:n_blocks], first)
+            if not ok:
+                self._finish_pull(req.request_id, False, handover)
+        else:
+            self._finish_pull(req.request_id, False, handover)
+
+    def _fetch(self, keys: list[bytes], block_ids: list[int], counts: list[int]) -> bool:
+        try:
+            return self.store.get(keys, self.engine.kv_cache, block_ids, counts) == len(keys)
+        except KVStoreError as exc:
+            log.warning("store fetch failed: %s", exc)
+            return False
+
+    def poll_background(self) -> None:
+        if self.delayed:
+            self._start_due_pulls()
+        for rid in [r for r, f in self.fetches.items() if f.done()]:
+            self._finish_pull(rid, self.fetches.pop(rid).result(), None)
+        if self.nixl is not None:
+            for rid, ok in self.nixl.poll():
+                self._finish_pull(rid, ok, None)
+
+    def _finish_pull(self, rid: str, ok: bool, handover: KVHandover | None) -> None:
+        if self.nixl is not None and handover is not None and handover.mode == "nixl":
+            self.nixl.release_remote(handover, rid)  # nothing was read: let the prefill node free them
+        if rid in self.deferred_aborts:
+            self.deferred_aborts.discard(rid)
+            super().abort(rid)
+            return
+        if ok:
+            self.stats.transfers_ok += 1
+        else:
+            self.stats.transfers_failed += 1
+            log.warning("[%s] KV pull failed: %s", rid, self.on_transfer_failure)
+            if self.on_transfer_failure == "fail":
+                identity = self.origin.get(rid)
+                super().abort(rid)
+                if identity is not None:
+                    self.fail(identity, rid, "the prompt's KV could not be transferred")
+                return
+        self.engine.report_remote_kv(rid, ok)
+
+    def abort(self, request_id: str) -> None:
+        # A pull in flight writes into the request's blocks: free them only once it ends.
+        if request_id in self.fetches or (self.nixl is not None and self.nixl.in_flight(request_id)):
+            self.deferred_aborts.add(request_id)
+            self.origin.pop(request_id, None)
+            return
+        self.delayed = [d for d in self.delayed if d[1].request_id != request_id]
+        super().abort(request_id)
+
+    def close(self) -> None:
+        super().close()
+        if self.fetcher is not None:
+            self.fetcher.shutdown(wait=True, cancel_futures=True)
+        if self.nixl is not None:
+            self.nixl.close()
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,142 @@
+"""`pdserve up`: a whole local cluster, one OS process per node, stopped together."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from pdserve.transport import free_port
+
+log = logging.getLogger(__name__)
+READY_TIMEOUT_S = 300
+FORWARDED_ENGINE_FLAGS = ("model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
+                          "max_num_batched_tokens", "max_num_seqs", "kernel_backend")
+
+
+def _die_with_parent() -> None:
+    # Linux: a node gets SIGTERM if `pdserve up` dies without cleaning up.
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Cluster:
+    def __init__(self, args):
+        self.args = args
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def spawn(self, name: str, cmd: list[str]) -> None:
+        log.info("starting %s: %s", name, " ".join(cmd))
+        self.procs.append((name, subprocess.Popen(cmd, preexec_fn=_die_with_parent)))
+
+    def node_cmd(self, role: str, node_id: str, bind: str, extra: list[str]) -> list[str]:
+        cmd = [sys.executable, "-m", "pdserve", "--log-level", self.args.log_level, role,
+               "--node-id", node_id, "--bind", bind]
+        for flag in FORWARDED_ENGINE_FLAGS:
+            value = getattr(self.args, flag)
+            if value is not None:
+                cmd += [f"--{flag.replace('_', '-')}", str(value)]
+        return cmd + extra
+
+    def start(self) -> str:
+        a = self.args
+        store = self._store_url()
+        prefill, decode = [], []
+        for i in range(a.prefill_nodes):
+            addr = f"tcp://127.0.0.1:{free_port()}"
+            extra = ["--lease-s", str(a.lease_s)] + (["--store", store] if store else [])
+            if a.kv_transfer == "nixl":
+                extra += ["--nixl-side-channel", f"tcp://127.0.0.1:{free_port()}"]
+            self.spawn(f"prefill-{i}", self.node_cmd("prefill", f"prefill-{i}", addr, extra))
+            prefill.append(addr)
+        for i in range(a.decode_nodes):
+            addr = f"tcp://127.0.0.1:{free_port()}"
+            extra = (["--store", store] if store else []) + (["--nixl"] if a.kv_transfer == "nixl" else [])
+            extra += ["--on-transfer-failure", a.on_transfer_failure]
+            self.spawn(f"decode-{i}", self.node_cmd("decode", f"decode-{i}", addr, extra))
+            decode.append(addr)
+        router = [sys.executable, "-m", "pdserve", "--log-level", a.log_level, "router", "--model", a.model,
+                  "--host", a.host, "--port", str(a.port), "--kv-transfer", a.kv_transfer,
+                  "--block-size", str(a.block_size)]
+        router += [x for addr in prefill for x in ("--prefill", addr)]
+        router += [x for addr in decode for x in ("--decode", addr)]
+        self.spawn("router", router)
+        return f"http://{a.host}:{a.port}"
+
+    def _store_url(self) -> str | None:
+        a = self.args
+        if a.kv_transfer != "store":
+            return a.store
+        if a.store and a.store.startswith("memory://"):
+            raise ValueError("memory:// lives inside one process; a cluster's nodes are separate processes. "
+                             "Use redis://host:port, lmcache+redis://host:port, or omit --store to start Redis")
+        if a.store:
+            return a.store
+        if not shutil.which("redis-server"):
+            raise ValueError("--kv-transfer store needs redis-server on PATH, or --store redis://host:port")
+        port = free_port()
+        self.spawn("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--loglevel", "warning"])
+        return f"redis://127.0.0.1:{port}"
+
+    def wait_ready(self, url: str) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the cluster was not healthy within {READY_TIMEOUT_S} s")
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None and name in ("router", "redis"):
+                raise RuntimeError(f"{name} exited with code {proc.returncode}")
+
+    def stop(self) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 10
+        for name, proc in self.procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop: killing it", name)
+                proc.kill()
+
+
+def run_up(args) -> int:
+    cluster = Cluster(args)
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        url = cluster.start()
+        cluster.wait_ready(url)
+        print(f"pdserve up: {url}/v1 serving {args.model} with {args.prefill_nodes} prefill and "
+              f"{args.decode_nodes} decode nodes (kv transfer: {args.kv_transfer})", flush=True)
+        while True:
+            cluster.check_alive()
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        log.info("stopping the cluster")
+        return 0
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        cluster.stop()

@@ -1,0 +1,39 @@
+"""`pdserve prefill` and `pdserve decode`: build the engine, the store and NIXL, then serve."""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def _engine(args):
+    from pdserve.cli import engine_options
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    return LLMEngine(EngineConfig(model=args.model, remote_kv_timeout_s=args.kv_timeout_s, **engine_options(args)))
+
+
+def _store(args, engine):
+    if not args.store:
+        return None
+    from pdserve.kvstore.factory import make_store
+    from pdserve.kvstore.layout import KVLayout
+    return make_store(args.store, layout=KVLayout.from_cache(engine.kv_cache, args.model))
+
+
+def run_prefill(args) -> int:
+    from pdserve.prefill_node.server import PrefillNode
+    engine = _engine(args)
+    node = PrefillNode(engine, args.bind, args.node_id, store=_store(args, engine),
+                       nixl_side_channel=args.nixl_side_channel, lease_s=args.lease_s)
+    node.serve_forever()
+    return 0
+
+
+def run_decode(args) -> int:
+    from pdserve.decode_node.server import DecodeNode
+    engine = _engine(args)
+    node = DecodeNode(engine, args.bind, args.node_id, store=_store(args, engine), use_nixl=args.nixl,
+                      on_transfer_failure=args.on_transfer_failure, pull_delay_s=args.pull_delay_s)
+    node.serve_forever()
+    return 0

@@ -1,0 +1,131 @@
+"""The loop shared by prefill and decode nodes: read control messages, step the engine, reply.
+
+One thread owns the engine; transfers report back through hooks the loop polls, so no engine
+state is touched from another thread.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.outputs import StepOutput
+from pdserve.messages import Abort, Message, Ping, Pong, TokenDelta
+from pdserve.transport import NodeSocket
+
+log = logging.getLogger(__name__)
+IDLE_POLL_MS = 5
+
+
+@dataclass
+class NodeStats:
+    requests: int = 0
+    transfers_ok: int = 0
+    transfers_failed: int = 0
+    leases_expired: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class NodeRuntime:
+    role = "node"
+
+    def __init__(self, engine: LLMEngine, bind: str, node_id: str):
+        self.engine = engine
+        self.node_id = node_id
+        self.ctx = zmq.Context.instance()
+        self.control = NodeSocket(self.ctx, bind)
+        self.poller = zmq.Poller()
+        self.poller.register(self.control.sock, zmq.POLLIN)
+        self.origin: dict[str, bytes] = {}  # request id -> the router that sent it
+        self.stats = NodeStats()
+        self._stop = False
+
+    # ---- the loop -------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self.stop())
+        log.info("%s %s serving", self.role, self.node_id)
+        try:
+            while not self._stop:
+                self.run_once()
+        finally:
+            self.close()
+
+    def run_once(self) -> None:
+        # Block on the sockets only when the last step did no work (idle, or all requests are
+        # waiting for remote KV): otherwise keep stepping.
+        busy = self.engine.has_unfinished_requests() and self.engine.last_step_tokens > 0
+        self._read_messages(0 if busy else IDLE_POLL_MS)
+        self.poll_background()
+        if self.engine.has_unfinished_requests():
+            self.on_outputs(self.engine.step())
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def _read_messages(self, timeout_ms: int) -> None:
+        ready = dict(self.poller.poll(timeout_ms))
+        for sock in ready:
+            while (item := self.socket_for(sock).recv()) is not None:
+                self._dispatch(sock, *item)
+
+    def socket_for(self, raw) -> NodeSocket:
+        return self.control
+
+    def _dispatch(self, raw_sock, identity: bytes, msg: Message) -> None:
+        try:
+            if isinstance(msg, Ping):
+                self.socket_for(raw_sock).send(identity, self.pong(msg))
+            elif isinstance(msg, Abort):
+                self.abort(msg.request_id)
+            else:
+                self.handle(identity, msg)
+        except Exception:  # one bad message must not take the node down
+            log.exception("failed to handle %s", type(msg).__name__)
+
+    def pong(self, ping: Ping) -> Pong:
+        return Pong(ping.seq, self.node_id, self.role, len(self.engine.scheduler.requests),
+                    self.engine.pool.num_free)
+
+    # ---- hooks ----------------------------------------------------------------------------
+    def handle(self, identity: bytes, msg: Message) -> None:
+        raise NotImplementedError
+
+    def poll_background(self) -> None:
+        """Advance transfers, leases and other work that is not an engine step."""
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self.origin.pop(request_id, None)
+
+    def on_outputs(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            self.reply_delta(out)
+
+    def reply_delta(self, out: StepOutput) -> None:
+        identity = self.origin.get(out.request_id)
+        if identity is not None:
+            self.control.send(identity, TokenDelta(out))
+        if out.finished:
+            self.origin.pop(out.request_id, None)
+
+    def fail(self, identity: bytes, request_id: str, error: str) -> None:
+        log.warning("[%s] failed: %s", request_id, error)
+        self.control.send(identity, TokenDelta(StepOutput(request_id, [], "", True, "error", error=error)))
+        self.origin.pop(request_id, None)
+
+    def close(self) -> None:
+        self.control.close()
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()

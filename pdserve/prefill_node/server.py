@@ -1,0 +1,180 @@
+"""Prefill node: computes prompts' KV and first tokens, then hands the KV to a decode node
+through the KV store or by pinning the blocks for a NIXL READ (freed on the decode node's
+notification or when the lease expires)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import zmq
+
+from pdserve.engine.block_keys import block_key_chain
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.outputs import StepOutput
+from pdserve.kvstore.base import KVStore
+from pdserve.kvstore.errors import KVStoreError
+from pdserve.messages import KVHandover, Message, NixlMetadata, NixlMetadataRequest, PrefillRequest, PrefillResult
+from pdserve.node_runtime import NodeRuntime
+from pdserve.transport import NodeSocket
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PendingPrefill:
+    identity: bytes
+    request: PrefillRequest
+
+
+class PrefillNode(NodeRuntime):
+    role = "prefill"
+
+    def __init__(self, engine: LLMEngine, bind: str, node_id: str, store: KVStore | None = None,
+                 nixl_side_channel: str | None = None, lease_s: float = 30.0):
+        super().__init__(engine, bind, node_id)
+        self.store = store
+        self.lease_s = lease_s
+        self.pending: dict[str, PendingPrefill] = {}
+        self.leases: dict[str, float] = {}  # request id -> monotonic expiry of its pinned blocks
+        self.agent = None
+        self.side = None
+        if nixl_side_channel:
+            self._start_nixl(nixl_side_channel)
+
+    def _start_nixl(self, side_channel: str) -> None:
+        from pdserve.kvstore.nixl_transfer import NixlKVAgent
+        self.agent = NixlKVAgent(self.node_id, self.engine.kv_cache)
+        self.side = NodeSocket(self.ctx, side_channel)
+        self.side_channel = side_channel
+        self.poller.register(self.side.sock, zmq.POLLIN)
+
+    def socket_for(self, raw) -> NodeSocket:
+        return self.side if self.side is not None and raw is self.side.sock else self.control
+
+    # ---- requests -------------------------------------------------------------------------
+    def handle(self, identity: bytes, msg: Message) -> None:
+        if isinstance(msg, NixlMetadataRequest) and self.agent is not None:
+            self.side.send(identity, NixlMetadata(self.agent.name, self.agent.metadata()))
+        elif isinstance(msg, PrefillRequest):
+            self._admit(identity, msg)
+        else:
+            log.warning("prefill node ignores %s", type(msg).__name__)
+
+    def _admit(self, identity: bytes, req: PrefillRequest) -> None:
+        rid = req.request_id
+        if req.transfer == "nixl" and self.agent is None:
+            return self._reply_error(identity, rid, "this prefill node has no NIXL agent (start it with --nixl)")
+        if req.transfer == "store" and self.store is None:
+            return self._reply_error(identity, rid, "this prefill node has no KV store (start it with --store)")
+        # Only the first token is drawn here; the decode node draws the rest.
+        params = dataclasses.replace(req.params, max_tokens=1)
+        try:
+            stored = self._store_prefix_tokens(req.prompt_token_ids)
+            engine_req = self.engine.add_request(rid, req.prompt_token_ids, params, hold_blocks=True,
+                                                 remote_kv_tokens=stored)
+        except ValueError as exc:
+            return self._reply_error(identity, rid, str(exc))
+        if stored:
+            self._load_prefix_from_store(engine_req, stored)
+        self.pending[rid] = PendingPrefill(identity, req)
+        self.stats.requests += 1
+
+    def _store_prefix_tokens(self, prompt: list[int]) -> int:
+        """Tokens of the prompt's full blocks found in the shared store (reused, not recomputed)."""
+        if self.store is None or len(prompt) <= self.engine.config.block_size:
+            return 0
+        keys = block_key_chain(prompt[:-1], self.engine.config.block_size, self.engine.salt)
+        try:
+            return self.store.lookup_prefix(keys) * self.engine.config.block_size
+        except KVStoreError as exc:
+            log.warning("store lookup failed, computing the whole prompt: %s", exc)
+            return 0
+
+    def _load_prefix_from_store(self, req, num_tokens: int) -> None:
+        bs = self.engine.config.block_size
+        first = req.num_computed_tokens // bs  # blocks already cached locally need no fetch
+        keys = block_key_chain(req.prompt_token_ids[:num_tokens], bs, self.engine.salt)[first:]
+        ids = req.block_ids[first:first + len(keys)]
+        try:
+            loaded = self.store.get(keys, self.engine.kv_cache, ids, [bs] * len(keys))
+        except KVStoreError as exc:
+            log.warning("[%s] store fetch failed: %s", req.request_id, exc)
+            loaded = -1
+        self.engine.report_remote_kv(req.request_id, ok=loaded == len(keys))
+
+    def on_outputs(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            pending = self.pending.pop(out.request_id, None)
+            if pending is not None:
+                self._hand_over(pending, out)
+
+    def _hand_over(self, pending: PendingPrefill, first: StepOutput) -> None:
+        req = pending.request
+        rid = req.request_id
+        done = first.finish_reason == "stop" or req.params.max_tokens == 1
+        if not done:
+            first.finished, first.finish_reason = False, None
+        handover = None
+        try:
+            if not done:
+                handover = self._store_handover(req) if req.transfer == "store" else self._nixl_handover(req)
+        except (KVStoreError, RuntimeError) as exc:
+            log.warning("[%s] handover failed, the decode node will recompute: %s", rid, exc)
+            handover = KVHandover("none", 0)
+        if req.transfer != "nixl" or handover is None or handover.mode != "nixl":
+            self.engine.release_blocks(rid)
+        self.control.send(pending.identity, PrefillResult(rid, first=first, handover=handover))
+
+    def _store_handover(self, req: PrefillRequest) -> KVHandover:
+        prompt, bs = req.prompt_token_ids, self.engine.config.block_size
+        keys = block_key_chain(prompt, bs, self.engine.salt, include_partial=True)
+        held = self.engine.scheduler.held[req.request_id]
+        counts = [min(bs, len(prompt) - i * bs) for i in range(len(keys))]
+        t0 = time.perf_counter()
+        self.store.put(keys, self.engine.kv_cache, held.block_ids[:len(keys)], counts)
+        log.debug("[%s] stored %d blocks in %.1f ms", req.request_id, len(keys), (time.perf_counter() - t0) * 1e3)
+        return KVHandover("store", len(prompt), keys=keys)
+
+    def _nixl_handover(self, req: PrefillRequest) -> KVHandover:
+        from pdserve.kvstore.nixl_transfer import block_digest
+        prompt, bs = req.prompt_token_ids, self.engine.config.block_size
+        ids = self.engine.scheduler.held[req.request_id].block_ids[:-(-len(prompt) // bs)]
+        self.leases[req.request_id] = time.monotonic() + self.lease_s
+        return KVHandover("nixl", len(prompt), agent_name=self.agent.name, side_channel=self.side_channel,
+                          regions=self.agent.block_regions(ids), digests=block_digest(self.engine.kv_cache, ids),
+                          lease_s=self.lease_s)
+
+    def _reply_error(self, identity: bytes, rid: str, error: str) -> None:
+        log.warning("[%s] rejected: %s", rid, error)
+        self.control.send(identity, PrefillResult(rid, error=error))
+
+    # ---- leases ---------------------------------------------------------------------------
+    def poll_background(self) -> None:
+        if self.agent is None:
+            return
+        for _peer, note in self.agent.get_notifications():
+            rid = note.decode(errors="replace")
+            if self.leases.pop(rid, None) is not None:
+                self.engine.release_blocks(rid)
+                self.stats.transfers_ok += 1
+        now = time.monotonic()
+        for rid in [r for r, expiry in self.leases.items() if expiry <= now]:
+            del self.leases[rid]
+            self.engine.release_blocks(rid)
+            self.stats.leases_expired += 1
+            log.info("[%s] lease expired: pinned blocks freed", rid)
+
+    def abort(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+        self.leases.pop(request_id, None)
+        super().abort(request_id)
+
+    def close(self) -> None:
+        super().close()
+        if self.side is not None:
+            self.side.close()
+        if self.agent is not None:
+            self.agent.close()
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,46 @@
+"""`pdserve router`: the OpenAI-compatible HTTP front over the cluster's nodes."""
+from __future__ import annotations
+
+import logging
+
+from pdserve.engine.block_keys import block_key_chain, kv_layout_salt
+
+log = logging.getLogger(__name__)
+
+
+def layout_salt(model: str, hf_config, dtype: str, block_size: int) -> bytes:
+    """The nodes' block-key salt, from the model config alone (no torch, no weights)."""
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    return kv_layout_salt(model, hf_config.num_hidden_layers, kv_heads, head_dim, dtype, block_size)
+
+
+def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, block_size: int = 16,
+              dtype: str = "float32", max_model_len: int | None = None):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pdserve.models.loader import resolve_model_path
+    from pdserve.router.app import create_app
+    from pdserve.router.cluster import ClusterBackend
+
+    path = resolve_model_path(model)
+    hf_config = AutoConfig.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    salt = layout_salt(model, hf_config, dtype, block_size)
+    backend = ClusterBackend(model, prefill, decode, transfer,
+                             block_key_fn=lambda ids: block_key_chain(ids, block_size, salt))
+    app = create_app(backend, tokenizer, model, max_model_len or hf_config.max_position_embeddings)
+    app.add_event_handler("startup", backend.start)
+    app.add_event_handler("shutdown", backend.stop)
+    return app
+
+
+def run_router(args) -> int:
+    import uvicorn
+    app = build_app(args.model, args.prefill or [], args.decode or [], args.kv_transfer, args.block_size,
+                    "float32" if args.dtype == "auto" else args.dtype, args.max_model_len)
+    log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s", args.host, args.port,
+             len(args.prefill or []), len(args.decode or []), args.kv_transfer)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+    return 0

@@ -1,0 +1,52 @@
+"""zmq sockets carrying pdserve.messages: a ROUTER on each node, DEALERs on the router."""
+from __future__ import annotations
+
+import logging
+import socket
+
+import msgspec
+import zmq
+
+from pdserve.messages import Message, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class NodeSocket:
+    """A node's ROUTER socket: many peers, each message tagged with the sender's identity."""
+
+    def __init__(self, ctx: zmq.Context, bind: str):
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished peer's messages are dropped
+        self.sock.bind(bind)
+
+    def recv(self) -> tuple[bytes, Message] | None:
+        """One message if any is waiting; malformed frames are logged and skipped."""
+        try:
+            identity, payload = self.sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        except ValueError:
+            log.warning("dropped a message with an unexpected frame count")
+            return None
+        try:
+            return identity, decode(payload)
+        except msgspec.DecodeError as exc:
+            log.warning("dropped an undecodable message: %s", exc)
+            return None
+
+    def send(self, identity: bytes, msg: Message) -> None:
+        try:
+            self.sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # a full or vanished peer must not stop the node
+            log.warning("send to %r failed: %s", identity, exc)
+
+    def close(self) -> None:
+        self.sock.close(0)
