@@ -92,8 +92,11 @@ def test_remote_kv_landing_resumes_from_landed_prefix(llm):
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req.num_output_tokens == 1
     engine.kv_cache[req.block_ids] = blocks
     engine.report_remote_kv("r", ok=True)
-    got = _drain(engine, "r")
-    assert req.num_cached_tokens == len(prompt), "the landed prompt must not be recomputed"
+    got = [t for out in engine.step() if out.request_id == "r" for t in out.new_token_ids]
+    assert req.num_computed_tokens == len(prompt) + 1, "the landed prompt must not be recomputed"
+    got += _drain(engine, "r")
+    assert req.num_cached_tokens == 0, "landed KV is not a local prefix-cache hit"
+    assert engine.scheduler.num_preemptions == 0
     assert [first] + got == want
     assert engine.pool.num_in_use() == 0
 

@@ -77,6 +77,7 @@ class PrefillNode(NodeRuntime):
             return self._reply_error(identity, rid, str(exc))
         if stored:
             self._load_prefix_from_store(engine_req, stored)
+            engine_req.num_cached_tokens = max(engine_req.num_cached_tokens, stored)
         self.pending[rid] = PendingPrefill(identity, req)
         self.stats.requests += 1
 

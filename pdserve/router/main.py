@@ -31,9 +31,25 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     backend = ClusterBackend(model, prefill, decode, transfer,
                              block_key_fn=lambda ids: block_key_chain(ids, block_size, salt))
     app = create_app(backend, tokenizer, model, max_model_len or hf_config.max_position_embeddings)
-    app.add_event_handler("startup", backend.start)
-    app.add_event_handler("shutdown", backend.stop)
+    _run_with_app(app, backend)
     return app
+
+
+def _run_with_app(app, backend) -> None:
+    """Start the backend's sockets and health checks with the app, stop them with it."""
+    from contextlib import asynccontextmanager
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a):
+        await backend.start()
+        try:
+            async with inner(a) as state:
+                yield state
+        finally:
+            await backend.stop()
+
+    app.router.lifespan_context = lifespan
 
 
 def run_router(args) -> int:
