@@ -85,6 +85,7 @@ def _add_cluster_parsers(sub) -> None:
                          "front of Redis); with --kv-transfer store and no --store, a redis-server is started")
     up.add_argument("--lease-s", type=float, default=30.0)
     up.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute")
+    up.add_argument("--decode-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # fault injection
     up.set_defaults(func=run_up)
 
 

@@ -58,7 +58,7 @@ class Cluster:
         for i in range(a.decode_nodes):
             addr = f"tcp://127.0.0.1:{free_port()}"
             extra = (["--store", store] if store else []) + (["--nixl"] if a.kv_transfer == "nixl" else [])
-            extra += ["--on-transfer-failure", a.on_transfer_failure]
+            extra += ["--on-transfer-failure", a.on_transfer_failure, "--pull-delay-s", str(a.decode_pull_delay_s)]
             self.spawn(f"decode-{i}", self.node_cmd("decode", f"decode-{i}", addr, extra))
             decode.append(addr)
         router = [sys.executable, "-m", "pdserve", "--log-level", a.log_level, "router", "--model", a.model,

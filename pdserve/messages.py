@@ -35,6 +35,8 @@ class Pong(msgspec.Struct, tag=True):
     role: str
     num_requests: int = 0
     free_blocks: int = 0
+    total_blocks: int = 0
+    stats: dict[str, int] = {}
 
 
 class PrefillRequest(msgspec.Struct, tag=True):

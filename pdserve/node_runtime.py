@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 
 import zmq
 
@@ -23,11 +24,10 @@ IDLE_POLL_MS = 5
 
 @dataclass
 class NodeStats:
-    requests: int = 0
+    requests_total: int = 0
     transfers_ok: int = 0
     transfers_failed: int = 0
     leases_expired: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class NodeRuntime:
@@ -88,8 +88,9 @@ class NodeRuntime:
             log.exception("failed to handle %s", type(msg).__name__)
 
     def pong(self, ping: Ping) -> Pong:
+        stats = {k: v for k, v in dataclasses.asdict(self.stats).items() if isinstance(v, int)}
         return Pong(ping.seq, self.node_id, self.role, len(self.engine.scheduler.requests),
-                    self.engine.pool.num_free)
+                    self.engine.pool.num_free, self.engine.pool.num_blocks, stats)
 
     # ---- hooks ----------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:

@@ -52,9 +52,15 @@ class NixlPuller:
             self.peers[side_channel] = name
         return self.peers[side_channel]
 
-    def start(self, rid: str, handover: KVHandover, local_ids: list[int], first: int) -> bool:
+    def start(self, rid: str, handover: KVHandover, local_ids: list[int], first: int,
+              received_at: float) -> bool:
         """Post the READ of blocks [first:] of the handover; False if it cannot start."""
-        lease_end = time.monotonic() + handover.lease_s  # measured from receipt: no clock skew
+        # The lease runs from when we received the handover (our clock, so no skew between
+        # machines); it started a little earlier on the prefill node, which the margin covers.
+        lease_end = received_at + handover.lease_s
+        if time.monotonic() > lease_end - LEASE_MARGIN_S:
+            log.warning("[%s] the lease has expired before the READ: recomputing", rid)
+            return False
         try:
             peer = self._peer(handover.side_channel)
             handle = self.agent.start_read(peer, handover.regions[first:], local_ids[first:], notif=rid.encode(),

@@ -32,7 +32,7 @@ class DecodeNode(NodeRuntime):
         self.fetches: dict[str, Future] = {}
         self.nixl = NixlPuller(node_id, engine.kv_cache, self.ctx) if use_nixl else None
         self.deferred_aborts: set[str] = set()
-        self.delayed: list[tuple[float, Request, KVHandover]] = []
+        self.delayed: list[tuple[float, Request, KVHandover, float]] = []
 
     def handle(self, identity: bytes, msg: Message) -> None:
         if not isinstance(msg, DecodeRequest):
@@ -46,20 +46,25 @@ class DecodeNode(NodeRuntime):
         except ValueError as exc:
             return self.fail(identity, rid, str(exc))
         self.origin[rid] = identity
-        self.stats.requests += 1
-        if pull and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            self.delayed.append((time.monotonic() + self.pull_delay_s, req, handover))
+        self.stats.requests_total += 1
+        if pull and req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # No room for the handed-over blocks: computed here instead; free the sender's now.
+            if handover.mode == "nixl" and self.nixl is not None:
+                self.nixl.release_remote(handover, rid)
+        elif pull:
+            now = time.monotonic()
+            self.delayed.append((now + self.pull_delay_s, req, handover, now))
             self._start_due_pulls()
 
     def _start_due_pulls(self) -> None:
         now = time.monotonic()
         due = [d for d in self.delayed if d[0] <= now]
         self.delayed = [d for d in self.delayed if d[0] > now]
-        for _, req, handover in due:
+        for _, req, handover, received_at in due:
             if req.request_id in self.engine.scheduler.requests:
-                self._start_pull(req, handover)
+                self._start_pull(req, handover, received_at)
 
-    def _start_pull(self, req: Request, handover: KVHandover) -> None:
+    def _start_pull(self, req: Request, handover: KVHandover, received_at: float) -> None:
         bs = self.engine.config.block_size
         first = req.num_computed_tokens // bs  # blocks the local prefix cache already had
         n_blocks = -(-handover.num_tokens // bs)
@@ -71,7 +76,7 @@ class DecodeNode(NodeRuntime):
             self.fetches[req.request_id] = self.fetcher.submit(
                 self._fetch, handover.keys[first:n_blocks], req.block_ids[first:n_blocks], counts)
         elif handover.mode == "nixl" and self.nixl is not None:
-            ok = self.nixl.start(req.request_id, handover, req.block_ids[:n_blocks], first)
+            ok = self.nixl.start(req.request_id, handover, req.block_ids[:n_blocks], first, received_at)
             if not ok:
                 self._finish_pull(req.request_id, False, handover)
         else:

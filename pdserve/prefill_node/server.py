@@ -79,7 +79,7 @@ class PrefillNode(NodeRuntime):
             self._load_prefix_from_store(engine_req, stored)
             engine_req.num_cached_tokens = max(engine_req.num_cached_tokens, stored)
         self.pending[rid] = PendingPrefill(identity, req)
-        self.stats.requests += 1
+        self.stats.requests_total += 1
 
     def _store_prefix_tokens(self, prompt: list[int]) -> int:
         """Tokens of the prompt's full blocks found in the shared store (reused, not recomputed)."""

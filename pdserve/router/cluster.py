@@ -113,7 +113,8 @@ class ClusterBackend:
             if not node.healthy:
                 log.info("%s (%s) is healthy", node.node_id, node.address)
             node.healthy, node.last_pong = True, time.monotonic()
-            node.stats = {"requests": msg.num_requests, "free_blocks": msg.free_blocks}
+            node.stats = {"requests": msg.num_requests, "free_blocks": msg.free_blocks,
+                          "total_blocks": msg.total_blocks, **msg.stats}
         elif isinstance(msg, PrefillResult):
             node.requests.discard(msg.request_id)
             fut = self.prefill_results.get(msg.request_id)

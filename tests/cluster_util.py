@@ -1,0 +1,76 @@
+"""Start a real `pdserve up` cluster (separate OS processes over real sockets) for tests."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from pdserve.transport import free_port
+
+
+@contextlib.contextmanager
+def running_cluster(*flags: str, timeout_s: float = 240.0):
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url, timeout_s)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError("pdserve up did not stop on SIGTERM")
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"pdserve up exited early:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("cluster never became healthy")
+
+
+def node_stats(url: str) -> dict[str, dict]:
+    return {n["id"]: n for n in httpx.get(f"{url}/health", timeout=5).json()["nodes"]}
+
+
+def node_pids(up_pid: int) -> dict[str, int]:
+    """Node id (or 'router', 'redis') -> pid, read from the children's command lines."""
+    import psutil
+    out = {}
+    for child in psutil.Process(up_pid).children():
+        cmd = child.cmdline()
+        if "--node-id" in cmd:
+            out[cmd[cmd.index("--node-id") + 1]] = child.pid
+        elif "router" in cmd:
+            out["router"] = child.pid
+        elif cmd and "redis-server" in cmd[0]:
+            out["redis"] = child.pid
+    return out
+
+
+def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError("condition not met in time")

@@ -1,0 +1,101 @@
+"""A real cluster (`pdserve up`: router, prefill and decode nodes as separate processes, Redis
+when the store is used) driven through the official openai client, against the offline LLM."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import openai
+import pytest
+
+from cluster_util import node_stats, running_cluster, wait_for
+from pdserve import LLM, SamplingParams
+
+PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 3, "a",
+           "Disaggregated serving splits prefill from decode; " * 2, "0123456789" * 5, "short one"]
+LEASE_PROMPTS = ["Hello world, again", "Second prompt here"]  # 18 tokens: two blocks each
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM("builtin:tiny", num_kv_blocks=512)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    prompts = PROMPTS + LEASE_PROMPTS
+    return {p: o.outputs[0] for p, o in zip(prompts, llm.generate(prompts, params, use_tqdm=False))}
+
+
+def _complete(client: openai.OpenAI, prompt: str) -> tuple[list[int], str]:
+    r = client.completions.create(model="builtin:tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = r.choices[0]
+    return choice.model_extra["token_ids"], choice.text
+
+
+@pytest.fixture(scope="module", params=["nixl", "store"])
+def cluster(request):
+    with running_cluster("--kv-transfer", request.param) as (url, proc):
+        yield request.param, url, proc
+
+
+def test_concurrent_greedy_matches_offline(cluster, reference):
+    mode, url, _ = cluster
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = dict(zip(PROMPTS, pool.map(lambda p: _complete(client, p), PROMPTS)))
+    for prompt, (ids, text) in results.items():
+        assert ids == reference[prompt].token_ids, f"{mode}: tokens differ for {prompt!r}"
+        assert text == reference[prompt].text
+    # Node stats reach the router with its health pings: give them a moment.
+    wait_for(lambda: node_stats(url)["decode-0"]["transfers_ok"] >= len(PROMPTS))
+    assert node_stats(url)["decode-0"]["transfers_failed"] == 0
+    # Every block is back in the pool once the requests are done (prefill frees on notification).
+    wait_for(lambda: all(n["free_blocks"] == n["total_blocks"] for n in node_stats(url).values()))
+
+
+def test_openai_client_streams_completions_and_chat(cluster, reference):
+    _, url, _ = cluster
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    prompt = PROMPTS[1]
+    chunks = client.completions.create(model="builtin:tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    text, usage = "", None
+    for chunk in chunks:
+        text += "".join(c.text for c in chunk.choices)
+        usage = chunk.usage or usage
+    assert text == reference[prompt].text
+    assert usage.completion_tokens == MAX_TOKENS
+    messages = [{"role": "user", "content": "hi there"}]
+    full = client.chat.completions.create(model="builtin:tiny", messages=messages, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    streamed = client.chat.completions.create(model="builtin:tiny", messages=messages, max_tokens=8,
+                                              temperature=0, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == full.choices[0].message.content
+    assert full.usage.completion_tokens == 8 and full.choices[0].finish_reason == "length"
+    assert [m.id for m in client.models.list().data] == ["builtin:tiny"]
+
+
+def test_bad_input_gets_openai_errors(cluster):
+    _, url, _ = cluster
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="builtin:tiny", prompt="x", max_tokens=5, temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=5)
+
+
+def test_expired_lease_is_recomputed_not_read_from_reused_memory(reference):
+    # Two blocks per node: the prefill node must reuse the first request's blocks for the
+    # second as soon as the lease frees them, while the decode node waits 1.5 s to pull.
+    flags = ("--kv-transfer", "nixl", "--num-kv-blocks", "2", "--lease-s", "0.3", "--decode-pull-delay-s", "1.5")
+    with running_cluster(*flags) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        prompts = LEASE_PROMPTS
+        with cf.ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda p: _complete(client, p), prompts))
+        for prompt, (ids, _) in zip(prompts, results):
+            assert ids == reference[prompt].token_ids
+        # The second request may find the decode cache full and be computed there from scratch.
+        stats = wait_for(lambda: (s := node_stats(url))["decode-0"]["transfers_failed"] >= 1 and s)
+        assert stats["prefill-0"]["leases_expired"] >= 1
+        assert stats["decode-0"]["transfers_ok"] == 0, "a pull after the lease must be refused"
