@@ -55,6 +55,8 @@ def _add_cluster_parsers(sub) -> None:
     _add_node_args(pre, "prefill")
     pre.add_argument("--nixl-side-channel", default=None, help="zmq endpoint serving NIXL metadata")
     pre.add_argument("--lease-s", type=float, default=30.0, help="seconds NIXL-pinned blocks are kept")
+    pre.add_argument("--advertise-host", default=None,
+                     help="host name decode nodes dial for the side channel (when bound to 0.0.0.0)")
     pre.set_defaults(func=run_prefill)
     dec = sub.add_parser("decode", help="run one decode node")
     _add_node_args(dec, "decode")

@@ -25,7 +25,8 @@ def run_prefill(args) -> int:
     from pdserve.prefill_node.server import PrefillNode
     engine = _engine(args)
     node = PrefillNode(engine, args.bind, args.node_id, store=_store(args, engine),
-                       nixl_side_channel=args.nixl_side_channel, lease_s=args.lease_s)
+                       nixl_side_channel=args.nixl_side_channel, lease_s=args.lease_s,
+                       advertise_host=args.advertise_host)
     node.serve_forever()
     return 0
 

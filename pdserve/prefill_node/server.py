@@ -27,11 +27,18 @@ class PendingPrefill:
     request: PrefillRequest
 
 
+def advertised(endpoint: str, host: str | None) -> str:
+    if not host:
+        return endpoint
+    scheme, rest = endpoint.split("://", 1)
+    return f"{scheme}://{host}:{rest.rsplit(':', 1)[1]}"
+
+
 class PrefillNode(NodeRuntime):
     role = "prefill"
 
     def __init__(self, engine: LLMEngine, bind: str, node_id: str, store: KVStore | None = None,
-                 nixl_side_channel: str | None = None, lease_s: float = 30.0):
+                 nixl_side_channel: str | None = None, lease_s: float = 30.0, advertise_host: str | None = None):
         super().__init__(engine, bind, node_id)
         self.store = store
         self.lease_s = lease_s
@@ -40,13 +47,14 @@ class PrefillNode(NodeRuntime):
         self.agent = None
         self.side = None
         if nixl_side_channel:
-            self._start_nixl(nixl_side_channel)
+            self._start_nixl(nixl_side_channel, advertise_host)
 
-    def _start_nixl(self, side_channel: str) -> None:
+    def _start_nixl(self, side_channel: str, advertise_host: str | None) -> None:
         from pdserve.kvstore.nixl_transfer import NixlKVAgent
         self.agent = NixlKVAgent(self.node_id, self.engine.kv_cache)
         self.side = NodeSocket(self.ctx, side_channel)
-        self.side_channel = side_channel
+        # Bound on e.g. tcp://0.0.0.0:5701; decode nodes must dial a name they can reach.
+        self.side_channel = advertised(side_channel, advertise_host)
         self.poller.register(self.side.sock, zmq.POLLIN)
 
     def socket_for(self, raw) -> NodeSocket:
