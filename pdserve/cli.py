@@ -83,8 +83,9 @@ def _add_cluster_parsers(sub) -> None:
     up.add_argument("--decode-nodes", type=int, default=1)
     up.add_argument("--kv-transfer", choices=["nixl", "store"], default=_default_transfer())
     up.add_argument("--store", default=None,
-                    help="redis://host:port (direct Redis), lmcache+redis://host:port (LMCache CPU tier in "
-                         "front of Redis); with --kv-transfer store and no --store, a redis-server is started")
+                    help="redis://host:port (direct Redis, the default), lmcache+redis://host:port (LMCache's "
+                         "CPU tier in front of Redis); with no host (e.g. lmcache+redis://) or no --store, "
+                         "--kv-transfer store starts a redis-server for the cluster")
     up.add_argument("--lease-s", type=float, default=30.0)
     up.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute")
     up.add_argument("--decode-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # fault injection

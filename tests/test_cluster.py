@@ -31,9 +31,13 @@ def _complete(client: openai.OpenAI, prompt: str) -> tuple[list[int], str]:
     return choice.model_extra["token_ids"], choice.text
 
 
-@pytest.fixture(scope="module", params=["nixl", "store"])
+CLUSTERS = {"nixl": ("--kv-transfer", "nixl"), "store": ("--kv-transfer", "store"),
+            "lmcache": ("--kv-transfer", "store", "--store", "lmcache+redis://")}
+
+
+@pytest.fixture(scope="module", params=list(CLUSTERS))
 def cluster(request):
-    with running_cluster("--kv-transfer", request.param) as (url, proc):
+    with running_cluster(*CLUSTERS[request.param]) as (url, proc):
         yield request.param, url, proc
 
 
