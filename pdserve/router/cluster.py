@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 PING_INTERVAL_S = 0.5
 DEAD_AFTER_S = 3.0
 PREFILL_TIMEOUT_S = 300.0
+TOKEN_TIMEOUT_S = 300.0  # a healthy node that sends nothing for this long still fails the request
 
 
 @dataclass
@@ -178,7 +179,11 @@ class ClusterBackend:
 
     async def _relay(self, queue: asyncio.Queue, rid: str) -> AsyncIterator[StepOutput]:
         while True:
-            out: StepOutput = await queue.get()
+            try:
+                out: StepOutput = await asyncio.wait_for(queue.get(), TOKEN_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                await self.abort(rid)
+                raise BackendError(f"no tokens for {TOKEN_TIMEOUT_S:.0f} s") from None
             if out.finish_reason == "error":
                 raise BackendError(out.error or "generation failed")
             yield out
