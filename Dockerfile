@@ -1,0 +1,45 @@
+# pdserve: one image for every role. The first argument picks it:
+#   docker run pdserve generate "Hello"
+#   docker run pdserve prefill --bind tcp://0.0.0.0:5600 ...
+# Redis is not in this image: compose.yaml runs the official redis:7 image as its own service.
+# The install steps are those of scripts/setup.sh. Not built on the dev machines or CI (they
+# have no Docker engine); see compose.yaml.
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PDSERVE_CACHE_DIR=/opt/pdserve/cache \
+    NUMBA_CACHE_DIR=/tmp/numba-cache
+
+WORKDIR /opt/pdserve/src
+
+# torch first and pinned, as scripts/setup.sh does, so nothing below can pull another build.
+# From the default index torch==2.13.0 on Linux x86_64 is the CUDA build (it runs on CPU too,
+# but is several GB); a CUDA base image would keep exactly that. For a CPU-only image pass
+# PyTorch's CPU wheel index: docker build --build-arg TORCH_INDEX_URL=<index URL> .
+ARG TORCH_INDEX_URL=
+RUN python -m pip install --upgrade pip \
+ && python -m pip install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+
+# Only what the install needs: the repo has no .dockerignore, and copying it whole would send
+# a local .venv and build caches into the image.
+COPY pyproject.toml README.md ./
+COPY pdserve ./pdserve
+RUN find pdserve -name __pycache__ -prune -exec rm -rf {} + \
+ && python -m pip install -e ".[all]"
+
+# Materialise the built-in model now, so every container of the image loads the same files
+# (they would be bit-identical anyway: fixed seed) and none spends its start-up writing them.
+RUN python -c "from pdserve.models.builtin import ensure_builtin_model; ensure_builtin_model('builtin:tiny')" \
+ && chmod -R a+rX /opt/pdserve/cache
+
+# Unprivileged at run time; the model cache is read-only for it, numba compiles into /tmp.
+RUN useradd --create-home --uid 1000 pdserve
+USER pdserve
+
+# Router port and the nodes' conventional control / NIXL side-channel ports (compose.yaml).
+EXPOSE 8000 5600 5601
+
+ENTRYPOINT ["pdserve"]
+CMD ["--help"]

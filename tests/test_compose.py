@@ -1,0 +1,204 @@
+"""compose.yaml is validated here, not run: there is no Docker engine on the dev machines or CI.
+
+The file is parsed with PyYAML (merge keys resolved, ${VAR:-default} substituted as compose
+would), and every pdserve container's command goes through pdserve's own CLI parser, so a flag
+typo fails here instead of in a container. Then the wiring: the router dials services that
+exist on the ports they bind, each prefill node advertises its own service name for its NIXL
+side channel, node ids are unique (they name NIXL agents), and health checks probe the ports
+the processes serve. When docker-compose (or the docker compose plugin) is installed, its own
+`config -q` check runs too.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from pdserve.cli import build_parser
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "compose.yaml"
+NODE_ROLES = ("prefill", "decode")
+_VAR = re.compile(r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?-)(?P<default>[^}]*))?\})")
+
+
+def interpolate(value, env: dict[str, str]):
+    """Compose's variable substitution for the forms this file may use: $$, ${V}, ${V:-d}, ${V-d}."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, default = m.group("name"), m.group("op"), m.group("default")
+        current = env.get(name)
+        if op == ":-" and not current:
+            return default
+        if op == "-" and current is None:
+            return default
+        return current or ""
+
+    out = _VAR.sub(sub, value)
+    assert "$" not in _VAR.sub("", value), f"unsupported variable syntax in {value!r}"
+    return out
+
+
+def load(env: dict[str, str] | None = None) -> dict:
+    return interpolate(yaml.safe_load(COMPOSE.read_text()), env or {})
+
+
+def endpoint(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    assert parts.scheme == "tcp" and parts.hostname and parts.port, f"not a tcp://host:port endpoint: {url}"
+    return parts.hostname, parts.port
+
+
+def parse_command(name: str, command: list[str]):
+    assert isinstance(command, list) and all(isinstance(a, str) for a in command), \
+        f"{name}: command must be a list of strings (exec form), got {command!r}"
+    try:
+        return build_parser().parse_args(command)
+    except SystemExit as exc:  # argparse reports the bad flag on stderr
+        pytest.fail(f"{name}: `pdserve {' '.join(command)}` does not parse (exit {exc.code})")
+
+
+def pdserve_services(doc: dict) -> dict[str, dict]:
+    """Services that run the pdserve image (built from the Dockerfile), not e.g. redis."""
+    return {name: svc for name, svc in doc["services"].items() if "build" in svc}
+
+
+@pytest.fixture(scope="module", params=[{}, {"PDSERVE_KV_TRANSFER": "store"}, {"PDSERVE_KV_TRANSFER": "nixl"}],
+                ids=["default-env", "store", "nixl"])
+def cluster(request):
+    doc = load(request.param)
+    args = {name: parse_command(name, svc["command"]) for name, svc in pdserve_services(doc).items()}
+    return doc, args, request.param
+
+
+def test_services_and_image(cluster):
+    doc, args, _ = cluster
+    services = doc["services"]
+    assert {"redis", "prefill-0", "prefill-1", "decode-0", "decode-1", "router"} <= set(services)
+    images = {svc["image"] for svc in pdserve_services(doc).values()}
+    assert len(images) == 1, f"every pdserve service should share one image, got {images}"
+    assert {a.command for a in args.values()} == {"prefill", "decode", "router"}
+    redis = services["redis"]
+    assert redis["image"].startswith("redis:7")
+    cmd = redis["command"]
+    assert cmd[0] == "redis-server"
+    assert cmd[cmd.index("--save") + 1] == "" and cmd[cmd.index("--appendonly") + 1] == "no"
+
+
+def test_nodes_bind_all_interfaces_and_have_unique_ids(cluster):
+    doc, args, _ = cluster
+    nodes = {n: a for n, a in args.items() if a.command in NODE_ROLES}
+    for name, a in nodes.items():
+        host, port = endpoint(a.bind)
+        assert host == "0.0.0.0", f"{name} binds {a.bind}: other containers cannot reach it"
+        assert str(port) in doc["services"][name].get("expose", []), f"{name} does not expose {port}"
+        assert a.node_id == name, f"{name} runs as --node-id {a.node_id}"
+    ids = [a.node_id for a in nodes.values()]
+    assert len(ids) == len(set(ids)), f"duplicate node ids (NIXL agent names): {ids}"
+
+
+def test_prefill_side_channel_is_advertised_under_the_service_name(cluster):
+    doc, args, _ = cluster
+    prefill = {n: a for n, a in args.items() if a.command == "prefill"}
+    assert len(prefill) >= 2
+    for name, a in prefill.items():
+        assert a.nixl_side_channel, f"{name} has no --nixl-side-channel"
+        host, port = endpoint(a.nixl_side_channel)
+        assert host == "0.0.0.0" and str(port) in doc["services"][name].get("expose", [])
+        assert a.advertise_host == name, f"{name} advertises {a.advertise_host!r}: decode nodes dial that name"
+
+
+def test_nodes_share_the_redis_service(cluster):
+    doc, args, _ = cluster
+    for name, a in args.items():
+        if a.command not in NODE_ROLES:
+            continue
+        assert a.store, f"{name} has no --store"
+        url = urlsplit(a.store)
+        assert url.scheme == "redis" and url.hostname in doc["services"], f"{name}: --store {a.store}"
+        assert url.port == 6379
+        assert url.hostname in doc["services"][name].get("depends_on", {}), f"{name} does not wait for {url.hostname}"
+        if a.command == "decode":
+            assert a.nixl, f"{name} cannot pull KV over NIXL without --nixl"
+
+
+def test_router_dials_existing_services_on_their_bound_ports(cluster):
+    doc, args, env = cluster
+    router = [n for n, a in args.items() if a.command == "router"]
+    assert len(router) == 1
+    name, r = router[0], args[router[0]]
+    for role, dialled in (("prefill", r.prefill or []), ("decode", r.decode or [])):
+        expected = {n for n, a in args.items() if a.command == role}
+        targets = []
+        for url in dialled:
+            host, port = endpoint(url)
+            assert host in args, f"router dials {url}: no service {host!r}"
+            assert args[host].command == role, f"router's --{role} {url} is a {args[host].command} node"
+            assert endpoint(args[host].bind)[1] == port, f"router dials {url}, {host} binds {args[host].bind}"
+            targets.append(host)
+        assert sorted(targets) == sorted(expected), f"router's --{role} list {targets} != services {expected}"
+        deps = doc["services"][name].get("depends_on", {})
+        assert expected <= set(deps), f"router does not depend on {expected - set(deps)}"
+    assert r.kv_transfer == env.get("PDSERVE_KV_TRANSFER", "nixl")
+    assert r.host == "0.0.0.0"
+    published = [str(p).rsplit(":", 1)[-1] for p in doc["services"][name].get("ports", [])]
+    assert str(r.port) in published, f"router listens on {r.port}, publishes {published}"
+
+
+def test_health_checks_probe_the_served_ports(cluster):
+    doc, args, _ = cluster
+    for name, a in args.items():
+        check = doc["services"][name].get("healthcheck")
+        assert check and check["test"][0] == "CMD", f"{name} has no exec-form healthcheck"
+        probe = " ".join(check["test"][1:])
+        if a.command == "router":
+            assert f"http://127.0.0.1:{a.port}/health" in probe
+        else:
+            assert f"tcp://127.0.0.1:{endpoint(a.bind)[1]}" in probe, f"{name}'s healthcheck misses its port"
+
+
+def test_node_healthcheck_speaks_the_control_protocol():
+    """The node healthcheck's inline script must still match pdserve.messages."""
+    doc = load()
+    probe = doc["services"]["prefill-0"]["healthcheck"]["test"][-1]
+    script = probe.split(";")
+    assert any("from pdserve.messages import" in part for part in script)
+    compile(probe, "healthcheck", "exec")  # valid Python
+    import pdserve.messages as messages
+    for name in ("Ping", "Pong", "encode", "decode"):
+        assert hasattr(messages, name)
+
+
+def _compose_cli() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=20)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    return None
+
+
+def test_docker_compose_config_accepts_the_file():
+    cli = _compose_cli()
+    if cli is None:
+        pytest.skip("neither docker-compose nor the docker compose plugin is installed")
+    for env in ({}, {"PDSERVE_KV_TRANSFER": "store"}):
+        result = subprocess.run([*cli, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
+                                timeout=60, env={**os.environ, **env}, cwd=ROOT)
+        assert result.returncode == 0, result.stderr
