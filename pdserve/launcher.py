@@ -64,7 +64,7 @@ class Cluster:
             decode.append(addr)
         router = [sys.executable, "-m", "pdserve", "--log-level", a.log_level, "router", "--model", a.model,
                   "--host", a.host, "--port", str(a.port), "--kv-transfer", a.kv_transfer,
-                  "--block-size", str(a.block_size)]
+                  "--block-size", str(a.block_size), "--dtype", a.dtype]
         router += [x for addr in prefill for x in ("--prefill", addr)]
         router += [x for addr in decode for x in ("--decode", addr)]
         self.spawn("router", router)

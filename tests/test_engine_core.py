@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -109,8 +110,25 @@ def test_remote_kv_deadline_and_failure_fall_back_to_local_compute(llm):
     engine.add_request("late", prompt, GREEDY, output_token_ids=want[:1], remote_kv_tokens=len(prompt))
     engine.add_request("failed", prompt, GREEDY, output_token_ids=want[:1], remote_kv_tokens=len(prompt))
     engine.report_remote_kv("failed", ok=False)  # blocks hold garbage: they must be recomputed
-    assert want[:1] + _drain(engine, "late") == want
+    pinned = engine.add_request("pinned", prompt, GREEDY, output_token_ids=want[:1], remote_kv_tokens=len(prompt))
+    engine.mark_remote_transfer("pinned")  # a transfer still writes into its blocks
+    assert want[:1] + _drain_until(engine, "late") == want
+    time.sleep(0.35)
+    engine.step()
+    assert pinned.status == RequestStatus.WAITING_FOR_REMOTE_KVS, "past its deadline, but the transfer is live"
+    engine.report_remote_kv("pinned", ok=False)
+    assert want[:1] + _drain(engine, "pinned") == want
     assert engine.pool.num_in_use() == 0
+
+
+def _drain_until(engine, request_id: str) -> list[int]:
+    """Step until request_id finishes (others may still be pending)."""
+    tokens: list[int] = []
+    while engine.get_request(request_id) is not None:
+        for out in engine.step():
+            if out.request_id == request_id:
+                tokens += out.new_token_ids
+    return tokens
 
 
 def _drain(engine, request_id: str) -> list[int]:

@@ -53,7 +53,7 @@ class NixlPuller:
         return self.peers[side_channel]
 
     def start(self, rid: str, handover: KVHandover, local_ids: list[int], first: int,
-              received_at: float) -> bool:
+              received_at: float, timeout_s: float) -> bool:
         """Post the READ of blocks [first:] of the handover; False if it cannot start."""
         # The lease runs from when we received the handover (our clock, so no skew between
         # machines); it started a little earlier on the prefill node, which the margin covers.
@@ -64,7 +64,8 @@ class NixlPuller:
         try:
             peer = self._peer(handover.side_channel)
             handle = self.agent.start_read(peer, handover.regions[first:], local_ids[first:], notif=rid.encode(),
-                                           timeout_s=max(handover.lease_s - LEASE_MARGIN_S, 0.1))
+                                           timeout_s=max(min(lease_end - LEASE_MARGIN_S - time.monotonic(),
+                                                             timeout_s), 0.1))
         except (NixlTransferError, ValueError, IndexError) as exc:
             log.warning("[%s] NIXL READ not started: %s", rid, exc)
             self.peers.pop(handover.side_channel, None)

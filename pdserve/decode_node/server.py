@@ -73,11 +73,15 @@ class DecodeNode(NodeRuntime):
             return
         if handover.mode == "store" and self.fetcher is not None:
             counts = [min(bs, handover.num_tokens - i * bs) for i in range(first, n_blocks)]
+            self.engine.mark_remote_transfer(req.request_id)
             self.fetches[req.request_id] = self.fetcher.submit(
                 self._fetch, handover.keys[first:n_blocks], req.block_ids[first:n_blocks], counts)
         elif handover.mode == "nixl" and self.nixl is not None:
-            ok = self.nixl.start(req.request_id, handover, req.block_ids[:n_blocks], first, received_at)
-            if not ok:
+            deadline = req.remote_kv.deadline - time.monotonic()
+            ok = self.nixl.start(req.request_id, handover, req.block_ids[:n_blocks], first, received_at, deadline)
+            if ok:
+                self.engine.mark_remote_transfer(req.request_id)
+            else:
                 self._finish_pull(req.request_id, False, handover)
         else:
             self._finish_pull(req.request_id, False, handover)

@@ -104,7 +104,14 @@ class LLMEngine:
         req = self.scheduler.requests.get(request_id)
         if req is None or req.remote_kv is None:
             return
-        req.remote_kv.landed, req.remote_kv.failed = ok, not ok
+        req.remote_kv.landed, req.remote_kv.failed, req.remote_kv.in_flight = ok, not ok, False
+
+    def mark_remote_transfer(self, request_id: str) -> None:
+        """A transfer into the request's blocks has started: hold it past its deadline until
+        report_remote_kv says how the transfer ended."""
+        req = self.scheduler.requests.get(request_id)
+        if req is not None and req.remote_kv is not None:
+            req.remote_kv.in_flight = True
 
     def release_blocks(self, request_id: str) -> bool:
         """Free the blocks a finished hold_blocks request kept for its handover."""

@@ -34,6 +34,9 @@ class RemoteKV:
     deadline: float  # time.monotonic() after which the request is computed locally
     landed: bool = False
     failed: bool = False
+    # A transfer is writing into the blocks: the deadline must not hand them to a recompute
+    # until the transfer has ended (its own timeout bounds the wait).
+    in_flight: bool = False
 
 
 @dataclass

@@ -108,7 +108,7 @@ class Scheduler:
         if remote.landed:
             # Keep one token to compute so there are logits to sample from.
             req.num_computed_tokens = max(req.num_computed_tokens, min(remote.num_tokens, req.num_tokens - 1))
-        elif not remote.failed and time.monotonic() < remote.deadline:
+        elif remote.in_flight or (not remote.failed and time.monotonic() < remote.deadline):
             return False
         # On failure or timeout the request recomputes into the blocks it already holds.
         req.remote_kv = None

@@ -40,6 +40,7 @@ def ensure_builtin_model(name: str) -> Path:
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
     try:
         write_builtin_model(staging, BUILTIN_MODELS[name])
+        _make_readable(staging)  # mkdtemp is private; the cache is shared by every user's nodes
         os.rename(staging, target)
     except OSError:
         if not (target / "model.safetensors").is_file():
@@ -47,6 +48,12 @@ def ensure_builtin_model(name: str) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _make_readable(path: Path) -> None:
+    path.chmod(0o755)
+    for f in path.iterdir():
+        f.chmod(0o644)
 
 
 def write_builtin_model(path: Path, dims: dict) -> None:

@@ -12,6 +12,7 @@ import zmq
 from pdserve.engine.block_keys import block_key_chain
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import StepOutput
+from pdserve.engine.request import RequestStatus
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
 from pdserve.messages import KVHandover, Message, NixlMetadata, NixlMetadataRequest, PrefillRequest, PrefillResult
@@ -72,7 +73,7 @@ class PrefillNode(NodeRuntime):
     def _admit(self, identity: bytes, req: PrefillRequest) -> None:
         rid = req.request_id
         if req.transfer == "nixl" and self.agent is None:
-            return self._reply_error(identity, rid, "this prefill node has no NIXL agent (start it with --nixl)")
+            return self._reply_error(identity, rid, "this prefill node has no NIXL agent (start it with --nixl-side-channel)")
         if req.transfer == "store" and self.store is None:
             return self._reply_error(identity, rid, "this prefill node has no KV store (start it with --store)")
         # Only the first token is drawn here; the decode node draws the rest.
@@ -83,9 +84,10 @@ class PrefillNode(NodeRuntime):
                                                  remote_kv_tokens=stored)
         except ValueError as exc:
             return self._reply_error(identity, rid, str(exc))
-        if stored:
-            self._load_prefix_from_store(engine_req, stored)
-            engine_req.num_cached_tokens = max(engine_req.num_cached_tokens, stored)
+        if stored and engine_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # (When the cache had no room for the stored blocks the request just computes.)
+            if self._load_prefix_from_store(engine_req, stored):
+                engine_req.num_cached_tokens = max(engine_req.num_cached_tokens, stored)
         self.pending[rid] = PendingPrefill(identity, req)
         self.stats.requests_total += 1
 
@@ -100,7 +102,7 @@ class PrefillNode(NodeRuntime):
             log.warning("store lookup failed, computing the whole prompt: %s", exc)
             return 0
 
-    def _load_prefix_from_store(self, req, num_tokens: int) -> None:
+    def _load_prefix_from_store(self, req, num_tokens: int) -> bool:
         bs = self.engine.config.block_size
         first = req.num_computed_tokens // bs  # blocks already cached locally need no fetch
         keys = block_key_chain(req.prompt_token_ids[:num_tokens], bs, self.engine.salt)[first:]
@@ -110,7 +112,9 @@ class PrefillNode(NodeRuntime):
         except KVStoreError as exc:
             log.warning("[%s] store fetch failed: %s", req.request_id, exc)
             loaded = -1
-        self.engine.report_remote_kv(req.request_id, ok=loaded == len(keys))
+        ok = loaded == len(keys)
+        self.engine.report_remote_kv(req.request_id, ok=ok)
+        return ok
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:

@@ -1,7 +1,7 @@
 """What the HTTP layer needs from whatever generates tokens: one async stream per request.
 
-Implementations: an in-process engine (the monolithic node) and the disaggregated cluster
-client (router -> prefill node -> decode node over zmq).
+Implementation: pdserve.router.cluster.ClusterBackend (router -> prefill node -> decode node
+over zmq; with no prefill nodes, whole requests run on decode nodes).
 """
 from __future__ import annotations
 
