@@ -88,6 +88,8 @@ def _add_cluster_parsers(sub) -> None:
                          "--kv-transfer store starts a redis-server for the cluster")
     up.add_argument("--lease-s", type=float, default=30.0)
     up.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute")
+    up.add_argument("--threads-per-node", type=int, default=None,
+                    help="compute threads per node (default: the machine's cores divided among the nodes)")
     up.add_argument("--decode-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # fault injection
     up.set_defaults(func=run_up)
 

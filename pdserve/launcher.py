@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -32,9 +33,21 @@ class Cluster:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.reported: set[str] = set()
 
-    def spawn(self, name: str, cmd: list[str]) -> None:
+    def spawn(self, name: str, cmd: list[str], threads: int | None = None) -> None:
         log.info("starting %s: %s", name, " ".join(cmd))
-        self.procs.append((name, subprocess.Popen(cmd, preexec_fn=_die_with_parent)))
+        env = dict(os.environ)
+        if threads:
+            # Each node gets its share of the cores: nodes that each size their torch and numba
+            # pools to every core oversubscribe the machine (measured: 0.3x the throughput).
+            env.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
+        self.procs.append((name, subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
+
+    def threads_per_node(self) -> int:
+        a = self.args
+        if a.threads_per_node:
+            return a.threads_per_node
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores // max(1, a.prefill_nodes + a.decode_nodes))
 
     def node_cmd(self, role: str, node_id: str, bind: str, extra: list[str]) -> list[str]:
         cmd = [sys.executable, "-m", "pdserve", "--log-level", self.args.log_level, role,
@@ -54,13 +67,13 @@ class Cluster:
             extra = ["--lease-s", str(a.lease_s)] + (["--store", store] if store else [])
             if a.kv_transfer == "nixl":
                 extra += ["--nixl-side-channel", f"tcp://127.0.0.1:{free_port()}"]
-            self.spawn(f"prefill-{i}", self.node_cmd("prefill", f"prefill-{i}", addr, extra))
+            self.spawn(f"prefill-{i}", self.node_cmd("prefill", f"prefill-{i}", addr, extra), self.threads_per_node())
             prefill.append(addr)
         for i in range(a.decode_nodes):
             addr = f"tcp://127.0.0.1:{free_port()}"
             extra = (["--store", store] if store else []) + (["--nixl"] if a.kv_transfer == "nixl" else [])
             extra += ["--on-transfer-failure", a.on_transfer_failure, "--pull-delay-s", str(a.decode_pull_delay_s)]
-            self.spawn(f"decode-{i}", self.node_cmd("decode", f"decode-{i}", addr, extra))
+            self.spawn(f"decode-{i}", self.node_cmd("decode", f"decode-{i}", addr, extra), self.threads_per_node())
             decode.append(addr)
         router = [sys.executable, "-m", "pdserve", "--log-level", a.log_level, "router", "--model", a.model,
                   "--host", a.host, "--port", str(a.port), "--kv-transfer", a.kv_transfer,

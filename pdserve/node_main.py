@@ -2,11 +2,21 @@
 from __future__ import annotations
 
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
 
+def _apply_thread_limit() -> None:
+    """torch reads OMP_NUM_THREADS at import on most builds; set it explicitly to be sure."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit():
+        import torch
+        torch.set_num_threads(int(threads))
+
+
 def _engine(args):
+    _apply_thread_limit()
     from pdserve.cli import engine_options
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine

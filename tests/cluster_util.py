@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -17,8 +18,10 @@ from pdserve.transport import free_port
 def running_cluster(*flags: str, timeout_s: float = 240.0):
     port = free_port()
     cmd = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    # Output goes to a file, not a pipe: a pipe nobody reads would block a chatty cluster.
+    log_file = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc.log_file = log_file
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, url, timeout_s)
@@ -37,7 +40,8 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"pdserve up exited early:\n{proc.stdout.read()}")
+            proc.log_file.seek(0)
+            raise AssertionError(f"pdserve up exited early:\n{proc.log_file.read()[-5000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return

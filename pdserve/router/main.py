@@ -58,5 +58,8 @@ def run_router(args) -> int:
                     "float32" if args.dtype == "auto" else args.dtype, args.max_model_len)
     log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s", args.host, args.port,
              len(args.prefill or []), len(args.decode or []), args.kv_transfer)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+    # uvloop and httptools when installed (the [standard] extra): the router's per-request cost is
+    # mostly event-loop and HTTP parsing work.
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2,
+                loop="auto", http="auto")
     return 0
