@@ -23,8 +23,10 @@ def running_cluster(*flags: str, timeout_s: float = 240.0):
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     proc.log_file = log_file
     url = f"http://127.0.0.1:{port}"
+    children: dict[str, int] = {}
     try:
         _wait_healthy(proc, url, timeout_s)
+        children = node_pids(proc.pid)
         yield url, proc
     finally:
         if proc.poll() is None:
@@ -34,6 +36,15 @@ def running_cluster(*flags: str, timeout_s: float = 240.0):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError("pdserve up did not stop on SIGTERM")
+        _assert_all_stopped(children)
+
+
+def _assert_all_stopped(children: dict[str, int]) -> None:
+    """`pdserve up` stops every process it started: router, nodes and its redis-server."""
+    import psutil
+    alive = {name: pid for name, pid in children.items()
+             if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE}
+    assert not alive, f"left running after pdserve up stopped: {alive}"
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
