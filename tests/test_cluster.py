@@ -103,3 +103,22 @@ def test_expired_lease_is_recomputed_not_read_from_reused_memory(reference):
         stats = wait_for(lambda: (s := node_stats(url))["decode-0"]["transfers_failed"] >= 1 and s)
         assert stats["prefill-0"]["leases_expired"] >= 1
         assert stats["decode-0"]["transfers_ok"] == 0, "a pull after the lease must be refused"
+
+
+def test_two_by_two_cluster_with_redis_shares_prefixes_across_prefill_nodes(reference):
+    with running_cluster("--prefill-nodes", "2", "--decode-nodes", "2", "--kv-transfer", "store") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        prompt = PROMPTS[1]  # 135 tokens: 8 full blocks
+        usages = []
+        for _ in range(2):  # round-robin: the second request goes to the other prefill node
+            r = client.completions.create(model="builtin:tiny", prompt=prompt, max_tokens=MAX_TOKENS,
+                                          temperature=0, extra_body={"ignore_eos": True})
+            assert r.choices[0].text == reference[prompt].text
+            usages.append(r.usage.prompt_tokens_details.cached_tokens)
+        assert usages[0] == 0
+        assert usages[1] == 128, "the other prefill node should reuse the 8 stored blocks from Redis"
+        with cf.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda p: _complete(client, p), PROMPTS[2:6]))
+        assert [ids for ids, _ in results] == [reference[p].token_ids for p in PROMPTS[2:6]]
+        stats = wait_for(lambda: (s := node_stats(url))["decode-1"]["transfers_ok"] > 0 and s)
+        assert all(stats[n]["requests_total"] > 0 for n in ("prefill-0", "prefill-1", "decode-0", "decode-1"))
