@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import shutil
@@ -107,9 +108,10 @@ class Cluster:
             self.check_alive()
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
+                    nodes = json.loads(resp.read())["nodes"]
+                if all(n["healthy"] for n in nodes):  # every node, not just one of each kind
+                    return
+            except (OSError, ValueError, KeyError):
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"the cluster was not healthy within {READY_TIMEOUT_S} s")

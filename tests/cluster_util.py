@@ -54,7 +54,8 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
             proc.log_file.seek(0)
             raise AssertionError(f"pdserve up exited early:\n{proc.log_file.read()[-5000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            resp = httpx.get(f"{url}/health", timeout=2)
+            if resp.status_code == 200 and all(n["healthy"] for n in resp.json()["nodes"]):
                 return
         except httpx.HTTPError:
             pass

@@ -120,5 +120,6 @@ def test_two_by_two_cluster_with_redis_shares_prefixes_across_prefill_nodes(refe
         with cf.ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda p: _complete(client, p), PROMPTS[2:6]))
         assert [ids for ids, _ in results] == [reference[p].token_ids for p in PROMPTS[2:6]]
-        stats = wait_for(lambda: (s := node_stats(url))["decode-1"]["transfers_ok"] > 0 and s)
-        assert all(stats[n]["requests_total"] > 0 for n in ("prefill-0", "prefill-1", "decode-0", "decode-1"))
+        names = ("prefill-0", "prefill-1", "decode-0", "decode-1")
+        stats = wait_for(lambda: (s := node_stats(url)) and all(s[n]["requests_total"] > 0 for n in names) and s)
+        assert stats["decode-0"]["transfers_ok"] > 0 and stats["decode-1"]["transfers_ok"] > 0
