@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import time
 import dataclasses
 from dataclasses import dataclass
 
@@ -122,11 +121,3 @@ class NodeRuntime:
     def close(self) -> None:
         self.control.close()
 
-
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()

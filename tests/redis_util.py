@@ -14,13 +14,9 @@ import subprocess
 import time
 from typing import Iterator
 
+from pdserve.transport import free_port  # noqa: E402  (re-exported for tests)
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ping(port: int, timeout: float = 0.2) -> bool:
