@@ -123,3 +123,23 @@ def test_two_by_two_cluster_with_redis_shares_prefixes_across_prefill_nodes(refe
         names = ("prefill-0", "prefill-1", "decode-0", "decode-1")
         stats = wait_for(lambda: (s := node_stats(url)) and all(s[n]["requests_total"] > 0 for n in names) and s)
         assert stats["decode-0"]["transfers_ok"] > 0 and stats["decode-1"]["transfers_ok"] > 0
+
+
+def test_seeded_sampling_stop_and_logprobs_match_offline(cluster):
+    """The prefill node draws the first token and the decode node the rest: a seeded request
+    must still draw exactly what one offline engine draws (draws depend on seed and position)."""
+    mode, url, _ = cluster
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    llm = LLM("builtin:tiny", num_kv_blocks=64)
+    prompt = PROMPTS[3]
+    sampled = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=7,
+                                                  ignore_eos=True, logprobs=2), use_tqdm=False)[0].outputs[0]
+    r = client.completions.create(model="builtin:tiny", prompt=prompt, max_tokens=10, temperature=0.9, top_p=0.95,
+                                  seed=7, logprobs=2, extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == sampled.token_ids, mode
+    got = r.choices[0].logprobs.token_logprobs
+    assert max(abs(a - b.logprob) for a, b in zip(got, sampled.logprobs)) < 1e-4
+    stop = sampled.text[4:6]
+    r = client.completions.create(model="builtin:tiny", prompt=prompt, max_tokens=10, temperature=0.9, top_p=0.95,
+                                  seed=7, stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == sampled.text[:sampled.text.index(stop)]
