@@ -106,10 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
     _add_cluster_parsers(sub)
+    sub.add_parser("bench", help="load generator for any OpenAI-compatible endpoint (pdserve bench --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # every flag belongs to the load generator, --help included
+        from pdserve.bench import main as bench_main
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -98,6 +98,8 @@ class GenerationGroup:
 
     async def close(self) -> None:
         """Stops the pumps and aborts every started request that has not finished."""
+        if not self._unfinished and all(task.done() for task in self._tasks):
+            return  # the common case: every choice finished; nothing to cancel or abort
         with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
             for task in self._tasks:
                 task.cancel()
