@@ -105,7 +105,7 @@ class Prefill:
         assert isinstance(msg, NixlBlockRegions) and msg.request_id == request_id
         return msg
 
-    def notifications(self, timeout_s: float = 5.0) -> list[tuple[str, bytes]]:
+    def notifications(self, timeout_s: float = 15.0) -> list[tuple[str, bytes]]:
         if not self.conn.poll(timeout_s):
             return []
         return _report_decoder.decode(self.conn.recv_bytes()).notifs
@@ -199,7 +199,8 @@ def test_peer_mode_reads_and_times_out_on_hung_peer() -> None:
                                        timeout_s=1.0)
             with pytest.raises(NixlTimeoutError):
                 decode.wait(handle)
-            assert time.monotonic() - t0 < 3
+            # 1 s deadline plus the cancel; generous because this 2-core machine is shared.
+            assert time.monotonic() - t0 < 8
             assert handle.released  # cancelled, so the local blocks can be reused
         finally:
             os.kill(worker.proc.pid, signal.SIGCONT)
