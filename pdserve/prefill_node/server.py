@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 class PendingPrefill:
     identity: bytes
     request: PrefillRequest
+    keys: list[bytes]  # the prompt's block-key chain, its trailing partial block included
 
 
 def advertised(endpoint: str, host: str | None) -> str:
@@ -78,34 +79,36 @@ class PrefillNode(NodeRuntime):
             return self._reply_error(identity, rid, "this prefill node has no KV store (start it with --store)")
         # Only the first token is drawn here; the decode node draws the rest.
         params = dataclasses.replace(req.params, max_tokens=1)
+        bs = self.engine.config.block_size
+        keys = block_key_chain(req.prompt_token_ids, bs, self.engine.salt, include_partial=True)
         try:
-            stored = self._store_prefix_tokens(req.prompt_token_ids)
+            # Full blocks before the last token only: that token is computed for its logits.
+            stored = self._store_prefix_tokens(keys[:(len(req.prompt_token_ids) - 1) // bs])
             engine_req = self.engine.add_request(rid, req.prompt_token_ids, params, hold_blocks=True,
                                                  remote_kv_tokens=stored)
         except ValueError as exc:
             return self._reply_error(identity, rid, str(exc))
         if stored and engine_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             # (When the cache had no room for the stored blocks the request just computes.)
-            if self._load_prefix_from_store(engine_req, stored):
+            if self._load_prefix_from_store(engine_req, keys[:stored // bs]):
                 engine_req.num_cached_tokens = max(engine_req.num_cached_tokens, stored)
-        self.pending[rid] = PendingPrefill(identity, req)
+        self.pending[rid] = PendingPrefill(identity, req, keys)
         self.stats.requests_total += 1
 
-    def _store_prefix_tokens(self, prompt: list[int]) -> int:
-        """Tokens of the prompt's full blocks found in the shared store (reused, not recomputed)."""
-        if self.store is None or len(prompt) <= self.engine.config.block_size:
+    def _store_prefix_tokens(self, keys: list[bytes]) -> int:
+        """Tokens of the leading blocks found in the shared store (reused, not recomputed)."""
+        if self.store is None or not keys:
             return 0
-        keys = block_key_chain(prompt[:-1], self.engine.config.block_size, self.engine.salt)
         try:
             return self.store.lookup_prefix(keys) * self.engine.config.block_size
         except KVStoreError as exc:
             log.warning("store lookup failed, computing the whole prompt: %s", exc)
             return 0
 
-    def _load_prefix_from_store(self, req, num_tokens: int) -> bool:
+    def _load_prefix_from_store(self, req, keys: list[bytes]) -> bool:
         bs = self.engine.config.block_size
         first = req.num_computed_tokens // bs  # blocks already cached locally need no fetch
-        keys = block_key_chain(req.prompt_token_ids[:num_tokens], bs, self.engine.salt)[first:]
+        keys = keys[first:]
         ids = req.block_ids[first:first + len(keys)]
         try:
             loaded = self.store.get(keys, self.engine.kv_cache, ids, [bs] * len(keys))
@@ -131,7 +134,8 @@ class PrefillNode(NodeRuntime):
         handover = None
         try:
             if not done:
-                handover = self._store_handover(req) if req.transfer == "store" else self._nixl_handover(req)
+                handover = (self._store_handover(req, pending.keys) if req.transfer == "store"
+                            else self._nixl_handover(req))
         except (KVStoreError, RuntimeError) as exc:
             log.warning("[%s] handover failed, the decode node will recompute: %s", rid, exc)
             handover = KVHandover("none", 0)
@@ -139,9 +143,8 @@ class PrefillNode(NodeRuntime):
             self.engine.release_blocks(rid)
         self.control.send(pending.identity, PrefillResult(rid, first=first, handover=handover))
 
-    def _store_handover(self, req: PrefillRequest) -> KVHandover:
+    def _store_handover(self, req: PrefillRequest, keys: list[bytes]) -> KVHandover:
         prompt, bs = req.prompt_token_ids, self.engine.config.block_size
-        keys = block_key_chain(prompt, bs, self.engine.salt, include_partial=True)
         held = self.engine.scheduler.held[req.request_id]
         counts = [min(bs, len(prompt) - i * bs) for i in range(len(keys))]
         t0 = time.perf_counter()
