@@ -197,8 +197,13 @@ def test_peer_mode_reads_and_times_out_on_hung_peer() -> None:
             t0 = time.monotonic()
             handle = decode.start_read(msg.agent_name, msg.regions, [3, 4, 5], b"x",
                                        timeout_s=1.0)
-            with pytest.raises(NixlTimeoutError):
+            try:
                 decode.wait(handle)
+            except NixlTimeoutError:
+                pass
+            else:  # UCX picked a one-sided transport (shared memory): the stopped peer is not needed
+                assert torch.equal(kv[[3, 4, 5]], prefill_cache()[[7, 2, 50]])
+                pytest.skip("UCX completed the READ without the peer (one-sided transport): no hang to end")
             # 1 s deadline plus the cancel; generous because this 2-core machine is shared.
             assert time.monotonic() - t0 < 8
             assert handle.released  # cancelled, so the local blocks can be reused
