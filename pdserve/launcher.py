@@ -16,6 +16,7 @@ from pdserve.transport import free_port
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300
+MAX_RESTARTS_PER_MIN = 5
 FORWARDED_ENGINE_FLAGS = ("model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
                           "max_num_batched_tokens", "max_num_seqs", "kernel_backend")
 
@@ -32,7 +33,8 @@ class Cluster:
     def __init__(self, args):
         self.args = args
         self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.reported: set[str] = set()
+        self.commands: dict[str, tuple[list[str], dict]] = {}  # name -> how to start it again
+        self.restarts: dict[str, list[float]] = {}  # name -> monotonic times it was restarted
 
     def spawn(self, name: str, cmd: list[str], threads: int | None = None) -> None:
         log.info("starting %s: %s", name, " ".join(cmd))
@@ -41,6 +43,7 @@ class Cluster:
             # Each node gets its share of the cores: nodes that each size their torch and numba
             # pools to every core oversubscribe the machine (measured: 0.3x the throughput).
             env.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
+        self.commands[name] = (cmd, env)
         self.procs.append((name, subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
 
     def threads_per_node(self) -> int:
@@ -117,16 +120,24 @@ class Cluster:
         raise TimeoutError(f"the cluster was not healthy within {READY_TIMEOUT_S} s")
 
     def check_alive(self) -> None:
-        """The router is the cluster's front door: without it, stop. A node or Redis that dies
-        costs only its requests (the router routes around it), so it is reported, not fatal."""
-        for name, proc in self.procs:
+        """The router is the cluster's front door: without it, stop. A node or Redis that dies is
+        restarted with the same command and ports (the router routes around it meanwhile, and it
+        rejoins on its first pong); one that keeps dying is restarted at most
+        MAX_RESTARTS_PER_MIN times a minute."""
+        for i, (name, proc) in enumerate(self.procs):
             if proc.poll() is None:
                 continue
             if name == "router":
                 raise RuntimeError(f"the router exited with code {proc.returncode}")
-            if name not in self.reported:
-                self.reported.add(name)
-                log.error("%s exited with code %s; the cluster goes on without it", name, proc.returncode)
+            now = time.monotonic()
+            recent = [t for t in self.restarts.get(name, []) if now - t < 60]
+            if len(recent) >= MAX_RESTARTS_PER_MIN:
+                continue
+            log.error("%s exited with code %s: restarting it (restart %d)", name, proc.returncode,
+                      len(self.restarts.get(name, [])) + 1)
+            cmd, env = self.commands[name]
+            self.procs[i] = (name, subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+            self.restarts[name] = recent + [now]
 
     def stop(self) -> None:
         for _, proc in self.procs:

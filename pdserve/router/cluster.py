@@ -1,40 +1,43 @@
-"""The router's view of the cluster: DEALER sockets to every node, health checks, and the
-per-request flow prefill -> handover -> decode, relayed as one token stream."""
+"""The per-request flow over the cluster: prefill -> handover -> decode, relayed as one token
+stream, with failover.
+
+A request survives any single node failure:
+  * prefill node dies or errors: the prefill is retried on another prefill node, or, with none
+    left, the decode node prefills the prompt itself;
+  * decode node dies mid-stream: the request resumes on another decode node, which is sent the
+    prompt plus every token already relayed as its prefix and continues from the next position
+    (seeded draws depend on seed and output position, so the output is the same);
+each within a bounded retry budget, after which the client gets a clean error.
+"""
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import time
-from dataclasses import dataclass, field
 from typing import AsyncIterator
-
-import zmq
-import zmq.asyncio
 
 from pdserve.engine.outputs import StepOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import (Abort, DecodeRequest, KVHandover, Message, Ping, Pong, PrefillRequest,
-                              PrefillResult, TokenDelta, decode, encode)
+from pdserve.messages import (Abort, DecodeRequest, KVHandover, Message, PrefillRequest, PrefillResult,
+                              TokenDelta)
 from pdserve.router.backend import BackendError
+from pdserve.router.nodes import Node, NodePool
 
 log = logging.getLogger(__name__)
-PING_INTERVAL_S = 0.5
-DEAD_AFTER_S = 3.0
 PREFILL_TIMEOUT_S = 300.0
 TOKEN_TIMEOUT_S = 300.0  # a healthy node that sends nothing for this long still fails the request
+MAX_ATTEMPTS = 3  # per phase (prefill, decode) of one request
 
 
-@dataclass
-class Node:
-    node_id: str
-    role: str
-    address: str
-    sock: zmq.asyncio.Socket
-    healthy: bool = False
-    last_pong: float = 0.0
-    stats: dict = field(default_factory=dict)
-    requests: set[str] = field(default_factory=set)
+class NodeLost(Exception):
+    """The node serving this phase of the request died; the work moves elsewhere."""
+
+
+class _Lost:
+    """Queue marker: the decode node serving the request was lost."""
+
+    def __init__(self, node_id: str):
+        self.node_id = node_id
 
 
 class ClusterBackend:
@@ -48,128 +51,109 @@ class ClusterBackend:
         self.model_name = model_name
         self.transfer = transfer
         self.block_key_fn = block_key_fn
-        self.ctx = zmq.asyncio.Context.instance()
-        self.nodes = [self._connect(f"prefill-{i}", "prefill", a) for i, a in enumerate(prefill_addrs)]
-        self.nodes += [self._connect(f"decode-{i}", "decode", a) for i, a in enumerate(decode_addrs)]
+        self.pool = NodePool(prefill_addrs, decode_addrs, self._on_message, self._on_dead)
+        self.nodes = self.pool.nodes
         self.streams: dict[str, asyncio.Queue] = {}
         self.prefill_results: dict[str, asyncio.Future] = {}
+        self.owner: dict[str, str | None] = {}  # request id -> the node whose replies count
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
-        self._tasks: list[asyncio.Task] = []
-
-    def _connect(self, node_id: str, role: str, address: str) -> Node:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        return Node(node_id, role, address, sock)
+        self.counters = {"prefill_retries": 0, "decode_resumes": 0, "local_prefills": 0}
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._receive(n)) for n in self.nodes]
-        self._tasks.append(asyncio.create_task(self._health_loop()))
+        await self.pool.start()
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for n in self.nodes:
-            n.sock.close(0)
+        await self.pool.stop()
 
-    # ---- health ---------------------------------------------------------------------------
-    async def _health_loop(self) -> None:
-        for seq in itertools.count():
-            now = time.monotonic()
-            for node in self.nodes:
-                if node.healthy and now - node.last_pong > DEAD_AFTER_S:
-                    self._mark_dead(node)
-                await node.sock.send(encode(Ping(seq)))
-            await asyncio.sleep(PING_INTERVAL_S)
-
-    def _mark_dead(self, node: Node) -> None:
-        node.healthy = False
-        log.warning("%s (%s) stopped answering: out of rotation; failing its %d requests",
-                    node.node_id, node.address, len(node.requests))
+    # ---- messages from nodes ----------------------------------------------------------------
+    def _on_dead(self, node: Node) -> None:
         for rid in list(node.requests):
-            self._deliver_error(rid, f"{node.node_id} stopped answering")
-        node.requests.clear()
-
-    def _deliver_error(self, rid: str, error: str) -> None:
-        fut = self.prefill_results.get(rid)
-        if fut is not None and not fut.done():
-            fut.set_result(PrefillResult(rid, error=error))
-        queue = self.streams.get(rid)
-        if queue is not None:
-            queue.put_nowait(StepOutput(rid, [], "", True, "error", error=error))
-
-    async def _receive(self, node: Node) -> None:
-        while True:
-            try:
-                msg = decode(await node.sock.recv())
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a malformed message is dropped, never fatal
-                log.warning("bad message from %s: %s", node.node_id, exc)
+            if self.owner.get(rid) != node.node_id:
                 continue
-            self._on_message(node, msg)
+            self.owner[rid] = None  # whatever the node still sends for it is stale
+            fut = self.prefill_results.get(rid)
+            if fut is not None and not fut.done():
+                fut.set_exception(NodeLost(node.node_id))
+            queue = self.streams.get(rid)
+            if queue is not None and fut is None:
+                queue.put_nowait(_Lost(node.node_id))
 
     def _on_message(self, node: Node, msg: Message) -> None:
-        if isinstance(msg, Pong):
-            if not node.healthy:
-                log.info("%s (%s) is healthy", node.node_id, node.address)
-            node.healthy, node.last_pong = True, time.monotonic()
-            node.stats = {"requests": msg.num_requests, "free_blocks": msg.free_blocks,
-                          "total_blocks": msg.total_blocks, **msg.stats}
-        elif isinstance(msg, PrefillResult):
+        if isinstance(msg, PrefillResult):
             node.requests.discard(msg.request_id)
             fut = self.prefill_results.get(msg.request_id)
-            if fut is not None and not fut.done():
+            if fut is not None and not fut.done() and self.owner.get(msg.request_id) == node.node_id:
                 fut.set_result(msg)
         elif isinstance(msg, TokenDelta):
+            rid = msg.output.request_id
             if msg.output.finished:
-                node.requests.discard(msg.output.request_id)
-            queue = self.streams.get(msg.output.request_id)
-            if queue is not None:
+                node.requests.discard(rid)
+            queue = self.streams.get(rid)
+            if queue is not None and self.owner.get(rid) == node.node_id:
                 queue.put_nowait(msg.output)
 
     # ---- requests -------------------------------------------------------------------------
-    def _pick(self, role: str) -> Node:
-        healthy = [n for n in self.nodes if n.role == role and n.healthy]
+    def _pick(self, role: str, exclude: set[str] = frozenset()) -> Node | None:
+        healthy = [n for n in self.pool.by_role(role) if n.node_id not in exclude]
         if not healthy:
-            raise BackendError(f"no healthy {role} node")
+            return None
         return healthy[next(self._rr[role]) % len(healthy)]
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[StepOutput]:
-        queue: asyncio.Queue = asyncio.Queue()
-        self.streams[request_id] = queue
+        self.streams[request_id] = asyncio.Queue()
+        relayed: list[int] = []  # every token id the client has been sent, in order
         try:
-            first_ids, handover = [], None
-            if any(n.role == "prefill" for n in self.nodes):
-                first, handover = await self._prefill(request_id, prompt_token_ids, params)
-                yield first
-                if first.finished:
-                    return
-                first_ids = first.new_token_ids
-            decode_node = self._pick("decode")
-            decode_node.requests.add(request_id)
-            await decode_node.sock.send(encode(DecodeRequest(request_id, prompt_token_ids, params,
-                                                             first_ids, handover)))
-            async for out in self._relay(queue, request_id):
+            handover = None
+            if self.pool.by_role("prefill", healthy_only=False):
+                first, handover = await self._prefill_with_retry(request_id, prompt_token_ids, params)
+                if first is not None:
+                    yield first
+                    relayed += first.new_token_ids
+                    if first.finished:
+                        return
+            async for out in self._decode_with_resume(request_id, prompt_token_ids, params, relayed, handover):
                 yield out
         finally:
             self.streams.pop(request_id, None)
+            self.owner.pop(request_id, None)
 
-    async def _prefill(self, rid: str, prompt: list[int], params: SamplingParams
+    async def _prefill_with_retry(self, rid: str, prompt: list[int], params: SamplingParams
+                                  ) -> tuple[StepOutput | None, KVHandover | None]:
+        """The first token and the handover; (None, None) when no prefill node can do it, so the
+        decode node prefills the prompt itself."""
+        tried: set[str] = set()
+        for attempt in range(MAX_ATTEMPTS):
+            node = self._pick("prefill", tried)
+            if node is None:
+                break
+            tried.add(node.node_id)
+            try:
+                return await self._prefill(rid, prompt, params, node)
+            except (NodeLost, BackendError) as exc:
+                await self.pool.send(node, Abort(rid))  # a hung node that comes back drops it
+                self.counters["prefill_retries"] += 1
+                log.warning("[%s] prefill on %s failed (%s): attempt %d of %d", rid, node.node_id, exc,
+                            attempt + 1, MAX_ATTEMPTS)
+        self.counters["local_prefills"] += 1
+        log.info("[%s] no prefill node could take it: the decode node prefills", rid)
+        return None, None
+
+    async def _prefill(self, rid: str, prompt: list[int], params: SamplingParams, node: Node
                        ) -> tuple[StepOutput, KVHandover | None]:
-        node = self._pick("prefill")
         fut = asyncio.get_running_loop().create_future()
         self.prefill_results[rid] = fut
+        self.owner[rid] = node.node_id
         node.requests.add(rid)
         if self.block_key_fn is not None:
-            keys = self.block_key_fn(prompt)
-            log.info("[%s] %d tokens, %d blocks, prefill on %s", rid, len(prompt), len(keys), node.node_id)
+            log.debug("[%s] %d tokens, %d blocks, prefill on %s", rid, len(prompt),
+                      len(self.block_key_fn(prompt)), node.node_id)
         try:
-            await node.sock.send(encode(PrefillRequest(rid, prompt, params, self.transfer)))
+            await self.pool.send(node, PrefillRequest(rid, prompt, params, self.transfer))
             result = await asyncio.wait_for(fut, PREFILL_TIMEOUT_S)
         except asyncio.TimeoutError:
-            raise BackendError(f"prefill on {node.node_id} timed out") from None
+            self.pool.mark_dead(node, f"did not answer a prefill in {PREFILL_TIMEOUT_S:.0f} s")
+            raise NodeLost(node.node_id) from None
         finally:
             self.prefill_results.pop(rid, None)
             node.requests.discard(rid)
@@ -177,14 +161,43 @@ class ClusterBackend:
             raise BackendError(f"prefill failed: {result.error}")
         return result.first, result.handover
 
+    async def _decode_with_resume(self, rid: str, prompt: list[int], params: SamplingParams,
+                                  relayed: list[int], handover: KVHandover | None
+                                  ) -> AsyncIterator[StepOutput]:
+        queue = self.streams[rid]
+        tried: set[str] = set()
+        for attempt in range(MAX_ATTEMPTS):
+            node = self._pick("decode", tried) or self._pick("decode")
+            if node is None:
+                raise BackendError("no healthy decode node")
+            tried.add(node.node_id)
+            self.owner[rid] = node.node_id
+            node.requests.add(rid)
+            await self.pool.send(node, DecodeRequest(rid, prompt, params, list(relayed), handover))
+            try:
+                async for out in self._relay(queue, rid):
+                    relayed += out.new_token_ids
+                    yield out
+                return
+            except NodeLost as exc:
+                await self.pool.send(node, Abort(rid))  # a hung node that comes back drops it
+                # The new node recomputes prompt + relayed tokens (or finds them in its caches).
+                handover = None
+                self.counters["decode_resumes"] += 1
+                log.warning("[%s] %s lost after %d tokens: resuming elsewhere (attempt %d of %d)", rid, exc,
+                            len(relayed), attempt + 1, MAX_ATTEMPTS)
+        raise BackendError(f"request {rid} failed on {MAX_ATTEMPTS} decode nodes")
+
     async def _relay(self, queue: asyncio.Queue, rid: str) -> AsyncIterator[StepOutput]:
         while True:
             try:
                 async with asyncio.timeout(TOKEN_TIMEOUT_S):  # cheaper than wait_for: no task per token
-                    out: StepOutput = await queue.get()
+                    out = await queue.get()
             except TimeoutError:
                 await self.abort(rid)
                 raise BackendError(f"no tokens for {TOKEN_TIMEOUT_S:.0f} s") from None
+            if isinstance(out, _Lost):
+                raise NodeLost(out.node_id)
             if out.finish_reason == "error":
                 raise BackendError(out.error or "generation failed")
             yield out
@@ -194,12 +207,11 @@ class ClusterBackend:
     async def abort(self, request_id: str) -> None:
         for node in self.nodes:
             if node.healthy:
-                await node.sock.send(encode(Abort(request_id)))
+                await self.pool.send(node, Abort(request_id))
             node.requests.discard(request_id)
 
     async def health(self) -> dict:
         nodes = [{"id": n.node_id, "role": n.role, "address": n.address, "healthy": n.healthy, **n.stats}
                  for n in self.nodes]
-        healthy = any(n.healthy and n.role == "decode" for n in self.nodes) and (
-            all(n.role != "prefill" for n in self.nodes) or any(n.healthy and n.role == "prefill" for n in self.nodes))
-        return {"healthy": healthy, "transfer": self.transfer, "nodes": nodes}
+        healthy = any(n.healthy and n.role == "decode" for n in self.nodes)
+        return {"healthy": healthy, "transfer": self.transfer, "nodes": nodes, "failover": dict(self.counters)}

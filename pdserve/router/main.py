@@ -6,6 +6,7 @@ import logging
 from pdserve.engine.block_keys import block_key_chain, kv_layout_salt
 
 log = logging.getLogger(__name__)
+KEEP_ALIVE_S = 75
 
 
 def layout_salt(model: str, hf_config, dtype: str, block_size: int) -> bytes:
@@ -60,6 +61,10 @@ def run_router(args) -> int:
              len(args.prefill or []), len(args.decode or []), args.kv_transfer)
     # uvloop and httptools when installed (the [standard] extra): the router's per-request cost is
     # mostly event-loop and HTTP parsing work.
+    # Keep-alive: an idle connection must outlive the client's own idle expiry (httpx, the openai
+    # client's transport, drops idle connections after 5 s, as uvicorn's default did). With equal
+    # timers a client reuses a connection just as the server closes it and gets a ReadError with
+    # no bytes; the server side is made the longer one, as nginx (75 s) does.
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2,
-                loop="auto", http="auto")
+                loop="auto", http="auto", timeout_keep_alive=KEEP_ALIVE_S)
     return 0

@@ -1,0 +1,134 @@
+"""The router's connections to its nodes: one zmq DEALER per node, pings, and death detection.
+
+A node is declared dead the moment its TCP connection drops (a zmq socket monitor sees the
+disconnect; a killed process's kernel closes it at once) or after DEAD_AFTER_S without a Pong
+(a hung or unreachable node). Either way it leaves the rotation at once and the cluster is told,
+so the requests it held move elsewhere. It rejoins on its next Pong.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from pdserve.messages import Message, Ping, Pong, decode, encode
+
+log = logging.getLogger(__name__)
+PING_INTERVAL_S = 0.2
+# Pongs are answered by the node's loop between engine steps; a long prefill chunk on a loaded
+# 2-core machine can delay one by several hundred ms, so this is well above a step.
+DEAD_AFTER_S = 1.5
+
+
+@dataclass
+class Node:
+    node_id: str
+    role: str
+    address: str
+    sock: zmq.asyncio.Socket
+    healthy: bool = False
+    last_pong: float = 0.0
+    stats: dict = field(default_factory=dict)
+    requests: set[str] = field(default_factory=set)  # request ids in flight on this node
+    deaths: int = 0
+
+
+class NodePool:
+    """Keeps every node's health current and hands each decoded message to `on_message`."""
+
+    def __init__(self, prefill_addrs: list[str], decode_addrs: list[str],
+                 on_message: Callable[[Node, Message], None], on_dead: Callable[[Node], None]):
+        self.ctx = zmq.asyncio.Context.instance()
+        self.nodes = [self._connect(f"prefill-{i}", "prefill", a) for i, a in enumerate(prefill_addrs)]
+        self.nodes += [self._connect(f"decode-{i}", "decode", a) for i, a in enumerate(decode_addrs)]
+        self.on_message = on_message
+        self.on_dead = on_dead
+        self._tasks: list[asyncio.Task] = []
+
+    def _connect(self, node_id: str, role: str, address: str) -> Node:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)  # a restarted node is back within 100 ms
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.connect(address)
+        return Node(node_id, role, address, sock)
+
+    def by_role(self, role: str, healthy_only: bool = True) -> list[Node]:
+        return [n for n in self.nodes if n.role == role and (n.healthy or not healthy_only)]
+
+    def get(self, node_id: str) -> Node | None:
+        return next((n for n in self.nodes if n.node_id == node_id), None)
+
+    async def start(self) -> None:
+        for node in self.nodes:
+            self._tasks.append(asyncio.create_task(self._receive(node)))
+            self._tasks.append(asyncio.create_task(self._watch_connection(node)))
+        self._tasks.append(asyncio.create_task(self._health_loop()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for node in self.nodes:
+            node.sock.close(0)
+
+    async def send(self, node: Node, msg: Message) -> None:
+        await node.sock.send(encode(msg))
+
+    def mark_dead(self, node: Node, why: str) -> None:
+        if not node.healthy:
+            return
+        node.healthy = False
+        node.deaths += 1
+        log.warning("%s (%s) %s: out of rotation; moving its %d requests", node.node_id, node.address,
+                    why, len(node.requests))
+        self.on_dead(node)
+        node.requests.clear()
+
+    # ---- background tasks -------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        for seq in itertools.count():
+            now = time.monotonic()
+            for node in self.nodes:
+                if node.healthy and now - node.last_pong > DEAD_AFTER_S:
+                    self.mark_dead(node, f"sent no pong for {now - node.last_pong:.1f} s")
+                await node.sock.send(encode(Ping(seq)))
+            await asyncio.sleep(PING_INTERVAL_S)
+
+    async def _watch_connection(self, node: Node) -> None:
+        monitor = node.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self.mark_dead(node, "closed its connection")
+        finally:
+            monitor.close(0)
+
+    async def _receive(self, node: Node) -> None:
+        while True:
+            try:
+                msg = decode(await node.sock.recv())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a malformed message is dropped, never fatal
+                log.warning("bad message from %s: %s", node.node_id, exc)
+                continue
+            if isinstance(msg, Pong):
+                self._on_pong(node, msg)
+            self.on_message(node, msg)
+
+    @staticmethod
+    def _on_pong(node: Node, msg: Pong) -> None:
+        if not node.healthy:
+            log.info("%s (%s) is healthy", node.node_id, node.address)
+        node.healthy, node.last_pong = True, time.monotonic()
+        node.stats = {"requests": msg.num_requests, "free_blocks": msg.free_blocks,
+                      "total_blocks": msg.total_blocks, **msg.stats}
