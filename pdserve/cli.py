@@ -47,6 +47,16 @@ def _add_node_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="how long a request may wait for its KV before it is computed locally")
 
 
+def _add_admission_args(p: argparse.ArgumentParser) -> None:
+    from pdserve.router.admission import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
+                   "(default: $PDSERVE_API_KEY; none: open)")
+    p.add_argument("--protect-metrics", action="store_true", help="require the API key on /health and /metrics too")
+    p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                   help="generation requests in flight before the router answers 429 with Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
+
+
 def _add_cluster_parsers(sub) -> None:
     from pdserve.launcher import run_up
     from pdserve.node_main import run_decode, run_prefill
@@ -74,6 +84,7 @@ def _add_cluster_parsers(sub) -> None:
     rt.add_argument("--block-size", type=int, default=16)
     rt.add_argument("--dtype", default="auto")
     rt.add_argument("--max-model-len", type=int, default=None)
+    _add_admission_args(rt)
     rt.set_defaults(func=run_router)
     up = sub.add_parser("up", help="start a local cluster: router, prefill and decode nodes (and Redis)")
     _add_engine_args(up)
@@ -90,6 +101,7 @@ def _add_cluster_parsers(sub) -> None:
     up.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute")
     up.add_argument("--threads-per-node", type=int, default=None,
                     help="compute threads per node (default: the machine's cores divided among the nodes)")
+    _add_admission_args(up)
     up.add_argument("--decode-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # fault injection
     up.set_defaults(func=run_up)
 

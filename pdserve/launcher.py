@@ -82,6 +82,10 @@ class Cluster:
         router = [sys.executable, "-m", "pdserve", "--log-level", a.log_level, "router", "--model", a.model,
                   "--host", a.host, "--port", str(a.port), "--kv-transfer", a.kv_transfer,
                   "--block-size", str(a.block_size), "--dtype", a.dtype]
+        router += ["--max-queued-requests", str(a.max_queued_requests), "--max-body-bytes", str(a.max_body_bytes)]
+        if a.api_key:  # through the environment: a command line is visible to every local user
+            os.environ["PDSERVE_API_KEY"] = a.api_key
+        router += ["--protect-metrics"] if a.protect_metrics else []
         router += [x for addr in prefill for x in ("--prefill", addr)]
         router += [x for addr in decode for x in ("--decode", addr)]
         self.spawn("router", router)

@@ -27,6 +27,11 @@ class NodeStats:
     transfers_ok: int = 0
     transfers_failed: int = 0
     leases_expired: int = 0
+    cached_tokens_store: int = 0   # prompt tokens loaded from the KV store instead of computed
+    transfer_bytes_nixl: int = 0
+    transfer_bytes_store: int = 0
+    transfer_us_nixl: int = 0      # microseconds spent in KV transfers (pulls, store puts)
+    transfer_us_store: int = 0
 
 
 class NodeRuntime:
@@ -88,8 +93,13 @@ class NodeRuntime:
 
     def pong(self, ping: Ping) -> Pong:
         stats = {k: v for k, v in dataclasses.asdict(self.stats).items() if isinstance(v, int)}
-        return Pong(ping.seq, self.node_id, self.role, len(self.engine.scheduler.requests),
-                    self.engine.pool.num_free, self.engine.pool.num_blocks, stats)
+        engine, sched = self.engine, self.engine.scheduler
+        stats.update(kv_blocks_in_use=engine.pool.num_used, running=len(sched.running),
+                     waiting=len(sched.waiting), preemptions=sched.num_preemptions,
+                     cached_tokens=engine.cached_prompt_tokens, computed_tokens=engine.computed_prompt_tokens,
+                     cached_tokens_local=max(engine.cached_prompt_tokens - self.stats.cached_tokens_store, 0))
+        return Pong(ping.seq, self.node_id, self.role, len(sched.requests),
+                    engine.pool.num_free, engine.pool.num_blocks, stats)
 
     # ---- hooks ----------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:

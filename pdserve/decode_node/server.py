@@ -32,6 +32,8 @@ class DecodeNode(NodeRuntime):
         self.fetches: dict[str, Future] = {}
         self.nixl = NixlPuller(node_id, engine.kv_cache, self.ctx) if use_nixl else None
         self.deferred_aborts: set[str] = set()
+        self.pull_started: dict[str, tuple[str, float, int]] = {}  # rid -> (path, start, bytes)
+        self.block_nbytes = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
         self.delayed: list[tuple[float, Request, KVHandover, float]] = []
 
     def handle(self, identity: bytes, msg: Message) -> None:
@@ -71,6 +73,8 @@ class DecodeNode(NodeRuntime):
         if first >= n_blocks:
             self._finish_pull(req.request_id, True, handover)
             return
+        self.pull_started[req.request_id] = (handover.mode, time.perf_counter(),
+                                             (n_blocks - first) * self.block_nbytes)
         if handover.mode == "store" and self.fetcher is not None:
             counts = [min(bs, handover.num_tokens - i * bs) for i in range(first, n_blocks)]
             self.engine.mark_remote_transfer(req.request_id)
@@ -109,8 +113,11 @@ class DecodeNode(NodeRuntime):
             self.deferred_aborts.discard(rid)
             super().abort(rid)
             return
+        started = self.pull_started.pop(rid, None)
         if ok:
             self.stats.transfers_ok += 1
+            if started is not None:
+                self._count_transfer(*started)
         else:
             self.stats.transfers_failed += 1
             log.warning("[%s] KV pull failed: %s", rid, self.on_transfer_failure)
@@ -121,6 +128,12 @@ class DecodeNode(NodeRuntime):
                     self.fail(identity, rid, "the prompt's KV could not be transferred")
                 return
         self.engine.report_remote_kv(rid, ok)
+
+    def _count_transfer(self, path: str, start: float, nbytes: int) -> None:
+        if path in ("nixl", "store"):
+            setattr(self.stats, f"transfer_bytes_{path}", getattr(self.stats, f"transfer_bytes_{path}") + nbytes)
+            setattr(self.stats, f"transfer_us_{path}", getattr(self.stats, f"transfer_us_{path}")
+                    + int((time.perf_counter() - start) * 1e6))
 
     def abort(self, request_id: str) -> None:
         # A pull in flight writes into the request's blocks: free them only once it ends.

@@ -25,6 +25,7 @@ class BlockPool:
         # Ordered oldest-freed first: the next block to hand out (and evict) is at the front.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
+        self.num_used = 0  # blocks with a reference: held by live requests, not idle cached ones
 
     @property
     def num_blocks(self) -> int:
@@ -43,6 +44,7 @@ class BlockPool:
             block = self.blocks[block_id]
             self._evict(block)
             block.ref_cnt = 1
+            self.num_used += 1
             ids.append(block_id)
         return ids
 
@@ -55,6 +57,7 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 del self.free_queue[block_id]
+                self.num_used += 1
             block.ref_cnt += 1
 
     def free(self, block_ids: list[int]) -> None:
@@ -65,6 +68,7 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"block {block_id} freed twice"
             if block.ref_cnt == 0:
                 self.free_queue[block_id] = None
+                self.num_used -= 1
 
     def cache_block(self, block_id: int, key: bytes) -> None:
         if not self.enable_caching:

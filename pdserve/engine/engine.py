@@ -47,6 +47,8 @@ class LLMEngine:
             ops.warm_up()
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, ops, self.device)
         self.last_step_tokens = 0
+        self.cached_prompt_tokens = 0    # prompt tokens of requests sampled here that were not computed
+        self.computed_prompt_tokens = 0  # ... and that were
         self.outputs = OutputProcessor(self.tokenizer, _eos_ids(self.hf_config, self.tokenizer), self.max_model_len)
 
     # ---- set-up -------------------------------------------------------------------------
@@ -160,6 +162,9 @@ class LLMEngine:
         return [self._advance(req, tok, lp) for req, tok, lp in zip(to_sample, tokens, logprobs)]
 
     def _advance(self, req: Request, token: int, logprob) -> StepOutput:
+        if not req.output_token_ids:  # its prompt was prefilled here
+            self.cached_prompt_tokens += req.num_cached_tokens
+            self.computed_prompt_tokens += req.num_prompt_tokens - req.num_cached_tokens
         req.append_output(token)
         status = self.outputs.check_stop(req)
         text, stopped_by_string = self.outputs.new_text(req, status is not None)

@@ -90,8 +90,10 @@ class PrefillNode(NodeRuntime):
             return self._reply_error(identity, rid, str(exc))
         if stored and engine_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             # (When the cache had no room for the stored blocks the request just computes.)
+            local = engine_req.num_computed_tokens
             if self._load_prefix_from_store(engine_req, keys[:stored // bs]):
                 engine_req.num_cached_tokens = max(engine_req.num_cached_tokens, stored)
+                self.stats.cached_tokens_store += max(stored - local, 0)
         self.pending[rid] = PendingPrefill(identity, req, keys)
         self.stats.requests_total += 1
 
@@ -149,6 +151,8 @@ class PrefillNode(NodeRuntime):
         counts = [min(bs, len(prompt) - i * bs) for i in range(len(keys))]
         t0 = time.perf_counter()
         self.store.put(keys, self.engine.kv_cache, held.block_ids[:len(keys)], counts)
+        self.stats.transfer_us_store += int((time.perf_counter() - t0) * 1e6)
+        self.stats.transfer_bytes_store += len(keys) * self.engine.kv_cache[0].numel() * self.engine.kv_cache.element_size()
         log.debug("[%s] stored %d blocks in %.1f ms", req.request_id, len(keys), (time.perf_counter() - t0) * 1e3)
         return KVHandover("store", len(prompt), keys=keys)
 

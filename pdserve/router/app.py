@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.backend import GenerationBackend
-from pdserve.router.errors import (SERVER_ERROR, APIError, bad_request, error_body,
+from pdserve.router.admission import AdmissionMiddleware
+from pdserve.router.errors import (ERROR_RESPONSES, SERVER_ERROR, APIError, bad_request, error_body,
                                    install_error_handlers, model_not_found)
 from pdserve.router.responses import (ChatFlavor, ChoiceState, CompletionFlavor, Flavor,
                                       TokenTexts, chunk_body, response_body, usage)
@@ -168,7 +169,7 @@ class _Router:
 
 
 def _add_openai_routes(app: FastAPI, router: _Router) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         router.check_model(body.model)
         prompt_ids = await router.completion_prompt(body)
@@ -177,7 +178,7 @@ def _add_openai_routes(app: FastAPI, router: _Router) -> None:
         flavor = CompletionFlavor(router.texts, body.logprobs is not None, body.return_token_ids)
         return await router.serve(request, body, prompt_ids, params, flavor, "cmpl")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         router.check_model(body.model)
         prompt_ids = await router.chat_prompt(body)
@@ -190,14 +191,21 @@ def _add_openai_routes(app: FastAPI, router: _Router) -> None:
 
 
 def _add_info_routes(app: FastAPI, router: _Router, started: int) -> None:
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models() -> dict[str, Any]:
         card = {"id": router.model_name, "object": "model", "created": started,
                 "owned_by": "pdserve", "root": router.model_name,
                 "max_model_len": router.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @app.get("/health")
+    @app.get("/metrics", responses=ERROR_RESPONSES)
+    async def metrics() -> Response:
+        registry = getattr(router.backend, "metrics", None)
+        if registry is None:
+            raise APIError(404, "this backend exports no metrics", "not_found_error")
+        return Response(registry.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/health", responses=ERROR_RESPONSES)
     async def health() -> Response:
         try:
             info = await router.backend.health()
@@ -211,8 +219,11 @@ def _add_info_routes(app: FastAPI, router: _Router, started: int) -> None:
 
 
 def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
-               max_model_len: int) -> FastAPI:
+               max_model_len: int, admission: dict[str, Any] | None = None) -> FastAPI:
+    """admission: AdmissionMiddleware's options (api_key, protect_metrics, max_body_bytes,
+    max_queued_requests)."""
     app = FastAPI(title="pdserve router")
+    app.add_middleware(AdmissionMiddleware, metrics=getattr(backend, "metrics", None), **(admission or {}))
     install_error_handlers(app)
     router = _Router(backend, tokenizer, model_name, max_model_len)
     _add_openai_routes(app, router)

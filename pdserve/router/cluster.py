@@ -21,6 +21,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import (Abort, DecodeRequest, KVHandover, Message, PrefillRequest, PrefillResult,
                               TokenDelta)
 from pdserve.router.backend import BackendError
+from pdserve.router.metrics import RequestTimer, RouterMetrics
 from pdserve.router.nodes import Node, NodePool
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class ClusterBackend:
         self.owner: dict[str, str | None] = {}  # request id -> the node whose replies count
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self.counters = {"prefill_retries": 0, "decode_resumes": 0, "local_prefills": 0}
+        self.metrics = RouterMetrics(self.nodes)
 
     async def start(self) -> None:
         await self.pool.start()
@@ -102,23 +104,38 @@ class ClusterBackend:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[StepOutput]:
         self.streams[request_id] = asyncio.Queue()
+        timer = RequestTimer(self.metrics, len(prompt_token_ids))
         relayed: list[int] = []  # every token id the client has been sent, in order
+        reason = "abort"  # unless the stream reaches its end
         try:
             handover = None
             if self.pool.by_role("prefill", healthy_only=False):
-                first, handover = await self._prefill_with_retry(request_id, prompt_token_ids, params)
+                first, handover = await self._prefill_with_retry(request_id, prompt_token_ids, params, timer)
                 if first is not None:
+                    timer.tokens(len(first.new_token_ids), first.num_cached_tokens)
+                    self.metrics.handovers.labels(handover.mode if handover else "none").inc()
+                    reason = first.finish_reason if first.finished else reason
                     yield first
                     relayed += first.new_token_ids
                     if first.finished:
                         return
-            async for out in self._decode_with_resume(request_id, prompt_token_ids, params, relayed, handover):
+            else:
+                self.metrics.handovers.labels("local").inc()
+            async for out in self._decode_with_resume(request_id, prompt_token_ids, params, relayed, handover,
+                                                      timer):
+                timer.tokens(len(out.new_token_ids), out.num_cached_tokens)
+                reason = out.finish_reason if out.finished else reason
                 yield out
+        except BackendError:
+            reason = "error"
+            self.metrics.errors.labels("backend").inc()
+            raise
         finally:
+            timer.finished(reason)
             self.streams.pop(request_id, None)
             self.owner.pop(request_id, None)
 
-    async def _prefill_with_retry(self, rid: str, prompt: list[int], params: SamplingParams
+    async def _prefill_with_retry(self, rid: str, prompt: list[int], params: SamplingParams, timer: RequestTimer
                                   ) -> tuple[StepOutput | None, KVHandover | None]:
         """The first token and the handover; (None, None) when no prefill node can do it, so the
         decode node prefills the prompt itself."""
@@ -128,11 +145,16 @@ class ClusterBackend:
             if node is None:
                 break
             tried.add(node.node_id)
+            if attempt == 0:
+                timer.dispatched()
             try:
                 return await self._prefill(rid, prompt, params, node)
             except (NodeLost, BackendError) as exc:
                 await self.pool.send(node, Abort(rid))  # a hung node that comes back drops it
                 self.counters["prefill_retries"] += 1
+                self.metrics.retries.labels("prefill").inc()
+                if isinstance(exc, NodeLost):
+                    self.metrics.failovers.labels("prefill").inc()
                 log.warning("[%s] prefill on %s failed (%s): attempt %d of %d", rid, node.node_id, exc,
                             attempt + 1, MAX_ATTEMPTS)
         self.counters["local_prefills"] += 1
@@ -162,7 +184,7 @@ class ClusterBackend:
         return result.first, result.handover
 
     async def _decode_with_resume(self, rid: str, prompt: list[int], params: SamplingParams,
-                                  relayed: list[int], handover: KVHandover | None
+                                  relayed: list[int], handover: KVHandover | None, timer: RequestTimer
                                   ) -> AsyncIterator[StepOutput]:
         queue = self.streams[rid]
         tried: set[str] = set()
@@ -171,6 +193,8 @@ class ClusterBackend:
             if node is None:
                 raise BackendError("no healthy decode node")
             tried.add(node.node_id)
+            if attempt == 0 and not relayed:
+                timer.dispatched()
             self.owner[rid] = node.node_id
             node.requests.add(rid)
             await self.pool.send(node, DecodeRequest(rid, prompt, params, list(relayed), handover))
@@ -184,6 +208,8 @@ class ClusterBackend:
                 # The new node recomputes prompt + relayed tokens (or finds them in its caches).
                 handover = None
                 self.counters["decode_resumes"] += 1
+                self.metrics.retries.labels("decode").inc()
+                self.metrics.failovers.labels("decode").inc()
                 log.warning("[%s] %s lost after %d tokens: resuming elsewhere (attempt %d of %d)", rid, exc,
                             len(relayed), attempt + 1, MAX_ATTEMPTS)
         raise BackendError(f"request {rid} failed on {MAX_ATTEMPTS} decode nodes")

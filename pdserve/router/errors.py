@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router.backend import BackendError
@@ -27,8 +28,10 @@ class APIError(Exception):
     """Raised by handlers to answer with an OpenAI error body."""
 
     def __init__(self, status: int, message: str, type: str = INVALID_REQUEST,
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.type = type
@@ -37,6 +40,25 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape, declared in the OpenAPI document for every error status."""
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text}
+    for status, text in [(400, "Bad request"), (401, "Missing or wrong API key"), (404, "Unknown model"),
+                         (413, "Request body too large"), (429, "Too many requests in flight"),
+                         (500, "Internal error"), (503, "No healthy node can serve it")]}
 
 
 def error_body(message: str, type: str, param: str | None = None,
@@ -54,8 +76,9 @@ def model_not_found(model: str) -> APIError:
 
 
 def backend_unavailable(exc: BaseException) -> APIError:
+    # Retry-After: a lost node is replaced within seconds (failover, restarts), so say when.
     return APIError(503, f"Generation backend unavailable: {exc}", SERVER_ERROR, None,
-                    "service_unavailable")
+                    "service_unavailable", {"Retry-After": "1"})
 
 
 def as_api_error(exc: BaseException) -> APIError:
@@ -88,7 +111,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
@@ -106,12 +129,12 @@ async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _on_backend_error(_: Request, exc: Exception) -> JSONResponse:
     err = backend_unavailable(exc)
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
     err = as_api_error(exc)
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from pdserve.engine.block_keys import block_key_chain, kv_layout_salt
 
@@ -18,7 +19,7 @@ def layout_salt(model: str, hf_config, dtype: str, block_size: int) -> bytes:
 
 
 def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, block_size: int = 16,
-              dtype: str = "float32", max_model_len: int | None = None):
+              dtype: str = "float32", max_model_len: int | None = None, admission: dict | None = None):
     from transformers import AutoConfig, AutoTokenizer
 
     from pdserve.models.loader import resolve_model_path
@@ -31,7 +32,7 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     salt = layout_salt(model, hf_config, dtype, block_size)
     backend = ClusterBackend(model, prefill, decode, transfer,
                              block_key_fn=lambda ids: block_key_chain(ids, block_size, salt))
-    app = create_app(backend, tokenizer, model, max_model_len or hf_config.max_position_embeddings)
+    app = create_app(backend, tokenizer, model, max_model_len or hf_config.max_position_embeddings, admission)
     _run_with_app(app, backend)
     return app
 
@@ -55,8 +56,10 @@ def _run_with_app(app, backend) -> None:
 
 def run_router(args) -> int:
     import uvicorn
+    admission = dict(api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"), protect_metrics=args.protect_metrics,
+                     max_body_bytes=args.max_body_bytes, max_queued_requests=args.max_queued_requests)
     app = build_app(args.model, args.prefill or [], args.decode or [], args.kv_transfer, args.block_size,
-                    "float32" if args.dtype == "auto" else args.dtype, args.max_model_len)
+                    "float32" if args.dtype == "auto" else args.dtype, args.max_model_len, admission)
     log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s", args.host, args.port,
              len(args.prefill or []), len(args.decode or []), args.kv_transfer)
     # uvloop and httptools when installed (the [standard] extra): the router's per-request cost is

@@ -1,0 +1,123 @@
+"""The router's Prometheus metrics (GET /metrics).
+
+Request metrics are recorded as requests run. Per-node metrics are read at scrape time from the
+nodes' latest Pong reports (every 0.2 s), so a scrape never waits on a node.
+Names follow Prometheus conventions: the pdserve_ prefix, units in the name, _total counters.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5)
+
+# Pong stat -> (metric, kind, extra labels); counters are monotonic per node process.
+NODE_GAUGES = {
+    "kv_blocks_in_use": ("pdserve_kv_blocks_in_use", "KV blocks held by live requests (idle cached blocks excluded)"),
+    "free_blocks": ("pdserve_kv_blocks_free", "KV blocks free (cached or empty)"),
+    "running": ("pdserve_node_running_requests", "requests in the node's running batch"),
+    "waiting": ("pdserve_node_waiting_requests", "requests queued on the node"),
+}
+NODE_COUNTERS = {
+    "preemptions": ("pdserve_node_preemptions", "requests preempted (recomputed later)", {}),
+    "cached_tokens_local": ("pdserve_prefix_cache_hit_tokens", "prompt tokens served from a cache",
+                            {"source": "local"}),
+    "cached_tokens_store": ("pdserve_prefix_cache_hit_tokens", "", {"source": "store"}),
+    "transfer_bytes_nixl": ("pdserve_kv_transfer_bytes", "KV bytes moved", {"path": "nixl"}),
+    "transfer_bytes_store": ("pdserve_kv_transfer_bytes", "", {"path": "store"}),
+    "transfer_us_nixl": ("pdserve_kv_transfer_seconds", "seconds spent moving KV", {"path": "nixl"}),
+    "transfer_us_store": ("pdserve_kv_transfer_seconds", "", {"path": "store"}),
+    "transfers_failed": ("pdserve_kv_transfer_failures", "KV transfers that failed", {"reason": "pull_failed"}),
+    "leases_expired": ("pdserve_kv_transfer_failures", "", {"reason": "lease_expired"}),
+    "integrity_failures": ("pdserve_kv_transfer_failures", "", {"reason": "digest_mismatch"}),
+}
+
+
+class NodeCollector:
+    """Per-node series from each node's last report."""
+
+    def __init__(self, nodes):
+        self.nodes = nodes  # the live list of router.nodes.Node
+
+    def collect(self):
+        healthy = GaugeMetricFamily("pdserve_node_healthy", "1 when the node answers pings", labels=["node", "role"])
+        gauges = {k: GaugeMetricFamily(name, doc, labels=["node"]) for k, (name, doc) in NODE_GAUGES.items()}
+        families: dict[str, CounterMetricFamily] = {}
+        for node in self.nodes:
+            healthy.add_metric([node.node_id, node.role], 1.0 if node.healthy else 0.0)
+            for key, family in gauges.items():
+                if key in node.stats:
+                    family.add_metric([node.node_id], float(node.stats[key]))
+            for key, (name, doc, labels) in NODE_COUNTERS.items():
+                if key not in node.stats:
+                    continue
+                family = families.get(name) or families.setdefault(
+                    name, CounterMetricFamily(name, doc, labels=["node", *labels]))
+                value = node.stats[key] / 1e6 if key.startswith("transfer_us") else node.stats[key]
+                family.add_metric([node.node_id, *labels.values()], float(value))
+        yield healthy
+        yield from gauges.values()
+        yield from families.values()
+
+
+class RouterMetrics:
+    def __init__(self, nodes=None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdserve_request_ttft_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_request_inter_token_latency_seconds", "time between tokens",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_request_e2e_latency_seconds", "request latency", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.queue = Histogram("pdserve_request_queue_time_seconds", "arrival to dispatch to a node",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.finished = Counter("pdserve_requests", "finished requests", ["finish_reason"], registry=r)
+        self.errors = Counter("pdserve_request_errors", "failed requests", ["kind"], registry=r)
+        self.retries = Counter("pdserve_request_retries", "phases retried on another node", ["role"], registry=r)
+        self.failovers = Counter("pdserve_failovers", "requests moved off a lost node", ["role"], registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens", registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "generated tokens", registry=r)
+        self.cached_tokens = Counter("pdserve_cached_prompt_tokens", "prompt tokens served from any cache",
+                                     registry=r)
+        self.handovers = Counter("pdserve_kv_handovers", "KV handovers by path", ["path"], registry=r)
+        if nodes is not None:
+            r.register(NodeCollector(nodes))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Times one backend request's stream: TTFT, inter-token gaps, end to end."""
+
+    def __init__(self, metrics: RouterMetrics | None, num_prompt_tokens: int):
+        self.metrics = metrics
+        self.start = self.last = time.perf_counter()
+        self.first = True
+        if metrics is not None:
+            metrics.prompt_tokens.inc(num_prompt_tokens)
+
+    def dispatched(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue.observe(time.perf_counter() - self.start)
+
+    def tokens(self, n: int, cached_tokens: int = 0) -> None:
+        if self.metrics is None or n == 0:
+            return
+        now = time.perf_counter()
+        if self.first:
+            self.metrics.ttft.observe(now - self.start)
+            self.metrics.cached_tokens.inc(cached_tokens)
+            self.first = False
+        else:
+            self.metrics.itl.observe((now - self.last) / n)
+        self.last = now
+        self.metrics.generation_tokens.inc(n)
+
+    def finished(self, reason: str | None) -> None:
+        if self.metrics is not None:
+            self.metrics.e2e.observe(time.perf_counter() - self.start)
+            self.metrics.finished.labels(reason or "unknown").inc()
