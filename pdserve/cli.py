@@ -5,6 +5,11 @@ import argparse
 import logging
 import sys
 
+# Up to this many missing prompt tokens the decode node prefills them itself instead of taking a
+# prefill node's round trip and a KV handover. 0 (every prompt is disaggregated) until the
+# break-even is measured on the target machine.
+DEFAULT_LOCAL_PREFILL_THRESHOLD = 0
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:tiny", help="local Hugging Face directory or builtin:tiny")
@@ -57,6 +62,14 @@ def _add_admission_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
 
 
+def _add_routing_args(p: argparse.ArgumentParser) -> None:
+    from pdserve.router.policy import POLICIES
+    p.add_argument("--prefill-policy", choices=POLICIES, default="cache_aware")
+    p.add_argument("--decode-policy", choices=POLICIES, default="cache_aware")
+    p.add_argument("--local-prefill-threshold", type=int, default=DEFAULT_LOCAL_PREFILL_THRESHOLD,
+                   help="the decode node prefills itself when it lacks at most this many prompt tokens")
+
+
 def _add_cluster_parsers(sub) -> None:
     from pdserve.launcher import run_up
     from pdserve.node_main import run_decode, run_prefill
@@ -85,6 +98,7 @@ def _add_cluster_parsers(sub) -> None:
     rt.add_argument("--dtype", default="auto")
     rt.add_argument("--max-model-len", type=int, default=None)
     _add_admission_args(rt)
+    _add_routing_args(rt)
     rt.set_defaults(func=run_router)
     up = sub.add_parser("up", help="start a local cluster: router, prefill and decode nodes (and Redis)")
     _add_engine_args(up)
@@ -102,6 +116,7 @@ def _add_cluster_parsers(sub) -> None:
     up.add_argument("--threads-per-node", type=int, default=None,
                     help="compute threads per node (default: the machine's cores divided among the nodes)")
     _add_admission_args(up)
+    _add_routing_args(up)
     up.add_argument("--decode-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # fault injection
     up.set_defaults(func=run_up)
 

@@ -21,8 +21,10 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import (Abort, DecodeRequest, KVHandover, Message, PrefillRequest, PrefillResult,
                               TokenDelta)
 from pdserve.router.backend import BackendError
+from pdserve.router.index import PrefixIndex
 from pdserve.router.metrics import RequestTimer, RouterMetrics
 from pdserve.router.nodes import Node, NodePool
+from pdserve.router.policy import NodeView, Planner, RoutePlan
 
 log = logging.getLogger(__name__)
 PREFILL_TIMEOUT_S = 300.0
@@ -46,7 +48,9 @@ class ClusterBackend:
     request runs whole on a decode node, the monolithic mode)."""
 
     def __init__(self, model_name: str, prefill_addrs: list[str], decode_addrs: list[str],
-                 transfer: str = "nixl", block_key_fn=None):
+                 transfer: str = "nixl", block_key_fn=None, block_size: int = 16,
+                 prefill_policy: str = "cache_aware", decode_policy: str = "cache_aware",
+                 local_prefill_threshold: int = 0):
         if not decode_addrs:
             raise ValueError("the cluster needs at least one decode node")
         self.model_name = model_name
@@ -60,6 +64,8 @@ class ClusterBackend:
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self.counters = {"prefill_retries": 0, "decode_resumes": 0, "local_prefills": 0}
         self.metrics = RouterMetrics(self.nodes)
+        self.index = PrefixIndex()
+        self.planner = Planner(self.index, block_size, prefill_policy, decode_policy, local_prefill_threshold)
 
     async def start(self) -> None:
         await self.pool.start()
@@ -69,6 +75,7 @@ class ClusterBackend:
 
     # ---- messages from nodes ----------------------------------------------------------------
     def _on_dead(self, node: Node) -> None:
+        self.index.drop_node(node.node_id)  # it comes back, if at all, with an empty cache
         for rid in list(node.requests):
             if self.owner.get(rid) != node.node_id:
                 continue
@@ -95,11 +102,24 @@ class ClusterBackend:
                 queue.put_nowait(msg.output)
 
     # ---- requests -------------------------------------------------------------------------
+    def _preferred(self, node_id: str | None, tried: set[str]) -> Node | None:
+        node = self.pool.get(node_id) if node_id is not None else None
+        return node if node is not None and node.healthy and node_id not in tried else None
+
     def _pick(self, role: str, exclude: set[str] = frozenset()) -> Node | None:
         healthy = [n for n in self.pool.by_role(role) if n.node_id not in exclude]
         if not healthy:
             return None
         return healthy[next(self._rr[role]) % len(healthy)]
+
+    def _plan(self, rid: str, prompt: list[int], params: SamplingParams) -> tuple[RoutePlan, list[bytes]]:
+        keys = self.block_key_fn(prompt) if self.block_key_fn is not None else []
+        views = {role: [NodeView(n.node_id, len(n.requests), n.stats.get("free_blocks", 0),
+                                 n.stats.get("total_blocks", 0)) for n in self.pool.by_role(role)]
+                 for role in ("decode", "prefill")}
+        if not views["decode"]:
+            raise BackendError("no healthy decode node")
+        return self.planner.plan(rid, len(prompt), keys, views["decode"], views["prefill"], params.max_tokens), keys
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[StepOutput]:
@@ -108,9 +128,12 @@ class ClusterBackend:
         relayed: list[int] = []  # every token id the client has been sent, in order
         reason = "abort"  # unless the stream reaches its end
         try:
+            plan, keys = self._plan(request_id, prompt_token_ids, params)
             handover = None
-            if self.pool.by_role("prefill", healthy_only=False):
-                first, handover = await self._prefill_with_retry(request_id, prompt_token_ids, params, timer)
+            if plan.prefill is not None:
+                self.index.add(plan.prefill, keys)
+                first, handover = await self._prefill_with_retry(request_id, prompt_token_ids, params, timer,
+                                                                 plan.prefill)
                 if first is not None:
                     timer.tokens(len(first.new_token_ids), first.num_cached_tokens)
                     self.metrics.handovers.labels(handover.mode if handover else "none").inc()
@@ -122,7 +145,7 @@ class ClusterBackend:
             else:
                 self.metrics.handovers.labels("local").inc()
             async for out in self._decode_with_resume(request_id, prompt_token_ids, params, relayed, handover,
-                                                      timer):
+                                                      timer, plan.decode, keys):
                 timer.tokens(len(out.new_token_ids), out.num_cached_tokens)
                 reason = out.finish_reason if out.finished else reason
                 yield out
@@ -135,13 +158,13 @@ class ClusterBackend:
             self.streams.pop(request_id, None)
             self.owner.pop(request_id, None)
 
-    async def _prefill_with_retry(self, rid: str, prompt: list[int], params: SamplingParams, timer: RequestTimer
-                                  ) -> tuple[StepOutput | None, KVHandover | None]:
+    async def _prefill_with_retry(self, rid: str, prompt: list[int], params: SamplingParams, timer: RequestTimer,
+                                  preferred: str | None = None) -> tuple[StepOutput | None, KVHandover | None]:
         """The first token and the handover; (None, None) when no prefill node can do it, so the
         decode node prefills the prompt itself."""
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
-            node = self._pick("prefill", tried)
+            node = self._preferred(preferred, tried) or self._pick("prefill", tried)
             if node is None:
                 break
             tried.add(node.node_id)
@@ -184,12 +207,13 @@ class ClusterBackend:
         return result.first, result.handover
 
     async def _decode_with_resume(self, rid: str, prompt: list[int], params: SamplingParams,
-                                  relayed: list[int], handover: KVHandover | None, timer: RequestTimer
+                                  relayed: list[int], handover: KVHandover | None, timer: RequestTimer,
+                                  preferred: str | None = None, keys: list[bytes] = ()
                                   ) -> AsyncIterator[StepOutput]:
         queue = self.streams[rid]
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
-            node = self._pick("decode", tried) or self._pick("decode")
+            node = self._preferred(preferred, tried) or self._pick("decode", tried) or self._pick("decode")
             if node is None:
                 raise BackendError("no healthy decode node")
             tried.add(node.node_id)
@@ -198,10 +222,15 @@ class ClusterBackend:
             self.owner[rid] = node.node_id
             node.requests.add(rid)
             await self.pool.send(node, DecodeRequest(rid, prompt, params, list(relayed), handover))
+            self.index.add(node.node_id, keys)  # concurrent requests sharing the prefix follow it here
             try:
                 async for out in self._relay(queue, rid):
                     relayed += out.new_token_ids
                     yield out
+                # The node now also holds the generated tokens' blocks: a follow-up turn that
+                # resends this conversation finds its whole history there.
+                if self.block_key_fn is not None:
+                    self.index.add(node.node_id, self.block_key_fn(prompt + relayed))
                 return
             except NodeLost as exc:
                 await self.pool.send(node, Abort(rid))  # a hung node that comes back drops it
@@ -240,4 +269,6 @@ class ClusterBackend:
         nodes = [{"id": n.node_id, "role": n.role, "address": n.address, "healthy": n.healthy, **n.stats}
                  for n in self.nodes]
         healthy = any(n.healthy and n.role == "decode" for n in self.nodes)
+        for entry in nodes:
+            entry["index_blocks"] = self.index.size(entry["id"])
         return {"healthy": healthy, "transfer": self.transfer, "nodes": nodes, "failover": dict(self.counters)}

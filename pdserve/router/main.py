@@ -19,7 +19,8 @@ def layout_salt(model: str, hf_config, dtype: str, block_size: int) -> bytes:
 
 
 def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, block_size: int = 16,
-              dtype: str = "float32", max_model_len: int | None = None, admission: dict | None = None):
+              dtype: str = "float32", max_model_len: int | None = None, admission: dict | None = None,
+              routing: dict | None = None):
     from transformers import AutoConfig, AutoTokenizer
 
     from pdserve.models.loader import resolve_model_path
@@ -31,7 +32,8 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     salt = layout_salt(model, hf_config, dtype, block_size)
     backend = ClusterBackend(model, prefill, decode, transfer,
-                             block_key_fn=lambda ids: block_key_chain(ids, block_size, salt))
+                             block_key_fn=lambda ids: block_key_chain(ids, block_size, salt), block_size=block_size,
+                             **(routing or {}))
     app = create_app(backend, tokenizer, model, max_model_len or hf_config.max_position_embeddings, admission)
     _run_with_app(app, backend)
     return app
@@ -59,7 +61,9 @@ def run_router(args) -> int:
     admission = dict(api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"), protect_metrics=args.protect_metrics,
                      max_body_bytes=args.max_body_bytes, max_queued_requests=args.max_queued_requests)
     app = build_app(args.model, args.prefill or [], args.decode or [], args.kv_transfer, args.block_size,
-                    "float32" if args.dtype == "auto" else args.dtype, args.max_model_len, admission)
+                    "float32" if args.dtype == "auto" else args.dtype, args.max_model_len, admission,
+                    dict(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+                         local_prefill_threshold=args.local_prefill_threshold))
     log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s", args.host, args.port,
              len(args.prefill or []), len(args.decode or []), args.kv_transfer)
     # uvloop and httptools when installed (the [standard] extra): the router's per-request cost is

@@ -1,0 +1,57 @@
+"""The router's prefix index: block key -> the nodes believed to hold that block.
+
+Fed by what the router itself routed (the prompt's blocks on the prefill node, prompt plus
+generated blocks on the decode node), as SGLang's cache-aware router does. An entry can be stale
+(the node evicted the block since): the request then computes those tokens, it never fails.
+The index is bounded (least recently used keys go first) so the router's memory stays flat.
+Pure data: no sockets, no asyncio.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable
+
+DEFAULT_MAX_KEYS = 1 << 20
+
+
+class PrefixIndex:
+    def __init__(self, max_keys: int = DEFAULT_MAX_KEYS):
+        self.max_keys = max_keys
+        self.holders: OrderedDict[bytes, set[str]] = OrderedDict()
+        self.counts: dict[str, int] = {}  # node id -> keys it holds
+
+    def add(self, node_id: str, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            nodes = self.holders.get(key)
+            if nodes is None:
+                nodes = self.holders[key] = set()
+            else:
+                self.holders.move_to_end(key)
+            if node_id not in nodes:
+                nodes.add(node_id)
+                self.counts[node_id] = self.counts.get(node_id, 0) + 1
+        while len(self.holders) > self.max_keys:
+            for gone in self.holders.popitem(last=False)[1]:
+                self.counts[gone] -= 1
+
+    def drop_node(self, node_id: str) -> None:
+        """A dead or restarted node holds nothing any more."""
+        for key in [k for k, nodes in self.holders.items() if node_id in nodes]:
+            nodes = self.holders[key]
+            nodes.discard(node_id)
+            if not nodes:
+                del self.holders[key]
+        self.counts.pop(node_id, None)
+
+    def held_prefix_blocks(self, node_id: str, keys: list[bytes]) -> int:
+        """How many leading blocks of `keys` the node is believed to hold."""
+        n = 0
+        for key in keys:
+            nodes = self.holders.get(key)
+            if nodes is None or node_id not in nodes:
+                break
+            n += 1
+        return n
+
+    def size(self, node_id: str) -> int:
+        return self.counts.get(node_id, 0)

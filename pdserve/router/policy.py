@@ -1,0 +1,94 @@
+"""Routing policies: which prefill node and which decode node serve a request, and whether the
+decode node prefills the prompt itself (conditional disaggregation). Pure: candidates come in as
+NodeView, the index as a PrefixIndex; no sockets, so the logic is testable alone.
+
+  round_robin   rotate over healthy nodes
+  least_loaded  fewest requests in flight, then most free KV blocks
+  cache_aware   the longest prefix the node holds, unless it is much busier than the least
+                loaded node (then least_loaded): SGLang's balance-threshold rule
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from pdserve.router.index import PrefixIndex
+
+log = logging.getLogger(__name__)
+POLICIES = ("round_robin", "least_loaded", "cache_aware")
+# cache_aware gives up locality when the holder has this many more requests in flight than the
+# least loaded node: a warm cache is not worth queueing behind a hot spot.
+BALANCE_ABS_THRESHOLD = 8
+
+
+@dataclass
+class NodeView:
+    node_id: str
+    in_flight: int = 0      # requests the router has on it now
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+
+@dataclass
+class RoutePlan:
+    decode: str
+    prefill: str | None            # None: the decode node prefills the prompt itself
+    decode_cached_tokens: int = 0  # prompt tokens the decode node is believed to hold
+    scores: dict = field(default_factory=dict)
+
+
+class Planner:
+    def __init__(self, index: PrefixIndex, block_size: int, prefill_policy: str = "cache_aware",
+                 decode_policy: str = "cache_aware", local_prefill_threshold: int = 0):
+        for policy in (prefill_policy, decode_policy):
+            if policy not in POLICIES:
+                raise ValueError(f"unknown routing policy {policy!r}; choose from {', '.join(POLICIES)}")
+        self.index = index
+        self.block_size = block_size
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self.local_prefill_threshold = local_prefill_threshold
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
+
+    def plan(self, rid: str, prompt_len: int, keys: list[bytes], decode: list[NodeView],
+             prefill: list[NodeView], max_tokens: int = 0) -> RoutePlan:
+        """decode must be non-empty; prefill may be empty (the decode node prefills)."""
+        decode = self._able_to_fit(decode, keys, prompt_len + max_tokens)
+        d_node, d_blocks, scores = self._choose("decode", self.decode_policy, decode, keys)
+        cached = min(d_blocks * self.block_size, prompt_len - 1)
+        p_node = None
+        if prefill and prompt_len - cached > self.local_prefill_threshold:
+            p_node, _, p_scores = self._choose("prefill", self.prefill_policy, prefill, keys)
+            scores.update(p_scores)
+        plan = RoutePlan(d_node.node_id, p_node.node_id if p_node else None, cached, scores)
+        log.debug("[%s] route: decode=%s (%s, %d cached tokens) prefill=%s (%s) scores=%s", rid, plan.decode,
+                  self.decode_policy, cached, plan.prefill, self.prefill_policy, scores)
+        return plan
+
+    def _choose(self, role: str, policy: str, nodes: list[NodeView], keys: list[bytes]
+                ) -> tuple[NodeView, int, dict]:
+        held = {n.node_id: self.index.held_prefix_blocks(n.node_id, keys) for n in nodes}
+        scores = {f"{role}:{n.node_id}": {"held_blocks": held[n.node_id], "in_flight": n.in_flight}
+                  for n in nodes}
+        if policy == "round_robin":
+            node = nodes[next(self._rr[role]) % len(nodes)]
+        else:
+            node = self._least_loaded(nodes, next(self._rr[role]))
+            if policy == "cache_aware":
+                best = max(nodes, key=lambda n: (held[n.node_id], -n.in_flight, n.free_blocks))
+                if held[best.node_id] > 0 and best.in_flight - node.in_flight < BALANCE_ABS_THRESHOLD:
+                    node = best
+        return node, held[node.node_id], scores
+
+    def _able_to_fit(self, nodes: list[NodeView], keys: list[bytes], tokens: int) -> list[NodeView]:
+        """Never a node that cannot fit the request while another can."""
+        def fits(n: NodeView) -> bool:
+            held = self.index.held_prefix_blocks(n.node_id, keys)
+            return n.total_blocks == 0 or n.free_blocks + held >= -(-tokens // self.block_size)
+        return [n for n in nodes if fits(n)] or nodes
+
+    @staticmethod
+    def _least_loaded(nodes: list[NodeView], turn: int) -> NodeView:
+        start = turn % len(nodes)  # ties go round the nodes, not always to the first
+        return min(nodes[start:] + nodes[:start], key=lambda n: (n.in_flight, -n.free_blocks))
