@@ -67,6 +67,25 @@ def test_prefix_reuse_across_requests(llm):
     assert llm.engine.pool.num_in_use() == 0
 
 
+def test_generated_tokens_and_landed_kv_enter_the_prefix_cache(llm):
+    """A follow-up turn resends prompt + answer: every full block of both is a cache hit, on the
+    node that decoded the answer, whether the prompt was computed there or its KV landed."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompt = list(range(60, 110))  # 50 tokens; with the answer, 90 tokens = 5 full blocks
+    answer = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+    follow = llm.generate({"prompt_token_ids": prompt + answer + [7, 8]}, GREEDY, use_tqdm=False)[0]
+    assert follow.num_cached_tokens == (len(prompt) + len(answer) - 1) // 16 * 16 == 80
+    receiver = LLM("builtin:tiny", num_kv_blocks=32).engine
+    first, blocks = _prefill_elsewhere(llm, prompt)
+    req = receiver.add_request("r", prompt, GREEDY, output_token_ids=[first], remote_kv_tokens=len(prompt))
+    receiver.kv_cache[req.block_ids] = blocks
+    receiver.report_remote_kv("r", ok=True)
+    _drain(receiver, "r")
+    again = receiver.add_request("again", prompt + [1], GREEDY)
+    receiver.step()
+    assert again.num_cached_tokens == 48
+
+
 def _prefill_elsewhere(llm, prompt):
     """Runs the prompt on `llm` until its first token; returns (first token, KV blocks)."""
     engine = llm.engine

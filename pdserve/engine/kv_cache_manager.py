@@ -43,7 +43,8 @@ class KVCacheManager:
             return False
         self.pool.touch(list(cached))
         req.block_ids.extend(cached)
-        req.num_registered_blocks = max(req.num_registered_blocks, len(req.block_ids))
+        if cached:  # hits are in the prefix cache already; blocks allocated earlier may not be yet
+            req.num_registered_blocks = max(req.num_registered_blocks, len(req.block_ids))
         if needed > 0:
             req.block_ids.extend(self.pool.allocate(needed))
         return True
