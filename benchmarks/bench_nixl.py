@@ -1,6 +1,7 @@
 """NIXL READ bandwidth between two processes versus a single-thread memcpy.
 
     .venv/bin/python benchmarks/bench_nixl.py [--total-mib 64] [--block-kib 256] [--runs 9]
+    python benchmarks/bench_nixl.py --device cuda --configs 0 --json out.json   # VRAM to VRAM
 
 A prefill process and a decode process (both spawned, so each UCX config gets a clean
 environment) hold block-major caches twice the transfer size. The decode side READs
@@ -9,6 +10,7 @@ total/block blocks per run; only msgspec bytes cross the pipes. Prints a markdow
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import random
@@ -38,6 +40,7 @@ class Job(msgspec.Struct):
     num_blocks: int  # per side; a transfer moves num_blocks // 2
     block_elems: int  # bfloat16 elements per block
     runs: int
+    device: str = "cpu"  # cuda: both caches in GPU memory, registered as VRAM
 
 
 class Publish(msgspec.Struct):
@@ -49,7 +52,7 @@ class Result(msgspec.Struct):
     gbps: float
     first_ms: float = 0.0
     ok: bool = True
-    memcpy_gbps: float = 0.0  # single-thread copy_ measured alongside, same process
+    memcpy_gbps: float = 0.0  # copy_ measured alongside, same process (single-thread on CPU)
 
 
 CONFIGS = [
@@ -57,6 +60,11 @@ CONFIGS = [
     Config("error_handling=peer + progress threads (NIXL default)", {}, "peer", True),
     Config("error_handling=peer, no progress threads", {}, "peer", False),
     Config("UCX_TLS=tcp, error_handling=none", {"UCX_TLS": "tcp"}, "none", False),
+    # GPU memory: CUDA IPC between processes on one GPU, cuda_copy for staging.
+    Config("UCX_TLS=cuda_ipc,cuda_copy,sm,tcp, error_handling=none",
+           {"UCX_TLS": "cuda_ipc,cuda_copy,sm,tcp"}, "none", False),
+    Config("UCX_TLS=cuda_ipc,cuda_copy,sm,tcp, UCX_RNDV_THRESH=0",
+           {"UCX_TLS": "cuda_ipc,cuda_copy,sm,tcp", "UCX_RNDV_THRESH": "0"}, "none", False),
     Config("error_handling=none, UCX num_threads=2", {}, "none", False, 2),
 ]
 
@@ -64,7 +72,12 @@ CONFIGS = [
 def _make_cache(job: Job, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     shape = (job.num_blocks, job.block_elems)
-    return torch.randint(-2**15, 2**15, shape, generator=gen, dtype=torch.int16)
+    return torch.randint(-2**15, 2**15, shape, generator=gen, dtype=torch.int16).to(job.device)
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
 
 
 def _agent(name: str, job: Job, seed: int) -> tuple[NixlKVAgent, float]:
@@ -102,7 +115,8 @@ def _time_reads(agent: NixlKVAgent, peer: str, msg: NixlBlockRegions, local: lis
                 runs: int, per_block: bool) -> tuple[float, float, float]:
     """(first-run s, median READ s, median memcpy s). A single-thread copy_ of the same bytes
     runs before each READ in this process, so both see the same (shared, noisy) machine."""
-    src = torch.empty(len(local), agent.block_nbytes, dtype=torch.uint8).fill_(1)
+    src = torch.empty(len(local), agent.block_nbytes, dtype=torch.uint8,
+                      device=agent.kv_cache.device).fill_(1)
     dst = torch.empty_like(src)
 
     def read() -> float:
@@ -116,8 +130,10 @@ def _time_reads(agent: NixlKVAgent, peer: str, msg: NixlBlockRegions, local: lis
         return time.perf_counter() - t0
 
     def copy() -> float:
+        _sync(dst)
         t0 = time.perf_counter()
         dst.copy_(src)
+        _sync(dst)
         return time.perf_counter() - t0
     first = read()
     read(), copy()  # warm-up
@@ -182,12 +198,14 @@ def run_config(job: Job) -> list[Result]:
                 p.kill()
 
 
-def _median_gbps(fn: Callable[[], None], nbytes: int, runs: int) -> float:
+def _median_gbps(fn: Callable[[], None], nbytes: int, runs: int, like: torch.Tensor) -> float:
     fn()
     times = []
     for _ in range(runs):
+        _sync(like)
         t0 = time.perf_counter()
         fn()
+        _sync(like)
         times.append(time.perf_counter() - t0)
     return nbytes / statistics.median(times) / 1e9
 
@@ -196,17 +214,18 @@ def memcpy_baselines(job: Job) -> list[Result]:
     """Single-thread torch copies of the same bytes in one process."""
     torch.set_num_threads(1)
     n = job.num_blocks // 2
-    src, dst = _make_cache(job, 1), torch.empty(job.num_blocks, job.block_elems,
-                                                dtype=torch.int16)
+    src = _make_cache(job, 1)
+    dst = torch.empty(job.num_blocks, job.block_elems, dtype=torch.int16, device=src.device)
     nbytes = n * job.block_elems * 2
     rng = random.Random(0)
-    ridx = torch.tensor(rng.sample(range(job.num_blocks), n))
-    lidx = torch.tensor(rng.sample(range(job.num_blocks), n))
-    contiguous = _median_gbps(lambda: dst[n:].copy_(src[:n]), nbytes, job.runs)
+    ridx = torch.tensor(rng.sample(range(job.num_blocks), n), device=src.device)
+    lidx = torch.tensor(rng.sample(range(job.num_blocks), n), device=src.device)
+    contiguous = _median_gbps(lambda: dst[n:].copy_(src[:n]), nbytes, job.runs, src)
     gathered = _median_gbps(lambda: dst.index_copy_(0, lidx, src.index_select(0, ridx)),
-                            nbytes, job.runs)
+                            nbytes, job.runs, src)
     per_block = _median_gbps(lambda: [dst[int(lb)].copy_(src[int(rb)])
-                                      for lb, rb in zip(lidx, ridx)], nbytes, job.runs)
+                                      for lb, rb in zip(lidx.tolist(), ridx.tolist())],
+                             nbytes, job.runs, src)
     return [Result("torch copy_, contiguous", contiguous),
             Result("torch index_select+index_copy_, random blocks", gathered),
             Result("torch copy_ per block, random blocks", per_block)]
@@ -218,10 +237,13 @@ def main() -> None:
     ap.add_argument("--block-kib", type=int, default=256)
     ap.add_argument("--runs", type=int, default=9)
     ap.add_argument("--configs", default="0,1,2,3", help="indices into CONFIGS")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--json", default=None, help="also write every row here")
     args = ap.parse_args()
     block_elems = args.block_kib * 1024 // 2
     num_blocks = 2 * args.total_mib * 1024 // args.block_kib
-    base = Job(CONFIGS[0], num_blocks, block_elems, args.runs)
+    base = Job(CONFIGS[0], num_blocks, block_elems, args.runs, args.device)
+    rows: list[dict] = []
     mem = memcpy_baselines(base)
     ref = mem[0].gbps
     print(f"{args.total_mib} MiB per READ in {args.block_kib} KiB blocks, median of "
@@ -231,15 +253,21 @@ def main() -> None:
     print("| path | GB/s | % of memcpy | memcpy alongside (GB/s) | first READ (ms) | bit-exact |")
     print("|---|---:|---:|---:|---:|---|")
     for r in mem:
+        rows.append({"path": r.path, "gbps": r.gbps})
         print(f"| {r.path} | {r.gbps:.2f} | {100 * r.gbps / ref:.0f}% | | | |")
     for i in map(int, args.configs.split(",")):
-        for r in run_config(Job(CONFIGS[i], num_blocks, block_elems, args.runs)):
+        for r in run_config(Job(CONFIGS[i], num_blocks, block_elems, args.runs, args.device)):
             name = f"NIXL {CONFIGS[i].label}: {r.path}"
+            rows.append({"path": name, **msgspec.structs.asdict(r)})
             if r.path.startswith("agent setup"):
                 print(f"| {name} | | | | {r.first_ms:.0f} | |")
                 continue
             print(f"| {name} | {r.gbps:.2f} | {100 * r.gbps / r.memcpy_gbps:.0f}% | "
                   f"{r.memcpy_gbps:.2f} | {r.first_ms:.1f} | {'yes' if r.ok else 'NO'} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "total_mib": args.total_mib,
+                       "block_kib": args.block_kib, "rows": rows}, f, indent=1)
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,4 @@
-"""Block-level KV transfer between processes over NIXL (UCX backend, CPU DRAM).
+"""Block-level KV transfer between processes over NIXL (UCX backend; CPU DRAM or CUDA VRAM).
 
 The paged cache is one block-major tensor kv_cache[num_blocks, ...], so block b is the single
 byte range [base + b * block_nbytes, +block_nbytes). The prefill side pins blocks and sends
@@ -73,14 +73,18 @@ def nixl_import_error() -> str | None:
     return None
 
 
-def _block_bytes(kv_cache: torch.Tensor, block_id: int) -> memoryview:
+def _block_bytes(blocks: torch.Tensor, i: int) -> memoryview:
     # uint8 view first: numpy has no bfloat16, and this avoids a copy for contiguous blocks.
-    return memoryview(kv_cache[block_id].contiguous().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(blocks[i].contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def block_digest(kv_cache: torch.Tensor, block_ids: Iterable[int]) -> list[int]:
     """xxh3_64 (seed 0) of each block's bytes; equal on both sides iff the bytes are equal."""
-    return [xxhash.xxh3_64_intdigest(_block_bytes(kv_cache, b)) for b in block_ids]
+    ids = [int(b) for b in block_ids]
+    # GPU blocks are gathered and copied to host once; CPU blocks are hashed in place.
+    blocks = kv_cache[ids].cpu() if kv_cache.device.type != "cpu" else kv_cache
+    rows = range(len(ids)) if kv_cache.device.type != "cpu" else ids
+    return [xxhash.xxh3_64_intdigest(_block_bytes(blocks, i)) for i in rows]
 
 
 def mismatched_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int],
@@ -145,13 +149,18 @@ class NixlReadHandle:
 
 
 class NixlKVAgent:
-    """A NIXL agent over one CPU kv_cache tensor registered as DRAM."""
+    """A NIXL agent over one kv_cache tensor: CPU memory registers as DRAM, CUDA memory as VRAM.
+
+    Both sides of a READ must use the same memory kind (regions carry the device id only).
+    """
 
     def __init__(self, name: str, kv_cache: torch.Tensor, *,
                  error_handling: Literal["none", "peer"] = "none",
                  progress_thread: bool = False, num_threads: int = 0) -> None:
-        if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
-            raise ValueError("kv_cache must be a contiguous CPU tensor")
+        if kv_cache.device.type not in ("cpu", "cuda") or not kv_cache.is_contiguous():
+            raise ValueError("kv_cache must be a contiguous CPU or CUDA tensor")
+        self.mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
+        self.dev_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
         self.name = name
         self.kv_cache = kv_cache
         self.num_blocks = int(kv_cache.shape[0])
@@ -162,7 +171,7 @@ class NixlKVAgent:
         self._unreleased: list[NixlReadHandle] = []  # handles whose abort failed; retried later
         t0 = time.perf_counter()
         self._agent: Any = _create_agent(name, error_handling, progress_thread, num_threads)
-        self._reg = self._agent.register_memory(kv_cache, "DRAM")
+        self._reg = self._agent.register_memory(kv_cache, self.mem_type)
         logger.info("NIXL agent %s up in %.2fs: %d blocks of %d bytes", name,
                     time.perf_counter() - t0, self.num_blocks, self.block_nbytes)
 
@@ -214,7 +223,7 @@ class NixlKVAgent:
             b = int(b)
             if not 0 <= b < self.num_blocks:
                 raise IndexError(f"block id {b} outside [0, {self.num_blocks})")
-            out.append((self._base + b * self.block_nbytes, self.block_nbytes, 0))
+            out.append((self._base + b * self.block_nbytes, self.block_nbytes, self.dev_id))
         return out
 
     # ---- transfers -----------------------------------------------------------------------
@@ -235,8 +244,8 @@ class NixlKVAgent:
         with self._lock:
             xfer = None
             try:
-                loc_d = self._agent.get_xfer_descs(loc, "DRAM")
-                rem_d = self._agent.get_xfer_descs(rem, "DRAM")
+                loc_d = self._agent.get_xfer_descs(loc, self.mem_type)
+                rem_d = self._agent.get_xfer_descs(rem, self.mem_type)
                 xfer = self._agent.initialize_xfer("READ", loc_d, rem_d, peer, notif)
                 state = self._agent.transfer(xfer)
             except Exception as exc:

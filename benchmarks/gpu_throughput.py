@@ -1,0 +1,179 @@
+"""Issue 9 step 3: offline throughput of a ~1.1B Llama (TinyLlama's shape, random weights) in
+bfloat16 on one GPU, pdserve against transformers' `generate_batch`, and pdserve's decode step
+time against the HBM bandwidth floor.
+
+    python3 benchmarks/gpu_throughput.py --out DIR [--requests 256 --prompt-len 512 --new-tokens 256]
+
+Each engine runs in its own process (a crashed or over-long peer cannot take the other down).
+The floor of one decode step is the bytes it must read (every weight but the embedding table,
+plus the K/V of every running sequence's context) divided by the device's copy bandwidth,
+measured here with a 4 GiB device-to-device copy (bytes read + written per second).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
+             tie_word_embeddings=False)
+
+
+def build_model(root: Path) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pdserve.models.builtin import build_byte_tokenizer
+    if (root / "config.json").exists():
+        return root
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", **SHAPE, architectures=["LlamaForCausalLM"],
+                                  bos_token_id=1, eos_token_id=2)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model.save_pretrained(root)
+    build_byte_tokenizer().save_pretrained(root)  # ids past its 261 decode to nothing
+    return root
+
+
+def workload(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, SHAPE["vocab_size"]) for _ in range(length)] for _ in range(n)]
+
+
+def copy_bandwidth(nbytes: int = 4 << 30, runs: int = 10) -> float:
+    """Bytes read + written per second by a device-to-device copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times)
+
+
+def run_pdserve(args) -> dict:
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+    blocks = args.requests * (-(-(args.prompt_len + args.new_tokens) // 16)) + 64
+    engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", device="cuda",
+                                    num_kv_blocks=blocks, max_num_seqs=args.requests,
+                                    max_num_batched_tokens=args.batched_tokens,
+                                    kernel_backend=args.kernel_backend))
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    engine.add_request("warm", workload(1, 64, seed=9)[0], SamplingParams(max_tokens=8, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i, p in enumerate(workload(args.requests, args.prompt_len)):
+        engine.add_request(str(i), p, params)
+    produced, decode_steps = 0, []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        running = list(engine.scheduler.running)
+        s0 = time.perf_counter()
+        outs = engine.step()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - s0
+        produced += len(outs)
+        if engine.last_step_tokens == args.requests == len(running):  # a full, pure decode step
+            decode_steps.append((dt, sum(r.num_tokens for r in running)))
+    elapsed = time.perf_counter() - t0
+    spec = engine.model.spec
+    kv_bytes_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters()
+                       if "embed_tokens" not in n)
+    return dict(output_tokens=produced, seconds=elapsed, tokens_per_s=produced / elapsed,
+                decode_steps=decode_steps, kv_bytes_per_token=kv_bytes_per_token,
+                weight_bytes=weight_bytes, kernel_backend=args.kernel_backend)
+
+
+def run_transformers(args) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16,
+                                                 attn_implementation="paged|sdpa").cuda().eval()
+    config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1,
+                              pad_token_id=0)
+    prompts = workload(args.requests, args.prompt_len)
+    with torch.no_grad():
+        model.generate_batch(inputs=prompts[:4], generation_config=config, progress_bar=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    produced = sum(len(r.generated_tokens) for r in out.values())
+    return dict(output_tokens=produced, seconds=elapsed, tokens_per_s=produced / elapsed)
+
+
+def in_subprocess(args, engine: str, timeout_s: float) -> dict:
+    cmd = [sys.executable, __file__, "--worker", engine, "--model", args.model,
+           "--requests", str(args.requests), "--prompt-len", str(args.prompt_len),
+           "--new-tokens", str(args.new_tokens), "--batched-tokens", str(args.batched_tokens),
+           "--kernel-backend", args.kernel_backend]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        return {"error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
+    return json.loads(lines[-1])
+
+
+def summarize(pd: dict, hf: dict, bandwidth: float) -> dict:
+    out = {"copy_bandwidth_gbps": bandwidth / 1e9, "pdserve": pd, "transformers": hf}
+    steps = pd.get("decode_steps") or []
+    if steps:
+        dt, ctx = sorted(steps)[len(steps) // 2]  # the median step, with its own context
+        floor_bytes = pd["weight_bytes"] + ctx * pd["kv_bytes_per_token"]
+        out["decode"] = dict(median_step_ms=dt * 1e3, context_tokens=ctx,
+                             bytes_read=floor_bytes, floor_ms=floor_bytes / bandwidth * 1e3,
+                             ratio_to_floor=dt / (floor_bytes / bandwidth), steps=len(steps))
+        pd["decode_steps"] = len(steps)
+    if "tokens_per_s" in pd and "tokens_per_s" in hf:
+        out["pdserve_vs_transformers"] = pd["tokens_per_s"] / hf["tokens_per_s"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--model", default=None, help="default: build the 1.1B model under --out")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--batched-tokens", type=int, default=8192)
+    ap.add_argument("--kernel-backend", default="triton")
+    ap.add_argument("--timeout-s", type=float, default=240)
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--worker", choices=["pdserve", "transformers"], default=None)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps((run_pdserve if args.worker == "pdserve" else run_transformers)(args)))
+        return
+    args.model = args.model or str(build_model(Path("/tmp/pdserve-llama-1b")))
+    pd = in_subprocess(args, "pdserve", args.timeout_s)
+    hf = {} if args.skip_transformers else in_subprocess(args, "transformers", args.timeout_s)
+    result = summarize(pd, hf, copy_bandwidth())
+    result["workload"] = dict(requests=args.requests, prompt_len=args.prompt_len,
+                              new_tokens=args.new_tokens, shape=SHAPE)
+    Path(args.out, "throughput.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
