@@ -37,6 +37,26 @@ class Pong(msgspec.Struct, tag=True):
     free_blocks: int = 0
     total_blocks: int = 0
     stats: dict[str, int] = {}
+    kv_salt: bytes = b""   # the node's block-key salt (model, KV layout, dtype): keys must match it
+    block_size: int = 0
+
+
+class KVEvents(msgspec.Struct, tag=True):
+    """Block keys a node's prefix cache gained and lost since its previous batch.
+
+    seq counts batches from 1 within one epoch (a node process's lifetime); a router that sees a
+    new epoch or a skipped seq asks for a snapshot. A snapshot lists every key held, at that seq.
+    """
+    node_id: str
+    epoch: int
+    seq: int
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    snapshot: bool = False
+
+
+class KVSnapshotRequest(msgspec.Struct, tag=True):
+    pass
 
 
 class PrefillRequest(msgspec.Struct, tag=True):
@@ -79,7 +99,7 @@ class NixlMetadata(msgspec.Struct, tag=True):
 
 
 Message = Union[Ping, Pong, PrefillRequest, PrefillResult, DecodeRequest, TokenDelta, Abort,
-                NixlMetadataRequest, NixlMetadata]
+                NixlMetadataRequest, NixlMetadata, KVEvents, KVSnapshotRequest]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -93,6 +113,6 @@ def decode(data: bytes) -> Message:
     return _decoder.decode(data)
 
 
-__all__ = ["KVHandover", "Ping", "Pong", "PrefillRequest", "PrefillResult", "DecodeRequest", "TokenDelta",
+__all__ = ["KVHandover", "KVEvents", "KVSnapshotRequest", "Ping", "Pong", "PrefillRequest", "PrefillResult", "DecodeRequest", "TokenDelta",
            "Abort", "NixlMetadataRequest", "NixlMetadata", "Message", "encode", "decode", "StepOutput",
            "TokenLogprob"]

@@ -14,7 +14,8 @@ import zmq
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import StepOutput
-from pdserve.messages import Abort, Message, Ping, Pong, TokenDelta
+from pdserve.kv_events import KVEventPublisher
+from pdserve.messages import Abort, KVSnapshotRequest, Message, Ping, Pong, TokenDelta
 from pdserve.transport import NodeSocket
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class NodeRuntime:
         self.poller.register(self.control.sock, zmq.POLLIN)
         self.origin: dict[str, bytes] = {}  # request id -> the router that sent it
         self.stats = NodeStats()
+        self.kv_events = KVEventPublisher(engine.pool, node_id, self.control.send)
         self._stop = False
 
     # ---- the loop -------------------------------------------------------------------------
@@ -67,6 +69,7 @@ class NodeRuntime:
         self.poll_background()
         if self.engine.has_unfinished_requests():
             self.on_outputs(self.engine.step())
+        self.kv_events.flush()
 
     def stop(self) -> None:
         self._stop = True
@@ -84,6 +87,8 @@ class NodeRuntime:
         try:
             if isinstance(msg, Ping):
                 self.socket_for(raw_sock).send(identity, self.pong(msg))
+            elif isinstance(msg, KVSnapshotRequest):
+                self.kv_events.snapshot(identity)
             elif isinstance(msg, Abort):
                 self.abort(msg.request_id)
             else:
@@ -97,9 +102,11 @@ class NodeRuntime:
         stats.update(kv_blocks_in_use=engine.pool.num_used, running=len(sched.running),
                      waiting=len(sched.waiting), preemptions=sched.num_preemptions,
                      cached_tokens=engine.cached_prompt_tokens, computed_tokens=engine.computed_prompt_tokens,
-                     cached_tokens_local=max(engine.cached_prompt_tokens - self.stats.cached_tokens_store, 0))
+                     cached_tokens_local=max(engine.cached_prompt_tokens - self.stats.cached_tokens_store, 0),
+                     cached_blocks=len(engine.pool.cached), kv_event_seq=self.kv_events.seq)
         return Pong(ping.seq, self.node_id, self.role, len(sched.requests),
-                    engine.pool.num_free, engine.pool.num_blocks, stats)
+                    engine.pool.num_free, engine.pool.num_blocks, stats,
+                    kv_salt=engine.salt, block_size=engine.config.block_size)
 
     # ---- hooks ----------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:

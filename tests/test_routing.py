@@ -87,3 +87,16 @@ def test_index_is_bounded_and_forgets_dead_nodes():
     index.add("b", keys[:2])
     index.drop_node("b")
     assert index.size("b") == 0 and index.held_prefix_blocks("b", keys) == 0
+
+
+def test_cached_tokens_reported_alike_streamed_unstreamed_and_for_n_2(cluster):
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="none", max_retries=0, timeout=120)
+    prompt = [(5 * i) % 200 + 20 for i in range(130)]
+    args = dict(model="builtin:tiny", prompt=prompt, max_tokens=4, temperature=0)
+    client.completions.create(**args)  # now every block of it is cached somewhere
+    plain = client.completions.create(**args).usage.prompt_tokens_details.cached_tokens
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    streamed = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    both = client.completions.create(**{**args, "temperature": 0.8}, n=2, seed=3)
+    assert len(both.choices) == 2 and both.usage.prompt_tokens == len(prompt)
+    assert plain == streamed == both.usage.prompt_tokens_details.cached_tokens >= 112

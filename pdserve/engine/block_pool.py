@@ -26,6 +26,9 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
         self.num_used = 0  # blocks with a reference: held by live requests, not idle cached ones
+        # KV events: (True, key) when a key enters the prefix cache, (False, key) when it leaves.
+        # None (the offline engine) records nothing; a serving node sets a list and drains it.
+        self.event_sink: list[tuple[bool, bytes]] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -78,11 +81,15 @@ class BlockPool:
             return  # already cached, or an identical block holds the key
         block.key = key
         self.cached[key] = block_id
+        if self.event_sink is not None:
+            self.event_sink.append((True, key))
 
     def _evict(self, block: Block) -> None:
         if block.key is not None:
             if self.cached.get(block.key) == block.block_id:
                 del self.cached[block.key]
+                if self.event_sink is not None:
+                    self.event_sink.append((False, block.key))
             block.key = None
 
     def num_in_use(self) -> int:

@@ -16,12 +16,14 @@ import itertools
 import logging
 from typing import AsyncIterator
 
+from pdserve.engine.block_keys import block_key_chain
 from pdserve.engine.outputs import StepOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import (Abort, DecodeRequest, KVHandover, Message, PrefillRequest, PrefillResult,
-                              TokenDelta)
+from pdserve.messages import (Abort, DecodeRequest, KVEvents, KVHandover, KVSnapshotRequest, Message,
+                              PrefillRequest, PrefillResult, Pong, TokenDelta)
 from pdserve.router.backend import BackendError
 from pdserve.router.index import PrefixIndex
+from pdserve.router.kv_events import KVEventTracker
 from pdserve.router.metrics import RequestTimer, RouterMetrics
 from pdserve.router.nodes import Node, NodePool
 from pdserve.router.policy import NodeView, Planner, RoutePlan
@@ -48,14 +50,17 @@ class ClusterBackend:
     request runs whole on a decode node, the monolithic mode)."""
 
     def __init__(self, model_name: str, prefill_addrs: list[str], decode_addrs: list[str],
-                 transfer: str = "nixl", block_key_fn=None, block_size: int = 16,
+                 transfer: str = "nixl", salt: bytes | None = None, block_size: int = 16,
                  prefill_policy: str = "cache_aware", decode_policy: str = "cache_aware",
                  local_prefill_threshold: int = 0):
         if not decode_addrs:
             raise ValueError("the cluster needs at least one decode node")
         self.model_name = model_name
         self.transfer = transfer
-        self.block_key_fn = block_key_fn
+        self.salt = salt  # used only until a node reports its own (the node's salt is the contract)
+        self.block_size = block_size
+        self._salt_conflict_logged = False
+        self._background: set[asyncio.Task] = set()
         self.pool = NodePool(prefill_addrs, decode_addrs, self._on_message, self._on_dead)
         self.nodes = self.pool.nodes
         self.streams: dict[str, asyncio.Queue] = {}
@@ -65,6 +70,7 @@ class ClusterBackend:
         self.counters = {"prefill_retries": 0, "decode_resumes": 0, "local_prefills": 0}
         self.metrics = RouterMetrics(self.nodes)
         self.index = PrefixIndex()
+        self.kv_tracker = KVEventTracker(self.index)
         self.planner = Planner(self.index, block_size, prefill_policy, decode_policy, local_prefill_threshold)
 
     async def start(self) -> None:
@@ -74,8 +80,24 @@ class ClusterBackend:
         await self.pool.stop()
 
     # ---- messages from nodes ----------------------------------------------------------------
+    def block_keys(self, token_ids: list[int]) -> list[bytes]:
+        """The prompt's block keys as the nodes compute them: with the salt the nodes report."""
+        salts = sorted({n.kv_salt for n in self.nodes if n.healthy and n.kv_salt})
+        if len(salts) > 1 and not self._salt_conflict_logged:
+            self._salt_conflict_logged = True
+            log.error("nodes report %d different KV layouts (model, dtype or block size differ): "
+                      "their caches cannot be shared", len(salts))
+        salt = salts[0] if salts else self.salt
+        return block_key_chain(token_ids, self.block_size, salt) if salt is not None else []
+
+    def _send_later(self, node: Node, msg: Message) -> None:
+        task = asyncio.get_running_loop().create_task(self.pool.send(node, msg))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _on_dead(self, node: Node) -> None:
         self.index.drop_node(node.node_id)  # it comes back, if at all, with an empty cache
+        self.kv_tracker.forget(node.node_id)
         for rid in list(node.requests):
             if self.owner.get(rid) != node.node_id:
                 continue
@@ -88,7 +110,15 @@ class ClusterBackend:
                 queue.put_nowait(_Lost(node.node_id))
 
     def _on_message(self, node: Node, msg: Message) -> None:
-        if isinstance(msg, PrefillResult):
+        if isinstance(msg, Pong):
+            if self.kv_tracker.needs_snapshot(node.node_id):
+                self._send_later(node, KVSnapshotRequest())
+        elif isinstance(msg, KVEvents):
+            if self.kv_tracker.apply(node.node_id, msg):
+                log.info("%s: KV event gap (epoch %d, seq %d): asking for a snapshot", node.node_id,
+                         msg.epoch, msg.seq)
+                self._send_later(node, KVSnapshotRequest())
+        elif isinstance(msg, PrefillResult):
             node.requests.discard(msg.request_id)
             fut = self.prefill_results.get(msg.request_id)
             if fut is not None and not fut.done() and self.owner.get(msg.request_id) == node.node_id:
@@ -113,7 +143,7 @@ class ClusterBackend:
         return healthy[next(self._rr[role]) % len(healthy)]
 
     def _plan(self, rid: str, prompt: list[int], params: SamplingParams) -> tuple[RoutePlan, list[bytes]]:
-        keys = self.block_key_fn(prompt) if self.block_key_fn is not None else []
+        keys = self.block_keys(prompt)
         views = {role: [NodeView(n.node_id, len(n.requests), n.stats.get("free_blocks", 0),
                                  n.stats.get("total_blocks", 0)) for n in self.pool.by_role(role)]
                  for role in ("decode", "prefill")}
@@ -190,9 +220,7 @@ class ClusterBackend:
         self.prefill_results[rid] = fut
         self.owner[rid] = node.node_id
         node.requests.add(rid)
-        if self.block_key_fn is not None:
-            log.debug("[%s] %d tokens, %d blocks, prefill on %s", rid, len(prompt),
-                      len(self.block_key_fn(prompt)), node.node_id)
+        log.debug("[%s] %d tokens, prefill on %s", rid, len(prompt), node.node_id)
         try:
             await self.pool.send(node, PrefillRequest(rid, prompt, params, self.transfer))
             result = await asyncio.wait_for(fut, PREFILL_TIMEOUT_S)
@@ -229,8 +257,7 @@ class ClusterBackend:
                     yield out
                 # The node now also holds the generated tokens' blocks: a follow-up turn that
                 # resends this conversation finds its whole history there.
-                if self.block_key_fn is not None:
-                    self.index.add(node.node_id, self.block_key_fn(prompt + relayed))
+                self.index.add(node.node_id, self.block_keys(prompt + relayed))
                 return
             except NodeLost as exc:
                 await self.pool.send(node, Abort(rid))  # a hung node that comes back drops it
@@ -271,4 +298,6 @@ class ClusterBackend:
         healthy = any(n.healthy and n.role == "decode" for n in self.nodes)
         for entry in nodes:
             entry["index_blocks"] = self.index.size(entry["id"])
-        return {"healthy": healthy, "transfer": self.transfer, "nodes": nodes, "failover": dict(self.counters)}
+            entry["kv_event_seq_applied"] = self.kv_tracker.seq(entry["id"])
+        return {"healthy": healthy, "transfer": self.transfer, "nodes": nodes, "failover": dict(self.counters),
+                "kv_events": dict(self.kv_tracker.counters)}

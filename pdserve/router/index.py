@@ -1,8 +1,10 @@
 """The router's prefix index: block key -> the nodes believed to hold that block.
 
-Fed by what the router itself routed (the prompt's blocks on the prefill node, prompt plus
-generated blocks on the decode node), as SGLang's cache-aware router does. An entry can be stale
-(the node evicted the block since): the request then computes those tokens, it never fails.
+Fed two ways: by the nodes' KV events (what each node's prefix cache gained and evicted; see
+router/kv_events.py), and at once by what the router itself routes (the prompt's blocks on the
+chosen nodes, before any event can arrive), as SGLang's cache-aware router does. An entry can be
+stale for a moment (an eviction not yet reported): the request then computes those tokens, it
+never fails.
 The index is bounded (least recently used keys go first) so the router's memory stays flat.
 Pure data: no sockets, no asyncio.
 """
@@ -33,6 +35,17 @@ class PrefixIndex:
         while len(self.holders) > self.max_keys:
             for gone in self.holders.popitem(last=False)[1]:
                 self.counts[gone] -= 1
+
+    def remove(self, node_id: str, keys: Iterable[bytes]) -> None:
+        """The node evicted these blocks."""
+        for key in keys:
+            nodes = self.holders.get(key)
+            if nodes is None or node_id not in nodes:
+                continue
+            nodes.discard(node_id)
+            self.counts[node_id] -= 1
+            if not nodes:
+                del self.holders[key]
 
     def drop_node(self, node_id: str) -> None:
         """A dead or restarted node holds nothing any more."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 
-from pdserve.engine.block_keys import block_key_chain, kv_layout_salt
+from pdserve.engine.block_keys import kv_layout_salt
 
 log = logging.getLogger(__name__)
 KEEP_ALIVE_S = 75
@@ -32,7 +32,7 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     salt = layout_salt(model, hf_config, dtype, block_size)
     backend = ClusterBackend(model, prefill, decode, transfer,
-                             block_key_fn=lambda ids: block_key_chain(ids, block_size, salt), block_size=block_size,
+                             salt=salt, block_size=block_size,
                              **(routing or {}))
     app = create_app(backend, tokenizer, model, max_model_len or hf_config.max_position_embeddings, admission)
     _run_with_app(app, backend)

@@ -38,6 +38,7 @@ class Node:
     stats: dict = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)  # request ids in flight on this node
     deaths: int = 0
+    kv_salt: bytes = b""  # the node's block-key salt, from its pongs
 
 
 class NodePool:
@@ -130,5 +131,6 @@ class NodePool:
         if not node.healthy:
             log.info("%s (%s) is healthy", node.node_id, node.address)
         node.healthy, node.last_pong = True, time.monotonic()
+        node.kv_salt = msg.kv_salt or node.kv_salt
         node.stats = {"requests": msg.num_requests, "free_blocks": msg.free_blocks,
                       "total_blocks": msg.total_blocks, **msg.stats}
