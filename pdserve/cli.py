@@ -68,6 +68,8 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-policy", choices=POLICIES, default="cache_aware")
     p.add_argument("--local-prefill-threshold", type=int, default=DEFAULT_LOCAL_PREFILL_THRESHOLD,
                    help="the decode node prefills itself when it lacks at most this many prompt tokens")
+    p.add_argument("--session-affinity", action="store_true",
+                   help="keep requests with the same OpenAI `user` on the decode node that served the last one")
 
 
 def _add_cluster_parsers(sub) -> None:

@@ -85,6 +85,7 @@ class Cluster:
         router += ["--max-queued-requests", str(a.max_queued_requests), "--max-body-bytes", str(a.max_body_bytes)]
         router += ["--prefill-policy", a.prefill_policy, "--decode-policy", a.decode_policy,
                    "--local-prefill-threshold", str(a.local_prefill_threshold)]
+        router += ["--session-affinity"] if a.session_affinity else []
         if a.api_key:  # through the environment: a command line is visible to every local user
             os.environ["PDSERVE_API_KEY"] = a.api_key
         router += ["--protect-metrics"] if a.protect_metrics else []

@@ -63,7 +63,7 @@ class EchoBackend:
         self.fail: str | None = None  # "start" | "mid"
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[StepOutput]:
+                       params: SamplingParams, session: str | None = None) -> AsyncIterator[StepOutput]:
         self.params[request_id] = params
         if self.fail == "start":
             raise BackendError("no prefill nodes registered")

@@ -100,3 +100,25 @@ def test_cached_tokens_reported_alike_streamed_unstreamed_and_for_n_2(cluster):
     both = client.completions.create(**{**args, "temperature": 0.8}, n=2, seed=3)
     assert len(both.choices) == 2 and both.usage.prompt_tokens == len(prompt)
     assert plain == streamed == both.usage.prompt_tokens_details.cached_tokens >= 112
+
+
+def test_pinned_session_wins_unless_its_node_is_a_hot_spot():
+    planner = Planner(PrefixIndex(), 16, "least_loaded", "least_loaded")
+    views = [NodeView("d0", 0, 100, 100), NodeView("d1", 3, 100, 100)]
+    assert planner.plan("r", 40, [], views, [], 8, pinned_decode="d1").decode == "d1"
+    views[1].in_flight = 20
+    assert planner.plan("r", 40, [], views, [], 8, pinned_decode="d1").decode == "d0"
+
+
+def test_session_affinity_keeps_each_user_on_one_decode_node():
+    with running_cluster("--prefill-nodes", "0", "--decode-nodes", "2", "--decode-policy", "round_robin",
+                         "--session-affinity", "--num-kv-blocks", "256") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        for user in ("alice", "bob", "carol"):
+            before = {k: s["requests_total"] for k, s in node_stats(url).items()}
+            for i in range(4):
+                client.completions.create(model="builtin:tiny", prompt=f"{user} turn {i}", max_tokens=2,
+                                          temperature=0, user=user)
+            wait_for(lambda: sum(s["requests_total"] for s in node_stats(url).values()) == sum(before.values()) + 4)
+            moved = sorted(s["requests_total"] - before[k] for k, s in node_stats(url).items())
+            assert moved == [0, 4], f"{user}'s requests were spread over the nodes: {moved}"

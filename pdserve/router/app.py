@@ -123,7 +123,7 @@ class _Router:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         logger.info("%s: prompt_tokens=%d n=%d max_tokens=%d stream=%s", request_id,
                     len(prompt_ids), len(params), params[0].max_tokens, bool(body.stream))
-        group = GenerationGroup(self.backend, request_id, prompt_ids, params)
+        group = GenerationGroup(self.backend, request_id, prompt_ids, params, session=body.user)
         headers = {"X-Request-Id": request_id}
         created = int(time.time())
         if body.stream:

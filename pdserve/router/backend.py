@@ -19,8 +19,9 @@ class GenerationBackend(Protocol):
     model_name: str
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[StepOutput]:
-        """Yields StepOutput deltas; the last one has finished=True. Raises BackendError."""
+                 params: SamplingParams, session: str | None = None) -> AsyncIterator[StepOutput]:
+        """Yields StepOutput deltas; the last one has finished=True. Raises BackendError.
+        session (the OpenAI `user` field) may pin a conversation to a node."""
         ...
 
     async def abort(self, request_id: str) -> None:

@@ -26,7 +26,7 @@ from pdserve.router.index import PrefixIndex
 from pdserve.router.kv_events import KVEventTracker
 from pdserve.router.metrics import RequestTimer, RouterMetrics
 from pdserve.router.nodes import Node, NodePool
-from pdserve.router.policy import NodeView, Planner, RoutePlan
+from pdserve.router.policy import NodeView, Planner, RoutePlan, SessionMap
 
 log = logging.getLogger(__name__)
 PREFILL_TIMEOUT_S = 300.0
@@ -52,7 +52,7 @@ class ClusterBackend:
     def __init__(self, model_name: str, prefill_addrs: list[str], decode_addrs: list[str],
                  transfer: str = "nixl", salt: bytes | None = None, block_size: int = 16,
                  prefill_policy: str = "cache_aware", decode_policy: str = "cache_aware",
-                 local_prefill_threshold: int = 0):
+                 local_prefill_threshold: int = 0, session_affinity: bool = False):
         if not decode_addrs:
             raise ValueError("the cluster needs at least one decode node")
         self.model_name = model_name
@@ -71,6 +71,7 @@ class ClusterBackend:
         self.metrics = RouterMetrics(self.nodes)
         self.index = PrefixIndex()
         self.kv_tracker = KVEventTracker(self.index)
+        self.sessions = SessionMap() if session_affinity else None
         self.planner = Planner(self.index, block_size, prefill_policy, decode_policy, local_prefill_threshold)
 
     async def start(self) -> None:
@@ -142,23 +143,29 @@ class ClusterBackend:
             return None
         return healthy[next(self._rr[role]) % len(healthy)]
 
-    def _plan(self, rid: str, prompt: list[int], params: SamplingParams) -> tuple[RoutePlan, list[bytes]]:
+    def _plan(self, rid: str, prompt: list[int], params: SamplingParams, session: str | None = None
+              ) -> tuple[RoutePlan, list[bytes]]:
         keys = self.block_keys(prompt)
         views = {role: [NodeView(n.node_id, len(n.requests), n.stats.get("free_blocks", 0),
                                  n.stats.get("total_blocks", 0)) for n in self.pool.by_role(role)]
                  for role in ("decode", "prefill")}
         if not views["decode"]:
             raise BackendError("no healthy decode node")
-        return self.planner.plan(rid, len(prompt), keys, views["decode"], views["prefill"], params.max_tokens), keys
+        pinned = self.sessions.get(session) if self.sessions is not None and session else None
+        plan = self.planner.plan(rid, len(prompt), keys, views["decode"], views["prefill"], params.max_tokens,
+                                 pinned_decode=pinned)
+        if self.sessions is not None and session:
+            self.sessions.put(session, plan.decode)
+        return plan, keys
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[StepOutput]:
+                       params: SamplingParams, session: str | None = None) -> AsyncIterator[StepOutput]:
         self.streams[request_id] = asyncio.Queue()
         timer = RequestTimer(self.metrics, len(prompt_token_ids))
         relayed: list[int] = []  # every token id the client has been sent, in order
         reason = "abort"  # unless the stream reaches its end
         try:
-            plan, keys = self._plan(request_id, prompt_token_ids, params)
+            plan, keys = self._plan(request_id, prompt_token_ids, params, session)
             handover = None
             if plan.prefill is not None:
                 self.index.add(plan.prefill, keys)

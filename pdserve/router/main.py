@@ -63,7 +63,8 @@ def run_router(args) -> int:
     app = build_app(args.model, args.prefill or [], args.decode or [], args.kv_transfer, args.block_size,
                     "float32" if args.dtype == "auto" else args.dtype, args.max_model_len, admission,
                     dict(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
-                         local_prefill_threshold=args.local_prefill_threshold))
+                         local_prefill_threshold=args.local_prefill_threshold,
+                         session_affinity=args.session_affinity))
     log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s", args.host, args.port,
              len(args.prefill or []), len(args.decode or []), args.kv_transfer)
     # uvloop and httptools when installed (the [standard] extra): the router's per-request cost is

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pdserve.router.index import PrefixIndex
@@ -38,6 +39,23 @@ class RoutePlan:
     scores: dict = field(default_factory=dict)
 
 
+class SessionMap:
+    """Session (the OpenAI `user`) -> the decode node that served its last request; bounded LRU."""
+
+    def __init__(self, max_sessions: int = 100_000):
+        self.max_sessions = max_sessions
+        self.nodes: OrderedDict[str, str] = OrderedDict()
+
+    def get(self, session: str) -> str | None:
+        return self.nodes.get(session)
+
+    def put(self, session: str, node_id: str) -> None:
+        self.nodes[session] = node_id
+        self.nodes.move_to_end(session)
+        while len(self.nodes) > self.max_sessions:
+            self.nodes.popitem(last=False)
+
+
 class Planner:
     def __init__(self, index: PrefixIndex, block_size: int, prefill_policy: str = "cache_aware",
                  decode_policy: str = "cache_aware", local_prefill_threshold: int = 0):
@@ -52,10 +70,15 @@ class Planner:
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
 
     def plan(self, rid: str, prompt_len: int, keys: list[bytes], decode: list[NodeView],
-             prefill: list[NodeView], max_tokens: int = 0) -> RoutePlan:
-        """decode must be non-empty; prefill may be empty (the decode node prefills)."""
+             prefill: list[NodeView], max_tokens: int = 0, pinned_decode: str | None = None) -> RoutePlan:
+        """decode must be non-empty; prefill may be empty (the decode node prefills).
+        pinned_decode (session affinity) wins while that node is healthy, fits and is not a hot spot."""
         decode = self._able_to_fit(decode, keys, prompt_len + max_tokens)
         d_node, d_blocks, scores = self._choose("decode", self.decode_policy, decode, keys)
+        pinned = next((n for n in decode if n.node_id == pinned_decode), None)
+        if pinned is not None and pinned.in_flight - d_node.in_flight < BALANCE_ABS_THRESHOLD:
+            d_node, d_blocks = pinned, self.index.held_prefix_blocks(pinned.node_id, keys)
+            scores["pinned"] = pinned.node_id
         cached = min(d_blocks * self.block_size, prompt_len - 1)
         p_node = None
         if prefill and prompt_len - cached > self.local_prefill_threshold:

@@ -44,8 +44,9 @@ class GenerationGroup:
     """The n backend streams of one HTTP request, merged into one stream of (index, output)."""
 
     def __init__(self, backend: GenerationBackend, base_id: str, prompt_ids: list[int],
-                 params: list[SamplingParams]) -> None:
+                 params: list[SamplingParams], session: str | None = None) -> None:
         self.backend = backend
+        self.session = session
         self.prompt_ids = prompt_ids
         self.params = params
         self.request_ids = [f"{base_id}-{i}" for i in range(len(params))]
@@ -68,7 +69,7 @@ class GenerationGroup:
             self._queue.put_nowait((index, None, exc))
 
     async def _consume(self, index: int, rid: str, params: SamplingParams) -> None:
-        stream = self.backend.generate(rid, self.prompt_ids, params)
+        stream = self.backend.generate(rid, self.prompt_ids, params, session=self.session)
         closer = getattr(stream, "aclose", None)
         async with contextlib.AsyncExitStack() as stack:
             if closer is not None:
