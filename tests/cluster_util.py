@@ -72,7 +72,10 @@ def node_pids(up_pid: int) -> dict[str, int]:
     import psutil
     out = {}
     for child in psutil.Process(up_pid).children():
-        cmd = child.cmdline()
+        try:
+            cmd = child.cmdline()
+        except psutil.Error:  # a killed node not yet reaped (a zombie), or already gone
+            continue
         if "--node-id" in cmd:
             out[cmd[cmd.index("--node-id") + 1]] = child.pid
         elif "router" in cmd:

@@ -122,3 +122,16 @@ def test_session_affinity_keeps_each_user_on_one_decode_node():
             wait_for(lambda: sum(s["requests_total"] for s in node_stats(url).values()) == sum(before.values()) + 4)
             moved = sorted(s["requests_total"] - before[k] for k, s in node_stats(url).items())
             assert moved == [0, 4], f"{user}'s requests were spread over the nodes: {moved}"
+
+
+def test_prefill_goes_to_the_lowest_estimated_ttft():
+    index = PrefixIndex()
+    keys = block_key_chain(list(range(160)), 16, b"salt")
+    index.add("p1", keys[:8])  # p1 holds 128 of the 160 tokens
+    planner = Planner(index, 16)
+    decode = [NodeView("d0", 0, 100, 100)]
+    idle, warm = NodeView("p0", 0, 0, 0, queued_tokens=0), NodeView("p1", 1, 0, 0, queued_tokens=100)
+    # p0 computes 160 tokens; p1 has 100 queued plus 32 of its own: p1 answers first.
+    assert planner.plan("r", 160, keys, decode, [idle, warm]).prefill == "p1"
+    warm.queued_tokens = 200  # 232 > 160: now the idle node is quicker despite the cold cache
+    assert planner.plan("r", 160, keys, decode, [idle, warm]).prefill == "p0"

@@ -147,7 +147,8 @@ class ClusterBackend:
               ) -> tuple[RoutePlan, list[bytes]]:
         keys = self.block_keys(prompt)
         views = {role: [NodeView(n.node_id, len(n.requests), n.stats.get("free_blocks", 0),
-                                 n.stats.get("total_blocks", 0)) for n in self.pool.by_role(role)]
+                                 n.stats.get("total_blocks", 0), sum(n.queued_tokens.values()))
+                        for n in self.pool.by_role(role)]
                  for role in ("decode", "prefill")}
         if not views["decode"]:
             raise BackendError("no healthy decode node")
@@ -227,6 +228,7 @@ class ClusterBackend:
         self.prefill_results[rid] = fut
         self.owner[rid] = node.node_id
         node.requests.add(rid)
+        node.queued_tokens[rid] = len(prompt)
         log.debug("[%s] %d tokens, prefill on %s", rid, len(prompt), node.node_id)
         try:
             await self.pool.send(node, PrefillRequest(rid, prompt, params, self.transfer))
@@ -237,6 +239,7 @@ class ClusterBackend:
         finally:
             self.prefill_results.pop(rid, None)
             node.requests.discard(rid)
+            node.queued_tokens.pop(rid, None)
         if result.error is not None or result.first is None:
             raise BackendError(f"prefill failed: {result.error}")
         return result.first, result.handover

@@ -39,6 +39,7 @@ class Node:
     requests: set[str] = field(default_factory=set)  # request ids in flight on this node
     deaths: int = 0
     kv_salt: bytes = b""  # the node's block-key salt, from its pongs
+    queued_tokens: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens sent to prefill
 
 
 class NodePool:
@@ -92,6 +93,7 @@ class NodePool:
                     why, len(node.requests))
         self.on_dead(node)
         node.requests.clear()
+        node.queued_tokens.clear()
 
     # ---- background tasks -------------------------------------------------------------------
     async def _health_loop(self) -> None:

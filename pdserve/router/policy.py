@@ -4,8 +4,11 @@ NodeView, the index as a PrefixIndex; no sockets, so the logic is testable alone
 
   round_robin   rotate over healthy nodes
   least_loaded  fewest requests in flight, then most free KV blocks
-  cache_aware   the longest prefix the node holds, unless it is much busier than the least
-                loaded node (then least_loaded): SGLang's balance-threshold rule
+  cache_aware   decode: the longest prefix the node holds, unless it is much busier than the
+                least loaded node (then least_loaded): SGLang's balance-threshold rule.
+                prefill: the lowest estimated time to first token, that is the prompt tokens
+                the node already has queued plus the ones it would compute for this prompt
+                (all but the prefix it holds); nodes are assumed to cost the same per token
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ class NodeView:
     in_flight: int = 0      # requests the router has on it now
     free_blocks: int = 0
     total_blocks: int = 0
+    queued_tokens: int = 0  # prompt tokens the router has sent it to compute and not heard back
 
 
 @dataclass
@@ -82,7 +86,10 @@ class Planner:
         cached = min(d_blocks * self.block_size, prompt_len - 1)
         p_node = None
         if prefill and prompt_len - cached > self.local_prefill_threshold:
-            p_node, _, p_scores = self._choose("prefill", self.prefill_policy, prefill, keys)
+            if self.prefill_policy == "cache_aware":
+                p_node, p_scores = self._lowest_ttft(prefill, keys, prompt_len)
+            else:
+                p_node, _, p_scores = self._choose("prefill", self.prefill_policy, prefill, keys)
             scores.update(p_scores)
         plan = RoutePlan(d_node.node_id, p_node.node_id if p_node else None, cached, scores)
         log.debug("[%s] route: decode=%s (%s, %d cached tokens) prefill=%s (%s) scores=%s", rid, plan.decode,
@@ -103,6 +110,17 @@ class Planner:
                 if held[best.node_id] > 0 and best.in_flight - node.in_flight < BALANCE_ABS_THRESHOLD:
                     node = best
         return node, held[node.node_id], scores
+
+    def _lowest_ttft(self, nodes: list[NodeView], keys: list[bytes], prompt_len: int
+                     ) -> tuple[NodeView, dict]:
+        cost = {}
+        for n in nodes:
+            held = min(self.index.held_prefix_blocks(n.node_id, keys) * self.block_size, prompt_len - 1)
+            cost[n.node_id] = n.queued_tokens + prompt_len - held
+        start = next(self._rr["prefill"]) % len(nodes)  # ties go round the nodes
+        node = min(nodes[start:] + nodes[:start], key=lambda n: (cost[n.node_id], n.in_flight))
+        return node, {f"prefill:{n.node_id}": {"est_tokens": cost[n.node_id], "in_flight": n.in_flight}
+                      for n in nodes}
 
     def _able_to_fit(self, nodes: list[NodeView], keys: list[bytes], tokens: int) -> list[NodeView]:
         """Never a node that cannot fit the request while another can."""
