@@ -27,10 +27,11 @@ class KVEventPublisher:
 
     def flush(self, force: bool = False) -> None:
         sink = self.pool.event_sink
+        if not self.routers:
+            sink.clear()  # nobody listens: a router that connects later takes a snapshot
+            return
         now = time.monotonic()
-        if not sink or not self.routers or (not force and now - self._last_flush < FLUSH_INTERVAL_S):
-            if not self.routers:
-                sink.clear()  # nobody listens: a router that connects later takes a snapshot
+        if not sink or (not force and now - self._last_flush < FLUSH_INTERVAL_S):
             return
         stored, removed = _net_changes(sink)
         sink.clear()

@@ -37,8 +37,7 @@ class Pong(msgspec.Struct, tag=True):
     free_blocks: int = 0
     total_blocks: int = 0
     stats: dict[str, int] = {}
-    kv_salt: bytes = b""   # the node's block-key salt (model, KV layout, dtype): keys must match it
-    block_size: int = 0
+    kv_salt: bytes = b""   # the node's block-key salt (model, KV layout, dtype, block size)
 
 
 class KVEvents(msgspec.Struct, tag=True):
@@ -113,6 +112,6 @@ def decode(data: bytes) -> Message:
     return _decoder.decode(data)
 
 
-__all__ = ["KVHandover", "KVEvents", "KVSnapshotRequest", "Ping", "Pong", "PrefillRequest", "PrefillResult", "DecodeRequest", "TokenDelta",
-           "Abort", "NixlMetadataRequest", "NixlMetadata", "Message", "encode", "decode", "StepOutput",
-           "TokenLogprob"]
+__all__ = ["KVHandover", "KVEvents", "KVSnapshotRequest", "Ping", "Pong", "PrefillRequest", "PrefillResult",
+           "DecodeRequest", "TokenDelta", "Abort", "NixlMetadataRequest", "NixlMetadata", "Message", "encode",
+           "decode", "StepOutput", "TokenLogprob"]

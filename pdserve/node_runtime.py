@@ -106,7 +106,7 @@ class NodeRuntime:
                      cached_blocks=len(engine.pool.cached), kv_event_seq=self.kv_events.seq)
         return Pong(ping.seq, self.node_id, self.role, len(sched.requests),
                     engine.pool.num_free, engine.pool.num_blocks, stats,
-                    kv_salt=engine.salt, block_size=engine.config.block_size)
+                    kv_salt=engine.salt)
 
     # ---- hooks ----------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:

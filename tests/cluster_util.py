@@ -93,3 +93,17 @@ def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.2):
             return value
         time.sleep(interval_s)
     raise AssertionError("condition not met in time")
+
+
+def assert_greedy_matches_offline(url: str, llm, prompt: list[int], max_tokens: int) -> None:
+    """One greedy completion through the cluster (official openai client) equals the offline
+    engine's, token for token."""
+    import openai
+
+    from pdserve import SamplingParams
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    r = client.completions.create(model="builtin:tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    want = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert r.choices[0].model_extra["token_ids"] == want

@@ -81,10 +81,10 @@ def _block_bytes(blocks: torch.Tensor, i: int) -> memoryview:
 def block_digest(kv_cache: torch.Tensor, block_ids: Iterable[int]) -> list[int]:
     """xxh3_64 (seed 0) of each block's bytes; equal on both sides iff the bytes are equal."""
     ids = [int(b) for b in block_ids]
-    # GPU blocks are gathered and copied to host once; CPU blocks are hashed in place.
-    blocks = kv_cache[ids].cpu() if kv_cache.device.type != "cpu" else kv_cache
-    rows = range(len(ids)) if kv_cache.device.type != "cpu" else ids
-    return [xxhash.xxh3_64_intdigest(_block_bytes(blocks, i)) for i in rows]
+    if kv_cache.device.type == "cpu":  # hashed in place
+        return [xxhash.xxh3_64_intdigest(_block_bytes(kv_cache, b)) for b in ids]
+    host = kv_cache[ids].cpu()  # GPU blocks: gathered and copied to the host once
+    return [xxhash.xxh3_64_intdigest(_block_bytes(host, i)) for i in range(len(ids))]
 
 
 def mismatched_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int],

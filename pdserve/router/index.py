@@ -49,11 +49,7 @@ class PrefixIndex:
 
     def drop_node(self, node_id: str) -> None:
         """A dead or restarted node holds nothing any more."""
-        for key in [k for k, nodes in self.holders.items() if node_id in nodes]:
-            nodes = self.holders[key]
-            nodes.discard(node_id)
-            if not nodes:
-                del self.holders[key]
+        self.remove(node_id, [k for k, nodes in self.holders.items() if node_id in nodes])
         self.counts.pop(node_id, None)
 
     def held_prefix_blocks(self, node_id: str, keys: list[bytes]) -> int:
