@@ -20,12 +20,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "numba", "triton"])
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached KV blocks of earlier prompts (--no-enable-prefix-caching: recompute)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs, kernel_backend=args.kernel_backend)
+                max_num_seqs=args.max_num_seqs, kernel_backend=args.kernel_backend,
+                enable_prefix_caching=args.enable_prefix_caching)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -135,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
     _add_cluster_parsers(sub)
+    from pdserve.sim.main import add_simulate_args, run_simulate
+    sim = sub.add_parser("simulate", help="discrete-event simulation of the router's policies on modelled nodes")
+    add_simulate_args(sim)
+    sim.set_defaults(func=run_simulate)
     sub.add_parser("bench", help="load generator for any OpenAI-compatible endpoint (pdserve bench --help)")
     return parser
 

@@ -60,6 +60,8 @@ class Cluster:
             value = getattr(self.args, flag)
             if value is not None:
                 cmd += [f"--{flag.replace('_', '-')}", str(value)]
+        if not self.args.enable_prefix_caching:
+            cmd.append("--no-enable-prefix-caching")
         return cmd + extra
 
     def start(self) -> str:

@@ -33,6 +33,7 @@ class NodeStats:
     transfer_bytes_store: int = 0
     transfer_us_nixl: int = 0      # microseconds spent in KV transfers (pulls, store puts)
     transfer_us_store: int = 0
+    store_load_us: int = 0         # microseconds spent loading prompt blocks from the store
 
 
 class NodeRuntime:
@@ -103,7 +104,8 @@ class NodeRuntime:
                      waiting=len(sched.waiting), preemptions=sched.num_preemptions,
                      cached_tokens=engine.cached_prompt_tokens, computed_tokens=engine.computed_prompt_tokens,
                      cached_tokens_local=max(engine.cached_prompt_tokens - self.stats.cached_tokens_store, 0),
-                     cached_blocks=len(engine.pool.cached), kv_event_seq=self.kv_events.seq)
+                     cached_blocks=len(engine.pool.cached), kv_event_seq=self.kv_events.seq,
+                     prefill_ns_per_token=int(engine.prefill_s_per_token * 1e9))
         return Pong(ping.seq, self.node_id, self.role, len(sched.requests),
                     engine.pool.num_free, engine.pool.num_blocks, stats,
                     kv_salt=engine.salt)

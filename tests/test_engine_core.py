@@ -201,3 +201,23 @@ def test_bad_requests_are_rejected(llm):
         llm.engine.add_request("l", [1] * 5000, GREEDY)
     with pytest.raises(ValueError):
         SamplingParams(top_p=0)
+
+
+def test_concurrent_requests_compute_a_shared_prefix_once():
+    """Requests that arrive together with a prefix nobody holds yet: the first computes it, the
+    others wait for its blocks and take them from the prefix cache; outputs stay exact."""
+    shared = [(i * 37) % 200 + 20 for i in range(256)]
+    prompts = [shared + [30 + k] * 5 for k in range(3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    # The token budget fits all three prompts into one step: without waiting, each would compute
+    # the prefix itself.
+    together = LLM("builtin:tiny", max_num_batched_tokens=2048)
+    outs = together.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    engine = together.engine
+    assert engine.computed_prompt_tokens == 256 + 3 * 5  # the prefix once, each tail once
+    assert [o.num_cached_tokens for o in outs] == [0, 256, 256]
+    alone = LLM("builtin:tiny", enable_prefix_caching=False)
+    for prompt, out in zip(prompts, outs):
+        ref = alone.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert engine.pool.num_used == 0

@@ -22,6 +22,10 @@ from pdserve.kernels import get_ops
 from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
 
 log = logging.getLogger(__name__)
+# Steps of at least this many tokens are prefill-bound; their time per token is the node's
+# prefill cost, averaged with this weight on the newest sample.
+COST_SAMPLE_MIN_TOKENS = 64
+COST_EMA_WEIGHT = 0.2
 
 
 class LLMEngine:
@@ -47,6 +51,7 @@ class LLMEngine:
             ops.warm_up()
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, ops, self.device)
         self.last_step_tokens = 0
+        self.prefill_s_per_token = 0.0  # measured on prefill-sized steps (an EMA); 0: not yet
         self.cached_prompt_tokens = 0    # prompt tokens of requests sampled here that were not computed
         self.computed_prompt_tokens = 0  # ... and that were
         self.outputs = OutputProcessor(self.tokenizer, _eos_ids(self.hf_config, self.tokenizer), self.max_model_len)
@@ -151,7 +156,12 @@ class LLMEngine:
         self.last_step_tokens = batch.num_tokens
         if not batch.items:
             return []
+        t0 = time.perf_counter()
         logits, to_sample = self.runner.execute(batch.items)
+        if batch.num_tokens >= COST_SAMPLE_MIN_TOKENS:
+            if self.device.type == "cuda":  # kernels run asynchronously: time them, not their launch
+                torch.cuda.synchronize(self.device)
+            self._record_step_cost(time.perf_counter() - t0, batch.num_tokens)
         for req, n in batch.items:
             req.num_computed_tokens += n
             self.kv.commit(req)
@@ -160,6 +170,12 @@ class LLMEngine:
         params = [r.sampling_params for r in to_sample]
         tokens, logprobs = sample(logits, params, [r.num_output_tokens for r in to_sample])
         return [self._advance(req, tok, lp) for req, tok, lp in zip(to_sample, tokens, logprobs)]
+
+    def _record_step_cost(self, seconds: float, num_tokens: int) -> None:
+        """Routers weigh prefill nodes by this cost per prompt token (their TTFT estimate)."""
+        sample = seconds / num_tokens
+        ema = self.prefill_s_per_token
+        self.prefill_s_per_token = sample if ema == 0 else ema + COST_EMA_WEIGHT * (sample - ema)
 
     def _advance(self, req: Request, token: int, logprob) -> StepOutput:
         if not req.output_token_ids:  # its prompt was prefilled here

@@ -83,12 +83,18 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         held: list[Request] = []
+        computing = self._blocks_being_computed() if self.waiting else set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not self._resolve_remote(req):
                 held.append(self.waiting.popleft())
                 continue
             cached = self.kv.find_cached_prefix(req) if not req.block_ids else []
+            if not req.block_ids and self._next_block_key(req, len(cached)) in computing:
+                # Another request is computing this prompt's next blocks right now: wait a step
+                # and take them from the prefix cache instead of computing them a second time.
+                held.append(self.waiting.popleft())
+                continue
             n = min(req.num_tokens - req.num_computed_tokens - len(cached) * self.kv.block_size, budget)
             if not self.kv.allocate(req, n, cached):
                 break
@@ -100,7 +106,22 @@ class Scheduler:
             self.running.append(req)
             batch.items.append((req, n))
             budget -= n
+            computing.update(self._uncommitted_prompt_keys(req))
         self.waiting.extendleft(reversed(held))
+
+    def _uncommitted_prompt_keys(self, req: Request) -> list[bytes]:
+        if not self.kv.pool.enable_caching or req.num_computed_tokens >= req.num_prompt_tokens:
+            return []
+        full = req.num_prompt_tokens // self.kv.block_size
+        return self.kv.block_keys(req)[req.num_registered_blocks:full]
+
+    def _blocks_being_computed(self) -> set[bytes]:
+        """Keys of prompt blocks that running requests are prefilling and have not cached yet."""
+        return {key for req in self.running for key in self._uncommitted_prompt_keys(req)}
+
+    def _next_block_key(self, req: Request, num_cached_blocks: int) -> bytes | None:
+        keys = self.kv.block_keys(req)
+        return keys[num_cached_blocks] if num_cached_blocks < len(keys) else None
 
     def _resolve_remote(self, req: Request) -> bool:
         """True once the request may run: its KV landed, its transfer failed or timed out."""

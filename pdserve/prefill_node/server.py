@@ -112,11 +112,13 @@ class PrefillNode(NodeRuntime):
         first = req.num_computed_tokens // bs  # blocks already cached locally need no fetch
         keys = keys[first:]
         ids = req.block_ids[first:first + len(keys)]
+        t0 = time.perf_counter()
         try:
             loaded = self.store.get(keys, self.engine.kv_cache, ids, [bs] * len(keys))
         except KVStoreError as exc:
             log.warning("[%s] store fetch failed: %s", req.request_id, exc)
             loaded = -1
+        self.stats.store_load_us += int((time.perf_counter() - t0) * 1e6)
         ok = loaded == len(keys)
         self.engine.report_remote_kv(req.request_id, ok=ok)
         return ok

@@ -22,7 +22,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import (Abort, DecodeRequest, KVEvents, KVHandover, KVSnapshotRequest, Message,
                               PrefillRequest, PrefillResult, Pong, TokenDelta)
 from pdserve.router.backend import BackendError
-from pdserve.router.index import PrefixIndex
+from pdserve.router.index import STORE_HOLDER, PrefixIndex
 from pdserve.router.kv_events import KVEventTracker
 from pdserve.router.metrics import RequestTimer, RouterMetrics
 from pdserve.router.nodes import Node, NodePool
@@ -32,6 +32,15 @@ log = logging.getLogger(__name__)
 PREFILL_TIMEOUT_S = 300.0
 TOKEN_TIMEOUT_S = 300.0  # a healthy node that sends nothing for this long still fails the request
 MAX_ATTEMPTS = 3  # per phase (prefill, decode) of one request
+
+
+def _view(node: Node) -> NodeView:
+    """What the planner sees of a node: the router's own counts and the node's last report."""
+    stats = node.stats
+    store_tokens = stats.get("cached_tokens_store", 0)
+    return NodeView(node.node_id, len(node.requests), stats.get("free_blocks", 0), stats.get("total_blocks", 0),
+                    sum(node.queued_tokens.values()), stats.get("prefill_ns_per_token", 0) / 1e9,
+                    stats.get("store_load_us", 0) / 1e6 / store_tokens if store_tokens else 0.0)
 
 
 class NodeLost(Exception):
@@ -146,10 +155,7 @@ class ClusterBackend:
     def _plan(self, rid: str, prompt: list[int], params: SamplingParams, session: str | None = None
               ) -> tuple[RoutePlan, list[bytes]]:
         keys = self.block_keys(prompt)
-        views = {role: [NodeView(n.node_id, len(n.requests), n.stats.get("free_blocks", 0),
-                                 n.stats.get("total_blocks", 0), sum(n.queued_tokens.values()))
-                        for n in self.pool.by_role(role)]
-                 for role in ("decode", "prefill")}
+        views = {role: [_view(n) for n in self.pool.by_role(role)] for role in ("decode", "prefill")}
         if not views["decode"]:
             raise BackendError("no healthy decode node")
         pinned = self.sessions.get(session) if self.sessions is not None and session else None
@@ -172,6 +178,8 @@ class ClusterBackend:
                 self.index.add(plan.prefill, keys)
                 first, handover = await self._prefill_with_retry(request_id, prompt_token_ids, params, timer,
                                                                  plan.prefill)
+                if handover is not None and handover.mode == "store":
+                    self.index.add(STORE_HOLDER, handover.keys)  # any prefill node can load these now
                 if first is not None:
                     timer.tokens(len(first.new_token_ids), first.num_cached_tokens)
                     self.metrics.handovers.labels(handover.mode if handover else "none").inc()

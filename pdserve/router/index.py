@@ -4,7 +4,8 @@ Fed two ways: by the nodes' KV events (what each node's prefix cache gained and 
 router/kv_events.py), and at once by what the router itself routes (the prompt's blocks on the
 chosen nodes, before any event can arrive), as SGLang's cache-aware router does. An entry can be
 stale for a moment (an eviction not yet reported): the request then computes those tokens, it
-never fails.
+never fails. The shared KV store is one more holder, STORE_HOLDER: the blocks prefill nodes put
+there (no events: Redis may lose them, and then the prefill node computes them).
 The index is bounded (least recently used keys go first) so the router's memory stays flat.
 Pure data: no sockets, no asyncio.
 """
@@ -14,6 +15,7 @@ from collections import OrderedDict
 from typing import Iterable
 
 DEFAULT_MAX_KEYS = 1 << 20
+STORE_HOLDER = "@store"
 
 
 class PrefixIndex:
@@ -61,6 +63,21 @@ class PrefixIndex:
                 break
             n += 1
         return n
+
+    def prefix_match(self, keys: list[bytes]) -> dict[str, int]:
+        """Every node's held leading blocks of `keys`, in one walk: the walk follows only nodes
+        still matching and stops when none is, so its cost does not grow with the node count."""
+        if not keys or keys[0] not in self.holders:
+            return {}
+        alive = set(self.holders[keys[0]])
+        held = dict.fromkeys(alive, 1)
+        for i, key in enumerate(keys[1:], start=2):
+            alive.intersection_update(self.holders.get(key, ()))
+            if not alive:
+                break
+            for node in alive:
+                held[node] = i
+        return held
 
     def size(self, node_id: str) -> int:
         return self.counts.get(node_id, 0)

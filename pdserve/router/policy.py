@@ -6,9 +6,10 @@ NodeView, the index as a PrefixIndex; no sockets, so the logic is testable alone
   least_loaded  fewest requests in flight, then most free KV blocks
   cache_aware   decode: the longest prefix the node holds, unless it is much busier than the
                 least loaded node (then least_loaded): SGLang's balance-threshold rule.
-                prefill: the lowest estimated time to first token, that is the prompt tokens
-                the node already has queued plus the ones it would compute for this prompt
-                (all but the prefix it holds); nodes are assumed to cost the same per token
+                prefill: the lowest estimated time to first token: the prompt tokens the node
+                already has queued plus the ones it would compute for this prompt (all but the
+                prefix it holds or finds in the store), times the node's measured seconds per
+                prefill token; blocks loaded from the store cost their measured load time
 """
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdserve.router.index import PrefixIndex
+from pdserve.router.index import STORE_HOLDER, PrefixIndex
 
 log = logging.getLogger(__name__)
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
 # cache_aware gives up locality when the holder has this many more requests in flight than the
 # least loaded node: a warm cache is not worth queueing behind a hot spot.
 BALANCE_ABS_THRESHOLD = 8
+# Before a node has measured its store loads, a stored block costs this share of computing it
+# (bench_kvstore: a 16-token block of the bench model loads in ~0.3 ms, computes in ~3 ms).
+STORE_HIT_RELATIVE_COST = 0.1
 
 
 @dataclass
@@ -33,6 +37,8 @@ class NodeView:
     free_blocks: int = 0
     total_blocks: int = 0
     queued_tokens: int = 0  # prompt tokens the router has sent it to compute and not heard back
+    prefill_s_per_token: float = 0.0  # measured by the node; 0: not yet
+    store_s_per_token: float = 0.0    # measured by the node (store loads); 0: not yet
 
 
 @dataclass
@@ -77,56 +83,63 @@ class Planner:
              prefill: list[NodeView], max_tokens: int = 0, pinned_decode: str | None = None) -> RoutePlan:
         """decode must be non-empty; prefill may be empty (the decode node prefills).
         pinned_decode (session affinity) wins while that node is healthy, fits and is not a hot spot."""
-        decode = self._able_to_fit(decode, keys, prompt_len + max_tokens)
-        d_node, d_blocks, scores = self._choose("decode", self.decode_policy, decode, keys)
+        held = self.index.prefix_match(keys)
+        decode = self._able_to_fit(decode, held, prompt_len + max_tokens)
+        d_node, scores = self._choose("decode", self.decode_policy, decode, held)
         pinned = next((n for n in decode if n.node_id == pinned_decode), None)
         if pinned is not None and pinned.in_flight - d_node.in_flight < BALANCE_ABS_THRESHOLD:
-            d_node, d_blocks = pinned, self.index.held_prefix_blocks(pinned.node_id, keys)
+            d_node = pinned
             scores["pinned"] = pinned.node_id
-        cached = min(d_blocks * self.block_size, prompt_len - 1)
+        cached = min(held.get(d_node.node_id, 0) * self.block_size, prompt_len - 1)
         p_node = None
         if prefill and prompt_len - cached > self.local_prefill_threshold:
             if self.prefill_policy == "cache_aware":
-                p_node, p_scores = self._lowest_ttft(prefill, keys, prompt_len)
+                p_node, p_scores = self._lowest_ttft(prefill, held, prompt_len)
             else:
-                p_node, _, p_scores = self._choose("prefill", self.prefill_policy, prefill, keys)
+                p_node, p_scores = self._choose("prefill", self.prefill_policy, prefill, held)
             scores.update(p_scores)
         plan = RoutePlan(d_node.node_id, p_node.node_id if p_node else None, cached, scores)
         log.debug("[%s] route: decode=%s (%s, %d cached tokens) prefill=%s (%s) scores=%s", rid, plan.decode,
                   self.decode_policy, cached, plan.prefill, self.prefill_policy, scores)
         return plan
 
-    def _choose(self, role: str, policy: str, nodes: list[NodeView], keys: list[bytes]
-                ) -> tuple[NodeView, int, dict]:
-        held = {n.node_id: self.index.held_prefix_blocks(n.node_id, keys) for n in nodes}
-        scores = {f"{role}:{n.node_id}": {"held_blocks": held[n.node_id], "in_flight": n.in_flight}
+    def _choose(self, role: str, policy: str, nodes: list[NodeView], held: dict[str, int]
+                ) -> tuple[NodeView, dict]:
+        scores = {f"{role}:{n.node_id}": {"held_blocks": held.get(n.node_id, 0), "in_flight": n.in_flight}
                   for n in nodes}
         if policy == "round_robin":
-            node = nodes[next(self._rr[role]) % len(nodes)]
-        else:
-            node = self._least_loaded(nodes, next(self._rr[role]))
-            if policy == "cache_aware":
-                best = max(nodes, key=lambda n: (held[n.node_id], -n.in_flight, n.free_blocks))
-                if held[best.node_id] > 0 and best.in_flight - node.in_flight < BALANCE_ABS_THRESHOLD:
-                    node = best
-        return node, held[node.node_id], scores
+            return nodes[next(self._rr[role]) % len(nodes)], scores
+        node = self._least_loaded(nodes, next(self._rr[role]))
+        if policy == "cache_aware":
+            best = max(nodes, key=lambda n: (held.get(n.node_id, 0), -n.in_flight, n.free_blocks))
+            if held.get(best.node_id, 0) > 0 and best.in_flight - node.in_flight < BALANCE_ABS_THRESHOLD:
+                node = best
+        return node, scores
 
-    def _lowest_ttft(self, nodes: list[NodeView], keys: list[bytes], prompt_len: int
+    def _lowest_ttft(self, nodes: list[NodeView], held: dict[str, int], prompt_len: int
                      ) -> tuple[NodeView, dict]:
+        """Estimated seconds until each node has computed this prompt; the fastest wins."""
+        measured = [n.prefill_s_per_token for n in nodes if n.prefill_s_per_token > 0]
+        fleet_cost = sum(measured) / len(measured) if measured else 1.0
+        stored = held.get(STORE_HOLDER, 0) * self.block_size
         cost = {}
         for n in nodes:
-            held = min(self.index.held_prefix_blocks(n.node_id, keys) * self.block_size, prompt_len - 1)
-            cost[n.node_id] = n.queued_tokens + prompt_len - held
+            per_token = n.prefill_s_per_token or fleet_cost
+            per_stored = n.store_s_per_token or per_token * STORE_HIT_RELATIVE_COST
+            local = min(held.get(n.node_id, 0) * self.block_size, prompt_len - 1)
+            from_store = min(max(stored - local, 0), prompt_len - 1 - local)
+            computed = prompt_len - local - from_store
+            cost[n.node_id] = per_token * (n.queued_tokens + computed) + per_stored * from_store
         start = next(self._rr["prefill"]) % len(nodes)  # ties go round the nodes
         node = min(nodes[start:] + nodes[:start], key=lambda n: (cost[n.node_id], n.in_flight))
-        return node, {f"prefill:{n.node_id}": {"est_tokens": cost[n.node_id], "in_flight": n.in_flight}
+        return node, {f"prefill:{n.node_id}": {"est_ttft": round(cost[n.node_id], 6), "in_flight": n.in_flight}
                       for n in nodes}
 
-    def _able_to_fit(self, nodes: list[NodeView], keys: list[bytes], tokens: int) -> list[NodeView]:
+    def _able_to_fit(self, nodes: list[NodeView], held: dict[str, int], tokens: int) -> list[NodeView]:
         """Never a node that cannot fit the request while another can."""
         def fits(n: NodeView) -> bool:
-            held = self.index.held_prefix_blocks(n.node_id, keys)
-            return n.total_blocks == 0 or n.free_blocks + held >= -(-tokens // self.block_size)
+            need = -(-tokens // self.block_size)
+            return n.total_blocks == 0 or n.free_blocks + held.get(n.node_id, 0) >= need
         return [n for n in nodes if fits(n)] or nodes
 
     @staticmethod
