@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offline import CONFIG  # noqa: E402
 from cluster import local_cluster  # noqa: E402
 
-CONFIGS = {"disaggregated": [], "local tail": ["--local-prefill-threshold", "128"]}
+CONFIGS = {"disaggregated": ["--local-prefill-threshold", "0"], "local tail": ["--local-prefill-threshold", "128"]}
 
 
 def build_model(root: Path) -> Path:

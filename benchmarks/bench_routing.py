@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import dataclasses
 import statistics
 import sys
 import time
@@ -30,8 +31,9 @@ CONFIGS = {
     "least_loaded": ("--prefill-policy", "least_loaded", "--decode-policy", "least_loaded"),
     "cache_aware": (),
     "cache_aware+local<=96": ("--local-prefill-threshold", "96"),
-    "cache_aware, no prefix caching": ("--no-enable-prefix-caching",),
+    "no_prefix_caching": ("--no-enable-prefix-caching",),
 }
+CORES = 2  # the 4 nodes share this machine's cores (the simulator models that)
 CLUSTER = ("--kv-transfer", "nixl", "--prefill-nodes", "2", "--decode-nodes", "2", "--num-kv-blocks", "1024")
 
 
@@ -66,8 +68,10 @@ def run_user(url: str, session: Session) -> list[dict]:
 
 def _cluster_totals(url: str) -> dict:
     stats = node_stats(url).values()
+    costs = [s["prefill_ns_per_token"] / 1e9 for s in stats if s.get("prefill_ns_per_token")]
     return {"handovers": sum(s["requests_total"] for s in stats if s["role"] == "prefill"),
-            "bytes": sum(s.get("transfer_bytes_nixl", 0) + s.get("transfer_bytes_store", 0) for s in stats)}
+            "bytes": sum(s.get("transfer_bytes_nixl", 0) + s.get("transfer_bytes_store", 0) for s in stats),
+            "prefill_s_per_token": statistics.median(costs) if costs else 0.0}
 
 
 def measure(flags: tuple, sessions: list[Session]) -> dict:
@@ -82,18 +86,23 @@ def measure(flags: tuple, sessions: list[Session]) -> dict:
             "history_hit": sum(min(r["cached"], r["history"]) for r in follow) / sum(r["history"] for r in follow),
             "handovers": after["handovers"] - before["handovers"], "requests": len(rows),
             "moved_mb": (after["bytes"] - before["bytes"]) / 1e6,
+            "prefill_s_per_token": after["prefill_s_per_token"],
             "ttft_p50_ms": 1e3 * statistics.median(r["ttft"] for r in rows),
             "followup_ttft_p50_ms": 1e3 * statistics.median(r["ttft"] for r in follow)}
 
 
-def simulated(flags: tuple, sessions: list[Session], costs_path: str | None) -> dict:
-    """The simulator on the same trace and cluster shape; costs calibrated on this machine."""
+def simulated(flags: tuple, sessions: list[Session], costs_path: str | None, prefill_s_per_token: float = 0.0
+              ) -> dict:
+    """The simulator on the same trace and cluster shape: costs calibrated on this machine, with
+    the prefill cost the real cluster's nodes measured during the run when there is one."""
     from pdserve.sim.costs import NodeCosts, calibrate
     from pdserve.sim.report import summarize
     from pdserve.sim.simulator import ClusterSpec, Simulator
     costs = NodeCosts.load(costs_path) if costs_path else calibrate()
+    if prefill_s_per_token:
+        costs = dataclasses.replace(costs, prefill_s_per_token=prefill_s_per_token)
     opts = dict(zip(flags[::2], flags[1::2]))
-    spec = ClusterSpec(2, 2, kv_blocks=1024, transfer="nixl",
+    spec = ClusterSpec(2, 2, kv_blocks=1024, transfer="nixl", cores=CORES,
                        prefill_policy=opts.get("--prefill-policy", "cache_aware"),
                        decode_policy=opts.get("--decode-policy", "cache_aware"),
                        local_prefill_threshold=int(opts.get("--local-prefill-threshold", 0)),
@@ -121,7 +130,7 @@ def main() -> None:
         print(f"| {name} | {med('hit'):.0%} | {med('history_hit'):.0%} | {med('handovers'):.0f} / {runs[0]['requests']} "
               f"| {med('moved_mb'):.1f} | {med('ttft_p50_ms'):.1f} | {med('followup_ttft_p50_ms'):.1f} |", flush=True)
         if args.simulate:
-            s = simulated(CONFIGS[name], sessions, args.costs)
+            s = simulated(CONFIGS[name], sessions, args.costs, med("prefill_s_per_token"))
             print(f"| {name} (simulated) | {s['hit']:.0%} | | {s['handovers']} | {s['moved_mb']:.1f} "
                   f"| {s['ttft_p50_ms']:.1f} | |", flush=True)
 

@@ -30,7 +30,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--think-time-s", type=float, default=2.0)
     p.add_argument("--kv-blocks", type=int, default=2048, help="KV blocks per node")
     p.add_argument("--max-seqs", type=int, default=64)
-    p.add_argument("--transfer", choices=["nixl", "store"], default="store")
+    p.add_argument("--transfer", choices=["nixl", "store"], default="nixl",
+                   help="store: prefill nodes also write every prompt to the shared store")
     p.add_argument("--local-prefill-threshold", type=int, default=0)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--costs", default=None, help="NodeCosts JSON (from --calibrate); default: built-in figures")

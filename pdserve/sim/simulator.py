@@ -37,6 +37,7 @@ class ClusterSpec:
     prefill_policy: str = "cache_aware"
     decode_policy: str = "cache_aware"
     local_prefill_threshold: int = 0
+    cores: float | None = None       # nodes share this many cores (one machine); None: each has its own
 
 
 def extend_keys(keys: list[bytes], token_ids: list[int], block_size: int) -> list[bytes]:
@@ -66,6 +67,7 @@ class Simulator:
         self.history_keys: dict[int, list[bytes]] = {}  # session -> its conversation's block keys
         self.done: list[SimRequest] = []
         self.now = 0.0
+        self.busy_nodes = 0
         self._events: list = []
         self._seq = itertools.count()
         self._rid = itertools.count()
@@ -81,6 +83,11 @@ class Simulator:
             self.now, _, fn, args = heapq.heappop(self._events)
             fn(*args)
         return self.done
+
+    def _slowdown(self) -> float:
+        """Busy nodes on fewer cores than nodes share them: each runs proportionally slower."""
+        cores = self.spec.cores
+        return max(1.0, self.busy_nodes / cores) if cores else 1.0
 
     # ---- routing --------------------------------------------------------------------------
     def arrive(self, session: Session, rnd: int) -> None:
@@ -114,16 +121,18 @@ class Simulator:
             return
         req = p.queue.popleft()
         p.busy = True
+        self.busy_nodes += 1
         bs, n = self.spec.block_size, len(req.prompt)
         held = min(p.cache.held_prefix(req.keys) * bs, n - 1)
         stored = min(self.store.held_prefix(req.keys) * bs, n - 1)
         from_store = max(stored - held, 0)
         req.cached_tokens = held + from_store
         seconds = (n - req.cached_tokens) * self.costs.prefill_s_per_token + from_store * self.costs.store_s_per_token
-        self.at(self.now + seconds, self.finish_prefill, p, req)
+        self.at(self.now + seconds * self._slowdown(), self.finish_prefill, p, req)
 
     def finish_prefill(self, p: SimPrefillNode, req: SimRequest) -> None:
         p.busy = False
+        self.busy_nodes -= 1
         p.queued_tokens -= len(req.prompt)
         p.cache.insert(req.keys)
         p.cache.evict_to(p.capacity_blocks)
@@ -151,11 +160,12 @@ class Simulator:
                 req.cached_tokens = min(node.cache.held_prefix(req.keys) * bs, len(req.prompt) - 1)
                 req.local_prefill = len(req.prompt) - req.cached_tokens
                 prefill_tokens += req.local_prefill
+        self.busy_nodes += bool(node.running) - node.stepping
         node.stepping = bool(node.running)
         if node.stepping:
             c = self.costs
             seconds = c.decode_step_s + c.decode_s_per_seq * len(node.running) + prefill_tokens * c.prefill_s_per_token
-            self.at(self.now + seconds, self.end_step, node)
+            self.at(self.now + seconds * self._slowdown(), self.end_step, node)
 
     def end_step(self, node: SimDecodeNode) -> None:
         for req in list(node.running):
