@@ -55,6 +55,21 @@ def _add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--store", default=None, help="KV store URL: redis://, lmcache+redis://, memory://")
     p.add_argument("--kv-timeout-s", type=float, default=30.0,
                    help="how long a request may wait for its KV before it is computed locally")
+    _add_curve_args(p)
+
+
+def _add_curve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--curve-dir", default=None,
+                   help="ZeroMQ CURVE key directory from `pdserve keys`: node sockets are encrypted and "
+                        "nodes accept only the router's key (default: plain TCP)")
+
+
+def _add_keys_parser(sub) -> None:
+    from pdserve.curve_keys import run_keys
+    keys = sub.add_parser("keys", help="write the router and node CURVE key pairs for --curve-dir")
+    keys.add_argument("--out", required=True, help="directory to write them into (created 0700)")
+    keys.add_argument("--force", action="store_true", help="replace existing secret keys")
+    keys.set_defaults(func=run_keys)
 
 
 def _add_admission_args(p: argparse.ArgumentParser) -> None:
@@ -104,6 +119,7 @@ def _add_cluster_parsers(sub) -> None:
     rt.add_argument("--block-size", type=int, default=16)
     rt.add_argument("--dtype", default="auto")
     rt.add_argument("--max-model-len", type=int, default=None)
+    _add_curve_args(rt)
     _add_admission_args(rt)
     _add_routing_args(rt)
     rt.set_defaults(func=run_router)
@@ -124,6 +140,8 @@ def _add_cluster_parsers(sub) -> None:
                     help="compute threads per node (default: the machine's cores divided among the nodes)")
     _add_admission_args(up)
     _add_routing_args(up)
+    up.add_argument("--curve", action="store_true",
+                    help="fresh CURVE keys in a private temporary directory for every node and the router")
     up.add_argument("--decode-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # fault injection
     up.set_defaults(func=run_up)
 
@@ -140,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
     _add_cluster_parsers(sub)
+    _add_keys_parser(sub)
     from pdserve.sim.main import add_simulate_args, run_simulate
     sim = sub.add_parser("simulate", help="discrete-event simulation of the router's policies on modelled nodes")
     add_simulate_args(sim)

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -35,6 +36,7 @@ class Cluster:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.commands: dict[str, tuple[list[str], dict]] = {}  # name -> how to start it again
         self.restarts: dict[str, list[float]] = {}  # name -> monotonic times it was restarted
+        self.curve_dir: str | None = None  # --curve: this cluster's keys, removed when it stops
 
     def spawn(self, name: str, cmd: list[str], threads: int | None = None) -> None:
         log.info("starting %s: %s", name, " ".join(cmd))
@@ -62,7 +64,16 @@ class Cluster:
                 cmd += [f"--{flag.replace('_', '-')}", str(value)]
         if not self.args.enable_prefix_caching:
             cmd.append("--no-enable-prefix-caching")
-        return cmd + extra
+        return cmd + extra + self._curve_flags()
+
+    def _curve_flags(self) -> list[str]:
+        if not self.args.curve:
+            return []
+        if self.curve_dir is None:
+            from pdserve.curve_keys import write_keys
+            self.curve_dir = tempfile.mkdtemp(prefix="pdserve-curve-")  # 0700: only this user reads the secrets
+            write_keys(self.curve_dir)
+        return ["--curve-dir", self.curve_dir]
 
     def start(self) -> str:
         a = self.args
@@ -93,7 +104,7 @@ class Cluster:
         router += ["--protect-metrics"] if a.protect_metrics else []
         router += [x for addr in prefill for x in ("--prefill", addr)]
         router += [x for addr in decode for x in ("--decode", addr)]
-        self.spawn("router", router)
+        self.spawn("router", router + self._curve_flags())
         return f"http://{a.host}:{a.port}"
 
     def _store_url(self) -> str | None:
@@ -159,6 +170,8 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop: killing it", name)
                 proc.kill()
+        if self.curve_dir:
+            shutil.rmtree(self.curve_dir, ignore_errors=True)
 
 
 def run_up(args) -> int:

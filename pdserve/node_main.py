@@ -23,6 +23,13 @@ def _engine(args):
     return LLMEngine(EngineConfig(model=args.model, remote_kv_timeout_s=args.kv_timeout_s, **engine_options(args)))
 
 
+def _use_curve(args) -> None:
+    """Before the engine loads: a bad key directory fails in a second, not after the weights."""
+    from pdserve.curve_keys import NodeKeys
+    from pdserve.node_runtime import NodeRuntime
+    NodeRuntime.curve = NodeKeys.load(args.curve_dir) if args.curve_dir else None
+
+
 def _store(args, engine):
     if not args.store:
         return None
@@ -33,6 +40,7 @@ def _store(args, engine):
 
 def run_prefill(args) -> int:
     from pdserve.prefill_node.server import PrefillNode
+    _use_curve(args)
     engine = _engine(args)
     node = PrefillNode(engine, args.bind, args.node_id, store=_store(args, engine),
                        nixl_side_channel=args.nixl_side_channel, lease_s=args.lease_s,
@@ -43,6 +51,7 @@ def run_prefill(args) -> int:
 
 def run_decode(args) -> int:
     from pdserve.decode_node.server import DecodeNode
+    _use_curve(args)
     engine = _engine(args)
     node = DecodeNode(engine, args.bind, args.node_id, store=_store(args, engine), use_nixl=args.nixl,
                       on_transfer_failure=args.on_transfer_failure, pull_delay_s=args.pull_delay_s)

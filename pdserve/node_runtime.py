@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from pdserve.curve_keys import CONTROL_DOMAIN, CurveContext, NodeKeys, node_context
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import StepOutput
 from pdserve.kv_events import KVEventPublisher
@@ -38,12 +39,15 @@ class NodeStats:
 
 class NodeRuntime:
     role = "node"
+    # CURVE keys (--curve-dir), or None for plain TCP. Set on the class by node_main before the
+    # node is built: one node per process, and the role subclasses' constructors stay unchanged.
+    curve: NodeKeys | None = None
 
     def __init__(self, engine: LLMEngine, bind: str, node_id: str):
         self.engine = engine
         self.node_id = node_id
-        self.ctx = zmq.Context.instance()
-        self.control = NodeSocket(self.ctx, bind)
+        self.ctx = zmq.Context.instance() if self.curve is None else node_context(self.curve)
+        self.control = NodeSocket(self.ctx, bind, zap_domain=CONTROL_DOMAIN)
         self.poller = zmq.Poller()
         self.poller.register(self.control.sock, zmq.POLLIN)
         self.origin: dict[str, bytes] = {}  # request id -> the router that sent it
@@ -105,10 +109,16 @@ class NodeRuntime:
                      cached_tokens=engine.cached_prompt_tokens, computed_tokens=engine.computed_prompt_tokens,
                      cached_tokens_local=max(engine.cached_prompt_tokens - self.stats.cached_tokens_store, 0),
                      cached_blocks=len(engine.pool.cached), kv_event_seq=self.kv_events.seq,
-                     prefill_ns_per_token=int(engine.prefill_s_per_token * 1e9))
+                     prefill_ns_per_token=int(engine.prefill_s_per_token * 1e9),
+                     integrity_failures=self.integrity_failures())
         return Pong(ping.seq, self.node_id, self.role, len(sched.requests),
                     engine.pool.num_free, engine.pool.num_blocks, stats,
                     kv_salt=engine.salt)
+
+    def integrity_failures(self) -> int:
+        """KV blocks rejected by a checksum or digest, on every path this node reads (store, NIXL)."""
+        sources = (getattr(self, "store", None), getattr(self, "nixl", None))
+        return sum(getattr(src, "integrity_failures", 0) for src in sources if src is not None)
 
     # ---- hooks ----------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:
@@ -139,4 +149,6 @@ class NodeRuntime:
 
     def close(self) -> None:
         self.control.close()
+        if isinstance(self.ctx, CurveContext):
+            self.ctx.authenticator.stop()
 

@@ -7,6 +7,7 @@ import socket
 import msgspec
 import zmq
 
+from pdserve.curve_keys import PEER_DOMAIN, make_server
 from pdserve.messages import Message, decode, encode
 
 log = logging.getLogger(__name__)
@@ -19,12 +20,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class NodeSocket:
-    """A node's ROUTER socket: many peers, each message tagged with the sender's identity."""
+    """A node's ROUTER socket: many peers, each message tagged with the sender's identity. On a
+    CurveContext it is a CURVE server admitting only the keys of `zap_domain`."""
 
-    def __init__(self, ctx: zmq.Context, bind: str):
+    def __init__(self, ctx: zmq.Context, bind: str, zap_domain: str = PEER_DOMAIN):
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished peer's messages are dropped
+        make_server(self.sock, ctx, zap_domain)
         self.sock.bind(bind)
 
     def recv(self) -> tuple[bytes, Message] | None:

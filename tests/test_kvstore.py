@@ -188,6 +188,27 @@ def test_lmcache_keys_land_in_redis(make: Callable[[str], KVStore], raw: redis.R
         assert sorted(n.rsplit(b"@", 1)[1][-8:] for n in names) == [b"kv_bytes", b"metadata"]
 
 
+def test_lmcache_corruption_is_caught_by_the_digest_ledger(make: Callable[[str], KVStore], raw: redis.Redis) -> None:
+    """LMCache checks no payload: a byte flipped in Redis must end the loaded run, be counted,
+    and leave the rest to be computed."""
+    from pdserve.kvstore.lmcache_store import chunk_hash
+    keys, counts = chain(4 * 16, seed=12)
+    src = paged_cache(12)
+    make("lmcache").put(keys, src, [0, 1, 2, 3], counts)
+    reader = make("lmcache")  # a fresh CPU tier: the blocks come from Redis
+    dst = torch.zeros_like(src)
+    assert reader.get(keys, dst, [0, 1, 2, 3], counts) == 4 and reader.integrity_failures == 0
+    assert_blocks_equal(dst, [0, 1, 2, 3], src, [0, 1, 2, 3], counts)
+    (name,) = [n for n in raw.keys(f"{LAYOUT.model_name}@*@{chunk_hash(keys[2]):x}@*".encode())
+               if n.endswith(b"kv_bytes")]
+    value = raw.get(name)
+    raw.setrange(name, len(value) // 2, bytes([value[len(value) // 2] ^ 0x01]))
+    fresh = make("lmcache")
+    dst = torch.zeros_like(src)
+    assert fresh.get(keys, dst, [0, 1, 2, 3], counts) == 2
+    assert fresh.integrity_failures == 1
+
+
 def test_lmcache_leaves_process_settings_and_closes_fast(make: Callable[[str], KVStore]) -> None:
     before = multiprocessing.get_start_method(allow_none=True)
     store = make("lmcache")

@@ -6,6 +6,11 @@ from __future__ import annotations
 import os
 import signal
 
+import httpx
+import psutil
+import pytest
+import redis
+
 from cluster_util import assert_greedy_matches_offline, node_pids, node_stats, running_cluster, wait_for
 from pdserve import LLM
 
@@ -23,3 +28,36 @@ def test_prefill_restart_between_writer_and_reader_still_reuses_the_store():
         assert_greedy_matches_offline(url, llm, prefix + [40, 41, 42, 43], 8)
         # The new process computed only the tail: its 160-token prefix came from Redis.
         wait_for(lambda: node_stats(url)["prefill-0"]["cached_tokens_store"] >= 160, timeout_s=10)
+
+
+@pytest.mark.parametrize("scheme", ["redis://", "lmcache+redis://"])
+def test_flipped_bytes_in_the_store_are_caught_counted_and_recomputed(scheme):
+    """A byte flipped in every stored block (direct Redis: its checksum; LMCache: the digest
+    ledger) is rejected by the reader, counted in /metrics, and the prompt is recomputed: the
+    output is still the offline engine's."""
+    prefix = [(11 * i) % 200 + 20 for i in range(160)]
+    llm = LLM("builtin:tiny", num_kv_blocks=256)
+    with running_cluster("--kv-transfer", "store", "--store", scheme, "--prefill-nodes", "1",
+                         "--decode-nodes", "1", "--num-kv-blocks", "256") as (url, proc):
+        assert_greedy_matches_offline(url, llm, prefix + [30, 31, 32], 8)
+        redis_proc = psutil.Process(node_pids(proc.pid)["redis"])
+        (port,) = {c.laddr.port for c in redis_proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        raw = redis.Redis(port=port)
+        flipped = 0
+        for name in raw.scan_iter():
+            if name.startswith(b"pdkv-digest:") or (scheme.startswith("lmcache") and not name.endswith(b"kv_bytes")):
+                continue
+            value = raw.get(name)
+            raw.setrange(name, len(value) - 3, bytes([value[-3] ^ 0x10]))
+            flipped += 1
+        assert flipped >= 10
+        old = node_pids(proc.pid)["prefill-0"]  # a fresh prefill node must read the store
+        os.kill(old, signal.SIGKILL)
+        wait_for(lambda: node_pids(proc.pid).get("prefill-0") not in (None, old), timeout_s=30)
+        wait_for(lambda: node_stats(url)["prefill-0"]["healthy"], timeout_s=60)
+        assert_greedy_matches_offline(url, llm, prefix + [40, 41, 42, 43], 8)
+        wait_for(lambda: node_stats(url)["prefill-0"].get("integrity_failures", 0) >= 1, timeout_s=10)
+        assert node_stats(url)["prefill-0"]["cached_tokens_store"] == 0  # nothing corrupt was used
+        metrics = httpx.get(f"{url}/metrics", timeout=5).text
+        assert any('reason="digest_mismatch"' in line and 'node="prefill-0"' in line and float(line.split()[-1]) >= 1
+                   for line in metrics.splitlines() if not line.startswith("#"))

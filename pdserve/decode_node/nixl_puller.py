@@ -32,6 +32,7 @@ class NixlPuller:
         self.ctx = ctx
         self.peers: dict[str, str] = {}  # side channel -> agent name
         self.pulls: dict[str, Pull] = {}
+        self.integrity_failures = 0  # pulls whose blocks failed their digest check
 
     def _peer(self, side_channel: str) -> str:
         if side_channel not in self.peers:
@@ -91,6 +92,7 @@ class NixlPuller:
         ids = pull.local_ids[pull.first:]
         bad = mismatched_blocks(self.kv_cache, ids, pull.handover.digests[pull.first:])
         if bad:
+            self.integrity_failures += 1
             log.warning("[%s] %d blocks failed their digest check", rid, len(bad))
         return not bad
 

@@ -15,6 +15,8 @@ import torch
 class KVStore(ABC):
     """Batched put/get of cache blocks under block keys (bytes from pdserve.engine.block_keys)."""
 
+    integrity_failures: int = 0  # blocks found but rejected by their checksum or digest
+
     @abstractmethod
     def put(self, keys: Sequence[bytes], kv_cache: torch.Tensor, block_ids: Sequence[int],
             num_tokens: Sequence[int]) -> None:

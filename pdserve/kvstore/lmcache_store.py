@@ -28,6 +28,8 @@ How pdserve maps onto LMCache (checked against lmcache 0.5.6):
   not a daemon, so the process could not exit. We close the connection ourselves, then destroy
   the engine in a daemon thread with a timeout.
 * LMCacheEngine() sets the multiprocessing start method to "spawn" process-wide; we restore it.
+* Integrity: LMCache checks no payload, so put() also records each block's digest in Redis and
+  get() keeps only the leading blocks whose bytes match (digest_ledger.py).
 """
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ with _quiet_logger_setup():
     from lmcache.v1.token_database import ChunkedTokenDatabase
 
 from pdserve.kvstore.base import KVStore  # noqa: E402
+from pdserve.kvstore.digest_ledger import DigestLedger  # noqa: E402
 from pdserve.kvstore.layout import KVLayout, check_batch  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -310,6 +313,7 @@ class LMCacheKVStore(KVStore):
         # remote writes in between, let LRU eviction make room instead.
         tier_bytes = int(local_cpu_gb * (1 << 30))
         self.blocks_per_call = max(1, tier_bytes // 4 // layout.block_nbytes())
+        self._digests = DigestLedger(remote_url) if remote_url else None
 
     @property
     def engine(self) -> LMCacheEngine:
@@ -328,6 +332,8 @@ class LMCacheKVStore(KVStore):
             with self._lock:
                 self.engine.store(hashes=hashes, offsets=list(num_tokens[part]),
                                   kv_cache=kv_cache, slot_mapping=slots)
+            if self._digests is not None:
+                self._digests.put(keys[part], kv_cache, block_ids[part], num_tokens[part])
             self._wait_remote(set(hashes))
 
     def _wait_remote(self, hashes: set[int]) -> None:
@@ -367,7 +373,14 @@ class LMCacheKVStore(KVStore):
             self._connector.bad_start = None
             mask = self.engine.retrieve(chain, kv_cache=kv_cache, slot_mapping=slots)
             bad = self._connector.bad_start
-        return _leading_loaded(mask, num_tokens, bad)
+        loaded = _leading_loaded(mask, num_tokens, bad)
+        if self._digests is None:
+            return loaded
+        return self._digests.verified(keys[:loaded], kv_cache, block_ids[:loaded], num_tokens[:loaded])
+
+    @property
+    def integrity_failures(self) -> int:
+        return self._digests.failures if self._digests is not None else 0
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         if not keys:
@@ -377,6 +390,8 @@ class LMCacheKVStore(KVStore):
                                       offsets=[1] * len(keys)))
 
     def close(self) -> None:
+        if self._digests is not None:
+            self._digests.close()
         engine, self._engine = self._engine, None
         if engine is None:
             return

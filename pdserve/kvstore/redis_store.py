@@ -102,6 +102,7 @@ class RedisKVStore(KVStore):
                  batch_bytes: int = 32 << 20) -> None:
         self.url = url
         self.prefix = prefix
+        self.integrity_failures = 0
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         # Bound one pipeline's payload so a long prompt does not build a multi-GB request.
         self.batch_bytes = batch_bytes
@@ -151,6 +152,7 @@ class RedisKVStore(KVStore):
             values = self._call(lambda: self._client.mget(names))
             for i, value in enumerate(values, start=lo):
                 if not decode_into(value, kv_cache, block_ids[i], num_tokens[i]):
+                    self.integrity_failures += value is not None  # present but not intact
                     return loaded
                 loaded += 1
         return loaded

@@ -20,17 +20,20 @@ def layout_salt(model: str, hf_config, dtype: str, block_size: int) -> bytes:
 
 def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, block_size: int = 16,
               dtype: str = "float32", max_model_len: int | None = None, admission: dict | None = None,
-              routing: dict | None = None):
+              routing: dict | None = None, curve_dir: str | None = None):
     from transformers import AutoConfig, AutoTokenizer
 
+    from pdserve.curve_keys import RouterKeys
     from pdserve.models.loader import resolve_model_path
     from pdserve.router.app import create_app
     from pdserve.router.cluster import ClusterBackend
+    from pdserve.router.nodes import NodePool
 
     path = resolve_model_path(model)
     hf_config = AutoConfig.from_pretrained(str(path))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     salt = layout_salt(model, hf_config, dtype, block_size)
+    NodePool.curve = RouterKeys.load(curve_dir) if curve_dir else None
     backend = ClusterBackend(model, prefill, decode, transfer,
                              salt=salt, block_size=block_size,
                              **(routing or {}))
@@ -64,9 +67,10 @@ def run_router(args) -> int:
                     "float32" if args.dtype == "auto" else args.dtype, args.max_model_len, admission,
                     dict(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                          local_prefill_threshold=args.local_prefill_threshold,
-                         session_affinity=args.session_affinity))
-    log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s", args.host, args.port,
-             len(args.prefill or []), len(args.decode or []), args.kv_transfer)
+                         session_affinity=args.session_affinity), args.curve_dir)
+    log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s%s", args.host, args.port,
+             len(args.prefill or []), len(args.decode or []), args.kv_transfer,
+             ", CURVE" if args.curve_dir else "")
     # uvloop and httptools when installed (the [standard] extra): the router's per-request cost is
     # mostly event-loop and HTTP parsing work.
     # Keep-alive: an idle connection must outlive the client's own idle expiry (httpx, the openai

@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from pdserve.curve_keys import RouterKeys
 from pdserve.messages import Message, Ping, Pong, decode, encode
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,9 @@ class Node:
 
 class NodePool:
     """Keeps every node's health current and hands each decoded message to `on_message`."""
+    # CURVE keys (--curve-dir), or None for plain TCP. Set on the class by the router's main:
+    # one pool per process, built inside ClusterBackend.
+    curve: RouterKeys | None = None
 
     def __init__(self, prefill_addrs: list[str], decode_addrs: list[str],
                  on_message: Callable[[Node, Message], None], on_dead: Callable[[Node], None]):
@@ -59,6 +63,8 @@ class NodePool:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)  # a restarted node is back within 100 ms
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if self.curve is not None:
+            self.curve.apply(sock)
         sock.connect(address)
         return Node(node_id, role, address, sock)
 
