@@ -3,8 +3,9 @@
     app = create_app(backend, tokenizer, model_name="m", max_model_len=4096)
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not),
-GET /v1/models, GET /health. The router tokenizes (and renders chat templates); nodes receive
-token ids and send back detokenized, stop-string-checked deltas, which are relayed here.
+GET /v1/models, GET /health, GET /metrics; /openapi.json declares every status each answers.
+The router tokenizes (and renders chat templates); nodes receive token ids and send back
+detokenized, stop-string-checked deltas, which are relayed here.
 """
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.backend import GenerationBackend
 from pdserve.router.admission import AdmissionMiddleware
-from pdserve.router.errors import (ERROR_RESPONSES, SERVER_ERROR, APIError, bad_request, error_body,
+from pdserve.router.errors import (SERVER_ERROR, APIError, ErrorResponse, bad_request,
+                                   drop_validation_422, error_body, error_responses,
                                    install_error_handlers, model_not_found)
 from pdserve.router.responses import (ChatFlavor, ChoiceState, CompletionFlavor, Flavor,
                                       TokenTexts, chunk_body, response_body, usage)
-from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from pdserve.router.schemas import (ChatCompletionRequest, CompletionRequest, GenerationRequest,
+                                    HealthReport)
 from pdserve.router.streaming import (AbortingStreamingResponse, ClientDisconnected,
                                       GenerationGroup, run_until_disconnect, sse_events)
 
@@ -32,6 +35,29 @@ logger = logging.getLogger(__name__)
 
 # Texts longer than this are tokenized in a worker thread so the event loop keeps streaming.
 _THREAD_TOKENIZE_CHARS = 16384
+
+# The statuses each route can answer, for the OpenAPI document. Every route: 401 (--api-key
+# guards /v1/*, --protect-metrics /health and /metrics) and 500 (the catch-all handler). Only
+# POSTs meet the body limit (413) and the in-flight bound (429); only generations reach nodes.
+# Not declared: 499, answered to a client already gone, which nobody reads.
+_GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The completion; with stream=true, server-sent events ending in "
+                         "`data: [DONE]`",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    **error_responses(400, 401, 404, 413, 429, 500, 503),
+}
+_METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Prometheus text exposition",
+          "content": {"text/plain": {"schema": {"type": "string"}}}},
+    **error_responses(401, 404, 500),
+}
+_HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"model": HealthReport},
+    # The backend's own report (healthy=false: no decode node is up) or the failed check's error.
+    503: {"model": HealthReport | ErrorResponse,
+          "description": "Unhealthy: the report says healthy=false, or the check itself failed"},
+    **error_responses(401, 500),
+}
 
 
 def render_fallback_chat(messages: list[dict[str, str]]) -> str:
@@ -169,7 +195,7 @@ class _Router:
 
 
 def _add_openai_routes(app: FastAPI, router: _Router) -> None:
-    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         router.check_model(body.model)
         prompt_ids = await router.completion_prompt(body)
@@ -178,7 +204,7 @@ def _add_openai_routes(app: FastAPI, router: _Router) -> None:
         flavor = CompletionFlavor(router.texts, body.logprobs is not None, body.return_token_ids)
         return await router.serve(request, body, prompt_ids, params, flavor, "cmpl")
 
-    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         router.check_model(body.model)
         prompt_ids = await router.chat_prompt(body)
@@ -191,21 +217,22 @@ def _add_openai_routes(app: FastAPI, router: _Router) -> None:
 
 
 def _add_info_routes(app: FastAPI, router: _Router, started: int) -> None:
-    @app.get("/v1/models", responses=ERROR_RESPONSES)
+    @app.get("/v1/models", responses=error_responses(401, 500))
     async def models() -> dict[str, Any]:
         card = {"id": router.model_name, "object": "model", "created": started,
                 "owned_by": "pdserve", "root": router.model_name,
                 "max_model_len": router.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @app.get("/metrics", responses=ERROR_RESPONSES)
+    # response_class=Response: no JSON 200 in the document, and errors stay application/json.
+    @app.get("/metrics", response_class=Response, responses=_METRICS_RESPONSES)
     async def metrics() -> Response:
         registry = getattr(router.backend, "metrics", None)
         if registry is None:
             raise APIError(404, "this backend exports no metrics", "not_found_error")
         return Response(registry.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/health", responses=ERROR_RESPONSES)
+    @app.get("/health", responses=_HEALTH_RESPONSES)
     async def health() -> Response:
         try:
             info = await router.backend.health()
@@ -216,6 +243,19 @@ def _add_info_routes(app: FastAPI, router: _Router, started: int) -> None:
         # A backend may report {"healthy": False} (e.g. no nodes registered) without raising.
         status = 503 if isinstance(info, dict) and info.get("healthy") is False else 200
         return JSONResponse(info, status_code=status)
+
+
+def _openapi_document(app: FastAPI, vocab_size: int) -> dict[str, Any]:
+    doc = drop_validation_422(FastAPI.openapi(app))  # cached by FastAPI; the edits are idempotent
+    # Prompt token ids are bounded by this model's vocabulary, which only the app knows.
+    stack = [doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]]
+    while stack:
+        node = stack.pop()
+        if node.get("type") == "integer":
+            node["maximum"] = vocab_size - 1
+        stack.extend(node.get("anyOf", []))
+        stack.extend([node["items"]] if isinstance(node.get("items"), dict) else [])
+    return doc
 
 
 def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
@@ -229,4 +269,5 @@ def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
     _add_openai_routes(app, router)
     _add_info_routes(app, router, int(time.time()))
     app.state.router = router
+    app.openapi = lambda: _openapi_document(app, router.vocab_size)  # type: ignore[method-assign]
     return app

@@ -54,11 +54,34 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse, "description": text}
-    for status, text in [(400, "Bad request"), (401, "Missing or wrong API key"), (404, "Unknown model"),
-                         (413, "Request body too large"), (429, "Too many requests in flight"),
-                         (500, "Internal error"), (503, "No healthy node can serve it")]}
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request: malformed JSON, a value out of range or not supported, a prompt "
+         "longer than the context (validation errors are 400 here, never FastAPI's 422)",
+    401: "Missing or wrong API key (--api-key; /health and /metrics with --protect-metrics)",
+    404: "Not found: an unknown model, or /metrics on a backend that exports none",
+    413: "Request body larger than --max-body-bytes",
+    429: "More generation requests in flight than --max-queued-requests (with Retry-After)",
+    500: "Internal error (a bug; the body never carries a traceback)",
+    503: "No healthy node can serve the request (with Retry-After)",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route's `responses=`: the error statuses it can answer, each with ErrorResponse."""
+    return {status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]}
+            for status in statuses}
+
+
+def drop_validation_422(doc: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI declares 422 on every route with a body; this app answers validation errors
+    with 400 (OpenAI's status), so 422 and its schemas would be a promise never kept."""
+    for operations in doc.get("paths", {}).values():
+        for operation in operations.values():
+            operation.get("responses", {}).pop("422", None)
+    schemas = doc.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    return doc
 
 
 def error_body(message: str, type: str, param: str | None = None,

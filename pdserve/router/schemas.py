@@ -7,15 +7,62 @@ because a silently ignored knob yields outputs the client did not ask for:
   * logit_bias: accepted only when absent or empty.
   * echo=true, suffix, best_of != n, tools: rejected.
   * a batch of prompts (more than one) in /v1/completions: rejected; send one per request.
+Those knobs keep their validators (for the clearer message) and say in the OpenAPI document
+which values are accepted, so generated clients and fuzzers do not send the rest.
+
+Numbers that travel to the nodes are bounded here: NaN or infinite floats and integers beyond
+64 bits (msgspec cannot encode them) are a 400, not a failure further down.
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from typing import Annotated, Any
+
+from pydantic import (BaseModel, ConfigDict, Field, WithJsonSchema, field_validator,
+                      model_validator)
 
 from pdserve.engine.sampling_params import SamplingParams
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+
+
+def _only(schema: dict[str, Any], why: str) -> WithJsonSchema:
+    """Documents the values a validator below accepts (the validator stays the enforcer)."""
+    return WithJsonSchema({**schema, "description": why})
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _invalid_unicode_at(value: Any) -> str | None:
+    """Path of the first string (or object key) holding a lone UTF-16 surrogate, which JSON's
+    \\u escapes can carry but neither the tokenizer nor a UTF-8 reply can. The path names
+    only valid keys, since it goes into the error message. Iterative: the JSON parser allows
+    nesting deeper than the recursion limit left at this point."""
+    stack: list[tuple[tuple, Any]] = [((), value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str) and not _encodes(item):
+            return ".".join(map(str, path)) or "the body"
+        if isinstance(item, dict):
+            if not all(_encodes(k) for k in item if isinstance(k, str)):
+                return f"a key in {'.'.join(map(str, path)) or 'the body'}"
+            children = item.items()
+        elif isinstance(item, list):
+            children = enumerate(item)
+        else:
+            continue
+        # Numbers (long token-id lists) need no check: skip them rather than stack them.
+        stack.extend(((*path, k), v) for k, v in children if isinstance(v, (str, dict, list)))
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -23,31 +70,44 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+_ZERO_ONLY = _only({"enum": [0, None]}, "Not supported: only 0 or absent.")
+
+
 class GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = Field(1, ge=1, le=MAX_N)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    seed: Int64 | None = None
+    presence_penalty: Annotated[float | None, _ZERO_ONLY] = None
+    frequency_penalty: Annotated[float | None, _ZERO_ONLY] = None
+    logit_bias: Annotated[dict[str, float] | None, _only(
+        {"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}]},
+        "Not supported: only empty or absent.")] = None
     user: str | None = None
     # vLLM extras.
-    top_k: int | None = None
-    min_p: float | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
     # vLLM's `return_token_ids`: choices (and stream chunks) also carry the generated ids,
     # which lets a multi-round client resend the exact history tokens.
     return_token_ids: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_invalid_unicode(cls, data: Any) -> Any:
+        path = _invalid_unicode_at(data)
+        if path is not None:
+            raise ValueError(f"{path} is not valid Unicode (a lone surrogate escape)")
+        return data
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> "GenerationRequest":
@@ -87,13 +147,21 @@ class GenerationRequest(BaseModel):
         )
 
 
+_ONE_PROMPT = {"minItems": 1, "maxItems": 1}
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    # Ids outside the vocabulary (negative ones included) are refused by the router, per model.
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]], _only(
+        {"anyOf": [{"type": "string"}, _IDS, {"type": "array", "items": {"type": "string"}, **_ONE_PROMPT},
+                   {"type": "array", "items": _IDS, **_ONE_PROMPT}]},
+        "One prompt: text or token ids (a list of one of either is accepted too).")]
+    max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool | None = False
-    best_of: int | None = None
-    suffix: str | None = None
+    echo: Annotated[bool | None, _only({"enum": [False, None]}, "Not supported: only false.")] = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Only equal to n.")
+    suffix: Annotated[str | None, _only({"enum": ["", None]}, "Not supported.")] = None
 
     @model_validator(mode="after")
     def _reject_completion_only(self) -> "CompletionRequest":
@@ -121,7 +189,7 @@ class CompletionRequest(GenerationRequest):
 
 class TextContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: Annotated[str, _only({"const": "text"}, "Only text parts.")]
     text: str = ""
 
     @field_validator("type")
@@ -148,11 +216,12 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict] | None = None
+    tools: Annotated[list[dict] | None, _only(
+        {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}, "Not supported.")] = None
 
     @model_validator(mode="after")
     def _reject_chat_only(self) -> "ChatCompletionRequest":
@@ -175,3 +244,9 @@ class ChatCompletionRequest(GenerationRequest):
 
     def plain_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class HealthReport(BaseModel):
+    """GET /health's body, for the OpenAPI document; backends add their own keys (nodes...)."""
+    model_config = ConfigDict(extra="allow")
+    healthy: bool

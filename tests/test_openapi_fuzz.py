@@ -1,0 +1,135 @@
+"""The router's OpenAPI document is its contract. schemathesis fuzzes a real `pdserve up` cluster
+(1 prefill + 1 decode node) from /openapi.json with the not_a_server_error and
+status_code_conformance checks: every answer must be a status the document declares, never a 5xx.
+
+Inputs the fuzzer does not produce (lone surrogate escapes, integers beyond 64 bits, NaN) are
+posted by hand below; each was a 500 (or, for NaN, a silently accepted temperature) before the
+request models bounded them.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from cluster_util import running_cluster
+
+pytest.importorskip("schemathesis")
+
+# Per operation; the GETs take no input, so nearly all cases go to the two generation routes.
+# 150 keeps the run near 30 s on the 2-core CI machine; PDSERVE_FUZZ_EXAMPLES/SEED widen it.
+MAX_EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "150"))
+SEED = int(os.environ.get("PDSERVE_FUZZ_SEED", "1"))
+CHECKS = "not_a_server_error,status_code_conformance"
+
+# A generated max_tokens anywhere up to the context would generate thousands of tokens per case;
+# the cap keeps each call short. Values beyond the context stay as generated (they test the 400),
+# and an absent max_tokens (for chat: the rest of the context) becomes the cap too.
+HOOKS = """
+import schemathesis
+
+CAP = 8
+MAX_MODEL_LEN = {max_model_len}
+
+
+@schemathesis.hook
+def before_call(context, case, kwargs):
+    body = case.body
+    if not isinstance(body, dict):
+        return
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if type(value) is int and CAP < value <= MAX_MODEL_LEN:
+            body[key] = CAP
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = CAP
+"""
+
+ERROR_REF = "#/components/schemas/ErrorResponse"
+GENERATION = {"200", "400", "401", "404", "413", "429", "500", "503"}
+EXPECTED = {
+    ("post", "/v1/completions"): GENERATION,
+    ("post", "/v1/chat/completions"): GENERATION,
+    ("get", "/v1/models"): {"200", "401", "500"},
+    ("get", "/metrics"): {"200", "401", "404", "500"},
+    ("get", "/health"): {"200", "401", "500", "503"},
+}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with running_cluster("--prefill-nodes", "1", "--decode-nodes", "1") as (url, _):
+        yield url
+
+
+def _refs(schema: dict) -> set[str]:
+    return {schema["$ref"]} if "$ref" in schema else {s.get("$ref") for s in schema.get("anyOf", [])}
+
+
+def test_openapi_declares_each_status_with_the_error_schema(cluster):
+    doc = httpx.get(f"{cluster}/openapi.json", timeout=10).json()
+    operations = {(method, path): op for path, ops in doc["paths"].items() for method, op in ops.items()}
+    assert set(operations) == set(EXPECTED)
+    for key, op in operations.items():
+        assert set(op["responses"]) == EXPECTED[key], key
+        for status, response in op["responses"].items():
+            if status != "200":  # every error is OpenAI's shape, in JSON
+                assert ERROR_REF in _refs(response["content"]["application/json"]["schema"]), (key, status)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert "text/event-stream" in doc["paths"][path]["post"]["responses"]["200"]["content"]
+    assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    schemas = doc["components"]["schemas"]
+    # Validation errors are answered with 400: FastAPI's 422 (excluded above) and its schemas are gone.
+    assert "HTTPValidationError" not in schemas and "ValidationError" not in schemas
+    detail = schemas["ErrorDetail"]
+    assert {"message", "type", "param", "code"} == set(detail["properties"])
+    assert {"message", "type"} <= set(detail["required"])
+
+
+def test_schemathesis_finds_no_failures(cluster, tmp_path):
+    max_model_len = httpx.get(f"{cluster}/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    hooks = tmp_path / "hooks.py"
+    hooks.write_text(HOOKS.format(max_model_len=max_model_len))
+    cmd = [sys.executable, "-c", "import sys; from schemathesis.cli import schemathesis; sys.exit(schemathesis())",
+           "run", f"{cluster}/openapi.json", "--checks", CHECKS, "--max-examples", str(MAX_EXAMPLES),
+           "--seed", str(SEED), "--generation-database", "none", "--request-timeout", "30", "--no-color"]
+    # cwd: schemathesis keeps a .schemathesis/ cache in the working directory.
+    proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "SCHEMATHESIS_HOOKS": str(hooks)},
+                          capture_output=True, text=True, timeout=400)
+    print(proc.stdout, proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-10000:] + proc.stderr[-2000:]
+    counts = re.search(r"(\d+) generated, (\d+) passed", proc.stdout)
+    assert counts and counts.group(1) == counts.group(2), proc.stdout[-3000:]
+    assert int(counts.group(1)) >= 2 * MAX_EXAMPLES  # both generation routes really fuzzed
+
+
+# Raw JSON text: `\ud800` must reach the server as an escape, and NaN/Infinity as the
+# non-standard literals Python's json module (so FastAPI) accepts.
+BAD_BODIES = [
+    ("/v1/completions", r'{"prompt": "hi", "max_tokens": 2, "seed": 1180591620717411303424}'),
+    ("/v1/completions", r'{"prompt": "hi", "max_tokens": 2, "top_k": 99999999999999999999999}'),
+    ("/v1/completions", r'{"prompt": "hi", "max_tokens": 2, "stop_token_ids": [99999999999999999999]}'),
+    ("/v1/completions", r'{"prompt": "\ud800", "max_tokens": 2}'),
+    ("/v1/completions", r'{"prompt": ["\ud800"], "max_tokens": 2}'),
+    ("/v1/completions", r'{"prompt": "hi", "max_tokens": 2, "model": "\ud800"}'),
+    ("/v1/completions", r'{"prompt": "hi", "max_tokens": 2, "stop": "\ud800", "stream": true}'),
+    ("/v1/completions", r'{"prompt": "hi", "max_tokens": 2, "\ud800": 1}'),
+    ("/v1/completions", r'{"prompt": "hi", "max_tokens": 2, "temperature": NaN}'),
+    ("/v1/completions", r'{"prompt": "hi", "max_tokens": 2, "top_p": Infinity}'),
+    ("/v1/chat/completions", r'{"messages": [{"role": "\ud800", "content": "x"}], "max_tokens": 2}'),
+    ("/v1/chat/completions",
+     r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}], "max_tokens": 2}'),
+]
+
+
+@pytest.mark.parametrize("path,body", BAD_BODIES)
+def test_values_the_nodes_cannot_take_are_400(cluster, path, body):
+    resp = httpx.post(f"{cluster}{path}", content=body.encode(),
+                      headers={"content-type": "application/json"}, timeout=30)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
