@@ -13,6 +13,7 @@ import tempfile
 import time
 import urllib.request
 
+from pdserve.kvstore.factory import redact_url
 from pdserve.transport import free_port
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class Cluster:
         self.curve_dir: str | None = None  # --curve: this cluster's keys, removed when it stops
 
     def spawn(self, name: str, cmd: list[str], threads: int | None = None) -> None:
-        log.info("starting %s: %s", name, " ".join(cmd))
+        log.info("starting %s: %s", name, " ".join(map(redact_url, cmd)))  # --store may hold a password
         env = dict(os.environ)
         if threads:
             # Each node gets its share of the cores: nodes that each size their torch and numba

@@ -12,8 +12,9 @@ or bit-flipped value ends the loaded run instead of landing in the cache.
 """
 from __future__ import annotations
 
+import os
 import struct
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import redis
@@ -24,6 +25,7 @@ from redis.retry import Retry
 
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
+from pdserve.kvstore.factory import redact_url
 from pdserve.kvstore.layout import check_batch
 
 MAGIC = b"PDKV"
@@ -94,13 +96,28 @@ def decode_into(value: bytes | None, kv_cache: torch.Tensor, block_id: int, n: i
     return True
 
 
+def _tls_options(url: str, ca_file: str | None) -> dict[str, Any]:
+    """redis-py's SSL settings for a rediss:// URL. Verification is spelled out, not left to
+    redis-py's defaults: redis-py 5 (our floor) does not check the hostname unless told to."""
+    if not url.lower().startswith("rediss://"):
+        if ca_file is not None:  # a CA with plain TCP means the operator believes they have TLS
+            raise ValueError("ca_file is a TLS option: use rediss:// (or direct+rediss://)")
+        return {}
+    if ca_file is not None and not os.path.isfile(ca_file):
+        # Checked here: at connect time it would read as a dead server on every call instead.
+        raise ValueError(f"ca_file {ca_file!r} is not a readable file")
+    return {"ssl_cert_reqs": "required", "ssl_check_hostname": True, "ssl_ca_certs": ca_file}
+
+
 class RedisKVStore(KVStore):
-    """Blocks as Redis strings under prefix + key.hex(). Redis failures raise KVStoreError."""
+    """Blocks as Redis strings under prefix + key.hex(). Redis failures raise KVStoreError, and
+    so do a rejected password and a failed TLS handshake (rediss://, verified against ca_file or
+    the system CAs): to the nodes, all of them mean "recompute"."""
 
     def __init__(self, url: str, *, prefix: bytes = DEFAULT_PREFIX, ttl_s: float | None = None,
                  socket_timeout: float = 5.0, connect_timeout: float = 2.0,
-                 batch_bytes: int = 32 << 20) -> None:
-        self.url = url
+                 batch_bytes: int = 32 << 20, ca_file: str | None = None) -> None:
+        self.url = redact_url(url)  # errors quote it and nodes log errors: never the password
         self.prefix = prefix
         self.integrity_failures = 0
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
@@ -114,7 +131,8 @@ class RedisKVStore(KVStore):
         # replies: MGET of 64 x 256 KiB measured ~25% faster here.
         self._client = redis.Redis.from_url(url, socket_timeout=socket_timeout,
                                             socket_connect_timeout=connect_timeout, retry=retry,
-                                            socket_read_size=1 << 20)
+                                            socket_read_size=1 << 20,
+                                            **_tls_options(url, ca_file))
 
     def name(self, key: bytes) -> bytes:
         """The Redis key holding a block key's value."""
