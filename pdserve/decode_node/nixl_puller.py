@@ -3,9 +3,11 @@ channel once, READ the blocks, then check lease and digests before trusting them
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
+import torch
 import zmq
 
 from pdserve.kvstore.nixl_transfer import NixlKVAgent, NixlReadHandle, NixlTransferError, mismatched_blocks
@@ -14,6 +16,9 @@ from pdserve.messages import KVHandover, NixlMetadata, NixlMetadataRequest, deco
 log = logging.getLogger(__name__)
 METADATA_TIMEOUT_MS = 3000
 LEASE_MARGIN_S = 0.25  # a READ must finish this long before the lease ends to be trusted
+# Fault injection for tests: the first N pulls that land get one byte flipped in their first
+# block before the digest check, as a flaky link or bad DIMM would.
+CORRUPT_PULLS_ENV = "PDSERVE_FAULT_CORRUPT_NIXL_PULLS"
 
 
 @dataclass
@@ -33,6 +38,7 @@ class NixlPuller:
         self.peers: dict[str, str] = {}  # side channel -> agent name
         self.pulls: dict[str, Pull] = {}
         self.integrity_failures = 0  # pulls whose blocks failed their digest check
+        self._corrupt_left = int(os.environ.get(CORRUPT_PULLS_ENV, "0") or 0)
 
     def _peer(self, side_channel: str) -> str:
         if side_channel not in self.peers:
@@ -90,6 +96,9 @@ class NixlPuller:
             log.warning("[%s] READ ended after the lease: the blocks may have been reused", rid)
             return False
         ids = pull.local_ids[pull.first:]
+        if self._corrupt_left > 0 and ids:
+            self._corrupt_left -= 1
+            self.kv_cache[ids[0]].view(-1).view(torch.uint8)[7] ^= 0x10
         bad = mismatched_blocks(self.kv_cache, ids, pull.handover.digests[pull.first:])
         if bad:
             self.integrity_failures += 1
