@@ -76,16 +76,17 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     output_token_ids: list[int] | None = None, remote_kv_tokens: int = 0,
-                    hold_blocks: bool = False) -> Request:
+                    hold_blocks: bool = False, continues_elsewhere: bool = False) -> Request:
         """Queue a request. output_token_ids continues a generation (tokens drawn elsewhere);
         remote_kv_tokens > 0 admits it in WAITING_FOR_REMOTE_KVS with blocks for that many
         tokens allocated (see Request.block_ids), until report_remote_kv is called.
-        hold_blocks keeps the blocks after the request finishes, until release_blocks."""
+        hold_blocks keeps the blocks after the request finishes, until release_blocks.
+        continues_elsewhere: a prefill node's request, which another node continues."""
         self._validate(request_id, prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, hold_blocks=hold_blocks)
         for token in output_token_ids or []:
             req.append_output(token)
-        self.outputs.add(request_id, req.output_token_ids)
+        self.outputs.add(request_id, params, req.output_token_ids, continues_elsewhere)
         if remote_kv_tokens > 0:
             remote = RemoteKV(min(remote_kv_tokens, req.num_tokens - 1),
                               time.monotonic() + self.config.remote_kv_timeout_s)

@@ -3,16 +3,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.request import Request, RequestStatus
 
 
 @dataclass
 class DetokenizerState:
-    text: str = ""          # text of the output so far
+    detokenizer: IncrementalDetokenizer | None
+    text: str = ""          # text of the output so far (cut at a stop string)
     emitted: int = 0        # characters of `text` already sent to the client
-    prefix_offset: int = 0  # tokens before read_offset decoded only for context
-    read_offset: int = 0
     stopped_by_string: bool = False
+    # A prefill node's request: only its max_tokens=1 ends it here; a decode node goes on, so
+    # the text it holds back (a UTF-8 or stop-string prefix) must stay held.
+    continues_elsewhere: bool = False
 
 
 class OutputProcessor:
@@ -22,13 +25,18 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.states: dict[str, DetokenizerState] = {}
 
-    def add(self, request_id: str, output_token_ids: list[int] = ()) -> None:
-        """Track a request; output_token_ids were drawn (and sent) elsewhere already."""
-        state = DetokenizerState(read_offset=len(output_token_ids))
-        if output_token_ids and self.tokenizer is not None:
-            state.text = self.tokenizer.decode(list(output_token_ids), skip_special_tokens=True)
-            state.emitted = len(state.text)
+    def add(self, request_id: str, params, output_token_ids: list[int] = (),
+            continues_elsewhere: bool = False) -> None:
+        """Track a request. output_token_ids were drawn elsewhere, and their text sent from
+        there: replaying them as that node did tells how much of it the client has."""
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                                 params.spaces_between_special_tokens)
+        state = DetokenizerState(detokenizer, continues_elsewhere=continues_elsewhere)
         self.states[request_id] = state
+        for token in output_token_ids if detokenizer is not None else ():
+            self._emit(state, token, params, finished=False)
 
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -45,13 +53,19 @@ class OutputProcessor:
     def new_text(self, req: Request, finished: bool) -> tuple[str, bool]:
         """Text to send for the newest token, and whether a stop string ended the request."""
         state = self.states[req.request_id]
-        if self.tokenizer is None:
+        if state.detokenizer is None:
             return "", False
-        token = req.output_token_ids[-1]
-        params = req.sampling_params
+        token, params = req.output_token_ids[-1], req.sampling_params
+        if finished and state.continues_elsewhere and not self._is_stop_token(token, params):
+            finished = False
+        return self._emit(state, token, params, finished)
+
+    def _is_stop_token(self, token: int, params) -> bool:
+        return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+
+    def _emit(self, state: DetokenizerState, token: int, params, finished: bool) -> tuple[str, bool]:
         hide = finished and token in self.eos_token_ids | set(params.stop_token_ids)
-        if not hide:
-            state.text += self._decode_step(req, state, finished)
+        state.text += state.detokenizer.finish() if hide else state.detokenizer.step(token, finished)
         stop_hit = self._apply_stop_strings(state, params)
         finished = finished or stop_hit
         # Hold back a tail that could be the start of a stop string until we know.
@@ -59,15 +73,6 @@ class OutputProcessor:
         end = max(len(state.text) - hold, state.emitted)
         chunk, state.emitted = state.text[state.emitted:end], end
         return chunk, stop_hit
-
-    def _decode_step(self, req: Request, state: DetokenizerState, finished: bool) -> str:
-        ids = req.output_token_ids
-        prefix = self.tokenizer.decode(ids[state.prefix_offset:state.read_offset], skip_special_tokens=True)
-        full = self.tokenizer.decode(ids[state.prefix_offset:], skip_special_tokens=True)
-        if full.endswith("\ufffd") and not finished:
-            return ""  # an incomplete UTF-8 sequence: wait for the next byte token
-        state.prefix_offset, state.read_offset = state.read_offset, len(ids)
-        return full[len(prefix):]
 
     @staticmethod
     def _apply_stop_strings(state: DetokenizerState, params) -> bool:

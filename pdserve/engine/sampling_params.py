@@ -17,6 +17,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: sampled token only; k: plus top-k
     include_stop_str_in_output: bool = False
+    # Text options (vLLM's): decode with or without special tokens; the spaces option only
+    # changes slow tokenizers, as in vLLM and transformers.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

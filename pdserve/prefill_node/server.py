@@ -85,7 +85,8 @@ class PrefillNode(NodeRuntime):
             # Full blocks before the last token only: that token is computed for its logits.
             stored = self._store_prefix_tokens(keys[:(len(req.prompt_token_ids) - 1) // bs])
             engine_req = self.engine.add_request(rid, req.prompt_token_ids, params, hold_blocks=True,
-                                                 remote_kv_tokens=stored)
+                                                 remote_kv_tokens=stored,
+                                                 continues_elsewhere=req.params.max_tokens > 1)
         except ValueError as exc:
             return self._reply_error(identity, rid, str(exc))
         if stored and engine_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:

@@ -1,7 +1,7 @@
 """Request models for the OpenAI-compatible endpoints (pydantic lives only at this HTTP edge).
 
 Unknown fields are tolerated (extra="allow") so clients that send newer OpenAI fields keep
-working. Fields the engine cannot honour are rejected with 400 rather than silently ignored,
+working; each request's ignored fields are logged, as vLLM does. Fields the engine cannot honour are rejected with 400 rather than silently ignored,
 because a silently ignored knob yields outputs the client did not ask for:
   * presence_penalty / frequency_penalty: accepted only when absent or 0.
   * logit_bias: accepted only when absent or empty.
@@ -15,6 +15,7 @@ Numbers that travel to the nodes are bounded here: NaN or infinite floats and in
 """
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 from pydantic import (BaseModel, ConfigDict, Field, WithJsonSchema, field_validator,
@@ -22,6 +23,7 @@ from pydantic import (BaseModel, ConfigDict, Field, WithJsonSchema, field_valida
 
 from pdserve.engine.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
 MAX_N = 128
 MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -100,6 +102,8 @@ class GenerationRequest(BaseModel):
     # vLLM's `return_token_ids`: choices (and stream chunks) also carry the generated ids,
     # which lets a multi-round client resend the exact history tokens.
     return_token_ids: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -108,6 +112,12 @@ class GenerationRequest(BaseModel):
         if path is not None:
             raise ValueError(f"{path} is not valid Unicode (a lone surrogate escape)")
         return data
+
+    @model_validator(mode="after")
+    def _log_ignored_fields(self) -> "GenerationRequest":
+        if self.model_extra:  # as vLLM does: accepted, ignored, and said so
+            log.warning("ignored unknown request fields: %s", sorted(self.model_extra))
+        return self
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> "GenerationRequest":
@@ -144,6 +154,8 @@ class GenerationRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
 
 
