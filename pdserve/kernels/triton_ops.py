@@ -21,6 +21,9 @@ except ImportError:  # pragma: no cover - depends on the environment
     flash_attn_varlen_func = None
 
 _MAX_HEAD_DIM = 256
+# Decode launches depend on shapes only, never on values on the device (lengths are read inside
+# the kernel), so a decode step through these ops may be captured in a CUDA graph.
+CUDA_GRAPH_SAFE = True
 _LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 

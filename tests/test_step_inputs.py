@@ -1,0 +1,89 @@
+"""The numpy step-input builder against the direct per-token formula (slot = block * size +
+offset, the request's own block ids, context = tokens so far) on mixed decode/prefill batches,
+and the CUDA-graph batch buckets. Pure host code: runs anywhere."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from pdserve.engine.cuda_graphs import batch_buckets
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.step_inputs import build_step_inputs, fill_decode_rows
+
+BS = 4
+
+
+def _request(rng: random.Random, i: int, computed: int, total: int) -> Request:
+    req = Request(str(i), [rng.randrange(1000) for _ in range(total)], SamplingParams())
+    req.num_computed_tokens = computed
+    req.block_ids = rng.sample(range(10_000), -(-total // BS) + rng.randrange(2))
+    return req
+
+
+def _expected(items):
+    """The per-token formula, one Python loop per token (the runner's former list code)."""
+    tokens, positions, slots, rows, sampled = [], [], [], [], []
+    for req, n in items:
+        for p in range(req.num_computed_tokens, req.num_computed_tokens + n):
+            tokens.append(req.all_token_ids[p])
+            positions.append(p)
+            slots.append(req.block_ids[p // BS] * BS + p % BS)
+        if req.num_computed_tokens + n == req.num_tokens:
+            rows.append(len(tokens) - 1)
+            sampled.append(req)
+    return tokens, positions, slots, rows, sampled
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_build_step_inputs_matches_the_per_token_formula(seed):
+    rng = random.Random(seed)
+    decodes = [(_request(rng, i, c, c + 1), 1) for i, c in enumerate(rng.sample(range(1, 60), 7))]
+    prefills = []
+    for i in range(3):
+        total = rng.randrange(2, 50)
+        computed = rng.randrange(0, total - 1)
+        n = rng.randrange(2, total - computed + 1) if total - computed >= 2 else 1
+        prefills.append((_request(rng, 100 + i, computed, total), n))
+    prefills = [(r, n) for r, n in prefills if n > 1]
+    items = decodes + prefills
+    got = build_step_inputs(items, len(decodes), BS)
+    tokens, positions, slots, rows, sampled = _expected(items)
+    assert got.ints64.tolist() == [tokens, positions, slots]
+    assert got.sample_rows == rows and got.to_sample == sampled
+    assert got.decode_context_lens.tolist() == [r.num_computed_tokens + 1 for r, _ in decodes]
+    for table, reqs in ((got.decode_tables, [r for r, _ in decodes]), (got.prefill_tables, [r for r, _ in prefills])):
+        assert table.shape == (len(reqs), max((len(r.block_ids) for r in reqs), default=1))
+        for row, r in zip(table, reqs):
+            assert row[:len(r.block_ids)].tolist() == r.block_ids and not row[len(r.block_ids):].any()
+    assert got.prefill_cu_seqlens.tolist() == np.cumsum([0] + [n for _, n in prefills]).tolist()
+    assert got.prefill_context_lens.tolist() == [r.num_computed_tokens + n for r, n in prefills]
+    flat = got.ints32()
+    assert flat.dtype == np.int32 and flat.size == sum(int(np.prod(s)) for s in got.int32_shapes())
+
+
+def test_fill_decode_rows_leaves_rows_past_n_and_stale_columns_unread():
+    rng = random.Random(7)
+    reqs = [_request(rng, i, c, c + 1) for i, c in enumerate((3, 17, 40))]
+    ints64 = np.full((3, 8), 99, np.int64)
+    ctx = np.full(8, 99, np.int32)
+    tables = np.full((8, 20), -5, np.int32)
+    fill_decode_rows(reqs, BS, ints64, ctx, tables)
+    tokens, positions, slots, _, _ = _expected([(r, 1) for r in reqs])
+    assert ints64[:, :3].tolist() == [tokens, positions, slots]
+    assert (ints64[:, 3:] == 99).all() and (ctx[3:] == 99).all() and (tables[3:] == -5).all()
+    assert ctx[:3].tolist() == [4, 18, 41]
+    for row, r in zip(tables, reqs):
+        assert row[:len(r.block_ids)].tolist() == r.block_ids
+
+
+def test_batch_buckets_cover_every_batch_size():
+    for max_batch in (1, 3, 16, 100, 256):
+        buckets = batch_buckets(max_batch)
+        assert buckets == sorted(set(buckets)) and buckets[-1] == max_batch
+        for n in range(1, max_batch + 1):
+            b = next(b for b in buckets if b >= n)
+            assert b - n < max(16, n)  # padding stays under a bucket step
+    assert batch_buckets(256)[:5] == [1, 2, 4, 8, 16] and 256 in batch_buckets(256)
