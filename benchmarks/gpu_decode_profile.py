@@ -84,6 +84,18 @@ def forward_only_ms(engine, runs: int = 20) -> float:
     return statistics.median(times)
 
 
+def host_fill_ms(engine, runs: int = 20) -> float:
+    """Host time to build one decode step's inputs for every running request (numpy)."""
+    from pdserve.engine.step_inputs import build_step_inputs
+    items = [(r, 1) for r in engine.scheduler.running]
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        build_step_inputs(items, len(items), engine.config.block_size)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def profile_table(engine) -> dict:
     from torch.profiler import ProfilerActivity, profile
     for _ in range(2):
@@ -107,6 +119,7 @@ def run_mode(args, eager: bool) -> dict:
     result["steps"] = len(steps)
     result["forward_only_ms"] = forward_only_ms(engine)
     result["context_tokens"] = sum(r.num_tokens for r in engine.scheduler.running)
+    result["host_fill_ms"] = host_fill_ms(engine)
     result["profile"] = profile_table(engine)
     del engine
     gc.collect()

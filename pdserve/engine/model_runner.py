@@ -10,6 +10,7 @@ import torch
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.request import Request
 from pdserve.engine.step_inputs import build_step_inputs, fill_decode_rows
+from pdserve.kernels import get_fused_layer_ops
 from pdserve.models.llama import LlamaModel
 
 
@@ -57,6 +58,7 @@ class ModelRunner:
                  max_num_seqs: int = 0, max_model_len: int = 0, use_cuda_graphs: bool = False):
         self.model, self.kv_cache, self.block_size, self.ops, self.device = model, kv_cache, block_size, ops, device
         self.layer_caches = [(kv_cache[:, i, 0], kv_cache[:, i, 1]) for i in range(kv_cache.shape[1])]
+        model.fused = get_fused_layer_ops(ops, device.type)
         self.graphs: DecodeGraphs | None = None
         if (use_cuda_graphs and device.type == "cuda" and getattr(ops, "CUDA_GRAPH_SAFE", False)
                 and max_num_seqs > 0 and max_model_len > 0):
