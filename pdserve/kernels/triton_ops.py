@@ -24,6 +24,10 @@ _MAX_HEAD_DIM = 256
 # Decode launches depend on shapes only, never on values on the device (lengths are read inside
 # the kernel), so a decode step through these ops may be captured in a CUDA graph.
 CUDA_GRAPH_SAFE = True
+# Decode launches for head_dim <= 64: a wider key tile, more warps and no software pipelining
+# measured fastest on an H100 (benchmarks/gpu_attention_tune.py: 1.18x over the general
+# 64 keys / 4 warps / 3 stages on the 1.1B model's shape). None: the general launch.
+DECODE_TUNING: dict | None = {"BLOCK_N": 128, "num_warps": 8, "num_stages": 1}
 _LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -186,9 +190,7 @@ def _launch(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens, block
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 32 if block_d > 64 else 64  # keeps the K/V tiles within the register budget
     if max_q_len == 1 and block_d <= 64 and not tuning:
-        # Decode: a wider key tile, more warps, no software pipelining measured fastest on an
-        # H100 (benchmarks/gpu_attention_tune.py: 1.18x over 64/4 warps/3 stages, 1.1B shape).
-        tuning = {"BLOCK_N": 128, "num_warps": 8, "num_stages": 1}
+        tuning = DECODE_TUNING
     tuning = tuning or {}  # launch options a benchmark may try: BLOCK_N, num_warps, num_stages
     block_n = tuning.get("BLOCK_N", block_n)
     launch = {k: v for k, v in tuning.items() if k in ("num_warps", "num_stages")}
