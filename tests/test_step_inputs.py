@@ -87,3 +87,18 @@ def test_batch_buckets_cover_every_batch_size():
             b = next(b for b in buckets if b >= n)
             assert b - n < max(16, n)  # padding stays under a bucket step
     assert batch_buckets(256)[:5] == [1, 2, 4, 8, 16] and 256 in batch_buckets(256)
+
+
+def test_enforce_eager_flag_reaches_engine_config_and_node_commands():
+    """`--enforce-eager` on `pdserve up` is forwarded to every node, whose parser turns it into
+    EngineConfig.enforce_eager; without it, graphs stay on."""
+    from pdserve.cli import build_parser, engine_options
+    from pdserve.engine.config import EngineConfig
+    from pdserve.launcher import Cluster
+    parser = build_parser()
+    for flags, eager in (([], False), (["--enforce-eager"], True)):
+        up = parser.parse_args(["up", *flags])
+        cmd = Cluster(up).node_cmd("decode", "d0", "tcp://127.0.0.1:1", [])
+        assert ("--enforce-eager" in cmd) == eager
+        node = parser.parse_args(cmd[cmd.index("decode"):])
+        assert EngineConfig(**engine_options(node)).enforce_eager is eager
