@@ -102,3 +102,38 @@ def test_enforce_eager_flag_reaches_engine_config_and_node_commands():
         assert ("--enforce-eager" in cmd) == eager
         node = parser.parse_args(cmd[cmd.index("decode"):])
         assert EngineConfig(**engine_options(node)).enforce_eager is eager
+
+
+def test_kept_table_rows_match_a_fresh_build_through_appends_preemption_and_reuse():
+    """Steps of a changing batch: blocks appended, requests leaving and joining, a preempted
+    request back with as many (different) blocks in a new list (as KVCacheManager.free leaves
+    it), an id used again by a new request, more requests than rows. Every step's rows equal a
+    from-scratch build."""
+    from pdserve.engine.step_inputs import KeptTableRows
+    rng = random.Random(3)
+    kept = KeptTableRows(capacity=8, width=32)
+    live = {i: _request(rng, i, 5, 6) for i in range(6)}
+    next_id = 6
+    for step in range(60):
+        action = rng.random()
+        if action < 0.15 and live:  # preempted: blocks freed, later as many different ones
+            req = rng.choice(list(live.values()))
+            req.block_ids = rng.sample(range(10_000, 20_000), len(req.block_ids))
+        elif action < 0.25 and live:  # finished; its id comes back as a new request
+            rid = rng.choice(list(live))
+            live[rid] = _request(rng, rid, 3, 4)
+        elif action < 0.35:
+            live[next_id] = _request(rng, next_id, 2, 3)
+            next_id += 1
+        for req in live.values():  # decoding: now and then a new block
+            if rng.random() < 0.3 and len(req.block_ids) < 32:
+                req.block_ids.append(rng.randrange(20_000, 30_000))
+        batch = [r for r in live.values() if rng.random() < 0.9][:7]
+        if len(live) > 7:
+            live.pop(next(iter(live)))
+        if not batch:
+            continue
+        out = np.full((len(batch), 32), -9, np.int32)
+        kept.fill(batch, out)
+        for row, req in zip(out, batch):
+            assert row[:len(req.block_ids)].tolist() == req.block_ids, step

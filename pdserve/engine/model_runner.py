@@ -9,7 +9,7 @@ import torch
 
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.request import Request
-from pdserve.engine.step_inputs import build_step_inputs, fill_decode_rows
+from pdserve.engine.step_inputs import KeptTableRows, build_step_inputs, fill_decode_rows
 from pdserve.kernels import get_fused_layer_ops
 from pdserve.models.llama import LlamaModel
 
@@ -60,11 +60,13 @@ class ModelRunner:
         self.layer_caches = [(kv_cache[:, i, 0], kv_cache[:, i, 1]) for i in range(kv_cache.shape[1])]
         model.fused = get_fused_layer_ops(ops, device.type)
         self.graphs: DecodeGraphs | None = None
+        self.kept_rows: KeptTableRows | None = None
         if (use_cuda_graphs and device.type == "cuda" and getattr(ops, "CUDA_GRAPH_SAFE", False)
                 and max_num_seqs > 0 and max_model_len > 0):
             max_blocks = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(model, self._decode_context, device, max_num_seqs, max_blocks)
             self.graphs.capture()
+            self.kept_rows = KeptTableRows(2 * max_num_seqs, max_blocks)
 
     def _decode_context(self, slots, tables, context_lens) -> AttentionContext:
         empty = torch.zeros(0, dtype=torch.int32, device=self.device)
@@ -99,7 +101,7 @@ class ModelRunner:
 
     def _execute_graph(self, reqs: list[Request]) -> tuple[torch.Tensor, list[Request]]:
         ints64, context_lens, tables = self.graphs.host_views()
-        fill_decode_rows(reqs, self.block_size, ints64, context_lens, tables)
+        fill_decode_rows(reqs, self.block_size, ints64, context_lens, tables, self.kept_rows)
         logits = self.graphs.replay(len(reqs))
         # A one-token query that does not end its request (a prefill's last chunk of one token
         # short of the end) has nothing to sample.

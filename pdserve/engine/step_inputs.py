@@ -16,22 +16,73 @@ from pdserve.engine.request import Request
 
 
 def fill_decode_rows(reqs: list[Request], block_size: int, ints64: np.ndarray,
-                     context_lens: np.ndarray, tables: np.ndarray) -> None:
+                     context_lens: np.ndarray, tables: np.ndarray,
+                     kept_rows: "KeptTableRows | None" = None) -> None:
     """Inputs of n one-token queries into the first n rows/columns of preallocated arrays:
     ints64 [3, >=n] (token id, position, slot), context_lens [>=n], tables [>=n, width].
-    Table entries past a request's own blocks keep whatever they held: no kernel reads them."""
+    Table entries past a request's own blocks keep whatever they held: no kernel reads them.
+    kept_rows: block-table rows carried over from the previous step (only new blocks written)."""
     n = len(reqs)
     pos = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, n)
     ints64[0, :n] = np.fromiter((r.all_token_ids[r.num_computed_tokens] for r in reqs), np.int64, n)
     ints64[1, :n] = pos
-    counts = np.fromiter((len(r.block_ids) for r in reqs), np.int64, n)
-    flat = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in reqs), np.int32,
-                       int(counts.sum()))
     rows = tables[:n]
-    rows[np.arange(tables.shape[1])[None, :] < counts[:, None]] = flat  # row-major: in order
+    if kept_rows is not None:
+        kept_rows.fill(reqs, rows)
+    else:
+        counts = np.fromiter((len(r.block_ids) for r in reqs), np.int64, n)
+        flat = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in reqs), np.int32,
+                           int(counts.sum()))
+        rows[np.arange(tables.shape[1])[None, :] < counts[:, None]] = flat  # row-major: in order
     current_block = rows[np.arange(n), pos // block_size].astype(np.int64)
     ints64[2, :n] = current_block * block_size + pos % block_size
     context_lens[:n] = pos + 1
+
+
+class KeptTableRows:
+    """Block-table rows kept from one pure-decode step to the next, so a step writes only the
+    blocks appended since (at 256 sequences, rebuilding every row cost most of the host time of
+    the step's inputs).
+
+    A kept row is trusted only while the request holds the very list object it was read from:
+    running requests only extend their block list, and KVCacheManager.free (preemption, finish)
+    replaces it with a new one, after which the row is written whole again."""
+
+    def __init__(self, capacity: int, width: int):
+        self.rows = np.zeros((capacity, width), np.int32)
+        # request id: (its block list object, row, blocks written, last step used)
+        self.entries: dict[str, tuple[list[int], int, int, int]] = {}
+        self.free = list(range(capacity))
+        self.step = 0
+
+    def fill(self, reqs: list[Request], out: np.ndarray) -> None:
+        """out [n, >= widest block list]: each request's block table row."""
+        self.step += 1
+        step, rows, entries = self.step, self.rows, self.entries
+        picks = np.empty(len(reqs), np.int64)
+        width = 0
+        for i, req in enumerate(reqs):
+            blocks = req.block_ids
+            count = len(blocks)
+            kept = entries.get(req.request_id)
+            if kept is not None and kept[0] is blocks and kept[2] <= count:
+                row = kept[1]
+                if kept[2] < count:
+                    rows[row, kept[2]:count] = blocks[kept[2]:count]
+            else:
+                row = kept[1] if kept is not None else self._free_row()
+                rows[row, :count] = blocks
+            entries[req.request_id] = (blocks, row, count, step)
+            picks[i] = row
+            width = max(width, count)
+        out[:, :width] = rows[picks, :width]
+
+    def _free_row(self) -> int:
+        if not self.free:  # drop every entry this step has not used (yet)
+            stale = [rid for rid, e in self.entries.items() if e[3] != self.step]
+            for rid in stale:
+                self.free.append(self.entries.pop(rid)[1])
+        return self.free.pop()
 
 
 @dataclass
