@@ -24,10 +24,10 @@ _MAX_HEAD_DIM = 256
 # Decode launches depend on shapes only, never on values on the device (lengths are read inside
 # the kernel), so a decode step through these ops may be captured in a CUDA graph.
 CUDA_GRAPH_SAFE = True
-# Decode launches for head_dim <= 64: a wider key tile, more warps and no software pipelining
-# measured fastest on an H100 (benchmarks/gpu_attention_tune.py: 1.18x over the general
-# 64 keys / 4 warps / 3 stages on the 1.1B model's shape). None: the general launch.
-DECODE_TUNING: dict | None = {"BLOCK_N": 128, "num_warps": 8, "num_stages": 1}
+# Launch options for decode with head_dim <= 64, e.g. {"BLOCK_N": 128, "num_warps": 8,
+# "num_stages": 1}: that one was 1.18x faster alone (benchmarks/gpu_attention_tune.py, H100) but
+# 13% slower inside the model's decode step, so None: the general launch.
+DECODE_TUNING: dict | None = None
 _LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
