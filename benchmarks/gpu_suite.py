@@ -168,7 +168,7 @@ def step_served(args) -> dict:
 
 def step_throughput(args) -> dict:
     subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_throughput.py"), "--out", str(RAW)],
-                   check=True, timeout=600)
+                   check=True, timeout=1200)
     return json.loads((RAW / "throughput.json").read_text())
 
 

@@ -3,8 +3,12 @@ bfloat16 on one GPU, pdserve against transformers' `generate_batch`, and pdserve
 time against the HBM bandwidth floor.
 
     python3 benchmarks/gpu_throughput.py --out DIR [--requests 256 --prompt-len 512 --new-tokens 256]
+        [--modes graphs,eager --repeats 3 --hf-repeats 2]
 
-Each engine runs in its own process (a crashed or over-long peer cannot take the other down).
+pdserve runs in each --mode (graphs: CUDA graphs for decode steps, the default; eager: the
+engine's enforce_eager), --repeats times each, transformers --hf-repeats times, all in one
+invocation so the numbers sit side by side; medians are reported.
+Each engine run is in its own process (a crashed or over-long peer cannot take the other down).
 The floor of one decode step is the bytes it must read (every weight but the embedding table,
 plus the K/V of every running sequence's context) divided by the device's copy bandwidth,
 measured here with a 4 GiB device-to-device copy (bytes read + written per second).
@@ -61,6 +65,8 @@ def copy_bandwidth(nbytes: int = 4 << 30, runs: int = 10) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()  # leave the memory to the engines' processes
     return 2 * nbytes / statistics.median(times)
 
 
@@ -72,7 +78,8 @@ def run_pdserve(args) -> dict:
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", device="cuda",
                                     num_kv_blocks=blocks, max_num_seqs=args.requests,
                                     max_num_batched_tokens=args.batched_tokens,
-                                    kernel_backend=args.kernel_backend))
+                                    kernel_backend=args.kernel_backend,
+                                    enforce_eager=args.mode == "eager"))
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     engine.add_request("warm", workload(1, 64, seed=9)[0], SamplingParams(max_tokens=8, temperature=0))
     while engine.has_unfinished_requests():
@@ -98,7 +105,7 @@ def run_pdserve(args) -> dict:
                        if "embed_tokens" not in n)
     return dict(output_tokens=produced, seconds=elapsed, tokens_per_s=produced / elapsed,
                 decode_steps=decode_steps, kv_bytes_per_token=kv_bytes_per_token,
-                weight_bytes=weight_bytes, kernel_backend=args.kernel_backend)
+                weight_bytes=weight_bytes, kernel_backend=args.kernel_backend, mode=args.mode)
 
 
 def run_transformers(args) -> dict:
@@ -123,7 +130,7 @@ def in_subprocess(args, engine: str, timeout_s: float) -> dict:
     cmd = [sys.executable, __file__, "--worker", engine, "--model", args.model,
            "--requests", str(args.requests), "--prompt-len", str(args.prompt_len),
            "--new-tokens", str(args.new_tokens), "--batched-tokens", str(args.batched_tokens),
-           "--kernel-backend", args.kernel_backend]
+           "--kernel-backend", args.kernel_backend, "--mode", args.mode]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -134,18 +141,31 @@ def in_subprocess(args, engine: str, timeout_s: float) -> dict:
     return json.loads(lines[-1])
 
 
-def summarize(pd: dict, hf: dict, bandwidth: float) -> dict:
-    out = {"copy_bandwidth_gbps": bandwidth / 1e9, "pdserve": pd, "transformers": hf}
+def decode_summary(pd: dict, bandwidth: float) -> dict:
+    """The median full pure-decode step, with its own context, against the HBM floor."""
     steps = pd.get("decode_steps") or []
-    if steps:
-        dt, ctx = sorted(steps)[len(steps) // 2]  # the median step, with its own context
-        floor_bytes = pd["weight_bytes"] + ctx * pd["kv_bytes_per_token"]
-        out["decode"] = dict(median_step_ms=dt * 1e3, context_tokens=ctx,
-                             bytes_read=floor_bytes, floor_ms=floor_bytes / bandwidth * 1e3,
-                             ratio_to_floor=dt / (floor_bytes / bandwidth), steps=len(steps))
-        pd["decode_steps"] = len(steps)
-    if "tokens_per_s" in pd and "tokens_per_s" in hf:
-        out["pdserve_vs_transformers"] = pd["tokens_per_s"] / hf["tokens_per_s"]
+    if not steps:
+        return {}
+    dt, ctx = sorted(steps)[len(steps) // 2]
+    floor_bytes = pd["weight_bytes"] + ctx * pd["kv_bytes_per_token"]
+    return dict(median_step_ms=dt * 1e3, context_tokens=ctx, bytes_read=floor_bytes,
+                floor_ms=floor_bytes / bandwidth * 1e3, ratio_to_floor=dt / (floor_bytes / bandwidth),
+                steps=len(steps))
+
+
+def summarize_runs(runs: list[dict], bandwidth: float) -> dict:
+    """Medians over repeated runs of one engine (tokens/s; decode step and its floor ratio)."""
+    good = [r for r in runs if "tokens_per_s" in r]
+    if not good:
+        return {"errors": runs}
+    out = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in good),
+           "tokens_per_s_runs": [r["tokens_per_s"] for r in good],
+           "output_tokens": good[0]["output_tokens"], "failed_runs": len(runs) - len(good)}
+    decodes = [decode_summary(r, bandwidth) for r in good if r.get("decode_steps")]
+    if decodes:
+        by_step = sorted(decodes, key=lambda d: d["median_step_ms"])
+        out["decode"] = by_step[len(by_step) // 2]  # the median run's median step
+        out["decode"]["median_step_ms_runs"] = [d["median_step_ms"] for d in decodes]
     return out
 
 
@@ -159,16 +179,29 @@ def main() -> None:
     ap.add_argument("--batched-tokens", type=int, default=8192)
     ap.add_argument("--kernel-backend", default="triton")
     ap.add_argument("--timeout-s", type=float, default=240)
-    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--modes", default="graphs,eager")
+    ap.add_argument("--mode", default="graphs", help=argparse.SUPPRESS)  # one worker's mode
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hf-repeats", type=int, default=2, help="0 skips transformers")
     ap.add_argument("--worker", choices=["pdserve", "transformers"], default=None)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps((run_pdserve if args.worker == "pdserve" else run_transformers)(args)))
         return
     args.model = args.model or str(build_model(Path("/tmp/pdserve-llama-1b")))
-    pd = in_subprocess(args, "pdserve", args.timeout_s)
-    hf = {} if args.skip_transformers else in_subprocess(args, "transformers", args.timeout_s)
-    result = summarize(pd, hf, copy_bandwidth())
+    bandwidth = copy_bandwidth()
+    result = {"copy_bandwidth_gbps": bandwidth / 1e9}
+    for mode in args.modes.split(","):
+        args.mode = mode
+        runs = [in_subprocess(args, "pdserve", args.timeout_s) for _ in range(args.repeats)]
+        result[f"pdserve_{mode}"] = summarize_runs(runs, bandwidth)
+    if args.hf_repeats:
+        runs = [in_subprocess(args, "transformers", args.timeout_s) for _ in range(args.hf_repeats)]
+        result["transformers"] = summarize_runs(runs, bandwidth)
+        for mode in args.modes.split(","):
+            pd = result[f"pdserve_{mode}"]
+            if "tokens_per_s" in pd and "tokens_per_s" in result["transformers"]:
+                pd["vs_transformers"] = pd["tokens_per_s"] / result["transformers"]["tokens_per_s"]
     result["workload"] = dict(requests=args.requests, prompt_len=args.prompt_len,
                               new_tokens=args.new_tokens, shape=SHAPE)
     Path(args.out, "throughput.json").write_text(json.dumps(result, indent=1))

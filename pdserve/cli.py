@@ -24,13 +24,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "numba", "triton"])
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached KV blocks of earlier prompts (--no-enable-prefix-caching: recompute)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: no CUDA graphs for decode steps, every op launched eagerly")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, kernel_backend=args.kernel_backend,
-                enable_prefix_caching=args.enable_prefix_caching)
+                enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -65,6 +65,8 @@ class Cluster:
                 cmd += [f"--{flag.replace('_', '-')}", str(value)]
         if not self.args.enable_prefix_caching:
             cmd.append("--no-enable-prefix-caching")
+        if getattr(self.args, "enforce_eager", False):
+            cmd.append("--enforce-eager")
         return cmd + extra + self._curve_flags()
 
     def _curve_flags(self) -> list[str]:

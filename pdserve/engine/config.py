@@ -20,6 +20,8 @@ class EngineConfig:
     # Seconds a request may wait in WAITING_FOR_REMOTE_KVS before it is computed locally.
     remote_kv_timeout_s: float = 30.0
     kernel_backend: str = "auto"  # auto | torch | numba | triton
+    # True: no CUDA graphs, every step launched op by op (vLLM's --enforce-eager). CUDA only.
+    enforce_eager: bool = False
     seed: int = 0
     extra: dict = field(default_factory=dict)
 

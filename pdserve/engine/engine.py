@@ -49,7 +49,9 @@ class LLMEngine:
         ops = get_ops(config.kernel_backend, self.device.type)
         if hasattr(ops, "warm_up"):
             ops.warm_up()
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, ops, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, ops, self.device,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  use_cuda_graphs=not config.enforce_eager)
         self.last_step_tokens = 0
         self.prefill_s_per_token = 0.0  # measured on prefill-sized steps (an EMA); 0: not yet
         self.cached_prompt_tokens = 0    # prompt tokens of requests sampled here that were not computed

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.request import Request
+from pdserve.engine.step_inputs import KeptTableRows, build_step_inputs, fill_decode_rows
+from pdserve.kernels import get_fused_layer_ops
 from pdserve.models.llama import LlamaModel
 
 
@@ -44,10 +48,33 @@ class AttentionContext:
         return torch.cat([decode, prefill])
 
 
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, ops, device: torch.device):
+    """Runs scheduled batches. On CUDA, with a kernel module that allows it and unless
+    use_cuda_graphs is off (the engine's enforce_eager), pure-decode batches of up to
+    max_num_seqs requests replay captured CUDA graphs; everything else runs eagerly."""
+
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, ops, device: torch.device,
+                 max_num_seqs: int = 0, max_model_len: int = 0, use_cuda_graphs: bool = False):
         self.model, self.kv_cache, self.block_size, self.ops, self.device = model, kv_cache, block_size, ops, device
         self.layer_caches = [(kv_cache[:, i, 0], kv_cache[:, i, 1]) for i in range(kv_cache.shape[1])]
+        model.fused = get_fused_layer_ops(ops, device.type)
+        self.graphs: DecodeGraphs | None = None
+        self.kept_rows: KeptTableRows | None = None
+        if (use_cuda_graphs and device.type == "cuda" and getattr(ops, "CUDA_GRAPH_SAFE", False)
+                and max_num_seqs > 0 and max_model_len > 0):
+            max_blocks = -(-max_model_len // block_size)
+            self.graphs = DecodeGraphs(model, self._decode_context, device, max_num_seqs, max_blocks)
+            self.graphs.capture()
+            self.kept_rows = KeptTableRows(2 * max_num_seqs, max_blocks)
+
+    def _decode_context(self, slots, tables, context_lens) -> AttentionContext:
+        empty = torch.zeros(0, dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(slot_mapping=slots, num_decodes=slots.shape[0],
+                                 decode_block_tables=tables, decode_context_lens=context_lens,
+                                 prefill_cu_seqlens=empty, prefill_context_lens=empty,
+                                 prefill_block_tables=empty.view(0, 1))
+        return AttentionContext(self.ops, self.layer_caches, meta)
 
     @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]], all_logits: bool = False
@@ -55,54 +82,43 @@ class ModelRunner:
         """Runs one step; returns logits [S, vocab] for the S requests to sample, in order
         (or for every token when all_logits)."""
         items = sorted(items, key=lambda it: it[1] != 1)  # one-token queries first
-        token_ids, positions, meta, sample_rows, to_sample = self._prepare(items)
+        num_decodes = sum(1 for _, n in items if n == 1)
+        if not all_logits and num_decodes == len(items) and self._graph_fits(items):
+            return self._execute_graph([r for r, _ in items])
+        inputs = build_step_inputs(items, num_decodes, self.block_size)
+        token_ids, positions, meta = self._to_device(inputs, num_decodes)
         hidden = self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
         if all_logits:
-            return self.model.compute_logits(hidden), to_sample
-        if not to_sample:
+            return self.model.compute_logits(hidden), inputs.to_sample
+        if not inputs.to_sample:
             return torch.empty(0), []
-        return self.model.compute_logits(hidden[sample_rows]), to_sample
+        return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.to_sample
 
-    def _prepare(self, items: list[tuple[Request, int]]):
-        bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        to_sample: list[Request] = []
-        for req, n in items:
-            start = req.num_computed_tokens
-            tokens.extend(req.all_token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            blocks = req.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-            if start + n == req.num_tokens:
-                sample_rows.append(len(tokens) - 1)
-                to_sample.append(req)
-        meta = self._metadata(items, slots)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
-        return as_tensor(tokens), as_tensor(positions), meta, sample_rows, to_sample
+    def _graph_fits(self, items: list[tuple[Request, int]]) -> bool:
+        g = self.graphs
+        return (g is not None and 0 < len(items) <= g.max_batch
+                and max(len(r.block_ids) for r, _ in items) <= g.max_blocks)
 
-    def _metadata(self, items: list[tuple[Request, int]], slots: list[int]) -> AttentionMetadata:
-        num_decodes = sum(1 for _, n in items if n == 1)
-        decodes, prefills = items[:num_decodes], items[num_decodes:]
-        cu = [0]
-        for _, n in prefills:
-            cu.append(cu[-1] + n)
-        i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decodes=num_decodes,
-            decode_block_tables=self._block_table([r for r, _ in decodes]),
-            decode_context_lens=i32([r.num_computed_tokens + 1 for r, _ in decodes]),
-            prefill_cu_seqlens=i32(cu),
-            prefill_context_lens=i32([r.num_computed_tokens + n for r, n in prefills]),
-            prefill_block_tables=self._block_table([r for r, _ in prefills]),
-        )
+    def _execute_graph(self, reqs: list[Request]) -> tuple[torch.Tensor, list[Request]]:
+        ints64, context_lens, tables = self.graphs.host_views()
+        fill_decode_rows(reqs, self.block_size, ints64, context_lens, tables, self.kept_rows)
+        logits = self.graphs.replay(len(reqs))
+        # A one-token query that does not end its request (a prefill's last chunk of one token
+        # short of the end) has nothing to sample.
+        rows = [i for i, r in enumerate(reqs) if r.num_computed_tokens + 1 == r.num_tokens]
+        if len(rows) == len(reqs):
+            return logits, reqs
+        return logits[rows], [reqs[i] for i in rows]
 
-    def _block_table(self, reqs: list[Request]) -> torch.Tensor:
-        width = max((len(r.block_ids) for r in reqs), default=1)
-        table = torch.zeros(len(reqs), width, dtype=torch.int32)
-        for i, r in enumerate(reqs):
-            table[i, :len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
-        return table.to(self.device)
+    def _to_device(self, inputs, num_decodes: int):
+        """Two host-to-device copies: every int64 input, then every int32 input."""
+        ints64 = torch.from_numpy(inputs.ints64).to(self.device)
+        ints32 = torch.from_numpy(inputs.ints32()).to(self.device)
+        shapes = inputs.int32_shapes()
+        parts = ints32.split([int(np.prod(s)) for s in shapes])
+        ctx, table, cu, pctx, ptable = (part.view(shape) for part, shape in zip(parts, shapes))
+        meta = AttentionMetadata(slot_mapping=ints64[2], num_decodes=num_decodes,
+                                 decode_block_tables=table, decode_context_lens=ctx,
+                                 prefill_cu_seqlens=cu, prefill_context_lens=pctx,
+                                 prefill_block_tables=ptable)
+        return ints64[0], ints64[1], meta

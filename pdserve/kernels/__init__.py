@@ -28,3 +28,11 @@ def _available(module: str) -> bool:
     except ImportError:
         return False
     return True
+
+
+def get_fused_layer_ops(ops: ModuleType, device: str) -> ModuleType | None:
+    """The fused norm/RoPE/activation kernels that go with an attention backend, or None (the
+    model then runs those ops in plain torch): Triton's, on CUDA only."""
+    if ops.__name__ == "pdserve.kernels.triton_ops" and device.startswith("cuda"):
+        return importlib.import_module("pdserve.kernels.triton_fused")
+    return None

@@ -21,6 +21,13 @@ except ImportError:  # pragma: no cover - depends on the environment
     flash_attn_varlen_func = None
 
 _MAX_HEAD_DIM = 256
+# Decode launches depend on shapes only, never on values on the device (lengths are read inside
+# the kernel), so a decode step through these ops may be captured in a CUDA graph.
+CUDA_GRAPH_SAFE = True
+# Launch options for decode with head_dim <= 64, e.g. {"BLOCK_N": 128, "num_warps": 8,
+# "num_stages": 1}: that one was 1.18x faster alone (benchmarks/gpu_attention_tune.py, H100) but
+# 13% slower inside the model's decode step, so None: the general launch.
+DECODE_TUNING: dict | None = None
 _LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -167,7 +174,7 @@ def _check_head_dim(head_dim: int) -> None:
 
 
 def _launch(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
-            scale, max_q_len, new_from_input, block_m):
+            scale, max_q_len, new_from_input, block_m, tuning: dict | None = None):
     tokens, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     _check_head_dim(head_dim)
@@ -182,6 +189,11 @@ def _launch(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens, block
     block_m = max(block_m, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 32 if block_d > 64 else 64  # keeps the K/V tiles within the register budget
+    if max_q_len == 1 and block_d <= 64 and not tuning:
+        tuning = DECODE_TUNING
+    tuning = tuning or {}  # launch options a benchmark may try: BLOCK_N, num_warps, num_stages
+    block_n = tuning.get("BLOCK_N", block_n)
+    launch = {k: v for k, v in tuning.items() if k in ("num_warps", "num_stages")}
     grid = (num_seqs, kv_heads, triton.cdiv(max_q_len * group, block_m))
     _paged_attention_kernel[grid](
         q, k_new, v_new, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
@@ -189,13 +201,13 @@ def _launch(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens, block
         *q.stride(), *k_new.stride(), *v_new.stride(), *k_cache.stride(), *v_cache.stride(),
         *out.stride(), *block_tables.stride(),
         GROUP=group, NEW_FROM_INPUT=new_from_input, DOT_DTYPE=_dot_dtype(q.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, **launch)
     return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, tuning: dict | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, heads, head_dim] over each sequence's cached context.
 
     block_tables [B, max_blocks] int32; context_lens [B] int32, tokens in the cache including
@@ -206,7 +218,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # Everything, the current token included, is read from the cache; q doubles as the unused
     # k_new/v_new pointer.
     return _launch(q, q, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
-                   scale, max_q_len=1, new_from_input=False, block_m=16)
+                   scale, max_q_len=1, new_from_input=False, block_m=16, tuning=tuning)
 
 
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

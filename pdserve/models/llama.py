@@ -61,7 +61,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx, fused=None) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -69,7 +69,10 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, k, cos, sin)
+        if fused is not None:
+            fused.rope_(q, k, cos, sin)  # in place: q, k are this step's own buffers
+        else:
+            q, k = RotaryEmbedding.apply(q, k, cos, sin)
         out = ctx.attention(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
@@ -114,13 +117,32 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # pdserve.kernels.triton_fused on CUDA (set by the model runner); None: plain torch.
+        self.fused = None
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         x = self.embed_tokens(token_ids)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
+        if self.fused is not None:
+            return self._forward_fused(x, cos, sin, ctx)
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
         return self.norm(x)
+
+    def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        """The same layers as forward, through fused kernels: each residual add is done by the
+        norm that follows it, RoPE in place, SiLU * up in one pass."""
+        f = self.fused
+        norms_after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        first = self.layers[0].input_layernorm
+        x, h = f.rms_norm(x, first.weight, first.eps)
+        for layer, next_norm in zip(self.layers, norms_after):
+            attn = layer.self_attn(h, cos, sin, ctx, fused=f)
+            post = layer.post_attention_layernorm
+            x, h = f.rms_norm(x, post.weight, post.eps, delta=attn)
+            mlp = layer.mlp.down_proj(f.silu_mul(layer.mlp.gate_up_proj(h)))
+            x, h = f.rms_norm(x, next_norm.weight, next_norm.eps, delta=mlp)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
