@@ -1,0 +1,104 @@
+"""Per-request logits edits, batched: bad words, min_tokens, logit_bias and the penalties.
+
+State comes from each request's own token lists (prompt, generated), never from anything the
+engine accumulated, so a decode node that receives prompt + first token (or, after a failover,
+prompt + every relayed token) applies exactly what the node before it would have.
+
+Order follows vLLM: bad words, min_tokens, logit_bias, then the penalties. Formulas:
+  * repetition_penalty (HF's RepetitionPenaltyLogitsProcessor), over prompt and generated
+    tokens: a seen token's logit l becomes l / p when l > 0, else l * p.
+  * frequency_penalty / presence_penalty (OpenAI's), over generated tokens:
+    l[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty, c[j]: count of j so far.
+Rows with none of these are not touched, and a batch without any costs one list scan.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+
+class TokenHistory(Protocol):
+    """What a processor reads of a request (engine.request.Request has it)."""
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    all_token_ids: list[int]
+    sampling_params: object
+
+
+def apply_logits_processors(logits: torch.Tensor, requests: Sequence[TokenHistory],
+                            stop_token_ids: set[int]) -> None:
+    """Edits logits [B, vocab] in place; row i belongs to requests[i]."""
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.has_logits_processors]
+    if not rows:
+        return
+    banned = _banned_tokens(logits, rows, requests, stop_token_ids)
+    if banned:
+        r, t = zip(*banned)
+        logits[list(r), list(t)] = float("-inf")
+    _add_logit_bias(logits, rows, requests)
+    penalised = [i for i in rows if _has_penalty(requests[i].sampling_params)]
+    if penalised:
+        logits[penalised] = _penalise(logits[penalised], [requests[i] for i in penalised])
+
+
+def _banned_tokens(logits: torch.Tensor, rows: list[int], requests: Sequence[TokenHistory],
+                   stop_token_ids: set[int]) -> list[tuple[int, int]]:
+    """(row, token) pairs that must not be drawn: the last token of a bad word whose other
+    tokens were just produced, and EOS/stop tokens while min_tokens is not reached."""
+    vocab = logits.shape[-1]
+    out: list[tuple[int, int]] = []
+    for i in rows:
+        req = requests[i]
+        params = req.sampling_params
+        if len(req.output_token_ids) < params.min_tokens:
+            out += [(i, t) for t in stop_token_ids | set(params.stop_token_ids) if 0 <= t < vocab]
+        history = req.all_token_ids
+        for word in params.bad_words_token_ids:
+            prefix = word[:-1]
+            if not prefix or history[len(history) - len(prefix):] == prefix:
+                out.append((i, word[-1]))
+    return out
+
+
+def _add_logit_bias(logits: torch.Tensor, rows: list[int], requests: Sequence[TokenHistory]) -> None:
+    r, t, v = [], [], []
+    for i in rows:
+        for token, bias in requests[i].sampling_params.logit_bias.items():
+            r.append(i)
+            t.append(token)
+            v.append(bias)
+    if r:
+        logits.index_put_((torch.tensor(r), torch.tensor(t)), torch.tensor(v, dtype=logits.dtype),
+                          accumulate=True)
+
+
+def _has_penalty(params) -> bool:
+    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
+
+
+def token_counts(sequences: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(sequences), vocab] float: how often each token occurs in each sequence."""
+    width = max((len(s) for s in sequences), default=0)
+    # Pad with an extra column (index vocab) that is dropped afterwards.
+    ids = torch.full((len(sequences), width), vocab, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+    counts = torch.zeros((len(sequences), vocab + 1), dtype=torch.float32)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab].to(device)
+
+
+def _penalise(logits: torch.Tensor, requests: list[TokenHistory]) -> torch.Tensor:
+    vocab, device, dtype = logits.shape[-1], logits.device, logits.dtype
+    params = [r.sampling_params for r in requests]
+    output_counts = token_counts([r.output_token_ids for r in requests], vocab, device)
+    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=dtype, device=device)[:, None]
+    if bool((repetition != 1.0).any()):
+        seen = (token_counts([r.prompt_token_ids for r in requests], vocab, device) > 0) | (output_counts > 0)
+        factor = torch.where(seen, repetition, torch.ones_like(logits))
+        logits = torch.where(logits > 0, logits / factor, logits * factor)
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=dtype, device=device)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=dtype, device=device)[:, None]
+    return logits - frequency * output_counts - presence * (output_counts > 0).to(dtype)
