@@ -37,7 +37,8 @@ def _schema_text(schema: Any, where: str) -> str:
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
         raise ValueError(f"{where} must be a JSON schema object")
-    return json.dumps(schema, sort_keys=True)  # one cache entry per schema, whatever its key order
+    # Key order is kept: xgrammar emits properties in the order the schema lists them.
+    return json.dumps(schema, ensure_ascii=False)
 
 
 def _from_response_format(fmt: Any) -> tuple[str, str] | None:
