@@ -216,7 +216,7 @@ def test_cluster_greedy_with_penalties_matches_offline(cluster):
 
 @pytest.mark.parametrize("extra", [
     {"presence_penalty": 2.5}, {"frequency_penalty": -2.01}, {"logit_bias": {"5": 101}},
-    {"logit_bias": {"999999": 1}}, {"logit_bias": {"abc": 1}}, {"extra_body": {"repetition_penalty": 0}},
+    {"logit_bias": {"999999": 1}}, {"logit_bias": {"abc": 1}}, {"logit_bias": {"\u00b2": 1}}, {"extra_body": {"repetition_penalty": 0}},
     {"extra_body": {"min_tokens": 9}}, {"extra_body": {"bad_words": [""]}}])
 def test_out_of_range_values_are_openai_400s(cluster, extra):
     _, url = cluster

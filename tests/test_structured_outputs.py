@@ -215,12 +215,11 @@ def test_cluster_named_tool_choice_returns_tool_calls(cluster, llm):
     {"guided_regex": "a", "guided_choice": ["a"]},
     {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
     {"tools": [TOOL], "tool_choice": "auto"},
+    {"tools": [TOOL], "tool_choice": {"type": "function", "function": "set_person"}},
     {"tools": [{"type": "function", "function": {"name": "t", "parameters": {"type": "nonsense"}}}],
      "tool_choice": {"type": "function", "function": {"name": "t"}}}])
 def test_cluster_malformed_specs_are_openai_400s(cluster, llm, body):
     mode, client = cluster
-    if mode != "nixl":
-        pytest.skip("router-side validation: one cluster is enough")
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=str(llm.engine.model_path), messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=4, extra_body=body)

@@ -35,7 +35,7 @@ def apply_logits_processors(logits: torch.Tensor, requests: Sequence[TokenHistor
     banned = _banned_tokens(logits, rows, requests, stop_token_ids)
     if banned:
         r, t = zip(*banned)
-        logits[list(r), list(t)] = float("-inf")
+        logits[torch.tensor(r, device=logits.device), torch.tensor(t, device=logits.device)] = float("-inf")
     _add_logit_bias(logits, rows, requests)
     penalised = [i for i in rows if _has_penalty(requests[i].sampling_params)]
     if penalised:
@@ -69,8 +69,9 @@ def _add_logit_bias(logits: torch.Tensor, rows: list[int], requests: Sequence[To
             t.append(token)
             v.append(bias)
     if r:
-        logits.index_put_((torch.tensor(r), torch.tensor(t)), torch.tensor(v, dtype=logits.dtype),
-                          accumulate=True)
+        device = logits.device
+        logits.index_put_((torch.tensor(r, device=device), torch.tensor(t, device=device)),
+                          torch.tensor(v, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def _has_penalty(params) -> bool:
@@ -78,27 +79,29 @@ def _has_penalty(params) -> bool:
 
 
 def token_counts(sequences: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(sequences), vocab] float: how often each token occurs in each sequence."""
-    width = max((len(s) for s in sequences), default=0)
-    # Pad with an extra column (index vocab) that is dropped afterwards.
-    ids = torch.full((len(sequences), width), vocab, dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        if seq:
-            ids[row, :len(seq)] = torch.tensor(seq, dtype=torch.long)
-    counts = torch.zeros((len(sequences), vocab + 1), dtype=torch.float32)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab].to(device)
+    """[len(sequences), vocab] float: how often each token occurs in each sequence (one
+    bincount over row * vocab + token, so the Python work is one flat list)."""
+    flat = [row * vocab + token for row, seq in enumerate(sequences) for token in seq]
+    ids = torch.tensor(flat, dtype=torch.long, device=device)
+    counts = torch.bincount(ids, minlength=len(sequences) * vocab)
+    return counts.view(len(sequences), vocab).to(torch.float32)
 
 
 def _penalise(logits: torch.Tensor, requests: list[TokenHistory]) -> torch.Tensor:
     vocab, device, dtype = logits.shape[-1], logits.device, logits.dtype
     params = [r.sampling_params for r in requests]
-    output_counts = token_counts([r.output_token_ids for r in requests], vocab, device)
-    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=dtype, device=device)[:, None]
-    if bool((repetition != 1.0).any()):
-        seen = (token_counts([r.prompt_token_ids for r in requests], vocab, device) > 0) | (output_counts > 0)
-        factor = torch.where(seen, repetition, torch.ones_like(logits))
+    output_counts = None
+    if any(p.frequency_penalty or p.presence_penalty for p in params):
+        output_counts = token_counts([r.output_token_ids for r in requests], vocab, device)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        repetition = torch.tensor([p.repetition_penalty for p in params], dtype=dtype, device=device)[:, None]
+        seen = token_counts([r.all_token_ids for r in requests], vocab, device) > 0
+        factor = torch.where(seen, repetition, 1.0)
         logits = torch.where(logits > 0, logits / factor, logits * factor)
-    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=dtype, device=device)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], dtype=dtype, device=device)[:, None]
-    return logits - frequency * output_counts - presence * (output_counts > 0).to(dtype)
+    if any(p.frequency_penalty for p in params):
+        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=dtype, device=device)[:, None]
+        logits = logits - frequency * output_counts
+    if any(p.presence_penalty for p in params):
+        presence = torch.tensor([p.presence_penalty for p in params], dtype=dtype, device=device)[:, None]
+        logits = logits - presence * (output_counts > 0).to(dtype)
+    return logits

@@ -38,7 +38,7 @@ def check_spec(spec: StructuredSpec) -> None:
             xgr.Grammar.from_ebnf(choice_grammar(_choices(spec.spec)))
         else:
             xgr.Grammar.from_ebnf(spec.spec)
-    except RuntimeError as exc:  # xgrammar reports parse errors as RuntimeError
+    except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's parse errors are RuntimeErrors
         raise ValueError(f"invalid {spec.kind} for structured output: {_first_line(exc)}") from None
 
 
@@ -95,7 +95,7 @@ class StructuredOutputs:
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(_choices(spec)))
             return compiler.compile_grammar(spec)
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"invalid {kind} for structured output: {_first_line(exc)}") from None
 
     def new_matcher(self, spec: StructuredSpec, produced: Sequence[int]):

@@ -68,12 +68,13 @@ def render_fallback_chat(messages: list[dict[str, str]]) -> str:
     return "".join(lines) + "<|assistant|>\n"
 
 
-def render_chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, bool]:
+def render_chat_prompt(tokenizer: Any, messages: list[dict[str, str]],
+                       tools: list[dict] | None = None) -> tuple[str, bool]:
     """Returns the prompt text and whether the tokenizer should add special tokens to it
-    (not when a real template rendered them already)."""
+    (not when a real template rendered them already). Tools go to templates that list them."""
     if getattr(tokenizer, "chat_template", None):
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
+            text = tokenizer.apply_chat_template(messages, tokenize=False, tools=tools or None,
                                                  add_generation_prompt=True)
         except Exception as exc:  # jinja raise_exception(): e.g. roles must alternate
             raise bad_request(f"chat template failed: {exc}", "messages") from exc
@@ -173,7 +174,8 @@ class _Router:
         return ids
 
     async def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        text, add_special = render_chat_prompt(self.tokenizer, body.plain_messages())
+        tools = body.tools if self.named_tool(body) else None  # tools are ignored unless one is named
+        text, add_special = render_chat_prompt(self.tokenizer, body.plain_messages(), tools)
         ids = await self.encode(text, add_special)
         self.check_token_ids(ids, "messages")
         return ids

@@ -123,7 +123,7 @@ class GenerationRequest(BaseModel):
     @classmethod
     def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.strip().isdigit() or int(key) > INT64_MAX:
+            if not (key.isascii() and key.strip().isdigit()) or int(key) > INT64_MAX:
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return value
 

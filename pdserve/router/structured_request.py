@@ -82,7 +82,8 @@ def named_tool(tools: list[dict] | None, tool_choice: Any) -> tuple[str, str] | 
     if isinstance(tool_choice, str):
         raise ValueError(f"tool_choice {tool_choice!r} is not supported; name a function "
                          "({'type': 'function', 'function': {'name': ...}}) or send 'none'")
-    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or not name:
         raise ValueError("tool_choice must name a function: {'type': 'function', 'function': {'name': ...}}")
     for tool in tools or []:
