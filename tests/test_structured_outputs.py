@@ -102,6 +102,19 @@ def test_matcher_masks_exactly_the_grammar(llm):
     assert abs(out.logprobs[0].logprob - float(torch.log_softmax(logits, -1)[0, out.token_ids[0]])) < 1e-4
 
 
+def test_grammar_and_logit_edits_compose(llm):
+    """The edits act first, the bitmask after: a bias picks among the grammar's choices; edits
+    that bar every token the grammar allows end the request instead of leaving the grammar."""
+    tok = llm.get_tokenizer()
+    first = {c: tok.encode(c[0], add_special_tokens=False)[0] for c in CHOICES}
+    for choice, token in first.items():
+        p = _params("choice", temperature=0, logit_bias={token: 100.0})
+        assert llm.generate(PROMPTS[1], p, use_tqdm=False)[0].outputs[0].text == choice
+    barred = _params("choice", temperature=0, bad_words_token_ids=[[t] for t in first.values()])
+    out = llm.generate(PROMPTS[1], barred, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) == 1
+
+
 def _continue(engine, rid, params, prompt, produced):
     engine.add_request(rid, prompt, params, output_token_ids=list(produced))
     tokens = []

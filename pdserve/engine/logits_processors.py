@@ -39,7 +39,7 @@ def apply_logits_processors(logits: torch.Tensor, requests: Sequence[TokenHistor
     _add_logit_bias(logits, rows, requests)
     penalised = [i for i in rows if _has_penalty(requests[i].sampling_params)]
     if penalised:
-        logits[penalised] = _penalise(logits[penalised], [requests[i] for i in penalised])
+        _penalise(logits, penalised, requests)
 
 
 def _banned_tokens(logits: torch.Tensor, rows: list[int], requests: Sequence[TokenHistory],
@@ -78,30 +78,34 @@ def _has_penalty(params) -> bool:
     return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
 
 
-def token_counts(sequences: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(sequences), vocab] float: how often each token occurs in each sequence (one
-    bincount over row * vocab + token, so the Python work is one flat list)."""
-    flat = [row * vocab + token for row, seq in enumerate(sequences) for token in seq]
-    ids = torch.tensor(flat, dtype=torch.long, device=device)
-    counts = torch.bincount(ids, minlength=len(sequences) * vocab)
-    return counts.view(len(sequences), vocab).to(torch.float32)
+def _flat_ids(rows: list[int], sequences: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Positions in the flattened logits of each row's tokens (row * vocab + token)."""
+    flat = [row * vocab + token for row, seq in zip(rows, sequences) for token in seq]
+    return torch.tensor(flat, dtype=torch.long, device=device)
 
 
-def _penalise(logits: torch.Tensor, requests: list[TokenHistory]) -> torch.Tensor:
+def _penalise(logits: torch.Tensor, rows: list[int], requests: Sequence[TokenHistory]) -> None:
+    """Sparse and in place: only the (row, token) entries that occurred are read and written,
+    so the cost follows the number of tokens so far, not the vocabulary."""
     vocab, device, dtype = logits.shape[-1], logits.device, logits.dtype
-    params = [r.sampling_params for r in requests]
-    output_counts = None
-    if any(p.frequency_penalty or p.presence_penalty for p in params):
-        output_counts = token_counts([r.output_token_ids for r in requests], vocab, device)
-    if any(p.repetition_penalty != 1.0 for p in params):
-        repetition = torch.tensor([p.repetition_penalty for p in params], dtype=dtype, device=device)[:, None]
-        seen = token_counts([r.all_token_ids for r in requests], vocab, device) > 0
-        factor = torch.where(seen, repetition, 1.0)
-        logits = torch.where(logits > 0, logits / factor, logits * factor)
-    if any(p.frequency_penalty for p in params):
-        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=dtype, device=device)[:, None]
-        logits = logits - frequency * output_counts
-    if any(p.presence_penalty for p in params):
-        presence = torch.tensor([p.presence_penalty for p in params], dtype=dtype, device=device)[:, None]
-        logits = logits - presence * (output_counts > 0).to(dtype)
-    return logits
+    reqs = [requests[i] for i in rows]
+    params = [r.sampling_params for r in reqs]
+    repeat = any(p.repetition_penalty != 1.0 for p in params)
+    outputs = _flat_ids(rows, [r.output_token_ids for r in reqs], vocab, device)
+    # Entries to edit: every token so far when a repetition penalty applies (prompt tokens
+    # included), else the generated ones.
+    keys = torch.unique(_flat_ids(rows, [r.all_token_ids for r in reqs], vocab, device) if repeat else outputs)
+    out_keys, out_counts = torch.unique(outputs, return_counts=True)
+    counts = torch.zeros(keys.shape, dtype=dtype, device=device)
+    counts[torch.searchsorted(keys, out_keys)] = out_counts.to(dtype)
+    row_of_key = torch.searchsorted(torch.tensor(rows, device=device), keys // vocab)
+
+    def per_key(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)[row_of_key]
+
+    flat = logits.view(-1)  # logits are contiguous [B, vocab]: a view, so writes land in place
+    values = flat[keys]
+    if repeat:
+        factor = per_key("repetition_penalty")
+        values = torch.where(values > 0, values / factor, values * factor)
+    flat[keys] = values - per_key("frequency_penalty") * counts - per_key("presence_penalty") * (counts > 0).to(dtype)

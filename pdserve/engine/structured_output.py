@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from typing import Any, Sequence
 
 import torch
 
 from pdserve.engine.sampling_params import StructuredSpec
+
+log = logging.getLogger(__name__)
 
 # Compact JSON (no free whitespace): a grammar that allows any whitespace lets a weak model
 # pad forever instead of closing the object.
@@ -127,6 +130,10 @@ class StructuredOutputs:
 
     @staticmethod
     def accept(matcher: Any, token: int) -> bool:
-        """Advance past the drawn token; True when the grammar is complete (the request ends)."""
-        matcher.accept_token(int(token))
+        """Advance past the drawn token; True when the request must end: the grammar is
+        complete, or the token is off-grammar (other edits, bad words or min_tokens, barred every
+        token the grammar allowed, so nothing valid could be drawn)."""
+        if not matcher.accept_token(int(token)):
+            log.warning("token %d is outside the grammar (every allowed token was barred): ending", token)
+            return True
         return matcher.is_terminated()
