@@ -86,6 +86,15 @@ def test_every_output_matches_its_grammar_in_a_mixed_batch(llm, seed):
             assert out.text in CHOICES
 
 
+def test_each_spec_compiles_once_per_process(model_path):
+    fresh = LLM(str(model_path), num_kv_blocks=64)
+    params = [_params(kind, temperature=1.0, seed=i) for i in range(3) for kind in ("json", "regex", "choice")]
+    fresh.generate(PROMPTS[:1] * len(params), params, use_tqdm=False)
+    fresh.generate(PROMPTS[:1] * len(params), params, use_tqdm=False)
+    info = fresh.engine.structured.compiled.cache_info()
+    assert info.misses == 3 and info.hits == 2 * len(params) - 3
+
+
 def test_matcher_masks_exactly_the_grammar(llm):
     """The first token's distribution is the model's, renormalised over the tokens xgrammar
     allows (direct check of the bitmask against the matcher's own answer)."""

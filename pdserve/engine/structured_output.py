@@ -66,6 +66,8 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self._bitmask: torch.Tensor | None = None
+        # Each spec is compiled once per engine (one per node process), the 256 latest kept.
+        self.compiled = functools.lru_cache(maxsize=256)(self._compile)
 
     @functools.cached_property
     def compiler(self):
@@ -85,10 +87,7 @@ class StructuredOutputs:
                                  add_prefix_space=info.add_prefix_space)
         return xgr.GrammarCompiler(info, cache_enabled=True)
 
-    @functools.lru_cache(maxsize=256)
-    def compiled(self, kind: str, spec: str):
-        """Compiled once per spec in this process (the compiler caches too; this skips even
-        the schema parse and keeps a bound on what is held)."""
+    def _compile(self, kind: str, spec: str):
         compiler = self.compiler
         try:
             if kind == "json":
