@@ -16,6 +16,7 @@ import pytest
 
 from cluster_util import node_pids, node_stats, running_cluster, wait_for
 from pdserve import LLM, SamplingParams
+from pdserve.engine.sampling_params import StructuredSpec
 
 PROMPTS = [f"request {i}: " + "failover keeps every stream alive. " * (1 + i % 4) for i in range(16)]
 SHORT = 24
@@ -47,10 +48,12 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def _stream_ids(client: openai.OpenAI, prompt: str, max_tokens: int, on_token=None, **sampling) -> list[int]:
+def _stream_ids(client: openai.OpenAI, prompt: str, max_tokens: int, on_token=None, extra_body=None,
+                **sampling) -> list[int]:
     ids: list[int] = []
     stream = client.completions.create(model="builtin:tiny", prompt=prompt, max_tokens=max_tokens, stream=True,
-                                       extra_body={"ignore_eos": True, "return_token_ids": True}, **sampling)
+                                       extra_body={"ignore_eos": True, "return_token_ids": True, **(extra_body or {})},
+                                       **sampling)
     for chunk in stream:
         if chunk.choices:
             ids += chunk.choices[0].model_extra.get("token_ids") or []
@@ -88,12 +91,22 @@ def test_prefill_node_killed_under_load_costs_no_request(cluster, llm):
     wait_for(lambda: _blocks_back_to_zero(url), timeout_s=30)
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_p": 0.9, "seed": 11}],
-                         ids=["greedy", "seeded"])
+# Penalties and grammars depend on the tokens so far: the node that resumes gets prompt + every
+# relayed token and must rebuild the same state (counts; the matcher, replayed).
+PENALTIES = {"temperature": 0, "presence_penalty": 1.5, "frequency_penalty": 0.5, "logit_bias": {"65": 3.0}}
+REGEX = "[a-z ]{150}"
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_p": 0.9, "seed": 11},
+                                      PENALTIES, {"temperature": 1.0, "seed": 5, "extra_body": {"guided_regex": REGEX}}],
+                         ids=["greedy", "seeded", "penalties", "grammar"])
 def test_decode_node_killed_mid_stream_resumes_identically(cluster, llm, sampling):
     url, proc = cluster
     prompt = "a long stream that outlives its decode node"
-    want = _reference(llm, [prompt], LONG, **sampling)[0]
+    offline = dict(sampling)
+    if "extra_body" in offline:
+        offline["structured"] = StructuredSpec("regex", offline.pop("extra_body")["guided_regex"])
+    want = _reference(llm, [prompt], LONG, **offline)[0]
     killed: list[str] = []
 
     def kill_serving_decode_node(n_tokens: int) -> None:

@@ -238,7 +238,7 @@ def test_logprobs_shapes(ctx):
 
 @pytest.mark.parametrize("extra", [{"temperature": -1}, {"max_tokens": 0}, {"n": 0},
                                    {"echo": True}, {"prompt": ["a", "b"]},
-                                   {"presence_penalty": 0.5}, {"prompt": [100000]}])
+                                   {"presence_penalty": 2.5}, {"prompt": [100000]}])
 def test_completion_bad_values_400(ctx, extra):
     base = ctx[0]
     resp = httpx.post(f"{base}/v1/completions",

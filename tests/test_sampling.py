@@ -1,6 +1,8 @@
 """Sampling behaviour per request, checked against the model's own logits."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -84,3 +86,18 @@ def test_mixed_batch_keeps_greedy_rows_greedy(llm):
     mixed = llm.generate([PROMPT, PROMPT], [greedy, SamplingParams(max_tokens=8, seed=9, ignore_eos=True)],
                          use_tqdm=False)
     assert mixed[0].outputs[0].token_ids == alone
+
+
+def test_logit_bias_and_penalties_shape_random_draws(llm):
+    """The edits act before temperature and the filters: on the random path too, a -100 bias
+    removes the likeliest tokens and a +100 bias forces one; penalised draws stay seeded."""
+    logits = llm.engine.prompt_logits(PROMPT["prompt_token_ids"])[-1]
+    top = logits.topk(5).indices.tolist()
+    banned = SamplingParams(max_tokens=1, temperature=0.7, logit_bias={t: -100.0 for t in top})
+    assert all(_tokens(llm, dataclasses.replace(banned, seed=s)).token_ids[0] not in top for s in range(20))
+    forced = SamplingParams(max_tokens=4, temperature=1.5, seed=1, logit_bias={77: 100.0}, ignore_eos=True)
+    assert _tokens(llm, forced).token_ids == [77] * 4
+    penalised = SamplingParams(max_tokens=12, temperature=1.0, seed=4, presence_penalty=2.0, frequency_penalty=2.0,
+                               repetition_penalty=2.0, ignore_eos=True)
+    a, b = (_tokens(llm, penalised).token_ids for _ in range(2))
+    assert a == b and len(set(a)) == len(a), "strong penalties on a seeded draw: reproducible, no repeats"

@@ -11,6 +11,7 @@ from pdserve.engine.block_keys import kv_layout_salt
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.logits_processors import apply_logits_processors
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import StepOutput
@@ -18,6 +19,7 @@ from pdserve.engine.request import RemoteKV, Request, RequestStatus
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.structured_output import StructuredOutputs
 from pdserve.kernels import get_ops
 from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
 
@@ -57,6 +59,7 @@ class LLMEngine:
         self.cached_prompt_tokens = 0    # prompt tokens of requests sampled here that were not computed
         self.computed_prompt_tokens = 0  # ... and that were
         self.outputs = OutputProcessor(self.tokenizer, _eos_ids(self.hf_config, self.tokenizer), self.max_model_len)
+        self.structured = StructuredOutputs(self.tokenizer, spec.vocab_size, self.outputs.eos_token_ids)
 
     # ---- set-up -------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> torch.Tensor:
@@ -88,6 +91,8 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, hold_blocks=hold_blocks)
         for token in output_token_ids or []:
             req.append_output(token)
+        if params.structured is not None:  # replays the tokens drawn elsewhere; ValueError if off-grammar
+            req.matcher = self.structured.new_matcher(params.structured, req.output_token_ids)
         self.outputs.add(request_id, params, req.output_token_ids, continues_elsewhere)
         if remote_kv_tokens > 0:
             remote = RemoteKV(min(remote_kv_tokens, req.num_tokens - 1),
@@ -108,6 +113,9 @@ class LLMEngine:
         vocab = self.model.spec.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        biased = list(params.logit_bias) + [t for w in params.bad_words_token_ids for t in w]
+        if biased and (min(biased) < 0 or max(biased) >= vocab):
+            raise ValueError(f"logit_bias and bad word token ids must be in [0, {vocab})")
 
     def report_remote_kv(self, request_id: str, ok: bool) -> None:
         """The remote KV of a WAITING_FOR_REMOTE_KVS request landed whole (ok) or failed."""
@@ -171,8 +179,15 @@ class LLMEngine:
         if not to_sample:
             return []
         params = [r.sampling_params for r in to_sample]
+        self._process_logits(logits, to_sample)
         tokens, logprobs = sample(logits, params, [r.num_output_tokens for r in to_sample])
         return [self._advance(req, tok, lp) for req, tok, lp in zip(to_sample, tokens, logprobs)]
+
+    @torch.inference_mode()  # the logits are inference tensors: edit them in place in that mode
+    def _process_logits(self, logits: torch.Tensor, to_sample: list[Request]) -> None:
+        """Per-request edits (penalties, biases, grammars); rows without any are untouched."""
+        apply_logits_processors(logits, to_sample, self.outputs.eos_token_ids)
+        self.structured.apply_bitmask(logits, [r.matcher for r in to_sample])
 
     def _record_step_cost(self, seconds: float, num_tokens: int) -> None:
         """Routers weigh prefill nodes by this cost per prompt token (their TTFT estimate)."""
@@ -186,6 +201,8 @@ class LLMEngine:
             self.computed_prompt_tokens += req.num_prompt_tokens - req.num_cached_tokens
         req.append_output(token)
         status = self.outputs.check_stop(req)
+        if req.matcher is not None and self.structured.accept(req.matcher, token) and status is None:
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
         text, stopped_by_string = self.outputs.new_text(req, status is not None)
         if stopped_by_string:
             status = RequestStatus.FINISHED_STOPPED

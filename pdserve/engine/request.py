@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -54,6 +55,7 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)  # keys of full blocks, grown lazily
     num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
     hold_blocks: bool = False  # on finish, keep the blocks (for a KV handover) until released
+    matcher: Any = None  # structured output: the xgrammar matcher, past every output token
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -28,6 +28,7 @@ from pdserve.router.responses import (ChatFlavor, ChoiceState, CompletionFlavor,
                                       TokenTexts, chunk_body, response_body, usage)
 from pdserve.router.schemas import (ChatCompletionRequest, CompletionRequest, GenerationRequest,
                                     HealthReport)
+from pdserve.router.tool_calls import ToolCallChatFlavor
 from pdserve.router.streaming import (AbortingStreamingResponse, ClientDisconnected,
                                       GenerationGroup, run_until_disconnect, sse_events)
 
@@ -67,12 +68,13 @@ def render_fallback_chat(messages: list[dict[str, str]]) -> str:
     return "".join(lines) + "<|assistant|>\n"
 
 
-def render_chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, bool]:
+def render_chat_prompt(tokenizer: Any, messages: list[dict[str, str]],
+                       tools: list[dict] | None = None) -> tuple[str, bool]:
     """Returns the prompt text and whether the tokenizer should add special tokens to it
-    (not when a real template rendered them already)."""
+    (not when a real template rendered them already). Tools go to templates that list them."""
     if getattr(tokenizer, "chat_template", None):
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
+            text = tokenizer.apply_chat_template(messages, tokenize=False, tools=tools or None,
                                                  add_generation_prompt=True)
         except Exception as exc:  # jinja raise_exception(): e.g. roles must alternate
             raise bad_request(f"chat template failed: {exc}", "messages") from exc
@@ -124,10 +126,43 @@ class _Router:
 
     def build_params(self, body: GenerationRequest, max_tokens: int,
                      logprobs: int | None) -> list[SamplingParams]:
+        self.check_sampling_extras(body, max_tokens)
+        bad_words = self.bad_words_token_ids(body.bad_words or [])
         try:
-            return [body.sampling_params(max_tokens, logprobs, i) for i in range(body.num_choices)]
+            structured = body.structured()
+            return [body.sampling_params(max_tokens, logprobs, i, bad_words, structured)
+                    for i in range(body.num_choices)]
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
+
+    def check_sampling_extras(self, body: GenerationRequest, max_tokens: int) -> None:
+        bad = next((k for k in body.logit_bias or {} if int(k) >= self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"logit_bias key {bad} is outside the vocabulary [0, {self.vocab_size})",
+                              "logit_bias")
+        if body.min_tokens and body.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                              "min_tokens")
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word as tokenized alone and after a space (as vLLM does), so both spellings
+        of it in running text are barred."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if not ids:
+                    raise bad_request(f"bad word {word!r} has no tokens", "bad_words")
+                if ids not in out:
+                    out.append(ids)
+        return out
+
+    @staticmethod
+    def named_tool(body: ChatCompletionRequest) -> tuple[str, str] | None:
+        try:
+            return body.tool()
+        except ValueError as exc:
+            raise bad_request(str(exc), "tool_choice") from exc
 
     async def completion_prompt(self, body: CompletionRequest) -> list[int]:
         try:
@@ -139,7 +174,8 @@ class _Router:
         return ids
 
     async def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        text, add_special = render_chat_prompt(self.tokenizer, body.plain_messages())
+        tools = body.tools if self.named_tool(body) else None  # tools are ignored unless one is named
+        text, add_special = render_chat_prompt(self.tokenizer, body.plain_messages(), tools)
         ids = await self.encode(text, add_special)
         self.check_token_ids(ids, "messages")
         return ids
@@ -212,7 +248,9 @@ def _add_openai_routes(app: FastAPI, router: _Router) -> None:
                                                "max_tokens")
         logprobs = body.engine_logprobs()
         params = router.build_params(body, max_tokens, logprobs)
-        flavor = ChatFlavor(router.texts, logprobs is not None, body.return_token_ids)
+        tool = router.named_tool(body)
+        flavor = (ToolCallChatFlavor(router.texts, logprobs is not None, body.return_token_ids, tool[0])
+                  if tool else ChatFlavor(router.texts, logprobs is not None, body.return_token_ids))
         return await router.serve(request, body, prompt_ids, params, flavor, "chatcmpl")
 
 

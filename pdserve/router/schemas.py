@@ -1,11 +1,11 @@
 """Request models for the OpenAI-compatible endpoints (pydantic lives only at this HTTP edge).
 
 Unknown fields are tolerated (extra="allow") so clients that send newer OpenAI fields keep
-working; each request's ignored fields are logged, as vLLM does. Fields the engine cannot honour are rejected with 400 rather than silently ignored,
-because a silently ignored knob yields outputs the client did not ask for:
-  * presence_penalty / frequency_penalty: accepted only when absent or 0.
-  * logit_bias: accepted only when absent or empty.
-  * echo=true, suffix, best_of != n, tools: rejected.
+working; each request's ignored fields are logged, as vLLM does. Fields the engine cannot
+honour are rejected with 400 rather than silently ignored, because a silently ignored knob
+yields outputs the client did not ask for:
+  * echo=true, suffix, best_of != n: rejected.
+  * tool_choice "auto" / "required": rejected (a named function, or "none", is supported).
   * a batch of prompts (more than one) in /v1/completions: rejected; send one per request.
 Those knobs keep their validators (for the clearer message) and say in the OpenAPI document
 which values are accepted, so generated clients and fuzzers do not send the rest.
@@ -21,7 +21,8 @@ from typing import Annotated, Any
 from pydantic import (BaseModel, ConfigDict, Field, WithJsonSchema, field_validator,
                       model_validator)
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, StructuredSpec
+from pdserve.router.structured_request import named_tool, structured_spec
 
 log = logging.getLogger(__name__)
 MAX_N = 128
@@ -72,7 +73,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-_ZERO_ONLY = _only({"enum": [0, None]}, "Not supported: only 0 or absent.")
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+LogitBias = Annotated[float, Field(ge=-100, le=100)]
 
 
 class GenerationRequest(BaseModel):
@@ -87,11 +89,11 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Int64 | None = None
-    presence_penalty: Annotated[float | None, _ZERO_ONLY] = None
-    frequency_penalty: Annotated[float | None, _ZERO_ONLY] = None
-    logit_bias: Annotated[dict[str, float] | None, _only(
-        {"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}]},
-        "Not supported: only empty or absent.")] = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    # Keys: token ids (as strings, as OpenAI sends them); checked against the vocabulary later.
+    logit_bias: dict[str, LogitBias] | None = None
+    response_format: dict[str, Any] | None = None
     user: str | None = None
     # vLLM extras.
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
@@ -102,6 +104,15 @@ class GenerationRequest(BaseModel):
     # vLLM's `return_token_ids`: choices (and stream chunks) also carry the generated ids,
     # which lets a multi-round client resend the exact history tokens.
     return_token_ids: bool = False
+    # vLLM's sampling and structured-output extras.
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    min_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
+    bad_words: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
 
@@ -119,14 +130,22 @@ class GenerationRequest(BaseModel):
             log.warning("ignored unknown request fields: %s", sorted(self.model_extra))
         return self
 
-    @model_validator(mode="after")
-    def _reject_unsupported(self) -> "GenerationRequest":
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ValueError(f"{name} is not supported (only 0 or absent)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
-        return self
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not (key.isascii() and key.strip().isdigit()) or int(key) > INT64_MAX:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        return value
+
+    def structured(self) -> StructuredSpec | None:
+        """The structured-output constraint asked for, checked (ValueError when malformed)."""
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        return structured_spec(self.response_format, self.structured_outputs, guided, self.tool())
+
+    def tool(self) -> tuple[str, str] | None:
+        return None  # chat requests may name one (ChatCompletionRequest.tool)
 
     @property
     def num_choices(self) -> int:
@@ -136,8 +155,9 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        index: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int,
+                        bad_words_token_ids: list[list[int]] = (),
+                        structured: StructuredSpec | None = None) -> SamplingParams:
         """Engine params for choice `index`; raises ValueError on invalid values.
 
         Choice i gets seed+i so n>1 with a seed gives n different but reproducible samples.
@@ -154,6 +174,13 @@ class GenerationRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            min_tokens=self.min_tokens or 0,
+            bad_words_token_ids=[list(w) for w in bad_words_token_ids],
+            structured=structured,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
@@ -232,16 +259,18 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Annotated[list[dict] | None, _only(
-        {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}, "Not supported.")] = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _reject_chat_only(self) -> "ChatCompletionRequest":
-        if self.tools:
-            raise ValueError("tools are not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self
+
+    def tool(self) -> tuple[str, str] | None:
+        """(name, parameters schema) of the function tool_choice names, or None."""
+        return named_tool(self.tools, self.tool_choice)
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are sent.

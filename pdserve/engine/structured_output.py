@@ -1,0 +1,138 @@
+"""Structured outputs with xgrammar: compile a request's spec once per node process, keep one
+matcher per request, mask the constrained rows of a batch with a token bitmask.
+
+A request carries its spec (SamplingParams.structured), never matcher state: a node that takes
+a generation over (the decode node after the prefill node drew the first token, or another
+decode node after a failover) rebuilds the matcher and replays the tokens already produced.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from typing import Any, Sequence
+
+import torch
+
+from pdserve.engine.sampling_params import StructuredSpec
+
+log = logging.getLogger(__name__)
+
+# Compact JSON (no free whitespace): a grammar that allows any whitespace lets a weak model
+# pad forever instead of closing the object.
+ANY_WHITESPACE = False
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF accepting exactly one of the strings (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def check_spec(spec: StructuredSpec) -> None:
+    """Raise ValueError when the spec does not parse (no tokenizer needed: the router calls
+    this so a malformed schema or regex is a 400, not a node error)."""
+    import xgrammar as xgr
+    try:
+        if spec.kind == "json":
+            xgr.Grammar.from_json_schema(spec.spec, any_whitespace=ANY_WHITESPACE)
+        elif spec.kind == "regex":
+            xgr.Grammar.from_regex(spec.spec)
+        elif spec.kind == "choice":
+            xgr.Grammar.from_ebnf(choice_grammar(_choices(spec.spec)))
+        else:
+            xgr.Grammar.from_ebnf(spec.spec)
+    except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's parse errors are RuntimeErrors
+        raise ValueError(f"invalid {spec.kind} for structured output: {_first_line(exc)}") from None
+
+
+def _choices(spec: str) -> list[str]:
+    choices = json.loads(spec)
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError("a choice must be a non-empty list of non-empty strings")
+    return choices
+
+
+def _first_line(exc: Exception) -> str:
+    # xgrammar prefixes "[time] /path/file.cc:line: "; keep only the message.
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
+
+
+class StructuredOutputs:
+    """Per engine: the compiler (with its cache), the matchers' bitmask buffer."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._bitmask: torch.Tensor | None = None
+        # Each spec is compiled once per engine (one per node process), the 256 latest kept.
+        self.compiled = functools.lru_cache(maxsize=256)(self._compile)
+
+    @functools.cached_property
+    def compiler(self):
+        import xgrammar as xgr
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+        stops = self.stop_token_ids or None
+        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=stops)
+        # Special tokens are dropped from the output text (skip_special_tokens), so the grammar
+        # must never allow them: an empty entry is what xgrammar treats as special. Rebuilt from
+        # the decoded bytes (RAW), which also holds strings to JSON's rules on this byte-level
+        # vocabulary (from_huggingface's BYTE_LEVEL info let raw control bytes into strings).
+        special = {i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items()
+                   if t.special and i not in self.stop_token_ids}
+        vocab = [b"" if i in special else piece for i, piece in enumerate(info.decoded_vocab)]
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=stops,
+                                 add_prefix_space=info.add_prefix_space)
+        return xgr.GrammarCompiler(info, cache_enabled=True)
+
+    def _compile(self, kind: str, spec: str):
+        compiler = self.compiler
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(spec, any_whitespace=ANY_WHITESPACE)
+            if kind == "regex":
+                return compiler.compile_regex(spec)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(_choices(spec)))
+            return compiler.compile_grammar(spec)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ValueError(f"invalid {kind} for structured output: {_first_line(exc)}") from None
+
+    def new_matcher(self, spec: StructuredSpec, produced: Sequence[int]):
+        """A matcher advanced past the tokens already produced (drawn on another node)."""
+        import xgrammar as xgr
+        matcher = xgr.GrammarMatcher(self.compiled(spec.kind, spec.spec))
+        for token in produced:
+            if not matcher.accept_token(int(token)):
+                raise ValueError(f"token {token} already produced does not match the {spec.kind} grammar")
+        return matcher
+
+    def apply_bitmask(self, logits: torch.Tensor, matchers: Sequence[Any]) -> None:
+        """Mask logits [B, vocab] rows whose matcher is not None; other rows pay nothing."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        import xgrammar as xgr
+        bitmask = self._bitmask_for(len(matchers))
+        for i in rows:
+            matchers[i].fill_next_token_bitmask(bitmask, i)
+        on_device = bitmask[:len(matchers)].to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, on_device, vocab_size=logits.shape[-1], indices=rows)
+
+    def _bitmask_for(self, batch: int) -> torch.Tensor:
+        import xgrammar as xgr
+        if self._bitmask is None or self._bitmask.shape[0] < batch:
+            self._bitmask = xgr.allocate_token_bitmask(max(batch, 8), self.vocab_size)
+        return self._bitmask
+
+    @staticmethod
+    def accept(matcher: Any, token: int) -> bool:
+        """Advance past the drawn token; True when the request must end: the grammar is
+        complete, or the token is off-grammar (other edits, bad words or min_tokens, barred every
+        token the grammar allowed, so nothing valid could be drawn)."""
+        if not matcher.accept_token(int(token)):
+            log.warning("token %d is outside the grammar (every allowed token was barred): ending", token)
+            return True
+        return matcher.is_terminated()
