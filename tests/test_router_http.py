@@ -237,7 +237,7 @@ def test_logprobs_shapes(ctx):
 
 
 @pytest.mark.parametrize("extra", [{"temperature": -1}, {"max_tokens": 0}, {"n": 0},
-                                   {"echo": True}, {"prompt": ["a", "b"]},
+                                   {"echo": True, "logprobs": 1}, {"prompt": ["a", "b"]},
                                    {"presence_penalty": 2.5}, {"prompt": [100000]}])
 def test_completion_bad_values_400(ctx, extra):
     base = ctx[0]
@@ -341,3 +341,46 @@ def test_bench_against_stand_in(ctx, tmp_path):
     assert multi["completed"] == 4
     # Round 2 resends round 1's prompt (3) + answer (2) + a new question (3).
     assert multi["total_input_tokens"] == 2 * (3 + 8)
+
+
+@pytest.mark.parametrize("prompt_kind", ["text", "ids"])
+def test_echo_prepends_the_prompt_streamed_and_not(ctx, prompt_kind):
+    _, _, tokenizer, client = ctx
+    text = "the quick brown fox"
+    prompt = text if prompt_kind == "text" else tokenizer.encode(text)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4).choices[0].text
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True).choices[0].text
+    assert echoed == tokenizer.decode(tokenizer.encode(text)) + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, echo=True, stream=True))
+    assert streamed == echoed
+
+
+def test_tokenize_and_detokenize_match_the_tokenizer(ctx):
+    base, _, tokenizer, _ = ctx
+    text = "hello world, the lazy dog"
+    r = httpx.post(f"{base}/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tokenizer.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == MAX_MODEL_LEN
+    assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = httpx.post(f"{base}/tokenize", json={"messages": messages}).json()
+    want, _ = render_chat_prompt(tokenizer, messages)
+    assert chat["tokens"] == tokenizer.encode(want, add_special_tokens=False)
+    back = httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json()["prompt"] == tokenizer.decode(body["tokens"])
+
+
+@pytest.mark.parametrize("path,payload", [
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}),
+    ("/tokenize", {}),
+    ("/tokenize", {"prompt": "x", "model": "other-model"}),
+    ("/detokenize", {"tokens": [10**6]}),
+    ("/detokenize", {"tokens": "nope"}),
+])
+def test_tokenize_bad_input_is_an_openai_error(ctx, path, payload):
+    resp = httpx.post(f"{ctx[0]}{path}", json=payload)
+    assert resp.status_code in (400, 404)
+    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}

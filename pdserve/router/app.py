@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.backend import GenerationBackend
 from pdserve.router.admission import AdmissionMiddleware
+from pdserve.router.tokenize_routes import add_tokenize_routes
 from pdserve.router.errors import (SERVER_ERROR, APIError, ErrorResponse, bad_request,
                                    drop_validation_422, error_body, error_responses,
                                    install_error_handlers, model_not_found)
@@ -61,25 +62,25 @@ _HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def render_fallback_chat(messages: list[dict[str, str]]) -> str:
+def render_fallback_chat(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
     """Template for tokenizers without one: "<|role|>\\ncontent\\n" per message, then the
     assistant header the model continues from."""
     lines = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
-    return "".join(lines) + "<|assistant|>\n"
+    return "".join(lines) + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
 def render_chat_prompt(tokenizer: Any, messages: list[dict[str, str]],
-                       tools: list[dict] | None = None) -> tuple[str, bool]:
+                       tools: list[dict] | None = None, add_generation_prompt: bool = True) -> tuple[str, bool]:
     """Returns the prompt text and whether the tokenizer should add special tokens to it
     (not when a real template rendered them already). Tools go to templates that list them."""
     if getattr(tokenizer, "chat_template", None):
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False, tools=tools or None,
-                                                 add_generation_prompt=True)
+                                                 add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # jinja raise_exception(): e.g. roles must alternate
             raise bad_request(f"chat template failed: {exc}", "messages") from exc
         return text, False
-    return render_fallback_chat(messages), True
+    return render_fallback_chat(messages, add_generation_prompt), True
 
 
 class _Router:
@@ -164,6 +165,12 @@ class _Router:
         except ValueError as exc:
             raise bad_request(str(exc), "tool_choice") from exc
 
+    def echo_text(self, body: CompletionRequest, prompt_ids: list[int]) -> str | None:
+        if not body.echo:
+            return None
+        prompt = body.single_prompt()
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
     async def completion_prompt(self, body: CompletionRequest) -> list[int]:
         try:
             prompt = body.single_prompt()
@@ -237,7 +244,8 @@ def _add_openai_routes(app: FastAPI, router: _Router) -> None:
         prompt_ids = await router.completion_prompt(body)
         max_tokens = router.resolve_max_tokens(body.max_tokens, len(prompt_ids), "max_tokens")
         params = router.build_params(body, max_tokens, body.logprobs)
-        flavor = CompletionFlavor(router.texts, body.logprobs is not None, body.return_token_ids)
+        flavor = CompletionFlavor(router.texts, body.logprobs is not None, body.return_token_ids,
+                                  router.echo_text(body, prompt_ids))
         return await router.serve(request, body, prompt_ids, params, flavor, "cmpl")
 
     @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
@@ -306,6 +314,7 @@ def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
     router = _Router(backend, tokenizer, model_name, max_model_len)
     _add_openai_routes(app, router)
     _add_info_routes(app, router, int(time.time()))
+    add_tokenize_routes(app, router)
     app.state.router = router
     app.openapi = lambda: _openapi_document(app, router.vocab_size)  # type: ignore[method-assign]
     return app

@@ -127,9 +127,14 @@ class CompletionFlavor(Flavor):
     object_name = "text_completion"
     chunk_object = "text_completion"  # OpenAI streams legacy completions with the same object
 
+    def __init__(self, texts: TokenTexts, want_logprobs: bool, return_token_ids: bool,
+                 echo_text: str | None = None) -> None:
+        super().__init__(texts, want_logprobs, return_token_ids)
+        self.echo_text = echo_text  # `echo`: the prompt, before the completion
+
     def choice(self, state: ChoiceState) -> dict[str, Any]:
         lps = completion_logprobs(self.texts, state.logprobs, 0)[0] if self.want_logprobs else None
-        body = {"index": state.index, "text": state.text, "logprobs": lps,
+        body = {"index": state.index, "text": (self.echo_text or "") + state.text, "logprobs": lps,
                 "finish_reason": state.finish_reason}
         return self._with_ids(body, state.token_ids)
 
@@ -141,6 +146,13 @@ class CompletionFlavor(Flavor):
         body = {"index": state.index, "text": out.new_text, "logprobs": lps,
                 "finish_reason": out.finish_reason if out.finished else None}
         return self._with_ids(body, out.new_token_ids)
+
+    def opening_choices(self, n: int) -> list[dict[str, Any]]:
+        # vLLM streams the echoed prompt as each choice's first delta.
+        if not self.echo_text:
+            return []
+        return [self._with_ids({"index": i, "text": self.echo_text, "logprobs": None, "finish_reason": None}, [])
+                for i in range(n)]
 
 
 class ChatFlavor(Flavor):

@@ -4,7 +4,7 @@ Unknown fields are tolerated (extra="allow") so clients that send newer OpenAI f
 working; each request's ignored fields are logged, as vLLM does. Fields the engine cannot
 honour are rejected with 400 rather than silently ignored, because a silently ignored knob
 yields outputs the client did not ask for:
-  * echo=true, suffix, best_of != n: rejected.
+  * echo=true with logprobs (prompt logprobs are not computed), suffix, best_of != n: rejected.
   * tool_choice "auto" / "required": rejected (a named function, or "none", is supported).
   * a batch of prompts (more than one) in /v1/completions: rejected; send one per request.
 Those knobs keep their validators (for the clearer message) and say in the OpenAPI document
@@ -198,14 +198,14 @@ class CompletionRequest(GenerationRequest):
         "One prompt: text or token ids (a list of one of either is accepted too).")]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Annotated[bool | None, _only({"enum": [False, None]}, "Not supported: only false.")] = False
+    echo: bool | None = False
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="Only equal to n.")
     suffix: Annotated[str | None, _only({"enum": ["", None]}, "Not supported.")] = None
 
     @model_validator(mode="after")
     def _reject_completion_only(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (prompt logprobs are not computed)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.num_choices:
