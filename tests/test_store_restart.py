@@ -30,27 +30,28 @@ def test_prefill_restart_between_writer_and_reader_still_reuses_the_store():
         wait_for(lambda: node_stats(url)["prefill-0"]["cached_tokens_store"] >= 160, timeout_s=10)
 
 
-@pytest.mark.parametrize("scheme", ["redis://", "lmcache+redis://"])
+@pytest.mark.parametrize("scheme", ["direct+redis://", "redis://"])
 def test_flipped_bytes_in_the_store_are_caught_counted_and_recomputed(scheme):
-    """A byte flipped in every stored block (direct Redis: its checksum; LMCache: the digest
-    ledger) is rejected by the reader, counted in /metrics, and the prompt is recomputed: the
-    output is still the offline engine's."""
+    """A byte flipped in every stored value (direct Redis: its checksum; the LMCache store's
+    32-token chunks: the digest ledger) is rejected by the reader, counted in /metrics, and the
+    prompt is recomputed: the output is still the offline engine's."""
     prefix = [(11 * i) % 200 + 20 for i in range(160)]
     llm = LLM("builtin:tiny", num_kv_blocks=256)
-    with running_cluster("--kv-transfer", "store", "--store", scheme, "--prefill-nodes", "1",
-                         "--decode-nodes", "1", "--num-kv-blocks", "256") as (url, proc):
+    with running_cluster("--kv-transfer", "store", "--store", scheme, "--store-chunk-tokens", "32",
+                         "--prefill-nodes", "1", "--decode-nodes", "1", "--num-kv-blocks", "256") as (url, proc):
         assert_greedy_matches_offline(url, llm, prefix + [30, 31, 32], 8)
         redis_proc = psutil.Process(node_pids(proc.pid)["redis"])
         (port,) = {c.laddr.port for c in redis_proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
         raw = redis.Redis(port=port)
-        flipped = 0
+        flipped = chunks = 0
         for name in raw.scan_iter():
-            if name.startswith(b"pdkv-digest:") or (scheme.startswith("lmcache") and not name.endswith(b"kv_bytes")):
+            if name.startswith(b"pdkv-digest:"):
                 continue
             value = raw.get(name)
             raw.setrange(name, len(value) - 3, bytes([value[-3] ^ 0x10]))
             flipped += 1
-        assert flipped >= 10
+            chunks += not name.startswith(b"pdkv:")  # an LMCache chunk value
+        assert flipped >= 6 and (chunks >= 5 if scheme == "redis://" else chunks == 0)
         old = node_pids(proc.pid)["prefill-0"]  # a fresh prefill node must read the store
         os.kill(old, signal.SIGKILL)
         wait_for(lambda: node_pids(proc.pid).get("prefill-0") not in (None, old), timeout_s=30)
