@@ -1,4 +1,4 @@
-"""P/D over NIXL vs P/D over the store (Redis) vs monolithic, same machine, same workloads.
+"""P/D over NIXL vs P/D over the store (default LMCache, and direct Redis) vs monolithic.
 
     .venv/bin/python benchmarks/bench_serving.py [--model builtin:tiny] [--repeats 3] \
         [--output-json benchmarks/results/bench_serving.json]
@@ -10,7 +10,9 @@ does not favour one config. Every workload of repeat r uses the same seed in eve
 a different seed per repeat, so a repeat never hits the prefix cache warmed by the previous one.
 
   pd-nixl     --prefill-nodes 1 --decode-nodes 1 --kv-transfer nixl
-  pd-store    --prefill-nodes 1 --decode-nodes 1 --kv-transfer store   (starts its own redis-server)
+  pd-store    --prefill-nodes 1 --decode-nodes 1 --kv-transfer store   (the default store: LMCache
+              tiers over resp://, 256-token chunks; starts its own redis-server)
+  pd-direct-redis  the same with --store direct+redis:// (pdserve's direct Redis client, the baseline)
   monolithic  --prefill-nodes 0 --decode-nodes 1                        (decode node runs whole requests)
 
 Prints two markdown tables: medians over repeats, and ratios vs monolithic. Token ids are drawn
@@ -39,6 +41,8 @@ from pdserve.bench import BenchConfig, run_benchmark  # noqa: E402
 CONFIGS: dict[str, list[str]] = {
     "pd-nixl": ["--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl"],
     "pd-store": ["--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store"],
+    "pd-direct-redis": ["--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store",
+                        "--store", "direct+redis://"],
     "monolithic": ["--prefill-nodes", "0", "--decode-nodes", "1"],
 }
 WORKLOADS = ("random", "shared-prefix")

@@ -54,10 +54,20 @@ def _add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     _add_engine_args(p)
     p.add_argument("--node-id", default=f"{role}-0")
     p.add_argument("--bind", default="tcp://127.0.0.1:5600", help="zmq endpoint for the router")
-    p.add_argument("--store", default=None, help="KV store URL: redis://, lmcache+redis://, memory://")
+    p.add_argument("--store", default=None,
+                   help="KV store URL: redis://host:port (LMCache tiers, the default), direct+redis://, memory://")
+    _add_store_args(p)
     p.add_argument("--kv-timeout-s", type=float, default=30.0,
                    help="how long a request may wait for its KV before it is computed locally")
     _add_curve_args(p)
+
+
+def _add_store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store-chunk-tokens", type=int, default=None,
+                   help="tokens per LMCache chunk, a multiple of --block-size (default 256, measured)")
+    p.add_argument("--lmcache-config", default=None,
+                   help="LMCache config file (its own keys: chunk_size, local_cpu, max_local_cpu_size, "
+                        "local_disk, max_local_disk_size, remote_url, ...; default: $LMCACHE_CONFIG_FILE)")
 
 
 def _add_curve_args(p: argparse.ArgumentParser) -> None:
@@ -133,9 +143,10 @@ def _add_cluster_parsers(sub) -> None:
     up.add_argument("--decode-nodes", type=int, default=1)
     up.add_argument("--kv-transfer", choices=["nixl", "store"], default=_default_transfer())
     up.add_argument("--store", default=None,
-                    help="redis://host:port (direct Redis, the default), lmcache+redis://host:port (LMCache's "
-                         "CPU tier in front of Redis); with no host (e.g. lmcache+redis://) or no --store, "
-                         "--kv-transfer store starts a redis-server for the cluster")
+                    help="redis://host:port (LMCache: CPU -> disk -> Redis tiers, the default), "
+                         "direct+redis://host:port (pdserve's direct Redis client); with no host (e.g. "
+                         "direct+redis://) or no --store, --kv-transfer store starts a redis-server for the cluster")
+    _add_store_args(up)
     up.add_argument("--lease-s", type=float, default=30.0)
     up.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute")
     up.add_argument("--threads-per-node", type=int, default=None,

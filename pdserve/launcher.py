@@ -84,14 +84,14 @@ class Cluster:
         prefill, decode = [], []
         for i in range(a.prefill_nodes):
             addr = f"tcp://127.0.0.1:{free_port()}"
-            extra = ["--lease-s", str(a.lease_s)] + (["--store", store] if store else [])
+            extra = ["--lease-s", str(a.lease_s)] + self._store_flags(store)
             if a.kv_transfer == "nixl":
                 extra += ["--nixl-side-channel", f"tcp://127.0.0.1:{free_port()}"]
             self.spawn(f"prefill-{i}", self.node_cmd("prefill", f"prefill-{i}", addr, extra), self.threads_per_node())
             prefill.append(addr)
         for i in range(a.decode_nodes):
             addr = f"tcp://127.0.0.1:{free_port()}"
-            extra = (["--store", store] if store else []) + (["--nixl"] if a.kv_transfer == "nixl" else [])
+            extra = self._store_flags(store) + (["--nixl"] if a.kv_transfer == "nixl" else [])
             extra += ["--on-transfer-failure", a.on_transfer_failure, "--pull-delay-s", str(a.decode_pull_delay_s)]
             self.spawn(f"decode-{i}", self.node_cmd("decode", f"decode-{i}", addr, extra), self.threads_per_node())
             decode.append(addr)
@@ -110,17 +110,29 @@ class Cluster:
         self.spawn("router", router + self._curve_flags())
         return f"http://{a.host}:{a.port}"
 
+    def _store_flags(self, store: str | None) -> list[str]:
+        """--store and the LMCache store's options, as every node gets them."""
+        if not store:
+            return []
+        a = self.args
+        flags = ["--store", store]
+        if a.store_chunk_tokens is not None:
+            flags += ["--store-chunk-tokens", str(a.store_chunk_tokens)]
+        if a.lmcache_config:
+            flags += ["--lmcache-config", os.path.abspath(a.lmcache_config)]
+        return flags
+
     def _store_url(self) -> str | None:
         a = self.args
         if a.kv_transfer != "store":
             return a.store
         if a.store and a.store.startswith("memory://"):
             raise ValueError("memory:// lives inside one process; a cluster's nodes are separate processes. "
-                             "Use redis://host:port, lmcache+redis://host:port, or omit --store to start Redis")
+                             "Use redis://host:port, direct+redis://host:port, or omit --store to start Redis")
         scheme, _, where = (a.store or "redis://").partition("://")
         if where:
             return a.store
-        # A scheme with no host ("redis://", "lmcache+redis://"): start a Redis for the cluster.
+        # A scheme with no host ("redis://", "direct+redis://"): start a Redis for the cluster.
         if not shutil.which("redis-server"):
             raise ValueError("--kv-transfer store needs redis-server on PATH, or --store redis://host:port")
         port = free_port()

@@ -35,7 +35,9 @@ def _store(args, engine):
         return None
     from pdserve.kvstore.factory import make_store
     from pdserve.kvstore.layout import KVLayout
-    return make_store(args.store, layout=KVLayout.from_cache(engine.kv_cache, args.model))
+    options = {"chunk_tokens": args.store_chunk_tokens, "lmcache_config": args.lmcache_config}
+    return make_store(args.store, layout=KVLayout.from_cache(engine.kv_cache, args.model),
+                      **{k: v for k, v in options.items() if v is not None})
 
 
 def run_prefill(args) -> int:

@@ -1,4 +1,7 @@
-"""KV store backends against a real redis-server and a real LMCache engine."""
+"""KV store backends against a real redis-server and a real LMCache engine.
+
+"lmcache" is the default redis:// store with 2-block chunks (CHUNK_TOKENS), so short chains
+exercise both whole chunks (LMCache over resp://) and the tail (direct Redis)."""
 from __future__ import annotations
 
 import multiprocessing
@@ -22,6 +25,7 @@ from pdserve.kvstore.redis_store import HEADER, RedisKVStore
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, model_name="test-kv")
 NUM_BLOCKS = 12
 BACKENDS = ["memory", "redis", "lmcache"]
+CHUNK_TOKENS = 2 * 16
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +47,10 @@ def make(redis_url: str) -> Iterator[Callable[[str], KVStore]]:
     made: list[KVStore] = []
 
     def _make(kind: str, layout: KVLayout = LAYOUT) -> KVStore:
-        url = {"memory": "memory://", "redis": redis_url,
-               "lmcache": redis_url.replace("redis://", "lmcache+redis://")}[kind]
-        store = make_store(url, layout=layout, **({"local_cpu_gb": 0.02} if kind == "lmcache" else {}))
+        url = {"memory": "memory://", "redis": redis_url.replace("redis://", "direct+redis://"),
+               "lmcache": redis_url}[kind]
+        lmcache = {"local_cpu_gb": 0.02, "chunk_tokens": CHUNK_TOKENS}
+        store = make_store(url, layout=layout, **(lmcache if kind == "lmcache" else {}))
         made.append(store)
         return store
 
@@ -169,7 +174,7 @@ def test_redis_corruption_stops_the_run(make: Callable[[str], KVStore], raw: red
 
 def test_redis_keys_ttl_and_prefix(redis_url: str, raw: redis.Redis) -> None:
     keys, counts = chain(2 * 16, seed=9)
-    store = make_store(redis_url + "?ttl_s=30", prefix=b"pdkv-test:")
+    store = make_store(redis_url.replace("redis://", "direct+redis://") + "?ttl_s=30", prefix=b"pdkv-test:")
     try:
         store.put(keys, paged_cache(9), [0, 1], counts)
         for key in keys:
@@ -179,30 +184,68 @@ def test_redis_keys_ttl_and_prefix(redis_url: str, raw: redis.Redis) -> None:
         store.close()
 
 
-def test_lmcache_keys_land_in_redis(make: Callable[[str], KVStore], raw: redis.Redis) -> None:
+def chunk_names(raw: redis.Redis, key: bytes) -> list[bytes]:
     from pdserve.kvstore.lmcache_store import chunk_hash
-    keys, counts = chain(3 * 16 + 1, seed=10)
-    make("lmcache").put(keys, paged_cache(10), [0, 1, 2, 3], counts)
-    for key in keys:
-        names = raw.keys(f"{LAYOUT.model_name}@*@{chunk_hash(key):x}@*".encode())
-        assert sorted(n.rsplit(b"@", 1)[1][-8:] for n in names) == [b"kv_bytes", b"metadata"]
+    return raw.keys(f"{LAYOUT.model_name}@*@{chunk_hash(key):x}@*".encode())
+
+
+def test_lmcache_chunks_and_tail_land_in_redis(make: Callable[[str], KVStore], raw: redis.Redis) -> None:
+    """Whole chunks: one resp:// value each, named by the chunk's last block key, one chunk of
+    bytes long. The tail (block 4, full, and block 5, partial): direct values, block by block."""
+    keys, counts = chain(5 * 16 + 1, seed=10)
+    make("lmcache").put(keys, paged_cache(10), [0, 1, 2, 3, 4, 5], counts)
+    for i, key in enumerate(keys):
+        names = chunk_names(raw, key)
+        if i in (1, 3):
+            (name,) = names
+            assert raw.strlen(name) == 2 * LAYOUT.block_nbytes()
+        else:
+            assert names == []
+        assert raw.exists(b"pdkv:" + key.hex().encode()) == (i >= 4)
+        assert raw.exists(b"pdkv-digest:" + key.hex().encode()) == (i < 4)
+
+
+def test_lmcache_reads_from_an_unaligned_first_block(make: Callable[[str], KVStore]) -> None:
+    """A reader that has blocks 0-2 cached asks from block 3: the chunk holding blocks 2-3 is
+    fetched, block 2's slot (-1) is left alone, and the tail follows."""
+    keys, counts = chain(5 * 16 + 3, seed=14)
+    src = paged_cache(14)
+    make("lmcache").put(keys, src, list(range(6)), counts)
+    dst = torch.zeros_like(src)
+    reader = make("lmcache")
+    assert reader.get(keys[3:], dst, [9, 10, 11], counts[3:], first_block=3) == 3
+    assert_blocks_equal(dst, [9, 10, 11], src, [3, 4, 5], counts[3:])
+    assert not dst[:9].any()
+
+
+def test_lmcache_finds_a_shorter_writers_tail_block_by_block(make: Callable[[str], KVStore]) -> None:
+    """A writer's tail (direct path) is found by a longer reader whose chunks cover it."""
+    keys, counts = chain(3 * 16 + 5, seed=15)
+    src = paged_cache(15)
+    make("lmcache").put(keys, src, [0, 1, 2, 3], counts)  # chunk [0,1], tail [2], [3] (partial)
+    longer, _ = chain(6 * 16, seed=15)
+    reader = make("lmcache")
+    assert longer[:3] == keys[:3]
+    assert reader.lookup_prefix(longer) == 3
+    dst = torch.zeros_like(src)
+    assert reader.get(longer[:3], dst, [5, 6, 7], [16] * 3) == 3
+    assert_blocks_equal(dst, [5, 6, 7], src, [0, 1, 2], [16] * 3)
 
 
 def test_lmcache_corruption_is_caught_by_the_digest_ledger(make: Callable[[str], KVStore], raw: redis.Redis) -> None:
-    """LMCache checks no payload: a byte flipped in Redis must end the loaded run, be counted,
-    and leave the rest to be computed."""
-    from pdserve.kvstore.lmcache_store import chunk_hash
+    """LMCache checks no payload: a byte flipped in a chunk in Redis must end the loaded run at
+    that chunk's block, be counted, and leave the rest to be computed."""
     keys, counts = chain(4 * 16, seed=12)
     src = paged_cache(12)
     make("lmcache").put(keys, src, [0, 1, 2, 3], counts)
-    reader = make("lmcache")  # a fresh CPU tier: the blocks come from Redis
+    reader = make("lmcache")  # a fresh CPU tier: the chunks come from Redis
     dst = torch.zeros_like(src)
     assert reader.get(keys, dst, [0, 1, 2, 3], counts) == 4 and reader.integrity_failures == 0
     assert_blocks_equal(dst, [0, 1, 2, 3], src, [0, 1, 2, 3], counts)
-    (name,) = [n for n in raw.keys(f"{LAYOUT.model_name}@*@{chunk_hash(keys[2]):x}@*".encode())
-               if n.endswith(b"kv_bytes")]
+    (name,) = chunk_names(raw, keys[3])  # blocks 2 and 3; flip a byte in block 3
     value = raw.get(name)
-    raw.setrange(name, len(value) // 2, bytes([value[len(value) // 2] ^ 0x01]))
+    at = len(value) * 3 // 4
+    raw.setrange(name, at, bytes([value[at] ^ 0x01]))
     fresh = make("lmcache")
     dst = torch.zeros_like(src)
     assert fresh.get(keys, dst, [0, 1, 2, 3], counts) == 2
@@ -225,8 +268,8 @@ def test_redis_down_fails_fast(make: Callable[[str], KVStore]) -> None:
     url, proc = start_redis_server()
     keys, counts = chain(3 * 16, seed=12)
     src, dst = paged_cache(12), torch.zeros(NUM_BLOCKS, *paged_cache(0).shape[1:])
-    direct = make_store(url)
-    tiered = make_store(url.replace("redis://", "lmcache+redis://"), layout=LAYOUT, local_cpu_gb=0.02)
+    direct = make_store(url.replace("redis://", "direct+redis://"))
+    tiered = make_store(url, layout=LAYOUT, local_cpu_gb=0.02, chunk_tokens=CHUNK_TOKENS)
     try:
         direct.put(keys, src, [0, 1, 2], counts)
         tiered.put(keys, src, [0, 1, 2], counts)
@@ -237,12 +280,15 @@ def test_redis_down_fails_fast(make: Callable[[str], KVStore]) -> None:
                      lambda: direct.lookup_prefix(keys)):
             with pytest.raises(KVStoreError):
                 call()
-        # LMCache reads a dead remote as a miss; its CPU tier still serves what it holds.
-        assert tiered.get(keys, dst, [3, 4, 5], counts) == 3
-        cold = make_store(url.replace("redis://", "lmcache+redis://"), layout=LAYOUT,
-                          local_cpu_gb=0.02)
-        assert cold.lookup_prefix(keys) == 0 and cold.get(keys, dst, [6, 7, 8], counts) == 0
-        cold.put(keys, src, [0, 1, 2], counts)  # must not raise or hang
+        # LMCache reads a dead remote as a miss; its CPU tier still serves the chunk it holds
+        # (blocks 0-1); the tail (block 2) is unreadable and ends the run.
+        assert tiered.get(keys, dst, [3, 4, 5], counts) == 2
+        cold = make_store(url, layout=LAYOUT, local_cpu_gb=0.02, chunk_tokens=CHUNK_TOKENS)
+        for call in (lambda: cold.lookup_prefix(keys), lambda: cold.get(keys, dst, [6, 7, 8], counts),
+                     lambda: cold.put(keys, src, [0, 1, 2], counts)):  # the tail's store error
+            with pytest.raises(KVStoreError):
+                call()
+        cold.put(keys[:2], src, [0, 1], counts[:2])  # chunks only: LMCache swallows it, no hang
         cold.close()
         assert time.monotonic() - t0 < 15.0
     finally:
@@ -254,25 +300,33 @@ def test_redis_down_fails_fast(make: Callable[[str], KVStore]) -> None:
 def test_factory_schemes(redis_url: str) -> None:
     assert isinstance(make_store("memory://?max_gb=0.5"), MemoryKVStore)
     assert make_store("memory://?max_gb=0.5").max_bytes == 1 << 29  # type: ignore[attr-defined]
-    for url in (redis_url, redis_url.replace("redis://", "direct+redis://")):
-        store = make_store(url)
-        assert isinstance(store, RedisKVStore) and store.url == redis_url
+    from pdserve.kvstore.lmcache_store import LMCacheKVStore
+    store = make_store(redis_url.replace("redis://", "direct+redis://"))
+    assert isinstance(store, RedisKVStore) and store.url == redis_url
+    store.close()
+    for scheme in ("redis://", "lmcache://", "lmcache+redis://"):
+        store = make_store(redis_url.replace("redis://", scheme), layout=LAYOUT, local_cpu_gb=0.01)
+        assert isinstance(store, LMCacheKVStore) and store.chunk_tokens == 256
+        assert str(store.config.remote_url) == redis_url.replace("redis://", "resp://")
         store.close()
-    with pytest.raises(ValueError, match="lmcache\\+redis://"):
+    with pytest.raises(ValueError, match="direct\\+redis://"):
         make_store("s3://bucket")
     with pytest.raises(ValueError, match="layout"):
-        make_store(redis_url.replace("redis://", "lmcache+redis://"))
+        make_store(redis_url)
+    with pytest.raises(ValueError, match="direct\\+redis://"):
+        make_store(redis_url + "?ttl_s=5", layout=LAYOUT)
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        make_store(redis_url, layout=LAYOUT, chunk_tokens=24)
 
 
 def test_lmcache_batch_larger_than_cpu_tier(redis_url: str) -> None:
     """A put/get bigger than LMCache's CPU tier must go through whole, not drop the tail."""
-    from pdserve.kvstore.lmcache_store import LMCacheKVStore
     n = 200  # 800 KiB of blocks through a 512 KiB tier
     g = torch.Generator().manual_seed(13)
     src = torch.randn(n, *paged_cache(0).shape[1:], generator=g)
     keys = [bytes([13, i]) * 8 for i in range(n)]
-    writer = LMCacheKVStore(LAYOUT, redis_url, local_cpu_gb=0.0005)
-    reader = LMCacheKVStore(LAYOUT, redis_url, local_cpu_gb=0.0005)
+    writer = make_store(redis_url, layout=LAYOUT, local_cpu_gb=0.0005, chunk_tokens=CHUNK_TOKENS)
+    reader = make_store(redis_url, layout=LAYOUT, local_cpu_gb=0.0005, chunk_tokens=CHUNK_TOKENS)
     try:
         writer.put(keys, src, list(range(n)), [16] * n)
         dst = torch.zeros_like(src)

@@ -156,7 +156,8 @@ def test_auth_roundtrip_keeps_credentials_through_our_url_handling(auth_url: str
 @pytest.mark.parametrize("auth", ["none", "wrong password", "wrong user"])
 def test_missing_or_wrong_password_is_a_store_error(auth_url: str, auth: str) -> None:
     where = f"127.0.0.1:{_port(auth_url)}"
-    url = {"none": f"redis://{where}", "wrong password": f"redis://:not-{QPASS}@{where}",
+    # No password at all: direct+redis:// (a plain redis:// URL is the LMCache store).
+    url = {"none": f"direct+redis://{where}", "wrong password": f"redis://:not-{QPASS}@{where}",
            "wrong user": f"redis://nobody:{QPASS}@{where}"}[auth]
     messages = assert_fails_cleanly(make_store(url))
     assert all(("NOAUTH" in m or "Authentication" in m) if auth == "none" else "invalid" in m.lower()
@@ -194,14 +195,15 @@ def test_tls_verification_failure_is_a_store_error(tls_url: str, certs, trust: s
 
 def test_plain_tcp_to_the_tls_port_fails_fast(tls_url: str) -> None:
     """The server drops a plaintext client at once: no wait for a timeout."""
-    assert_fails_cleanly(make_store(tls_url.replace("rediss://", "redis://")), within_s=1.0, match="ConnectionError")
+    assert_fails_cleanly(make_store(tls_url.replace("rediss://", "direct+redis://")), within_s=1.0, match="ConnectionError")
 
 
 def test_tls_options_are_checked_up_front(tls_url: str, certs, tmp_path: Path) -> None:
     assert {"rediss", "direct+rediss"} <= set(SUPPORTED_SCHEMES)
     plain = tls_url.replace("rediss://", "redis://")
-    with pytest.raises(ValueError, match="rediss://"):  # a CA with plain TCP: no TLS at all
-        make_store(f"{plain}?ca_file={certs[0].ca}")
+    for scheme in ("redis://", "direct+redis://"):  # a CA with plain TCP: no TLS at all
+        with pytest.raises(ValueError, match="rediss://"):
+            make_store(f"{plain.replace('redis://', scheme)}?ca_file={certs[0].ca}")
     with pytest.raises(ValueError, match="ca_file"):
         make_store(f"{tls_url}?ca_file={tmp_path / 'missing.crt'}")
 

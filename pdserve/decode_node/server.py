@@ -79,7 +79,7 @@ class DecodeNode(NodeRuntime):
             counts = [min(bs, handover.num_tokens - i * bs) for i in range(first, n_blocks)]
             self.engine.mark_remote_transfer(req.request_id)
             self.fetches[req.request_id] = self.fetcher.submit(
-                self._fetch, handover.keys[first:n_blocks], req.block_ids[first:n_blocks], counts)
+                self._fetch, handover.keys[first:n_blocks], req.block_ids[first:n_blocks], counts, first)
         elif handover.mode == "nixl" and self.nixl is not None:
             deadline = req.remote_kv.deadline - time.monotonic()
             ok = self.nixl.start(req.request_id, handover, req.block_ids[:n_blocks], first, received_at, deadline)
@@ -90,9 +90,9 @@ class DecodeNode(NodeRuntime):
         else:
             self._finish_pull(req.request_id, False, handover)
 
-    def _fetch(self, keys: list[bytes], block_ids: list[int], counts: list[int]) -> bool:
+    def _fetch(self, keys: list[bytes], block_ids: list[int], counts: list[int], first: int) -> bool:
         try:
-            return self.store.get(keys, self.engine.kv_cache, block_ids, counts) == len(keys)
+            return self.store.get(keys, self.engine.kv_cache, block_ids, counts, first_block=first) == len(keys)
         except KVStoreError as exc:
             log.warning("store fetch failed: %s", exc)
             return False

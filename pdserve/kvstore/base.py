@@ -19,15 +19,18 @@ class KVStore(ABC):
 
     @abstractmethod
     def put(self, keys: Sequence[bytes], kv_cache: torch.Tensor, block_ids: Sequence[int],
-            num_tokens: Sequence[int]) -> None:
+            num_tokens: Sequence[int], first_block: int = 0) -> None:
         """Store kv_cache[block_ids[i], :, :, :num_tokens[i]] under keys[i].
-        num_tokens[i] < block_size marks a trailing partial block."""
+        num_tokens[i] < block_size marks a trailing partial block. first_block is the chain
+        position of keys[0] (a store that groups blocks into chunks aligns on it)."""
 
     @abstractmethod
     def get(self, keys: Sequence[bytes], kv_cache: torch.Tensor, block_ids: Sequence[int],
-            num_tokens: Sequence[int]) -> int:
+            num_tokens: Sequence[int], first_block: int = 0) -> int:
         """Load keys[i] into kv_cache[block_ids[i]] for the longest leading run of keys that are
-        present and intact (shape and checksum verified); returns how many blocks were loaded."""
+        present and intact (shape and checksum verified); returns how many blocks were loaded.
+        first_block is the chain position of keys[0]: blocks before it are cached already and a
+        chunked store leaves them alone."""
 
     @abstractmethod
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:

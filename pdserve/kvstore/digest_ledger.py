@@ -58,15 +58,18 @@ class DigestLedger:
         return [DIGEST_PREFIX + k.hex().encode() for k in keys]
 
     def put(self, keys: Sequence[bytes], kv_cache: torch.Tensor, block_ids: Sequence[int],
-            num_tokens: Sequence[int]) -> None:
+            num_tokens: Sequence[int]) -> bool:
+        """Record the blocks' digests; False if Redis could not be written (it is down)."""
         if not keys:
-            return
+            return True
         digests = token_digests(kv_cache, block_ids, num_tokens)
         self._remember(keys, digests)
         try:
             self.client.mset(dict(zip(self._names(keys), digests)))
         except redis.RedisError as exc:  # readers then find no digest and compute those blocks
             log.warning("could not write %d block digests: %s", len(keys), exc)
+            return False
+        return True
 
     def verified(self, keys: Sequence[bytes], kv_cache: torch.Tensor, block_ids: Sequence[int],
                  num_tokens: Sequence[int]) -> int:

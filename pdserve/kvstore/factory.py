@@ -1,25 +1,25 @@
-"""make_store(url): pick a KV store backend from a URL.
+"""make_store(url): pick a KV store backend from a URL (the README's "KV store URLs" table).
 
-    memory://[?max_gb=G]                  in-process LRU (MemoryKVStore)
-    redis://host:port[/db][?ttl_s=S]      the default Redis path: direct Redis (RedisKVStore)
-    direct+redis://host:port[/db]         direct Redis, named explicitly
-    rediss://host:port[?ca_file=PATH]     direct Redis over TLS (also direct+rediss://); the
-                                          server certificate and hostname are always verified,
-                                          against ca_file or else the system CAs
-    lmcache+redis://host:port[?local_cpu_gb=G]
-                                          LMCache: local CPU tier in front of Redis
+    redis://host:port[?chunk_tokens=N&local_cpu_gb=G&local_disk=DIR&local_disk_gb=G]
+                          the default: LMCache tiers (local CPU -> local disk -> Redis through
+                          LMCache's native resp:// client) holding whole chunks of blocks; the
+                          trailing partial chunk goes block by block through direct Redis
+    lmcache://host:port, lmcache+redis://host:port       the same store, named explicitly
+    direct+redis://host:port[/db][?ttl_s=S]              direct Redis (RedisKVStore): one
+                          pipelined SET / MGET per batch, a checksum in every value
+    rediss://host:port[?ca_file=PATH], direct+rediss://  direct Redis over TLS (resp:// has no
+                          TLS); the server certificate and hostname are always verified
+    redis://:password@host:port, redis://user:password@host:port
+                          direct Redis: a rejected password must read as KVStoreError on every
+                          call (LMCache swallows remote errors, so it would read as silent misses)
+    memory://[?max_gb=G]  in-process LRU (MemoryKVStore)
 
-redis:// means direct Redis: for the same 64 x 256 KiB blocks (benchmarks/bench_kvstore.py)
-it put at ~0.8-1.0 GB/s and read back from Redis at ~0.45-0.55 GB/s, against LMCache's
-~0.2-0.55 and ~0.2-0.25 GB/s (LMCache writes two keys per block and reads them with two GETs
-per block; direct is one pipelined SET / one MGET per batch). It also verifies a checksum and
-reports a dead server as KVStoreError. lmcache+redis:// wins only on hits in its in-process CPU
-tier (~1-3 GB/s); blocks handed from a prefill node to a decode node always come from Redis.
+An LMCache config file (lmcache_config=PATH, or LMCACHE_CONFIG_FILE) replaces the tier options;
+the URL's host fills in its remote_url if it has none. Options the LMCache path cannot honour
+(ttl_s, a db number) are refused with a pointer to direct+redis://.
 
-Redis AUTH goes in the URL as redis-py reads it: redis://:password@host:port or
-redis://user:password@host:port (percent-encode reserved characters, e.g. "@" as %40). A wrong or
-missing password, or a failed TLS handshake, reads like a dead server: KVStoreError on each call,
-and the nodes recompute. Stores keep only the redacted URL (redact_url), so no log shows it.
+Passwords are percent-encoded in the URL as redis-py reads them. Stores keep only the redacted
+URL (redact_url), so no log shows one.
 """
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ if TYPE_CHECKING:  # annotations only: the launcher imports redact_url and must 
     from pdserve.kvstore.base import KVStore
     from pdserve.kvstore.layout import KVLayout
 
-SUPPORTED_SCHEMES = ("memory", "redis", "rediss", "direct+redis", "direct+rediss", "lmcache+redis")
+SUPPORTED_SCHEMES = ("memory", "redis", "rediss", "direct+redis", "direct+rediss", "lmcache", "lmcache+redis")
+LMCACHE_SCHEMES = ("redis", "lmcache", "lmcache+redis")
+LMCACHE_OPTIONS = ("chunk_tokens", "local_cpu_gb", "local_disk", "local_disk_gb", "lmcache_config")
 
 
 def redact_url(url: str) -> str:
@@ -60,30 +62,79 @@ def _redis_url(url: str) -> str:
     return ("rediss://" if scheme.lower().endswith("rediss") else "redis://") + rest
 
 
+def _direct(base: str, options: dict[str, str], kwargs: dict[str, Any]) -> KVStore:
+    from pdserve.kvstore.redis_store import RedisKVStore
+    if "ttl_s" in options:
+        kwargs.setdefault("ttl_s", float(options["ttl_s"]))
+    if "ca_file" in options:
+        kwargs.setdefault("ca_file", options["ca_file"])
+    return RedisKVStore(_redis_url(base), **kwargs)
+
+
+def _tier_options(options: dict[str, str], kwargs: dict[str, Any]) -> Any:
+    from pdserve.kvstore.lmcache_config import TierOptions
+    fields = {"chunk_tokens": int, "local_cpu_gb": float, "local_disk": str, "local_disk_gb": float}
+    values = {}
+    for name, cast in fields.items():  # kwargs win over the URL's query options
+        value = kwargs.pop(name, None)
+        value = options.get(name) if value is None else value
+        if value is not None:
+            values[name] = cast(value)
+    return TierOptions(**values)
+
+
+def _lmcache(base: str, options: dict[str, str], layout: KVLayout | None, kwargs: dict[str, Any]) -> KVStore:
+    if "ca_file" in options:  # a CA with plain TCP means the operator believes they have TLS
+        raise ValueError("ca_file is a TLS option: use rediss:// (LMCache's resp:// client has no TLS)")
+    if layout is None:
+        raise ValueError(f"{redact_url(base)}: the LMCache store needs layout=KVLayout(...)")
+    parts = urlsplit(base)
+    if "ttl_s" in options or parts.path.strip("/") not in ("", "0"):
+        raise ValueError("ttl_s and a db number are direct-client options: use direct+redis://")
+    try:  # imported here: lmcache is slow to import, and the launcher imports this module
+        from pdserve.kvstore.lmcache_config import build_config, config_file_from_env
+        from pdserve.kvstore.lmcache_store import LMCacheKVStore
+    except ImportError as exc:
+        raise ValueError(f"{redact_url(base)} is the LMCache store, which needs lmcache>=0.5.6 "
+                         f"(pip install 'pdserve[lmcache]'); or use direct+redis:// ({exc})") from exc
+    from pdserve.kvstore.memory_store import MemoryKVStore
+    from pdserve.kvstore.redis_store import RedisKVStore
+    config_file = config_file_from_env(kwargs.pop("lmcache_config", None) or options.get("lmcache_config"))
+    tiers = _tier_options(options, kwargs)
+    remote = f"resp://{parts.netloc}" if parts.netloc else None
+    config = build_config(layout, remote, tiers, config_file)
+    host = urlsplit(str(config.remote_url)).netloc if config.remote_url else ""
+    redis_url = f"redis://{host}" if host else None
+    tail = RedisKVStore(redis_url) if redis_url else MemoryKVStore()
+    return LMCacheKVStore(layout, config, tail=tail, ledger_url=redis_url, **kwargs)
+
+
 def make_store(url: str, *, layout: KVLayout | None = None, **kwargs: Any) -> KVStore:
-    """Build the store named by url. kwargs go to the backend's constructor (e.g. prefix=,
-    ttl_s= for Redis; local_cpu_gb= for LMCache) and win over URL query options.
-    The LMCache backend needs layout (it sizes chunks and metadata from it)."""
+    """Build the store named by url. kwargs go to the backend (e.g. prefix=, ttl_s= for direct
+    Redis; chunk_tokens=, local_cpu_gb=, local_disk=, local_disk_gb=, lmcache_config= for
+    LMCache) and win over URL query options. The LMCache store needs layout (it sizes chunks
+    and checks values against it)."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     base, options = _query(url)
+    if scheme in LMCACHE_SCHEMES and _has_password(base):
+        scheme = "direct+redis"  # see the module docstring: AUTH goes through the direct client
+    if scheme not in LMCACHE_SCHEMES:  # node flags that only the LMCache store reads
+        for name in LMCACHE_OPTIONS:
+            kwargs.pop(name, None)
     if scheme == "memory":
         from pdserve.kvstore.memory_store import MemoryKVStore
         max_gb = float(kwargs.pop("max_gb", options.get("max_gb", 1.0)))
         return MemoryKVStore(max_bytes=int(max_gb * (1 << 30)), **kwargs)
-    if scheme in ("redis", "rediss", "direct+redis", "direct+rediss"):
-        from pdserve.kvstore.redis_store import RedisKVStore
-        if "ttl_s" in options:
-            kwargs.setdefault("ttl_s", float(options["ttl_s"]))
-        if "ca_file" in options:
-            kwargs.setdefault("ca_file", options["ca_file"])
-        return RedisKVStore(_redis_url(base), **kwargs)
-    if scheme == "lmcache+redis":
-        if layout is None:
-            raise ValueError("lmcache+redis:// needs layout=KVLayout(...)")
-        # Imported here: lmcache is an optional dependency and slow to import.
-        from pdserve.kvstore.lmcache_store import LMCacheKVStore
-        if "local_cpu_gb" in options:
-            kwargs.setdefault("local_cpu_gb", float(options["local_cpu_gb"]))
-        return LMCacheKVStore(layout, _redis_url(base), **kwargs)
+    if scheme in ("rediss", "direct+redis", "direct+rediss"):
+        return _direct(base, options, kwargs)
+    if scheme in LMCACHE_SCHEMES:
+        return _lmcache(base, options, layout, kwargs)
     raise ValueError(f"unsupported KV store URL {redact_url(url)!r}; supported schemes: "
                      + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES))
+
+
+def _has_password(url: str) -> bool:
+    try:
+        return urlsplit(url).password is not None
+    except ValueError:
+        return False

@@ -40,7 +40,7 @@ class MemoryKVStore(KVStore):
         return key in self._blocks
 
     def put(self, keys: Sequence[bytes], kv_cache: torch.Tensor, block_ids: Sequence[int],
-            num_tokens: Sequence[int]) -> None:
+            num_tokens: Sequence[int], first_block: int = 0) -> None:
         check_batch(keys, block_ids, num_tokens)
         for key, b, n in zip(keys, block_ids, num_tokens):
             # Copy outside the lock: it is the slow part, and the source block may be reused by
@@ -63,7 +63,7 @@ class MemoryKVStore(KVStore):
             self._bytes -= evicted.numel() * evicted.element_size()
 
     def get(self, keys: Sequence[bytes], kv_cache: torch.Tensor, block_ids: Sequence[int],
-            num_tokens: Sequence[int]) -> int:
+            num_tokens: Sequence[int], first_block: int = 0) -> int:
         check_batch(keys, block_ids, num_tokens)
         want_tail = tuple(kv_cache.shape[1:3]) + tuple(kv_cache.shape[4:])
         loaded = 0

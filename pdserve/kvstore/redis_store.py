@@ -145,7 +145,7 @@ class RedisKVStore(KVStore):
             raise KVStoreError(f"redis store {self.url}: {type(e).__name__}: {e}") from e
 
     def put(self, keys: Sequence[bytes], kv_cache: torch.Tensor, block_ids: Sequence[int],
-            num_tokens: Sequence[int]) -> None:
+            num_tokens: Sequence[int], first_block: int = 0) -> None:
         check_batch(keys, block_ids, num_tokens)
         pipe = self._client.pipeline(transaction=False)
         pending = 0
@@ -160,7 +160,7 @@ class RedisKVStore(KVStore):
             self._call(pipe.execute)
 
     def get(self, keys: Sequence[bytes], kv_cache: torch.Tensor, block_ids: Sequence[int],
-            num_tokens: Sequence[int]) -> int:
+            num_tokens: Sequence[int], first_block: int = 0) -> int:
         check_batch(keys, block_ids, num_tokens)
         per_block = max(1, kv_cache[0].numel() * kv_cache.element_size())
         step = max(1, self.batch_bytes // per_block)

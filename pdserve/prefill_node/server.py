@@ -115,7 +115,7 @@ class PrefillNode(NodeRuntime):
         ids = req.block_ids[first:first + len(keys)]
         t0 = time.perf_counter()
         try:
-            loaded = self.store.get(keys, self.engine.kv_cache, ids, [bs] * len(keys))
+            loaded = self.store.get(keys, self.engine.kv_cache, ids, [bs] * len(keys), first_block=first)
         except KVStoreError as exc:
             log.warning("[%s] store fetch failed: %s", req.request_id, exc)
             loaded = -1
