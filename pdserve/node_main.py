@@ -7,12 +7,37 @@ import os
 log = logging.getLogger(__name__)
 
 
+def node_thread_share(env: dict[str, str] | None = None) -> int | None:
+    """Compute threads this node may use, or None to keep the libraries' defaults.
+
+    PDSERVE_THREADS_PER_NODE wins; else PDSERVE_NODES_PER_HOST divides the cores (containers
+    see every core of the host, and four nodes each sizing their pools to all of them
+    oversubscribe it); else OMP_NUM_THREADS, which `pdserve up` sets per node.
+    """
+    env = os.environ if env is None else env
+    explicit = env.get("PDSERVE_THREADS_PER_NODE", "")
+    if explicit.isdigit() and int(explicit) > 0:
+        return int(explicit)
+    nodes = env.get("PDSERVE_NODES_PER_HOST", "")
+    if nodes.isdigit() and int(nodes) > 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores // int(nodes))
+    omp = env.get("OMP_NUM_THREADS", "")
+    return int(omp) if omp.isdigit() and int(omp) > 0 else None
+
+
 def _apply_thread_limit() -> None:
-    """torch reads OMP_NUM_THREADS at import on most builds; set it explicitly to be sure."""
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads and threads.isdigit():
-        import torch
-        torch.set_num_threads(int(threads))
+    """torch reads OMP_NUM_THREADS at import on most builds; set it explicitly to be sure.
+
+    numba reads NUMBA_NUM_THREADS when it is first imported, which is after this point.
+    """
+    threads = node_thread_share()
+    if threads is None:
+        return
+    os.environ.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
+    import torch
+    torch.set_num_threads(threads)
+    log.info("compute threads for this node: %d", threads)
 
 
 def _engine(args):
