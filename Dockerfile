@@ -2,9 +2,11 @@
 #   docker run pdserve generate "Hello"
 #   docker run pdserve prefill --bind tcp://0.0.0.0:5600 ...
 # Redis is not in this image: compose.yaml runs the official redis:7 image as its own service.
-# The install steps are those of scripts/setup.sh. Not built on the dev machines or CI (they
-# have no Docker engine); see compose.yaml.
-FROM python:3.11-slim
+# The install steps are those of scripts/setup.sh. CI builds it (tests/test_compose_demo.py)
+# on a base made by scripts/build-base-images.sh, as any machine without a registry can:
+#   docker build --build-arg BASE_IMAGE=pdserve/python-base:bookworm .
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -22,8 +24,8 @@ ARG TORCH_INDEX_URL=
 RUN python -m pip install --upgrade pip \
  && python -m pip install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 
-# Only what the install needs: the repo has no .dockerignore, and copying it whole would send
-# a local .venv and build caches into the image.
+# Only what the install needs (.dockerignore keeps the rest out of the context too): copying
+# the repo whole would send a local .venv and build caches into the image.
 COPY pyproject.toml README.md ./
 COPY pdserve ./pdserve
 RUN find pdserve -name __pycache__ -prune -exec rm -rf {} + \

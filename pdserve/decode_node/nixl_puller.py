@@ -40,7 +40,7 @@ class NixlPuller:
         self.integrity_failures = 0  # pulls whose blocks failed their digest check
         self._corrupt_left = int(os.environ.get(CORRUPT_PULLS_ENV, "0") or 0)
 
-    def _peer(self, side_channel: str) -> str:
+    def _peer(self, side_channel: str, agent_name: str = "") -> str:
         if side_channel not in self.peers:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -54,7 +54,7 @@ class NixlPuller:
                 sock.close(0)
             if not isinstance(reply, NixlMetadata):
                 raise NixlTransferError(f"unexpected side-channel reply {type(reply).__name__}")
-            name = self.agent.add_peer(reply.metadata)
+            name = self.agent.add_peer(reply.metadata, agent_name)
             self.agent.make_connection(name)
             self.peers[side_channel] = name
         return self.peers[side_channel]
@@ -69,7 +69,7 @@ class NixlPuller:
             log.warning("[%s] the lease has expired before the READ: recomputing", rid)
             return False
         try:
-            peer = self._peer(handover.side_channel)
+            peer = self._peer(handover.side_channel, handover.agent_name)
             handle = self.agent.start_read(peer, handover.regions[first:], local_ids[first:], notif=rid.encode(),
                                            timeout_s=max(min(lease_end - LEASE_MARGIN_S - time.monotonic(),
                                                              timeout_s), 0.1))

@@ -182,15 +182,28 @@ class NixlKVAgent:
         with self._lock:
             return bytes(self._agent.get_agent_metadata())
 
-    def add_peer(self, metadata: bytes) -> str:
-        """Load a peer's metadata; returns its agent name. Same metadata twice is a no-op."""
+    def add_peer(self, metadata: bytes, name_hint: str = "") -> str:
+        """Load a peer's metadata; returns its agent name. Same metadata twice is a no-op.
+
+        A restarted peer keeps its name and sends new metadata, which NIXL refuses while it
+        holds the old (NIXL_ERR_NOT_ALLOWED): `name_hint` names the peer, whose stale entry is
+        then dropped and the load retried once.
+        """
         with self._lock:
             if metadata in self._peers:
                 return self._peers[metadata]
             try:
                 raw = self._agent.add_remote_agent(metadata)
             except Exception as exc:
-                raise NixlTransferError(f"add_remote_agent failed: {exc!r}") from exc
+                if name_hint not in self._peers.values():
+                    raise NixlTransferError(f"add_remote_agent failed: {exc!r}") from exc
+                logger.info("NIXL peer %s came back with new metadata: reloading it", name_hint)
+                self._agent.remove_remote_agent(name_hint)
+                self._peers = {m: n for m, n in self._peers.items() if n != name_hint}
+                try:
+                    raw = self._agent.add_remote_agent(metadata)
+                except Exception as exc2:
+                    raise NixlTransferError(f"add_remote_agent failed: {exc2!r}") from exc2
             name = raw.decode() if isinstance(raw, bytes) else str(raw)
             # A restarted peer keeps its name but sends new metadata: forget the old entry.
             self._peers = {m: n for m, n in self._peers.items() if n != name}

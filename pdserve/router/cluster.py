@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from typing import AsyncIterator
 
 from pdserve.engine.block_keys import block_key_chain
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 PREFILL_TIMEOUT_S = 300.0
 TOKEN_TIMEOUT_S = 300.0  # a healthy node that sends nothing for this long still fails the request
 MAX_ATTEMPTS = 3  # per phase (prefill, decode) of one request
+# How long a request waits for a node of a role when every one is out of rotation but some are
+# only silent (still connected: a loaded host missing pings), not dead.
+NODE_WAIT_S = 10.0
 
 
 def _view(node: Node) -> NodeView:
@@ -152,6 +156,19 @@ class ClusterBackend:
             return None
         return healthy[next(self._rr[role]) % len(healthy)]
 
+    async def _await_node(self, role: str, exclude: set[str] = frozenset()) -> Node | None:
+        """A healthy node of `role`, outside `exclude` where one is; None once none can come back
+        within NODE_WAIT_S (every node of the role disconnected, or the wait ran out)."""
+        deadline = time.monotonic() + NODE_WAIT_S
+        while True:
+            node = self._pick(role, exclude) or self._pick(role)
+            if node is not None:
+                return node
+            silent = [n for n in self.pool.by_role(role, healthy_only=False) if not n.disconnected]
+            if not silent or time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(0.05)
+
     def _plan(self, rid: str, prompt: list[int], params: SamplingParams, session: str | None = None
               ) -> tuple[RoutePlan, list[bytes]]:
         keys = self.block_keys(prompt)
@@ -172,6 +189,8 @@ class ClusterBackend:
         relayed: list[int] = []  # every token id the client has been sent, in order
         reason = "abort"  # unless the stream reaches its end
         try:
+            if not self.pool.by_role("decode"):
+                await self._await_node("decode")
             plan, keys = self._plan(request_id, prompt_token_ids, params, session)
             handover = None
             if plan.prefill is not None:
@@ -259,7 +278,7 @@ class ClusterBackend:
         queue = self.streams[rid]
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
-            node = self._preferred(preferred, tried) or self._pick("decode", tried) or self._pick("decode")
+            node = self._preferred(preferred, tried) or await self._await_node("decode", tried)
             if node is None:
                 raise BackendError("no healthy decode node")
             tried.add(node.node_id)

@@ -26,6 +26,7 @@ PING_INTERVAL_S = 0.2
 # Pongs are answered by the node's loop between engine steps; a long prefill chunk on a loaded
 # 2-core machine can delay one by several hundred ms, so this is well above a step.
 DEAD_AFTER_S = 1.5
+STALL_CREDIT_AFTER_S = 0.1  # a health-loop tick later than this is the router's lag, not the nodes'
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Node:
     stats: dict = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)  # request ids in flight on this node
     deaths: int = 0
+    disconnected: bool = False  # its TCP connection closed (a dead process), not merely silent
     kv_salt: bytes = b""  # the node's block-key salt, from its pongs
     queued_tokens: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens sent to prefill
 
@@ -103,13 +105,24 @@ class NodePool:
 
     # ---- background tasks -------------------------------------------------------------------
     async def _health_loop(self) -> None:
+        last_tick = time.monotonic()
         for seq in itertools.count():
             now = time.monotonic()
+            self._credit_router_stall(now - last_tick - PING_INTERVAL_S)
+            last_tick = now
             for node in self.nodes:
                 if node.healthy and now - node.last_pong > DEAD_AFTER_S:
                     self.mark_dead(node, f"sent no pong for {now - node.last_pong:.1f} s")
                 await node.sock.send(encode(Ping(seq)))
             await asyncio.sleep(PING_INTERVAL_S)
+
+    def _credit_router_stall(self, stall_s: float) -> None:
+        """Pongs that arrived while the router's own loop was stalled (a busy host) sit unread in
+        the sockets: that time must not count against the nodes, or every node looks dead at
+        once and the requests moved around overload what is left."""
+        if stall_s > STALL_CREDIT_AFTER_S:
+            for node in self.nodes:
+                node.last_pong += stall_s
 
     async def _watch_connection(self, node: Node) -> None:
         monitor = node.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -117,6 +130,7 @@ class NodePool:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED:
+                    node.disconnected = True
                     self.mark_dead(node, "closed its connection")
         finally:
             monitor.close(0)
@@ -138,7 +152,7 @@ class NodePool:
     def _on_pong(node: Node, msg: Pong) -> None:
         if not node.healthy:
             log.info("%s (%s) is healthy", node.node_id, node.address)
-        node.healthy, node.last_pong = True, time.monotonic()
+        node.healthy, node.last_pong, node.disconnected = True, time.monotonic(), False
         node.kv_salt = msg.kv_salt or node.kv_salt
         node.stats = {"requests": msg.num_requests, "free_blocks": msg.free_blocks,
                       "total_blocks": msg.total_blocks, **msg.stats}
