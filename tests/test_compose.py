@@ -1,4 +1,4 @@
-"""compose.yaml is validated here, not run: there is no Docker engine on the dev machines or CI.
+"""compose.yaml's wiring, checked without an engine (tests/test_compose_demo.py runs it for real).
 
 The file is parsed with PyYAML (merge keys resolved, ${VAR:-default} substituted as compose
 would), and every pdserve container's command goes through pdserve's own CLI parser, so a flag
@@ -202,3 +202,21 @@ def test_docker_compose_config_accepts_the_file():
         result = subprocess.run([*cli, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
                                 timeout=60, env={**os.environ, **env}, cwd=ROOT)
         assert result.returncode == 0, result.stderr
+
+
+def test_nodes_get_a_thread_share_of_the_host():
+    """Four node containers each sizing their pools to every core oversubscribe the host: the
+    node environment carries a per-node share, and node_main turns it into a thread count."""
+    from pdserve.node_main import node_thread_share
+    node_env = load()["services"]["prefill-0"]["environment"]
+    assert node_env["PDSERVE_NODES_PER_HOST"] == "4"
+    assert load({"PDSERVE_THREADS_PER_NODE": "3"})["services"]["decode-1"]["environment"][
+        "PDSERVE_THREADS_PER_NODE"] == "3"
+    cores = len(os.sched_getaffinity(0))
+    assert node_thread_share({"PDSERVE_NODES_PER_HOST": "4"}) == max(1, cores // 4)
+    assert node_thread_share({"PDSERVE_NODES_PER_HOST": "1"}) == cores
+    assert node_thread_share({"PDSERVE_THREADS_PER_NODE": "3", "PDSERVE_NODES_PER_HOST": "4"}) == 3
+    assert node_thread_share({"OMP_NUM_THREADS": "2"}) == 2  # what `pdserve up` sets per node
+    assert node_thread_share({}) is None
+    for service in ("prefill-0", "decode-0", "redis", "router"):
+        assert load()["services"][service]["restart"] == "unless-stopped", f"{service} stays down when it dies"
