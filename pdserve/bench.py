@@ -24,7 +24,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 import httpx
@@ -320,6 +320,13 @@ def compute_metrics(results: list[RequestResult], duration_s: float,
     return metrics
 
 
+def _samples(results: list[RequestResult]) -> dict[str, list[float]]:
+    """Per-request latencies for plots (pdserve.bench_plot)."""
+    ok = [r for r in results if r.success]
+    return {"ttft": [r.ttft_s for r in ok if r.ttft_s is not None], "e2e": [r.e2e_s for r in ok],
+            "itl": [itl for r in ok for itl in r.itls_s]}
+
+
 # ---------------------------------------------------------------- entry points
 
 async def run_benchmark(config: BenchConfig | dict[str, Any]) -> dict[str, Any]:
@@ -340,7 +347,7 @@ async def run_benchmark(config: BenchConfig | dict[str, Any]) -> dict[str, Any]:
         duration = time.perf_counter() - start
         if pbar is not None:
             pbar.close()
-    report = {"config": asdict(cfg), **compute_metrics(results, duration, cfg)}
+    report = {"config": asdict(cfg), **compute_metrics(results, duration, cfg), "samples_s": _samples(results)}
     if cfg.output_json:
         with open(cfg.output_json, "w") as f:
             json.dump(report, f, indent=2, default=str)
@@ -362,11 +369,18 @@ def build_parser() -> argparse.ArgumentParser:
             kind = {"concurrency": int, "goodput_ttft_ms": float, "goodput_tpot_ms": float,
                     "model": str, "api_key": str, "output_json": str}.get(name, type(value))
             p.add_argument(flag, type=kind, default=value)
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="CDFs of TTFT, ITL and end-to-end latency; with a sweep, also throughput against TTFT p99")
+    p.add_argument("--sweep-concurrency", metavar="1,2,4,8", default=None,
+                   help="run the workload at each concurrency level in turn and print a table")
+    p.add_argument("--label", default=None, help="this run's name in plots and in --output-json")
+    p.add_argument("--plot-with", metavar="RESULTS.json", nargs="+", default=[],
+                   help="earlier runs' --output-json files, drawn beside this one")
     return p
 
 
 def format_report(report: dict[str, Any]) -> str:
-    keys = [k for k in report if k not in ("config", "errors")]
+    keys = [k for k in report if k not in ("config", "errors", "samples_s")]
     lines = [f"{k:>26}: {report[k]:.3f}" if isinstance(report[k], float)
              else f"{k:>26}: {report[k]}" for k in keys]
     if report.get("errors"):
@@ -375,10 +389,29 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    report = asyncio.run(run_benchmark(BenchConfig(**vars(args))))
-    print(format_report(report))
-    return 0 if report["completed"] else 1
+    args = vars(build_parser().parse_args(argv))
+    extras = {k: args.pop(k) for k in ("plot", "sweep_concurrency", "label", "plot_with")}
+    cfg = BenchConfig(**args)
+    if not extras["sweep_concurrency"] and not extras["plot"]:
+        report = asyncio.run(run_benchmark(cfg))
+        print(format_report(report))
+        return 0 if report["completed"] else 1
+    from pdserve import bench_plot
+    if extras["sweep_concurrency"]:
+        levels = [int(x) for x in extras["sweep_concurrency"].split(",") if x.strip()]
+        reports = bench_plot.run_sweep(cfg, levels)
+        print(bench_plot.sweep_table(reports))
+    else:
+        reports = [asyncio.run(run_benchmark(replace(cfg, output_json=None)))]
+        print(format_report(reports[0]))
+    label = extras["label"] or cfg.base_url
+    if cfg.output_json:
+        bench_plot.save_series(cfg.output_json, label, reports)
+    if extras["plot"]:
+        series = {label: reports} | dict(bench_plot.load_series(f) for f in extras["plot_with"])
+        bench_plot.plot(series, extras["plot"])
+        print(f"plot written to {extras['plot']}")
+    return 0 if all(r["completed"] for r in reports) else 1
 
 
 if __name__ == "__main__":

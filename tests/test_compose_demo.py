@@ -244,6 +244,11 @@ def test_prometheus_scrapes_the_router(demo):
                            timeout=5).json()["data"]["result"]
         return float(result[0]["value"][1]) if result else 0.0
     wait_for(lambda: served_requests() > 0, 60, "pdserve_requests_total in Prometheus")
+    dashboard = json.loads((ROOT / "monitoring" / "grafana" / "pdserve-dashboard.json").read_text())
+    for panel in dashboard["panels"]:  # every Grafana query is valid PromQL that Prometheus runs
+        for target in panel["targets"]:
+            answer = httpx.get(f"{api}/query", params={"query": target["expr"]}, timeout=10).json()
+            assert answer["status"] == "success", (panel["title"], target["expr"], answer)
     names = httpx.get(f"{api}/label/__name__/values", timeout=5).json()["data"]
     for family in ("pdserve_request_ttft_seconds_bucket", "pdserve_kv_blocks_in_use",
                    "pdserve_kv_transfer_bytes_total"):
