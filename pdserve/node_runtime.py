@@ -1,13 +1,17 @@
 """The loop shared by prefill and decode nodes: read control messages, step the engine, reply.
 
-One thread owns the engine; transfers report back through hooks the loop polls, so no engine
-state is touched from another thread.
+One thread at a time owns the engine; transfers report back through hooks the loop polls. The
+step itself runs on a worker thread while the loop thread answers pings and holds every other
+message until the step ends: a long prefill step (seconds on a loaded CPU) must not read as a
+dead node to the router, and nothing else touches the engine while it steps.
 """
 from __future__ import annotations
 
-import logging
-import signal
 import dataclasses
+import logging
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import zmq
@@ -54,6 +58,11 @@ class NodeRuntime:
         self.stats = NodeStats()
         self.kv_events = KVEventPublisher(engine.pool, node_id, self.control.send)
         self._stop = False
+        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{node_id}-step")
+        # The worker writes a byte here when a step ends, so the poll wakes at once.
+        self._step_done_r, self._step_done_w = os.pipe()
+        self.poller.register(self._step_done_r, zmq.POLLIN)
+        self._held: list[tuple[object, bytes, Message]] = []  # messages that arrived mid-step
 
     # ---- the loop -------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -73,15 +82,41 @@ class NodeRuntime:
         self._read_messages(0 if busy else IDLE_POLL_MS)
         self.poll_background()
         if self.engine.has_unfinished_requests():
-            self.on_outputs(self.engine.step())
+            self.on_outputs(self._step_answering_pings())
         self.kv_events.flush()
+
+    def _step_answering_pings(self) -> list[StepOutput]:
+        step = self._stepper.submit(self._step_and_signal)
+        while not step.done():
+            for sock in dict(self.poller.poll(1000)):
+                if sock == self._step_done_r:
+                    os.read(self._step_done_r, 64)
+                    continue
+                while (item := self.socket_for(sock).recv()) is not None:
+                    if isinstance(item[1], Ping):
+                        self._dispatch(sock, *item)
+                    else:
+                        self._held.append((sock, *item))
+        return step.result()
+
+    def _step_and_signal(self) -> list[StepOutput]:
+        try:
+            return self.engine.step()
+        finally:
+            os.write(self._step_done_w, b"s")
 
     def stop(self) -> None:
         self._stop = True
 
     def _read_messages(self, timeout_ms: int) -> None:
-        ready = dict(self.poller.poll(timeout_ms))
+        held, self._held = self._held, []
+        for sock, identity, msg in held:
+            self._dispatch(sock, identity, msg)
+        ready = dict(self.poller.poll(0 if held else timeout_ms))
         for sock in ready:
+            if sock == self._step_done_r:
+                os.read(self._step_done_r, 64)
+                continue
             while (item := self.socket_for(sock).recv()) is not None:
                 self._dispatch(sock, *item)
 
@@ -148,6 +183,9 @@ class NodeRuntime:
         self.origin.pop(request_id, None)
 
     def close(self) -> None:
+        self._stepper.shutdown(wait=True)
+        os.close(self._step_done_r)
+        os.close(self._step_done_w)
         self.control.close()
         if isinstance(self.ctx, CurveContext):
             self.ctx.authenticator.stop()
