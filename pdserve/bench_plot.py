@@ -101,10 +101,13 @@ def _cdf(ax: Any, values_s: list[float], label: str) -> None:
         ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label, drawstyle="steps-post")
 
 
-def _log_axis(axis: Any) -> None:
-    """Plain numbers on a log axis (10, 20, 50, 100...), not overlapping 3x10^2 labels."""
+def _log_axis(axis: Any, span: tuple[float, float]) -> None:
+    """Plain numbers on a log axis (10, 20, 50, 100...), not 3x10^2; only powers of ten when the
+    data spans over two decades, so the labels do not run into each other."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    lo, hi = span
+    wide = lo <= 0 or hi / lo > 300
+    axis.set_major_locator(LogLocator(subs=(1.0,) if wide else (1.0, 2.0, 5.0)))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
 
@@ -126,9 +129,9 @@ def plot(series: Series, path: str) -> None:
         ax.set(title=title, xlabel="ms (log)", ylabel="fraction of requests" if key != "itl" else "fraction of gaps",
                ylim=(0, 1.02))
         ax.set_xscale("log")
-        _log_axis(ax.xaxis)
+        _log_axis(ax.xaxis, ax.dataLim.intervalx)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="upper left")  # a CDF leaves the top left empty
     if sweeping:
         _plot_sweep(axes[3], series)
     fig.tight_layout()
@@ -146,9 +149,9 @@ def _plot_sweep(ax: Any, series: Series) -> None:
     ax.set(title="throughput against TTFT p99 (points: concurrency)", xlabel="output tokens/s",
            ylabel="TTFT p99 ms (log)")
     ax.set_yscale("log")
-    _log_axis(ax.yaxis)
+    _log_axis(ax.yaxis, ax.dataLim.intervaly)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="lower right")  # latency rises with throughput: bottom right stays empty
 
 
 def plot_main(argv: Sequence[str] | None = None) -> int:
