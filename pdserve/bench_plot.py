@@ -148,6 +148,7 @@ def _plot_sweep(ax: Any, series: Series) -> None:
             ax.annotate(str(level), (tput, ttft), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set(title="throughput against TTFT p99 (points: concurrency)", xlabel="output tokens/s",
            ylabel="TTFT p99 ms (log)")
+    ax.margins(x=0.08, y=0.1)  # room for the concurrency labels at the ends
     ax.set_yscale("log")
     _log_axis(ax.yaxis, ax.dataLim.intervaly)
     ax.grid(alpha=0.3)
