@@ -103,11 +103,13 @@ def _cdf(ax: Any, values_s: list[float], label: str) -> None:
 
 def _log_axis(axis: Any, span: tuple[float, float]) -> None:
     """Plain numbers on a log axis (10, 20, 50, 100...), not 3x10^2; only powers of ten when the
-    data spans over two decades, so the labels do not run into each other."""
+    data spans over two decades, so the labels do not run into each other, and more ticks when
+    it spans less than one, so the axis has more than one label."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     lo, hi = span
-    wide = lo <= 0 or hi / lo > 300
-    axis.set_major_locator(LogLocator(subs=(1.0,) if wide else (1.0, 2.0, 5.0)))
+    ratio = hi / lo if lo > 0 else float("inf")
+    subs = (1.0,) if ratio > 300 else (1.0, 2.0, 5.0) if ratio > 5 else (1.0, 2.0, 3.0, 5.0, 7.0)
+    axis.set_major_locator(LogLocator(subs=subs))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
 
