@@ -24,7 +24,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 import httpx
@@ -369,13 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
             kind = {"concurrency": int, "goodput_ttft_ms": float, "goodput_tpot_ms": float,
                     "model": str, "api_key": str, "output_json": str}.get(name, type(value))
             p.add_argument(flag, type=kind, default=value)
-    p.add_argument("--plot", metavar="FILE.png", default=None,
-                   help="CDFs of TTFT, ITL and end-to-end latency; with a sweep, also throughput against TTFT p99")
-    p.add_argument("--sweep-concurrency", metavar="1,2,4,8", default=None,
-                   help="run the workload at each concurrency level in turn and print a table")
-    p.add_argument("--label", default=None, help="this run's name in plots and in --output-json")
-    p.add_argument("--plot-with", metavar="RESULTS.json", nargs="+", default=[],
-                   help="earlier runs' --output-json files, drawn beside this one")
+    from pdserve.bench_plot import add_plot_arguments  # late: bench_plot imports this module
+    add_plot_arguments(p)
     return p
 
 
@@ -390,28 +385,14 @@ def format_report(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
-    extras = {k: args.pop(k) for k in ("plot", "sweep_concurrency", "label", "plot_with")}
+    extras = {k: args.pop(k) for k in ("plot", "sweep_concurrency", "label", "plot_with")}  # bench_plot's
     cfg = BenchConfig(**args)
     if not extras["sweep_concurrency"] and not extras["plot"]:
         report = asyncio.run(run_benchmark(cfg))
         print(format_report(report))
         return 0 if report["completed"] else 1
-    from pdserve import bench_plot
-    if extras["sweep_concurrency"]:
-        levels = [int(x) for x in extras["sweep_concurrency"].split(",") if x.strip()]
-        reports = bench_plot.run_sweep(cfg, levels)
-        print(bench_plot.sweep_table(reports))
-    else:
-        reports = [asyncio.run(run_benchmark(replace(cfg, output_json=None)))]
-        print(format_report(reports[0]))
-    label = extras["label"] or cfg.base_url
-    if cfg.output_json:
-        bench_plot.save_series(cfg.output_json, label, reports)
-    if extras["plot"]:
-        series = {label: reports} | dict(bench_plot.load_series(f) for f in extras["plot_with"])
-        bench_plot.plot(series, extras["plot"])
-        print(f"plot written to {extras['plot']}")
-    return 0 if all(r["completed"] for r in reports) else 1
+    from pdserve.bench_plot import run_with_plots
+    return run_with_plots(cfg, extras)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_args(sim)
     sim.set_defaults(func=run_simulate)
     sub.add_parser("bench", help="load generator for any OpenAI-compatible endpoint (pdserve bench --help)")
+    sub.add_parser("bench-plot", help="draw saved `pdserve bench --output-json` runs on one figure")
     return parser
 
 
@@ -185,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # every flag belongs to the load generator, --help included
         from pdserve.bench import main as bench_main
         return bench_main(argv[1:])
+    if argv[:1] == ["bench-plot"]:
+        from pdserve.bench_plot import plot_main
+        return plot_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -86,7 +86,11 @@ class NodeRuntime:
         self.kv_events.flush()
 
     def _step_answering_pings(self) -> list[StepOutput]:
-        step = self._stepper.submit(self._step_and_signal)
+        step = self._stepper.submit(self.engine.step)
+        # Signalled from a done-callback, which runs after the future is marked done: a byte
+        # written from inside the step would wake this loop before done() turns true, and the
+        # next poll would then sleep its full second with nothing left to wake it.
+        step.add_done_callback(lambda _: os.write(self._step_done_w, b"s"))
         while not step.done():
             for sock in dict(self.poller.poll(1000)):
                 if sock == self._step_done_r:
@@ -98,12 +102,6 @@ class NodeRuntime:
                     else:
                         self._held.append((sock, *item))
         return step.result()
-
-    def _step_and_signal(self) -> list[StepOutput]:
-        try:
-            return self.engine.step()
-        finally:
-            os.write(self._step_done_w, b"s")
 
     def stop(self) -> None:
         self._stop = True
