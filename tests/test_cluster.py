@@ -121,8 +121,9 @@ def test_two_by_two_cluster_with_redis_shares_prefixes_across_prefill_nodes(refe
             results = list(pool.map(lambda p: _complete(client, p), PROMPTS[2:6]))
         assert [ids for ids, _ in results] == [reference[p].token_ids for p in PROMPTS[2:6]]
         names = ("prefill-0", "prefill-1", "decode-0", "decode-1")
-        stats = wait_for(lambda: (s := node_stats(url)) and all(s[n]["requests_total"] > 0 for n in names) and s)
-        assert stats["decode-0"]["transfers_ok"] > 0 and stats["decode-1"]["transfers_ok"] > 0
+        # Node stats ride on the health pings (every 0.2 s): wait for a snapshot taken after the pulls ended.
+        wait_for(lambda: (s := node_stats(url)) and all(s[n]["requests_total"] > 0 for n in names)
+                 and s["decode-0"]["transfers_ok"] > 0 and s["decode-1"]["transfers_ok"] > 0)
 
 
 def test_seeded_sampling_stop_and_logprobs_match_offline(cluster):
