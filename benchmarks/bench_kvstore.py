@@ -16,7 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

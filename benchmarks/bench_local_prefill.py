@@ -80,11 +80,11 @@ def main() -> None:
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     results = {mode: measure(flags, sizes, args.trials, args.streams) for mode, flags in MODES.items()}
-    print(f"| missing tokens | disaggregated TTFT ms | local TTFT ms | local / disaggregated |")
+    print("| missing tokens | disaggregated TTFT ms | local TTFT ms | local / disaggregated |")
     print("|---:|---:|---:|---:|")
     for n in sizes:
-        d, l = results["disaggregated"][0][n], results["local"][0][n]
-        print(f"| {n} | {d:.1f} | {l:.1f} | {l / d:.2f} |")
+        disagg, local = results["disaggregated"][0][n], results["local"][0][n]
+        print(f"| {n} | {disagg:.1f} | {local:.1f} | {local / disagg:.2f} |")
     print(f"\nbackground inter-token p50: disaggregated {results['disaggregated'][1]:.1f} ms, "
           f"local {results['local'][1]:.1f} ms")
 

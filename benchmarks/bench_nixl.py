@@ -16,14 +16,13 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Callable
 
 import msgspec
 import torch
 
-from pdserve.kvstore.nixl_messages import (NixlBlockRegions, NixlPeerInfo, decode_message,
-                                           encode_message)
+from pdserve.kvstore.nixl_messages import NixlBlockRegions, NixlPeerInfo, decode_message, encode_message
 from pdserve.kvstore.nixl_transfer import NixlKVAgent, block_digest, mismatched_blocks
 
 

@@ -54,7 +54,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
 import zmq  # noqa: E402
-
 from cluster import http_json, local_cluster, source_info  # noqa: E402
 
 from pdserve.bench import percentile  # noqa: E402
@@ -146,7 +145,7 @@ def summarize(values_s: list[float]) -> dict[str, float]:
 
 
 def measure(direct: DirectClient, router: RouterClient, n: int, warmup: int, prompt_len: int,
-            max_tokens: int, seed: int, vocab: tuple[int, int], raw: "RawHTTPClient | None" = None
+            max_tokens: int, seed: int, vocab: tuple[int, int], raw: RawHTTPClient | None = None
             ) -> dict[str, Any]:
     """Each iteration sends one prompt down every path; the order rotates per iteration."""
     rng = random.Random(seed)
@@ -311,7 +310,8 @@ def serve_instrumented_router(args: argparse.Namespace) -> int:
 
     import pdserve.router.app as app_mod
     import pdserve.router.cluster as cluster_mod
-    from pdserve.messages import DecodeRequest as DR, TokenDelta as TD
+    from pdserve.messages import DecodeRequest as DR
+    from pdserve.messages import TokenDelta as TD
     from pdserve.router.main import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

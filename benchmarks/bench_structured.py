@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from bench_offline import CONFIG
 
 SCHEMA = {"type": "object", "required": ["name", "age", "tags", "note"], "additionalProperties": False,

@@ -20,8 +20,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from pdserve.transport import free_port
 

@@ -76,7 +76,7 @@ def reference_greedy(path: Path, dtype: torch.dtype, prompts) -> list[tuple[list
             g = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
                              do_sample=False, output_logits=True, return_dict_in_generate=True,
                              pad_token_id=0)
-            out.append((g.sequences[0, len(p):].tolist(), [l[0].float().cpu() for l in g.logits]))
+            out.append((g.sequences[0, len(p):].tolist(), [step[0].float().cpu() for step in g.logits]))
     del ref
     return out
 

@@ -24,8 +24,9 @@ import logging
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import httpx
 from tqdm.asyncio import tqdm

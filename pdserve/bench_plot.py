@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from pdserve.bench import BenchConfig, format_report, run_benchmark
 

@@ -62,7 +62,7 @@ class NodeKeys:
     routers: frozenset[bytes]  # the public keys allowed on the control socket
 
     @classmethod
-    def load(cls, key_dir: str | os.PathLike) -> "NodeKeys":
+    def load(cls, key_dir: str | os.PathLike) -> NodeKeys:
         key_dir = Path(key_dir)
         public, secret = _load(key_dir / f"{NODE}.key_secret", True, "node")
         routers = frozenset(_load(Path(p), False, "node")[0] for p in glob.glob(str(key_dir / f"{ROUTER}*.key")))
@@ -78,7 +78,7 @@ class RouterKeys:
     server: bytes  # the nodes' public key
 
     @classmethod
-    def load(cls, key_dir: str | os.PathLike) -> "RouterKeys":
+    def load(cls, key_dir: str | os.PathLike) -> RouterKeys:
         key_dir = Path(key_dir)
         public, secret = _load(key_dir / f"{ROUTER}.key_secret", True, "router")
         return cls(public, secret, _load(key_dir / f"{NODE}.key", False, "router")[0])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.messages import KVEvents

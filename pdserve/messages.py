@@ -5,8 +5,6 @@ nothing else travels on a socket: no pickle anywhere.
 """
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 from pdserve.engine.outputs import StepOutput, TokenLogprob
@@ -97,8 +95,8 @@ class NixlMetadata(msgspec.Struct, tag=True):
     metadata: bytes
 
 
-Message = Union[Ping, Pong, PrefillRequest, PrefillResult, DecodeRequest, TokenDelta, Abort,
-                NixlMetadataRequest, NixlMetadata, KVEvents, KVSnapshotRequest]
+Message = (Ping | Pong | PrefillRequest | PrefillResult | DecodeRequest | TokenDelta | Abort
+           | NixlMetadataRequest | NixlMetadata | KVEvents | KVSnapshotRequest)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

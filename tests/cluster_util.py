@@ -39,7 +39,7 @@ def running_cluster(*flags: str, timeout_s: float = 240.0):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            raise AssertionError("pdserve up did not stop on SIGTERM")
+            raise AssertionError("pdserve up did not stop on SIGTERM") from None
         _assert_all_stopped(children)
 
 

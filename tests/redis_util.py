@@ -15,7 +15,8 @@ import socket
 import ssl
 import subprocess
 import time
-from typing import Iterator, NamedTuple, Sequence
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 from urllib.parse import quote
 
 from pdserve.transport import free_port  # noqa: E402  (re-exported for tests)

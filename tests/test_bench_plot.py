@@ -10,8 +10,8 @@ from dataclasses import asdict
 
 import matplotlib.image
 import pytest
-
 from cluster_util import running_cluster
+
 from pdserve import bench_plot
 from pdserve.bench import BenchConfig, RequestResult, _samples, compute_metrics
 from pdserve.bench import main as bench_main

@@ -6,8 +6,8 @@ import concurrent.futures as cf
 
 import openai
 import pytest
-
 from cluster_util import node_stats, running_cluster, wait_for
+
 from pdserve import LLM, SamplingParams
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 3, "a",

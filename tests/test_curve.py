@@ -13,8 +13,8 @@ import time
 import psutil
 import zmq
 import zmq.auth
-
 from cluster_util import assert_greedy_matches_offline, node_stats, running_cluster, wait_for
+
 from pdserve import LLM
 from pdserve.curve_keys import NodeKeys, RouterKeys
 from pdserve.kvstore.nixl_transfer import nixl_import_error

@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from cluster_util import running_cluster
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "monitoring" / "grafana" / "pdserve-dashboard.json"

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 
 import openai
 import pytest
+from cluster_util import running_cluster
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from cluster_util import running_cluster
 from pdserve import LLM, SamplingParams
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.models.builtin import build_byte_tokenizer

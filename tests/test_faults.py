@@ -8,8 +8,8 @@ import signal
 import httpx
 import openai
 import pytest
-
 from cluster_util import node_pids, node_stats, running_cluster, wait_for
+
 from pdserve import LLM, SamplingParams
 
 LONG = {"max_tokens": 3000, "temperature": 0, "ignore_eos": True}

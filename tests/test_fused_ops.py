@@ -78,6 +78,7 @@ def test_silu_mul_matches_torch(dtype, inter):
 def test_model_with_fused_ops_matches_transformers_logits(tmp_path, kind):
     """Every position's logits of a prompt, fused model against transformers in float32."""
     from model_factory import load_reference, make_model
+
     from pdserve import LLM
     path = make_model(tmp_path, kind)
     llm = LLM(model=str(path), dtype="float32", device=DEVICE, kernel_backend="triton",

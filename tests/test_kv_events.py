@@ -5,9 +5,8 @@ and a bfloat16 node's alike."""
 from __future__ import annotations
 
 import openai
-import pytest
-
 from cluster_util import node_stats, running_cluster, wait_for
+
 from pdserve.engine.block_keys import block_key_chain
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig

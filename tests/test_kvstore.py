@@ -7,7 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import random
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis

@@ -11,9 +11,8 @@ import signal
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from cluster_util import node_pids, running_cluster, wait_for
+from prometheus_client.parser import text_string_to_metric_families
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -5,8 +5,8 @@ import random
 
 import pytest
 import torch
-
 from model_factory import ARCHS, load_reference, make_model
+
 from pdserve import LLM, SamplingParams
 
 NEW_TOKENS = 12
@@ -29,7 +29,7 @@ def reference_greedy(ref, prompt: list[int], n: int) -> tuple[list[int], list[to
         ids = torch.tensor([prompt])
         out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                            output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences[0, len(prompt):].tolist(), [l[0] for l in out.logits]
+    return out.sequences[0, len(prompt):].tolist(), [step[0] for step in out.logits]
 
 
 def assert_same_or_near_tie(got: list[int], want: list[int], logits: list[torch.Tensor]) -> None:

@@ -14,10 +14,15 @@ import msgspec
 import pytest
 import torch
 
-from pdserve.kvstore.nixl_messages import (NixlBlockRegions, NixlPeerInfo, decode_message,
-                                           encode_message)
-from pdserve.kvstore.nixl_transfer import (NixlKVAgent, NixlTimeoutError, NixlTransferError,
-                                           block_digest, mismatched_blocks, nixl_import_error)
+from pdserve.kvstore.nixl_messages import NixlBlockRegions, NixlPeerInfo, decode_message, encode_message
+from pdserve.kvstore.nixl_transfer import (
+    NixlKVAgent,
+    NixlTimeoutError,
+    NixlTransferError,
+    block_digest,
+    mismatched_blocks,
+    nixl_import_error,
+)
 
 _why = nixl_import_error()
 if _why is not None:  # pragma: no cover - depends on the optional extra

@@ -15,7 +15,6 @@ import sys
 
 import httpx
 import pytest
-
 from cluster_util import running_cluster
 
 pytest.importorskip("schemathesis")

@@ -12,12 +12,17 @@ import dataclasses
 import openai
 import pytest
 import torch
-from transformers import (LogitsProcessor, LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
-                          NoBadWordsLogitsProcessor, RepetitionPenaltyLogitsProcessor,
-                          SequenceBiasLogitsProcessor)
-
 from cluster_util import running_cluster
 from model_factory import load_reference, make_model
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
+
 from pdserve import LLM, SamplingParams
 from pdserve.engine.logits_processors import apply_logits_processors
 

@@ -7,8 +7,8 @@ import os
 import signal
 
 import redis
-
 from cluster_util import assert_greedy_matches_offline, node_pids, running_cluster, wait_for
+
 from pdserve import LLM
 
 

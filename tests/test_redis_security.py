@@ -9,8 +9,8 @@ import ipaddress
 import logging
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 from urllib.parse import quote
 
 import httpx

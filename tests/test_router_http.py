@@ -14,7 +14,7 @@ import json
 import socket
 import threading
 import time
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import openai

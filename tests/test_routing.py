@@ -8,8 +8,8 @@ import time
 
 import openai
 import pytest
-
 from cluster_util import node_stats, running_cluster, wait_for
+
 from pdserve import LLM, SamplingParams
 from pdserve.engine.block_keys import block_key_chain
 from pdserve.router.index import PrefixIndex

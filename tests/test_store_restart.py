@@ -10,8 +10,8 @@ import httpx
 import psutil
 import pytest
 import redis
-
 from cluster_util import assert_greedy_matches_offline, node_pids, node_stats, running_cluster, wait_for
+
 from pdserve import LLM
 
 

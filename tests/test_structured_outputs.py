@@ -15,9 +15,9 @@ import jsonschema
 import openai
 import pytest
 import torch
-
 from cluster_util import running_cluster
 from model_factory import make_model
+
 from pdserve import LLM, SamplingParams
 from pdserve.engine.sampling_params import StructuredSpec
 

@@ -8,13 +8,13 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from pdserve.decode_node.nixl_puller import NixlPuller
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
 from pdserve.messages import DecodeRequest, KVHandover, Message
 from pdserve.node_runtime import NodeRuntime
-from pdserve.decode_node.nixl_puller import NixlPuller
 
 log = logging.getLogger(__name__)
 

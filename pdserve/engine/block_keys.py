@@ -7,7 +7,7 @@ This module imports no torch so the router can use it with only a tokenizer.
 from __future__ import annotations
 
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 import xxhash
 

@@ -8,7 +8,8 @@ fall back to vLLM's older prefix-window method.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 try:
     from tokenizers.decoders import DecodeStream

@@ -1,7 +1,7 @@
 """Maps requests to KV blocks: prefix-cache hits, allocation for new tokens, freeing."""
 from __future__ import annotations
 
-from pdserve.engine.block_keys import block_key, ROOT_KEY
+from pdserve.engine.block_keys import ROOT_KEY, block_key
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request
 

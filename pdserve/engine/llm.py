@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
@@ -11,7 +11,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 
-PromptType = Union[str, dict]
+PromptType = str | dict
 
 
 class LLM:

@@ -13,7 +13,8 @@ Rows with none of these are not touched, and a batch without any costs one list 
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 

@@ -17,7 +17,7 @@ from pdserve.engine.request import Request
 
 def fill_decode_rows(reqs: list[Request], block_size: int, ints64: np.ndarray,
                      context_lens: np.ndarray, tables: np.ndarray,
-                     kept_rows: "KeptTableRows | None" = None) -> None:
+                     kept_rows: KeptTableRows | None = None) -> None:
     """Inputs of n one-token queries into the first n rows/columns of preallocated arrays:
     ints64 [3, >=n] (token id, position, slot), context_lens [>=n], tables [>=n, width].
     Table entries past a request's own blocks keep whatever they held: no kernel reads them.

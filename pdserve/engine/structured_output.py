@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

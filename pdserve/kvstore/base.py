@@ -7,7 +7,7 @@ contiguous byte range (one store value, one NIXL descriptor).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -36,5 +36,5 @@ class KVStore(ABC):
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys of the chain are present."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: stores without connections keep it
         """Release connections and memory."""

@@ -11,8 +11,8 @@ Calls carry a slice of the chain: first_block is the chain position of keys[0].
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 import redis
 import torch

@@ -41,7 +41,7 @@ class KVLayout:
                               self.dtype_name, self.block_size)
 
     @classmethod
-    def from_cache(cls, kv_cache: torch.Tensor, model_name: str = "pdserve") -> "KVLayout":
+    def from_cache(cls, kv_cache: torch.Tensor, model_name: str = "pdserve") -> KVLayout:
         """Read the layout off a paged cache tensor [blocks, layers, 2, block, heads, dim]."""
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError(f"not a block-major paged cache: shape {tuple(kv_cache.shape)}")

@@ -42,7 +42,8 @@ import multiprocessing  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
-from typing import Any, Iterator  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from typing import Any
 
 
 @contextlib.contextmanager

@@ -12,7 +12,8 @@ Plain torch copies, so CPU and GPU caches both work.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -27,7 +27,8 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -37,9 +38,20 @@ from pdserve.kvstore.digest_ledger import DigestLedger
 from pdserve.kvstore.errors import KVStoreError
 from pdserve.kvstore.layout import KVLayout, check_batch
 from pdserve.kvstore.lmcache_compat import (
-    ChunkedTokenDatabase, LMCacheEngine, LMCacheEngineBuilder, LMCacheEngineConfig, LMCacheMetadata,
-    close_in_daemon, keep_start_method, quiet_lmcache_logs, quiet_logger_setup, reconnect_resp,
-    remote_backends, shutdown_engine, track_batched_puts)
+    ChunkedTokenDatabase,
+    LMCacheEngine,
+    LMCacheEngineBuilder,
+    LMCacheEngineConfig,
+    LMCacheMetadata,
+    close_in_daemon,
+    keep_start_method,
+    quiet_lmcache_logs,
+    quiet_logger_setup,
+    reconnect_resp,
+    remote_backends,
+    shutdown_engine,
+    track_batched_puts,
+)
 from pdserve.kvstore.lmcache_connector import PagedChunkConnector
 
 logger = logging.getLogger(__name__)

@@ -6,8 +6,6 @@ addresses, lengths and device ids travel as plain ints and the receiver builds d
 """
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 
@@ -42,7 +40,7 @@ class NixlBlockRegions(msgspec.Struct, frozen=True, tag=True):
             )
 
 
-NixlMessage = Union[NixlPeerInfo, NixlBlockRegions]
+NixlMessage = NixlPeerInfo | NixlBlockRegions
 
 _encoder = msgspec.msgpack.Encoder()
 _peer_decoder = msgspec.msgpack.Decoder(NixlPeerInfo)

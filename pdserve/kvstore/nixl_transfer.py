@@ -26,8 +26,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 import xxhash
@@ -377,7 +378,7 @@ class NixlKVAgent:
             self._agent = None
             self._reg = None
 
-    def __enter__(self) -> "NixlKVAgent":
+    def __enter__(self) -> NixlKVAgent:
         return self
 
     def __exit__(self, *exc: object) -> None:

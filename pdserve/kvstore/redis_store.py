@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import redis

@@ -57,9 +57,9 @@ def _make_readable(path: Path) -> None:
 
 
 def write_builtin_model(path: Path, dims: dict) -> None:
+    import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig
-    import torch
 
     tokenizer = build_byte_tokenizer()
     dims = {**dims, "vocab_size": len(tokenizer)}

@@ -33,7 +33,7 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 
-    def to(self, device: torch.device) -> "RotaryEmbedding":
+    def to(self, device: torch.device) -> RotaryEmbedding:
         self.inv_freq = self.inv_freq.to(device)
         self._table = tuple(t.to(device) for t in self._table)
         return self

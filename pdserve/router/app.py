@@ -12,26 +12,47 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.backend import GenerationBackend
 from pdserve.router.admission import AdmissionMiddleware
+from pdserve.router.backend import GenerationBackend
+from pdserve.router.errors import (
+    SERVER_ERROR,
+    APIError,
+    ErrorResponse,
+    bad_request,
+    drop_validation_422,
+    error_body,
+    error_responses,
+    install_error_handlers,
+    model_not_found,
+)
+from pdserve.router.responses import (
+    ChatFlavor,
+    ChoiceState,
+    CompletionFlavor,
+    Flavor,
+    TokenTexts,
+    chunk_body,
+    response_body,
+    usage,
+)
+from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, HealthReport
+from pdserve.router.streaming import (
+    AbortingStreamingResponse,
+    ClientDisconnected,
+    GenerationGroup,
+    run_until_disconnect,
+    sse_events,
+)
 from pdserve.router.tokenize_routes import add_tokenize_routes
-from pdserve.router.errors import (SERVER_ERROR, APIError, ErrorResponse, bad_request,
-                                   drop_validation_422, error_body, error_responses,
-                                   install_error_handlers, model_not_found)
-from pdserve.router.responses import (ChatFlavor, ChoiceState, CompletionFlavor, Flavor,
-                                      TokenTexts, chunk_body, response_body, usage)
-from pdserve.router.schemas import (ChatCompletionRequest, CompletionRequest, GenerationRequest,
-                                    HealthReport)
 from pdserve.router.tool_calls import ToolCallChatFlavor
-from pdserve.router.streaming import (AbortingStreamingResponse, ClientDisconnected,
-                                      GenerationGroup, run_until_disconnect, sse_events)
 
 logger = logging.getLogger(__name__)
 

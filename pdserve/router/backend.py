@@ -5,7 +5,8 @@ over zmq; with no prefill nodes, whole requests run on decode nodes).
 """
 from __future__ import annotations
 
-from typing import AsyncIterator, Protocol
+from collections.abc import AsyncIterator
+from typing import Protocol
 
 from pdserve.engine.outputs import StepOutput
 from pdserve.engine.sampling_params import SamplingParams

@@ -15,13 +15,23 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from pdserve.engine.block_keys import block_key_chain
 from pdserve.engine.outputs import StepOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import (Abort, DecodeRequest, KVEvents, KVHandover, KVSnapshotRequest, Message,
-                              PrefillRequest, PrefillResult, Pong, TokenDelta)
+from pdserve.messages import (
+    Abort,
+    DecodeRequest,
+    KVEvents,
+    KVHandover,
+    KVSnapshotRequest,
+    Message,
+    Pong,
+    PrefillRequest,
+    PrefillResult,
+    TokenDelta,
+)
 from pdserve.router.backend import BackendError
 from pdserve.router.index import STORE_HOLDER, PrefixIndex
 from pdserve.router.kv_events import KVEventTracker

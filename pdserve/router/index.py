@@ -12,7 +12,7 @@ Pure data: no sockets, no asyncio.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable
+from collections.abc import Iterable
 
 DEFAULT_MAX_KEYS = 1 << 20
 STORE_HOLDER = "@store"

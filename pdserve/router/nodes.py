@@ -11,8 +11,8 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import zmq
 import zmq.asyncio

@@ -18,8 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any
 
-from pydantic import (BaseModel, ConfigDict, Field, WithJsonSchema, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from pdserve.engine.sampling_params import SamplingParams, StructuredSpec
 from pdserve.router.structured_request import named_tool, structured_spec
@@ -125,7 +124,7 @@ class GenerationRequest(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _log_ignored_fields(self) -> "GenerationRequest":
+    def _log_ignored_fields(self) -> GenerationRequest:
         if self.model_extra:  # as vLLM does: accepted, ignored, and said so
             log.warning("ignored unknown request fields: %s", sorted(self.model_extra))
         return self
@@ -203,7 +202,7 @@ class CompletionRequest(GenerationRequest):
     suffix: Annotated[str | None, _only({"enum": ["", None]}, "Not supported.")] = None
 
     @model_validator(mode="after")
-    def _reject_completion_only(self) -> "CompletionRequest":
+    def _reject_completion_only(self) -> CompletionRequest:
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs is not supported (prompt logprobs are not computed)")
         if self.suffix:
@@ -263,7 +262,7 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _reject_chat_only(self) -> "ChatCompletionRequest":
+    def _reject_chat_only(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self

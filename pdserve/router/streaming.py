@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request

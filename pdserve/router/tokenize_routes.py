@@ -49,7 +49,7 @@ class DetokenizeResponse(BaseModel):
 _RESPONSES = error_responses(400, 404, 413, 500)
 
 
-def add_tokenize_routes(app: FastAPI, router: "_Router") -> None:
+def add_tokenize_routes(app: FastAPI, router: _Router) -> None:
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         router.check_model(body.model)
@@ -68,7 +68,7 @@ def add_tokenize_routes(app: FastAPI, router: "_Router") -> None:
         return {"prompt": router.tokenizer.decode(body.tokens)}
 
 
-async def _tokenize(router: "_Router", body: TokenizeRequest) -> list[int]:
+async def _tokenize(router: _Router, body: TokenizeRequest) -> list[int]:
     from pdserve.router.app import render_chat_prompt
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of prompt and messages", "prompt")

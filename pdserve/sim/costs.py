@@ -23,7 +23,7 @@ class NodeCosts:
     router_s: float = 3.0e-3              # HTTP, tokenizing and planning (bench_router_overhead)
 
     @classmethod
-    def load(cls, path: str) -> "NodeCosts":
+    def load(cls, path: str) -> NodeCosts:
         with open(path) as f:
             return cls(**json.load(f))
 

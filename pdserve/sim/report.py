@@ -3,7 +3,6 @@ bytes moved; a text table and an optional PNG."""
 from __future__ import annotations
 
 import math
-
 from dataclasses import asdict, dataclass
 
 from pdserve.sim.nodes import SimRequest

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from pdserve.engine.block_keys import ROOT_KEY, block_key, kv_layout_salt
 from pdserve.router.index import STORE_HOLDER, PrefixIndex
