@@ -75,9 +75,10 @@ class ClusterBackend:
     def __init__(self, model_name: str, prefill_addrs: list[str], decode_addrs: list[str],
                  transfer: str = "nixl", salt: bytes | None = None, block_size: int = 16,
                  prefill_policy: str = "cache_aware", decode_policy: str = "cache_aware",
-                 local_prefill_threshold: int = 0, session_affinity: bool = False):
-        if not decode_addrs:
-            raise ValueError("the cluster needs at least one decode node")
+                 local_prefill_threshold: int = 0, session_affinity: bool = False, registry: str | None = None):
+        if not decode_addrs and registry is None:
+            raise ValueError("the cluster needs at least one decode node, or a registry to find them in")
+        self.registry = registry  # tcp://host:port of the node registry, or None for static lists
         self.model_name = model_name
         self.transfer = transfer
         self.salt = salt  # used only until a node reports its own (the node's salt is the contract)
@@ -158,7 +159,8 @@ class ClusterBackend:
     # ---- requests -------------------------------------------------------------------------
     def _preferred(self, node_id: str | None, tried: set[str]) -> Node | None:
         node = self.pool.get(node_id) if node_id is not None else None
-        return node if node is not None and node.healthy and node_id not in tried else None
+        usable = node is not None and node.healthy and not node.draining
+        return node if usable and node_id not in tried else None
 
     def _pick(self, role: str, exclude: set[str] = frozenset()) -> Node | None:
         healthy = [n for n in self.pool.by_role(role) if n.node_id not in exclude]
@@ -334,7 +336,7 @@ class ClusterBackend:
                 return
 
     async def abort(self, request_id: str) -> None:
-        for node in self.nodes:
+        for node in list(self.nodes):  # a copy: membership may change while a send waits
             if node.healthy:
                 await self.pool.send(node, Abort(request_id))
             node.requests.discard(request_id)

@@ -4,6 +4,11 @@ A node is declared dead the moment its TCP connection drops (a zmq socket monito
 disconnect; a killed process's kernel closes it at once) or after DEAD_AFTER_S without a Pong
 (a hung or unreachable node). Either way it leaves the rotation at once and the cluster is told,
 so the requests it held move elsewhere. It rejoins on its next Pong.
+
+The pool's membership changes at run time (add_node/remove_node, driven by the registry watcher):
+a node added joins the rotation at its first Pong; a node removed is treated as dead first, so
+its requests move, then its socket closes. A draining node stays connected and keeps its
+in-flight requests but is handed no new ones.
 """
 from __future__ import annotations
 
@@ -43,6 +48,9 @@ class Node:
     disconnected: bool = False  # its TCP connection closed (a dead process), not merely silent
     kv_salt: bytes = b""  # the node's block-key salt, from its pongs
     queued_tokens: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens sent to prefill
+    draining: bool = False  # finishing its requests; no new ones are routed to it
+    nixl_side_channel: str | None = None  # as the node registered it (None for static nodes)
+    closed: bool = False  # removed from the pool: its socket is closed
 
 
 class NodePool:
@@ -54,11 +62,14 @@ class NodePool:
     def __init__(self, prefill_addrs: list[str], decode_addrs: list[str],
                  on_message: Callable[[Node, Message], None], on_dead: Callable[[Node], None]):
         self.ctx = zmq.asyncio.Context.instance()
+        # One live list: metrics and the cluster hold references to it, so it is changed in place.
         self.nodes = [self._connect(f"prefill-{i}", "prefill", a) for i, a in enumerate(prefill_addrs)]
         self.nodes += [self._connect(f"decode-{i}", "decode", a) for i, a in enumerate(decode_addrs)]
         self.on_message = on_message
         self.on_dead = on_dead
         self._tasks: list[asyncio.Task] = []
+        self._node_tasks: dict[str, list[asyncio.Task]] = {}
+        self._started = False
 
     def _connect(self, node_id: str, role: str, address: str) -> Node:
         sock = self.ctx.socket(zmq.DEALER)
@@ -71,25 +82,63 @@ class NodePool:
         return Node(node_id, role, address, sock)
 
     def by_role(self, role: str, healthy_only: bool = True) -> list[Node]:
-        return [n for n in self.nodes if n.role == role and (n.healthy or not healthy_only)]
+        """The nodes of `role` that may take new requests: never a draining one."""
+        return [n for n in self.nodes if n.role == role and not n.draining and (n.healthy or not healthy_only)]
 
     def get(self, node_id: str) -> Node | None:
         return next((n for n in self.nodes if n.node_id == node_id), None)
 
+    def add_node(self, node_id: str, role: str, address: str, nixl_side_channel: str | None = None) -> Node:
+        """Connect to a node found at run time; it joins the rotation at its first Pong."""
+        if self.get(node_id) is not None:
+            raise ValueError(f"node {node_id} is already in the pool")
+        node = self._connect(node_id, role, address)
+        node.nixl_side_channel = nixl_side_channel
+        self.nodes.append(node)
+        if self._started:
+            self._start_node_tasks(node)
+        log.info("%s (%s, %s) added", node_id, role, address)
+        return node
+
+    async def remove_node(self, node_id: str) -> None:
+        """Drop a node that left: its requests move elsewhere as for a dead node, then its
+        socket closes. Unknown ids are ignored (the registry and the pool may race)."""
+        node = self.get(node_id)
+        if node is None:
+            return
+        self.mark_dead(node, "left the cluster")
+        self.nodes.remove(node)
+        tasks = self._node_tasks.pop(node_id, [])
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        node.closed = True
+        node.sock.close(0)
+        log.info("%s (%s) removed", node_id, node.address)
+
+    def _start_node_tasks(self, node: Node) -> None:
+        self._node_tasks[node.node_id] = [asyncio.create_task(self._receive(node)),
+                                          asyncio.create_task(self._watch_connection(node))]
+
     async def start(self) -> None:
+        self._started = True
         for node in self.nodes:
-            self._tasks.append(asyncio.create_task(self._receive(node)))
-            self._tasks.append(asyncio.create_task(self._watch_connection(node)))
+            self._start_node_tasks(node)
         self._tasks.append(asyncio.create_task(self._health_loop()))
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = self._tasks + [t for ts in self._node_tasks.values() for t in ts]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._node_tasks.clear()
         for node in self.nodes:
+            node.closed = True
             node.sock.close(0)
 
     async def send(self, node: Node, msg: Message) -> None:
+        if node.closed:  # removed while a request still held it: nothing to send to
+            return
         await node.sock.send(encode(msg))
 
     def mark_dead(self, node: Node, why: str) -> None:
@@ -110,10 +159,10 @@ class NodePool:
             now = time.monotonic()
             self._credit_router_stall(now - last_tick - PING_INTERVAL_S)
             last_tick = now
-            for node in self.nodes:
+            for node in list(self.nodes):  # a copy: membership may change while a send waits
                 if node.healthy and now - node.last_pong > DEAD_AFTER_S:
                     self.mark_dead(node, f"sent no pong for {now - node.last_pong:.1f} s")
-                await node.sock.send(encode(Ping(seq)))
+                await self.send(node, Ping(seq))
             await asyncio.sleep(PING_INTERVAL_S)
 
     def _credit_router_stall(self, stall_s: float) -> None:
