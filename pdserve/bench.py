@@ -356,6 +356,7 @@ async def run_benchmark(config: BenchConfig | dict[str, Any]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The load generator's flags, one per BenchConfig field (pdserve.bench_cli adds the plot flags)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     defaults = BenchConfig()
     for name, value in asdict(defaults).items():
@@ -370,8 +371,6 @@ def build_parser() -> argparse.ArgumentParser:
             kind = {"concurrency": int, "goodput_ttft_ms": float, "goodput_tpot_ms": float,
                     "model": str, "api_key": str, "output_json": str}.get(name, type(value))
             p.add_argument(flag, type=kind, default=value)
-    from pdserve.bench_plot import add_plot_arguments  # late: bench_plot imports this module
-    add_plot_arguments(p)
     return p
 
 
@@ -382,19 +381,3 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("errors"):
         lines.append(f"{'first error':>26}: {report['errors'][0]}")
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = vars(build_parser().parse_args(argv))
-    extras = {k: args.pop(k) for k in ("plot", "sweep_concurrency", "label", "plot_with")}  # bench_plot's
-    cfg = BenchConfig(**args)
-    if not extras["sweep_concurrency"] and not extras["plot"]:
-        report = asyncio.run(run_benchmark(cfg))
-        print(format_report(report))
-        return 0 if report["completed"] else 1
-    from pdserve.bench_plot import run_with_plots
-    return run_with_plots(cfg, extras)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -5,6 +5,8 @@ import argparse
 import logging
 import sys
 
+from pdserve.engine.config import engine_options
+
 # Up to this many missing prompt tokens the decode node prefills them itself instead of taking a
 # prefill node's round trip and a KV handover. Measured on the 2-core CI machine
 # (benchmarks/bench_local_prefill.py): local prefill gave the lower TTFT at every size up to 512
@@ -26,13 +28,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse cached KV blocks of earlier prompts (--no-enable-prefix-caching: recompute)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no CUDA graphs for decode steps, every op launched eagerly")
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs, kernel_backend=args.kernel_backend,
-                enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -184,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # every flag belongs to the load generator, --help included
-        from pdserve.bench import main as bench_main
+        from pdserve.bench_cli import main as bench_main
         return bench_main(argv[1:])
     if argv[:1] == ["bench-plot"]:
         from pdserve.bench_plot import plot_main

@@ -13,7 +13,7 @@ import tempfile
 import time
 import urllib.request
 
-from pdserve.kvstore.factory import redact_url
+from pdserve.kvstore.redact import redact_url
 from pdserve.transport import free_port
 
 log = logging.getLogger(__name__)

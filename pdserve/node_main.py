@@ -42,8 +42,7 @@ def _apply_thread_limit() -> None:
 
 def _engine(args):
     _apply_thread_limit()
-    from pdserve.cli import engine_options
-    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.config import EngineConfig, engine_options
     from pdserve.engine.engine import LLMEngine
     return LLMEngine(EngineConfig(model=args.model, remote_kv_timeout_s=args.kv_timeout_s, **engine_options(args)))
 

@@ -14,7 +14,7 @@ from cluster_util import running_cluster
 
 from pdserve import bench_plot
 from pdserve.bench import BenchConfig, RequestResult, _samples, compute_metrics
-from pdserve.bench import main as bench_main
+from pdserve.bench_cli import main as bench_main
 from pdserve.cli import main as pdserve_main
 
 WORKLOAD = ["--workload", "shared-prefix", "--num-groups", "2", "--prompts-per-group", "3", "--prefix-len", "64",

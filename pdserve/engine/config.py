@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -34,3 +35,11 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.kernel_backend not in ("auto", "torch", "numba", "triton"):
             raise ValueError(f"kernel_backend must be auto, torch, numba or triton, got {self.kernel_backend!r}")
+
+
+def engine_options(args: Any) -> dict:
+    """EngineConfig keywords from the parsed engine flags (pdserve.cli's --dtype, --block-size, ...)."""
+    return dict(dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs, kernel_backend=args.kernel_backend,
+                enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager)

@@ -26,26 +26,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
-if TYPE_CHECKING:  # annotations only: the launcher imports redact_url and must not load torch
+from pdserve.kvstore.redact import redact_url
+
+if TYPE_CHECKING:  # annotations only: importing this module must not load torch
     from pdserve.kvstore.base import KVStore
     from pdserve.kvstore.layout import KVLayout
 
 SUPPORTED_SCHEMES = ("memory", "redis", "rediss", "direct+redis", "direct+rediss", "lmcache", "lmcache+redis")
 LMCACHE_SCHEMES = ("redis", "lmcache", "lmcache+redis")
 LMCACHE_OPTIONS = ("chunk_tokens", "local_cpu_gb", "local_disk", "local_disk_gb", "lmcache_config")
-
-
-def redact_url(url: str) -> str:
-    """url with its password replaced by "***": the form that may appear in logs and errors."""
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:  # not a URL we can parse (e.g. a bad port): hide everything before "@"
-        return url if "@" not in url else url.split("://", 1)[0] + "://***@" + url.rpartition("@")[2]
-    if password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 def _query(url: str) -> tuple[str, dict[str, str]]:

@@ -26,8 +26,8 @@ from redis.retry import Retry
 
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
-from pdserve.kvstore.factory import redact_url
 from pdserve.kvstore.layout import check_batch
+from pdserve.kvstore.redact import redact_url
 
 MAGIC = b"PDKV"
 FORMAT_VERSION = 1

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admission import AdmissionMiddleware
 from pdserve.router.backend import GenerationBackend
+from pdserve.router.chat_prompt import render_chat_prompt
 from pdserve.router.errors import (
     SERVER_ERROR,
     APIError,
@@ -81,27 +82,6 @@ _HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
           "description": "Unhealthy: the report says healthy=false, or the check itself failed"},
     **error_responses(401, 500),
 }
-
-
-def render_fallback_chat(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    """Template for tokenizers without one: "<|role|>\\ncontent\\n" per message, then the
-    assistant header the model continues from."""
-    lines = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
-    return "".join(lines) + ("<|assistant|>\n" if add_generation_prompt else "")
-
-
-def render_chat_prompt(tokenizer: Any, messages: list[dict[str, str]],
-                       tools: list[dict] | None = None, add_generation_prompt: bool = True) -> tuple[str, bool]:
-    """Returns the prompt text and whether the tokenizer should add special tokens to it
-    (not when a real template rendered them already). Tools go to templates that list them."""
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, tools=tools or None,
-                                                 add_generation_prompt=add_generation_prompt)
-        except Exception as exc:  # jinja raise_exception(): e.g. roles must alternate
-            raise bad_request(f"chat template failed: {exc}", "messages") from exc
-        return text, False
-    return render_fallback_chat(messages, add_generation_prompt), True
 
 
 class _Router:

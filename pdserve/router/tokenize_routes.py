@@ -6,16 +6,25 @@ Like vLLM's --api-key, the API key guards /v1/* only.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.router.chat_prompt import render_chat_prompt
 from pdserve.router.errors import bad_request, error_responses
 from pdserve.router.schemas import ChatMessage
 
-if TYPE_CHECKING:
-    from pdserve.router.app import _Router
+
+class TokenizingRouter(Protocol):
+    """What these routes use of the router's state (pdserve.router.app's _Router)."""
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+
+    def check_model(self, model: str | None) -> None: ...
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
 
 
 class TokenizeRequest(BaseModel):
@@ -49,7 +58,7 @@ class DetokenizeResponse(BaseModel):
 _RESPONSES = error_responses(400, 404, 413, 500)
 
 
-def add_tokenize_routes(app: FastAPI, router: _Router) -> None:
+def add_tokenize_routes(app: FastAPI, router: TokenizingRouter) -> None:
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         router.check_model(body.model)
@@ -68,8 +77,7 @@ def add_tokenize_routes(app: FastAPI, router: _Router) -> None:
         return {"prompt": router.tokenizer.decode(body.tokens)}
 
 
-async def _tokenize(router: _Router, body: TokenizeRequest) -> list[int]:
-    from pdserve.router.app import render_chat_prompt
+async def _tokenize(router: TokenizingRouter, body: TokenizeRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of prompt and messages", "prompt")
     if body.prompt is not None:
