@@ -1,0 +1,115 @@
+"""Keeps a router's NodePool equal to the registry's membership.
+
+The watcher asks the registry for the membership every HEARTBEAT_S (its subscription and
+keep-alive) and receives every change as it happens. Each Membership is applied as a diff:
+  * a node not in the pool is added (it joins the rotation at its first Pong);
+  * a node whose address or role changed (restarted elsewhere, switched) is replaced;
+  * a node's `draining` flag follows its record's state;
+  * a node the watcher added that left the membership is removed (its requests move on).
+Nodes given on the command line (--prefill/--decode) are never touched.
+
+An unreachable registry changes nothing: the pool keeps its last membership. A restarted
+registry (a new epoch) starts empty and fills as nodes re-register on their next heartbeat, so
+for EXPIRE_AFTER_S after a new epoch the watcher adds and updates but removes nothing.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pdserve.cluster.registry_messages import (
+    DRAINING,
+    EXPIRE_AFTER_S,
+    HEARTBEAT_S,
+    Membership,
+    NodeRecord,
+    SnapshotRequest,
+    decode,
+    encode,
+)
+from pdserve.router.nodes import NodePool
+
+log = logging.getLogger(__name__)
+
+
+class RegistryWatcher:
+    def __init__(self, registry_url: str, pool: NodePool):
+        self.registry_url = registry_url
+        self.pool = pool
+        self.managed: set[str] = set()  # node ids this watcher added
+        self.epoch = 0
+        self.version = -1
+        self.epoch_seen_at = -EXPIRE_AFTER_S  # when a restarted registry was first seen
+        self.applied = 0  # memberships applied (tests and /health read it)
+
+    async def run(self) -> None:
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)
+        sock.connect(self.registry_url)
+        try:
+            next_ask = 0.0
+            while True:
+                now = time.monotonic()
+                if now >= next_ask:
+                    try:
+                        await sock.send(encode(SnapshotRequest()), zmq.NOBLOCK)
+                    except zmq.Again:  # the registry is down: keep the last membership
+                        pass
+                    next_ask = now + HEARTBEAT_S
+                if await sock.poll(int(max(next_ask - time.monotonic(), 0.01) * 1000)):
+                    await self._receive(sock)
+        finally:
+            sock.close(0)
+
+    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+        try:
+            msg = decode(await sock.recv())
+        except msgspec.DecodeError as exc:
+            log.warning("undecodable message from the registry: %s", exc)
+            return
+        if isinstance(msg, Membership):
+            await self.apply(msg)
+
+    async def apply(self, membership: Membership) -> None:
+        if membership.epoch != self.epoch:
+            if self.epoch:  # not the first membership this router sees
+                log.info("the registry restarted: keeping every node until it has heard from them")
+                self.epoch_seen_at = time.monotonic()
+            self.epoch, self.version = membership.epoch, -1
+        if membership.version <= self.version:
+            return
+        self.version = membership.version
+        self.applied += 1
+        records = {r.node_id: r for r in membership.records}
+        for record in records.values():
+            await self._apply_record(record)
+        if time.monotonic() - self.epoch_seen_at < EXPIRE_AFTER_S:
+            return  # a fresh registry may not have heard from every node yet
+        for node_id in sorted(self.managed - records.keys()):
+            self.managed.discard(node_id)
+            await self.pool.remove_node(node_id)
+
+    async def _apply_record(self, record: NodeRecord) -> None:
+        node = self.pool.get(record.node_id)
+        if node is not None and record.node_id not in self.managed:
+            if node.address != record.control_addr:
+                log.warning("registered node %s at %s has the id of a node given on the command line (%s): "
+                            "ignored", record.node_id, record.control_addr, node.address)
+            return
+        if node is not None and (node.address != record.control_addr or node.role != record.role):
+            log.info("%s moved: %s %s -> %s %s", record.node_id, node.role, node.address, record.role,
+                     record.control_addr)
+            await self.pool.remove_node(record.node_id)
+            node = None
+        if node is None:
+            node = self.pool.add_node(record.node_id, record.role, record.control_addr, record.nixl_side_channel)
+            self.managed.add(record.node_id)
+        draining = record.state == DRAINING
+        if node.draining != draining:
+            log.info("%s is %s", record.node_id, "draining" if draining else "active again")
+            node.draining = draining
