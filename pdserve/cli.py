@@ -17,13 +17,15 @@ DEFAULT_LOCAL_PREFILL_THRESHOLD = 32
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:tiny", help="local Hugging Face directory or builtin:tiny")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "numba", "triton"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache; auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks to allocate (wins over --kv-cache-memory-gb)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=0.5, help="memory for the paged KV cache")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (prefill chunks)")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="requests in one running batch")
+    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "numba", "triton"],
+                   help="attention kernels; auto: numba on CPU, triton on CUDA")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached KV blocks of earlier prompts (--no-enable-prefix-caching: recompute)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -47,7 +49,7 @@ def _default_transfer() -> str:
 
 def _add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     _add_engine_args(p)
-    p.add_argument("--node-id", default=f"{role}-0")
+    p.add_argument("--node-id", default=f"{role}-0", help="the name the router, logs and metrics use")
     p.add_argument("--bind", default="tcp://127.0.0.1:5600", help="zmq endpoint for the router")
     p.add_argument("--store", default=None,
                    help="KV store URL: redis://host:port (LMCache tiers, the default), direct+redis://, memory://")
@@ -91,8 +93,8 @@ def _add_admission_args(p: argparse.ArgumentParser) -> None:
 
 def _add_routing_args(p: argparse.ArgumentParser) -> None:
     from pdserve.router.policy import POLICIES
-    p.add_argument("--prefill-policy", choices=POLICIES, default="cache_aware")
-    p.add_argument("--decode-policy", choices=POLICIES, default="cache_aware")
+    p.add_argument("--prefill-policy", choices=POLICIES, default="cache_aware", help="how a prefill node is picked")
+    p.add_argument("--decode-policy", choices=POLICIES, default="cache_aware", help="how a decode node is picked")
     p.add_argument("--local-prefill-threshold", type=int, default=DEFAULT_LOCAL_PREFILL_THRESHOLD,
                    help="the decode node prefills itself when it lacks at most this many prompt tokens")
     p.add_argument("--session-affinity", action="store_true",
@@ -113,37 +115,41 @@ def _add_cluster_parsers(sub) -> None:
     dec = sub.add_parser("decode", help="run one decode node")
     _add_node_args(dec, "decode")
     dec.add_argument("--nixl", action="store_true", help="pull KV over NIXL")
-    dec.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute")
+    dec.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute",
+                     help="when a KV pull fails: compute the prompt here, or fail the request")
     dec.add_argument("--pull-delay-s", type=float, default=0.0, help="fault injection: delay each KV pull")
     dec.set_defaults(func=run_decode)
     rt = sub.add_parser("router", help="run the OpenAI-compatible router")
-    rt.add_argument("--model", default="builtin:tiny")
-    rt.add_argument("--host", default="127.0.0.1")
-    rt.add_argument("--port", type=int, default=8000)
+    rt.add_argument("--model", default="builtin:tiny", help="the served model: its tokenizer and name")
+    rt.add_argument("--host", default="127.0.0.1", help="HTTP address")
+    rt.add_argument("--port", type=int, default=8000, help="HTTP port")
     rt.add_argument("--prefill", action="append", help="a prefill node's zmq endpoint (repeat)")
     rt.add_argument("--decode", action="append", help="a decode node's zmq endpoint (repeat)")
-    rt.add_argument("--kv-transfer", choices=["nixl", "store"], default=_default_transfer())
-    rt.add_argument("--block-size", type=int, default=16)
-    rt.add_argument("--dtype", default="auto")
-    rt.add_argument("--max-model-len", type=int, default=None)
+    rt.add_argument("--kv-transfer", choices=["nixl", "store"], default=_default_transfer(),
+                    help="how prefill nodes hand KV to decode nodes")
+    rt.add_argument("--block-size", type=int, default=16, help="the nodes' --block-size (for block keys)")
+    rt.add_argument("--dtype", default="auto", help="the nodes' --dtype")
+    rt.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     _add_curve_args(rt)
     _add_admission_args(rt)
     _add_routing_args(rt)
     rt.set_defaults(func=run_router)
     up = sub.add_parser("up", help="start a local cluster: router, prefill and decode nodes (and Redis)")
     _add_engine_args(up)
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--host", default="127.0.0.1", help="the router's HTTP address")
+    up.add_argument("--port", type=int, default=8000, help="the router's HTTP port")
     up.add_argument("--prefill-nodes", type=int, default=1, help="0 runs whole requests on decode nodes")
-    up.add_argument("--decode-nodes", type=int, default=1)
-    up.add_argument("--kv-transfer", choices=["nixl", "store"], default=_default_transfer())
+    up.add_argument("--decode-nodes", type=int, default=1, help="decode nodes to start")
+    up.add_argument("--kv-transfer", choices=["nixl", "store"], default=_default_transfer(),
+                    help="how prefill nodes hand KV to decode nodes")
     up.add_argument("--store", default=None,
                     help="redis://host:port (LMCache: CPU -> disk -> Redis tiers, the default), "
                          "direct+redis://host:port (pdserve's direct Redis client); with no host (e.g. "
                          "direct+redis://) or no --store, --kv-transfer store starts a redis-server for the cluster")
     _add_store_args(up)
-    up.add_argument("--lease-s", type=float, default=30.0)
-    up.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute")
+    up.add_argument("--lease-s", type=float, default=30.0, help="seconds NIXL-pinned blocks are kept")
+    up.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute",
+                    help="when a KV pull fails: compute the prompt on the decode node, or fail the request")
     up.add_argument("--threads-per-node", type=int, default=None,
                     help="compute threads per node (default: the machine's cores divided among the nodes)")
     _add_admission_args(up)
@@ -156,14 +162,14 @@ def _add_cluster_parsers(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline generation, printed to stdout")
     _add_engine_args(gen)
-    gen.add_argument("prompts", nargs="*")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("prompts", nargs="*", help="prompts to complete (default: one example prompt)")
+    gen.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.set_defaults(func=cmd_generate)
     _add_cluster_parsers(sub)
     _add_keys_parser(sub)
