@@ -20,7 +20,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache; auto: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks to allocate (wins over --kv-cache-memory-gb)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks to allocate (wins over --kv-cache-memory-gb)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=0.5, help="memory for the paged KV cache")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (prefill chunks)")
     p.add_argument("--max-num-seqs", type=int, default=128, help="requests in one running batch")
