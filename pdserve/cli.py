@@ -5,6 +5,7 @@ import argparse
 import logging
 import sys
 
+from pdserve import __version__
 from pdserve.engine.config import engine_options
 
 # Up to this many missing prompt tokens the decode node prefills them itself instead of taking a
@@ -164,6 +165,7 @@ def _add_cluster_parsers(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline generation, printed to stdout")
     _add_engine_args(gen)

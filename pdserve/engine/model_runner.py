@@ -31,20 +31,28 @@ class AttentionContext:
     def __init__(self, ops, layer_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata):
         self.ops, self.layer_caches, self.meta = ops, layer_caches, meta
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """window > 0: the layer's sliding window in tokens; sinks [heads]: its attention sinks
+        (see pdserve.models.attention). Every backend's kernels take both."""
         k_cache, v_cache = self.layer_caches[layer]
         m = self.meta
         self.ops.store_kv(k, v, k_cache, v_cache, m.slot_mapping)
+        extra = {}
+        if window:
+            extra["window"] = window
+        if sinks is not None:
+            extra["sinks"] = sinks
         d = m.num_decodes
         if d == q.shape[0]:
             return self.ops.paged_decode_attention(q, k_cache, v_cache, m.decode_block_tables,
-                                                   m.decode_context_lens, scale)
+                                                   m.decode_context_lens, scale, **extra)
         prefill = self.ops.prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, m.prefill_cu_seqlens,
-                                             m.prefill_context_lens, m.prefill_block_tables, scale)
+                                             m.prefill_context_lens, m.prefill_block_tables, scale, **extra)
         if d == 0:
             return prefill
         decode = self.ops.paged_decode_attention(q[:d], k_cache, v_cache, m.decode_block_tables,
-                                                 m.decode_context_lens, scale)
+                                                 m.decode_context_lens, scale, **extra)
         return torch.cat([decode, prefill])
 
 

@@ -19,20 +19,26 @@ from pdserve.kernels.torch_ops import prefill_attention, store_kv  # noqa: F401 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """window > 0: only the last `window` tokens are seen; sinks [heads]: attention sinks (see
+    torch_ops)."""
     usable = (q.dtype == torch.float32 and q.device.type == "cpu" and k_cache.stride(-1) == 1
               and v_cache.stride() == k_cache.stride())
     if not usable:
         from pdserve.kernels import torch_ops
-        return torch_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return torch_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                window, sinks)
     out = torch.empty_like(q)
     # Address K/V through the flat storage: a 1-D contiguous array lets the compiler vectorise
     # the head_dim loop, which a strided per-layer view would not.
     k_flat, v_flat = _flat(k_cache), _flat(v_cache)
     strides = np.array(k_cache.stride()[:3], dtype=np.int64)
+    sink_values = (sinks.detach().float().contiguous().numpy() if sinks is not None
+                   else np.zeros(q.shape[1], dtype=np.float32))
     _decode_kernel(q.contiguous().numpy(), k_flat, k_cache.storage_offset(), v_flat,
                    v_cache.storage_offset(), strides, k_cache.shape[1], k_cache.shape[2],
-                   block_tables.numpy(), context_lens.numpy(), np.float32(scale), out.numpy())
+                   block_tables.numpy(), context_lens.numpy(), np.float32(scale), np.int64(window),
+                   sink_values, sinks is not None, out.numpy())
     return out
 
 
@@ -42,16 +48,19 @@ def _flat(cache: torch.Tensor) -> np.ndarray:
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _decode_kernel(q, k_flat, k_offset, v_flat, v_offset, strides, block_size, kv_heads,
-                   block_tables, context_lens, scale, out):  # pragma: no cover
+                   block_tables, context_lens, scale, window, sinks, use_sinks, out):  # pragma: no cover
     batch, heads, head_dim = q.shape
     group = heads // kv_heads
     # One sequence per work item, all its KV heads together: each token's K (and V) row for all
     # heads is one contiguous run, so the block streams through the cache in order.
     for b in prange(batch):
-        length = context_lens[b]
+        end = context_lens[b]
+        first = max(0, end - window) if window > 0 else 0  # a sliding window's first visible key
+        length = end - first
         qs = q[b].copy() * scale
         scores = np.empty((heads, length), dtype=np.float32)
-        for t in range(length):
+        for i in range(length):
+            t = first + i
             row = k_offset + block_tables[b, t // block_size] * strides[0] + (t % block_size) * strides[1]
             for kh in range(kv_heads):
                 key = k_flat[row + kh * strides[2]:row + kh * strides[2] + head_dim]
@@ -60,22 +69,27 @@ def _decode_kernel(q, k_flat, k_offset, v_flat, v_offset, strides, block_size, k
                     acc = np.float32(0.0)
                     for d in range(head_dim):
                         acc += qh[d] * key[d]
-                    scores[h, t] = acc
+                    scores[h, i] = acc
         for h in range(heads):
             peak = scores[h].max()
+            if use_sinks:
+                peak = max(peak, sinks[h])
             total = np.float32(0.0)
-            for t in range(length):
-                e = math.exp(scores[h, t] - peak)
-                scores[h, t] = e
+            for i in range(length):
+                e = math.exp(scores[h, i] - peak)
+                scores[h, i] = e
                 total += e
+            if use_sinks:  # the sink's share of the softmax goes to no value
+                total += math.exp(sinks[h] - peak)
             scores[h] /= total
         acc_v = np.zeros((heads, head_dim), dtype=np.float32)
-        for t in range(length):
+        for i in range(length):
+            t = first + i
             row = v_offset + block_tables[b, t // block_size] * strides[0] + (t % block_size) * strides[1]
             for kh in range(kv_heads):
                 value = v_flat[row + kh * strides[2]:row + kh * strides[2] + head_dim]
                 for h in range(kh * group, (kh + 1) * group):
-                    w = scores[h, t]
+                    w = scores[h, i]
                     acc_h = acc_v[h]
                     for d in range(head_dim):
                         acc_h[d] += w * value[d]

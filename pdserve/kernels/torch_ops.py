@@ -3,6 +3,11 @@
 Cache views are per layer: k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads,
 head_dim]; they may be strided views into the block-major KV tensor. A slot is
 block_id * block_size + offset; slot -1 means "do not store".
+
+Both attention ops take two optional per-layer arguments:
+- window W > 0 (sliding-window layers): the query at position i sees keys i-W+1..i only;
+- sinks [heads] (learned attention sinks): one extra logit per head that joins the softmax's
+  denominator and carries no value.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, heads, head_dim] over each sequence's cached context.
     block_tables [B, max_blocks] int32, context_lens [B] int32 (tokens in the cache, incl. this one)."""
     batch, heads, head_dim = q.shape
@@ -42,19 +47,27 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     table = block_tables[:, :n_blocks].long()
     k = k_cache[table].reshape(batch, n_blocks * block_size, kv_heads, head_dim)[:, :max_len]
     v = v_cache[table].reshape(batch, n_blocks * block_size, kv_heads, head_dim)[:, :max_len]
-    valid = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
+    pos = torch.arange(max_len, device=q.device)[None, :]
+    lens = context_lens[:, None].to(q.device)
+    valid = pos < lens
+    if window:
+        valid &= pos >= lens - window
     group = heads // kv_heads
     # Each KV head's query group attends as `group` query rows: one batched SDPA, no repeat.
     qg = q.reshape(batch, kv_heads, group, head_dim)
-    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=valid[:, None, None, :], scale=scale)
+    if sinks is not None:
+        out = _attend_with_sinks(qg, k.transpose(1, 2), v.transpose(1, 2), valid[:, None, None, :],
+                                 scale, sinks.view(1, kv_heads, group))
+    else:
+        out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=valid[:, None, None, :], scale=scale)
     return out.reshape(batch, heads, head_dim)
 
 
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       context_lens: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention for the new tokens of several sequences packed in q [T, heads, head_dim].
 
     Sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1]; those are the last tokens of its
@@ -67,15 +80,48 @@ def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     for i, ctx in enumerate(ctx_lens):
         start, end = cu[i], cu[i + 1]
         q_len = end - start
+        first = max(0, ctx - q_len - window + 1) if window else 0  # keys before it are out of every window
         if ctx == q_len:
-            k, v, mask = k_new[start:end], v_new[start:end], None
+            k, v = k_new[start:end], v_new[start:end]
         else:
-            k = gather_kv(k_cache, block_tables[i], ctx)
-            v = gather_kv(v_cache, block_tables[i], ctx)
-            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
-        out[start:end] = _sdpa_causal(q[start:end], k, v, mask, scale)
+            k = gather_kv(k_cache, block_tables[i], ctx)[first:]
+            v = gather_kv(v_cache, block_tables[i], ctx)[first:]
+        mask = None
+        if ctx != q_len or window or sinks is not None:
+            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+            k_pos = torch.arange(ctx - k.shape[0], ctx, device=q.device)[None, :]
+            mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+        if sinks is not None:
+            out[start:end] = _prefill_with_sinks(q[start:end], k, v, mask, scale, sinks)
+        else:
+            out[start:end] = _sdpa_causal(q[start:end], k, v, mask, scale)
     return out
+
+
+def _prefill_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """One sequence: q [L, H, D], k/v [C, KVH, D], mask [L, C] -> [L, H, D]."""
+    q_len, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    qg = q.permute(1, 0, 2).reshape(kv_heads, group * q_len, head_dim)  # rows: (head, token)
+    row_sinks = sinks.view(kv_heads, group).repeat_interleave(q_len, dim=1)
+    out = _attend_with_sinks(qg, k.transpose(0, 1), v.transpose(0, 1), mask.repeat(group, 1),
+                             scale, row_sinks)
+    return out.view(heads, q_len, head_dim).transpose(0, 1)
+
+
+def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax attention whose denominator also holds exp(sink) per query row, in float32.
+    q [..., R, D], k/v [..., C, D], mask broadcast to [..., R, C], sinks broadcast to [..., R]."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().expand(scores.shape[:-1])
+    peak = torch.maximum(scores.amax(dim=-1), sink)
+    probs = torch.exp(scores - peak[..., None])
+    denom = probs.sum(dim=-1) + torch.exp(sink - peak)
+    return ((probs @ v.float()) / denom[..., None]).to(q.dtype)
 
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -8,6 +8,8 @@ One attention kernel serves both decode and prefill. A program owns one (sequenc
 query tile); the tile's rows are (query token, query head of that KV head's group) pairs, so a
 decode step's whole GQA group shares each K/V load and fills the matrix-multiply rows that a
 single query token would leave empty. Softmax is the online (flash) form, accumulated in fp32.
+A sliding window (WINDOW keys up to the query's own) also bounds the key loops from below, and
+attention sinks start each row's running state at (max = sink, sum = 1): a key with no value.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ CUDA_GRAPH_SAFE = True
 # 13% slower inside the model's decode step, so None: the general launch.
 DECODE_TUNING: dict | None = None
 _LOG2E = 1.4426950408889634
+_NO_WINDOW = 1 << 30  # "window" of a layer without one: every causal key is inside it
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -89,11 +92,12 @@ def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.c
 
 @triton.jit
 def _paged_attention_kernel(
-        q, k_new, v_new, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
-        qk_scale, head_dim, block_size,
+        q, k_new, v_new, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, sinks,
+        qk_scale, head_dim, block_size, window,
         s_qt, s_qh, s_qd, s_nt, s_nh, s_nd, s_wt, s_wh, s_wd,
         s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd, s_ot, s_oh, s_od, s_bt, s_bc,
         GROUP: tl.constexpr, NEW_FROM_INPUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     seq, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_seqlens_q + seq)
@@ -114,7 +118,12 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the sink is a key of score `sink` and no value: start the state with it
+        m_i = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # The tile's earliest query sees keys from first_key on (window is huge without a window).
+    first_key = tl.maximum(ctx - q_len + (tile * BLOCK_M) // GROUP - window + 1, 0)
 
     # Part 1: keys in the paged cache, positions [0, n_cached); gathered per token so any
     # block_size works and a tile may span several (non-contiguous) blocks.
@@ -124,7 +133,7 @@ def _paged_attention_kernel(
     # Keys past this tile's last query position are all masked: skip them.
     n_cached = tl.minimum(n_cached, ctx - q_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
     table = block_tables + seq.to(tl.int64) * s_bt
-    for start in range(0, n_cached, BLOCK_N):
+    for start in range((first_key // BLOCK_N) * BLOCK_N, n_cached, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < n_cached
         blk = tl.load(table + (pos // block_size) * s_bc, mask=pos_ok, other=0).to(tl.int64)
@@ -134,13 +143,15 @@ def _paged_attention_kernel(
                     + d[None, :] * s_kd, mask=ld_ok, other=0.0)
         v = tl.load(v_cache + blk[:, None] * s_vb + off[:, None] * s_vo + kv_head * s_vh
                     + d[None, :] * s_vd, mask=ld_ok, other=0.0)
-        keep = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+        keep = (pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+                & (pos[None, :] > q_pos[:, None] - window))
         m_i, l_i, acc = _online_softmax_step(qt, k, v, keep, m_i, l_i, acc, qk_scale, DOT_DTYPE)
 
     # Part 2 (prefill): the new tokens' own K/V straight from the inputs, causal among themselves.
     if NEW_FROM_INPUT:
         n_new = tl.minimum(q_len, (tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
-        for start in range(0, n_new, BLOCK_N):
+        first_new = tl.maximum(first_key - (ctx - q_len), 0)
+        for start in range((first_new // BLOCK_N) * BLOCK_N, n_new, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             j_ok = j < n_new
             kv_row = (q_start + j).to(tl.int64)
@@ -149,7 +160,8 @@ def _paged_attention_kernel(
                         mask=ld_ok, other=0.0)
             v = tl.load(v_new + kv_row[:, None] * s_wt + kv_head * s_wh + d[None, :] * s_wd,
                         mask=ld_ok, other=0.0)
-            keep = j_ok[None, :] & (j[None, :] <= tok[:, None]) & row_ok[:, None]
+            keep = (j_ok[None, :] & (j[None, :] <= tok[:, None]) & row_ok[:, None]
+                    & (j[None, :] > tok[:, None] - window))
             m_i, l_i, acc = _online_softmax_step(qt, k, v, keep, m_i, l_i, acc, qk_scale, DOT_DTYPE)
 
     # Rows with no visible key (only padding rows here) get 0 rather than 0/0.
@@ -174,7 +186,8 @@ def _check_head_dim(head_dim: int) -> None:
 
 
 def _launch(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
-            scale, max_q_len, new_from_input, block_m, tuning: dict | None = None):
+            scale, max_q_len, new_from_input, block_m, tuning: dict | None = None,
+            window: int = 0, sinks: torch.Tensor | None = None):
     tokens, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     _check_head_dim(head_dim)
@@ -195,19 +208,23 @@ def _launch(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens, block
     block_n = tuning.get("BLOCK_N", block_n)
     launch = {k: v for k, v in tuning.items() if k in ("num_warps", "num_stages")}
     grid = (num_seqs, kv_heads, triton.cdiv(max_q_len * group, block_m))
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
     _paged_attention_kernel[grid](
         q, k_new, v_new, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
-        scale * _LOG2E, head_dim, k_cache.shape[1],
+        q if sinks is None else sinks,  # q doubles as the unread pointer without sinks
+        scale * _LOG2E, head_dim, k_cache.shape[1], window if window > 0 else _NO_WINDOW,
         *q.stride(), *k_new.stride(), *v_new.stride(), *k_cache.stride(), *v_cache.stride(),
         *out.stride(), *block_tables.stride(),
         GROUP=group, NEW_FROM_INPUT=new_from_input, DOT_DTYPE=_dot_dtype(q.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, **launch)
+        HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, **launch)
     return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, tuning: dict | None = None) -> torch.Tensor:
+                           scale: float, tuning: dict | None = None, window: int = 0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, heads, head_dim] over each sequence's cached context.
 
     block_tables [B, max_blocks] int32; context_lens [B] int32, tokens in the cache including
@@ -218,27 +235,30 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # Everything, the current token included, is read from the cache; q doubles as the unused
     # k_new/v_new pointer.
     return _launch(q, q, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
-                   scale, max_q_len=1, new_from_input=False, block_m=16, tuning=tuning)
+                   scale, max_q_len=1, new_from_input=False, block_m=16, tuning=tuning,
+                   window=window, sinks=sinks)
 
 
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       context_lens: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention for the new tokens of several sequences packed in q [T, heads, head_dim].
 
     The prefix (context minus the new tokens) is read from the paged cache; the new tokens' K/V
     come from k_new/v_new, which equals the cached copy when it is stored and stays right when a
     new token's slot is -1.
     """
-    fast = _flash_attn_prefill(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens,
-                               block_tables, scale)
-    if fast is not None:
-        return fast
+    if not window and sinks is None:  # flash-attn's path is used for plain causal layers only
+        fast = _flash_attn_prefill(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens,
+                                   block_tables, scale)
+        if fast is not None:
+            return fast
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     max_q_len = int(q_lens.max()) if q_lens.numel() else 0
     return _launch(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
-                   scale, max_q_len=max_q_len, new_from_input=True, block_m=64)
+                   scale, max_q_len=max_q_len, new_from_input=True, block_m=64,
+                   window=window, sinks=sinks)
 
 
 def _flash_attn_prefill(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens,
