@@ -1,7 +1,21 @@
 """pdserve: disaggregated prefill/decode LLM serving."""
 from __future__ import annotations
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version; from a source tree that was never installed, pyproject's."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        import re
+        from pathlib import Path
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        found = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M) if pyproject.exists() else None
+        return found.group(1) if found else "unknown"
+
+
+__version__ = _version()
 __all__ = ["LLM", "SamplingParams", "EngineConfig"]
 
 

@@ -83,6 +83,38 @@ class BenchConfig:
             raise ValueError("need 0 <= min_token_id < max_token_id")
 
 
+# --help text of each BenchConfig field's flag.
+FIELD_HELP = {
+    "base_url": "the server to load (any OpenAI-compatible endpoint)",
+    "model": "model name to send (default: the first model the server lists)",
+    "workload": "random, shared-prefix or multi-round (see the module docstring)",
+    "num_prompts": "random: requests to send",
+    "input_len_min": "random: shortest prompt, tokens",
+    "input_len_max": "random: longest prompt, tokens",
+    "output_len": "tokens generated per request (ignore_eos)",
+    "num_groups": "shared-prefix: groups of prompts sharing a prefix",
+    "prompts_per_group": "shared-prefix: prompts per group",
+    "prefix_len": "shared-prefix: tokens of the shared prefix",
+    "question_len": "shared-prefix and multi-round: tokens of each question",
+    "num_users": "multi-round: users, each a sequential conversation",
+    "num_rounds": "multi-round: turns per user",
+    "prompt_mode": "token-ids (exact lengths) or text (random words)",
+    "min_token_id": "lowest random token id (low ids are often special or byte tokens)",
+    "max_token_id": "random token ids stay below this",
+    "concurrency": "requests in flight at most (default: unbounded)",
+    "request_rate": "Poisson arrivals per second (default: all at once)",
+    "num_warmup": "untimed requests first",
+    "seed": "seed of the prompt generator",
+    "temperature": "sampling temperature (0: greedy)",
+    "goodput_ttft_ms": "goodput counts requests under this TTFT",
+    "goodput_tpot_ms": "goodput counts requests under this time per output token",
+    "timeout_s": "per-request timeout",
+    "api_key": "sent as 'Authorization: Bearer KEY'",
+    "output_json": "write the report here",
+    "disable_tqdm": "no progress bar",
+}
+
+
 @dataclass
 class Session:
     questions: list[Prompt]
@@ -361,16 +393,17 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = BenchConfig()
     for name, value in asdict(defaults).items():
         flag = "--" + name.replace("_", "-")
+        help_text = FIELD_HELP[name]
         if isinstance(value, bool):
-            p.add_argument(flag, action="store_true")
+            p.add_argument(flag, action="store_true", help=help_text)
         elif name in ("workload",):
-            p.add_argument(flag, choices=WORKLOADS, default=value)
+            p.add_argument(flag, choices=WORKLOADS, default=value, help=help_text)
         elif name == "prompt_mode":
-            p.add_argument(flag, choices=("token-ids", "text"), default=value)
+            p.add_argument(flag, choices=("token-ids", "text"), default=value, help=help_text)
         else:
             kind = {"concurrency": int, "goodput_ttft_ms": float, "goodput_tpot_ms": float,
                     "model": str, "api_key": str, "output_json": str}.get(name, type(value))
-            p.add_argument(flag, type=kind, default=value)
+            p.add_argument(flag, type=kind, default=value, help=help_text)
     return p
 
 

@@ -158,12 +158,16 @@ def _plot_sweep(ax: Any, series: Series) -> None:
     ax.legend(fontsize=8, loc="lower right")  # latency rises with throughput: bottom right stays empty
 
 
-def plot_main(argv: Sequence[str] | None = None) -> int:
-    """`pdserve bench-plot A.json [B.json ...] -o out.png`: redraw saved runs on one figure."""
+def build_plot_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench-plot", description=plot_main.__doc__)
     p.add_argument("results", nargs="+", metavar="RESULTS.json", help="files from pdserve bench --output-json")
-    p.add_argument("-o", "--output", required=True, metavar="FILE.png")
-    args = p.parse_args(argv)
+    p.add_argument("-o", "--output", required=True, metavar="FILE.png", help="the PNG to write")
+    return p
+
+
+def plot_main(argv: Sequence[str] | None = None) -> int:
+    """`pdserve bench-plot A.json [B.json ...] -o out.png`: redraw saved runs on one figure."""
+    args = build_plot_parser().parse_args(argv)
     series = dict(load_series(f) for f in args.results)
     for label, reports in series.items():
         print(f"{label}:\n{sweep_table(reports)}")
