@@ -74,6 +74,8 @@ class LLMEngine:
         spec = self.model.spec
         limit = min(spec.max_position_embeddings, self.kv_cache.shape[0] * self.config.block_size)
         window = getattr(self.hf_config, "sliding_window", None)
+        if getattr(self.model, "handles_sliding_window", False):
+            window = None  # the model's attention applies its windows itself
         if window and getattr(self.hf_config, "use_sliding_window", True):
             limit = min(limit, window)  # sliding-window attention is not implemented: stay inside it
         return min(self.config.max_model_len or limit, limit)

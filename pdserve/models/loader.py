@@ -10,7 +10,16 @@ from safetensors import safe_open
 from pdserve.models.llama import LlamaModel, ModelSpec
 from pdserve.models.rope import RotaryEmbedding
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Families with a model module of their own: architecture -> module exposing
+# check_config(config) (ValueError naming what it cannot run) and
+# build_model(config, files, dtype, device). Imported only when such a checkpoint is loaded.
+FAMILY_MODULES = {
+    "Qwen3MoeForCausalLM": "pdserve.models.qwen_moe",
+    "Qwen2MoeForCausalLM": "pdserve.models.qwen_moe",
+    "MixtralForCausalLM": "pdserve.models.qwen_moe",
+}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           *FAMILY_MODULES)
 
 
 class ModelLoadError(ValueError):
@@ -37,7 +46,17 @@ def load_hf_config(path: Path):
     if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"architecture {archs or 'unknown'} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if archs[0] in FAMILY_MODULES:
+        try:
+            _family(archs[0]).check_config(config)
+        except ValueError as exc:
+            raise ModelLoadError(f"{path}: {exc}") from None
     return config
+
+
+def _family(arch: str):
+    import importlib
+    return importlib.import_module(FAMILY_MODULES[arch])
 
 
 def spec_from_config(config) -> ModelSpec:
@@ -74,6 +93,8 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    if config.architectures[0] in FAMILY_MODULES:
+        return _family(config.architectures[0]).build_model(config, safetensors_files(path), dtype, device)
     spec = spec_from_config(config)
     rope = RotaryEmbedding(config, spec.head_dim, spec.max_position_embeddings)
     with torch.device("meta"):

@@ -1,0 +1,83 @@
+"""The decoder scaffold shared by the families with a module of their own (MoE, Gemma 3,
+gpt-oss): embedding, a stack of layers each with its RoPE table, final norm, LM head, and the
+build-and-load sequence. Each family supplies its layers and its checkpoint name mapping."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pdserve.models.llama import ModelSpec
+from pdserve.models.rope import RotaryEmbedding
+from pdserve.models.weights import WeightLoader, checkpoint_tensors
+
+
+class DecoderModel(nn.Module):
+    """forward(token_ids [T], positions [T], ctx) -> final hidden states [T, hidden].
+
+    layers[i](x, cos, sin, ctx) -> x; layer i uses ropes[layer_rope[i]]."""
+
+    # The engine serves the model's own sliding windows rather than capping prompts at them.
+    handles_sliding_window = True
+
+    def __init__(self, spec: ModelSpec, layers: list[nn.Module], norm: nn.Module,
+                 ropes: dict[str, RotaryEmbedding], layer_rope: list[str], *,
+                 embed_scale: float | None = None, final_softcap: float | None = None,
+                 cuda_graph_safe: bool = True):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.ropes, self.layer_rope = ropes, layer_rope
+        self.embed_scale, self.final_softcap = embed_scale, final_softcap
+        # MoE layers size their expert batches on the host: not capturable in a CUDA graph.
+        self.cuda_graph_safe = cuda_graph_safe
+        self.fused = None  # set by the model runner; these families run their ops in torch
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        x = self.embed_tokens(token_ids)
+        if self.embed_scale is not None:  # as transformers: the scale rounded to the dtype first
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        tables = {name: rope.cos_sin(positions, x.dtype) for name, rope in self.ropes.items()}
+        for layer, rope in zip(self.layers, self.layer_rope):
+            x = layer(x, *tables[rope], ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits.float()
+
+    def shard_sizes(self, name: str) -> list[int]:
+        """Row counts of a fused parameter's parts: q/k/v, or gate/up halves."""
+        owner, sep, _ = name.rpartition(".qkv_proj.")
+        if sep:
+            return self.get_submodule(owner).shard_sizes()
+        rows = self.get_parameter(name).shape[0]
+        return [rows // 2, rows // 2]
+
+
+def build_and_load(make: Callable[[], DecoderModel], files: list[Path],
+                   place: Callable[[str, torch.Tensor, WeightLoader], None],
+                   dtype: torch.dtype, device: torch.device) -> DecoderModel:
+    """Build the model without memory, load every checkpoint tensor through place(name without
+    'model.', tensor, loader), check nothing is missing, move to device and dtype."""
+    with torch.device("meta"):
+        model = make()
+    model = model.to_empty(device="cpu")
+    loader = WeightLoader(model, model.shard_sizes)
+    tied = model.spec.tie_word_embeddings
+    for name, tensor in checkpoint_tensors(files):
+        if "rotary_emb" in name or (tied and name == "lm_head.weight"):
+            continue
+        place(name, tensor, loader)
+    loader.check_complete(tied=("lm_head.weight",) if tied else ())
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.ropes = {name: rope.to(device) for name, rope in model.ropes.items()}
+    return model.to(device=device, dtype=dtype).eval()
