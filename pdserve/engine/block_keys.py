@@ -16,10 +16,29 @@ ROOT_KEY = b"\x00" * KEY_BYTES
 
 
 def kv_layout_salt(model_name: str, num_layers: int, num_kv_heads: int, head_dim: int,
-                   dtype: str, block_size: int) -> bytes:
-    """Salt naming the model and KV layout, so caches of different models never collide."""
-    text = f"pdserve-kv-v1|{model_name}|L{num_layers}|H{num_kv_heads}|D{head_dim}|{dtype}|B{block_size}"
+                   dtype: str, block_size: int, planes: int = 2) -> bytes:
+    """Salt naming the model and KV layout, so caches of different models never collide.
+    planes: 2 for K and V per KV head, 1 for one latent per token (MLA); see kv_entry_dims."""
+    layout = "" if planes == 2 else f"|P{planes}"
+    text = f"pdserve-kv-v1|{model_name}|L{num_layers}{layout}|H{num_kv_heads}|D{head_dim}|{dtype}|B{block_size}"
     return xxhash.xxh3_128_digest(text.encode())
+
+
+def kv_entry_dims(hf_config) -> tuple[int, int, int]:
+    """(planes, heads, dim) of one token's cache entry in one layer, from a transformers config.
+
+    - K/V per KV head: (2, num_key_value_heads, head_dim).
+    - Multi-head latent attention (a config with kv_lora_rank): (1, 1, kv_lora_rank +
+      qk_rope_head_dim), the compressed latent that all heads share.
+    The engine sizes its cache from this and the router salts block keys with it, so both
+    always agree on the layout.
+    """
+    kv_lora_rank = getattr(hf_config, "kv_lora_rank", None)
+    if kv_lora_rank:
+        return 1, 1, kv_lora_rank + hf_config.qk_rope_head_dim
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return 2, getattr(hf_config, "num_key_value_heads", None) or heads, head_dim
 
 
 def block_key(parent: bytes, token_ids: Sequence[int], salt: bytes) -> bytes:

@@ -7,7 +7,6 @@ import time
 
 import torch
 
-from pdserve.engine.block_keys import kv_layout_salt
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -21,6 +20,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.structured_output import StructuredOutputs
 from pdserve.kernels import get_ops
+from pdserve.kvstore.layout import KVLayout
 from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -41,10 +41,11 @@ class LLMEngine:
         self.model = load_model(self.model_path, self.hf_config, self.dtype, self.device)
         self.tokenizer = _load_tokenizer(self.model_path)
         spec = self.model.spec
+        # K/V per head, or one latent per token for MLA: sizes the cache and salts its block keys.
+        self.kv_layout = KVLayout.for_model(self.hf_config, config.block_size, self.dtype, config.model)
         self.kv_cache = self._allocate_kv_cache()
         self.max_model_len = self._max_model_len()
-        self.salt = kv_layout_salt(config.model, spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                   str(self.dtype).removeprefix("torch."), config.block_size)
+        self.salt = self.kv_layout.salt()
         self.pool = BlockPool(self.kv_cache.shape[0], config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size, self.salt)
         self.scheduler = Scheduler(config, self.kv)
@@ -63,9 +64,8 @@ class LLMEngine:
 
     # ---- set-up -------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> torch.Tensor:
-        spec, bs = self.model.spec, self.config.block_size
-        shape = (spec.num_layers, 2, bs, spec.num_kv_heads, spec.head_dim)
-        bytes_per_block = torch.Size(shape).numel() * self.dtype.itemsize
+        bs, shape = self.config.block_size, self.kv_layout.block_shape()
+        bytes_per_block = self.kv_layout.block_nbytes()
         n = self.config.num_kv_blocks or int(self.config.kv_cache_memory_gb * 2**30 // bytes_per_block)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, bs, n * bytes_per_block / 2**20)
         return torch.zeros((n, *shape), dtype=self.dtype, device=self.device)

@@ -65,11 +65,13 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, ops, device: torch.device,
                  max_num_seqs: int = 0, max_model_len: int = 0, use_cuda_graphs: bool = False):
         self.model, self.kv_cache, self.block_size, self.ops, self.device = model, kv_cache, block_size, ops, device
-        self.layer_caches = [(kv_cache[:, i, 0], kv_cache[:, i, 1]) for i in range(kv_cache.shape[1])]
+        # Per layer, one view per plane: (K, V), or (latent,) for an MLA cache.
+        self.layer_caches = [tuple(kv_cache[:, i].unbind(1)) for i in range(kv_cache.shape[1])]
         model.fused = get_fused_layer_ops(ops, device.type)
         self.graphs: DecodeGraphs | None = None
         self.kept_rows: KeptTableRows | None = None
         if (use_cuda_graphs and device.type == "cuda" and getattr(ops, "CUDA_GRAPH_SAFE", False)
+                and getattr(model, "cuda_graph_safe", True)
                 and max_num_seqs > 0 and max_model_len > 0):
             max_blocks = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(model, self._decode_context, device, max_num_seqs, max_blocks)

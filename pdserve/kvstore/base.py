@@ -1,7 +1,8 @@
 """The KV store interface: blocks of the paged cache keyed by their block key.
 
 The paged cache is one block-major tensor: kv_cache[block_id] has shape
-[num_layers, 2, block_size, num_kv_heads, head_dim] and is contiguous, so one block is one
+[num_layers, planes, block_size, num_kv_heads, head_dim] (planes 2: K and V per KV head; 1: an
+MLA latent per token, see kvstore.layout.KVLayout) and is contiguous, so one block is one
 contiguous byte range (one store value, one NIXL descriptor).
 """
 from __future__ import annotations

@@ -5,13 +5,16 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.block_keys import kv_layout_salt
+from pdserve.engine.block_keys import kv_entry_dims, kv_layout_salt
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Layout of the block-major paged cache [num_blocks, num_layers, 2, block_size, kv_heads,
-    head_dim]. Frozen so one layout object can be shared between stores and nodes."""
+    """Layout of the block-major paged cache [num_blocks, num_layers, planes, block_size,
+    kv_heads, head_dim]: planes 2 for K and V per KV head, or 1 for one latent per token (MLA,
+    with kv_heads 1 and head_dim = kv_lora_rank + qk_rope_head_dim; see
+    pdserve.engine.block_keys.kv_entry_dims). Frozen so one layout object can be shared between
+    stores and nodes."""
 
     num_layers: int
     num_kv_heads: int
@@ -19,6 +22,7 @@ class KVLayout:
     block_size: int
     dtype: torch.dtype = torch.float32
     model_name: str = "pdserve"
+    planes: int = 2
 
     @property
     def dtype_name(self) -> str:
@@ -27,7 +31,7 @@ class KVLayout:
     def block_shape(self, num_tokens: int | None = None) -> tuple[int, int, int, int, int]:
         """Shape of one stored block value holding num_tokens tokens (default: a full block)."""
         n = self.block_size if num_tokens is None else num_tokens
-        return (self.num_layers, 2, n, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, self.planes, n, self.num_kv_heads, self.head_dim)
 
     def block_nbytes(self, num_tokens: int | None = None) -> int:
         numel = 1
@@ -38,15 +42,21 @@ class KVLayout:
     def salt(self) -> bytes:
         """The block-key salt for this layout (see pdserve.engine.block_keys)."""
         return kv_layout_salt(self.model_name, self.num_layers, self.num_kv_heads, self.head_dim,
-                              self.dtype_name, self.block_size)
+                              self.dtype_name, self.block_size, self.planes)
+
+    @classmethod
+    def for_model(cls, hf_config, block_size: int, dtype: torch.dtype, model_name: str) -> KVLayout:
+        """The layout an engine allocates for a transformers config."""
+        planes, heads, dim = kv_entry_dims(hf_config)
+        return cls(hf_config.num_hidden_layers, heads, dim, block_size, dtype, model_name, planes)
 
     @classmethod
     def from_cache(cls, kv_cache: torch.Tensor, model_name: str = "pdserve") -> KVLayout:
-        """Read the layout off a paged cache tensor [blocks, layers, 2, block, heads, dim]."""
-        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+        """Read the layout off a paged cache tensor [blocks, layers, planes, block, heads, dim]."""
+        if kv_cache.dim() != 6 or kv_cache.shape[2] not in (1, 2):
             raise ValueError(f"not a block-major paged cache: shape {tuple(kv_cache.shape)}")
-        _, layers, _, block, heads, dim = kv_cache.shape
-        return cls(layers, heads, dim, block, kv_cache.dtype, model_name)
+        _, layers, planes, block, heads, dim = kv_cache.shape
+        return cls(layers, heads, dim, block, kv_cache.dtype, model_name, planes)
 
 
 def check_batch(keys: object, block_ids: object, num_tokens: object) -> None:

@@ -1,9 +1,11 @@
 """The LMCache connector for pdserve's paged cache: one LMCache chunk = several whole blocks.
 
 LMCache moves a chunk of tokens [start, end) between one of its MemoryObjs (format KV_2LTD:
-[2, layers, tokens, heads*dim]) and the model's cache through a "GPU connector". pdserve's cache
-is block-major [blocks, layers, 2, block_size, heads, dim], so a chunk of C blocks is the memory
-object viewed as [2, layers, C, block_size, heads, dim], block j of it being one cache block.
+[2, layers, tokens, heads*dim]; KV_MLA_FMT for a latent cache: [1, layers, tokens, dim]) and the
+model's cache through a "GPU connector". pdserve's cache is block-major [blocks, layers, planes,
+block_size, heads, dim] (planes: 2 for K/V, 1 for MLA's latent), so a chunk of C blocks is the
+memory object viewed as [planes, layers, C, block_size, heads, dim], block j of it being one
+cache block.
 store()/retrieve() pass the kwargs kv_cache= and slot_mapping=, which here is a block table, not
 LMCache's per-token slots: the cache block of every block position from token 0 of the call
 (-1: leave that block alone, e.g. one already cached here). LMCache's hashes= store path insists
@@ -30,16 +32,16 @@ class PagedChunkConnector(GPUConnectorInterface):
 
     def get_shape(self, num_tokens: int) -> torch.Size:
         lay = self.layout
-        return torch.Size([2, lay.num_layers, num_tokens, lay.num_kv_heads * lay.head_dim])
+        return torch.Size([lay.planes, lay.num_layers, num_tokens, lay.num_kv_heads * lay.head_dim])
 
     def _blocks_view(self, memory_obj: MemoryObj, start: int, end: int) -> torch.Tensor | None:
-        """The object as [2, layers, C, block_size, heads, dim], or None if it is not that."""
+        """The object as [planes, layers, C, block_size, heads, dim], or None if it is not that."""
         lay, t = self.layout, memory_obj.tensor
         n = end - start
         if (t is None or t.dtype != lay.dtype or tuple(t.shape) != tuple(self.get_shape(n))
                 or n % lay.block_size or start % lay.block_size):
             return None
-        return t.view(2, lay.num_layers, n // lay.block_size, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        return t.view(lay.planes, lay.num_layers, n // lay.block_size, lay.block_size, lay.num_kv_heads, lay.head_dim)
 
     def _block_ids(self, kwargs: dict, start: int, end: int) -> Sequence[int]:
         bs = self.layout.block_size

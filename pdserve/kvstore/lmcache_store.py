@@ -92,7 +92,8 @@ def build_engine(layout: KVLayout, connector: PagedChunkConnector, config: LMCac
     metadata = LMCacheMetadata(
         model_name=layout.model_name, world_size=1, local_world_size=1, worker_id=0,
         local_worker_id=0, kv_dtype=layout.dtype,
-        kv_shape=(layout.num_layers, 2, chunk, layout.num_kv_heads, layout.head_dim), chunk_size=chunk)
+        kv_shape=(layout.num_layers, layout.planes, chunk, layout.num_kv_heads, layout.head_dim),
+        use_mla=layout.planes == 1, chunk_size=chunk)
     try:
         with keep_start_method(), quiet_logger_setup():
             engine = LMCacheEngineBuilder.get_or_create(instance_id, config, metadata, connector,

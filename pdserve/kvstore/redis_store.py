@@ -3,7 +3,7 @@
 Value format (no pickle: a reader must never execute what a writer sent):
 
     header  struct "<4sBBxx5IQQ" (44 bytes): magic b"PDKV", format version, dtype code,
-            2 pad bytes, the 5 dims [layers, 2, tokens, kv_heads, head_dim], payload length,
+            2 pad bytes, the 5 dims [layers, planes, tokens, kv_heads, head_dim], payload length,
             xxh3-64 of the payload
     payload the block's raw bytes, C-contiguous, in that shape
 
@@ -80,7 +80,7 @@ def _copy_into(payload: memoryview, kv_cache: torch.Tensor, block_id: int, n: in
         dst = kv_cache[block_id].view(torch.uint8).numpy()[:, :, :n]
         dst[...] = src.reshape(dst.shape)
         return
-    shape = (kv_cache.shape[1], 2, n) + tuple(kv_cache.shape[4:])
+    shape = (*kv_cache.shape[1:3], n, *kv_cache.shape[4:])
     staged = torch.from_numpy(src.copy()).view(kv_cache.dtype).view(shape)
     kv_cache[block_id, :, :, :n].copy_(staged)
 
@@ -90,7 +90,7 @@ def decode_into(value: bytes | None, kv_cache: torch.Tensor, block_id: int, n: i
     does not match (the caller stops the run there)."""
     if value is None:
         return False
-    shape = (kv_cache.shape[1], 2, n) + tuple(kv_cache.shape[4:])
+    shape = (*kv_cache.shape[1:3], n, *kv_cache.shape[4:])
     if not _header_ok(value, DTYPE_CODES.get(kv_cache.dtype, 0), shape):
         return False
     _copy_into(memoryview(value)[HEADER.size:], kv_cache, block_id, n)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 
-from pdserve.engine.block_keys import kv_layout_salt
+from pdserve.engine.block_keys import kv_entry_dims, kv_layout_salt
 
 log = logging.getLogger(__name__)
 KEEP_ALIVE_S = 75
@@ -12,10 +12,8 @@ KEEP_ALIVE_S = 75
 
 def layout_salt(model: str, hf_config, dtype: str, block_size: int) -> bytes:
     """The nodes' block-key salt, from the model config alone (no torch, no weights)."""
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    return kv_layout_salt(model, hf_config.num_hidden_layers, kv_heads, head_dim, dtype, block_size)
+    planes, heads, dim = kv_entry_dims(hf_config)
+    return kv_layout_salt(model, hf_config.num_hidden_layers, heads, dim, dtype, block_size, planes)
 
 
 def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, block_size: int = 16,
