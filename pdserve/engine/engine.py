@@ -23,6 +23,7 @@ from pdserve.kernels import get_ops
 from pdserve.kvstore.layout import KVLayout
 from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
 
+from pdserve.models.gguf import checkpoint_name
 log = logging.getLogger(__name__)
 # Steps of at least this many tokens are prefill-bound; their time per token is the node's
 # prefill cost, averaged with this weight on the newest sample.
@@ -42,7 +43,8 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(self.model_path)
         spec = self.model.spec
         # K/V per head, or one latent per token for MLA: sizes the cache and salts its block keys.
-        self.kv_layout = KVLayout.for_model(self.hf_config, config.block_size, self.dtype, config.model)
+        self.kv_layout = KVLayout.for_model(self.hf_config, config.block_size, self.dtype,
+                                            checkpoint_name(config.model, self.model_path))
         self.kv_cache = self._allocate_kv_cache()
         self.max_model_len = self._max_model_len()
         self.salt = self.kv_layout.salt()

@@ -17,6 +17,8 @@ FAMILY_MODULES = {
     "Qwen3MoeForCausalLM": "pdserve.models.qwen_moe",
     "Qwen2MoeForCausalLM": "pdserve.models.qwen_moe",
     "MixtralForCausalLM": "pdserve.models.qwen_moe",
+    "DeepseekV2ForCausalLM": "pdserve.models.deepseek",
+    "DeepseekV3ForCausalLM": "pdserve.models.deepseek",
 }
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            *FAMILY_MODULES)

@@ -24,13 +24,17 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     from pdserve.curve_keys import RouterKeys
     from pdserve.models.loader import resolve_model_path
     from pdserve.router.app import create_app
+    from pdserve.models.gguf import checkpoint_name
     from pdserve.router.cluster import ClusterBackend
     from pdserve.router.nodes import NodePool
 
     path = resolve_model_path(model)
     hf_config = AutoConfig.from_pretrained(str(path))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    salt = layout_salt(model, hf_config, dtype, block_size)
+    chat = chat or {}
+    if chat.get("chat_template"):
+        tokenizer.chat_template = load_chat_template(chat["chat_template"])
+    salt = layout_salt(checkpoint_name(model, path), hf_config, dtype, block_size)
     NodePool.curve = RouterKeys.load(curve_dir) if curve_dir else None
     backend = ClusterBackend(model, prefill, decode, transfer,
                              salt=salt, block_size=block_size,
