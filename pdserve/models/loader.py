@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from pdserve.models.gguf import find_gguf_file, gguf_tensors, is_gguf_view, prepare_view
 from pdserve.models.llama import LlamaModel, ModelSpec
 from pdserve.models.rope import RotaryEmbedding
 
@@ -32,6 +34,9 @@ def resolve_model_path(model: str) -> Path:
     if model.startswith("builtin:"):
         from pdserve.models.builtin import ensure_builtin_model
         return ensure_builtin_model(model)
+    gguf_file = find_gguf_file(model)
+    if gguf_file is not None:
+        return prepare_view(gguf_file)
     path = Path(model).expanduser()
     if not path.is_dir():
         raise ModelLoadError(f"model directory {model!r} does not exist (pdserve loads local Hugging Face "
@@ -102,7 +107,10 @@ def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> 
     with torch.device("meta"):
         model = LlamaModel(spec, rope)
     model = model.to_empty(device="cpu")
-    _load_weights(model, spec, safetensors_files(path))
+    if is_gguf_view(path):
+        _place_all(model, spec, gguf_tensors(path, spec.num_heads, spec.num_kv_heads))
+    else:
+        _load_weights(model, spec, safetensors_files(path))
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rope = rope.to(device)
@@ -110,14 +118,23 @@ def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> 
 
 
 def _load_weights(model: LlamaModel, spec: ModelSpec, files: list[Path]) -> None:
-    params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    _place_all(model, spec, _safetensors_tensors(files))
+
+
+def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                target = _place(name, f.get_tensor(name), params, spec)
-                if target:
-                    loaded.add(target)
+                yield name, f.get_tensor(name)
+
+
+def _place_all(model: LlamaModel, spec: ModelSpec, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        target = _place(name, tensor, params, spec)
+        if target:
+            loaded.add(target)
     expected = {n for n in params if not (spec.tie_word_embeddings and n == "lm_head.weight")}
     missing = sorted(expected - loaded)
     if missing:
