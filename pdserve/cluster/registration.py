@@ -16,6 +16,7 @@ import msgspec
 import zmq
 
 from pdserve.cluster.registry_messages import (
+    ACTIVE,
     HEARTBEAT_S,
     AdminReply,
     Deregister,
@@ -147,3 +148,15 @@ def admin_request(registry_url: str, msg: ScaleRequest | SwitchRequest, timeout_
         return reply if isinstance(reply, AdminReply) else AdminReply(False, f"unexpected {type(reply).__name__}")
     finally:
         sock.close()
+
+
+def keep_registered(node) -> None:
+    """Called as a NodeRuntime starts serving: register it with its class's --registry, or, for
+    the node that took over a registered one in a role switch, register the new role."""
+    if not node.registry:
+        return
+    if node.registration is None:
+        node.registration = NodeRegistration.for_node(node, node.registry, node.advertise_host)
+        return
+    side = getattr(node, "side_channel", None) if getattr(node, "agent", None) is not None else None
+    node.registration.update(role=node.role, nixl_side_channel=side, state=ACTIVE)

@@ -6,7 +6,9 @@ keep-alive) and receives every change as it happens. Each Membership is applied 
   * a node whose address or role changed (restarted elsewhere, switched) is replaced;
   * a node's `draining` flag follows its record's state;
   * a node the watcher added that left the membership is removed (its requests move on).
-Nodes given on the command line (--prefill/--decode) are never touched.
+A node given on the command line (--prefill/--decode) is left alone until a node registers under
+its id (`pdserve up` gives both, so its router routes at once, before any membership arrives):
+from then on the registry speaks for it. A static node that never registers is never removed.
 
 An unreachable registry changes nothing: the pool keeps its last membership. A restarted
 registry (a new epoch) starts empty and fills as nodes re-register on their next heartbeat, so
@@ -97,10 +99,8 @@ class RegistryWatcher:
     async def _apply_record(self, record: NodeRecord) -> None:
         node = self.pool.get(record.node_id)
         if node is not None and record.node_id not in self.managed:
-            if node.address != record.control_addr:
-                log.warning("registered node %s at %s has the id of a node given on the command line (%s): "
-                            "ignored", record.node_id, record.control_addr, node.address)
-            return
+            log.info("%s, given on the command line, registered: the registry speaks for it now", record.node_id)
+            self.managed.add(record.node_id)
         if node is not None and (node.address != record.control_addr or node.role != record.role):
             log.info("%s moved: %s %s -> %s %s", record.node_id, node.role, node.address, record.role,
                      record.control_addr)
