@@ -58,6 +58,9 @@ def _add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     _add_store_args(p)
     p.add_argument("--kv-timeout-s", type=float, default=30.0,
                    help="how long a request may wait for its KV before it is computed locally")
+    p.add_argument("--registry", default=None,
+                   help="tcp://host:port of the node registry: the node registers itself there, and routers "
+                        "watching it route to the node (pair with --advertise-host when bound to 0.0.0.0)")
     _add_curve_args(p)
 
 
@@ -127,6 +130,9 @@ def _add_cluster_parsers(sub) -> None:
     rt.add_argument("--port", type=int, default=8000, help="HTTP port")
     rt.add_argument("--prefill", action="append", help="a prefill node's zmq endpoint (repeat)")
     rt.add_argument("--decode", action="append", help="a decode node's zmq endpoint (repeat)")
+    rt.add_argument("--registry", default=None,
+                    help="tcp://host:port of the node registry: route to every node registered there "
+                         "(besides any --prefill/--decode), as nodes come and go")
     rt.add_argument("--kv-transfer", choices=["nixl", "store"], default=_default_transfer(),
                     help="how prefill nodes hand KV to decode nodes")
     rt.add_argument("--block-size", type=int, default=16, help="the nodes' --block-size (for block keys)")

@@ -13,6 +13,7 @@ import tempfile
 import time
 import urllib.request
 
+from pdserve.cluster.registry import RegistryServer
 from pdserve.kvstore.redact import redact_url
 from pdserve.transport import free_port
 
@@ -38,6 +39,7 @@ class Cluster:
         self.commands: dict[str, tuple[list[str], dict]] = {}  # name -> how to start it again
         self.restarts: dict[str, list[float]] = {}  # name -> monotonic times it was restarted
         self.curve_dir: str | None = None  # --curve: this cluster's keys, removed when it stops
+        self.registry: RegistryServer | None = None  # every node registers here; the router watches it
 
     def spawn(self, name: str, cmd: list[str], threads: int | None = None) -> None:
         log.info("starting %s: %s", name, " ".join(map(redact_url, cmd)))  # --store may hold a password
@@ -67,7 +69,10 @@ class Cluster:
             cmd.append("--no-enable-prefix-caching")
         if getattr(self.args, "enforce_eager", False):
             cmd.append("--enforce-eager")
-        return cmd + extra + self._curve_flags()
+        return cmd + extra + self._curve_flags() + self._registry_flags()
+
+    def _registry_flags(self) -> list[str]:
+        return ["--registry", self.registry.address] if self.registry is not None else []
 
     def _curve_flags(self) -> list[str]:
         if not self.args.curve:
@@ -81,6 +86,7 @@ class Cluster:
     def start(self) -> str:
         a = self.args
         store = self._store_url()
+        self.registry = RegistryServer("tcp://127.0.0.1:0").start()
         prefill, decode = [], []
         for i in range(a.prefill_nodes):
             addr = f"tcp://127.0.0.1:{free_port()}"
@@ -105,9 +111,12 @@ class Cluster:
         if a.api_key:  # through the environment: a command line is visible to every local user
             os.environ["PDSERVE_API_KEY"] = a.api_key
         router += ["--protect-metrics"] if a.protect_metrics else []
-        router += [x for addr in prefill for x in ("--prefill", addr)]
-        router += [x for addr in decode for x in ("--decode", addr)]
-        self.spawn("router", router + self._curve_flags())
+        router += self._curve_flags() + self._registry_flags()
+        # The first router also gets the nodes' addresses, so it routes before any membership
+        # arrives; a restarted one takes them all from the registry (the nodes may have changed).
+        self.spawn("router", router + [x for addr in prefill for x in ("--prefill", addr)]
+                   + [x for addr in decode for x in ("--decode", addr)])
+        self.commands["router"] = (router, self.commands["router"][1])
         return f"http://{a.host}:{a.port}"
 
     def _store_flags(self, store: str | None) -> list[str]:
@@ -155,18 +164,19 @@ class Cluster:
         raise TimeoutError(f"the cluster was not healthy within {READY_TIMEOUT_S} s")
 
     def check_alive(self) -> None:
-        """The router is the cluster's front door: without it, stop. A node or Redis that dies is
-        restarted with the same command and ports (the router routes around it meanwhile, and it
-        rejoins on its first pong); one that keeps dying is restarted at most
-        MAX_RESTARTS_PER_MIN times a minute."""
+        """A node, Redis or the router that dies is restarted with the same command and ports (the
+        router routes around a dead node meanwhile, and it rejoins on its first pong; a restarted
+        router finds the nodes in the registry); one that keeps dying is restarted at most
+        MAX_RESTARTS_PER_MIN times a minute, and a router that keeps dying stops the cluster."""
         for i, (name, proc) in enumerate(self.procs):
             if proc.poll() is None:
                 continue
-            if name == "router":
-                raise RuntimeError(f"the router exited with code {proc.returncode}")
             now = time.monotonic()
             recent = [t for t in self.restarts.get(name, []) if now - t < 60]
             if len(recent) >= MAX_RESTARTS_PER_MIN:
+                if name == "router":
+                    raise RuntimeError(f"the router exited with code {proc.returncode}, "
+                                       f"{len(recent)} times within a minute")
                 continue
             log.error("%s exited with code %s: restarting it (restart %d)", name, proc.returncode,
                       len(self.restarts.get(name, [])) + 1)
@@ -187,6 +197,8 @@ class Cluster:
                 proc.kill()
         if self.curve_dir:
             shutil.rmtree(self.curve_dir, ignore_errors=True)
+        if self.registry is not None:
+            self.registry.stop()
 
 
 def run_up(args) -> int:

@@ -52,6 +52,8 @@ def _use_curve(args) -> None:
     from pdserve.curve_keys import NodeKeys
     from pdserve.node_runtime import NodeRuntime
     NodeRuntime.curve = NodeKeys.load(args.curve_dir) if args.curve_dir else None
+    NodeRuntime.registry = getattr(args, "registry", None)
+    NodeRuntime.advertise_host = getattr(args, "advertise_host", None)
 
 
 def _store(args, engine):

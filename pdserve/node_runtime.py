@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from pdserve.cluster.registration import NodeRegistration, keep_registered
 from pdserve.curve_keys import CONTROL_DOMAIN, CurveContext, NodeKeys, node_context
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import StepOutput
@@ -46,6 +47,11 @@ class NodeRuntime:
     # CURVE keys (--curve-dir), or None for plain TCP. Set on the class by node_main before the
     # node is built: one node per process, and the role subclasses' constructors stay unchanged.
     curve: NodeKeys | None = None
+    # --registry and --advertise-host, set on the class by node_main like curve; the registration
+    # is the node process's own and carries over a role switch.
+    registry: str | None = None
+    advertise_host: str | None = None
+    registration: NodeRegistration | None = None
 
     def __init__(self, engine: LLMEngine, bind: str, node_id: str):
         self.engine = engine
@@ -69,6 +75,7 @@ class NodeRuntime:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stop())
         log.info("%s %s serving", self.role, self.node_id)
+        keep_registered(self)
         try:
             while not self._stop:
                 self.run_once()
@@ -181,6 +188,8 @@ class NodeRuntime:
         self.origin.pop(request_id, None)
 
     def close(self) -> None:
+        if self.registration is not None:
+            self.registration.close()  # deregister first: routers stop sending before the socket closes
         self._stepper.shutdown(wait=True)
         os.close(self._step_done_r)
         os.close(self._step_done_w)

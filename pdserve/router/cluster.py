@@ -38,6 +38,7 @@ from pdserve.router.kv_events import KVEventTracker
 from pdserve.router.metrics import RequestTimer, RouterMetrics
 from pdserve.router.nodes import Node, NodePool
 from pdserve.router.policy import NodeView, Planner, RoutePlan, SessionMap
+from pdserve.router.registry_watcher import RegistryWatcher
 
 log = logging.getLogger(__name__)
 PREFILL_TIMEOUT_S = 300.0
@@ -79,6 +80,8 @@ class ClusterBackend:
         if not decode_addrs and registry is None:
             raise ValueError("the cluster needs at least one decode node, or a registry to find them in")
         self.registry = registry  # tcp://host:port of the node registry, or None for static lists
+        self.watcher: RegistryWatcher | None = None
+        self._watch_task: asyncio.Task | None = None
         self.model_name = model_name
         self.transfer = transfer
         self.salt = salt  # used only until a node reports its own (the node's salt is the contract)
@@ -100,8 +103,14 @@ class ClusterBackend:
 
     async def start(self) -> None:
         await self.pool.start()
+        if self.registry is not None:
+            self.watcher = RegistryWatcher(self.registry, self.pool)
+            self._watch_task = asyncio.create_task(self.watcher.run())
 
     async def stop(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            await asyncio.gather(self._watch_task, return_exceptions=True)
         await self.pool.stop()
 
     # ---- messages from nodes ----------------------------------------------------------------

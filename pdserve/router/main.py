@@ -18,7 +18,7 @@ def layout_salt(model: str, hf_config, dtype: str, block_size: int) -> bytes:
 
 def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, block_size: int = 16,
               dtype: str = "float32", max_model_len: int | None = None, admission: dict | None = None,
-              routing: dict | None = None, curve_dir: str | None = None):
+              routing: dict | None = None, curve_dir: str | None = None, registry: str | None = None):
     from transformers import AutoConfig, AutoTokenizer
 
     from pdserve.curve_keys import RouterKeys
@@ -37,7 +37,7 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     salt = layout_salt(checkpoint_name(model, path), hf_config, dtype, block_size)
     NodePool.curve = RouterKeys.load(curve_dir) if curve_dir else None
     backend = ClusterBackend(model, prefill, decode, transfer,
-                             salt=salt, block_size=block_size,
+                             salt=salt, block_size=block_size, registry=registry,
                              **(routing or {}))
     app = create_app(backend, tokenizer, model, max_model_len or hf_config.max_position_embeddings, admission)
     _run_with_app(app, backend)
@@ -69,10 +69,10 @@ def run_router(args) -> int:
                     "float32" if args.dtype == "auto" else args.dtype, args.max_model_len, admission,
                     dict(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                          local_prefill_threshold=args.local_prefill_threshold,
-                         session_affinity=args.session_affinity), args.curve_dir)
-    log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s%s", args.host, args.port,
+                         session_affinity=args.session_affinity), args.curve_dir, args.registry)
+    log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s%s%s", args.host, args.port,
              len(args.prefill or []), len(args.decode or []), args.kv_transfer,
-             ", CURVE" if args.curve_dir else "")
+             ", CURVE" if args.curve_dir else "", f", nodes from the registry at {args.registry}" if args.registry else "")
     # uvloop and httptools when installed (the [standard] extra): the router's per-request cost is
     # mostly event-loop and HTTP parsing work.
     # Keep-alive: an idle connection must outlive the client's own idle expiry (httpx, the openai
