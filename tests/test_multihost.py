@@ -92,7 +92,8 @@ def spawn(name: str, *args: str, log_dir) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     log = open(log_dir / f"{name}.log", "w")
     return subprocess.Popen(["ip", "netns", "exec", ns(name), sys.executable, "-m", "pdserve", "--log-level",
-                             "WARNING", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                             "WARNING", *args, "--model", "builtin:tiny"], stdout=log, stderr=subprocess.STDOUT,
+                            env=env,
                             start_new_session=True)
 
 

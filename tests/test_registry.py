@@ -52,7 +52,8 @@ def _router_flag(up_pid: int, flag: str) -> str:
 
 def _start_decode(registry: str, node_id: str, log_path: str) -> tuple[subprocess.Popen, str]:
     addr = f"tcp://127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "pdserve", "--log-level", "INFO", "decode", "--node-id", node_id,
+    cmd = [sys.executable, "-m", "pdserve", "--log-level", "INFO", "decode",
+           "--model", "builtin:tiny", "--node-id", node_id,
            "--bind", addr, "--registry", registry, "--nixl", "--num-kv-blocks", "512"]
     with open(log_path, "a") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
