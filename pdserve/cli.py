@@ -100,6 +100,16 @@ def _add_admission_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
 
 
+def _add_chat_args(p: argparse.ArgumentParser) -> None:
+    from pdserve.router.tool_parsers import PARSERS
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file, replacing the tokenizer's (without either, "
+                        "/v1/chat/completions answers 400)")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="how tool calls are parsed out of text under tool_choice 'auto' (default: the chat "
+                        "template's format)")
+
+
 def _add_routing_args(p: argparse.ArgumentParser) -> None:
     from pdserve.router.policy import POLICIES
     p.add_argument("--prefill-policy", choices=POLICIES, default="cache_aware", help="how a prefill node is picked")
@@ -145,6 +155,7 @@ def _add_cluster_parsers(sub) -> None:
     _add_curve_args(rt)
     _add_admission_args(rt)
     _add_routing_args(rt)
+    _add_chat_args(rt)
     rt.set_defaults(func=run_router)
     up = sub.add_parser("up", help="start a local cluster: router, prefill and decode nodes (and Redis)")
     _add_engine_args(up)
@@ -166,6 +177,7 @@ def _add_cluster_parsers(sub) -> None:
                     help="compute threads per node (default: the machine's cores divided among the nodes)")
     _add_admission_args(up)
     _add_routing_args(up)
+    _add_chat_args(up)
     up.add_argument("--curve", action="store_true",
                     help="fresh CURVE keys in a private temporary directory for every node and the router")
     up.add_argument("--decode-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # fault injection

@@ -108,6 +108,8 @@ class Cluster:
         router += ["--prefill-policy", a.prefill_policy, "--decode-policy", a.decode_policy,
                    "--local-prefill-threshold", str(a.local_prefill_threshold)]
         router += ["--session-affinity"] if a.session_affinity else []
+        router += ["--chat-template", os.path.abspath(a.chat_template)] if a.chat_template else []
+        router += ["--tool-call-parser", a.tool_call_parser] if a.tool_call_parser else []
         if a.api_key:  # through the environment: a command line is visible to every local user
             os.environ["PDSERVE_API_KEY"] = a.api_key
         router += ["--protect-metrics"] if a.protect_metrics else []

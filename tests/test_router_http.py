@@ -26,7 +26,8 @@ from transformers import PreTrainedTokenizerFast
 from pdserve.bench import BenchConfig, run_benchmark
 from pdserve.engine.outputs import StepOutput, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.app import create_app, render_chat_prompt
+from pdserve.router.app import create_app
+from pdserve.router.chat_prompt import render_chat_prompt
 from pdserve.router.backend import BackendError
 
 MODEL = "tiny-echo"
@@ -204,9 +205,13 @@ def test_chat_default_max_tokens_fills_context(ctx):
     assert resp.usage.prompt_tokens + resp.usage.completion_tokens == MAX_MODEL_LEN
 
 
-def test_fallback_chat_template():
-    text, add_special = render_chat_prompt(build_tokenizer(), [{"role": "user", "content": "hi"}])
-    assert text == "<|user|>\nhi\n<|assistant|>\n" and add_special
+def test_no_chat_template_is_a_400():
+    from pdserve.router.errors import APIError
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = None
+    with pytest.raises(APIError) as info:
+        render_chat_prompt(tokenizer, [{"role": "user", "content": "hi"}])
+    assert info.value.status == 400 and "--chat-template" in info.value.message
 
 
 def test_n2_seed_and_stop_forwarded(ctx):
@@ -237,7 +242,7 @@ def test_logprobs_shapes(ctx):
 
 
 @pytest.mark.parametrize("extra", [{"temperature": -1}, {"max_tokens": 0}, {"n": 0},
-                                   {"echo": True, "logprobs": 1}, {"prompt": ["a", "b"]},
+                                   {"prompt": ["a", []]}, {"prompt_logprobs": 21},
                                    {"presence_penalty": 2.5}, {"prompt": [100000]}])
 def test_completion_bad_values_400(ctx, extra):
     base = ctx[0]

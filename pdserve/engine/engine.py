@@ -14,6 +14,7 @@ from pdserve.engine.logits_processors import apply_logits_processors
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import StepOutput
+from pdserve.engine.prompt_logprobs import take_prompt_logprobs
 from pdserve.engine.request import RemoteKV, Request, RequestStatus
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
@@ -98,7 +99,8 @@ class LLMEngine:
         if params.structured is not None:  # replays the tokens drawn elsewhere; ValueError if off-grammar
             req.matcher = self.structured.new_matcher(params.structured, req.output_token_ids)
         self.outputs.add(request_id, params, req.output_token_ids, continues_elsewhere)
-        if remote_kv_tokens > 0:
+        if remote_kv_tokens > 0 and (params.prompt_logprobs is None or req.output_token_ids):
+            # (A request still owing prompt logprobs computes its prompt: they need its logits.)
             remote = RemoteKV(min(remote_kv_tokens, req.num_tokens - 1),
                               time.monotonic() + self.config.remote_kv_timeout_s)
             self.scheduler.add_remote(req, remote)
@@ -200,6 +202,7 @@ class LLMEngine:
         self.prefill_s_per_token = sample if ema == 0 else ema + COST_EMA_WEIGHT * (sample - ema)
 
     def _advance(self, req: Request, token: int, logprob) -> StepOutput:
+        prompt_logprobs = take_prompt_logprobs(req)
         if not req.output_token_ids:  # its prompt was prefilled here
             self.cached_prompt_tokens += req.num_cached_tokens
             self.computed_prompt_tokens += req.num_prompt_tokens - req.num_cached_tokens
@@ -213,7 +216,7 @@ class LLMEngine:
         out = StepOutput(req.request_id, [token], text, status is not None,
                          status.finish_reason if status else None,
                          [logprob] if logprob is not None else None,
-                         req.num_prompt_tokens, req.num_cached_tokens)
+                         req.num_prompt_tokens, req.num_cached_tokens, prompt_logprobs=prompt_logprobs)
         if status is not None:
             self.scheduler.finish(req, status)
             self.outputs.remove(req.request_id)

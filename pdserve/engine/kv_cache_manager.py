@@ -23,7 +23,10 @@ class KVCacheManager:
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Block ids of the longest cached prefix, leaving at least one token to compute so the
-        request gets logits to sample from."""
+        request gets logits to sample from. None for a request that wants prompt logprobs:
+        a cached block has no logits."""
+        if req.sampling_params.prompt_logprobs is not None and not req.output_token_ids:
+            return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[int] = []
         for key in self.block_keys(req)[:max_blocks]:

@@ -73,8 +73,11 @@ class _Collector:
         self.logprobs: list | None = None
         self.finish_reason = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs = None
 
     def add(self, out) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.token_ids += out.new_token_ids
         self.text += out.new_text
         if out.new_logprobs is not None:
@@ -85,4 +88,4 @@ class _Collector:
     def to_output(self, rid: str) -> RequestOutput:
         completion = CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)
         return RequestOutput(rid, self.prompt, self.prompt_token_ids, [completion],
-                             num_cached_tokens=self.num_cached_tokens)
+                             num_cached_tokens=self.num_cached_tokens, prompt_logprobs=self.prompt_logprobs)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
 from pdserve.engine.request import Request
 from pdserve.engine.step_inputs import KeptTableRows, build_step_inputs, fill_decode_rows
 from pdserve.kernels import get_fused_layer_ops
@@ -93,11 +94,14 @@ class ModelRunner:
         (or for every token when all_logits)."""
         items = sorted(items, key=lambda it: it[1] != 1)  # one-token queries first
         num_decodes = sum(1 for _, n in items if n == 1)
-        if not all_logits and num_decodes == len(items) and self._graph_fits(items):
+        spans = prompt_spans(items)  # rows whose logits give prompt logprobs
+        if not all_logits and not spans and num_decodes == len(items) and self._graph_fits(items):
             return self._execute_graph([r for r, _ in items])
         inputs = build_step_inputs(items, num_decodes, self.block_size)
         token_ids, positions, meta = self._to_device(inputs, num_decodes)
         hidden = self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
+        if spans:
+            record_prompt_logprobs(self.model.compute_logits, hidden, spans)
         if all_logits:
             return self.model.compute_logits(hidden), inputs.to_sample
         if not inputs.to_sample:

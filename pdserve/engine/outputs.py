@@ -10,6 +10,7 @@ class TokenLogprob:
     logprob: float
     # (token_id, logprob) of the most likely tokens, when top logprobs were asked for.
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int = 0  # 1 + how many tokens were more likely (0: not computed)
 
 
 @dataclass
@@ -24,6 +25,9 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # With the first token, when prompt logprobs were asked for: one entry per prompt token,
+    # the first None (nothing predicts it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -43,3 +47,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None

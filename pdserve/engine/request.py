@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -56,6 +57,8 @@ class Request:
     num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
     hold_blocks: bool = False  # on finish, keep the blocks (for a KV handover) until released
     matcher: Any = None  # structured output: the xgrammar matcher, past every output token
+    # sampling_params.prompt_logprobs: filled position by position as the prompt is computed
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -32,6 +32,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: sampled token only; k: plus top-k
+    # None: off; k: each prompt token's logprob plus the top-k. The whole prompt is then
+    # computed (a cached prefix has no logits), and the first token's output carries them.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     # Penalties and biases (pdserve/engine/logits_processors.py). presence/frequency: OpenAI's
     # formula over the generated tokens; repetition: HF's, over prompt and generated tokens.
@@ -64,6 +67,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
         self._check_penalties()
 
     def _check_penalties(self) -> None:

@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admission import AdmissionMiddleware
 from pdserve.router.backend import GenerationBackend
-from pdserve.router.chat_prompt import render_chat_prompt
 from pdserve.router.errors import (
     SERVER_ERROR,
     APIError,
@@ -34,10 +33,9 @@ from pdserve.router.errors import (
     install_error_handlers,
     model_not_found,
 )
+from pdserve.router.jobs import GenerationJob, chat_job, completion_job
 from pdserve.router.responses import (
-    ChatFlavor,
     ChoiceState,
-    CompletionFlavor,
     Flavor,
     TokenTexts,
     chunk_body,
@@ -53,7 +51,7 @@ from pdserve.router.streaming import (
     sse_events,
 )
 from pdserve.router.tokenize_routes import add_tokenize_routes
-from pdserve.router.tool_calls import ToolCallChatFlavor
+from pdserve.router.tool_parsers import parser_for
 
 logger = logging.getLogger(__name__)
 
@@ -88,13 +86,16 @@ class _Router:
     """State shared by the route handlers."""
 
     def __init__(self, backend: GenerationBackend, tokenizer: Any, model_name: str,
-                 max_model_len: int) -> None:
+                 max_model_len: int, tool_call_parser: str | None = None) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = len(tokenizer)
         self.texts = TokenTexts(tokenizer)
+        # tool_choice "auto": calls are parsed out of the text in the chat template's format.
+        self.tool_parser = parser_for(tool_call_parser, getattr(tokenizer, "chat_template", None))
+        self.special_tokens = set(getattr(tokenizer, "all_special_tokens", []))
 
     def check_model(self, model: str | None) -> None:
         # Absent model means "the served one" (as vLLM); a different name is a 404.
@@ -159,55 +160,30 @@ class _Router:
                     out.append(ids)
         return out
 
-    @staticmethod
-    def named_tool(body: ChatCompletionRequest) -> tuple[str, str] | None:
-        try:
-            return body.tool()
-        except ValueError as exc:
-            raise bad_request(str(exc), "tool_choice") from exc
-
-    def echo_text(self, body: CompletionRequest, prompt_ids: list[int]) -> str | None:
-        if not body.echo:
-            return None
-        prompt = body.single_prompt()
-        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
-
-    async def completion_prompt(self, body: CompletionRequest) -> list[int]:
-        try:
-            prompt = body.single_prompt()
-        except ValueError as exc:
-            raise bad_request(str(exc), "prompt") from exc
-        ids = await self.encode(prompt, True) if isinstance(prompt, str) else list(prompt)
-        self.check_token_ids(ids, "prompt")
-        return ids
-
-    async def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        tools = body.tools if self.named_tool(body) else None  # tools are ignored unless one is named
-        text, add_special = render_chat_prompt(self.tokenizer, body.plain_messages(), tools)
-        ids = await self.encode(text, add_special)
-        self.check_token_ids(ids, "messages")
-        return ids
-
-    async def serve(self, request: Request, body: GenerationRequest, prompt_ids: list[int],
-                    params: list[SamplingParams], flavor: Flavor, prefix: str) -> Response:
+    async def serve(self, request: Request, body: GenerationRequest, job: GenerationJob, prefix: str) -> Response:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        logger.info("%s: prompt_tokens=%d n=%d max_tokens=%d stream=%s", request_id,
-                    len(prompt_ids), len(params), params[0].max_tokens, bool(body.stream))
-        group = GenerationGroup(self.backend, request_id, prompt_ids, params, session=body.user)
+        params, flavor = job.params, job.flavor
+        logger.info("%s: prompt_tokens=%d choices=%d max_tokens=%d stream=%s", request_id,
+                    job.max_prompt_tokens, len(params), params[0].max_tokens, bool(body.stream))
+        group = GenerationGroup(self.backend, request_id, job.choice_prompts[0], params, session=body.user,
+                                choice_prompts=job.choice_prompts)
         headers = {"X-Request-Id": request_id}
+        if body.ignored_fields:  # accepted but not acted on: the client can see what was dropped
+            headers["X-Ignored-Fields"] = ",".join(body.ignored_fields)[:1024]
         created = int(time.time())
         if body.stream:
-            chunks = self.stream_chunks(group, flavor, request_id, created, body.include_usage)
+            chunks = self.stream_chunks(group, flavor, request_id, created, body.include_usage, job.prompt_tokens)
             return AbortingStreamingResponse(sse_events(chunks), group, headers)
-        return await self.collect(request, group, flavor, request_id, created, headers)
+        return await self.collect(request, group, flavor, request_id, created, headers, job.prompt_tokens)
 
     async def stream_chunks(self, group: GenerationGroup, flavor: Flavor, request_id: str,
-                            created: int,
-                            include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+                            created: int, include_usage: bool,
+                            prompt_tokens: int) -> AsyncIterator[dict[str, Any]]:
         states = [ChoiceState(i) for i in range(len(group.params))]
         for choice in flavor.opening_choices(len(states)):
             yield chunk_body(flavor, request_id, created, self.model_name, [choice])
-        async for index, out in group.outputs():
+        async for index, shown in group.outputs():
+            out = flavor.shown(shown)
             state = states[index]
             choice = flavor.chunk_choice(state, out)
             state.add(out)
@@ -216,15 +192,15 @@ class _Router:
                 yield chunk_body(flavor, request_id, created, self.model_name, [choice])
         if include_usage:
             yield chunk_body(flavor, request_id, created, self.model_name, [],
-                             usage(len(group.prompt_ids), states))
+                             usage(prompt_tokens, states))
 
     async def collect(self, request: Request, group: GenerationGroup, flavor: Flavor,
-                      request_id: str, created: int, headers: dict[str, str]) -> Response:
+                      request_id: str, created: int, headers: dict[str, str], prompt_tokens: int) -> Response:
         states = [ChoiceState(i) for i in range(len(group.params))]
 
         async def consume() -> None:
             async for index, out in group.outputs():
-                states[index].add(out)
+                states[index].add(flavor.shown(out))
 
         try:
             await run_until_disconnect(request, consume)
@@ -233,8 +209,7 @@ class _Router:
             return Response(status_code=499)  # nobody reads it; nginx's "client closed"
         finally:
             await group.close()
-        body = response_body(flavor, request_id, created, self.model_name, states,
-                             len(group.prompt_ids))
+        body = response_body(flavor, request_id, created, self.model_name, states, prompt_tokens)
         return JSONResponse(body, headers=headers)
 
 
@@ -242,25 +217,12 @@ def _add_openai_routes(app: FastAPI, router: _Router) -> None:
     @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         router.check_model(body.model)
-        prompt_ids = await router.completion_prompt(body)
-        max_tokens = router.resolve_max_tokens(body.max_tokens, len(prompt_ids), "max_tokens")
-        params = router.build_params(body, max_tokens, body.logprobs)
-        flavor = CompletionFlavor(router.texts, body.logprobs is not None, body.return_token_ids,
-                                  router.echo_text(body, prompt_ids))
-        return await router.serve(request, body, prompt_ids, params, flavor, "cmpl")
+        return await router.serve(request, body, await completion_job(router, body), "cmpl")
 
     @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         router.check_model(body.model)
-        prompt_ids = await router.chat_prompt(body)
-        max_tokens = router.resolve_max_tokens(body.requested_max_tokens(), len(prompt_ids),
-                                               "max_tokens")
-        logprobs = body.engine_logprobs()
-        params = router.build_params(body, max_tokens, logprobs)
-        tool = router.named_tool(body)
-        flavor = (ToolCallChatFlavor(router.texts, logprobs is not None, body.return_token_ids, tool[0])
-                  if tool else ChatFlavor(router.texts, logprobs is not None, body.return_token_ids))
-        return await router.serve(request, body, prompt_ids, params, flavor, "chatcmpl")
+        return await router.serve(request, body, await chat_job(router, body), "chatcmpl")
 
 
 def _add_info_routes(app: FastAPI, router: _Router, started: int) -> None:
@@ -306,13 +268,15 @@ def _openapi_document(app: FastAPI, vocab_size: int) -> dict[str, Any]:
 
 
 def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
-               max_model_len: int, admission: dict[str, Any] | None = None) -> FastAPI:
+               max_model_len: int, admission: dict[str, Any] | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
     """admission: AdmissionMiddleware's options (api_key, protect_metrics, max_body_bytes,
-    max_queued_requests)."""
+    max_queued_requests). tool_call_parser: the tool-call format of tool_choice "auto"
+    (tool_parsers.PARSERS; default: the chat template's)."""
     app = FastAPI(title="pdserve router")
     app.add_middleware(AdmissionMiddleware, metrics=getattr(backend, "metrics", None), **(admission or {}))
     install_error_handlers(app)
-    router = _Router(backend, tokenizer, model_name, max_model_len)
+    router = _Router(backend, tokenizer, model_name, max_model_len, tool_call_parser)
     _add_openai_routes(app, router)
     _add_info_routes(app, router, int(time.time()))
     add_tokenize_routes(app, router)

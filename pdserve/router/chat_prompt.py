@@ -1,28 +1,25 @@
-"""The prompt text a chat request becomes: the tokenizer's chat template, or a plain fallback
-for tokenizers without one. Used by the generation routes and by /tokenize."""
+"""The prompt text a chat request becomes: the tokenizer's chat template, or the one given with
+--chat-template. Without either a chat request is a 400, as in vLLM: a made-up template would
+feed the model markers it was never trained on. Used by the generation routes and /tokenize."""
 from __future__ import annotations
 
 from typing import Any
 
 from pdserve.router.errors import bad_request
 
-
-def render_fallback_chat(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    """Template for tokenizers without one: "<|role|>\\ncontent\\n" per message, then the
-    assistant header the model continues from."""
-    lines = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
-    return "".join(lines) + ("<|assistant|>\n" if add_generation_prompt else "")
+NO_TEMPLATE = ("this model's tokenizer has no chat template: start the router with --chat-template FILE, "
+               "or send the rendered prompt to /v1/completions")
 
 
-def render_chat_prompt(tokenizer: Any, messages: list[dict[str, str]],
+def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]],
                        tools: list[dict] | None = None, add_generation_prompt: bool = True) -> tuple[str, bool]:
     """Returns the prompt text and whether the tokenizer should add special tokens to it
-    (not when a real template rendered them already). Tools go to templates that list them."""
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, tools=tools or None,
-                                                 add_generation_prompt=add_generation_prompt)
-        except Exception as exc:  # jinja raise_exception(): e.g. roles must alternate
-            raise bad_request(f"chat template failed: {exc}", "messages") from exc
-        return text, False
-    return render_fallback_chat(messages, add_generation_prompt), True
+    (never: the template renders them). Tools go to templates that list them."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request(NO_TEMPLATE, "messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, tools=tools or None,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # jinja raise_exception(): e.g. roles must alternate
+        raise bad_request(f"chat template failed: {exc}", "messages") from exc
+    return text, False

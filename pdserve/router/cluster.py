@@ -12,6 +12,7 @@ each within a bounded retry budget, after which the client gets a clean error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -228,6 +229,8 @@ class ClusterBackend:
                     relayed += first.new_token_ids
                     if first.finished:
                         return
+                    # The prompt logprobs came with the first token: the decode node owes none.
+                    params = dataclasses.replace(params, prompt_logprobs=None)
             else:
                 self.metrics.handovers.labels("local").inc()
             async for out in self._decode_with_resume(request_id, prompt_token_ids, params, relayed, handover,

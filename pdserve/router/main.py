@@ -18,7 +18,9 @@ def layout_salt(model: str, hf_config, dtype: str, block_size: int) -> bytes:
 
 def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, block_size: int = 16,
               dtype: str = "float32", max_model_len: int | None = None, admission: dict | None = None,
-              routing: dict | None = None, curve_dir: str | None = None, registry: str | None = None):
+              routing: dict | None = None, curve_dir: str | None = None, registry: str | None = None,
+              chat: dict | None = None):
+    """chat: chat_template (a Jinja file replacing the tokenizer's) and tool_call_parser."""
     from transformers import AutoConfig, AutoTokenizer
 
     from pdserve.curve_keys import RouterKeys
@@ -39,9 +41,16 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     backend = ClusterBackend(model, prefill, decode, transfer,
                              salt=salt, block_size=block_size, registry=registry,
                              **(routing or {}))
-    app = create_app(backend, tokenizer, model, max_model_len or hf_config.max_position_embeddings, admission)
+    app = create_app(backend, tokenizer, model, max_model_len or hf_config.max_position_embeddings, admission,
+                     tool_call_parser=chat.get("tool_call_parser"))
     _run_with_app(app, backend)
     return app
+
+
+def load_chat_template(path: str) -> str:
+    """A --chat-template file's Jinja text (as vLLM, a file path; an unreadable one stops the router)."""
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def _run_with_app(app, backend) -> None:
@@ -69,7 +78,8 @@ def run_router(args) -> int:
                     "float32" if args.dtype == "auto" else args.dtype, args.max_model_len, admission,
                     dict(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                          local_prefill_threshold=args.local_prefill_threshold,
-                         session_affinity=args.session_affinity), args.curve_dir, args.registry)
+                         session_affinity=args.session_affinity), args.curve_dir, args.registry,
+                    chat=dict(chat_template=args.chat_template, tool_call_parser=args.tool_call_parser))
     log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s%s%s", args.host, args.port,
              len(args.prefill or []), len(args.decode or []), args.kv_transfer,
              ", CURVE" if args.curve_dir else "", f", nodes from the registry at {args.registry}" if args.registry else "")

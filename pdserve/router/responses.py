@@ -6,6 +6,7 @@ streaming and non-streaming paths share one accumulation of StepOutput deltas.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +41,11 @@ class ChoiceState:
     num_cached_tokens: int = 0
     # Sum of the logprob token strings so far: the base of the next `text_offset`.
     logprob_offset: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, out: StepOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text_parts.append(out.new_text)
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs or [])
@@ -55,6 +59,7 @@ class ChoiceState:
 
 
 def usage(prompt_tokens: int, states: list[ChoiceState]) -> dict[str, Any]:
+    """prompt_tokens: of every prompt, each counted once however many choices it has."""
     completion = sum(len(s.token_ids) for s in states)
     cached = max((s.num_cached_tokens for s in states), default=0)
     return {
@@ -65,23 +70,47 @@ def usage(prompt_tokens: int, states: list[ChoiceState]) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(texts: TokenTexts, lps: list[TokenLogprob],
-                        base_offset: int) -> tuple[dict[str, Any], int]:
-    """Legacy completions shape; returns it and the offset after the last token."""
+def completion_logprobs(texts: TokenTexts, lps: list[TokenLogprob | None],
+                        base_offset: int, first_token: int | None = None,
+                        top_n: int | None = None) -> tuple[dict[str, Any], int]:
+    """Legacy completions shape; returns it and the offset after the last token. A None entry
+    (an echoed prompt's first token, `first_token`) has no logprob, as in OpenAI's answers."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = base_offset
     for lp in lps:
-        token = texts(lp.token_id)
+        token = texts(lp.token_id if lp is not None else first_token)
         tokens.append(token)
-        token_lps.append(lp.logprob)
-        top = {texts(tid): value for tid, value in lp.top}
-        top.setdefault(token, lp.logprob)
-        tops.append(top)
         offsets.append(offset)
         offset += len(token)
+        if lp is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(lp.logprob)
+        top = {texts(tid): value for tid, value in lp.top[:top_n]}
+        top.setdefault(token, lp.logprob)
+        tops.append(top)
     body = {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
     return body, offset
+
+
+def vllm_prompt_logprobs(texts: TokenTexts, lps: list[TokenLogprob | None] | None
+                         ) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank, decoded_token}}
+    for the prompt's token and the top-N; None for the first token."""
+    if lps is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": texts(lp.token_id)}}
+        for rank, (tid, value) in enumerate(lp.top, 1):
+            entry.setdefault(str(tid), {"logprob": value, "rank": rank, "decoded_token": texts(tid)})
+        out.append(entry)
+    return out
 
 
 def _chat_token(token: str, logprob: float) -> dict[str, Any]:
@@ -101,6 +130,7 @@ class Flavor:
     """What differs between the completions and chat endpoints."""
     object_name = ""
     chunk_object = ""
+    want_prompt_logprobs = False  # vLLM's `prompt_logprobs` asked for
 
     def __init__(self, texts: TokenTexts, want_logprobs: bool, return_token_ids: bool) -> None:
         self.texts = texts
@@ -117,6 +147,13 @@ class Flavor:
     def opening_choices(self, n: int) -> list[dict[str, Any]]:
         return []
 
+    def shown(self, out: StepOutput) -> StepOutput:
+        """What of a node's output the client sees (all of it, unless a flavor says not)."""
+        return out
+
+    def prompt_logprobs(self, state: ChoiceState) -> list[dict[str, Any] | None] | None:
+        return vllm_prompt_logprobs(self.texts, state.prompt_logprobs)
+
     def _with_ids(self, choice: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
         if self.return_token_ids:
             choice["token_ids"] = list(token_ids)
@@ -124,34 +161,75 @@ class Flavor:
 
 
 class CompletionFlavor(Flavor):
+    """Choice i*n+j answers prompt i. `echo`: each prompt's text, put before its completions
+    (with logprobs, the prompt's tokens and logprobs come first too, the first one None).
+    `echo_only` (max_tokens 0 with echo): the token the engine drew is not shown."""
     object_name = "text_completion"
     chunk_object = "text_completion"  # OpenAI streams legacy completions with the same object
 
     def __init__(self, texts: TokenTexts, want_logprobs: bool, return_token_ids: bool,
-                 echo_text: str | None = None) -> None:
+                 echo: list[str] | None = None, prompts: list[list[int]] | None = None, n: int = 1,
+                 echo_only: bool = False, top_logprobs: int | None = None,
+                 want_prompt_logprobs: bool = False) -> None:
         super().__init__(texts, want_logprobs, return_token_ids)
-        self.echo_text = echo_text  # `echo`: the prompt, before the completion
+        self.echo, self.prompts, self.n = echo, prompts or [], n
+        self.echo_only, self.top_logprobs = echo_only, top_logprobs
+        self.want_prompt_logprobs = want_prompt_logprobs  # vLLM's field, beside `logprobs`
+
+    def _echo(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo else ""
+
+    def _logprobs(self, state: ChoiceState, lps: list[TokenLogprob], with_prompt: bool) -> dict[str, Any]:
+        entries: list[TokenLogprob | None] = list(lps)
+        first = None
+        if with_prompt and self.echo:
+            entries = list(state.prompt_logprobs or []) + entries
+            first = self.prompts[state.index // self.n][0]
+        body, state.logprob_offset = completion_logprobs(self.texts, entries, state.logprob_offset, first,
+                                                         self.top_logprobs)
+        return body
+
+    def _extras(self, body: dict[str, Any], state: ChoiceState, token_ids: list[int],
+                with_prompt_logprobs: bool) -> dict[str, Any]:
+        if self.want_prompt_logprobs and with_prompt_logprobs:
+            body["prompt_logprobs"] = self.prompt_logprobs(state)
+        return self._with_ids(body, token_ids)
+
+    def shown(self, out: StepOutput) -> StepOutput:
+        if not self.echo_only:
+            return out
+        return dataclasses.replace(out, new_token_ids=[], new_text="", new_logprobs=None,
+                                   finish_reason="length" if out.finished else None)
 
     def choice(self, state: ChoiceState) -> dict[str, Any]:
-        lps = completion_logprobs(self.texts, state.logprobs, 0)[0] if self.want_logprobs else None
-        body = {"index": state.index, "text": (self.echo_text or "") + state.text, "logprobs": lps,
+        state.logprob_offset = 0
+        lps = self._logprobs(state, state.logprobs, True) if self.want_logprobs else None
+        body = {"index": state.index, "text": self._echo(state.index) + state.text, "logprobs": lps,
                 "finish_reason": state.finish_reason}
-        return self._with_ids(body, state.token_ids)
+        return self._extras(body, state, state.token_ids, True)
 
     def chunk_choice(self, state: ChoiceState, out: StepOutput) -> dict[str, Any]:
-        lps = None
-        if self.want_logprobs:
-            lps, state.logprob_offset = completion_logprobs(
-                self.texts, out.new_logprobs or [], state.logprob_offset)
-        body = {"index": state.index, "text": out.new_text, "logprobs": lps,
+        # The first delta of a choice carries the echoed prompt (and its logprobs, which come
+        # with the first token) unless opening_choices sent it already.
+        opening = not state.token_ids and not state.text_parts and self._echo_in_first_chunk
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = out.prompt_logprobs
+        lps = self._logprobs(state, out.new_logprobs or [], opening) if self.want_logprobs else None
+        text = (self._echo(state.index) if opening else "") + out.new_text
+        body = {"index": state.index, "text": text, "logprobs": lps,
                 "finish_reason": out.finish_reason if out.finished else None}
-        return self._with_ids(body, out.new_token_ids)
+        return self._extras(body, state, out.new_token_ids, out.prompt_logprobs is not None)
+
+    @property
+    def _echo_in_first_chunk(self) -> bool:
+        return bool(self.echo) and self.want_logprobs
 
     def opening_choices(self, n: int) -> list[dict[str, Any]]:
-        # vLLM streams the echoed prompt as each choice's first delta.
-        if not self.echo_text:
+        # vLLM streams the echoed prompt as each choice's first delta (with logprobs it waits
+        # for the prompt's logprobs, which come with the first token).
+        if not self.echo or self._echo_in_first_chunk:
             return []
-        return [self._with_ids({"index": i, "text": self.echo_text, "logprobs": None, "finish_reason": None}, [])
+        return [self._with_ids({"index": i, "text": self._echo(i), "logprobs": None, "finish_reason": None}, [])
                 for i in range(n)]
 
 
@@ -170,6 +248,8 @@ class ChatFlavor(Flavor):
         lps = chat_logprobs(self.texts, out.new_logprobs or []) if self.want_logprobs else None
         body = {"index": state.index, "delta": {"content": out.new_text}, "logprobs": lps,
                 "finish_reason": out.finish_reason if out.finished else None}
+        if self.want_prompt_logprobs and out.prompt_logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.texts, out.prompt_logprobs)
         return self._with_ids(body, out.new_token_ids)
 
     def opening_choices(self, n: int) -> list[dict[str, Any]]:
@@ -180,10 +260,13 @@ class ChatFlavor(Flavor):
 
 def response_body(flavor: Flavor, request_id: str, created: int, model: str,
                   states: list[ChoiceState], prompt_tokens: int) -> dict[str, Any]:
-    return {"id": request_id, "object": flavor.object_name, "created": created,
+    body = {"id": request_id, "object": flavor.object_name, "created": created,
             "model": model, "system_fingerprint": None,
             "choices": [flavor.choice(s) for s in states],
             "usage": usage(prompt_tokens, states)}
+    if isinstance(flavor, ChatFlavor) and flavor.want_prompt_logprobs:  # vLLM: one list, top level
+        body["prompt_logprobs"] = flavor.prompt_logprobs(states[0])
+    return body
 
 
 def chunk_body(flavor: Flavor, request_id: str, created: int, model: str,

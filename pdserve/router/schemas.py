@@ -1,31 +1,31 @@
 """Request models for the OpenAI-compatible endpoints (pydantic lives only at this HTTP edge).
 
 Unknown fields are tolerated (extra="allow") so clients that send newer OpenAI fields keep
-working; each request's ignored fields are logged, as vLLM does. Fields the engine cannot
-honour are rejected with 400 rather than silently ignored, because a silently ignored knob
-yields outputs the client did not ask for:
-  * echo=true with logprobs (prompt logprobs are not computed), suffix, best_of != n: rejected.
-  * tool_choice "auto" / "required": rejected (a named function, or "none", is supported).
-  * a batch of prompts (more than one) in /v1/completions: rejected; send one per request.
-Those knobs keep their validators (for the clearer message) and say in the OpenAPI document
-which values are accepted, so generated clients and fuzzers do not send the rest.
+working; each request's ignored fields are logged and named in the response's
+`X-Ignored-Fields` header. Fields the engine cannot honour (suffix, best_of != n) are
+rejected with 400 rather than silently ignored, because a silently ignored knob yields outputs
+the client did not ask for. Those knobs keep their validators (for the clearer message) and
+say in the OpenAPI document which values are accepted, so generated clients and fuzzers do not
+send the rest.
 
 Numbers that travel to the nodes are bounded here: NaN or infinite floats and integers beyond
 64 bits (msgspec cannot encode them) are a 400, not a failure further down.
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from pdserve.engine.sampling_params import SamplingParams, StructuredSpec
-from pdserve.router.structured_request import named_tool, structured_spec
+from pdserve.router.structured_request import ToolPlan, structured_spec, tool_plan
 
 log = logging.getLogger(__name__)
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_PROMPTS = 1024  # prompts in one /v1/completions batch
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -114,6 +114,8 @@ class GenerationRequest(BaseModel):
     guided_grammar: str | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # vLLM's: each prompt token's logprob and the top-N (the first token's entry is null).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="before")
     @classmethod
@@ -126,8 +128,12 @@ class GenerationRequest(BaseModel):
     @model_validator(mode="after")
     def _log_ignored_fields(self) -> GenerationRequest:
         if self.model_extra:  # as vLLM does: accepted, ignored, and said so
-            log.warning("ignored unknown request fields: %s", sorted(self.model_extra))
+            log.info("ignored unknown request fields: %s", sorted(self.model_extra))
         return self
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
 
     @field_validator("logit_bias")
     @classmethod
@@ -141,10 +147,10 @@ class GenerationRequest(BaseModel):
         """The structured-output constraint asked for, checked (ValueError when malformed)."""
         guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
                   "grammar": self.guided_grammar}
-        return structured_spec(self.response_format, self.structured_outputs, guided, self.tool())
+        return structured_spec(self.response_format, self.structured_outputs, guided, self.tools_plan())
 
-    def tool(self) -> tuple[str, str] | None:
-        return None  # chat requests may name one (ChatCompletionRequest.tool)
+    def tools_plan(self) -> ToolPlan | None:
+        return None  # chat requests may offer tools (ChatCompletionRequest.tools_plan)
 
     @property
     def num_choices(self) -> int:
@@ -172,6 +178,7 @@ class GenerationRequest(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
@@ -185,17 +192,19 @@ class GenerationRequest(BaseModel):
         )
 
 
-_ONE_PROMPT = {"minItems": 1, "maxItems": 1}
+_BATCH = {"minItems": 1, "maxItems": MAX_PROMPTS}
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
 
 class CompletionRequest(GenerationRequest):
     # Ids outside the vocabulary (negative ones included) are refused by the router, per model.
     prompt: Annotated[str | list[int] | list[str] | list[list[int]], _only(
-        {"anyOf": [{"type": "string"}, _IDS, {"type": "array", "items": {"type": "string"}, **_ONE_PROMPT},
-                   {"type": "array", "items": _IDS, **_ONE_PROMPT}]},
-        "One prompt: text or token ids (a list of one of either is accepted too).")]
-    max_tokens: int | None = Field(16, ge=1)
+        {"anyOf": [{"type": "string"}, _IDS, {"type": "array", "items": {"type": "string"}, **_BATCH},
+                   {"type": "array", "items": _IDS, **_BATCH}]},
+        "Text or token ids, or a batch: a list of texts or of token-id lists. Choice i*n+j is "
+        "prompt i's choice j.")]
+    # 0 with echo: only the prompt (and with logprobs, its logprobs) comes back.
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="Only equal to n.")
@@ -203,26 +212,31 @@ class CompletionRequest(GenerationRequest):
 
     @model_validator(mode="after")
     def _reject_completion_only(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (prompt logprobs are not computed)")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo=true)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.num_choices:
             raise ValueError("best_of is not supported (only equal to n)")
         return self
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt in the request; ValueError for a batch (not supported)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch (ValueError when empty or too many)."""
         prompt = self.prompt
         if isinstance(prompt, str):
-            return prompt
+            return [prompt]
         if not prompt:
             raise ValueError("prompt must not be empty")
-        if isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError("batched prompts are not supported; send one prompt per request")
-            return prompt[0]  # type: ignore[return-value]
-        return prompt  # type: ignore[return-value]
+        if not isinstance(prompt[0], (str, list)):
+            return [prompt]  # type: ignore[list-item]
+        if len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
+        return list(prompt)  # type: ignore[arg-type]
+
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 with echo: the engine draws one token, which nobody is shown."""
+        return bool(self.echo) and self.max_tokens == 0
 
 
 class TextContentPart(BaseModel):
@@ -243,6 +257,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -267,9 +283,9 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError("top_logprobs requires logprobs=true")
         return self
 
-    def tool(self) -> tuple[str, str] | None:
-        """(name, parameters schema) of the function tool_choice names, or None."""
-        return named_tool(self.tools, self.tool_choice)
+    def tools_plan(self) -> ToolPlan | None:
+        """What tool_choice asks for with these tools (ValueError when malformed)."""
+        return tool_plan(self.tools, self.tool_choice)
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are sent.
@@ -282,8 +298,31 @@ class ChatCompletionRequest(GenerationRequest):
             return None
         return self.top_logprobs or 0
 
-    def plain_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def plain_messages(self) -> list[dict[str, Any]]:
+        """Messages as chat templates take them: text content, tool calls with their
+        arguments as objects (templates render them), the id a tool turn answers."""
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                message["name"] = m.name
+            if m.tool_calls:
+                message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            pass  # not JSON: the template gets the text as sent
+    return {**call, "function": function}
 
 
 class HealthReport(BaseModel):

@@ -42,14 +42,18 @@ class ClientDisconnected(Exception):
 
 
 class GenerationGroup:
-    """The n backend streams of one HTTP request, merged into one stream of (index, output)."""
+    """The backend streams of one HTTP request (n per prompt), merged into one stream of
+    (index, output). choice_prompts: each choice's prompt, for a batch of prompts; without it
+    every choice continues prompt_ids."""
 
     def __init__(self, backend: GenerationBackend, base_id: str, prompt_ids: list[int],
-                 params: list[SamplingParams], session: str | None = None) -> None:
+                 params: list[SamplingParams], session: str | None = None,
+                 choice_prompts: list[list[int]] | None = None) -> None:
         self.backend = backend
         self.session = session
         self.prompt_ids = prompt_ids
         self.params = params
+        self.choice_prompts = choice_prompts or [prompt_ids] * len(params)
         self.request_ids = [f"{base_id}-{i}" for i in range(len(params))]
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
@@ -70,7 +74,7 @@ class GenerationGroup:
             self._queue.put_nowait((index, None, exc))
 
     async def _consume(self, index: int, rid: str, params: SamplingParams) -> None:
-        stream = self.backend.generate(rid, self.prompt_ids, params, session=self.session)
+        stream = self.backend.generate(rid, self.choice_prompts[index], params, session=self.session)
         closer = getattr(stream, "aclose", None)
         async with contextlib.AsyncExitStack() as stack:
             if closer is not None:

@@ -1,7 +1,7 @@
 """The request fields that ask for structured output, reduced to one StructuredSpec.
 
-Accepted spellings: OpenAI's `response_format` (json_object, json_schema) and named
-`tool_choice` with `tools`; vLLM's `structured_outputs` ({json|regex|choice|grammar}) and its
+Accepted spellings: OpenAI's `response_format` (json_object, json_schema) and
+`tool_choice` "required" or a named function with `tools`; vLLM's `structured_outputs` ({json|regex|choice|grammar}) and its
 older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. At most one may be
 given. The spec is parsed here (check_spec, cached) so a malformed schema or regex is a 400 at
 the router, never a node error.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.sampling_params import StructuredSpec
@@ -74,34 +75,75 @@ def _from_vllm(structured: Any, guided: dict[str, Any]) -> list[tuple[str, str]]
     return found
 
 
-def named_tool(tools: list[dict] | None, tool_choice: Any) -> tuple[str, str] | None:
-    """(name, parameters schema text) of the tool that tool_choice names; None for 'none' or
-    absent (tools are then ignored). 'auto' and 'required' are not supported: ValueError."""
-    if tool_choice is None or tool_choice == "none":
+@dataclass
+class ToolPlan:
+    """What tool_choice asks for. mode: "none" (tools not shown to the model), "auto" (the
+    model answers in text or calls tools; calls are parsed out of the text), "required" (the
+    output is constrained to a JSON list of calls) or "named" (to that function's arguments)."""
+    mode: str
+    tools: list[dict[str, Any]] = field(default_factory=list)  # the function tools, checked
+    name: str | None = None  # mode "named": the function
+
+    def parameters(self, name: str) -> str:
+        function = next(t["function"] for t in self.tools if t["function"]["name"] == name)
+        schema = function.get("parameters") or {"type": "object", "properties": {}}
+        return _schema_text(schema, f"the parameters of tool {name!r}")
+
+    def grammar(self) -> tuple[str, str] | None:
+        """The structured-output constraint this plan puts on the output."""
+        if self.mode == "named":
+            return "json", self.parameters(self.name)
+        if self.mode != "required":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                   "parameters": json.loads(self.parameters(t["function"]["name"]))},
+                  "required": ["name", "parameters"]} for t in self.tools]
+        return "json", json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}}, ensure_ascii=False)
+
+
+def _function_tools(tools: list[dict] | None) -> list[dict[str, Any]]:
+    checked = []
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                             "'parameters': {...}}}")
+        checked.append(tool)
+    return checked
+
+
+def tool_plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan | None:
+    """The plan for these tools and tool_choice; None without tools. As OpenAI: tool_choice
+    defaults to "auto" when tools are given. ValueError when malformed."""
+    checked = _function_tools(tools)
+    if tool_choice is None:
+        tool_choice = "auto" if checked else "none"
+    if tool_choice == "none":
         return None
+    if tool_choice in ("auto", "required"):
+        if not checked:
+            raise ValueError(f"tool_choice {tool_choice!r} needs tools")
+        return ToolPlan(tool_choice, checked)
     if isinstance(tool_choice, str):
-        raise ValueError(f"tool_choice {tool_choice!r} is not supported; name a function "
-                         "({'type': 'function', 'function': {'name': ...}}) or send 'none'")
+        raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or name a function, got {tool_choice!r}")
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or not name:
         raise ValueError("tool_choice must name a function: {'type': 'function', 'function': {'name': ...}}")
-    for tool in tools or []:
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if isinstance(function, dict) and function.get("name") == name:
-            schema = function.get("parameters", {"type": "object", "properties": {}})
-            return name, _schema_text(schema, f"the parameters of tool {name!r}")
-    raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+    if not any(t["function"]["name"] == name for t in checked):
+        raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+    return ToolPlan("named", checked, name)
 
 
 def structured_spec(response_format: Any, structured: Any, guided: dict[str, Any],
-                    tool: tuple[str, str] | None = None) -> StructuredSpec | None:
+                    tools: ToolPlan | None = None) -> StructuredSpec | None:
     """The one constraint the request asks for (ValueError when several or malformed)."""
     found = _from_vllm(structured, guided)
     from_format = _from_response_format(response_format)
     found += [from_format] if from_format else []
-    found += [("json", tool[1])] if tool else []
+    from_tools = tools.grammar() if tools is not None else None
+    found += [from_tools] if from_tools else []
     if len(found) > 1:
         raise ValueError("ask for one structured output at a time (response_format, structured_outputs, "
-                         "guided_*, or a named tool_choice)")
+                         "guided_*, or tool_choice 'required' or named)")
     return _checked(*found[0]) if found else None
