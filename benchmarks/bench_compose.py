@@ -1,5 +1,5 @@
 """The compose demo (2 prefill + 2 decode containers, NIXL) against `pdserve up` with the same
-2P2D over NIXL, on the same machine and workload (issue 8's target: compose at >= 80%).
+2P2D over NIXL, on the same machine and workload (the aim: compose at >= 80% of it).
 
     DOCKER_HOST=... PDSERVE_BASE_IMAGE=... .venv/bin/python benchmarks/bench_compose.py [--repeats 3]
 

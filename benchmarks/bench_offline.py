@@ -1,6 +1,6 @@
 """Offline throughput: pdserve vs transformers' continuous batching vs plain generate, in one run.
 
-Workload (issue 2): 64 requests, prompts of 32-512 tokens, 64 new tokens each, ignore_eos, on a
+Workload: 64 requests, prompts of 32-512 tokens, 64 new tokens each, ignore_eos, on a
 ~32M-parameter Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, vocab 8192), float32 on CPU.
 
     .venv/bin/python benchmarks/bench_offline.py --repeats 3

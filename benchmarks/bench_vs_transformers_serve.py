@@ -1,4 +1,4 @@
-"""pdserve against Hugging Face `transformers serve` on the same model (issue 11).
+"""pdserve against Hugging Face `transformers serve` on the same model.
 
     .venv/bin/python benchmarks/bench_vs_transformers_serve.py [--repeats 3] [--concurrency 8] \
         [--tf-mode auto|cb|plain] [--tf-pythonpath DIR] [--output-json out.json]

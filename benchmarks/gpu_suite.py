@@ -1,4 +1,4 @@
-"""Issue 9: the GPU path, measured on one GPU. One command runs every step and writes JSON.
+"""The GPU path, measured on one GPU. One command runs every step and writes JSON.
 
     python3 benchmarks/gpu_suite.py --out DIR [--steps env,kernels,exact,served,throughput,nixl,pd]
 

@@ -1,4 +1,4 @@
-"""Issue 9 step 3: offline throughput of a ~1.1B Llama (TinyLlama's shape, random weights) in
+"""Offline throughput of a ~1.1B Llama (TinyLlama's shape, random weights) in
 bfloat16 on one GPU, pdserve against transformers' `generate_batch`, and pdserve's decode step
 time against the HBM bandwidth floor.
 

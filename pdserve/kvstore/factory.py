@@ -1,4 +1,4 @@
-"""make_store(url): pick a KV store backend from a URL (the README's "KV store URLs" table).
+"""make_store(url): pick a KV store backend from a URL (docs/kv-store.md lists them).
 
     redis://host:port[?chunk_tokens=N&local_cpu_gb=G&local_disk=DIR&local_disk_gb=G]
                           the default: LMCache tiers (local CPU -> local disk -> Redis through
