@@ -13,7 +13,10 @@ from pathlib import Path
 
 import torch
 
+from pdserve import LLM, SamplingParams
 from pdserve.models.builtin import build_byte_tokenizer
+
+NEW_TOKENS = 10
 
 BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False)
@@ -29,7 +32,7 @@ FAMILIES = {
                                            num_experts_per_tok=2)),
     "gemma3_text": ("Gemma3ForCausalLM", dict(
         num_hidden_layers=4, intermediate_size=96, head_dim=32, query_pre_attn_scalar=24,
-        sliding_window=6, layer_types=["sliding_attention", "sliding_attention", "full_attention",
+        sliding_window=21, layer_types=["sliding_attention", "sliding_attention", "full_attention",
                                        "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0,
@@ -38,7 +41,10 @@ FAMILIES = {
     "gpt_oss": ("GptOssForCausalLM", dict(
         num_hidden_layers=3, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
         head_dim=16, sliding_window=5, layer_types=["sliding_attention", "full_attention",
-                                                    "sliding_attention"])),
+                                                    "sliding_attention"],
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 16, "rope_theta": 150000.0,
+                         "truncate": False})),
 }
 
 
@@ -95,3 +101,33 @@ def assert_meaningful(tokens: list[int], gaps: torch.Tensor) -> None:
     just repeat one token."""
     assert len(set(tokens)) > 2, f"greedy output barely varies: {tokens}"
     assert float(gaps.min()) > 1e-3, f"a top-2 logit gap of {float(gaps.min()):.1e}: a near tie"
+
+
+def check_prompt_logits(path: Path, ref, lengths=(1, 9, 40, 70)) -> None:
+    llm = LLM(model=str(path), num_kv_blocks=64)
+    for prompt in random_prompts(1, ref.config.vocab_size, lengths):
+        ours = llm.engine.prompt_logits(prompt)
+        with torch.no_grad():
+            theirs = ref(torch.tensor([prompt])).logits[0]
+        diff = (ours - theirs).abs().max().item()
+        assert diff < 1e-4, f"{path.name}: max |logit diff| {diff:.2e} for a {len(prompt)}-token prompt"
+
+
+def check_offline_greedy(path: Path, ref) -> None:
+    """One engine: a batch with chunked prefill whose small cache forces preemption, then the
+    same prompts again from the prefix cache; every output equals transformers' generate."""
+    vocab = ref.config.vocab_size
+    base = random_prompts(3, vocab, [40])[0]
+    prompts = [base + tail for tail in random_prompts(4, vocab, [3, 11, 20])] + random_prompts(5, vocab, [2, 17])
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    llm = LLM(model=str(path), num_kv_blocks=9, max_num_batched_tokens=32)
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0, "the small cache should have forced a preemption"
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert any(o.num_cached_tokens >= 32 for o in again), "the shared prefix was not reused"
+    for prompt, a, b in zip(prompts, first, again):
+        want, gaps = reference_greedy(ref, prompt, NEW_TOKENS)
+        assert_meaningful(want, gaps)
+        assert a.outputs[0].token_ids == want, path.name
+        assert b.outputs[0].token_ids == want, path.name
+    assert llm.engine.pool.num_in_use() == 0, "blocks leaked after all requests finished"

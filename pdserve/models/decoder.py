@@ -41,7 +41,7 @@ class DecoderModel(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         x = self.embed_tokens(token_ids)
         if self.embed_scale is not None:  # as transformers: the scale rounded to the dtype first
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+            x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
         tables = {name: rope.cos_sin(positions, x.dtype) for name, rope in self.ropes.items()}
         for layer, rope in zip(self.layers, self.layer_rope):
             x = layer(x, *tables[rope], ctx)

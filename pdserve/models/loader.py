@@ -21,6 +21,8 @@ FAMILY_MODULES = {
     "MixtralForCausalLM": "pdserve.models.qwen_moe",
     "DeepseekV2ForCausalLM": "pdserve.models.deepseek",
     "DeepseekV3ForCausalLM": "pdserve.models.deepseek",
+    "Gemma3ForCausalLM": "pdserve.models.gemma3",
+    "GptOssForCausalLM": "pdserve.models.gpt_oss",
 }
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            *FAMILY_MODULES)

@@ -1,0 +1,121 @@
+"""Gemma 3 (text only, gemma3_text) over the paged KV cache.
+
+What differs from Llama: the embedding is scaled by sqrt(hidden); RMSNorm scales by (1 + w);
+each layer norms its attention and MLP outputs too (post norms) besides their inputs; q and k
+get an RMSNorm per head; scores are scaled by query_pre_attn_scalar**-0.5; the MLP is
+gelu(tanh)-gated; sliding and full layers (layer_types) each have their own RoPE
+(rope_parameters per layer type; rope_local_base_freq in older configs); the final logits may
+be soft-capped.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.models.attention import PagedAttention, RopeTable
+from pdserve.models.decoder import DecoderModel, build_and_load
+from pdserve.models.llama import ModelSpec
+from pdserve.models.moe import DenseMLP
+from pdserve.models.rope import SUPPORTED_ROPE_TYPES
+from pdserve.models.weights import WeightLoader, check_fields
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+class GemmaRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).type_as(x)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def check_config(config) -> None:
+    check_fields(config, {"hidden_activation": ("gelu_pytorch_tanh",), "attn_logit_softcapping": (None,),
+                          "use_bidirectional_attention": (False,), "attention_bias": (False, True)})
+    bad = set(config.layer_types) - set(LAYER_TYPES)
+    if bad:
+        raise ValueError(f"layer_types {sorted(bad)} are not supported; supported: {', '.join(LAYER_TYPES)}")
+    for layer_type in set(config.layer_types):
+        rope_type = _rope_params(config, layer_type).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"{layer_type} rope type {rope_type!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def _rope_params(config, layer_type: str) -> dict:
+    return (config.rope_parameters or {}).get(layer_type) or {}
+
+
+def _rope(config, layer_type: str, head_dim: int) -> RopeTable:
+    """The layer type's RoPE table, with transformers' own frequency init for scaled types."""
+    params = _rope_params(config, layer_type)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq, scaling = 1.0 / (params["rope_theta"] ** exps), 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), layer_type=layer_type)
+    return RopeTable(inv_freq, scaling, config.max_position_embeddings)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config, spec: ModelSpec, layer: int):
+        super().__init__()
+        norm = functools.partial(GemmaRMSNorm, eps=spec.rms_norm_eps)
+        sliding = config.layer_types[layer] == "sliding_attention"
+        self.self_attn = PagedAttention(
+            spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, layer,
+            qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, scale=config.query_pre_attn_scalar ** -0.5,
+            window=config.sliding_window if sliding else 0, qk_norm=norm)
+        self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, activation=gelu_tanh_mul)
+        self.input_layernorm = norm(spec.hidden_size)
+        self.post_attention_layernorm = norm(spec.hidden_size)
+        self.pre_feedforward_layernorm = norm(spec.hidden_size)
+        self.post_feedforward_layernorm = norm(spec.hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, ctx))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+def model_spec(config) -> ModelSpec:
+    bias = bool(config.attention_bias)
+    return ModelSpec(
+        architecture=config.architectures[0], vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps, qkv_bias=bias, o_bias=bias, qk_norm=True,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
+        max_position_embeddings=config.max_position_embeddings, hidden_act=config.hidden_activation)
+
+
+def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.device) -> DecoderModel:
+    spec = model_spec(config)
+    ropes = {t: _rope(config, t, spec.head_dim) for t in sorted(set(config.layer_types))}
+
+    def make() -> DecoderModel:
+        layers = [Gemma3DecoderLayer(config, spec, i) for i in range(spec.num_layers)]
+        return DecoderModel(spec, layers, GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps), ropes,
+                            list(config.layer_types), embed_scale=spec.hidden_size ** 0.5,
+                            final_softcap=config.final_logit_softcapping)
+
+    def place(name: str, tensor: torch.Tensor, loader: WeightLoader) -> None:
+        loader.copy_standard(name, tensor)
+
+    return build_and_load(make, files, place, dtype, device)
