@@ -181,7 +181,21 @@ def _add_cluster_parsers(sub) -> None:
     up.add_argument("--curve", action="store_true",
                     help="fresh CURVE keys in a private temporary directory for every node and the router")
     up.add_argument("--decode-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # fault injection
+    _add_ray_args(up)
     up.set_defaults(func=run_up)
+
+
+def _add_ray_args(up: argparse.ArgumentParser) -> None:
+    up.add_argument("--ray", default=None, metavar="ADDRESS",
+                    help="run the nodes and routers as actors on the Ray cluster at ADDRESS (host:port, or auto: "
+                         "$RAY_ADDRESS or the local one); needs the ray extra (pip install 'pdserve[ray]')")
+    up.add_argument("--routers", type=int, default=1, help="router replicas; router i listens on --port + i")
+    up.add_argument("--ray-gpus-per-node", type=float, default=0.0, help="GPUs Ray reserves for each node")
+    up.add_argument("--ray-prefill-resource", default=None,
+                    help="a custom Ray resource every prefill node needs (pins the role to machines that have it)")
+    up.add_argument("--ray-decode-resource", default=None, help="the same, for decode nodes")
+    up.add_argument("--ray-max-restarts", type=int, default=20,
+                    help="times Ray restarts a node or router whose process or machine died (-1: always)")
 
 
 def build_parser() -> argparse.ArgumentParser:

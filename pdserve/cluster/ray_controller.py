@@ -1,0 +1,158 @@
+"""The cluster's owner on Ray: one actor that starts and stops node and router actors and hosts
+the node registry (pdserve.cluster.registry) on its machine's address.
+
+It implements NodeOwner (pdserve.cluster.owner): scaling, restarts and role switches go through
+it. Each node and router is a ProcessActor of its own, placed with the resources the launch
+asked for (CPU threads, GPUs, an optional custom resource per role) and spread over the
+machines; Ray restarts one whose process or machine died (max_restarts), and the new process
+registers its new address, so routers follow without a restart.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pdserve.cluster.registry import RegistryServer
+from pdserve.cluster.registry_messages import AdminReply, ScaleRequest, SwitchRequest
+
+log = logging.getLogger(__name__)
+ROLES = ("prefill", "decode")
+
+
+@dataclass
+class Placement:
+    """How each process is placed (all from `pdserve up --ray` flags)."""
+    threads_per_node: int = 1
+    gpus_per_node: float = 0.0
+    role_resources: dict[str, str] = field(default_factory=dict)  # role -> custom resource name
+    max_restarts: int = 20
+    spread: bool = True
+
+
+class RayController:
+    """Use through ray.remote (pdserve.cluster.ray_launch does)."""
+
+    def __init__(self, templates: dict[str, list[str]], placement: Placement):
+        import ray
+        self.templates = templates  # role or "router" -> pdserve arguments with placeholders
+        self.placement = placement
+        self.ip = ray.util.get_node_ip_address()
+        self.registry = RegistryServer(f"tcp://{self.ip}:0", on_admin=self.on_admin).start()
+        self.nodes: dict[str, tuple[str, object]] = {}  # node_id -> (role, actor handle)
+        self.routers: list[object] = []
+        self._next_index = dict.fromkeys(ROLES, 0)
+        self._lock = threading.RLock()  # admin requests arrive on the registry's worker thread
+
+    def registry_address(self) -> str:
+        return self.registry.address
+
+    # ---- NodeOwner --------------------------------------------------------------------------
+    def start_node(self, role: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}")
+        with self._lock:
+            node_id = f"{role}-{self._next_index[role]}"
+            self._next_index[role] += 1
+        template = [arg.replace("{node_id}", node_id) for arg in self.templates[role]]
+        template += ["--registry", self.registry.address]
+        p = self.placement
+        resources = {p.role_resources[role]: 1} if p.role_resources.get(role) else None
+        actor = self._actor(node_id, template, p.threads_per_node, p.gpus_per_node, resources)
+        with self._lock:
+            self.nodes[node_id] = (role, actor)
+        log.info("started %s", node_id)
+        return node_id
+
+    def stop_node(self, node_id: str) -> None:
+        with self._lock:
+            role_actor = self.nodes.pop(node_id, None)
+        if role_actor is None:
+            raise ValueError(f"no node {node_id!r}")
+        self._stop_actor(role_actor[1])
+
+    def owned_nodes(self) -> dict[str, str]:
+        with self._lock:
+            return {node_id: role for node_id, (role, _) in self.nodes.items()}
+
+    # ---- routers ----------------------------------------------------------------------------
+    def start_routers(self, count: int, port: int) -> list[str]:
+        """`count` routers spread over the machines, router i on port + i; returns their URLs."""
+        import ray
+        for i in range(count):
+            template = [arg.replace("{router_port}", str(port + i)) for arg in self.templates["router"]]
+            template += ["--registry", self.registry.address]
+            self.routers.append(self._actor(f"router-{i}", template, 1, 0.0, None, num_cpus=0))
+        infos = ray.get([r.info.remote() for r in self.routers])
+        return [f"http://{info['ip']}:{port + i}" for i, info in enumerate(infos)]
+
+    # ---- state for the launcher and tests ---------------------------------------------------
+    def members(self) -> list[dict]:
+        return [{"node_id": r.node_id, "role": r.role, "control_addr": r.control_addr, "state": r.state,
+                 "incarnation": r.incarnation} for r in self.registry.members()]
+
+    def processes(self) -> dict[str, dict]:
+        """name -> where its process runs now (ip, pid, actor pid), for every live actor."""
+        import ray
+        with self._lock:
+            handles = {node_id: actor for node_id, (_, actor) in self.nodes.items()}
+        handles |= {f"router-{i}": actor for i, actor in enumerate(self.routers)}
+        out = {}
+        for name, actor in handles.items():
+            try:
+                out[name] = ray.get(actor.info.remote(), timeout=10)
+            except Exception as exc:  # restarting, or its machine is gone: the caller asks again
+                out[name] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        return out
+
+    def ping(self) -> float:
+        return time.time()
+
+    def shutdown(self) -> None:
+        """Stop every process this controller started (routers first, so no new requests)."""
+        for actor in self.routers:
+            self._stop_actor(actor)
+        for _, actor in self.nodes.values():
+            self._stop_actor(actor)
+        self.routers, self.nodes = [], {}
+        self.registry.stop()
+
+    # ---- admin requests through the registry ----------------------------------------------
+    def on_admin(self, msg: ScaleRequest | SwitchRequest) -> AdminReply:
+        if isinstance(msg, SwitchRequest):
+            return AdminReply(False, "role switches are requested from a router (it drains the node first)")
+        changes = []
+        for role, want in (("prefill", msg.prefill), ("decode", msg.decode)):
+            have = sorted(n for n, r in self.owned_nodes().items() if r == role)
+            while want is not None and len(have) < want:
+                have.append(self.start_node(role))
+                changes.append(f"+{have[-1]}")
+            while want is not None and len(have) > want:  # newest first; routers drain before this
+                node_id = have.pop()
+                self.stop_node(node_id)
+                changes.append(f"-{node_id}")
+        return AdminReply(True, " ".join(changes) or "no change")
+
+    # ---- actors -----------------------------------------------------------------------------
+    def _actor(self, name: str, template: list[str], threads: int, gpus: float, resources: dict | None,
+               num_cpus: float | None = None):
+        import ray
+
+        from pdserve.cluster.ray_actors import ProcessActor
+        options = dict(num_cpus=threads if num_cpus is None else num_cpus, num_gpus=gpus,
+                       max_restarts=self.placement.max_restarts, name=None, lifetime=None)
+        if resources:
+            options["resources"] = resources
+        if self.placement.spread:
+            options["scheduling_strategy"] = "SPREAD"
+        return ray.remote(ProcessActor).options(**options).remote(name, template, threads)
+
+    @staticmethod
+    def _stop_actor(actor) -> None:
+        import ray
+        try:
+            ray.get(actor.stop.remote(), timeout=30)
+        except Exception as exc:  # already gone: nothing left to stop gracefully
+            log.info("stopping an actor: %s", exc)
+        ray.kill(actor, no_restart=True)

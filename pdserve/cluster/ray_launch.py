@@ -1,0 +1,127 @@
+"""`pdserve up --ray ADDRESS|auto`: the whole cluster on an existing Ray cluster.
+
+This process is Ray's driver. It starts the controller actor (the cluster's NodeOwner and node
+registry, on this machine), asks it for the prefill and decode nodes and the routers, waits until
+every router sees every node healthy, and then watches the controller until it is stopped; then
+the controller stops every actor it started. Node and router command lines are the ones `pdserve
+up` uses, with each process's address and ports filled in on the machine Ray placed it on.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+import urllib.request
+
+from pdserve.cluster.ray_controller import Placement, RayController
+
+log = logging.getLogger(__name__)
+READY_TIMEOUT_S = 300
+LOOPBACK = ("127.0.0.1", "localhost")
+
+
+def node_templates(args, cluster) -> dict[str, list[str]]:
+    """pdserve arguments per role, with {node_id}, {ip} and {port:NAME} left for the actor.
+
+    `cluster` is the local launcher's Cluster: its node_cmd gives the same engine flags `pdserve
+    up` forwards. Every node gets both roles' transfer flags, so it can switch roles in place."""
+    store = args.store
+    if args.kv_transfer == "store" and not (store and store.partition("://")[2]):
+        raise ValueError("--ray with --kv-transfer store needs --store redis://HOST:PORT (or redis-cluster://...) "
+                         "that every machine reaches")
+    if args.curve:
+        raise ValueError("--curve makes its keys in a local directory; on Ray give every machine the same "
+                         "`pdserve keys` directory and start nodes by hand, or run without --curve")
+    common = ["--lease-s", str(args.lease_s), "--advertise-host", "{ip}"] + cluster._store_flags(store)
+    if args.kv_transfer == "nixl":
+        common += ["--nixl-side-channel", "tcp://{ip}:{port:side}"]
+    decode = ["--on-transfer-failure", args.on_transfer_failure] + (["--nixl"] if args.kv_transfer == "nixl" else [])
+    templates = {role: cluster.node_cmd(role, "{node_id}", "tcp://{ip}:{port:control}", common + extra)[3:]
+                 for role, extra in (("prefill", []), ("decode", decode))}
+    templates["router"] = router_template(args)
+    return templates
+
+
+def router_template(args) -> list[str]:
+    host = "{ip}" if args.host in LOOPBACK else args.host  # a router is reached from other machines
+    cmd = ["--log-level", args.log_level, "router", "--model", args.model, "--host", host,
+           "--port", "{router_port}", "--kv-transfer", args.kv_transfer, "--block-size", str(args.block_size),
+           "--dtype", args.dtype, "--max-queued-requests", str(args.max_queued_requests),
+           "--max-body-bytes", str(args.max_body_bytes), "--prefill-policy", args.prefill_policy,
+           "--decode-policy", args.decode_policy, "--local-prefill-threshold", str(args.local_prefill_threshold)]
+    cmd += ["--session-affinity"] if args.session_affinity else []
+    return cmd + (["--protect-metrics"] if args.protect_metrics else [])
+
+
+def placement(args) -> Placement:
+    roles = {role: res for role, res in (("prefill", args.ray_prefill_resource),
+                                          ("decode", args.ray_decode_resource)) if res}
+    return Placement(threads_per_node=args.threads_per_node or 1, gpus_per_node=args.ray_gpus_per_node,
+                     role_resources=roles, max_restarts=args.ray_max_restarts)
+
+
+def wait_ready(urls: list[str], expected: int, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Every router lists `expected` nodes, all healthy."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending and time.monotonic() < deadline:
+        for url in list(pending):
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                    nodes = json.loads(resp.read())["nodes"]
+                if len(nodes) == expected and all(n["healthy"] for n in nodes):
+                    pending.remove(url)
+            except (OSError, ValueError, KeyError):
+                pass
+        time.sleep(0.5)
+    if pending:
+        raise TimeoutError(f"routers {pending} did not see {expected} healthy nodes within {timeout_s:.0f} s")
+
+
+def run_up_ray(args, cluster) -> int:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    templates = node_templates(args, cluster)  # bad flags fail before connecting
+    ray.init(address=args.ray, namespace="pdserve", log_to_driver=True)
+    here = ray.get_runtime_context().get_node_id()
+    controller = ray.remote(RayController).options(
+        num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+    ).remote(templates, placement(args))
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        registry = ray.get(controller.registry_address.remote())
+        for role, count in (("prefill", args.prefill_nodes), ("decode", args.decode_nodes)):
+            ray.get([controller.start_node.remote(role) for _ in range(count)])
+        urls = ray.get(controller.start_routers.remote(args.routers, args.port))
+        wait_ready(urls, args.prefill_nodes + args.decode_nodes)
+        print(f"pdserve up --ray: {' '.join(u + '/v1' for u in urls)} serving {args.model} with "
+              f"{args.prefill_nodes} prefill and {args.decode_nodes} decode nodes (kv transfer: "
+              f"{args.kv_transfer}; registry {registry})", flush=True)
+        while True:
+            ray.get(controller.ping.remote(), timeout=30)
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        log.info("stopping the cluster")
+        return 0
+    except (ray.exceptions.RayError, TimeoutError, ValueError) as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        _stop(ray, controller)
+
+
+def _stop(ray, controller) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave actors behind
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        ray.get(controller.shutdown.remote(), timeout=120)
+    except Exception as exc:  # the controller is gone: its actors went with it (Ray fate-sharing)
+        log.warning("controller shutdown: %s", exc)
+    ray.kill(controller)
+    ray.shutdown()
