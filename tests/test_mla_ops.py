@@ -60,7 +60,16 @@ def test_store_latent_skips_slot_minus_one():
     assert cache.sum() == 6 and cache[1, 1, 0].sum() == 3 and cache[0, 0, 0].sum() == 3
 
 
-def test_absorbed_decode_matches_float64_expanded_attention(attn):
+def _latent_decode(backend: str):
+    """The torch op, or the Triton kernel (through the interpreter on CPU)."""
+    if backend == "torch":
+        return mla_ops.paged_latent_decode
+    from pdserve.kernels import get_ops
+    return mla_ops.latent_decode_for(get_ops("triton"))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_absorbed_decode_matches_float64_expanded_attention(attn, backend):
     torch.manual_seed(1)
     lengths = [1, 5, 17, 40]
     latents = [torch.randn(n, SPEC.latent_dim) for n in lengths]
@@ -68,7 +77,8 @@ def test_absorbed_decode_matches_float64_expanded_attention(attn):
     q = torch.randn(len(lengths), SPEC.num_heads, SPEC.qk_head_dim)
     meta = SimpleNamespace(decode_block_tables=tables, decode_context_lens=torch.tensor(lengths, dtype=torch.int32))
     with torch.no_grad():
-        got = attn._decode(q[..., :SPEC.qk_nope_head_dim], q[..., SPEC.qk_nope_head_dim:], cache, meta)
+        got = attn._decode(q[..., :SPEC.qk_nope_head_dim], q[..., SPEC.qk_nope_head_dim:], cache, meta,
+                           _latent_decode(backend))
     for i, n in enumerate(lengths):
         want = reference(attn, q[i:i + 1], latents[i], [n - 1])[0]
         assert (got[i].double() - want).abs().max() < 1e-5, f"sequence of {n} tokens"

@@ -13,6 +13,9 @@ and attends with prefill_attention here.
 """
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -49,6 +52,14 @@ def paged_latent_decode(q: torch.Tensor, cache: torch.Tensor, value_dim: int, bl
     out = F.scaled_dot_product_attention(q[:, None], keys[:, None], keys[:, None, :, :value_dim],
                                          attn_mask=valid[:, None, None, :], scale=scale)
     return out[:, 0]
+
+
+def latent_decode_for(ops) -> Callable[..., torch.Tensor]:
+    """The absorbed decode op that goes with an attention backend module: the Triton kernel
+    (pdserve.kernels.mla_triton) beside the Triton ops, else this module's torch version."""
+    if getattr(ops, "__name__", "") == "pdserve.kernels.triton_ops":
+        return importlib.import_module("pdserve.kernels.mla_triton").paged_latent_decode
+    return paged_latent_decode
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: list[int],

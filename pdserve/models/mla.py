@@ -113,7 +113,7 @@ class MLAttention(nn.Module):
         d = meta.num_decodes
         parts = []
         if d:
-            parts.append(self._decode(q_nope[:d], q_pe[:d], cache, meta))
+            parts.append(self._decode(q_nope[:d], q_pe[:d], cache, meta, mla_ops.latent_decode_for(ctx.ops)))
         if d < tokens:
             parts.append(self._prefill(torch.cat([q_nope[d:], q_pe[d:]], dim=-1), latent[d:], cache, meta))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -125,12 +125,13 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         return w[:, :s.qk_nope_head_dim], w[:, s.qk_nope_head_dim:]
 
-    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta) -> torch.Tensor:
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta,
+                latent_decode=mla_ops.paged_latent_decode) -> torch.Tensor:
         """Absorbed attention for one-token queries: [D, heads, v_head_dim]."""
         w_uk, w_uv = self._kv_b_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [D, heads, kv_lora]
         q = torch.cat([q_latent, q_pe], dim=-1)
-        out_latent = mla_ops.paged_latent_decode(q, cache, self.spec.kv_lora_rank, meta.decode_block_tables,
+        out_latent = latent_decode(q, cache, self.spec.kv_lora_rank, meta.decode_block_tables,
                                                  meta.decode_context_lens, self.spec.softmax_scale)
         return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 

@@ -1,0 +1,84 @@
+"""Absorbed MLA decode over the paged latent cache as a Triton kernel: the GPU path (CPU under
+TRITON_INTERPRET=1). Same contract as pdserve.kernels.mla_ops.paged_latent_decode.
+
+A program owns one sequence and a tile of query heads: all heads share every latent load (one
+latent "KV head"), which is what makes the absorbed form cheap to read. Each key tile is split
+into its compressed part (the first value_dim entries, also the values) and its rotary part, so
+neither needs padding to the next power of two together. Softmax is the online (flash) form,
+accumulated in fp32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels.triton_ops import _dot_dtype
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _latent_decode_kernel(
+        q, cache, out, block_tables, context_lens, qk_scale, heads, value_dim, rope_dim, block_size,
+        s_qb, s_qh, s_qd, s_cb, s_co, s_cd, s_ob, s_oh, s_od, s_bt, s_bc,
+        DOT_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    seq, tile = tl.program_id(0), tl.program_id(1)
+    ctx = tl.load(context_lens + seq)
+    h = tile * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < heads
+    c = tl.arange(0, BLOCK_C)
+    r = tl.arange(0, BLOCK_R)
+    c_ok, r_ok = c < value_dim, r < rope_dim
+    q_row = q + seq.to(tl.int64) * s_qb + h[:, None] * s_qh
+    q_c = tl.load(q_row + c[None, :] * s_qd, mask=h_ok[:, None] & c_ok[None, :], other=0.0).to(DOT_DTYPE)
+    q_r = tl.load(q_row + (value_dim + r[None, :]) * s_qd, mask=h_ok[:, None] & r_ok[None, :],
+                  other=0.0).to(DOT_DTYPE)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    table = block_tables + seq.to(tl.int64) * s_bt
+    for start in range(0, ctx, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < ctx
+        blk = tl.load(table + (pos // block_size) * s_bc, mask=pos_ok, other=0).to(tl.int64)
+        row = cache + blk[:, None] * s_cb + (pos % block_size)[:, None] * s_co
+        k_c = tl.load(row + c[None, :] * s_cd, mask=pos_ok[:, None] & c_ok[None, :], other=0.0).to(DOT_DTYPE)
+        k_r = tl.load(row + (value_dim + r[None, :]) * s_cd, mask=pos_ok[:, None] & r_ok[None, :],
+                      other=0.0).to(DOT_DTYPE)
+        # "ieee" keeps fp32 inputs out of TF32 (matches the torch path); other dtypes ignore it.
+        s = (tl.dot(q_c, tl.trans(k_c), input_precision="ieee")
+             + tl.dot(q_r, tl.trans(k_r), input_precision="ieee")) * qk_scale
+        s = tl.where(pos_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), k_c, input_precision="ieee")
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(out + seq.to(tl.int64) * s_ob + h[:, None] * s_oh + c[None, :] * s_od,
+             o.to(out.dtype.element_ty), mask=h_ok[:, None] & c_ok[None, :])
+
+
+def paged_latent_decode(q: torch.Tensor, cache: torch.Tensor, value_dim: int, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, heads, latent_dim] absorbed queries; cache [num_blocks, block_size, 1, latent_dim]
+    (may be a strided view); returns [B, heads, value_dim]. Every context length must be >= 1
+    (the query's own token is in the cache)."""
+    batch, heads, latent_dim = q.shape
+    out = q.new_empty(batch, heads, value_dim)
+    if batch == 0:
+        return out
+    block_c = max(16, triton.next_power_of_2(value_dim))
+    block_r = max(16, triton.next_power_of_2(latent_dim - value_dim))
+    block_h = max(16, min(64, triton.next_power_of_2(heads)))  # tl.dot needs tiles >= 16
+    block_n = 16 if block_c > 256 else 32  # keeps the latent tile within the register budget
+    grid = (batch, triton.cdiv(heads, block_h))
+    _latent_decode_kernel[grid](
+        q, cache, out, block_tables, context_lens, scale * _LOG2E, heads, value_dim, latent_dim - value_dim,
+        cache.shape[1], *q.stride(), cache.stride(0), cache.stride(1), cache.stride(3), *out.stride(),
+        *block_tables.stride(), DOT_DTYPE=_dot_dtype(q.dtype), BLOCK_H=block_h, BLOCK_N=block_n,
+        BLOCK_C=block_c, BLOCK_R=block_r)
+    return out
