@@ -15,14 +15,11 @@ from pdserve.transport import free_port
 
 
 @contextlib.contextmanager
-def running_cluster(*flags: str, timeout_s: float = 240.0):
+def running_cluster(*flags: str, timeout_s: float = 240.0, as_given: bool = False):
+    """as_given: `pdserve up` with exactly these flags (and --port), none of the test defaults below."""
     port = free_port()
-    if "--local-prefill-threshold" not in flags:
-        # Tests and benchmarks exercise the prefill nodes with short prompts, which the default
-        # threshold would prefill on the decode node; they opt in to it where they test it.
-        flags = ("--local-prefill-threshold", "0", *flags)
-    if "--model" not in flags:  # the test model unless a test names one (the CLI's default is SmolLM2)
-        flags = ("--model", "builtin:tiny", *flags)
+    if not as_given:
+        flags = _test_defaults(flags)
     cmd = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--port", str(port), *flags]
     # Output goes to a file, not a pipe: a pipe nobody reads would block a chatty cluster.
     log_file = tempfile.TemporaryFile(mode="w+")
@@ -43,6 +40,16 @@ def running_cluster(*flags: str, timeout_s: float = 240.0):
             os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError("pdserve up did not stop on SIGTERM") from None
         _assert_all_stopped(children)
+
+
+def _test_defaults(flags: tuple[str, ...]) -> tuple[str, ...]:
+    if "--local-prefill-threshold" not in flags:
+        # Tests and benchmarks exercise the prefill nodes with short prompts, which the default
+        # threshold would prefill on the decode node; they opt in to it where they test it.
+        flags = ("--local-prefill-threshold", "0", *flags)
+    if "--model" not in flags:  # the built-in test model unless a test names one (the CLI's default is SmolLM2)
+        flags = ("--model", "builtin:tiny", *flags)
+    return flags
 
 
 def _assert_all_stopped(children: dict[str, int]) -> None:
