@@ -5,8 +5,8 @@ time against the HBM bandwidth floor.
     python3 benchmarks/gpu_throughput.py --out DIR [--requests 256 --prompt-len 512 --new-tokens 256]
         [--modes graphs,eager --repeats 3 --hf-repeats 2]
 
-pdserve runs in each --mode (graphs: CUDA graphs for decode steps, the default; eager: the
-engine's enforce_eager), --repeats times each, transformers --hf-repeats times, all in one
+pdserve runs in each --mode (graphs: CUDA graphs for decode steps and async scheduling, the
+default; graphs-sync: graphs, each step waiting for its tokens; eager: the engine's enforce_eager), --repeats times each, transformers --hf-repeats times, all in one
 invocation so the numbers sit side by side; medians are reported.
 Each engine run is in its own process (a crashed or over-long peer cannot take the other down).
 The floor of one decode step is the bytes it must read (every weight but the embedding table,
@@ -79,25 +79,29 @@ def run_pdserve(args) -> dict:
                                     num_kv_blocks=blocks, max_num_seqs=args.requests,
                                     max_num_batched_tokens=args.batched_tokens,
                                     kernel_backend=args.kernel_backend,
-                                    enforce_eager=args.mode == "eager"))
+                                    enforce_eager=args.mode.startswith("eager"),
+                                    async_scheduling=not args.mode.endswith("-sync")))
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     engine.add_request("warm", workload(1, 64, seed=9)[0], SamplingParams(max_tokens=8, temperature=0))
     while engine.has_unfinished_requests():
         engine.step()
     for i, p in enumerate(workload(args.requests, args.prompt_len)):
         engine.add_request(str(i), p, params)
+    phases = time_overlap_phases(engine)
     produced, decode_steps = 0, []
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    # No synchronize between steps: with async scheduling a step returns while the GPU runs
+    # the next one, so a step's time is the wall time from one return to the next.
     while engine.has_unfinished_requests():
         running = list(engine.scheduler.running)
         s0 = time.perf_counter()
         outs = engine.step()
-        torch.cuda.synchronize()
         dt = time.perf_counter() - s0
         produced += len(outs)
         if engine.last_step_tokens == args.requests == len(running):  # a full, pure decode step
             decode_steps.append((dt, sum(r.num_tokens for r in running)))
+    torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     spec = engine.model.spec
     kv_bytes_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
@@ -105,7 +109,41 @@ def run_pdserve(args) -> dict:
                        if "embed_tokens" not in n)
     return dict(output_tokens=produced, seconds=elapsed, tokens_per_s=produced / elapsed,
                 decode_steps=decode_steps, kv_bytes_per_token=kv_bytes_per_token,
-                weight_bytes=weight_bytes, kernel_backend=args.kernel_backend, mode=args.mode)
+                weight_bytes=weight_bytes, kernel_backend=args.kernel_backend, mode=args.mode,
+                overlap_phases_ms={k: statistics.median(v) * 1e3 for k, v in phases.items() if v})
+
+
+def time_overlap_phases(engine) -> dict[str, list[float]]:
+    """Wraps the overlapped step's parts to time them on the host, per step: schedule, launch
+    (inputs, graph replay, device argmax), wait (for the step before's tokens), settle (stops,
+    detokenization) and commit (KV commit, pending tokens)."""
+    from pdserve.engine import overlap
+    phases: dict[str, list[float]] = {"schedule": [], "launch": [], "wait": [], "settle": [], "commit": []}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            phases[name].append(time.perf_counter() - t0)
+            return out
+        return wrapper
+
+    def collect(engine_, step):
+        t0 = time.perf_counter()
+        if step.copied is not None:
+            step.copied.synchronize()
+        t1 = time.perf_counter()
+        out = original_collect(engine_, step)
+        phases["wait"].append(t1 - t0)
+        phases["settle"].append(time.perf_counter() - t1)
+        return out
+
+    original_collect = overlap.collect
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    overlap.launch = timed("launch", overlap.launch)
+    overlap.after_launch = timed("commit", overlap.after_launch)
+    overlap.collect = collect
+    return phases
 
 
 def run_transformers(args) -> dict:
@@ -179,7 +217,8 @@ def main() -> None:
     ap.add_argument("--batched-tokens", type=int, default=8192)
     ap.add_argument("--kernel-backend", default="triton")
     ap.add_argument("--timeout-s", type=float, default=240)
-    ap.add_argument("--modes", default="graphs,eager")
+    ap.add_argument("--modes", default="graphs,graphs-sync,eager",
+                    help="graphs: CUDA graphs with async scheduling; graphs-sync: without it; eager")
     ap.add_argument("--mode", default="graphs", help=argparse.SUPPRESS)  # one worker's mode
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hf-repeats", type=int, default=2, help="0 skips transformers")

@@ -23,6 +23,9 @@ class EngineConfig:
     kernel_backend: str = "auto"  # auto | torch | numba | triton
     # True: no CUDA graphs, every step launched op by op (vLLM's --enforce-eager). CUDA only.
     enforce_eager: bool = False
+    # Overlap a decode step's host work with the GPU's (vLLM's async scheduling): "auto" (on
+    # CUDA only), True or False.
+    async_scheduling: bool | str = "auto"
     seed: int = 0
     extra: dict = field(default_factory=dict)
 

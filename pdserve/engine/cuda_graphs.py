@@ -46,6 +46,9 @@ class DecodeGraphs:
         self.dev32 = self.host32.to(device)
         self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
         self.np64[2] = -1  # slot -1: store nothing
+        # Async scheduling: per row, the row of the step before's device tokens to read, or -1.
+        self.host_src = torch.full((max_batch,), -1, dtype=torch.int64).pin_memory()
+        self.dev_src = self.host_src.to(device)
         self.copied = torch.cuda.Event()  # the host buffers may be refilled once this has passed
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [max_batch, vocab], written by every graph
@@ -59,6 +62,10 @@ class DecodeGraphs:
         self.copied.synchronize()
         m = self.max_batch
         return self.np64, self.np32[:m], self.np32[m:].reshape(m, self.max_blocks)
+
+    def host_sources(self, n: int):
+        """The first n rows of the pinned source buffer (after host_views has waited)."""
+        return self.host_src.numpy()[:n]
 
     def _device_views(self, b: int):
         m = self.max_batch
@@ -89,17 +96,24 @@ class DecodeGraphs:
                                       device=logits.device)
         self.logits[:b].copy_(logits)
 
-    def replay(self, n: int) -> torch.Tensor:
+    def replay(self, n: int, previous: torch.Tensor | None = None, sources=None) -> torch.Tensor:
         """Runs the first n rows of the host buffers (filled through host_views); returns
-        logits [n, vocab]. Rows n.. up to the bucket are made padding: store and read nothing."""
+        logits [n, vocab]. Rows n.. up to the bucket are made padding: store and read nothing.
+        previous: the step before's device tokens, read where host_sources says (async
+        scheduling); the copy runs on the stream, ahead of the graph."""
         b = self.bucket_for(n)
         m = self.max_batch
+        self.np64[0, n:b] = 0  # a stale row may hold a pending token's -1: embed a real id
         self.np64[2, n:b] = -1
         self.np32[n:b] = 0
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32[:b].copy_(self.host32[:b], non_blocking=True)
         self.dev32[m:m + b * self.max_blocks].copy_(self.host32[m:m + b * self.max_blocks],
                                                     non_blocking=True)
+        if previous is not None:
+            self.dev_src[:n].copy_(self.host_src[:n], non_blocking=True)
+            ids = self.dev64[0, :n]
+            ids.copy_(torch.where(self.dev_src[:n] >= 0, previous[self.dev_src[:n].clamp(min=0)], ids))
         self.copied.record()
         self.graphs[b].replay()
         return self.logits[:n]

@@ -14,6 +14,7 @@ from pdserve.engine.logits_processors import apply_logits_processors
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import StepOutput
+from pdserve.engine.overlap import InFlightStep, overlapped_step
 from pdserve.engine.prompt_logprobs import take_prompt_logprobs
 from pdserve.engine.request import RemoteKV, Request, RequestStatus
 from pdserve.engine.sampler import sample
@@ -22,9 +23,9 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.structured_output import StructuredOutputs
 from pdserve.kernels import get_ops
 from pdserve.kvstore.layout import KVLayout
+from pdserve.models.gguf import checkpoint_name
 from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
 
-from pdserve.models.gguf import checkpoint_name
 log = logging.getLogger(__name__)
 # Steps of at least this many tokens are prefill-bound; their time per token is the node's
 # prefill cost, averaged with this weight on the newest sample.
@@ -64,6 +65,8 @@ class LLMEngine:
         self.computed_prompt_tokens = 0  # ... and that were
         self.outputs = OutputProcessor(self.tokenizer, _eos_ids(self.hf_config, self.tokenizer), self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, spec.vocab_size, self.outputs.eos_token_ids)
+        self.async_scheduling = _use_async_scheduling(config.async_scheduling, self.device)
+        self.in_flight: InFlightStep | None = None  # with async scheduling: the step launched last
 
     # ---- set-up -------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> torch.Tensor:
@@ -150,7 +153,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def get_request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id)
@@ -169,8 +172,16 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """One step; returns the token deltas it produced. With async scheduling the deltas of
+        a pure decode step come out of the next call, while the step after it computes."""
+        if self.async_scheduling:
+            return overlapped_step(self)
         batch = self.scheduler.schedule()
         self.last_step_tokens = batch.num_tokens
+        return self.run_batch(batch)
+
+    def run_batch(self, batch) -> list[StepOutput]:
+        """Runs a scheduled batch and waits for its tokens."""
         if not batch.items:
             return []
         t0 = time.perf_counter()
@@ -202,11 +213,15 @@ class LLMEngine:
         self.prefill_s_per_token = sample if ema == 0 else ema + COST_EMA_WEIGHT * (sample - ema)
 
     def _advance(self, req: Request, token: int, logprob) -> StepOutput:
-        prompt_logprobs = take_prompt_logprobs(req)
         if not req.output_token_ids:  # its prompt was prefilled here
             self.cached_prompt_tokens += req.num_cached_tokens
             self.computed_prompt_tokens += req.num_prompt_tokens - req.num_cached_tokens
         req.append_output(token)
+        return self.settle(req, token, logprob)
+
+    def settle(self, req: Request, token: int, logprob) -> StepOutput:
+        """Stops, text and the step's output for a request whose newest token is `token`."""
+        prompt_logprobs = take_prompt_logprobs(req)
         status = self.outputs.check_stop(req)
         if req.matcher is not None and self.structured.accept(req.matcher, token) and status is None:
             status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
@@ -221,6 +236,12 @@ class LLMEngine:
             self.scheduler.finish(req, status)
             self.outputs.remove(req.request_id)
         return out
+
+
+def _use_async_scheduling(setting, device: torch.device) -> bool:
+    """auto: on CUDA, where the host's work can hide behind the GPU's; on the CPU the host is
+    the device, so there is nothing to overlap."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
 def _load_tokenizer(path):

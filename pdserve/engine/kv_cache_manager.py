@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pdserve.engine.block_keys import ROOT_KEY, block_key
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.request import Request
+from pdserve.engine.request import PENDING_TOKEN, Request
 
 
 class KVCacheManager:
@@ -16,7 +16,8 @@ class KVCacheManager:
         """Keys of every full block of the request's tokens (cached on the request)."""
         keys, bs = req.block_keys, self.block_size
         tokens = req.all_token_ids
-        for i in range(len(keys), len(tokens) // bs):
+        known = len(tokens) - (tokens[-1] == PENDING_TOKEN if tokens else 0)  # a pending token has no key yet
+        for i in range(len(keys), known // bs):
             parent = keys[-1] if keys else ROOT_KEY
             keys.append(block_key(parent, tokens[i * bs:(i + 1) * bs], self.salt))
         return keys

@@ -9,7 +9,7 @@ import torch
 
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
-from pdserve.engine.request import Request
+from pdserve.engine.request import PENDING_TOKEN, Request
 from pdserve.engine.step_inputs import KeptTableRows, build_step_inputs, fill_decode_rows
 from pdserve.kernels import get_fused_layer_ops
 from pdserve.models.llama import LlamaModel
@@ -88,17 +88,22 @@ class ModelRunner:
         return AttentionContext(self.ops, self.layer_caches, meta)
 
     @torch.inference_mode()
-    def execute(self, items: list[tuple[Request, int]], all_logits: bool = False
+    def execute(self, items: list[tuple[Request, int]], all_logits: bool = False, pending=None
                 ) -> tuple[torch.Tensor, list[Request]]:
         """Runs one step; returns logits [S, vocab] for the S requests to sample, in order
-        (or for every token when all_logits)."""
+        (or for every token when all_logits). pending: (device tokens, request id -> row) of
+        the step before, for one-token queries whose token is still PENDING_TOKEN on the host."""
         items = sorted(items, key=lambda it: it[1] != 1)  # one-token queries first
         num_decodes = sum(1 for _, n in items if n == 1)
         spans = prompt_spans(items)  # rows whose logits give prompt logprobs
         if not all_logits and not spans and num_decodes == len(items) and self._graph_fits(items):
-            return self._execute_graph([r for r, _ in items])
+            return self._execute_graph([r for r, _ in items], pending)
         inputs = build_step_inputs(items, num_decodes, self.block_size)
         token_ids, positions, meta = self._to_device(inputs, num_decodes)
+        if pending is not None:
+            sources = pending_sources([r for r, _ in items[:num_decodes]], pending[1])
+            token_ids[:num_decodes] = take_pending(token_ids[:num_decodes], pending[0],
+                                                   torch.from_numpy(sources).to(self.device))
         hidden = self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
         if spans:
             record_prompt_logprobs(self.model.compute_logits, hidden, spans)
@@ -113,10 +118,14 @@ class ModelRunner:
         return (g is not None and 0 < len(items) <= g.max_batch
                 and max(len(r.block_ids) for r, _ in items) <= g.max_blocks)
 
-    def _execute_graph(self, reqs: list[Request]) -> tuple[torch.Tensor, list[Request]]:
+    def _execute_graph(self, reqs: list[Request], pending=None) -> tuple[torch.Tensor, list[Request]]:
         ints64, context_lens, tables = self.graphs.host_views()
         fill_decode_rows(reqs, self.block_size, ints64, context_lens, tables, self.kept_rows)
-        logits = self.graphs.replay(len(reqs))
+        sources = None
+        if pending is not None:
+            sources = self.graphs.host_sources(len(reqs))
+            sources[:] = pending_sources(reqs, pending[1])
+        logits = self.graphs.replay(len(reqs), pending[0] if pending is not None else None, sources)
         # A one-token query that does not end its request (a prefill's last chunk of one token
         # short of the end) has nothing to sample.
         rows = [i for i, r in enumerate(reqs) if r.num_computed_tokens + 1 == r.num_tokens]
@@ -136,3 +145,18 @@ class ModelRunner:
                                  prefill_cu_seqlens=cu, prefill_context_lens=pctx,
                                  prefill_block_tables=ptable)
         return ints64[0], ints64[1], meta
+
+
+def pending_sources(reqs: list[Request], rows: dict[str, int]) -> np.ndarray:
+    """Per one-token query: the row of the step before's tokens that holds its input token, or
+    -1 where the host has it."""
+    out = np.full(len(reqs), -1, np.int64)
+    for i, req in enumerate(reqs):
+        if req.all_token_ids[req.num_computed_tokens] == PENDING_TOKEN:
+            out[i] = rows[req.request_id]
+    return out
+
+
+def take_pending(token_ids: torch.Tensor, previous: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+    """token_ids with each row whose source is >= 0 replaced by previous[source], on the device."""
+    return torch.where(sources >= 0, previous[sources.clamp(min=0)], token_ids)

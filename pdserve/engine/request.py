@@ -9,6 +9,9 @@ from typing import Any
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 
+# An output token still on the device (async scheduling): filled in before anything reads it.
+PENDING_TOKEN = -1
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
@@ -57,6 +60,7 @@ class Request:
     num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
     hold_blocks: bool = False  # on finish, keep the blocks (for a KV handover) until released
     matcher: Any = None  # structured output: the xgrammar matcher, past every output token
+    awaiting_last_token: bool = False  # its pending token ends it (async scheduling): skip it
     # sampling_params.prompt_logprobs: filled position by position as the prompt is computed
     prompt_logprobs: list[TokenLogprob | None] | None = None
     all_token_ids: list[int] = field(init=False)

@@ -29,21 +29,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     logits = logits / temps[:, None]
     top_k = [p.top_k for p in params]
     if any(k > 0 for k in top_k):
         k_max = min(max(top_k), logits.shape[-1])
         kth = logits.topk(k_max, dim=-1).values
-        ks = torch.tensor([min(k, k_max) if k > 0 else k_max for k in top_k]) - 1
+        ks = torch.tensor([min(k, k_max) if k > 0 else k_max for k in top_k], device=logits.device) - 1
         thresholds = kth.gather(1, ks[:, None])
-        keep_all = torch.tensor([k <= 0 for k in top_k])[:, None]
+        keep_all = torch.tensor([k <= 0 for k in top_k], device=logits.device)[:, None]
         logits = logits.masked_fill(~keep_all & (logits < thresholds), float("-inf"))
     probs = logits.softmax(dim=-1)
     if any(p.top_p < 1.0 for p in params):
-        probs = _top_p(probs, torch.tensor([p.top_p for p in params], dtype=probs.dtype))
+        probs = _top_p(probs, torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=probs.device))
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
 
@@ -62,8 +62,9 @@ def _exponential_race(probs: torch.Tensor, params: list[SamplingParams], positio
         if p.seed is None:
             noise[row].exponential_()
         else:
+            # Drawn on the CPU whatever the device: a seed gives the same tokens everywhere.
             gen = torch.Generator().manual_seed((p.seed * _POSITION_MIX + pos) % (1 << 63))
-            noise[row].exponential_(generator=gen)
+            noise[row] = torch.empty(noise.shape[1], dtype=noise.dtype).exponential_(generator=gen)
     return (probs / noise).argmax(dim=-1)
 
 

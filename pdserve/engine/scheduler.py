@@ -69,6 +69,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.awaiting_last_token:
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate(req, n):
                 victim = self.running.pop()
