@@ -78,12 +78,19 @@ class RayController:
 
     # ---- routers ----------------------------------------------------------------------------
     def start_routers(self, count: int, port: int) -> list[str]:
-        """`count` routers spread over the machines, router i on port + i; returns their URLs."""
+        """`count` routers spread over the machines, router i on port + i; returns their URLs.
+
+        Router i is pinned softly to machine i (round robin over the live ones, in a stable
+        order): SPREAD alone packs zero-CPU actors onto one machine. Soft, so a router whose
+        machine is lost restarts on another."""
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        machines = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         for i in range(count):
             template = [arg.replace("{router_port}", str(port + i)) for arg in self.templates["router"]]
             template += ["--registry", self.registry.address]
-            self.routers.append(self._actor(f"router-{i}", template, 1, 0.0, None, num_cpus=0))
+            where = NodeAffinitySchedulingStrategy(machines[i % len(machines)], soft=True)
+            self.routers.append(self._actor(f"router-{i}", template, 1, 0.0, None, num_cpus=0, strategy=where))
         infos = ray.get([r.info.remote() for r in self.routers])
         return [f"http://{info['ip']}:{port + i}" for i, info in enumerate(infos)]
 
@@ -136,7 +143,7 @@ class RayController:
 
     # ---- actors -----------------------------------------------------------------------------
     def _actor(self, name: str, template: list[str], threads: int, gpus: float, resources: dict | None,
-               num_cpus: float | None = None):
+               num_cpus: float | None = None, strategy=None):
         import ray
 
         from pdserve.cluster.ray_actors import ProcessActor
@@ -144,8 +151,8 @@ class RayController:
                        max_restarts=self.placement.max_restarts, name=None, lifetime=None)
         if resources:
             options["resources"] = resources
-        if self.placement.spread:
-            options["scheduling_strategy"] = "SPREAD"
+        if strategy is not None or self.placement.spread:
+            options["scheduling_strategy"] = strategy or "SPREAD"
         return ray.remote(ProcessActor).options(**options).remote(name, template, threads)
 
     @staticmethod

@@ -1,0 +1,199 @@
+"""`pdserve up --ray` on a real Ray cluster of three machines on this one: a head and two workers,
+each started with `ray start` inside its own network namespace with its own address.
+
+  * the nodes are placed on both workers (the addresses they register say so), two routers
+    serve, and the openai client's greedy output through either equals the offline engine's,
+    with the KV crossing machines over NIXL;
+  * a node's actor process SIGKILLed under load: every stream completes with the same tokens,
+    and Ray restarts the actor, whose new node registers and rejoins both routers;
+  * a worker machine lost under load (every process in its namespace SIGKILLed: raylet, workers,
+    nodes): no request is lost, the output is the same, the lost nodes come back on the other
+    worker and rejoin, and no KV block stays in use.
+
+Needs root for the namespaces (CI runs as root), and ray (the ray extra).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import re
+import signal
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+from cluster_util import assert_greedy_matches_offline
+from ray_util import netns_unavailable, ray_cluster
+
+from pdserve import LLM, SamplingParams
+
+pytest.importorskip("ray", reason="the ray extra is not installed")
+pytestmark = pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))
+
+HOSTS = {"head": 2, "w1": 3, "w2": 4}
+CPUS = {"head": 0, "w1": 3, "w2": 3}  # nodes need a CPU each: none on the head; either worker holds all 3
+PORT = 18400
+PROMPTS = [list(range(5 + i, 70 + 3 * i)) for i in range(16)]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("builtin:tiny", num_kv_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def lab():
+    with ray_cluster(HOSTS, CPUS) as lab:
+        yield lab
+
+
+@pytest.fixture(scope="module")
+def up(lab, tmp_path_factory):
+    log_path = str(tmp_path_factory.mktemp("ray") / "up.log")
+    env = dict(os.environ, RAY_ADDRESS=f"{lab.addr('head')}:6379", OMP_NUM_THREADS="1")
+    proc = lab.popen("head", [sys.executable, "-m", "pdserve", "--log-level", "INFO", "up", "--ray", "auto",
+                              "--model", "builtin:tiny", "--prefill-nodes", "1", "--decode-nodes", "2",
+                              "--kv-transfer", "nixl", "--routers", "2", "--port", str(PORT),
+                              "--num-kv-blocks", "512", "--local-prefill-threshold", "0",
+                              "--threads-per-node", "1"], log_path, env)
+    try:
+        urls = _wait_for_urls(proc, log_path)
+        yield urls, proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        left = _pdserve_processes(lab)
+        assert not left, f"pdserve processes left after `pdserve up --ray` stopped: {left}"
+
+
+def _wait_for_urls(proc, log_path: str, timeout_s: float = 300) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = open(log_path).read()
+        if (m := re.search(r"pdserve up --ray: (.*) serving", text)) is not None:
+            return [u.removesuffix("/v1") for u in m.group(1).split()]
+        assert proc.poll() is None, f"pdserve up --ray exited:\n{text[-5000:]}"
+        time.sleep(0.5)
+    raise AssertionError(f"pdserve up --ray was not ready in time:\n{open(log_path).read()[-5000:]}")
+
+
+def _pdserve_processes(lab) -> dict[int, str]:
+    """pid -> command line of every pdserve node or router process in the lab's namespaces."""
+    out = {}
+    for host in HOSTS:
+        for pid in lab.pids(host):
+            try:
+                cmd = psutil.Process(pid).cmdline()
+            except psutil.Error:
+                continue
+            if "pdserve" in cmd and "--registry" in cmd:
+                out[pid] = " ".join(cmd)
+    return out
+
+
+def _nodes(url: str) -> dict[str, dict]:
+    return {n["id"]: n for n in httpx.get(f"{url}/health", timeout=5).json()["nodes"]}
+
+
+def _host_of(address: str) -> str:
+    ip = address.split("://")[1].rsplit(":", 1)[0]
+    return next(name for name, octet in HOSTS.items() if ip.endswith(f".{octet}"))
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if value := predicate():
+                return value
+        except (httpx.HTTPError, KeyError):
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _all_back(urls: list[str], count: int, hosts: set[str] | None = None) -> bool:
+    for url in urls:
+        nodes = _nodes(url)
+        if len(nodes) != count or not all(n["healthy"] for n in nodes.values()):
+            return False
+        if hosts is not None and {_host_of(n["address"]) for n in nodes.values()} - hosts:
+            return False
+    return True
+
+
+def _offline(llm) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _stream(url: str, prompt: list[int], started: threading.Event) -> list[int]:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=180)
+    ids: list[int] = []
+    stream = client.completions.create(model="builtin:tiny", prompt=prompt, max_tokens=MAX_TOKENS, stream=True,
+                                       temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    for chunk in stream:
+        if chunk.choices:
+            ids += chunk.choices[0].model_extra.get("token_ids") or []
+            if len(ids) >= 4:
+                started.set()
+    return ids
+
+
+def _under_load(urls: list[str], llm, fault) -> None:
+    """16 streams spread over `urls`; `fault()` runs once several have tokens; every stream must
+    complete with the offline engine's tokens."""
+    want = _offline(llm)
+    started = threading.Event()
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [pool.submit(_stream, urls[i % len(urls)], p, started) for i, p in enumerate(PROMPTS)]
+        assert started.wait(120), "no stream started"
+        fault()
+        got = [f.result(timeout=300) for f in futures]
+    assert got == want
+
+
+def test_nodes_on_both_workers_and_greedy_matches_offline(up, llm):
+    urls, _ = up
+    assert len(urls) == 2
+    nodes = _nodes(urls[0])
+    assert {n["role"] for n in nodes.values()} == {"prefill", "decode"} and len(nodes) == 3
+    assert {_host_of(n["address"]) for n in nodes.values()} == {"w1", "w2"}, nodes
+    for url in urls:
+        assert _nodes(url).keys() == nodes.keys()
+        for prompt in PROMPTS[:2]:
+            assert_greedy_matches_offline(url, llm, prompt, 16)
+    metrics = httpx.get(f"{urls[0]}/metrics", timeout=5).text
+    assert re.search(r'pdserve_kv_handovers_total\{path="nixl"\} [1-9]', metrics), "no handover over NIXL"
+
+
+def test_a_killed_node_actor_comes_back_under_load(up, lab, llm):
+    urls, _ = up
+    before = _nodes(urls[0])["decode-0"]
+    node_pid = next(pid for pid, cmd in _pdserve_processes(lab).items() if "--node-id decode-0" in cmd)
+    actor_pid = psutil.Process(node_pid).ppid()
+    _under_load(urls, llm, lambda: os.kill(actor_pid, signal.SIGKILL))
+    _wait(lambda: all((n := _nodes(u).get("decode-0")) and n["healthy"] and n["address"] != before["address"]
+                      for u in urls), 180, "decode-0 to rejoin both routers from its new process")
+    assert not psutil.pid_exists(node_pid) or psutil.Process(node_pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_lost_worker_under_load(up, lab, llm):
+    urls, _ = up
+    node_hosts = {_host_of(n["address"]) for n in _nodes(urls[0]).values()}
+    router_hosts = {u: _host_of(u.replace("http://", "tcp://")) for u in urls}
+    assert len(set(router_hosts.values())) == 2, f"the routers were not spread: {router_hosts}"
+    victim = next(w for w in ("w2", "w1") if w in node_hosts)
+    survivor = "w1" if victim == "w2" else "w2"
+    # Clients of a router on the lost machine lose their streams; these go through the others.
+    live = [u for u, host in router_hosts.items() if host != victim]
+    _under_load(live, llm, lambda: lab.kill_host(victim))
+    _wait(lambda: _all_back(live, 3, {survivor}), 240, f"every node back on {survivor}")
+    _wait(lambda: all(n["kv_blocks_in_use"] == 0 and n["requests"] == 0 for n in _nodes(live[0]).values()),
+          30, "KV blocks in use back to 0")
