@@ -208,9 +208,6 @@ def run_up(args) -> int:
     if getattr(args, "ray", None):  # the same nodes and routers, as actors on a Ray cluster
         from pdserve.cluster.ray_launch import run_up_ray
         return run_up_ray(args, cluster)
-    if getattr(args, "ray", None):  # the same nodes and routers, as actors on a Ray cluster
-        from pdserve.cluster.ray_launch import run_up_ray
-        return run_up_ray(args, cluster)
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt
