@@ -126,13 +126,14 @@ def _add_cluster_parsers(sub) -> None:
     from pdserve.router.main import run_router
     pre = sub.add_parser("prefill", help="run one prefill node")
     _add_node_args(pre, "prefill")
-    pre.add_argument("--nixl-side-channel", default=None, help="zmq endpoint serving NIXL metadata")
-    pre.add_argument("--lease-s", type=float, default=30.0, help="seconds NIXL-pinned blocks are kept")
-    pre.add_argument("--advertise-host", default=None,
-                     help="host name decode nodes dial for the side channel (when bound to 0.0.0.0)")
     pre.set_defaults(func=run_prefill)
     dec = sub.add_parser("decode", help="run one decode node")
     _add_node_args(dec, "decode")
+    for p in (pre, dec):  # a decode node uses them once switched to prefill (pdserve scale --switch)
+        p.add_argument("--nixl-side-channel", default=None, help="zmq endpoint serving NIXL metadata")
+        p.add_argument("--lease-s", type=float, default=30.0, help="seconds NIXL-pinned blocks are kept")
+        p.add_argument("--advertise-host", default=None,
+                       help="host name decode nodes dial for the side channel (when bound to 0.0.0.0)")
     dec.add_argument("--nixl", action="store_true", help="pull KV over NIXL")
     dec.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute",
                      help="when a KV pull fails: compute the prompt here, or fail the request")
@@ -147,6 +148,8 @@ def _add_cluster_parsers(sub) -> None:
     rt.add_argument("--registry", default=None,
                     help="tcp://host:port of the node registry: route to every node registered there "
                          "(besides any --prefill/--decode), as nodes come and go")
+    rt.add_argument("--owner", default=None, help="zmq admin endpoint of the node owner (`pdserve up` passes "
+                    "its own): POST /admin/scale starts and stops nodes through it")
     rt.add_argument("--kv-transfer", choices=["nixl", "store"], default=_default_transfer(),
                     help="how prefill nodes hand KV to decode nodes")
     rt.add_argument("--block-size", type=int, default=16, help="the nodes' --block-size (for block keys)")
@@ -211,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.set_defaults(func=cmd_generate)
     _add_cluster_parsers(sub)
+    from pdserve.scale_cli import add_scale_args, run_scale
+    scale = sub.add_parser("scale", help="resize a running cluster or switch a node's role (router admin API)")
+    add_scale_args(scale)
+    scale.set_defaults(func=run_scale)
     _add_keys_parser(sub)
     from pdserve.sim.main import add_simulate_args, run_simulate
     sim = sub.add_parser("simulate", help="discrete-event simulation of the router's policies on modelled nodes")

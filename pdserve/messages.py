@@ -36,6 +36,9 @@ class Pong(msgspec.Struct, tag=True):
     total_blocks: int = 0
     stats: dict[str, int] = {}
     kv_salt: bytes = b""   # the node's block-key salt (model, KV layout, dtype, block size)
+    # "active"; "draining" (told to drain, work still in flight); "drained" (idle, waiting to be
+    # stopped). A node switching roles turns "active" again under its new role.
+    state: str = "active"
 
 
 class KVEvents(msgspec.Struct, tag=True):
@@ -86,6 +89,43 @@ class Abort(msgspec.Struct, tag=True):
     request_id: str
 
 
+class Drain(msgspec.Struct, tag=True):
+    """Routers send the node no new work from now on; it finishes what it holds. Once idle it
+    either waits to be stopped (to_role "") or, keeping its weights and KV cache, turns into a
+    `to_role` node in place. cancel=True makes a draining node active again."""
+    to_role: str = ""
+    cancel: bool = False
+
+
+class Rejected(msgspec.Struct, tag=True):
+    """The node will not serve this request (it changed role before it arrived): the router
+    moves it to another node, as if the node had been lost."""
+    request_id: str
+    reason: str
+
+
+class StartNode(msgspec.Struct, tag=True):
+    """Router -> node owner: start one more node of this role."""
+    role: str
+
+
+class StopNode(msgspec.Struct, tag=True):
+    """Router -> node owner: stop this (drained) node."""
+    node_id: str
+
+
+class ListNodes(msgspec.Struct, tag=True):
+    pass
+
+
+class OwnerReply(msgspec.Struct, tag=True):
+    ok: bool
+    detail: str = ""
+    node_id: str = ""
+    address: str = ""                # a started node's control endpoint
+    nodes: dict[str, str] = {}       # node id -> role, every node the owner runs
+
+
 class NixlMetadataRequest(msgspec.Struct, tag=True):
     pass
 
@@ -96,7 +136,8 @@ class NixlMetadata(msgspec.Struct, tag=True):
 
 
 Message = (Ping | Pong | PrefillRequest | PrefillResult | DecodeRequest | TokenDelta | Abort
-           | NixlMetadataRequest | NixlMetadata | KVEvents | KVSnapshotRequest)
+           | NixlMetadataRequest | NixlMetadata | KVEvents | KVSnapshotRequest | Drain | Rejected
+           | StartNode | StopNode | ListNodes | OwnerReply)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -111,5 +152,6 @@ def decode(data: bytes) -> Message:
 
 
 __all__ = ["KVHandover", "KVEvents", "KVSnapshotRequest", "Ping", "Pong", "PrefillRequest", "PrefillResult",
-           "DecodeRequest", "TokenDelta", "Abort", "NixlMetadataRequest", "NixlMetadata", "Message", "encode",
-           "decode", "StepOutput", "TokenLogprob"]
+           "DecodeRequest", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes",
+           "OwnerReply", "NixlMetadataRequest", "NixlMetadata", "Message", "encode", "decode", "StepOutput",
+           "TokenLogprob"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +67,41 @@ def _store(args, engine):
                       **{k: v for k, v in options.items() if v is not None})
 
 
-def run_prefill(args) -> int:
-    from pdserve.prefill_node.server import PrefillNode
+def _build_node(role: str, args, engine, bind, store):
+    """A node of `role`. bind is an endpoint, or the node this one takes over from (role switch).
+
+    Either role's transfer options come from the same flags: a prefill node with a NIXL side
+    channel pulls over NIXL once it decodes; a decode node given --nixl-side-channel serves NIXL
+    READs once it prefills."""
+    nixl_side_channel = getattr(args, "nixl_side_channel", None)
+    if role == "prefill":
+        from pdserve.prefill_node.server import PrefillNode
+        return PrefillNode(engine, bind, args.node_id, store=store, nixl_side_channel=nixl_side_channel,
+                           lease_s=getattr(args, "lease_s", 30.0), advertise_host=getattr(args, "advertise_host", None))
+    from pdserve.decode_node.server import DecodeNode
+    return DecodeNode(engine, bind, args.node_id, store=store,
+                      use_nixl=getattr(args, "nixl", False) or bool(nixl_side_channel),
+                      on_transfer_failure=getattr(args, "on_transfer_failure", "recompute"),
+                      pull_delay_s=getattr(args, "pull_delay_s", 0.0))
+
+
+def serve_node(role: str, args) -> int:
+    """Serve as `role`; a drained role switch builds the other role's node over the same engine,
+    store client and control socket, without reloading weights."""
     _use_curve(args)
     engine = _engine(args)
-    node = PrefillNode(engine, args.bind, args.node_id, store=_store(args, engine),
-                       nixl_side_channel=args.nixl_side_channel, lease_s=args.lease_s,
-                       advertise_host=args.advertise_host)
-    node.serve_forever()
+    store = _store(args, engine)
+    node = _build_node(role, args, engine, args.bind, store)
+    while (to_role := node.serve_forever()) is not None:
+        started = time.perf_counter()
+        node = _build_node(to_role, args, engine, node, store)
+        log.info("%s is a %s node now (%.3f s to switch)", args.node_id, to_role, time.perf_counter() - started)
     return 0
+
+
+def run_prefill(args) -> int:
+    return serve_node("prefill", args)
 
 
 def run_decode(args) -> int:
-    from pdserve.decode_node.server import DecodeNode
-    _use_curve(args)
-    engine = _engine(args)
-    node = DecodeNode(engine, args.bind, args.node_id, store=_store(args, engine), use_nixl=args.nixl,
-                      on_transfer_failure=args.on_transfer_failure, pull_delay_s=args.pull_delay_s)
-    node.serve_forever()
-    return 0
+    return serve_node("decode", args)

@@ -4,6 +4,11 @@ One thread at a time owns the engine; transfers report back through hooks the lo
 step itself runs on a worker thread while the loop thread answers pings and holds every other
 message until the step ends: a long prefill step (seconds on a loaded CPU) must not read as a
 dead node to the router, and nothing else touches the engine while it steps.
+
+Draining: after a Drain message the routers send the node nothing new; it finishes what it holds,
+then reports "drained" in its pongs and waits to be stopped, or, for a role switch, leaves its
+loop so the process builds the other role's node over the same engine (weights and KV cache,
+prefix cache included), control socket and KV event stream.
 """
 from __future__ import annotations
 
@@ -11,21 +16,27 @@ import dataclasses
 import logging
 import os
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import zmq
 
 from pdserve.cluster.registration import NodeRegistration, keep_registered
+from pdserve.cluster.registry_messages import ACTIVE, DRAINING
 from pdserve.curve_keys import CONTROL_DOMAIN, CurveContext, NodeKeys, node_context
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import StepOutput
 from pdserve.kv_events import KVEventPublisher
-from pdserve.messages import Abort, KVSnapshotRequest, Message, Ping, Pong, TokenDelta
+from pdserve.messages import Abort, Drain, KVSnapshotRequest, Message, Ping, Pong, TokenDelta
 from pdserve.transport import NodeSocket
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 5
+ROLES = ("prefill", "decode")
+# A switching node waits this long after the Drain even when idle: routers that learn of the drain
+# from its next pong (every 0.2 s) may still have sent it work meanwhile.
+SWITCH_SETTLE_S = 0.5
 
 
 @dataclass
@@ -53,34 +64,61 @@ class NodeRuntime:
     advertise_host: str | None = None
     registration: NodeRegistration | None = None
 
-    def __init__(self, engine: LLMEngine, bind: str, node_id: str):
+    def __init__(self, engine: LLMEngine, bind: str | NodeRuntime, node_id: str):
+        """bind: the control endpoint, or the node this one takes over from in a role switch (its
+        control socket, KV event stream, counters and step thread carry over)."""
         self.engine = engine
         self.node_id = node_id
-        self.ctx = zmq.Context.instance() if self.curve is None else node_context(self.curve)
-        self.control = NodeSocket(self.ctx, bind, zap_domain=CONTROL_DOMAIN)
         self.poller = zmq.Poller()
+        if isinstance(bind, NodeRuntime):
+            self._take_over(bind)
+        else:
+            self.ctx = zmq.Context.instance() if self.curve is None else node_context(self.curve)
+            self.control = NodeSocket(self.ctx, bind, zap_domain=CONTROL_DOMAIN)
+            self.stats = NodeStats()
+            self.kv_events = KVEventPublisher(engine.pool, node_id, self.control.send)
+            self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{node_id}-step")
+            # The worker writes a byte here when a step ends, so the poll wakes at once.
+            self._step_done_r, self._step_done_w = os.pipe()
+            self.switches = 0
         self.poller.register(self.control.sock, zmq.POLLIN)
-        self.origin: dict[str, bytes] = {}  # request id -> the router that sent it
-        self.stats = NodeStats()
-        self.kv_events = KVEventPublisher(engine.pool, node_id, self.control.send)
-        self._stop = False
-        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{node_id}-step")
-        # The worker writes a byte here when a step ends, so the poll wakes at once.
-        self._step_done_r, self._step_done_w = os.pipe()
         self.poller.register(self._step_done_r, zmq.POLLIN)
+        self.origin: dict[str, bytes] = {}  # request id -> the router that sent it
+        self._stop = False
         self._held: list[tuple[object, bytes, Message]] = []  # messages that arrived mid-step
+        self.drain_to: str | None = None  # None: active; "": drain, then wait to stop; a role: switch
+        self.drain_since = 0.0
+        self.switch_to: str | None = None  # set when the loop ends for a role switch
+
+    def _take_over(self, old: NodeRuntime) -> None:
+        self.ctx, self.control, self.stats, self.kv_events = old.ctx, old.control, old.stats, old.kv_events
+        self._stepper, self._step_done_r, self._step_done_w = old._stepper, old._step_done_r, old._step_done_w
+        self.switches = old.switches + 1
+        self.registration = old.registration
 
     # ---- the loop -------------------------------------------------------------------------
-    def serve_forever(self) -> None:
+    def serve_forever(self) -> str | None:
+        """Serve until stopped (returns None, everything closed) or until a drain for a role
+        switch completes (returns the new role; the shared parts stay open for its node)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stop())
         log.info("%s %s serving", self.role, self.node_id)
         keep_registered(self)
         try:
-            while not self._stop:
+            while not self._stop and self.switch_to is None:
                 self.run_once()
+                self._maybe_switch()
         finally:
-            self.close()
+            if self.switch_to is None:
+                self.close()
+            else:
+                self.close_role()
+        return self.switch_to
+
+    def _maybe_switch(self) -> None:
+        if (self.drain_to and self.idle() and time.monotonic() - self.drain_since >= SWITCH_SETTLE_S):
+            log.info("%s drained: switching from %s to %s", self.node_id, self.role, self.drain_to)
+            self.switch_to = self.drain_to
 
     def run_once(self) -> None:
         # Block on the sockets only when the last step did no work (idle, or all requests are
@@ -136,6 +174,8 @@ class NodeRuntime:
                 self.kv_events.snapshot(identity)
             elif isinstance(msg, Abort):
                 self.abort(msg.request_id)
+            elif isinstance(msg, Drain):
+                self.drain(msg)
             else:
                 self.handle(identity, msg)
         except Exception:  # one bad message must not take the node down
@@ -151,9 +191,41 @@ class NodeRuntime:
                      cached_blocks=len(engine.pool.cached), kv_event_seq=self.kv_events.seq,
                      prefill_ns_per_token=int(engine.prefill_s_per_token * 1e9),
                      integrity_failures=self.integrity_failures())
+        stats.update(role_switches=self.switches)
         return Pong(ping.seq, self.node_id, self.role, len(sched.requests),
                     engine.pool.num_free, engine.pool.num_blocks, stats,
-                    kv_salt=engine.salt)
+                    kv_salt=engine.salt, state=self.state())
+
+    # ---- draining -------------------------------------------------------------------------
+    def drain(self, msg: Drain) -> None:
+        if msg.cancel:
+            if self.drain_to is not None:
+                log.info("%s: drain cancelled, active again", self.node_id)
+            self.drain_to = None
+            self._registered_state(ACTIVE)
+            return
+        if msg.to_role and (msg.to_role not in ROLES or msg.to_role == self.role):
+            log.warning("%s: a %s node cannot switch to role %r", self.node_id, self.role, msg.to_role)
+            return
+        to_role = msg.to_role
+        log.info("%s draining%s", self.node_id, f" to become a {to_role} node" if to_role else "")
+        self.drain_to, self.drain_since = to_role, time.monotonic()
+        self._registered_state(DRAINING)
+
+    def _registered_state(self, state: str) -> None:
+        """Routers that follow the registry learn of the drain from it too."""
+        if self.registration is not None:
+            self.registration.update(state=state)
+
+    def state(self) -> str:
+        if self.drain_to is None:
+            return "active"
+        return "drained" if self.idle() else "draining"
+
+    def idle(self) -> bool:
+        """Nothing in flight: no request, no blocks held for a handover, no transfer."""
+        sched = self.engine.scheduler
+        return not sched.requests and not sched.held and not self.origin and self.role_idle()
 
     def integrity_failures(self) -> int:
         """KV blocks rejected by a checksum or digest, on every path this node reads (store, NIXL)."""
@@ -163,6 +235,10 @@ class NodeRuntime:
     # ---- hooks ----------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:
         raise NotImplementedError
+
+    def role_idle(self) -> bool:
+        """No role-specific work in flight (pending handovers, pulls)."""
+        return True
 
     def poll_background(self) -> None:
         """Advance transfers, leases and other work that is not an engine step."""
@@ -187,13 +263,21 @@ class NodeRuntime:
         self.control.send(identity, TokenDelta(StepOutput(request_id, [], "", True, "error", error=error)))
         self.origin.pop(request_id, None)
 
+    def close_role(self) -> None:
+        """Close what belongs to this role alone (its transfer agents and sockets), not what a
+        role switch carries over."""
+
     def close(self) -> None:
         if self.registration is not None:
             self.registration.close()  # deregister first: routers stop sending before the socket closes
+        self.close_role()
         self._stepper.shutdown(wait=True)
         os.close(self._step_done_r)
         os.close(self._step_done_w)
         self.control.close()
+        store = getattr(self, "store", None)
+        if store is not None:
+            store.close()
         if isinstance(self.ctx, CurveContext):
             self.ctx.authenticator.stop()
 

@@ -13,7 +13,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
-from pdserve.messages import DecodeRequest, KVHandover, Message
+from pdserve.messages import DecodeRequest, KVHandover, Message, PrefillRequest, Rejected
 from pdserve.node_runtime import NodeRuntime
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 class DecodeNode(NodeRuntime):
     role = "decode"
 
-    def __init__(self, engine: LLMEngine, bind: str, node_id: str, store: KVStore | None = None,
+    def __init__(self, engine: LLMEngine, bind: str | NodeRuntime, node_id: str, store: KVStore | None = None,
                  use_nixl: bool = False, on_transfer_failure: str = "recompute", pull_delay_s: float = 0.0):
         super().__init__(engine, bind, node_id)
         self.store = store
@@ -37,6 +37,9 @@ class DecodeNode(NodeRuntime):
         self.delayed: list[tuple[float, Request, KVHandover, float]] = []
 
     def handle(self, identity: bytes, msg: Message) -> None:
+        if isinstance(msg, PrefillRequest):  # sent before the router saw this node switch roles
+            self.control.send(identity, Rejected(msg.request_id, "this node serves decode now"))
+            return
         if not isinstance(msg, DecodeRequest):
             log.warning("decode node ignores %s", type(msg).__name__)
             return
@@ -144,11 +147,12 @@ class DecodeNode(NodeRuntime):
         self.delayed = [d for d in self.delayed if d[1].request_id != request_id]
         super().abort(request_id)
 
-    def close(self) -> None:
-        super().close()
+    def role_idle(self) -> bool:
+        nixl_busy = self.nixl is not None and bool(self.nixl.pulls)
+        return not (self.fetches or self.delayed or self.deferred_aborts or nixl_busy)
+
+    def close_role(self) -> None:
         if self.fetcher is not None:
             self.fetcher.shutdown(wait=True, cancel_futures=True)
         if self.nixl is not None:
             self.nixl.close()
-        if self.store is not None:
-            self.store.close()

@@ -15,7 +15,16 @@ from pdserve.engine.outputs import StepOutput
 from pdserve.engine.request import RequestStatus
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
-from pdserve.messages import KVHandover, Message, NixlMetadata, NixlMetadataRequest, PrefillRequest, PrefillResult
+from pdserve.messages import (
+    DecodeRequest,
+    KVHandover,
+    Message,
+    NixlMetadata,
+    NixlMetadataRequest,
+    PrefillRequest,
+    PrefillResult,
+    Rejected,
+)
 from pdserve.node_runtime import NodeRuntime
 from pdserve.transport import NodeSocket
 
@@ -39,7 +48,7 @@ def advertised(endpoint: str, host: str | None) -> str:
 class PrefillNode(NodeRuntime):
     role = "prefill"
 
-    def __init__(self, engine: LLMEngine, bind: str, node_id: str, store: KVStore | None = None,
+    def __init__(self, engine: LLMEngine, bind: str | NodeRuntime, node_id: str, store: KVStore | None = None,
                  nixl_side_channel: str | None = None, lease_s: float = 30.0, advertise_host: str | None = None):
         super().__init__(engine, bind, node_id)
         self.store = store
@@ -68,6 +77,8 @@ class PrefillNode(NodeRuntime):
             self.side.send(identity, NixlMetadata(self.agent.name, self.agent.metadata()))
         elif isinstance(msg, PrefillRequest):
             self._admit(identity, msg)
+        elif isinstance(msg, DecodeRequest):  # sent before the router saw this node switch roles
+            self.control.send(identity, Rejected(msg.request_id, "this node serves prefill now"))
         else:
             log.warning("prefill node ignores %s", type(msg).__name__)
 
@@ -193,11 +204,11 @@ class PrefillNode(NodeRuntime):
         self.leases.pop(request_id, None)
         super().abort(request_id)
 
-    def close(self) -> None:
-        super().close()
+    def role_idle(self) -> bool:
+        return not self.pending and not self.leases
+
+    def close_role(self) -> None:
         if self.side is not None:
             self.side.close()
         if self.agent is not None:
             self.agent.close()
-        if self.store is not None:
-            self.store.close()

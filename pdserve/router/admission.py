@@ -47,7 +47,7 @@ class AdmissionMiddleware:
     def _refusal(self, scope: Scope) -> tuple | None:
         headers = dict(scope.get("headers") or [])
         path = scope["path"]
-        protected = path.startswith("/v1/") or (self.protect_metrics and path in ("/metrics", "/health"))
+        protected = path.startswith(("/v1/", "/admin/")) or (self.protect_metrics and path in ("/metrics", "/health"))
         if self.api_key and protected and not self._authorized(headers.get(b"authorization", b"")):
             self._count("unauthorized")
             return 401, "Incorrect API key provided.", INVALID_REQUEST, "invalid_api_key", {}

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.admin_routes import add_admin_routes
 from pdserve.router.admission import AdmissionMiddleware
 from pdserve.router.backend import GenerationBackend
 from pdserve.router.errors import (
@@ -50,6 +51,7 @@ from pdserve.router.streaming import (
     run_until_disconnect,
     sse_events,
 )
+from pdserve.router.structured_request import GrammarCheck
 from pdserve.router.tokenize_routes import add_tokenize_routes
 from pdserve.router.tool_parsers import parser_for
 
@@ -96,6 +98,7 @@ class _Router:
         # tool_choice "auto": calls are parsed out of the text in the chat template's format.
         self.tool_parser = parser_for(tool_call_parser, getattr(tokenizer, "chat_template", None))
         self.special_tokens = set(getattr(tokenizer, "all_special_tokens", []))
+        self.grammars = GrammarCheck(tokenizer)  # structured outputs the vocabulary cannot write: 400
 
     def check_model(self, model: str | None) -> None:
         # Absent model means "the served one" (as vLLM); a different name is a 404.
@@ -280,6 +283,7 @@ def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
     _add_openai_routes(app, router)
     _add_info_routes(app, router, int(time.time()))
     add_tokenize_routes(app, router)
+    add_admin_routes(app, backend)
     app.state.router = router
     app.openapi = lambda: _openapi_document(app, router.vocab_size)  # type: ignore[method-assign]
     return app

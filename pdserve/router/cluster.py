@@ -31,15 +31,18 @@ from pdserve.messages import (
     Pong,
     PrefillRequest,
     PrefillResult,
+    Rejected,
     TokenDelta,
 )
 from pdserve.router.backend import BackendError
+from pdserve.router.drain import DrainTracker
 from pdserve.router.index import STORE_HOLDER, PrefixIndex
 from pdserve.router.kv_events import KVEventTracker
 from pdserve.router.metrics import RequestTimer, RouterMetrics
 from pdserve.router.nodes import Node, NodePool
 from pdserve.router.policy import NodeView, Planner, RoutePlan, SessionMap
 from pdserve.router.registry_watcher import RegistryWatcher
+from pdserve.router.scaler import OwnerClient, Scaler
 
 log = logging.getLogger(__name__)
 PREFILL_TIMEOUT_S = 300.0
@@ -77,7 +80,8 @@ class ClusterBackend:
     def __init__(self, model_name: str, prefill_addrs: list[str], decode_addrs: list[str],
                  transfer: str = "nixl", salt: bytes | None = None, block_size: int = 16,
                  prefill_policy: str = "cache_aware", decode_policy: str = "cache_aware",
-                 local_prefill_threshold: int = 0, session_affinity: bool = False, registry: str | None = None):
+                 local_prefill_threshold: int = 0, session_affinity: bool = False, registry: str | None = None,
+                 owner: str | None = None):
         if not decode_addrs and registry is None:
             raise ValueError("the cluster needs at least one decode node, or a registry to find them in")
         self.registry = registry  # tcp://host:port of the node registry, or None for static lists
@@ -101,6 +105,9 @@ class ClusterBackend:
         self.kv_tracker = KVEventTracker(self.index)
         self.sessions = SessionMap() if session_affinity else None
         self.planner = Planner(self.index, block_size, prefill_policy, decode_policy, local_prefill_threshold)
+        self.drains = DrainTracker(self)
+        # Admin scaling: `owner` is the zmq admin endpoint of whatever starts node processes.
+        self.scaler = Scaler(self, OwnerClient(owner) if owner else None)
 
     async def start(self) -> None:
         await self.pool.start()
@@ -112,6 +119,7 @@ class ClusterBackend:
         if self._watch_task is not None:
             self._watch_task.cancel()
             await asyncio.gather(self._watch_task, return_exceptions=True)
+        self.drains.cancel()
         await self.pool.stop()
 
     # ---- messages from nodes ----------------------------------------------------------------
@@ -133,21 +141,35 @@ class ClusterBackend:
     def _on_dead(self, node: Node) -> None:
         self.index.drop_node(node.node_id)  # it comes back, if at all, with an empty cache
         self.kv_tracker.forget(node.node_id)
-        for rid in list(node.requests):
+        self.move_requests(node, list(node.requests))
+
+    def move_requests(self, node: Node, request_ids: list[str]) -> int:
+        """Take these requests off `node` as if it were lost: a prefill is retried elsewhere, a
+        decode stream resumes on another decode node (the failover path). Returns how many moved."""
+        moved = 0
+        for rid in request_ids:
             if self.owner.get(rid) != node.node_id:
                 continue
             self.owner[rid] = None  # whatever the node still sends for it is stale
+            node.requests.discard(rid)
+            moved += 1
             fut = self.prefill_results.get(rid)
             if fut is not None and not fut.done():
                 fut.set_exception(NodeLost(node.node_id))
             queue = self.streams.get(rid)
             if queue is not None and fut is None:
                 queue.put_nowait(_Lost(node.node_id))
+        return moved
 
     def _on_message(self, node: Node, msg: Message) -> None:
         if isinstance(msg, Pong):
+            self.drains.on_pong(node, msg)
             if self.kv_tracker.needs_snapshot(node.node_id):
                 self._send_later(node, KVSnapshotRequest())
+        elif isinstance(msg, Rejected):  # the node changed role before the request reached it
+            log.info("[%s] %s rejected it (%s): moving it", msg.request_id, node.node_id, msg.reason)
+            self.move_requests(node, [msg.request_id])
+            node.requests.discard(msg.request_id)
         elif isinstance(msg, KVEvents):
             if self.kv_tracker.apply(node.node_id, msg):
                 log.info("%s: KV event gap (epoch %d, seq %d): asking for a snapshot", node.node_id,
@@ -360,5 +382,7 @@ class ClusterBackend:
         for entry in nodes:
             entry["index_blocks"] = self.index.size(entry["id"])
             entry["kv_event_seq_applied"] = self.kv_tracker.seq(entry["id"])
+            entry["state"] = self.drains.state(entry["id"])
         return {"healthy": healthy, "transfer": self.transfer, "nodes": nodes, "failover": dict(self.counters),
+                "drain": dict(self.drains.counters),
                 "kv_events": dict(self.kv_tracker.counters)}

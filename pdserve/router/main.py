@@ -24,9 +24,9 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     from transformers import AutoConfig, AutoTokenizer
 
     from pdserve.curve_keys import RouterKeys
+    from pdserve.models.gguf import checkpoint_name
     from pdserve.models.loader import resolve_model_path
     from pdserve.router.app import create_app
-    from pdserve.models.gguf import checkpoint_name
     from pdserve.router.cluster import ClusterBackend
     from pdserve.router.nodes import NodePool
 
@@ -78,7 +78,7 @@ def run_router(args) -> int:
                     "float32" if args.dtype == "auto" else args.dtype, args.max_model_len, admission,
                     dict(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                          local_prefill_threshold=args.local_prefill_threshold,
-                         session_affinity=args.session_affinity), args.curve_dir, args.registry,
+                         session_affinity=args.session_affinity, owner=args.owner), args.curve_dir, args.registry,
                     chat=dict(chat_template=args.chat_template, tool_call_parser=args.tool_call_parser))
     log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s%s%s", args.host, args.port,
              len(args.prefill or []), len(args.decode or []), args.kv_transfer,

@@ -1,0 +1,166 @@
+"""Elastic scaling on a real cluster (`pdserve up`, separate processes, real sockets, NIXL, the
+official openai client with retries off): scale 1P1D -> 2P2D -> 1P1D and switch a node's role
+while greedy streams run. No request fails, every output equals the offline engine's token for
+token, removed nodes drain and exit, a switched node keeps its process and its prefix cache, and
+no KV block stays in use afterwards. Also the admin API's key and its refusals of bad input."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+
+import httpx
+import openai
+import pytest
+
+from cluster_util import node_pids, node_stats, running_cluster, wait_for
+from pdserve import LLM, SamplingParams
+
+KEY = "scale-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPTS = [f"stream {i}: " + "elastic pools keep every request. " * (1 + i % 3) for i in range(8)]
+LONG = 160
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("builtin:tiny", num_kv_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with running_cluster("--kv-transfer", "nixl", "--prefill-nodes", "1", "--decode-nodes", "1",
+                         "--num-kv-blocks", "512", "--api-key", KEY) as (url, proc):
+        yield url, proc
+
+
+def _admin(url: str, path: str, body: dict | None = None, headers=AUTH) -> httpx.Response:
+    if body is None:
+        return httpx.get(f"{url}{path}", headers=headers, timeout=300)
+    return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=300)
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def _stream_ids(client: openai.OpenAI, prompt, max_tokens: int, on_token=None) -> list[int]:
+    ids: list[int] = []
+    stream = client.completions.create(model="builtin:tiny", prompt=prompt, max_tokens=max_tokens, stream=True,
+                                       temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    for chunk in stream:
+        if chunk.choices:
+            ids += chunk.choices[0].model_extra.get("token_ids") or []
+            if on_token is not None:
+                on_token(len(ids))
+    return ids
+
+
+def _reference(llm: LLM, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _under_load(url: str, prompts: list[str], max_tokens: int, action, min_tokens: int = 8):
+    """Stream every prompt at once; run `action` once each stream has its first min_tokens tokens."""
+    client = _client(url)
+    counts = [0] * len(prompts)
+    flowing = threading.Event()
+
+    def seen(i, n):
+        counts[i] = n
+        if all(c >= min_tokens for c in counts):
+            flowing.set()
+
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(_stream_ids, client, p, max_tokens, lambda n, i=i: seen(i, n))
+                   for i, p in enumerate(prompts)]
+        assert flowing.wait(120), "the streams never got going"
+        result = action()
+        return [f.result() for f in futures], result  # a failed request raises here
+
+
+def _blocks_back_to_zero(url: str) -> bool:
+    return all(s["kv_blocks_in_use"] == 0 and s["requests"] == 0 for s in node_stats(url).values() if s["healthy"])
+
+
+def test_admin_routes_need_the_key_and_refuse_bad_input(cluster):
+    url, _ = cluster
+    assert _admin(url, "/admin/nodes", headers={}).status_code == 401
+    assert _admin(url, "/admin/scale", {"decode": 2}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    nodes = _admin(url, "/admin/nodes").json()
+    assert nodes["counts"] == {"prefill": 1, "decode": 1} and nodes["owned"] == {"prefill-0": "prefill",
+                                                                                  "decode-0": "decode"}
+    for body in ({"decode": 0}, {"prefill": -1}, {}, {"decode": "many"}, {"decode": 1, "extra": 1}):
+        r = _admin(url, "/admin/scale", body)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", body
+    refusals = {("nope", "decode"): "no node", ("decode-0", "prefill"): "last decode node",
+                ("decode-0", "decode"): "already"}
+    for (node_id, role), why in refusals.items():
+        r = _admin(url, "/admin/switch", {"node_id": node_id, "to_role": role})
+        assert r.status_code == 400 and why in r.json()["error"]["message"]
+    assert _admin(url, "/admin/switch", {"node_id": "decode-0", "to_role": "both"}).status_code == 400
+    assert "/admin/scale" not in httpx.get(f"{url}/openapi.json").json()["paths"]
+
+
+def test_scale_up_and_down_under_load_loses_no_request(cluster, llm):
+    url, proc = cluster
+    want = _reference(llm, PROMPTS, LONG)
+    got, reply = _under_load(url, PROMPTS, LONG, lambda: _admin(url, "/admin/scale", {"prefill": 2, "decode": 2}))
+    assert reply.status_code == 200, reply.text
+    assert sorted(reply.json()["added"]) == ["decode-1", "prefill-1"]
+    assert got == want
+    stats = node_stats(url)
+    assert all(s["healthy"] for s in stats.values()) and len(stats) == 4
+
+    # Down again while every decode node streams: the removed ones drain (their streams move
+    # through the failover resume path), then exit.
+    moved_before = httpx.get(f"{url}/health").json()["drain"]["streams_moved"]
+    def scale_down_the_busiest():
+        nodes = _admin(url, "/admin/nodes").json()["nodes"]
+        busiest = max((n for n in nodes if n["role"] == "decode"), key=lambda n: n["in_flight"])
+        assert busiest["in_flight"] > 0
+        return _admin(url, "/admin/scale", {"prefill": 1, "decode": 1, "grace_s": 0, "remove": [busiest["id"]]})
+
+    got, reply = _under_load(url, PROMPTS, LONG, scale_down_the_busiest)
+    assert reply.status_code == 200, reply.text
+    removed = reply.json()["removed"]
+    assert len(removed) == 2
+    assert got == want
+    assert httpx.get(f"{url}/health").json()["drain"]["streams_moved"] > moved_before
+    assert set(node_stats(url)) == {"prefill-0", "decode-0", "prefill-1", "decode-1"} - set(removed)
+    wait_for(lambda: not set(removed) & set(node_pids(proc.pid)), timeout_s=30)
+    wait_for(lambda: _blocks_back_to_zero(url), timeout_s=30)
+
+
+def test_role_switch_keeps_process_weights_and_prefix_cache(cluster, llm):
+    url, proc = cluster
+    prefill = next(n for n, s in node_stats(url).items() if s["role"] == "prefill")
+    decode = next(n for n, s in node_stats(url).items() if s["role"] == "decode")
+    pid = node_pids(proc.pid)[prefill]
+    # A prompt only the prefill node has seen: max_tokens=1 ends at the prefill, no handover.
+    only_here = [(i * 7) % 250 + 5 for i in range(100)]
+    assert _stream_ids(_client(url), only_here, 1) == _reference(llm, [{"prompt_token_ids": only_here}], 1)[0]
+
+    want = _reference(llm, PROMPTS, LONG)
+    got, reply = _under_load(url, PROMPTS, LONG, lambda: _admin(url, "/admin/switch",
+                                                                {"node_id": prefill, "to_role": "decode"}))
+    assert reply.status_code == 200, reply.text
+    assert got == want
+    stats = node_stats(url)[prefill]
+    assert stats["role"] == "decode" and stats["role_switches"] == 1
+    assert node_pids(proc.pid)[prefill] == pid  # same process: weights were not reloaded
+
+    # No prefill node now: requests run whole on a decode node, and the prefix index sends this
+    # prompt to the switched node, whose cache still holds it.
+    r = _client(url).completions.create(model="builtin:tiny", prompt=only_here, max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 96
+    assert node_stats(url)[prefill]["requests_total"] > stats["requests_total"]
+
+    # And back, while the switched node itself streams: its streams move to the other decode node.
+    got, reply = _under_load(url, PROMPTS, LONG, lambda: _admin(url, "/admin/switch",
+                                                                {"node_id": prefill, "to_role": "prefill"}))
+    assert reply.status_code == 200, reply.text
+    assert got == want
+    assert node_stats(url)[prefill]["role"] == "prefill" and node_pids(proc.pid)[prefill] == pid
+    assert node_stats(url)[decode]["healthy"]
+    wait_for(lambda: _blocks_back_to_zero(url), timeout_s=30)
