@@ -11,8 +11,8 @@ import threading
 import httpx
 import openai
 import pytest
-
 from cluster_util import node_pids, node_stats, running_cluster, wait_for
+
 from pdserve import LLM, SamplingParams
 
 KEY = "scale-test-key"

@@ -1,0 +1,152 @@
+"""The SLA planner's decisions: from what the routers measured over one interval, how many prefill
+and decode nodes the cluster should run, and the cheapest way to get there.
+
+Pure logic (no sockets, no clock): `SlaPlanner.decide(snapshot)` takes a `PoolSnapshot` and
+returns a `Decision`; the router's planner loop (pdserve/router/planner_loop.py) builds the
+snapshots and carries decisions out. The simulator can drive the same object.
+
+The rules, per role:
+  * pressure = the measured latency over its SLO: TTFT p90 for prefill, ITL p90 for decode. A
+    prefill queue longer than the pool clears within the TTFT SLO (at the nodes' measured
+    seconds per token) counts as pressure too, and so does a decode pool short of free KV blocks;
+  * pressure above 1 (the SLO missed) asks for more nodes of that role, in proportion (at most
+    MAX_STEP per interval); a pool under LOW_PRESSURE for `calm_intervals` in a row, or with no
+    traffic, has a node to spare;
+  * a node moves between roles by a switch when one role needs a node and the other can spare
+    one (a switch costs a drain and well under a second; a new node costs a process start and a
+    weight load), else the total grows within max_nodes, or shrinks within min_nodes;
+  * after any action the planner waits `cooldown_intervals` before acting again (hysteresis: the
+    pools must settle before their latencies say anything new).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+LOW_PRESSURE = 0.5  # below this fraction of its SLO, a pool could lose a node
+MAX_STEP = 2  # nodes added to a role per decision
+KV_LOW_FREE = 0.05  # decode nodes with less than this fraction of their KV blocks free are full
+
+
+@dataclass
+class PoolSnapshot:
+    """What the routers measured over one interval."""
+    prefill_nodes: int
+    decode_nodes: int
+    ttft_p90_s: float | None = None     # None: no request got its first token this interval
+    itl_p90_s: float | None = None      # None: no decode step this interval
+    prefill_queue_tokens: int = 0       # prompt tokens waiting at prefill nodes
+    prefill_s_per_token: float = 0.0    # the prefill nodes' measured cost (0: not yet measured)
+    decode_running: int = 0             # requests in the decode nodes' batches
+    decode_free_kv_fraction: float = 1.0
+
+
+@dataclass
+class PlannerConfig:
+    ttft_slo_s: float
+    itl_slo_s: float
+    min_nodes: int = 2
+    max_nodes: int = 8
+    min_prefill: int = 1
+    min_decode: int = 1
+    calm_intervals: int = 3
+    cooldown_intervals: int = 2
+
+
+@dataclass
+class Decision:
+    kind: str                           # "none" | "scale" | "switch"
+    prefill: int                        # target counts
+    decode: int
+    switch_to: str | None = None        # "switch": the role one node of the other role becomes
+    reasons: list[str] = field(default_factory=list)
+
+
+class SlaPlanner:
+    def __init__(self, config: PlannerConfig):
+        if config.min_nodes > config.max_nodes:
+            raise ValueError(f"--min-nodes {config.min_nodes} exceeds --max-nodes {config.max_nodes}")
+        if config.min_prefill + config.min_decode > config.max_nodes:
+            raise ValueError(f"--max-nodes {config.max_nodes} leaves no room for one node of each role")
+        self.config = config
+        self.calm = {"prefill": 0, "decode": 0}  # consecutive intervals each pool was under LOW_PRESSURE
+        self.cooldown = 0
+
+    # ---- pressure -----------------------------------------------------------------------
+    def pressures(self, s: PoolSnapshot) -> tuple[dict[str, float], list[str]]:
+        c, reasons = self.config, []
+        prefill = (s.ttft_p90_s or 0.0) / c.ttft_slo_s
+        if s.ttft_p90_s is not None:
+            reasons.append(f"TTFT p90 {s.ttft_p90_s * 1e3:.0f} ms vs SLO {c.ttft_slo_s * 1e3:.0f} ms")
+        if s.prefill_queue_tokens and s.prefill_s_per_token > 0 and s.prefill_nodes > 0:
+            drain_s = s.prefill_queue_tokens * s.prefill_s_per_token / s.prefill_nodes
+            if drain_s / c.ttft_slo_s > prefill:
+                reasons.append(f"prefill queue of {s.prefill_queue_tokens} tokens needs {drain_s * 1e3:.0f} ms")
+                prefill = drain_s / c.ttft_slo_s
+        decode = (s.itl_p90_s or 0.0) / c.itl_slo_s
+        if s.itl_p90_s is not None:
+            reasons.append(f"ITL p90 {s.itl_p90_s * 1e3:.1f} ms vs SLO {c.itl_slo_s * 1e3:.1f} ms")
+        if s.decode_free_kv_fraction < KV_LOW_FREE and decode <= 1.0:
+            reasons.append(f"decode KV {s.decode_free_kv_fraction:.0%} free")
+            decode = 1.01
+        return {"prefill": prefill, "decode": decode}, reasons
+
+    # ---- decide -------------------------------------------------------------------------
+    def decide(self, s: PoolSnapshot) -> Decision:
+        pressure, reasons = self.pressures(s)
+        have = {"prefill": s.prefill_nodes, "decode": s.decode_nodes}
+        for role in have:
+            self.calm[role] = self.calm[role] + 1 if pressure[role] < LOW_PRESSURE else 0
+        if self.cooldown > 0:
+            self.cooldown -= 1
+            return Decision("none", have["prefill"], have["decode"], reasons=reasons + ["cooling down"])
+        decision = self._plan(have, pressure, reasons)
+        if decision.kind != "none":
+            self.cooldown = self.config.cooldown_intervals
+            self.calm = {"prefill": 0, "decode": 0}
+        return decision
+
+    def _needs(self, have: dict[str, int], pressure: dict[str, float]) -> dict[str, int]:
+        """Nodes each role wants added: in proportion to how far past its SLO it is."""
+        return {role: min(MAX_STEP, max(1, math.ceil(max(have[role], 1) * pressure[role]) - have[role]))
+                if pressure[role] > 1.0 else 0 for role in have}
+
+    def _spare(self, role: str, have: dict[str, int]) -> bool:
+        floor = self.config.min_prefill if role == "prefill" else self.config.min_decode
+        return have[role] > floor and self.calm[role] >= self.config.calm_intervals
+
+    def _plan(self, have: dict[str, int], pressure: dict[str, float], reasons: list[str]) -> Decision:
+        c = self.config
+        total = have["prefill"] + have["decode"]
+        need = self._needs(have, pressure)
+        target = dict(have)
+        # The neediest role first: the one furthest past its SLO.
+        for role in sorted(need, key=lambda r: -pressure[r]):
+            if not need[role]:
+                continue
+            other = "decode" if role == "prefill" else "prefill"
+            if self._spare(other, have) and need[other] == 0:
+                target[role] += 1
+                target[other] -= 1
+                return Decision("switch", target["prefill"], target["decode"], role,
+                                reasons + [f"{role} over its SLO ({pressure[role]:.2f}x), {other} idle: switch one"])
+            room = c.max_nodes - total
+            if room > 0:
+                target[role] += min(need[role], room)
+                return Decision("scale", target["prefill"], target["decode"],
+                                reasons=reasons + [f"{role} over its SLO ({pressure[role]:.2f}x): "
+                                                   f"+{target[role] - have[role]}"])
+            reasons = reasons + [f"{role} over its SLO ({pressure[role]:.2f}x) but at --max-nodes {c.max_nodes}"]
+        if total < c.min_nodes:  # below the floor (e.g. a node left): grow the busier role
+            role = max(have, key=lambda r: (pressure[r], r == "decode"))
+            target[role] += c.min_nodes - total
+            return Decision("scale", target["prefill"], target["decode"],
+                            reasons=reasons + [f"{total} nodes is under --min-nodes {c.min_nodes}"])
+        if not any(need.values()) and total > c.min_nodes:
+            for role in ("prefill", "decode"):
+                if self._spare(role, have):
+                    target[role] -= 1
+                    return Decision("scale", target["prefill"], target["decode"],
+                                    reasons=reasons + [f"{role} under {LOW_PRESSURE:.0%} of its SLO for "
+                                                       f"{self.calm[role]} intervals: -1"])
+        return Decision("none", have["prefill"], have["decode"], reasons=reasons)
