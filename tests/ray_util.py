@@ -115,8 +115,9 @@ class Lab:
             return subprocess.Popen(["ip", "netns", "exec", self.ns(name), *cmd], stdout=log,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
-    def ray_start(self, name: str, head: str | None, num_cpus: int, port: int = 6379) -> None:
-        """`ray start` on host `name`: the head when head is None, else a worker joining it."""
+    def ray_start(self, name: str, head: str | None, num_cpus: int, port: int = 6379) -> subprocess.Popen:
+        """`ray start` on host `name`: the head when head is None, else a worker joining it (wait
+        for it with ray_started)."""
         cmd = [RAY, "start", "--node-ip-address", self.addr(name), "--num-cpus", str(num_cpus),
                "--disable-usage-stats", "--temp-dir", self.temp_dir(name)]
         if head is None:
@@ -125,10 +126,16 @@ class Lab:
         else:
             cmd += ["--address", f"{self.addr(head)}:{port}"]
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-        result = subprocess.run(["ip", "netns", "exec", self.ns(name), *cmd], capture_output=True, text=True,
-                                env=env, timeout=180)
-        if result.returncode != 0:
-            raise RuntimeError(f"ray start on {name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        proc = subprocess.Popen(["ip", "netns", "exec", self.ns(name), *cmd], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env)
+        proc.host = name
+        return proc
+
+    @staticmethod
+    def ray_started(proc: subprocess.Popen) -> None:
+        out, _ = proc.communicate(timeout=180)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ray start on {proc.host} failed:\n{out[-3000:]}")
 
 
 @contextlib.contextmanager
@@ -137,10 +144,9 @@ def ray_cluster(hosts: dict[str, int], cpus: dict[str, int], head: str = "head")
     lab = Lab(hosts)
     lab.up()
     try:
-        lab.ray_start(head, None, cpus[head])
-        for name in hosts:
-            if name != head:
-                lab.ray_start(name, head, cpus[name])
+        lab.ray_started(lab.ray_start(head, None, cpus[head]))
+        for worker in [lab.ray_start(name, head, cpus[name]) for name in hosts if name != head]:
+            lab.ray_started(worker)  # the workers join side by side
         yield lab
     finally:
         lab.stop_all()

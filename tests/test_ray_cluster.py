@@ -38,7 +38,7 @@ HOSTS = {"head": 2, "w1": 3, "w2": 4}
 CPUS = {"head": 0, "w1": 3, "w2": 3}  # nodes need a CPU each: none on the head; either worker holds all 3
 PORT = 18400
 PROMPTS = [list(range(5 + i, 70 + 3 * i)) for i in range(16)]
-MAX_TOKENS = 40
+MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
