@@ -4,6 +4,7 @@ and the official openai client gets the offline engine's tokens, greedy and seed
 from __future__ import annotations
 
 import concurrent.futures as cf
+import re
 
 import openai
 import pytest
@@ -11,11 +12,13 @@ from cluster_util import node_stats, running_cluster, wait_for
 from test_models_deepseek import make_deepseek
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.sampling_params import StructuredSpec
 
 PROMPTS = ["Hello latent world", "Multi-head latent attention caches one vector per token. " * 2,
            "x", "0123456789" * 5]
 MAX_TOKENS = 10
 SEEDED = dict(max_tokens=8, temperature=0.9, top_p=0.95, seed=11)
+REGEX = "[a-z]{2,6} [0-9]{2,4}"
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,10 @@ def offline(checkpoint):
     greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
                           use_tqdm=False)
     seeded = llm.generate(PROMPTS[1], SamplingParams(**SEEDED, ignore_eos=True), use_tqdm=False)
-    return {p: o.outputs[0].token_ids for p, o in zip(PROMPTS, greedy)}, seeded[0].outputs[0].token_ids
+    regex = llm.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0, structured=StructuredSpec("regex", REGEX)),
+                         use_tqdm=False)
+    return ({p: o.outputs[0].token_ids for p, o in zip(PROMPTS, greedy)}, seeded[0].outputs[0].token_ids,
+            regex[0].outputs[0].token_ids)
 
 
 def _complete(client: openai.OpenAI, model: str, prompt: str, **params) -> tuple[list[int], int]:
@@ -49,7 +55,7 @@ CLUSTERS = {
 
 @pytest.mark.parametrize("mode", list(CLUSTERS))
 def test_pd_over_latent_cache_matches_offline(mode, checkpoint, offline):
-    greedy, seeded = offline
+    greedy, seeded, regex = offline
     with running_cluster("--model", checkpoint, *CLUSTERS[mode]) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -58,6 +64,10 @@ def test_pd_over_latent_cache_matches_offline(mode, checkpoint, offline):
             assert ids == greedy[prompt], f"{mode}: tokens differ for {prompt!r}"
         ids, _ = _complete(client, checkpoint, PROMPTS[1], **SEEDED)
         assert ids == seeded, f"{mode}: seeded sampling differs from the offline engine"
+        if mode == "nixl":  # structured output: the grammar replayed on the decode node
+            r = client.completions.create(model=checkpoint, prompt=PROMPTS[0], max_tokens=20, temperature=0,
+                                          extra_body={"structured_outputs": {"regex": REGEX}, "return_token_ids": True})
+            assert re.fullmatch(REGEX, r.choices[0].text) and r.choices[0].model_extra["token_ids"] == regex
         if mode == "lmcache":
             ids, cached = _complete(client, checkpoint, PROMPTS[1])
             assert ids == greedy[PROMPTS[1]]
