@@ -121,6 +121,7 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_cluster_parsers(sub) -> None:
+    from pdserve.cluster.planner import add_planner_args
     from pdserve.launcher import run_up
     from pdserve.node_main import run_decode, run_prefill
     from pdserve.router.main import run_router
@@ -158,6 +159,7 @@ def _add_cluster_parsers(sub) -> None:
     _add_curve_args(rt)
     _add_admission_args(rt)
     _add_routing_args(rt)
+    add_planner_args(rt)
     _add_chat_args(rt)
     rt.set_defaults(func=run_router)
     up = sub.add_parser("up", help="start a local cluster: router, prefill and decode nodes (and Redis)")
@@ -180,6 +182,7 @@ def _add_cluster_parsers(sub) -> None:
                     help="compute threads per node (default: the machine's cores divided among the nodes)")
     _add_admission_args(up)
     _add_routing_args(up)
+    add_planner_args(up)
     _add_chat_args(up)
     up.add_argument("--curve", action="store_true",
                     help="fresh CURVE keys in a private temporary directory for every node and the router")

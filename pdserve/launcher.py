@@ -15,6 +15,7 @@ import urllib.request
 
 import zmq
 
+from pdserve.cluster.planner import planner_flags
 from pdserve.cluster.registry import RegistryServer
 from pdserve.kvstore.redact import redact_url
 from pdserve.messages import ListNodes, OwnerReply, StartNode, StopNode
@@ -113,6 +114,7 @@ class Cluster:
         router += ["--prefill-policy", a.prefill_policy, "--decode-policy", a.decode_policy,
                    "--local-prefill-threshold", str(a.local_prefill_threshold)]
         router += ["--session-affinity"] if a.session_affinity else []
+        router += planner_flags(a)
         router += ["--chat-template", os.path.abspath(a.chat_template)] if a.chat_template else []
         router += ["--tool-call-parser", a.tool_call_parser] if a.tool_call_parser else []
         if a.api_key:  # through the environment: a command line is visible to every local user

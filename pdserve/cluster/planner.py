@@ -150,3 +150,23 @@ class SlaPlanner:
                                     reasons=reasons + [f"{role} under {LOW_PRESSURE:.0%} of its SLO for "
                                                        f"{self.calm[role]} intervals: -1"])
         return Decision("none", have["prefill"], have["decode"], reasons=reasons)
+
+
+def add_planner_args(p) -> None:
+    p.add_argument("--planner", choices=["none", "sla"], default="none",
+                   help="sla: resize the pools and switch roles to hold the TTFT/ITL targets")
+    p.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="the planner's TTFT target (p90)")
+    p.add_argument("--itl-slo-ms", type=float, default=100.0, help="the planner's inter-token latency target (p90)")
+    p.add_argument("--min-nodes", type=int, default=2, help="the planner keeps at least this many nodes")
+    p.add_argument("--max-nodes", type=int, default=8, help="... and at most this many")
+    p.add_argument("--planner-interval-s", type=float, default=5.0, help="seconds between decisions")
+
+
+def planner_flags(args) -> list[str]:
+    """The planner flags as `pdserve up` passes them on to its router."""
+    if getattr(args, "planner", "none") != "sla":
+        return []
+    return ["--planner", "sla", "--ttft-slo-ms", str(args.ttft_slo_ms), "--itl-slo-ms", str(args.itl_slo_ms),
+            "--min-nodes", str(args.min_nodes), "--max-nodes", str(args.max_nodes),
+            "--planner-interval-s", str(args.planner_interval_s)]
+

@@ -44,7 +44,9 @@ def add_admin_routes(app: FastAPI, backend: Any) -> None:
     @app.get("/admin/nodes", include_in_schema=False)
     async def admin_nodes() -> dict[str, Any]:
         scaler = _scaler(backend)
-        return {**scaler.describe(), "owned": await _run(scaler.owned())}
+        planner = getattr(backend, "planner_loop", None)
+        return {**scaler.describe(), "owned": await _run(scaler.owned()),
+                "planner": planner.recent() if planner is not None else None}
 
     @app.post("/admin/scale", include_in_schema=False)
     async def admin_scale(body: ScaleBody) -> dict[str, Any]:

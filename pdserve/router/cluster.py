@@ -108,9 +108,12 @@ class ClusterBackend:
         self.drains = DrainTracker(self)
         # Admin scaling: `owner` is the zmq admin endpoint of whatever starts node processes.
         self.scaler = Scaler(self, OwnerClient(owner) if owner else None)
+        self.planner_loop = None  # the SLA planner (router.planner_loop), when --planner sla
 
     async def start(self) -> None:
         await self.pool.start()
+        if self.planner_loop is not None:
+            self.planner_loop.start()
         if self.registry is not None:
             self.watcher = RegistryWatcher(self.registry, self.pool)
             self._watch_task = asyncio.create_task(self.watcher.run())
@@ -120,6 +123,8 @@ class ClusterBackend:
             self._watch_task.cancel()
             await asyncio.gather(self._watch_task, return_exceptions=True)
         self.drains.cancel()
+        if self.planner_loop is not None:
+            await self.planner_loop.stop()
         await self.pool.stop()
 
     # ---- messages from nodes ----------------------------------------------------------------

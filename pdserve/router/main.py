@@ -72,6 +72,8 @@ def _run_with_app(app, backend) -> None:
 
 def run_router(args) -> int:
     import uvicorn
+
+    from pdserve.router.planner_loop import attach_planner
     admission = dict(api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"), protect_metrics=args.protect_metrics,
                      max_body_bytes=args.max_body_bytes, max_queued_requests=args.max_queued_requests)
     app = build_app(args.model, args.prefill or [], args.decode or [], args.kv_transfer, args.block_size,
@@ -80,6 +82,7 @@ def run_router(args) -> int:
                          local_prefill_threshold=args.local_prefill_threshold,
                          session_affinity=args.session_affinity, owner=args.owner), args.curve_dir, args.registry,
                     chat=dict(chat_template=args.chat_template, tool_call_parser=args.tool_call_parser))
+    attach_planner(app.state.router.backend, args)
     log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s%s%s", args.host, args.port,
              len(args.prefill or []), len(args.decode or []), args.kv_transfer,
              ", CURVE" if args.curve_dir else "", f", nodes from the registry at {args.registry}" if args.registry else "")
