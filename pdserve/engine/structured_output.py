@@ -22,6 +22,24 @@ log = logging.getLogger(__name__)
 # Compact JSON (no free whitespace): a grammar that allows any whitespace lets a weak model
 # pad forever instead of closing the object.
 ANY_WHITESPACE = False
+# xgrammar writes the characters of a length-bounded string (minLength/maxLength) as the first
+# class below, which lets raw control characters into the string; strict JSON parsers
+# (pydantic, json.loads(strict=True)) refuse them. Its other strings exclude \0-\x1f. Both
+# classes also match UTF-16 surrogates spelled as UTF-8 bytes, which no decoder accepts (each
+# byte becomes U+FFFD, and a bounded string comes out longer than its maxLength).
+_STRING_CHAR_CLASSES = {
+    r'[^\"\\\r\n]': r'[^\0-\x1f\"\\\uD800-\uDFFF]',
+    r'[^\0-\x1f\"\\\r\n]': r'[^\0-\x1f\"\\\uD800-\uDFFF]',
+}
+
+
+def strict_json_grammar(schema: str) -> str:
+    """The schema's grammar as EBNF, with every string character class held to strict JSON."""
+    import xgrammar as xgr
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=ANY_WHITESPACE))
+    for lax, strict in _STRING_CHAR_CLASSES.items():
+        ebnf = ebnf.replace(lax, strict)
+    return ebnf
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -92,7 +110,7 @@ class StructuredOutputs:
         compiler = self.compiler
         try:
             if kind == "json":
-                return compiler.compile_json_schema(spec, any_whitespace=ANY_WHITESPACE)
+                return compiler.compile_grammar(strict_json_grammar(spec))
             if kind == "regex":
                 return compiler.compile_regex(spec)
             if kind == "choice":
@@ -109,6 +127,17 @@ class StructuredOutputs:
             if not matcher.accept_token(int(token)):
                 raise ValueError(f"token {token} already produced does not match the {spec.kind} grammar")
         return matcher
+
+    def check_satisfiable(self, spec: StructuredSpec) -> None:
+        """ValueError when no token of this vocabulary can start an output the grammar accepts
+        (say, a pattern of characters no token spells): refused before generating, instead of
+        an empty answer that looks like success."""
+        matcher = self.new_matcher(spec, ())
+        bitmask = self._bitmask_for(1)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        if not bool(bitmask[0].any()):
+            raise ValueError(f"the {spec.kind} constraint cannot be satisfied with this model's vocabulary: "
+                             "no token can start an output it accepts")
 
     def apply_bitmask(self, logits: torch.Tensor, matchers: Sequence[Any]) -> None:
         """Mask logits [B, vocab] rows whose matcher is not None; other rows pay nothing."""

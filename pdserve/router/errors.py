@@ -132,19 +132,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param or 'body'}: {msg}", param
 
 
-async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:
+def _log_refusal(request: Request, status: int, message: str) -> None:
+    """Client errors at INFO (the default level): a client's failure can be traced in the log."""
+    if status < 500:
+        logger.info("%s %s -> %d: %s", request.method, request.url.path, status, message)
+
+
+async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
+    _log_refusal(request, exc.status, exc.message)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     message, param = _validation_message(exc)
+    _log_refusal(request, 400, message)
     return JSONResponse(error_body(message, INVALID_REQUEST, param), status_code=400)
 
 
-async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    _log_refusal(request, exc.status_code, str(exc.detail))
     kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
     return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
                         headers=getattr(exc, "headers", None))

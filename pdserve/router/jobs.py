@@ -55,7 +55,17 @@ async def completion_job(router: Any, body: CompletionRequest) -> GenerationJob:
     echo = [p if isinstance(p, str) else router.tokenizer.decode(p) for p in prompts] if body.echo else None
     flavor = CompletionFlavor(router.texts, body.logprobs is not None, body.return_token_ids, echo, ids_list, n,
                               body.echo_only, body.logprobs, body.prompt_logprobs is not None)
+    await _check_satisfiable(router, params)
     return GenerationJob(choice_prompts, params, flavor, sum(len(ids) for ids in ids_list))
+
+
+async def _check_satisfiable(router: Any, params: list[SamplingParams]) -> None:
+    spec = params[0].structured if params else None
+    if spec is not None:
+        try:
+            await router.grammars.check(spec)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
 
 
 def _with_echo_logprobs(params: SamplingParams, body: CompletionRequest) -> SamplingParams:
@@ -82,6 +92,7 @@ async def chat_job(router: Any, body: ChatCompletionRequest) -> GenerationJob:
     max_tokens = router.resolve_max_tokens(body.requested_max_tokens(), len(ids), "max_tokens")
     logprobs = body.engine_logprobs()
     params = router.build_params(body, max_tokens, logprobs)
+    await _check_satisfiable(router, params)
     want = logprobs is not None
     if plan is None:
         flavor: Flavor = ChatFlavor(router.texts, want, body.return_token_ids)

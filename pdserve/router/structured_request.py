@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+
 from pdserve.engine.sampling_params import StructuredSpec
-from pdserve.engine.structured_output import check_spec
+from pdserve.engine.structured_output import StructuredOutputs, check_spec
 
 # json_object: any JSON object (compact, see structured_output.ANY_WHITESPACE).
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -147,3 +150,31 @@ def structured_spec(response_format: Any, structured: Any, guided: dict[str, Any
         raise ValueError("ask for one structured output at a time (response_format, structured_outputs, "
                          "guided_*, or tool_choice 'required' or named)")
     return _checked(*found[0]) if found else None
+
+
+class GrammarCheck:
+    """Whether a constraint can be met with the model's vocabulary, checked at the router with
+    its tokenizer (each spec compiled once, in a worker thread) so an impossible one is a 400
+    before any node generates, not an empty answer with finish_reason "stop"."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()  # one bitmask buffer
+        self._outputs: StructuredOutputs | None = None
+        self._satisfiable: set[tuple[str, str]] = set()
+
+    async def check(self, spec: StructuredSpec) -> None:
+        """ValueError when no output the constraint accepts can be written in this vocabulary."""
+        key = (spec.kind, spec.spec)
+        if key not in self._satisfiable:
+            await anyio.to_thread.run_sync(self._check, spec)
+            if len(self._satisfiable) > 4096:
+                self._satisfiable.clear()
+            self._satisfiable.add(key)
+
+    def _check(self, spec: StructuredSpec) -> None:
+        with self._lock:
+            if self._outputs is None:
+                eos = getattr(self.tokenizer, "eos_token_id", None)
+                self._outputs = StructuredOutputs(self.tokenizer, len(self.tokenizer), {eos} if eos is not None else set())
+            self._outputs.check_satisfiable(spec)
