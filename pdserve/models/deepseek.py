@@ -80,6 +80,8 @@ def check_config(config) -> None:
         if getattr(config, "scoring_func", "sigmoid") != "sigmoid" or \
                 getattr(config, "topk_method", "noaux_tc") != "noaux_tc":
             _refuse(arch, "only sigmoid scoring with noaux_tc top-k is supported (as transformers runs V3)")
+    elif getattr(config, "scoring_func", "softmax") != "softmax":
+        _refuse(arch, f"scoring_func {config.scoring_func!r} is not supported (transformers runs V2 with softmax)")
     _route(config, arch)
 
 
