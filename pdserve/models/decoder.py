@@ -25,7 +25,7 @@ class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec, layers: list[nn.Module], norm: nn.Module,
                  ropes: dict[str, RotaryEmbedding], layer_rope: list[str], *,
                  embed_scale: float | None = None, final_softcap: float | None = None,
-                 cuda_graph_safe: bool = True):
+                 cuda_graph_safe: bool | Callable[[], bool] = True):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
@@ -34,9 +34,14 @@ class DecoderModel(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.ropes, self.layer_rope = ropes, layer_rope
         self.embed_scale, self.final_softcap = embed_scale, final_softcap
-        # MoE layers size their expert batches on the host: not capturable in a CUDA graph.
-        self.cuda_graph_safe = cuda_graph_safe
+        # MoE layers are capturable only without host synchronisation (asked lazily: only the
+        # CUDA model runner reads it).
+        self._graph_safe = cuda_graph_safe
         self.fused = None  # set by the model runner; these families run their ops in torch
+
+    @property
+    def cuda_graph_safe(self) -> bool:
+        return self._graph_safe() if callable(self._graph_safe) else self._graph_safe
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         x = self.embed_tokens(token_ids)

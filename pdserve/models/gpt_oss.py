@@ -21,7 +21,7 @@ from torch import nn
 from pdserve.models.attention import PagedAttention
 from pdserve.models.decoder import DecoderModel, build_and_load
 from pdserve.models.llama import ModelSpec
-from pdserve.models.moe import SparseMoE, topk_softmax
+from pdserve.models.moe import SparseMoE, experts_graph_safe, topk_softmax
 from pdserve.models.rope import RotaryEmbedding, rope_type_of
 from pdserve.models.weights import WeightLoader, check_fields
 
@@ -119,6 +119,6 @@ def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.dev
     def make() -> DecoderModel:
         layers = [GptOssDecoderLayer(config, spec, i) for i in range(spec.num_layers)]
         return DecoderModel(spec, layers, RMSNorm(spec.hidden_size, spec.rms_norm_eps), {"rope": rope},
-                            ["rope"] * spec.num_layers, cuda_graph_safe=False)
+                            ["rope"] * spec.num_layers, cuda_graph_safe=experts_graph_safe)
 
     return build_and_load(make, files, _place, dtype, device)

@@ -32,10 +32,13 @@ expert's gate/up/down rows with ``Experts.load_expert``.
 
 Tokens are grouped by expert with one stable sort: each expert runs one matmul over all its
 tokens (a loop over experts, never over tokens), and the weighted outputs are scattered back
-with one index_add.
+with one index_add. On CUDA with Triton, ``Experts`` runs as two grouped GEMMs instead
+(pdserve.kernels.triton_moe), with no host synchronisation, so MoE decode steps can be captured
+in CUDA graphs (``experts_graph_safe``).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -95,6 +98,21 @@ def grouped_topk(logits: torch.Tensor, bias: torch.Tensor | None = None, *, top_
     return weights * scaling, ids
 
 
+@functools.cache
+def _triton_moe():
+    try:
+        from pdserve.kernels import triton_moe
+    except ImportError:
+        return None
+    return triton_moe
+
+
+def experts_graph_safe() -> bool:
+    """Whether Experts on CUDA avoids host synchronisation (the Triton path), so a model's
+    decode step can be captured in a CUDA graph."""
+    return _triton_moe() is not None
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for gate_up = [gate | up] along the last dim."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -116,6 +134,9 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; ids, weights [T, K]: each token's experts and their weights -> [T, H]."""
+        if x.is_cuda and _triton_moe() is not None:
+            return _triton_moe().fused_experts(x, ids, weights, self.gate_up_proj, self.down_proj,
+                                               self.activation, self.gate_up_bias, self.down_bias)
         tokens, top_k = ids.shape
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert

@@ -16,7 +16,7 @@ from torch import nn
 from pdserve.models.attention import PagedAttention
 from pdserve.models.decoder import DecoderModel, build_and_load
 from pdserve.models.llama import ModelSpec, RMSNorm
-from pdserve.models.moe import DenseMLP, SparseMoE, softmax_topk
+from pdserve.models.moe import DenseMLP, SparseMoE, experts_graph_safe, softmax_topk
 from pdserve.models.rope import RotaryEmbedding
 from pdserve.models.weights import WeightLoader, check_fields
 
@@ -106,7 +106,7 @@ def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.dev
     def make() -> DecoderModel:
         layers = [MoeDecoderLayer(config, spec, i) for i in range(spec.num_layers)]
         return DecoderModel(spec, layers, RMSNorm(spec.hidden_size, spec.rms_norm_eps),
-                            {"rope": rope}, ["rope"] * spec.num_layers, cuda_graph_safe=False)
+                            {"rope": rope}, ["rope"] * spec.num_layers, cuda_graph_safe=experts_graph_safe)
 
     mixtral = config.architectures[0] == MIXTRAL
 

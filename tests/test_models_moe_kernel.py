@@ -1,0 +1,59 @@
+"""The Triton grouped-GEMM MoE (kernels/triton_moe.py; the interpreter without a GPU) against
+models.moe.Experts' torch path: Qwen-style SwiGLU experts and gpt-oss's biased clamped ones,
+skewed routing (experts with no tokens, one expert with most), 1 to 37 tokens, and the tile
+layout itself."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from pdserve.kernels.triton_moe import BLOCK_M, fused_experts, tile_layout
+from pdserve.models.gpt_oss import clamped_swiglu
+from pdserve.models.moe import Experts, silu_mul
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _experts(num_experts, hidden, inter, bias, activation, gen):
+    ex = Experts(num_experts, hidden, inter, bias, activation)
+    for p in ex.parameters():
+        p.data = (0.3 * torch.randn(p.shape, generator=gen)).to(DEVICE)
+    return ex
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 37])
+@pytest.mark.parametrize("kind", ["swiglu", "gpt-oss"])
+def test_fused_experts_match_torch_experts(kind, tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    num_experts, hidden, inter, top_k = 6, 32, 24, 2
+    act = silu_mul if kind == "swiglu" else functools.partial(clamped_swiglu, alpha=1.702, limit=1.5)
+    ex = _experts(num_experts, hidden, inter, kind == "gpt-oss", act, gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    # Skewed: expert 4 gets most pairs, experts 1 and 5 none.
+    logits = torch.randn(tokens, num_experts, generator=gen) + torch.tensor([0, -9, 0, 0, 3, -9.0])
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+    with torch.no_grad():
+        want = ex(x, ids, weights)
+        got = fused_experts(x, ids, weights, ex.gate_up_proj, ex.down_proj, act,
+                            ex.gate_up_bias, ex.down_bias)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_tile_layout_puts_each_expert_in_its_own_tiles():
+    ids = torch.tensor([[2, 0], [2, 3], [2, 0]] + [[2, 3]] * 14)
+    pair_ids, tile_expert = tile_layout(ids, 5)
+    flat = ids.reshape(-1)
+    tiles = pair_ids.view(-1, BLOCK_M)
+    assert tiles.shape[0] == tile_expert.numel() == -(-flat.numel() // BLOCK_M) + 5
+    seen = []
+    for tile, expert in zip(tiles.tolist(), tile_expert.tolist()):
+        pairs = [p for p in tile if p >= 0]
+        if expert == 5:  # unused tiles hold no pair
+            assert not pairs
+            continue
+        assert pairs and all(flat[p] == expert for p in pairs)
+        seen += pairs
+    assert sorted(seen) == list(range(flat.numel()))
