@@ -2,8 +2,11 @@
 
 Workload: 64 requests, prompts of 32-512 tokens, 64 new tokens each, ignore_eos, on a
 ~32M-parameter Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, vocab 8192), float32 on CPU.
+--model runs the same workload on another checkpoint: a Hugging Face directory, or a GGUF (which
+transformers loads with gguf_file=, dequantized to float32 as pdserve does), e.g. the default model:
 
     .venv/bin/python benchmarks/bench_offline.py --repeats 3
+    .venv/bin/python benchmarks/bench_offline.py --repeats 3 --model SmolLM2-135M-Instruct
 """
 from __future__ import annotations
 
@@ -28,9 +31,19 @@ def build_model(root: Path) -> Path:
     return root
 
 
-def workload(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+def workload(n: int, lo: int, hi: int, seed: int = 0, vocab: int = CONFIG["vocab_size"]) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(CONFIG["vocab_size"]) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def hf_source(model: str) -> tuple[str, dict]:
+    """What transformers' from_pretrained takes for a pdserve --model: a directory, or a GGUF's
+    directory and file name."""
+    from pdserve.models.gguf import find_gguf_file
+    gguf = find_gguf_file(model)
+    if gguf is None:
+        return model, {}
+    return str(gguf.parent), dict(gguf_file=gguf.name, dtype=torch.float32)
 
 
 def run_pdserve(path: Path, prompts, new_tokens: int, batched_tokens: int) -> float:
@@ -47,7 +60,8 @@ def run_pdserve(path: Path, prompts, new_tokens: int, batched_tokens: int) -> fl
 
 def run_hf_continuous_batching(path: Path, prompts, new_tokens: int) -> float:
     from transformers import AutoModelForCausalLM, GenerationConfig
-    model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="paged|sdpa").eval()
+    source, extra = hf_source(str(path))
+    model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="paged|sdpa", **extra).eval()
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
                               pad_token_id=0, use_cuda_graph=False)
     start = time.perf_counter()
@@ -60,7 +74,8 @@ def run_hf_continuous_batching(path: Path, prompts, new_tokens: int) -> float:
 
 def run_hf_generate(path: Path, prompts, new_tokens: int) -> float:
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    source, extra = hf_source(str(path))
+    model = AutoModelForCausalLM.from_pretrained(source, **extra).eval()
     start = time.perf_counter()
     produced = 0
     with torch.no_grad():
@@ -81,10 +96,13 @@ def main() -> None:
                     help="plain generate is one request at a time: time a subset")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-peers", action="store_true")
+    ap.add_argument("--model", default=None,
+                    help="a checkpoint to run instead of the random 32M Llama: a Hugging Face directory, a GGUF "
+                         "file or SmolLM2-135M-Instruct (the default model)")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
-    path = build_model(Path(tempfile.mkdtemp()) / "llama-32m")
-    prompts = workload(args.requests, 32, 512)
+    path = Path(args.model) if args.model else build_model(Path(tempfile.mkdtemp()) / "llama-32m")
+    prompts = workload(args.requests, 32, 512, vocab=_vocab_size(path))
     rows: dict[str, list[float]] = {"pdserve": [], "transformers generate_batch (paged|sdpa)": [],
                                     "transformers generate, one at a time": []}
     for r in range(args.repeats):
@@ -95,6 +113,11 @@ def main() -> None:
                 run_hf_generate(path, prompts[:args.plain_generate_requests], args.new_tokens))
         print(f"run {r + 1}: " + ", ".join(f"{k}={v[-1]:.1f}" for k, v in rows.items() if v), flush=True)
     print_table(rows)
+
+
+def _vocab_size(path: Path) -> int:
+    from pdserve.models.loader import load_hf_config, resolve_model_path
+    return load_hf_config(resolve_model_path(str(path))).vocab_size
 
 
 def print_table(rows: dict[str, list[float]]) -> None:
