@@ -13,9 +13,10 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import redis
 import torch
 import xxhash
+
+from pdserve.kvstore.redis_cluster import REDIS_ERRORS, mget, mset, redis_client
 
 log = logging.getLogger(__name__)
 DIGEST_PREFIX = b"pdkv-digest:"
@@ -32,7 +33,7 @@ def token_digests(kv_cache: torch.Tensor, block_ids: Sequence[int], num_tokens: 
 
 class DigestLedger:
     def __init__(self, redis_url: str):
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.client = redis_client(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self.failures = 0
         self.known: OrderedDict[bytes, bytes] = OrderedDict()  # block key -> digest
 
@@ -48,8 +49,8 @@ class DigestLedger:
         unknown = [k for k in keys if k not in self.known]
         if unknown:
             try:
-                self._remember(unknown, self.client.mget(self._names(unknown)))
-            except redis.RedisError as exc:
+                self._remember(unknown, mget(self.client, self._names(unknown)))
+            except REDIS_ERRORS as exc:
                 log.warning("could not read %d block digests, treating them as missing: %s", len(unknown), exc)
         return [self.known.get(k) for k in keys]
 
@@ -65,8 +66,8 @@ class DigestLedger:
         digests = token_digests(kv_cache, block_ids, num_tokens)
         self._remember(keys, digests)
         try:
-            self.client.mset(dict(zip(self._names(keys), digests)))
-        except redis.RedisError as exc:  # readers then find no digest and compute those blocks
+            mset(self.client, dict(zip(self._names(keys), digests)))
+        except REDIS_ERRORS as exc:  # readers then find no digest and compute those blocks
             log.warning("could not write %d block digests: %s", len(keys), exc)
             return False
         return True

@@ -5,6 +5,9 @@
                           LMCache's native resp:// client) holding whole chunks of blocks; the
                           trailing partial chunk goes block by block through direct Redis
     lmcache://host:port, lmcache+redis://host:port       the same store, named explicitly
+    redis-cluster://host1:port1,host2:port2,...          the same tiers over a Redis Cluster
+                          (LMCache's cluster connector): chunks, the partial-chunk tail and the
+                          digest ledger are sharded over its masters, and survive a failover
     direct+redis://host:port[/db][?ttl_s=S]              direct Redis (RedisKVStore): one
                           pipelined SET / MGET per batch, a checksum in every value
     rediss://host:port[?ca_file=PATH], direct+rediss://  direct Redis over TLS (resp:// has no
@@ -27,13 +30,15 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from pdserve.kvstore.redact import redact_url
+from pdserve.kvstore.redis_cluster import CLUSTER_SCHEME
 
 if TYPE_CHECKING:  # annotations only: importing this module must not load torch
     from pdserve.kvstore.base import KVStore
     from pdserve.kvstore.layout import KVLayout
 
-SUPPORTED_SCHEMES = ("memory", "redis", "rediss", "direct+redis", "direct+rediss", "lmcache", "lmcache+redis")
-LMCACHE_SCHEMES = ("redis", "lmcache", "lmcache+redis")
+SUPPORTED_SCHEMES = ("memory", "redis", "rediss", "direct+redis", "direct+rediss", "lmcache", "lmcache+redis",
+                     "redis-cluster")
+LMCACHE_SCHEMES = ("redis", "lmcache", "lmcache+redis", "redis-cluster")
 LMCACHE_OPTIONS = ("chunk_tokens", "local_cpu_gb", "local_disk", "local_disk_gb", "lmcache_config")
 
 
@@ -90,10 +95,12 @@ def _lmcache(base: str, options: dict[str, str], layout: KVLayout | None, kwargs
     from pdserve.kvstore.redis_store import RedisKVStore
     config_file = config_file_from_env(kwargs.pop("lmcache_config", None) or options.get("lmcache_config"))
     tiers = _tier_options(options, kwargs)
-    remote = f"resp://{parts.netloc}" if parts.netloc else None
+    cluster = parts.scheme.lower() == CLUSTER_SCHEME
+    remote = f"{CLUSTER_SCHEME if cluster else 'resp'}://{parts.netloc}" if parts.netloc else None
     config = build_config(layout, remote, tiers, config_file)
     host = urlsplit(str(config.remote_url)).netloc if config.remote_url else ""
-    redis_url = f"redis://{host}" if host else None
+    tail_scheme = CLUSTER_SCHEME if str(config.remote_url).startswith(f"{CLUSTER_SCHEME}://") else "redis"
+    redis_url = f"{tail_scheme}://{host}" if host else None  # the tail and the ledger: the same servers
     tail = RedisKVStore(redis_url) if redis_url else MemoryKVStore()
     return LMCacheKVStore(layout, config, tail=tail, ledger_url=redis_url, **kwargs)
 
@@ -105,7 +112,7 @@ def make_store(url: str, *, layout: KVLayout | None = None, **kwargs: Any) -> KV
     and checks values against it)."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     base, options = _query(url)
-    if scheme in LMCACHE_SCHEMES and _has_password(base):
+    if scheme in LMCACHE_SCHEMES and scheme != CLUSTER_SCHEME and _has_password(base):
         scheme = "direct+redis"  # see the module docstring: AUTH goes through the direct client
     if scheme not in LMCACHE_SCHEMES:  # node flags that only the LMCache store reads
         for name in LMCACHE_OPTIONS:

@@ -65,6 +65,7 @@ def check_config(config: LMCacheEngineConfig, layout: KVLayout) -> None:
         # Partial chunks never reach LMCache (they go through the direct tail path), and
         # resp:// refuses the flag outright.
         config.save_unfull_chunk = False
-    if config.remote_url is not None and not str(config.remote_url).startswith(("resp://", "redis://")):
-        raise ValueError(f"LMCache remote_url must be resp:// or redis:// for pdserve "
+    if config.remote_url is not None and not str(config.remote_url).startswith(("resp://", "redis://",
+                                                                               "redis-cluster://")):
+        raise ValueError(f"LMCache remote_url must be resp://, redis:// or redis-cluster:// for pdserve "
                          f"(its digests and partial chunks live in the same Redis), got {config.remote_url!r}")

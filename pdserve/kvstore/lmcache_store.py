@@ -53,6 +53,7 @@ from pdserve.kvstore.lmcache_compat import (
     track_batched_puts,
 )
 from pdserve.kvstore.lmcache_connector import PagedChunkConnector
+from pdserve.kvstore.redis_cluster import initialize_lmcache_cluster
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ def build_engine(layout: KVLayout, connector: PagedChunkConnector, config: LMCac
                 for backend in remote_backends(engine):
                     track_batched_puts(backend)
                     reconnect_resp(backend)
+                    initialize_lmcache_cluster(backend)
             except BaseException:
                 shutdown_engine(engine, instance_id, timeout=2.0)  # stop its non-daemon loop thread
                 raise

@@ -1,0 +1,122 @@
+"""A throwaway Redis Cluster (Debian's redis-server) for tests and benchmarks.
+
+    with redis_cluster(masters=3, replicas=1) as cluster:
+        cluster.url            # redis-cluster://127.0.0.1:P1,127.0.0.1:P2,...
+        cluster.masters()      # {port: process} of the current masters
+        cluster.kill(port)     # SIGKILL one server (its replica takes over)
+
+Every server binds 127.0.0.1 with persistence off; its cluster bus listens on port + 10000, so
+ports are picked below 55535 with both free. A short node timeout makes a failover take about
+a second.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+NODE_TIMEOUT_MS = 1000
+
+
+def _port_pair_free(port: int) -> bool:
+    for p in (port, port + 10000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                return False
+    return True
+
+
+def _ports(count: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < count:
+        port = random.randrange(20000, 45000)
+        if port not in ports and _port_pair_free(port):
+            ports.append(port)
+    return ports
+
+
+def _cli(port: int, *args: str, timeout: float = 10) -> str:
+    return subprocess.run([REDIS_CLI, "-p", str(port), *args], capture_output=True, text=True,
+                          timeout=timeout).stdout
+
+
+class RedisCluster:
+    def __init__(self, masters: int, replicas: int):
+        self.dir = tempfile.mkdtemp(prefix="pdrc-")
+        self.procs: dict[int, subprocess.Popen] = {}
+        for port in _ports(masters * (1 + replicas)):
+            self.procs[port] = subprocess.Popen(
+                [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--cluster-enabled", "yes", "--cluster-config-file", f"{self.dir}/nodes-{port}.conf",
+                 "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-replica-validity-factor", "0",
+                 "--dir", self.dir, "--loglevel", "warning"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.replicas = replicas
+        self.url = "redis-cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.procs)
+
+    def create(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all(_cli(p, "ping").strip() == "PONG" for p in self.procs):
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis-server nodes did not start")
+            time.sleep(0.05)
+        out = subprocess.run([REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.procs),
+                              "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                             capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+        self.wait_ok(deadline - time.monotonic())
+
+    def wait_ok(self, timeout_s: float = 30) -> None:
+        """Every live node reports cluster_state:ok, and every slot has a live master."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            live = [p for p, proc in self.procs.items() if proc.poll() is None]
+            if all("cluster_state:ok" in _cli(p, "cluster", "info") for p in live):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def masters(self) -> list[int]:
+        """Ports of the live masters that serve slots, as a live node sees them now."""
+        live = [p for p, proc in self.procs.items() if proc.poll() is None]
+        masters = []
+        for line in _cli(live[0], "cluster", "nodes").splitlines():
+            fields = line.split()
+            if "master" in fields[2] and "fail" not in fields[2] and len(fields) > 8:
+                masters.append(int(fields[1].split("@")[0].rsplit(":", 1)[1]))
+        return sorted(masters)
+
+    def keys_per_master(self) -> dict[int, int]:
+        return {p: int(_cli(p, "dbsize").strip() or 0) for p in self.masters()}
+
+    def kill(self, port: int) -> None:
+        self.procs[port].kill()
+        self.procs[port].wait(timeout=10)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs.values():
+            proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def redis_cluster(masters: int = 3, replicas: int = 1) -> Iterator[RedisCluster]:
+    cluster = RedisCluster(masters, replicas)
+    try:
+        cluster.create()
+        yield cluster
+    finally:
+        cluster.stop()
