@@ -122,6 +122,7 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
 
 def _add_cluster_parsers(sub) -> None:
     from pdserve.cluster.planner import add_planner_args
+    from pdserve.cluster.registry import run_registry
     from pdserve.launcher import run_up
     from pdserve.node_main import run_decode, run_prefill
     from pdserve.router.main import run_router
@@ -189,6 +190,10 @@ def _add_cluster_parsers(sub) -> None:
     up.add_argument("--decode-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # fault injection
     _add_ray_args(up)
     up.set_defaults(func=run_up)
+    reg = sub.add_parser("registry", help="run a node registry for nodes and routers started by hand")
+    reg.add_argument("--bind", default="tcp://127.0.0.1:5700",
+                     help="zmq endpoint; nodes and routers take it as --registry (use a reachable address)")
+    reg.set_defaults(func=run_registry)
 
 
 def _add_ray_args(up: argparse.ArgumentParser) -> None:

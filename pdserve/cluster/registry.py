@@ -217,3 +217,17 @@ class RegistryServer:
                 reply = AdminReply(False, f"{type(exc).__name__}: {exc}")
             self._send(identity, reply)
         self._admin_done = pending
+
+
+def run_registry(args) -> int:
+    """`pdserve registry`: a registry of its own, for nodes and routers started by hand (compose,
+    bare hosts); `pdserve up` and `pdserve up --ray` host theirs inside the owner."""
+    import signal
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server = RegistryServer(args.bind).start()
+    print(f"pdserve registry on {server.address}", flush=True)
+    stop.wait()
+    server.stop()
+    return 0
