@@ -1,6 +1,7 @@
 """KV store throughput: the default store (LMCache over resp://) vs direct Redis vs memory.
 
     .venv/bin/python benchmarks/bench_kvstore.py [--blocks 64] [--runs 7] [--chunk-tokens 64,256]
+        [--redis-cluster]   # also a 3-master + 3-replica Redis Cluster (redis-cluster://) in the same run
 
 Every path moves the same blocks (default: 64 blocks of 8 layers x 4 KV heads x head_dim 64 x
 16 tokens, fp32 = 256 KiB each, 16 MiB in all) between a paged cache and the store, with fresh
@@ -21,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from redis_cluster_util import redis_cluster  # noqa: E402
 from redis_util import redis_server  # noqa: E402
 
 from pdserve.kvstore.base import KVStore  # noqa: E402
@@ -96,6 +98,28 @@ def measure_lmcache(url: str, blocks: int, runs: int, chunk_tokens: list[int]) -
     return rows
 
 
+def measure_cluster(url: str, blocks: int, runs: int, chunk_tokens: list[int]) -> list[Row]:
+    """The same store over a Redis Cluster: LMCache's cluster connector for whole chunks (a fresh
+    reader: gets come from the cluster), and the direct client the partial-chunk tail uses."""
+    from pdserve.kvstore.redis_store import RedisKVStore
+    direct = RedisKVStore(url)
+    try:
+        rows: list[Row] = [("direct client on the cluster (the tail path)", *bench_store(direct, direct, blocks, runs))]
+    finally:
+        direct.close()
+    tier_gb = max(0.1, 8 * blocks * LAYOUT.block_nbytes() / (1 << 30))
+    for chunk in chunk_tokens:
+        writer = make_store(url, layout=LAYOUT, local_cpu_gb=tier_gb, chunk_tokens=chunk)
+        reader = make_store(url, layout=LAYOUT, local_cpu_gb=tier_gb, chunk_tokens=chunk)
+        try:
+            rows.append((f"redis-cluster:// (LMCache cluster connector), chunk {chunk}: get from the cluster",
+                         *bench_store(writer, reader, blocks, runs)))
+        finally:
+            writer.close()
+            reader.close()
+    return rows
+
+
 def measure_tiers(url: str, prefix_tokens: int, runs: int, disk_dir: str) -> list[Row]:
     """Load one prefix of prefix_tokens (256-token chunks) from each tier of the default store:
     its CPU tier, its disk tier (a CPU tier too small to hold it), and Redis (a fresh store)."""
@@ -140,12 +164,17 @@ def main() -> None:
                         help="prefix loaded from each tier of the default store (0: skip)")
     parser.add_argument("--chunk-tokens", default="64,256",
                         help="comma-separated LMCache chunk sizes to measure (multiples of 16)")
+    parser.add_argument("--redis-cluster", action="store_true",
+                        help="also measure a Redis Cluster of 3 masters and 3 replicas (started here)")
     args = parser.parse_args()
     chunks = [int(c) for c in args.chunk_tokens.split(",")]
     torch.set_num_threads(1)
     nbytes = args.blocks * LAYOUT.block_nbytes()
     with redis_server() as (url, _proc):
         rows = measure(url, args.blocks, args.runs, chunks)
+        if args.redis_cluster:
+            with redis_cluster(masters=3, replicas=1) as cluster:
+                rows += measure_cluster(cluster.url, args.blocks, args.runs, chunks)
         with tempfile.TemporaryDirectory() as disk:
             tiers = measure_tiers(url, args.prefix_tokens, args.runs, disk) if args.prefix_tokens else []
     print(f"{args.blocks} blocks x {LAYOUT.block_nbytes() // 1024} KiB = "

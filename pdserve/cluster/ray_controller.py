@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from pdserve.cluster.owner_admin import OwnerAdminServer
 from pdserve.cluster.registry import RegistryServer
 from pdserve.cluster.registry_messages import AdminReply, ScaleRequest, SwitchRequest
 
@@ -43,10 +44,20 @@ class RayController:
         self.nodes: dict[str, tuple[str, object]] = {}  # node_id -> (role, actor handle)
         self.routers: list[object] = []
         self._next_index = dict.fromkeys(ROLES, 0)
-        self._lock = threading.RLock()  # admin requests arrive on the registry's worker thread
+        self._lock = threading.RLock()  # admin requests arrive on other threads
+        # The routers' StartNode/StopNode (pdserve scale, /admin/scale) arrive here (--owner).
+        self.admin = OwnerAdminServer(self, f"tcp://{self.ip}:0", self.control_address).start()
 
     def registry_address(self) -> str:
         return self.registry.address
+
+    def control_address(self, node_id: str, timeout_s: float = 120.0) -> str:
+        """Where a node's control socket is (waits for its actor to have started its process)."""
+        import ray
+        with self._lock:
+            actor = self.nodes[node_id][1]
+        info = ray.get(actor.info.remote(), timeout=timeout_s)
+        return f"tcp://{info['ip']}:{info['ports']['control']}"
 
     # ---- NodeOwner --------------------------------------------------------------------------
     def start_node(self, role: str) -> str:
@@ -88,7 +99,7 @@ class RayController:
         machines = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         for i in range(count):
             template = [arg.replace("{router_port}", str(port + i)) for arg in self.templates["router"]]
-            template += ["--registry", self.registry.address]
+            template += ["--registry", self.registry.address, "--owner", self.admin.address]
             where = NodeAffinitySchedulingStrategy(machines[i % len(machines)], soft=True)
             self.routers.append(self._actor(f"router-{i}", template, 1, 0.0, None, num_cpus=0, strategy=where))
         infos = ray.get([r.info.remote() for r in self.routers])
@@ -123,6 +134,7 @@ class RayController:
         for _, actor in self.nodes.values():
             self._stop_actor(actor)
         self.routers, self.nodes = [], {}
+        self.admin.stop()
         self.registry.stop()
 
     # ---- admin requests through the registry ----------------------------------------------
