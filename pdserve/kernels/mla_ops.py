@@ -57,9 +57,17 @@ def paged_latent_decode(q: torch.Tensor, cache: torch.Tensor, value_dim: int, bl
 def latent_decode_for(ops) -> Callable[..., torch.Tensor]:
     """The absorbed decode op that goes with an attention backend module: the Triton kernel
     (pdserve.kernels.mla_triton) beside the Triton ops, else this module's torch version."""
-    if getattr(ops, "__name__", "") == "pdserve.kernels.triton_ops":
-        return importlib.import_module("pdserve.kernels.mla_triton").paged_latent_decode
-    return paged_latent_decode
+    if getattr(ops, "__name__", "") != "pdserve.kernels.triton_ops":
+        return paged_latent_decode
+    triton_decode = importlib.import_module("pdserve.kernels.mla_triton").paged_latent_decode
+
+    def decode(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        # float32 on a GPU: the kernel's exact (non-TF32) fp32 dots ran slower than this torch
+        # op on an H100, so it is the kernel for 16-bit caches (and for CPU tests).
+        if q.dtype == torch.float32 and q.is_cuda:
+            return paged_latent_decode(q, *args, **kwargs)
+        return triton_decode(q, *args, **kwargs)
+    return decode
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: list[int],

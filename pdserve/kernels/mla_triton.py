@@ -17,6 +17,10 @@ import triton.language as tl
 from pdserve.kernels.triton_ops import _dot_dtype
 
 _LOG2E = 1.4426950408889634
+# 16-bit launch: 64 heads x 64 keys per program, 8 warps, 2 stages, about 512 programs: the
+# best of a 72-launch sweep on an H100 (bf16, 128 heads, a 512 + 64 latent; docs/models.md has
+# the table). fp32 keeps 16 x 16 tiles: its accumulator would not fit in registers.
+_LAUNCH_16BIT = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 
 
 @triton.jit
@@ -69,21 +73,24 @@ def _latent_decode_kernel(
 
 
 def paged_latent_decode(q: torch.Tensor, cache: torch.Tensor, value_dim: int, block_tables: torch.Tensor,
-                        context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                        context_lens: torch.Tensor, scale: float, tuning: dict | None = None) -> torch.Tensor:
     """q [B, heads, latent_dim] absorbed queries; cache [num_blocks, block_size, 1, latent_dim]
     (may be a strided view); returns [B, heads, value_dim]. Every context length must be >= 1
-    (the query's own token is in the cache)."""
+    (the query's own token is in the cache). tuning: launch options a benchmark may try
+    (BLOCK_H, BLOCK_N, programs, num_warps, num_stages)."""
+    tuning = tuning or (_LAUNCH_16BIT if q.dtype in (torch.bfloat16, torch.float16) else {})
     batch, heads, latent_dim = q.shape
     if batch == 0:
         return q.new_empty(batch, heads, value_dim)
     block_c = max(16, triton.next_power_of_2(value_dim))
     block_r = max(16, triton.next_power_of_2(latent_dim - value_dim))
-    block_h = 16  # tl.dot needs tiles >= 16; more heads per program spill the fp32 accumulator
-    block_n = 16 if block_c > 256 else 32  # keeps the latent tile within the register budget
+    # tl.dot needs tiles >= 16; more heads per program spill the fp32 accumulator.
+    block_h = tuning.get("BLOCK_H", 16)
+    block_n = tuning.get("BLOCK_N", 16 if block_c > 256 else 32)  # the latent tile within the register budget
     head_tiles = triton.cdiv(heads, block_h)
     # Split long contexts so there are enough programs to fill the GPU (about 4 per SM).
     max_len = int(context_lens.max())
-    wanted_splits = max(1, -(-512 // (batch * head_tiles)))
+    wanted_splits = max(1, -(-tuning.get("programs", 512) // (batch * head_tiles)))
     split_len = max(4 * block_n, triton.next_power_of_2(-(-max_len // wanted_splits)))
     splits = -(-max_len // split_len)
     acc = torch.empty(batch, splits, heads, block_c, dtype=torch.float32, device=q.device)
@@ -93,7 +100,7 @@ def paged_latent_decode(q: torch.Tensor, cache: torch.Tensor, value_dim: int, bl
         cache.shape[1], split_len, *q.stride(), cache.stride(0), cache.stride(1), cache.stride(3),
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
         *block_tables.stride(), DOT_DTYPE=_dot_dtype(q.dtype), BLOCK_H=block_h, BLOCK_N=block_n,
-        BLOCK_C=block_c, BLOCK_R=block_r)
+        BLOCK_C=block_c, BLOCK_R=block_r, **{k: v for k, v in tuning.items() if k in ("num_warps", "num_stages")})
     return _merge_splits(acc[..., :value_dim], ml[..., 0], ml[..., 1]).to(q.dtype)
 
 
