@@ -124,6 +124,7 @@ def prepare_view(gguf_file: Path) -> Path:
 
 def _write_view(out: Path, gguf_file: Path, stat: os.stat_result) -> None:
     _require_gguf_package()
+    architecture = _gguf_architecture(gguf_file)  # also refuses a file that is not GGUF, clearly
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     folder, name = str(gguf_file.parent), gguf_file.name
@@ -131,12 +132,12 @@ def _write_view(out: Path, gguf_file: Path, stat: os.stat_result) -> None:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
     except (ValueError, KeyError) as exc:
         raise GGUFError(f"{gguf_file}: transformers cannot read this GGUF's config ({exc})") from exc
-    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
-    config.architectures = [architecture] if architecture else []
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    config.architectures = [causal_lm] if causal_lm else []
     config.save_pretrained(out)
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
     info = dict(file=str(gguf_file), size=stat.st_size, mtime_ns=stat.st_mtime_ns,
-                digest=file_digest(gguf_file), architecture=_gguf_architecture(gguf_file))
+                digest=file_digest(gguf_file), architecture=architecture)
     (out / VIEW_MARKER).write_text(json.dumps(info, indent=1) + "\n")
 
 

@@ -1,0 +1,173 @@
+"""GGUF checkpoints of every dense architecture pdserve serves, written here the way llama.cpp's
+converter writes them (Q/K rows of llama permuted, tensors renamed, weights quantized, a byte-level
+BPE tokenizer and a chat template in the metadata), then loaded by pdserve and by transformers'
+own GGUF path: prompt logits and greedy tokens agree, the tokenizer and chat template come from
+the metadata, and the block-key salt tells two quantizations of one model apart.
+"""
+from __future__ import annotations
+
+import random
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from pdserve import LLM, SamplingParams
+from pdserve.models.gguf import GGUFError, checkpoint_name, find_gguf_file, hf_tensor_name
+from pdserve.models.loader import resolve_model_path
+
+Q = gguf.GGMLQuantizationType
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0)
+# GGUF architecture -> transformers model type and its extra settings. transformers reads no
+# head_dim for qwen3 GGUFs (Qwen3Config's default, 128, applies), so the model is built with it.
+ARCHS = {
+    "llama": ("llama", dict(tie_word_embeddings=True)),
+    "qwen2": ("qwen2", dict(tie_word_embeddings=False)),
+    "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=128)),
+}
+NEW_TOKENS = 12
+
+
+def _vocab() -> tuple[list[str], list[str]]:
+    """Byte-level BPE: the 256 byte symbols, a few merges, the chat template's special tokens."""
+    tokens = list(bytes_to_unicode().values())
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a"]
+    tokens += [m.replace(" ", "") for m in merges] + SPECIALS
+    return tokens, merges
+
+
+def _hf_to_gguf_name(name: str) -> str:
+    inverse = {}
+    for g in ("token_embd", "output_norm", "output"):
+        inverse[hf_tensor_name(f"{g}.weight")] = f"{g}.weight"
+    if name in inverse:
+        return inverse[name]
+    layer, rest = name.removeprefix("model.layers.").split(".", 1)
+    for short in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
+                  "attn_k_norm", "ffn_gate", "ffn_up", "ffn_down"):
+        for suffix in ("weight", "bias"):
+            if hf_tensor_name(f"blk.{layer}.{short}.{suffix}") == name:
+                return f"blk.{layer}.{short}.{suffix}"
+    raise KeyError(name)
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows (interleaved rotary pairs)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, arch: str, qtype: Q, seed: int = 0):
+    model_type, extra = ARCHS[arch]
+    tokens, merges = _vocab()
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokens), initializer_range=0.2, **DIMS, **extra)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"test-{arch}")
+    writer.add_block_count(DIMS["num_hidden_layers"])
+    writer.add_context_length(DIMS["max_position_embeddings"])
+    writer.add_embedding_length(DIMS["hidden_size"])
+    writer.add_feed_forward_length(DIMS["intermediate_size"])
+    writer.add_head_count(DIMS["num_attention_heads"])
+    writer.add_head_count_kv(DIMS["num_key_value_heads"])
+    writer.add_rope_freq_base(DIMS["rope_theta"])
+    writer.add_layer_norm_rms_eps(DIMS["rms_norm_eps"])
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - len(SPECIALS)) + [3] * len(SPECIALS))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|im_start|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_chat_template(CHAT_TEMPLATE)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data = tensor.float().numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = DIMS["num_attention_heads"] if "q_proj" in name else DIMS["num_key_value_heads"]
+            data = _permute(data, heads)
+        if data.ndim == 2 and qtype != Q.F32:
+            writer.add_tensor(_hf_to_gguf_name(name), gguf.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(_hf_to_gguf_name(name), data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def reference(path):
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return tok, model.eval()
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", Q.Q8_0), ("qwen2", Q.Q4_1), ("qwen3", Q.F16)])
+def test_gguf_matches_transformers(tmp_path, arch, qtype):
+    path = write_gguf(tmp_path / f"{arch}.{qtype.name}.gguf", arch, qtype)
+    tok, ref = reference(path)
+    llm = LLM(str(path), num_kv_blocks=64)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(ref.config.vocab_size) for _ in range(n)] for n in (5, 17, 40)]
+    for prompt in prompts:
+        with torch.no_grad():
+            theirs = ref(torch.tensor([prompt])).logits[0]
+        diff = (llm.engine.prompt_logits(prompt) - theirs).abs().max().item()
+        assert diff < 1e-4, f"{arch}: max |logit diff| {diff:.2e}"
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, ours):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == want
+        assert len(set(want)) > 1  # greedy text varies: the comparison means something
+    messages = [{"role": "user", "content": "the thin tin in a hat"}]
+    assert llm.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) \
+        == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert llm.engine.tokenizer("the thin tin")["input_ids"] == tok("the thin tin")["input_ids"]
+
+
+def test_two_quantizations_never_share_kv(tmp_path):
+    q8 = write_gguf(tmp_path / "m.Q8_0.gguf", "llama", Q.Q8_0)
+    q4 = write_gguf(tmp_path / "m.Q4_1.gguf", "llama", Q.Q4_1)
+    names = {checkpoint_name(str(p), resolve_model_path(str(p))) for p in (q8, q4)}
+    assert len(names) == 2
+    # The same quantization under another path, and a directory holding it, name one checkpoint
+    # content; the salt still carries the --model argument, as for any checkpoint.
+    folder = tmp_path / "only"
+    folder.mkdir()
+    shutil.copy(q8, folder / q8.name)
+    assert find_gguf_file(str(folder)) == folder / q8.name
+    a, b = (checkpoint_name("m", resolve_model_path(str(p))) for p in (q8, folder))
+    assert a == b and "gguf:m.Q8_0.gguf:" in a
+    salts = {LLM(str(p), num_kv_blocks=8).engine.salt for p in (q8, q4)}
+    assert len(salts) == 2
+
+
+def test_gguf_errors_name_the_fix(tmp_path):
+    write_gguf(tmp_path / "a.gguf", "llama", Q.F32)
+    shutil.copy(tmp_path / "a.gguf", tmp_path / "b.gguf")
+    with pytest.raises(GGUFError, match="holds 2 GGUF files"):
+        find_gguf_file(str(tmp_path))
+    bad = tmp_path / "bad" / "x.gguf"
+    bad.parent.mkdir()
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="not a GGUF file|cannot read"):
+        resolve_model_path(str(bad))
