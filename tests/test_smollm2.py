@@ -49,7 +49,9 @@ def test_offline_greedy_matches_transformers(reference, prompts, offline):
 def _assert_cluster_greedy(reference, prompts, offline, outputs) -> None:
     """Equal to the offline run (checked against transformers above); where not, each token is
     judged against transformers directly, with its top-2 gap."""
-    if outputs != offline:
+    same = sum(o == w for o, w in zip(outputs, offline))
+    print(f"cluster greedy: {same} of {len(prompts)} prompts token-identical to the offline run")
+    if same < len(prompts):
         assert_greedy_matches(reference, prompts, outputs)
 
 
