@@ -98,3 +98,18 @@ def test_bad_bounds_are_refused():
     with pytest.raises(ValueError, match="no room"):
         planner(min_nodes=1, max_nodes=1)
     assert isinstance(planner().decide(snap(1, 1)), Decision)
+
+
+def test_interval_percentiles_come_from_histogram_deltas():
+    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.planner_loop import bucket_counts, interval_quantile
+    m = RouterMetrics()
+    for x in (5.0, 6.0):  # an earlier interval's slow requests must not count in the next one
+        m.ttft.observe(x)
+    before = bucket_counts(m.ttft)
+    assert interval_quantile(before, bucket_counts(m.ttft), 0.9) is None  # nothing new
+    for x in (0.02, 0.03, 0.3, 0.4, 2.0):
+        m.ttft.observe(x)
+    # 5 new samples: p90 is the 5th, 2.0 s, in the bucket (1, 2.5]; p50 the 3rd, 0.3 s, in (0.25, 0.5].
+    assert interval_quantile(before, bucket_counts(m.ttft), 0.9) == 2.5
+    assert interval_quantile(before, bucket_counts(m.ttft), 0.5) == 0.5

@@ -12,8 +12,8 @@ The rules, per role:
   * pressure above 1 (the SLO missed) asks for more nodes of that role, in proportion (at most
     MAX_STEP per interval); a pool under LOW_PRESSURE for `calm_intervals` in a row, or with no
     traffic, has a node to spare;
-  * a node moves between roles by a switch when one role needs a node and the other can spare
-    one (a switch costs a drain and well under a second; a new node costs a process start and a
+  * nodes move between roles by switches when one role needs nodes and the other can spare them
+    (a switch costs a drain and well under a second; a new node costs a process start and a
     weight load), else the total grows within max_nodes, or shrinks within min_nodes;
   * after any action the planner waits `cooldown_intervals` before acting again (hysteresis: the
     pools must settle before their latencies say anything new).
@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass, field
 
 LOW_PRESSURE = 0.5  # below this fraction of its SLO, a pool could lose a node
+TARGET_PRESSURE = 0.7  # a pool giving nodes away keeps enough to stay at this fraction of its SLO
+TARGET_UTILIZATION = 0.7  # prefill work per prefill node, as a share of its time
 MAX_STEP = 2  # nodes added to a role per decision
 KV_LOW_FREE = 0.05  # decode nodes with less than this fraction of their KV blocks free are full
 
@@ -37,7 +39,9 @@ class PoolSnapshot:
     itl_p90_s: float | None = None      # None: no decode step this interval
     prefill_queue_tokens: int = 0       # prompt tokens waiting at prefill nodes
     prefill_s_per_token: float = 0.0    # the prefill nodes' measured cost (0: not yet measured)
+    prefill_tokens_per_s: float = 0.0   # prompt tokens arriving per second
     decode_running: int = 0             # requests in the decode nodes' batches
+    decode_waiting: int = 0             # requests queued at decode nodes for a batch slot
     decode_free_kv_fraction: float = 1.0
 
 
@@ -51,6 +55,7 @@ class PlannerConfig:
     min_decode: int = 1
     calm_intervals: int = 3
     cooldown_intervals: int = 2
+    max_step: int = MAX_STEP  # nodes a role may gain in one decision
 
 
 @dataclass
@@ -83,12 +88,24 @@ class SlaPlanner:
             if drain_s / c.ttft_slo_s > prefill:
                 reasons.append(f"prefill queue of {s.prefill_queue_tokens} tokens needs {drain_s * 1e3:.0f} ms")
                 prefill = drain_s / c.ttft_slo_s
+        if s.prefill_tokens_per_s and s.prefill_s_per_token > 0:
+            # Prefill work arriving, in node-seconds per second: past TARGET_UTILIZATION per node
+            # queues build up before any TTFT shows it.
+            busy = s.prefill_tokens_per_s * s.prefill_s_per_token / max(s.prefill_nodes, 1) / TARGET_UTILIZATION
+            if busy > prefill:
+                reasons.append(f"prefill nodes {busy * TARGET_UTILIZATION:.0%} busy")
+                prefill = busy
         decode = (s.itl_p90_s or 0.0) / c.itl_slo_s
         if s.itl_p90_s is not None:
             reasons.append(f"ITL p90 {s.itl_p90_s * 1e3:.1f} ms vs SLO {c.itl_slo_s * 1e3:.1f} ms")
         if s.decode_free_kv_fraction < KV_LOW_FREE and decode <= 1.0:
             reasons.append(f"decode KV {s.decode_free_kv_fraction:.0%} free")
             decode = 1.01
+        if s.decode_waiting:  # requests that found no batch slot: their next token is late already
+            queued = 1.0 + s.decode_waiting / max(s.decode_running, 1)
+            if queued > decode:
+                reasons.append(f"{s.decode_waiting} requests wait for a decode slot")
+                decode = queued
         return {"prefill": prefill, "decode": decode}, reasons
 
     # ---- decide -------------------------------------------------------------------------
@@ -108,12 +125,18 @@ class SlaPlanner:
 
     def _needs(self, have: dict[str, int], pressure: dict[str, float]) -> dict[str, int]:
         """Nodes each role wants added: in proportion to how far past its SLO it is."""
-        return {role: min(MAX_STEP, max(1, math.ceil(max(have[role], 1) * pressure[role]) - have[role]))
+        step = self.config.max_step
+        return {role: min(step, max(1, math.ceil(max(have[role], 1) * pressure[role]) - have[role]))
                 if pressure[role] > 1.0 else 0 for role in have}
 
-    def _spare(self, role: str, have: dict[str, int]) -> bool:
+    def _spare(self, role: str, have: dict[str, int], pressure: dict[str, float]) -> int:
+        """Nodes a pool calm for calm_intervals can give up and stay under TARGET_PRESSURE (its
+        latency taken as proportional to its load per node)."""
+        if self.calm[role] < self.config.calm_intervals:
+            return 0
         floor = self.config.min_prefill if role == "prefill" else self.config.min_decode
-        return have[role] > floor and self.calm[role] >= self.config.calm_intervals
+        keep = max(floor, math.ceil(have[role] * pressure[role] / TARGET_PRESSURE))
+        return max(have[role] - keep, 0)
 
     def _plan(self, have: dict[str, int], pressure: dict[str, float], reasons: list[str]) -> Decision:
         c = self.config
@@ -125,11 +148,13 @@ class SlaPlanner:
             if not need[role]:
                 continue
             other = "decode" if role == "prefill" else "prefill"
-            if self._spare(other, have) and need[other] == 0:
-                target[role] += 1
-                target[other] -= 1
+            moved = min(need[role], self._spare(other, have, pressure)) if need[other] == 0 else 0
+            if moved:
+                target[role] += moved
+                target[other] -= moved
                 return Decision("switch", target["prefill"], target["decode"], role,
-                                reasons + [f"{role} over its SLO ({pressure[role]:.2f}x), {other} idle: switch one"])
+                                reasons + [f"{role} over its SLO ({pressure[role]:.2f}x), {other} calm: "
+                                           f"switch {moved}"])
             room = c.max_nodes - total
             if room > 0:
                 target[role] += min(need[role], room)
@@ -143,12 +168,15 @@ class SlaPlanner:
             return Decision("scale", target["prefill"], target["decode"],
                             reasons=reasons + [f"{total} nodes is under --min-nodes {c.min_nodes}"])
         if not any(need.values()) and total > c.min_nodes:
-            for role in ("prefill", "decode"):
-                if self._spare(role, have):
-                    target[role] -= 1
+            for role, other in (("prefill", "decode"), ("decode", "prefill")):
+                if pressure[other] > TARGET_PRESSURE:  # keep it: the other pool may want it by switch soon
+                    continue
+                spare = min(self._spare(role, have, pressure), total - c.min_nodes, c.max_step)
+                if spare:
+                    target[role] -= spare
                     return Decision("scale", target["prefill"], target["decode"],
                                     reasons=reasons + [f"{role} under {LOW_PRESSURE:.0%} of its SLO for "
-                                                       f"{self.calm[role]} intervals: -1"])
+                                                       f"{self.calm[role]} intervals: -{spare}"])
         return Decision("none", have["prefill"], have["decode"], reasons=reasons)
 
 

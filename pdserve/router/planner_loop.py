@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -17,6 +18,10 @@ from pdserve.router.scaler import ScaleError
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
+
+
+def _counter_value(counter: Counter) -> float:
+    return next((s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")), 0.0)
 
 
 def bucket_counts(hist: Histogram) -> list[tuple[float, float]]:
@@ -47,6 +52,7 @@ class PlannerLoop:
         self._task: asyncio.Task | None = None
         metrics = backend.metrics
         self._last = {"ttft": bucket_counts(metrics.ttft), "itl": bucket_counts(metrics.itl)}
+        self._last_prompt_tokens, self._last_time = _counter_value(metrics.prompt_tokens), time.monotonic()
         r = metrics.registry
         self.target = Gauge("pdserve_planner_target_nodes", "nodes per role the planner wants", ["role"], registry=r)
         self.actual = Gauge("pdserve_planner_actual_nodes", "active nodes per role", ["role"], registry=r)
@@ -96,6 +102,9 @@ class PlannerLoop:
         ttft = interval_quantile(self._last["ttft"], now["ttft"], 0.9)
         itl = interval_quantile(self._last["itl"], now["itl"], 0.9)
         self._last = now
+        tokens, t = _counter_value(metrics.prompt_tokens), time.monotonic()
+        rate = (tokens - self._last_prompt_tokens) / max(t - self._last_time, 1e-6)
+        self._last_prompt_tokens, self._last_time = tokens, t
         prefill, decode = scaler.active("prefill"), scaler.active("decode")
         per_token = [n.stats.get("prefill_ns_per_token", 0) / 1e9 for n in prefill if n.stats.get("prefill_ns_per_token")]
         total_blocks = sum(n.stats.get("total_blocks", 0) for n in decode)
@@ -103,7 +112,9 @@ class PlannerLoop:
         return PoolSnapshot(len(prefill), len(decode), ttft, itl,
                             prefill_queue_tokens=sum(sum(n.queued_tokens.values()) for n in prefill),
                             prefill_s_per_token=sum(per_token) / len(per_token) if per_token else 0.0,
+                            prefill_tokens_per_s=rate if prefill else 0.0,
                             decode_running=sum(n.stats.get("running", 0) for n in decode),
+                            decode_waiting=sum(n.stats.get("waiting", 0) for n in decode),
                             decode_free_kv_fraction=free_blocks / total_blocks if total_blocks else 1.0)
 
     def recent(self, n: int = 10) -> list[dict]:
@@ -116,11 +127,13 @@ class PlannerLoop:
         scaler = self.backend.scaler
         if decision.kind == "switch":
             source = "decode" if decision.switch_to == "prefill" else "prefill"
-            candidates = [n for n in scaler.active(source) if n.healthy]
+            count = max(abs(getattr(decision, source) - len(scaler.active(source))), 1)
+            candidates = sorted((n for n in scaler.active(source) if n.healthy),
+                                key=lambda n: (len(n.requests), n.node_id))
             if not candidates:
                 raise ScaleError(f"no healthy {source} node to switch")
-            node = min(candidates, key=lambda n: (len(n.requests), n.node_id))
-            await scaler.switch(node.node_id, decision.switch_to)
+            for node in candidates[:count]:  # the least busy ones: the fewest streams to move
+                await scaler.switch(node.node_id, decision.switch_to)
         else:
             await scaler.scale({"prefill": decision.prefill, "decode": decision.decode})
 

@@ -11,6 +11,7 @@ import time
 
 from pdserve.router.policy import POLICIES
 from pdserve.sim.costs import NodeCosts, calibrate
+from pdserve.sim.elastic import add_elastic_args, run_elastic_eval
 from pdserve.sim.report import Summary, plot, summarize, table
 from pdserve.sim.simulator import ClusterSpec, Simulator
 from pdserve.sim.trace import TraceConfig, make_trace
@@ -41,6 +42,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the trace")
     p.add_argument("--json", default=None, help="write the summaries here")
     p.add_argument("--plot", default=None, help="write a PNG here")
+    add_elastic_args(p)
 
 
 def simulate(n: int, policy: str, args: argparse.Namespace, costs: NodeCosts) -> Summary:
@@ -56,6 +58,8 @@ def simulate(n: int, policy: str, args: argparse.Namespace, costs: NodeCosts) ->
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    if args.elastic:
+        return run_elastic_eval(args)
     if args.calibrate:
         print(calibrate(args.model).to_json())
         return 0

@@ -63,6 +63,7 @@ class Simulator:
         self.decode = {f"decode-{i}": SimDecodeNode(f"decode-{i}", cache(f"decode-{i}"), spec.kv_blocks,
                                                     spec.max_seqs) for i in range(spec.decode_nodes)}
         self.store = cache(STORE_HOLDER)
+        self.draining: set[str] = set()  # nodes finishing their work, routed nothing new (sim/elastic.py)
         self.by_id = {s.session_id: s for s in sessions}
         self.history_keys: dict[int, list[bytes]] = {}  # session -> its conversation's block keys
         self.done: list[SimRequest] = []
@@ -99,9 +100,10 @@ class Simulator:
 
     def route(self, req: SimRequest) -> None:
         prompt, keys, c = req.prompt, req.keys, self.costs
-        dviews = [NodeView(d.node_id, d.routed, d.free_blocks, d.total_blocks) for d in self.decode.values()]
+        dviews = [NodeView(d.node_id, d.routed, d.free_blocks, d.total_blocks) for d in self.decode.values()
+                  if d.node_id not in self.draining]
         pviews = [NodeView(p.node_id, len(p.queue) + p.busy, 0, 0, p.queued_tokens, c.prefill_s_per_token,
-                           c.store_s_per_token) for p in self.prefill.values()]
+                           c.store_s_per_token) for p in self.prefill.values() if p.node_id not in self.draining]
         plan = self.planner.plan(str(req.rid), len(prompt), keys, dviews, pviews, req.output_tokens)
         node = self.decode[plan.decode]
         node.routed += 1
