@@ -17,7 +17,7 @@ from pdserve.models.attention import PagedAttention
 from pdserve.models.decoder import DecoderModel, build_and_load
 from pdserve.models.llama import ModelSpec, RMSNorm
 from pdserve.models.moe import DenseMLP, SparseMoE, experts_graph_safe, softmax_topk
-from pdserve.models.rope import RotaryEmbedding
+from pdserve.models.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, rope_type_of
 from pdserve.models.weights import WeightLoader, check_fields
 
 QWEN3, QWEN2, MIXTRAL = "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"
@@ -28,6 +28,9 @@ _MIXTRAL_NAMES = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.
 
 def check_config(config) -> None:
     check_fields(config, {"hidden_act": ("silu", "swish"), "tie_word_embeddings": (False, True)})
+    if rope_type_of(config) not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type_of(config)!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if _num_experts(config) < _arch_top_k(config):
         raise ValueError(f"num_experts_per_tok {config.num_experts_per_tok} exceeds the "
                          f"{_num_experts(config)} experts")
