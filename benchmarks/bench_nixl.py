@@ -65,6 +65,13 @@ CONFIGS = [
     Config("UCX_TLS=cuda_ipc,cuda_copy,sm,tcp, UCX_RNDV_THRESH=0",
            {"UCX_TLS": "cuda_ipc,cuda_copy,sm,tcp", "UCX_RNDV_THRESH": "0"}, "none", False),
     Config("error_handling=none, UCX num_threads=2", {}, "none", False, 2),
+    # GPU memory where CUDA IPC is unavailable (a VM): staged through pinned host memory.
+    Config("UCX_TLS=cuda_copy,sm,self, pipelined rendezvous",
+           {"UCX_TLS": "cuda_copy,sm,self", "UCX_RNDV_SCHEME": "put_ppln",
+            "UCX_RNDV_FRAG_MEM_TYPE": "host"}, "none", False),
+    Config("UCX_TLS=cuda_copy,sm,self, get_zcopy",
+           {"UCX_TLS": "cuda_copy,sm,self", "UCX_RNDV_SCHEME": "get_zcopy"}, "none", False),
+    Config("UCX_TLS=cuda_copy,tcp,self", {"UCX_TLS": "cuda_copy,tcp,self"}, "none", False),
 ]
 
 

@@ -198,7 +198,8 @@ def summarize_runs(runs: list[dict], bandwidth: float) -> dict:
         return {"errors": runs}
     out = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in good),
            "tokens_per_s_runs": [r["tokens_per_s"] for r in good],
-           "output_tokens": good[0]["output_tokens"], "failed_runs": len(runs) - len(good)}
+           "output_tokens": good[0]["output_tokens"], "failed_runs": len(runs) - len(good),
+           "overlap_phases_ms_runs": [r.get("overlap_phases_ms") for r in good]}
     decodes = [decode_summary(r, bandwidth) for r in good if r.get("decode_steps")]
     if decodes:
         by_step = sorted(decodes, key=lambda d: d["median_step_ms"])
