@@ -44,13 +44,6 @@ class DeepseekSpec:
     num_experts: int
     num_shared_experts: int
     route: functools.partial
-    # The paged cache holds one latent per token and layer (see pdserve.engine.block_keys).
-    kv_planes: int = 1
-    num_kv_heads: int = 1
-
-    @property
-    def head_dim(self) -> int:
-        return self.mla.latent_dim
 
 
 def _refuse(arch: str, message: str) -> None:
