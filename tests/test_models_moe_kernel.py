@@ -57,3 +57,17 @@ def test_tile_layout_puts_each_expert_in_its_own_tiles():
         assert pairs and all(flat[p] == expert for p in pairs)
         seen += pairs
     assert sorted(seen) == list(range(flat.numel()))
+
+
+def test_expert_loop_fallback_matches_grouped_matmul(monkeypatch):
+    """Where torch has no _grouped_mm (and on CUDA without Triton) experts run one by one."""
+    gen = torch.Generator().manual_seed(9)
+    act = functools.partial(clamped_swiglu, alpha=1.702, limit=1.5)
+    ex = _experts(5, 16, 8, True, act, gen).cpu()
+    x = torch.randn(9, 16, generator=gen)
+    weights, ids = torch.randn(9, 5, generator=gen).softmax(-1).topk(2, dim=-1)
+    with torch.no_grad():
+        grouped = ex(x, ids, weights)
+        monkeypatch.delattr(torch, "_grouped_mm")
+        looped = ex(x, ids, weights)
+    torch.testing.assert_close(looped, grouped, atol=1e-6, rtol=1e-6)

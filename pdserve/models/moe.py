@@ -30,9 +30,10 @@ DeepSeek's MoE, for example::
 and load ``...mlp.gate.e_score_correction_bias`` into ``moe.e_score_correction_bias`` and each
 expert's gate/up/down rows with ``Experts.load_expert``.
 
-Tokens are grouped by expert with one stable sort: each expert runs one matmul over all its
-tokens (a loop over experts, never over tokens), and the weighted outputs are scattered back
-with one index_add. On CUDA with Triton, ``Experts`` runs as two grouped GEMMs instead
+Tokens are grouped by expert with one stable sort: the experts' matmuls run as one grouped
+matmul per projection over all their tokens (torch._grouped_mm; a loop over experts where it is
+missing, never a loop over tokens), and the weighted outputs are scattered back with one
+index_add. On CUDA with Triton, ``Experts`` runs as two grouped GEMMs instead
 (pdserve.kernels.triton_moe), with no host synchronisation, so MoE decode steps can be captured
 in CUDA graphs (``experts_graph_safe``).
 """
@@ -141,16 +142,35 @@ class Experts(nn.Module):
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
         token_of = order // top_k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = x[token_of]
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        if hasattr(torch, "_grouped_mm") and not x.is_cuda:
+            out = self._grouped(rows, flat[order], counts)
+        else:
+            out = self._looped(rows, counts.tolist())
+        out = out * weights.reshape(-1)[order, None].to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, out)
+
+    def _grouped(self, rows: torch.Tensor, row_expert: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """All experts in one grouped matmul per projection (one op, not one per expert: on a
+        busy CPU each op's thread barrier costs more than its arithmetic)."""
+        offs = counts.cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offs)
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias[row_expert]
+        out = torch._grouped_mm(self.activation(h), self.down_proj.transpose(1, 2), offs=offs)
+        if self.down_bias is not None:
+            out = out + self.down_bias[row_expert]
+        return out
+
+    def _looped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         out = torch.empty_like(rows)
         start = 0
         for e, n in enumerate(counts):
             if n:
                 out[start:start + n] = self._expert(e, rows[start:start + n])
                 start += n
-        out = out * weights.reshape(-1)[order, None].to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, out)
+        return out
 
     def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
         b1 = self.gate_up_bias[e] if self.gate_up_bias is not None else None
