@@ -28,10 +28,15 @@ DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0)
 # GGUF architecture -> transformers model type and its extra settings. transformers reads no
 # head_dim for qwen3 GGUFs (Qwen3Config's default, 128, applies), so the model is built with it.
+# The MoE models take transformers' defaults for the expert sizes its GGUF reader does not read
+# (pdserve reads them from the file's expert_*feed_forward_length keys, written here too).
+MOE = dict(num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
 ARCHS = {
     "llama": ("llama", dict(tie_word_embeddings=True)),
     "qwen2": ("qwen2", dict(tie_word_embeddings=False)),
     "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=128)),
+    "qwen3moe": ("qwen3_moe", dict(MOE, head_dim=16, moe_intermediate_size=768, norm_topk_prob=True)),
+    "qwen2moe": ("qwen2_moe", dict(MOE, moe_intermediate_size=1408, shared_expert_intermediate_size=5632)),
 }
 NEW_TOKENS = 12
 
@@ -52,7 +57,8 @@ def _hf_to_gguf_name(name: str) -> str:
         return inverse[name]
     layer, rest = name.removeprefix("model.layers.").split(".", 1)
     for short in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
-                  "attn_k_norm", "ffn_gate", "ffn_up", "ffn_down"):
+                  "attn_k_norm", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp", "ffn_gate_shexp",
+                  "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"):
         for suffix in ("weight", "bias"):
             if hf_tensor_name(f"blk.{layer}.{short}.{suffix}") == name:
                 return f"blk.{layer}.{short}.{suffix}"
@@ -81,6 +87,15 @@ def write_gguf(path, arch: str, qtype: Q, seed: int = 0):
     writer.add_rope_freq_base(DIMS["rope_theta"])
     writer.add_layer_norm_rms_eps(DIMS["rms_norm_eps"])
     writer.add_vocab_size(len(tokens))
+    if "num_experts" in extra:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "shared_expert_intermediate_size", 0):
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if "head_dim" in extra and arch != "qwen3":
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * (len(tokens) - len(SPECIALS)) + [3] * len(SPECIALS))
@@ -88,22 +103,39 @@ def write_gguf(path, arch: str, qtype: Q, seed: int = 0):
     writer.add_bos_token_id(tokens.index("<|im_start|>"))
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_chat_template(CHAT_TEMPLATE)
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        data = tensor.float().numpy()
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = DIMS["num_attention_heads"] if "q_proj" in name else DIMS["num_key_value_heads"]
-            data = _permute(data, heads)
-        if data.ndim == 2 and qtype != Q.F32:
-            writer.add_tensor(_hf_to_gguf_name(name), gguf.quantize(data, qtype), raw_dtype=qtype)
+    for name, data in _gguf_tensors(model.state_dict(), arch, config):
+        if data.ndim >= 2 and data.shape[0] > 1 and qtype != Q.F32:
+            writer.add_tensor(name, gguf.quantize(data, qtype), raw_dtype=qtype)
         else:
-            writer.add_tensor(_hf_to_gguf_name(name), data)
+            writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _gguf_tensors(state: dict, arch: str, config):
+    """(GGUF name, array) as llama.cpp's converter writes them: experts stacked per projection."""
+    for name, tensor in state.items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data = tensor.float().numpy()
+        if name.endswith("experts.gate_up_proj"):  # transformers' fused [E, 2 * I, H]: gate, then up
+            layer = name.split(".")[2]
+            half = data.shape[1] // 2
+            yield f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(data[:, :half])
+            yield f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(data[:, half:])
+            continue
+        if name.endswith("experts.down_proj"):
+            yield f"blk.{name.split('.')[2]}.ffn_down_exps.weight", data
+            continue
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = DIMS["num_attention_heads"] if "q_proj" in name else DIMS["num_key_value_heads"]
+            data = _permute(data, heads)
+        if name.endswith("shared_expert_gate.weight"):
+            data = data.reshape(-1)  # llama.cpp stores the [1, hidden] gate as a vector
+        yield _hf_to_gguf_name(name), data
 
 
 def reference(path):
@@ -117,7 +149,8 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("arch,qtype", [("llama", Q.Q8_0), ("qwen2", Q.Q4_1), ("qwen3", Q.F16)])
+@pytest.mark.parametrize("arch,qtype", [("llama", Q.Q8_0), ("qwen2", Q.Q4_1), ("qwen3", Q.F16),
+                                        ("qwen3moe", Q.Q8_0), ("qwen2moe", Q.Q4_1)])
 def test_gguf_matches_transformers(tmp_path, arch, qtype):
     path = write_gguf(tmp_path / f"{arch}.{qtype.name}.gguf", arch, qtype)
     tok, ref = reference(path)

@@ -38,6 +38,20 @@ _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # Mixture of experts: the router, the shared expert and its gate (Qwen2-MoE).
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    # Experts, stacked [experts, rows, columns] in the GGUF: split into one tensor per expert.
+    "ffn_gate_exps": "mlp.experts.{expert}.gate_proj", "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+    "ffn_down_exps": "mlp.experts.{expert}.down_proj",
+}
+# Hugging Face config fields transformers' GGUF reader leaves at their defaults, from the GGUF's
+# own keys ({arch}.KEY): the expert sizes of MoE models and a head size other than hidden/heads.
+_CONFIG_FROM_METADATA = {
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "attention.key_length": "head_dim",
 }
 # Tensors a GGUF may carry that pdserve derives from the config instead.
 _DERIVED_TENSORS = ("rope_freqs",)
@@ -124,7 +138,8 @@ def prepare_view(gguf_file: Path) -> Path:
 
 def _write_view(out: Path, gguf_file: Path, stat: os.stat_result) -> None:
     _require_gguf_package()
-    architecture = _gguf_architecture(gguf_file)  # also refuses a file that is not GGUF, clearly
+    metadata = read_layout(gguf_file).metadata  # also refuses a file that is not GGUF, clearly
+    architecture = str(metadata["general.architecture"])
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     folder, name = str(gguf_file.parent), gguf_file.name
@@ -132,6 +147,10 @@ def _write_view(out: Path, gguf_file: Path, stat: os.stat_result) -> None:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
     except (ValueError, KeyError) as exc:
         raise GGUFError(f"{gguf_file}: transformers cannot read this GGUF's config ({exc})") from exc
+    for key, field in _CONFIG_FROM_METADATA.items():
+        value = metadata.get(f"{architecture}.{key}")
+        if value is not None and hasattr(config, field):
+            setattr(config, field, int(value))
     causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
     config.architectures = [causal_lm] if causal_lm else []
     config.save_pretrained(out)
@@ -165,16 +184,14 @@ def _require_gguf_package():
     return gguf
 
 
-def _gguf_architecture(gguf_file: Path) -> str:
-    return str(read_layout(gguf_file).metadata["general.architecture"])
-
-
-def gguf_tensors(view: Path, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, object]]:
-    """(Hugging Face parameter name, float32 torch tensor) for each weight of the view's GGUF."""
+def gguf_tensors(view: Path) -> Iterator[tuple[str, object]]:
+    """(Hugging Face parameter name, float32 torch tensor) for each weight of the view's GGUF;
+    stacked experts come out one tensor per expert, as a Hugging Face checkpoint holds them."""
     import numpy as np
     import torch
     gguf = _require_gguf_package()
     info = view_info(view)
+    config = json.loads((view / "config.json").read_text())
     file = Path(info["file"])
     if not file.is_file() or file.stat().st_size != info["size"]:
         raise GGUFError(f"{file} changed or vanished since its view {view} was written; remove the view")
@@ -187,10 +204,17 @@ def gguf_tensors(view: Path, num_heads: int, num_kv_heads: int) -> Iterator[tupl
             continue
         weights = gguf.dequantize(tensor.raw(data, gguf), tensor.ggml_type)
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = num_heads if "q_proj" in name else num_kv_heads
+            heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
             weights = unpermute_rotary_rows(weights, heads)
+        if name.endswith("shared_expert_gate.weight"):
+            weights = weights.reshape(1, -1)  # llama.cpp keeps this [1, hidden] matrix as a vector
         # A float32 tensor comes back as a view of the read-only file mapping: copy it.
-        yield name, torch.from_numpy(np.require(weights, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+        weights = np.require(weights, np.float32, ["C_CONTIGUOUS", "WRITEABLE"])
+        if "{expert}" in name:
+            for expert in range(weights.shape[0]):
+                yield name.format(expert=expert), torch.from_numpy(weights[expert])
+        else:
+            yield name, torch.from_numpy(weights)
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

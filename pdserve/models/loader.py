@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pdserve.models.gguf import find_gguf_file, gguf_tensors, is_gguf_view, prepare_view
+from pdserve.models.gguf import VIEW_MARKER, find_gguf_file, gguf_tensors, is_gguf_view, prepare_view
 from pdserve.models.llama import LlamaModel, ModelSpec
 from pdserve.models.rope import RotaryEmbedding
 
@@ -103,14 +103,16 @@ def safetensors_files(path: Path) -> list[Path]:
 
 def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> LlamaModel:
     if config.architectures[0] in FAMILY_MODULES:
-        return _family(config.architectures[0]).build_model(config, safetensors_files(path), dtype, device)
+        # A GGUF checkpoint is handed over as its view's marker file, which checkpoint_tensors reads.
+        files = [path / VIEW_MARKER] if is_gguf_view(path) else safetensors_files(path)
+        return _family(config.architectures[0]).build_model(config, files, dtype, device)
     spec = spec_from_config(config)
     rope = RotaryEmbedding(config, spec.head_dim, spec.max_position_embeddings)
     with torch.device("meta"):
         model = LlamaModel(spec, rope)
     model = model.to_empty(device="cpu")
     if is_gguf_view(path):
-        _place_all(model, spec, gguf_tensors(path, spec.num_heads, spec.num_kv_heads))
+        _place_all(model, spec, gguf_tensors(path))
     else:
         _load_weights(model, spec, safetensors_files(path))
     if spec.tie_word_embeddings:

@@ -16,6 +16,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pdserve.models.gguf import VIEW_MARKER, gguf_tensors
+
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_PART = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 
@@ -70,6 +72,10 @@ class WeightLoader:
 def checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name without the leading 'model.', tensor) for every tensor of the checkpoint."""
     for file in files:
+        if file.name == VIEW_MARKER:  # a GGUF checkpoint: its weights, named as Hugging Face's
+            for name, tensor in gguf_tensors(file.parent):
+                yield name.removeprefix("model."), tensor
+            continue
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name.removeprefix("model."), f.get_tensor(name)
