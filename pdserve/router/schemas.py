@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
@@ -133,7 +134,8 @@ class GenerationRequest(BaseModel):
 
     @property
     def ignored_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
+        """The unknown fields' names, percent-encoded (they go into a header, which is latin-1)."""
+        return sorted(quote(name, safe="") for name in self.model_extra or {})
 
     @field_validator("logit_bias")
     @classmethod
