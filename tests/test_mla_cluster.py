@@ -4,11 +4,14 @@ and the official openai client gets the offline engine's tokens, greedy and seed
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import re
+import signal
+import time
 
 import openai
 import pytest
-from cluster_util import node_stats, running_cluster, wait_for
+from cluster_util import node_pids, node_stats, running_cluster, wait_for
 from test_models_deepseek import make_deepseek
 
 from pdserve import LLM, SamplingParams
@@ -56,7 +59,7 @@ CLUSTERS = {
 @pytest.mark.parametrize("mode", list(CLUSTERS))
 def test_pd_over_latent_cache_matches_offline(mode, checkpoint, offline):
     greedy, seeded, regex = offline
-    with running_cluster("--model", checkpoint, *CLUSTERS[mode]) as (url, _):
+    with running_cluster("--model", checkpoint, *CLUSTERS[mode]) as (url, proc):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
             results = dict(zip(PROMPTS, pool.map(lambda p: _complete(client, checkpoint, p), PROMPTS)))
@@ -73,6 +76,20 @@ def test_pd_over_latent_cache_matches_offline(mode, checkpoint, offline):
             assert ids == greedy[PROMPTS[1]]
             assert cached >= 96, f"the prompt's full blocks should be reused, cached {cached}"
             wait_for(lambda: sum(n.get("cached_tokens_store", 0) for n in node_stats(url).values()) >= 96)
+            _kill_prefill_node_under_load(url, proc, checkpoint, greedy)
         wait_for(lambda: node_stats(url)["decode-0"]["transfers_ok"] >= len(PROMPTS))
         assert node_stats(url)["decode-0"]["transfers_failed"] == 0
-        wait_for(lambda: all(n["free_blocks"] == n["total_blocks"] for n in node_stats(url).values()))
+        wait_for(lambda: all(n["free_blocks"] == n["total_blocks"] for n in node_stats(url).values() if n["healthy"]))
+
+
+def _kill_prefill_node_under_load(url: str, proc, model: str, greedy: dict[str, list[int]]) -> None:
+    """SIGKILL prefill-0 while requests are in flight: none fails (no client retries), and the
+    tokens are still the offline engine's."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    victim = node_pids(proc.pid)["prefill-0"]
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [pool.submit(_complete, client, model, p) for p in PROMPTS]
+        time.sleep(0.3)
+        os.kill(victim, signal.SIGKILL)
+        got = [f.result()[0] for f in futures]
+    assert got == [greedy[p] for p in PROMPTS]
