@@ -3,7 +3,8 @@ each started with `ray start` inside its own network namespace with its own addr
 
   * the nodes are placed on both workers (the addresses they register say so), two routers
     serve, and the openai client's greedy output through either equals the offline engine's,
-    with the KV crossing machines over NIXL;
+    with the KV crossing machines over NIXL; a scale request to a router starts a node through
+    the controller, and both routers route to it;
   * a node's actor process SIGKILLed under load: every stream completes with the same tokens,
     and Ray restarts the actor, whose new node registers and rejoins both routers;
   * a worker machine lost under load (every process in its namespace SIGKILLed: raylet, workers,
@@ -35,7 +36,7 @@ pytest.importorskip("ray", reason="the ray extra is not installed")
 pytestmark = pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))
 
 HOSTS = {"head": 2, "w1": 3, "w2": 4}
-CPUS = {"head": 0, "w1": 3, "w2": 3}  # nodes need a CPU each: none on the head; either worker holds all 3
+CPUS = {"head": 0, "w1": 4, "w2": 4}  # nodes need a CPU each: none on the head; either worker holds all 4
 PORT = 18400
 PROMPTS = [list(range(5 + i, 70 + 3 * i)) for i in range(16)]
 MAX_TOKENS = 24
@@ -171,6 +172,11 @@ def test_nodes_on_both_workers_and_greedy_matches_offline(up, llm):
             assert_greedy_matches_offline(url, llm, prompt, 16)
     metrics = httpx.get(f"{urls[0]}/metrics", timeout=5).text
     assert re.search(r'pdserve_kv_handovers_total\{path="nixl"\} [1-9]', metrics), "no handover over NIXL"
+    # Scaling goes through the controller (the routers' --owner): a second prefill node.
+    reply = httpx.post(f"{urls[1]}/admin/scale", json={"prefill": 2}, timeout=180)
+    assert reply.status_code == 200, reply.text
+    _wait(lambda: _all_back(urls, 4), 180, "the new prefill node in both routers")
+    assert "prefill-1" in _nodes(urls[0])
 
 
 def test_a_killed_node_actor_comes_back_under_load(up, lab, llm):
@@ -186,14 +192,18 @@ def test_a_killed_node_actor_comes_back_under_load(up, lab, llm):
 
 def test_a_lost_worker_under_load(up, lab, llm):
     urls, _ = up
-    node_hosts = {_host_of(n["address"]) for n in _nodes(urls[0]).values()}
+    hosts = {node_id: _host_of(n["address"]) for node_id, n in _nodes(urls[0]).items()}
     router_hosts = {u: _host_of(u.replace("http://", "tcp://")) for u in urls}
     assert len(set(router_hosts.values())) == 2, f"the routers were not spread: {router_hosts}"
-    victim = next(w for w in ("w2", "w1") if w in node_hosts)
-    survivor = "w1" if victim == "w2" else "w2"
+    other = {"w1": "w2", "w2": "w1"}
+    # Lose a worker that runs nodes while the other still runs a decode node: with every decode
+    # node gone at once, requests would wait for Ray's restarts instead.
+    victim = next(w for w in ("w2", "w1") if w in hosts.values()
+                  and any(h == other[w] and n.startswith("decode") for n, h in hosts.items()))
+    survivor = other[victim]
     # Clients of a router on the lost machine lose their streams; these go through the others.
     live = [u for u, host in router_hosts.items() if host != victim]
     _under_load(live, llm, lambda: lab.kill_host(victim))
-    _wait(lambda: _all_back(live, 3, {survivor}), 240, f"every node back on {survivor}")
+    _wait(lambda: _all_back(live, 4, {survivor}), 240, f"every node back on {survivor}")
     _wait(lambda: all(n["kv_blocks_in_use"] == 0 and n["requests"] == 0 for n in _nodes(live[0]).values()),
           30, "KV blocks in use back to 0")

@@ -91,12 +91,14 @@ class RayController:
     def start_routers(self, count: int, port: int) -> list[str]:
         """`count` routers spread over the machines, router i on port + i; returns their URLs.
 
-        Router i is pinned softly to machine i (round robin over the live ones, in a stable
-        order): SPREAD alone packs zero-CPU actors onto one machine. Soft, so a router whose
-        machine is lost restarts on another."""
+        Router i is pinned softly to machine i (round robin over the live machines that have
+        CPUs, in a stable order): SPREAD alone packs zero-CPU actors onto one machine. Soft, so
+        a router whose machine is lost restarts on another."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-        machines = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        machines = sorted(n["NodeID"] for n in alive if n["Resources"].get("CPU", 0) > 0)
+        machines = machines or sorted(n["NodeID"] for n in alive)
         for i in range(count):
             template = [arg.replace("{router_port}", str(port + i)) for arg in self.templates["router"]]
             template += ["--registry", self.registry.address, "--owner", self.admin.address]
@@ -128,11 +130,10 @@ class RayController:
         return time.time()
 
     def shutdown(self) -> None:
-        """Stop every process this controller started (routers first, so no new requests)."""
-        for actor in self.routers:
-            self._stop_actor(actor)
-        for _, actor in self.nodes.values():
-            self._stop_actor(actor)
+        """Stop every process this controller started (routers first, so no new requests; the
+        nodes side by side)."""
+        self._stop_actors(self.routers)
+        self._stop_actors([actor for _, actor in self.nodes.values()])
         self.routers, self.nodes = [], {}
         self.admin.stop()
         self.registry.stop()
@@ -167,11 +168,15 @@ class RayController:
             options["scheduling_strategy"] = strategy or "SPREAD"
         return ray.remote(ProcessActor).options(**options).remote(name, template, threads)
 
+    def _stop_actor(self, actor) -> None:
+        self._stop_actors([actor])
+
     @staticmethod
-    def _stop_actor(actor) -> None:
+    def _stop_actors(actors: list) -> None:
         import ray
-        try:
-            ray.get(actor.stop.remote(), timeout=30)
-        except Exception as exc:  # already gone: nothing left to stop gracefully
-            log.info("stopping an actor: %s", exc)
-        ray.kill(actor, no_restart=True)
+        for actor, stopping in [(a, a.stop.remote()) for a in actors]:
+            try:
+                ray.get(stopping, timeout=30)
+            except Exception as exc:  # already gone: nothing left to stop gracefully
+                log.info("stopping an actor: %s", exc)
+            ray.kill(actor, no_restart=True)
