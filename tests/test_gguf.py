@@ -70,7 +70,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, arch: str, qtype: Q, seed: int = 0):
+def write_gguf(path, arch: str, qtype: Q, seed: int = 0, expert_count: int = 0):
     model_type, extra = ARCHS[arch]
     tokens, merges = _vocab()
     config = AutoConfig.for_model(model_type, vocab_size=len(tokens), initializer_range=0.2, **DIMS, **extra)
@@ -87,6 +87,8 @@ def write_gguf(path, arch: str, qtype: Q, seed: int = 0):
     writer.add_rope_freq_base(DIMS["rope_theta"])
     writer.add_layer_norm_rms_eps(DIMS["rms_norm_eps"])
     writer.add_vocab_size(len(tokens))
+    if expert_count:  # experts announced on an architecture that has none (llama.cpp's Mixtral)
+        writer.add_expert_count(expert_count)
     if "num_experts" in extra:
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
@@ -195,10 +197,14 @@ def test_two_quantizations_never_share_kv(tmp_path):
 
 
 def test_gguf_errors_name_the_fix(tmp_path):
+    (tmp_path / "mixtral").mkdir()
     write_gguf(tmp_path / "a.gguf", "llama", Q.F32)
     shutil.copy(tmp_path / "a.gguf", tmp_path / "b.gguf")
     with pytest.raises(GGUFError, match="holds 2 GGUF files"):
         find_gguf_file(str(tmp_path))
+    mixtral_like = write_gguf(tmp_path / "mixtral" / "m.gguf", "llama", Q.F32, expert_count=4)
+    with pytest.raises(GGUFError, match="Mixtral-style"):
+        resolve_model_path(str(mixtral_like))
     bad = tmp_path / "bad" / "x.gguf"
     bad.parent.mkdir()
     bad.write_bytes(b"not a gguf file at all")

@@ -147,6 +147,10 @@ def _write_view(out: Path, gguf_file: Path, stat: os.stat_result) -> None:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
     except (ValueError, KeyError) as exc:
         raise GGUFError(f"{gguf_file}: transformers cannot read this GGUF's config ({exc})") from exc
+    if metadata.get(f"{architecture}.expert_count") and not hasattr(config, "num_experts_per_tok"):
+        # llama.cpp writes Mixtral as "llama" with experts, which transformers reads as a dense Llama.
+        raise GGUFError(f"{gguf_file}: a {architecture} GGUF with experts (Mixtral-style) cannot be "
+                        f"loaded from GGUF; serve its Hugging Face (safetensors) checkpoint instead")
     for key, field in _CONFIG_FROM_METADATA.items():
         value = metadata.get(f"{architecture}.{key}")
         if value is not None and hasattr(config, field):
