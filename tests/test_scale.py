@@ -18,7 +18,7 @@ from pdserve import LLM, SamplingParams
 KEY = "scale-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPTS = [f"stream {i}: " + "elastic pools keep every request. " * (1 + i % 3) for i in range(8)]
-LONG = 160
+LONG = 480  # tokens per stream: long enough to outlast a scale or switch call on a fast machine
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +115,13 @@ def test_scale_up_and_down_under_load_loses_no_request(cluster, llm):
     # Down again while every decode node streams: the removed ones drain (their streams move
     # through the failover resume path), then exit.
     moved_before = httpx.get(f"{url}/health").json()["drain"]["streams_moved"]
-    def scale_down_the_busiest():
+    def busiest_decode_node() -> dict | None:
         nodes = _admin(url, "/admin/nodes").json()["nodes"]
         busiest = max((n for n in nodes if n["role"] == "decode"), key=lambda n: n["in_flight"])
-        assert busiest["in_flight"] > 0
+        return busiest if busiest["in_flight"] > 0 else None
+
+    def scale_down_the_busiest():
+        busiest = wait_for(busiest_decode_node, timeout_s=20, interval_s=0.05)
         return _admin(url, "/admin/scale", {"prefill": 1, "decode": 1, "grace_s": 0, "remove": [busiest["id"]]})
 
     got, reply = _under_load(url, PROMPTS, LONG, scale_down_the_busiest)
