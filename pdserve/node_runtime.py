@@ -24,6 +24,7 @@ import zmq
 
 from pdserve.cluster.registration import NodeRegistration, keep_registered
 from pdserve.cluster.registry_messages import ACTIVE, DRAINING
+from pdserve.cluster.router_liveness import RouterLiveness
 from pdserve.curve_keys import CONTROL_DOMAIN, CurveContext, NodeKeys, node_context
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import StepOutput
@@ -84,6 +85,7 @@ class NodeRuntime:
         self.poller.register(self.control.sock, zmq.POLLIN)
         self.poller.register(self._step_done_r, zmq.POLLIN)
         self.origin: dict[str, bytes] = {}  # request id -> the router that sent it
+        self.routers_seen = RouterLiveness()  # a router that stops pinging died: its requests end
         self._stop = False
         self._held: list[tuple[object, bytes, Message]] = []  # messages that arrived mid-step
         self.drain_to: str | None = None  # None: active; "": drain, then wait to stop; a role: switch
@@ -126,6 +128,7 @@ class NodeRuntime:
         busy = self.engine.has_unfinished_requests() and self.engine.last_step_tokens > 0
         self._read_messages(0 if busy else IDLE_POLL_MS)
         self.poll_background()
+        self._abort_for_gone_routers()
         if self.engine.has_unfinished_requests():
             self.on_outputs(self._step_answering_pings())
         self.kv_events.flush()
@@ -151,6 +154,15 @@ class NodeRuntime:
     def stop(self) -> None:
         self._stop = True
 
+    def _abort_for_gone_routers(self) -> None:
+        for identity in self.routers_seen.gone():
+            self.kv_events.routers.discard(identity)
+            orphans = [rid for rid, sender in self.origin.items() if sender == identity]
+            if orphans:
+                log.warning("a router stopped pinging: aborting its %d requests", len(orphans))
+            for rid in orphans:
+                self.abort(rid)
+
     def _read_messages(self, timeout_ms: int) -> None:
         held, self._held = self._held, []
         for sock, identity, msg in held:
@@ -169,6 +181,7 @@ class NodeRuntime:
     def _dispatch(self, raw_sock, identity: bytes, msg: Message) -> None:
         try:
             if isinstance(msg, Ping):
+                self.routers_seen.pinged(identity)
                 self.socket_for(raw_sock).send(identity, self.pong(msg))
             elif isinstance(msg, KVSnapshotRequest):
                 self.kv_events.snapshot(identity)
