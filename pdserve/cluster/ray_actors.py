@@ -61,14 +61,14 @@ class ProcessActor:
     """Runs `python -m pdserve ARGS` on this actor's machine until stop() (use with ray.remote)."""
 
     def __init__(self, name: str, template: list[str], threads: int | None = None,
-                 fixed_ports: dict[str, int] | None = None):
+                 fixed_ports: dict[str, int] | None = None, env: dict[str, str] | None = None):
         import ray
         self.name = name
         self.ip = ray.util.get_node_ip_address()
         ports = {p: free_port(self.ip) for p in template_ports(template)} | (fixed_ports or {})
         self.argv = [sys.executable, "-m", "pdserve", *fill_template(template, self.ip, ports)]
         self.ports = ports
-        self.env = dict(os.environ)
+        self.env = dict(os.environ) | (env or {})
         if threads:
             self.env.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
         self.proc: subprocess.Popen | None = None

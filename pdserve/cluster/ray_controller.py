@@ -30,6 +30,7 @@ class Placement:
     role_resources: dict[str, str] = field(default_factory=dict)  # role -> custom resource name
     max_restarts: int = 20
     spread: bool = True
+    router_env: dict[str, str] = field(default_factory=dict)  # extra environment of router processes
 
 
 class RayController:
@@ -103,7 +104,8 @@ class RayController:
             template = [arg.replace("{router_port}", str(port + i)) for arg in self.templates["router"]]
             template += ["--registry", self.registry.address, "--owner", self.admin.address]
             where = NodeAffinitySchedulingStrategy(machines[i % len(machines)], soft=True)
-            self.routers.append(self._actor(f"router-{i}", template, 1, 0.0, None, num_cpus=0, strategy=where))
+            self.routers.append(self._actor(f"router-{i}", template, 1, 0.0, None, num_cpus=0, strategy=where,
+                                            env=self.placement.router_env))
         infos = ray.get([r.info.remote() for r in self.routers])
         return [f"http://{info['ip']}:{port + i}" for i, info in enumerate(infos)]
 
@@ -156,7 +158,7 @@ class RayController:
 
     # ---- actors -----------------------------------------------------------------------------
     def _actor(self, name: str, template: list[str], threads: int, gpus: float, resources: dict | None,
-               num_cpus: float | None = None, strategy=None):
+               num_cpus: float | None = None, strategy=None, env: dict[str, str] | None = None):
         import ray
 
         from pdserve.cluster.ray_actors import ProcessActor
@@ -166,7 +168,7 @@ class RayController:
             options["resources"] = resources
         if strategy is not None or self.placement.spread:
             options["scheduling_strategy"] = strategy or "SPREAD"
-        return ray.remote(ProcessActor).options(**options).remote(name, template, threads)
+        return ray.remote(ProcessActor).options(**options).remote(name, template, threads, env=env)
 
     def _stop_actor(self, actor) -> None:
         self._stop_actors([actor])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import time
 import urllib.request
@@ -51,14 +52,21 @@ def router_template(args) -> list[str]:
            "--max-body-bytes", str(args.max_body_bytes), "--prefill-policy", args.prefill_policy,
            "--decode-policy", args.decode_policy, "--local-prefill-threshold", str(args.local_prefill_threshold)]
     cmd += ["--session-affinity"] if args.session_affinity else []
+    # A chat template is read by each router on its own machine: give a path every machine has.
+    cmd += ["--chat-template", args.chat_template] if getattr(args, "chat_template", None) else []
+    cmd += ["--tool-call-parser", args.tool_call_parser] if getattr(args, "tool_call_parser", None) else []
     return cmd + (["--protect-metrics"] if args.protect_metrics else [])
 
 
 def placement(args) -> Placement:
     roles = {role: res for role, res in (("prefill", args.ray_prefill_resource),
                                           ("decode", args.ray_decode_resource)) if res}
+    # The API key reaches the routers through their environment, as `pdserve up` passes it: a
+    # command line is visible to every user of a machine.
+    key = args.api_key or os.environ.get("PDSERVE_API_KEY")
     return Placement(threads_per_node=args.threads_per_node or 1, gpus_per_node=args.ray_gpus_per_node,
-                     role_resources=roles, max_restarts=args.ray_max_restarts)
+                     role_resources=roles, max_restarts=args.ray_max_restarts,
+                     router_env={"PDSERVE_API_KEY": key} if key else {})
 
 
 def wait_ready(urls: list[str], expected: int, timeout_s: float = READY_TIMEOUT_S) -> None:

@@ -1,0 +1,46 @@
+"""`pdserve up --ray` command lines, without a Ray cluster: the node and router arguments each
+actor fills in on its own machine parse as `pdserve prefill|decode|router` and bind and advertise
+that machine's address; flags that cannot work across machines are refused before connecting."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cli import build_parser
+from pdserve.cluster.ray_actors import fill_template, template_ports
+from pdserve.cluster.ray_launch import node_templates, placement
+from pdserve.launcher import Cluster
+
+
+def _up(*flags: str):
+    return build_parser().parse_args(["up", "--ray", "auto", "--model", "builtin:tiny", *flags])
+
+
+def test_each_machine_binds_and_advertises_its_own_address():
+    args = _up("--kv-transfer", "nixl", "--store", "redis://10.0.0.5:6379", "--threads-per-node", "3",
+               "--api-key", "sekret", "--routers", "2", "--port", "9000")
+    templates = node_templates(args, Cluster(args))
+    for role in ("prefill", "decode"):
+        template = [a.replace("{node_id}", f"{role}-4") for a in templates[role]]
+        assert template_ports(template) == ["control", "side"]
+        argv = fill_template(template, "10.0.0.7", {"control": 5600, "side": 5601})
+        node = build_parser().parse_args(argv)
+        assert node.command == role and node.node_id == f"{role}-4"
+        assert node.bind == "tcp://10.0.0.7:5600" and node.advertise_host == "10.0.0.7"
+        assert node.nixl_side_channel == "tcp://10.0.0.7:5601" and node.store == "redis://10.0.0.5:6379"
+    router_args = [a.replace("{router_port}", "9001") for a in templates["router"]]
+    router = build_parser().parse_args(fill_template(router_args, "10.0.0.6", {}))
+    assert (router.command, router.host, router.port) == ("router", "10.0.0.6", 9001)
+    assert "sekret" not in " ".join(router_args), "the API key must not be on a command line"
+    p = placement(args)
+    assert p.threads_per_node == 3 and p.router_env == {"PDSERVE_API_KEY": "sekret"}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--kv-transfer", "store"), "every machine reaches"),
+    (("--kv-transfer", "store", "--store", "direct+redis://"), "every machine reaches"),
+    (("--kv-transfer", "nixl", "--curve"), "--curve"),
+])
+def test_flags_that_cannot_span_machines_are_refused(flags, message):
+    args = _up(*flags)
+    with pytest.raises(ValueError, match=message):
+        node_templates(args, Cluster(args))
