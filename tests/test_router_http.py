@@ -27,8 +27,8 @@ from pdserve.bench import BenchConfig, run_benchmark
 from pdserve.engine.outputs import StepOutput, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.app import create_app
-from pdserve.router.chat_prompt import render_chat_prompt
 from pdserve.router.backend import BackendError
+from pdserve.router.chat_prompt import render_chat_prompt
 
 MODEL = "tiny-echo"
 MAX_MODEL_LEN = 256
