@@ -146,6 +146,19 @@ def test_langchain_structured_output_and_bind_tools(served):
     assert message.tool_calls[0]["args"]["city"] in ("Paris", "Rome")
 
 
+def test_langchain_completion_batch(served):
+    """LangChain's completion LLM sends its prompts as one batched `prompt` list."""
+    from langchain_openai import OpenAI
+    model, url, _, _ = served
+    llm = OpenAI(model=model, base_url=f"{url}/v1", api_key="none", temperature=0, max_tokens=5, max_retries=0,
+                 extra_body={"ignore_eos": True})
+    prompts = ["one", "two two", "three three three"]
+    got = [g[0].text for g in llm.generate(prompts).generations]
+    want = [o.outputs[0].text for o in LLM(model, num_kv_blocks=64).generate(
+        prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)]
+    assert got == want
+
+
 def test_litellm_tool_choice_auto_round_trip(served):
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list
     import litellm
