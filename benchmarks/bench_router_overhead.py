@@ -310,6 +310,7 @@ def serve_instrumented_router(args: argparse.Namespace) -> int:
 
     import pdserve.router.app as app_mod
     import pdserve.router.cluster as cluster_mod
+    import pdserve.router.nodes as nodes_mod
     from pdserve.messages import DecodeRequest as DR
     from pdserve.messages import TokenDelta as TD
     from pdserve.router.main import build_app
@@ -320,7 +321,7 @@ def serve_instrumented_router(args: argparse.Namespace) -> int:
     done: dict[str, dict] = {}
 
     class TimedGroup(app_mod.GenerationGroup):
-        def __init__(self, backend, base_id, prompt_ids, params):
+        def __init__(self, backend, base_id, prompt_ids, params, **kwargs):
             stamps = current.get()
             if stamps is not None:
                 stamps["group"] = now_ns()
@@ -328,7 +329,7 @@ def serve_instrumented_router(args: argparse.Namespace) -> int:
                 for rid in (f"{base_id}-{i}" for i in range(len(params))):
                     by_rid[rid] = stamps
             self._stamps = stamps
-            super().__init__(backend, base_id, prompt_ids, params)
+            super().__init__(backend, base_id, prompt_ids, params, **kwargs)
 
         async def close(self):
             if self._stamps is not None:
@@ -338,23 +339,23 @@ def serve_instrumented_router(args: argparse.Namespace) -> int:
                 self._stamps["closed"] = now_ns()
 
     app_mod.GenerationGroup = TimedGroup
-    real_prompt = app_mod._Router.completion_prompt
+    real_job = app_mod.completion_job
 
-    async def timed_prompt(self, body):
+    async def timed_job(router, body):
         stamps = current.get()
         if stamps is not None:
             stamps["handler"] = now_ns()
-        return await real_prompt(self, body)
+        return await real_job(router, body)
 
-    app_mod._Router.completion_prompt = timed_prompt
-    real_encode = cluster_mod.encode
+    app_mod.completion_job = timed_job
+    real_encode = nodes_mod.encode  # the node pool encodes every message it sends
 
     def timed_encode(msg):
         if isinstance(msg, DR) and msg.request_id in by_rid:
             by_rid[msg.request_id]["send"] = now_ns()
         return real_encode(msg)
 
-    cluster_mod.encode = timed_encode
+    nodes_mod.encode = timed_encode
     real_on_message = cluster_mod.ClusterBackend._on_message
 
     def timed_on_message(self, node, msg):
