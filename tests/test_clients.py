@@ -120,6 +120,18 @@ def test_tool_choice_required_named_and_auto(served):
     assert len(streamed) == 1 and streamed[0].function.arguments == message.tool_calls[0].function.arguments
 
 
+def test_grammar_dead_end_on_either_node(served):
+    """bad_words bars the only token the choice allows: on the decode node (after "a") and on
+    the prefill node (the first token). The answer says so instead of a plain "stop"."""
+    model, _, client, _ = served
+    for choice, text in ((["ab"], "a"), (["b"], "")):
+        resp = client.completions.create(model=model, prompt="hello", max_tokens=8, temperature=0,
+                                         extra_body={"guided_choice": choice, "bad_words": ["b"]})
+        got = resp.choices[0]
+        assert (got.text, got.finish_reason) == (text, "grammar_dead_end")
+        assert "could not be continued" in got.model_extra["stop_reason"]
+
+
 class Person(BaseModel):
     name: Literal["ada", "bob"]
     age: int = Field(ge=0, le=99)

@@ -4,7 +4,7 @@ Random-weight models sample (temperature 1) under JSON schemas whose strings are
 length-bounded and patterned, and under json_object: every output must pass
 json.loads(strict=True) and pydantic's model_validate_json, which refuse raw control
 characters inside strings. A constraint no token of the vocabulary can start is a 400 from the
-router, before any node generates.
+router, before any node generates; one met later ends with its own finish reason.
 """
 from __future__ import annotations
 
@@ -53,6 +53,18 @@ def test_sampled_json_is_strict_json(tmp_path, arch):
             json.loads(text, strict=True)
             if model is not None:
                 model.model_validate_json(text)
+
+
+def test_grammar_dead_end_is_its_own_finish_reason(tmp_path):
+    """A grammar with no drawable token left (here bad_words bars the only one it allows) ends
+    the request with finish_reason "grammar_dead_end" and no stray text, not a plain "stop"."""
+    llm = LLM(str(make_model(tmp_path, "llama", seed=5)), num_kv_blocks=64)
+    barred = [llm.get_tokenizer().encode("b", add_special_tokens=False)]
+    for choice, text in ((["ab"], "a"), (["b"], "")):
+        params = SamplingParams(max_tokens=8, temperature=0, structured=StructuredSpec("choice", json.dumps(choice)),
+                                bad_words_token_ids=barred)
+        out = llm.generate(["hello"], params, use_tqdm=False)[0].outputs[0]
+        assert (out.text, out.finish_reason) == (text, "grammar_dead_end")
 
 
 def _digitless_tokenizer() -> PreTrainedTokenizerFast:

@@ -232,6 +232,8 @@ class LLMEngine:
                          status.finish_reason if status else None,
                          [logprob] if logprob is not None else None,
                          req.num_prompt_tokens, req.num_cached_tokens, prompt_logprobs=prompt_logprobs)
+        if status is not None and req.matcher is not None:  # a grammar's dead end is no plain "stop"
+            out.finish_reason = self.structured.finish_reason(req.matcher, out.finish_reason)
         if status is not None:
             self.scheduler.finish(req, status)
             self.outputs.remove(req.request_id)

@@ -19,6 +19,12 @@ from pdserve.engine.sampling_params import StructuredSpec
 
 log = logging.getLogger(__name__)
 
+# A request whose grammar no drawable token can continue ends with this finish reason (and the
+# router says why), never as a plain "stop" that looks like success.
+DEAD_END_FINISH = "grammar_dead_end"
+DEAD_END_MESSAGE = ("the structured-output constraint could not be continued: no token of this model's "
+                    "vocabulary that the other sampling settings allow fits the grammar here")
+
 # Compact JSON (no free whitespace): a grammar that allows any whitespace lets a weak model
 # pad forever instead of closing the object.
 ANY_WHITESPACE = False
@@ -85,6 +91,7 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self._bitmask: torch.Tensor | None = None
+        self._dead_ends: set[int] = set()  # id() of matchers that met a token off their grammar
         # Each spec is compiled once per engine (one per node process), the 256 latest kept.
         self.compiled = functools.lru_cache(maxsize=256)(self._compile)
 
@@ -150,6 +157,17 @@ class StructuredOutputs:
             matchers[i].fill_next_token_bitmask(bitmask, i)
         on_device = bitmask[:len(matchers)].to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, on_device, vocab_size=logits.shape[-1], indices=rows)
+        self._end_dead_ends(logits, rows)
+
+    def _end_dead_ends(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """A row with no token left (the grammar allows none of this vocabulary here, or the
+        other edits barred every one it allows) draws a stop token, which ends the request
+        without text; accept() then finds it off-grammar and calls it a dead end."""
+        dead = torch.isneginf(logits[rows]).all(dim=-1).nonzero().flatten().tolist()
+        if dead and self.stop_token_ids:
+            stops = torch.tensor(self.stop_token_ids, device=logits.device)
+            for k in dead:
+                logits[rows[k], stops] = 0.0
 
     def _bitmask_for(self, batch: int) -> torch.Tensor:
         import xgrammar as xgr
@@ -157,12 +175,19 @@ class StructuredOutputs:
             self._bitmask = xgr.allocate_token_bitmask(max(batch, 8), self.vocab_size)
         return self._bitmask
 
-    @staticmethod
-    def accept(matcher: Any, token: int) -> bool:
+    def accept(self, matcher: Any, token: int) -> bool:
         """Advance past the drawn token; True when the request must end: the grammar is
-        complete, or the token is off-grammar (other edits, bad words or min_tokens, barred every
-        token the grammar allowed, so nothing valid could be drawn)."""
+        complete, or the token is off-grammar: a dead end (no token of the vocabulary fits the
+        grammar here, or other edits, bad words or min_tokens, barred every one that did)."""
         if not matcher.accept_token(int(token)):
-            log.warning("token %d is outside the grammar (every allowed token was barred): ending", token)
+            log.warning("token %d is outside the grammar (no allowed token could be drawn): ending", token)
+            self._dead_ends.add(id(matcher))
             return True
         return matcher.is_terminated()
+
+    def finish_reason(self, matcher: Any, reason: str | None) -> str | None:
+        """The finish reason of a request ending with this matcher: DEAD_END_FINISH after a dead end."""
+        if id(matcher) in self._dead_ends:
+            self._dead_ends.discard(id(matcher))
+            return DEAD_END_FINISH
+        return reason

@@ -13,6 +13,7 @@ from pdserve.engine.block_keys import block_key_chain
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import StepOutput
 from pdserve.engine.request import RequestStatus
+from pdserve.engine.structured_output import DEAD_END_FINISH
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
 from pdserve.messages import (
@@ -144,7 +145,7 @@ class PrefillNode(NodeRuntime):
     def _hand_over(self, pending: PendingPrefill, first: StepOutput) -> None:
         req = pending.request
         rid = req.request_id
-        done = first.finish_reason == "stop" or req.params.max_tokens == 1
+        done = first.finish_reason in ("stop", DEAD_END_FINISH) or req.params.max_tokens == 1
         if not done:
             first.finished, first.finish_reason = False, None
         handover = None

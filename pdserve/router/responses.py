@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.outputs import StepOutput, TokenLogprob
+from pdserve.engine.structured_output import DEAD_END_FINISH, DEAD_END_MESSAGE
 
 
 class TokenTexts:
@@ -258,11 +259,19 @@ class ChatFlavor(Flavor):
                  "finish_reason": None} for i in range(n)]
 
 
+def _explain_dead_ends(choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A choice whose grammar met a dead end says why, in vLLM's `stop_reason` field."""
+    for choice in choices:
+        if choice.get("finish_reason") == DEAD_END_FINISH:
+            choice["stop_reason"] = DEAD_END_MESSAGE
+    return choices
+
+
 def response_body(flavor: Flavor, request_id: str, created: int, model: str,
                   states: list[ChoiceState], prompt_tokens: int) -> dict[str, Any]:
     body = {"id": request_id, "object": flavor.object_name, "created": created,
             "model": model, "system_fingerprint": None,
-            "choices": [flavor.choice(s) for s in states],
+            "choices": _explain_dead_ends([flavor.choice(s) for s in states]),
             "usage": usage(prompt_tokens, states)}
     if isinstance(flavor, ChatFlavor) and flavor.want_prompt_logprobs:  # vLLM: one list, top level
         body["prompt_logprobs"] = flavor.prompt_logprobs(states[0])
@@ -273,7 +282,7 @@ def chunk_body(flavor: Flavor, request_id: str, created: int, model: str,
                choices: list[dict[str, Any]],
                usage_body: dict[str, Any] | None = None) -> dict[str, Any]:
     body = {"id": request_id, "object": flavor.chunk_object, "created": created,
-            "model": model, "system_fingerprint": None, "choices": choices}
+            "model": model, "system_fingerprint": None, "choices": _explain_dead_ends(choices)}
     if usage_body is not None:
         body["usage"] = usage_body
     return body
