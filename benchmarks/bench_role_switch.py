@@ -9,8 +9,8 @@ once the node serves in its new shape):
   * new node: scale prefill 1 -> 2 (a process starts, imports, loads weights, allocates its KV
     cache, answers its first pong), then 2 -> 1 (drain and stop).
 The node's own rebuild time (from its log: "... is a decode node now (X s to switch)") is printed
-too. A warm-up prompt leaves blocks in prefill-0's prefix cache; the table says whether they
-survived each switch. Prints medians.
+too. A warm-up prompt leaves blocks in prefill-0's prefix cache; the last line lists its cached
+block count before and after each round of switches. Prints medians.
 """
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ def main() -> int:
                        "--model", args.model, "--local-prefill-threshold", "0", log_path=args.log,
                        log_level="INFO") as c:
         warm_prefix(c.url)
+        time.sleep(1.0)  # the node's cache size reaches the router in its next pongs
         for _ in range(args.repeats):
             cached = c.nodes()["prefill-0"]["cached_blocks"]
             for to_role in ("decode", "prefill"):

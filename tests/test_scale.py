@@ -6,6 +6,9 @@ no KV block stays in use afterwards. Also the admin API's key and its refusals o
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -100,6 +103,12 @@ def test_admin_routes_need_the_key_and_refuse_bad_input(cluster):
         assert r.status_code == 400 and why in r.json()["error"]["message"]
     assert _admin(url, "/admin/switch", {"node_id": "decode-0", "to_role": "both"}).status_code == 400
     assert "/admin/scale" not in httpx.get(f"{url}/openapi.json").json()["paths"]
+    # The command-line client: the node list with the key, a clear error without it.
+    cli = [sys.executable, "-m", "pdserve", "scale", "--url", url]
+    listed = subprocess.run(cli + ["--api-key", KEY], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and json.loads(listed.stdout)["counts"] == {"prefill": 1, "decode": 1}
+    refused = subprocess.run(cli + ["--api-key", "wrong", "--decode", "3"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "Incorrect API key" in refused.stderr
 
 
 def test_scale_up_and_down_under_load_loses_no_request(cluster, llm):

@@ -19,6 +19,7 @@ from pdserve.sim.simulator import ClusterSpec, Simulator
 from pdserve.sim.trace import Session
 
 DRAIN_CHECK_S = 0.05
+PLANNER_INTERVAL_S = 1.0  # the evaluation's --planner-interval-s
 
 
 @dataclass
@@ -219,13 +220,14 @@ def add_elastic_args(p) -> None:
 
 
 def planner_for(nodes: int, slo: tuple[float, float]) -> SlaPlanner:
-    """The planner as the evaluation runs it: decisions every 2 s, one calm interval, a floor of
-    an eighth of the nodes per role (a pool shrunk to one node takes every request of a shifted
-    mix, and a request waits where it was routed), up to a quarter of the nodes per step."""
+    """The planner as the evaluation runs it (with decisions every PLANNER_INTERVAL_S): two calm
+    intervals before a pool gives nodes up, a floor of an eighth of the nodes per role (a pool
+    shrunk to one node takes every request of a shifted mix, and a request waits where it was
+    routed), up to a quarter of the nodes per step."""
     from pdserve.cluster.planner import PlannerConfig
     floor = max(1, nodes // 8)
     return SlaPlanner(PlannerConfig(ttft_slo_s=slo[0], itl_slo_s=slo[1], min_nodes=2 * floor, max_nodes=nodes,
-                                    min_prefill=floor, min_decode=floor, calm_intervals=1, cooldown_intervals=1,
+                                    min_prefill=floor, min_decode=floor, calm_intervals=2, cooldown_intervals=1,
                                     max_step=max(2, nodes // 4)))
 
 
@@ -238,7 +240,7 @@ def evaluate(nodes: int, costs: NodeCosts, slo: tuple[float, float], phase_s: fl
     rows = [run_elastic(f"{nodes} fixed {p}P{nodes - p}D", ClusterSpec(p, nodes - p, kv_blocks, max_seqs), costs,
                         trace, slo) for p in range(step, nodes, step)]
     rows.append(run_elastic(f"{nodes} planner", ClusterSpec(nodes // 2, nodes - nodes // 2, kv_blocks, max_seqs),
-                            costs, trace, slo, planner_for(nodes, slo)))
+                            costs, trace, slo, planner_for(nodes, slo), interval_s=PLANNER_INTERVAL_S))
     return rows
 
 
