@@ -9,7 +9,8 @@ each started with `ray start` inside its own network namespace with its own addr
     and Ray restarts the actor, whose new node registers and rejoins both routers;
   * a worker machine lost under load (every process in its namespace SIGKILLed: raylet, workers,
     nodes): no request is lost, the output is the same, the lost nodes come back on the other
-    worker and rejoin, and no KV block stays in use.
+    worker and rejoin, no KV block stays in use, and the router that ran there is started again
+    on the other worker.
 
 Needs root for the namespaces (CI runs as root), and ray (the ray extra).
 """
@@ -207,3 +208,18 @@ def test_a_lost_worker_under_load(up, lab, llm):
     _wait(lambda: _all_back(live, 4, {survivor}), 240, f"every node back on {survivor}")
     _wait(lambda: all(n["kv_blocks_in_use"] == 0 and n["requests"] == 0 for n in _nodes(live[0]).values()),
           30, "KV blocks in use back to 0")
+    # The router that ran on the lost machine is started again on the survivor and serves.
+    routers = _wait(lambda: len(r := _router_urls(lab, survivor)) == 2 and r, 120, f"both routers on {survivor}")
+    _wait(lambda: _all_back(routers, 4, {survivor}), 120, "the replaced router to see every node")
+
+
+def _router_urls(lab, host: str) -> list[str]:
+    urls = []
+    for pid in lab.pids(host):
+        try:
+            cmd = psutil.Process(pid).cmdline()
+        except psutil.Error:
+            continue
+        if "pdserve" in cmd and "router" in cmd and "--registry" in cmd:
+            urls.append(f"http://{cmd[cmd.index('--host') + 1]}:{cmd[cmd.index('--port') + 1]}")
+    return sorted(urls)

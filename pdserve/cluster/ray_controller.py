@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.cluster.owner_admin import OwnerAdminServer
+from pdserve.cluster.ray_routers import RayRouters
 from pdserve.cluster.registry import RegistryServer
 from pdserve.cluster.registry_messages import AdminReply, ScaleRequest, SwitchRequest
 
@@ -43,7 +44,7 @@ class RayController:
         self.ip = ray.util.get_node_ip_address()
         self.registry = RegistryServer(f"tcp://{self.ip}:0", on_admin=self.on_admin).start()
         self.nodes: dict[str, tuple[str, object]] = {}  # node_id -> (role, actor handle)
-        self.routers: list[object] = []
+        self.routers: RayRouters | None = None
         self._next_index = dict.fromkeys(ROLES, 0)
         self._lock = threading.RLock()  # admin requests arrive on other threads
         # The routers' StartNode/StopNode (pdserve scale, /admin/scale) arrive here (--owner).
@@ -90,24 +91,13 @@ class RayController:
 
     # ---- routers ----------------------------------------------------------------------------
     def start_routers(self, count: int, port: int) -> list[str]:
-        """`count` routers spread over the machines, router i on port + i; returns their URLs.
+        """`count` routers spread over the machines, router i on port + i; returns their URLs."""
+        template = self.templates["router"] + ["--registry", self.registry.address, "--owner", self.admin.address]
+        self.routers = RayRouters(self._router_actor, template, port)
+        return self.routers.start(count)
 
-        Router i is pinned softly to machine i (round robin over the live machines that have
-        CPUs, in a stable order): SPREAD alone packs zero-CPU actors onto one machine. Soft, so
-        a router whose machine is lost restarts on another."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-        alive = [n for n in ray.nodes() if n["Alive"]]
-        machines = sorted(n["NodeID"] for n in alive if n["Resources"].get("CPU", 0) > 0)
-        machines = machines or sorted(n["NodeID"] for n in alive)
-        for i in range(count):
-            template = [arg.replace("{router_port}", str(port + i)) for arg in self.templates["router"]]
-            template += ["--registry", self.registry.address, "--owner", self.admin.address]
-            where = NodeAffinitySchedulingStrategy(machines[i % len(machines)], soft=True)
-            self.routers.append(self._actor(f"router-{i}", template, 1, 0.0, None, num_cpus=0, strategy=where,
-                                            env=self.placement.router_env))
-        infos = ray.get([r.info.remote() for r in self.routers])
-        return [f"http://{info['ip']}:{port + i}" for i, info in enumerate(infos)]
+    def _router_actor(self, name: str, template: list[str], strategy):
+        return self._actor(name, template, 1, 0.0, None, num_cpus=0, strategy=strategy, env=self.placement.router_env)
 
     # ---- state for the launcher and tests ---------------------------------------------------
     def members(self) -> list[dict]:
@@ -119,7 +109,7 @@ class RayController:
         import ray
         with self._lock:
             handles = {node_id: actor for node_id, (_, actor) in self.nodes.items()}
-        handles |= {f"router-{i}": actor for i, actor in enumerate(self.routers)}
+        handles |= {f"router-{i}": actor for i, actor in enumerate(self.routers.actors if self.routers else [])}
         out = {}
         for name, actor in handles.items():
             try:
@@ -134,9 +124,10 @@ class RayController:
     def shutdown(self) -> None:
         """Stop every process this controller started (routers first, so no new requests; the
         nodes side by side)."""
-        self._stop_actors(self.routers)
+        if self.routers is not None:
+            self.routers.stop(self._stop_actors)
         self._stop_actors([actor for _, actor in self.nodes.values()])
-        self.routers, self.nodes = [], {}
+        self.routers, self.nodes = None, {}
         self.admin.stop()
         self.registry.stop()
 
