@@ -9,6 +9,7 @@ incarnation (its start time), so a registry that still holds the old record repl
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 
@@ -41,7 +42,10 @@ def advertised_endpoint(bound: str, advertise_host: str | None) -> str:
     if advertise_host:
         host = advertise_host
     elif host in WILDCARD_HOSTS:
-        raise ValueError(f"a node bound to {bound} must be given --advertise-host to register")
+        # The host name resolves to the container in compose networks; elsewhere say what to set.
+        host = socket.gethostname()
+        log.warning("bound to %s with no --advertise-host: registering as %s (set --advertise-host to the "
+                    "address other machines reach this node at)", bound, host)
     return f"{scheme}://{host}:{port}"
 
 
