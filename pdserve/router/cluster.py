@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 PREFILL_TIMEOUT_S = 300.0
 TOKEN_TIMEOUT_S = 300.0  # a healthy node that sends nothing for this long still fails the request
 MAX_ATTEMPTS = 3  # per phase (prefill, decode) of one request
+MAX_PLANNED_MOVES = 16  # a stream moved off this many draining nodes counts further moves as failures
 # How long a request waits for a node of a role when every one is out of rotation but some are
 # only silent (still connected: a loaded host missing pings), not dead.
 NODE_WAIT_S = 10.0
@@ -63,14 +64,19 @@ def _view(node: Node) -> NodeView:
 
 
 class NodeLost(Exception):
-    """The node serving this phase of the request died; the work moves elsewhere."""
+    """The node serving this phase of the request died, or (planned) drains; the work moves elsewhere."""
+
+    def __init__(self, node_id: str, planned: bool = False):
+        super().__init__(node_id)
+        self.planned = planned
 
 
 class _Lost:
-    """Queue marker: the decode node serving the request was lost."""
+    """Queue marker: the decode node serving the request was lost (or drains: planned)."""
 
-    def __init__(self, node_id: str):
+    def __init__(self, node_id: str, planned: bool = False):
         self.node_id = node_id
+        self.planned = planned
 
 
 class ClusterBackend:
@@ -148,9 +154,10 @@ class ClusterBackend:
         self.kv_tracker.forget(node.node_id)
         self.move_requests(node, list(node.requests))
 
-    def move_requests(self, node: Node, request_ids: list[str]) -> int:
+    def move_requests(self, node: Node, request_ids: list[str], planned: bool = False) -> int:
         """Take these requests off `node` as if it were lost: a prefill is retried elsewhere, a
-        decode stream resumes on another decode node (the failover path). Returns how many moved."""
+        decode stream resumes on another decode node (the failover path). planned: the node
+        drains, so the move does not count against a stream's failure budget. Returns how many moved."""
         moved = 0
         for rid in request_ids:
             if self.owner.get(rid) != node.node_id:
@@ -160,10 +167,10 @@ class ClusterBackend:
             moved += 1
             fut = self.prefill_results.get(rid)
             if fut is not None and not fut.done():
-                fut.set_exception(NodeLost(node.node_id))
+                fut.set_exception(NodeLost(node.node_id, planned))
             queue = self.streams.get(rid)
             if queue is not None and fut is None:
-                queue.put_nowait(_Lost(node.node_id))
+                queue.put_nowait(_Lost(node.node_id, planned))
         return moved
 
     def _on_message(self, node: Node, msg: Message) -> None:
@@ -328,12 +335,13 @@ class ClusterBackend:
                                   ) -> AsyncIterator[StepOutput]:
         queue = self.streams[rid]
         tried: set[str] = set()
-        for attempt in range(MAX_ATTEMPTS):
+        failures = moves = 0  # planned moves off draining nodes are bounded apart from failures
+        while failures < MAX_ATTEMPTS:
             node = self._preferred(preferred, tried) or await self._await_node("decode", tried)
             if node is None:
                 raise BackendError("no healthy decode node")
             tried.add(node.node_id)
-            if attempt == 0 and not relayed:
+            if failures == moves == 0 and not relayed:
                 timer.dispatched()
             self.owner[rid] = node.node_id
             node.requests.add(rid)
@@ -352,10 +360,15 @@ class ClusterBackend:
                 # The new node recomputes prompt + relayed tokens (or finds them in its caches).
                 handover = None
                 self.counters["decode_resumes"] += 1
+                if exc.planned and moves < MAX_PLANNED_MOVES:
+                    moves += 1
+                    log.info("[%s] %s drains: resuming after %d tokens elsewhere", rid, exc, len(relayed))
+                    continue
+                failures += 1
                 self.metrics.retries.labels("decode").inc()
                 self.metrics.failovers.labels("decode").inc()
                 log.warning("[%s] %s lost after %d tokens: resuming elsewhere (attempt %d of %d)", rid, exc,
-                            len(relayed), attempt + 1, MAX_ATTEMPTS)
+                            len(relayed), failures, MAX_ATTEMPTS)
         raise BackendError(f"request {rid} failed on {MAX_ATTEMPTS} decode nodes")
 
     async def _relay(self, queue: asyncio.Queue, rid: str) -> AsyncIterator[StepOutput]:
@@ -367,7 +380,7 @@ class ClusterBackend:
                 await self.abort(rid)
                 raise BackendError(f"no tokens for {TOKEN_TIMEOUT_S:.0f} s") from None
             if isinstance(out, _Lost):
-                raise NodeLost(out.node_id)
+                raise NodeLost(out.node_id, out.planned)
             if out.finish_reason == "error":
                 raise BackendError(out.error or "generation failed")
             yield out

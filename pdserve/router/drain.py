@@ -75,8 +75,8 @@ class DrainTracker:
                 grace = self.grace_s.get(node.node_id, DECODE_GRACE_S)
                 streams = [r for r in node.requests if r not in prefilling and now - seen[r] >= grace]
                 prefills = [r for r in node.requests if r in prefilling and now - seen[r] >= PREFILL_GRACE_S]
-                self.counters["streams_moved"] += self.backend.move_requests(node, streams)
-                self.counters["prefills_moved"] += self.backend.move_requests(node, prefills)
+                self.counters["streams_moved"] += self.backend.move_requests(node, streams, planned=True)
+                self.counters["prefills_moved"] += self.backend.move_requests(node, prefills, planned=True)
                 await asyncio.sleep(MOVE_CHECK_S)
         finally:
             self._movers.pop(node.node_id, None)
