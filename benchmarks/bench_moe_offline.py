@@ -6,6 +6,7 @@ vocab 8192 (Qwen3-30B-A3B's proportions, scaled down). Workload: 32 requests of 
 tokens, 32 new tokens each, ignore_eos, float32 on CPU.
 
     .venv/bin/python benchmarks/bench_moe_offline.py --repeats 3
+    NUMBA_NUM_THREADS=1 .venv/bin/python benchmarks/bench_moe_offline.py --repeats 3 --threads 1
 """
 from __future__ import annotations
 
@@ -51,12 +52,15 @@ def run_pdserve(path: Path, prompts, new_tokens: int) -> tuple[float, list[list[
 
 def run_hf_continuous_batching(path: Path, prompts, new_tokens: int) -> tuple[float, list[list[int]]]:
     from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
     model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="paged|sdpa").eval()
-    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
-                              pad_token_id=0, use_cuda_graph=False)
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    # Sized like pdserve's run; left to itself it takes 90% of the free memory for its cache.
+    batching = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=2048, use_cuda_graph=False)
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        out = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False,
+                                   continuous_batching_config=batching)
     elapsed = time.perf_counter() - start
     tokens = [r.generated_tokens for r in sorted(out.values(), key=lambda r: int(r.request_id.split("_")[-1]))]
     return sum(len(t) for t in tokens) / elapsed, tokens
@@ -67,7 +71,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads for both engines (0: torch's default, one per core)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     path, params = build_model(Path(tempfile.mkdtemp()) / "qwen3-moe-100m")
     prompts = workload(args.requests, 32, 256)
     rows: dict[str, list[float]] = {"pdserve": [], "transformers generate_batch (paged|sdpa)": []}
@@ -81,7 +89,8 @@ def main() -> None:
         print(f"run {r + 1}: pdserve {ours:.1f} tok/s, transformers {theirs:.1f} tok/s, "
               f"same greedy tokens on {same}/{len(prompts)} requests", flush=True)
     base = statistics.median(rows["transformers generate_batch (paged|sdpa)"])
-    print(f"\nmodel: {params / 1e6:.1f}M parameters; {args.requests} requests x {args.new_tokens} new tokens")
+    print(f"\nmodel: {params / 1e6:.1f}M parameters; {args.requests} requests x {args.new_tokens} new tokens; "
+          f"{torch.get_num_threads()} torch threads")
     print(f"| engine | output tokens/s (median of {args.repeats}) | vs generate_batch |")
     print("|---|---:|---:|")
     for name, values in rows.items():
