@@ -44,10 +44,6 @@ def reference(model_path):
     return logprobs
 
 
-def _failover(url: str) -> dict:
-    return httpx.get(f"{url}/health", timeout=5).json()["failover"]
-
-
 def _expected(reference, ids: list[int]) -> list[float]:
     logp = reference(ids)
     return [logp[p - 1, ids[p]].item() for p in range(1, len(ids))]
@@ -164,15 +160,17 @@ def test_prefill_node_killed_under_load_loses_no_prompt_logprob(cluster, referen
         return out
 
     victim = node_pids(proc.pid)["prefill-0"] if mode != "monolithic" else None
-    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+    with cf.ThreadPoolExecutor(len(prompts) + 4) as pool:
         futures = [pool.submit(one, ids) for ids in prompts]
         started.wait(60)
-        if victim is not None:
+        if victim is not None:  # killed while the first streams run and the rest are in flight
             os.kill(victim, signal.SIGKILL)
+        # A second wave, sent before the router has noticed the death.
+        futures += [pool.submit(one, ids) for ids in prompts[:4]]
         results = [f.result() for f in futures]  # a failed request raises here
-    for ids, got in zip(prompts, results):
+    for ids, got in zip(prompts + prompts[:4], results):
         assert got[0] is None and len(got) == len(ids) + 4
         for g, w in zip(got[1:len(ids)], _expected(reference, ids)):
             assert abs(g - w) < TOL
-    if victim is not None:  # (test_failover checks that the node comes back)
-        assert _failover(url)["prefill_retries"] + _failover(url)["local_prefills"] > 0
+    # (Whether the kill caught prefills in flight depends on timing; test_failover asserts that
+    # they move, and that the node comes back.)
