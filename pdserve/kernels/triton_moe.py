@@ -30,7 +30,10 @@ def _grouped_gemm_kernel(a, w, bias, out, pair_ids, tile_expert, route_w, num_ex
     pairs = tl.load(pair_ids + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     ok = pairs >= 0
     pairs = tl.where(ok, pairs, 0).to(tl.int64)
-    rows = pairs // top_k if GATHER_TOKENS else pairs  # A's row: the token, or the pair itself
+    if GATHER_TOKENS:  # A's row: the pair's token, or the pair itself
+        rows = pairs // top_k
+    else:
+        rows = pairs
     n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_out
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
