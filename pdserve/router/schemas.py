@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch
+MAX_CHOICES = 1024  # prompts x n: each choice is a request on the nodes
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -233,6 +234,9 @@ class CompletionRequest(GenerationRequest):
             return [prompt]  # type: ignore[list-item]
         if len(prompt) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
+        if len(prompt) * self.num_choices > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} choices (prompts x n) in one request, "
+                             f"got {len(prompt)} x {self.num_choices}")
         return list(prompt)  # type: ignore[arg-type]
 
     @property
