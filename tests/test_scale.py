@@ -30,6 +30,11 @@ def llm():
 
 
 @pytest.fixture(scope="module")
+def want(llm):
+    return _reference(llm, PROMPTS, LONG)
+
+
+@pytest.fixture(scope="module")
 def cluster():
     with running_cluster("--kv-transfer", "nixl", "--prefill-nodes", "1", "--decode-nodes", "1",
                          "--num-kv-blocks", "512", "--api-key", KEY) as (url, proc):
@@ -111,9 +116,8 @@ def test_admin_routes_need_the_key_and_refuse_bad_input(cluster):
     assert refused.returncode == 1 and "Incorrect API key" in refused.stderr
 
 
-def test_scale_up_and_down_under_load_loses_no_request(cluster, llm):
+def test_scale_up_and_down_under_load_loses_no_request(cluster, want):
     url, proc = cluster
-    want = _reference(llm, PROMPTS, LONG)
     got, reply = _under_load(url, PROMPTS, LONG, lambda: _admin(url, "/admin/scale", {"prefill": 2, "decode": 2}))
     assert reply.status_code == 200, reply.text
     assert sorted(reply.json()["added"]) == ["decode-1", "prefill-1"]
@@ -144,7 +148,7 @@ def test_scale_up_and_down_under_load_loses_no_request(cluster, llm):
     wait_for(lambda: _blocks_back_to_zero(url), timeout_s=30)
 
 
-def test_role_switch_keeps_process_weights_and_prefix_cache(cluster, llm):
+def test_role_switch_keeps_process_weights_and_prefix_cache(cluster, llm, want):
     url, proc = cluster
     prefill = next(n for n, s in node_stats(url).items() if s["role"] == "prefill")
     decode = next(n for n, s in node_stats(url).items() if s["role"] == "decode")
@@ -153,7 +157,6 @@ def test_role_switch_keeps_process_weights_and_prefix_cache(cluster, llm):
     only_here = [(i * 7) % 250 + 5 for i in range(100)]
     assert _stream_ids(_client(url), only_here, 1) == _reference(llm, [{"prompt_token_ids": only_here}], 1)[0]
 
-    want = _reference(llm, PROMPTS, LONG)
     got, reply = _under_load(url, PROMPTS, LONG, lambda: _admin(url, "/admin/switch",
                                                                 {"node_id": prefill, "to_role": "decode"}))
     assert reply.status_code == 200, reply.text
