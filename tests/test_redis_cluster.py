@@ -96,11 +96,18 @@ def test_a_master_killed_under_load(cluster):
         cluster.wait_ok()
         assert victim not in cluster.masters() and len(cluster.masters()) == 3, "no replica took over"
         assert sum(n.get("integrity_failures", 0) for n in node_stats(url).values()) == 0
-        # After the failover the handover still goes through the store: the decode node loads a
-        # new prompt's KV from it rather than computing it.
+        # After the failover the handover goes through the store again: the decode node loads a
+        # new prompt's KV from it rather than computing it (LMCache may first reconnect).
         loaded = _store_loads(url)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        client.completions.create(model="builtin:tiny", prompt=list(range(150, 250)), max_tokens=4, temperature=0)
-        wait_for(lambda: _store_loads(url) > loaded, timeout_s=10)
+        fresh = iter(range(150, 250))
+
+        def store_serves() -> bool:
+            first = next(fresh)
+            client.completions.create(model="builtin:tiny", prompt=[first, *range(10, 109)], max_tokens=2,
+                                      temperature=0)
+            return _store_loads(url) > loaded
+
+        wait_for(store_serves, timeout_s=60, interval_s=1.0)
         with pytest.raises(redis.exceptions.ConnectionError):
             redis.Redis(port=victim, socket_connect_timeout=1).ping()
