@@ -97,6 +97,8 @@ def test_bad_bounds_are_refused():
         planner(min_nodes=5, max_nodes=4)
     with pytest.raises(ValueError, match="no room"):
         planner(min_nodes=1, max_nodes=1)
+    with pytest.raises(ValueError, match="min-decode-nodes"):
+        planner(min_decode=0)
     assert isinstance(planner().decide(snap(1, 1)), Decision)
 
 

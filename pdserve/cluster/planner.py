@@ -71,6 +71,8 @@ class SlaPlanner:
     def __init__(self, config: PlannerConfig):
         if config.min_nodes > config.max_nodes:
             raise ValueError(f"--min-nodes {config.min_nodes} exceeds --max-nodes {config.max_nodes}")
+        if config.min_decode < 1 or config.min_prefill < 0:
+            raise ValueError("the planner needs --min-decode-nodes >= 1 and --min-prefill-nodes >= 0")
         if config.min_prefill + config.min_decode > config.max_nodes:
             raise ValueError(f"--max-nodes {config.max_nodes} leaves no room for one node of each role")
         self.config = config
@@ -187,6 +189,9 @@ def add_planner_args(p) -> None:
     p.add_argument("--itl-slo-ms", type=float, default=100.0, help="the planner's inter-token latency target (p90)")
     p.add_argument("--min-nodes", type=int, default=2, help="the planner keeps at least this many nodes")
     p.add_argument("--max-nodes", type=int, default=8, help="... and at most this many")
+    p.add_argument("--min-prefill-nodes", type=int, default=1,
+                   help="the planner keeps at least this many prefill nodes (0: it may go monolithic)")
+    p.add_argument("--min-decode-nodes", type=int, default=1, help="... and decode nodes")
     p.add_argument("--planner-interval-s", type=float, default=5.0, help="seconds between decisions")
 
 
@@ -196,5 +201,6 @@ def planner_flags(args) -> list[str]:
         return []
     return ["--planner", "sla", "--ttft-slo-ms", str(args.ttft_slo_ms), "--itl-slo-ms", str(args.itl_slo_ms),
             "--min-nodes", str(args.min_nodes), "--max-nodes", str(args.max_nodes),
+            "--min-prefill-nodes", str(args.min_prefill_nodes), "--min-decode-nodes", str(args.min_decode_nodes),
             "--planner-interval-s", str(args.planner_interval_s)]
 

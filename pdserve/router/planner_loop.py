@@ -144,5 +144,6 @@ def attach_planner(backend, args) -> None:
         return
     from pdserve.cluster.planner import PlannerConfig
     config = PlannerConfig(ttft_slo_s=args.ttft_slo_ms / 1e3, itl_slo_s=args.itl_slo_ms / 1e3,
-                           min_nodes=args.min_nodes, max_nodes=args.max_nodes)
+                           min_nodes=args.min_nodes, max_nodes=args.max_nodes,
+                           min_prefill=args.min_prefill_nodes, min_decode=args.min_decode_nodes)
     backend.planner_loop = PlannerLoop(backend, SlaPlanner(config), args.planner_interval_s)
