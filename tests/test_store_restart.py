@@ -32,7 +32,7 @@ def test_prefill_restart_between_writer_and_reader_still_reuses_the_store(store,
         old = node_pids(proc.pid)["prefill-0"]
         os.kill(old, signal.SIGKILL)
         wait_for(lambda: node_pids(proc.pid).get("prefill-0") not in (None, old), timeout_s=30)
-        wait_for(lambda: node_stats(url)["prefill-0"]["healthy"], timeout_s=60)
+        wait_for(lambda: node_stats(url).get("prefill-0", {}).get("healthy"), timeout_s=60)  # absent until it re-registers
         assert_greedy_matches_offline(url, llm, prefix + [40, 41, 42, 43], 8)
         # The new process computed only the tail: its 160-token prefix came from Redis.
         wait_for(lambda: node_stats(url)["prefill-0"]["cached_tokens_store"] >= 160, timeout_s=10)
@@ -64,7 +64,7 @@ def test_flipped_bytes_in_the_store_are_caught_counted_and_recomputed(scheme):
         old = node_pids(proc.pid)["prefill-0"]  # a fresh prefill node must read the store
         os.kill(old, signal.SIGKILL)
         wait_for(lambda: node_pids(proc.pid).get("prefill-0") not in (None, old), timeout_s=30)
-        wait_for(lambda: node_stats(url)["prefill-0"]["healthy"], timeout_s=60)
+        wait_for(lambda: node_stats(url).get("prefill-0", {}).get("healthy"), timeout_s=60)  # absent until it re-registers
         assert_greedy_matches_offline(url, llm, prefix + [40, 41, 42, 43], 8)
         wait_for(lambda: node_stats(url)["prefill-0"].get("integrity_failures", 0) >= 1, timeout_s=10)
         assert node_stats(url)["prefill-0"]["cached_tokens_store"] == 0  # nothing corrupt was used
