@@ -121,9 +121,10 @@ def test_a_killed_replica_costs_only_its_own_streams(cluster, llm):
     for i in range(0, len(prompts), 2):
         assert results[i] == want[i], f"stream {i} through the surviving replica"
     assert all(isinstance(r, Exception) for r in results[1::2]), "a stream outlived its router"
-    # The nodes end the dead replica's requests (thousands of tokens each) once it is silent.
+    # The nodes end the dead replica's requests (thousands of tokens each) once it is silent:
+    # well before those could finish (slack for a loaded host, whose decoding slows as well).
     wait_for(lambda: all(n["kv_blocks_in_use"] == 0 and n["requests"] == 0 for n in node_stats(url_a).values()),
-             timeout_s=ROUTER_GONE_S + 7)
+             timeout_s=ROUTER_GONE_S + 17)
     # The launcher restarts B; it finds the nodes in the registry and their caches in snapshots.
     wait_for(lambda: _healthy_nodes(url_b) == 3 and _router_pid(up.pid, port_b) != old_pid, timeout_s=120)
     wait_for(lambda: _prefill_index(url_b) >= len(SHARED) // 16, timeout_s=30)  # rebuilt from snapshots

@@ -169,7 +169,9 @@ def test_role_switch_keeps_process_weights_and_prefix_cache(cluster, llm, want):
     # prompt to the switched node, whose cache still holds it.
     r = _client(url).completions.create(model="builtin:tiny", prompt=only_here, max_tokens=4, temperature=0)
     assert r.usage.prompt_tokens_details.cached_tokens >= 96
-    assert node_stats(url)[prefill]["requests_total"] > stats["requests_total"]
+    # Node stats come with the router's pings: wait for the pong that counts this request.
+    wait_for(lambda: node_stats(url).get(prefill, {}).get("requests_total", 0) > stats["requests_total"],
+             timeout_s=30)
 
     # And back, while the switched node itself streams: its streams move to the other decode node.
     got, reply = _under_load(url, PROMPTS, LONG, lambda: _admin(url, "/admin/switch",

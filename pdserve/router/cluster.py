@@ -50,8 +50,10 @@ TOKEN_TIMEOUT_S = 300.0  # a healthy node that sends nothing for this long still
 MAX_ATTEMPTS = 3  # per phase (prefill, decode) of one request
 MAX_PLANNED_MOVES = 16  # a stream moved off this many draining nodes counts further moves as failures
 # How long a request waits for a node of a role when every one is out of rotation but some are
-# only silent (still connected: a loaded host missing pings), not dead.
-NODE_WAIT_S = 10.0
+# only silent (still connected: a loaded host missing pings), not dead. A loaded 2-core host
+# (a node process starting beside the survivors of a failover) kept every node silent for over
+# 10 s: a connected node is worth waiting for well past that.
+NODE_WAIT_S = 30.0
 
 
 def _view(node: Node) -> NodeView:
