@@ -17,6 +17,8 @@ import logging
 
 import torch
 
+from pdserve.engine.overlap import take_pending
+
 log = logging.getLogger(__name__)
 
 
@@ -113,7 +115,7 @@ class DecodeGraphs:
         if previous is not None:
             self.dev_src[:n].copy_(self.host_src[:n], non_blocking=True)
             ids = self.dev64[0, :n]
-            ids.copy_(torch.where(self.dev_src[:n] >= 0, previous[self.dev_src[:n].clamp(min=0)], ids))
+            ids.copy_(take_pending(ids, previous, self.dev_src[:n]))
         self.copied.record()
         self.graphs[b].replay()
         return self.logits[:n]

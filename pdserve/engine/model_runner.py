@@ -8,8 +8,9 @@ import numpy as np
 import torch
 
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.overlap import pending_sources, take_pending
 from pdserve.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
-from pdserve.engine.request import PENDING_TOKEN, Request
+from pdserve.engine.request import Request
 from pdserve.engine.step_inputs import KeptTableRows, build_step_inputs, fill_decode_rows
 from pdserve.kernels import get_fused_layer_ops
 from pdserve.models.llama import LlamaModel
@@ -145,18 +146,3 @@ class ModelRunner:
                                  prefill_cu_seqlens=cu, prefill_context_lens=pctx,
                                  prefill_block_tables=ptable)
         return ints64[0], ints64[1], meta
-
-
-def pending_sources(reqs: list[Request], rows: dict[str, int]) -> np.ndarray:
-    """Per one-token query: the row of the step before's tokens that holds its input token, or
-    -1 where the host has it."""
-    out = np.full(len(reqs), -1, np.int64)
-    for i, req in enumerate(reqs):
-        if req.all_token_ids[req.num_computed_tokens] == PENDING_TOKEN:
-            out[i] = rows[req.request_id]
-    return out
-
-
-def take_pending(token_ids: torch.Tensor, previous: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
-    """token_ids with each row whose source is >= 0 replaced by previous[source], on the device."""
-    return torch.where(sources >= 0, previous[sources.clamp(min=0)], token_ids)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.engine.outputs import StepOutput
@@ -114,3 +115,18 @@ def overlapped_step(engine) -> list[StepOutput]:
     outputs = collect(engine, prev) if prev is not None else []
     engine.in_flight = after_launch(engine, batch.items, step)
     return outputs
+
+
+def pending_sources(reqs: list[Request], rows: dict[str, int]) -> np.ndarray:
+    """Per one-token query: the row of the step before's tokens that holds its input token, or
+    -1 where the host has it."""
+    out = np.full(len(reqs), -1, np.int64)
+    for i, req in enumerate(reqs):
+        if req.all_token_ids[req.num_computed_tokens] == PENDING_TOKEN:
+            out[i] = rows[req.request_id]
+    return out
+
+
+def take_pending(token_ids: torch.Tensor, previous: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+    """token_ids with each row whose source is >= 0 replaced by previous[source], on the device."""
+    return torch.where(sources >= 0, previous[sources.clamp(min=0)], token_ids)
