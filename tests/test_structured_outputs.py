@@ -120,7 +120,7 @@ def test_grammar_and_logit_edits_compose(llm):
         assert llm.generate(PROMPTS[1], p, use_tqdm=False)[0].outputs[0].text == choice
     barred = _params("choice", temperature=0, bad_words_token_ids=[[t] for t in first.values()])
     out = llm.generate(PROMPTS[1], barred, use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop" and len(out.token_ids) == 1
+    assert out.finish_reason == "grammar_dead_end" and len(out.token_ids) == 1
 
 
 def _continue(engine, rid, params, prompt, produced):

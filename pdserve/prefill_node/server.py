@@ -108,6 +108,8 @@ class PrefillNode(NodeRuntime):
                 engine_req.num_cached_tokens = max(engine_req.num_cached_tokens, stored)
                 self.stats.cached_tokens_store += max(stored - local, 0)
         self.pending[rid] = PendingPrefill(identity, req, keys)
+        # Until its blocks are free: a router that goes silent takes its prefills and leases with it.
+        self.origin[rid] = identity
         self.stats.requests_total += 1
 
     def _store_prefix_tokens(self, keys: list[bytes]) -> int:
@@ -157,7 +159,7 @@ class PrefillNode(NodeRuntime):
             log.warning("[%s] handover failed, the decode node will recompute: %s", rid, exc)
             handover = KVHandover("none", 0)
         if req.transfer != "nixl" or handover is None or handover.mode != "nixl":
-            self.engine.release_blocks(rid)
+            self._release(rid)
         self.control.send(pending.identity, PrefillResult(rid, first=first, handover=handover))
 
     def _store_handover(self, req: PrefillRequest, keys: list[bytes]) -> KVHandover:
@@ -191,14 +193,18 @@ class PrefillNode(NodeRuntime):
         for _peer, note in self.agent.get_notifications():
             rid = note.decode(errors="replace")
             if self.leases.pop(rid, None) is not None:
-                self.engine.release_blocks(rid)
+                self._release(rid)
                 self.stats.transfers_ok += 1
         now = time.monotonic()
         for rid in [r for r, expiry in self.leases.items() if expiry <= now]:
             del self.leases[rid]
-            self.engine.release_blocks(rid)
+            self._release(rid)
             self.stats.leases_expired += 1
             log.info("[%s] lease expired: pinned blocks freed", rid)
+
+    def _release(self, rid: str) -> None:
+        self.engine.release_blocks(rid)
+        self.origin.pop(rid, None)
 
     def abort(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
