@@ -63,8 +63,9 @@ def _add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--kv-timeout-s", type=float, default=30.0,
                    help="how long a request may wait for its KV before it is computed locally")
     p.add_argument("--registry", default=None,
-                   help="tcp://host:port of the node registry: the node registers itself there, and routers "
-                        "watching it route to the node (pair with --advertise-host when bound to 0.0.0.0)")
+                   help="the node registry, tcp://host:port (`pdserve registry`) or redis://host:port[/db]: "
+                        "the node registers itself there, and routers watching it route to the node (pair "
+                        "with --advertise-host when bound to 0.0.0.0)")
     _add_curve_args(p)
 
 
@@ -148,8 +149,9 @@ def _add_cluster_parsers(sub) -> None:
     rt.add_argument("--prefill", action="append", help="a prefill node's zmq endpoint (repeat)")
     rt.add_argument("--decode", action="append", help="a decode node's zmq endpoint (repeat)")
     rt.add_argument("--registry", default=None,
-                    help="tcp://host:port of the node registry: route to every node registered there "
-                         "(besides any --prefill/--decode), as nodes come and go")
+                    help="the node registry, tcp://host:port (`pdserve registry`) or redis://host:port[/db]: "
+                         "route to every node registered there (besides any --prefill/--decode), as nodes "
+                         "come and go")
     rt.add_argument("--owner", default=None, help="zmq admin endpoint of the node owner (`pdserve up` passes "
                     "its own): POST /admin/scale starts and stops nodes through it")
     rt.add_argument("--kv-transfer", choices=["nixl", "store"], default=_default_transfer(),

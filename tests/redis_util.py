@@ -85,12 +85,15 @@ def _security_args(port: int, password: str | None, tls: TLSFiles | None) -> lis
 
 
 def start_redis_server(timeout: float = 10.0, attempts: int = 3, *, password: str | None = None,
-                       tls: TLSFiles | None = None, extra_args: Sequence[str] = ()) -> tuple[str, subprocess.Popen]:
+                       tls: TLSFiles | None = None, extra_args: Sequence[str] = (),
+                       port: int | None = None) -> tuple[str, subprocess.Popen]:
     """Start redis-server on a free port with persistence off; return (url, process) once it
     answers PING. Retries on a new port if another process grabbed the chosen one first.
-    password sets requirepass (the url carries it); tls serves TLS only (a rediss:// url)."""
-    for _ in range(attempts):
-        port = free_port()
+    password sets requirepass (the url carries it); tls serves TLS only (a rediss:// url);
+    port: this port, no retries (a server restarted where its clients expect it)."""
+    fixed_port = port
+    for _ in range(attempts if fixed_port is None else 1):
+        port = fixed_port or free_port()
         # Later options win in redis-server, so the security ones override the plain --port.
         proc = subprocess.Popen(
             [REDIS_SERVER, "--port", str(port), "--save", "", "--appendonly", "no",

@@ -1,6 +1,7 @@
 """A node's side of the registry: register, heartbeat, re-register, deregister.
 
-A thread of its own with its own zmq socket, so the node's engine loop never waits on the
+The zmq registry's form is here; a redis:// registry URL picks the Redis form
+(cluster/registry_redis.py), the same class with another _run. Either way a thread of its own, so the node's engine loop never waits on the
 registry. The node's record says how routers reach it: its control socket's endpoint with the
 bind host replaced by --advertise-host (a node bound to 0.0.0.0 must name an address others can
 dial), its NIXL side channel, and its block-key salt. A restarted node process registers a new
@@ -9,6 +10,7 @@ incarnation (its start time), so a registry that still holds the old record repl
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import threading
 import time
@@ -29,6 +31,7 @@ from pdserve.cluster.registry_messages import (
     SwitchRequest,
     decode,
     encode,
+    is_redis_url,
 )
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,11 @@ def advertised_endpoint(bound: str, advertise_host: str | None) -> str:
         log.warning("bound to %s with no --advertise-host: registering as %s (set --advertise-host to the "
                     "address other machines reach this node at)", bound, host)
     return f"{scheme}://{host}:{port}"
+
+
+def shown_url(url: str) -> str:
+    """The URL as logs show it: a password in it (redis://:PASSWORD@host) is masked."""
+    return re.sub(r"//[^/@]*@", "//***@", url)
 
 
 class NodeRegistration:
@@ -68,7 +76,7 @@ class NodeRegistration:
         side = getattr(node, "side_channel", None) if getattr(node, "agent", None) is not None else None
         record = NodeRecord(node.node_id, node.role, control, side, node.engine.salt or b"",
                             incarnation=time.time_ns())
-        return cls(registry_url, record).start()
+        return registration_class(registry_url)(registry_url, record).start()
 
     @property
     def record(self) -> NodeRecord:
@@ -78,7 +86,7 @@ class NodeRegistration:
     def start(self) -> NodeRegistration:
         self._thread.start()
         log.info("registering %s %s at %s with %s", self._record.role, self._record.node_id,
-                 self._record.control_addr, self.registry_url)
+                 self._record.control_addr, shown_url(self.registry_url))
         return self
 
     def update(self, **changes) -> NodeRecord:
@@ -139,8 +147,18 @@ class NodeRegistration:
             pass
 
 
+def registration_class(registry_url: str) -> type[NodeRegistration]:
+    """The registration for a registry URL: Redis for redis:// and rediss://, else zmq."""
+    if is_redis_url(registry_url):
+        from pdserve.cluster.registry_redis import RedisNodeRegistration
+        return RedisNodeRegistration
+    return NodeRegistration
+
+
 def admin_request(registry_url: str, msg: ScaleRequest | SwitchRequest, timeout_s: float = 60.0) -> AdminReply:
     """Send an admin request to the registry's owner and wait for its answer."""
+    if is_redis_url(registry_url):
+        return AdminReply(False, "a Redis registry has no owner to take admin requests")
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:

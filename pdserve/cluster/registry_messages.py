@@ -15,6 +15,14 @@ EXPIRE_AFTER_S = 3.0  # a record with no heartbeat for this long is dropped
 ACTIVE = "active"
 DRAINING = "draining"
 
+# --registry URLs with these schemes keep the records in Redis (cluster/registry_redis.py); any
+# other is the zmq registry's endpoint (cluster/registry.py).
+REDIS_SCHEMES = ("redis://", "rediss://")
+
+
+def is_redis_url(registry_url: str) -> bool:
+    return registry_url.startswith(REDIS_SCHEMES)
+
 
 class NodeRecord(msgspec.Struct, frozen=True):
     node_id: str

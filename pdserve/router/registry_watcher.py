@@ -10,6 +10,9 @@ A node given on the command line (--prefill/--decode) is left alone until a node
 its id (`pdserve up` gives both, so its router routes at once, before any membership arrives):
 from then on the registry speaks for it. A static node that never registers is never removed.
 
+The memberships come from the zmq registry (below) or, for a redis:// URL, from reading the
+records in Redis every HEARTBEAT_S (cluster/registry_redis.py); both feed apply().
+
 An unreachable registry changes nothing: the pool keeps its last membership. A restarted
 registry (a new epoch) starts empty and fills as nodes re-register on their next heartbeat, so
 for EXPIRE_AFTER_S after a new epoch the watcher adds and updates but removes nothing.
@@ -32,6 +35,7 @@ from pdserve.cluster.registry_messages import (
     SnapshotRequest,
     decode,
     encode,
+    is_redis_url,
 )
 from pdserve.router.nodes import NodePool
 
@@ -49,6 +53,13 @@ class RegistryWatcher:
         self.applied = 0  # memberships applied (tests and /health read it)
 
     async def run(self) -> None:
+        if is_redis_url(self.registry_url):
+            from pdserve.cluster.registry_redis import watch_redis
+            await watch_redis(self.registry_url, self.apply)
+            return
+        await self._watch_zmq()
+
+    async def _watch_zmq(self) -> None:
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 4)

@@ -1,0 +1,60 @@
+"""Helpers for the node registry tests (zmq and Redis forms): decode nodes started by hand with
+--registry, a check that a node serves exact output, and a router's pool and watcher in-process."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+from cluster_util import assert_greedy_matches_offline, node_stats
+
+from pdserve.router.nodes import NodePool
+from pdserve.router.registry_watcher import RegistryWatcher
+from pdserve.transport import free_port
+
+PROMPT = list(range(3, 60))
+
+
+def start_decode(registry: str, node_id: str, log_path: str) -> tuple[subprocess.Popen, str]:
+    """`pdserve decode` registering at `registry`; returns the process and its control address."""
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "pdserve", "--log-level", "INFO", "decode",
+           "--model", "builtin:tiny", "--node-id", node_id,
+           "--bind", addr, "--registry", registry, "--nixl", "--num-kv-blocks", "512"]
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return proc, addr
+
+
+def serves(url: str, llm, node_id: str) -> None:
+    """Requests until `node_id` has served some (round robin over the decode nodes), each one's
+    greedy output equal to the offline engine's."""
+    before = node_stats(url)[node_id].get("requests_total", 0)
+    for i in range(6):
+        assert_greedy_matches_offline(url, llm, PROMPT[i:], 12)
+    assert node_stats(url)[node_id]["requests_total"] > before
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
+
+
+async def watch_pool(registry: str, seconds: float, probe) -> list:
+    """Run a router's pool and watcher for `seconds`, sampling probe(pool) every 0.1 s."""
+    pool = NodePool([], [], lambda node, msg: None, lambda node: None)
+    await pool.start()
+    watcher = asyncio.create_task(RegistryWatcher(registry, pool).run())
+    samples = []
+    try:
+        for _ in range(int(seconds / 0.1)):
+            await asyncio.sleep(0.1)
+            samples.append(probe(pool))
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await pool.stop()
+    return samples
