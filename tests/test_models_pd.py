@@ -1,0 +1,112 @@
+"""Every architecture of the model families through a real `pdserve up` 1P1D cluster (router,
+prefill and decode nodes as separate processes), over NIXL and over the store, driven by the
+official openai client: greedy output equals transformers' `generate` in float32 on the same
+random weights, and a seeded sampled request equals the offline engine's.
+
+The architectures with a cluster test of their own (gpt-oss in test_models_sliding.py,
+DeepSeek-V3 in test_mla_cluster.py, Llama in test_cluster.py) are not repeated here; the
+coverage test below fails when an architecture is added without a P/D test.
+
+Each request's KV must arrive over the path under test: the decode node's recompute fallback
+would hide a broken handover behind correct tokens, so the node's transfer counters are checked.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import openai
+import pytest
+from cluster_util import node_stats, running_cluster, wait_for
+from family_models import assert_meaningful, load_reference, make_family_model, random_prompts, reference_greedy
+from test_models_deepseek import make_deepseek
+
+from pdserve import LLM, SamplingParams
+from pdserve.models.loader import SUPPORTED_ARCHITECTURES
+
+NEW_TOKENS = 10
+SEEDED = dict(max_tokens=8, temperature=0.8, top_p=0.9, seed=11)
+# kind -> (architecture, checkpoint builder, weight seed: one whose greedy steps have no near tie)
+KINDS = {
+    "qwen3_moe": ("Qwen3MoeForCausalLM", make_family_model, 0),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", make_family_model, 0),
+    "mixtral": ("MixtralForCausalLM", make_family_model, 0),
+    "gemma3_text": ("Gemma3ForCausalLM", make_family_model, 3),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", make_deepseek, 0),
+}
+COVERED_ELSEWHERE = {
+    "GptOssForCausalLM": "test_models_sliding.py::test_pd_cluster_matches_transformers_and_offline_seeded",
+    "DeepseekV3ForCausalLM": "test_mla_cluster.py::test_pd_over_latent_cache_matches_offline",
+    "LlamaForCausalLM": "test_cluster.py (builtin:tiny, nixl, store and lmcache)",
+    # The dense families run llama.py's decoder with the Llama KV layout: what P/D moves and
+    # how it is attended does not differ from Llama's.
+    "MistralForCausalLM": "test_cluster.py (the Llama layout)",
+    "Qwen2ForCausalLM": "test_cluster.py (the Llama layout)",
+    "Qwen3ForCausalLM": "test_cluster.py (the Llama layout)",
+}
+
+
+def test_every_supported_architecture_has_a_pd_test():
+    covered = {arch for arch, _, _ in KINDS.values()} | set(COVERED_ELSEWHERE)
+    assert covered == set(SUPPORTED_ARCHITECTURES)
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def expected(request, tmp_path_factory):
+    """The checkpoint, its prompts, transformers' greedy tokens and the offline seeded tokens.
+    Prompts: a shared 37-token prefix (past a block, Gemma's 21-token window) with two tails,
+    so the second request's prefix comes from the prefill node's cache, and a short one."""
+    kind = request.param
+    _, build, seed = KINDS[kind]
+    path = build(tmp_path_factory.mktemp("pd"), kind, seed=seed)
+    ref = load_reference(path)
+    vocab = ref.config.vocab_size
+    base = random_prompts(7, vocab, [37])[0]
+    prompts = [base + tail for tail in random_prompts(8, vocab, [4, 13])] + random_prompts(9, vocab, [20])
+    greedy = []
+    for prompt in prompts:
+        tokens, gaps = reference_greedy(ref, prompt, NEW_TOKENS)
+        assert_meaningful(tokens, gaps)
+        greedy.append(tokens)
+    offline = LLM(model=str(path), num_kv_blocks=64)
+    seeded = offline.generate([{"prompt_token_ids": prompts[1]}], SamplingParams(**SEEDED, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].token_ids
+    assert seeded != greedy[1], "the sampled request should not just repeat greedy"
+    return path, prompts, greedy, seeded
+
+
+def _complete(client: openai.OpenAI, model: str, prompt: list[int], **params) -> list[int]:
+    r = client.completions.create(model=model, prompt=prompt, **{"max_tokens": NEW_TOKENS, "temperature": 0, **params},
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    return r.choices[0].model_extra["token_ids"]
+
+
+# The store: LMCache in front of Redis. 32-token chunks, so a 41-token prompt moves as one
+# LMCache chunk and a partial tail through direct Redis: both halves of the store see the layout.
+TRANSFERS = {"nixl": ("--kv-transfer", "nixl"),
+             "store": ("--kv-transfer", "store", "--store-chunk-tokens", "32")}
+
+
+@pytest.mark.parametrize("transfer", list(TRANSFERS))
+def test_pd_greedy_matches_transformers_and_seeded_matches_offline(expected, transfer):
+    path, prompts, greedy, seeded = expected
+    model = str(path)
+    with running_cluster("--model", model, *TRANSFERS[transfer], "--num-kv-blocks", "64") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        got = [_complete(client, model, prompts[0])]  # first alone: the others reuse its prefix
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:  # then batched on the decode node
+            got += pool.map(lambda p: _complete(client, model, p), prompts[1:])
+        assert got == greedy, f"{path.name} over {transfer}: greedy differs from transformers"
+        assert _complete(client, model, prompts[1], **SEEDED) == seeded, \
+            f"{path.name} over {transfer}: seeded sampling differs from the offline engine"
+        _assert_moved_over(url, transfer, requests=len(prompts) + 1)
+
+
+def _assert_moved_over(url: str, transfer: str, requests: int) -> None:
+    """Every request's KV reached the decode node over `transfer`, none recomputed, and every
+    block went back to the pools."""
+    wait_for(lambda: node_stats(url)["decode-0"]["transfers_ok"] >= requests)
+    decode = node_stats(url)["decode-0"]
+    assert decode["transfers_failed"] == 0
+    assert decode[f"transfer_bytes_{transfer}"] > 0
+    assert decode[f"transfer_bytes_{'store' if transfer == 'nixl' else 'nixl'}"] == 0
+    wait_for(lambda: all(n["free_blocks"] == n["total_blocks"] for n in node_stats(url).values()))
