@@ -54,6 +54,7 @@ def _default_transfer() -> str:
 
 
 def _add_node_args(p: argparse.ArgumentParser, role: str) -> None:
+    from pdserve.cluster.registration import registry_url
     _add_engine_args(p)
     p.add_argument("--node-id", default=f"{role}-0", help="the name the router, logs and metrics use")
     p.add_argument("--bind", default="tcp://127.0.0.1:5600", help="zmq endpoint for the router")
@@ -62,7 +63,7 @@ def _add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     _add_store_args(p)
     p.add_argument("--kv-timeout-s", type=float, default=30.0,
                    help="how long a request may wait for its KV before it is computed locally")
-    p.add_argument("--registry", default=None,
+    p.add_argument("--registry", default=None, type=registry_url,
                    help="the node registry, tcp://host:port (`pdserve registry`) or redis://host:port[/db]: "
                         "the node registers itself there, and routers watching it route to the node (pair "
                         "with --advertise-host when bound to 0.0.0.0)")
@@ -123,6 +124,7 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
 
 def _add_cluster_parsers(sub) -> None:
     from pdserve.cluster.planner import add_planner_args
+    from pdserve.cluster.registration import registry_url
     from pdserve.cluster.registry import run_registry
     from pdserve.launcher import run_up
     from pdserve.node_main import run_decode, run_prefill
@@ -148,7 +150,7 @@ def _add_cluster_parsers(sub) -> None:
     rt.add_argument("--port", type=int, default=8000, help="HTTP port")
     rt.add_argument("--prefill", action="append", help="a prefill node's zmq endpoint (repeat)")
     rt.add_argument("--decode", action="append", help="a decode node's zmq endpoint (repeat)")
-    rt.add_argument("--registry", default=None,
+    rt.add_argument("--registry", default=None, type=registry_url,
                     help="the node registry, tcp://host:port (`pdserve registry`) or redis://host:port[/db]: "
                          "route to every node registered there (besides any --prefill/--decode), as nodes "
                          "come and go")

@@ -5,7 +5,8 @@ A router given only `--registry redis://` serves through the nodes it finds ther
 started by hand afterwards joins its rotation and serves (greedy output equal to the offline
 engine's); a clean exit deletes the node's record, so it leaves at once; a SIGKILLed node's record
 outlives it until its TTL, then the router drops it. In-process: a Redis outage longer than the
-TTL and a Redis restart keep the router's nodes while the nodes write their records again.
+TTL and a Redis restart keep the router's nodes while the nodes write their records again, and
+rediss:// with a password and a CA file carries the registry with the server's certificate checked.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -23,6 +25,7 @@ import redis
 from cluster_util import node_stats, wait_for
 from redis_util import redis_server, start_redis_server, stop_redis_server
 from registry_util import serves, start_decode, stop_process, watch_pool
+from test_redis_security import make_certs
 
 from pdserve import LLM
 from pdserve.cluster.registry_messages import EXPIRE_AFTER_S, HEARTBEAT_S, NodeRecord
@@ -195,3 +198,22 @@ def test_a_redis_outage_and_restart_keep_the_routers_nodes():
         stop_redis_server(server)
     assert samples[12:] and all(s == ["prefill-x"] for s in samples[12:]), samples
     assert reg.registrations >= 3, "the node did not write its record again after the outage and the restart"
+
+
+def test_rediss_with_a_password_checks_the_certificate(tmp_path):
+    tls, rogue_ca = make_certs(tmp_path)
+    ca = tls.ca
+    password = "reg p@ss"
+    with redis_server(tls=tls, password=password) as (url, _):
+        assert quote(password, safe="") in url  # the helper's url carries the password, encoded
+        reg = RedisNodeRegistration(f"{url}/2?ca_file={quote(ca)}",
+                                    NodeRecord("decode-tls", "decode", "tcp://127.0.0.1:1", incarnation=1)).start()
+        try:
+            trusted = asyncio.run(watch_pool(f"{url}/2?ca_file={quote(ca)}", 2.0,
+                                             lambda pool: [n.node_id for n in pool.nodes]))
+            untrusted = asyncio.run(watch_pool(f"{url}/2?ca_file={quote(rogue_ca)}", 2.0,
+                                               lambda pool: [n.node_id for n in pool.nodes]))
+        finally:
+            reg.close()
+    assert trusted[-1] == ["decode-tls"]
+    assert all(s == [] for s in untrusted), "a certificate from an unknown CA was accepted"

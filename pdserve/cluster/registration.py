@@ -10,7 +10,6 @@ incarnation (its start time), so a registry that still holds the old record repl
 from __future__ import annotations
 
 import logging
-import re
 import socket
 import threading
 import time
@@ -33,6 +32,7 @@ from pdserve.cluster.registry_messages import (
     encode,
     is_redis_url,
 )
+from pdserve.kvstore.redact import redact_url
 
 log = logging.getLogger(__name__)
 WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
@@ -50,11 +50,6 @@ def advertised_endpoint(bound: str, advertise_host: str | None) -> str:
         log.warning("bound to %s with no --advertise-host: registering as %s (set --advertise-host to the "
                     "address other machines reach this node at)", bound, host)
     return f"{scheme}://{host}:{port}"
-
-
-def shown_url(url: str) -> str:
-    """The URL as logs show it: a password in it (redis://:PASSWORD@host) is masked."""
-    return re.sub(r"//[^/@]*@", "//***@", url)
 
 
 class NodeRegistration:
@@ -86,7 +81,7 @@ class NodeRegistration:
     def start(self) -> NodeRegistration:
         self._thread.start()
         log.info("registering %s %s at %s with %s", self._record.role, self._record.node_id,
-                 self._record.control_addr, shown_url(self.registry_url))
+                 self._record.control_addr, redact_url(self.registry_url))
         return self
 
     def update(self, **changes) -> NodeRecord:
@@ -145,6 +140,22 @@ class NodeRegistration:
             sock.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again:  # the registry is unreachable and the queue full: the next beat retries
             pass
+
+
+def registry_url(value: str) -> str:
+    """`--registry`'s argparse type: a zmq tcp:// endpoint or a Redis URL, checked at start-up
+    (a bad one would otherwise only show as a node no router ever finds)."""
+    import argparse
+    if is_redis_url(value):
+        from pdserve.cluster.registry_redis import connection
+        try:
+            connection(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    elif not value.startswith("tcp://"):
+        raise argparse.ArgumentTypeError(f"{redact_url(value)}: use tcp://HOST:PORT (`pdserve registry`) "
+                                         "or redis://HOST:PORT[/DB]")
+    return value
 
 
 def registration_class(registry_url: str) -> type[NodeRegistration]:

@@ -1,4 +1,5 @@
-"""The node registry kept in Redis: `--registry redis://HOST:PORT[/DB]` (or rediss://), for nodes
+"""The node registry kept in Redis: `--registry redis://HOST:PORT[/DB]` (or rediss://, with
+`?ca_file=PATH` as for the store), for nodes
 and routers started by hand where a Redis runs anyway (compose, bare hosts) and no registry
 process should.
 
@@ -23,8 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import msgspec
 import redis
@@ -33,8 +36,9 @@ import redis.asyncio.retry
 import redis.retry
 from redis.backoff import NoBackoff
 
-from pdserve.cluster.registration import NodeRegistration, shown_url
+from pdserve.cluster.registration import NodeRegistration
 from pdserve.cluster.registry_messages import EXPIRE_AFTER_S, HEARTBEAT_S, Membership, NodeRecord
+from pdserve.kvstore.redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +47,7 @@ RECORD_PREFIX = "pdserve:node:"
 # Index entries are pruned this long after their node's last write: far past the record's TTL,
 # so clocks that disagree by less than this never prune a live node's entry.
 PRUNE_AFTER_S = 60.0
-# Timeouts below a heartbeat and no retries inside a call: a lost Redis costs one beat, not the
+# Timeouts of a heartbeat and no retries inside a call: a lost Redis costs one beat, not the
 # client's default backoff of several seconds (which would also hold up a node's clean exit).
 CLIENT_OPTIONS = {"socket_timeout": HEARTBEAT_S, "socket_connect_timeout": HEARTBEAT_S}
 
@@ -63,11 +67,28 @@ def record_key(node_id: str) -> str:
     return RECORD_PREFIX + node_id
 
 
+def connection(registry_url: str) -> tuple[str, dict]:
+    """redis-py's URL and client options for a registry URL. rediss:// verifies the server's
+    certificate and host name, against `?ca_file=PATH` if given (as the store's URLs do), else
+    the system CAs. Raises ValueError for a CA file that is missing or given without TLS."""
+    parts = urlsplit(registry_url)
+    query = parse_qs(parts.query)
+    ca_file = query.pop("ca_file", [None])[0]
+    options = dict(CLIENT_OPTIONS)
+    if parts.scheme == "rediss":
+        if ca_file is not None and not os.path.isfile(ca_file):
+            raise ValueError(f"ca_file {ca_file!r} is not a readable file")
+        options.update(ssl_cert_reqs="required", ssl_check_hostname=True, ssl_ca_certs=ca_file)
+    elif ca_file is not None:  # a CA with plain TCP means the operator believes they have TLS
+        raise ValueError("ca_file is a TLS option: use rediss://")
+    return urlunsplit(parts._replace(query=urlencode(query, doseq=True))), options
+
+
 class _OutageLog:
     """Logs the first failure of an outage and the recovery, not every retry in between."""
 
     def __init__(self, who: str, url: str, while_down: str):
-        self.who, self.url, self.while_down = who, shown_url(url), while_down
+        self.who, self.url, self.while_down = who, redact_url(url), while_down
         self.down = False
 
     def failed(self, exc: Exception) -> None:
@@ -86,7 +107,8 @@ class RedisNodeRegistration(NodeRegistration):
     """NodeRegistration with the record kept in Redis: same record, update() and close()."""
 
     def _run(self) -> None:
-        client = redis.Redis.from_url(self.registry_url, retry=redis.retry.Retry(NoBackoff(), 0), **CLIENT_OPTIONS)
+        url, options = connection(self.registry_url)
+        client = redis.Redis.from_url(url, retry=redis.retry.Retry(NoBackoff(), 0), **options)
         outage = _OutageLog(self.record.node_id, self.registry_url, "serving on, retrying every heartbeat")
         written = b""  # what this process last wrote, so the exit deletes only its own record
         try:
@@ -166,8 +188,8 @@ class RedisMembershipReader:
 
 async def watch_redis(registry_url: str, apply: Callable[[Membership], Awaitable[None]]) -> None:
     """RegistryWatcher.run for a Redis registry: apply the membership every HEARTBEAT_S."""
-    client = redis.asyncio.Redis.from_url(registry_url, retry=redis.asyncio.retry.Retry(NoBackoff(), 0),
-                                          **CLIENT_OPTIONS)
+    url, options = connection(registry_url)
+    client = redis.asyncio.Redis.from_url(url, retry=redis.asyncio.retry.Retry(NoBackoff(), 0), **options)
     reader = RedisMembershipReader()
     outage = _OutageLog("router", registry_url, "keeping the last membership")
     try:

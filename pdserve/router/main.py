@@ -73,6 +73,7 @@ def _run_with_app(app, backend) -> None:
 def run_router(args) -> int:
     import uvicorn
 
+    from pdserve.kvstore.redact import redact_url
     from pdserve.router.planner_loop import attach_planner
     admission = dict(api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"), protect_metrics=args.protect_metrics,
                      max_body_bytes=args.max_body_bytes, max_queued_requests=args.max_queued_requests)
@@ -84,8 +85,8 @@ def run_router(args) -> int:
                     chat=dict(chat_template=args.chat_template, tool_call_parser=args.tool_call_parser))
     attach_planner(app.state.router.backend, args)
     log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s%s%s", args.host, args.port,
-             len(args.prefill or []), len(args.decode or []), args.kv_transfer,
-             ", CURVE" if args.curve_dir else "", f", nodes from the registry at {args.registry}" if args.registry else "")
+             len(args.prefill or []), len(args.decode or []), args.kv_transfer, ", CURVE" if args.curve_dir else "",
+             f", nodes from the registry at {redact_url(args.registry)}" if args.registry else "")
     # uvloop and httptools when installed (the [standard] extra): the router's per-request cost is
     # mostly event-loop and HTTP parsing work.
     # Keep-alive: an idle connection must outlive the client's own idle expiry (httpx, the openai
