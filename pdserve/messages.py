@@ -21,6 +21,9 @@ class KVHandover(msgspec.Struct, frozen=True):
     regions: list[tuple[int, int, int]] = []  # nixl: (address, bytes, device id) per block
     digests: list[int] = []        # xxh3-64 of each block's bytes, checked after the READ
     lease_s: float = 0.0           # nixl: seconds the prefill node keeps the blocks pinned
+    # Blocks before this one are not handed over: they slid out of every layer's window (a
+    # model whose layers all slide). regions and digests start at it; keys stay the whole chain.
+    first_block: int = 0
 
 
 class Ping(msgspec.Struct, tag=True):

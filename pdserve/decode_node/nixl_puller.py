@@ -61,7 +61,8 @@ class NixlPuller:
 
     def start(self, rid: str, handover: KVHandover, local_ids: list[int], first: int,
               received_at: float, timeout_s: float) -> bool:
-        """Post the READ of blocks [first:] of the handover; False if it cannot start."""
+        """Post the READ of blocks [first:] of the prompt (local_ids: the prompt's local blocks;
+        the handover's regions start at its first_block); False if it cannot start."""
         # The lease runs from when we received the handover (our clock, so no skew between
         # machines); it started a little earlier on the prefill node, which the margin covers.
         lease_end = received_at + handover.lease_s
@@ -70,7 +71,8 @@ class NixlPuller:
             return False
         try:
             peer = self._peer(handover.side_channel, handover.agent_name)
-            handle = self.agent.start_read(peer, handover.regions[first:], local_ids[first:], notif=rid.encode(),
+            regions = handover.regions[first - handover.first_block:]
+            handle = self.agent.start_read(peer, regions, local_ids[first:], notif=rid.encode(),
                                            timeout_s=max(min(lease_end - LEASE_MARGIN_S - time.monotonic(),
                                                              timeout_s), 0.1))
         except (NixlTransferError, ValueError, IndexError) as exc:
@@ -99,7 +101,7 @@ class NixlPuller:
         if self._corrupt_left > 0 and ids:
             self._corrupt_left -= 1
             self.kv_cache[ids[0]].view(-1).view(torch.uint8)[7] ^= 0x10
-        bad = mismatched_blocks(self.kv_cache, ids, pull.handover.digests[pull.first:])
+        bad = mismatched_blocks(self.kv_cache, ids, pull.handover.digests[pull.first - pull.handover.first_block:])
         if bad:
             self.integrity_failures += 1
             log.warning("[%s] %d blocks failed their digest check", rid, len(bad))

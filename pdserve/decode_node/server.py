@@ -71,7 +71,13 @@ class DecodeNode(NodeRuntime):
 
     def _start_pull(self, req: Request, handover: KVHandover, received_at: float) -> None:
         bs = self.engine.config.block_size
-        first = req.num_computed_tokens // bs  # blocks the local prefix cache already had
+        if handover.first_block > req.num_slid_blocks:
+            # Blocks this node would keep were not handed over (a differently windowed model?):
+            # recompute rather than cache blocks that never landed.
+            self._finish_pull(req.request_id, False, handover)
+            return
+        # Skip the blocks the local prefix cache already had and those out of the window.
+        first = max(req.num_computed_tokens // bs, req.num_slid_blocks)
         n_blocks = -(-handover.num_tokens // bs)
         if first >= n_blocks:
             self._finish_pull(req.request_id, True, handover)

@@ -51,7 +51,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.salt = self.kv_layout.salt()
         self.pool = BlockPool(self.kv_cache.shape[0], config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, config.block_size, self.salt)
+        self.kv = KVCacheManager(self.pool, config.block_size, self.salt, kv_window(self.model))
         self.scheduler = Scheduler(config, self.kv)
         ops = get_ops(config.kernel_backend, self.device.type)
         if hasattr(ops, "warm_up"):
@@ -238,6 +238,14 @@ class LLMEngine:
             self.scheduler.finish(req, status)
             self.outputs.remove(req.request_id)
         return out
+
+
+def kv_window(model) -> int:
+    """The window past which a block can be freed: > 0 only when every attention layer slides
+    (then the widest window); 0 when any layer attends to the whole context, which needs
+    every block."""
+    windows = [getattr(getattr(layer, "self_attn", None), "window", 0) or 0 for layer in model.layers]
+    return max(windows) if windows and min(windows) > 0 else 0
 
 
 def _use_async_scheduling(setting, device: torch.device) -> bool:

@@ -1,16 +1,26 @@
-"""Maps requests to KV blocks: prefix-cache hits, allocation for new tokens, freeing."""
+"""Maps requests to KV blocks: prefix-cache hits, allocation for new tokens, freeing.
+
+For a model whose every attention layer slides (window W: the query at position i sees keys
+i-W+1..i), a block whose tokens all lie before the next query's window is read by no layer
+again: slide() returns it to the pool (with its prefix-cache key, like any freed block) and
+puts SLID_OUT in its place in the request's block table, which no kernel reads.
+"""
 from __future__ import annotations
 
 from pdserve.engine.block_keys import ROOT_KEY, block_key
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import PENDING_TOKEN, Request
 
+SLID_OUT = -1  # a block-table entry whose block left every layer's window and went back to the pool
+
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, salt: bytes):
+    def __init__(self, pool: BlockPool, block_size: int, salt: bytes, window: int = 0):
         self.pool = pool
         self.block_size = block_size
         self.salt = salt
+        # > 0: every layer slides and none looks further back than this (0: some layer is full).
+        self.window = window
 
     def block_keys(self, req: Request) -> list[bytes]:
         """Keys of every full block of the request's tokens (cached on the request)."""
@@ -53,17 +63,58 @@ class KVCacheManager:
             req.block_ids.extend(self.pool.allocate(needed))
         return True
 
+    def allocate_landing(self, req: Request, num_tokens: int, cached: list[int], horizon: int) -> bool:
+        """Blocks for the first num_tokens tokens of a request (holding none yet) whose KV lands
+        from elsewhere: cached hits first, fresh blocks for the rest; False if short. Blocks out
+        of the window of the query at `horizon` are neither allocated nor taken from the cache:
+        nothing lands in them (SLID_OUT)."""
+        num_blocks = -(-num_tokens // self.block_size)
+        dead = min(self.num_dead_blocks(horizon), num_blocks)
+        hits = list(cached[dead:])
+        needed = num_blocks - max(dead, len(cached))
+        reclaimed = sum(1 for b in hits if self.pool.blocks[b].ref_cnt == 0)
+        if needed > self.pool.num_free - reclaimed:
+            return False
+        self.pool.touch(hits)
+        req.block_ids = [SLID_OUT] * dead + hits + self.pool.allocate(max(needed, 0))
+        req.num_slid_blocks = dead
+        req.num_registered_blocks = len(cached)  # hits are cached already; SLID_OUT is skipped
+        return True
+
     def commit(self, req: Request) -> None:
-        """Enter the request's newly computed full blocks into the prefix cache."""
+        """Enter the request's newly computed full blocks into the prefix cache, then free the
+        blocks that slid out of the window (a sliding-window model)."""
         full = req.num_computed_tokens // self.block_size
-        if full <= req.num_registered_blocks:
+        if full > req.num_registered_blocks:
+            keys = self.block_keys(req)
+            for i in range(req.num_registered_blocks, full):
+                if req.block_ids[i] != SLID_OUT:  # (a handover skipped it: never held here)
+                    self.pool.cache_block(req.block_ids[i], keys[i])
+            req.num_registered_blocks = full
+        self.slide(req)
+
+    def num_dead_blocks(self, num_tokens: int) -> int:
+        """Leading blocks no query from position num_tokens on can see: every token of block j
+        is at most num_tokens - W, the last position out of the window of query num_tokens."""
+        if not self.window:
+            return 0
+        return max(num_tokens - self.window + 1, 0) // self.block_size
+
+    def slide(self, req: Request, num_tokens: int | None = None) -> None:
+        """Free the blocks that slid out of the window of the request's next query (at position
+        num_tokens, its computed tokens by default). Call after commit: a freed block keeps its
+        prefix-cache key, so a later prompt with the same prefix can still take it back."""
+        dead = min(self.num_dead_blocks(req.num_computed_tokens if num_tokens is None else num_tokens),
+                   len(req.block_ids))
+        if dead <= req.num_slid_blocks:
             return
-        keys = self.block_keys(req)
-        for i in range(req.num_registered_blocks, full):
-            self.pool.cache_block(req.block_ids[i], keys[i])
-        req.num_registered_blocks = full
+        gone = req.block_ids[req.num_slid_blocks:dead]
+        self.pool.free([b for b in gone[::-1] if b != SLID_OUT])
+        req.block_ids[req.num_slid_blocks:dead] = [SLID_OUT] * len(gone)
+        req.num_slid_blocks = dead
 
     def free(self, req: Request) -> None:
-        self.pool.free(req.block_ids[::-1])
+        self.pool.free([b for b in req.block_ids[::-1] if b != SLID_OUT])
         req.block_ids = []
         req.num_registered_blocks = 0
+        req.num_slid_blocks = 0

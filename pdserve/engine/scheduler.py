@@ -44,8 +44,9 @@ class Scheduler:
         Allocates their blocks now (prefix-cache hits first); False when the cache is full, in
         which case the request waits as an ordinary local one."""
         cached = self.kv.find_cached_prefix(req)
-        to_land = max(remote.num_tokens - len(cached) * self.kv.block_size, 0)
-        if not self.kv.allocate(req, to_land, cached):
+        num_tokens = max(remote.num_tokens, len(cached) * self.kv.block_size)
+        # (A sliding-window model gets no blocks for what the first query after the KV won't see.)
+        if not self.kv.allocate_landing(req, num_tokens, cached, horizon=remote.num_tokens):
             self.add(req)
             return False
         req.num_computed_tokens = len(cached) * self.kv.block_size
@@ -134,8 +135,12 @@ class Scheduler:
             req.num_computed_tokens = max(req.num_computed_tokens, min(remote.num_tokens, req.num_tokens - 1))
         elif remote.in_flight or (not remote.failed and time.monotonic() < remote.deadline):
             return False
-        # On failure or timeout the request recomputes into the blocks it already holds.
+        # On failure or timeout the request recomputes into the blocks it already holds; one
+        # whose leading blocks slid out (never landed) starts again from its prefix cache.
         req.remote_kv = None
+        if req.num_slid_blocks:
+            self.kv.free(req)
+            req.num_computed_tokens = req.num_cached_tokens = 0
         req.status = RequestStatus.WAITING
         return True
 

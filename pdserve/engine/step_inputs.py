@@ -46,7 +46,9 @@ class KeptTableRows:
 
     A kept row is trusted only while the request holds the very list object it was read from:
     running requests only extend their block list, and KVCacheManager.free (preemption, finish)
-    replaces it with a new one, after which the row is written whole again."""
+    replaces it with a new one, after which the row is written whole again. (KVCacheManager.slide
+    overwrites leading entries in place with SLID_OUT; the row keeps their old ids, which no
+    kernel reads: they are out of the window.)"""
 
     def __init__(self, capacity: int, width: int):
         self.rows = np.zeros((capacity, width), np.int32)

@@ -28,11 +28,13 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     v_cache[blocks, offsets] = value
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence's cache: [length, kv_heads, head_dim]."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, first: int = 0) -> torch.Tensor:
+    """Tokens [first, length) of one sequence's cache: [length - first, kv_heads, head_dim].
+    Blocks wholly before `first` are never read (a sliding-window model may have freed them)."""
     block_size = cache.shape[1]
-    n_blocks = -(-length // block_size)
-    return cache[block_table[:n_blocks].long()].flatten(0, 1)[:length]
+    first_block, n_blocks = first // block_size, -(-length // block_size)
+    tokens = cache[block_table[first_block:n_blocks].long()].flatten(0, 1)
+    return tokens[first - first_block * block_size:length - first_block * block_size]
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -42,13 +44,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_tables [B, max_blocks] int32, context_lens [B] int32 (tokens in the cache, incl. this one)."""
     batch, heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(context_lens.max())
-    n_blocks = -(-max_len // block_size)
-    table = block_tables[:, :n_blocks].long()
-    k = k_cache[table].reshape(batch, n_blocks * block_size, kv_heads, head_dim)[:, :max_len]
-    v = v_cache[table].reshape(batch, n_blocks * block_size, kv_heads, head_dim)[:, :max_len]
-    pos = torch.arange(max_len, device=q.device)[None, :]
-    lens = context_lens[:, None].to(q.device)
+    table, pos = _decode_blocks(block_tables, context_lens, block_size, window)
+    n_keys = table.shape[1] * block_size
+    k = k_cache[table].reshape(batch, n_keys, kv_heads, head_dim)
+    v = v_cache[table].reshape(batch, n_keys, kv_heads, head_dim)
+    lens, pos = context_lens[:, None].to(q.device), pos.to(q.device)
     valid = pos < lens
     if window:
         valid &= pos >= lens - window
@@ -62,6 +62,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=valid[:, None, None, :], scale=scale)
     return out.reshape(batch, heads, head_dim)
+
+
+def _decode_blocks(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                   window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks each sequence's decode reads, [B, n] block ids, and the position of every
+    key in them, [B, n * block_size]. With a window, row b starts at the block holding key
+    len_b - window: earlier blocks are never read (a sliding-window model has freed them).
+    A row's slots past its own blocks read block 0, and are masked by position."""
+    lens = context_lens.long()
+    n_blocks = -(-int(lens.max()) // block_size)
+    start = (lens - window).clamp_min(0) // block_size if window else torch.zeros_like(lens)
+    if window:  # W consecutive keys span at most this many blocks
+        n_blocks = min(n_blocks, (window + block_size - 2) // block_size + 1)
+    index = start[:, None] + torch.arange(n_blocks, device=lens.device)[None, :]
+    owned = index * block_size < lens[:, None]
+    table = block_tables.long().gather(1, index.clamp_max(block_tables.shape[1] - 1))
+    table = torch.where(owned, table, 0)
+    pos = (index[:, :, None] * block_size + torch.arange(block_size, device=lens.device)).flatten(1)
+    return table, pos
 
 
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -84,8 +103,8 @@ def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         if ctx == q_len:
             k, v = k_new[start:end], v_new[start:end]
         else:
-            k = gather_kv(k_cache, block_tables[i], ctx)[first:]
-            v = gather_kv(v_cache, block_tables[i], ctx)[first:]
+            k = gather_kv(k_cache, block_tables[i], ctx, first)
+            v = gather_kv(v_cache, block_tables[i], ctx, first)
         mask = None
         if ctx != q_len or window or sinks is not None:
             q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]

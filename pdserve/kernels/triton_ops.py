@@ -135,7 +135,8 @@ def _paged_attention_kernel(
     table = block_tables + seq.to(tl.int64) * s_bt
     for start in range((first_key // BLOCK_N) * BLOCK_N, n_cached, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        pos_ok = pos < n_cached
+        # Keys before first_key are never loaded: a sliding-window model may have freed their blocks.
+        pos_ok = (pos < n_cached) & (pos >= first_key)
         blk = tl.load(table + (pos // block_size) * s_bc, mask=pos_ok, other=0).to(tl.int64)
         off = pos % block_size
         ld_ok = pos_ok[:, None] & d_ok

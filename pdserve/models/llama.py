@@ -32,6 +32,20 @@ class ModelSpec:
     tie_word_embeddings: bool
     max_position_embeddings: int
     hidden_act: str
+    # Per layer: its sliding window in tokens, 0 for full attention (empty: no layer slides).
+    layer_windows: tuple[int, ...] = ()
+
+
+def layer_windows(config) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), as transformers decides it: from
+    layer_types where the config has them (Qwen2/Qwen3 derive them from use_sliding_window and
+    max_window_layers), else sliding_window on every layer (Mistral, whose modeling code
+    ignores layer_types)."""
+    window = getattr(config, "sliding_window", None) or 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and getattr(config, "model_type", "") != "mistral":
+        return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+    return (window,) * config.num_hidden_layers
 
 
 class RMSNorm(nn.Module):
@@ -60,6 +74,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim ** -0.5
+        self.window = spec.layer_windows[layer_idx] if spec.layer_windows else 0
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx, fused=None) -> torch.Tensor:
         tokens = x.shape[0]
@@ -73,7 +88,7 @@ class Attention(nn.Module):
             fused.rope_(q, k, cos, sin)  # in place: q, k are this step's own buffers
         else:
             q, k = RotaryEmbedding.apply(q, k, cos, sin)
-        out = ctx.attention(self.layer_idx, q, k, v, self.scale)
+        out = ctx.attention(self.layer_idx, q, k, v, self.scale, window=self.window)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -106,6 +121,10 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """forward(token_ids [T], positions [T], ctx) -> final hidden states [T, hidden]."""
+
+    # Mistral's and Qwen2/3's sliding windows are applied by the attention kernels (window=),
+    # so the engine serves the model's whole context rather than capping prompts at the window.
+    handles_sliding_window = True
 
     def __init__(self, spec: ModelSpec, rope: RotaryEmbedding):
         super().__init__()

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.models.gguf import VIEW_MARKER, find_gguf_file, gguf_tensors, is_gguf_view, prepare_view
-from pdserve.models.llama import LlamaModel, ModelSpec
+from pdserve.models.llama import LlamaModel, ModelSpec, layer_windows
 from pdserve.models.rope import RotaryEmbedding
 
 # Families with a model module of their own: architecture -> module exposing
@@ -84,6 +84,7 @@ def spec_from_config(config) -> ModelSpec:
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         max_position_embeddings=config.max_position_embeddings,
         hidden_act=getattr(config, "hidden_act", "silu"),
+        layer_windows=layer_windows(config),
     )
 
 

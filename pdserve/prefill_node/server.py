@@ -124,7 +124,9 @@ class PrefillNode(NodeRuntime):
 
     def _load_prefix_from_store(self, req, keys: list[bytes]) -> bool:
         bs = self.engine.config.block_size
-        first = req.num_computed_tokens // bs  # blocks already cached locally need no fetch
+        # Blocks already cached locally need no fetch; slid-out ones (out of every layer's
+        # window) are not held at all.
+        first = max(req.num_computed_tokens // bs, req.num_slid_blocks)
         keys = keys[first:]
         ids = req.block_ids[first:first + len(keys)]
         t0 = time.perf_counter()
@@ -165,22 +167,26 @@ class PrefillNode(NodeRuntime):
     def _store_handover(self, req: PrefillRequest, keys: list[bytes]) -> KVHandover:
         prompt, bs = req.prompt_token_ids, self.engine.config.block_size
         held = self.engine.scheduler.held[req.request_id]
-        counts = [min(bs, len(prompt) - i * bs) for i in range(len(keys))]
+        first = held.num_slid_blocks  # the decode node reads only the blocks in the window
+        counts = [min(bs, len(prompt) - i * bs) for i in range(first, len(keys))]
         t0 = time.perf_counter()
-        self.store.put(keys, self.engine.kv_cache, held.block_ids[:len(keys)], counts)
+        self.store.put(keys[first:], self.engine.kv_cache, held.block_ids[first:len(keys)], counts,
+                       first_block=first)
         self.stats.transfer_us_store += int((time.perf_counter() - t0) * 1e6)
-        self.stats.transfer_bytes_store += len(keys) * self.engine.kv_cache[0].numel() * self.engine.kv_cache.element_size()
-        log.debug("[%s] stored %d blocks in %.1f ms", req.request_id, len(keys), (time.perf_counter() - t0) * 1e3)
-        return KVHandover("store", len(prompt), keys=keys)
+        self.stats.transfer_bytes_store += len(counts) * self.engine.kv_cache[0].numel() * self.engine.kv_cache.element_size()
+        log.debug("[%s] stored %d blocks in %.1f ms", req.request_id, len(counts), (time.perf_counter() - t0) * 1e3)
+        return KVHandover("store", len(prompt), keys=keys, first_block=first)
 
     def _nixl_handover(self, req: PrefillRequest) -> KVHandover:
         from pdserve.kvstore.nixl_transfer import block_digest
         prompt, bs = req.prompt_token_ids, self.engine.config.block_size
-        ids = self.engine.scheduler.held[req.request_id].block_ids[:-(-len(prompt) // bs)]
+        held = self.engine.scheduler.held[req.request_id]
+        first = held.num_slid_blocks  # the decode node reads only the blocks in the window
+        ids = held.block_ids[first:-(-len(prompt) // bs)]
         self.leases[req.request_id] = time.monotonic() + self.lease_s
         return KVHandover("nixl", len(prompt), agent_name=self.agent.name, side_channel=self.side_channel,
                           regions=self.agent.block_regions(ids), digests=block_digest(self.engine.kv_cache, ids),
-                          lease_s=self.lease_s)
+                          lease_s=self.lease_s, first_block=first)
 
     def _reply_error(self, identity: bytes, rid: str, error: str) -> None:
         log.warning("[%s] rejected: %s", rid, error)
