@@ -217,3 +217,22 @@ def test_rediss_with_a_password_checks_the_certificate(tmp_path):
             reg.close()
     assert trusted[-1] == ["decode-tls"]
     assert all(s == [] for s in untrusted), "a certificate from an unknown CA was accepted"
+
+
+def test_two_processes_under_one_node_id_are_reported(caplog):
+    with redis_server() as (url, _):
+        old = RedisNodeRegistration(url, NodeRecord("decode-twin", "decode", "tcp://127.0.0.1:1", incarnation=1))
+        new = RedisNodeRegistration(url, NodeRecord("decode-twin", "decode", "tcp://127.0.0.1:2", incarnation=2))
+        with caplog.at_level("WARNING", logger="pdserve.cluster.registry_redis"):
+            old.start()
+            new.start()
+            try:
+                wait_for(lambda: "a newer process (at tcp://127.0.0.1:2)" in caplog.text, timeout_s=5)
+                new.close()
+                # Once the newer process has gone, the older one's record is the one Redis keeps.
+                wait_for(lambda: (_stored(url, "decode-twin")[0] or NodeRecord("", "", "")).incarnation == 1,
+                         timeout_s=5)
+            finally:
+                old.close()
+                new.close()
+        assert "tcp://127.0.0.1:1" not in caplog.text, "the newer process warned about the older one"

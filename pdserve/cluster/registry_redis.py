@@ -135,7 +135,21 @@ class RedisNodeRegistration(NodeRegistration):
             self.registrations += 1
             log.info("%s %s registered in Redis%s", record.role, record.node_id,
                      " again (its record was gone)" if self.registrations > 1 else "")
+        elif previous != value:
+            self._check_overwritten(record, previous)
         return value
+
+    def _check_overwritten(self, record: NodeRecord, previous: bytes) -> None:
+        """Unlike the zmq registry, Redis keeps whichever process wrote last: say so when two
+        live processes share a node id (a newer incarnation wrote in between)."""
+        try:
+            other = _decode_record(previous)
+        except msgspec.DecodeError:
+            return
+        if other.incarnation > record.incarnation:
+            log.warning("%s: a newer process (at %s) registers under the same node id; the two "
+                        "overwrite each other's record: give each node its own --node-id",
+                        record.node_id, other.control_addr)
 
     def _delete(self, client: redis.Redis, written: bytes) -> None:
         if not written:
