@@ -57,6 +57,14 @@ def _use_curve(args) -> None:
     NodeRuntime.advertise_host = getattr(args, "advertise_host", None)
 
 
+def _pin_ucx(bind: str) -> None:
+    """NIXL's UCX listens only where the node's control socket is bound (not on every interface)."""
+    from pdserve.kvstore.nixl_transfer import pin_ucx_to_host
+    host = bind.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if (device := pin_ucx_to_host(host)) is not None:
+        log.info("UCX limited to network device %s (the one holding %s)", device, host)
+
+
 def _store(args, engine):
     if not args.store:
         return None
@@ -89,6 +97,7 @@ def serve_node(role: str, args) -> int:
     """Serve as `role`; a drained role switch builds the other role's node over the same engine,
     store client and control socket, without reloading weights."""
     _use_curve(args)
+    _pin_ucx(args.bind)
     engine = _engine(args)
     store = _store(args, engine)
     node = _build_node(role, args, engine, args.bind, store)

@@ -13,6 +13,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,10 @@ class Lab:
 
     def addr(self, name: str) -> str:
         return f"{SUBNET}.{self.hosts[name]}"
+
+    def addresses(self) -> set[str]:
+        """The hosts' own addresses (not the bridge's, which sits in the root namespace)."""
+        return {self.addr(name) for name in self.hosts}
 
     def temp_dir(self, name: str) -> str:
         return f"{self.tmp}/{name}"
@@ -136,6 +141,49 @@ class Lab:
         out, _ = proc.communicate(timeout=180)
         if proc.returncode != 0:
             raise RuntimeError(f"ray start on {proc.host} failed:\n{out[-3000:]}")
+
+
+def machine_addresses() -> set[str]:
+    """The machine's own interface addresses, as `hostname -I` lists them (root namespace)."""
+    return set(_run("hostname", "-I").stdout.split())
+
+
+def net_namespace(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:  # gone, or a kernel thread
+        return None
+
+
+def _proc_net_address(hex_address: str, family: int) -> str:
+    raw = bytes.fromhex(hex_address)
+    # /proc/net/tcp* prints each 32-bit word of the address in host (little-endian) order.
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(family, raw)
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN that process `pid` holds, read in its own
+    network namespace (/proc/PID/net), which psutil.net_connections does not see from the root
+    namespace. Empty if the process is gone."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):  # closed meanwhile
+                if (link := os.readlink(f"/proc/{pid}/fd/{fd}")).startswith("socket:["):
+                    inodes.add(link[8:-1])
+        tables = [(open(f"/proc/{pid}/net/{name}").read(), family)
+                  for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6))]
+    except OSError:
+        return []
+    out = []
+    for table, family in tables:
+        for line in table.splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: TCP_LISTEN
+                address, port = fields[1].split(":")
+                out.append((_proc_net_address(address, family), int(port, 16)))
+    return out
 
 
 @contextlib.contextmanager

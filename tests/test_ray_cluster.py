@@ -10,7 +10,12 @@ each started with `ray start` inside its own network namespace with its own addr
   * a worker machine lost under load (every process in its namespace SIGKILLed: raylet, workers,
     nodes): no request is lost, the output is the same, the lost nodes come back on the other
     worker and rejoin, no KV block stays in use, and the router that ran there is started again
-    on the other worker.
+    on the other worker;
+  * the same greedy check with the KV handed over through the store (a redis-server on the head
+    machine), after restarting only `pdserve up --ray` (the lost worker's raylet joins again);
+  * the address rule: every address registered, advertised or bound is loopback or a
+    namespace's own, no process of the lab runs in the root namespace, and none listens on the
+    machine's interface address (`hostname -I`).
 
 Needs root for the namespaces (CI runs as root), and ray (the ray extra).
 """
@@ -28,8 +33,10 @@ import httpx
 import openai
 import psutil
 import pytest
+import redis
 from cluster_util import assert_greedy_matches_offline
-from ray_util import netns_unavailable, ray_cluster
+from ray_util import listening_sockets, machine_addresses, net_namespace, netns_unavailable, ray_cluster
+from redis_util import REDIS_SERVER
 
 from pdserve import LLM, SamplingParams
 
@@ -54,23 +61,63 @@ def lab():
         yield lab
 
 
-@pytest.fixture(scope="module")
-def up(lab, tmp_path_factory):
-    log_path = str(tmp_path_factory.mktemp("ray") / "up.log")
-    env = dict(os.environ, RAY_ADDRESS=f"{lab.addr('head')}:6379", OMP_NUM_THREADS="1")
-    proc = lab.popen("head", [sys.executable, "-m", "pdserve", "--log-level", "INFO", "up", "--ray", "auto",
-                              "--model", "builtin:tiny", "--prefill-nodes", "1", "--decode-nodes", "2",
-                              "--kv-transfer", "nixl", "--routers", "2", "--port", str(PORT),
-                              "--num-kv-blocks", "512", "--local-prefill-threshold", "0",
-                              "--threads-per-node", "1"], log_path, env)
-    try:
-        urls = _wait_for_urls(proc, log_path)
-        yield urls, proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-        left = _pdserve_processes(lab)
+class RayUp:
+    """One `pdserve up --ray` at a time on the lab's Ray cluster: start() stops the one running
+    (the Ray cluster stays up: restarting it would cost minutes of CI)."""
+
+    def __init__(self, lab, log_dir):
+        self.lab, self.log_dir, self.runs = lab, log_dir, 0
+        self.proc = self.log_path = None
+
+    def start(self, *flags: str) -> list[str]:
+        self.stop()
+        self.runs += 1
+        self.log_path = str(self.log_dir / f"up-{self.runs}.log")
+        env = dict(os.environ, RAY_ADDRESS=f"{self.lab.addr('head')}:6379", OMP_NUM_THREADS="1")
+        self.proc = self.lab.popen("head", [
+            sys.executable, "-m", "pdserve", "--log-level", "INFO", "up", "--ray", "auto", "--model", "builtin:tiny",
+            "--routers", "2", "--port", str(PORT), "--num-kv-blocks", "512", "--local-prefill-threshold", "0",
+            "--threads-per-node", "1", *flags], self.log_path, env)
+        return _wait_for_urls(self.proc, self.log_path)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=120)
+        self.proc = None
+        left = _pdserve_processes(self.lab)
         assert not left, f"pdserve processes left after `pdserve up --ray` stopped: {left}"
+
+
+@pytest.fixture(scope="module")
+def ray_up(lab, tmp_path_factory):
+    runner = RayUp(lab, tmp_path_factory.mktemp("ray"))
+    try:
+        yield runner
+    finally:
+        runner.stop()
+
+
+@pytest.fixture(scope="module")
+def up(ray_up):
+    urls = ray_up.start("--prefill-nodes", "1", "--decode-nodes", "2", "--kv-transfer", "nixl")
+    return urls, ray_up.proc
+
+
+@pytest.fixture(scope="module")
+def redis_on_head(lab, tmp_path_factory):
+    """The store: a redis-server on the head machine, bound to its namespace address only (so
+    protected mode, which admits loopback clients only, is off: the workers are other machines)."""
+    host, port = lab.addr("head"), PORT + 50
+    proc = lab.popen("head", [REDIS_SERVER, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no",
+                              "--protected-mode", "no"], str(tmp_path_factory.mktemp("redis") / "redis.log"))
+    try:
+        _wait(lambda: _redis_keys(host, port) >= 0, 30, "redis-server on the head")
+        yield f"redis://{host}:{port}"
+    finally:
+        proc.terminate()  # `ip netns exec` execs redis-server: this pid is the server's
+        proc.wait(timeout=30)
 
 
 def _wait_for_urls(proc, log_path: str, timeout_s: float = 300) -> list[str]:
@@ -98,6 +145,62 @@ def _pdserve_processes(lab) -> dict[int, str]:
     return out
 
 
+def _redis_keys(host: str, port: int) -> int:
+    with redis.Redis(host=host, port=port, socket_timeout=2) as client:
+        return client.dbsize()
+
+
+ADDRESS_FLAGS = ("--bind", "--nixl-side-channel", "--registry", "--owner", "--host", "--advertise-host", "--store")
+
+
+def _host(address: str) -> str:
+    """The host part of tcp://H:P, redis://H:P, http://H:P or a bare host."""
+    rest = address.split("://", 1)[-1].rsplit("@", 1)[-1].split("/", 1)[0]
+    return rest.rsplit(":", 1)[0].strip("[]") if ":" in rest else rest
+
+
+def _advertised_hosts(lab, urls: list[str], log_path: str) -> dict[str, str]:
+    """Every address the cluster registered, advertised or was told to bind -> where it was seen."""
+    seen = {_host(u): f"router url {u}" for u in urls}
+    for url in urls:
+        seen |= {_host(n["address"]): f"node {node_id} in {url}/health" for node_id, n in _nodes(url).items()}
+    registry = re.search(r"registry (\S+)\)", open(log_path).read())
+    assert registry, "pdserve up --ray printed no registry address"
+    seen[_host(registry.group(1))] = "the controller's registry"
+    for pid, cmd in _pdserve_processes(lab).items():
+        args = cmd.split()
+        seen |= {_host(args[i + 1]): f"{flag} of pid {pid}" for i, flag in enumerate(args[:-1]) if flag in ADDRESS_FLAGS}
+    return seen
+
+
+def assert_addresses_stay_in_the_lab(lab, urls: list[str], log_path: str) -> None:
+    """The address rule: Ray and pdserve bind to and advertise loopback or the namespaces' own
+    addresses only, never the machine's interface address."""
+    allowed = lab.addresses() | {"127.0.0.1", "::1"}
+    machine = machine_addresses()
+    bad = {host: where for host, where in _advertised_hosts(lab, urls, log_path).items() if host not in allowed}
+    assert not bad, f"addresses outside the lab's namespaces and loopback: {bad}"
+    root_ns = net_namespace(os.getpid())
+    pids = {pid: host for host in HOSTS for pid in lab.pids(host)}
+    for pid, host in pids.items():
+        # A wildcard bind inside a namespace reaches only that namespace's own addresses.
+        assert net_namespace(pid) not in (None, root_ns) or not psutil.pid_exists(pid), f"pid {pid} left {host}'s netns"
+        for address, port in listening_sockets(pid):
+            plain = address.removeprefix("::ffff:")
+            assert plain in allowed | {"0.0.0.0", "::"} and plain not in machine, \
+                f"pid {pid} on {host} listens on {address}:{port}"
+    # Nothing of the lab runs outside it (e.g. a driver or a Ray server in the root namespace) ...
+    lab_marks = (lab.tmp, f"{lab.addr('head').rsplit('.', 1)[0]}.")
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if any(m in cmd for m in lab_marks):
+            assert net_namespace(proc.info["pid"]) != root_ns, f"in the root namespace: {cmd[:300]}"
+    # ... and, as far as the root namespace sees, none of its processes listens on the machine's address.
+    escaped = [c for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN and c.pid in pids
+               and c.laddr.ip in machine]
+    assert not escaped, escaped
+
+
 def _nodes(url: str) -> dict[str, dict]:
     return {n["id"]: n for n in httpx.get(f"{url}/health", timeout=5).json()["nodes"]}
 
@@ -113,7 +216,7 @@ def _wait(predicate, timeout_s: float, what: str):
         try:
             if value := predicate():
                 return value
-        except (httpx.HTTPError, KeyError):
+        except (httpx.HTTPError, KeyError, redis.RedisError):
             pass
         time.sleep(0.3)
     raise AssertionError(f"timed out waiting for {what}")
@@ -161,9 +264,10 @@ def _under_load(urls: list[str], llm, fault) -> None:
     assert got == want
 
 
-def test_nodes_on_both_workers_and_greedy_matches_offline(up, llm):
+def test_nodes_on_both_workers_and_greedy_matches_offline(up, ray_up, lab, llm):
     urls, _ = up
     assert len(urls) == 2
+    assert_addresses_stay_in_the_lab(lab, urls, ray_up.log_path)
     nodes = _nodes(urls[0])
     assert {n["role"] for n in nodes.values()} == {"prefill", "decode"} and len(nodes) == 3
     assert {_host_of(n["address"]) for n in nodes.values()} == {"w1", "w2"}, nodes
@@ -223,3 +327,25 @@ def _router_urls(lab, host: str) -> list[str]:
         if "pdserve" in cmd and "router" in cmd and "--registry" in cmd:
             urls.append(f"http://{cmd[cmd.index('--host') + 1]}:{cmd[cmd.index('--port') + 1]}")
     return sorted(urls)
+
+
+def test_greedy_over_the_store_matches_offline(ray_up, lab, llm, redis_on_head):
+    """`pdserve up --ray` again on the same Ray cluster, now handing KV over through a
+    redis-server on the head machine: prefill on one worker, decode on the other."""
+    ray_up.stop()
+    for worker in ("w1", "w2"):  # the machine the previous test lost joins again
+        if not lab.pids(worker):
+            lab.ray_started(lab.ray_start(worker, "head", CPUS[worker]))
+    urls = ray_up.start("--prefill-nodes", "1", "--decode-nodes", "2", "--kv-transfer", "store",
+                        "--store", redis_on_head)
+    nodes = _nodes(urls[0])
+    assert {_host_of(n["address"]) for n in nodes.values()} == {"w1", "w2"}, nodes
+    assert_addresses_stay_in_the_lab(lab, urls, ray_up.log_path)
+    for url in urls:
+        for prompt in PROMPTS[2:4]:
+            assert_greedy_matches_offline(url, llm, prompt, 16)
+    metrics = "".join(httpx.get(f"{url}/metrics", timeout=5).text for url in urls)
+    assert re.search(r'pdserve_kv_handovers_total\{path="store"\} [1-9]', metrics), "no handover through the store"
+    assert not re.search(r'pdserve_kv_handovers_total\{path="nixl"\} [1-9]', metrics)
+    host, port = _host(redis_on_head), int(redis_on_head.rsplit(":", 1)[1])
+    assert _redis_keys(host, port) > 0, "no KV block reached the redis-server on the head"

@@ -1,9 +1,9 @@
 """One pdserve process (a prefill node, a decode node or a router) inside a Ray actor.
 
 The actor runs on whatever machine Ray placed it. It binds every socket of its process to that
-machine's own address (Ray's node IP, which `ray start --node-ip-address` sets), on ports it
-picks there, and advertises that address, so routers, NIXL peers and the store reach it from
-other machines. The process is a child of the actor, started with the command line `pdserve up`
+machine's own address (the address its raylet registered, which `ray start --node-ip-address`
+sets; see node_address), on ports it picks there, and advertises that address, so routers, NIXL
+peers and the store reach it from other machines. The process is a child of the actor, started with the command line `pdserve up`
 would use, so a node behaves on Ray exactly as it does locally.
 
 Fate is shared both ways: the child gets SIGTERM when the actor's process dies (PR_SET_PDEATHSIG),
@@ -35,6 +35,19 @@ def _die_with_parent() -> None:
         pass
 
 
+def node_address() -> str:
+    """The address this worker's raylet registered in Ray's node table (`ray start
+    --node-ip-address`), never one guessed from the machine's interfaces: a machine can hold
+    several (a bridge, a container network, network namespaces), and only this one is the Ray
+    node's."""
+    import ray
+    here = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == here:
+            return node["NodeManagerAddress"]
+    raise RuntimeError(f"this worker's node {here} is not in Ray's node table")
+
+
 def fill_template(template: list[str], ip: str, ports: dict[str, int]) -> list[str]:
     """Replace "{ip}" and "{port:NAME}" inside each argument (a port per NAME, picked here)."""
     out = []
@@ -62,9 +75,8 @@ class ProcessActor:
 
     def __init__(self, name: str, template: list[str], threads: int | None = None,
                  fixed_ports: dict[str, int] | None = None, env: dict[str, str] | None = None):
-        import ray
         self.name = name
-        self.ip = ray.util.get_node_ip_address()
+        self.ip = node_address()
         ports = {p: free_port(self.ip) for p in template_ports(template)} | (fixed_ports or {})
         self.argv = [sys.executable, "-m", "pdserve", *fill_template(template, self.ip, ports)]
         self.ports = ports

@@ -1,5 +1,6 @@
-"""The cluster's owner on Ray: one actor that starts and stops node and router actors and hosts
-the node registry (pdserve.cluster.registry) on its machine's address.
+"""The cluster's owner on Ray: one actor, on the head machine, that starts and stops node and
+router actors and hosts the node registry (pdserve.cluster.registry) and the owner's admin server
+on the head's Ray node address (never an address guessed from the machine's interfaces).
 
 It implements NodeOwner (pdserve.cluster.owner): scaling, restarts and role switches go through
 it. Each node and router is a ProcessActor of its own, placed with the resources the launch
@@ -15,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.cluster.owner_admin import OwnerAdminServer
+from pdserve.cluster.ray_actors import node_address
 from pdserve.cluster.ray_routers import RayRouters
 from pdserve.cluster.registry import RegistryServer
 from pdserve.cluster.registry_messages import AdminReply, ScaleRequest, SwitchRequest
@@ -38,10 +40,9 @@ class RayController:
     """Use through ray.remote (pdserve.cluster.ray_launch does)."""
 
     def __init__(self, templates: dict[str, list[str]], placement: Placement):
-        import ray
         self.templates = templates  # role or "router" -> pdserve arguments with placeholders
         self.placement = placement
-        self.ip = ray.util.get_node_ip_address()
+        self.ip = node_address()
         self.registry = RegistryServer(f"tcp://{self.ip}:0", on_admin=self.on_admin).start()
         self.nodes: dict[str, tuple[str, object]] = {}  # node_id -> (role, actor handle)
         self.routers: RayRouters | None = None

@@ -1,7 +1,7 @@
 """`pdserve up --ray ADDRESS|auto`: the whole cluster on an existing Ray cluster.
 
 This process is Ray's driver. It starts the controller actor (the cluster's NodeOwner and node
-registry, on this machine), asks it for the prefill and decode nodes and the routers, waits until
+registry) on the head machine, asks it for the prefill and decode nodes and the routers, waits until
 every router sees every node healthy, and then watches the controller until it is stopped; then
 the controller stops every actor it started. Node and router command lines are the ones `pdserve
 up` uses, with each process's address and ports filled in on the machine Ray placed it on.
@@ -20,6 +20,8 @@ from pdserve.cluster.ray_controller import Placement, RayController
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300
 LOOPBACK = ("127.0.0.1", "localhost")
+# Ray's own marker resource of the head node (Ray's state actors are placed with it too).
+ON_HEAD = {"node:__internal_head__": 0.001}
 
 
 def node_templates(args, cluster) -> dict[str, list[str]]:
@@ -89,13 +91,14 @@ def wait_ready(urls: list[str], expected: int, timeout_s: float = READY_TIMEOUT_
 
 def run_up_ray(args, cluster) -> int:
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     templates = node_templates(args, cluster)  # bad flags fail before connecting
+    # The driver joins the Ray node of its own machine (Ray finds its raylet), so it runs on a
+    # machine of the cluster, bound to the addresses Ray uses there.
     ray.init(address=args.ray, namespace="pdserve", log_to_driver=True)
-    here = ray.get_runtime_context().get_node_id()
-    controller = ray.remote(RayController).options(
-        num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-    ).remote(templates, placement(args))
+    # The controller lives on the head, wherever the driver runs: the registry and the owner's
+    # admin server then sit beside Ray's own control plane, at the head's Ray node address.
+    controller = ray.remote(RayController).options(num_cpus=0, max_restarts=0, resources=ON_HEAD).remote(
+        templates, placement(args))
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt
