@@ -1,6 +1,7 @@
 """Start a real `pdserve up` cluster (separate OS processes over real sockets) for tests."""
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import os
 import signal
@@ -40,6 +41,24 @@ def running_cluster(*flags: str, timeout_s: float = 240.0, as_given: bool = Fals
             os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError("pdserve up did not stop on SIGTERM") from None
         _assert_all_stopped(children)
+
+
+@contextlib.contextmanager
+def running_clusters(*flag_sets: tuple[str, ...], timeout_s: float = 240.0):
+    """Several clusters side by side, started and stopped in parallel: a cluster's start and stop
+    are mostly waits (imports, health pings, LMCache's close), so two overlap well on 2 cores.
+    Yields one (url, proc) per flag set."""
+    managers = [running_cluster(*flags, timeout_s=timeout_s) for flags in flag_sets]
+    with cf.ThreadPoolExecutor(len(managers)) as pool:
+        starts = [pool.submit(m.__enter__) for m in managers]
+        cf.wait(starts)
+        started = [m for m, f in zip(managers, starts) if f.exception() is None]
+        try:
+            yield [f.result() for f in starts]  # the first failed start raises here
+        finally:
+            stops = [pool.submit(m.__exit__, None, None, None) for m in started]
+            for f in stops:
+                f.result()
 
 
 def _test_defaults(flags: tuple[str, ...]) -> tuple[str, ...]:

@@ -3,9 +3,9 @@ prefill and decode nodes as separate processes), over NIXL and over the store, d
 official openai client: greedy output equals transformers' `generate` in float32 on the same
 random weights, and a seeded sampled request equals the offline engine's.
 
-The architectures with a cluster test of their own (gpt-oss in test_models_sliding.py,
-DeepSeek-V3 in test_mla_cluster.py, Llama in test_cluster.py) are not repeated here; the
-coverage test below fails when an architecture is added without a P/D test.
+The architectures with a cluster test of their own (COVERED_ELSEWHERE) are not repeated here;
+the coverage test fails when an architecture is added without a P/D test. The NIXL and the store
+cluster of one architecture run side by side: their starts and stops overlap.
 
 Each request's KV must arrive over the path under test: the decode node's recompute fallback
 would hide a broken handover behind correct tokens, so the node's transfer counters are checked.
@@ -13,10 +13,11 @@ would hide a broken handover behind correct tokens, so the node's transfer count
 from __future__ import annotations
 
 import concurrent.futures as cf
+from pathlib import Path
 
 import openai
 import pytest
-from cluster_util import node_stats, running_cluster, wait_for
+from cluster_util import node_stats, running_clusters, wait_for
 from family_models import assert_meaningful, load_reference, make_family_model, random_prompts, reference_greedy
 from test_models_deepseek import make_deepseek
 
@@ -33,21 +34,24 @@ KINDS = {
     "gemma3_text": ("Gemma3ForCausalLM", make_family_model, 3),
     "deepseek_v2": ("DeepseekV2ForCausalLM", make_deepseek, 0),
 }
+# architecture -> the test module that runs it through `pdserve up` on both transfers
 COVERED_ELSEWHERE = {
-    "GptOssForCausalLM": "test_models_sliding.py::test_pd_cluster_matches_transformers_and_offline_seeded",
-    "DeepseekV3ForCausalLM": "test_mla_cluster.py::test_pd_over_latent_cache_matches_offline",
-    "LlamaForCausalLM": "test_cluster.py (builtin:tiny, nixl, store and lmcache)",
-    # The dense families run llama.py's decoder with the Llama KV layout: what P/D moves and
-    # how it is attended does not differ from Llama's.
-    "MistralForCausalLM": "test_cluster.py (the Llama layout)",
-    "Qwen2ForCausalLM": "test_cluster.py (the Llama layout)",
-    "Qwen3ForCausalLM": "test_cluster.py (the Llama layout)",
+    "GptOssForCausalLM": "test_models_sliding.py",
+    "DeepseekV3ForCausalLM": "test_mla_cluster.py",
+    "LlamaForCausalLM": "test_cluster.py",  # builtin:tiny
+    "MistralForCausalLM": "test_sliding_free.py",  # every layer sliding: only the window moves
+    # Qwen2 and Qwen3 run llama.py's decoder over the Llama KV layout (with full layers): what
+    # P/D moves and how it is read do not differ from Llama's, so test_cluster.py stands for them.
+    "Qwen2ForCausalLM": "test_cluster.py",
+    "Qwen3ForCausalLM": "test_cluster.py",
 }
 
 
 def test_every_supported_architecture_has_a_pd_test():
     covered = {arch for arch, _, _ in KINDS.values()} | set(COVERED_ELSEWHERE)
     assert covered == set(SUPPORTED_ARCHITECTURES)
+    for module in set(COVERED_ELSEWHERE.values()):
+        assert "running_cluster" in (Path(__file__).parent / module).read_text(), module
 
 
 @pytest.fixture(scope="module", params=list(KINDS))
@@ -86,19 +90,20 @@ TRANSFERS = {"nixl": ("--kv-transfer", "nixl"),
              "store": ("--kv-transfer", "store", "--store-chunk-tokens", "32")}
 
 
-@pytest.mark.parametrize("transfer", list(TRANSFERS))
-def test_pd_greedy_matches_transformers_and_seeded_matches_offline(expected, transfer):
+def test_pd_greedy_matches_transformers_and_seeded_matches_offline(expected):
     path, prompts, greedy, seeded = expected
     model = str(path)
-    with running_cluster("--model", model, *TRANSFERS[transfer], "--num-kv-blocks", "64") as (url, _):
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        got = [_complete(client, model, prompts[0])]  # first alone: the others reuse its prefix
-        with cf.ThreadPoolExecutor(len(prompts)) as pool:  # then batched on the decode node
-            got += pool.map(lambda p: _complete(client, model, p), prompts[1:])
-        assert got == greedy, f"{path.name} over {transfer}: greedy differs from transformers"
-        assert _complete(client, model, prompts[1], **SEEDED) == seeded, \
-            f"{path.name} over {transfer}: seeded sampling differs from the offline engine"
-        _assert_moved_over(url, transfer, requests=len(prompts) + 1)
+    flag_sets = [("--model", model, *flags, "--num-kv-blocks", "64") for flags in TRANSFERS.values()]
+    with running_clusters(*flag_sets) as clusters:
+        for transfer, (url, _) in zip(TRANSFERS, clusters):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+            got = [_complete(client, model, prompts[0])]  # first alone: the others reuse its prefix
+            with cf.ThreadPoolExecutor(len(prompts)) as pool:  # then batched on the decode node
+                got += pool.map(lambda p: _complete(client, model, p), prompts[1:])
+            assert got == greedy, f"{path.name} over {transfer}: greedy differs from transformers"
+            assert _complete(client, model, prompts[1], **SEEDED) == seeded, \
+                f"{path.name} over {transfer}: seeded sampling differs from the offline engine"
+            _assert_moved_over(url, transfer, requests=len(prompts) + 1)
 
 
 def _assert_moved_over(url: str, transfer: str, requests: int) -> None:
