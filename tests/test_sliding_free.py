@@ -166,6 +166,21 @@ def test_landing_kv_gets_only_window_blocks_and_a_failed_landing_recomputes(mist
     assert engine.pool.num_in_use() == 0
 
 
+def test_qwen2_with_full_layers_keeps_every_block_and_matches_generate(tmp_path):
+    """Qwen2 with use_sliding_window and max_window_layers=1: layer 0 full, layer 1 sliding.
+    The windows are applied (token-exact past the window), and the full layer keeps every
+    block: nothing slides out."""
+    path = make_model(tmp_path, "qwen2", seed=1, use_sliding_window=True, sliding_window=WINDOW,
+                      max_window_layers=1)
+    ref = load_reference(path)
+    assert ref.config.layer_types == ["full_attention", "sliding_attention"]
+    prompt = random_prompts(2, ref.config.vocab_size, [60])[0]
+    want = _expect(ref, prompt, 40)
+    llm = LLM(model=str(path), num_kv_blocks=32)
+    assert llm.engine.kv.window == 0
+    assert llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
 # ------------------------------------------------------------------------------- P/D
 
 @pytest.mark.parametrize("transfer", ["nixl", "store"])
