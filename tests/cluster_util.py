@@ -46,8 +46,8 @@ def running_cluster(*flags: str, timeout_s: float = 240.0, as_given: bool = Fals
 @contextlib.contextmanager
 def running_clusters(*flag_sets: tuple[str, ...], timeout_s: float = 240.0):
     """Several clusters side by side, started and stopped in parallel: a cluster's start and stop
-    are mostly waits (imports, health pings, LMCache's close), so two overlap well on 2 cores.
-    Yields one (url, proc) per flag set."""
+    hold waits (health polls, pings, LMCache's close) that the other's work fills, so two take
+    much less than twice one on 2 cores. Yields one (url, proc) per flag set."""
     managers = [running_cluster(*flags, timeout_s=timeout_s) for flags in flag_sets]
     with cf.ThreadPoolExecutor(len(managers)) as pool:
         starts = [pool.submit(m.__enter__) for m in managers]

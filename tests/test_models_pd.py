@@ -109,9 +109,14 @@ def test_pd_greedy_matches_transformers_and_seeded_matches_offline(expected):
 def _assert_moved_over(url: str, transfer: str, requests: int) -> None:
     """Every request's KV reached the decode node over `transfer`, none recomputed, and every
     block went back to the pools."""
-    wait_for(lambda: node_stats(url)["decode-0"]["transfers_ok"] >= requests)
-    decode = node_stats(url)["decode-0"]
-    assert decode["transfers_failed"] == 0
+    decode = wait_for(lambda: _decode_stats_after(url, pulls=requests))
+    assert decode["transfers_failed"] == 0, f"{transfer}: {decode['transfers_failed']} pulls failed and were recomputed"
     assert decode[f"transfer_bytes_{transfer}"] > 0
     assert decode[f"transfer_bytes_{'store' if transfer == 'nixl' else 'nixl'}"] == 0
     wait_for(lambda: all(n["free_blocks"] == n["total_blocks"] for n in node_stats(url).values()))
+
+
+def _decode_stats_after(url: str, pulls: int) -> dict | None:
+    """The decode node's stats once it has finished `pulls` pulls (stats ride the health pings)."""
+    stats = node_stats(url)["decode-0"]
+    return stats if stats["transfers_ok"] + stats["transfers_failed"] >= pulls else None
