@@ -396,8 +396,10 @@ class ClusterBackend:
             node.requests.discard(request_id)
 
     async def health(self) -> dict:
-        nodes = [{"id": n.node_id, "role": n.role, "address": n.address, "healthy": n.healthy, **n.stats}
-                 for n in self.nodes]
+        # "requests" is the node's own count from its last pong; "routed_requests" is this
+        # router's, current at once.
+        nodes = [{"id": n.node_id, "role": n.role, "address": n.address, "healthy": n.healthy, **n.stats,
+                  "routed_requests": len(n.requests)} for n in self.nodes]
         healthy = any(n.healthy and n.role == "decode" for n in self.nodes)
         for entry in nodes:
             entry["index_blocks"] = self.index.size(entry["id"])
