@@ -111,3 +111,31 @@ def test_a_registry_restart_keeps_the_routers_nodes():
         server.stop()
     assert samples[8:] and all(s == ["prefill-x"] for s in samples[8:]), samples
     assert reg.registrations >= 2, "the node did not register again with the new registry"
+
+
+def test_a_node_that_never_registers_with_a_restarted_registry_leaves_the_pool():
+    """The new registry re-sends an unchanged membership once the grace after its restart ends:
+    the node it never heard from must still be removed then, not kept for good."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = RegistryServer(address).start()
+    live = NodeRegistration(address, NodeRecord("prefill-x", "prefill", "tcp://127.0.0.1:1", incarnation=5)).start()
+    dead = NodeRegistration(address, NodeRecord("decode-y", "decode", "tcp://127.0.0.1:2", incarnation=6)).start()
+
+    async def scenario() -> list:
+        nonlocal server
+        task = asyncio.create_task(watch_pool(address, EXPIRE_AFTER_S + 6.0,
+                                              lambda pool: sorted(n.node_id for n in pool.nodes)))
+        await asyncio.sleep(1.5)
+        server.stop()
+        dead.close()  # dies while the registry is down: it never registers with the new one
+        await asyncio.sleep(0.5)
+        server = RegistryServer(address).start()
+        return await task
+
+    try:
+        samples = asyncio.run(scenario())
+    finally:
+        live.close()
+        server.stop()
+    assert ["decode-y", "prefill-x"] in samples[:15], samples
+    assert samples[-1] == ["prefill-x"], "a node the restarted registry never heard from stayed in the pool"

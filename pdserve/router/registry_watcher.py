@@ -50,6 +50,7 @@ class RegistryWatcher:
         self.epoch = 0
         self.version = -1
         self.epoch_seen_at = -EXPIRE_AFTER_S  # when a restarted registry was first seen
+        self.removals_deferred = False
         self.applied = 0  # memberships applied (tests and /health read it)
 
     async def run(self) -> None:
@@ -94,14 +95,18 @@ class RegistryWatcher:
                 log.info("the registry restarted: keeping every node until it has heard from them")
                 self.epoch_seen_at = time.monotonic()
             self.epoch, self.version = membership.epoch, -1
-        if membership.version <= self.version:
+        # An unchanged membership is applied again while removals wait for the grace after a
+        # restart to end: else a node that never re-registered would stay in the pool for good.
+        if membership.version < self.version or (membership.version == self.version
+                                                 and not self.removals_deferred):
             return
         self.version = membership.version
         self.applied += 1
         records = {r.node_id: r for r in membership.records}
         for record in records.values():
             await self._apply_record(record)
-        if time.monotonic() - self.epoch_seen_at < EXPIRE_AFTER_S:
+        self.removals_deferred = time.monotonic() - self.epoch_seen_at < EXPIRE_AFTER_S
+        if self.removals_deferred:
             return  # a fresh registry may not have heard from every node yet
         for node_id in sorted(self.managed - records.keys()):
             self.managed.discard(node_id)
