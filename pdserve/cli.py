@@ -54,7 +54,7 @@ def _default_transfer() -> str:
 
 
 def _add_node_args(p: argparse.ArgumentParser, role: str) -> None:
-    from pdserve.cluster.registration import registry_url
+    from pdserve.cluster.registry_client import registry_url
     _add_engine_args(p)
     p.add_argument("--node-id", default=f"{role}-0", help="the name the router, logs and metrics use")
     p.add_argument("--bind", default="tcp://127.0.0.1:5600", help="zmq endpoint for the router")
@@ -124,8 +124,8 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
 
 def _add_cluster_parsers(sub) -> None:
     from pdserve.cluster.planner import add_planner_args
-    from pdserve.cluster.registration import registry_url
     from pdserve.cluster.registry import run_registry
+    from pdserve.cluster.registry_client import registry_url
     from pdserve.launcher import run_up
     from pdserve.node_main import run_decode, run_prefill
     from pdserve.router.main import run_router

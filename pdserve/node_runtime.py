@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from pdserve.cluster.registration import NodeRegistration, keep_registered
+from pdserve.cluster.registration import NodeRegistration
+from pdserve.cluster.registry_client import keep_registered
 from pdserve.cluster.registry_messages import ACTIVE, DRAINING
 from pdserve.cluster.router_liveness import RouterLiveness
 from pdserve.curve_keys import CONTROL_DOMAIN, CurveContext, NodeKeys, node_context

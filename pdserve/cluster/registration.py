@@ -1,8 +1,8 @@
 """A node's side of the registry: register, heartbeat, re-register, deregister.
 
-The zmq registry's form is here; a redis:// registry URL picks the Redis form
-(cluster/registry_redis.py), the same class with another _run. Either way a thread of its own, so the node's engine loop never waits on the
-registry. The node's record says how routers reach it: its control socket's endpoint with the
+The zmq registry's form is here; the Redis form (cluster/registry_redis.py) is the same class
+with another _run, and cluster/registry_client.py picks one by the URL. Either way a thread of
+its own, so the node's engine loop never waits on the registry. The node's record says how routers reach it: its control socket's endpoint with the
 bind host replaced by --advertise-host (a node bound to 0.0.0.0 must name an address others can
 dial), its NIXL side channel, and its block-key salt. A restarted node process registers a new
 incarnation (its start time), so a registry that still holds the old record replaces it.
@@ -18,7 +18,6 @@ import msgspec
 import zmq
 
 from pdserve.cluster.registry_messages import (
-    ACTIVE,
     HEARTBEAT_S,
     AdminReply,
     Deregister,
@@ -63,15 +62,6 @@ class NodeRegistration:
         self._stop = threading.Event()
         self.registrations = 0  # how many Register messages were sent (tests read it)
         self._thread = threading.Thread(target=self._run, name="registration", daemon=True)
-
-    @classmethod
-    def for_node(cls, node, registry_url: str, advertise_host: str | None) -> NodeRegistration:
-        """The registration of a running NodeRuntime (prefill or decode)."""
-        control = advertised_endpoint(node.control.sock.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
-        side = getattr(node, "side_channel", None) if getattr(node, "agent", None) is not None else None
-        record = NodeRecord(node.node_id, node.role, control, side, node.engine.salt or b"",
-                            incarnation=time.time_ns())
-        return registration_class(registry_url)(registry_url, record).start()
 
     @property
     def record(self) -> NodeRecord:
@@ -142,30 +132,6 @@ class NodeRegistration:
             pass
 
 
-def registry_url(value: str) -> str:
-    """`--registry`'s argparse type: a zmq tcp:// endpoint or a Redis URL, checked at start-up
-    (a bad one would otherwise only show as a node no router ever finds)."""
-    import argparse
-    if is_redis_url(value):
-        from pdserve.cluster.registry_redis import connection
-        try:
-            connection(value)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    elif not value.startswith("tcp://"):
-        raise argparse.ArgumentTypeError(f"{redact_url(value)}: use tcp://HOST:PORT (`pdserve registry`) "
-                                         "or redis://HOST:PORT[/DB]")
-    return value
-
-
-def registration_class(registry_url: str) -> type[NodeRegistration]:
-    """The registration for a registry URL: Redis for redis:// and rediss://, else zmq."""
-    if is_redis_url(registry_url):
-        from pdserve.cluster.registry_redis import RedisNodeRegistration
-        return RedisNodeRegistration
-    return NodeRegistration
-
-
 def admin_request(registry_url: str, msg: ScaleRequest | SwitchRequest, timeout_s: float = 60.0) -> AdminReply:
     """Send an admin request to the registry's owner and wait for its answer."""
     if is_redis_url(registry_url):
@@ -181,15 +147,3 @@ def admin_request(registry_url: str, msg: ScaleRequest | SwitchRequest, timeout_
         return reply if isinstance(reply, AdminReply) else AdminReply(False, f"unexpected {type(reply).__name__}")
     finally:
         sock.close()
-
-
-def keep_registered(node) -> None:
-    """Called as a NodeRuntime starts serving: register it with its class's --registry, or, for
-    the node that took over a registered one in a role switch, register the new role."""
-    if not node.registry:
-        return
-    if node.registration is None:
-        node.registration = NodeRegistration.for_node(node, node.registry, node.advertise_host)
-        return
-    side = getattr(node, "side_channel", None) if getattr(node, "agent", None) is not None else None
-    node.registration.update(role=node.role, nixl_side_channel=side, state=ACTIVE)

@@ -36,6 +36,7 @@ from pdserve.messages import (
 )
 from pdserve.router.backend import BackendError
 from pdserve.router.drain import DrainTracker
+from pdserve.router.health_report import cluster_health
 from pdserve.router.index import STORE_HOLDER, PrefixIndex
 from pdserve.router.kv_events import KVEventTracker
 from pdserve.router.metrics import RequestTimer, RouterMetrics
@@ -396,15 +397,4 @@ class ClusterBackend:
             node.requests.discard(request_id)
 
     async def health(self) -> dict:
-        # "requests" is the node's own count from its last pong; "routed_requests" is this
-        # router's, current at once.
-        nodes = [{"id": n.node_id, "role": n.role, "address": n.address, "healthy": n.healthy, **n.stats,
-                  "routed_requests": len(n.requests)} for n in self.nodes]
-        healthy = any(n.healthy and n.role == "decode" for n in self.nodes)
-        for entry in nodes:
-            entry["index_blocks"] = self.index.size(entry["id"])
-            entry["kv_event_seq_applied"] = self.kv_tracker.seq(entry["id"])
-            entry["state"] = self.drains.state(entry["id"])
-        return {"healthy": healthy, "transfer": self.transfer, "nodes": nodes, "failover": dict(self.counters),
-                "drain": dict(self.drains.counters),
-                "kv_events": dict(self.kv_tracker.counters)}
+        return cluster_health(self)
