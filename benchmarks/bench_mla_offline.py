@@ -16,44 +16,19 @@ its experts in the eager loop: its continuous batching (`generate_batch`) does n
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from offline_model_bench import build_model, run_pdserve, workload
 
 CONFIG = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, n_routed_experts=32,
               num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
               num_hidden_layers=7, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=192,
               kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, vocab_size=8192,
               max_position_embeddings=2048, tie_word_embeddings=False, initializer_range=0.2)
-
-
-def build_model(root: Path) -> tuple[Path, int]:
-    from transformers import AutoConfig, AutoModelForCausalLM
-    torch.manual_seed(0)
-    config = AutoConfig.for_model("deepseek_v3", **CONFIG, architectures=["DeepseekV3ForCausalLM"])
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(root)
-    return root, sum(p.numel() for p in model.parameters())
-
-
-def workload(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(CONFIG["vocab_size"]) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def run_pdserve(path: Path, prompts, new_tokens: int) -> tuple[float, list[list[int]]]:
-    from pdserve import LLM, SamplingParams
-    llm = LLM(model=str(path), num_kv_blocks=1024, max_num_batched_tokens=2048)
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0][:32]}], params, use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return len(prompts) * new_tokens / elapsed, [o.outputs[0].token_ids for o in outs]
 
 
 def run_transformers(path: Path, prompts, new_tokens: int) -> tuple[str, float, list[list[int]]]:
@@ -81,9 +56,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    prompts = workload(args.requests, 32, 256)
+    prompts = workload(args.requests, 32, 256, CONFIG["vocab_size"])
     with tempfile.TemporaryDirectory() as tmp:
-        path, params = build_model(Path(tmp))
+        path, params = build_model(Path(tmp), "deepseek_v3", "DeepseekV3ForCausalLM", CONFIG)
         print(f"DeepSeek-V3-shaped model: {params / 1e6:.1f}M parameters; {len(prompts)} requests, "
               f"{sum(map(len, prompts))} prompt tokens, {args.new_tokens} new tokens each")
         ours, theirs, agree, how = [], [], [], ""

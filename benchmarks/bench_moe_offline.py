@@ -11,43 +11,18 @@ tokens, 32 new tokens each, ignore_eos, float32 on CPU.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from offline_model_bench import build_model, run_pdserve, workload
 
 CONFIG = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_experts=32,
               num_experts_per_tok=4, norm_topk_prob=True, num_hidden_layers=7, num_attention_heads=8,
               num_key_value_heads=4, head_dim=64, vocab_size=8192, max_position_embeddings=2048,
               tie_word_embeddings=False, initializer_range=0.2)
-
-
-def build_model(root: Path) -> tuple[Path, int]:
-    from transformers import AutoConfig, AutoModelForCausalLM
-    torch.manual_seed(0)
-    config = AutoConfig.for_model("qwen3_moe", **CONFIG, architectures=["Qwen3MoeForCausalLM"])
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(root)
-    return root, sum(p.numel() for p in model.parameters())
-
-
-def workload(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(CONFIG["vocab_size"]) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def run_pdserve(path: Path, prompts, new_tokens: int) -> tuple[float, list[list[int]]]:
-    from pdserve import LLM, SamplingParams
-    llm = LLM(model=str(path), num_kv_blocks=1024, max_num_batched_tokens=2048)
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0][:32]}], params, use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return len(prompts) * new_tokens / elapsed, [o.outputs[0].token_ids for o in outs]
 
 
 def run_hf_continuous_batching(path: Path, prompts, new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -76,8 +51,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    path, params = build_model(Path(tempfile.mkdtemp()) / "qwen3-moe-100m")
-    prompts = workload(args.requests, 32, 256)
+    path, params = build_model(Path(tempfile.mkdtemp()) / "qwen3-moe-100m", "qwen3_moe", "Qwen3MoeForCausalLM",
+                               CONFIG)
+    prompts = workload(args.requests, 32, 256, CONFIG["vocab_size"])
     rows: dict[str, list[float]] = {"pdserve": [], "transformers generate_batch (paged|sdpa)": []}
     same = None
     for r in range(args.repeats):
