@@ -13,6 +13,9 @@ from pdserve import LLM, SamplingParams
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 3, "a",
            "Disaggregated serving splits prefill from decode; " * 2, "0123456789" * 5, "short one"]
 LEASE_PROMPTS = ["Hello world, again", "Second prompt here"]  # 18 tokens: two blocks each
+# 328 + 48 tokens: 23 full blocks and a partial one; the second prompt shares a 256-token chunk and 4 blocks
+STORED_PROMPTS = ["Every node reads the stored prefix once. " * 8 + f"{who} question, asked of the stored prefix here."
+                  for who in ("First", "Other")]
 MAX_TOKENS = 12
 
 
@@ -20,7 +23,7 @@ MAX_TOKENS = 12
 def reference():
     llm = LLM("builtin:tiny", num_kv_blocks=512)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    prompts = PROMPTS + LEASE_PROMPTS
+    prompts = PROMPTS + LEASE_PROMPTS + STORED_PROMPTS
     return {p: o.outputs[0] for p, o in zip(prompts, llm.generate(prompts, params, use_tqdm=False))}
 
 
@@ -105,9 +108,26 @@ def test_expired_lease_is_recomputed_not_read_from_reused_memory(reference):
         assert stats["decode-0"]["transfers_ok"] == 0, "a pull after the lease must be refused"
 
 
+def _prefill_bytes_put(url: str, requests: int) -> int:
+    """Bytes the prefill nodes have put in the store, from pongs sent after their `requests`-th
+    request's handover (a node frees a request's blocks right after its put)."""
+    def settled():
+        nodes = [n for n in node_stats(url).values() if n["role"] == "prefill"]
+        done = sum(n["requests_total"] for n in nodes) >= requests and all(n["kv_blocks_in_use"] == 0 for n in nodes)
+        return done and 1 + sum(n["transfer_bytes_store"] for n in nodes)  # 1 +: zero bytes is an answer too
+    return wait_for(settled) - 1
+
+
 def test_two_by_two_cluster_with_redis_shares_prefixes_across_prefill_nodes(reference):
     with running_cluster("--prefill-nodes", "2", "--decode-nodes", "2", "--kv-transfer", "store") as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        # A prompt the store holds already: its handover writes only the blocks after the stored
+        # whole chunk (the warm request's first token waited on rewriting all of them).
+        put = []
+        for i, prompt in enumerate(STORED_PROMPTS):
+            assert _complete(client, prompt)[0] == reference[prompt].token_ids
+            put.append(_prefill_bytes_put(url, i + 1) - sum(put))
+        assert put[0] > 0 and put[1] * 3 == put[0], f"24 blocks, then only the 8 after the chunk: {put}"
         prompt = PROMPTS[1]  # 135 tokens: 8 full blocks
         usages = []
         for _ in range(2):  # round-robin: the second request goes to the other prefill node

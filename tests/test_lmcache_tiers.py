@@ -64,9 +64,12 @@ def test_cpu_tier_serves_what_redis_lost(make: Callable[..., KVStore], redis_url
     keys, src = blocks(1)
     store = make(local_cpu_gb=0.01)
     store.put(keys, src, list(range(N)), [16] * N)
+    # What a put may skip: whole chunks in Redis itself, which every other node reads.
+    assert store.shared_prefix(keys) == N and store.shared_prefix(keys[:5]) == 4
     redis.Redis.from_url(redis_url).flushall()
     assert make(local_cpu_gb=0.01).lookup_prefix(keys) == 0  # Redis is empty
     assert store.lookup_prefix(keys) == N
+    assert store.shared_prefix(keys) == 0, "blocks only this node's CPU tier holds must be written again"
     assert read_back(store, keys, src) == N
 
 

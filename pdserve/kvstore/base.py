@@ -37,5 +37,11 @@ class KVStore(ABC):
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys of the chain are present."""
 
+    def shared_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading blocks of the chain (keys[0] is its first block) a put may skip:
+        blocks every reader can load from the store's shared tier now. The default, 0, writes
+        everything; a store answers more only where rewriting a present block changes nothing."""
+        return 0
+
     def close(self) -> None:  # noqa: B027 - optional hook: stores without connections keep it
         """Release connections and memory."""

@@ -58,6 +58,9 @@ from pdserve.kvstore.redis_cluster import initialize_lmcache_cluster
 logger = logging.getLogger(__name__)
 
 
+REMOTE_BACKEND = "RemoteBackend"  # LMCache's name for the Redis tier in lookup(search_range=)
+
+
 def chunk_hash(key: bytes) -> int:
     """LMCache chunk hash for one of our block keys (all 128 bits, so no extra collisions)."""
     return int.from_bytes(key, "big")
@@ -264,6 +267,17 @@ class LMCacheKVStore(KVStore):
             if not found:
                 raise
             return found
+
+    def shared_prefix(self, keys: Sequence[bytes]) -> int:
+        """Whole leading chunks in Redis itself, not only in this node's local tiers (after a
+        Redis restart those still answer lookup_prefix, and skipping their put would leave
+        every other node missing them). Rounded to chunks, so a put from there stays aligned."""
+        C = self.chunk_blocks
+        hashes = [chunk_hash(keys[p]) for p in range(C - 1, len(keys), C)]
+        if not hashes or not remote_backends(self.engine):
+            return 0
+        found = self.engine.lookup(hashes=hashes, offsets=[1] * len(hashes), search_range=[REMOTE_BACKEND])
+        return int(found) * C
 
     @property
     def integrity_failures(self) -> int:

@@ -37,6 +37,7 @@ class PendingPrefill:
     identity: bytes
     request: PrefillRequest
     keys: list[bytes]  # the prompt's block-key chain, its trailing partial block included
+    store_tokens: int = 0  # prompt tokens the store held at admission
 
 
 def advertised(endpoint: str, host: str | None) -> str:
@@ -107,7 +108,7 @@ class PrefillNode(NodeRuntime):
             if self._load_prefix_from_store(engine_req, keys[:stored // bs]):
                 engine_req.num_cached_tokens = max(engine_req.num_cached_tokens, stored)
                 self.stats.cached_tokens_store += max(stored - local, 0)
-        self.pending[rid] = PendingPrefill(identity, req, keys)
+        self.pending[rid] = PendingPrefill(identity, req, keys, stored)
         # Until its blocks are free: a router that goes silent takes its prefills and leases with it.
         self.origin[rid] = identity
         self.stats.requests_total += 1
@@ -155,7 +156,7 @@ class PrefillNode(NodeRuntime):
         handover = None
         try:
             if not done:
-                handover = (self._store_handover(req, pending.keys) if req.transfer == "store"
+                handover = (self._store_handover(pending) if req.transfer == "store"
                             else self._nixl_handover(req))
         except (KVStoreError, RuntimeError) as exc:
             log.warning("[%s] handover failed, the decode node will recompute: %s", rid, exc)
@@ -164,18 +165,34 @@ class PrefillNode(NodeRuntime):
             self._release(rid)
         self.control.send(pending.identity, PrefillResult(rid, first=first, handover=handover))
 
-    def _store_handover(self, req: PrefillRequest, keys: list[bytes]) -> KVHandover:
+    def _store_handover(self, pending: PendingPrefill) -> KVHandover:
+        req, keys = pending.request, pending.keys
         prompt, bs = req.prompt_token_ids, self.engine.config.block_size
         held = self.engine.scheduler.held[req.request_id]
         first = held.num_slid_blocks  # the decode node reads only the blocks in the window
-        counts = [min(bs, len(prompt) - i * bs) for i in range(first, len(keys))]
         t0 = time.perf_counter()
-        self.store.put(keys[first:], self.engine.kv_cache, held.block_ids[first:len(keys)], counts,
-                       first_block=first)
+        # A prefix the shared store already holds (a warm prompt) is not written again: on a
+        # 2048-token prefix that rewrite was most of the handover, and it sat before the first token.
+        start = max(first, self._shared_blocks(pending))
+        counts = [min(bs, len(prompt) - i * bs) for i in range(start, len(keys))]
+        self.store.put(keys[start:], self.engine.kv_cache, held.block_ids[start:len(keys)], counts,
+                       first_block=start)
         self.stats.transfer_us_store += int((time.perf_counter() - t0) * 1e6)
         self.stats.transfer_bytes_store += len(counts) * self.engine.kv_cache[0].numel() * self.engine.kv_cache.element_size()
-        log.debug("[%s] stored %d blocks in %.1f ms", req.request_id, len(counts), (time.perf_counter() - t0) * 1e3)
+        log.debug("[%s] stored %d blocks (from block %d) in %.1f ms", req.request_id, len(counts), start,
+                  (time.perf_counter() - t0) * 1e3)
         return KVHandover("store", len(prompt), keys=keys, first_block=first)
+
+    def _shared_blocks(self, pending: PendingPrefill) -> int:
+        """Leading blocks of the prompt every decode node can read from the store already. Asked
+        again at handover (one round trip) only when admission found a prefix there."""
+        if not pending.store_tokens:
+            return 0
+        full = len(pending.request.prompt_token_ids) // self.engine.config.block_size
+        try:
+            return self.store.shared_prefix(pending.keys[:full])
+        except KVStoreError:
+            return 0
 
     def _nixl_handover(self, req: PrefillRequest) -> KVHandover:
         from pdserve.kvstore.nixl_transfer import block_digest
