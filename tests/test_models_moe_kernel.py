@@ -71,3 +71,23 @@ def test_expert_loop_fallback_matches_grouped_matmul(monkeypatch):
         monkeypatch.delattr(torch, "_grouped_mm")
         looped = ex(x, ids, weights)
     torch.testing.assert_close(looped, grouped, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_small_group_kernel_matches_grouped_matmul(monkeypatch, tokens):
+    """CPU decode steps (few rows per expert) run the compiled kernel (kernels/numba_moe.py);
+    it gives _grouped_mm's results, with biases, a skewed routing and experts with no rows."""
+    pytest.importorskip("numba")
+    from pdserve.models import moe
+    gen = torch.Generator().manual_seed(tokens)
+    act = functools.partial(clamped_swiglu, alpha=1.702, limit=1.5)
+    ex = _experts(6, 32, 24, True, act, gen).cpu()
+    x = torch.randn(tokens, 32, generator=gen)
+    logits = torch.randn(tokens, 6, generator=gen) + torch.tensor([0, -9, 0, 0, 3, -9.0])
+    weights, ids = logits.softmax(-1).topk(2, dim=-1)
+    assert ex._cpu_grouped_matmul(x, ids.numel()) is moe._numba_moe().grouped_small_mm
+    with torch.no_grad():
+        compiled = ex(x, ids, weights)
+        monkeypatch.setattr(moe, "_numba_moe", lambda: None)
+        grouped = ex(x, ids, weights)
+    torch.testing.assert_close(compiled, grouped, atol=1e-5, rtol=1e-5)

@@ -31,8 +31,9 @@ and load ``...mlp.gate.e_score_correction_bias`` into ``moe.e_score_correction_b
 expert's gate/up/down rows with ``Experts.load_expert``.
 
 Tokens are grouped by expert with one stable sort: the experts' matmuls run as one grouped
-matmul per projection over all their tokens (torch._grouped_mm; a loop over experts where it is
-missing, never a loop over tokens), and the weighted outputs are scattered back with one
+matmul per projection over all their tokens (torch._grouped_mm; with a few rows per expert, as
+at decode, the compiled kernel in pdserve.kernels.numba_moe, about twice as fast there; a loop
+over experts where neither exists, never a loop over tokens), and the weighted outputs are scattered back with one
 index_add. On CUDA with Triton, ``Experts`` runs as two grouped GEMMs instead
 (pdserve.kernels.triton_moe), with no host synchronisation, so MoE decode steps can be captured
 in CUDA graphs (``experts_graph_safe``).
@@ -100,6 +101,19 @@ def grouped_topk(logits: torch.Tensor, bias: torch.Tensor | None = None, *, top_
 
 
 @functools.cache
+def _numba_moe():
+    try:
+        from pdserve.kernels import numba_moe
+    except ImportError:
+        return None
+    return numba_moe
+
+
+def _torch_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offs)
+
+
+@functools.cache
 def _triton_moe():
     try:
         from pdserve.kernels import triton_moe
@@ -144,21 +158,35 @@ class Experts(nn.Module):
         token_of = order // top_k
         rows = x[token_of]
         counts = torch.bincount(flat, minlength=self.num_experts)
-        if hasattr(torch, "_grouped_mm") and not x.is_cuda:
-            out = self._grouped(rows, flat[order], counts)
+        matmul = self._cpu_grouped_matmul(x, flat.numel())
+        if matmul is not None:
+            out = self._grouped(rows, flat[order], counts, matmul)
         else:
             out = self._looped(rows, counts.tolist())
-        out = out * weights.reshape(-1)[order, None].to(out.dtype)
+        # In place: at prefill sizes a second [T*K, H] temporary costs a pass of page faults.
+        out.mul_(weights.reshape(-1)[order, None].to(out.dtype))
         return torch.zeros_like(x).index_add_(0, token_of, out)
 
-    def _grouped(self, rows: torch.Tensor, row_expert: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _cpu_grouped_matmul(self, x: torch.Tensor, pairs: int):
+        """The grouped matmul for this step on the CPU: the compiled small-group kernel when
+        the experts get few rows each (decode), torch._grouped_mm otherwise; None: loop."""
+        if x.is_cuda:
+            return None
+        small = _numba_moe()
+        if (small is not None and x.dtype == torch.float32
+                and pairs <= small.MAX_ROWS_PER_EXPERT * self.num_experts):
+            return small.grouped_small_mm
+        return _torch_grouped_mm if hasattr(torch, "_grouped_mm") else None
+
+    def _grouped(self, rows: torch.Tensor, row_expert: torch.Tensor, counts: torch.Tensor,
+                 matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """All experts in one grouped matmul per projection (one op, not one per expert: on a
         busy CPU each op's thread barrier costs more than its arithmetic)."""
         offs = counts.cumsum(0).to(torch.int32)
-        h = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offs)
+        h = matmul(rows, self.gate_up_proj, offs)
         if self.gate_up_bias is not None:
             h = h + self.gate_up_bias[row_expert]
-        out = torch._grouped_mm(self.activation(h), self.down_proj.transpose(1, 2), offs=offs)
+        out = matmul(self.activation(h), self.down_proj, offs)
         if self.down_bias is not None:
             out = out + self.down_bias[row_expert]
         return out
