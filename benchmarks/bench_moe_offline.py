@@ -48,12 +48,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads for both engines (0: torch's default, one per core)")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead: pdserve's CPU seconds per part of the model (offline_cpu_shares.py)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     path, params = build_model(Path(tempfile.mkdtemp()) / "qwen3-moe-100m", "qwen3_moe", "Qwen3MoeForCausalLM",
                                CONFIG)
     prompts = workload(args.requests, 32, 256, CONFIG["vocab_size"])
+    if args.profile:
+        from offline_cpu_shares import cpu_shares
+        shares = cpu_shares(path, prompts, args.new_tokens)
+        total = shares[0][1]
+        for label, seconds in shares:
+            print(f"{label:58s} {seconds:6.2f} s CPU {100 * seconds / total:5.1f}%")
+        return
     rows: dict[str, list[float]] = {"pdserve": [], "transformers generate_batch (paged|sdpa)": []}
     same = None
     for r in range(args.repeats):
