@@ -12,6 +12,7 @@ its experts in the eager loop: its continuous batching (`generate_batch`) does n
 (the paged cache holds K/V per head).
 
     .venv/bin/python benchmarks/bench_mla_offline.py --repeats 3
+    NUMBA_NUM_THREADS=1 .venv/bin/python benchmarks/bench_mla_offline.py --repeats 3 --threads 1
 """
 from __future__ import annotations
 
@@ -55,7 +56,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads for both engines (0: torch's default, one per core)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     prompts = workload(args.requests, 32, 256, CONFIG["vocab_size"])
     with tempfile.TemporaryDirectory() as tmp:
         path, params = build_model(Path(tmp), "deepseek_v3", "DeepseekV3ForCausalLM", CONFIG)
