@@ -73,6 +73,8 @@ def main() -> None:
             how, tps, their_tokens = run_transformers(path, prompts, args.new_tokens)
             theirs.append(tps)
             agree.append(sum(a == b for a, b in zip(our_tokens, their_tokens)))
+            print(f"run {len(ours)}: pdserve {ours[-1]:.1f} tok/s, transformers {tps:.1f} tok/s, "
+                  f"same greedy tokens on {agree[-1]}/{len(prompts)} requests", flush=True)
     a, b = statistics.median(ours), statistics.median(theirs)
     print("| engine | output tokens/s (median) | runs |")
     print("| --- | ---: | --- |")
