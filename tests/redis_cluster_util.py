@@ -54,21 +54,34 @@ class RedisCluster:
         self.dir = tempfile.mkdtemp(prefix="pdrc-")
         self.procs: dict[int, subprocess.Popen] = {}
         for port in _ports(masters * (1 + replicas)):
-            self.procs[port] = subprocess.Popen(
-                [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--cluster-enabled", "yes", "--cluster-config-file", f"{self.dir}/nodes-{port}.conf",
-                 "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-replica-validity-factor", "0",
-                 "--dir", self.dir, "--loglevel", "warning"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self._start(port)
         self.replicas = replicas
-        self.url = "redis-cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.procs)
 
-    def create(self, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
+    @property
+    def url(self) -> str:
+        return "redis-cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.procs)
+
+    def _start(self, port: int) -> None:
+        self.procs[port] = subprocess.Popen(
+            [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--cluster-enabled", "yes", "--cluster-config-file", f"{self.dir}/nodes-{port}.conf",
+             "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-replica-validity-factor", "0",
+             "--dir", self.dir, "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def _wait_started(self, deadline: float) -> None:
         while not all(_cli(p, "ping").strip() == "PONG" for p in self.procs):
+            for port in [p for p, proc in self.procs.items() if proc.poll() is not None]:
+                # Another process took its port (or bus port) after _ports checked it: move on.
+                del self.procs[port]
+                self._start(next(p for p in _ports(len(self.procs) + 1) if p not in self.procs))
             if time.monotonic() > deadline:
                 raise RuntimeError("redis-server nodes did not start")
             time.sleep(0.05)
+
+    def create(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        self._wait_started(deadline)
         out = subprocess.run([REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.procs),
                               "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                              capture_output=True, text=True, timeout=60)
