@@ -2,9 +2,8 @@
 
 The file is parsed with PyYAML (merge keys resolved, ${VAR:-default} substituted as compose
 would), and every pdserve container's command goes through pdserve's own CLI parser, so a flag
-typo fails here instead of in a container. Then the wiring: the router dials services that
-exist on the ports they bind, each prefill node advertises its own service name for its NIXL
-side channel, node ids are unique (they name NIXL agents), and health checks probe the ports
+typo fails here instead of in a container. Then the wiring: every node registers in the Redis
+registry the router reads, under its own service name (its NIXL side channel too), node ids are unique (they name NIXL agents), and health checks probe the ports
 the processes serve. When docker-compose (or the docker compose plugin) is installed, its own
 `config -q` check runs too.
 """
@@ -137,23 +136,22 @@ def test_nodes_share_the_redis_service(cluster):
             assert a.nixl, f"{name} cannot pull KV over NIXL without --nixl"
 
 
-def test_router_dials_existing_services_on_their_bound_ports(cluster):
+def test_router_finds_every_node_in_the_shared_registry(cluster):
     doc, args, env = cluster
     router = [n for n, a in args.items() if a.command == "router"]
     assert len(router) == 1
     name, r = router[0], args[router[0]]
-    for role, dialled in (("prefill", r.prefill or []), ("decode", r.decode or [])):
-        expected = {n for n, a in args.items() if a.command == role}
-        targets = []
-        for url in dialled:
-            host, port = endpoint(url)
-            assert host in args, f"router dials {url}: no service {host!r}"
-            assert args[host].command == role, f"router's --{role} {url} is a {args[host].command} node"
-            assert endpoint(args[host].bind)[1] == port, f"router dials {url}, {host} binds {args[host].bind}"
-            targets.append(host)
-        assert sorted(targets) == sorted(expected), f"router's --{role} list {targets} != services {expected}"
-        deps = doc["services"][name].get("depends_on", {})
-        assert expected <= set(deps), f"router does not depend on {expected - set(deps)}"
+    assert not r.prefill and not r.decode, "the router takes its nodes from the registry, not from lists"
+    registry = urlsplit(r.registry or "")
+    assert registry.scheme == "redis" and registry.hostname in doc["services"], f"router --registry {r.registry}"
+    assert registry.path not in ("", "/", "/0"), "the registry shares the store's database"
+    nodes = {n: a for n, a in args.items() if a.command in NODE_ROLES}
+    for node, a in nodes.items():
+        assert a.registry == r.registry, f"{node} registers at {a.registry}, the router reads {r.registry}"
+        # A node bound to 0.0.0.0 registers under --advertise-host: its service name is what others dial.
+        assert a.advertise_host == node, f"{node} advertises {a.advertise_host!r}"
+    deps = doc["services"][name].get("depends_on", {})
+    assert set(nodes) <= set(deps), f"router does not depend on {set(nodes) - set(deps)}"
     assert r.kv_transfer == env.get("PDSERVE_KV_TRANSFER", "nixl")
     assert r.host == "0.0.0.0"
     published = [str(p).rsplit(":", 1)[-1] for p in doc["services"][name].get("ports", [])]

@@ -227,6 +227,9 @@ def test_openai_client_over_nixl_matches_offline_engine(demo, offline):
     assert httpx.get(f"{demo.url}/health", timeout=5).json()["transfer"] == "nixl"
     models = client(demo).models.list()
     assert [m.id for m in models.data] == ["builtin:tiny"]
+    # The router has no node lists: it found every node in the Redis registry, at its service name.
+    want = {f"{role}-{i}": f"tcp://{role}-{i}:5600" for role in ("prefill", "decode") for i in range(2)}
+    assert {n: s["address"] for n, s in demo.nodes().items()} == want
     check_greedy(demo, offline, "nixl")
     stats = demo.nodes()
     assert sum(n["transfer_bytes_nixl"] for n in stats.values()) > 0  # KV really crossed containers
