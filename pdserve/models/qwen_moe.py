@@ -15,7 +15,7 @@ from torch import nn
 
 from pdserve.models.attention import PagedAttention
 from pdserve.models.decoder import DecoderModel, build_and_load
-from pdserve.models.llama import ModelSpec, RMSNorm
+from pdserve.models.llama import ModelSpec, RMSNorm, layer_windows
 from pdserve.models.moe import DenseMLP, SparseMoE, experts_graph_safe, softmax_topk
 from pdserve.models.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, rope_type_of
 from pdserve.models.weights import WeightLoader, check_fields
@@ -47,14 +47,6 @@ def _arch_top_k(config) -> int:
     return config.num_experts_per_tok
 
 
-def _window(config, layer: int) -> int:
-    """A layer's sliding window (0: none), as transformers decides it per family."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return (config.sliding_window or 0) if layer_types[layer] == "sliding_attention" else 0
-    return getattr(config, "sliding_window", None) or 0
-
-
 def _is_sparse(config, layer: int) -> bool:
     if config.architectures[0] == MIXTRAL:
         return True
@@ -69,7 +61,7 @@ class MoeDecoderLayer(nn.Module):
         norm = functools.partial(RMSNorm, eps=spec.rms_norm_eps) if arch == QWEN3 else None
         self.self_attn = PagedAttention(
             spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, layer,
-            qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, window=_window(config, layer), qk_norm=norm)
+            qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, window=layer_windows(config)[layer], qk_norm=norm)
         if _is_sparse(config, layer):
             route = functools.partial(softmax_topk, top_k=config.num_experts_per_tok,
                                       renormalize=arch == MIXTRAL or bool(config.norm_topk_prob))
