@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
@@ -39,6 +38,7 @@ from redis.backoff import NoBackoff
 from pdserve.cluster.registration import NodeRegistration
 from pdserve.cluster.registry_messages import EXPIRE_AFTER_S, HEARTBEAT_S, Membership, NodeRecord
 from pdserve.kvstore.redact import redact_url
+from pdserve.kvstore.redis_store import tls_options
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +74,7 @@ def connection(registry_url: str) -> tuple[str, dict]:
     parts = urlsplit(registry_url)
     query = parse_qs(parts.query)
     ca_file = query.pop("ca_file", [None])[0]
-    options = dict(CLIENT_OPTIONS)
-    if parts.scheme == "rediss":
-        if ca_file is not None and not os.path.isfile(ca_file):
-            raise ValueError(f"ca_file {ca_file!r} is not a readable file")
-        options.update(ssl_cert_reqs="required", ssl_check_hostname=True, ssl_ca_certs=ca_file)
-    elif ca_file is not None:  # a CA with plain TCP means the operator believes they have TLS
-        raise ValueError("ca_file is a TLS option: use rediss://")
+    options = {**CLIENT_OPTIONS, **tls_options(registry_url, ca_file, tls_schemes="rediss://")}
     return urlunsplit(parts._replace(query=urlencode(query, doseq=True))), options
 
 

@@ -98,12 +98,14 @@ def decode_into(value: bytes | None, kv_cache: torch.Tensor, block_id: int, n: i
     return True
 
 
-def _tls_options(url: str, ca_file: str | None) -> dict[str, Any]:
+def tls_options(url: str, ca_file: str | None,
+                tls_schemes: str = "rediss:// (or direct+rediss://)") -> dict[str, Any]:
     """redis-py's SSL settings for a rediss:// URL. Verification is spelled out, not left to
-    redis-py's defaults: redis-py 5 (our floor) does not check the hostname unless told to."""
+    redis-py's defaults: redis-py 5 (our floor) does not check the hostname unless told to.
+    tls_schemes: what the error for a CA without TLS tells the user to write instead."""
     if not url.lower().startswith("rediss://"):
         if ca_file is not None:  # a CA with plain TCP means the operator believes they have TLS
-            raise ValueError("ca_file is a TLS option: use rediss:// (or direct+rediss://)")
+            raise ValueError(f"ca_file is a TLS option: use {tls_schemes}")
         return {}
     if ca_file is not None and not os.path.isfile(ca_file):
         # Checked here: at connect time it would read as a dead server on every call instead.
@@ -134,7 +136,7 @@ class RedisKVStore(KVStore):
         self._client = redis_client(url, socket_timeout=socket_timeout,
                                     socket_connect_timeout=connect_timeout, retry=retry,
                                     socket_read_size=1 << 20,
-                                    **_tls_options(url, ca_file))
+                                    **tls_options(url, ca_file))
 
     def name(self, key: bytes) -> bytes:
         """The Redis key holding a block key's value."""
