@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 
@@ -41,6 +42,15 @@ def stop_process(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.wait(timeout=30)
+
+
+def terminate_process(proc: subprocess.Popen) -> None:
+    """A clean stop (SIGTERM: a node deregisters on its way out), SIGKILL if it takes 30 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    finally:
+        stop_process(proc)
 
 
 async def watch_pool(registry: str, seconds: float, probe) -> list:

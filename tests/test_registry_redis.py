@@ -24,7 +24,7 @@ import pytest
 import redis
 from cluster_util import node_stats, wait_for
 from redis_util import redis_server, start_redis_server, stop_redis_server
-from registry_util import serves, start_decode, stop_process, watch_pool
+from registry_util import serves, start_decode, stop_process, terminate_process, watch_pool
 from test_redis_security import make_certs
 
 from pdserve import LLM
@@ -64,11 +64,7 @@ def _router(registry: str, log_path: str):
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        finally:
-            stop_process(proc)
+        terminate_process(proc)
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +77,7 @@ def cluster(registry, tmp_path_factory):
             wait_for(lambda: _listed(url).get("decode-0", {}).get("healthy"), timeout_s=120)
             yield url
     finally:
-        node.send_signal(signal.SIGTERM)
-        try:
-            node.wait(timeout=30)
-        finally:
-            stop_process(node)
+        terminate_process(node)
 
 
 def _stored(registry: str, node_id: str) -> tuple[NodeRecord | None, int]:
