@@ -59,7 +59,7 @@ def _use_curve(args) -> None:
 
 def _pin_ucx(bind: str) -> None:
     """NIXL's UCX listens only where the node's control socket is bound (not on every interface)."""
-    from pdserve.kvstore.nixl_transfer import pin_ucx_to_host
+    from pdserve.kvstore.ucx_devices import pin_ucx_to_host
     host = bind.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
     if (device := pin_ucx_to_host(host)) is not None:
         log.info("UCX limited to network device %s (the one holding %s)", device, host)

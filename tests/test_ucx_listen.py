@@ -15,7 +15,8 @@ import sys
 import pytest
 from ray_util import machine_addresses
 
-from pdserve.kvstore.nixl_transfer import interface_holding, nixl_import_error
+from pdserve.kvstore.nixl_transfer import nixl_import_error
+from pdserve.kvstore.ucx_devices import interface_holding
 
 if (_why := nixl_import_error()) is not None:
     pytest.skip(f"nixl not importable: {_why}", allow_module_level=True)
@@ -24,7 +25,8 @@ AGENT = """
 import json, os, sys, torch
 sys.path.insert(0, {tests!r})
 from ray_util import listening_sockets
-from pdserve.kvstore.nixl_transfer import NixlKVAgent, pin_ucx_to_host
+from pdserve.kvstore.nixl_transfer import NixlKVAgent
+from pdserve.kvstore.ucx_devices import pin_ucx_to_host
 if {pin!r}:
     pin_ucx_to_host({pin!r})
 agent = NixlKVAgent("probe", torch.zeros(4, 64))
