@@ -76,10 +76,21 @@ class FakeRouter:
         while self.sock.poll(0):
             self.sock.recv()
 
+    def close(self) -> None:
+        self.sock.close()
+
 
 def test_silent_routers_leases_are_freed_the_live_routers_are_kept(prefill_node):
     node, endpoint = prefill_node
     live, dying = FakeRouter(endpoint), FakeRouter(endpoint)
+    try:
+        _check_silent_router_is_dropped(node, live, dying)
+    finally:
+        live.close()
+        dying.close()
+
+
+def _check_silent_router_is_dropped(node, live: FakeRouter, dying: FakeRouter) -> None:
     prompt = list(range(5, 45))  # 40 tokens: three blocks
     for router, rid in ((live, "live-0"), (dying, "dying-0")):
         result = router.prefill(rid, prompt)
