@@ -32,6 +32,8 @@ class DecodeNode(NodeRuntime):
         self.fetches: dict[str, Future] = {}
         self.nixl = NixlPuller(node_id, engine.kv_cache, self.ctx) if use_nixl else None
         self.deferred_aborts: set[str] = set()
+        # A request resumed here under an id whose aborted pull still runs: admitted when it ends.
+        self.resumes_waiting: dict[str, tuple[bytes, DecodeRequest]] = {}
         self.pull_started: dict[str, tuple[str, float, int]] = {}  # rid -> (path, start, bytes)
         self.block_nbytes = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
         self.delayed: list[tuple[float, Request, KVHandover, float]] = []
@@ -44,6 +46,9 @@ class DecodeNode(NodeRuntime):
             log.warning("decode node ignores %s", type(msg).__name__)
             return
         rid, handover = msg.request_id, msg.handover
+        if rid in self.deferred_aborts:  # the router resumes it here (no other decode node was up)
+            self.resumes_waiting[rid] = (identity, msg)
+            return
         pull = handover is not None and handover.mode in ("store", "nixl") and handover.num_tokens > 0
         try:
             req = self.engine.add_request(rid, msg.prompt_token_ids, msg.params, output_token_ids=msg.first_token_ids,
@@ -121,6 +126,8 @@ class DecodeNode(NodeRuntime):
         if rid in self.deferred_aborts:
             self.deferred_aborts.discard(rid)
             super().abort(rid)
+            if (waiting := self.resumes_waiting.pop(rid, None)) is not None:
+                self.handle(*waiting)
             return
         started = self.pull_started.pop(rid, None)
         if ok:
@@ -146,6 +153,7 @@ class DecodeNode(NodeRuntime):
 
     def abort(self, request_id: str) -> None:
         # A pull in flight writes into the request's blocks: free them only once it ends.
+        self.resumes_waiting.pop(request_id, None)
         if request_id in self.fetches or (self.nixl is not None and self.nixl.in_flight(request_id)):
             self.deferred_aborts.add(request_id)
             self.origin.pop(request_id, None)
@@ -155,7 +163,7 @@ class DecodeNode(NodeRuntime):
 
     def role_idle(self) -> bool:
         nixl_busy = self.nixl is not None and bool(self.nixl.pulls)
-        return not (self.fetches or self.delayed or self.deferred_aborts or nixl_busy)
+        return not (self.fetches or self.delayed or self.deferred_aborts or self.resumes_waiting or nixl_busy)
 
     def close_role(self) -> None:
         if self.fetcher is not None:
