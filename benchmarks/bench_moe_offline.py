@@ -7,6 +7,7 @@ tokens, 32 new tokens each, ignore_eos, float32 on CPU.
 
     .venv/bin/python benchmarks/bench_moe_offline.py --repeats 3
     NUMBA_NUM_THREADS=1 .venv/bin/python benchmarks/bench_moe_offline.py --repeats 3 --threads 1
+    .venv/bin/python benchmarks/bench_moe_offline.py --split --repeats 3   # prefill / decode seconds
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads for both engines (0: torch's default, one per core)")
+    ap.add_argument("--split", action="store_true",
+                    help="instead: each engine's seconds for the prompts alone (1 new token) and for "
+                         "the whole run, so the decode steps' share is the difference")
     ap.add_argument("--profile", action="store_true",
                     help="instead: pdserve's CPU seconds per part of the model (offline_cpu_shares.py)")
     args = ap.parse_args()
@@ -62,6 +66,9 @@ def main() -> None:
         total = shares[0][1]
         for label, seconds in shares:
             print(f"{label:58s} {seconds:6.2f} s CPU {100 * seconds / total:5.1f}%")
+        return
+    if args.split:
+        print_split(path, prompts, args.new_tokens, args.repeats)
         return
     rows: dict[str, list[float]] = {"pdserve": [], "transformers generate_batch (paged|sdpa)": []}
     same = None
@@ -81,6 +88,23 @@ def main() -> None:
     for name, values in rows.items():
         med = statistics.median(values)
         print(f"| {name} | {med:.1f} | {med / base:.2f}x |")
+
+
+def print_split(path: Path, prompts, new_tokens: int, repeats: int) -> None:
+    """Median seconds of each engine over the prompts with 1 new token (prefill, plus one
+    sampled token) and with new_tokens; the difference is the remaining decode steps."""
+    runs = {"pdserve": run_pdserve, "transformers generate_batch": run_hf_continuous_batching}
+    seconds: dict[tuple[str, int], list[float]] = {}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            for n in (1, new_tokens):
+                tokens_per_s, _ = run(path, prompts, n)
+                seconds.setdefault((name, n), []).append(len(prompts) * n / tokens_per_s)
+    print(f"| engine | prompts + 1 token, s | all {new_tokens} tokens, s | the other decode steps, s |")
+    print("|---|---:|---:|---:|")
+    for name in runs:
+        first, whole = (statistics.median(seconds[name, n]) for n in (1, new_tokens))
+        print(f"| {name} | {first:.2f} | {whole:.2f} | {whole - first:.2f} |")
 
 
 if __name__ == "__main__":
