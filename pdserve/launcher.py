@@ -15,10 +15,11 @@ import urllib.request
 
 import zmq
 
+from pdserve.cluster.owner import with_role
+from pdserve.cluster.owner_admin import answer_owner_request
 from pdserve.cluster.planner import planner_flags
 from pdserve.cluster.registry import RegistryServer
 from pdserve.kvstore.redact import redact_url
-from pdserve.messages import ListNodes, OwnerReply, StartNode, StopNode
 from pdserve.transport import NodeSocket, free_port
 
 log = logging.getLogger(__name__)
@@ -168,27 +169,21 @@ class Cluster:
     def owned_nodes(self) -> dict[str, str]:
         return dict(self.node_roles)
 
+    def set_role(self, node_id: str, role: str) -> None:
+        """The node switched roles in place: a restart after its process dies keeps the new role."""
+        if node_id not in self.node_roles:
+            raise ValueError(f"no node {node_id!r}")
+        cmd, env = self.commands[node_id]
+        self.commands[node_id] = (with_role(cmd, role), env)
+        self.node_roles[node_id] = role
+
     def serve_admin(self, timeout_ms: int) -> None:
-        """Answer the router's StartNode/StopNode/ListNodes (waits up to timeout_ms for one)."""
+        """Answer the routers' owner requests (waits up to timeout_ms for one)."""
         if self.admin is None or not self.admin.sock.poll(timeout_ms):
             return
         while (item := self.admin.recv()) is not None:
             identity, msg = item
-            try:
-                if isinstance(msg, StartNode):
-                    node_id = self.start_node(msg.role)
-                    reply = OwnerReply(True, node_id=node_id, address=self.node_addresses[node_id])
-                elif isinstance(msg, StopNode):
-                    self.stop_node(msg.node_id)
-                    reply = OwnerReply(True, node_id=msg.node_id)
-                elif isinstance(msg, ListNodes):
-                    reply = OwnerReply(True)
-                else:
-                    reply = OwnerReply(False, f"unexpected {type(msg).__name__}")
-            except (ValueError, OSError) as exc:
-                reply = OwnerReply(False, str(exc))
-            self.admin.send(identity, OwnerReply(reply.ok, reply.detail, reply.node_id, reply.address,
-                                                 self.owned_nodes()))
+            self.admin.send(identity, answer_owner_request(self, msg, self.node_addresses.__getitem__))
 
     def _store_flags(self, store: str | None) -> list[str]:
         """--store and the LMCache store's options, as every node gets them."""

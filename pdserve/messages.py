@@ -121,6 +121,13 @@ class ListNodes(msgspec.Struct, tag=True):
     pass
 
 
+class SetNodeRole(msgspec.Struct, tag=True):
+    """Router -> node owner: this node switched roles in place; should its process die, start
+    it again in `role`, not in the role it was started with."""
+    node_id: str
+    role: str
+
+
 class OwnerReply(msgspec.Struct, tag=True):
     ok: bool
     detail: str = ""
@@ -140,7 +147,7 @@ class NixlMetadata(msgspec.Struct, tag=True):
 
 Message = (Ping | Pong | PrefillRequest | PrefillResult | DecodeRequest | TokenDelta | Abort
            | NixlMetadataRequest | NixlMetadata | KVEvents | KVSnapshotRequest | Drain | Rejected
-           | StartNode | StopNode | ListNodes | OwnerReply)
+           | StartNode | StopNode | ListNodes | SetNodeRole | OwnerReply)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -155,6 +162,6 @@ def decode(data: bytes) -> Message:
 
 
 __all__ = ["KVHandover", "KVEvents", "KVSnapshotRequest", "Ping", "Pong", "PrefillRequest", "PrefillResult",
-           "DecodeRequest", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes",
+           "DecodeRequest", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole",
            "OwnerReply", "NixlMetadataRequest", "NixlMetadata", "Message", "encode", "decode", "StepOutput",
            "TokenLogprob"]

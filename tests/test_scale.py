@@ -1,7 +1,8 @@
 """Elastic scaling on a real cluster (`pdserve up`, separate processes, real sockets, NIXL, the
 official openai client with retries off): scale 1P1D -> 2P2D -> 1P1D and switch a node's role
 while greedy streams run. No request fails, every output equals the offline engine's token for
-token, removed nodes drain and exit, a switched node keeps its process and its prefix cache, and
+token, removed nodes drain and exit, a switched node keeps its process and its prefix cache (and
+its new role when its process dies and is started again), and
 no KV block stays in use afterwards. Also the admin API's key and its refusals of bad input."""
 from __future__ import annotations
 
@@ -180,4 +181,25 @@ def test_role_switch_keeps_process_weights_and_prefix_cache(cluster, llm, want):
     assert got == want
     assert node_stats(url)[prefill]["role"] == "prefill" and node_pids(proc.pid)[prefill] == pid
     assert node_stats(url)[decode]["healthy"]
+    wait_for(lambda: _blocks_back_to_zero(url), timeout_s=30)
+
+
+def test_a_switched_node_that_dies_comes_back_in_its_new_role(cluster, llm):
+    """The launcher restarts a dead node with the command it last knew: after a switch that is
+    the new role (the router tells the owner, SetNodeRole), not the one the node started in."""
+    url, proc = cluster
+    prefill = next(n for n, s in node_stats(url).items() if s["role"] == "prefill")
+    reply = _admin(url, "/admin/switch", {"node_id": prefill, "to_role": "decode"})
+    assert reply.status_code == 200, reply.text
+    pid = node_pids(proc.pid)[prefill]
+    subprocess.run(["kill", "-9", str(pid)], check=True)
+    wait_for(lambda: node_pids(proc.pid).get(prefill, pid) != pid, timeout_s=60)
+    wait_for(lambda: (s := node_stats(url).get(prefill)) is not None and s["healthy"]
+             and s["requests_total"] == 0, timeout_s=120)  # its new process's first pongs
+    assert node_stats(url)[prefill]["role"] == "decode"
+    prompt = [(i * 11) % 250 + 5 for i in range(40)]
+    assert _stream_ids(_client(url), prompt, 8) == _reference(llm, [{"prompt_token_ids": prompt}], 8)[0]
+    # Back to one prefill node, as the module's cluster started.
+    reply = _admin(url, "/admin/switch", {"node_id": prefill, "to_role": "prefill"})
+    assert reply.status_code == 200, reply.text
     wait_for(lambda: _blocks_back_to_zero(url), timeout_s=30)

@@ -7,6 +7,19 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+ROLE_COMMANDS = ("prefill", "decode")
+
+
+def with_role(argv: list[str], role: str) -> list[str]:
+    """A node's `pdserve ... ROLE ...` command line with its role subcommand (the first argument
+    that names a role) replaced. Every node gets both roles' flags, so nothing else changes."""
+    if role not in ROLE_COMMANDS:
+        raise ValueError(f"unknown role {role!r}")
+    at = next((i for i, arg in enumerate(argv) if arg in ROLE_COMMANDS), None)
+    if at is None:
+        raise ValueError(f"no role subcommand in {argv!r}")
+    return [*argv[:at], role, *argv[at + 1:]]
+
 
 @runtime_checkable
 class NodeOwner(Protocol):
@@ -16,6 +29,10 @@ class NodeOwner(Protocol):
 
     def stop_node(self, node_id: str) -> None:
         """Stop a node (SIGTERM, once it has drained)."""
+        ...
+
+    def set_role(self, node_id: str, role: str) -> None:
+        """Record that a node switched roles in place, so a restart starts it in `role`."""
         ...
 
     def owned_nodes(self) -> dict[str, str]:

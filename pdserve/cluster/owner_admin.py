@@ -1,4 +1,4 @@
-"""A NodeOwner's admin socket: the routers' StartNode / StopNode / ListNodes requests
+"""A NodeOwner's admin socket: the routers' StartNode / StopNode / SetNodeRole / ListNodes requests
 (`pdserve scale`, the router's /admin routes) answered from a thread of the owner's process.
 
 `pdserve up --ray` serves it from the controller actor; routers reach it through --owner.
@@ -12,7 +12,7 @@ from collections.abc import Callable
 import zmq
 
 from pdserve.cluster.owner import NodeOwner
-from pdserve.messages import ListNodes, OwnerReply, StartNode, StopNode
+from pdserve.messages import ListNodes, OwnerReply, SetNodeRole, StartNode, StopNode
 from pdserve.transport import NodeSocket
 
 log = logging.getLogger(__name__)
@@ -51,18 +51,26 @@ class OwnerAdminServer:
             self.socket.close()
 
     def answer(self, msg) -> OwnerReply:
-        try:
-            if isinstance(msg, StartNode):
-                node_id = self.owner.start_node(msg.role)
-                reply = OwnerReply(True, node_id=node_id, address=self.address_of(node_id))
-            elif isinstance(msg, StopNode):
-                self.owner.stop_node(msg.node_id)
-                reply = OwnerReply(True, node_id=msg.node_id)
-            elif isinstance(msg, ListNodes):
-                reply = OwnerReply(True)
-            else:
-                reply = OwnerReply(False, f"unexpected {type(msg).__name__}")
-        except Exception as exc:  # a failed start or stop is the caller's answer, not this thread's end
-            log.exception("owner admin request failed")
-            reply = OwnerReply(False, f"{type(exc).__name__}: {exc}")
-        return OwnerReply(reply.ok, reply.detail, reply.node_id, reply.address, self.owner.owned_nodes())
+        return answer_owner_request(self.owner, msg, self.address_of)
+
+
+def answer_owner_request(owner: NodeOwner, msg, address_of: Callable[[str], str]) -> OwnerReply:
+    """Carry out one router request on the owner; the reply always lists the owned nodes."""
+    try:
+        if isinstance(msg, StartNode):
+            node_id = owner.start_node(msg.role)
+            reply = OwnerReply(True, node_id=node_id, address=address_of(node_id))
+        elif isinstance(msg, StopNode):
+            owner.stop_node(msg.node_id)
+            reply = OwnerReply(True, node_id=msg.node_id)
+        elif isinstance(msg, SetNodeRole):
+            owner.set_role(msg.node_id, msg.role)
+            reply = OwnerReply(True, node_id=msg.node_id)
+        elif isinstance(msg, ListNodes):
+            reply = OwnerReply(True)
+        else:
+            reply = OwnerReply(False, f"unexpected {type(msg).__name__}")
+    except Exception as exc:  # a failed start or stop is the caller's answer, not the owner's end
+        log.exception("owner admin request failed")
+        reply = OwnerReply(False, f"{type(exc).__name__}: {exc}")
+    return OwnerReply(reply.ok, reply.detail, reply.node_id, reply.address, owner.owned_nodes())

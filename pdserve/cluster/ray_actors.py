@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 
+from pdserve.cluster.owner import with_role
 from pdserve.transport import free_port
 
 log = logging.getLogger(__name__)
@@ -70,13 +71,26 @@ def template_ports(template: list[str]) -> list[str]:
     return sorted(set(names))
 
 
+def switched_role(template: list[str], roles_namespace: str | None, name: str) -> list[str]:
+    """The node's template in the role it last switched to, if it did: the controller keeps
+    that in Ray's key-value store, which a restarted actor reads on any machine."""
+    if not roles_namespace:
+        return template
+    from ray.experimental.internal_kv import _internal_kv_get
+    role = _internal_kv_get(name, namespace=roles_namespace)
+    return with_role(template, role.decode()) if role else template
+
+
 class ProcessActor:
-    """Runs `python -m pdserve ARGS` on this actor's machine until stop() (use with ray.remote)."""
+    """Runs `python -m pdserve ARGS` on this actor's machine until stop() (use with ray.remote).
+    roles_namespace: where a node finds the role it switched to (see switched_role)."""
 
     def __init__(self, name: str, template: list[str], threads: int | None = None,
-                 fixed_ports: dict[str, int] | None = None, env: dict[str, str] | None = None):
+                 fixed_ports: dict[str, int] | None = None, env: dict[str, str] | None = None,
+                 roles_namespace: str | None = None):
         self.name = name
         self.ip = node_address()
+        template = switched_role(template, roles_namespace, name)
         ports = {p: free_port(self.ip) for p in template_ports(template)} | (fixed_ports or {})
         self.argv = [sys.executable, "-m", "pdserve", *fill_template(template, self.ip, ports)]
         self.ports = ports

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from pdserve.cluster.owner_admin import OwnerAdminServer
@@ -48,6 +49,8 @@ class RayController:
         self.routers: RayRouters | None = None
         self._next_index = dict.fromkeys(ROLES, 0)
         self._lock = threading.RLock()  # admin requests arrive on other threads
+        # node_id -> the role it switched to, in Ray's key-value store: read by a restarted actor.
+        self.roles_namespace = f"pdserve-roles-{uuid.uuid4().hex}"
         # The routers' StartNode/StopNode (pdserve scale, /admin/scale) arrive here (--owner).
         self.admin = OwnerAdminServer(self, f"tcp://{self.ip}:0", self.control_address).start()
 
@@ -73,7 +76,8 @@ class RayController:
         template += ["--registry", self.registry.address]
         p = self.placement
         resources = {p.role_resources[role]: 1} if p.role_resources.get(role) else None
-        actor = self._actor(node_id, template, p.threads_per_node, p.gpus_per_node, resources)
+        actor = self._actor(node_id, template, p.threads_per_node, p.gpus_per_node, resources,
+                            roles_namespace=self.roles_namespace)
         with self._lock:
             self.nodes[node_id] = (role, actor)
         log.info("started %s", node_id)
@@ -85,6 +89,21 @@ class RayController:
         if role_actor is None:
             raise ValueError(f"no node {node_id!r}")
         self._stop_actor(role_actor[1])
+        self._forget_role(node_id)
+
+    def set_role(self, node_id: str, role: str) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}")
+        with self._lock:
+            if node_id not in self.nodes:
+                raise ValueError(f"no node {node_id!r}")
+            self.nodes[node_id] = (role, self.nodes[node_id][1])
+        _internal_kv_put(node_id, role, namespace=self.roles_namespace)
+
+    def _forget_role(self, node_id: str) -> None:
+        from ray.experimental.internal_kv import _internal_kv_del
+        _internal_kv_del(node_id, namespace=self.roles_namespace)
 
     def owned_nodes(self) -> dict[str, str]:
         with self._lock:
@@ -128,6 +147,8 @@ class RayController:
         if self.routers is not None:
             self.routers.stop(self._stop_actors)
         self._stop_actors([actor for _, actor in self.nodes.values()])
+        for node_id in self.nodes:
+            self._forget_role(node_id)
         self.routers, self.nodes = None, {}
         self.admin.stop()
         self.registry.stop()
@@ -150,7 +171,8 @@ class RayController:
 
     # ---- actors -----------------------------------------------------------------------------
     def _actor(self, name: str, template: list[str], threads: int, gpus: float, resources: dict | None,
-               num_cpus: float | None = None, strategy=None, env: dict[str, str] | None = None):
+               num_cpus: float | None = None, strategy=None, env: dict[str, str] | None = None,
+               roles_namespace: str | None = None):
         import ray
 
         from pdserve.cluster.ray_actors import ProcessActor
@@ -160,7 +182,8 @@ class RayController:
             options["resources"] = resources
         if strategy is not None or self.placement.spread:
             options["scheduling_strategy"] = strategy or "SPREAD"
-        return ray.remote(ProcessActor).options(**options).remote(name, template, threads, env=env)
+        return ray.remote(ProcessActor).options(**options).remote(name, template, threads, env=env,
+                                                                  roles_namespace=roles_namespace)
 
     def _stop_actor(self, actor) -> None:
         self._stop_actors([actor])

@@ -15,7 +15,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from pdserve.messages import Drain, ListNodes, Message, OwnerReply, StartNode, StopNode, decode, encode
+from pdserve.messages import Drain, ListNodes, Message, OwnerReply, SetNodeRole, StartNode, StopNode, decode, encode
 from pdserve.router.drain import ROLES
 from pdserve.router.nodes import Node
 
@@ -149,8 +149,22 @@ class Scaler:
             await self._wait(lambda: self._serving(node_id, to_role), DRAIN_TIMEOUT_S,
                              f"{node_id} to switch to {to_role}")
             self.counters["switch"] += 1
+            await self._tell_owner_role(node_id, to_role)
             return {"node": node_id, "role": to_role, "seconds": round(time.perf_counter() - started, 3),
                     **self.describe()}
+
+    async def _tell_owner_role(self, node_id: str, role: str) -> None:
+        """So that the owner restarts the node in its new role should its process die (a node
+        the owner did not start, or an owner that cannot be reached, keeps the switch anyway)."""
+        if self.owner is None:
+            return
+        try:
+            reply = await self.owner.request(SetNodeRole(node_id, role))
+        except ScaleError as exc:
+            log.warning("switch: could not tell the node owner that %s is a %s node now: %s", node_id, role, exc)
+            return
+        if not reply.ok:
+            log.warning("switch: the node owner did not record %s as a %s node: %s", node_id, role, reply.detail)
 
     # A registry watcher may replace a node's Node object (a role change re-adds it): look nodes
     # up by id each time.
