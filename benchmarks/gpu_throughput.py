@@ -103,8 +103,8 @@ def run_pdserve(args) -> dict:
             decode_steps.append((dt, sum(r.num_tokens for r in running)))
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    spec = engine.model.spec
-    kv_bytes_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
+    # From the cache's own layout: K and V per KV head, or MLA's one latent vector per token.
+    kv_bytes_per_token = engine.kv_layout.block_nbytes(1)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters()
                        if "embed_tokens" not in n)
     return dict(output_tokens=produced, seconds=elapsed, tokens_per_s=produced / elapsed,
