@@ -28,7 +28,7 @@ class DecodeNode(NodeRuntime):
         self.store = store
         self.on_transfer_failure = on_transfer_failure
         self.pull_delay_s = pull_delay_s  # fault injection for tests: wait before pulling
-        self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-fetch") if store else None
+        self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-fetch") if store is not None else None
         self.fetches: dict[str, Future] = {}
         self.nixl = NixlPuller(node_id, engine.kv_cache, self.ctx) if use_nixl else None
         self.deferred_aborts: set[str] = set()
@@ -125,6 +125,8 @@ class DecodeNode(NodeRuntime):
             self.nixl.release_remote(handover, rid)  # nothing was read: let the prefill node free them
         if rid in self.deferred_aborts:
             self.deferred_aborts.discard(rid)
+            if ok:  # its client left while the prompt's KV was landing: keep it for the next one
+                self.engine.cache_landed_kv(rid)
             super().abort(rid)
             if (waiting := self.resumes_waiting.pop(rid, None)) is not None:
                 self.handle(*waiting)

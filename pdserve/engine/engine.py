@@ -133,6 +133,17 @@ class LLMEngine:
             return
         req.remote_kv.landed, req.remote_kv.failed, req.remote_kv.in_flight = ok, not ok, False
 
+    def cache_landed_kv(self, request_id: str) -> None:
+        """The remote KV of a request about to be aborted landed whole: enter its full blocks
+        into the prefix cache, so freeing the request leaves them cached (as a finished
+        request's are). The router credited this node with the prompt when it sent it here."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.remote_kv is None:
+            return
+        full = req.remote_kv.num_tokens // self.config.block_size * self.config.block_size
+        req.num_computed_tokens = max(req.num_computed_tokens, full)
+        self.kv.commit(req)
+
     def mark_remote_transfer(self, request_id: str) -> None:
         """A transfer into the request's blocks has started: hold it past its deadline until
         report_remote_kv says how the transfer ended."""
