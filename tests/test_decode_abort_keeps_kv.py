@@ -18,6 +18,7 @@ import time
 import pytest
 import zmq
 from cluster_util import wait_for
+from node_thread import serving_in_thread
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -56,24 +57,14 @@ def decode_node():
     store = MemoryKVStore()
     port = free_port()
     node = DecodeNode(_engine(), f"tcp://127.0.0.1:{port}", "decode-0", store=store)
-    stop = threading.Event()
-
-    def loop():  # serve_forever installs signal handlers, which only the main thread may
-        while not stop.is_set():
-            node.run_once()
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        yield node, store, sock
-    finally:
-        sock.close()
-        stop.set()
-        thread.join(10)
-        node.close()
+    with serving_in_thread(node):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            yield node, store, sock
+        finally:
+            sock.close()
 
 
 def _stream(sock, rid: str) -> tuple[list[int], int]:

@@ -7,12 +7,12 @@ died, nobody will pull its blocks, and the node frees them within a few seconds.
 """
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import zmq
 from cluster_util import wait_for
+from node_thread import serving_in_thread
 
 from pdserve.cluster.router_liveness import RouterLiveness
 from pdserve.engine.config import EngineConfig
@@ -33,18 +33,8 @@ def prefill_node():
     node = PrefillNode(engine, f"tcp://127.0.0.1:{port}", "prefill-0",
                        nixl_side_channel=f"tcp://127.0.0.1:{side}", lease_s=LEASE_S)
     node.routers_seen = RouterLiveness(GONE_AFTER_S)
-    stop = threading.Event()
-
-    def loop():  # serve_forever installs signal handlers, which only the main thread may
-        while not stop.is_set():
-            node.run_once()
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    yield node, f"tcp://127.0.0.1:{port}"
-    stop.set()
-    thread.join(10)
-    node.close()
+    with serving_in_thread(node):
+        yield node, f"tcp://127.0.0.1:{port}"
 
 
 class FakeRouter:
