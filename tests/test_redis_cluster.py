@@ -48,6 +48,10 @@ def test_blocks_spread_over_every_master_and_read_back(cluster):
         dst = torch.zeros_like(src)
         assert reader.get(keys, dst, list(range(N)), [16] * N) == N
         assert torch.equal(dst, src)
+        # What a handover may skip: the leading whole chunks the cluster holds, no more.
+        assert reader.shared_prefix(keys) == N - 1 and reader.shared_prefix(keys[:9]) == 8
+        unseen = [bytes([10, i]) * 8 for i in range(2)]
+        assert reader.shared_prefix(unseen + keys[2:]) == 0, "a chain whose first chunk is missing"
     finally:
         writer.close()
         reader.close()

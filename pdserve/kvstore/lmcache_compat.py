@@ -98,6 +98,27 @@ def remote_backends(engine: Any) -> list[RemoteBackend]:
     return [b for b in manager.storage_backends.values() if isinstance(b, RemoteBackend)]
 
 
+def leading_keys_present(backend: RemoteBackend, keys: list, timeout_s: float = 5.0) -> int:
+    """How many leading keys the remote tier holds, every key asked at once. LMCache's lookup
+    asks its Redis and Redis Cluster connectors one key per round trip: on a Redis Cluster that
+    added 2-3 ms to a warm prompt's handover, before its first token."""
+    conn = backend.connection
+    if conn is None or not keys:
+        return 0
+    if getattr(backend, "_mla_worker_id_as0_mode", False):  # as RemoteBackend.contains does
+        keys = [key.with_new_worker_id(0) for key in keys]
+
+    async def each_present() -> list[bool]:
+        return await asyncio.gather(*(conn.exists(key) for key in keys))
+
+    try:
+        present = asyncio.run_coroutine_threadsafe(each_present(), backend.loop).result(timeout_s)
+    except Exception as exc:  # as RemoteBackend.contains: a check that fails finds nothing
+        logger.warning("remote existence check failed: %s", exc)
+        return 0
+    return next((i for i, found in enumerate(present) if not found), len(present))
+
+
 def track_batched_puts(backend: RemoteBackend) -> None:
     """Make backend.put_tasks list the keys of batched puts in flight (see the docstring)."""
     submit = backend.batched_submit_put_task

@@ -45,6 +45,7 @@ from pdserve.kvstore.lmcache_compat import (
     LMCacheMetadata,
     close_in_daemon,
     keep_start_method,
+    leading_keys_present,
     quiet_lmcache_logs,
     quiet_logger_setup,
     reconnect_resp,
@@ -56,9 +57,6 @@ from pdserve.kvstore.lmcache_connector import PagedChunkConnector
 from pdserve.kvstore.redis_cluster import initialize_lmcache_cluster
 
 logger = logging.getLogger(__name__)
-
-
-REMOTE_BACKEND = "RemoteBackend"  # LMCache's name for the Redis tier in lookup(search_range=)
 
 
 def chunk_hash(key: bytes) -> int:
@@ -274,10 +272,12 @@ class LMCacheKVStore(KVStore):
         every other node missing them). Rounded to chunks, so a put from there stays aligned."""
         C = self.chunk_blocks
         hashes = [chunk_hash(keys[p]) for p in range(C - 1, len(keys), C)]
-        if not hashes or not remote_backends(self.engine):
+        backends = remote_backends(self.engine)
+        if not hashes or not backends:
             return 0
-        found = self.engine.lookup(hashes=hashes, offsets=[1] * len(hashes), search_range=[REMOTE_BACKEND])
-        return int(found) * C
+        chunk_keys = [key for _, _, key in self.engine.token_database.process_tokens(
+            hashes=hashes, offsets=[1] * len(hashes))]
+        return leading_keys_present(backends[0], chunk_keys) * C
 
     @property
     def integrity_failures(self) -> int:
