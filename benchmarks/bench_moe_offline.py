@@ -57,8 +57,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    path, params = build_model(Path(tempfile.mkdtemp()) / "qwen3-moe-100m", "qwen3_moe", "Qwen3MoeForCausalLM",
-                               CONFIG)
+    with tempfile.TemporaryDirectory() as tmp:  # the checkpoint is 400 MB: not left behind
+        run(args, Path(tmp) / "qwen3-moe-100m")
+
+
+def run(args: argparse.Namespace, root: Path) -> None:
+    path, params = build_model(root, "qwen3_moe", "Qwen3MoeForCausalLM", CONFIG)
     prompts = workload(args.requests, 32, 256, CONFIG["vocab_size"])
     if args.profile:
         from offline_cpu_shares import cpu_shares
