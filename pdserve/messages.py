@@ -30,6 +30,10 @@ class Ping(msgspec.Struct, tag=True):
     seq: int
 
 
+# The roles a node serves: Pong.role, registry records, Drain.to_role, StartNode/SetNodeRole.role.
+ROLES = ("prefill", "decode")
+
+
 class Pong(msgspec.Struct, tag=True):
     seq: int
     node_id: str
@@ -162,6 +166,6 @@ def decode(data: bytes) -> Message:
 
 
 __all__ = ["KVHandover", "KVEvents", "KVSnapshotRequest", "Ping", "Pong", "PrefillRequest", "PrefillResult",
-           "DecodeRequest", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole",
+           "DecodeRequest", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
            "OwnerReply", "NixlMetadataRequest", "NixlMetadata", "Message", "encode", "decode", "StepOutput",
            "TokenLogprob"]

@@ -30,12 +30,11 @@ from pdserve.curve_keys import CONTROL_DOMAIN, CurveContext, NodeKeys, node_cont
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import StepOutput
 from pdserve.kv_events import KVEventPublisher
-from pdserve.messages import Abort, Drain, KVSnapshotRequest, Message, Ping, Pong, TokenDelta
+from pdserve.messages import ROLES, Abort, Drain, KVSnapshotRequest, Message, Ping, Pong, TokenDelta
 from pdserve.transport import NodeSocket
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 5
-ROLES = ("prefill", "decode")
 # A switching node waits this long after the Drain even when idle: routers that learn of the drain
 # from its next pong (every 0.2 s) may still have sent it work meanwhile.
 SWITCH_SETTLE_S = 0.5

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -192,7 +194,7 @@ def test_a_switched_node_that_dies_comes_back_in_its_new_role(cluster, llm):
     reply = _admin(url, "/admin/switch", {"node_id": prefill, "to_role": "decode"})
     assert reply.status_code == 200, reply.text
     pid = node_pids(proc.pid)[prefill]
-    subprocess.run(["kill", "-9", str(pid)], check=True)
+    os.kill(pid, signal.SIGKILL)
     wait_for(lambda: node_pids(proc.pid).get(prefill, pid) != pid, timeout_s=60)
     wait_for(lambda: (s := node_stats(url).get(prefill)) is not None and s["healthy"]
              and s["requests_total"] == 0, timeout_s=120)  # its new process's first pongs

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-ROLE_COMMANDS = ("prefill", "decode")
+from pdserve.messages import ROLES
 
 
 def with_role(argv: list[str], role: str) -> list[str]:
     """A node's `pdserve ... ROLE ...` command line with its role subcommand (the first argument
     that names a role) replaced. Every node gets both roles' flags, so nothing else changes."""
-    if role not in ROLE_COMMANDS:
+    if role not in ROLES:
         raise ValueError(f"unknown role {role!r}")
-    at = next((i for i, arg in enumerate(argv) if arg in ROLE_COMMANDS), None)
+    at = next((i for i, arg in enumerate(argv) if arg in ROLES), None)
     if at is None:
         raise ValueError(f"no role subcommand in {argv!r}")
     return [*argv[:at], role, *argv[at + 1:]]

@@ -21,9 +21,9 @@ from pdserve.cluster.ray_actors import node_address
 from pdserve.cluster.ray_routers import RayRouters
 from pdserve.cluster.registry import RegistryServer
 from pdserve.cluster.registry_messages import AdminReply, ScaleRequest, SwitchRequest
+from pdserve.messages import ROLES
 
 log = logging.getLogger(__name__)
-ROLES = ("prefill", "decode")
 
 
 @dataclass

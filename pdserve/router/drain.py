@@ -16,11 +16,10 @@ import asyncio
 import logging
 import time
 
-from pdserve.messages import Pong
+from pdserve.messages import ROLES, Pong
 from pdserve.router.nodes import Node
 
 log = logging.getLogger(__name__)
-ROLES = ("prefill", "decode")
 DECODE_GRACE_S = 2.0
 PREFILL_GRACE_S = 30.0
 MOVE_CHECK_S = 0.25

@@ -14,10 +14,10 @@ import time
 from prometheus_client import Counter, Gauge, Histogram
 
 from pdserve.cluster.planner import Decision, PoolSnapshot, SlaPlanner
+from pdserve.messages import ROLES
 from pdserve.router.scaler import ScaleError
 
 log = logging.getLogger(__name__)
-ROLES = ("prefill", "decode")
 
 
 def _counter_value(counter: Counter) -> float:

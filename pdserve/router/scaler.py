@@ -15,8 +15,18 @@ import time
 import zmq
 import zmq.asyncio
 
-from pdserve.messages import Drain, ListNodes, Message, OwnerReply, SetNodeRole, StartNode, StopNode, decode, encode
-from pdserve.router.drain import ROLES
+from pdserve.messages import (
+    ROLES,
+    Drain,
+    ListNodes,
+    Message,
+    OwnerReply,
+    SetNodeRole,
+    StartNode,
+    StopNode,
+    decode,
+    encode,
+)
 from pdserve.router.nodes import Node
 
 log = logging.getLogger(__name__)
