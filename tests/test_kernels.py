@@ -140,29 +140,37 @@ PREFILL_CASES = {
 }
 
 
+def prefill_inputs(case: tuple, num_blocks: int, dtype, gen: torch.Generator) -> dict:
+    """A prefill case (heads, kv_heads, head_dim, block_size, [(context, new tokens)...]): its
+    sequences in a shuffled paged cache, and their new tokens' q/k/v packed, the new K/V being
+    the tail of what is cached. cu: the packed rows' offsets per sequence."""
+    heads, kv_heads, head_dim, block_size, seqs = case
+    ctx_lens, q_lens = [c for c, _ in seqs], [n for _, n in seqs]
+    _, k_cache, v_cache = make_cache(num_blocks, block_size, kv_heads, head_dim, dtype, gen)
+    tables, ks, vs = fill_sequences(k_cache, v_cache, ctx_lens, gen)
+    q, k_new, v_new = packed_qkv(sum(q_lens), heads, kv_heads, head_dim, dtype, gen)
+    cu = [0]
+    for i, n in enumerate(q_lens):
+        k_new[cu[-1]:cu[-1] + n], v_new[cu[-1]:cu[-1] + n] = ks[i][-n:], vs[i][-n:]
+        cu.append(cu[-1] + n)
+    return dict(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, tables=tables,
+                ks=ks, vs=vs, cu=cu, ctx_lens=ctx_lens)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", PREFILL_CASES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_attention(backend, case, dtype):
-    heads, kv_heads, head_dim, block_size, seqs = PREFILL_CASES[case]
-    gen = torch.Generator().manual_seed(2)
-    ctx_lens, q_lens = [c for c, _ in seqs], [n for _, n in seqs]
-    _, k_cache, v_cache = make_cache(16, block_size, kv_heads, head_dim, dtype, gen)
-    tables, ks, vs = fill_sequences(k_cache, v_cache, ctx_lens, gen)
-    q, k_new, v_new = packed_qkv(sum(q_lens), heads, kv_heads, head_dim, dtype, gen)
-    cu = [0]
-    for i, n in enumerate(q_lens):  # the new tokens' K/V are the tail of what is cached
-        k_new[cu[-1]:cu[-1] + n], v_new[cu[-1]:cu[-1] + n] = ks[i][-n:], vs[i][-n:]
-        cu.append(cu[-1] + n)
-    scale = 0.7 / math.sqrt(head_dim)
+    x = prefill_inputs(PREFILL_CASES[case], 16, dtype, torch.Generator().manual_seed(2))
+    q, cu, ks, vs = x["q"], x["cu"], x["ks"], x["vs"]
+    scale = 0.7 / math.sqrt(PREFILL_CASES[case][2])
 
     out = get_ops(backend).prefill_attention(
-        q, k_new, v_new, k_cache, v_cache, torch.tensor(cu, dtype=torch.int32, device=DEVICE),
-        torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE), tables, scale)
+        q, x["k_new"], x["v_new"], x["k_cache"], x["v_cache"], torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+        torch.tensor(x["ctx_lens"], dtype=torch.int32, device=DEVICE), x["tables"], scale)
 
     assert out.shape == q.shape
-    ref = torch.cat([reference_attention(q[cu[i]:cu[i + 1]], ks[i], vs[i], scale)
-                     for i in range(len(seqs))])
+    ref = torch.cat([reference_attention(q[cu[i]:cu[i + 1]], ks[i], vs[i], scale) for i in range(len(ks))])
     assert_close(out, ref, dtype)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels import DEVICE, assert_close, fill_sequences, make_cache, packed_qkv
+from test_kernels import DEVICE, assert_close, prefill_inputs
 from test_models_sliding_kernels import reference
 
 from pdserve.kernels import get_ops, torch_ops
@@ -22,19 +22,10 @@ CASES = {
 
 def make_inputs(case, dtype, seed):
     """The case's sequences in a shuffled paged cache, and their new tokens' q/k/v packed."""
-    heads, kv_heads, head_dim, block_size, seqs = CASES[case]
     gen = torch.Generator().manual_seed(seed)
-    ctx_lens, q_lens = [c for c, _ in seqs], [n for _, n in seqs]
-    _, k_cache, v_cache = make_cache(64, block_size, kv_heads, head_dim, dtype, gen)
-    tables, ks, vs = fill_sequences(k_cache, v_cache, ctx_lens, gen)
-    q, k_new, v_new = packed_qkv(sum(q_lens), heads, kv_heads, head_dim, dtype, gen)
-    cu = [0]
-    for i, n in enumerate(q_lens):  # the new tokens' K/V are the tail of what is cached
-        k_new[cu[-1]:cu[-1] + n], v_new[cu[-1]:cu[-1] + n] = ks[i][-n:], vs[i][-n:]
-        cu.append(cu[-1] + n)
-    sinks = 2 * torch.randn(heads, generator=gen).to(DEVICE)
-    return dict(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, tables=tables,
-                ks=ks, vs=vs, cu=cu, ctx_lens=ctx_lens, sinks=sinks)
+    x = prefill_inputs(CASES[case], 64, dtype, gen)
+    x["sinks"] = 2 * torch.randn(CASES[case][0], generator=gen).to(DEVICE)
+    return x
 
 
 def run_case(case, dtype, window=0, with_sinks=False, backend="torch", seed=3):
