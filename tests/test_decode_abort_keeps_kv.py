@@ -5,8 +5,9 @@ so the next request with that prefix goes to the same node. If the client leaves
 node is still loading the prompt from the store, the node used to free the blocks uncached, and
 the router's credit pointed at nothing: the next request recomputed the whole prefix there.
 
-A real decode node (engine, zmq ROUTER socket, an in-memory KV store) serves on loopback in a
-thread; a DEALER plays the router. The prompt's KV comes from a second engine that computed it.
+A real decode node (engine, zmq ROUTER socket, the LMCache store over a real redis-server) serves
+on loopback in a thread; a DEALER plays the router. The prompt's KV comes from a second engine
+that computed it and put it in Redis through a store of its own, as a prefill node does.
 The node's one store-fetch thread is kept busy until the abort has arrived, so the abort lands
 while the fetch is in flight, every time.
 """
@@ -19,11 +20,13 @@ import pytest
 import zmq
 from cluster_util import wait_for
 from node_thread import serving_in_thread
+from redis_util import redis_server
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvstore.memory_store import MemoryKVStore
+from pdserve.kvstore.factory import make_store
+from pdserve.kvstore.layout import KVLayout
 from pdserve.messages import Abort, DecodeRequest, KVHandover, TokenDelta, decode, encode
 from pdserve.transport import free_port
 
@@ -35,9 +38,13 @@ def _engine() -> LLMEngine:
     return LLMEngine(EngineConfig(model="builtin:tiny", num_kv_blocks=64))
 
 
-def _prefill_into(store: MemoryKVStore) -> tuple[list[bytes], int]:
-    """Compute the prompt on another engine and put its blocks in the store, as a prefill node
-    does; returns the block keys and the first token."""
+def _store(url: str, engine: LLMEngine):
+    return make_store(url, layout=KVLayout.from_cache(engine.kv_cache, "builtin:tiny"))
+
+
+def _prefill_into(url: str) -> tuple[list[bytes], int]:
+    """Compute the prompt on another engine and put its blocks in Redis, as a prefill node does;
+    returns the block keys and the first token."""
     engine = _engine()
     engine.add_request("p", PROMPT, SamplingParams(max_tokens=1, temperature=0), hold_blocks=True)
     first = None
@@ -47,24 +54,29 @@ def _prefill_into(store: MemoryKVStore) -> tuple[list[bytes], int]:
     held = engine.scheduler.held["p"]
     bs = engine.config.block_size
     keys = engine.kv.block_keys(held)[: len(PROMPT) // bs]
-    store.put(keys, engine.kv_cache, held.block_ids[: len(keys)], [bs] * len(keys))
+    store = _store(url, engine)
+    try:
+        store.put(keys, engine.kv_cache, held.block_ids[: len(keys)], [bs] * len(keys))
+    finally:
+        store.close()
     return keys, first
 
 
 @pytest.fixture
 def decode_node():
     from pdserve.decode_node.server import DecodeNode
-    store = MemoryKVStore()
-    port = free_port()
-    node = DecodeNode(_engine(), f"tcp://127.0.0.1:{port}", "decode-0", store=store)
-    with serving_in_thread(node):
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://127.0.0.1:{port}")
-        try:
-            yield node, store, sock
-        finally:
-            sock.close()
+    with redis_server() as (url, _proc):
+        engine = _engine()
+        port = free_port()
+        node = DecodeNode(engine, f"tcp://127.0.0.1:{port}", "decode-0", store=_store(url, engine))
+        with serving_in_thread(node):
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            try:
+                yield node, url, sock
+            finally:
+                sock.close()
 
 
 def _stream(sock, rid: str) -> tuple[list[int], int]:
@@ -93,8 +105,8 @@ def _generate(prompt: list[int]) -> list[int]:
 
 
 def test_an_abort_during_the_store_fetch_leaves_the_prompt_cached(decode_node):
-    node, store, sock = decode_node
-    keys, first = _prefill_into(store)
+    node, url, sock = decode_node
+    keys, first = _prefill_into(url)
     handover = KVHandover("store", len(keys) * node.engine.config.block_size, keys=keys)  # the full blocks
     busy = threading.Event()
     node.fetcher.submit(busy.wait)  # the fetch for "a" queues behind this
