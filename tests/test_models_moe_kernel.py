@@ -91,3 +91,20 @@ def test_small_group_kernel_matches_grouped_matmul(monkeypatch, tokens):
         monkeypatch.setattr(moe, "_numba_moe", lambda: None)
         grouped = ex(x, ids, weights)
     torch.testing.assert_close(compiled, grouped, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows_per_expert", [[0, 1, 2, 3, 4, 5, 0, 9], [13, 0, 0, 1, 0, 0, 0, 7]])
+def test_small_group_kernel_blocks_of_rows_and_weight_rows(rows_per_expert):
+    """The compiled kernel works in blocks of four rows (a short block repeats its last row)
+    and of ROWS_PER_ITEM weight rows: row counts that are not multiples of four and an output
+    width that is not a multiple of ROWS_PER_ITEM give _grouped_mm's result, row for row."""
+    pytest.importorskip("numba")
+    from pdserve.kernels import numba_moe
+    gen = torch.Generator().manual_seed(sum(rows_per_expert))
+    n_out = 2 * numba_moe.ROWS_PER_ITEM + 22
+    weight = torch.randn(len(rows_per_expert), n_out, 40, generator=gen)
+    rows = torch.randn(sum(rows_per_expert), 40, generator=gen)
+    offs = torch.tensor(rows_per_expert).cumsum(0).to(torch.int32)
+    got = numba_moe.grouped_small_mm(rows, weight, offs)
+    want = torch._grouped_mm(rows, weight.transpose(1, 2), offs=offs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
