@@ -9,6 +9,8 @@ near-miss.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -213,3 +215,19 @@ def test_triton_rejects_oversized_head_dim():
     lens = torch.ones(1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="head_dim"):
         ops.paged_decode_attention(q, cache, cache, table, lens, 1.0)
+
+
+def test_compiled_kernels_run_on_openmp_where_it_loads():
+    """pdserve's numba kernels launch on the OpenMP layer (kernels/numba_threads.py: ~50x less
+    launch cost than the workqueue layer) when an OpenMP runtime is installed, and fall back to
+    the workqueue layer when not; run in a fresh process, where the layer is chosen."""
+    pytest.importorskip("numba")
+    code = ("import numba\n"
+            "try:\n    import numba.np.ufunc.omppool\n    want = 'omp'\n"
+            "except ImportError:\n    want = 'workqueue'\n"
+            "from pdserve.kernels import numba_moe, numba_ops\n"
+            "numba_ops.warm_up()\n"
+            "print(want, numba.threading_layer())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         check=True).stdout.split()
+    assert out[0] == out[1], out

@@ -2,7 +2,6 @@
 returns logits for the requests that reached the end of their tokens this step."""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,7 +71,6 @@ class ModelRunner:
         self.layer_caches = [tuple(kv_cache[:, i].unbind(1)) for i in range(kv_cache.shape[1])]
         model.fused = get_fused_layer_ops(ops, device.type)
         self.graphs: DecodeGraphs | None = None
-        self.decode_threads = _cpu_decode_torch_threads(model, device)
         self.kept_rows: KeptTableRows | None = None
         if (use_cuda_graphs and device.type == "cuda" and getattr(ops, "CUDA_GRAPH_SAFE", False)
                 and getattr(model, "cuda_graph_safe", True)
@@ -101,15 +99,6 @@ class ModelRunner:
         spans = prompt_spans(items)  # rows whose logits give prompt logprobs
         if not all_logits and not spans and num_decodes == len(items) and self._graph_fits(items):
             return self._execute_graph([r for r, _ in items], pending)
-        with self._torch_threads(num_decodes == len(items)):
-            return self._execute_eager(items, num_decodes, spans, all_logits, pending)
-
-    def _torch_threads(self, pure_decode: bool):
-        if not (pure_decode and self.decode_threads):
-            return contextlib.nullcontext()
-        return _torch_num_threads(self.decode_threads)
-
-    def _execute_eager(self, items, num_decodes: int, spans, all_logits: bool, pending):
         inputs = build_step_inputs(items, num_decodes, self.block_size)
         token_ids, positions, meta = self._to_device(inputs, num_decodes)
         if pending is not None:
@@ -157,26 +146,3 @@ class ModelRunner:
                                  prefill_cu_seqlens=cu, prefill_context_lens=pctx,
                                  prefill_block_tables=ptable)
         return ints64[0], ints64[1], meta
-
-
-def _cpu_decode_torch_threads(model: torch.nn.Module, device: torch.device) -> int:
-    """Torch threads for a pure-decode step on the CPU (0: leave torch's setting). A MoE
-    model's decode step spends most of its time in the compiled expert and attention kernels,
-    whose own worker threads share the cores with torch's; torch's idle OpenMP workers spin
-    for a while after each op and take a core from them. One torch thread there measured 15%
-    faster steps on the 2-core development machine (docs/models.md); a dense model's step was
-    the same either way, so it keeps torch's threads."""
-    from pdserve.models.moe import Experts, numba_kernel_available
-    if device.type != "cpu" or not numba_kernel_available():
-        return 0
-    return 1 if any(isinstance(m, Experts) for m in model.modules()) else 0
-
-
-@contextlib.contextmanager
-def _torch_num_threads(n: int):
-    full = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(full)

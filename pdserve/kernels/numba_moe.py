@@ -10,17 +10,17 @@ models.moe uses this kernel up to 8 rows per expert on average and _grouped_mm a
 Each weight row is read from memory once per step: the kernel takes it against all of its
 expert's rows, four at a time, while it sits in L1 (the previous kernel took each row against
 every weight row and so read the weights once per row). In decode steps of the model above,
-alternating with the previous kernel in one process, steps were about 7% faster with this
-kernel alone, and 13-17% faster with it and model_runner's one torch thread for MoE decode. Work items are blocks of
+alternating with the previous kernel in one process, steps were 5-10% faster. Work items are blocks of
 weight rows, so two threads share every step evenly. The sums run in a different order than
 MKL's, so results differ from _grouped_mm by float32 rounding (about 1e-6 relative), not by more.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
 from numba import njit, prange
+
+from pdserve.kernels import numba_threads  # noqa: F401  (before the first parallel call)
 
 # Rows per expert, on average, up to which this kernel beats torch._grouped_mm (see above).
 MAX_ROWS_PER_EXPERT = 8
@@ -67,6 +67,3 @@ def _grouped_kernel(rows, weight, offs, out):  # pragma: no cover
                 out[m2, j] = a2
                 out[m1, j] = a1
                 out[m, j] = a0
-
-
-numba.config.THREADING_LAYER = "workqueue"  # as numba_ops: no OpenMP/TBB runtime needed

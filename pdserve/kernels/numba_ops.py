@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 import torch
 from numba import njit, prange
 
+from pdserve.kernels import numba_threads  # noqa: F401  (before the first parallel call)
 from pdserve.kernels.torch_ops import prefill_attention, store_kv  # noqa: F401  (same contract)
 
 
@@ -102,6 +102,3 @@ def warm_up() -> None:
     cache = torch.zeros(2, 4, 1, 8)
     paged_decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
                            torch.ones(1, dtype=torch.int32), 1.0)
-
-
-numba.config.THREADING_LAYER = "workqueue"  # no OpenMP/TBB runtime needed

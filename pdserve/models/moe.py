@@ -109,11 +109,6 @@ def _numba_moe():
     return numba_moe
 
 
-def numba_kernel_available() -> bool:
-    """Whether CPU decode steps run the compiled small-group kernel (numba is installed)."""
-    return _numba_moe() is not None
-
-
 def _torch_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offs)
 
