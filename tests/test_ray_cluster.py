@@ -210,7 +210,9 @@ def _host_of(address: str) -> str:
     return next(name for name, octet in HOSTS.items() if ip.endswith(f".{octet}"))
 
 
-def _wait(predicate, timeout_s: float, what: str):
+def _wait(predicate, timeout_s: float, what: str, state=None):
+    """predicate's first truthy value within timeout_s; on timeout, fail with state() (what
+    was seen instead) when given."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -219,7 +221,13 @@ def _wait(predicate, timeout_s: float, what: str):
         except (httpx.HTTPError, KeyError, redis.RedisError):
             pass
         time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
+    seen = ""
+    if state is not None:
+        try:
+            seen = f"; seen: {state()}"
+        except (httpx.HTTPError, KeyError, redis.RedisError) as e:
+            seen = f"; state unavailable: {e!r}"
+    raise AssertionError(f"timed out waiting for {what}{seen}")
 
 
 def _all_back(urls: list[str], count: int, hosts: set[str] | None = None) -> bool:
@@ -280,7 +288,8 @@ def test_nodes_on_both_workers_and_greedy_matches_offline(up, ray_up, lab, llm):
     # Scaling goes through the controller (the routers' --owner): a second prefill node.
     reply = httpx.post(f"{urls[1]}/admin/scale", json={"prefill": 2}, timeout=180)
     assert reply.status_code == 200, reply.text
-    _wait(lambda: _all_back(urls, 4), 180, "the new prefill node in both routers")
+    _wait(lambda: _all_back(urls, 4), 180, "the new prefill node in both routers",
+          state=lambda: {u: _nodes(u) for u in urls})
     assert "prefill-1" in _nodes(urls[0])
 
 
@@ -291,7 +300,8 @@ def test_a_killed_node_actor_comes_back_under_load(up, lab, llm):
     actor_pid = psutil.Process(node_pid).ppid()
     _under_load(urls, llm, lambda: os.kill(actor_pid, signal.SIGKILL))
     _wait(lambda: all((n := _nodes(u).get("decode-0")) and n["healthy"] and n["address"] != before["address"]
-                      for u in urls), 180, "decode-0 to rejoin both routers from its new process")
+                      for u in urls), 180, "decode-0 to rejoin both routers from its new process",
+          state=lambda: {u: _nodes(u).get("decode-0") for u in urls} | {"before": before})
     assert not psutil.pid_exists(node_pid) or psutil.Process(node_pid).status() == psutil.STATUS_ZOMBIE
 
 
@@ -309,12 +319,14 @@ def test_a_lost_worker_under_load(up, lab, llm):
     # Clients of a router on the lost machine lose their streams; these go through the others.
     live = [u for u, host in router_hosts.items() if host != victim]
     _under_load(live, llm, lambda: lab.kill_host(victim))
-    _wait(lambda: _all_back(live, 4, {survivor}), 240, f"every node back on {survivor}")
+    _wait(lambda: _all_back(live, 4, {survivor}), 240, f"every node back on {survivor}",
+          state=lambda: {u: _nodes(u) for u in live})
     _wait(lambda: all(n["kv_blocks_in_use"] == 0 and n["requests"] == 0 for n in _nodes(live[0]).values()),
           30, "KV blocks in use back to 0")
     # The router that ran on the lost machine is started again on the survivor and serves.
     routers = _wait(lambda: len(r := _router_urls(lab, survivor)) == 2 and r, 120, f"both routers on {survivor}")
-    _wait(lambda: _all_back(routers, 4, {survivor}), 120, "the replaced router to see every node")
+    _wait(lambda: _all_back(routers, 4, {survivor}), 120, "the replaced router to see every node",
+          state=lambda: {u: _nodes(u) for u in routers})
 
 
 def _router_urls(lab, host: str) -> list[str]:
