@@ -4,15 +4,17 @@ At decode a step holds a few (token, expert) pairs per expert, so each expert's 
 handful of rows against its whole weight matrix. MKL's sgemm spends most of such a call on
 setup and packing: measured on the 2-core development machine (one thread, 32 experts of
 512x512 and 256x512, 7 layers), 32 tokens with top-4 routing took 48 ms a step in
-torch._grouped_mm and 23 ms here; the two cross near 16 rows per expert (128 tokens), so
-models.moe uses this kernel up to 8 rows per expert on average and _grouped_mm above that.
+torch._grouped_mm and 23 ms in the first version of this kernel; the two crossed near 16 rows
+per expert (128 tokens), so models.moe uses this kernel up to 8 rows per expert on average and
+_grouped_mm above that (not re-measured for the present version, which is faster).
 
 Each weight row is read from memory once per step: the kernel takes it against all of its
-expert's rows, four at a time, while it sits in L1 (the previous kernel took each row against
+expert's rows, four at a time, while it sits in L1 (the first version took each row against
 every weight row and so read the weights once per row). In decode steps of the model above,
-alternating with the previous kernel in one process, steps were 5-10% faster. Work items are blocks of
-weight rows, so two threads share every step evenly. The sums run in a different order than
-MKL's, so results differ from _grouped_mm by float32 rounding (about 1e-6 relative), not by more.
+alternating with the first version in one process, steps were 5-10% faster. Work items are
+blocks of weight rows, so two threads share every step evenly. The sums run in a different
+order than MKL's, so results differ from _grouped_mm by float32 rounding (about 1e-6
+relative), not by more.
 """
 from __future__ import annotations
 
