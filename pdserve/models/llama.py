@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pdserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from pdserve.models.rope import RotaryEmbedding
 
 
@@ -63,14 +65,19 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int):
+    """Heads split over the TP group: each rank attends its own query heads and KV heads."""
+
+    def __init__(self, spec: ModelSpec, layer_idx: int, quant_config=None):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        prefix = f"layers.{layer_idx}.self_attn"
+        self.qkv_proj = QKVParallelLinear(spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads,
+                                          bias=spec.qkv_bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size, self.kv_size = self.num_heads * spec.head_dim, self.num_kv_heads * spec.head_dim
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=spec.o_bias,
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim ** -0.5
@@ -93,13 +100,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    """Column-parallel gate/up, row-parallel down: one all-reduce per block."""
+
+    def __init__(self, spec: ModelSpec, quant_config=None, prefix: str = "mlp"):
         super().__init__()
         if spec.hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {spec.hidden_act!r} is not supported; supported: silu")
-        self.intermediate = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, [spec.intermediate_size] * 2,
+                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.intermediate = self.gate_up_proj.output_sizes[0]
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size,
+                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -107,10 +118,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int):
+    def __init__(self, spec: ModelSpec, layer_idx: int, quant_config=None):
         super().__init__()
-        self.self_attn = Attention(spec, layer_idx)
-        self.mlp = MLP(spec)
+        self.self_attn = Attention(spec, layer_idx, quant_config)
+        self.mlp = MLP(spec, quant_config, f"layers.{layer_idx}.mlp")
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -126,14 +137,14 @@ class LlamaModel(nn.Module):
     # so the engine serves the model's whole context rather than capping prompts at the window.
     handles_sliding_window = True
 
-    def __init__(self, spec: ModelSpec, rope: RotaryEmbedding):
+    def __init__(self, spec: ModelSpec, rope: RotaryEmbedding, quant_config=None):
         super().__init__()
         self.spec = spec
         self.rope = rope
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, quant_config) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # pdserve.kernels.triton_fused on CUDA (set by the model runner); None: plain torch.

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pdserve.layers.loading import load_param, process_weights_after_loading
 from pdserve.models.gguf import VIEW_MARKER, find_gguf_file, gguf_tensors, is_gguf_view, prepare_view
 from pdserve.models.llama import LlamaModel, ModelSpec, layer_windows
 from pdserve.models.rope import RotaryEmbedding
@@ -118,6 +119,7 @@ def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> 
         _load_weights(model, spec, safetensors_files(path))
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    process_weights_after_loading(model)
     model.rope = rope.to(device)
     return model.to(device=device, dtype=dtype).eval()
 
@@ -137,7 +139,7 @@ def _place_all(model: LlamaModel, spec: ModelSpec, tensors: Iterable[tuple[str, 
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for name, tensor in tensors:
-        target = _place(name, tensor, params, spec)
+        target = _place(name, tensor, model, params, spec)
         if target:
             loaded.add(target)
     expected = {n for n in params if not (spec.tie_word_embeddings and n == "lm_head.weight")}
@@ -151,7 +153,7 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
-def _place(name: str, tensor: torch.Tensor, params: dict, spec: ModelSpec) -> str | None:
+def _place(name: str, tensor: torch.Tensor, model: LlamaModel, params: dict, spec: ModelSpec) -> str | None:
     """Copy one checkpoint tensor into its (possibly fused) parameter; returns a loaded-part id."""
     name = name.removeprefix("model.") if not name.startswith("lm_head") else name
     if "rotary_emb" in name:
@@ -161,14 +163,13 @@ def _place(name: str, tensor: torch.Tensor, params: dict, spec: ModelSpec) -> st
         if part in _FUSED:
             fused, shard = _FUSED[part]
             target = ".".join(parts[:i] + [fused] + parts[i + 1:])
-            offset, size = _shard_range(fused, shard, spec)
-            params[target].data[offset:offset + size].copy_(tensor)
+            load_param(model, target, tensor, shard)
             return _mark_fused(target, shard, fused)
     if name not in params:
         if name == "lm_head.weight" and spec.tie_word_embeddings:
             return None
         raise ModelLoadError(f"unexpected weight {name!r} in checkpoint")
-    params[name].data.copy_(tensor)
+    load_param(model, name, tensor)
     return name
 
 
@@ -176,13 +177,6 @@ def _mark_fused(target: str, shard: int, fused: str) -> str | None:
     # A fused parameter counts as loaded once its last shard arrives.
     last = 2 if fused == "qkv_proj" else 1
     return target if shard == last else None
-
-
-def _shard_range(fused: str, shard: int, spec: ModelSpec) -> tuple[int, int]:
-    if fused == "gate_up_proj":
-        return shard * spec.intermediate_size, spec.intermediate_size
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    return [(0, q), (q, kv), (q + kv, kv)][shard]
 
 
 def default_dtype(name: str, device: torch.device) -> torch.dtype:

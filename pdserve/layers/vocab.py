@@ -1,0 +1,56 @@
+"""The embedding and the LM head, split over the vocabulary.
+
+Each rank holds a contiguous slice of the vocabulary's rows (the vocabulary padded to a multiple
+of the TP size; padding rows are zero and their logits are cut off). The embedding looks up the
+tokens its slice holds, zeroes the rest and sums over ranks; the LM head computes its slice of
+the logits, and the slices are gathered in rank order.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.layers.parallel import get_tp_group
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, params_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.tp = get_tp_group()
+        self.vocab_size = vocab_size
+        self.rows = -(-vocab_size // self.tp.size)
+        self.start = self.tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size, dtype=params_dtype or torch.get_default_dtype()),
+                                   requires_grad=False)
+
+    def weight_loader(self, name: str, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        """This rank's rows of the [vocab, hidden] checkpoint tensor; padding rows stay zero."""
+        end = min(self.start + self.rows, loaded.shape[0])
+        if loaded.shape[1:] != self.weight.shape[1:]:
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit "
+                             f"[vocab, {self.weight.shape[1]}]")
+        self.weight.data.zero_()
+        self.weight.data[: end - self.start].copy_(loaded[self.start:end])
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(token_ids, self.weight)
+        local = token_ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = x.masked_fill(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(x)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden [T, H] -> logits [T, vocab]; shares its weight with the embedding when tied."""
+
+    def compute(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_last(logits)[..., : self.vocab_size]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute(hidden)
