@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Path
 
 from pdserve import __version__
 from pdserve.router.errors import error_responses, model_not_found
@@ -55,8 +55,9 @@ def add_model_routes(app: FastAPI, served: ServedModel) -> None:
         return {"object": "list", "data": [served.card(name) for name in served.names]}
 
     # :path, since model names may hold a slash ("org/model"), which the client sends as it is.
+    # The example lets a fuzzer following the document reach a 200, not only 404s.
     @app.get("/v1/models/{model:path}", responses=error_responses(401, 404, 500))
-    async def retrieve_model(model: str) -> dict[str, Any]:
+    async def retrieve_model(model: str = Path(examples=[served.id])) -> dict[str, Any]:
         return served.card(served.resolve(model))
 
     @app.get("/version", responses=error_responses(500))  # open, as /health is
