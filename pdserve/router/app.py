@@ -197,8 +197,7 @@ class _Router:
             if out.new_text or out.new_token_ids or out.finished:
                 yield chunk_body(flavor, *ident, [choice])
         if include_usage:
-            yield chunk_body(flavor, *ident, [],
-                             usage(prompt_tokens, states))
+            yield chunk_body(flavor, *ident, [], usage(prompt_tokens, states))
 
     async def collect(self, request: Request, group: GenerationGroup, flavor: Flavor,
                       ident: tuple[str, int, str], headers: dict[str, str], prompt_tokens: int) -> Response:
