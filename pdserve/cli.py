@@ -112,6 +112,12 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
                         "template's format)")
 
 
+def _add_served_name_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names requests may give in `model`; the first is the model's id in responses and "
+                        "/v1/models (default: --model as given)")
+
+
 def _add_routing_args(p: argparse.ArgumentParser) -> None:
     from pdserve.router.policy import POLICIES
     p.add_argument("--prefill-policy", choices=POLICIES, default="cache_aware", help="how a prefill node is picked")
@@ -166,6 +172,7 @@ def _add_cluster_parsers(sub) -> None:
     _add_routing_args(rt)
     add_planner_args(rt)
     _add_chat_args(rt)
+    _add_served_name_args(rt)
     rt.set_defaults(func=run_router)
     up = sub.add_parser("up", help="start a local cluster: router, prefill and decode nodes (and Redis)")
     _add_engine_args(up)
@@ -189,6 +196,7 @@ def _add_cluster_parsers(sub) -> None:
     _add_routing_args(up)
     add_planner_args(up)
     _add_chat_args(up)
+    _add_served_name_args(up)
     up.add_argument("--curve", action="store_true",
                     help="fresh CURVE keys in a private temporary directory for every node and the router")
     up.add_argument("--decode-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # fault injection

@@ -54,6 +54,8 @@ EXPECTED = {
     ("post", "/v1/completions"): GENERATION,
     ("post", "/v1/chat/completions"): GENERATION,
     ("get", "/v1/models"): {"200", "401", "500"},
+    ("get", "/v1/models/{model}"): {"200", "401", "404", "500"},
+    ("get", "/version"): {"200", "500"},
     ("get", "/metrics"): {"200", "401", "404", "500"},
     ("get", "/health"): {"200", "401", "500", "503"},
     ("post", "/tokenize"): {"200", "400", "404", "413", "500"},

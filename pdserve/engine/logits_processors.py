@@ -10,6 +10,10 @@ Order follows vLLM: bad words, min_tokens, logit_bias, then the penalties. Formu
   * frequency_penalty / presence_penalty (OpenAI's), over generated tokens:
     l[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty, c[j]: count of j so far.
 Rows with none of these are not touched, and a batch without any costs one list scan.
+
+A repetition penalty near 0 (any p > 0 is accepted, as in vLLM) divides a positive logit into
+float32 overflow; such a logit saturates at LOGIT_LIMIT instead of becoming inf, whose softmax
+is NaN. The limit stays finite after the smallest sampling temperature (1e-5) divides it.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+
+LOGIT_LIMIT = 1e30
 
 
 class TokenHistory(Protocol):
@@ -108,5 +114,5 @@ def _penalise(logits: torch.Tensor, rows: list[int], requests: Sequence[TokenHis
     values = flat[keys]
     if repeat:
         factor = per_key("repetition_penalty")
-        values = torch.where(values > 0, values / factor, values * factor)
+        values = torch.where(values > 0, (values / factor).clamp(max=LOGIT_LIMIT), values * factor)
     flat[keys] = values - per_key("frequency_penalty") * counts - per_key("presence_penalty") * (counts > 0).to(dtype)

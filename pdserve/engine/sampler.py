@@ -52,7 +52,10 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     # Keep the smallest set whose mass reaches top_p: drop a token once the mass before it does.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+    # The most likely token always stays: a top_p below float32's smallest value is 0 here.
+    drop = mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
 
 

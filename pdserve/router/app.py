@@ -3,7 +3,8 @@
     app = create_app(backend, tokenizer, model_name="m", max_model_len=4096)
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not),
-GET /v1/models, GET /health, GET /metrics; /openapi.json declares every status each answers.
+GET /v1/models[/{model}] and /version (model_routes.py), GET /health, GET /metrics;
+/openapi.json declares every status each answers.
 The router tokenizes (and renders chat templates); nodes receive token ids and send back
 detokenized, stop-string-checked deltas, which are relayed here.
 """
@@ -32,9 +33,9 @@ from pdserve.router.errors import (
     error_body,
     error_responses,
     install_error_handlers,
-    model_not_found,
 )
 from pdserve.router.jobs import GenerationJob, chat_job, completion_job
+from pdserve.router.model_routes import ServedModel, add_model_routes
 from pdserve.router.responses import (
     ChoiceState,
     Flavor,
@@ -87,12 +88,13 @@ _HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
 class _Router:
     """State shared by the route handlers."""
 
-    def __init__(self, backend: GenerationBackend, tokenizer: Any, model_name: str,
-                 max_model_len: int, tool_call_parser: str | None = None) -> None:
+    def __init__(self, backend: GenerationBackend, tokenizer: Any, served: ServedModel,
+                 tool_call_parser: str | None = None) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.max_model_len = max_model_len
+        self.served = served
+        self.model_name = served.id
+        self.max_model_len = served.max_model_len
         self.vocab_size = len(tokenizer)
         self.texts = TokenTexts(tokenizer)
         # tool_choice "auto": calls are parsed out of the text in the chat template's format.
@@ -101,9 +103,8 @@ class _Router:
         self.grammars = GrammarCheck(tokenizer)  # structured outputs the vocabulary cannot write: 400
 
     def check_model(self, model: str | None) -> None:
-        # Absent model means "the served one" (as vLLM); a different name is a 404.
-        if model is not None and model != self.model_name:
-            raise model_not_found(model)
+        # Absent model means "the served one" (as vLLM); a name not served is a 404.
+        self.served.resolve(model)
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) < _THREAD_TOKENIZE_CHARS:
@@ -170,21 +171,23 @@ class _Router:
                     job.max_prompt_tokens, len(params), params[0].max_tokens, bool(body.stream))
         group = GenerationGroup(self.backend, request_id, job.choice_prompts[0], params, session=body.user,
                                 choice_prompts=job.choice_prompts)
+        model = self.served.resolve(body.model)  # the name asked for, as vLLM answers
         headers = {"X-Request-Id": request_id}
         if body.ignored_fields:  # accepted but not acted on: the client can see what was dropped
             headers["X-Ignored-Fields"] = ",".join(body.ignored_fields)[:1024]
         created = int(time.time())
         if body.stream:
-            chunks = self.stream_chunks(group, flavor, request_id, created, body.include_usage, job.prompt_tokens)
+            chunks = self.stream_chunks(group, flavor, (request_id, created, model), body.include_usage,
+                                        job.prompt_tokens)
             return AbortingStreamingResponse(sse_events(chunks), group, headers)
-        return await self.collect(request, group, flavor, request_id, created, headers, job.prompt_tokens)
+        return await self.collect(request, group, flavor, (request_id, created, model), headers, job.prompt_tokens)
 
-    async def stream_chunks(self, group: GenerationGroup, flavor: Flavor, request_id: str,
-                            created: int, include_usage: bool,
-                            prompt_tokens: int) -> AsyncIterator[dict[str, Any]]:
+    async def stream_chunks(self, group: GenerationGroup, flavor: Flavor, ident: tuple[str, int, str],
+                            include_usage: bool, prompt_tokens: int) -> AsyncIterator[dict[str, Any]]:
+        """ident: the response's (id, created, model)."""
         states = [ChoiceState(i) for i in range(len(group.params))]
         for choice in flavor.opening_choices(len(states)):
-            yield chunk_body(flavor, request_id, created, self.model_name, [choice])
+            yield chunk_body(flavor, *ident, [choice])
         async for index, shown in group.outputs():
             out = flavor.shown(shown)
             state = states[index]
@@ -192,13 +195,12 @@ class _Router:
             state.add(out)
             # Empty deltas (text held back while a stop string may be forming) are skipped.
             if out.new_text or out.new_token_ids or out.finished:
-                yield chunk_body(flavor, request_id, created, self.model_name, [choice])
+                yield chunk_body(flavor, *ident, [choice])
         if include_usage:
-            yield chunk_body(flavor, request_id, created, self.model_name, [],
-                             usage(prompt_tokens, states))
+            yield chunk_body(flavor, *ident, [], usage(prompt_tokens, states))
 
     async def collect(self, request: Request, group: GenerationGroup, flavor: Flavor,
-                      request_id: str, created: int, headers: dict[str, str], prompt_tokens: int) -> Response:
+                      ident: tuple[str, int, str], headers: dict[str, str], prompt_tokens: int) -> Response:
         states = [ChoiceState(i) for i in range(len(group.params))]
 
         async def consume() -> None:
@@ -208,11 +210,11 @@ class _Router:
         try:
             await run_until_disconnect(request, consume)
         except ClientDisconnected:
-            logger.info("%s: client disconnected", request_id)
+            logger.info("%s: client disconnected", ident[0])
             return Response(status_code=499)  # nobody reads it; nginx's "client closed"
         finally:
             await group.close()
-        body = response_body(flavor, request_id, created, self.model_name, states, prompt_tokens)
+        body = response_body(flavor, *ident, states, prompt_tokens)
         return JSONResponse(body, headers=headers)
 
 
@@ -228,14 +230,7 @@ def _add_openai_routes(app: FastAPI, router: _Router) -> None:
         return await router.serve(request, body, await chat_job(router, body), "chatcmpl")
 
 
-def _add_info_routes(app: FastAPI, router: _Router, started: int) -> None:
-    @app.get("/v1/models", responses=error_responses(401, 500))
-    async def models() -> dict[str, Any]:
-        card = {"id": router.model_name, "object": "model", "created": started,
-                "owned_by": "pdserve", "root": router.model_name,
-                "max_model_len": router.max_model_len}
-        return {"object": "list", "data": [card]}
-
+def _add_info_routes(app: FastAPI, router: _Router) -> None:
     # response_class=Response: no JSON 200 in the document, and errors stay application/json.
     @app.get("/metrics", response_class=Response, responses=_METRICS_RESPONSES)
     async def metrics() -> Response:
@@ -272,16 +267,21 @@ def _openapi_document(app: FastAPI, vocab_size: int) -> dict[str, Any]:
 
 def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
                max_model_len: int, admission: dict[str, Any] | None = None,
-               tool_call_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, served_model_names: list[str] | None = None,
+               model_root: str | None = None) -> FastAPI:
     """admission: AdmissionMiddleware's options (api_key, protect_metrics, max_body_bytes,
     max_queued_requests). tool_call_parser: the tool-call format of tool_choice "auto"
-    (tool_parsers.PARSERS; default: the chat template's)."""
+    (tool_parsers.PARSERS; default: the chat template's). served_model_names: the names a
+    request may use (default: model_name); model_root: the tokenizer's directory, for /v1/models."""
     app = FastAPI(title="pdserve router")
     app.add_middleware(AdmissionMiddleware, metrics=getattr(backend, "metrics", None), **(admission or {}))
     install_error_handlers(app)
-    router = _Router(backend, tokenizer, model_name, max_model_len, tool_call_parser)
+    served = ServedModel(served_model_names or [model_name], model_root or model_name, max_model_len,
+                         int(time.time()))
+    router = _Router(backend, tokenizer, served, tool_call_parser)
     _add_openai_routes(app, router)
-    _add_info_routes(app, router, int(time.time()))
+    add_model_routes(app, served)
+    _add_info_routes(app, router)
     add_tokenize_routes(app, router)
     add_admin_routes(app, backend)
     app.state.router = router

@@ -13,6 +13,15 @@ from typing import Any
 from pdserve.engine.outputs import StepOutput, TokenLogprob
 from pdserve.engine.structured_output import DEAD_END_FINISH, DEAD_END_MESSAGE
 
+# JSON has no -Infinity or NaN: a token a grammar or a ban rules out has logprob -inf, and such a
+# value would fail the response (or reach a client as invalid JSON). vLLM's server clamps to this.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    """The logprob as a client gets it: -inf and NaN become LOGPROB_FLOOR (NaN compares false)."""
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
 
 class TokenTexts:
     """Per-token strings for logprobs; cached because the same ids recur across requests."""
@@ -87,9 +96,9 @@ def completion_logprobs(texts: TokenTexts, lps: list[TokenLogprob | None],
             token_lps.append(None)
             tops.append(None)
             continue
-        token_lps.append(lp.logprob)
-        top = {texts(tid): value for tid, value in lp.top[:top_n]}
-        top.setdefault(token, lp.logprob)
+        token_lps.append(finite_logprob(lp.logprob))
+        top = {texts(tid): finite_logprob(value) for tid, value in lp.top[:top_n]}
+        top.setdefault(token, finite_logprob(lp.logprob))
         tops.append(top)
     body = {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
@@ -107,15 +116,16 @@ def vllm_prompt_logprobs(texts: TokenTexts, lps: list[TokenLogprob | None] | Non
         if lp is None:
             out.append(None)
             continue
-        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": texts(lp.token_id)}}
+        entry = {str(lp.token_id): {"logprob": finite_logprob(lp.logprob), "rank": lp.rank,
+                                    "decoded_token": texts(lp.token_id)}}
         for rank, (tid, value) in enumerate(lp.top, 1):
-            entry.setdefault(str(tid), {"logprob": value, "rank": rank, "decoded_token": texts(tid)})
+            entry.setdefault(str(tid), {"logprob": finite_logprob(value), "rank": rank, "decoded_token": texts(tid)})
         out.append(entry)
     return out
 
 
 def _chat_token(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    return {"token": token, "logprob": finite_logprob(logprob), "bytes": list(token.encode("utf-8"))}
 
 
 def chat_logprobs(texts: TokenTexts, lps: list[TokenLogprob]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
@@ -83,7 +83,7 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's range
     top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = Field(1, ge=1, le=MAX_N)
     stream: bool | None = False
@@ -258,13 +258,31 @@ class TextContentPart(BaseModel):
         return value
 
 
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class ChatMessage(BaseModel):
+    """OpenAI's rules: content is required, except that an assistant turn that called tools
+    (tool_calls, or the older function_call) may omit it. A function turn may send null, but
+    must send content and the function's name."""
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: Role
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _content_where_required(self) -> ChatMessage:
+        if self.role == "function":
+            if not self.name or "content" not in self.model_fields_set:
+                raise ValueError("a function message needs name and content")
+            return self
+        called = self.tool_calls or (self.model_extra or {}).get("function_call")
+        if self.content is None and not (self.role == "assistant" and called):
+            unless = " unless it has tool_calls" if self.role == "assistant" else ""
+            raise ValueError(f"a message with role {self.role!r} needs content{unless}")
+        return self
 
     def text(self) -> str:
         if self.content is None:

@@ -123,7 +123,8 @@ class GenerationGroup:
 
 
 def sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    # allow_nan=False: a NaN or infinity would be sent as a literal no JSON parser takes.
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), allow_nan=False)
     return f"data: {data}\n\n"
 
 
