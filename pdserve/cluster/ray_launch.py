@@ -57,6 +57,7 @@ def router_template(args) -> list[str]:
     # A chat template is read by each router on its own machine: give a path every machine has.
     cmd += ["--chat-template", args.chat_template] if getattr(args, "chat_template", None) else []
     cmd += ["--tool-call-parser", args.tool_call_parser] if getattr(args, "tool_call_parser", None) else []
+    cmd += ["--pooling", args.pooling] if getattr(args, "pooling", None) else []
     return cmd + (["--protect-metrics"] if args.protect_metrics else [])
 
 

@@ -2,7 +2,8 @@
 
     app = create_app(backend, tokenizer, model_name="m", max_model_len=4096)
 
-Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not),
+Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not), POST
+/v1/embeddings (router/embeddings.py),
 GET /v1/models, GET /health, GET /metrics; /openapi.json declares every status each answers.
 The router tokenizes (and renders chat templates); nodes receive token ids and send back
 detokenized, stop-string-checked deltas, which are relayed here.
@@ -23,6 +24,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admin_routes import add_admin_routes
 from pdserve.router.admission import AdmissionMiddleware
 from pdserve.router.backend import GenerationBackend
+from pdserve.router.embeddings import EmbeddingOptions, add_embedding_routes
 from pdserve.router.errors import (
     SERVER_ERROR,
     APIError,
@@ -272,10 +274,11 @@ def _openapi_document(app: FastAPI, vocab_size: int) -> dict[str, Any]:
 
 def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
                max_model_len: int, admission: dict[str, Any] | None = None,
-               tool_call_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, embedding: EmbeddingOptions | None = None) -> FastAPI:
     """admission: AdmissionMiddleware's options (api_key, protect_metrics, max_body_bytes,
     max_queued_requests). tool_call_parser: the tool-call format of tool_choice "auto"
-    (tool_parsers.PARSERS; default: the chat template's)."""
+    (tool_parsers.PARSERS; default: the chat template's). embedding: /v1/embeddings' pooling
+    and vector size."""
     app = FastAPI(title="pdserve router")
     app.add_middleware(AdmissionMiddleware, metrics=getattr(backend, "metrics", None), **(admission or {}))
     install_error_handlers(app)
@@ -283,6 +286,7 @@ def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
     _add_openai_routes(app, router)
     _add_info_routes(app, router, int(time.time()))
     add_tokenize_routes(app, router)
+    add_embedding_routes(app, router, embedding or EmbeddingOptions())
     add_admin_routes(app, backend)
     app.state.router = router
     app.openapi = lambda: _openapi_document(app, router.vocab_size)  # type: ignore[method-assign]

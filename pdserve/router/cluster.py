@@ -24,6 +24,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import (
     Abort,
     DecodeRequest,
+    EmbedResult,
     KVEvents,
     KVHandover,
     KVSnapshotRequest,
@@ -190,7 +191,7 @@ class ClusterBackend:
                 log.info("%s: KV event gap (epoch %d, seq %d): asking for a snapshot", node.node_id,
                          msg.epoch, msg.seq)
                 self._send_later(node, KVSnapshotRequest())
-        elif isinstance(msg, PrefillResult):
+        elif isinstance(msg, (PrefillResult, EmbedResult)):  # one reply per request, awaited
             node.requests.discard(msg.request_id)
             fut = self.prefill_results.get(msg.request_id)
             if fut is not None and not fut.done() and self.owner.get(msg.request_id) == node.node_id:
@@ -389,6 +390,11 @@ class ClusterBackend:
             yield out
             if out.finished:
                 return
+
+    async def embed(self, request_id: str, prompts: list[list[int]], pooling: str) -> EmbedResult:
+        """Pooled, normalised final hidden states of each prompt (see cluster_embeddings)."""
+        from pdserve.router.cluster_embeddings import embed_on_nodes
+        return await embed_on_nodes(self, request_id, prompts, pooling)
 
     async def abort(self, request_id: str) -> None:
         for node in list(self.nodes):  # a copy: membership may change while a send waits
