@@ -53,6 +53,7 @@ class NodeStats:
     transfer_us_nixl: int = 0      # microseconds spent in KV transfers (pulls, store puts)
     transfer_us_store: int = 0
     store_load_us: int = 0         # microseconds spent loading prompt blocks from the store
+    embedding_requests: int = 0    # /v1/embeddings requests computed here
 
 
 class NodeRuntime:
@@ -200,6 +201,7 @@ class NodeRuntime:
                 refused = self.embeddings.add(identity, msg, self.engine)
                 if refused is not None:
                     self.control.send(identity, refused)
+                self.stats.embedding_requests += 1
             elif isinstance(msg, Drain):
                 self.drain(msg)
             else:

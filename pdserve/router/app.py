@@ -24,6 +24,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admin_routes import add_admin_routes
 from pdserve.router.admission import AdmissionMiddleware
 from pdserve.router.backend import GenerationBackend
+from pdserve.router.chat_prompt import TOOLS_IGNORED, template_drops_tools
 from pdserve.router.embeddings import EmbeddingOptions, add_embedding_routes
 from pdserve.router.errors import (
     SERVER_ERROR,
@@ -99,6 +100,10 @@ class _Router:
         self.texts = TokenTexts(tokenizer)
         # tool_choice "auto": calls are parsed out of the text in the chat template's format.
         self.tool_parser = parser_for(tool_call_parser, getattr(tokenizer, "chat_template", None))
+        self.tools_ignored = template_drops_tools(tokenizer)
+        if self.tools_ignored:
+            logger.warning("the chat template renders no tools: with tools, tool_choice 'auto' will not call "
+                           "them (give a template that lists tools with --chat-template)")
         self.special_tokens = set(getattr(tokenizer, "all_special_tokens", []))
         self.grammars = GrammarCheck(tokenizer)  # structured outputs the vocabulary cannot write: 400
 
@@ -175,6 +180,8 @@ class _Router:
         headers = {"X-Request-Id": request_id}
         if body.ignored_fields:  # accepted but not acted on: the client can see what was dropped
             headers["X-Ignored-Fields"] = ",".join(body.ignored_fields)[:1024]
+        if self.tools_ignored and getattr(body, "tools", None) and getattr(body, "tool_choice", None) != "none":
+            headers["X-Tools-Ignored"] = TOOLS_IGNORED  # the prompt lacks them: the model cannot know of them
         created = int(time.time())
         if body.stream:
             chunks = self.stream_chunks(group, flavor, request_id, created, body.include_usage, job.prompt_tokens)
