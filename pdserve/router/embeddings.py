@@ -67,6 +67,8 @@ class EmbeddingRequest(BaseModel):
     def inputs(self) -> list[str | list[int]]:
         value = self.input
         if isinstance(value, str):
+            if not value:
+                raise ValueError("input must not be an empty string")
             return [value]
         if not value:
             raise ValueError("input must not be empty")
@@ -74,6 +76,8 @@ class EmbeddingRequest(BaseModel):
             return [value]  # type: ignore[list-item]
         if len(value) > MAX_INPUTS:
             raise ValueError(f"at most {MAX_INPUTS} inputs in one request, got {len(value)}")
+        if any(item == "" for item in value):
+            raise ValueError("input must not contain empty strings")
         return list(value)  # type: ignore[arg-type]
 
 
