@@ -13,10 +13,10 @@ import base64
 import json
 import logging
 import uuid
-from urllib.parse import quote
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import quote
 
 import numpy as np
 from fastapi import FastAPI

@@ -28,6 +28,7 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     from pdserve.models.gguf import checkpoint_name
     from pdserve.models.loader import resolve_model_path
     from pdserve.router.app import create_app
+    from pdserve.router.chat_templates import builtin_chat_template
     from pdserve.router.cluster import ClusterBackend
     from pdserve.router.embeddings import EmbeddingOptions, checkpoint_pooling
     from pdserve.router.nodes import NodePool
@@ -38,6 +39,8 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     chat = chat or {}
     if chat.get("chat_template"):
         tokenizer.chat_template = load_chat_template(chat["chat_template"])
+    elif builtin_chat_template(model) is not None:  # SmolLM2's own template drops tools
+        tokenizer.chat_template = builtin_chat_template(model)
     salt = layout_salt(checkpoint_name(model, path), hf_config, dtype, block_size)
     NodePool.curve = RouterKeys.load(curve_dir) if curve_dir else None
     backend = ClusterBackend(model, prefill, decode, transfer,
