@@ -41,11 +41,21 @@ def reference(model_path):
     return embed
 
 
+# A chat template that never renders `tools` (the monolithic cluster serves with it).
+DROPS_TOOLS = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
+
+
 @pytest.fixture(scope="module")
 def clusters(model_path):
     common = ("--model", str(model_path), "--num-kv-blocks", "64")
+    template = model_path.parent / "drops_tools.jinja"
+    template.write_text(DROPS_TOOLS)
     with running_clusters((*common, "--kv-transfer", "nixl"),
-                          (*common, "--prefill-nodes", "0", "--pooling", "mean")) as started:
+                          (*common, "--prefill-nodes", "0", "--pooling", "mean",
+                           "--chat-template", str(template))) as started:
         yield [(url, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120))
                for url, _ in started]
 
@@ -121,3 +131,17 @@ def test_bad_input_is_a_400(clusters, body, param):
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_template_that_drops_tools_is_named_and_one_call_when_not_parallel(clusters):
+    url, client = clusters[1]
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=client.models.list().data[0].id, messages=messages, tools=[WEATHER, WEATHER], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=200, temperature=0)
+    assert raw.headers["x-tools-ignored"] == "chat template drops tools"
+    assert "parallel_tool_calls" not in raw.headers.get("x-ignored-fields", "")
+    choice = raw.parse().choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    plain = client.chat.completions.with_raw_response.create(model=raw.parse().model, messages=messages, max_tokens=2)
+    assert "x-tools-ignored" not in plain.headers
