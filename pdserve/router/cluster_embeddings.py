@@ -1,4 +1,5 @@
-"""/v1/embeddings over the cluster: one EmbedRequest to one node, one EmbedResult back.
+"""/v1/embeddings over the cluster (`backend`: a router.cluster.ClusterBackend, not imported: it
+imports this module): one EmbedRequest to one node, one EmbedResult back.
 
 Prefill nodes serve embeddings (they run whole prompts already, and decode nodes keep their
 batch); in the monolithic mode (no prefill node configured) decode nodes do, and so do they when
@@ -9,16 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from pdserve.messages import Abort, EmbedRequest, EmbedResult
 from pdserve.router.backend import BackendError
-from pdserve.router.cluster import MAX_ATTEMPTS, PREFILL_TIMEOUT_S, ClusterBackend, NodeLost
+from pdserve.router.failover import MAX_ATTEMPTS, PREFILL_TIMEOUT_S, NodeLost
 from pdserve.router.nodes import Node
 
 log = logging.getLogger(__name__)
 
 
-async def _node_for(backend: ClusterBackend, tried: set[str]) -> Node | None:
+async def _node_for(backend: Any, tried: set[str]) -> Node | None:
     if backend.pool.by_role("prefill", healthy_only=False):
         node = await backend._await_node("prefill", tried)
         if node is not None and node.node_id not in tried:
@@ -27,7 +29,7 @@ async def _node_for(backend: ClusterBackend, tried: set[str]) -> Node | None:
     return node if node is not None and node.node_id not in tried else None
 
 
-async def embed_on_nodes(backend: ClusterBackend, rid: str, prompts: list[list[int]], pooling: str) -> EmbedResult:
+async def embed_on_nodes(backend: Any, rid: str, prompts: list[list[int]], pooling: str) -> EmbedResult:
     tried: set[str] = set()
     for attempt in range(MAX_ATTEMPTS):
         node = await _node_for(backend, tried)
@@ -46,7 +48,7 @@ async def embed_on_nodes(backend: ClusterBackend, rid: str, prompts: list[list[i
     raise BackendError("no healthy node could compute the embeddings")
 
 
-async def _embed_on(backend: ClusterBackend, node: Node, rid: str, prompts: list[list[int]],
+async def _embed_on(backend: Any, node: Node, rid: str, prompts: list[list[int]],
                     pooling: str) -> EmbedResult:
     fut = asyncio.get_running_loop().create_future()
     backend.prefill_results[rid] = fut  # answered, or failed with NodeLost, like a prefill
