@@ -7,6 +7,7 @@ SmolLM2 (the default model) is checked in test_default_model_tools.py."""
 from __future__ import annotations
 
 import base64
+import time
 
 import httpx
 import numpy as np
@@ -60,8 +61,14 @@ def clusters(model_path):
                for url, _ in started]
 
 
-def _nodes(url: str) -> list[dict]:
-    return httpx.get(f"{url}/health", timeout=10).json()["nodes"]
+def _nodes(url: str, settled=lambda nodes: True) -> list[dict]:
+    """The nodes' stats once `settled` holds (they come from pongs, 0.2 s apart), or after 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        nodes = httpx.get(f"{url}/health", timeout=10).json()["nodes"]
+        if settled(nodes) or time.monotonic() > deadline:
+            return nodes
+        time.sleep(0.1)
 
 
 def test_engine_pools_like_transformers_and_frees_its_blocks(model_path, reference):
@@ -101,7 +108,7 @@ def test_embeddings_on_prefill_node_match_transformers(clusters, reference):
     np.testing.assert_allclose(one.data[0].embedding, reference(ids[1]), atol=1e-5)
     batch = client.embeddings.create(model=resp.model, input=ids, encoding_format="float")
     assert [d.embedding for d in batch.data] == [d.embedding for d in resp.data]
-    nodes = {n["role"]: n for n in _nodes(url)}
+    nodes = {n["role"]: n for n in _nodes(url, lambda ns: sum(n["embedding_requests"] for n in ns) == 5)}
     assert nodes["prefill"]["embedding_requests"] == 5 and nodes["decode"]["embedding_requests"] == 0
     assert all(n["kv_blocks_in_use"] == 0 for n in nodes.values())
 
@@ -112,7 +119,7 @@ def test_monolithic_mode_and_mean_pooling(clusters, reference):
     resp = client.embeddings.create(model=client.models.list().data[0].id, input=ids, encoding_format="float")
     for item, want in zip(resp.data, ids):
         np.testing.assert_allclose(item.embedding, reference(want, "mean"), atol=1e-5)
-    (node,) = _nodes(url)
+    (node,) = _nodes(url, lambda ns: ns[0]["embedding_requests"] == 1)
     assert node["role"] == "decode" and node["embedding_requests"] == 1 and node["kv_blocks_in_use"] == 0
 
 
