@@ -110,6 +110,9 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                    help="how tool calls are parsed out of text under tool_choice 'auto' (default: the chat "
                         "template's format)")
+    p.add_argument("--pooling", choices=["last", "mean"], default=None,
+                   help="how /v1/embeddings pools a prompt's final hidden states: the last token's or the mean "
+                        "(default: the checkpoint's sentence-transformers pooling, else last)")
 
 
 def _add_served_name_args(p: argparse.ArgumentParser) -> None:

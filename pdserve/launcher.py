@@ -119,6 +119,7 @@ class Cluster:
         router += ["--chat-template", os.path.abspath(a.chat_template)] if a.chat_template else []
         router += ["--tool-call-parser", a.tool_call_parser] if a.tool_call_parser else []
         router += ["--served-model-name", *a.served_model_name] if a.served_model_name else []
+        router += ["--pooling", a.pooling] if getattr(a, "pooling", None) else []
         if a.api_key:  # through the environment: a command line is visible to every local user
             os.environ["PDSERVE_API_KEY"] = a.api_key
         router += ["--protect-metrics"] if a.protect_metrics else []

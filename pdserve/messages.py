@@ -88,6 +88,20 @@ class DecodeRequest(msgspec.Struct, tag=True):
     handover: KVHandover | None = None
 
 
+class EmbedRequest(msgspec.Struct, tag=True):
+    """Pool the final hidden states of each prompt (any node role computes them)."""
+    request_id: str
+    prompts: list[list[int]]
+    pooling: str = "last"  # "last" | "mean" (pdserve.engine.embedding.POOLINGS)
+
+
+class EmbedResult(msgspec.Struct, tag=True):
+    request_id: str
+    vectors: list[bytes] = []  # per prompt: L2-normalised little-endian float32
+    num_tokens: int = 0        # every prompt's tokens, for usage
+    error: str | None = None
+
+
 class TokenDelta(msgspec.Struct, tag=True):
     output: StepOutput
 
@@ -150,6 +164,7 @@ class NixlMetadata(msgspec.Struct, tag=True):
 
 
 Message = (Ping | Pong | PrefillRequest | PrefillResult | DecodeRequest | TokenDelta | Abort
+           | EmbedRequest | EmbedResult
            | NixlMetadataRequest | NixlMetadata | KVEvents | KVSnapshotRequest | Drain | Rejected
            | StartNode | StopNode | ListNodes | SetNodeRole | OwnerReply)
 
@@ -166,6 +181,6 @@ def decode(data: bytes) -> Message:
 
 
 __all__ = ["KVHandover", "KVEvents", "KVSnapshotRequest", "Ping", "Pong", "PrefillRequest", "PrefillResult",
-           "DecodeRequest", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
+           "DecodeRequest", "EmbedRequest", "EmbedResult", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
            "OwnerReply", "NixlMetadataRequest", "NixlMetadata", "Message", "encode", "decode", "StepOutput",
            "TokenLogprob"]

@@ -30,7 +30,8 @@ from pdserve.curve_keys import CONTROL_DOMAIN, CurveContext, NodeKeys, node_cont
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import StepOutput
 from pdserve.kv_events import KVEventPublisher
-from pdserve.messages import ROLES, Abort, Drain, KVSnapshotRequest, Message, Ping, Pong, TokenDelta
+from pdserve.messages import ROLES, Abort, Drain, EmbedRequest, KVSnapshotRequest, Message, Ping, Pong, TokenDelta
+from pdserve.node_embeddings import EmbeddingQueue
 from pdserve.transport import NodeSocket
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class NodeStats:
     transfer_us_nixl: int = 0      # microseconds spent in KV transfers (pulls, store puts)
     transfer_us_store: int = 0
     store_load_us: int = 0         # microseconds spent loading prompt blocks from the store
+    embedding_requests: int = 0    # /v1/embeddings requests computed here
 
 
 class NodeRuntime:
@@ -85,6 +87,7 @@ class NodeRuntime:
         self.poller.register(self.control.sock, zmq.POLLIN)
         self.poller.register(self._step_done_r, zmq.POLLIN)
         self.origin: dict[str, bytes] = {}  # request id -> the router that sent it
+        self.embeddings = EmbeddingQueue()  # /v1/embeddings work, computed between steps
         self.routers_seen = RouterLiveness()  # a router that stops pinging died: its requests end
         self._stop = False
         self._held: list[tuple[object, bytes, Message]] = []  # messages that arrived mid-step
@@ -129,12 +132,19 @@ class NodeRuntime:
         self._read_messages(0 if busy else IDLE_POLL_MS)
         self.poll_background()
         self._abort_for_gone_routers()
+        if self.embeddings:
+            for identity, result in self._run_answering_pings(lambda: self.embeddings.advance(self.engine)):
+                self.control.send(identity, result)
         if self.engine.has_unfinished_requests():
             self.on_outputs(self._step_answering_pings())
         self.kv_events.flush()
 
     def _step_answering_pings(self) -> list[StepOutput]:
-        step = self._stepper.submit(self.engine.step)
+        return self._run_answering_pings(self.engine.step)
+
+    def _run_answering_pings(self, work):
+        """work() (an engine step, or other work on the model) on the step thread; its result."""
+        step = self._stepper.submit(work)
         # Signalled from a done-callback, which runs after the future is marked done: a byte
         # written from inside the step would wake this loop before done() turns true, and the
         # next poll would then sleep its full second with nothing left to wake it.
@@ -187,6 +197,11 @@ class NodeRuntime:
                 self.kv_events.snapshot(identity)
             elif isinstance(msg, Abort):
                 self.abort(msg.request_id)
+            elif isinstance(msg, EmbedRequest):
+                refused = self.embeddings.add(identity, msg, self.engine)
+                if refused is not None:
+                    self.control.send(identity, refused)
+                self.stats.embedding_requests += 1
             elif isinstance(msg, Drain):
                 self.drain(msg)
             else:
@@ -238,7 +253,8 @@ class NodeRuntime:
     def idle(self) -> bool:
         """Nothing in flight: no request, no blocks held for a handover, no transfer."""
         sched = self.engine.scheduler
-        return not sched.requests and not sched.held and not self.origin and self.role_idle()
+        return (not sched.requests and not sched.held and not self.origin and not self.embeddings
+                and self.role_idle())
 
     def integrity_failures(self) -> int:
         """KV blocks rejected by a checksum or digest, on every path this node reads (store, NIXL)."""
@@ -257,6 +273,7 @@ class NodeRuntime:
         """Advance transfers, leases and other work that is not an engine step."""
 
     def abort(self, request_id: str) -> None:
+        self.embeddings.abort(request_id)
         self.engine.abort_request(request_id)
         self.origin.pop(request_id, None)
 

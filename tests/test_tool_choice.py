@@ -129,3 +129,34 @@ def test_required_response_and_stream_carry_the_calls():
     assert call["function"] == {"name": "get_time", "arguments": '{"zone": "cet"}'}
     chunks = _stream(ParsedToolCallChatFlavor(lambda t: str(t), False, False, None), [text[:10], text[10:]])
     assert chunks[0]["delta"] == {} and chunks[-1]["delta"]["tool_calls"][0]["function"]["name"] == "get_time"
+
+
+def test_parallel_tool_calls_false_allows_one_call():
+    _, schema = tool_plan([WEATHER, TIME], "required", parallel=False).grammar()
+    schema = json.loads(schema)
+    one = [{"name": "get_time", "parameters": {"zone": "utc"}}]
+    jsonschema.validate(one, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(one * 2, schema)
+    assert "maxItems" not in json.loads(tool_plan([WEATHER], "required").grammar()[1])
+    flavor = ParsedToolCallChatFlavor(None, False, False, HermesParser())
+    flavor.max_calls = 1
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    assert [c.name for c in flavor._parse(text)[1]] == ["a"]
+
+
+def test_required_array_cut_short_keeps_its_whole_calls():
+    whole = '[{"name": "get_time", "parameters": {"zone": "utc"}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    for cut, names in ((len(whole), ["get_time", "get_weather"]), (len(whole) - 1, ["get_time", "get_weather"]),
+                       (len(whole) - 10, ["get_time"]), (53, ["get_time"]), (52, ["get_time"]), (20, []), (0, [])):
+        assert [c.name for c in required_calls(whole[:cut])] == names, cut
+    state = ChoiceState(0)
+    state.add(StepOutput("r", [1], whole[:60], True, "length"))
+    body = ParsedToolCallChatFlavor(None, False, False, None).choice(state)
+    assert body["finish_reason"] == "length" and [c["function"]["name"] for c in body["message"]["tool_calls"]] == ["get_time"]
+
+
+def test_hermes_block_with_a_list_of_calls():
+    text = '<tool_call>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]</tool_call>'
+    content, calls = HermesParser().extract(text)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})]

@@ -58,6 +58,7 @@ def router_template(args) -> list[str]:
     cmd += ["--chat-template", args.chat_template] if getattr(args, "chat_template", None) else []
     cmd += ["--tool-call-parser", args.tool_call_parser] if getattr(args, "tool_call_parser", None) else []
     cmd += ["--served-model-name", *args.served_model_name] if getattr(args, "served_model_name", None) else []
+    cmd += ["--pooling", args.pooling] if getattr(args, "pooling", None) else []
     return cmd + (["--protect-metrics"] if args.protect_metrics else [])
 
 

@@ -114,6 +114,23 @@ class ModelRunner:
             return torch.empty(0), []
         return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.to_sample
 
+    @torch.inference_mode()
+    def hidden_states(self, items: list[tuple[Request, int]]) -> list[torch.Tensor]:
+        """The model's final hidden states (its last norm applied, before lm_head) at each
+        item's new tokens, one [n, hidden] tensor per item in the order given. Eager: no graphs,
+        no logits (embeddings pool these)."""
+        order = sorted(range(len(items)), key=lambda i: items[i][1] != 1)  # as execute: one-token queries first
+        ranked = [items[i] for i in order]
+        num_decodes = sum(1 for _, n in ranked if n == 1)
+        inputs = build_step_inputs(ranked, num_decodes, self.block_size)
+        token_ids, positions, meta = self._to_device(inputs, num_decodes)
+        hidden = self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
+        pieces = hidden.split([n for _, n in ranked])
+        out: list[torch.Tensor] = [hidden] * len(items)
+        for piece, i in zip(pieces, order):
+            out[i] = piece
+        return out
+
     def _graph_fits(self, items: list[tuple[Request, int]]) -> bool:
         g = self.graphs
         return (g is not None and 0 < len(items) <= g.max_batch

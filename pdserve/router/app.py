@@ -2,9 +2,9 @@
 
     app = create_app(backend, tokenizer, model_name="m", max_model_len=4096)
 
-Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not),
-GET /v1/models[/{model}] and /version (model_routes.py), GET /health, GET /metrics;
-/openapi.json declares every status each answers.
+Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not), POST
+/v1/embeddings (router/embeddings.py), GET /v1/models[/{model}] and /version (model_routes.py),
+GET /health, GET /metrics; /openapi.json declares every status each answers.
 The router tokenizes (and renders chat templates); nodes receive token ids and send back
 detokenized, stop-string-checked deltas, which are relayed here.
 """
@@ -24,6 +24,8 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admin_routes import add_admin_routes
 from pdserve.router.admission import AdmissionMiddleware
 from pdserve.router.backend import GenerationBackend
+from pdserve.router.chat_prompt import TOOLS_IGNORED, template_drops_tools
+from pdserve.router.embeddings import EmbeddingOptions, add_embedding_routes
 from pdserve.router.errors import (
     SERVER_ERROR,
     APIError,
@@ -99,6 +101,10 @@ class _Router:
         self.texts = TokenTexts(tokenizer)
         # tool_choice "auto": calls are parsed out of the text in the chat template's format.
         self.tool_parser = parser_for(tool_call_parser, getattr(tokenizer, "chat_template", None))
+        self.tools_ignored = template_drops_tools(tokenizer)
+        if self.tools_ignored:
+            logger.warning("the chat template renders no tools: with tools, tool_choice 'auto' will not call "
+                           "them (give a template that lists tools with --chat-template)")
         self.special_tokens = set(getattr(tokenizer, "all_special_tokens", []))
         self.grammars = GrammarCheck(tokenizer)  # structured outputs the vocabulary cannot write: 400
 
@@ -175,6 +181,8 @@ class _Router:
         headers = {"X-Request-Id": request_id}
         if body.ignored_fields:  # accepted but not acted on: the client can see what was dropped
             headers["X-Ignored-Fields"] = ",".join(body.ignored_fields)[:1024]
+        if self.tools_ignored and getattr(body, "tools", None) and getattr(body, "tool_choice", None) != "none":
+            headers["X-Tools-Ignored"] = TOOLS_IGNORED  # the prompt lacks them: the model cannot know of them
         created = int(time.time())
         if body.stream:
             chunks = self.stream_chunks(group, flavor, (request_id, created, model), body.include_usage,
@@ -268,11 +276,12 @@ def _openapi_document(app: FastAPI, vocab_size: int) -> dict[str, Any]:
 def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
                max_model_len: int, admission: dict[str, Any] | None = None,
                tool_call_parser: str | None = None, served_model_names: list[str] | None = None,
-               model_root: str | None = None) -> FastAPI:
+               model_root: str | None = None, embedding: EmbeddingOptions | None = None) -> FastAPI:
     """admission: AdmissionMiddleware's options (api_key, protect_metrics, max_body_bytes,
     max_queued_requests). tool_call_parser: the tool-call format of tool_choice "auto"
     (tool_parsers.PARSERS; default: the chat template's). served_model_names: the names a
-    request may use (default: model_name); model_root: the tokenizer's directory, for /v1/models."""
+    request may use (default: model_name); model_root: the tokenizer's directory, for /v1/models.
+    embedding: /v1/embeddings' pooling and vector size."""
     app = FastAPI(title="pdserve router")
     app.add_middleware(AdmissionMiddleware, metrics=getattr(backend, "metrics", None), **(admission or {}))
     install_error_handlers(app)
@@ -283,6 +292,7 @@ def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
     add_model_routes(app, served)
     _add_info_routes(app, router)
     add_tokenize_routes(app, router)
+    add_embedding_routes(app, router, embedding or EmbeddingOptions())
     add_admin_routes(app, backend)
     app.state.router = router
     app.openapi = lambda: _openapi_document(app, router.vocab_size)  # type: ignore[method-assign]

@@ -24,6 +24,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import (
     Abort,
     DecodeRequest,
+    EmbedResult,
     KVEvents,
     KVHandover,
     KVSnapshotRequest,
@@ -35,7 +36,9 @@ from pdserve.messages import (
     TokenDelta,
 )
 from pdserve.router.backend import BackendError
+from pdserve.router.cluster_embeddings import embed_on_nodes
 from pdserve.router.drain import DrainTracker
+from pdserve.router.failover import MAX_ATTEMPTS, PREFILL_TIMEOUT_S, NodeLost
 from pdserve.router.health_report import cluster_health
 from pdserve.router.index import STORE_HOLDER, PrefixIndex
 from pdserve.router.kv_events import KVEventTracker
@@ -46,9 +49,7 @@ from pdserve.router.registry_watcher import RegistryWatcher
 from pdserve.router.scaler import OwnerClient, Scaler
 
 log = logging.getLogger(__name__)
-PREFILL_TIMEOUT_S = 300.0
 TOKEN_TIMEOUT_S = 300.0  # a healthy node that sends nothing for this long still fails the request
-MAX_ATTEMPTS = 3  # per phase (prefill, decode) of one request
 MAX_PLANNED_MOVES = 16  # a stream moved off this many draining nodes counts further moves as failures
 # How long a request waits for a node of a role when every one is out of rotation but some are
 # only silent (still connected: a loaded host missing pings), not dead. A loaded 2-core host
@@ -64,14 +65,6 @@ def _view(node: Node) -> NodeView:
     return NodeView(node.node_id, len(node.requests), stats.get("free_blocks", 0), stats.get("total_blocks", 0),
                     sum(node.queued_tokens.values()), stats.get("prefill_ns_per_token", 0) / 1e9,
                     stats.get("store_load_us", 0) / 1e6 / store_tokens if store_tokens else 0.0)
-
-
-class NodeLost(Exception):
-    """The node serving this phase of the request died, or (planned) drains; the work moves elsewhere."""
-
-    def __init__(self, node_id: str, planned: bool = False):
-        super().__init__(node_id)
-        self.planned = planned
 
 
 class _Lost:
@@ -190,7 +183,7 @@ class ClusterBackend:
                 log.info("%s: KV event gap (epoch %d, seq %d): asking for a snapshot", node.node_id,
                          msg.epoch, msg.seq)
                 self._send_later(node, KVSnapshotRequest())
-        elif isinstance(msg, PrefillResult):
+        elif isinstance(msg, (PrefillResult, EmbedResult)):  # one reply per request, awaited
             node.requests.discard(msg.request_id)
             fut = self.prefill_results.get(msg.request_id)
             if fut is not None and not fut.done() and self.owner.get(msg.request_id) == node.node_id:
@@ -389,6 +382,10 @@ class ClusterBackend:
             yield out
             if out.finished:
                 return
+
+    async def embed(self, request_id: str, prompts: list[list[int]], pooling: str) -> EmbedResult:
+        """Pooled, normalised final hidden states of each prompt (see cluster_embeddings)."""
+        return await embed_on_nodes(self, request_id, prompts, pooling)
 
     async def abort(self, request_id: str) -> None:
         for node in list(self.nodes):  # a copy: membership may change while a send waits

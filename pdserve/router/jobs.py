@@ -101,6 +101,7 @@ async def chat_job(router: Any, body: ChatCompletionRequest) -> GenerationJob:
     else:
         parser = router.tool_parser if plan.mode == "auto" else None
         flavor = ParsedToolCallChatFlavor(router.texts, want, body.return_token_ids, parser)
+        flavor.max_calls = None if plan.parallel else 1
         if parser is not None and parser.marker in router.special_tokens:
             # The call's marker is a special token: keep it in the text, or nothing marks the call.
             params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]

@@ -20,7 +20,8 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
               dtype: str = "float32", max_model_len: int | None = None, admission: dict | None = None,
               routing: dict | None = None, curve_dir: str | None = None, registry: str | None = None,
               chat: dict | None = None, served_model_names: list[str] | None = None):
-    """chat: chat_template (a Jinja file replacing the tokenizer's) and tool_call_parser.
+    """chat: chat_template (a Jinja file replacing the tokenizer's), tool_call_parser and
+    pooling (/v1/embeddings: "last" or "mean"; default: the checkpoint's, else "last").
     served_model_names: --served-model-name's values (default: the model as given)."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -28,7 +29,9 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     from pdserve.models.gguf import checkpoint_name
     from pdserve.models.loader import resolve_model_path
     from pdserve.router.app import create_app
+    from pdserve.router.chat_templates import builtin_chat_template
     from pdserve.router.cluster import ClusterBackend
+    from pdserve.router.embeddings import EmbeddingOptions, checkpoint_pooling
     from pdserve.router.model_routes import served_names
     from pdserve.router.nodes import NodePool
 
@@ -38,13 +41,17 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     chat = chat or {}
     if chat.get("chat_template"):
         tokenizer.chat_template = load_chat_template(chat["chat_template"])
+    elif builtin_chat_template(model) is not None:  # SmolLM2's own template drops tools
+        tokenizer.chat_template = builtin_chat_template(model)
     salt = layout_salt(checkpoint_name(model, path), hf_config, dtype, block_size)
     NodePool.curve = RouterKeys.load(curve_dir) if curve_dir else None
     backend = ClusterBackend(model, prefill, decode, transfer,
                              salt=salt, block_size=block_size, registry=registry,
                              **(routing or {}))
+    embedding = EmbeddingOptions(chat.get("pooling") or checkpoint_pooling(path) or "last",
+                                 getattr(hf_config, "hidden_size", None))
     app = create_app(backend, tokenizer, model, max_model_len or hf_config.max_position_embeddings, admission,
-                     tool_call_parser=chat.get("tool_call_parser"),
+                     tool_call_parser=chat.get("tool_call_parser"), embedding=embedding,
                      served_model_names=served_names(served_model_names, model), model_root=str(path.resolve()))
     _run_with_app(app, backend)
     return app
@@ -85,7 +92,8 @@ def run_router(args) -> int:
                     dict(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                          local_prefill_threshold=args.local_prefill_threshold,
                          session_affinity=args.session_affinity, owner=args.owner), args.curve_dir, args.registry,
-                    chat=dict(chat_template=args.chat_template, tool_call_parser=args.tool_call_parser),
+                    chat=dict(chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
+                              pooling=args.pooling),
                     served_model_names=args.served_model_name)
     attach_planner(app.state.router.backend, args)
     log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s%s%s", args.host, args.port,

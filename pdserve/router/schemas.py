@@ -300,6 +300,7 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (default true, as OpenAI)
 
     @model_validator(mode="after")
     def _reject_chat_only(self) -> ChatCompletionRequest:
@@ -309,7 +310,7 @@ class ChatCompletionRequest(GenerationRequest):
 
     def tools_plan(self) -> ToolPlan | None:
         """What tool_choice asks for with these tools (ValueError when malformed)."""
-        return tool_plan(self.tools, self.tool_choice)
+        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are sent.

@@ -86,6 +86,7 @@ class ToolPlan:
     mode: str
     tools: list[dict[str, Any]] = field(default_factory=list)  # the function tools, checked
     name: str | None = None  # mode "named": the function
+    parallel: bool = True  # parallel_tool_calls: false allows one call ("required": the grammar's array)
 
     def parameters(self, name: str) -> str:
         function = next(t["function"] for t in self.tools if t["function"]["name"] == name)
@@ -101,7 +102,8 @@ class ToolPlan:
         calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                    "parameters": json.loads(self.parameters(t["function"]["name"]))},
                   "required": ["name", "parameters"]} for t in self.tools]
-        return "json", json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}}, ensure_ascii=False)
+        array = {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
+        return "json", json.dumps(array, ensure_ascii=False)
 
 
 def _function_tools(tools: list[dict] | None) -> list[dict[str, Any]]:
@@ -115,9 +117,10 @@ def _function_tools(tools: list[dict] | None) -> list[dict[str, Any]]:
     return checked
 
 
-def tool_plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan | None:
+def tool_plan(tools: list[dict] | None, tool_choice: Any, parallel: bool = True) -> ToolPlan | None:
     """The plan for these tools and tool_choice; None without tools. As OpenAI: tool_choice
-    defaults to "auto" when tools are given. ValueError when malformed."""
+    defaults to "auto" when tools are given. parallel: parallel_tool_calls (false: one call at
+    most). ValueError when malformed."""
     checked = _function_tools(tools)
     if tool_choice is None:
         tool_choice = "auto" if checked else "none"
@@ -126,7 +129,7 @@ def tool_plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan | None:
     if tool_choice in ("auto", "required"):
         if not checked:
             raise ValueError(f"tool_choice {tool_choice!r} needs tools")
-        return ToolPlan(tool_choice, checked)
+        return ToolPlan(tool_choice, checked, parallel=parallel)
     if isinstance(tool_choice, str):
         raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or name a function, got {tool_choice!r}")
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None

@@ -59,13 +59,16 @@ class ParsedToolCallChatFlavor(ChatFlavor):
                  parser: ToolCallParser | None) -> None:
         super().__init__(texts, want_logprobs, return_token_ids)
         self.parser = parser
+        self.max_calls: int | None = None  # parallel_tool_calls false: 1 (later calls are dropped)
         self._sent: dict[int, int] = {}  # choice index -> characters already sent as content
 
     def _parse(self, text: str) -> tuple[str, list[ToolCall]]:
         if self.parser is None:
             calls = required_calls(text)
-            return ("" if calls else text), calls
-        return self.parser.extract(text)
+            content = "" if calls else text
+        else:
+            content, calls = self.parser.extract(text)
+        return content, calls[:self.max_calls]
 
     def choice(self, state: ChoiceState) -> dict[str, Any]:
         body = super().choice(state)

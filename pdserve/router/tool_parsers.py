@@ -66,15 +66,16 @@ class HermesParser(ToolCallParser):
     _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def extract(self, text: str) -> tuple[str, list[ToolCall]]:
-        calls = []
+        calls: list[ToolCall | None] = []
         for body in self._CALL.findall(text):
             try:
-                call = _call(json.loads(body), ("arguments", "parameters"))
+                found = json.loads(body)
             except ValueError:
-                call = None
-            if call is None:
                 return text, []  # a malformed call: the client gets the text as it is
-            calls.append(call)
+            # One call per block, or a list of them (SmolLM2's and APIGen's format).
+            calls += [_call(obj, ("arguments", "parameters")) for obj in (found if isinstance(found, list) else [found])]
+            if None in calls:
+                return text, []
         if not calls:
             return text, []
         return self._CALL.sub("", text).strip(), calls
@@ -140,10 +141,29 @@ def parser_for(name: str | None, chat_template: str | None) -> ToolCallParser:
 
 
 def required_calls(text: str) -> list[ToolCall]:
-    """Calls from tool_choice "required" output: the grammar's [{"name", "parameters"}, ...]."""
-    try:
-        found = json.loads(text)
-    except ValueError:
-        return []
-    calls = [_call(obj, ("parameters",)) for obj in found] if isinstance(found, list) else []
+    """Calls from tool_choice "required" output: the grammar's [{"name", "parameters"}, ...].
+    An array cut short (max_tokens) gives the calls it holds whole."""
+    calls = [_call(obj, ("parameters",)) for obj in _array_items(text)]
     return [] if None in calls else calls
+
+
+def _array_items(text: str) -> list[Any]:
+    """The complete items of a JSON array, which may be cut off anywhere after its items."""
+    decoder = json.JSONDecoder()
+    at = len(text) - len(text.lstrip())
+    if not text.startswith("[", at):
+        return []
+    items: list[Any] = []
+    at += 1
+    while True:
+        at += len(text[at:]) - len(text[at:].lstrip())
+        if text.startswith("]", at) or at >= len(text):
+            return items
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return items  # cut off inside this item
+        items.append(item)
+        at += len(text[at:]) - len(text[at:].lstrip())
+        if text.startswith(",", at):
+            at += 1

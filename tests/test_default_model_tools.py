@@ -1,0 +1,87 @@
+"""The default model (SmolLM2-135M-Instruct, `pdserve up` with no flags) calls tools and embeds.
+
+Its own chat template drops `tools`; pdserve serves it with a tool-capable one
+(pdserve/router/chat_templates.py) that renders every conversation without tools exactly as the
+GGUF's template does. Checked here: that equality, that the router can tell a template that drops
+tools, LangChain's bind_tools loop with tool_choice at its default (the model calls the tool, gets
+the result, answers in text), and /v1/embeddings ranking a paraphrase above an unrelated sentence.
+"""
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+from cluster_util import running_cluster
+from transformers import AutoTokenizer
+
+from pdserve.models.gguf import DEFAULT_MODEL
+from pdserve.models.loader import resolve_model_path
+from pdserve.router.chat_prompt import template_drops_tools
+from pdserve.router.chat_templates import builtin_chat_template
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(resolve_model_path(DEFAULT_MODEL)))
+
+
+def test_template_keeps_smollm2_format_and_lists_tools(tokenizer):
+    own = tokenizer.chat_template
+    assert template_drops_tools(tokenizer)  # the GGUF's template: the router warns and says so
+    ours = builtin_chat_template(DEFAULT_MODEL)
+    for messages in CONVERSATIONS:
+        for generation_prompt in (True, False):
+            tokenizer.chat_template = own
+            want = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            tokenizer.chat_template = ours
+            assert tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=generation_prompt) == want
+    assert not template_drops_tools(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def served():
+    with running_cluster(as_given=True) as (url, _):  # `pdserve up` with no flags: the default model
+        yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def test_langchain_bind_tools_loop_calls_and_finishes(served):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    url, _ = served
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a given city."""
+        return f"sunny, 21 C in {city}"
+
+    llm = ChatOpenAI(model=DEFAULT_MODEL, base_url=f"{url}/v1", api_key="none", temperature=0, max_tokens=48,
+                     max_retries=0).bind_tools([get_weather])  # tool_choice left at its default
+    messages = [HumanMessage("What's the weather like in Tokyo today?")]
+    calls = []
+    for _ in range(3):
+        reply = llm.invoke(messages)
+        messages.append(reply)
+        if not reply.tool_calls:
+            break
+        for call in reply.tool_calls:
+            calls.append(call)
+            messages.append(ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"]))
+    assert [c["name"] for c in calls] == ["get_weather"] and calls[0]["args"]["city"] == "Tokyo"
+    assert not messages[-1].tool_calls and messages[-1].content, messages[-1]
+
+
+def test_embeddings_rank_a_paraphrase_first(served):
+    _, client = served
+    texts = ["The cat is sleeping on the sofa.", "A cat naps on the couch.",
+             "Interest rates rose sharply in the third quarter."]
+    vectors = [np.asarray(d.embedding) for d in client.embeddings.create(model=DEFAULT_MODEL, input=texts).data]
+    assert all(abs(np.linalg.norm(v) - 1) < 1e-5 for v in vectors)
+    assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2]
