@@ -3,7 +3,7 @@
     app = create_app(backend, tokenizer, model_name="m", max_model_len=4096)
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not),
-GET /v1/models, GET /health, GET /metrics; /openapi.json declares every status each answers.
+POST /v1/responses with GET/DELETE /v1/responses/{id} (responses_route), GET /v1/models, GET /health, GET /metrics; /openapi.json declares every status each answers.
 The router tokenizes (and renders chat templates); nodes receive token ids and send back
 detokenized, stop-string-checked deltas, which are relayed here.
 """
@@ -43,6 +43,7 @@ from pdserve.router.responses import (
     response_body,
     usage,
 )
+from pdserve.router.responses_route import add_responses_routes
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, HealthReport
 from pdserve.router.streaming import (
     AbortingStreamingResponse,
@@ -281,6 +282,7 @@ def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
     install_error_handlers(app)
     router = _Router(backend, tokenizer, model_name, max_model_len, tool_call_parser)
     _add_openai_routes(app, router)
+    add_responses_routes(app, router)
     _add_info_routes(app, router, int(time.time()))
     add_tokenize_routes(app, router)
     add_admin_routes(app, backend)
