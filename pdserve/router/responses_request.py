@@ -34,7 +34,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[Any]  # items are checked in input_items_to_messages, with clearer messages
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool | None = True
@@ -93,7 +93,7 @@ class ResponsesRequest(BaseModel):
 
     @field_validator("input")
     @classmethod
-    def _some_input(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    def _some_input(cls, value: str | list[Any]) -> str | list[Any]:
         if isinstance(value, list) and not value:
             raise ValueError("input must not be empty")
         return value
@@ -146,7 +146,7 @@ def _add_call(messages: list[dict[str, Any]], item: dict[str, Any], where: str) 
         messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
-def input_items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def input_items_to_messages(items: list[Any]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"

@@ -47,6 +47,10 @@ _CREATE_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+# Chat fields whose Responses names differ, for the `param` of an error the chat path raises.
+_CHAT_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
+
+
 def _not_found(response_id: str) -> APIError:
     return APIError(404, f"No response found with id '{response_id}'.", "not_found_error", "response_id")
 
@@ -86,7 +90,11 @@ class _ResponsesRoute:
             raise bad_request(f"{where}: {first.get('msg', 'invalid value')}", None) from exc
         except ValueError as exc:
             raise bad_request(str(exc), _param_of(str(exc))) from exc
-        return await chat_job(self.router, chat)
+        try:
+            return await chat_job(self.router, chat)
+        except APIError as exc:  # the chat path names its own fields; the client sent these
+            exc.param = _CHAT_PARAMS.get(exc.param, exc.param)  # type: ignore[arg-type]
+            raise
 
     def _base(self, body: ResponsesRequest, response_id: str) -> dict[str, Any]:
         """The response object's fields that echo the request (as OpenAI's do)."""
