@@ -205,7 +205,8 @@ def test_langchain_use_responses_api(served):
         return "sunny"
 
     history = [HumanMessage("What is the weather in Rome?")]
-    message = responses.bind_tools([get_weather], tool_choice="any").invoke(history)
+    caller = ChatOpenAI(use_responses_api=True, **{**kwargs, "max_tokens": 60})  # room for the whole call
+    message = caller.bind_tools([get_weather], tool_choice="any").invoke(history)
     assert [c["name"] for c in message.tool_calls] == ["get_weather"]
     assert message.tool_calls[0]["args"]["city"] in ("Paris", "Rome")
     history += [message, ToolMessage("sunny", tool_call_id=message.tool_calls[0]["id"])]
