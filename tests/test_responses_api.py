@@ -1,6 +1,6 @@
 """The Responses API (`/v1/responses`) against the default `pdserve up` (1 prefill + 1 decode node
 over NIXL, SmolLM2-135M-Instruct, no flags), through the official openai client, LangChain's
-`use_responses_api=True` and pydantic-ai's `OpenAIResponsesModel`.
+`use_responses_api=True`, pydantic-ai's `OpenAIResponsesModel` and `litellm.responses`.
 
 The reference is the chat-completions route on the same messages: greedy, a response must have
 the same text, tool call and token counts as the chat completion of the conversation it stands
@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 from cluster_util import running_cluster
+from openai.types.responses import Response
 from pydantic import BaseModel
 
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -95,6 +96,9 @@ def test_previous_response_id_continues_from_the_prefix_cache(served):
     # The follow-up's prompt starts with the first one's tokens: a node holds them.
     assert follow.usage.input_tokens_details.cached_tokens > 0
     assert client.responses.retrieve(first.id).output_text == first.output_text
+    # The stored body is a Response as the SDK declares it, checked strictly (the client parses leniently).
+    stored = Response.model_validate(httpx.get(f"{url}/v1/responses/{first.id}", timeout=10).json())
+    assert stored.output_text == first.output_text and stored.usage == first.usage
     # store=False: neither retrievable nor continuable, each said in OpenAI's error shape.
     unstored = client.responses.create(model=model, input=QUESTION, max_output_tokens=2, store=False, **GREEDY)
     with pytest.raises(openai.NotFoundError):
@@ -236,3 +240,16 @@ def test_pydantic_ai_responses_model(served):
     city = Agent(responses_model, output_type=City, model_settings={**settings, "max_tokens": 60}).run_sync(
         "Which city is the capital of Italy?").output
     assert isinstance(city, City)
+
+
+def test_litellm_responses(served):
+    import os
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list
+    import litellm
+    url, client, model = served
+    kwargs = dict(model=f"openai/{model}", api_base=f"{url}/v1", api_key="none", temperature=0, max_output_tokens=16)
+    first = litellm.responses(input=QUESTION, **kwargs)
+    want = _chat(client, model, [{"role": "user", "content": QUESTION}], 16)
+    assert first.output[0].content[0].text == want.choices[0].message.content
+    follow = litellm.responses(input="And of Italy?", previous_response_id=first.id, **kwargs)
+    assert follow.usage.input_tokens_details.cached_tokens > 0

@@ -97,8 +97,10 @@ class ResponseEvents:
         return events + [self._event(kind, response=self.final)]
 
     def failure(self, err: APIError) -> list[dict[str, Any]]:
-        """An error mid-generation: an `error` event, then response.failed."""
-        error = {"code": err.code or err.type, "message": err.message}
+        """An error mid-generation: an `error` event (its own code), then response.failed, whose
+        error.code is one of the few OpenAI's Response allows (server_error for a node's failure)."""
+        error = {"code": "server_error" if err.status >= 500 else "invalid_prompt", "message": err.message,
+                 "type": err.type, "param": err.param}
         return [self._event("error", code=err.code or err.type, message=err.message, param=err.param),
                 self._event("response.failed", response=self.response("failed", error=error))]
 
