@@ -82,6 +82,10 @@ def test_streamed_events_add_up_to_the_response(served):
     final = events[-1].response
     assert final.output_text == text and final.usage.output_tokens == whole.usage.output_tokens
     assert events[2].item.id == events[-2].item.id == final.output[0].id
+    # A streamed response is stored too, by the time its last event is read.
+    follow = client.responses.create(model=model, input="Thanks!", previous_response_id=final.id,
+                                     max_output_tokens=2, **GREEDY)
+    assert follow.usage.input_tokens_details.cached_tokens > 0
 
 
 def test_previous_response_id_continues_from_the_prefix_cache(served):

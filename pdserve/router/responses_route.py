@@ -171,9 +171,10 @@ class _Run:
             for event in self.events.failure(err):
                 yield event
             return
-        for event in self._close():
+        closing = self._close()
+        keep()  # before the last events go out: a client may send its follow-up as soon as it reads them
+        for event in closing:
             yield event
-        keep()
 
 
 async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
