@@ -40,7 +40,12 @@ def _chat(client, model, messages, max_tokens, **kwargs):
 
 
 def _assert_same_as_chat(response, chat) -> None:
-    assert response.output_text == chat.choices[0].message.content
+    """Same text and token counts; and the same calls, should a tool-capable template make the
+    model call one under tool_choice "auto"."""
+    message = chat.choices[0].message
+    assert response.output_text == (message.content or "")
+    calls = [(o.name, o.arguments) for o in response.output if o.type == "function_call"]
+    assert calls == [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.usage.output_tokens == chat.usage.completion_tokens
     assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
