@@ -40,6 +40,7 @@ def _is_openai_error(resp: httpx.Response, status: int) -> None:
 def test_api_key_is_required_on_v1_only(cluster):
     url, _ = cluster
     _is_openai_error(httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 401)
+    _is_openai_error(httpx.post(f"{url}/v1/responses", json={"input": "hi", "max_output_tokens": 2}), 401)
     _is_openai_error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
@@ -103,4 +104,11 @@ def test_no_healthy_decode_node_is_503_with_retry_after(cluster):
     resp = httpx.post(f"{url}/v1/completions", json={"prompt": "anyone", "max_tokens": 2}, headers=AUTH, timeout=30)
     _is_openai_error(resp, 503)
     assert resp.headers["retry-after"] == "1"
+    body = {"input": "anyone", "max_output_tokens": 2}
+    resp = httpx.post(f"{url}/v1/responses", json=body, headers=AUTH, timeout=30)
+    _is_openai_error(resp, 503)
+    # Streamed, the 200 is already out: the failure comes as an error event, then response.failed.
+    streamed = httpx.post(f"{url}/v1/responses", json={**body, "stream": True}, headers=AUTH, timeout=30).text
+    kinds = [line.removeprefix("event: ") for line in streamed.splitlines() if line.startswith("event: ")]
+    assert kinds[0] == "response.created" and kinds[-2:] == ["error", "response.failed"], kinds
     wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, timeout_s=120)  # restarted, rejoined

@@ -19,7 +19,7 @@ from cluster_util import running_cluster
 
 pytest.importorskip("schemathesis")
 
-# Per operation; the GETs take no input, so nearly all cases go to the two generation routes.
+# Per operation; the GETs take little input, so nearly all cases go to the three generation routes.
 # 150 keeps the run near 30 s on the 2-core CI machine; PDSERVE_FUZZ_EXAMPLES/SEED widen it.
 MAX_EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "150"))
 SEED = int(os.environ.get("PDSERVE_FUZZ_SEED", "1"))
@@ -40,12 +40,14 @@ def before_call(context, case, kwargs):
     body = case.body
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens"):
+    # /v1/responses names its limit max_output_tokens and refuses fields it does not know.
+    keys = ("max_output_tokens",) if case.path == "/v1/responses" else ("max_tokens", "max_completion_tokens")
+    for key in keys:
         value = body.get(key)
         if type(value) is int and CAP < value <= MAX_MODEL_LEN:
             body[key] = CAP
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = CAP
+    if all(body.get(key) is None for key in keys):
+        body[keys[0]] = CAP
 """
 
 ERROR_REF = "#/components/schemas/ErrorResponse"
@@ -53,6 +55,9 @@ GENERATION = {"200", "400", "401", "404", "413", "429", "500", "503"}
 EXPECTED = {
     ("post", "/v1/completions"): GENERATION,
     ("post", "/v1/chat/completions"): GENERATION,
+    ("post", "/v1/responses"): GENERATION,
+    ("get", "/v1/responses/{response_id}"): {"200", "401", "404", "500"},
+    ("delete", "/v1/responses/{response_id}"): {"200", "401", "404", "500"},
     ("get", "/v1/models"): {"200", "401", "500"},
     ("get", "/v1/models/{model}"): {"200", "401", "404", "500"},
     ("get", "/version"): {"200", "500"},
@@ -82,7 +87,7 @@ def test_openapi_declares_each_status_with_the_error_schema(cluster):
         for status, response in op["responses"].items():
             if status != "200":  # every error is OpenAI's shape, in JSON
                 assert ERROR_REF in _refs(response["content"]["application/json"]["schema"]), (key, status)
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         assert "text/event-stream" in doc["paths"][path]["post"]["responses"]["200"]["content"]
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     schemas = doc["components"]["schemas"]
@@ -107,7 +112,7 @@ def test_schemathesis_finds_no_failures(cluster, tmp_path):
     assert proc.returncode == 0, proc.stdout[-10000:] + proc.stderr[-2000:]
     counts = re.search(r"(\d+) generated, (\d+) passed", proc.stdout)
     assert counts and counts.group(1) == counts.group(2), proc.stdout[-3000:]
-    assert int(counts.group(1)) >= 2 * MAX_EXAMPLES  # both generation routes really fuzzed
+    assert int(counts.group(1)) >= 3 * MAX_EXAMPLES  # the three generation routes really fuzzed
 
 
 # Raw JSON text: `\ud800` must reach the server as an escape, and NaN/Infinity as the
@@ -126,6 +131,11 @@ BAD_BODIES = [
     ("/v1/chat/completions", r'{"messages": [{"role": "\ud800", "content": "x"}], "max_tokens": 2}'),
     ("/v1/chat/completions",
      r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}], "max_tokens": 2}'),
+    ("/v1/responses", r'{"input": "\ud800", "max_output_tokens": 2}'),
+    ("/v1/responses", r'{"input": "hi", "max_output_tokens": 99999999999999999999999}'),
+    ("/v1/responses", r'{"input": "hi", "max_output_tokens": 2, "temperature": NaN}'),
+    ("/v1/responses",
+     r'{"input": [{"role": "user", "content": [{"type": "input_text", "text": "\udfff"}]}], "max_output_tokens": 2}'),
 ]
 
 

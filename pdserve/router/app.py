@@ -3,8 +3,9 @@
     app = create_app(backend, tokenizer, model_name="m", max_model_len=4096)
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not), POST
-/v1/embeddings (router/embeddings.py), GET /v1/models[/{model}] and /version (model_routes.py),
-GET /health, GET /metrics; /openapi.json declares every status each answers.
+/v1/responses with GET/DELETE /v1/responses/{id} (responses_route.py), POST /v1/embeddings
+(embeddings.py), GET /v1/models[/{model}] and /version (model_routes.py), GET /health,
+GET /metrics; /openapi.json declares every status each answers.
 The router tokenizes (and renders chat templates); nodes receive token ids and send back
 detokenized, stop-string-checked deltas, which are relayed here.
 """
@@ -46,6 +47,7 @@ from pdserve.router.responses import (
     response_body,
     usage,
 )
+from pdserve.router.responses_route import add_responses_routes
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, HealthReport
 from pdserve.router.streaming import (
     AbortingStreamingResponse,
@@ -289,6 +291,7 @@ def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
                          int(time.time()))
     router = _Router(backend, tokenizer, served, tool_call_parser)
     _add_openai_routes(app, router)
+    add_responses_routes(app, router)
     add_model_routes(app, served)
     _add_info_routes(app, router)
     add_tokenize_routes(app, router)
