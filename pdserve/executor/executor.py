@@ -1,0 +1,158 @@
+"""The driver's side: start the workers, hold the TP group, send each step, watch the workers.
+
+The driver is rank 0 and holds a shard itself: on a 2-core machine a driver that only sent
+inputs and sampled would idle through every step on a core of its own, while as rank 0 it
+computes its share between sending the inputs and sampling. Its logits arrive by the LM head's
+gather, and it samples as at TP 1.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import msgspec
+import torch
+
+from pdserve.executor.group import DEFAULT_TIMEOUT_S, make_group, open_store, set_rank_threads
+from pdserve.executor.kv_shared import create_shared_file, fd_path, map_shared
+from pdserve.executor.messages import Shutdown, StepPlan, WorkerSpec, write_message
+from pdserve.executor.step_channel import DEFAULT_CAPACITY, StepChannel
+from pdserve.layers.parallel import TPGroup
+
+log = logging.getLogger(__name__)
+# Nodes set this (node_main): a worker that dies takes the node down, and its owner restarts
+# it. Offline, the engine's next step raises instead.
+EXIT_ON_WORKER_DEATH = False
+WORKER_DEATH_EXIT_CODE = 3
+STARTUP_TIMEOUT_S = 600.0
+
+
+class WorkerLost(RuntimeError):
+    pass
+
+
+class TPExecutor:
+    """Ranks 1..size-1 as child processes, the TP group, the shared KV cache and step buffer."""
+
+    def __init__(self, size: int, model_path: str, dtype: torch.dtype, device: torch.device,
+                 kernel_backend: str, kv_shape: tuple[int, ...], threads: int,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        if device.type != "cpu":
+            raise ValueError("tensor_parallel_size > 1 runs on CPU for now (the shared KV cache is "
+                             "host memory); see docs/tensor-parallelism.md")
+        self.size, self.threads, self.closing, self.lost = size, threads, False, None
+        nbytes = int(torch.tensor([], dtype=dtype).element_size())
+        for d in kv_shape:
+            nbytes *= d
+        self._kv_fd = create_shared_file(nbytes, "kv")
+        self._payload_fd = create_shared_file(DEFAULT_CAPACITY * 8, "steps")
+        self.kv_cache = map_shared(fd_path(self._kv_fd), kv_shape, dtype)
+        store = open_store(size, timeout_s)
+        spec = dict(world_size=size, store_host="127.0.0.1", store_port=store.port, model_path=str(model_path),
+                    dtype=str(dtype).removeprefix("torch."), device=str(device), kernel_backend=kernel_backend,
+                    threads=threads, kv_fd=self._kv_fd, kv_shape=list(kv_shape), payload_fd=self._payload_fd,
+                    payload_capacity=DEFAULT_CAPACITY, timeout_s=timeout_s)
+        self.workers = [self._spawn(WorkerSpec(rank=r, **spec)) for r in range(1, size)]
+        self._finalizer = weakref.finalize(self, _stop_workers, list(self.workers))
+        atexit.register(self._finalizer)
+        for rank, proc in enumerate(self.workers, start=1):
+            threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=f"tp-watch-{rank}").start()
+        set_rank_threads(threads)
+        self.group: TPGroup = make_group(store, 0, size, device, timeout_s)
+        self.channel = StepChannel(fd_path(self._payload_fd), DEFAULT_CAPACITY, self.group)
+        self._store = store
+
+    def _spawn(self, spec: WorkerSpec) -> subprocess.Popen:
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), NUMBA_NUM_THREADS=str(self.threads))
+        cmd = [sys.executable, "-m", "pdserve.executor.worker", msgspec.json.encode(spec).decode()]
+        return subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, pass_fds=(self._kv_fd, self._payload_fd),
+                                preexec_fn=_die_with_parent)
+
+    def wait_ready(self) -> None:
+        """Block until every worker has built its shard (or fail if one died trying)."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        keys = [f"ready/{r}" for r in range(1, self.size)]
+        while not self._store.check(keys):
+            self.raise_if_lost()
+            if time.monotonic() > deadline:
+                raise WorkerLost(f"tensor-parallel workers not ready after {STARTUP_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+
+    def send(self, plan: StepPlan, flat: torch.Tensor) -> None:
+        """This step's inputs to every worker: the arrays (shared memory), then the plan."""
+        self.raise_if_lost()
+        if plan.in_shm:
+            self.channel.write(flat.numpy())
+        try:
+            for proc in self.workers:
+                write_message(proc.stdin.fileno(), plan)
+        except OSError as exc:
+            raise WorkerLost(f"a tensor-parallel worker is gone: {exc}") from None
+        if not plan.in_shm:
+            self.channel.broadcast(flat)
+
+    def raise_if_lost(self) -> None:
+        if self.lost is not None:
+            raise WorkerLost(self.lost)
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self.closing:
+            return
+        self.lost = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
+        log.error("%s; stopping the other workers", self.lost)
+        _stop_workers(self.workers, grace_s=0.0)
+        if EXIT_ON_WORKER_DEATH:
+            log.error("the node exits: its owner restarts it")
+            logging.shutdown()
+            os._exit(WORKER_DEATH_EXIT_CODE)
+
+    def close(self) -> None:
+        if self.closing:
+            return
+        self.closing = True
+        for proc in self.workers:
+            try:
+                write_message(proc.stdin.fileno(), Shutdown())
+            except (OSError, ValueError):
+                pass
+        self._finalizer()
+        for fd in (self._kv_fd, self._payload_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _stop_workers(workers: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """End of file on each worker's pipe (it exits between steps), then SIGKILL after grace_s."""
+    for proc in workers:
+        try:
+            proc.stdin.close()
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + grace_s
+    for proc in workers:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the parent goes (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
