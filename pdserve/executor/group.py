@@ -4,7 +4,10 @@ NCCL on CUDA, one code path. The group is a standalone ProcessGroup, not torch.d
 default group, so one process can build (and drop) several engines."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,7 +36,29 @@ def make_group(store: dist.TCPStore, rank: int, world_size: int, device: torch.d
         pg = dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
     else:
         pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    return TPGroup(rank=rank, size=world_size, group=pg)
+    cls = TimedTPGroup if os.environ.get("PDSERVE_TP_PROFILE") else TPGroup
+    return cls(rank=rank, size=world_size, group=pg)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedTPGroup(TPGroup):
+    """A TPGroup that adds up the seconds its collectives take (PDSERVE_TP_PROFILE=1, for the
+    benchmark): waiting for the slowest rank included, as a step pays it."""
+    seconds: list = dataclasses.field(default_factory=lambda: [0.0])
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            return super().all_reduce(x)
+        finally:
+            self.seconds[0] += time.perf_counter() - start
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            return super().all_gather_last(x)
+        finally:
+            self.seconds[0] += time.perf_counter() - start
 
 
 def set_rank_threads(threads: int) -> None:

@@ -4,6 +4,8 @@ gathered logits as at TP 1. No CUDA graphs and no async scheduling: both would n
 workers to replay them too."""
 from __future__ import annotations
 
+import time
+
 import msgspec
 import torch
 
@@ -21,6 +23,7 @@ class TPModelRunner(ModelRunner):
     def __init__(self, model, executor: TPExecutor, block_size: int, ops, device: torch.device):
         super().__init__(model, executor.kv_cache, block_size, ops, device)
         self.executor = executor
+        self.steps, self.send_seconds = 0, 0.0  # for the benchmark's per-step figures
         total_heads = executor.kv_cache.shape[4]
         self.layer_caches = rank_layer_caches(executor.kv_cache, kv_head_range(total_heads, executor.size, 0))
 
@@ -37,7 +40,10 @@ class TPModelRunner(ModelRunner):
         plan = make_plan(inputs, num_decodes, spans, all_logits, in_shm=False)
         if self.executor.channel.fits(payload_length(plan)):
             plan = msgspec.structs.replace(plan, in_shm=True)
+        started = time.perf_counter()
         self.executor.send(plan, flat)
+        self.send_seconds += time.perf_counter() - started
+        self.steps += 1
         token_ids, positions, meta = step_tensors(flat, plan, self.device)
         hidden = self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
         if spans:
