@@ -18,7 +18,6 @@ import os
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from pdserve.executor.kv_shared import map_shared
 from pdserve.executor.messages import StepPlan
@@ -52,7 +51,7 @@ class StepChannel:
 
     def broadcast(self, flat: torch.Tensor) -> None:
         """Driver, after sending the plan: the arrays to every worker."""
-        dist.broadcast(flat, src=0, group=self.group.group)
+        _broadcast(self.group, flat)
 
     def receive(self, plan: StepPlan) -> torch.Tensor:
         """Worker: this step's flat arrays (its own copy)."""
@@ -60,5 +59,11 @@ class StepChannel:
         if plan.in_shm:
             return self.buffer[:n].clone()
         flat = torch.empty(n, dtype=torch.int64)
-        dist.broadcast(flat, src=0, group=self.group.group)
+        _broadcast(self.group, flat)
         return flat
+
+
+def _broadcast(group: TPGroup, flat: torch.Tensor) -> None:
+    # On the ProcessGroup itself: torch.distributed.broadcast wants a group registered with the
+    # default group, and ours is standalone (see group.py).
+    group.group.broadcast(flat, 0).wait()
