@@ -41,6 +41,9 @@ def _add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) -
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many processes (this one and N-1 workers), "
                         "one thread each by default")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE at --tensor-parallel-size > 1: each process holds a share of the experts whole, "
+                        "instead of a slice of every expert")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

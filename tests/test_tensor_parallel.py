@@ -13,7 +13,8 @@ import textwrap
 import psutil
 import pytest
 import torch
-from family_models import NEW_TOKENS, assert_meaningful, random_prompts, reference_greedy
+from family_models import NEW_TOKENS, assert_meaningful, make_family_model, random_prompts, reference_greedy
+from family_models import load_reference as load_family_reference
 from model_factory import load_reference, make_model
 
 from pdserve import LLM, SamplingParams
@@ -26,11 +27,11 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     # Fewer KV heads than ranks: the one KV head is replicated on both ranks.
     return {"llama": make_model(root, "llama", num_key_value_heads=1),
-            "qwen3": make_model(root, "qwen3")}
+            "qwen3": make_model(root, "qwen3"),
+            "qwen3_moe": make_family_model(root, "qwen3_moe")}
 
 
-def _greedy_batch_with_hits_and_preemption(path, llm: LLM) -> None:
-    ref = load_reference(path)
+def _greedy_batch_with_hits_and_preemption(path, llm: LLM, ref) -> None:
     vocab = ref.config.vocab_size
     base = random_prompts(3, vocab, [40])[0]
     prompts = [base + tail for tail in random_prompts(4, vocab, [3, 11, 20])] + random_prompts(5, vocab, [2, 17])
@@ -53,7 +54,23 @@ def test_tp2_greedy_equals_transformers(models, kind):
     try:
         shard = llm.engine.model.layers[0].self_attn
         assert shard.num_heads == 2, "each rank should hold half of the 4 query heads"
-        _greedy_batch_with_hits_and_preemption(models[kind], llm)
+        _greedy_batch_with_hits_and_preemption(models[kind], llm, load_reference(models[kind]))
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp-in-experts", "expert-parallel"])
+def test_tp2_qwen3_moe_greedy_equals_transformers(models, expert_parallel):
+    path = models["qwen3_moe"]
+    llm = LLM(model=str(path), tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+              num_kv_blocks=9, max_num_batched_tokens=32)
+    try:
+        experts = next(layer.mlp.experts for layer in llm.engine.model.layers if hasattr(layer.mlp, "experts"))
+        if expert_parallel:  # half of the 8 experts, whole
+            assert experts.num_experts == 4 and experts.intermediate == 32
+        else:  # every expert, half of its intermediate rows
+            assert experts.num_experts == 8 and experts.intermediate == 16
+        _greedy_batch_with_hits_and_preemption(path, llm, load_family_reference(path))
     finally:
         llm.close()
 

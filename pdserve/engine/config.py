@@ -29,6 +29,8 @@ class EngineConfig:
     seed: int = 0
     # Ranks the model is split over (pdserve.executor): this process and size - 1 workers.
     tensor_parallel_size: int = 1
+    # MoE at TP > 1: partition the experts across ranks instead of splitting each expert.
+    enable_expert_parallel: bool = False
     # Compute threads of each rank at TP > 1 (default: this process's share of cores / size).
     threads_per_rank: int | None = None
     extra: dict = field(default_factory=dict)
@@ -52,4 +54,5 @@ def engine_options(args: Any) -> dict:
                 kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, kernel_backend=args.kernel_backend,
                 enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                enable_expert_parallel=getattr(args, "enable_expert_parallel", False))

@@ -44,11 +44,12 @@ class TPExecutor:
 
     def __init__(self, size: int, model_path: str, dtype: torch.dtype, device: torch.device,
                  kernel_backend: str, kv_shape: tuple[int, ...], threads: int,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False):
         if device.type != "cpu":
             raise ValueError("tensor_parallel_size > 1 runs on CPU for now (the shared KV cache is "
                              "host memory); see docs/tensor-parallelism.md")
         self.size, self.threads, self.closing, self.lost = size, threads, False, None
+        self.expert_parallel = expert_parallel
         nbytes = int(torch.tensor([], dtype=dtype).element_size())
         for d in kv_shape:
             nbytes *= d
@@ -59,7 +60,7 @@ class TPExecutor:
         spec = dict(world_size=size, store_host="127.0.0.1", store_port=store.port, model_path=str(model_path),
                     dtype=str(dtype).removeprefix("torch."), device=str(device), kernel_backend=kernel_backend,
                     threads=threads, kv_fd=self._kv_fd, kv_shape=list(kv_shape), payload_fd=self._payload_fd,
-                    payload_capacity=DEFAULT_CAPACITY, timeout_s=timeout_s)
+                    payload_capacity=DEFAULT_CAPACITY, timeout_s=timeout_s, expert_parallel=expert_parallel)
         self.workers = [self._spawn(WorkerSpec(rank=r, **spec)) for r in range(1, size)]
         self._finalizer = weakref.finalize(self, _stop_workers, list(self.workers))
         atexit.register(self._finalizer)

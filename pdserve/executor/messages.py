@@ -27,6 +27,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     payload_fd: int          # inherited descriptor of the step-input buffer (see step_channel)
     payload_capacity: int    # int64 elements
     timeout_s: float
+    expert_parallel: bool = False  # MoE experts partitioned across ranks, not split inside each
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="step"):

@@ -39,10 +39,10 @@ class _Shard:
 
         from pdserve.executor.group import join_store, make_group, set_rank_threads
         from pdserve.executor.kv_shared import fd_path, kv_head_range, map_shared, rank_layer_caches
+        from pdserve.executor.setup import load_shard
         from pdserve.executor.step_channel import StepChannel
         from pdserve.kernels import get_fused_layer_ops, get_ops
-        from pdserve.layers.parallel import set_tp_group
-        from pdserve.models.loader import load_hf_config, load_model
+        from pdserve.models.loader import load_hf_config
 
         set_rank_threads(spec.threads)
         self.device = torch.device(spec.device)
@@ -51,11 +51,7 @@ class _Shard:
         self.channel = StepChannel(fd_path(spec.payload_fd), spec.payload_capacity, group)
         dtype = getattr(torch, spec.dtype)
         hf_config = load_hf_config(Path(spec.model_path))
-        set_tp_group(group)
-        try:
-            self.model = load_model(Path(spec.model_path), hf_config, dtype, self.device)
-        finally:
-            set_tp_group(None)
+        self.model = load_shard(spec.model_path, hf_config, dtype, self.device, group, spec.expert_parallel)
         kv_cache = map_shared(fd_path(spec.kv_fd), spec.kv_shape, dtype)
         heads = kv_head_range(spec.kv_shape[4], spec.world_size, spec.rank)
         self.layer_caches = rank_layer_caches(kv_cache, heads)
