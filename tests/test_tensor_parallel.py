@@ -28,7 +28,8 @@ def models(tmp_path_factory):
     # Fewer KV heads than ranks: the one KV head is replicated on both ranks.
     return {"llama": make_model(root, "llama", num_key_value_heads=1),
             "qwen3": make_model(root, "qwen3"),
-            "qwen3_moe": make_family_model(root, "qwen3_moe")}
+            "qwen3_moe": make_family_model(root, "qwen3_moe"),
+            "gpt_oss": make_family_model(root, "gpt_oss")}
 
 
 def _greedy_batch_with_hits_and_preemption(path, llm: LLM, ref) -> None:
@@ -59,18 +60,23 @@ def test_tp2_greedy_equals_transformers(models, kind):
         llm.close()
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp-in-experts", "expert-parallel"])
-def test_tp2_qwen3_moe_greedy_equals_transformers(models, expert_parallel):
-    path = models["qwen3_moe"]
+@pytest.mark.parametrize("kind,expert_parallel", [("qwen3_moe", False), ("qwen3_moe", True), ("gpt_oss", False)],
+                         ids=["qwen3-moe-tp-in-experts", "qwen3-moe-expert-parallel", "gpt-oss-sinks-windows"])
+def test_tp2_moe_greedy_equals_transformers(models, kind, expert_parallel):
+    path = models[kind]
+    ref = load_family_reference(path)
     llm = LLM(model=str(path), tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
               num_kv_blocks=9, max_num_batched_tokens=32)
     try:
-        experts = next(layer.mlp.experts for layer in llm.engine.model.layers if hasattr(layer.mlp, "experts"))
-        if expert_parallel:  # half of the 8 experts, whole
-            assert experts.num_experts == 4 and experts.intermediate == 32
+        cfg = ref.config
+        experts = llm.engine.model.layers[-1].mlp.experts
+        total = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+        intermediate = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        if expert_parallel:  # half of the experts, whole
+            assert (experts.num_experts, experts.intermediate) == (total // 2, intermediate)
         else:  # every expert, half of its intermediate rows
-            assert experts.num_experts == 8 and experts.intermediate == 16
-        _greedy_batch_with_hits_and_preemption(path, llm, load_family_reference(path))
+            assert (experts.num_experts, experts.intermediate) == (total, intermediate // 2)
+        _greedy_batch_with_hits_and_preemption(path, llm, ref)
     finally:
         llm.close()
 
@@ -135,8 +141,8 @@ def test_workers_die_with_their_driver(models):
 
 def test_unconverted_family_is_refused_clearly():
     from transformers import AutoConfig
-    config = AutoConfig.for_model("qwen3_moe", architectures=["Qwen3MoeForCausalLM"])
-    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM is not converted to tensor parallelism yet"):
+    config = AutoConfig.for_model("deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM is not converted to tensor parallelism yet"):
         check_tp_support(config, 2)
     config = AutoConfig.for_model("llama", hidden_size=48, num_attention_heads=6, architectures=["LlamaForCausalLM"])
     with pytest.raises(ValueError, match="does not divide the 6 attention heads"):

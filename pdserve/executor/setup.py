@@ -14,7 +14,7 @@ from pdserve.models.loader import FAMILY_MODULES, load_model
 # Families built from pdserve.layers (sharded as they are built), and families loaded whole
 # and then cut to the rank's slice (pdserve.models.tp_shard); the others refuse TP > 1.
 LAYER_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SHARDED_AFTER_LOAD = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+SHARDED_AFTER_LOAD = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 TP_FAMILIES = LAYER_FAMILIES + SHARDED_AFTER_LOAD
 
 
