@@ -16,6 +16,8 @@ import torch
 from family_models import NEW_TOKENS, assert_meaningful, make_family_model, random_prompts, reference_greedy
 from family_models import load_reference as load_family_reference
 from model_factory import load_reference, make_model
+from test_models_deepseek import load_reference as load_deepseek_reference
+from test_models_deepseek import make_deepseek
 
 from pdserve import LLM, SamplingParams
 from pdserve.executor.executor import WorkerLost
@@ -29,7 +31,8 @@ def models(tmp_path_factory):
     return {"llama": make_model(root, "llama", num_key_value_heads=1),
             "qwen3": make_model(root, "qwen3"),
             "qwen3_moe": make_family_model(root, "qwen3_moe"),
-            "gpt_oss": make_family_model(root, "gpt_oss")}
+            "gpt_oss": make_family_model(root, "gpt_oss"),
+            "deepseek_v3": make_deepseek(root, "deepseek_v3")}
 
 
 def _greedy_batch_with_hits_and_preemption(path, llm: LLM, ref) -> None:
@@ -60,17 +63,19 @@ def test_tp2_greedy_equals_transformers(models, kind):
         llm.close()
 
 
-@pytest.mark.parametrize("kind,expert_parallel", [("qwen3_moe", False), ("qwen3_moe", True), ("gpt_oss", False)],
-                         ids=["qwen3-moe-tp-in-experts", "qwen3-moe-expert-parallel", "gpt-oss-sinks-windows"])
+@pytest.mark.parametrize("kind,expert_parallel", [("qwen3_moe", False), ("qwen3_moe", True), ("gpt_oss", False),
+                                                  ("deepseek_v3", True)],
+                         ids=["qwen3-moe-tp-in-experts", "qwen3-moe-expert-parallel", "gpt-oss-sinks-windows",
+                              "deepseek-v3-mla-expert-parallel"])
 def test_tp2_moe_greedy_equals_transformers(models, kind, expert_parallel):
     path = models[kind]
-    ref = load_family_reference(path)
+    ref = load_deepseek_reference(path) if kind == "deepseek_v3" else load_family_reference(path)
     llm = LLM(model=str(path), tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
               num_kv_blocks=9, max_num_batched_tokens=32)
     try:
         cfg = ref.config
         experts = llm.engine.model.layers[-1].mlp.experts
-        total = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+        total = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None) or cfg.num_local_experts
         intermediate = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
         if expert_parallel:  # half of the experts, whole
             assert (experts.num_experts, experts.intermediate) == (total // 2, intermediate)
@@ -141,8 +146,8 @@ def test_workers_die_with_their_driver(models):
 
 def test_unconverted_family_is_refused_clearly():
     from transformers import AutoConfig
-    config = AutoConfig.for_model("deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
-    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM is not converted to tensor parallelism yet"):
+    config = AutoConfig.for_model("gemma3_text", architectures=["Gemma3ForCausalLM"])
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM is not converted to tensor parallelism yet"):
         check_tp_support(config, 2)
     config = AutoConfig.for_model("llama", hidden_size=48, num_attention_heads=6, architectures=["LlamaForCausalLM"])
     with pytest.raises(ValueError, match="does not divide the 6 attention heads"):

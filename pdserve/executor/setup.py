@@ -14,7 +14,8 @@ from pdserve.models.loader import FAMILY_MODULES, load_model
 # Families built from pdserve.layers (sharded as they are built), and families loaded whole
 # and then cut to the rank's slice (pdserve.models.tp_shard); the others refuse TP > 1.
 LAYER_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SHARDED_AFTER_LOAD = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
+SHARDED_AFTER_LOAD = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM",
+                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 TP_FAMILIES = LAYER_FAMILIES + SHARDED_AFTER_LOAD
 
 
@@ -28,7 +29,8 @@ def check_tp_support(hf_config, size: int, expert_parallel: bool = False) -> Non
     if heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the {heads} attention heads")
     if expert_parallel:
-        experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0)
+        experts = (getattr(hf_config, "num_experts", None) or getattr(hf_config, "n_routed_experts", None)
+                   or getattr(hf_config, "num_local_experts", 0))
         if arch not in SHARDED_AFTER_LOAD or not experts:
             raise ValueError(f"enable_expert_parallel: {arch} has no experts to partition")
         if experts % size:

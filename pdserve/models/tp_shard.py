@@ -1,5 +1,6 @@
 """Tensor parallelism for the families still built from whole nn.Linear layers (Qwen3-MoE,
-Qwen2-MoE, Mixtral): the model is loaded whole, then each module keeps its rank's slice.
+Qwen2-MoE, Mixtral, gpt-oss, DeepSeek-V2/V3): the model is loaded whole, then each module keeps
+its rank's slice.
 
 - Attention: qkv_proj keeps this rank's query heads and KV heads (a KV head is replicated on
   size // kv_heads ranks when there are fewer than ranks, as QKVParallelLinear does); o_proj
@@ -10,6 +11,7 @@ Qwen2-MoE, Mixtral): the model is loaded whole, then each module keeps its rank'
   and computes only the (token, expert) pairs routed to them; the all-reduce sums the ranks'
   contributions. The shared expert is tensor-parallel as above.
 - Dense MLP layers: gate/up rows and down columns split, one all-reduce.
+- MLA (DeepSeek): the heads split; the latent and its cache replicated (see _shard_mla).
 - Embedding and LM head: vocabulary-parallel (pdserve.layers.vocab).
 
 A bias added after a sum is kept on rank 0 only (zero elsewhere), so it is added once. The
@@ -17,6 +19,7 @@ router's gate and the norms are replicated.
 """
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import torch
@@ -25,12 +28,16 @@ from torch import nn
 from pdserve.layers.parallel import TPGroup, divide
 from pdserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from pdserve.models.attention import PagedAttention
+from pdserve.models.mla import MLAttention
 from pdserve.models.moe import DenseMLP, Experts, SparseMoE
 
 
 def shard_decoder_model(model: nn.Module, group: TPGroup, expert_parallel: bool = False) -> nn.Module:
     for layer in model.layers:
-        _shard_attention(layer.self_attn, group)
+        if isinstance(layer.self_attn, MLAttention):
+            _shard_mla(layer.self_attn, group)
+        else:
+            _shard_attention(layer.self_attn, group)
         _sum_output(layer.self_attn, group)
         mlp = layer.mlp
         if isinstance(mlp, SparseMoE):
@@ -84,6 +91,25 @@ def _shard_attention(attn: PagedAttention, group: TPGroup) -> None:
         attn.sinks = _keep(attn.sinks, 0, _rows(group.rank * local_heads, local_heads))
     attn.num_heads, attn.num_kv_heads = local_heads, local_kv
     attn.q_size, attn.kv_size = local_heads * d, local_kv * d
+
+
+def _shard_mla(attn: MLAttention, group: TPGroup) -> None:
+    """Heads split: the query up-projection, kv_b_proj (each head's key and value rows) and
+    o_proj's columns keep this rank's heads. The latent (q_a, kv_a and their norms) is
+    replicated, and so is the latent cache: every rank writes the same bytes to it."""
+    s = attn.spec
+    local = divide(s.num_heads, group.size, "attention heads")
+    heads = _rows(group.rank * local, local)
+
+    def head_rows(per_head: int) -> torch.Tensor:
+        return (heads[:, None] * per_head + torch.arange(per_head)).reshape(-1)
+
+    q = attn.q_proj if s.q_lora_rank is None else attn.q_b_proj
+    q.weight = _keep(q.weight, 0, head_rows(s.qk_head_dim))
+    attn.kv_b_proj.weight = _keep(attn.kv_b_proj.weight, 0, head_rows(s.qk_nope_head_dim + s.v_head_dim))
+    attn.o_proj.weight = _keep(attn.o_proj.weight, 1, head_rows(s.v_head_dim))
+    _once(attn.o_proj.bias, group)
+    attn.spec = dataclasses.replace(s, num_heads=local)
 
 
 def _intermediate_slice(intermediate: int, group: TPGroup) -> tuple[torch.Tensor, torch.Tensor]:
