@@ -63,6 +63,23 @@ def test_tp2_greedy_equals_transformers(models, kind):
         llm.close()
 
 
+def test_tp4_greedy_equals_transformers(models):
+    """One query head per rank, the one KV head replicated on all four (a lighter batch: four
+    processes share the two cores)."""
+    path = models["llama"]
+    ref = load_reference(path)
+    llm = LLM(model=str(path), tensor_parallel_size=4, num_kv_blocks=32, max_num_batched_tokens=32)
+    try:
+        assert llm.engine.model.layers[0].self_attn.num_heads == 1
+        prompts = random_prompts(8, ref.config.vocab_size, [9, 45])
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == reference_greedy(ref, prompt, NEW_TOKENS)[0]
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("kind,expert_parallel", [("qwen3_moe", False), ("qwen3_moe", True), ("gpt_oss", False),
                                                   ("deepseek_v3", True)],
                          ids=["qwen3-moe-tp-in-experts", "qwen3-moe-expert-parallel", "gpt-oss-sinks-windows",
@@ -86,40 +103,42 @@ def test_tp2_moe_greedy_equals_transformers(models, kind, expert_parallel):
         llm.close()
 
 
-def test_tp2_sampling_and_prompt_logprobs_equal_tp1(models):
+@pytest.fixture(scope="module")
+def llama_tp2(models):
+    llm = LLM(model=str(models["llama"]), tensor_parallel_size=2, num_kv_blocks=64)
+    yield llm
+    llm.close()
+
+
+def test_tp2_sampling_and_prompt_logprobs_equal_tp1(models, llama_tp2):
     prompts = [{"prompt_token_ids": p} for p in random_prompts(7, 250, [5, 30, 61])]
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True, prompt_logprobs=2)
     tp1 = LLM(model=str(models["llama"]), num_kv_blocks=64)
     want = tp1.generate(prompts, params, use_tqdm=False)
-    tp2 = LLM(model=str(models["llama"]), tensor_parallel_size=2, num_kv_blocks=64)
-    try:
-        got = tp2.generate(prompts, params, use_tqdm=False)
-        for a, b in zip(want, got):
-            assert b.outputs[0].token_ids == a.outputs[0].token_ids
-            for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
-                assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
-                assert [t for t, _ in x.top] == [t for t, _ in y.top]
-        # The step inputs by broadcast (the fallback for steps too big for the shared buffer).
-        tp2.engine.executor.channel.shm = False
-        again = tp2.generate(prompts, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]
-        # Every prompt position's logits agree (within float32 rounding of another reduction order).
-        prompt = prompts[2]["prompt_token_ids"]
-        a_logits, b_logits = tp1.engine.prompt_logits(prompt), tp2.engine.prompt_logits(prompt)
-        assert torch.allclose(a_logits, b_logits, atol=1e-4)
-    finally:
-        tp2.close()
+    got = llama_tp2.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(want, got):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+    # The step inputs by broadcast (the fallback for steps too big for the shared buffer).
+    llama_tp2.engine.executor.channel.shm = False
+    again = llama_tp2.generate(prompts, params, use_tqdm=False)
+    llama_tp2.engine.executor.channel.shm = True
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]
+    # Every prompt position's logits agree (within float32 rounding of another reduction order).
+    prompt = prompts[2]["prompt_token_ids"]
+    assert torch.allclose(tp1.engine.prompt_logits(prompt), llama_tp2.engine.prompt_logits(prompt), atol=1e-4)
 
 
-def test_lost_worker_fails_the_next_step_and_leaves_no_process(models):
-    llm = LLM(model=str(models["llama"]), tensor_parallel_size=2, num_kv_blocks=64)
-    worker = llm.engine.executor.workers[0]
+def test_lost_worker_fails_the_next_step_and_leaves_no_process(llama_tp2):
+    worker = llama_tp2.engine.executor.workers[0]
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait(timeout=10)
     with pytest.raises(WorkerLost, match="rank 1"):
         for _ in range(50):  # the watcher thread notices within a moment
-            llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2), use_tqdm=False)
-    llm.close()
+            llama_tp2.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert all(w.poll() is not None for w in llama_tp2.engine.executor.workers)
 
 
 def test_workers_die_with_their_driver(models):
