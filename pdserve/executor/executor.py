@@ -67,9 +67,10 @@ class TPExecutor:
         for rank, proc in enumerate(self.workers, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=f"tp-watch-{rank}").start()
         set_rank_threads(threads)
+        self._store = store
+        self._wait_for("joined")  # a worker that dies on start fails us now, not at the group's timeout
         self.group: TPGroup = make_group(store, 0, size, device, timeout_s)
         self.channel = StepChannel(fd_path(self._payload_fd), DEFAULT_CAPACITY, self.group)
-        self._store = store
 
     def _spawn(self, spec: WorkerSpec) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), NUMBA_NUM_THREADS=str(self.threads))
@@ -79,12 +80,15 @@ class TPExecutor:
 
     def wait_ready(self) -> None:
         """Block until every worker has built its shard (or fail if one died trying)."""
+        self._wait_for("ready")
+
+    def _wait_for(self, stage: str) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        keys = [f"ready/{r}" for r in range(1, self.size)]
+        keys = [f"{stage}/{r}" for r in range(1, self.size)]
         while not self._store.check(keys):
             self.raise_if_lost()
             if time.monotonic() > deadline:
-                raise WorkerLost(f"tensor-parallel workers not ready after {STARTUP_TIMEOUT_S:.0f} s")
+                raise WorkerLost(f"tensor-parallel workers not {stage} after {STARTUP_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
 
     def send(self, plan: StepPlan, flat: torch.Tensor) -> None:

@@ -47,6 +47,7 @@ class _Shard:
         set_rank_threads(spec.threads)
         self.device = torch.device(spec.device)
         store = join_store(spec.store_host, spec.store_port, spec.world_size, spec.timeout_s)
+        store.set(f"joined/{spec.rank}", "1")
         group = make_group(store, spec.rank, spec.world_size, self.device, spec.timeout_s)
         self.channel = StepChannel(fd_path(spec.payload_fd), spec.payload_capacity, group)
         dtype = getattr(torch, spec.dtype)
