@@ -19,12 +19,17 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 def create_shared_file(nbytes: int, prefix: str) -> int:
-    """An open descriptor of nbytes zeros in shared memory (sparse until written). The file is
-    unlinked at once: it lives while a process holds it open or mapped, so nothing is left in
-    /dev/shm whatever dies first. Workers inherit the descriptor (pass_fds)."""
-    path = os.path.join(SHM_DIR or "/tmp", f"pdserve-{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    os.unlink(path)
+    """An open descriptor of nbytes zeros in shared memory (sparse until written), with no name
+    left anywhere: a memfd (not bounded by /dev/shm's size, which is 64 MiB in a default Docker
+    container), else a file in /dev/shm unlinked at once. It lives while a process holds it open
+    or mapped, so nothing is left behind whatever dies first. Workers inherit the descriptor
+    (pass_fds)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create(f"pdserve-{prefix}", 0)  # no MFD_CLOEXEC: pass_fds hands it on
+    else:
+        path = os.path.join(SHM_DIR or "/tmp", f"pdserve-{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.unlink(path)
     os.ftruncate(fd, max(nbytes, 1))
     return fd
 
