@@ -18,7 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ["PDSERVE_TP_PROFILE"] = "1"
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_offline import BLOCK_TOKENS, KV_BLOCKS, build_model, workload  # noqa: E402
 
@@ -65,8 +64,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--step-inputs", choices=["shm", "broadcast"], default="shm")
+    ap.add_argument("--collectives", choices=["shm", "gloo"], default="shm")
     args = ap.parse_args()
     os.environ["PDSERVE_TP_STEP_INPUTS"] = args.step_inputs
+    os.environ["PDSERVE_TP_COLLECTIVES"] = args.collectives
     path = build_model(Path(tempfile.mkdtemp()) / "llama-32m")
     prompts = workload(args.requests, 32, 512)
     runs: dict[int, list[dict]] = {1: [], 2: []}

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import psutil
 import pytest
@@ -105,7 +106,14 @@ def test_tp2_moe_greedy_equals_transformers(models, kind, expert_parallel):
 
 @pytest.fixture(scope="module")
 def llama_tp2(models):
-    llm = LLM(model=str(models["llama"]), tensor_parallel_size=2, num_kv_blocks=64)
+    # Built on a thread that ends at once: the workers must outlive the thread that started them
+    # (PR_SET_PDEATHSIG follows the forking thread, not the process).
+    built: list[LLM] = []
+    thread = threading.Thread(target=lambda: built.append(
+        LLM(model=str(models["llama"]), tensor_parallel_size=2, num_kv_blocks=64)))
+    thread.start()
+    thread.join()
+    llm = built[0]
     yield llm
     llm.close()
 

@@ -24,6 +24,7 @@ import torch
 from pdserve.executor.group import DEFAULT_TIMEOUT_S, make_group, open_store, set_rank_threads
 from pdserve.executor.kv_shared import create_shared_file, fd_path, map_shared
 from pdserve.executor.messages import Shutdown, StepPlan, WorkerSpec, write_message
+from pdserve.executor.shm_collectives import ShmCollectives, buffer_bytes
 from pdserve.executor.step_channel import DEFAULT_CAPACITY, StepChannel
 from pdserve.layers.parallel import TPGroup
 
@@ -55,27 +56,49 @@ class TPExecutor:
             nbytes *= d
         self._kv_fd = create_shared_file(nbytes, "kv")
         self._payload_fd = create_shared_file(DEFAULT_CAPACITY * 8, "steps")
+        self._coll_fd = create_shared_file(buffer_bytes(size), "collectives")
         self.kv_cache = map_shared(fd_path(self._kv_fd), kv_shape, dtype)
         store = open_store(size, timeout_s)
         spec = dict(world_size=size, store_host="127.0.0.1", store_port=store.port, model_path=str(model_path),
                     dtype=str(dtype).removeprefix("torch."), device=str(device), kernel_backend=kernel_backend,
                     threads=threads, kv_fd=self._kv_fd, kv_shape=list(kv_shape), payload_fd=self._payload_fd,
-                    payload_capacity=DEFAULT_CAPACITY, timeout_s=timeout_s, expert_parallel=expert_parallel)
-        self.workers = [self._spawn(WorkerSpec(rank=r, **spec)) for r in range(1, size)]
+                    payload_capacity=DEFAULT_CAPACITY, timeout_s=timeout_s, expert_parallel=expert_parallel,
+                    collectives_fd=self._coll_fd)
+        self.workers = [self._start_watched(WorkerSpec(rank=r, **spec)) for r in range(1, size)]
         self._finalizer = weakref.finalize(self, _stop_workers, list(self.workers))
         atexit.register(self._finalizer)
-        for rank, proc in enumerate(self.workers, start=1):
-            threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=f"tp-watch-{rank}").start()
         set_rank_threads(threads)
         self._store = store
         self._wait_for("joined")  # a worker that dies on start fails us now, not at the group's timeout
-        self.group: TPGroup = make_group(store, 0, size, device, timeout_s)
+        shm = ShmCollectives(self._coll_fd, 0, size, self.raise_if_lost, timeout_s)
+        self.group: TPGroup = make_group(store, 0, size, device, timeout_s, shm)
         self.channel = StepChannel(fd_path(self._payload_fd), DEFAULT_CAPACITY, self.group)
+
+    def _start_watched(self, spec: WorkerSpec) -> subprocess.Popen:
+        """Start a worker from a thread that then waits on it: PR_SET_PDEATHSIG fires when the
+        thread that forked the child exits, so that thread must live exactly as long as the
+        child (an engine built on a short-lived thread would otherwise lose its workers)."""
+        started: list[subprocess.Popen] = []
+        spawned = threading.Event()
+
+        def run() -> None:
+            try:
+                started.append(self._spawn(spec))
+            finally:
+                spawned.set()
+            if started:
+                self._watch(spec.rank, started[0])
+
+        threading.Thread(target=run, daemon=True, name=f"tp-worker-{spec.rank}").start()
+        spawned.wait()
+        if not started:
+            raise WorkerLost(f"could not start tensor-parallel worker rank {spec.rank}")
+        return started[0]
 
     def _spawn(self, spec: WorkerSpec) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), NUMBA_NUM_THREADS=str(self.threads))
         cmd = [sys.executable, "-m", "pdserve.executor.worker", msgspec.json.encode(spec).decode()]
-        return subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, pass_fds=(self._kv_fd, self._payload_fd),
+        return subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, pass_fds=(self._kv_fd, self._payload_fd, self._coll_fd),
                                 preexec_fn=_die_with_parent)
 
     def wait_ready(self) -> None:
@@ -130,7 +153,7 @@ class TPExecutor:
             except (OSError, ValueError):
                 pass
         self._finalizer()
-        for fd in (self._kv_fd, self._payload_fd):
+        for fd in (self._kv_fd, self._payload_fd, self._coll_fd):
             try:
                 os.close(fd)
             except OSError:

@@ -12,6 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from pdserve.executor.shm_collectives import ShmCollectives
 from pdserve.layers.parallel import TPGroup
 
 # A collective waits at most this long for a peer. Workers wait for steps on their pipe, never
@@ -30,25 +31,33 @@ def join_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.
 
 
 def make_group(store: dist.TCPStore, rank: int, world_size: int, device: torch.device,
-               timeout_s: float) -> TPGroup:
+               timeout_s: float, shm: ShmCollectives | None = None) -> TPGroup:
+    """shm: the node's shared-memory collectives (CPU), used for every tensor that fits them."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         pg = dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
     else:
         pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    cls = TimedTPGroup if os.environ.get("PDSERVE_TP_PROFILE") else TPGroup
-    return cls(rank=rank, size=world_size, group=pg)
+    return NodeTPGroup(rank=rank, size=world_size, group=pg, shm=shm if use_shm_collectives() else None)
+
+
+def use_shm_collectives() -> bool:
+    return os.environ.get("PDSERVE_TP_COLLECTIVES", "shm") != "gloo"
 
 
 @dataclasses.dataclass(frozen=True)
-class TimedTPGroup(TPGroup):
-    """A TPGroup that adds up the seconds its collectives take (PDSERVE_TP_PROFILE=1, for the
-    benchmark): waiting for the slowest rank included, as a step pays it."""
+class NodeTPGroup(TPGroup):
+    """The executor's TPGroup: shared-memory collectives where they fit (else torch.distributed),
+    and the seconds spent in collectives, waiting for the slowest rank included, as a step pays
+    it (the benchmark reads them)."""
+    shm: ShmCollectives | None = None
     seconds: list = dataclasses.field(default_factory=lambda: [0.0])
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         try:
+            if self.shm is not None and self.shm.fits(x):
+                return self.shm.all_reduce(x)
             return super().all_reduce(x)
         finally:
             self.seconds[0] += time.perf_counter() - start
@@ -56,6 +65,8 @@ class TimedTPGroup(TPGroup):
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         try:
+            if self.shm is not None and self.shm.fits(x):
+                return self.shm.all_gather_last(x)
             return super().all_gather_last(x)
         finally:
             self.seconds[0] += time.perf_counter() - start

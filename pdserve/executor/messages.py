@@ -27,6 +27,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     payload_fd: int          # inherited descriptor of the step-input buffer (see step_channel)
     payload_capacity: int    # int64 elements
     timeout_s: float
+    collectives_fd: int = -1       # inherited descriptor of the shared-memory collectives' buffer
     expert_parallel: bool = False  # MoE experts partitioned across ranks, not split inside each
 
 

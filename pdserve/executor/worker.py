@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; it ends us
     spec = msgspec.json.decode(argv[1].encode(), type=WorkerSpec)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{spec.rank} %(levelname)s %(message)s")
-    shard = _build(spec)
+    shard = _Shard(spec)
     log.info("rank %d of %d ready", spec.rank, spec.world_size)
     while True:
         msg = read_message(sys.stdin.fileno())
@@ -40,6 +40,7 @@ class _Shard:
         from pdserve.executor.group import join_store, make_group, set_rank_threads
         from pdserve.executor.kv_shared import fd_path, kv_head_range, map_shared, rank_layer_caches
         from pdserve.executor.setup import load_shard
+        from pdserve.executor.shm_collectives import ShmCollectives
         from pdserve.executor.step_channel import StepChannel
         from pdserve.kernels import get_fused_layer_ops, get_ops
         from pdserve.models.loader import load_hf_config
@@ -48,7 +49,8 @@ class _Shard:
         self.device = torch.device(spec.device)
         store = join_store(spec.store_host, spec.store_port, spec.world_size, spec.timeout_s)
         store.set(f"joined/{spec.rank}", "1")
-        group = make_group(store, spec.rank, spec.world_size, self.device, spec.timeout_s)
+        shm = ShmCollectives(spec.collectives_fd, spec.rank, spec.world_size, _driver_check(), spec.timeout_s)
+        group = make_group(store, spec.rank, spec.world_size, self.device, spec.timeout_s, shm)
         self.channel = StepChannel(fd_path(spec.payload_fd), spec.payload_capacity, group)
         dtype = getattr(torch, spec.dtype)
         hf_config = load_hf_config(Path(spec.model_path))
@@ -68,8 +70,14 @@ class _Shard:
         run_worker_step(self.model, self.ops, self.layer_caches, self.device, plan, flat)
 
 
-def _build(spec: WorkerSpec) -> _Shard:
-    return _Shard(spec)
+def _driver_check():
+    """Raises once the driver (this process's parent) is gone."""
+    driver = os.getppid()
+
+    def check() -> None:
+        if os.getppid() != driver:
+            raise RuntimeError("the driver is gone")
+    return check
 
 
 if __name__ == "__main__":
