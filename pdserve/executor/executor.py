@@ -49,7 +49,8 @@ class TPExecutor:
         if device.type != "cpu":
             raise ValueError("tensor_parallel_size > 1 runs on CPU for now (the shared KV cache is "
                              "host memory); see docs/tensor-parallelism.md")
-        self.size, self.threads, self.closing, self.lost = size, threads, False, None
+        self.size, self.threads, self.lost = size, threads, None
+        self.closing = threading.Event()  # set before the workers are told to stop: their exit is no loss
         self.expert_parallel = expert_parallel
         nbytes = int(torch.tensor([], dtype=dtype).element_size())
         for d in kv_shape:
@@ -65,7 +66,7 @@ class TPExecutor:
                     payload_capacity=DEFAULT_CAPACITY, timeout_s=timeout_s, expert_parallel=expert_parallel,
                     collectives_fd=self._coll_fd)
         self.workers = [self._start_watched(WorkerSpec(rank=r, **spec)) for r in range(1, size)]
-        self._finalizer = weakref.finalize(self, _stop_workers, list(self.workers))
+        self._finalizer = weakref.finalize(self, _close_workers, list(self.workers), self.closing)
         atexit.register(self._finalizer)
         set_rank_threads(threads)
         self._store = store
@@ -133,7 +134,7 @@ class TPExecutor:
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
-        if self.closing:
+        if self.closing.is_set():
             return
         self.lost = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
         log.error("%s; stopping the other workers", self.lost)
@@ -144,9 +145,9 @@ class TPExecutor:
             os._exit(WORKER_DEATH_EXIT_CODE)
 
     def close(self) -> None:
-        if self.closing:
+        if self.closing.is_set():
             return
-        self.closing = True
+        self.closing.set()
         for proc in self.workers:
             try:
                 write_message(proc.stdin.fileno(), Shutdown())
@@ -158,6 +159,12 @@ class TPExecutor:
                 os.close(fd)
             except OSError:
                 pass
+
+
+def _close_workers(workers: list[subprocess.Popen], closing: threading.Event) -> None:
+    """At close, collection or exit: the workers' exits from here on are expected."""
+    closing.set()
+    _stop_workers(workers)
 
 
 def _stop_workers(workers: list[subprocess.Popen], grace_s: float = 5.0) -> None:
