@@ -20,7 +20,7 @@ MODEL_HELP = (f"a local Hugging Face directory, a GGUF file (or a directory hold
               "(random weights, a byte tokenizer: for tests)")
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache; auto: float32 on CPU, bfloat16 on CUDA")
@@ -36,6 +36,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse cached KV blocks of earlier prompts (--no-enable-prefix-caching: recompute)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no CUDA graphs for decode steps, every op launched eagerly")
+    if not tensor_parallel:  # `pdserve up` sets each role's size: --prefill-tp, --decode-tp
+        return
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many processes (this one and N-1 workers), "
+                        "one thread each by default")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE at --tensor-parallel-size > 1: each process holds a share of the experts whole, "
+                        "instead of a slice of every expert")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -178,7 +186,7 @@ def _add_cluster_parsers(sub) -> None:
     _add_served_name_args(rt)
     rt.set_defaults(func=run_router)
     up = sub.add_parser("up", help="start a local cluster: router, prefill and decode nodes (and Redis)")
-    _add_engine_args(up)
+    _add_engine_args(up, tensor_parallel=False)
     up.add_argument("--host", default="127.0.0.1", help="the router's HTTP address")
     up.add_argument("--port", type=int, default=8000, help="the router's HTTP port")
     up.add_argument("--prefill-nodes", type=int, default=1, help="0 runs whole requests on decode nodes")
@@ -193,6 +201,8 @@ def _add_cluster_parsers(sub) -> None:
     up.add_argument("--lease-s", type=float, default=30.0, help="seconds NIXL-pinned blocks are kept")
     up.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute",
                     help="when a KV pull fails: compute the prompt on the decode node, or fail the request")
+    up.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of each prefill node")
+    up.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of each decode node")
     up.add_argument("--threads-per-node", type=int, default=None,
                     help="compute threads per node (default: the machine's cores divided among the nodes)")
     _add_admission_args(up)

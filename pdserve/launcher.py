@@ -68,12 +68,15 @@ class Cluster:
         self.commands[name] = (cmd, env)
         self.procs.append((name, subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
 
-    def threads_per_node(self) -> int:
+    def threads_per_node(self, tp: int = 1) -> int:
+        """A node's threads: its ranks' share of the cores (a TP node gets one share per rank,
+        and its engine gives each rank its part; see pdserve.executor)."""
         a = self.args
         if a.threads_per_node:
             return a.threads_per_node
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, cores // max(1, a.prefill_nodes + a.decode_nodes))
+        ranks = (a.prefill_nodes * getattr(a, "prefill_tp", 1) + a.decode_nodes * getattr(a, "decode_tp", 1))
+        return tp * max(1, cores // max(1, ranks))
 
     def node_cmd(self, role: str, node_id: str, bind: str, extra: list[str]) -> list[str]:
         cmd = [sys.executable, "-m", "pdserve", "--log-level", self.args.log_level, role,
@@ -149,7 +152,9 @@ class Cluster:
         if role == "decode":
             extra += ["--nixl"] if a.kv_transfer == "nixl" else []
             extra += ["--on-transfer-failure", a.on_transfer_failure, "--pull-delay-s", str(a.decode_pull_delay_s)]
-        self.spawn(node_id, self.node_cmd(role, node_id, addr, extra), self.threads_per_node())
+        tp = getattr(a, f"{role}_tp", 1) or 1
+        extra += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+        self.spawn(node_id, self.node_cmd(role, node_id, addr, extra), self.threads_per_node(tp))
         self.node_roles[node_id], self.node_addresses[node_id] = role, addr
         return node_id
 

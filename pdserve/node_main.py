@@ -43,6 +43,9 @@ def _apply_thread_limit() -> None:
 
 def _engine(args):
     _apply_thread_limit()
+    if getattr(args, "tensor_parallel_size", 1) > 1:
+        from pdserve.executor import executor
+        executor.EXIT_ON_WORKER_DEATH = True  # a lost worker takes the node down; its owner restarts it
     from pdserve.engine.config import EngineConfig, engine_options
     from pdserve.engine.engine import LLMEngine
     return LLMEngine(EngineConfig(model=args.model, remote_kv_timeout_s=args.kv_timeout_s, **engine_options(args)))

@@ -219,7 +219,7 @@ class NodeRuntime:
                      cached_blocks=len(engine.pool.cached), kv_event_seq=self.kv_events.seq,
                      prefill_ns_per_token=int(engine.prefill_s_per_token * 1e9),
                      integrity_failures=self.integrity_failures())
-        stats.update(role_switches=self.switches)
+        stats.update(role_switches=self.switches, tensor_parallel_size=engine.config.tensor_parallel_size)
         return Pong(ping.seq, self.node_id, self.role, len(sched.requests),
                     engine.pool.num_free, engine.pool.num_blocks, stats,
                     kv_salt=engine.salt, state=self.state())

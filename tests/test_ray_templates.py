@@ -44,3 +44,13 @@ def test_flags_that_cannot_span_machines_are_refused(flags, message):
     args = _up(*flags)
     with pytest.raises(ValueError, match=message):
         node_templates(args, Cluster(args))
+
+
+def test_each_role_gets_its_tensor_parallel_size_and_the_cpus_of_all_its_ranks():
+    args = _up("--kv-transfer", "nixl", "--threads-per-node", "2", "--decode-tp", "2")
+    templates = node_templates(args, Cluster(args))
+    fill = {"control": 5600, "side": 5601}
+    parse = [build_parser().parse_args(fill_template([a.replace("{node_id}", f"{r}-0") for a in templates[r]],
+                                                     "10.0.0.7", fill)) for r in ("prefill", "decode")]
+    assert [n.tensor_parallel_size for n in parse] == [1, 2]
+    assert placement(args).role_tp == {"prefill": 1, "decode": 2}

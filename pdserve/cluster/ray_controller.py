@@ -35,6 +35,10 @@ class Placement:
     max_restarts: int = 20
     spread: bool = True
     router_env: dict[str, str] = field(default_factory=dict)  # extra environment of router processes
+    # role -> tensor-parallel size. A TP node's workers are child processes of its node process,
+    # so they always run on the node's machine (gang placement needs no placement group); its
+    # actor reserves the CPUs (and GPUs) of all its ranks.
+    role_tp: dict[str, int] = field(default_factory=dict)
 
 
 class RayController:
@@ -76,7 +80,8 @@ class RayController:
         template += ["--registry", self.registry.address]
         p = self.placement
         resources = {p.role_resources[role]: 1} if p.role_resources.get(role) else None
-        actor = self._actor(node_id, template, p.threads_per_node, p.gpus_per_node, resources,
+        tp = p.role_tp.get(role, 1)
+        actor = self._actor(node_id, template, p.threads_per_node * tp, p.gpus_per_node * tp, resources,
                             roles_namespace=self.roles_namespace)
         with self._lock:
             self.nodes[node_id] = (role, actor)

@@ -40,10 +40,16 @@ def node_templates(args, cluster) -> dict[str, list[str]]:
     if args.kv_transfer == "nixl":
         common += ["--nixl-side-channel", "tcp://{ip}:{port:side}"]
     decode = ["--on-transfer-failure", args.on_transfer_failure] + (["--nixl"] if args.kv_transfer == "nixl" else [])
-    templates = {role: cluster.node_cmd(role, "{node_id}", "tcp://{ip}:{port:control}", common + extra)[3:]
+    templates = {role: cluster.node_cmd(role, "{node_id}", "tcp://{ip}:{port:control}",
+                                        common + extra + _tp_flags(args, role))[3:]
                  for role, extra in (("prefill", []), ("decode", decode))}
     templates["router"] = router_template(args)
     return templates
+
+
+def _tp_flags(args, role: str) -> list[str]:
+    tp = getattr(args, f"{role}_tp", 1) or 1
+    return ["--tensor-parallel-size", str(tp)] if tp > 1 else []
 
 
 def router_template(args) -> list[str]:
@@ -70,6 +76,7 @@ def placement(args) -> Placement:
     key = args.api_key or os.environ.get("PDSERVE_API_KEY")
     return Placement(threads_per_node=args.threads_per_node or 1, gpus_per_node=args.ray_gpus_per_node,
                      role_resources=roles, max_restarts=args.ray_max_restarts,
+                     role_tp={role: getattr(args, f"{role}_tp", 1) or 1 for role in ("prefill", "decode")},
                      router_env={"PDSERVE_API_KEY": key} if key else {})
 
 

@@ -27,6 +27,12 @@ class EngineConfig:
     # CUDA only), True or False.
     async_scheduling: bool | str = "auto"
     seed: int = 0
+    # Ranks the model is split over (pdserve.executor): this process and size - 1 workers.
+    tensor_parallel_size: int = 1
+    # MoE at TP > 1: partition the experts across ranks instead of splitting each expert.
+    enable_expert_parallel: bool = False
+    # Compute threads of each rank at TP > 1 (default: this process's share of cores / size).
+    threads_per_rank: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -36,6 +42,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be at least block_size")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.kernel_backend not in ("auto", "torch", "numba", "triton"):
             raise ValueError(f"kernel_backend must be auto, torch, numba or triton, got {self.kernel_backend!r}")
 
@@ -45,4 +53,6 @@ def engine_options(args: Any) -> dict:
     return dict(dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, kernel_backend=args.kernel_backend,
-                enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager)
+                enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                enable_expert_parallel=getattr(args, "enable_expert_parallel", False))

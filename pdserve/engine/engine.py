@@ -41,13 +41,22 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model)
         self.hf_config = load_hf_config(self.model_path)
         self.dtype = default_dtype(config.dtype, self.device)
-        self.model = load_model(self.model_path, self.hf_config, self.dtype, self.device)
-        self.tokenizer = _load_tokenizer(self.model_path)
-        spec = self.model.spec
-        # K/V per head, or one latent per token for MLA: sizes the cache and salts its block keys.
+        # K/V per head, or one latent per token for MLA: sizes the cache and salts its block keys
+        # (the same at every TP degree: the cache holds every KV head, see pdserve.executor).
         self.kv_layout = KVLayout.for_model(self.hf_config, config.block_size, self.dtype,
                                             checkpoint_name(config.model, self.model_path))
-        self.kv_cache = self._allocate_kv_cache()
+        self.executor = None
+        if config.tensor_parallel_size > 1:
+            from pdserve.executor.setup import load_driver_shard, start_executor
+            self.executor = start_executor(config, self.model_path, self.hf_config, self.dtype, self.device,
+                                           (self._num_kv_blocks(), *self.kv_layout.block_shape()))
+            self.model = load_driver_shard(self.executor, self.model_path, self.hf_config, self.dtype, self.device)
+            self.kv_cache = self.executor.kv_cache
+        else:
+            self.model = load_model(self.model_path, self.hf_config, self.dtype, self.device)
+            self.kv_cache = self._allocate_kv_cache()
+        self.tokenizer = _load_tokenizer(self.model_path)
+        spec = self.model.spec
         self.max_model_len = self._max_model_len()
         self.salt = self.kv_layout.salt()
         self.pool = BlockPool(self.kv_cache.shape[0], config.enable_prefix_caching)
@@ -56,25 +65,39 @@ class LLMEngine:
         ops = get_ops(config.kernel_backend, self.device.type)
         if hasattr(ops, "warm_up"):
             ops.warm_up()
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, ops, self.device,
-                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  use_cuda_graphs=not config.enforce_eager)
+        if self.executor is not None:
+            from pdserve.executor.runner import TPModelRunner
+            self.runner = TPModelRunner(self.model, self.executor, config.block_size, ops, self.device)
+        else:
+            self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, ops, self.device,
+                                      max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                      use_cuda_graphs=not config.enforce_eager)
         self.last_step_tokens = 0
         self.prefill_s_per_token = 0.0  # measured on prefill-sized steps (an EMA); 0: not yet
         self.cached_prompt_tokens = 0    # prompt tokens of requests sampled here that were not computed
         self.computed_prompt_tokens = 0  # ... and that were
         self.outputs = OutputProcessor(self.tokenizer, _eos_ids(self.hf_config, self.tokenizer), self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, spec.vocab_size, self.outputs.eos_token_ids)
-        self.async_scheduling = _use_async_scheduling(config.async_scheduling, self.device)
+        self.async_scheduling = (self.executor is None
+                                 and _use_async_scheduling(config.async_scheduling, self.device))
         self.in_flight: InFlightStep | None = None  # with async scheduling: the step launched last
 
     # ---- set-up -------------------------------------------------------------------------
-    def _allocate_kv_cache(self) -> torch.Tensor:
-        bs, shape = self.config.block_size, self.kv_layout.block_shape()
+    def _num_kv_blocks(self) -> int:
         bytes_per_block = self.kv_layout.block_nbytes()
         n = self.config.num_kv_blocks or int(self.config.kv_cache_memory_gb * 2**30 // bytes_per_block)
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, bs, n * bytes_per_block / 2**20)
-        return torch.zeros((n, *shape), dtype=self.dtype, device=self.device)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, self.config.block_size,
+                 n * bytes_per_block / 2**20)
+        return n
+
+    def _allocate_kv_cache(self) -> torch.Tensor:
+        shape = (self._num_kv_blocks(), *self.kv_layout.block_shape())
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when this process ends)."""
+        if self.executor is not None:
+            self.executor.close()
 
     def _max_model_len(self) -> int:
         spec = self.model.spec

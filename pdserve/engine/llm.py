@@ -19,6 +19,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers now rather than at exit."""
+        self.engine.close()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -47,23 +47,36 @@ def prompt_spans(items: list[tuple[Request, int]]) -> list[PromptSpan]:
     return spans
 
 
+def span_passes(spans: list[PromptSpan]):
+    """(span, first, last): the prompt positions [first, last) turned into logits in one pass,
+    in the order record_prompt_logprobs runs them (a tensor-parallel worker runs the same
+    passes, each one a collective; see pdserve.executor)."""
+    for span in spans:
+        for first in range(span.start, span.end, ROWS_PER_PASS):
+            yield span, first, min(first + ROWS_PER_PASS, span.end)
+
+
+def pass_rows(span: PromptSpan, first: int, last: int) -> tuple[int, int]:
+    """The hidden rows [start, end) of one pass."""
+    return span.row + first - span.start, span.row + last - span.start
+
+
 @torch.inference_mode()
 def record_prompt_logprobs(compute_logits, hidden: torch.Tensor, spans: list[PromptSpan]) -> None:
     """Fill each span's entries in req.prompt_logprobs. compute_logits: hidden rows -> logits."""
-    for span in spans:
+    for span, first, last in span_passes(spans):
         req, k = span.req, span.req.sampling_params.prompt_logprobs
         if req.prompt_logprobs is None or len(req.prompt_logprobs) != req.num_prompt_tokens:
             req.prompt_logprobs = [None] * req.num_prompt_tokens
-        for first in range(span.start, span.end, ROWS_PER_PASS):
-            last = min(first + ROWS_PER_PASS, span.end)
-            rows = hidden[span.row + first - span.start: span.row + last - span.start]
-            logp = compute_logits(rows).float().log_softmax(dim=-1)
-            targets = torch.tensor(req.prompt_token_ids[first + 1:last + 1], device=logp.device)
-            chosen = logp.gather(1, targets[:, None])
-            ranks = (logp > chosen).sum(dim=-1) + 1
-            top_values, top_ids = logp.topk(k, dim=-1) if k else (None, None)
-            _store(req, first, targets.tolist(), chosen[:, 0].tolist(), ranks.tolist(),
-                   top_ids.tolist() if k else None, top_values.tolist() if k else None)
+        start, end = pass_rows(span, first, last)
+        rows = hidden[start:end]
+        logp = compute_logits(rows).float().log_softmax(dim=-1)
+        targets = torch.tensor(req.prompt_token_ids[first + 1:last + 1], device=logp.device)
+        chosen = logp.gather(1, targets[:, None])
+        ranks = (logp > chosen).sum(dim=-1) + 1
+        top_values, top_ids = logp.topk(k, dim=-1) if k else (None, None)
+        _store(req, first, targets.tolist(), chosen[:, 0].tolist(), ranks.tolist(),
+               top_ids.tolist() if k else None, top_values.tolist() if k else None)
 
 
 def _store(req: Request, first: int, targets: list[int], values: list[float], ranks: list[int],

@@ -77,7 +77,8 @@ class Scaler:
     def describe(self) -> dict:
         drains = self.backend.drains
         nodes = [{"id": n.node_id, "role": n.role, "address": n.address, "healthy": n.healthy,
-                  "state": drains.state(n.node_id), "draining": n.draining, "in_flight": len(n.requests)}
+                  "state": drains.state(n.node_id), "draining": n.draining, "in_flight": len(n.requests),
+                  "tensor_parallel_size": n.stats.get("tensor_parallel_size", 1)}
                  for n in self.backend.pool.nodes]
         return {"nodes": nodes, "owner": self.owner.address if self.owner else None,
                 "counts": {r: len(self.active(r)) for r in ROLES}, "actions": dict(self.counters)}

@@ -1,0 +1,193 @@
+"""The driver's side: start the workers, hold the TP group, send each step, watch the workers.
+
+The driver is rank 0 and holds a shard itself: on a 2-core machine a driver that only sent
+inputs and sampled would idle through every step on a core of its own, while as rank 0 it
+computes its share between sending the inputs and sampling. Its logits arrive by the LM head's
+gather, and it samples as at TP 1.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import msgspec
+import torch
+
+from pdserve.executor.group import DEFAULT_TIMEOUT_S, make_group, open_store, set_rank_threads
+from pdserve.executor.kv_shared import create_shared_file, fd_path, map_shared
+from pdserve.executor.messages import Shutdown, StepPlan, WorkerSpec, write_message
+from pdserve.executor.shm_collectives import ShmCollectives, buffer_bytes
+from pdserve.executor.step_channel import DEFAULT_CAPACITY, StepChannel
+from pdserve.layers.parallel import TPGroup
+
+log = logging.getLogger(__name__)
+# Nodes set this (node_main): a worker that dies takes the node down, and its owner restarts
+# it. Offline, the engine's next step raises instead.
+EXIT_ON_WORKER_DEATH = False
+WORKER_DEATH_EXIT_CODE = 3
+STARTUP_TIMEOUT_S = 600.0
+
+
+class WorkerLost(RuntimeError):
+    pass
+
+
+class TPExecutor:
+    """Ranks 1..size-1 as child processes, the TP group, the shared KV cache and step buffer."""
+
+    def __init__(self, size: int, model_path: str, dtype: torch.dtype, device: torch.device,
+                 kernel_backend: str, kv_shape: tuple[int, ...], threads: int,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False):
+        if device.type != "cpu":
+            raise ValueError("tensor_parallel_size > 1 runs on CPU for now (the shared KV cache is "
+                             "host memory); see docs/tensor-parallelism.md")
+        self.size, self.threads, self.lost = size, threads, None
+        self.closing = threading.Event()  # set before the workers are told to stop: their exit is no loss
+        self.expert_parallel = expert_parallel
+        nbytes = int(torch.tensor([], dtype=dtype).element_size())
+        for d in kv_shape:
+            nbytes *= d
+        self._kv_fd = create_shared_file(nbytes, "kv")
+        self._payload_fd = create_shared_file(DEFAULT_CAPACITY * 8, "steps")
+        self._coll_fd = create_shared_file(buffer_bytes(size), "collectives")
+        self.kv_cache = map_shared(fd_path(self._kv_fd), kv_shape, dtype)
+        store = open_store(size, timeout_s)
+        spec = dict(world_size=size, store_host="127.0.0.1", store_port=store.port, model_path=str(model_path),
+                    dtype=str(dtype).removeprefix("torch."), device=str(device), kernel_backend=kernel_backend,
+                    threads=threads, kv_fd=self._kv_fd, kv_shape=list(kv_shape), payload_fd=self._payload_fd,
+                    payload_capacity=DEFAULT_CAPACITY, timeout_s=timeout_s, expert_parallel=expert_parallel,
+                    collectives_fd=self._coll_fd)
+        self.workers = [self._start_watched(WorkerSpec(rank=r, **spec)) for r in range(1, size)]
+        self._finalizer = weakref.finalize(self, _close_workers, list(self.workers), self.closing)
+        atexit.register(self._finalizer)
+        set_rank_threads(threads)
+        self._store = store
+        self._wait_for("joined")  # a worker that dies on start fails us now, not at the group's timeout
+        shm = ShmCollectives(self._coll_fd, 0, size, self.raise_if_lost, timeout_s)
+        self.group: TPGroup = make_group(store, 0, size, device, timeout_s, shm)
+        self.channel = StepChannel(fd_path(self._payload_fd), DEFAULT_CAPACITY, self.group)
+
+    def _start_watched(self, spec: WorkerSpec) -> subprocess.Popen:
+        """Start a worker from a thread that then waits on it: PR_SET_PDEATHSIG fires when the
+        thread that forked the child exits, so that thread must live exactly as long as the
+        child (an engine built on a short-lived thread would otherwise lose its workers)."""
+        started: list[subprocess.Popen] = []
+        spawned = threading.Event()
+
+        def run() -> None:
+            try:
+                started.append(self._spawn(spec))
+            finally:
+                spawned.set()
+            if started:
+                self._watch(spec.rank, started[0])
+
+        threading.Thread(target=run, daemon=True, name=f"tp-worker-{spec.rank}").start()
+        spawned.wait()
+        if not started:
+            raise WorkerLost(f"could not start tensor-parallel worker rank {spec.rank}")
+        return started[0]
+
+    def _spawn(self, spec: WorkerSpec) -> subprocess.Popen:
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), NUMBA_NUM_THREADS=str(self.threads))
+        cmd = [sys.executable, "-m", "pdserve.executor.worker", msgspec.json.encode(spec).decode()]
+        return subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, pass_fds=(self._kv_fd, self._payload_fd, self._coll_fd),
+                                preexec_fn=_die_with_parent)
+
+    def wait_ready(self) -> None:
+        """Block until every worker has built its shard (or fail if one died trying)."""
+        self._wait_for("ready")
+
+    def _wait_for(self, stage: str) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        keys = [f"{stage}/{r}" for r in range(1, self.size)]
+        while not self._store.check(keys):
+            self.raise_if_lost()
+            if time.monotonic() > deadline:
+                raise WorkerLost(f"tensor-parallel workers not {stage} after {STARTUP_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+
+    def send(self, plan: StepPlan, flat: torch.Tensor) -> None:
+        """This step's inputs to every worker: the arrays (shared memory), then the plan."""
+        self.raise_if_lost()
+        if plan.in_shm:
+            self.channel.write(flat.numpy())
+        try:
+            for proc in self.workers:
+                write_message(proc.stdin.fileno(), plan)
+        except OSError as exc:
+            raise WorkerLost(f"a tensor-parallel worker is gone: {exc}") from None
+        if not plan.in_shm:
+            self.channel.broadcast(flat)
+
+    def raise_if_lost(self) -> None:
+        if self.lost is not None:
+            raise WorkerLost(self.lost)
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self.closing.is_set():
+            return
+        self.lost = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
+        log.error("%s; stopping the other workers", self.lost)
+        _stop_workers(self.workers, grace_s=0.0)
+        if EXIT_ON_WORKER_DEATH:
+            log.error("the node exits: its owner restarts it")
+            logging.shutdown()
+            os._exit(WORKER_DEATH_EXIT_CODE)
+
+    def close(self) -> None:
+        if self.closing.is_set():
+            return
+        self.closing.set()
+        for proc in self.workers:
+            try:
+                write_message(proc.stdin.fileno(), Shutdown())
+            except (OSError, ValueError):
+                pass
+        self._finalizer()
+        for fd in (self._kv_fd, self._payload_fd, self._coll_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _close_workers(workers: list[subprocess.Popen], closing: threading.Event) -> None:
+    """At close, collection or exit: the workers' exits from here on are expected."""
+    closing.set()
+    _stop_workers(workers)
+
+
+def _stop_workers(workers: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """End of file on each worker's pipe (it exits between steps), then SIGKILL after grace_s."""
+    for proc in workers:
+        try:
+            proc.stdin.close()
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + grace_s
+    for proc in workers:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the parent goes (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass

@@ -1,0 +1,84 @@
+"""What the driver tells its workers, as msgspec structs over each worker's stdin pipe (no
+pickle): the worker's start-up spec (in its argv), then one StepPlan per model step, or Shutdown.
+
+The pipe doubles as the worker's lifeline: its end of file means the driver is gone.
+"""
+from __future__ import annotations
+
+import os
+import struct
+
+import msgspec
+
+
+class WorkerSpec(msgspec.Struct, frozen=True):
+    """Everything a worker needs to build its shard and attach to the node's KV cache."""
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    model_path: str
+    dtype: str               # torch dtype name, e.g. "float32"
+    device: str              # "cpu" or "cuda:N"
+    kernel_backend: str
+    threads: int             # compute threads of this rank (torch and numba)
+    kv_fd: int               # inherited descriptor of the shared KV cache file (CPU)
+    kv_shape: list[int]      # [blocks, layers, planes, block_size, kv_heads, head_dim]
+    payload_fd: int          # inherited descriptor of the step-input buffer (see step_channel)
+    payload_capacity: int    # int64 elements
+    timeout_s: float
+    collectives_fd: int = -1       # inherited descriptor of the shared-memory collectives' buffer
+    expert_parallel: bool = False  # MoE experts partitioned across ranks, not split inside each
+
+
+class StepPlan(msgspec.Struct, frozen=True, tag="step"):
+    """One step's shape; its arrays travel through the step channel (shared memory or a
+    broadcast), `in_shm` says which."""
+    num_tokens: int
+    num_decodes: int
+    int32_shapes: list[list[int]]
+    logit_passes: list[tuple[int, int]]   # hidden row ranges turned into logits first, in order
+    sample_rows: list[int]                # then these rows' logits (all rows when all_logits)
+    all_logits: bool
+    in_shm: bool
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
+    pass
+
+
+Control = StepPlan | Shutdown
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Control)
+_LEN = struct.Struct("<I")
+
+
+def write_message(fd: int, msg: Control) -> None:
+    body = _encoder.encode(msg)
+    _write_all(fd, _LEN.pack(len(body)) + body)
+
+
+def read_message(fd: int) -> Control | None:
+    """The next message, or None at end of file (the driver is gone)."""
+    head = _read_exact(fd, _LEN.size)
+    if head is None:
+        return None
+    body = _read_exact(fd, _LEN.unpack(head)[0])
+    return None if body is None else _decoder.decode(body)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    chunks, left = [], n
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,55 @@
+"""The driver's model runner at TP > 1: each step's inputs go to the workers, then rank 0 runs
+its own shard through the same code the workers run (shard_step), and samples from the
+gathered logits as at TP 1. No CUDA graphs and no async scheduling: both would need the
+workers to replay them too."""
+from __future__ import annotations
+
+import time
+
+import msgspec
+import torch
+
+from pdserve.engine.model_runner import AttentionContext, ModelRunner
+from pdserve.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
+from pdserve.engine.request import Request
+from pdserve.engine.step_inputs import build_step_inputs
+from pdserve.executor.executor import TPExecutor
+from pdserve.executor.kv_shared import kv_head_range, rank_layer_caches
+from pdserve.executor.shard_step import flatten_inputs, make_plan, step_tensors
+from pdserve.executor.step_channel import payload_length
+
+
+class TPModelRunner(ModelRunner):
+    def __init__(self, model, executor: TPExecutor, block_size: int, ops, device: torch.device):
+        super().__init__(model, executor.kv_cache, block_size, ops, device)
+        self.executor = executor
+        self.steps, self.send_seconds = 0, 0.0  # for the benchmark's per-step figures
+        total_heads = executor.kv_cache.shape[4]
+        self.layer_caches = rank_layer_caches(executor.kv_cache, kv_head_range(total_heads, executor.size, 0))
+
+    @torch.inference_mode()
+    def execute(self, items: list[tuple[Request, int]], all_logits: bool = False, pending=None
+                ) -> tuple[torch.Tensor, list[Request]]:
+        if pending is not None:
+            raise RuntimeError("async scheduling is off at tensor_parallel_size > 1")
+        items = sorted(items, key=lambda it: it[1] != 1)  # one-token queries first
+        num_decodes = sum(1 for _, n in items if n == 1)
+        spans = prompt_spans(items)
+        inputs = build_step_inputs(items, num_decodes, self.block_size)
+        flat = torch.from_numpy(flatten_inputs(inputs))
+        plan = make_plan(inputs, num_decodes, spans, all_logits, in_shm=False)
+        if self.executor.channel.fits(payload_length(plan)):
+            plan = msgspec.structs.replace(plan, in_shm=True)
+        started = time.perf_counter()
+        self.executor.send(plan, flat)
+        self.send_seconds += time.perf_counter() - started
+        self.steps += 1
+        token_ids, positions, meta = step_tensors(flat, plan, self.device)
+        hidden = self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
+        if spans:
+            record_prompt_logprobs(self.model.compute_logits, hidden, spans)
+        if all_logits:
+            return self.model.compute_logits(hidden), inputs.to_sample
+        if not inputs.to_sample:
+            return torch.empty(0), []
+        return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.to_sample

@@ -1,0 +1,51 @@
+"""One model step on one rank, the same on the driver and on every worker: the step's flat
+inputs into tensors, the forward pass over the rank's shard and KV heads, and the LM-head
+passes (each a collective, so every rank runs them in the same order)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pdserve.engine.model_runner import AttentionContext, AttentionMetadata
+from pdserve.engine.prompt_logprobs import pass_rows, span_passes
+from pdserve.engine.step_inputs import StepInputs
+from pdserve.executor.messages import StepPlan
+
+
+def make_plan(inputs: StepInputs, num_decodes: int, spans, all_logits: bool, in_shm: bool) -> StepPlan:
+    passes = [pass_rows(span, first, last) for span, first, last in span_passes(spans)]
+    return StepPlan(num_tokens=int(inputs.ints64.shape[1]), num_decodes=num_decodes,
+                    int32_shapes=[list(s) for s in inputs.int32_shapes()], logit_passes=passes,
+                    sample_rows=list(inputs.sample_rows), all_logits=all_logits, in_shm=in_shm)
+
+
+def flatten_inputs(inputs: StepInputs) -> np.ndarray:
+    return np.concatenate([inputs.ints64.ravel(), inputs.ints32().astype(np.int64)])
+
+
+def step_tensors(flat: torch.Tensor, plan: StepPlan, device: torch.device):
+    """(token ids, positions, AttentionMetadata) from the flat int64 inputs."""
+    flat = flat.to(device)
+    t = plan.num_tokens
+    ints64 = flat[: 3 * t].view(3, t)
+    sizes = [int(np.prod(s)) for s in plan.int32_shapes]
+    parts = flat[3 * t:].to(torch.int32).split(sizes)
+    ctx, table, cu, pctx, ptable = (p.view(*s) for p, s in zip(parts, plan.int32_shapes))
+    meta = AttentionMetadata(slot_mapping=ints64[2], num_decodes=plan.num_decodes,
+                             decode_block_tables=table, decode_context_lens=ctx,
+                             prefill_cu_seqlens=cu, prefill_context_lens=pctx,
+                             prefill_block_tables=ptable)
+    return ints64[0], ints64[1], meta
+
+
+@torch.inference_mode()
+def run_worker_step(model, ops, layer_caches, device: torch.device, plan: StepPlan, flat: torch.Tensor) -> None:
+    """A worker's share of a step; the logits it helps gather are the driver's to use."""
+    token_ids, positions, meta = step_tensors(flat, plan, device)
+    hidden = model(token_ids, positions, AttentionContext(ops, layer_caches, meta))
+    for start, end in plan.logit_passes:
+        model.compute_logits(hidden[start:end])
+    if plan.all_logits:
+        model.compute_logits(hidden)
+    elif plan.sample_rows:
+        model.compute_logits(hidden[plan.sample_rows])

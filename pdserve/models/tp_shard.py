@@ -1,0 +1,179 @@
+"""Tensor parallelism for the families still built from whole nn.Linear layers (Qwen3-MoE,
+Qwen2-MoE, Mixtral, gpt-oss, DeepSeek-V2/V3): the model is loaded whole, then each module keeps
+its rank's slice.
+
+- Attention: qkv_proj keeps this rank's query heads and KV heads (a KV head is replicated on
+  size // kv_heads ranks when there are fewer than ranks, as QKVParallelLinear does); o_proj
+  keeps the matching input columns, and the attention's output is summed over ranks.
+- MoE, tensor-parallel (the default): every expert keeps its slice of the intermediate rows
+  (gate and up) and columns (down); the shared expert too. One all-reduce sums the MoE block.
+- MoE, expert-parallel (enable_expert_parallel): each rank keeps size-th of the experts whole
+  and computes only the (token, expert) pairs routed to them; the all-reduce sums the ranks'
+  contributions. The shared expert is tensor-parallel as above.
+- Dense MLP layers: gate/up rows and down columns split, one all-reduce.
+- MLA (DeepSeek): the heads split; the latent and its cache replicated (see _shard_mla).
+- Embedding and LM head: vocabulary-parallel (pdserve.layers.vocab).
+
+A bias added after a sum is kept on rank 0 only (zero elsewhere), so it is added once. The
+router's gate and the norms are replicated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import torch
+from torch import nn
+
+from pdserve.layers.parallel import TPGroup, divide
+from pdserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from pdserve.models.attention import PagedAttention
+from pdserve.models.mla import MLAttention
+from pdserve.models.moe import DenseMLP, Experts, SparseMoE
+
+
+def shard_decoder_model(model: nn.Module, group: TPGroup, expert_parallel: bool = False) -> nn.Module:
+    for layer in model.layers:
+        if isinstance(layer.self_attn, MLAttention):
+            _shard_mla(layer.self_attn, group)
+        else:
+            _shard_attention(layer.self_attn, group)
+        _sum_output(layer.self_attn, group)
+        mlp = layer.mlp
+        if isinstance(mlp, SparseMoE):
+            _shard_moe(mlp, group, expert_parallel)
+        elif isinstance(mlp, DenseMLP):
+            _shard_dense(mlp, group)
+        else:
+            raise ValueError(f"tensor parallelism does not know how to split {type(mlp).__name__}")
+        _sum_output(mlp, group)
+    _shard_vocab(model, group)
+    return model
+
+
+def _sum_output(module: nn.Module, group: TPGroup) -> None:
+    module.register_forward_hook(lambda _m, _inputs, out: group.all_reduce(out))
+
+
+def _keep(param: torch.Tensor | None, dim: int, index: torch.Tensor) -> nn.Parameter | None:
+    if param is None:
+        return None
+    return nn.Parameter(param.data.index_select(dim, index).contiguous(), requires_grad=False)
+
+
+def _once(param: nn.Parameter | None, group: TPGroup) -> None:
+    """A bias added after the ranks' sum: rank 0 adds it."""
+    if param is not None and group.rank != 0:
+        param.data.zero_()
+
+
+def _rows(start: int, count: int) -> torch.Tensor:
+    return torch.arange(start, start + count)
+
+
+def _shard_attention(attn: PagedAttention, group: TPGroup) -> None:
+    d, heads, kv_heads = attn.head_dim, attn.num_heads, attn.num_kv_heads
+    local_heads = divide(heads, group.size, "attention heads")
+    if kv_heads >= group.size:
+        local_kv = divide(kv_heads, group.size, "KV heads")
+        kv_start = group.rank * local_kv
+    else:
+        local_kv, kv_start = 1, group.rank // divide(group.size, kv_heads, "ranks per KV head")
+    q = _rows(group.rank * local_heads * d, local_heads * d)
+    k = _rows(heads * d + kv_start * d, local_kv * d)
+    v = k + kv_heads * d
+    keep = torch.cat([q, k, v])
+    attn.qkv_proj.weight = _keep(attn.qkv_proj.weight, 0, keep)
+    attn.qkv_proj.bias = _keep(attn.qkv_proj.bias, 0, keep)
+    attn.o_proj.weight = _keep(attn.o_proj.weight, 1, q)
+    _once(attn.o_proj.bias, group)
+    if attn.sinks is not None:
+        attn.sinks = _keep(attn.sinks, 0, _rows(group.rank * local_heads, local_heads))
+    attn.num_heads, attn.num_kv_heads = local_heads, local_kv
+    attn.q_size, attn.kv_size = local_heads * d, local_kv * d
+
+
+def _shard_mla(attn: MLAttention, group: TPGroup) -> None:
+    """Heads split: the query up-projection, kv_b_proj (each head's key and value rows) and
+    o_proj's columns keep this rank's heads. The latent (q_a, kv_a and their norms) is
+    replicated, and so is the latent cache: every rank writes the same bytes to it."""
+    s = attn.spec
+    local = divide(s.num_heads, group.size, "attention heads")
+    heads = _rows(group.rank * local, local)
+
+    def head_rows(per_head: int) -> torch.Tensor:
+        return (heads[:, None] * per_head + torch.arange(per_head)).reshape(-1)
+
+    q = attn.q_proj if s.q_lora_rank is None else attn.q_b_proj
+    q.weight = _keep(q.weight, 0, head_rows(s.qk_head_dim))
+    attn.kv_b_proj.weight = _keep(attn.kv_b_proj.weight, 0, head_rows(s.qk_nope_head_dim + s.v_head_dim))
+    attn.o_proj.weight = _keep(attn.o_proj.weight, 1, head_rows(s.v_head_dim))
+    _once(attn.o_proj.bias, group)
+    attn.spec = dataclasses.replace(s, num_heads=local)
+
+
+def _intermediate_slice(intermediate: int, group: TPGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows of [gate | up] to keep, columns of down to keep) for this rank."""
+    part = divide(intermediate, group.size, "intermediate size")
+    cols = _rows(group.rank * part, part)
+    return torch.cat([cols, cols + intermediate]), cols
+
+
+def _shard_dense(mlp: DenseMLP, group: TPGroup) -> None:
+    rows, cols = _intermediate_slice(mlp.down_proj.in_features, group)
+    mlp.gate_up_proj.weight = _keep(mlp.gate_up_proj.weight, 0, rows)
+    mlp.gate_up_proj.bias = _keep(mlp.gate_up_proj.bias, 0, rows)
+    mlp.down_proj.weight = _keep(mlp.down_proj.weight, 1, cols)
+    _once(mlp.down_proj.bias, group)
+
+
+def _shard_moe(moe: SparseMoE, group: TPGroup, expert_parallel: bool) -> None:
+    experts = moe.experts
+    if expert_parallel:
+        local = divide(experts.num_experts, group.size, "experts")
+        keep = _rows(group.rank * local, local)
+        for name in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
+            setattr(experts, name, _keep(getattr(experts, name), 0, keep))
+        experts.first_expert, experts.num_experts = group.rank * local, local
+        experts.forward = types.MethodType(_expert_parallel_forward, experts)
+    else:
+        rows, cols = _intermediate_slice(experts.intermediate, group)
+        experts.gate_up_proj = _keep(experts.gate_up_proj, 1, rows)
+        experts.gate_up_bias = _keep(experts.gate_up_bias, 1, rows)
+        experts.down_proj = _keep(experts.down_proj, 2, cols)
+        _once(experts.down_bias, group)
+        experts.intermediate = cols.numel()
+    if moe.shared_expert is not None:
+        _shard_dense(moe.shared_expert, group)
+
+
+def _expert_parallel_forward(self: Experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Only the (token, slot) pairs routed to this rank's experts, each as a one-expert row."""
+    local = (ids >= self.first_expert) & (ids < self.first_expert + self.num_experts)
+    token, slot = local.nonzero(as_tuple=True)
+    out = torch.zeros_like(x)
+    if token.numel():
+        picked = Experts.forward(self, x[token], (ids[token, slot] - self.first_expert)[:, None],
+                                 weights[token, slot][:, None])
+        out.index_add_(0, token, picked)
+    return out
+
+
+def _shard_vocab(model: nn.Module, group: TPGroup) -> None:
+    from pdserve.layers.parallel import get_tp_group, set_tp_group
+    previous = get_tp_group()
+    set_tp_group(group)  # the vocabulary layers read the group as they are built
+    try:
+        embed = model.embed_tokens.weight.data
+        vocab, hidden = embed.shape
+        new_embed = VocabParallelEmbedding(vocab, hidden, params_dtype=embed.dtype).to(embed.device)
+        new_embed.weight_loader("weight", embed)
+        head = ParallelLMHead(vocab, hidden, params_dtype=embed.dtype).to(embed.device)
+        tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
+        if tied:
+            head.weight = new_embed.weight
+        else:
+            head.weight_loader("weight", model.lm_head.weight.data)
+    finally:
+        set_tp_group(previous)
+    model.embed_tokens, model.lm_head = new_embed, head
