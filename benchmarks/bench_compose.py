@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster import free_port, local_cluster  # noqa: E402
 
-from pdserve.bench import BenchConfig, run_benchmark  # noqa: E402
+from pdserve.loadgen.bench import BenchConfig, run_benchmark  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 UP_FLAGS = ("--prefill-nodes", "2", "--decode-nodes", "2", "--kv-transfer", "nixl")

@@ -4,7 +4,7 @@
         [--output-json benchmarks/results/bench_serving.json]
 
 For each repeat, each config is started in turn with `pdserve up` (127.0.0.1 only), warmed up,
-measured with pdserve.bench on every workload, then stopped (SIGTERM to `pdserve up`, waited).
+measured with pdserve.loadgen.bench on every workload, then stopped (SIGTERM to `pdserve up`, waited).
 Configs are interleaved across repeats (a, b, c, a, b, c, ...) so slow drift on a shared machine
 does not favour one config. Every workload of repeat r uses the same seed in every config, and
 a different seed per repeat, so a repeat never hits the prefix cache warmed by the previous one.
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster import ClusterError, local_cluster, source_info  # noqa: E402
 
-from pdserve.bench import BenchConfig, run_benchmark  # noqa: E402
+from pdserve.loadgen.bench import BenchConfig, run_benchmark  # noqa: E402
 
 CONFIGS: dict[str, list[str]] = {
     "pd-nixl": ["--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl"],

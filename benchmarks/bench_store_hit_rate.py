@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_store_hit_rate.py [--chunk-tokens 64,256] [--prefix-lens 512,400,1000]
 
-Replays pdserve.bench's workloads (the same prompt generator and seeds) through real stores on a
+Replays pdserve.loadgen.bench's workloads (the same prompt generator and seeds) through real stores on a
 real redis-server, the way a prefill node uses them: before each prompt, look up its full blocks
 before the last token (lookup_prefix, the node's own call); after it, put every block, the partial
 last one included. Each store starts empty; no node cache is involved, so the figure is what the
@@ -25,10 +25,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from redis_util import redis_server  # noqa: E402
 
-from pdserve.bench import BenchConfig, Prompt, build_sessions  # noqa: E402
 from pdserve.engine.block_keys import block_key_chain  # noqa: E402
 from pdserve.kvstore.factory import make_store  # noqa: E402
 from pdserve.kvstore.layout import KVLayout  # noqa: E402
+from pdserve.loadgen.bench import BenchConfig, Prompt, build_sessions  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32,
                   model_name="hit-rate")
@@ -36,7 +36,7 @@ SALT = b"bench-store-hit-rate"
 
 
 def workload_prompts(workload: str, prefix_len: int, seed: int, output_len: int) -> list[list[int]]:
-    """The prompts pdserve.bench sends, in order; multi-round carries each answer (random ids
+    """The prompts pdserve.loadgen.bench sends, in order; multi-round carries each answer (random ids
     of output_len here) into the next round's prompt, as the bench does with return_token_ids."""
     cfg = BenchConfig(workload=workload, num_groups=4, prompts_per_group=8, prefix_len=prefix_len,
                       question_len=32, num_users=8, num_rounds=4, seed=seed, max_token_id=30000)

@@ -1,5 +1,5 @@
 import sys
 
-from pdserve.cli import main
+from pdserve.entrypoints.cli import main
 
 sys.exit(main())

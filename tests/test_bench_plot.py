@@ -12,10 +12,10 @@ import matplotlib.image
 import pytest
 from cluster_util import running_cluster
 
-from pdserve import bench_plot
-from pdserve.bench import BenchConfig, RequestResult, _samples, compute_metrics
-from pdserve.bench_cli import main as bench_main
-from pdserve.cli import main as pdserve_main
+from pdserve.entrypoints.cli import main as pdserve_main
+from pdserve.loadgen import plot as bench_plot
+from pdserve.loadgen.bench import BenchConfig, RequestResult, _samples, compute_metrics
+from pdserve.loadgen.cli import main as bench_main
 
 WORKLOAD = ["--workload", "shared-prefix", "--num-groups", "2", "--prompts-per-group", "3", "--prefix-len", "64",
             "--question-len", "8", "--output-len", "6", "--max-token-id", "250", "--num-warmup", "0",

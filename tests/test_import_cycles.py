@@ -95,8 +95,8 @@ def test_the_checker_finds_a_cycle():
 
 def test_the_graph_sees_function_level_imports():
     graph = import_graph()
-    assert "pdserve.node_main" in graph["pdserve.cli"]  # imported inside a function
-    assert "pdserve.engine.config" in graph["pdserve.node_main"]
+    assert "pdserve.node.main" in graph["pdserve.entrypoints.cli"]  # imported inside a function
+    assert "pdserve.engine.config" in graph["pdserve.node.main"]
 
 
 def test_pdserve_has_no_import_cycles():

@@ -74,7 +74,7 @@ def test_router_keys_use_the_salt_the_node_reports_float32_and_bfloat16():
 
 
 def _node_pong(engine):
-    from pdserve.node_runtime import NodeRuntime
+    from pdserve.node.runtime import NodeRuntime
     runtime = NodeRuntime(engine, "tcp://127.0.0.1:0", "decode-0")
     try:
         return runtime.pong(Ping(1))

@@ -8,7 +8,7 @@ import time
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.node_runtime import NodeRuntime
+from pdserve.node.runtime import NodeRuntime
 
 
 def test_the_loop_wakes_when_the_step_is_done_not_before(monkeypatch):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cli import build_parser
 from pdserve.cluster.ray_actors import fill_template, template_ports
 from pdserve.cluster.ray_launch import node_templates, placement
-from pdserve.launcher import Cluster
+from pdserve.entrypoints.cli import build_parser
+from pdserve.entrypoints.launcher import Cluster
 
 
 def _up(*flags: str):

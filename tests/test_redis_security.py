@@ -26,10 +26,10 @@ from redis_util import TLSFiles, free_port, redis_server
 
 from pdserve import LLM
 from pdserve.engine.block_keys import block_key_chain
+from pdserve.entrypoints.launcher import Cluster
 from pdserve.kvstore.errors import KVStoreError
 from pdserve.kvstore.factory import SUPPORTED_SCHEMES, make_store, redact_url
 from pdserve.kvstore.redis_store import RedisKVStore
-from pdserve.launcher import Cluster
 
 PASSWORD = "p@ss w:rd/7"  # URL-reserved characters: the URL must carry it percent-encoded
 QPASS = quote(PASSWORD, safe="")
@@ -212,7 +212,7 @@ def test_launcher_log_redacts_the_store_password(caplog) -> None:
     """`pdserve up` logs each node's command line at INFO, and that line carries --store."""
     url = f"redis://:{QPASS}@127.0.0.1:1"
     cluster = Cluster(args=None)
-    with caplog.at_level(logging.INFO, logger="pdserve.launcher"):
+    with caplog.at_level(logging.INFO, logger="pdserve.entrypoints.launcher"):
         cluster.spawn("probe", [sys.executable, "-c", "pass", "--store", url])
     for _name, proc in cluster.procs:
         proc.wait(timeout=30)

@@ -1,5 +1,5 @@
 """The router's OpenAI-compatible HTTP layer, through a real uvicorn server and the official
-`openai` client (httpx for raw error and SSE checks), plus a small run of pdserve.bench.
+`openai` client (httpx for raw error and SSE checks), plus a small run of pdserve.loadgen.bench.
 
 The backend here is a deterministic stand-in (it echoes the prompt tokens reversed, one
 StepOutput per token, and records params and aborts) because the HTTP layer is what is under
@@ -23,9 +23,9 @@ import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pdserve.bench import BenchConfig, run_benchmark
 from pdserve.engine.outputs import StepOutput, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.loadgen.bench import BenchConfig, run_benchmark
 from pdserve.router.app import create_app
 from pdserve.router.backend import BackendError
 from pdserve.router.chat_prompt import render_chat_prompt

@@ -11,7 +11,7 @@ from cluster_util import running_cluster
 from transformers import AutoTokenizer
 
 import pdserve
-from pdserve.cli import build_parser
+from pdserve.entrypoints.cli import build_parser
 from pdserve.router.model_routes import served_names
 
 NAMES = ["tiny-chat", "org/tiny-alias"]

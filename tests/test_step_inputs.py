@@ -92,9 +92,9 @@ def test_batch_buckets_cover_every_batch_size():
 def test_enforce_eager_flag_reaches_engine_config_and_node_commands():
     """`--enforce-eager` on `pdserve up` is forwarded to every node, whose parser turns it into
     EngineConfig.enforce_eager; without it, graphs stay on."""
-    from pdserve.cli import build_parser, engine_options
     from pdserve.engine.config import EngineConfig
-    from pdserve.launcher import Cluster
+    from pdserve.entrypoints.cli import build_parser, engine_options
+    from pdserve.entrypoints.launcher import Cluster
     parser = build_parser()
     for flags, eager in (([], False), (["--enforce-eager"], True)):
         up = parser.parse_args(["up", *flags])

@@ -14,7 +14,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
 from pdserve.messages import DecodeRequest, KVHandover, Message, PrefillRequest, Rejected
-from pdserve.node_runtime import NodeRuntime
+from pdserve.node.runtime import NodeRuntime
 
 log = logging.getLogger(__name__)
 

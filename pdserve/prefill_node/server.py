@@ -26,7 +26,7 @@ from pdserve.messages import (
     PrefillResult,
     Rejected,
 )
-from pdserve.node_runtime import NodeRuntime
+from pdserve.node.runtime import NodeRuntime
 from pdserve.transport import NodeSocket
 
 log = logging.getLogger(__name__)

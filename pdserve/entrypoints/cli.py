@@ -143,8 +143,8 @@ def _add_cluster_parsers(sub) -> None:
     from pdserve.cluster.planner import add_planner_args
     from pdserve.cluster.registry import run_registry
     from pdserve.cluster.registry_client import registry_url
-    from pdserve.launcher import run_up
-    from pdserve.node_main import run_decode, run_prefill
+    from pdserve.entrypoints.launcher import run_up
+    from pdserve.node.main import run_decode, run_prefill
     from pdserve.router.main import run_router
     pre = sub.add_parser("prefill", help="run one prefill node")
     _add_node_args(pre, "prefill")
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.set_defaults(func=cmd_generate)
     _add_cluster_parsers(sub)
-    from pdserve.scale_cli import add_scale_args, run_scale
+    from pdserve.entrypoints.scale_cli import add_scale_args, run_scale
     scale = sub.add_parser("scale", help="resize a running cluster or switch a node's role (router admin API)")
     add_scale_args(scale)
     scale.set_defaults(func=run_scale)
@@ -264,10 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # every flag belongs to the load generator, --help included
-        from pdserve.bench_cli import main as bench_main
+        from pdserve.loadgen.cli import main as bench_main
         return bench_main(argv[1:])
     if argv[:1] == ["bench-plot"]:
-        from pdserve.bench_plot import plot_main
+        from pdserve.loadgen.plot import plot_main
         return plot_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,14 +1,14 @@
-"""`pdserve bench`: the load generator (pdserve.bench) with the plot and sweep flags
-(pdserve.bench_plot). Both sit below this module, so neither imports the other's entry point."""
+"""`pdserve bench`: the load generator (pdserve.loadgen.bench) with the plot and sweep flags
+(pdserve.loadgen.plot). Both sit below this module, so neither imports the other's entry point."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 from collections.abc import Sequence
 
-from pdserve.bench import BenchConfig, format_report, run_benchmark
-from pdserve.bench import build_parser as build_load_parser
-from pdserve.bench_plot import add_plot_arguments, run_with_plots
+from pdserve.loadgen.bench import BenchConfig, format_report, run_benchmark
+from pdserve.loadgen.bench import build_parser as build_load_parser
+from pdserve.loadgen.plot import add_plot_arguments, run_with_plots
 
 PLOT_FLAGS = ("plot", "sweep_concurrency", "label", "plot_with")
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench import BenchConfig, format_report, run_benchmark
+from pdserve.loadgen.bench import BenchConfig, format_report, run_benchmark
 
 CDF_PANELS = (("ttft", "time to first token"), ("itl", "inter-token latency"), ("e2e", "end-to-end latency"))
 Report = dict[str, Any]

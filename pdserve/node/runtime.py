@@ -31,7 +31,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import StepOutput
 from pdserve.kv_events import KVEventPublisher
 from pdserve.messages import ROLES, Abort, Drain, EmbedRequest, KVSnapshotRequest, Message, Ping, Pong, TokenDelta
-from pdserve.node_embeddings import EmbeddingQueue
+from pdserve.node.embeddings import EmbeddingQueue
 from pdserve.transport import NodeSocket
 
 log = logging.getLogger(__name__)

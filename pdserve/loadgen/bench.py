@@ -354,7 +354,7 @@ def compute_metrics(results: list[RequestResult], duration_s: float,
 
 
 def _samples(results: list[RequestResult]) -> dict[str, list[float]]:
-    """Per-request latencies for plots (pdserve.bench_plot)."""
+    """Per-request latencies for plots (pdserve.loadgen.plot)."""
     ok = [r for r in results if r.success]
     return {"ttft": [r.ttft_s for r in ok if r.ttft_s is not None], "e2e": [r.e2e_s for r in ok],
             "itl": [itl for r in ok for itl in r.itls_s]}
@@ -388,7 +388,7 @@ async def run_benchmark(config: BenchConfig | dict[str, Any]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The load generator's flags, one per BenchConfig field (pdserve.bench_cli adds the plot flags)."""
+    """The load generator's flags, one per BenchConfig field (pdserve.loadgen.cli adds the plot flags)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     defaults = BenchConfig()
     for name, value in asdict(defaults).items():
