@@ -62,7 +62,25 @@ def load_hf_config(path: Path):
             _family(archs[0]).check_config(config)
         except ValueError as exc:
             raise ModelLoadError(f"{path}: {exc}") from None
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        _checkpoint_quant_config(path, archs[0], quantization)  # refuses what cannot load, now
     return config
+
+
+def _checkpoint_quant_config(path: Path, arch: str, quantization):
+    """The QuantConfig of a checkpoint's quantization_config (Llama family, compressed-tensors)."""
+    from pdserve.layers.quant.compressed_tensors import SUPPORTED, CompressedTensorsConfig
+    quantization = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    method = quantization.get("quant_method")
+    if arch in FAMILY_MODULES or method != "compressed-tensors":
+        raise ModelLoadError(f"{path}: quantized checkpoints ({method}) load for the Llama family "
+                             f"({', '.join(a for a in SUPPORTED_ARCHITECTURES if a not in FAMILY_MODULES)}) "
+                             f"in compressed-tensors {SUPPORTED}; this one is a {method} {arch}")
+    try:
+        return CompressedTensorsConfig(quantization)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
 
 
 def _family(arch: str):
@@ -111,7 +129,7 @@ def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> 
         return _family(config.architectures[0]).build_model(config, files, dtype, device)
     spec = spec_from_config(config)
     rope = RotaryEmbedding(config, spec.head_dim, spec.max_position_embeddings)
-    quant_config = _quant_config(path, device)
+    quant_config = _quant_config(path, device, config)
     with torch.device("meta"):
         model = LlamaModel(spec, rope, quant_config)
     model = model.to_empty(device="cpu")
@@ -120,6 +138,9 @@ def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> 
     if is_gguf_view(path):
         kept = frozenset(quant_config.kept) if quant_config is not None else frozenset()
         _place_all(model, spec, gguf_tensors(path, kept))
+    elif quant_config is not None:
+        from pdserve.layers.quant.compressed_tensors import grouped_tensors
+        _place_all(model, spec, grouped_tensors(_safetensors_tensors(safetensors_files(path)), quant_config))
     else:
         _load_weights(model, spec, safetensors_files(path))
     process_weights_after_loading(model)
@@ -127,9 +148,14 @@ def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> 
     return model.to(device=device, dtype=dtype).eval()
 
 
-def _quant_config(path: Path, device: torch.device):
+def _quant_config(path: Path, device: torch.device, config):
     """The checkpoint's quantization scheme; None: full precision. GGUF blocks stay quantized on
     CPU, where pdserve's quantized kernels run; on CUDA they are dequantized at load."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        if device.type != "cpu":
+            raise ModelLoadError("quantized checkpoints run on CPU only so far (no CUDA kernels yet)")
+        return _checkpoint_quant_config(path, config.architectures[0], quantization)
     if is_gguf_view(path) and device.type == "cpu":
         from pdserve.layers.quant.gguf_config import GGUFQuantConfig
         return GGUFQuantConfig(gguf_tensor_types(path))
