@@ -27,7 +27,7 @@ from numba.extending import overload
 from pdserve.kernels import numba_threads  # noqa: F401  (before the first parallel call)
 
 # Up to this many tokens the fused gemv kernel beats dequantize + BLAS (measured on the 2-core
-# CPU machine for SmolLM2's shapes, benchmarks/quant_matmul.py).
+# CPU machine for SmolLM2's shapes, benchmarks/bench_quant_matmul.py).
 QUANT_GEMV_MAX_TOKENS = 8
 
 HALF_TO_FLOAT = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)

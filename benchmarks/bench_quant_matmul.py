@@ -2,7 +2,7 @@
 shapes): the fused gemv kernel, dequantize + BLAS, and, for int4, torch's own
 _weight_int4pack_mm_for_cpu. Medians of several runs. Run:
 
-    PYTHONPATH=. .venv/bin/python benchmarks/quant_matmul.py
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_quant_matmul.py
 """
 from __future__ import annotations
 
