@@ -17,7 +17,7 @@ from test_gguf import reference, write_gguf
 from pdserve import LLM, SamplingParams
 from pdserve.kernels import quant_cpu
 from pdserve.layers.quant.gguf_blocks import KEPT_TYPES, decode
-from pdserve.layers.quant.grouped import GroupedLinearMethod, _scales_view
+from pdserve.layers.quant.grouped import GroupedLinearMethod, scales_view
 
 Q = gguf.GGMLQuantizationType
 # K types need rows of 256 columns.
@@ -38,8 +38,8 @@ def test_decode_is_exact_and_kernels_agree(kind):
     weight = decode(kind, raw)
     fmt = weight.native_format()
     p = weight.to_params(fmt)
-    q, scales = p["qweight"], _scales_view(p["scales"])
-    mins = _scales_view(p["mins"]) if "mins" in p else None
+    q, scales = p["qweight"], scales_view(p["scales"])
+    mins = scales_view(p["mins"]) if "mins" in p else None
     got = quant_cpu.dequantize_rows(fmt.bits, q, scales, mins, fmt.group).numpy()
     assert np.array_equal(got, want)  # bit for bit: the prefill path multiplies transformers' values
     for tokens in (1, quant_cpu.QUANT_GEMV_MAX_TOKENS, quant_cpu.QUANT_GEMV_MAX_TOKENS + 5):

@@ -24,11 +24,10 @@ import torch
 from torch import nn
 
 from pdserve.layers.quant.base import QuantConfig, QuantMethod
-from pdserve.layers.quant.grouped import GroupedLinearMethod, GroupedWeight, GroupFormat
+from pdserve.layers.quant.grouped import FUSED_PARTS, GroupedLinearMethod, GroupedWeight, GroupFormat
 from pdserve.layers.quant.unquantized import UnquantizedLinearMethod
 
 SUPPORTED = "W4A16 and W8A16 (pack-quantized int4/int8 weights, per group or per channel)"
-_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 
 
@@ -97,7 +96,7 @@ class CompressedTensorsConfig(QuantConfig):
         if prefix == "embed_tokens":
             return UnquantizedLinearMethod()
         head, _, last = prefix.rpartition(".")
-        names = [f"model.{head}.{p}" for p in _FUSED_PARTS[last]] if last in _FUSED_PARTS else [
+        names = [f"model.{head}.{p}" for p in FUSED_PARTS[last]] if last in FUSED_PARTS else [
             prefix if prefix == "lm_head" else f"model.{prefix}"]
         schemes = {self.scheme_for(n) for n in names}
         if len(schemes) > 1:

@@ -13,13 +13,11 @@ from torch import nn
 
 from pdserve.layers.quant.base import QuantConfig, QuantMethod
 from pdserve.layers.quant.gguf_blocks import KEPT_TYPES
-from pdserve.layers.quant.grouped import GroupedLinearMethod, GroupFormat, common_format
+from pdserve.layers.quant.grouped import FUSED_PARTS, GroupedLinearMethod, GroupFormat, common_format
 from pdserve.layers.quant.unquantized import UnquantizedLinearMethod
 
 log = logging.getLogger("pdserve.quant")
 
-# A fused layer's checkpoint parts, by the last component of its prefix.
-_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # The native format of each kept type (see gguf_blocks' table).
 NATIVE_FORMATS = {
     "Q4_0": GroupFormat(4, 32, True, True), "Q4_1": GroupFormat(4, 32, True, True),
@@ -50,7 +48,7 @@ class GGUFQuantConfig(QuantConfig):
 
     def linear_method(self, layer: nn.Module, prefix: str) -> QuantMethod:
         head, _, last = prefix.rpartition(".")
-        parts = [f"{head}.{p}.weight" if head else f"{p}.weight" for p in _FUSED_PARTS.get(last, (last,))]
+        parts = [f"{head}.{p}.weight" if head else f"{p}.weight" for p in FUSED_PARTS.get(last, (last,))]
         if prefix == "lm_head" and "lm_head.weight" not in self.tensor_types:
             parts = ["embed_tokens.weight"]  # tied: the LM head is the embedding
         kinds = [self.tensor_types.get(p) for p in parts]

@@ -24,6 +24,9 @@ from torch import nn
 from pdserve.kernels import quant_cpu
 from pdserve.layers.quant.base import QuantMethod
 
+# A fused layer's checkpoint parts, by the last component of its prefix (qkv_proj -> q, k, v).
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
 
 @dataclass(frozen=True)
 class GroupFormat:
@@ -82,7 +85,7 @@ def _scale_param(values: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values).view(bits))
 
 
-def _scales_view(t: torch.Tensor) -> torch.Tensor:
+def scales_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.float16) if t.dtype == torch.int16 else t.view(torch.float32)
 
 
@@ -105,8 +108,8 @@ class GroupedLinearMethod(QuantMethod):
             layer.param_dims[name] = (0, 1)
 
     def _parts(self, layer: nn.Module):
-        mins = _scales_view(layer.mins) if self.fmt.has_min else None
-        return layer.qweight, _scales_view(layer.scales), mins
+        mins = scales_view(layer.mins) if self.fmt.has_min else None
+        return layer.qweight, scales_view(layer.scales), mins
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q, scales, mins = self._parts(layer)
