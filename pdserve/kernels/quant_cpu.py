@@ -11,11 +11,12 @@ stores float16 (GGUF Q4_0, Q4_1, Q8_0): that halves their bytes. numba has no fl
 the kernels widen them through a 65536-entry table, exactly.
 
 Two ways to multiply, chosen by the number of tokens (see QUANT_GEMV_MAX_TOKENS):
-- gemv: a fused dequantize-and-dot that reads each weight byte once for all tokens; decode
-  steps are memory-bound, and this reads 4-8 bits per weight instead of 32;
-- dequantize the whole matrix to float32, then one BLAS matmul: prefill is compute-bound, and
-  the dequantization is amortised over its tokens. The float32 values are the ones transformers
-  computes when it dequantizes the same checkpoint (q * scale + min, in float32).
+- gemv: each row is dequantized once, into a buffer that stays in L1, and dotted with every
+  token of the step; decode steps are memory-bound, and this reads 4-8 bits per weight instead of 32;
+- dequantize a tile of rows to float32, multiply it by BLAS, next tile: prefill is
+  compute-bound, and the dequantization is amortised over its tokens.
+Both multiply the float32 values transformers computes when it dequantizes the same checkpoint
+(q * scale + min, in float32); only the order of the sums differs.
 """
 from __future__ import annotations
 
@@ -28,7 +29,12 @@ from pdserve.kernels import numba_threads  # noqa: F401  (before the first paral
 
 # Up to this many tokens the fused gemv kernel beats dequantize + BLAS (measured on the 2-core
 # CPU machine for SmolLM2's shapes, benchmarks/bench_quant_matmul.py).
-QUANT_GEMV_MAX_TOKENS = 8
+QUANT_GEMV_MAX_TOKENS = 16
+ROWS_PER_TASK = 16
+# Dequantize + BLAS works on tiles of about this many float32 bytes, in one reused buffer: the
+# tile stays in cache between being written and being read, and the LM head (49152 rows on
+# SmolLM2) never exists in float32 whole.
+TILE_BYTES = 1 << 20
 
 HALF_TO_FLOAT = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 
@@ -44,83 +50,52 @@ def _scale_value_impl(s, table):
     return lambda s, table: np.float32(s)
 
 
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def _gemv4(x, xsum, q, scales, mins, has_min, group, table, out):  # pragma: no cover
-    tokens, cols = x.shape
-    rows = q.shape[0]
-    chunks_per_group = group // 32
-    for n in prange(rows):
-        acc = np.zeros(tokens, dtype=np.float32)
-        part = np.zeros(tokens, dtype=np.float32)
-        for g in range(scales.shape[1]):
-            part[:] = 0.0
-            for c in range(g * chunks_per_group, (g + 1) * chunks_per_group):
-                base = c * 32
-                qrow = q[n, c * 16:(c + 1) * 16]
-                for t in range(tokens):
-                    s = np.float32(0.0)
-                    for j in range(16):
-                        b = qrow[j]
-                        s += np.float32(b & 15) * x[t, base + j] + np.float32(b >> 4) * x[t, base + 16 + j]
-                    part[t] += s
+@njit(cache=True, nogil=True, inline="always")
+def _decode_row(q, scales, mins, has_min, group, table, bits, n, w):  # pragma: no cover
+    """Row n, dequantized into w, one run of 32 columns at a time (simple loops the compiler
+    vectorises). Inlined into its callers and compiled with their flags: the gemv may fuse the
+    multiply-add, _dequantize must not (it gives transformers' float32 values exactly)."""
+    qrow = q[n]
+    for c in range(w.shape[0] // 32):
+        base = c * 32
+        # Halves of 16 columns: a group holds 16 columns or a multiple of 32 (Q6_K's are 16).
+        for h in range(2):
+            g = (base + 16 * h) // group
             sc = _scale_value(scales[n, g], table)
-            for t in range(tokens):
-                acc[t] += sc * part[t]
-            if has_min:
-                mn = _scale_value(mins[n, g], table)
-                for t in range(tokens):
-                    acc[t] += mn * xsum[t, g]
-        for t in range(tokens):
-            out[t, n] = acc[t]
+            mn = _scale_value(mins[n, g], table) if has_min else np.float32(0.0)
+            start = base + 16 * h
+            if bits == 4:
+                for j in range(16):
+                    b = qrow[c * 16 + j]
+                    w[start + j] = np.float32((b >> np.uint8(4 * h)) & np.uint8(15)) * sc + mn
+            else:
+                for j in range(16):
+                    w[start + j] = np.float32(qrow[start + j]) * sc + mn
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def _gemv8(x, xsum, q, scales, mins, has_min, group, table, out):  # pragma: no cover
+def _gemv(x, q, scales, mins, has_min, group, table, bits, out):  # pragma: no cover
     tokens, cols = x.shape
     rows = q.shape[0]
-    for n in prange(rows):
-        acc = np.zeros(tokens, dtype=np.float32)
-        for g in range(scales.shape[1]):
-            sc = _scale_value(scales[n, g], table)
-            qrow = q[n, g * group:(g + 1) * group]
+    blocks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for blk in prange(blocks):
+        w = np.empty(cols, dtype=np.float32)
+        for n in range(blk * ROWS_PER_TASK, min(rows, (blk + 1) * ROWS_PER_TASK)):
+            # The row is dequantized once (it stays in L1) and dotted with every token of the step.
+            _decode_row(q, scales, mins, has_min, group, table, bits, n, w)
             for t in range(tokens):
+                xt = x[t]
                 s = np.float32(0.0)
-                xrow = x[t, g * group:(g + 1) * group]
-                for j in range(group):
-                    s += np.float32(qrow[j]) * xrow[j]
-                acc[t] += sc * s
-            if has_min:
-                mn = _scale_value(mins[n, g], table)
-                for t in range(tokens):
-                    acc[t] += mn * xsum[t, g]
-        for t in range(tokens):
-            out[t, n] = acc[t]
+                for k in range(cols):
+                    s += w[k] * xt[k]
+                out[t, n] = s
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _dequant4(q, scales, mins, has_min, group, table, row_ids, out):  # pragma: no cover
+def _dequantize(q, scales, mins, has_min, group, table, bits, row_ids, out):  # pragma: no cover
     # No fastmath: q * scale + min must round as transformers' float32 dequantization does.
     for i in prange(row_ids.shape[0]):
-        n = row_ids[i]
-        for c in range(q.shape[1] // 16):
-            g = c * 32 // group
-            sc = _scale_value(scales[n, g], table)
-            mn = _scale_value(mins[n, g], table) if has_min else np.float32(0.0)
-            for j in range(16):
-                b = q[n, c * 16 + j]
-                out[i, c * 32 + j] = np.float32(b & 15) * sc + mn
-                out[i, c * 32 + 16 + j] = np.float32(b >> 4) * sc + mn
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _dequant8(q, scales, mins, has_min, group, table, row_ids, out):  # pragma: no cover
-    for i in prange(row_ids.shape[0]):
-        n = row_ids[i]
-        for k in range(q.shape[1]):
-            g = k // group
-            sc = _scale_value(scales[n, g], table)
-            mn = _scale_value(mins[n, g], table) if has_min else np.float32(0.0)
-            out[i, k] = np.float32(q[n, k]) * sc + mn
+        _decode_row(q, scales, mins, has_min, group, table, bits, row_ids[i], out[i])
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -140,24 +115,44 @@ def dequantize_rows(bits: int, q: torch.Tensor, scales: torch.Tensor, mins: torc
            else row_ids.reshape(-1).to(torch.int64).numpy())
     cols = q.shape[1] * (2 if bits == 4 else 1)
     out = np.empty((ids.shape[0], cols), dtype=np.float32)
-    kernel = _dequant4 if bits == 4 else _dequant8
-    kernel(_np(q), _np(scales), _mins_np(mins, scales), mins is not None, group, HALF_TO_FLOAT, ids, out)
+    _dequantize(_np(q), _np(scales), _mins_np(mins, scales), mins is not None, group, HALF_TO_FLOAT, bits, ids, out)
     return torch.from_numpy(out)
 
 
 def quant_matmul(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, group: int) -> torch.Tensor:
     """x [tokens, K] float32 @ w.T -> [tokens, N], w the dequantized [N, K] matrix."""
-    tokens = x.shape[0]
-    if tokens > QUANT_GEMV_MAX_TOKENS:
-        return torch.nn.functional.linear(x, dequantize_rows(bits, q, scales, mins, group))
     x = x.float().contiguous()
-    xn = x.numpy()
-    groups = scales.shape[1]
-    # Per-group sums of x: the min term of every row in a group is min * sum(x over the group).
-    xsum = (x.view(tokens, groups, -1).sum(-1).numpy() if mins is not None
-            else np.zeros((tokens, groups), dtype=np.float32))
-    out = np.empty((tokens, q.shape[0]), dtype=np.float32)
-    kernel = _gemv4 if bits == 4 else _gemv8
-    kernel(xn, xsum, _np(q), _np(scales), _mins_np(mins, scales), mins is not None, group, HALF_TO_FLOAT, out)
+    if x.shape[0] > QUANT_GEMV_MAX_TOKENS:
+        return tiled_matmul(x, bits, q, scales, mins, group)
+    return gemv(x, bits, q, scales, mins, group)
+
+
+def gemv(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,
+         mins: torch.Tensor | None, group: int) -> torch.Tensor:
+    tokens, rows = x.shape[0], q.shape[0]
+    out = np.empty((tokens, rows), dtype=np.float32)
+    _gemv(x.numpy(), _np(q), _np(scales), _mins_np(mins, scales), mins is not None, group, HALF_TO_FLOAT,
+          bits, out)
     return torch.from_numpy(out)
+
+
+_tiles: dict[int, np.ndarray] = {}
+
+
+def tiled_matmul(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,
+                  mins: torch.Tensor | None, group: int) -> torch.Tensor:
+    cols, rows = x.shape[1], q.shape[0]
+    tile_rows = max(ROWS_PER_TASK, TILE_BYTES // (4 * cols))
+    buffer = _tiles.get(cols)
+    if buffer is None:
+        buffer = _tiles[cols] = np.empty((tile_rows, cols), dtype=np.float32)
+    out_t = torch.empty(rows, x.shape[0])  # [N, tokens]: each tile's product is a contiguous slice
+    qn, sn, mn = _np(q), _np(scales), _mins_np(mins, scales)
+    for start in range(0, rows, tile_rows):
+        end = min(rows, start + tile_rows)
+        tile = buffer[:end - start]
+        _dequantize(qn, sn, mn, mins is not None, group, HALF_TO_FLOAT, bits, np.arange(start, end, dtype=np.int64),
+                    tile)
+        torch.mm(torch.from_numpy(tile), x.T, out=out_t[start:end])
+    return out_t.T.contiguous()

@@ -96,8 +96,9 @@ class GroupedLinearMethod(QuantMethod):
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
         fmt, rows = self.fmt, sum(output_sizes)
-        if input_size % max(fmt.group, 32):
-            raise ValueError(f"{input_size} input columns are not a multiple of the group size {fmt.group}")
+        if input_size % max(fmt.group, 32) or fmt.group % 16 or (fmt.group > 16 and fmt.group % 32):
+            raise ValueError(f"{input_size} input columns in groups of {fmt.group}: the kernels take groups "
+                             f"of 16 or a multiple of 32 columns, and a multiple of 32 columns")
         qcols, qdtype = (input_size // 2, torch.uint8) if fmt.bits == 4 else (input_size, torch.int8)
         scale_dtype = torch.int16 if fmt.half_scales else torch.int32
         shapes = {"qweight": ((rows, qcols), qdtype), "scales": ((rows, input_size // fmt.group), scale_dtype)}
