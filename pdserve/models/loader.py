@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 
 from pdserve.layers.loading import load_param, process_weights_after_loading
-from pdserve.models.gguf import VIEW_MARKER, find_gguf_file, gguf_tensors, is_gguf_view, prepare_view
+from pdserve.layers.quant.grouped import GroupedWeight
+from pdserve.models.gguf import VIEW_MARKER, find_gguf_file, gguf_tensor_types, gguf_tensors, is_gguf_view, prepare_view
 from pdserve.models.llama import LlamaModel, ModelSpec, layer_windows
 from pdserve.models.rope import RotaryEmbedding
 
@@ -61,7 +62,25 @@ def load_hf_config(path: Path):
             _family(archs[0]).check_config(config)
         except ValueError as exc:
             raise ModelLoadError(f"{path}: {exc}") from None
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        _checkpoint_quant_config(path, archs[0], quantization)  # refuses what cannot load, now
     return config
+
+
+def _checkpoint_quant_config(path: Path, arch: str, quantization):
+    """The QuantConfig of a checkpoint's quantization_config (Llama family, compressed-tensors)."""
+    from pdserve.layers.quant.compressed_tensors import SUPPORTED, CompressedTensorsConfig
+    quantization = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    method = quantization.get("quant_method")
+    if arch in FAMILY_MODULES or method != "compressed-tensors":
+        raise ModelLoadError(f"{path}: quantized checkpoints ({method}) load for the Llama family "
+                             f"({', '.join(a for a in SUPPORTED_ARCHITECTURES if a not in FAMILY_MODULES)}) "
+                             f"in compressed-tensors {SUPPORTED}; this one is a {method} {arch}")
+    try:
+        return CompressedTensorsConfig(quantization)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
 
 
 def _family(arch: str):
@@ -110,18 +129,37 @@ def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> 
         return _family(config.architectures[0]).build_model(config, files, dtype, device)
     spec = spec_from_config(config)
     rope = RotaryEmbedding(config, spec.head_dim, spec.max_position_embeddings)
+    quant_config = _quant_config(path, device, config)
     with torch.device("meta"):
-        model = LlamaModel(spec, rope)
+        model = LlamaModel(spec, rope, quant_config)
     model = model.to_empty(device="cpu")
+    if spec.tie_word_embeddings:
+        model.lm_head.tie_to(model.embed_tokens)
     if is_gguf_view(path):
-        _place_all(model, spec, gguf_tensors(path))
+        kept = frozenset(quant_config.kept) if quant_config is not None else frozenset()
+        _place_all(model, spec, gguf_tensors(path, kept))
+    elif quant_config is not None:
+        from pdserve.layers.quant.compressed_tensors import grouped_tensors
+        _place_all(model, spec, grouped_tensors(_safetensors_tensors(safetensors_files(path)), quant_config))
     else:
         _load_weights(model, spec, safetensors_files(path))
-    if spec.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
     process_weights_after_loading(model)
     model.rope = rope.to(device)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _quant_config(path: Path, device: torch.device, config):
+    """The checkpoint's quantization scheme; None: full precision. GGUF blocks stay quantized on
+    CPU, where pdserve's quantized kernels run; on CUDA they are dequantized at load."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        if device.type != "cpu":
+            raise ModelLoadError("quantized checkpoints run on CPU only so far (no CUDA kernels yet)")
+        return _checkpoint_quant_config(path, config.architectures[0], quantization)
+    if is_gguf_view(path) and device.type == "cpu":
+        from pdserve.layers.quant.gguf_config import GGUFQuantConfig
+        return GGUFQuantConfig(gguf_tensor_types(path))
+    return None
 
 
 def _load_weights(model: LlamaModel, spec: ModelSpec, files: list[Path]) -> None:
@@ -139,10 +177,8 @@ def _place_all(model: LlamaModel, spec: ModelSpec, tensors: Iterable[tuple[str, 
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for name, tensor in tensors:
-        target = _place(name, tensor, model, params, spec)
-        if target:
-            loaded.add(target)
-    expected = {n for n in params if not (spec.tie_word_embeddings and n == "lm_head.weight")}
+        loaded.update(_place(name, tensor, model, params, spec))
+    expected = {n for n in params if not (spec.tie_word_embeddings and n.startswith("lm_head."))}
     missing = sorted(expected - loaded)
     if missing:
         raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
@@ -153,30 +189,34 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
-def _place(name: str, tensor: torch.Tensor, model: LlamaModel, params: dict, spec: ModelSpec) -> str | None:
-    """Copy one checkpoint tensor into its (possibly fused) parameter; returns a loaded-part id."""
+def _place(name: str, tensor, model: LlamaModel, params: dict, spec: ModelSpec) -> list[str]:
+    """Copy one checkpoint tensor into its (possibly fused) parameters; returns the parameters
+    complete once it is in (a fused one counts when its last part arrives). A quantized tensor
+    (GroupedWeight) fills its layer's packed weights, scales and mins."""
     name = name.removeprefix("model.") if not name.startswith("lm_head") else name
     if "rotary_emb" in name:
-        return None
+        return []
     parts = name.split(".")
+    shard, last = None, True
     for i, part in enumerate(parts):
         if part in _FUSED:
             fused, shard = _FUSED[part]
-            target = ".".join(parts[:i] + [fused] + parts[i + 1:])
-            load_param(model, target, tensor, shard)
-            return _mark_fused(target, shard, fused)
-    if name not in params:
+            last = shard == (2 if fused == "qkv_proj" else 1)
+            name = ".".join(parts[:i] + [fused] + parts[i + 1:])
+            break
+    if name not in params and not isinstance(tensor, GroupedWeight):
         if name == "lm_head.weight" and spec.tie_word_embeddings:
-            return None
+            return []
         raise ModelLoadError(f"unexpected weight {name!r} in checkpoint")
-    load_param(model, name, tensor)
-    return name
-
-
-def _mark_fused(target: str, shard: int, fused: str) -> str | None:
-    # A fused parameter counts as loaded once its last shard arrives.
-    last = 2 if fused == "qkv_proj" else 1
-    return target if shard == last else None
+    if isinstance(tensor, GroupedWeight):
+        prefix = name.rpartition(".")[0]
+        values = tensor.to_params(model.get_submodule(prefix).quant_method.fmt)
+        targets = {f"{prefix}.{param}": value for param, value in values.items()}
+    else:
+        targets = {name: tensor}
+    for target, value in targets.items():
+        load_param(model, target, value, shard)
+    return list(targets) if last else []
 
 
 def default_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -28,6 +28,7 @@ from pdserve.cluster.registry_messages import ACTIVE, DRAINING
 from pdserve.cluster.router_liveness import RouterLiveness
 from pdserve.curve_keys import CONTROL_DOMAIN, CurveContext, NodeKeys, node_context
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.footprint import footprint
 from pdserve.engine.outputs import StepOutput
 from pdserve.kv_events import KVEventPublisher
 from pdserve.messages import ROLES, Abort, Drain, EmbedRequest, KVSnapshotRequest, Message, Ping, Pong, TokenDelta
@@ -107,7 +108,10 @@ class NodeRuntime:
         switch completes (returns the new role; the shared parts stay open for its node)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stop())
-        log.info("%s %s serving", self.role, self.node_id)
+        memory = footprint(self.engine)
+        log.info("%s %s serving: weights %.1f MB, KV %d bytes per token, resident %.1f MB", self.role,
+                 self.node_id, memory["weight_bytes"] / 1e6, memory["kv_bytes_per_token"],
+                 memory["resident_bytes"] / 1e6)
         keep_registered(self)
         try:
             while not self._stop and self.switch_to is None:
@@ -219,7 +223,8 @@ class NodeRuntime:
                      cached_blocks=len(engine.pool.cached), kv_event_seq=self.kv_events.seq,
                      prefill_ns_per_token=int(engine.prefill_s_per_token * 1e9),
                      integrity_failures=self.integrity_failures())
-        stats.update(role_switches=self.switches, tensor_parallel_size=engine.config.tensor_parallel_size)
+        stats.update(role_switches=self.switches, tensor_parallel_size=engine.config.tensor_parallel_size,
+                     **footprint(self.engine))
         return Pong(ping.seq, self.node_id, self.role, len(sched.requests),
                     engine.pool.num_free, engine.pool.num_blocks, stats,
                     kv_salt=engine.salt, state=self.state())

@@ -20,6 +20,9 @@ NODE_GAUGES = {
     "free_blocks": ("pdserve_kv_blocks_free", "KV blocks free (cached or empty)"),
     "running": ("pdserve_node_running_requests", "requests in the node's running batch"),
     "waiting": ("pdserve_node_waiting_requests", "requests queued on the node"),
+    "weight_bytes": ("pdserve_node_weight_bytes", "bytes of model weights as the node holds them (quantized: packed)"),
+    "kv_bytes_per_token": ("pdserve_node_kv_bytes_per_token", "KV cache bytes one token takes, all layers"),
+    "resident_bytes": ("pdserve_node_resident_memory_bytes", "the node process's resident memory"),
 }
 NODE_COUNTERS = {
     "preemptions": ("pdserve_node_preemptions", "requests preempted (recomputed later)", {}),

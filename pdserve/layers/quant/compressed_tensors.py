@@ -1,0 +1,155 @@
+"""compressed-tensors checkpoints (llm-compressor's format, `quant_method: compressed-tensors`):
+weight-only int4 and int8 (W4A16, W8A16) in the `pack-quantized` format, per group or per
+channel, symmetric or asymmetric, kept quantized in pdserve's group format (grouped.py).
+
+A quantized Linear's checkpoint tensors: `weight_packed` (int32; q + 2^(bits-1) as unsigned
+bits-wide fields, densely little-endian along the input dimension), `weight_scale` [out,
+groups], `weight_zero_point` (asymmetric only: int32, packed the same way along the output
+dimension) and `weight_shape`. The value is w = (q - zero_point) * scale, q signed. In the
+group format:
+- int4: q + 8 in 0..15 with min = -(8 + zero_point) * scale;
+- int8: q itself with min = -zero_point * scale (none when symmetric).
+(One float32 rounding away from compressed-tensors' own (q - zp) * scale.)
+
+Schemes that quantize activations (W8A8, FP8) are refused with the list of what loads.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from pdserve.layers.quant.base import QuantConfig, QuantMethod
+from pdserve.layers.quant.grouped import FUSED_PARTS, GroupedLinearMethod, GroupedWeight, GroupFormat
+from pdserve.layers.quant.unquantized import UnquantizedLinearMethod
+
+SUPPORTED = "W4A16 and W8A16 (pack-quantized int4/int8 weights, per group or per channel)"
+_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+
+
+class CompressedTensorsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    bits: int
+    group_size: int  # 0: one scale per output channel
+    symmetric: bool
+    targets: tuple[str, ...]
+
+
+def _refuse(what: str) -> CompressedTensorsError:
+    return CompressedTensorsError(f"compressed-tensors checkpoint: {what} is not supported; pdserve loads {SUPPORTED}")
+
+
+def _scheme(name: str, group: dict) -> WeightScheme:
+    if group.get("input_activations") or group.get("output_activations"):
+        raise _refuse(f"scheme {name!r} quantizes activations (W8A8 / FP8)")
+    w = group.get("weights") or {}
+    fmt = group.get("format")
+    if fmt not in (None, "pack-quantized"):
+        raise _refuse(f"format {fmt!r} of scheme {name!r}")
+    if w.get("type") != "int" or w.get("num_bits") not in (4, 8):
+        raise _refuse(f"{w.get('num_bits')}-bit {w.get('type')} weights (scheme {name!r})")
+    if w.get("actorder") or w.get("dynamic"):
+        raise _refuse(f"activation-ordered or dynamic weights (scheme {name!r})")
+    strategy = w.get("strategy")
+    if strategy not in ("group", "channel"):
+        raise _refuse(f"the {strategy!r} weight strategy (scheme {name!r})")
+    group_size = int(w.get("group_size") or 0) if strategy == "group" else 0
+    return WeightScheme(int(w["num_bits"]), group_size, bool(w.get("symmetric", True)),
+                        tuple(group.get("targets") or ()))
+
+
+def _matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return pattern == "Linear" or name == pattern or name.endswith(f".{pattern}")
+
+
+class CompressedTensorsConfig(QuantConfig):
+    name = "compressed-tensors"
+
+    def __init__(self, quantization_config: dict):
+        qc = quantization_config
+        if qc.get("format") not in (None, "pack-quantized", "mixed-precision"):
+            raise _refuse(f"format {qc.get('format')!r}")
+        if qc.get("sparsity_config"):
+            raise _refuse("a sparsity config")
+        if qc.get("kv_cache_scheme"):
+            raise _refuse("a quantized KV cache scheme")
+        self.schemes = [_scheme(n, g) for n, g in (qc.get("config_groups") or {}).items()]
+        self.ignore = tuple(qc.get("ignore") or ())
+
+    def scheme_for(self, module_name: str) -> WeightScheme | None:
+        """The weight scheme of the checkpoint's module `module_name` (model.layers.0.mlp.up_proj)."""
+        if any(_matches(p, module_name) for p in self.ignore if p != "Linear"):
+            return None
+        return next((s for s in self.schemes if any(_matches(t, module_name) for t in s.targets)), None)
+
+    def linear_method(self, layer: nn.Module, prefix: str) -> QuantMethod:
+        if prefix == "embed_tokens":
+            return UnquantizedLinearMethod()
+        head, _, last = prefix.rpartition(".")
+        names = [f"model.{head}.{p}" for p in FUSED_PARTS[last]] if last in FUSED_PARTS else [
+            prefix if prefix == "lm_head" else f"model.{prefix}"]
+        schemes = {self.scheme_for(n) for n in names}
+        if len(schemes) > 1:
+            raise _refuse(f"parts of {prefix} quantized differently ({', '.join(names)})")
+        scheme = schemes.pop()
+        if scheme is None:
+            return UnquantizedLinearMethod()
+        group = scheme.group_size or layer.input_size
+        return GroupedLinearMethod(GroupFormat(scheme.bits, group, half_scales=False,
+                                               has_min=scheme.bits == 4 or not scheme.symmetric))
+
+
+def _unpack(packed: torch.Tensor, bits: int, count: int) -> np.ndarray:
+    """int32 [rows, words] of dense little-endian `bits` fields -> signed values [rows, count]."""
+    raw = np.ascontiguousarray(packed.to(torch.int32).numpy()).view(np.uint8)
+    fields = raw if bits == 8 else np.stack([raw & 15, raw >> 4], axis=-1).reshape(raw.shape[0], -1)
+    return fields[:, :count].astype(np.int16) - (1 << (bits - 1))
+
+
+def decode(parts: dict[str, torch.Tensor], scheme: WeightScheme) -> GroupedWeight:
+    rows, cols = (int(v) for v in parts["weight_shape"].tolist())
+    q = _unpack(parts["weight_packed"], scheme.bits, cols)[:rows]
+    scales = parts["weight_scale"].float().reshape(rows, -1).numpy()
+    group = cols // scales.shape[1]
+    zero = parts.get("weight_zero_point")
+    zp = (np.zeros_like(scales) if zero is None or scheme.symmetric
+          else _unpack(zero.T, scheme.bits, rows).T.astype(np.float32))
+    if scheme.bits == 4:
+        return GroupedWeight((q + 8).astype(np.uint8), scales, -(8 + zp) * scales, group, 4)
+    mins = None if scheme.symmetric else (-zp * scales).astype(np.float32)
+    return GroupedWeight(q.astype(np.int8), scales, mins, group, 8)
+
+
+def grouped_tensors(tensors: Iterable[tuple[str, torch.Tensor]],
+                    config: CompressedTensorsConfig) -> Iterator[tuple[str, object]]:
+    """The checkpoint's tensors, with each quantized Linear's parts gathered into one
+    `<module>.weight` GroupedWeight (they may come in any order, across shards)."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        module, _, part = name.rpartition(".")
+        if part not in _PARTS:
+            yield name, tensor
+            continue
+        scheme = config.scheme_for(module)
+        if scheme is None:
+            raise CompressedTensorsError(f"{name}: a quantized tensor of a module no scheme targets")
+        if part == "weight_zero_point" and scheme.symmetric:
+            continue  # all zeros where a writer keeps it
+        parts = pending.setdefault(module, {})
+        parts[part] = tensor
+        needed = {"weight_packed", "weight_scale", "weight_shape"} | (set() if scheme.symmetric
+                                                                       else {"weight_zero_point"})
+        if needed <= parts.keys():
+            yield f"{module}.weight", decode(pending.pop(module), scheme)
+    if pending:
+        raise CompressedTensorsError(f"checkpoint is missing quantized parts of {', '.join(sorted(pending))}")
