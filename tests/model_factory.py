@@ -56,3 +56,29 @@ def load_reference(path: Path):
                                                  attn_implementation="sdpa").eval()
     model.generation_config.eos_token_id = None  # compare with ignore_eos: never stop early
     return model
+
+
+def assert_matches_reference(llm, ref, seed: int, lengths: tuple[int, ...], new_tokens: int, tol: float,
+                             what: str = "") -> None:
+    """Random prompts of the given lengths: pdserve's prompt logits within tol of the transformers
+    model ref's, and its greedy tokens equal to ref.generate's (with greedy text that varies, so
+    the comparison means something)."""
+    import random
+
+    from pdserve import SamplingParams
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(ref.config.vocab_size) for _ in range(n)] for n in lengths]
+    for prompt in prompts:
+        with torch.no_grad():
+            theirs = ref(torch.tensor([prompt])).logits[0]
+        diff = (llm.engine.prompt_logits(prompt) - theirs).abs().max().item()
+        assert diff < tol, f"{what}: max |logit diff| {diff:.2e}"
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, ours):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == want, what
+        assert len(set(want)) > 1, what

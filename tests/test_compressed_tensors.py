@@ -5,14 +5,13 @@ and generate the greedy tokens of transformers loading them decompressed to floa
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
-from model_factory import make_model
+from model_factory import assert_matches_reference, make_model
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM
 from pdserve.layers.quant.grouped import GroupedLinearMethod
 from pdserve.models.loader import ModelLoadError
 
@@ -64,21 +63,7 @@ def test_matches_transformers_decompressed(tmp_path, bits, group_size, symmetric
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(linear.quant_method, GroupedLinearMethod)
         assert linear.quant_method.fmt.bits == bits
-    rng = random.Random(2)
-    prompts = [[rng.randrange(ref.config.vocab_size) for _ in range(n)] for n in (6, 19, 40)]
-    for prompt in prompts:
-        with torch.no_grad():
-            theirs = ref(torch.tensor([prompt])).logits[0]
-        assert (llm.engine.prompt_logits(prompt) - theirs).abs().max().item() < 1e-3
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, ours):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.outputs[0].token_ids == want
-        assert len(set(want)) > 1
+    assert_matches_reference(llm, ref, 2, (6, 19, 40), NEW_TOKENS, 1e-3)
 
 
 def test_activation_quantization_is_refused(tmp_path):

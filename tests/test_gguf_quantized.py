@@ -5,16 +5,16 @@ transformers loading the file dequantized, while its layers hold the quantized b
 from __future__ import annotations
 
 import logging
-import random
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf_kquants import quantize
+from model_factory import assert_matches_reference
 from test_gguf import reference, write_gguf
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM
 from pdserve.kernels import quant_cpu
 from pdserve.layers.quant.gguf_blocks import KEPT_TYPES, decode
 from pdserve.layers.quant.grouped import GroupedLinearMethod, scales_view
@@ -68,21 +68,7 @@ def test_kept_quantized_matches_transformers(tmp_path, kind):
     assert model.lm_head.qweight is model.embed_tokens.qweight  # tied, one copy
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert weight_bytes < 0.4 * sum(p.numel() * 4 for p in ref.parameters())
-    rng = random.Random(1)
-    prompts = [[rng.randrange(ref.config.vocab_size) for _ in range(n)] for n in (5, 17, 40)]
-    for prompt in prompts:
-        with torch.no_grad():
-            theirs = ref(torch.tensor([prompt])).logits[0]
-        assert (llm.engine.prompt_logits(prompt) - theirs).abs().max().item() < 1e-3
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, ours):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.outputs[0].token_ids == want
-        assert len(set(want)) > 1
+    assert_matches_reference(llm, ref, 1, (5, 17, 40), NEW_TOKENS, 1e-3)
 
 
 def test_other_types_are_dequantized_with_a_log_line(tmp_path, caplog):
