@@ -113,14 +113,15 @@ def check_prompt_logits(path: Path, ref, lengths=(1, 9, 40, 70)) -> None:
         assert diff < 1e-4, f"{path.name}: max |logit diff| {diff:.2e} for a {len(prompt)}-token prompt"
 
 
-def check_offline_greedy(path: Path, ref) -> None:
-    """One engine: a batch with chunked prefill whose small cache forces preemption, then the
-    same prompts again from the prefix cache; every output equals transformers' generate."""
+def check_offline_greedy(path: Path, ref, llm: LLM | None = None) -> None:
+    """One engine (by default a TP 1 one with 9 blocks and 32-token steps): a batch with chunked
+    prefill whose small cache forces preemption, then the same prompts again from the prefix
+    cache; every output equals transformers' generate."""
     vocab = ref.config.vocab_size
     base = random_prompts(3, vocab, [40])[0]
     prompts = [base + tail for tail in random_prompts(4, vocab, [3, 11, 20])] + random_prompts(5, vocab, [2, 17])
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    llm = LLM(model=str(path), num_kv_blocks=9, max_num_batched_tokens=32)
+    llm = llm or LLM(model=str(path), num_kv_blocks=9, max_num_batched_tokens=32)
     first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0, "the small cache should have forced a preemption"
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -14,7 +14,7 @@ import threading
 import psutil
 import pytest
 import torch
-from family_models import NEW_TOKENS, assert_meaningful, make_family_model, random_prompts, reference_greedy
+from family_models import NEW_TOKENS, check_offline_greedy, make_family_model, random_prompts, reference_greedy
 from family_models import load_reference as load_family_reference
 from model_factory import load_reference, make_model
 from test_models_deepseek import load_reference as load_deepseek_reference
@@ -36,30 +36,13 @@ def models(tmp_path_factory):
             "deepseek_v3": make_deepseek(root, "deepseek_v3")}
 
 
-def _greedy_batch_with_hits_and_preemption(path, llm: LLM, ref) -> None:
-    vocab = ref.config.vocab_size
-    base = random_prompts(3, vocab, [40])[0]
-    prompts = [base + tail for tail in random_prompts(4, vocab, [3, 11, 20])] + random_prompts(5, vocab, [2, 17])
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0, "the small cache should have forced a preemption"
-    again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert any(o.num_cached_tokens >= 32 for o in again), "the shared prefix was not reused"
-    for prompt, a, b in zip(prompts, first, again):
-        want, gaps = reference_greedy(ref, prompt, NEW_TOKENS)
-        assert_meaningful(want, gaps)
-        assert a.outputs[0].token_ids == want, path.name
-        assert b.outputs[0].token_ids == want, path.name
-    assert llm.engine.pool.num_in_use() == 0, "blocks leaked after all requests finished"
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_tp2_greedy_equals_transformers(models, kind):
     llm = LLM(model=str(models[kind]), tensor_parallel_size=2, num_kv_blocks=9, max_num_batched_tokens=32)
     try:
         shard = llm.engine.model.layers[0].self_attn
         assert shard.num_heads == 2, "each rank should hold half of the 4 query heads"
-        _greedy_batch_with_hits_and_preemption(models[kind], llm, load_reference(models[kind]))
+        check_offline_greedy(models[kind], load_reference(models[kind]), llm)
     finally:
         llm.close()
 
@@ -99,7 +82,7 @@ def test_tp2_moe_greedy_equals_transformers(models, kind, expert_parallel):
             assert (experts.num_experts, experts.intermediate) == (total // 2, intermediate)
         else:  # every expert, half of its intermediate rows
             assert (experts.num_experts, experts.intermediate) == (total, intermediate // 2)
-        _greedy_batch_with_hits_and_preemption(path, llm, ref)
+        check_offline_greedy(path, ref, llm)
     finally:
         llm.close()
 
