@@ -4,7 +4,8 @@ The file is parsed with PyYAML (merge keys resolved, ${VAR:-default} substituted
 would), and every pdserve container's command goes through pdserve's own CLI parser, so a flag
 typo fails here instead of in a container. Then the wiring: every node registers in the Redis
 registry the router reads, under its own service name (its NIXL side channel too), node ids are unique (they name NIXL agents), and health checks probe the ports
-the processes serve. When docker-compose (or the docker compose plugin) is installed, its own
+the processes serve; the `tp` profile's decode node runs at a tensor-parallel degree the
+model's heads allow. When docker-compose (or the docker compose plugin) is installed, its own
 `config -q` check runs too.
 """
 from __future__ import annotations
@@ -75,6 +76,11 @@ def parse_command(name: str, command: list[str]):
 def pdserve_services(doc: dict) -> dict[str, dict]:
     """Services that run the pdserve image (built from the Dockerfile), not e.g. redis."""
     return {name: svc for name, svc in doc["services"].items() if "build" in svc}
+
+
+def default_services(doc: dict) -> dict[str, dict]:
+    """What a plain `docker compose up` starts: services in no profile."""
+    return {name: svc for name, svc in doc["services"].items() if not svc.get("profiles")}
 
 
 @pytest.fixture(scope="module", params=[{}, {"PDSERVE_KV_TRANSFER": "store"}, {"PDSERVE_KV_TRANSFER": "nixl"}],
@@ -151,7 +157,10 @@ def test_router_finds_every_node_in_the_shared_registry(cluster):
         # A node bound to 0.0.0.0 registers under --advertise-host: its service name is what others dial.
         assert a.advertise_host == node, f"{node} advertises {a.advertise_host!r}"
     deps = doc["services"][name].get("depends_on", {})
-    assert set(nodes) <= set(deps), f"router does not depend on {set(nodes) - set(deps)}"
+    always = set(nodes) & set(default_services(doc))
+    assert always <= set(deps), f"router does not depend on {always - set(deps)}"
+    # A service in a profile is not started by a plain `up`: the router must not wait for it.
+    assert not set(deps) - set(default_services(doc)), "the router depends on a profile's service"
     assert r.kv_transfer == env.get("PDSERVE_KV_TRANSFER", "nixl")
     assert r.host == "0.0.0.0"
     published = [str(p).rsplit(":", 1)[-1] for p in doc["services"][name].get("ports", [])]
@@ -196,8 +205,8 @@ def test_docker_compose_config_accepts_the_file():
     cli = _compose_cli()
     if cli is None:
         pytest.skip("neither docker-compose nor the docker compose plugin is installed")
-    for env in ({}, {"PDSERVE_KV_TRANSFER": "store"}):
-        result = subprocess.run([*cli, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
+    for env, profile in (({}, []), ({"PDSERVE_KV_TRANSFER": "store"}, []), ({}, ["--profile", "tp"])):
+        result = subprocess.run([*cli, "-f", str(COMPOSE), *profile, "config", "-q"], capture_output=True, text=True,
                                 timeout=60, env={**os.environ, **env}, cwd=ROOT)
         assert result.returncode == 0, result.stderr
 
@@ -218,3 +227,26 @@ def test_nodes_get_a_thread_share_of_the_host():
     assert node_thread_share({}) is None
     for service in ("prefill-0", "decode-0", "redis", "router"):
         assert load()["services"][service]["restart"] == "unless-stopped", f"{service} stays down when it dies"
+
+
+@pytest.mark.parametrize("env,model,degree", [
+    ({}, "SmolLM2-135M-Instruct", 3),
+    ({"PDSERVE_MODEL": "builtin:tiny", "PDSERVE_DECODE_TP": "2"}, "builtin:tiny", 2),
+], ids=["default-model-tp3", "tiny-tp2"])
+def test_tp_profile_adds_a_tensor_parallel_decode_node(env, model, degree):
+    """`docker compose --profile tp up` adds decode-tp; a plain `up` (the CI demo) is unchanged."""
+    from transformers import AutoConfig
+
+    from pdserve.executor.setup import check_tp_support
+    from pdserve.models.loader import resolve_model_path
+    doc = load(env)
+    assert set(default_services(doc)) == {"redis", "prefill-0", "prefill-1", "decode-0", "decode-1", "router"}
+    svc = doc["services"]["decode-tp"]
+    assert svc["profiles"] == ["tp"]
+    a = parse_command("decode-tp", svc["command"])
+    assert (a.command, a.model, a.tensor_parallel_size) == ("decode", model, degree)
+    # The check the node runs before it starts its workers: the degree divides the heads.
+    check_tp_support(AutoConfig.from_pretrained(resolve_model_path(model)), a.tensor_parallel_size)
+    if model == "SmolLM2-135M-Instruct":  # why the default is not 2: 9 attention heads
+        with pytest.raises(ValueError, match="does not divide"):
+            check_tp_support(AutoConfig.from_pretrained(resolve_model_path(model)), 2)

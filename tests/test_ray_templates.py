@@ -54,3 +54,27 @@ def test_each_role_gets_its_tensor_parallel_size_and_the_cpus_of_all_its_ranks()
                                                      "10.0.0.7", fill)) for r in ("prefill", "decode")]
     assert [n.tensor_parallel_size for n in parse] == [1, 2]
     assert placement(args).role_tp == {"prefill": 1, "decode": 2}
+
+
+def test_a_tp_node_is_one_strict_pack_group_with_a_bundle_per_rank():
+    """What `pdserve up --ray --decode-tp 2` reserves for each decode node: the group Ray places
+    on one machine, all bundles or none, and the node's actor in bundle 0."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from pdserve.cluster.ray_placement import STRATEGY, actor_options_in_group, rank_bundles
+    assert STRATEGY == "STRICT_PACK"
+    args = _up("--kv-transfer", "nixl", "--threads-per-node", "2", "--decode-tp", "2",
+               "--ray-gpus-per-node", "1", "--ray-decode-resource", "decode_host")
+    p = placement(args)
+    bundles = rank_bundles(p.role_tp["decode"], p.threads_per_node, p.gpus_per_node, p.role_resources["decode"])
+    assert bundles == [{"CPU": 2.0, "GPU": 1.0, "decode_host": 1.0}, {"CPU": 2.0, "GPU": 1.0}]
+    assert rank_bundles(3, 1, 0.0) == [{"CPU": 1.0}] * 3  # CPU machines: no GPU in the bundles
+    with pytest.raises(ValueError, match="TP 1"):
+        rank_bundles(1, 2, 0.0)
+    group = object()  # stands for the ray PlacementGroup, which needs a running cluster
+    options = actor_options_in_group(group, bundles[0])
+    assert (options["num_cpus"], options["num_gpus"], options["resources"]) == (2.0, 1.0, {"decode_host": 1.0})
+    strategy = options["scheduling_strategy"]
+    assert isinstance(strategy, PlacementGroupSchedulingStrategy)
+    assert strategy.placement_group is group and strategy.placement_group_bundle_index == 0
+    assert strategy.placement_group_capture_child_tasks is False

@@ -4,7 +4,9 @@ TP 2. Greedy output equals the offline engine; a prefix first prefilled by a TP 
 store hit (cached_tokens) for the TP 1 node of the other cluster, and the other way round (the
 stored block bytes and keys do not depend on the TP degree). Then one worker of a TP 2 decode
 node is SIGKILLed under greedy streams: no request is lost, the text is identical, the node
-comes back, no process stays behind and no KV block stays in use."""
+comes back, no process stays behind and no KV block stays in use. A third cluster hands KV over
+NIXL from a TP 2 prefill node to a TP 1 decode node: greedy output equals the offline engine and
+the decode node counts NIXL reads, no failure."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -29,11 +31,13 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def clusters():
+def all_clusters():
+    """All three started together (their start-up waits overlap): store 2/1, store 1/2, NIXL 2/1."""
     common = ("--kv-transfer", "store", "--num-kv-blocks", "256")
     with redis_server() as (redis_url, _), running_clusters(
             (*common, "--store", redis_url, "--prefill-tp", "2", "--decode-tp", "1"),
             (*common, "--store", redis_url, "--prefill-tp", "1", "--decode-tp", "2", "--decode-nodes", "2"),
+            ("--kv-transfer", "nixl", "--num-kv-blocks", "256", "--prefill-tp", "2", "--decode-tp", "1"),
     ) as started:
         workers = {}
         for _, proc in started:
@@ -42,6 +46,16 @@ def clusters():
         yield started
     leftover = [p for pids in workers.values() for p in pids if _alive(p)]
     assert not leftover, f"TP workers left running after the clusters stopped: {leftover}"
+
+
+@pytest.fixture(scope="module")
+def clusters(all_clusters):
+    return all_clusters[:2]
+
+
+@pytest.fixture(scope="module")
+def nixl_cluster(all_clusters):
+    return all_clusters[2]
 
 
 def _alive(pid: int) -> bool:
@@ -80,6 +94,22 @@ def test_greedy_equals_offline_and_prefix_hits_across_degrees(clusters, llm, fir
     b = _complete(urls[then], prompt, SHORT)
     assert b.choices[0].model_extra["token_ids"] == want
     assert b.usage.prompt_tokens_details.cached_tokens >= 64, "the other degree's stored prefix was not a hit"
+
+
+def test_nixl_handover_from_tp2_prefill_to_tp1_decode(nixl_cluster, llm):
+    url, _ = nixl_cluster
+    stats = node_stats(url)
+    assert {(n["role"], n["tensor_parallel_size"]) for n in stats.values()} == {("prefill", 2), ("decode", 1)}
+    prompts = [[(13 * i + 11 * k) % 250 + 3 for i in range(40 + 24 * k)] for k in range(3)]
+    want = _offline(llm, prompts, SHORT)
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: _complete(url, p, SHORT).choices[0].model_extra["token_ids"], prompts))
+    assert got == want
+    # The decode node pulled every prompt's blocks over NIXL (stats reach the router with its pings).
+    decode = next(name for name, n in stats.items() if n["role"] == "decode")
+    wait_for(lambda: node_stats(url)[decode]["transfers_ok"] >= len(prompts), timeout_s=30)
+    after = node_stats(url)[decode]
+    assert after["transfers_failed"] == 0 and after["transfer_bytes_nixl"] > 0
 
 
 def test_decode_worker_killed_under_streams_loses_nothing(clusters, llm):

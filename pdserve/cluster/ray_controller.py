@@ -5,7 +5,8 @@ on the head's Ray node address (never an address guessed from the machine's inte
 It implements NodeOwner (pdserve.cluster.owner): scaling, restarts and role switches go through
 it. Each node and router is a ProcessActor of its own, placed with the resources the launch
 asked for (CPU threads, GPUs, an optional custom resource per role) and spread over the
-machines; Ray restarts one whose process or machine died (max_restarts), and the new process
+machines; a tensor-parallel node runs in a STRICT_PACK placement group of its own, one bundle
+per rank (pdserve.cluster.ray_placement); Ray restarts one whose process or machine died (max_restarts), and the new process
 registers its new address, so routers follow without a restart.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 from pdserve.cluster.owner_admin import OwnerAdminServer
 from pdserve.cluster.ray_actors import node_address
+from pdserve.cluster.ray_placement import actor_options_in_group, create_node_group, rank_bundles, remove_node_group
 from pdserve.cluster.ray_routers import RayRouters
 from pdserve.cluster.registry import RegistryServer
 from pdserve.cluster.registry_messages import AdminReply, ScaleRequest, SwitchRequest
@@ -36,8 +38,8 @@ class Placement:
     spread: bool = True
     router_env: dict[str, str] = field(default_factory=dict)  # extra environment of router processes
     # role -> tensor-parallel size. A TP node's workers are child processes of its node process,
-    # so they always run on the node's machine (gang placement needs no placement group); its
-    # actor reserves the CPUs (and GPUs) of all its ranks.
+    # so they run on the node's machine; a STRICT_PACK placement group, one bundle per rank,
+    # reserves their CPUs (and GPUs) there before the node starts (see ray_placement).
     role_tp: dict[str, int] = field(default_factory=dict)
 
 
@@ -50,6 +52,7 @@ class RayController:
         self.ip = node_address()
         self.registry = RegistryServer(f"tcp://{self.ip}:0", on_admin=self.on_admin).start()
         self.nodes: dict[str, tuple[str, object]] = {}  # node_id -> (role, actor handle)
+        self.groups: dict[str, object] = {}  # node_id -> its placement group (TP nodes only)
         self.routers: RayRouters | None = None
         self._next_index = dict.fromkeys(ROLES, 0)
         self._lock = threading.RLock()  # admin requests arrive on other threads
@@ -81,12 +84,30 @@ class RayController:
         p = self.placement
         resources = {p.role_resources[role]: 1} if p.role_resources.get(role) else None
         tp = p.role_tp.get(role, 1)
+        in_group = self._node_group(node_id, role) if tp > 1 else None
+        # The node's process gets every rank's threads; its executor divides them among the ranks.
         actor = self._actor(node_id, template, p.threads_per_node * tp, p.gpus_per_node * tp, resources,
-                            roles_namespace=self.roles_namespace)
+                            roles_namespace=self.roles_namespace, in_group=in_group)
         with self._lock:
             self.nodes[node_id] = (role, actor)
         log.info("started %s", node_id)
         return node_id
+
+    def _node_group(self, node_id: str, role: str) -> dict:
+        """A TP node's placement group (reserved before its actor starts), and the actor options
+        that run the node in its bundle 0."""
+        p = self.placement
+        bundles = rank_bundles(p.role_tp[role], p.threads_per_node, p.gpus_per_node, p.role_resources.get(role))
+        group = create_node_group(f"{self.roles_namespace}-{node_id}", bundles)
+        with self._lock:
+            self.groups[node_id] = group
+        return actor_options_in_group(group, bundles[0])
+
+    def _release_group(self, node_id: str) -> None:
+        with self._lock:
+            group = self.groups.pop(node_id, None)
+        if group is not None:
+            remove_node_group(group)
 
     def stop_node(self, node_id: str) -> None:
         with self._lock:
@@ -94,6 +115,7 @@ class RayController:
         if role_actor is None:
             raise ValueError(f"no node {node_id!r}")
         self._stop_actor(role_actor[1])
+        self._release_group(node_id)
         self._forget_role(node_id)
 
     def set_role(self, node_id: str, role: str) -> None:
@@ -153,6 +175,7 @@ class RayController:
             self.routers.stop(self._stop_actors)
         self._stop_actors([actor for _, actor in self.nodes.values()])
         for node_id in self.nodes:
+            self._release_group(node_id)
             self._forget_role(node_id)
         self.routers, self.nodes = None, {}
         self.admin.stop()
@@ -177,7 +200,9 @@ class RayController:
     # ---- actors -----------------------------------------------------------------------------
     def _actor(self, name: str, template: list[str], threads: int, gpus: float, resources: dict | None,
                num_cpus: float | None = None, strategy=None, env: dict[str, str] | None = None,
-               roles_namespace: str | None = None):
+               roles_namespace: str | None = None, in_group: dict | None = None):
+        """in_group: options that place the actor in its placement group's bundle (resources
+        and strategy), instead of the ones reserved here."""
         import ray
 
         from pdserve.cluster.ray_actors import ProcessActor
@@ -187,6 +212,9 @@ class RayController:
             options["resources"] = resources
         if strategy is not None or self.placement.spread:
             options["scheduling_strategy"] = strategy or "SPREAD"
+        if in_group:
+            options.pop("resources", None)
+            options |= in_group
         return ray.remote(ProcessActor).options(**options).remote(name, template, threads, env=env,
                                                                   roles_namespace=roles_namespace)
 
