@@ -89,6 +89,8 @@ class Cluster:
             cmd.append("--no-enable-prefix-caching")
         if getattr(self.args, "enforce_eager", False):
             cmd.append("--enforce-eager")
+        if getattr(self.args, "kv_cache_dtype", "auto") != "auto":
+            cmd += ["--kv-cache-dtype", self.args.kv_cache_dtype]
         return cmd + extra + self._curve_flags() + self._registry_flags()
 
     def _registry_flags(self) -> list[str]:
