@@ -10,11 +10,13 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 from cluster_util import node_stats, running_clusters
 from model_factory import make_model
 from openai import OpenAI
 
 from pdserve import LLM, SamplingParams
+from pdserve.kvstore.redis_store import HEADER, decode_into, encode_block
 
 # |logprob difference| over the prompt tokens, nats. e4m3 keeps 3 mantissa bits (relative error
 # up to 1/16 per element), and this random model (weights std 0.2) has sharp logits; measured
@@ -62,6 +64,20 @@ def test_salts_differ_and_prefix_hits_read_what_was_stored(llama):
     assert fp8.engine.cached_prompt_tokens > 0  # the second pass read the FP8 prefix blocks
     for a, b in zip(first, again):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_store_value_of_an_fp8_node_is_refused_by_a_float32_node(llama):
+    """The handover through the store: the value's header names its dtype, so a float32 decode
+    node counts an FP8 block as missing (and recomputes) instead of reading its bytes."""
+    fp8 = LLM(str(llama), num_kv_blocks=8, kv_cache_dtype="fp8").engine.kv_cache
+    full = torch.zeros(fp8.shape, dtype=torch.float32)
+    fp8[1] = torch.randn(fp8.shape[1:]).to(fp8.dtype)
+    value = encode_block(fp8, 1, fp8.shape[3])
+    assert len(value) - HEADER.size == fp8[1].numel()  # one byte an element
+    assert not decode_into(value, full, 2, fp8.shape[3]) and not full.any()
+    copy = torch.zeros_like(fp8)
+    assert decode_into(value, copy, 2, fp8.shape[3])
+    assert torch.equal(copy[2].view(torch.uint8), fp8[1].view(torch.uint8))
 
 
 @pytest.fixture(scope="module")
