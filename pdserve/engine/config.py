@@ -55,7 +55,8 @@ class EngineConfig:
 
 def engine_options(args: Any) -> dict:
     """EngineConfig keywords from the parsed engine flags (pdserve.entrypoints.cli's --dtype, --block-size, ...)."""
-    return dict(dtype=args.dtype, kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+    return dict(dtype=args.dtype, kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, kernel_backend=args.kernel_backend,
                 enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
