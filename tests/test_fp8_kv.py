@@ -8,15 +8,19 @@ same prompt."""
 from __future__ import annotations
 
 import time
+from argparse import Namespace
 
 import pytest
 import torch
 from cluster_util import node_stats, running_clusters
 from model_factory import make_model
 from openai import OpenAI
+from transformers import AutoConfig
 
 from pdserve import LLM, SamplingParams
 from pdserve.kvstore.redis_store import HEADER, decode_into, encode_block
+from pdserve.models.gguf import checkpoint_name
+from pdserve.router.main import _kv_dtype_name, layout_salt
 
 # |logprob difference| over the prompt tokens, nats. e4m3 keeps 3 mantissa bits (relative error
 # up to 1/16 per element), and this random model (weights std 0.2) has sharp logits; measured
@@ -59,6 +63,11 @@ def test_salts_differ_and_prefix_hits_read_what_was_stored(llama):
     fp8, first = _run(llama, "fp8")
     full = LLM(str(llama), num_kv_blocks=64)
     assert fp8.engine.salt != full.engine.salt  # an FP8 block is never served to a float32 node
+    # The router's own salt (used until the nodes' pongs report theirs) follows --kv-cache-dtype.
+    config = AutoConfig.from_pretrained(str(llama))
+    for kv, engine in (("fp8", fp8.engine), ("auto", full.engine)):
+        name = _kv_dtype_name(Namespace(dtype="auto", kv_cache_dtype=kv))
+        assert layout_salt(checkpoint_name(str(llama), llama), config, name, 16) == engine.salt
     again = fp8.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
                          use_tqdm=False)
     assert fp8.engine.cached_prompt_tokens > 0  # the second pass read the FP8 prefix blocks

@@ -180,6 +180,7 @@ def _add_cluster_parsers(sub) -> None:
                     help="how prefill nodes hand KV to decode nodes")
     rt.add_argument("--block-size", type=int, default=16, help="the nodes' --block-size (for block keys)")
     rt.add_argument("--dtype", default="auto", help="the nodes' --dtype")
+    rt.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the nodes' --kv-cache-dtype")
     rt.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     _add_curve_args(rt)
     _add_admission_args(rt)

@@ -116,6 +116,7 @@ class Cluster:
         router = [sys.executable, "-m", "pdserve", "--log-level", a.log_level, "router", "--model", a.model,
                   "--host", a.host, "--port", str(a.port), "--kv-transfer", a.kv_transfer,
                   "--block-size", str(a.block_size), "--dtype", a.dtype]
+        router += ["--kv-cache-dtype", a.kv_cache_dtype] if getattr(a, "kv_cache_dtype", "auto") != "auto" else []
         router += ["--max-queued-requests", str(a.max_queued_requests), "--max-body-bytes", str(a.max_body_bytes)]
         router += ["--prefill-policy", a.prefill_policy, "--decode-policy", a.decode_policy,
                    "--local-prefill-threshold", str(a.local_prefill_threshold)]
