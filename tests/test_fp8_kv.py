@@ -15,9 +15,11 @@ import torch
 from cluster_util import node_stats, running_clusters
 from model_factory import make_model
 from openai import OpenAI
+from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from pdserve import LLM, SamplingParams
+from pdserve.kernels.fp8_kv import checkpoint_kv_scales
 from pdserve.kvstore.redis_store import HEADER, decode_into, encode_block
 from pdserve.models.gguf import checkpoint_name
 from pdserve.router.main import _kv_dtype_name, layout_salt
@@ -57,6 +59,22 @@ def test_prompt_logprobs_within_bound_of_float32_kv(llama):
     print(f"fp8 KV: |prompt logprob - float32 KV's| max {worst:.4f}, mean {mean:.4f} nats over "
           f"{len(diffs)} tokens; greedy tokens equal at {agree}/{total} positions")
     assert 0 < mean < MEAN_BOUND and worst < MAX_BOUND  # mean 0: the cache was not quantized at all
+
+
+def test_numba_and_torch_kernels_agree_and_checkpoint_scales_are_read(llama, tmp_path):
+    """The wrapper dequantizes for whichever backend runs under it: both give the same tokens.
+    Scales come from the checkpoint's k_scale / v_scale tensors where it has them."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    outs = [[o.outputs[0].token_ids for o in LLM(str(llama), num_kv_blocks=64, kv_cache_dtype="fp8",
+                                                   kernel_backend=kb).generate(PROMPTS, params, use_tqdm=False)]
+            for kb in ("torch", "numba")]
+    assert outs[0] == outs[1]
+    assert checkpoint_kv_scales(llama, 2) == [(1.0, 1.0), (1.0, 1.0)]
+    save_file({"model.layers.1.self_attn.k_scale": torch.tensor(0.5),
+               "model.layers.0.self_attn.v_proj.output_scale": torch.tensor([2.0])}, tmp_path / "scales.safetensors")
+    assert checkpoint_kv_scales(tmp_path, 2) == [(1.0, 2.0), (0.5, 1.0)]
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(str(llama), kv_cache_dtype="int4")
 
 
 def test_salts_differ_and_prefix_hits_read_what_was_stored(llama):
