@@ -7,6 +7,7 @@ engine's greedy tokens, and the decode node loads a quarter of a float32 cluster
 same prompt."""
 from __future__ import annotations
 
+import shutil
 import time
 from argparse import Namespace
 
@@ -70,9 +71,19 @@ def test_numba_and_torch_kernels_agree_and_checkpoint_scales_are_read(llama, tmp
             for kb in ("torch", "numba")]
     assert outs[0] == outs[1]
     assert checkpoint_kv_scales(llama, 2) == [(1.0, 1.0), (1.0, 1.0)]
-    save_file({"model.layers.1.self_attn.k_scale": torch.tensor(0.5),
-               "model.layers.0.self_attn.v_proj.output_scale": torch.tensor([2.0])}, tmp_path / "scales.safetensors")
-    assert checkpoint_kv_scales(tmp_path, 2) == [(1.0, 2.0), (0.5, 1.0)]
+    scaled = tmp_path / "scaled"
+    shutil.copytree(llama, scaled)
+    save_file({"model.layers.1.self_attn.k_scale": torch.tensor(0.3),
+               "model.layers.0.self_attn.v_proj.output_scale": torch.tensor([3.0])}, scaled / "scales.safetensors")
+    assert checkpoint_kv_scales(scaled, 2) == [(1.0, 3.0), (pytest.approx(0.3), 1.0)]
+    caches = []
+    for path in (llama, scaled):  # the loader skips the scales; the cache holds x / scale
+        llm = LLM(str(path), num_kv_blocks=64, kv_cache_dtype="fp8")
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # the prompt's KV only
+        caches.append(llm.engine.kv_cache.float())
+    plain, scaled_cache = caches
+    assert torch.equal(plain[:, 0, 0], scaled_cache[:, 0, 0])  # layer 0's K: scale 1.0 in both
+    assert not torch.equal(plain[:, 1, 0], scaled_cache[:, 1, 0])  # layer 1's K: divided by 0.3
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(str(llama), kv_cache_dtype="int4")
 

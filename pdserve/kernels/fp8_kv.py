@@ -37,6 +37,11 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     raise ValueError(f"kv_cache_dtype must be auto or fp8, got {kv_cache_dtype!r}")
 
 
+def is_kv_scale(name: str) -> bool:
+    """A checkpoint's per-layer KV-cache scale: read here, not a model weight."""
+    return _SCALE_NAME.search(name) is not None
+
+
 def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
