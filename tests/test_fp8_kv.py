@@ -16,11 +16,14 @@ import torch
 from cluster_util import node_stats, running_clusters
 from model_factory import make_model
 from openai import OpenAI
+from redis_util import redis_server
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from pdserve import LLM, SamplingParams
 from pdserve.kernels.fp8_kv import checkpoint_kv_scales
+from pdserve.kvstore.factory import make_store
+from pdserve.kvstore.layout import KVLayout
 from pdserve.kvstore.redis_store import HEADER, decode_into, encode_block
 from pdserve.models.gguf import checkpoint_name
 from pdserve.router.main import _kv_dtype_name, layout_salt
@@ -86,6 +89,8 @@ def test_numba_and_torch_kernels_agree_and_checkpoint_scales_are_read(llama, tmp
     assert not torch.equal(plain[:, 1, 0], scaled_cache[:, 1, 0])  # layer 1's K: divided by 0.3
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(str(llama), kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):  # refused before any worker starts
+        LLM(str(llama), kv_cache_dtype="fp8", tensor_parallel_size=2)
 
 
 def test_salts_differ_and_prefix_hits_read_what_was_stored(llama):
@@ -116,6 +121,25 @@ def test_store_value_of_an_fp8_node_is_refused_by_a_float32_node(llama):
     copy = torch.zeros_like(fp8)
     assert decode_into(value, copy, 2, fp8.shape[3])
     assert torch.equal(copy[2].view(torch.uint8), fp8[1].view(torch.uint8))
+
+
+@pytest.mark.parametrize("scheme", ["", "direct+"])
+def test_stores_round_trip_fp8_bytes(scheme):
+    """LMCache (the default store, its metadata's kv_dtype float8) and the direct Redis store
+    give back exactly the FP8 bytes put in."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float8_e4m3fn,
+                      model_name="fp8-store")
+    src = torch.randn(8, *layout.block_shape()).to(layout.dtype)
+    keys = [bytes([i]) * 16 for i in range(8)]
+    with redis_server() as (url, _):
+        store = make_store(scheme + url, layout=layout, chunk_tokens=32)
+        try:
+            store.put(keys, src, list(range(8)), [16] * 8)
+            dst = torch.zeros_like(src)
+            assert store.get(keys, dst, list(range(8)), [16] * 8) == 8
+        finally:
+            store.close()
+    assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
 
 
 @pytest.fixture(scope="module")
