@@ -1,10 +1,11 @@
 """--kv-cache-dtype fp8: the paged cache holds float8_e4m3fn (pdserve.kernels.fp8_kv).
 
-Offline, on a small random Llama: prompt logprobs stay within LOGPROB_BOUND of the float32
-cache's, the block-key salts differ, and prefix-cache hits read the same values as a fresh
-prefill. Served by `pdserve up` 1P1D over the store: the official client gets the offline FP8
-engine's greedy tokens, and the decode node loads a quarter of a float32 cluster's bytes for the
-same prompt."""
+Offline, on a small random Llama: prompt logprobs stay within MEAN_BOUND / MAX_BOUND of the
+float32 cache's, the torch and numba kernels agree, checkpoint scales are read, the block-key
+salts differ, and prefix-cache hits give the same tokens. The stores round-trip FP8 bytes and a
+float32 node refuses an FP8 value. Served by `pdserve up` 1P1D over the store and over NIXL: the
+official client gets the offline FP8 engine's greedy tokens, and the decode node loads a quarter
+of a float32 cluster's bytes for the same prompt."""
 from __future__ import annotations
 
 import shutil
@@ -145,23 +146,24 @@ def test_stores_round_trip_fp8_bytes(scheme):
 @pytest.fixture(scope="module")
 def clusters():
     flags = ("--kv-transfer", "store", "--prefill-nodes", "1", "--decode-nodes", "1", "--num-kv-blocks", "128")
-    with running_clusters((*flags, "--kv-cache-dtype", "fp8"), flags) as started:
+    nixl = ("--kv-transfer", "nixl", *flags[2:], "--kv-cache-dtype", "fp8")
+    with running_clusters((*flags, "--kv-cache-dtype", "fp8"), flags, nixl) as started:
         yield [url for url, _ in started]
 
 
-def _decode_store_bytes(url: str) -> int:
-    """The decode node's store-load bytes, once its pongs report them."""
+def _decode_loaded_bytes(url: str, path: str = "store") -> int:
+    """The decode node's handover bytes over `path` (store or nixl), once its pongs report them."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        got = sum(n.get("transfer_bytes_store", 0) for n in node_stats(url).values() if n["role"] == "decode")
+        got = sum(n.get(f"transfer_bytes_{path}", 0) for n in node_stats(url).values() if n["role"] == "decode")
         if got:
             return got
         time.sleep(0.2)
-    raise AssertionError("the decode node reported no bytes loaded from the store")
+    raise AssertionError(f"the decode node reported no bytes loaded over {path}")
 
 
 def test_served_fp8_matches_offline_and_moves_a_quarter_of_the_bytes(clusters):
-    fp8_url, full_url = clusters
+    fp8_url, full_url, nixl_url = clusters
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     want = LLM("builtin:tiny", num_kv_blocks=64, kv_cache_dtype="fp8").generate(
         [CLUSTER_PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
@@ -172,7 +174,8 @@ def test_served_fp8_matches_offline_and_moves_a_quarter_of_the_bytes(clusters):
                                            temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True}
                                            ).choices[0]
         got[url] = choice.model_extra["token_ids"]
-    assert got[fp8_url] == list(want)
-    fp8_bytes, full_bytes = _decode_store_bytes(fp8_url), _decode_store_bytes(full_url)
-    print(f"decode node loaded {fp8_bytes} bytes with fp8 KV, {full_bytes} with float32 KV")
-    assert fp8_bytes * 4 == full_bytes
+    assert got[fp8_url] == got[nixl_url] == list(want)
+    fp8_bytes, full_bytes = _decode_loaded_bytes(fp8_url), _decode_loaded_bytes(full_url)
+    nixl_bytes = _decode_loaded_bytes(nixl_url, "nixl")
+    print(f"decode node loaded {fp8_bytes} bytes with fp8 KV ({nixl_bytes} over NIXL), {full_bytes} with float32 KV")
+    assert fp8_bytes * 4 == full_bytes and nixl_bytes == fp8_bytes
