@@ -9,6 +9,9 @@ from typing import Any
 class EngineConfig:
     model: str = "builtin:tiny"
     dtype: str = "auto"  # auto -> float32 on CPU, bfloat16 on CUDA
+    # The paged KV cache's element type: auto (the model's dtype) or fp8 (float8_e4m3fn with
+    # per-layer scales, see pdserve.kernels.fp8_kv).
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
     # KV memory: an explicit block count wins over the memory budget.
@@ -44,13 +47,16 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.kernel_backend not in ("auto", "torch", "numba", "triton"):
             raise ValueError(f"kernel_backend must be auto, torch, numba or triton, got {self.kernel_backend!r}")
 
 
 def engine_options(args: Any) -> dict:
     """EngineConfig keywords from the parsed engine flags (pdserve.entrypoints.cli's --dtype, --block-size, ...)."""
-    return dict(dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+    return dict(dtype=args.dtype, kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, kernel_backend=args.kernel_backend,
                 enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,

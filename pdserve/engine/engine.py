@@ -22,6 +22,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.structured_output import StructuredOutputs
 from pdserve.kernels import get_ops
+from pdserve.kernels.fp8_kv import Fp8KVOps, checkpoint_kv_scales, kv_cache_torch_dtype
 from pdserve.kvstore.layout import KVLayout
 from pdserve.models.gguf import checkpoint_name
 from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
@@ -43,8 +44,13 @@ class LLMEngine:
         self.dtype = default_dtype(config.dtype, self.device)
         # K/V per head, or one latent per token for MLA: sizes the cache and salts its block keys
         # (the same at every TP degree: the cache holds every KV head, see pdserve.executor).
-        self.kv_layout = KVLayout.for_model(self.hf_config, config.block_size, self.dtype,
+        # The KV dtype, not the model's, goes in the layout and so in the block-key salt: an FP8
+        # node and a full-width node never share a block (pdserve.kernels.fp8_kv).
+        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_layout = KVLayout.for_model(self.hf_config, config.block_size, kv_dtype,
                                             checkpoint_name(config.model, self.model_path))
+        if kv_dtype != self.dtype:
+            _check_fp8_kv_supported(config, self.kv_layout)
         self.executor = None
         if config.tensor_parallel_size > 1:
             from pdserve.executor.setup import load_driver_shard, start_executor
@@ -65,6 +71,8 @@ class LLMEngine:
         ops = get_ops(config.kernel_backend, self.device.type)
         if hasattr(ops, "warm_up"):
             ops.warm_up()
+        if config.kv_cache_dtype == "fp8":
+            ops = Fp8KVOps(ops, self.kv_cache, checkpoint_kv_scales(self.model_path, self.kv_layout.num_layers))
         if self.executor is not None:
             from pdserve.executor.runner import TPModelRunner
             self.runner = TPModelRunner(self.model, self.executor, config.block_size, ops, self.device)
@@ -92,7 +100,7 @@ class LLMEngine:
 
     def _allocate_kv_cache(self) -> torch.Tensor:
         shape = (self._num_kv_blocks(), *self.kv_layout.block_shape())
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return torch.zeros(shape, dtype=self.kv_layout.dtype, device=self.device)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when this process ends)."""
@@ -272,6 +280,15 @@ class LLMEngine:
             self.scheduler.finish(req, status)
             self.outputs.remove(req.request_id)
         return out
+
+
+def _check_fp8_kv_supported(config: EngineConfig, layout: KVLayout) -> None:
+    """The FP8 cache wraps the K/V attention ops of one process: MLA's latent cache and the
+    tensor-parallel workers' shared cache do not go through them."""
+    if layout.planes != 2:
+        raise ValueError("kv_cache_dtype fp8 is not supported for MLA models (their latent cache)")
+    if config.tensor_parallel_size > 1:
+        raise ValueError("kv_cache_dtype fp8 is not supported with tensor_parallel_size > 1")
 
 
 def kv_window(model) -> int:

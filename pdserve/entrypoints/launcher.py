@@ -89,6 +89,8 @@ class Cluster:
             cmd.append("--no-enable-prefix-caching")
         if getattr(self.args, "enforce_eager", False):
             cmd.append("--enforce-eager")
+        if getattr(self.args, "kv_cache_dtype", "auto") != "auto":
+            cmd += ["--kv-cache-dtype", self.args.kv_cache_dtype]
         return cmd + extra + self._curve_flags() + self._registry_flags()
 
     def _registry_flags(self) -> list[str]:
@@ -114,6 +116,7 @@ class Cluster:
         router = [sys.executable, "-m", "pdserve", "--log-level", a.log_level, "router", "--model", a.model,
                   "--host", a.host, "--port", str(a.port), "--kv-transfer", a.kv_transfer,
                   "--block-size", str(a.block_size), "--dtype", a.dtype]
+        router += ["--kv-cache-dtype", a.kv_cache_dtype] if getattr(a, "kv_cache_dtype", "auto") != "auto" else []
         router += ["--max-queued-requests", str(a.max_queued_requests), "--max-body-bytes", str(a.max_body_bytes)]
         router += ["--prefill-policy", a.prefill_policy, "--decode-policy", a.decode_policy,
                    "--local-prefill-threshold", str(a.local_prefill_threshold)]

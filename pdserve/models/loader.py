@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pdserve.kernels.fp8_kv import is_kv_scale
 from pdserve.layers.loading import load_param, process_weights_after_loading
 from pdserve.layers.quant.grouped import GroupedWeight
 from pdserve.models.gguf import VIEW_MARKER, find_gguf_file, gguf_tensor_types, gguf_tensors, is_gguf_view, prepare_view
@@ -194,7 +195,7 @@ def _place(name: str, tensor, model: LlamaModel, params: dict, spec: ModelSpec) 
     complete once it is in (a fused one counts when its last part arrives). A quantized tensor
     (GroupedWeight) fills its layer's packed weights, scales and mins."""
     name = name.removeprefix("model.") if not name.startswith("lm_head") else name
-    if "rotary_emb" in name:
+    if "rotary_emb" in name or is_kv_scale(name):  # KV scales: see pdserve.kernels.fp8_kv
         return []
     parts = name.split(".")
     shard, last = None, True

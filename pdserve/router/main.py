@@ -57,6 +57,13 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     return app
 
 
+def _kv_dtype_name(args) -> str:
+    """The nodes' KV dtype as their block-key salt names it (until their pongs report the salt)."""
+    if getattr(args, "kv_cache_dtype", "auto") == "fp8":
+        return "float8_e4m3fn"
+    return "float32" if args.dtype == "auto" else args.dtype
+
+
 def load_chat_template(path: str) -> str:
     """A --chat-template file's Jinja text (as vLLM, a file path; an unreadable one stops the router)."""
     with open(path, encoding="utf-8") as f:
@@ -88,7 +95,7 @@ def run_router(args) -> int:
     admission = dict(api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"), protect_metrics=args.protect_metrics,
                      max_body_bytes=args.max_body_bytes, max_queued_requests=args.max_queued_requests)
     app = build_app(args.model, args.prefill or [], args.decode or [], args.kv_transfer, args.block_size,
-                    "float32" if args.dtype == "auto" else args.dtype, args.max_model_len, admission,
+                    _kv_dtype_name(args), args.max_model_len, admission,
                     dict(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                          local_prefill_threshold=args.local_prefill_threshold,
                          session_affinity=args.session_affinity, owner=args.owner), args.curve_dir, args.registry,

@@ -1,0 +1,114 @@
+"""An FP8 (e4m3) KV cache over any kernel module: `--kv-cache-dtype fp8`.
+
+The cache holds float8_e4m3fn values x / scale, with one K scale and one V scale per layer.
+The scales come from the checkpoint (`...self_attn.k_scale` / `v_scale`, as llm-compressor
+writes them) and are 1.0 where it has none, as vLLM does by default. Every node derives them
+from the same files, never from the data it happens to see, so a block quantized on a prefill
+node means the same on a decode node, and its bytes can be handed over as they are.
+
+The attention ops dequantize as they load: each call gathers the blocks its block tables name
+(decode: the batch's blocks; prefill: the prefix blocks), widens them to the query's dtype in a
+small compact cache, renumbers the tables into it, and runs the wrapped module's own kernel
+(torch or numba) on that. The new tokens' K/V in a prefill pass through the same rounding, so
+a prompt's result does not depend on whether its prefix came from the cache or was computed.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from pdserve.kernels import torch_ops
+
+log = logging.getLogger(__name__)
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448: casts beyond it give NaN, so values saturate first
+_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type: "auto" keeps the model's dtype, "fp8" is float8_e4m3fn."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "fp8":
+        return FP8
+    raise ValueError(f"kv_cache_dtype must be auto or fp8, got {kv_cache_dtype!r}")
+
+
+def is_kv_scale(name: str) -> bool:
+    """A checkpoint's per-layer KV-cache scale: read here, not a model weight."""
+    return _SCALE_NAME.search(name) is not None
+
+
+def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype) * scale
+
+
+def checkpoint_kv_scales(model_path: Path, num_layers: int) -> list[tuple[float, float]]:
+    """Per layer (k_scale, v_scale) from a safetensors checkpoint; 1.0 where it has none."""
+    scales = [[1.0, 1.0] for _ in range(num_layers)]
+    files = sorted(model_path.glob("*.safetensors")) if model_path.is_dir() else []
+    if not files:
+        return [tuple(s) for s in scales]
+    from safetensors import safe_open
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                m = _SCALE_NAME.search(name)
+                if m and int(m.group(1)) < num_layers:
+                    plane = 0 if (m.group(2) or m.group(3)) == "k" else 1
+                    scales[int(m.group(1))][plane] = float(f.get_tensor(name).float().max())
+    found = sum(s != [1.0, 1.0] for s in scales)
+    log.info("FP8 KV cache: checkpoint scales for %d of %d layers (the rest 1.0)", found, num_layers)
+    return [tuple(s) for s in scales]
+
+
+def _compact_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    scales: tuple[float, float], dtype: torch.dtype):
+    """The blocks block_tables names, dequantized into a compact cache, and the tables renumbered
+    into it. Padding entries (negative) read compact block 0; the kernels mask them by length."""
+    tables = block_tables.long().clamp_min(0)
+    ids = torch.unique(tables.flatten())
+    if ids.numel() == 0:
+        ids = torch.zeros(1, dtype=torch.long, device=tables.device)
+    local = torch.searchsorted(ids, tables).to(block_tables.dtype)
+    k = dequantize(k_cache.index_select(0, ids), scales[0], dtype)
+    v = dequantize(v_cache.index_select(0, ids), scales[1], dtype)
+    return k, v, local
+
+
+class Fp8KVOps:
+    """A kernel module's store_kv / paged_decode_attention / prefill_attention over an FP8 cache.
+    The ops are called with one layer's cache views; the layer (and so its scales) is found by
+    the K view's address, which is distinct for every layer of the block-major cache."""
+
+    def __init__(self, base, kv_cache: torch.Tensor, scales: list[tuple[float, float]]):
+        self.base, self.scales = base, scales
+        self.__name__ = base.__name__  # the fused norm/RoPE kernels that go with it do not touch KV
+        self._layer_of = {kv_cache[:, i, 0].data_ptr(): i for i in range(kv_cache.shape[1])}
+
+    def _scales(self, k_cache: torch.Tensor) -> tuple[float, float]:
+        return self.scales[self._layer_of[k_cache.data_ptr()]]
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        ks, vs = self._scales(k_cache)
+        torch_ops.store_kv(quantize(key, ks), quantize(value, vs), k_cache, v_cache, slot_mapping)
+
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale, **extra):
+        k, v, tables = _compact_blocks(k_cache, v_cache, block_tables, self._scales(k_cache), q.dtype)
+        return self.base.paged_decode_attention(q, k, v, tables, context_lens, scale, **extra)
+
+    def prefill_attention(self, q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens,
+                          block_tables, scale, **extra):
+        ks, vs = self._scales(k_cache)
+        k, v, tables = _compact_blocks(k_cache, v_cache, block_tables, (ks, vs), q.dtype)
+        k_new = dequantize(quantize(k_new, ks), ks, q.dtype)
+        v_new = dequantize(quantize(v_new, vs), vs, q.dtype)
+        return self.base.prefill_attention(q, k_new, v_new, k, v, cu_seqlens_q, context_lens, tables,
+                                           scale, **extra)
