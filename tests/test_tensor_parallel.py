@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -21,6 +22,7 @@ from test_models_deepseek import load_reference as load_deepseek_reference
 from test_models_deepseek import make_deepseek
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.embedding import EmbeddingBatch, pool
 from pdserve.executor.executor import WorkerLost
 from pdserve.executor.setup import check_tp_support
 
@@ -43,6 +45,29 @@ def test_tp2_greedy_equals_transformers(models, kind):
         shard = llm.engine.model.layers[0].self_attn
         assert shard.num_heads == 2, "each rank should hold half of the 4 query heads"
         check_offline_greedy(models[kind], load_reference(models[kind]), llm)
+    finally:
+        llm.close()
+
+
+def test_tp2_embeddings_equal_transformers_and_keep_the_workers_in_step(models):
+    """Embeddings (hidden states, no LM head) at TP 2: the workers run the same forward pass, so
+    the pooled vectors equal transformers' and the generation after them is still exact."""
+    path = models["llama"]
+    ref = load_reference(path)
+    llm = LLM(model=str(path), tensor_parallel_size=2, num_kv_blocks=32)
+    try:
+        prompts = random_prompts(6, ref.config.vocab_size, [7, 30])
+        batch = EmbeddingBatch(prompts, "mean")
+        while not batch.done:
+            assert batch.advance(llm.engine)
+        for prompt, vector in zip(prompts, batch.vectors):
+            with torch.no_grad():
+                want = pool(ref.model(torch.tensor([prompt])).last_hidden_state[0], "mean")
+            np.testing.assert_allclose(vector, want, atol=1e-5)
+        assert llm.engine.pool.num_in_use() == 0
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        out = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == reference_greedy(ref, prompts[0], NEW_TOKENS)[0]
     finally:
         llm.close()
 

@@ -106,6 +106,12 @@ class ModelRunner:
             token_ids[:num_decodes] = take_pending(token_ids[:num_decodes], pending[0],
                                                    torch.from_numpy(sources).to(self.device))
         hidden = self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
+        return self._step_logits(hidden, inputs, spans, all_logits)
+
+    def _step_logits(self, hidden: torch.Tensor, inputs, spans, all_logits: bool
+                     ) -> tuple[torch.Tensor, list[Request]]:
+        """A step's logits from its hidden states: prompt logprobs recorded, then every token's
+        (all_logits) or the sampled rows'."""
         if spans:
             record_prompt_logprobs(self.model.compute_logits, hidden, spans)
         if all_logits:
@@ -113,6 +119,12 @@ class ModelRunner:
         if not inputs.to_sample:
             return torch.empty(0), []
         return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.to_sample
+
+    def _forward_hidden(self, inputs, num_decodes: int) -> torch.Tensor:
+        """The final hidden states of a step's tokens, with no logits (TPModelRunner also has
+        its workers run the step)."""
+        token_ids, positions, meta = self._to_device(inputs, num_decodes)
+        return self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
 
     @torch.inference_mode()
     def hidden_states(self, items: list[tuple[Request, int]]) -> list[torch.Tensor]:
@@ -122,9 +134,7 @@ class ModelRunner:
         order = sorted(range(len(items)), key=lambda i: items[i][1] != 1)  # as execute: one-token queries first
         ranked = [items[i] for i in order]
         num_decodes = sum(1 for _, n in ranked if n == 1)
-        inputs = build_step_inputs(ranked, num_decodes, self.block_size)
-        token_ids, positions, meta = self._to_device(inputs, num_decodes)
-        hidden = self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
+        hidden = self._forward_hidden(build_step_inputs(ranked, num_decodes, self.block_size), num_decodes)
         pieces = hidden.split([n for _, n in ranked])
         out: list[torch.Tensor] = [hidden] * len(items)
         for piece, i in zip(pieces, order):

@@ -10,7 +10,7 @@ import msgspec
 import torch
 
 from pdserve.engine.model_runner import AttentionContext, ModelRunner
-from pdserve.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
+from pdserve.engine.prompt_logprobs import prompt_spans
 from pdserve.engine.request import Request
 from pdserve.engine.step_inputs import build_step_inputs
 from pdserve.executor.executor import TPExecutor
@@ -36,8 +36,18 @@ class TPModelRunner(ModelRunner):
         num_decodes = sum(1 for _, n in items if n == 1)
         spans = prompt_spans(items)
         inputs = build_step_inputs(items, num_decodes, self.block_size)
+        hidden = self._run_step(make_plan(inputs, num_decodes, spans, all_logits, in_shm=False), inputs)
+        return self._step_logits(hidden, inputs, spans, all_logits)
+
+    def _forward_hidden(self, inputs, num_decodes: int) -> torch.Tensor:
+        """Hidden states only (embeddings): the workers run the same forward pass, with no LM
+        head passes, so every collective has all its ranks."""
+        plan = make_plan(inputs, num_decodes, [], False, in_shm=False)
+        return self._run_step(msgspec.structs.replace(plan, sample_rows=[]), inputs)
+
+    def _run_step(self, plan, inputs) -> torch.Tensor:
+        """Send a step to the workers, then run rank 0's shard of its forward pass."""
         flat = torch.from_numpy(flatten_inputs(inputs))
-        plan = make_plan(inputs, num_decodes, spans, all_logits, in_shm=False)
         if self.executor.channel.fits(payload_length(plan)):
             plan = msgspec.structs.replace(plan, in_shm=True)
         started = time.perf_counter()
@@ -45,11 +55,4 @@ class TPModelRunner(ModelRunner):
         self.send_seconds += time.perf_counter() - started
         self.steps += 1
         token_ids, positions, meta = step_tensors(flat, plan, self.device)
-        hidden = self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
-        if spans:
-            record_prompt_logprobs(self.model.compute_logits, hidden, spans)
-        if all_logits:
-            return self.model.compute_logits(hidden), inputs.to_sample
-        if not inputs.to_sample:
-            return torch.empty(0), []
-        return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.to_sample
+        return self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
