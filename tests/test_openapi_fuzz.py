@@ -133,6 +133,8 @@ BAD_BODIES = [
     ("/v1/chat/completions", r'{"messages": [{"role": "\ud800", "content": "x"}], "max_tokens": 2}'),
     ("/v1/chat/completions",
      r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}], "max_tokens": 2}'),
+    ("/v1/embeddings", r'{"input": "\ud800"}'),
+    ("/v1/embeddings", r'{"input": ["hi", "\udfff"]}'),
     ("/v1/responses", r'{"input": "\ud800", "max_output_tokens": 2}'),
     ("/v1/responses", r'{"input": "hi", "max_output_tokens": 99999999999999999999999}'),
     ("/v1/responses", r'{"input": "hi", "max_output_tokens": 2, "temperature": NaN}'),

@@ -21,9 +21,10 @@ from urllib.parse import quote
 import numpy as np
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import ConfigDict, Field, WithJsonSchema
 
 from pdserve.router.errors import APIError, bad_request, error_responses
+from pdserve.router.schemas import UnicodeCheckedRequest
 
 log = logging.getLogger(__name__)
 MAX_INPUTS = 2048  # OpenAI's limit on inputs in one request
@@ -56,7 +57,7 @@ def checkpoint_pooling(model_path: Path) -> str | None:
     return None
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(UnicodeCheckedRequest):
     model_config = ConfigDict(extra="allow")
     input: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(_INPUT_SCHEMA)]
     model: str | None = None

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator
 
-from pdserve.router.schemas import INT64_MAX, _invalid_unicode_at
+from pdserve.router.schemas import INT64_MAX, UnicodeCheckedRequest
 
 # Accepted and ignored: routing and billing hints, and what only changes OpenAI's own service.
 IGNORED_FIELDS = ("metadata", "parallel_tool_calls", "prompt_cache_key", "safety_identifier", "service_tier",
@@ -30,7 +30,7 @@ _TEXT_PART_TYPES = ("input_text", "output_text", "text")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(UnicodeCheckedRequest):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
@@ -59,14 +59,6 @@ class ResponsesRequest(BaseModel):
     reasoning: dict[str, Any] | None = None
     background: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=0)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_invalid_unicode(cls, data: Any) -> Any:
-        path = _invalid_unicode_at(data)
-        if path is not None:
-            raise ValueError(f"{path} is not valid Unicode (a lone surrogate escape)")
-        return data
 
     @field_validator("include")
     @classmethod

@@ -69,6 +69,19 @@ def _invalid_unicode_at(value: Any) -> str | None:
     return None
 
 
+class UnicodeCheckedRequest(BaseModel):
+    """A request body whose strings must all be valid Unicode: every route that tokenizes text
+    (completions, chat, responses, embeddings) refuses a lone surrogate with a 400."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_invalid_unicode(cls, data: Any) -> Any:
+        path = _invalid_unicode_at(data)
+        if path is not None:
+            raise ValueError(f"{path} is not valid Unicode (a lone surrogate escape)")
+        return data
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
@@ -78,7 +91,7 @@ Penalty = Annotated[float, Field(ge=-2, le=2)]
 LogitBias = Annotated[float, Field(ge=-100, le=100)]
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(UnicodeCheckedRequest):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -118,14 +131,6 @@ class GenerationRequest(BaseModel):
     spaces_between_special_tokens: bool = True
     # vLLM's: each prompt token's logprob and the top-N (the first token's entry is null).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_invalid_unicode(cls, data: Any) -> Any:
-        path = _invalid_unicode_at(data)
-        if path is not None:
-            raise ValueError(f"{path} is not valid Unicode (a lone surrogate escape)")
-        return data
 
     @model_validator(mode="after")
     def _log_ignored_fields(self) -> GenerationRequest:
