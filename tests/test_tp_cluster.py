@@ -22,7 +22,10 @@ from redis_util import redis_server
 
 from pdserve import LLM, SamplingParams
 
-SHORT, LONG = 8, 160
+SHORT = 8
+# Long enough that every stream is still running when a worker is killed, on a fast machine too
+# (CI once found no decode node busy any more at 160 tokens).
+STREAM_LONG = 640
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +118,7 @@ def test_nixl_handover_from_tp2_prefill_to_tp1_decode(nixl_cluster, llm):
 def test_decode_worker_killed_under_streams_loses_nothing(clusters, llm):
     url, proc = clusters[1]  # decode TP 2
     prompts = [[(29 * i + 7 * k) % 250 + 3 for i in range(20 + 3 * k)] for k in range(4)]
-    want = _offline(llm, prompts, LONG)
+    want = _offline(llm, prompts, STREAM_LONG)
     client = _client(url)
     started = threading.Event()
     nodes = node_pids(proc.pid)
@@ -123,9 +126,9 @@ def test_decode_worker_killed_under_streams_loses_nothing(clusters, llm):
 
     def stream(prompt):
         ids = []
-        for chunk in client.completions.create(model="builtin:tiny", prompt=prompt, max_tokens=LONG, stream=True,
-                                               temperature=0, extra_body={"ignore_eos": True,
-                                                                          "return_token_ids": True}):
+        for chunk in client.completions.create(model="builtin:tiny", prompt=prompt, max_tokens=STREAM_LONG,
+                                               stream=True, temperature=0,
+                                               extra_body={"ignore_eos": True, "return_token_ids": True}):
             if chunk.choices:
                 ids += chunk.choices[0].model_extra.get("token_ids") or []
                 if len(ids) >= 10:
@@ -135,8 +138,9 @@ def test_decode_worker_killed_under_streams_loses_nothing(clusters, llm):
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(stream, p) for p in prompts]
         assert started.wait(120)
-        busy = [n for n, s in node_stats(url).items() if s["role"] == "decode" and s["routed_requests"]]
-        name = busy[0]
+        # The router's own count is current; wait_for only rides out a health call that races a step.
+        name = wait_for(lambda: next((n for n, s in node_stats(url).items()
+                                      if s["role"] == "decode" and s["routed_requests"]), None), timeout_s=10)
         worker = victims[name][0]
         os.kill(worker.pid, signal.SIGKILL)
         got = [f.result() for f in futures]  # a lost request raises here
