@@ -24,6 +24,20 @@ def kv_layout_salt(model_name: str, num_layers: int, num_kv_heads: int, head_dim
     return xxhash.xxh3_128_digest(text.encode())
 
 
+def request_salt(layout_salt: bytes, cache_salt: str | None = None, adapter: str | None = None) -> bytes:
+    """The salt of one request's block keys: the layout's, mixed with what must never share KV
+    with other requests (a tenant's cache_salt, a LoRA adapter's name). Unchanged when neither is
+    given, so plain requests keep today's keys. Length-prefixed parts: ("ab", None) never equals
+    (None, "ab") or ("a", "b")."""
+    if cache_salt is None and adapter is None:
+        return layout_salt
+    parts = [b"pdserve-request-salt-v1", layout_salt]
+    for tag, value in ((b"T", cache_salt), (b"A", adapter)):
+        raw = b"" if value is None else value.encode()
+        parts.append(tag + (b"-" if value is None else struct.pack("<I", len(raw)) + raw))
+    return xxhash.xxh3_128_digest(b"|".join(parts))
+
+
 def kv_entry_dims(hf_config) -> tuple[int, int, int]:
     """(planes, heads, dim) of one token's cache entry in one layer, from a transformers config.
 
