@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from pdserve.engine.block_keys import request_salt
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -120,14 +121,21 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     output_token_ids: list[int] | None = None, remote_kv_tokens: int = 0,
-                    hold_blocks: bool = False, continues_elsewhere: bool = False) -> Request:
+                    hold_blocks: bool = False, continues_elsewhere: bool = False,
+                    cache_salt: str | None = None, lora_name: str | None = None) -> Request:
         """Queue a request. output_token_ids continues a generation (tokens drawn elsewhere);
         remote_kv_tokens > 0 admits it in WAITING_FOR_REMOTE_KVS with blocks for that many
         tokens allocated (see Request.block_ids), until report_remote_kv is called.
         hold_blocks keeps the blocks after the request finishes, until release_blocks.
-        continues_elsewhere: a prefill node's request, which another node continues."""
+        continues_elsewhere: a prefill node's request, which another node continues.
+        cache_salt, lora_name: enter its block keys' salt (request_salt), so it shares cached
+        blocks only with requests that name the same ones."""
         self._validate(request_id, prompt_token_ids, params)
-        req = Request(request_id, list(prompt_token_ids), params, hold_blocks=hold_blocks)
+        for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"{name} must be a non-empty string")
+        req = Request(request_id, list(prompt_token_ids), params, hold_blocks=hold_blocks,
+                      cache_salt=cache_salt, lora_name=lora_name, salt=self.request_salt(cache_salt, lora_name))
         for token in output_token_ids or []:
             req.append_output(token)
         if params.structured is not None:  # replays the tokens drawn elsewhere; ValueError if off-grammar
@@ -141,6 +149,10 @@ class LLMEngine:
         else:
             self.scheduler.add(req)
         return req
+
+    def request_salt(self, cache_salt: str | None = None, lora_name: str | None = None) -> bytes:
+        """The block-key salt of a request naming these: the engine's layout salt mixed with them."""
+        return request_salt(self.salt, cache_salt, lora_name)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self.scheduler.requests or request_id in self.scheduler.held:
