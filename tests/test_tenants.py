@@ -13,9 +13,9 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.llm import LLM
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.cluster import ClusterBackend, KVScope
+from pdserve.router.cluster import ClusterBackend
 from pdserve.router.policy import NodeView
-from pdserve.router.tenants import parse_api_keys
+from pdserve.router.tenants import KVScope, parse_api_keys
 
 BS = 16
 LAYOUT = kv_layout_salt("builtin:tiny", 4, 4, 32, "float32", BS)

@@ -47,6 +47,7 @@ from pdserve.router.nodes import Node, NodePool
 from pdserve.router.policy import NodeView, Planner, RoutePlan, SessionMap
 from pdserve.router.registry_watcher import RegistryWatcher
 from pdserve.router.scaler import OwnerClient, Scaler
+from pdserve.router.tenants import NO_SCOPE, KVScope
 
 log = logging.getLogger(__name__)
 TOKEN_TIMEOUT_S = 300.0  # a healthy node that sends nothing for this long still fails the request
@@ -65,17 +66,6 @@ def _view(node: Node) -> NodeView:
     return NodeView(node.node_id, len(node.requests), stats.get("free_blocks", 0), stats.get("total_blocks", 0),
                     sum(node.queued_tokens.values()), stats.get("prefill_ns_per_token", 0) / 1e9,
                     stats.get("store_load_us", 0) / 1e6 / store_tokens if store_tokens else 0.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class KVScope:
-    """What keys a request's KV blocks apart from other requests': its salt string (a tenant's
-    cache_salt, pdserve.engine.cache_salt) and its LoRA adapter. Both travel to the nodes."""
-    cache_salt: str | None = None
-    adapter: str | None = None
-
-
-NO_SCOPE = KVScope()
 
 
 class _Lost:

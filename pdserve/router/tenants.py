@@ -7,11 +7,23 @@ with the tenant: see pdserve.engine.cache_salt.tenant_cache_salt.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import Request
 
 from pdserve.engine.cache_salt import cache_salt_error, tenant_cache_salt
 from pdserve.router.errors import bad_request
 
+
+@dataclasses.dataclass(frozen=True)
+class KVScope:
+    """What keys a request's KV blocks apart from other requests': its salt string (a tenant's
+    cache_salt, pdserve.engine.cache_salt) and its LoRA adapter. Both travel to the nodes."""
+    cache_salt: str | None = None
+    adapter: str | None = None
+
+
+NO_SCOPE = KVScope()
 TENANT_HEADER = "x-tenant-id"
 SCOPE_TENANT = "pdserve.tenant"  # set in the ASGI scope by AdmissionMiddleware from the API key
 
