@@ -92,8 +92,10 @@ def run_router(args) -> int:
 
     from pdserve.kvstore.redact import redact_url
     from pdserve.router.planner_loop import attach_planner
+    from pdserve.router.tenants import parse_api_keys
     admission = dict(api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"), protect_metrics=args.protect_metrics,
                      max_body_bytes=args.max_body_bytes, max_queued_requests=args.max_queued_requests)
+    parse_api_keys(admission["api_key"])  # a malformed key list stops the start, not each request
     app = build_app(args.model, args.prefill or [], args.decode or [], args.kv_transfer, args.block_size,
                     _kv_dtype_name(args), args.max_model_len, admission,
                     dict(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
