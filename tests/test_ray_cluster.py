@@ -12,7 +12,9 @@ each started with `ray start` inside its own network namespace with its own addr
     worker and rejoin, no KV block stays in use, and the router that ran there is started again
     on the other worker;
   * the same greedy check with the KV handed over through the store (a redis-server on the head
-    machine), after restarting only `pdserve up --ray` (the lost worker's raylet joins again);
+    machine) to decode nodes at TP 2, after restarting only `pdserve up --ray --decode-tp 2` (the
+    lost worker's raylet joins again): each decode node's worker process runs beside it on its
+    machine, and both routers' /admin/nodes show each node's degree;
   * the address rule: every address registered, advertised or bound is loopback or a
     namespace's own, no process of the lab runs in the root namespace, and none listens on the
     machine's interface address (`hostname -I`).
@@ -48,6 +50,7 @@ CPUS = {"head": 0, "w1": 4, "w2": 4}  # nodes need a CPU each: none on the head;
 PORT = 18400
 PROMPTS = [list(range(5 + i, 70 + 3 * i)) for i in range(16)]
 MAX_TOKENS = 24
+TP_WORKER = "pdserve.executor.worker"  # a tensor-parallel node's rank 1..N-1 process (`python -m` it)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +135,8 @@ def _wait_for_urls(proc, log_path: str, timeout_s: float = 300) -> list[str]:
 
 
 def _pdserve_processes(lab) -> dict[int, str]:
-    """pid -> command line of every pdserve node or router process in the lab's namespaces."""
+    """pid -> command line of every pdserve node, router or tensor-parallel worker process in the
+    lab's namespaces."""
     out = {}
     for host in HOSTS:
         for pid in lab.pids(host):
@@ -140,9 +144,31 @@ def _pdserve_processes(lab) -> dict[int, str]:
                 cmd = psutil.Process(pid).cmdline()
             except psutil.Error:
                 continue
-            if "pdserve" in cmd and "--registry" in cmd:
+            if "pdserve" in cmd and "--registry" in cmd or TP_WORKER in cmd:
                 out[pid] = " ".join(cmd)
     return out
+
+
+def assert_each_tp_node_on_one_machine(lab, urls: list[str], degrees: dict[str, int]) -> None:
+    """Every router shows each node's TP degree (/admin/nodes), and each node's ranks run on the
+    machine its STRICT_PACK group reserved: its N - 1 workers beside its own process, in its
+    machine's namespace, where the node registered its address."""
+    for url in urls:
+        admin = httpx.get(f"{url}/admin/nodes", timeout=10).json()
+        assert {n["id"]: n["tensor_parallel_size"] for n in admin["nodes"]} == degrees
+    host_of = {pid: host for host in HOSTS for pid in lab.pids(host)}
+    nodes = _nodes(urls[0])
+    for pid, cmd in _pdserve_processes(lab).items():
+        args = cmd.split()
+        if "--node-id" not in args:
+            continue
+        node_id = args[args.index("--node-id") + 1]
+        workers = [c.pid for c in psutil.Process(pid).children() if TP_WORKER in c.cmdline()]
+        assert len(workers) == degrees[node_id] - 1, f"{node_id}: workers {workers}"
+        assert host_of[pid] == _host_of(nodes[node_id]["address"])
+        for worker in workers:
+            assert host_of.get(worker) == host_of[pid], f"{node_id}'s worker {worker} is not on {host_of[pid]}"
+            assert net_namespace(worker) == net_namespace(pid)
 
 
 def _redis_keys(host: str, port: int) -> int:
@@ -343,15 +369,18 @@ def _router_urls(lab, host: str) -> list[str]:
 
 def test_greedy_over_the_store_matches_offline(ray_up, lab, llm, redis_on_head):
     """`pdserve up --ray` again on the same Ray cluster, now handing KV over through a
-    redis-server on the head machine: prefill on one worker, decode on the other."""
+    redis-server on the head machine, to decode nodes at TP 2 (`--decode-tp 2`): each decode
+    node's two ranks are gang-placed on one machine; prefill on one worker, decode on the other."""
     ray_up.stop()
     for worker in ("w1", "w2"):  # the machine the previous test lost joins again
         if not lab.pids(worker):
             lab.ray_started(lab.ray_start(worker, "head", CPUS[worker]))
     urls = ray_up.start("--prefill-nodes", "1", "--decode-nodes", "2", "--kv-transfer", "store",
-                        "--store", redis_on_head)
+                        "--store", redis_on_head, "--decode-tp", "2")
     nodes = _nodes(urls[0])
+    # 5 CPUs (1 prefill, 2 + 2 decode ranks) fit on no single 4-CPU worker: both are used.
     assert {_host_of(n["address"]) for n in nodes.values()} == {"w1", "w2"}, nodes
+    assert_each_tp_node_on_one_machine(lab, urls, {"prefill-0": 1, "decode-0": 2, "decode-1": 2})
     assert_addresses_stay_in_the_lab(lab, urls, ray_up.log_path)
     for url in urls:
         for prompt in PROMPTS[2:4]:

@@ -39,6 +39,8 @@ def test_each_machine_binds_and_advertises_its_own_address():
     (("--kv-transfer", "store"), "every machine reaches"),
     (("--kv-transfer", "store", "--store", "direct+redis://"), "every machine reaches"),
     (("--kv-transfer", "nixl", "--curve"), "--curve"),
+    # A mixed pool (local `pdserve up` only): one template and one placement shape per role on Ray.
+    (("--kv-transfer", "nixl", "--decode-tp", "1,2"), "--decode-tp 1,2"),
 ])
 def test_flags_that_cannot_span_machines_are_refused(flags, message):
     args = _up(*flags)

@@ -16,6 +16,7 @@ import time
 import urllib.request
 
 from pdserve.cluster.ray_controller import Placement, RayController
+from pdserve.entrypoints.tp_degrees import pool_degree
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300
@@ -48,7 +49,7 @@ def node_templates(args, cluster) -> dict[str, list[str]]:
 
 
 def _tp_flags(args, role: str) -> list[str]:
-    tp = getattr(args, f"{role}_tp", 1) or 1
+    tp = pool_degree(args, role)
     return ["--tensor-parallel-size", str(tp)] if tp > 1 else []
 
 
@@ -76,7 +77,7 @@ def placement(args) -> Placement:
     key = args.api_key or os.environ.get("PDSERVE_API_KEY")
     return Placement(threads_per_node=args.threads_per_node or 1, gpus_per_node=args.ray_gpus_per_node,
                      role_resources=roles, max_restarts=args.ray_max_restarts,
-                     role_tp={role: getattr(args, f"{role}_tp", 1) or 1 for role in ("prefill", "decode")},
+                     role_tp={role: pool_degree(args, role) for role in ("prefill", "decode")},
                      router_env={"PDSERVE_API_KEY": key} if key else {})
 
 

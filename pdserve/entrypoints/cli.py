@@ -7,6 +7,7 @@ import sys
 
 from pdserve import __version__
 from pdserve.engine.config import engine_options
+from pdserve.entrypoints.tp_degrees import parse_degrees
 from pdserve.models.gguf import DEFAULT_MODEL
 
 # Up to this many missing prompt tokens the decode node prefills them itself instead of taking a
@@ -206,8 +207,10 @@ def _add_cluster_parsers(sub) -> None:
     up.add_argument("--lease-s", type=float, default=30.0, help="seconds NIXL-pinned blocks are kept")
     up.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute",
                     help="when a KV pull fails: compute the prompt on the decode node, or fail the request")
-    up.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of each prefill node")
-    up.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of each decode node")
+    for role in ("prefill", "decode"):
+        up.add_argument(f"--{role}-tp", type=parse_degrees, default="1", metavar="N[,N...]",
+                        help=f"tensor-parallel size of each {role} node; a comma list gives the {role} nodes "
+                             f"their sizes in turn ({role}-i: entry i mod the list's length)")
     up.add_argument("--threads-per-node", type=int, default=None,
                     help="compute threads per node (default: the machine's cores divided among the nodes)")
     _add_admission_args(up)

@@ -19,6 +19,7 @@ from pdserve.cluster.owner import with_role
 from pdserve.cluster.owner_admin import answer_owner_request
 from pdserve.cluster.planner import planner_flags
 from pdserve.cluster.registry import RegistryServer
+from pdserve.entrypoints.tp_degrees import node_degree, pool_ranks
 from pdserve.kvstore.redact import redact_url
 from pdserve.transport import NodeSocket, free_port
 
@@ -75,7 +76,7 @@ class Cluster:
         if a.threads_per_node:
             return a.threads_per_node
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        ranks = (a.prefill_nodes * getattr(a, "prefill_tp", 1) + a.decode_nodes * getattr(a, "decode_tp", 1))
+        ranks = pool_ranks(a, "prefill", a.prefill_nodes) + pool_ranks(a, "decode", a.decode_nodes)
         return tp * max(1, cores // max(1, ranks))
 
     def node_cmd(self, role: str, node_id: str, bind: str, extra: list[str]) -> list[str]:
@@ -146,7 +147,8 @@ class Cluster:
         if role not in ("prefill", "decode"):
             raise ValueError(f"unknown role {role!r}")
         a = self.args
-        node_id = f"{role}-{self._next_index[role]}"
+        index = self._next_index[role]
+        node_id = f"{role}-{index}"
         self._next_index[role] += 1
         addr = f"tcp://127.0.0.1:{free_port()}"
         extra = ["--lease-s", str(a.lease_s)] + self._store_flags(self._store)
@@ -155,7 +157,7 @@ class Cluster:
         if role == "decode":
             extra += ["--nixl"] if a.kv_transfer == "nixl" else []
             extra += ["--on-transfer-failure", a.on_transfer_failure, "--pull-delay-s", str(a.decode_pull_delay_s)]
-        tp = getattr(a, f"{role}_tp", 1) or 1
+        tp = node_degree(a, role, index)
         extra += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         self.spawn(node_id, self.node_cmd(role, node_id, addr, extra), self.threads_per_node(tp))
         self.node_roles[node_id], self.node_addresses[node_id] = role, addr
