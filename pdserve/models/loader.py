@@ -64,7 +64,7 @@ def load_hf_config(path: Path):
         except ValueError as exc:
             raise ModelLoadError(f"{path}: {exc}") from None
     quantization = getattr(config, "quantization_config", None)
-    if quantization:
+    if quantization and not (archs[0] in FAMILY_MODULES and getattr(_family(archs[0]), "LOADS_QUANTIZED", False)):
         _checkpoint_quant_config(path, archs[0], quantization)  # refuses what cannot load, now
     return config
 
