@@ -190,7 +190,7 @@ def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.dev
             if device.type != "cpu":
                 raise ValueError("FP8 checkpoints run on CPU only so far (no CUDA kernels yet)")
             block = fp8_block.block_size(quantization if isinstance(quantization, dict) else quantization.to_dict())
-            _keep_fp8(model, _fp8_modules(files), block)
+            _keep_fp8(model, fp8_block.fp8_modules(files), block)
     model = model.to_empty(device="cpu")
     tensors = _read_tensors(files)
     load_weights(model, fp8_block.fp8_block_tensors(tensors, block, _keeps_fp8) if quantization else tensors)
@@ -204,16 +204,6 @@ def _keeps_fp8(module: str) -> bool:
     """Checkpoint modules kept FP8: all but the routed experts (stacked per layer, with no FP8
     kernel yet) and kv_b_proj (the absorbed decode multiplies its matrices directly)."""
     return ".experts." not in module and not module.endswith("kv_b_proj")
-
-
-def _fp8_modules(files: list[Path]) -> set[str]:
-    """The checkpoint's modules (names without 'model.') that carry a weight_scale_inv."""
-    names = set()
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            names.update(n.removeprefix("model.").removesuffix(".weight_scale_inv") for n in f.keys()
-                         if n.endswith(".weight_scale_inv"))
-    return names
 
 
 def _keep_fp8(model: DeepseekModel, quantized: set[str], block: tuple[int, int]) -> None:

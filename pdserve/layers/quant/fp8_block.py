@@ -3,20 +3,25 @@ fmt: e4m3, weight_block_size: [128, 128], activation_scheme: dynamic}`. Each qua
 has `weight` (float8_e4m3fn [out, in]) and `weight_scale_inv` (float32 [ceil(out / 128),
 ceil(in / 128)]: despite its name, w = weight * weight_scale_inv).
 
-Kept FP8 in act_quant's layout (Fp8LinearMethod, activations quantized per token in groups of
-128 columns, as DeepSeek's own inference code and vLLM do). A model decides which modules it
-keeps; the others' weights are dequantized to float32 at load (fp8_block_tensors), with one log
-line counting them.
+Qwen3's FP8 checkpoints use the same format. Kept FP8 in act_quant's layout (Fp8LinearMethod,
+activations quantized per token in groups of 128 columns, as DeepSeek's own inference code and
+vLLM do). A model decides which modules it keeps (the Llama family: every Linear the checkpoint
+quantized, through Fp8BlockConfig; DeepSeek: see pdserve.models.deepseek); the others' weights
+are dequantized to float32 at load (fp8_block_tensors), with one log line counting them.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
-from pdserve.layers.quant.act_quant import expand_scale, scale_bits
+from pdserve.layers.quant.act_quant import Fp8LinearMethod, expand_scale, scale_bits
+from pdserve.layers.quant.base import QuantConfig, QuantMethod
+from pdserve.layers.quant.unquantized import UnquantizedLinearMethod
 
 log = logging.getLogger("pdserve.quant")
 
@@ -42,11 +47,40 @@ def block_size(quantization: dict) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
+def fp8_modules(files: list[Path]) -> set[str]:
+    """The checkpoint's modules (names without 'model.') that carry a weight_scale_inv."""
+    names = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names.update(n.removeprefix("model.").removesuffix(".weight_scale_inv") for n in f.keys()
+                         if n.endswith(".weight_scale_inv"))
+    return names
+
+
+class Fp8BlockConfig(QuantConfig):
+    """Each linear layer whose checkpoint parts (q, k, v; gate, up; or the one) are FP8 keeps
+    them FP8; a layer the checkpoint left in float stays float."""
+    name = "fp8"
+
+    def __init__(self, quantization: dict, quantized: set[str]):
+        self.block = block_size(quantization)
+        self.quantized = quantized
+
+    def linear_method(self, layer: nn.Module, prefix: str) -> QuantMethod:
+        from pdserve.layers.quant.grouped import FUSED_PARTS
+        head, _, last = prefix.rpartition(".")
+        parts = [f"{head}.{p}" for p in FUSED_PARTS[last]] if last in FUSED_PARTS else [prefix]
+        kept = {p in self.quantized for p in parts}
+        if len(kept) > 1:
+            raise ValueError(f"FP8 checkpoint: parts of {prefix} are quantized differently ({', '.join(parts)})")
+        if prefix == "embed_tokens" or not kept.pop():
+            return UnquantizedLinearMethod()
+        return Fp8LinearMethod(self.block[1])
+
+
 def fp8_linear(linear: nn.Linear, block: tuple[int, int], prefix: str) -> nn.Module:
     """A ReplicatedLinear holding FP8 weights in place of `linear` (built on the same device)."""
     from pdserve.layers.linear import ReplicatedLinear
-    from pdserve.layers.quant.act_quant import Fp8LinearMethod
-    from pdserve.layers.quant.base import QuantConfig
 
     class _Fp8(QuantConfig):
         name = "fp8"

@@ -1,10 +1,10 @@
-"""DeepSeek-V3 FP8 block checkpoints (quant_method fp8, 128x128 weight_block_size,
-weight_scale_inv, dynamic activations), written here from a random DeepSeek-V3 as DeepSeek ships
-them: every Linear but the router, the embedding and the LM head in e4m3 with one scale per
-128x128 block. pdserve keeps the dense MLP, the shared experts and MLA's projections FP8 (their
-activations quantized per token in groups of 128 columns) and dequantizes the routed experts and
-kv_b_proj at load. The reference applies exactly that in plain torch: transformers' DeepSeek-V3
-on the dequantized weights, with the kept Linears' inputs quantized and dequantized."""
+"""FP8 block checkpoints as DeepSeek-V3 and Qwen3 ship them (quant_method fp8, 128x128
+weight_block_size, weight_scale_inv, dynamic activations), written here from random models:
+every Linear but the router, the embedding and the LM head in e4m3 with one scale per 128x128
+block. pdserve keeps them FP8 (activations quantized per token in groups of 128 columns), except
+DeepSeek's routed experts and kv_b_proj, which it dequantizes at load. The reference applies
+exactly that in plain torch: transformers' model on the dequantized weights, with the kept
+Linears' inputs quantized and dequantized."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from model_factory import load_reference
+from model_factory import load_reference, make_model
 from safetensors.torch import load_file, save_file
 from test_act_quant import _quant_dequant, agreement_with_unquantized, assert_matches_quantized_reference
 from test_models_deepseek import make_deepseek
@@ -75,6 +75,18 @@ def _kept_fp8(name: str) -> bool:
     return ".experts." not in f"{name}." and not name.endswith("kv_b_proj")
 
 
+def fp8_reference(dequantized, kept) -> tuple[nn.Module, int]:
+    """transformers' model on the dequantized weights, the inputs of the Linears kept FP8
+    quantized per token and group of 128 columns; and how many Linears that is."""
+    ref = load_reference(dequantized)
+    count = 0
+    for name, module in ref.named_modules():
+        if isinstance(module, nn.Linear) and _is_quantized(f"{name}.weight", module.weight) and kept(name):
+            module.register_forward_pre_hook(lambda m, args: (_quant_dequant(args[0], "float", BLOCK),))
+            count += 1
+    return ref, count
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("dsfp8")
@@ -84,12 +96,7 @@ def checkpoints(tmp_path_factory):
 
 def test_fp8_blocks_match_plain_torch_reference(checkpoints, caplog):
     src, fp8, dequantized = checkpoints
-    ref = load_reference(dequantized)
-    kept = 0
-    for name, module in ref.named_modules():
-        if isinstance(module, nn.Linear) and _is_quantized(f"{name}.weight", module.weight) and _kept_fp8(name):
-            module.register_forward_pre_hook(lambda m, args: (_quant_dequant(args[0], "float", BLOCK),))
-            kept += 1
+    ref, kept = fp8_reference(dequantized, _kept_fp8)
     assert kept == 2 * 5 + 2 + 2  # MLA's five FP8 projections per layer, a dense MLP, the shared experts
     with caplog.at_level(logging.WARNING, logger="pdserve.quant"):
         llm = LLM(str(fp8), num_kv_blocks=64)
@@ -114,3 +121,19 @@ def test_other_quantization_of_deepseek_is_refused(checkpoints, tmp_path):
             (tmp_path / f.name).symlink_to(f)
     with pytest.raises(ModelLoadError, match="activation_scheme 'static' is not supported.*DeepSeek-V3"):
         LLM(str(tmp_path), num_kv_blocks=8)
+
+
+def test_qwen3_fp8_blocks_match_plain_torch_reference(tmp_path):
+    """Qwen3's FP8 checkpoints: the same format on the Llama family's fused layers (k and v of 64
+    rows each: the block scales of a part smaller than a block, side by side in qkv_proj)."""
+    src = make_model(tmp_path, "qwen3", **SHAPE)
+    fp8, dequantized = write_fp8(src, tmp_path)
+    ref, kept = fp8_reference(dequantized, lambda name: True)
+    assert kept == 2 * 7
+    llm = LLM(str(fp8), num_kv_blocks=64)
+    layer = llm.engine.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(linear.quant_method, Fp8LinearMethod) and linear.weight.dtype == torch.uint8
+    assert_matches_quantized_reference(llm, ref, "qwen3 fp8")
+    print(f"Qwen3 FP8 blocks against the unquantized model: "
+          f"{agreement_with_unquantized(llm, LLM(str(src), num_kv_blocks=64), ref.config.vocab_size)}")
