@@ -6,7 +6,8 @@ is yarn-scaled. Its MoE routes by the top-k router logits (router with a bias), 
 those k, and each expert is a biased, clamped SwiGLU: gate clamped above at `limit`, up to
 [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate).
 
-The checkpoint stores the experts as gate_up_proj [E, H, 2I] with gate and up interleaved
+An MXFP4 checkpoint (quant_method mxfp4, as gpt-oss ships) has its experts dequantized at load
+(pdserve.layers.quant.mxfp4). The checkpoint stores the experts as gate_up_proj [E, H, 2I] with gate and up interleaved
 along the last dim, and down_proj [E, I, H]; they are loaded into the [E, 2I, H] gate-first
 layout of pdserve.models.moe.Experts.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pdserve.layers.quant import mxfp4
 from pdserve.models.attention import PagedAttention
 from pdserve.models.decoder import DecoderModel, build_and_load
 from pdserve.models.llama import ModelSpec
@@ -26,6 +28,7 @@ from pdserve.models.rope import RotaryEmbedding, rope_type_of
 from pdserve.models.weights import WeightLoader, check_fields
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+LOADS_QUANTIZED = True  # check_config vets the quantization_config (pdserve.models.loader)
 
 
 class RMSNorm(nn.Module):
@@ -49,7 +52,14 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def _quantization(config) -> dict | None:
+    quantization = getattr(config, "quantization_config", None)
+    return (quantization if isinstance(quantization, dict) else quantization.to_dict()) if quantization else None
+
+
 def check_config(config) -> None:
+    if _quantization(config):
+        mxfp4.check_config(_quantization(config))
     check_fields(config, {"attention_bias": (True, False), "tie_word_embeddings": (False, True)})
     bad = set(config.layer_types) - set(LAYER_TYPES)
     if bad:
@@ -121,4 +131,5 @@ def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.dev
         return DecoderModel(spec, layers, RMSNorm(spec.hidden_size, spec.rms_norm_eps), {"rope": rope},
                             ["rope"] * spec.num_layers, cuda_graph_safe=experts_graph_safe)
 
-    return build_and_load(make, files, _place, dtype, device)
+    return build_and_load(make, files, _place, dtype, device,
+                          convert=mxfp4.mxfp4_tensors if _quantization(config) else None)
