@@ -2,13 +2,14 @@
 weight_block_size, weight_scale_inv, dynamic activations), written here from random models:
 every Linear but the router, the embedding and the LM head in e4m3 with one scale per 128x128
 block. pdserve keeps them FP8 (activations quantized per token in groups of 128 columns), except
-DeepSeek's routed experts and kv_b_proj, which it dequantizes at load. The reference applies
-exactly that in plain torch: transformers' model on the dequantized weights, with the kept
-Linears' inputs quantized and dequantized."""
+DeepSeek's kv_b_proj, which it dequantizes at load. The reference applies exactly that in plain
+torch: transformers' model on the dequantized weights, with the kept Linears' inputs, and each
+routed expert's two inputs, quantized and dequantized."""
 from __future__ import annotations
 
 import json
 import logging
+import types
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 from pdserve import LLM
 from pdserve.layers.quant.act_quant import Fp8LinearMethod
 from pdserve.models.loader import ModelLoadError
+from pdserve.models.moe_fp8 import Fp8Experts
 
 BLOCK = 128
 SHAPE = dict(hidden_size=256, intermediate_size=320)  # several column blocks, a ragged last one
@@ -72,7 +74,19 @@ def write_fp8(src, root):
 
 
 def _kept_fp8(name: str) -> bool:
-    return ".experts." not in f"{name}." and not name.endswith("kv_b_proj")
+    return not name.endswith("kv_b_proj")
+
+
+def _fp8_experts_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """transformers' DeepSeek-V3 experts, token by token, each projection's input quantized."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            gate, up = F.linear(_quant_dequant(x[t:t + 1], "float", BLOCK), self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+            out[t] += weights[t, k] * F.linear(_quant_dequant(h, "float", BLOCK), self.down_proj[e])[0]
+    return out
 
 
 def fp8_reference(dequantized, kept) -> tuple[nn.Module, int]:
@@ -97,11 +111,15 @@ def checkpoints(tmp_path_factory):
 def test_fp8_blocks_match_plain_torch_reference(checkpoints, caplog):
     src, fp8, dequantized = checkpoints
     ref, kept = fp8_reference(dequantized, _kept_fp8)
-    assert kept == 2 * 5 + 2 + 2  # MLA's five FP8 projections per layer, a dense MLP, the shared experts
+    assert kept == 2 * 4 + 3 + 3  # MLA's four FP8 projections per layer, a dense MLP, the shared experts
+    experts = ref.model.layers[1].mlp.experts
+    experts.forward = types.MethodType(_fp8_experts_forward, experts)
     with caplog.at_level(logging.WARNING, logger="pdserve.quant"):
         llm = LLM(str(fp8), num_kv_blocks=64)
     assert "dequantized to float at load" in caplog.text
     model = llm.engine.model
+    assert isinstance(model.layers[1].mlp.experts, Fp8Experts)
+    assert model.layers[1].mlp.experts.down_proj.dtype == torch.uint8
     for linear in (model.layers[0].self_attn.q_a_proj, model.layers[0].self_attn.o_proj,
                    model.layers[0].mlp.gate_up_proj, model.layers[1].mlp.shared_expert.down_proj):
         assert isinstance(linear.quant_method, Fp8LinearMethod) and linear.weight.dtype == torch.uint8

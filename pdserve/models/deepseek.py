@@ -10,8 +10,8 @@ routed_scaling_factor. V2 scores with a softmax, topk_method "greedy" or "group_
 (a group scored by its best expert), never renormalises, and scales by routed_scaling_factor.
 
 FP8 block checkpoints as DeepSeek-V3 ships them (pdserve.layers.quant.fp8_block) load on CPU with
-the dense MLPs, the shared experts and MLA's projections kept FP8; the routed experts and
-kv_b_proj (which the absorbed decode reads as matrices) are dequantized at load.
+the dense MLPs, the routed and shared experts (pdserve.models.moe_fp8) and MLA's projections
+kept FP8; kv_b_proj (which the absorbed decode reads as matrices) is dequantized at load.
 """
 from __future__ import annotations
 
@@ -201,14 +201,18 @@ def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.dev
 
 
 def _keeps_fp8(module: str) -> bool:
-    """Checkpoint modules kept FP8: all but the routed experts (stacked per layer, with no FP8
-    kernel yet) and kv_b_proj (the absorbed decode multiplies its matrices directly)."""
-    return ".experts." not in module and not module.endswith("kv_b_proj")
+    """Checkpoint modules kept FP8: all but kv_b_proj (the absorbed decode multiplies its
+    matrices directly)."""
+    return not module.endswith("kv_b_proj")
 
 
 def _keep_fp8(model: DeepseekModel, quantized: set[str], block: tuple[int, int]) -> None:
-    """Swap each nn.Linear whose checkpoint weights are FP8 and kept for an FP8 layer."""
+    """Swap each nn.Linear whose checkpoint weights are FP8 and kept for an FP8 layer, and each
+    layer's experts for FP8 experts when the checkpoint's are FP8."""
+    from pdserve.models.moe_fp8 import Fp8Experts
     for name, module in list(model.named_modules()):
+        if isinstance(module, SparseMoE) and f"{name}.experts.0.gate_proj" in quantized:
+            module.experts = Fp8Experts.like(module.experts, block[1])
         source = name.replace("shared_expert.", "shared_experts.").replace("gate_up_proj", "gate_proj")
         if isinstance(module, nn.Linear) and source in quantized and _keeps_fp8(source):
             parent, _, attr = name.rpartition(".")
@@ -248,7 +252,8 @@ def _targets(model: DeepseekModel, name: str, tensor: torch.Tensor, params: dict
         renamed = _MOE_NAMES.get(parts[3], parts[3])
         if parts[3] == "experts" and parts[4].isdigit():  # one expert's [out, in] matrix
             e, part = int(parts[4]), parts[5]
-            target = f"{prefix}.experts.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+            kind = "scale" if parts[6] == "weight_scale" else "proj"  # an FP8 expert's scales
+            target = f"{prefix}.experts.{'down' if part == 'down_proj' else 'gate_up'}_{kind}"
             return [(target, _half(params[target].data[e], part))]
         name = ".".join([prefix, renamed, *parts[4:]])
         if parts[3] == "gate" and parts[4] == "e_score_correction_bias":

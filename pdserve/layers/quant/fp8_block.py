@@ -120,5 +120,5 @@ def fp8_block_tensors(tensors: Iterable[tuple[str, torch.Tensor]], block: tuple[
         raise ValueError(f"FP8 checkpoint: weights without a weight_scale_inv, or the reverse: "
                          f"{', '.join(sorted(pending)[:8])}")
     if dequantized:
-        log.warning("FP8 checkpoint: %d matrices (MoE experts, MLA's kv_b_proj) have no FP8 kernel in pdserve "
-                    "and were dequantized to float at load", dequantized)
+        log.warning("FP8 checkpoint: %d matrices that pdserve multiplies in float (MLA's kv_b_proj) were "
+                    "dequantized to float at load", dequantized)
