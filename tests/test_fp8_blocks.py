@@ -23,7 +23,7 @@ from torch import nn
 from pdserve import LLM
 from pdserve.layers.quant.act_quant import Fp8LinearMethod
 from pdserve.models.loader import ModelLoadError
-from pdserve.models.moe_fp8 import Fp8Experts
+from pdserve.models.moe_quant import Fp8Experts
 
 BLOCK = 128
 SHAPE = dict(hidden_size=256, intermediate_size=320)  # several column blocks, a ragged last one

@@ -1,11 +1,10 @@
 """gpt-oss MXFP4 checkpoints (quant_method mxfp4: each expert projection as `*_blocks` of FP4
 e2m1 values and `*_scales` of per-32 powers of two), written here from a random gpt-oss. pdserve
-dequantizes the experts at load (with a log line): its greedy tokens must be transformers' on the
-same checkpoint, which transformers dequantizes to float32 itself (Mxfp4Config(dequantize=True))."""
+keeps the experts packed: its greedy tokens must be transformers' on the same checkpoint, which
+transformers dequantizes to float32 itself (Mxfp4Config(dequantize=True))."""
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
 from pdserve.models.loader import ModelLoadError
+from pdserve.models.moe_quant import Mxfp4Experts
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -45,15 +45,16 @@ def checkpoint(tmp_path_factory):
     return src
 
 
-def test_mxfp4_experts_match_transformers_dequantized(checkpoint, caplog):
+def test_mxfp4_experts_match_transformers_dequantized(checkpoint):
     from transformers import AutoModelForCausalLM, Mxfp4Config
     ref = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager",
                                                quantization_config=Mxfp4Config(dequantize=True)).eval()
     ref.generation_config.eos_token_id = None
-    with caplog.at_level(logging.WARNING, logger="pdserve.quant"):
-        check_prompt_logits(checkpoint, ref, lengths=(1, 9, 40))
-    assert "MXFP4 checkpoint: 6 expert tensors" in caplog.text
+    check_prompt_logits(checkpoint, ref, lengths=(1, 9, 40))
     llm = LLM(str(checkpoint), num_kv_blocks=64)
+    experts = llm.engine.model.layers[0].mlp.experts
+    assert isinstance(experts, Mxfp4Experts) and experts.gate_up_proj.dtype == torch.uint8
+    assert experts.down_proj.shape[-1] * 2 == ref.config.intermediate_size  # two codes a byte
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for prompt in random_prompts(2, ref.config.vocab_size, [5, 23]):
         want, _ = reference_greedy(ref, prompt, 12)

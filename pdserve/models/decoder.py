@@ -3,7 +3,7 @@ gpt-oss): embedding, a stack of layers each with its RoPE table, final norm, LM 
 build-and-load sequence. Each family supplies its layers and its checkpoint name mapping."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,18 +69,15 @@ class DecoderModel(nn.Module):
 
 def build_and_load(make: Callable[[], DecoderModel], files: list[Path],
                    place: Callable[[str, torch.Tensor, WeightLoader], None],
-                   dtype: torch.dtype, device: torch.device,
-                   convert: Callable[[Iterator], Iterator] | None = None) -> DecoderModel:
+                   dtype: torch.dtype, device: torch.device) -> DecoderModel:
     """Build the model without memory, load every checkpoint tensor through place(name without
-    'model.', tensor, loader), check nothing is missing, move to device and dtype. convert, if
-    given, rewrites the stream of (name, tensor) first (a quantized format dequantized at load)."""
+    'model.', tensor, loader), check nothing is missing, move to device and dtype."""
     with torch.device("meta"):
         model = make()
     model = model.to_empty(device="cpu")
     loader = WeightLoader(model, model.shard_sizes)
     tied = model.spec.tie_word_embeddings
-    tensors = checkpoint_tensors(files)
-    for name, tensor in convert(tensors) if convert else tensors:
+    for name, tensor in checkpoint_tensors(files):
         if "rotary_emb" in name or (tied and name == "lm_head.weight"):
             continue
         place(name, tensor, loader)

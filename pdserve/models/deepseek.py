@@ -10,7 +10,7 @@ routed_scaling_factor. V2 scores with a softmax, topk_method "greedy" or "group_
 (a group scored by its best expert), never renormalises, and scales by routed_scaling_factor.
 
 FP8 block checkpoints as DeepSeek-V3 ships them (pdserve.layers.quant.fp8_block) load on CPU with
-the dense MLPs, the routed and shared experts (pdserve.models.moe_fp8) and MLA's projections
+the dense MLPs, the routed and shared experts (pdserve.models.moe_quant) and MLA's projections
 kept FP8; kv_b_proj (which the absorbed decode reads as matrices) is dequantized at load.
 """
 from __future__ import annotations
@@ -209,7 +209,7 @@ def _keeps_fp8(module: str) -> bool:
 def _keep_fp8(model: DeepseekModel, quantized: set[str], block: tuple[int, int]) -> None:
     """Swap each nn.Linear whose checkpoint weights are FP8 and kept for an FP8 layer, and each
     layer's experts for FP8 experts when the checkpoint's are FP8."""
-    from pdserve.models.moe_fp8 import Fp8Experts
+    from pdserve.models.moe_quant import Fp8Experts
     for name, module in list(model.named_modules()):
         if isinstance(module, SparseMoE) and f"{name}.experts.0.gate_proj" in quantized:
             module.experts = Fp8Experts.like(module.experts, block[1])
