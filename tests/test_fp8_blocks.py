@@ -21,8 +21,9 @@ from test_models_deepseek import make_deepseek
 from torch import nn
 
 from pdserve import LLM
+from pdserve.executor.setup import check_tp_support
 from pdserve.layers.quant.act_quant import Fp8LinearMethod
-from pdserve.models.loader import ModelLoadError
+from pdserve.models.loader import ModelLoadError, load_hf_config
 from pdserve.models.moe_quant import Fp8Experts
 
 BLOCK = 128
@@ -131,6 +132,8 @@ def test_fp8_blocks_match_plain_torch_reference(checkpoints, caplog):
 
 def test_other_quantization_of_deepseek_is_refused(checkpoints, tmp_path):
     _, fp8, _ = checkpoints
+    with pytest.raises(ValueError, match="quantized DeepseekV3ForCausalLM checkpoints .* tensor_parallel_size 1"):
+        check_tp_support(load_hf_config(fp8), 2)
     config = json.loads((fp8 / "config.json").read_text())
     config["quantization_config"]["activation_scheme"] = "static"
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -12,7 +12,8 @@ from family_models import check_prompt_logits, make_family_model, random_prompts
 from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
-from pdserve.models.loader import ModelLoadError
+from pdserve.executor.setup import check_tp_support
+from pdserve.models.loader import ModelLoadError, load_hf_config
 from pdserve.models.moe_quant import Mxfp4Experts
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -63,6 +64,8 @@ def test_mxfp4_experts_match_transformers_dequantized(checkpoint):
 
 
 def test_other_quantization_of_gpt_oss_is_refused(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="quantized GptOssForCausalLM checkpoints .* tensor_parallel_size 1"):
+        check_tp_support(load_hf_config(checkpoint), 2)
     config = json.loads((checkpoint / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))
