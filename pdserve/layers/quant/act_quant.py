@@ -77,6 +77,9 @@ class ActQuantLinearMethod(QuantMethod):
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
         rows, block = sum(output_sizes), self.block or input_size
+        if self.block and input_size % self.block and getattr(layer, "split_input", False) and layer.tp.size > 1:
+            raise ValueError(f"{input_size} input columns per rank are not whole blocks of {self.block}: "
+                             f"choose a tensor_parallel_size that keeps them whole")
         layer.register_parameter("weight", nn.Parameter(
             torch.zeros(rows, input_size, dtype=self.weight_dtype), requires_grad=False))
         layer.register_parameter("weight_scale", nn.Parameter(
