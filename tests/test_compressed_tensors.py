@@ -1,7 +1,8 @@
 """compressed-tensors W4A16 / W8A16 checkpoints (pack-quantized; group and channel; symmetric
 and asymmetric), written here with compressed-tensors from a random Llama, load kept quantized
 and generate the greedy tokens of transformers loading them decompressed to float32
-(CompressedTensorsConfig(run_compressed=False)). Schemes that quantize activations are refused."""
+(CompressedTensorsConfig(run_compressed=False)). Packed weights whose scheme also quantizes
+activations are refused (test_act_quant.py has the FP8 and W8A8 formats that load)."""
 from __future__ import annotations
 
 import json
@@ -66,11 +67,11 @@ def test_matches_transformers_decompressed(tmp_path, bits, group_size, symmetric
     assert_matches_reference(llm, ref, 2, (6, 19, 40), NEW_TOKENS, 1e-3)
 
 
-def test_activation_quantization_is_refused(tmp_path):
+def test_packed_weights_with_quantized_activations_are_refused(tmp_path):
     path = write_checkpoint(tmp_path, 8, None, True)
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {
         "num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="quantizes activations.*W4A16 and W8A16"):
+    with pytest.raises(ModelLoadError, match="format 'pack-quantized'.*W4A16 and W8A16"):
         LLM(str(path), num_kv_blocks=8)

@@ -139,7 +139,7 @@ def test_unusual_configs_are_refused(tmp_path):
         "num_key_value_heads": (dict(num_key_value_heads=2), "num_key_value_heads"),
         "topk_method": (dict(topk_method="noaux_tc"), "topk_method"),
         "groups": (dict(n_group=3, topk_method="group_limited_greedy"), "whole groups"),
-        "quantized": (dict(quantization_config={"quant_method": "fp8"}), "quantized"),
+        "quantized": (dict(quantization_config={"quant_method": "fp8"}), "per-tensor FP8.*not supported"),
         "scoring": (dict(scoring_func="sigmoid"), "scoring_func"),
     }
     for overrides, words in bad.values():

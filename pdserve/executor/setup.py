@@ -25,6 +25,9 @@ def check_tp_support(hf_config, size: int, expert_parallel: bool = False) -> Non
         kind = "is not converted to tensor parallelism yet" if arch in FAMILY_MODULES else "is not supported"
         raise ValueError(f"tensor_parallel_size={size}: {arch} {kind}; "
                          f"tensor parallelism supports {', '.join(TP_FAMILIES)}")
+    if arch in SHARDED_AFTER_LOAD and getattr(hf_config, "quantization_config", None):
+        raise ValueError(f"tensor_parallel_size={size}: quantized {arch} checkpoints (FP8, MXFP4) run at "
+                         f"tensor_parallel_size 1 only so far")
     heads = hf_config.num_attention_heads
     if heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the {heads} attention heads")

@@ -8,6 +8,10 @@ e_score_correction_bias inside the topk_group best of n_group groups (a group sc
 best experts), weights by the unbiased scores, renormalised if norm_topk_prob, times
 routed_scaling_factor. V2 scores with a softmax, topk_method "greedy" or "group_limited_greedy"
 (a group scored by its best expert), never renormalises, and scales by routed_scaling_factor.
+
+FP8 block checkpoints as DeepSeek-V3 ships them (pdserve.layers.quant.fp8_block) load on CPU with
+the dense MLPs, the routed and shared experts (pdserve.models.moe_quant) and MLA's projections
+kept FP8; kv_b_proj (which the absorbed decode reads as matrices) is dequantized at load.
 """
 from __future__ import annotations
 
@@ -20,12 +24,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pdserve.layers.quant import fp8_block
 from pdserve.models.llama import RMSNorm
 from pdserve.models.mla import MLASpec, MLAttention, mla_softmax_scale
 from pdserve.models.moe import DenseMLP, SparseMoE, grouped_topk
 from pdserve.models.rope import RotaryEmbedding
 
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+LOADS_QUANTIZED = True  # check_config vets the quantization_config (pdserve.models.loader)
 
 
 @dataclass
@@ -54,9 +60,12 @@ def check_config(config) -> None:
     """Refuse what transformers itself would not run the same way, or pdserve does not do
     (ValueError naming it)."""
     arch = config.architectures[0]
-    if getattr(config, "quantization_config", None):
-        _refuse(arch, "quantized checkpoints (quantization_config) are not supported; "
-                      "convert the weights to bfloat16 or float32 first")
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        try:
+            fp8_block.block_size(quantization if isinstance(quantization, dict) else quantization.to_dict())
+        except ValueError as exc:
+            _refuse(arch, str(exc))
     if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
         _refuse(arch, f"hidden_act {config.hidden_act!r} is not supported; supported: silu")
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -174,14 +183,40 @@ def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.dev
     """The model from a transformers config and the checkpoint's safetensors files."""
     spec = deepseek_spec(config)
     rope = RotaryEmbedding(config, spec.mla.qk_rope_head_dim, spec.max_position_embeddings)
+    quantization = getattr(config, "quantization_config", None)
     with torch.device("meta"):
         model = DeepseekModel(spec, rope)
+        if quantization:
+            if device.type != "cpu":
+                raise ValueError("FP8 checkpoints run on CPU only so far (no CUDA kernels yet)")
+            block = fp8_block.block_size(quantization if isinstance(quantization, dict) else quantization.to_dict())
+            _keep_fp8(model, fp8_block.fp8_modules(files), block)
     model = model.to_empty(device="cpu")
-    load_weights(model, _read_tensors(files))
+    tensors = _read_tensors(files)
+    load_weights(model, fp8_block.fp8_block_tensors(tensors, block, _keeps_fp8) if quantization else tensors)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rope = rope.to(device)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _keeps_fp8(module: str) -> bool:
+    """Checkpoint modules kept FP8: all but kv_b_proj (the absorbed decode multiplies its
+    matrices directly)."""
+    return not module.endswith("kv_b_proj")
+
+
+def _keep_fp8(model: DeepseekModel, quantized: set[str], block: tuple[int, int]) -> None:
+    """Swap each nn.Linear whose checkpoint weights are FP8 and kept for an FP8 layer, and each
+    layer's experts for FP8 experts when the checkpoint's are FP8."""
+    from pdserve.models.moe_quant import Fp8Experts
+    for name, module in list(model.named_modules()):
+        if isinstance(module, SparseMoE) and f"{name}.experts.0.gate_proj" in quantized:
+            module.experts = Fp8Experts.like(module.experts, block[1])
+        source = name.replace("shared_expert.", "shared_experts.").replace("gate_up_proj", "gate_proj")
+        if isinstance(module, nn.Linear) and source in quantized and _keeps_fp8(source):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, fp8_block.fp8_linear(module, block, name))
 
 
 def _read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -217,13 +252,14 @@ def _targets(model: DeepseekModel, name: str, tensor: torch.Tensor, params: dict
         renamed = _MOE_NAMES.get(parts[3], parts[3])
         if parts[3] == "experts" and parts[4].isdigit():  # one expert's [out, in] matrix
             e, part = int(parts[4]), parts[5]
-            target = f"{prefix}.experts.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+            kind = "scale" if parts[6] == "weight_scale" else "proj"  # an FP8 expert's scales
+            target = f"{prefix}.experts.{'down' if part == 'down_proj' else 'gate_up'}_{kind}"
             return [(target, _half(params[target].data[e], part))]
         name = ".".join([prefix, renamed, *parts[4:]])
         if parts[3] == "gate" and parts[4] == "e_score_correction_bias":
             name = f"{prefix}.e_score_correction_bias"
     if parts[-2] in ("gate_proj", "up_proj"):  # dense MLPs hold gate and up fused
-        target = ".".join(name.split(".")[:-2] + ["gate_up_proj", "weight"])
+        target = ".".join(name.split(".")[:-2] + ["gate_up_proj", parts[-1]])
         if target in params:
             return [(target, _half(params[target].data, parts[-2]))]
     if name not in params:

@@ -6,7 +6,8 @@ is yarn-scaled. Its MoE routes by the top-k router logits (router with a bias), 
 those k, and each expert is a biased, clamped SwiGLU: gate clamped above at `limit`, up to
 [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate).
 
-The checkpoint stores the experts as gate_up_proj [E, H, 2I] with gate and up interleaved
+An MXFP4 checkpoint (quant_method mxfp4, as gpt-oss ships) keeps its experts packed
+(pdserve.layers.quant.mxfp4, CPU only). The checkpoint stores the experts as gate_up_proj [E, H, 2I] with gate and up interleaved
 along the last dim, and down_proj [E, I, H]; they are loaded into the [E, 2I, H] gate-first
 layout of pdserve.models.moe.Experts.
 """
@@ -18,14 +19,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pdserve.layers.quant import mxfp4
 from pdserve.models.attention import PagedAttention
 from pdserve.models.decoder import DecoderModel, build_and_load
 from pdserve.models.llama import ModelSpec
 from pdserve.models.moe import SparseMoE, experts_graph_safe, topk_softmax
+from pdserve.models.moe_quant import Mxfp4Experts
 from pdserve.models.rope import RotaryEmbedding, rope_type_of
 from pdserve.models.weights import WeightLoader, check_fields
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+LOADS_QUANTIZED = True  # check_config vets the quantization_config (pdserve.models.loader)
 
 
 class RMSNorm(nn.Module):
@@ -49,7 +53,14 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def _quantization(config) -> dict | None:
+    quantization = getattr(config, "quantization_config", None)
+    return (quantization if isinstance(quantization, dict) else quantization.to_dict()) if quantization else None
+
+
 def check_config(config) -> None:
+    if _quantization(config):
+        mxfp4.check_config(_quantization(config))
     check_fields(config, {"attention_bias": (True, False), "tie_word_embeddings": (False, True)})
     bad = set(config.layer_types) - set(LAYER_TYPES)
     if bad:
@@ -101,6 +112,10 @@ def _place(name: str, tensor: torch.Tensor, loader: WeightLoader) -> None:
         loader.copy_standard(name, tensor)
         return
     base, _, part = name.rpartition(".")
+    packed = mxfp4.packed_expert_part(part, tensor)
+    if packed is not None:
+        loader.copy(f"{base}.{packed[0]}", packed[1])
+        return
     if part == "gate_up_proj":  # [E, H, 2I], gate/up interleaved -> [E, 2I, H], gate rows first
         tensor = torch.cat([tensor[..., 0::2], tensor[..., 1::2]], dim=-1).transpose(1, 2)
     elif part == "gate_up_proj_bias":
@@ -116,8 +131,14 @@ def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.dev
     spec = model_spec(config)
     rope = RotaryEmbedding(config, spec.head_dim, spec.max_position_embeddings)
 
+    quantized = _quantization(config) is not None
+    if quantized and device.type != "cpu":
+        raise ValueError("MXFP4 checkpoints run on CPU only so far (no CUDA kernels yet)")
+
     def make() -> DecoderModel:
         layers = [GptOssDecoderLayer(config, spec, i) for i in range(spec.num_layers)]
+        for layer in layers if quantized else ():
+            layer.mlp.experts = Mxfp4Experts.like(layer.mlp.experts)
         return DecoderModel(spec, layers, RMSNorm(spec.hidden_size, spec.rms_norm_eps), {"rope": rope},
                             ["rope"] * spec.num_layers, cuda_graph_safe=experts_graph_safe)
 

@@ -64,21 +64,25 @@ def load_hf_config(path: Path):
         except ValueError as exc:
             raise ModelLoadError(f"{path}: {exc}") from None
     quantization = getattr(config, "quantization_config", None)
-    if quantization:
+    if quantization and not (archs[0] in FAMILY_MODULES and getattr(_family(archs[0]), "LOADS_QUANTIZED", False)):
         _checkpoint_quant_config(path, archs[0], quantization)  # refuses what cannot load, now
     return config
 
 
 def _checkpoint_quant_config(path: Path, arch: str, quantization):
     """The QuantConfig of a checkpoint's quantization_config (Llama family, compressed-tensors)."""
+    from pdserve.layers.quant import fp8_block
     from pdserve.layers.quant.compressed_tensors import SUPPORTED, CompressedTensorsConfig
     quantization = quantization if isinstance(quantization, dict) else quantization.to_dict()
     method = quantization.get("quant_method")
-    if arch in FAMILY_MODULES or method != "compressed-tensors":
+    if arch in FAMILY_MODULES or method not in ("compressed-tensors", "fp8"):
         raise ModelLoadError(f"{path}: quantized checkpoints ({method}) load for the Llama family "
                              f"({', '.join(a for a in SUPPORTED_ARCHITECTURES if a not in FAMILY_MODULES)}) "
-                             f"in compressed-tensors {SUPPORTED}; this one is a {method} {arch}")
+                             f"in compressed-tensors {SUPPORTED}, or as FP8 blocks ({fp8_block.SUPPORTED}), "
+                             f"and for DeepSeek-V2/V3 as FP8 blocks; this one is a {method} {arch}")
     try:
+        if method == "fp8":
+            return fp8_block.Fp8BlockConfig(quantization, fp8_block.fp8_modules(safetensors_files(path)))
         return CompressedTensorsConfig(quantization)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from None
@@ -140,8 +144,7 @@ def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> 
         kept = frozenset(quant_config.kept) if quant_config is not None else frozenset()
         _place_all(model, spec, gguf_tensors(path, kept))
     elif quant_config is not None:
-        from pdserve.layers.quant.compressed_tensors import grouped_tensors
-        _place_all(model, spec, grouped_tensors(_safetensors_tensors(safetensors_files(path)), quant_config))
+        _place_all(model, spec, _quantized_tensors(quant_config, _safetensors_tensors(safetensors_files(path))))
     else:
         _load_weights(model, spec, safetensors_files(path))
     process_weights_after_loading(model)
@@ -161,6 +164,14 @@ def _quant_config(path: Path, device: torch.device, config):
         from pdserve.layers.quant.gguf_config import GGUFQuantConfig
         return GGUFQuantConfig(gguf_tensor_types(path))
     return None
+
+
+def _quantized_tensors(quant_config, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
+    from pdserve.layers.quant import fp8_block
+    from pdserve.layers.quant.compressed_tensors import grouped_tensors
+    if isinstance(quant_config, fp8_block.Fp8BlockConfig):
+        return fp8_block.fp8_block_tensors(tensors, quant_config.block, lambda module: True)
+    return grouped_tensors(tensors, quant_config)
 
 
 def _load_weights(model: LlamaModel, spec: ModelSpec, files: list[Path]) -> None:

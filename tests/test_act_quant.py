@@ -1,0 +1,151 @@
+"""compressed-tensors checkpoints that quantize activations: FP8 (per-channel weights with
+dynamic per-token activations, and 128x128 block weights with per-token groups of 128) and W8A8
+int8 (per-channel weights, dynamic per-token activations). Written here with compressed-tensors
+from a random Llama; pdserve keeps the weights 8-bit and must give the greedy tokens of a
+plain-torch reference that applies the same quantization: transformers' Llama with each quantized
+Linear's weight replaced by the checkpoint's dequantized values and its input quantized and
+dequantized per token (or per token and group) before the matmul. (How far each format moves
+a real model from its float32 tokens: benchmarks/bench_act_quant_agreement.py.)"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from model_factory import load_reference, make_model
+from safetensors.torch import load_file
+from torch import nn
+
+from pdserve import LLM, SamplingParams
+from pdserve.layers.quant.act_quant import Fp8LinearMethod, Int8LinearMethod
+from pdserve.models.loader import ModelLoadError
+
+NEW_TOKENS = 16
+SHAPE = dict(hidden_size=256, intermediate_size=320)  # 320: a ragged last 128-column block
+PRESETS = {"FP8_DYNAMIC": "float-quantized", "FP8_BLOCK": "float-quantized", "W8A8": "int-quantized"}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("act"), "llama", **SHAPE)
+
+
+def _weight_qparams(weight: torch.Tensor, args) -> torch.Tensor:
+    """Round-to-nearest scales from the weight's range, per channel or per block."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+    if args.strategy == "block":
+        rows, cols = weight.shape
+        br, bc = args.block_structure
+        pad = torch.nn.functional.pad(weight, (0, -cols % bc, 0, -rows % br))
+        blocks = pad.view(pad.shape[0] // br, br, pad.shape[1] // bc, bc)
+        low, high = blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
+    else:
+        low, high = weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True)
+    return calculate_qparams(low, high, args)[0]
+
+
+def write_checkpoint(root, src, preset: str):
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            module.weight_scale.data.copy_(_weight_qparams(module.weight.data, scheme.weights))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=PRESETS[preset])
+    compressor.compress_model(model)
+    out = root / preset
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / name).is_file():
+            (out / name).write_bytes((src / name).read_bytes())
+    return out
+
+
+def _quant_dequant(x: torch.Tensor, kind: str, group: int | None) -> torch.Tensor:
+    """The activations' dynamic symmetric quantization, per token (group None) or per token and
+    group of columns, written out in plain torch."""
+    shape = x.shape
+    cols = shape[-1]
+    group = group or cols
+    pad = -cols % group
+    g = torch.nn.functional.pad(x.reshape(-1, cols), (0, pad)).reshape(-1, (cols + pad) // group, group)
+    top = 448.0 if kind == "float" else 127.0
+    scale = g.abs().amax(-1, keepdim=True).clamp(min=1e-10) / top
+    if kind == "float":
+        q = (g / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    else:
+        q = (g / scale).round().clamp(-128, 127)
+    return (q * scale).reshape(-1, cols + pad)[:, :cols].reshape(shape)
+
+
+def quantized_reference(path, src):
+    """transformers' Llama with the checkpoint's dequantized weights and quantized inputs."""
+    ref = load_reference(src)
+    tensors = load_file(str(path / "model.safetensors"))
+    weights = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    kind, block = weights["weights"]["type"], weights["weights"].get("block_structure")
+    for name, module in ref.named_modules():
+        if not isinstance(module, nn.Linear) or f"{name}.weight_scale" not in tensors:
+            continue
+        q, scale = tensors[f"{name}.weight"].float(), tensors[f"{name}.weight_scale"]
+        if block:
+            scale = scale.repeat_interleave(block[0], 0)[:q.shape[0]].repeat_interleave(block[1], 1)[:, :q.shape[1]]
+        module.weight.data.copy_(q * scale)
+        group = block[1] if block else None
+        module.register_forward_pre_hook(lambda m, args, group=group: (_quant_dequant(args[0], kind, group),))
+    return ref
+
+
+def _prompts(seed: int, vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def assert_matches_quantized_reference(llm, ref, what: str) -> None:
+    """Prompt logits equal the reference's up to the order of float32 sums, and greedy tokens are
+    identical. Quantizing an activation is a step function: an input that lands within a rounding
+    of a step (its sums ordered differently) rounds the other way at a few positions, which moves
+    their logits by up to a few tenths; so most positions, not all, must agree to 1e-3."""
+    prompts = _prompts(2, ref.config.vocab_size, (6, 19, 40))
+    diffs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            theirs = ref(torch.tensor([prompt])).logits[0]
+        diffs.append((llm.engine.prompt_logits(prompt) - theirs).abs().amax(-1))
+    diffs = torch.cat(diffs)
+    assert (diffs < 1e-3).float().mean() >= 0.9 and diffs.max() < 1.0, f"{what}: logit diffs {diffs.tolist()}"
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, ours):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == want, what
+        assert len(set(want)) > 1, what
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_matches_plain_torch_reference(tmp_path, source, preset):
+    path = write_checkpoint(tmp_path, source, preset)
+    llm = LLM(str(path), num_kv_blocks=64)
+    layer = llm.engine.model.layers[0]
+    method = Int8LinearMethod if preset == "W8A8" else Fp8LinearMethod
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert type(linear.quant_method) is method
+        assert linear.weight.element_size() == 1
+    assert_matches_quantized_reference(llm, quantized_reference(path, source), preset)
+
+
+def test_unsupported_activation_schemes_are_refused(tmp_path, source):
+    path = write_checkpoint(tmp_path, source, "W8A8")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="static activation scales.*W4A16 and W8A16.*FP8.*W8A8"):
+        LLM(str(path), num_kv_blocks=8)

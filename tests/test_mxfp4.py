@@ -1,0 +1,76 @@
+"""gpt-oss MXFP4 checkpoints (quant_method mxfp4: each expert projection as `*_blocks` of FP4
+e2m1 values and `*_scales` of per-32 powers of two), written here from a random gpt-oss. pdserve
+keeps the experts packed: its greedy tokens must be transformers' on the same checkpoint, which
+transformers dequantizes to float32 itself (Mxfp4Config(dequantize=True))."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from family_models import check_prompt_logits, make_family_model, random_prompts, reference_greedy
+from safetensors.torch import load_file, save_file
+
+from pdserve import LLM, SamplingParams
+from pdserve.executor.setup import check_tp_support
+from pdserve.models.loader import ModelLoadError, load_hf_config
+from pdserve.models.moe_quant import Mxfp4Experts
+
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert tensor in the unquantized layout [E, cols, rows] -> (blocks, scales)."""
+    rows_first = w.transpose(1, 2)  # [E, rows, cols]
+    groups = rows_first.reshape(*rows_first.shape[:2], -1, 32)
+    exp = torch.floor(torch.log2(groups.abs().amax(-1).clamp(min=2.0 ** -100))) - 2  # 6 = 1.5 * 2^2
+    scaled = groups / torch.exp2(exp).unsqueeze(-1)  # exact: exp is a whole number
+    index = (scaled.abs().unsqueeze(-1) - FP4).abs().argmin(-1) + 8 * (scaled < 0)
+    codes = index.to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mxfp4")
+    src = make_family_model(root, "gpt_oss", seed=1, hidden_size=64)
+    tensors = load_file(str(src / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = _to_mxfp4(tensors.pop(name))
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (src / "config.json").write_text(json.dumps(config))
+    return src
+
+
+def test_mxfp4_experts_match_transformers_dequantized(checkpoint):
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    ref = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager",
+                                               quantization_config=Mxfp4Config(dequantize=True)).eval()
+    ref.generation_config.eos_token_id = None
+    check_prompt_logits(checkpoint, ref, lengths=(1, 9, 40))
+    llm = LLM(str(checkpoint), num_kv_blocks=64)
+    experts = llm.engine.model.layers[0].mlp.experts
+    assert isinstance(experts, Mxfp4Experts) and experts.gate_up_proj.dtype == torch.uint8
+    assert experts.down_proj.shape[-1] * 2 == ref.config.intermediate_size  # two codes a byte
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for prompt in random_prompts(2, ref.config.vocab_size, [5, 23]):
+        want, _ = reference_greedy(ref, prompt, 12)
+        assert llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids == want
+        assert len(set(want)) > 1
+
+
+def test_other_quantization_of_gpt_oss_is_refused(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="quantized GptOssForCausalLM checkpoints .* tensor_parallel_size 1"):
+        check_tp_support(load_hf_config(checkpoint), 2)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for f in checkpoint.iterdir():
+        if f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f)
+    with pytest.raises(ModelLoadError, match="quant_method 'awq' is not supported for gpt-oss; supported: mxfp4"):
+        LLM(str(tmp_path), num_kv_blocks=8)
