@@ -48,9 +48,10 @@ class GenerationGroup:
 
     def __init__(self, backend: GenerationBackend, base_id: str, prompt_ids: list[int],
                  params: list[SamplingParams], session: str | None = None,
-                 choice_prompts: list[list[int]] | None = None) -> None:
+                 choice_prompts: list[list[int]] | None = None, targets=None) -> None:
         self.backend = backend
         self.session = session
+        self.targets = targets  # the request's own TTFT/ITL targets (pd_decision.Targets), if any
         self.prompt_ids = prompt_ids
         self.params = params
         self.choice_prompts = choice_prompts or [prompt_ids] * len(params)
@@ -74,7 +75,8 @@ class GenerationGroup:
             self._queue.put_nowait((index, None, exc))
 
     async def _consume(self, index: int, rid: str, params: SamplingParams) -> None:
-        stream = self.backend.generate(rid, self.choice_prompts[index], params, session=self.session)
+        extra = {"targets": self.targets} if self.targets is not None else {}  # only backends that place prompts
+        stream = self.backend.generate(rid, self.choice_prompts[index], params, session=self.session, **extra)
         closer = getattr(stream, "aclose", None)
         async with contextlib.AsyncExitStack() as stack:
             if closer is not None:
