@@ -46,7 +46,7 @@ class DecodeNode(NodeRuntime):
         self.step_costs = StepCostModel()
         self.itl_targets: dict[str, float] = {}  # request id -> its ITL target (seconds)
         self.placements = {"prefills_local": 0, "prefills_handed_over": 0}
-        self._step_rows, self._prefill_cap = 0, 0
+        self._prefill_cap = 0
         engine.scheduler.prefill_budget = self._prefill_tokens
 
     def handle(self, identity: bytes, msg: Message) -> None:
@@ -70,7 +70,7 @@ class DecodeNode(NodeRuntime):
         self.stats.requests_total += 1
         if msg.itl_slo_s > 0:
             self.itl_targets[rid] = msg.itl_slo_s
-        if not msg.first_token_ids:
+        if pull or not msg.first_token_ids:  # (a stream resumed here after a failover is neither)
             self.placements["prefills_handed_over" if pull else "prefills_local"] += 1
         if pull and req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             # No room for the handed-over blocks: computed here instead; free the sender's now.
@@ -90,7 +90,6 @@ class DecodeNode(NodeRuntime):
 
     def _prefill_tokens(self, rows: int) -> int | None:
         """The scheduler's cap on this step's prompt tokens (None: no request here has a target)."""
-        self._step_rows = rows
         if not self.itl_targets:
             self._prefill_cap = 0
             return None
@@ -101,10 +100,9 @@ class DecodeNode(NodeRuntime):
     def _step_answering_pings(self):
         t0 = time.perf_counter()
         outputs = super()._step_answering_pings()
-        tokens = self.engine.last_step_tokens
+        tokens, prefill = self.engine.last_step_tokens, self.engine.scheduler.step_prefill_tokens
         if tokens:
-            rows = min(self._step_rows, tokens)
-            self.step_costs.observe(rows, tokens - rows, time.perf_counter() - t0)
+            self.step_costs.observe(tokens - prefill, prefill, time.perf_counter() - t0)
         return outputs
 
     def pong(self, ping: Ping) -> Pong:

@@ -39,6 +39,7 @@ class Scheduler:
         # holding its streams' TPOT target sets it: pdserve.engine.tpot_budget); None: no cap.
         self.prefill_budget: Callable[[int], int | None] | None = None
         self._prefill_left = 0
+        self.step_prefill_tokens = 0  # the last step's tokens in prefill chunks (the rest are one-token rows)
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -69,6 +70,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         cap = self.prefill_budget(self._decode_rows()) if self.prefill_budget is not None else None
         self._prefill_left = budget if cap is None else cap
+        self.step_prefill_tokens = 0
         budget = self._schedule_running(batch, budget)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
@@ -137,6 +139,7 @@ class Scheduler:
         if remaining > 1:
             n = min(n, self._prefill_left)
             self._prefill_left -= n
+            self.step_prefill_tokens += n
         return n
 
     def _uncommitted_prompt_keys(self, req: Request) -> list[bytes]:
