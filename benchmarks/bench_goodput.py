@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -34,9 +36,9 @@ from pdserve.models.gguf import DEFAULT_MODEL  # noqa: E402
 
 LAYOUTS = {
     "pd-slo": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1", "--prefill-placement", "slo"),
-    "pd-threshold": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1"),
     "mono-2x1": ("--prefill-nodes", "0", "--decode-nodes", "2", "--threads-per-node", "1"),
     "mono-1x2": ("--prefill-nodes", "0", "--decode-nodes", "1", "--threads-per-node", "2"),
+    "pd-threshold": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1"),
 }
 WORKLOADS = {
     "random": dict(workload="random", input_len_min=128, input_len_max=512, output_len=32),
@@ -46,14 +48,14 @@ WORKLOADS = {
 }
 
 
-def bench_config(url: str, args, rate: float, run: int, warmup: int) -> BenchConfig:
-    return BenchConfig(base_url=url, num_prompts=args.requests, request_rate=rate, seed=run, num_warmup=warmup,
+def bench_config(url: str, args, rate: float, run: int) -> BenchConfig:
+    return BenchConfig(base_url=url, num_prompts=args.requests, request_rate=rate, seed=run, num_warmup=0,
                        goodput_ttft_ms=args.ttft_slo_ms, goodput_tpot_ms=args.itl_slo_ms, disable_tqdm=True,
                        max_token_id=min(30000, args.vocab), **WORKLOADS[args.workload])
 
 
-def measure(url: str, args, rate: float, run: int, warmup: int) -> dict:
-    report = asyncio.run(run_benchmark(bench_config(url, args, rate, run, warmup)))
+def measure(url: str, args, rate: float, run: int) -> dict:
+    report = asyncio.run(run_benchmark(bench_config(url, args, rate, run)))
     sent = report["completed"] + report["failed"]
     good = round((report["goodput"] or 0.0) * report["duration_s"])
     return {"attainment": good / sent if sent else 0.0, "goodput_rps": report["goodput"],
@@ -67,14 +69,14 @@ def run_layout(name: str, args) -> dict[float, list[dict]]:
     out: dict[float, list[dict]] = {}
     log_path = os.path.join(args.log_dir, f"goodput-{name}.log")
     with local_cluster(*flags, log_path=log_path) as c:
-        warmup = 2
+        warm = dataclasses.replace(bench_config(c.url, args, math.inf, 1000), num_prompts=2)
+        asyncio.run(run_benchmark(warm))  # untimed: first steps, the nodes' first cost measurements
         for rate in args.rates:
             for run in range(args.runs):
                 before = c.health().get("failover", {})
-                row = measure(c.url, args, rate, run, warmup)
+                row = measure(c.url, args, rate, run)
                 after = c.health().get("failover", {})
                 row.update({k: after.get(k, 0) - before.get(k, 0) for k in ("placed_local", "placed_remote")})
-                warmup = 0
                 out.setdefault(rate, []).append(row)
                 print(f"{name} rate {rate} run {run}: {json.dumps(row)}", flush=True)
     return out
@@ -128,12 +130,15 @@ def main() -> int:
     p.add_argument("--plot", default=None)
     args = p.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
-    results = {name: run_layout(name, args) for name in args.layouts.split(",")}
-    print(table(results, args.rates))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"source": source_info(), "args": vars(args), "results": {n: {str(r): rows for r, rows in v.items()}
-                       for n, v in results.items()}}, f, indent=2)
+    results = {}
+    for name in args.layouts.split(","):
+        results[name] = run_layout(name, args)
+        print(table(results, args.rates), flush=True)
+        if args.json:  # after every layout: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"source": source_info(), "args": vars(args), "load": os.getloadavg(),
+                           "results": {n: {str(r): rows for r, rows in v.items()} for n, v in results.items()}},
+                          f, indent=2)
     if args.plot:
         plot(results, args.rates, args.plot)
     return 0
