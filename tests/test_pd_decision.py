@@ -165,3 +165,24 @@ def test_simulated_1p1d_overloaded_prefill_node_gains_from_placement():
     assert 0 < len(local) < len(trace)
     decoding = [r for r in done["slo"] if r.output_tokens > 4]
     assert max((r.finish - r.first_token) / (r.output_tokens - 1) for r in decoding) <= slo.itl_s
+
+
+def test_prompts_queued_on_the_decode_node_count_as_its_rows():
+    """node_view: every request the router has on a decode node is a row by the time a prompt
+    queued after it prefills, so a node whose queued local prompts leave no headroom under the ITL
+    target is not handed another one (a decode node with slow steps does not take every prompt)."""
+    from pdserve.router.node_view import node_view
+    from pdserve.router.nodes import Node
+
+    node = Node("d0", "decode", "tcp://127.0.0.1:1", sock=None, healthy=True,
+                stats={"free_blocks": 100, "total_blocks": 100, "step_base_us": 10_000, "decode_row_us": 40_000,
+                       "mixed_prefill_ns_per_token": 500_000})
+    node.requests = {"a", "b"}
+    node.queued_tokens = {"a": 300, "b": 300}  # both still prefilling there
+    view = node_view(node)
+    assert view.decode_rows == 2 and view.queued_tokens == 600
+    index = PrefixIndex()
+    keys = block_key_chain(list(range(400)), 16, b"salt")
+    queued_prefill = [NodeView("p0", 12, queued_tokens=6000, prefill_s_per_token=COSTS.token_s)]
+    plan = Planner(index, 16, placement="slo", targets=TARGETS).plan("x", 400, keys, [view], queued_prefill)
+    assert plan.prefill == "p0" and plan.scores["placement"]["reason"] == "decode steps at their ITL target"

@@ -40,7 +40,7 @@ class Targets:
 @dataclass(frozen=True)
 class DecodeLoad:
     """The chosen decode node as the router sees it."""
-    rows: int                  # streams decoding there
+    rows: int                  # streams decoding there by the time this prompt prefills (queued prompts too)
     costs: StepCosts           # its measured step costs (token_s: 0 falls back to the prefill nodes')
     queued_tokens: int = 0     # prompt tokens the router sent it to prefill that have no first token yet
     max_step_tokens: int = 2048

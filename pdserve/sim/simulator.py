@@ -108,7 +108,7 @@ class Simulator:
     def route(self, req: SimRequest) -> None:
         prompt, keys, c = req.prompt, req.keys, self.costs
         dviews = [NodeView(d.node_id, d.routed, d.free_blocks, d.total_blocks, d.local_queued_tokens,
-                           c.prefill_s_per_token, decode_rows=d.decoding_rows, step_costs=self.step_costs,
+                           c.prefill_s_per_token, decode_rows=d.routed, step_costs=self.step_costs,
                            max_step_tokens=1 << 30) for d in self.decode.values() if d.node_id not in self.draining]
         pviews = [NodeView(p.node_id, len(p.queue) + p.busy, 0, 0, p.queued_tokens, c.prefill_s_per_token,
                            c.store_s_per_token) for p in self.prefill.values() if p.node_id not in self.draining]
