@@ -90,6 +90,9 @@ class DecodeRequest(msgspec.Struct, tag=True):
     params: SamplingParams
     first_token_ids: list[int] = []  # drawn by the prefill node
     handover: KVHandover | None = None
+    # The stream's inter-token latency target, seconds (0: none): the decode node caps the prompt
+    # tokens its steps prefill so that its streams keep their targets (pdserve.engine.tpot_budget).
+    itl_slo_s: float = 0.0
     cache_salt: str | None = None  # as PrefillRequest's
     adapter: str | None = None
 

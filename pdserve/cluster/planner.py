@@ -185,14 +185,24 @@ class SlaPlanner:
 def add_planner_args(p) -> None:
     p.add_argument("--planner", choices=["none", "sla"], default="none",
                    help="sla: resize the pools and switch roles to hold the TTFT/ITL targets")
-    p.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="the planner's TTFT target (p90)")
-    p.add_argument("--itl-slo-ms", type=float, default=100.0, help="the planner's inter-token latency target (p90)")
+    p.add_argument("--ttft-slo-ms", type=float, default=1000.0,
+                   help="the TTFT target (p90) of the planner and of --prefill-placement slo")
+    p.add_argument("--itl-slo-ms", type=float, default=100.0,
+                   help="the inter-token latency target (p90) of the planner and of --prefill-placement slo")
     p.add_argument("--min-nodes", type=int, default=2, help="the planner keeps at least this many nodes")
     p.add_argument("--max-nodes", type=int, default=8, help="... and at most this many")
     p.add_argument("--min-prefill-nodes", type=int, default=1,
                    help="the planner keeps at least this many prefill nodes (0: it may go monolithic)")
     p.add_argument("--min-decode-nodes", type=int, default=1, help="... and decode nodes")
     p.add_argument("--planner-interval-s", type=float, default=5.0, help="seconds between decisions")
+
+
+def placement_flags(args) -> list[str]:
+    """--prefill-placement and, when the planner does not pass them already, the targets."""
+    flags = ["--prefill-placement", getattr(args, "prefill_placement", "threshold")]
+    if getattr(args, "planner", "none") != "sla":
+        flags += ["--ttft-slo-ms", str(args.ttft_slo_ms), "--itl-slo-ms", str(args.itl_slo_ms)]
+    return flags
 
 
 def planner_flags(args) -> list[str]:

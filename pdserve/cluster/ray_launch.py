@@ -15,6 +15,7 @@ import signal
 import time
 import urllib.request
 
+from pdserve.cluster.planner import placement_flags
 from pdserve.cluster.ray_controller import Placement, RayController
 from pdserve.entrypoints.tp_degrees import pool_degree
 
@@ -59,7 +60,8 @@ def router_template(args) -> list[str]:
            "--port", "{router_port}", "--kv-transfer", args.kv_transfer, "--block-size", str(args.block_size),
            "--dtype", args.dtype, "--max-queued-requests", str(args.max_queued_requests),
            "--max-body-bytes", str(args.max_body_bytes), "--prefill-policy", args.prefill_policy,
-           "--decode-policy", args.decode_policy, "--local-prefill-threshold", str(args.local_prefill_threshold)]
+           "--decode-policy", args.decode_policy, "--local-prefill-threshold", str(args.local_prefill_threshold),
+           *placement_flags(args)]
     cmd += ["--session-affinity"] if args.session_affinity else []
     # A chat template is read by each router on its own machine: give a path every machine has.
     cmd += ["--chat-template", args.chat_template] if getattr(args, "chat_template", None) else []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.config import EngineConfig
@@ -34,6 +35,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.held: dict[str, Request] = {}  # finished, blocks kept for a handover
+        # Optional cap on the prompt tokens a step prefills, given its decode rows (a decode node
+        # holding its streams' TPOT target sets it: pdserve.engine.tpot_budget); None: no cap.
+        self.prefill_budget: Callable[[int], int | None] | None = None
+        self._prefill_left = 0
+        self.step_prefill_tokens = 0  # the last step's tokens in prefill chunks (the rest are one-token rows)
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -61,7 +67,11 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        budget = self.config.max_num_batched_tokens
+        cap = self.prefill_budget(self._decode_rows()) if self.prefill_budget is not None else None
+        self._prefill_left = budget if cap is None else cap
+        self.step_prefill_tokens = 0
+        budget = self._schedule_running(batch, budget)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
         return batch
@@ -73,7 +83,10 @@ class Scheduler:
             if req.awaiting_last_token:
                 i += 1
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._take_prefill(req.num_tokens - req.num_computed_tokens, budget)
+            if n == 0:  # a prefill chunk past this step's prefill cap: it waits a step
+                i += 1
+                continue
             while not self.kv.allocate(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -99,7 +112,10 @@ class Scheduler:
                 # and take them from the prefix cache instead of computing them a second time.
                 held.append(self.waiting.popleft())
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens - len(cached) * self.kv.block_size, budget)
+            n = self._take_prefill(req.num_tokens - req.num_computed_tokens - len(cached) * self.kv.block_size, budget)
+            if n == 0:  # past the prefill cap: requests behind it that only decode may still join
+                held.append(self.waiting.popleft())
+                continue
             if not self.kv.allocate(req, n, cached):
                 break
             self.waiting.popleft()
@@ -112,6 +128,19 @@ class Scheduler:
             budget -= n
             computing.update(self._uncommitted_prompt_keys(req))
         self.waiting.extendleft(reversed(held))
+
+    def _decode_rows(self) -> int:
+        return sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not r.awaiting_last_token)
+
+    def _take_prefill(self, remaining: int, budget: int) -> int:
+        """Tokens to compute for a request with `remaining` left: one (a decode row, or a prompt
+        whose KV landed) always fits the step's budget; more is a prefill chunk, within the cap."""
+        n = min(remaining, budget)
+        if remaining > 1:
+            n = min(n, self._prefill_left)
+            self._prefill_left -= n
+            self.step_prefill_tokens += n
+        return n
 
     def _uncommitted_prompt_keys(self, req: Request) -> list[bytes]:
         if not self.kv.pool.enable_caching or req.num_computed_tokens >= req.num_prompt_tokens:

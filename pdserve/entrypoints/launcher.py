@@ -17,7 +17,7 @@ import zmq
 
 from pdserve.cluster.owner import with_role
 from pdserve.cluster.owner_admin import answer_owner_request
-from pdserve.cluster.planner import planner_flags
+from pdserve.cluster.planner import placement_flags, planner_flags
 from pdserve.cluster.registry import RegistryServer
 from pdserve.entrypoints.tp_degrees import node_degree, pool_ranks
 from pdserve.kvstore.redact import redact_url
@@ -121,6 +121,7 @@ class Cluster:
         router += ["--max-queued-requests", str(a.max_queued_requests), "--max-body-bytes", str(a.max_body_bytes)]
         router += ["--prefill-policy", a.prefill_policy, "--decode-policy", a.decode_policy,
                    "--local-prefill-threshold", str(a.local_prefill_threshold)]
+        router += placement_flags(a)
         router += ["--session-affinity"] if a.session_affinity else []
         router += planner_flags(a)
         router += ["--chat-template", os.path.abspath(a.chat_template)] if a.chat_template else []

@@ -178,8 +178,9 @@ class _Router:
         params, flavor = job.params, job.flavor
         logger.info("%s: prompt_tokens=%d choices=%d max_tokens=%d stream=%s", request_id,
                     job.max_prompt_tokens, len(params), params[0].max_tokens, bool(body.stream))
+        default_targets = getattr(getattr(self.backend, "planner", None), "targets", None)
         group = GenerationGroup(self.backend, request_id, job.choice_prompts[0], params, session=body.user,
-                                choice_prompts=job.choice_prompts,
+                                choice_prompts=job.choice_prompts, targets=body.targets(default_targets),
                                 cache_salt=request_cache_salt(request, body.cache_salt))
         model = self.served.resolve(body.model)  # the name asked for, as vLLM answers
         headers = {"X-Request-Id": request_id}

@@ -43,8 +43,10 @@ from pdserve.router.health_report import cluster_health
 from pdserve.router.index import STORE_HOLDER, PrefixIndex
 from pdserve.router.kv_events import KVEventTracker
 from pdserve.router.metrics import RequestTimer, RouterMetrics
+from pdserve.router.node_view import node_view
 from pdserve.router.nodes import Node, NodePool
-from pdserve.router.policy import NodeView, Planner, RoutePlan, SessionMap
+from pdserve.router.pd_decision import Targets
+from pdserve.router.policy import Planner, RoutePlan, SessionMap
 from pdserve.router.registry_watcher import RegistryWatcher
 from pdserve.router.scaler import OwnerClient, Scaler
 from pdserve.router.tenants import NO_SCOPE, KVScope
@@ -57,15 +59,6 @@ MAX_PLANNED_MOVES = 16  # a stream moved off this many draining nodes counts fur
 # (a node process starting beside the survivors of a failover) kept every node silent for over
 # 10 s: a connected node is worth waiting for well past that.
 NODE_WAIT_S = 30.0
-
-
-def _view(node: Node) -> NodeView:
-    """What the planner sees of a node: the router's own counts and the node's last report."""
-    stats = node.stats
-    store_tokens = stats.get("cached_tokens_store", 0)
-    return NodeView(node.node_id, len(node.requests), stats.get("free_blocks", 0), stats.get("total_blocks", 0),
-                    sum(node.queued_tokens.values()), stats.get("prefill_ns_per_token", 0) / 1e9,
-                    stats.get("store_load_us", 0) / 1e6 / store_tokens if store_tokens else 0.0)
 
 
 class _Lost:
@@ -84,7 +77,7 @@ class ClusterBackend:
                  transfer: str = "nixl", salt: bytes | None = None, block_size: int = 16,
                  prefill_policy: str = "cache_aware", decode_policy: str = "cache_aware",
                  local_prefill_threshold: int = 0, session_affinity: bool = False, registry: str | None = None,
-                 owner: str | None = None):
+                 owner: str | None = None, placement: str = "threshold", targets: Targets | None = None):
         if not decode_addrs and registry is None:
             raise ValueError("the cluster needs at least one decode node, or a registry to find them in")
         self.registry = registry  # tcp://host:port of the node registry, or None for static lists
@@ -102,12 +95,16 @@ class ClusterBackend:
         self.prefill_results: dict[str, asyncio.Future] = {}
         self.owner: dict[str, str | None] = {}  # request id -> the node whose replies count
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
-        self.counters = {"prefill_retries": 0, "decode_resumes": 0, "local_prefills": 0}
+        # placed_*: where the planner had prompts prefilled (local_prefills: fallbacks after failures)
+        self.counters = {"prefill_retries": 0, "decode_resumes": 0, "local_prefills": 0,
+                         "placed_remote": 0, "placed_local": 0}
         self.metrics = RouterMetrics(self.nodes)
         self.index = PrefixIndex()
         self.kv_tracker = KVEventTracker(self.index)
         self.sessions = SessionMap() if session_affinity else None
-        self.planner = Planner(self.index, block_size, prefill_policy, decode_policy, local_prefill_threshold)
+        self.planner = Planner(self.index, block_size, prefill_policy, decode_policy, local_prefill_threshold,
+                               placement, targets)
+        self.itl_targets: dict[str, float] = {}  # request id -> the ITL target its decode node holds
         self.drains = DrainTracker(self)
         # Admin scaling: `owner` is the zmq admin endpoint of whatever starts node processes.
         self.scaler = Scaler(self, OwnerClient(owner) if owner else None)
@@ -226,31 +223,38 @@ class ClusterBackend:
             await asyncio.sleep(0.05)
 
     def _plan(self, rid: str, prompt: list[int], params: SamplingParams, session: str | None = None,
-              scope: KVScope = NO_SCOPE) -> tuple[RoutePlan, list[bytes]]:
+              targets: Targets | None = None, scope: KVScope = NO_SCOPE) -> tuple[RoutePlan, list[bytes]]:
         keys = self.block_keys(prompt, scope)
-        views = {role: [_view(n) for n in self.pool.by_role(role)] for role in ("decode", "prefill")}
+        views = {role: [node_view(n) for n in self.pool.by_role(role)] for role in ("decode", "prefill")}
         if not views["decode"]:
             raise BackendError("no healthy decode node")
         pinned = self.sessions.get(session) if self.sessions is not None and session else None
         plan = self.planner.plan(rid, len(prompt), keys, views["decode"], views["prefill"], params.max_tokens,
-                                 pinned_decode=pinned)
+                                 pinned_decode=pinned, targets=targets)
         if self.sessions is not None and session:
             self.sessions.put(session, plan.decode)
         return plan, keys
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, session: str | None = None, cache_salt: str | None = None,
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       session: str | None = None, targets: Targets | None = None, cache_salt: str | None = None,
                        adapter: str | None = None) -> AsyncIterator[StepOutput]:
+        """targets: this request's TTFT/ITL targets (the body's ttft_slo_ms/itl_slo_ms), else the router's."""
         self.streams[request_id] = asyncio.Queue()
         scope = KVScope(cache_salt, adapter)
         timer = RequestTimer(self.metrics, len(prompt_token_ids))
         relayed: list[int] = []  # every token id the client has been sent, in order
         reason = "abort"  # unless the stream reaches its end
+        plan = None
         try:
             if not self.pool.by_role("decode"):
                 await self._await_node("decode")
-            plan, keys = self._plan(request_id, prompt_token_ids, params, session, scope)
+            plan, keys = self._plan(request_id, prompt_token_ids, params, session, targets, scope)
+            targets = targets or self.planner.targets
+            if self.planner.placement == "slo" and targets is not None:
+                self.itl_targets[request_id] = targets.itl_s
             handover = None
+            if self.pool.by_role("prefill"):
+                self.counters["placed_local" if plan.prefill is None else "placed_remote"] += 1
             if plan.prefill is not None:
                 self.index.add(plan.prefill, keys)
                 first, handover = await self._prefill_with_retry(request_id, prompt_token_ids, params, timer,
@@ -269,8 +273,10 @@ class ClusterBackend:
                     params = dataclasses.replace(params, prompt_logprobs=None)
             else:
                 self.metrics.handovers.labels("local").inc()
+                self._queue_local(plan, request_id, len(prompt_token_ids))
             async for out in self._decode_with_resume(request_id, prompt_token_ids, params, relayed, handover,
                                                       timer, plan.decode, keys, scope):
+                self._unqueue_local(plan.decode, request_id)
                 timer.tokens(len(out.new_token_ids), out.num_cached_tokens)
                 reason = out.finish_reason if out.finished else reason
                 yield out
@@ -282,6 +288,21 @@ class ClusterBackend:
             timer.finished(reason)
             self.streams.pop(request_id, None)
             self.owner.pop(request_id, None)
+            self.itl_targets.pop(request_id, None)
+            if plan is not None:
+                self._unqueue_local(plan.decode, request_id)
+
+    def _queue_local(self, plan: RoutePlan, rid: str, prompt_len: int) -> None:
+        """The decode node prefills this prompt: its tokens count as queued there until the first
+        token (the decision's estimate of that node's prefill queue)."""
+        node = self.pool.get(plan.decode)
+        if node is not None:
+            node.queued_tokens[rid] = max(prompt_len - plan.decode_cached_tokens, 1)
+
+    def _unqueue_local(self, node_id: str, rid: str) -> None:
+        node = self.pool.get(node_id)
+        if node is not None:
+            node.queued_tokens.pop(rid, None)
 
     async def _prefill_with_retry(self, rid: str, prompt: list[int], params: SamplingParams, timer: RequestTimer,
                                   preferred: str | None = None, scope: KVScope = NO_SCOPE
@@ -350,6 +371,7 @@ class ClusterBackend:
             self.owner[rid] = node.node_id
             node.requests.add(rid)
             await self.pool.send(node, DecodeRequest(rid, prompt, params, list(relayed), handover,
+                                                     itl_slo_s=self.itl_targets.get(rid, 0.0),
                                                      cache_salt=scope.cache_salt, adapter=scope.adapter))
             self.index.add(node.node_id, keys)  # concurrent requests sharing the prefix follow it here
             try:

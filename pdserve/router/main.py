@@ -91,6 +91,7 @@ def run_router(args) -> int:
     import uvicorn
 
     from pdserve.kvstore.redact import redact_url
+    from pdserve.router.pd_decision import Targets
     from pdserve.router.planner_loop import attach_planner
     from pdserve.router.tenants import parse_api_keys
     admission = dict(api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"), protect_metrics=args.protect_metrics,
@@ -100,6 +101,7 @@ def run_router(args) -> int:
                     _kv_dtype_name(args), args.max_model_len, admission,
                     dict(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                          local_prefill_threshold=args.local_prefill_threshold,
+                         placement=args.prefill_placement, targets=Targets(args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3),
                          session_affinity=args.session_affinity, owner=args.owner), args.curve_dir, args.registry,
                     chat=dict(chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
                               pooling=args.pooling),

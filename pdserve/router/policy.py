@@ -10,6 +10,12 @@ NodeView, the index as a PrefixIndex; no sockets, so the logic is testable alone
                 already has queued plus the ones it would compute for this prompt (all but the
                 prefix it holds or finds in the store), times the node's measured seconds per
                 prefill token; blocks loaded from the store cost their measured load time
+
+Placement (whether the decode node prefills the prompt itself):
+  threshold     when it lacks at most local_prefill_threshold prompt tokens
+  slo           the same, and otherwise per request from load and the request's TTFT/ITL
+                targets: pd_decision.place over the prefill node's estimate above and the
+                decode node's batch, step costs and queued local prefills
 """
 from __future__ import annotations
 
@@ -18,10 +24,13 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from pdserve.engine.tpot_budget import StepCosts
 from pdserve.router.index import STORE_HOLDER, PrefixIndex
+from pdserve.router.pd_decision import DecodeLoad, Targets, place
 
 log = logging.getLogger(__name__)
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
+PLACEMENTS = ("threshold", "slo")
 # cache_aware gives up locality when the holder has this many more requests in flight than the
 # least loaded node: a warm cache is not worth queueing behind a hot spot.
 BALANCE_ABS_THRESHOLD = 8
@@ -39,6 +48,10 @@ class NodeView:
     queued_tokens: int = 0  # prompt tokens the router has sent it to compute and not heard back
     prefill_s_per_token: float = 0.0  # measured by the node; 0: not yet
     store_s_per_token: float = 0.0    # measured by the node (store loads); 0: not yet
+    # Decode nodes: streams decoding there, its measured step costs and step token budget.
+    decode_rows: int = 0
+    step_costs: StepCosts = StepCosts()
+    max_step_tokens: int = 2048
 
 
 @dataclass
@@ -68,10 +81,15 @@ class SessionMap:
 
 class Planner:
     def __init__(self, index: PrefixIndex, block_size: int, prefill_policy: str = "cache_aware",
-                 decode_policy: str = "cache_aware", local_prefill_threshold: int = 0):
+                 decode_policy: str = "cache_aware", local_prefill_threshold: int = 0,
+                 placement: str = "threshold", targets: Targets | None = None):
         for policy in (prefill_policy, decode_policy):
             if policy not in POLICIES:
                 raise ValueError(f"unknown routing policy {policy!r}; choose from {', '.join(POLICIES)}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"unknown placement {placement!r}; choose from {', '.join(PLACEMENTS)}")
+        self.placement = placement
+        self.targets = targets  # the default TTFT/ITL targets (a request may bring its own)
         self.index = index
         self.block_size = block_size
         self.prefill_policy = prefill_policy
@@ -80,9 +98,11 @@ class Planner:
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
 
     def plan(self, rid: str, prompt_len: int, keys: list[bytes], decode: list[NodeView],
-             prefill: list[NodeView], max_tokens: int = 0, pinned_decode: str | None = None) -> RoutePlan:
+             prefill: list[NodeView], max_tokens: int = 0, pinned_decode: str | None = None,
+             targets: Targets | None = None) -> RoutePlan:
         """decode must be non-empty; prefill may be empty (the decode node prefills).
-        pinned_decode (session affinity) wins while that node is healthy, fits and is not a hot spot."""
+        pinned_decode (session affinity) wins while that node is healthy, fits and is not a hot spot.
+        targets: this request's TTFT/ITL targets (default: the planner's)."""
         held = self.index.prefix_match(keys)
         decode = self._able_to_fit(decode, held, prompt_len + max_tokens)
         d_node, scores = self._choose("decode", self.decode_policy, decode, held)
@@ -98,6 +118,15 @@ class Planner:
             else:
                 p_node, p_scores = self._choose("prefill", self.prefill_policy, prefill, held)
             scores.update(p_scores)
+            targets = targets or self.targets
+            if self.placement == "slo" and targets is not None:
+                remote = self._ttft_costs(prefill, held, prompt_len)[p_node.node_id]
+                load = DecodeLoad(d_node.decode_rows, self._decode_costs(d_node, prefill), d_node.queued_tokens,
+                                  d_node.max_step_tokens)
+                placement = place(remote, prompt_len - cached, load, targets)
+                scores["placement"] = placement.scores()
+                if placement.local:
+                    p_node = None
         plan = RoutePlan(d_node.node_id, p_node.node_id if p_node else None, cached, scores)
         log.debug("[%s] route: decode=%s (%s, %d cached tokens) prefill=%s (%s) scores=%s", rid, plan.decode,
                   self.decode_policy, cached, plan.prefill, self.prefill_policy, scores)
@@ -119,8 +148,28 @@ class Planner:
     def _lowest_ttft(self, nodes: list[NodeView], held: dict[str, int], prompt_len: int
                      ) -> tuple[NodeView, dict]:
         """Estimated seconds until each node has computed this prompt; the fastest wins."""
+        cost = self._ttft_costs(nodes, held, prompt_len)
+        start = next(self._rr["prefill"]) % len(nodes)  # ties go round the nodes
+        node = min(nodes[start:] + nodes[:start], key=lambda n: (cost[n.node_id], n.in_flight))
+        return node, {f"prefill:{n.node_id}": {"est_ttft": round(cost[n.node_id], 6), "in_flight": n.in_flight}
+                      for n in nodes}
+
+    @staticmethod
+    def _fleet_cost(nodes: list[NodeView]) -> float:
         measured = [n.prefill_s_per_token for n in nodes if n.prefill_s_per_token > 0]
-        fleet_cost = sum(measured) / len(measured) if measured else 1.0
+        return sum(measured) / len(measured) if measured else 1.0
+
+    def _decode_costs(self, node: NodeView, prefill: list[NodeView]) -> StepCosts:
+        """The decode node's step costs; a prompt token costs what the prefill nodes measured
+        until the node has measured its own."""
+        costs = node.step_costs
+        if costs.token_s > 0:
+            return costs
+        return StepCosts(costs.base_s, costs.row_s, node.prefill_s_per_token or self._fleet_cost(prefill))
+
+    def _ttft_costs(self, nodes: list[NodeView], held: dict[str, int], prompt_len: int) -> dict[str, float]:
+        """Per node: seconds to compute its queue and then this prompt (the router's TTFT model)."""
+        fleet_cost = self._fleet_cost(nodes)
         stored = held.get(STORE_HOLDER, 0) * self.block_size
         cost = {}
         for n in nodes:
@@ -130,10 +179,7 @@ class Planner:
             from_store = min(max(stored - local, 0), prompt_len - 1 - local)
             computed = prompt_len - local - from_store
             cost[n.node_id] = per_token * (n.queued_tokens + computed) + per_stored * from_store
-        start = next(self._rr["prefill"]) % len(nodes)  # ties go round the nodes
-        node = min(nodes[start:] + nodes[:start], key=lambda n: (cost[n.node_id], n.in_flight))
-        return node, {f"prefill:{n.node_id}": {"est_ttft": round(cost[n.node_id], 6), "in_flight": n.in_flight}
-                      for n in nodes}
+        return cost
 
     def _able_to_fit(self, nodes: list[NodeView], held: dict[str, int], tokens: int) -> list[NodeView]:
         """Never a node that cannot fit the request while another can."""

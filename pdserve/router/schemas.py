@@ -22,6 +22,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchem
 
 from pdserve.engine.cache_salt import MAX_CACHE_SALT_BYTES, check_cache_salt
 from pdserve.engine.sampling_params import SamplingParams, StructuredSpec
+from pdserve.router.pd_decision import Targets
 from pdserve.router.structured_request import ToolPlan, structured_spec, tool_plan
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,10 @@ class GenerationRequest(UnicodeCheckedRequest):
     spaces_between_special_tokens: bool = True
     # vLLM's: each prompt token's logprob and the top-N (the first token's entry is null).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # pdserve's: this request's TTFT and inter-token latency targets, for --prefill-placement slo
+    # (default: the router's --ttft-slo-ms/--itl-slo-ms).
+    ttft_slo_ms: float | None = Field(None, gt=0, le=3_600_000)
+    itl_slo_ms: float | None = Field(None, gt=0, le=3_600_000)
     # vLLM's: cached KV is shared only between requests with the same salt (docs/adapters-and-tenants.md).
     cache_salt: CacheSalt = None
 
@@ -173,6 +178,14 @@ class GenerationRequest(UnicodeCheckedRequest):
 
     def tools_plan(self) -> ToolPlan | None:
         return None  # chat requests may offer tools (ChatCompletionRequest.tools_plan)
+
+    def targets(self, default: Targets | None) -> Targets | None:
+        """The request's TTFT/ITL targets: its own where given, else `default`'s."""
+        if self.ttft_slo_ms is None and self.itl_slo_ms is None:
+            return None
+        ttft = self.ttft_slo_ms / 1e3 if self.ttft_slo_ms is not None else (default.ttft_s if default else 1.0)
+        itl = self.itl_slo_ms / 1e3 if self.itl_slo_ms is not None else (default.itl_s if default else 0.1)
+        return Targets(ttft, itl)
 
     @property
     def num_choices(self) -> int:

@@ -49,10 +49,11 @@ class GenerationGroup:
 
     def __init__(self, backend: GenerationBackend, base_id: str, prompt_ids: list[int],
                  params: list[SamplingParams], session: str | None = None,
-                 choice_prompts: list[list[int]] | None = None, cache_salt: str | None = None,
+                 choice_prompts: list[list[int]] | None = None, targets=None, cache_salt: str | None = None,
                  adapter: str | None = None) -> None:
         self.backend = backend
         self.session = session
+        self.targets = targets  # the request's own TTFT/ITL targets (pd_decision.Targets), if any
         self.cache_salt, self.adapter = cache_salt, adapter
         self.prompt_ids = prompt_ids
         self.params = params
@@ -77,8 +78,9 @@ class GenerationGroup:
             self._queue.put_nowait((index, None, exc))
 
     async def _consume(self, index: int, rid: str, params: SamplingParams) -> None:
+        extra = {"targets": self.targets} if self.targets is not None else {}  # only backends that place prompts
         stream = self.backend.generate(rid, self.choice_prompts[index], params, session=self.session,
-                                       cache_salt=self.cache_salt, adapter=self.adapter)
+                                       cache_salt=self.cache_salt, adapter=self.adapter, **extra)
         closer = getattr(stream, "aclose", None)
         async with contextlib.AsyncExitStack() as stack:
             if closer is not None:

@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass
 
 from pdserve.cluster.planner import PoolSnapshot, SlaPlanner
+from pdserve.router.pd_decision import Targets
 from pdserve.sim.costs import NodeCosts
 from pdserve.sim.nodes import PrefixCache, SimDecodeNode, SimPrefillNode, SimRequest
 from pdserve.sim.simulator import ClusterSpec, Simulator
@@ -217,6 +218,9 @@ def add_elastic_args(p) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="--elastic: TTFT target")
     p.add_argument("--slo-itl-ms", type=float, default=30.0, help="--elastic: mean inter-token time target")
     p.add_argument("--phase-s", type=float, default=60.0, help="--elastic: seconds per phase of the trace")
+    p.add_argument("--placements", default="threshold",
+                   help="--elastic: comma-separated: threshold (prompts always on prefill nodes), slo (the router's "
+                        "per-request placement against the SLOs, decode nodes chunking to hold the ITL target)")
 
 
 def planner_for(nodes: int, slo: tuple[float, float]) -> SlaPlanner:
@@ -232,15 +236,23 @@ def planner_for(nodes: int, slo: tuple[float, float]) -> SlaPlanner:
 
 
 def evaluate(nodes: int, costs: NodeCosts, slo: tuple[float, float], phase_s: float = 60.0, seed: int = 0,
-             kv_blocks: int = 2048, max_seqs: int = 64, step: int | None = None) -> list[ElasticResult]:
+             kv_blocks: int = 2048, max_seqs: int = 64, step: int | None = None,
+             placements: tuple[str, ...] = ("threshold",)) -> list[ElasticResult]:
     """Every fixed split of `nodes` (every `step`-th prefill count), then the planner starting
-    from an even split with at most `nodes` nodes."""
+    from an even split with at most `nodes` nodes; once per placement ("slo": the router's
+    per-request placement against the SLOs, labelled "+ placement")."""
     trace = phase_trace(shifting_phases(nodes, phase_s), seed)
     step = step or max(1, nodes // 16)
-    rows = [run_elastic(f"{nodes} fixed {p}P{nodes - p}D", ClusterSpec(p, nodes - p, kv_blocks, max_seqs), costs,
-                        trace, slo) for p in range(step, nodes, step)]
-    rows.append(run_elastic(f"{nodes} planner", ClusterSpec(nodes // 2, nodes - nodes // 2, kv_blocks, max_seqs),
-                            costs, trace, slo, planner_for(nodes, slo), interval_s=PLANNER_INTERVAL_S))
+    rows = []
+    for placement in placements:
+        tag = " + placement" if placement == "slo" else ""
+        extra = dict(placement=placement, targets=Targets(*slo))
+        rows += [run_elastic(f"{nodes} fixed {p}P{nodes - p}D{tag}", ClusterSpec(p, nodes - p, kv_blocks, max_seqs,
+                                                                                **extra),
+                             costs, trace, slo) for p in range(step, nodes, step)]
+        rows.append(run_elastic(f"{nodes} planner{tag}", ClusterSpec(nodes // 2, nodes - nodes // 2, kv_blocks, max_seqs,
+                                                                    **extra),
+                                costs, trace, slo, planner_for(nodes, slo), interval_s=PLANNER_INTERVAL_S))
     return rows
 
 
@@ -260,14 +272,18 @@ def elastic_plot(rows: list[ElasticResult], path: str) -> None:
     fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
     for ax, n in zip(axes[0], sizes):
         mine = [r for r in rows if int(r.label.split()[0]) == n]
-        fixed = [r for r in mine if "fixed" in r.label]
-        ax.plot([r.node_seconds for r in fixed], [r.attainment * 100 for r in fixed], "o", color="grey",
-                label="fixed splits")
-        for r in fixed:
-            ax.annotate(r.label.split()[-1], (r.node_seconds, r.attainment * 100), fontsize=7)
+        for tag, color in (("", "grey"), (" + placement", "tab:blue")):
+            fixed = [r for r in mine if "fixed" in r.label and r.label.endswith(tag or "D")]
+            if fixed:
+                ax.plot([r.node_seconds for r in fixed], [r.attainment * 100 for r in fixed], "o", color=color,
+                        label=f"fixed splits{tag}")
+            for r in fixed:
+                ax.annotate(r.label.split()[2], (r.node_seconds, r.attainment * 100), fontsize=7)
         for r in mine:
             if "planner" in r.label:
-                ax.plot([r.node_seconds], [r.attainment * 100], "*", markersize=14, color="tab:red", label="planner")
+                color = "tab:green" if "placement" in r.label else "tab:red"
+                ax.plot([r.node_seconds], [r.attainment * 100], "*", markersize=14, color=color,
+                        label=r.label.split(" ", 1)[1])
         ax.set(title=f"{n} nodes", xlabel="node-seconds", ylabel="SLO attainment (%)")
         ax.legend()
     fig.tight_layout()
@@ -278,7 +294,9 @@ def run_elastic_eval(args) -> int:
     import json
     costs = NodeCosts.load(args.costs) if args.costs else NodeCosts()
     slo = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
-    rows = [r for n in (int(x) for x in args.nodes.split(",")) for r in evaluate(n, costs, slo, args.phase_s, args.seed)]
+    placements = tuple(args.placements.split(","))
+    rows = [r for n in (int(x) for x in args.nodes.split(","))
+            for r in evaluate(n, costs, slo, args.phase_s, args.seed, placements=placements)]
     print(elastic_table(rows))
     if args.json:
         with open(args.json, "w") as f:

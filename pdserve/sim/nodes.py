@@ -21,6 +21,7 @@ class SimRequest:
     output_tokens: int
     cached_tokens: int = 0        # prompt tokens not computed (any cache)
     local_prefill: int = 0        # tokens the decode node prefills itself
+    prefill_left: int = 0         # ... of which it has not computed yet
     handed_blocks: int = 0        # blocks moved from a prefill node to the decode node
     blocks: int = 0               # KV blocks it holds on its decode node while running
     first_token: float | None = None
@@ -86,6 +87,17 @@ class SimDecodeNode:
     in_use: int = 0               # blocks held by running requests beyond their cached prefix
     stepping: bool = False
     routed: int = 0               # requests the router has sent here and not seen finish
+    chunks: dict = field(default_factory=dict)  # request id -> prompt tokens prefilled in the step running
+
+    @property
+    def decoding_rows(self) -> int:
+        return sum(1 for r in self.running if r.first_token is not None)
+
+    @property
+    def local_queued_tokens(self) -> int:
+        """Prompt tokens to prefill here before the requests routed here for it have a first token."""
+        return (sum(r.prefill_left for r in self.running if r.first_token is None)
+                + sum(len(r.prompt) for r in self.waiting if r.first_token is None))
 
     @property
     def free_blocks(self) -> int:

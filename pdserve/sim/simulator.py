@@ -16,7 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.engine.block_keys import ROOT_KEY, block_key, kv_layout_salt
+from pdserve.engine.tpot_budget import StepCosts, prefill_tokens_per_step
 from pdserve.router.index import STORE_HOLDER, PrefixIndex
+from pdserve.router.pd_decision import Targets
 from pdserve.router.policy import NodeView, Planner
 from pdserve.sim.costs import NodeCosts
 from pdserve.sim.nodes import PrefixCache, SimDecodeNode, SimPrefillNode, SimRequest
@@ -38,6 +40,10 @@ class ClusterSpec:
     decode_policy: str = "cache_aware"
     local_prefill_threshold: int = 0
     cores: float | None = None       # nodes share this many cores (one machine); None: each has its own
+    # "slo": the router's per-request placement against `targets`, and decode nodes that prefill
+    # in chunks capped to hold targets.itl_s (as --prefill-placement slo); "threshold": neither.
+    placement: str = "threshold"
+    targets: Targets | None = None
 
 
 def extend_keys(keys: list[bytes], token_ids: list[int], block_size: int) -> list[bytes]:
@@ -55,7 +61,8 @@ class Simulator:
         self.spec, self.costs, self.sessions = spec, costs, sessions
         self.index = PrefixIndex(max_keys=1 << 30)
         self.planner = Planner(self.index, spec.block_size, spec.prefill_policy, spec.decode_policy,
-                               spec.local_prefill_threshold)
+                               spec.local_prefill_threshold, spec.placement, spec.targets)
+        self.step_costs = StepCosts(costs.decode_step_s, costs.decode_s_per_seq, costs.prefill_s_per_token)
         def cache(node_id: str) -> PrefixCache:
             return PrefixCache(node_id, self.index, enabled=spec.prefix_caching)
         self.prefill = {f"prefill-{i}": SimPrefillNode(f"prefill-{i}", cache(f"prefill-{i}"), spec.kv_blocks)
@@ -100,8 +107,9 @@ class Simulator:
 
     def route(self, req: SimRequest) -> None:
         prompt, keys, c = req.prompt, req.keys, self.costs
-        dviews = [NodeView(d.node_id, d.routed, d.free_blocks, d.total_blocks) for d in self.decode.values()
-                  if d.node_id not in self.draining]
+        dviews = [NodeView(d.node_id, d.routed, d.free_blocks, d.total_blocks, d.local_queued_tokens,
+                           c.prefill_s_per_token, decode_rows=d.routed, step_costs=self.step_costs,
+                           max_step_tokens=1 << 30) for d in self.decode.values() if d.node_id not in self.draining]
         pviews = [NodeView(p.node_id, len(p.queue) + p.busy, 0, 0, p.queued_tokens, c.prefill_s_per_token,
                            c.store_s_per_token) for p in self.prefill.values() if p.node_id not in self.draining]
         plan = self.planner.plan(str(req.rid), len(prompt), keys, dviews, pviews, req.output_tokens)
@@ -156,25 +164,41 @@ class Simulator:
             self.step(node)
 
     def step(self, node: SimDecodeNode) -> None:
-        bs, prefill_tokens = self.spec.block_size, 0
+        bs = self.spec.block_size
         for req in node.admit(bs):
             if req.first_token is None:  # prefilled here: only what the cache lacks
                 req.cached_tokens = min(node.cache.held_prefix(req.keys) * bs, len(req.prompt) - 1)
-                req.local_prefill = len(req.prompt) - req.cached_tokens
-                prefill_tokens += req.local_prefill
+                req.local_prefill = req.prefill_left = len(req.prompt) - req.cached_tokens
         self.busy_nodes += bool(node.running) - node.stepping
         node.stepping = bool(node.running)
         if node.stepping:
             c = self.costs
-            seconds = c.decode_step_s + c.decode_s_per_seq * len(node.running) + prefill_tokens * c.prefill_s_per_token
+            node.chunks = self._prefill_chunks(node)
+            seconds = (c.decode_step_s + c.decode_s_per_seq * len(node.running)
+                       + sum(node.chunks.values()) * c.prefill_s_per_token)
             self.at(self.now + seconds * self._slowdown(), self.end_step, node)
+
+    def _prefill_chunks(self, node: SimDecodeNode) -> dict[int, int]:
+        """Prompt tokens each prefilling request computes this step (request id -> tokens): all
+        of them, or under "slo" what the ITL target leaves after the decode rows, first come first."""
+        targets = self.spec.targets
+        itl = targets.itl_s if self.spec.placement == "slo" and targets is not None else 0.0
+        left = prefill_tokens_per_step(node.decoding_rows, self.step_costs, itl, 1 << 30)
+        chunks = {}
+        for req in node.running:
+            if req.prefill_left > 0 and left > 0:
+                chunks[req.rid] = min(req.prefill_left, left)
+                left -= chunks[req.rid]
+        return chunks
 
     def end_step(self, node: SimDecodeNode) -> None:
         for req in list(node.running):
             if req.first_token is None:
-                req.first_token = self.now
-            else:
-                req.remaining -= 1
+                req.prefill_left -= node.chunks.get(req.rid, 0)
+                if req.prefill_left <= 0:
+                    req.first_token = self.now
+                continue
+            req.remaining -= 1
             if req.remaining <= 0:
                 self.finish(node, req)
         self.step(node)

@@ -1,0 +1,188 @@
+"""The per-request P/D decision (router.pd_decision, policy.Planner with placement "slo") and the
+decode node's TPOT budget (engine.tpot_budget, the scheduler's prefill cap), without sockets.
+
+Costs below are round numbers on the scale of the default model on one core: a decode step of
+10 ms plus 2 ms per row, 0.5 ms per prompt token; targets TTFT 2 s, ITL 100 ms."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.block_keys import block_key_chain
+from pdserve.engine.tpot_budget import (
+    MIN_PREFILL_CHUNK,
+    TARGET_SHARE,
+    StepCostModel,
+    StepCosts,
+    has_headroom,
+    prefill_tokens_per_step,
+)
+from pdserve.router.index import PrefixIndex
+from pdserve.router.pd_decision import REMOTE_COMFORT, DecodeLoad, Targets, local_ttft_s, place
+from pdserve.router.policy import NodeView, Planner
+from pdserve.router.schemas import CompletionRequest
+
+COSTS = StepCosts(base_s=0.010, row_s=0.002, token_s=0.0005)
+TARGETS = Targets(ttft_s=2.0, itl_s=0.100)
+
+
+def test_budget_fills_the_step_up_to_the_target_share():
+    chunk = prefill_tokens_per_step(4, COSTS, TARGETS.itl_s, 2048)
+    assert COSTS.step_s(4, chunk) <= TARGETS.itl_s * TARGET_SHARE < COSTS.step_s(4, chunk + 1)
+    assert prefill_tokens_per_step(0, COSTS, TARGETS.itl_s, 2048) == 2048  # no stream to hold
+    assert prefill_tokens_per_step(4, COSTS, 0.0, 2048) == 2048  # no target
+    # A node already past its target still prefills, a minimal chunk per step.
+    assert prefill_tokens_per_step(60, COSTS, TARGETS.itl_s, 2048) == MIN_PREFILL_CHUNK
+    assert has_headroom(4, COSTS, TARGETS.itl_s) and not has_headroom(33, COSTS, TARGETS.itl_s)
+
+
+def test_idle_prefill_node_takes_the_prompt():
+    load = DecodeLoad(rows=2, costs=COSTS)
+    p = place(remote_ttft_s=400 * COSTS.token_s, local_tokens=400, load=load, targets=TARGETS)
+    assert not p.local and p.reason == "prefill node within the TTFT target"
+
+
+def test_long_prefill_queue_with_decode_headroom_goes_local():
+    load = DecodeLoad(rows=2, costs=COSTS)
+    remote = (6000 + 400) * COSTS.token_s  # 3.2 s behind a queue of 6000 tokens
+    p = place(remote, 400, load, TARGETS)
+    assert p.local and p.local_ttft_s < remote
+    # The local estimate: chunks of what the target leaves after two rows, one step each.
+    chunk = prefill_tokens_per_step(2, COSTS, TARGETS.itl_s, 2048)
+    assert p.local_ttft_s == pytest.approx(math.ceil(400 / chunk) * COSTS.step_s(2, chunk))
+
+
+def test_decode_near_its_tpot_target_keeps_the_prompt_remote():
+    busy = DecodeLoad(rows=34, costs=COSTS)  # 78 ms of decode per step: no room for 16 tokens under 80 ms
+    p = place(remote_ttft_s=10.0, local_tokens=400, load=busy, targets=TARGETS)
+    assert not p.local and p.reason == "decode steps at their ITL target"
+
+
+def test_queued_local_work_and_a_slow_decode_node_send_it_back_remote():
+    remote = TARGETS.ttft_s * REMOTE_COMFORT + 0.3  # past the comfort share, but not by much
+    queued = DecodeLoad(rows=2, costs=COSTS, queued_tokens=4000)  # the decode node is behind too
+    p = place(remote, 400, queued, TARGETS)
+    assert not p.local and p.local_ttft_s > remote and p.reason == "prefill node first"
+    # The same queue on an idle decode node prefills in one unchunked go: local.
+    idle = DecodeLoad(rows=0, costs=COSTS, queued_tokens=1000)
+    assert local_ttft_s(400, idle, TARGETS.itl_s) == pytest.approx(COSTS.step_s(0, 1400))
+    assert place(remote, 400, idle, TARGETS).local
+
+
+def test_planner_places_per_request_only_under_slo_placement():
+    index = PrefixIndex()
+    keys = block_key_chain(list(range(400)), 16, b"salt")
+    decode = [NodeView("d0", 2, 100, 100, decode_rows=2, step_costs=COSTS)]
+    idle_prefill = [NodeView("p0", 0, prefill_s_per_token=COSTS.token_s)]
+    queued_prefill = [NodeView("p0", 12, queued_tokens=6000, prefill_s_per_token=COSTS.token_s)]
+    slo = Planner(index, 16, placement="slo", targets=TARGETS)
+    assert slo.plan("a", 400, keys, decode, idle_prefill).prefill == "p0"
+    plan = slo.plan("b", 400, keys, decode, queued_prefill)
+    assert plan.prefill is None and plan.scores["placement"]["where"] == "local"
+    # A request's own looser TTFT target keeps it on the prefill node.
+    assert slo.plan("c", 400, keys, decode, queued_prefill, targets=Targets(10.0, 0.1)).prefill == "p0"
+    # threshold placement (the default) never looks at load.
+    assert Planner(index, 16, targets=TARGETS).plan("d", 400, keys, decode, queued_prefill).prefill == "p0"
+    # Before the decode node has measured a prompt token, it is priced at the prefill nodes' cost.
+    unmeasured = [NodeView("d0", 2, 100, 100, decode_rows=2, step_costs=StepCosts(0.010, 0.002, 0.0))]
+    assert slo.plan("e", 400, keys, unmeasured, queued_prefill).prefill is None
+
+
+def test_step_cost_model_recovers_the_costs_it_is_fed():
+    model = StepCostModel()
+    for i in range(200):
+        rows = 1 + i % 8
+        model.observe(rows, 0, COSTS.step_s(rows, 0))
+        if i % 4 == 0:
+            model.observe(rows, 64, COSTS.step_s(rows, 64))
+    fitted = model.costs()
+    assert fitted.base_s == pytest.approx(COSTS.base_s, rel=0.05)
+    assert fitted.row_s == pytest.approx(COSTS.row_s, rel=0.05)
+    assert fitted.token_s == pytest.approx(COSTS.token_s, rel=0.05)
+
+
+def test_request_targets_from_the_body():
+    body = CompletionRequest(prompt="x", ttft_slo_ms=500)
+    assert body.targets(TARGETS) == Targets(0.5, TARGETS.itl_s)
+    assert CompletionRequest(prompt="x").targets(TARGETS) is None  # the router's own apply
+    with pytest.raises(ValueError):
+        CompletionRequest(prompt="x", itl_slo_ms=0)
+
+
+def test_capped_prefill_keeps_decode_rows_in_every_step_and_the_output_unchanged():
+    """A decode stream and a long prompt on one engine: with a 16-token prefill cap beside decode
+    rows, every step decodes the stream and prefills at most 16 prompt tokens, and both requests
+    produce what the same engine uncapped (the reference) produces."""
+    llm = LLM("builtin:tiny", num_kv_blocks=128, max_num_batched_tokens=256, enable_prefix_caching=False)
+    engine = llm.engine
+    short = ([(7 * i) % 200 + 20 for i in range(24)], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    long = ([(11 * i) % 200 + 20 for i in range(200)], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+
+    def run(cap: bool, tag: str) -> tuple[dict, list]:
+        engine.scheduler.prefill_budget = (lambda rows: 16 if rows else None) if cap else None
+        engine.add_request(f"short{tag}", *short)
+        for _ in range(3):  # the short one is decoding when the long one arrives
+            engine.step()
+        engine.add_request(f"long{tag}", *long)
+        out, steps = {f"short{tag}": [], f"long{tag}": []}, []
+        while engine.has_unfinished_requests():
+            batch = engine.scheduler.schedule()
+            steps.append({r.request_id[:-1]: n for r, n in batch.items})
+            for o in engine.run_batch(batch):
+                out[o.request_id] += o.new_token_ids
+        return list(out.values()), steps
+
+    capped, steps = run(True, "c")
+    reference, ref_steps = run(False, "r")
+    assert capped == reference and len(capped[1]) == 4
+    beside = [s.get("long", 0) for s in steps if "short" in s]
+    assert all(s["short"] == 1 for s in steps if "short" in s) and max(beside) == 16
+    assert sum(n == 16 for n in beside) == 200 // 16  # the prompt went in in 16-token chunks
+    assert max(s.get("long", 0) for s in ref_steps) == 200  # uncapped: in one step
+
+
+def test_simulated_1p1d_overloaded_prefill_node_gains_from_placement():
+    """The simulator (the router's real Planner against modelled nodes): long prompts arrive faster
+    than one prefill node computes them while the decode node idles. Per-request placement sends
+    the overflow to the decode node and more requests meet both targets; streams that decode
+    beside a local prefill keep their mean inter-token time within the ITL target."""
+    from pdserve.sim.costs import NodeCosts
+    from pdserve.sim.elastic import Phase, attainment, phase_trace
+    from pdserve.sim.simulator import ClusterSpec, Simulator
+
+    costs, slo = NodeCosts(), Targets(1.0, 0.03)
+    trace = phase_trace([Phase(20.0, 5.0, 2048, 4), Phase(20.0, 5.0, 64, 64)], seed=1)
+    done = {}
+    for placement in ("threshold", "slo"):
+        spec = ClusterSpec(1, 1, kv_blocks=4096, placement=placement, targets=slo)
+        done[placement] = Simulator(spec, costs, trace).run()
+        assert len(done[placement]) == len(trace)
+    got = {p: attainment(d, slo.ttft_s, slo.itl_s) for p, d in done.items()}
+    assert got["slo"] > got["threshold"] + 0.2, got
+    local = [r for r in done["slo"] if r.prefill_node is None]
+    assert 0 < len(local) < len(trace)
+    decoding = [r for r in done["slo"] if r.output_tokens > 4]
+    assert max((r.finish - r.first_token) / (r.output_tokens - 1) for r in decoding) <= slo.itl_s
+
+
+def test_prompts_queued_on_the_decode_node_count_as_its_rows():
+    """node_view: every request the router has on a decode node is a row by the time a prompt
+    queued after it prefills, so a node whose queued local prompts leave no headroom under the ITL
+    target is not handed another one (a decode node with slow steps does not take every prompt)."""
+    from pdserve.router.node_view import node_view
+    from pdserve.router.nodes import Node
+
+    node = Node("d0", "decode", "tcp://127.0.0.1:1", sock=None, healthy=True,
+                stats={"free_blocks": 100, "total_blocks": 100, "step_base_us": 10_000, "decode_row_us": 40_000,
+                       "mixed_prefill_ns_per_token": 500_000})
+    node.requests = {"a", "b"}
+    node.queued_tokens = {"a": 300, "b": 300}  # both still prefilling there
+    view = node_view(node)
+    assert view.decode_rows == 2 and view.queued_tokens == 600
+    index = PrefixIndex()
+    keys = block_key_chain(list(range(400)), 16, b"salt")
+    queued_prefill = [NodeView("p0", 12, queued_tokens=6000, prefill_s_per_token=COSTS.token_s)]
+    plan = Planner(index, 16, placement="slo", targets=TARGETS).plan("x", 400, keys, [view], queued_prefill)
+    assert plan.prefill == "p0" and plan.scores["placement"]["reason"] == "decode steps at their ITL target"
