@@ -45,6 +45,18 @@ class SpecStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+def spec_stats(engine) -> dict[str, int]:
+    """The node's speculation counters for its Pong (the router's /metrics names them as vLLM does)."""
+    spec = getattr(engine, "speculator", None)
+    if spec is None:
+        return {}
+    s = spec.stats
+    out = {"spec_num_drafts": s.num_drafts, "spec_num_draft_tokens": s.num_draft_tokens,
+           "spec_num_accepted_tokens": s.num_accepted_tokens}
+    out.update({f"spec_accepted_pos_{i}": n for i, n in enumerate(s.accepted_per_position)})
+    return out
+
+
 def can_speculate(req: Request) -> bool:
     """Requests whose every output feature verification reproduces exactly. Logits edits that
     depend on the tokens before each position (penalties, bad words, min_tokens; logit_bias
