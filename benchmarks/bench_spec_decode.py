@@ -104,6 +104,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, llm in engines.items():
                 results[name].append(run(llm, prompts, args.new_tokens))
+                print(f"# concurrency {concurrency} {name}: {results[name][-1]}", flush=True)  # progress
         base = statistics.median(r["tok_s"] for r in results["off"])
         for name, runs in results.items():
             tok_s = statistics.median(r["tok_s"] for r in runs)
