@@ -36,6 +36,9 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     # Compute threads of each rank at TP > 1 (default: this process's share of cores / size).
     threads_per_rank: int | None = None
+    # Speculative decoding (pdserve.spec_decode): vLLM's --speculative-config, as a JSON string,
+    # a dict or a SpeculativeConfig; None: off.
+    speculative_config: Any = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -51,6 +54,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.kernel_backend not in ("auto", "torch", "numba", "triton"):
             raise ValueError(f"kernel_backend must be auto, torch, numba or triton, got {self.kernel_backend!r}")
+        from pdserve.spec_decode.config import parse_speculative_config
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding is not supported with tensor_parallel_size > 1 yet")
 
 
 def engine_options(args: Any) -> dict:
@@ -61,4 +68,5 @@ def engine_options(args: Any) -> dict:
                 max_num_seqs=args.max_num_seqs, kernel_backend=args.kernel_backend,
                 enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-                enable_expert_parallel=getattr(args, "enable_expert_parallel", False))
+                enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+                speculative_config=getattr(args, "speculative_config", None))

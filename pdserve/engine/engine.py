@@ -87,7 +87,12 @@ class LLMEngine:
         self.computed_prompt_tokens = 0  # ... and that were
         self.outputs = OutputProcessor(self.tokenizer, _eos_ids(self.hf_config, self.tokenizer), self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, spec.vocab_size, self.outputs.eos_token_ids)
-        self.async_scheduling = (self.executor is None
+        self.speculator = None
+        if config.speculative_config is not None:
+            from pdserve.spec_decode.speculator import Speculator
+            self.speculator = Speculator(config.speculative_config, self)
+        # (Speculation needs each step's tokens on the host to draft the next: no overlap.)
+        self.async_scheduling = (self.executor is None and self.speculator is None
                                  and _use_async_scheduling(config.async_scheduling, self.device))
         self.in_flight: InFlightStep | None = None  # with async scheduling: the step launched last
 
@@ -204,6 +209,8 @@ class LLMEngine:
             return self.scheduler.release_held(request_id)
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         self.outputs.remove(request_id)
+        if self.speculator is not None:
+            self.speculator.release(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -238,21 +245,46 @@ class LLMEngine:
         """Runs a scheduled batch and waits for its tokens."""
         if not batch.items:
             return []
+        if self.speculator is not None:
+            self.speculator.add_drafts(batch)
         t0 = time.perf_counter()
         logits, to_sample = self.runner.execute(batch.items)
         if batch.num_tokens >= COST_SAMPLE_MIN_TOKENS:
             if self.device.type == "cuda":  # kernels run asynchronously: time them, not their launch
                 torch.cuda.synchronize(self.device)
             self._record_step_cost(time.perf_counter() - t0, batch.num_tokens)
+        drafted = self.speculator.take_drafts(batch) if self.speculator is not None else {}
         for req, n in batch.items:
-            req.num_computed_tokens += n
-            self.kv.commit(req)
+            if req.request_id not in drafted:  # (a drafted request commits what it accepted)
+                req.num_computed_tokens += n
+                self.kv.commit(req)
         if not to_sample:
             return []
+        if drafted:
+            return self._verify(logits, to_sample, drafted)
         params = [r.sampling_params for r in to_sample]
         self._process_logits(logits, to_sample)
         tokens, logprobs = sample(logits, params, [r.num_output_tokens for r in to_sample])
         return [self._advance(req, tok, lp) for req, tok, lp in zip(to_sample, tokens, logprobs)]
+
+    def _verify(self, logits: torch.Tensor, to_sample: list[Request], drafted: dict[str, list[int]]
+                ) -> list[StepOutput]:
+        """A step with drafts: a drafted request has a row at its last token and one per draft,
+        each sampled as the output position it stands for (pdserve.spec_decode.verify)."""
+        spans = [len(drafted.get(r.request_id, ())) + 1 for r in to_sample]
+        rows = [r for r, n in zip(to_sample, spans) for _ in range(n)]
+        positions = [r.num_output_tokens + i for r, n in zip(to_sample, spans) for i in range(n)]
+        self._process_logits(logits, rows)  # (drafted requests have no edits: their rows stay)
+        tokens, logprobs = sample(logits, [r.sampling_params for r in rows], positions)
+        outs, row = [], 0
+        for req, n in zip(to_sample, spans):
+            if n == 1:
+                outs.append(self._advance(req, tokens[row], logprobs[row]))
+            else:
+                outs.append(self.speculator.advance(req, drafted[req.request_id], tokens[row:row + n],
+                                                    logprobs[row:row + n]))
+            row += n
+        return outs
 
     @torch.inference_mode()  # the logits are inference tensors: edit them in place in that mode
     def _process_logits(self, logits: torch.Tensor, to_sample: list[Request]) -> None:
@@ -291,6 +323,8 @@ class LLMEngine:
         if status is not None:
             self.scheduler.finish(req, status)
             self.outputs.remove(req.request_id)
+            if self.speculator is not None:
+                self.speculator.release(req.request_id)
         return out
 
 

@@ -64,6 +64,9 @@ class Request:
     awaiting_last_token: bool = False  # its pending token ends it (async scheduling): skip it
     # sampling_params.prompt_logprobs: filled position by position as the prompt is computed
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Speculative decoding: tokens drafted for this step, appended to all_token_ids while the
+    # step runs (pdserve.spec_decode.speculator); every row from the last token on is sampled.
+    spec_token_ids: list[int] = field(default_factory=list)
     # What must never share KV with other requests: a tenant's cache salt and a LoRA adapter's
     # name. `salt` is their block-key salt (block_keys.request_salt); b"": the engine's own.
     cache_salt: str | None = None

@@ -140,7 +140,7 @@ def build_step_inputs(items: list[tuple[Request, int]], num_decodes: int,
     for req, n in items:
         row += n
         if req.num_computed_tokens + n == req.num_tokens:
-            sample_rows.append(row - 1)
+            sample_rows.extend(range(row - 1 - len(req.spec_token_ids), row))  # drafts: every row
             to_sample.append(req)
     return StepInputs(ints64, decode_ctx, decode_tables, cu, prefill_ctx, prefill_tables,
                       sample_rows, to_sample)

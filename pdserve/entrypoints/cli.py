@@ -96,6 +96,14 @@ def _add_curve_args(p: argparse.ArgumentParser) -> None:
                         "nodes accept only the router's key (default: plain TCP)")
 
 
+def _add_speculative_args(p: argparse.ArgumentParser, where: str = "") -> None:
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding" + where + ", vLLM's keys: "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
+                        "or '{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 4}' "
+                        "(docs/speculative-decoding.md)")
+
+
 def _add_keys_parser(sub) -> None:
     from pdserve.curve_keys import run_keys
     keys = sub.add_parser("keys", help="write the router and node CURVE key pairs for --curve-dir")
@@ -170,6 +178,7 @@ def _add_cluster_parsers(sub) -> None:
     dec.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute",
                      help="when a KV pull fails: compute the prompt here, or fail the request")
     dec.add_argument("--pull-delay-s", type=float, default=0.0, help="fault injection: delay each KV pull")
+    _add_speculative_args(dec)
     dec.set_defaults(func=run_decode)
     rt = sub.add_parser("router", help="run the OpenAI-compatible router")
     rt.add_argument("--model", default=DEFAULT_MODEL, help="the served model: its tokenizer and name")
@@ -216,6 +225,7 @@ def _add_cluster_parsers(sub) -> None:
         up.add_argument(f"--{role}-tp", type=parse_degrees, default="1", metavar="N[,N...]",
                         help=f"tensor-parallel size of each {role} node; a comma list gives the {role} nodes "
                              f"their sizes in turn ({role}-i: entry i mod the list's length)")
+    _add_speculative_args(up, " on the decode nodes (they run whole requests too, with --prefill-nodes 0)")
     up.add_argument("--threads-per-node", type=int, default=None,
                     help="compute threads per node (default: the machine's cores divided among the nodes)")
     _add_admission_args(up)
@@ -254,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline generation, printed to stdout")
     _add_engine_args(gen)
+    _add_speculative_args(gen)
     gen.add_argument("prompts", nargs="*", help="prompts to complete (default: one example prompt)")
     gen.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

@@ -158,6 +158,7 @@ class Cluster:
         if role == "decode":
             extra += ["--nixl"] if a.kv_transfer == "nixl" else []
             extra += ["--on-transfer-failure", a.on_transfer_failure, "--pull-delay-s", str(a.decode_pull_delay_s)]
+            extra += ["--speculative-config", a.speculative_config] if getattr(a, "speculative_config", None) else []
         tp = node_degree(a, role, index)
         extra += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         self.spawn(node_id, self.node_cmd(role, node_id, addr, extra), self.threads_per_node(tp))
@@ -304,6 +305,8 @@ def run_up(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
+        from pdserve.spec_decode.config import parse_speculative_config
+        parse_speculative_config(getattr(args, "speculative_config", None))  # refused before any node starts
         prepare_model(args.model)
         url = cluster.start()
         cluster.wait_ready(url)

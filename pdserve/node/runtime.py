@@ -33,6 +33,7 @@ from pdserve.engine.outputs import StepOutput
 from pdserve.kv_events import KVEventPublisher
 from pdserve.messages import ROLES, Abort, Drain, EmbedRequest, KVSnapshotRequest, Message, Ping, Pong, TokenDelta
 from pdserve.node.embeddings import EmbeddingQueue
+from pdserve.spec_decode.speculator import spec_stats
 from pdserve.transport import NodeSocket
 
 log = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ class NodeRuntime:
                      prefill_ns_per_token=int(engine.prefill_s_per_token * 1e9),
                      integrity_failures=self.integrity_failures())
         stats.update(role_switches=self.switches, tensor_parallel_size=engine.config.tensor_parallel_size,
-                     **footprint(self.engine))
+                     **footprint(self.engine), **spec_stats(engine))
         return Pong(ping.seq, self.node_id, self.role, len(sched.requests),
                     engine.pool.num_free, engine.pool.num_blocks, stats,
                     kv_salt=engine.salt, state=self.state())

@@ -36,7 +36,14 @@ NODE_COUNTERS = {
     "transfers_failed": ("pdserve_kv_transfer_failures", "KV transfers that failed", {"reason": "pull_failed"}),
     "leases_expired": ("pdserve_kv_transfer_failures", "", {"reason": "lease_expired"}),
     "integrity_failures": ("pdserve_kv_transfer_failures", "", {"reason": "digest_mismatch"}),
+    # Speculative decoding, vLLM's counters (pdserve.spec_decode.speculator.spec_stats)
+    "spec_num_drafts": ("pdserve_spec_decode_num_drafts", "decode steps that verified drafts, summed over requests", {}),
+    "spec_num_draft_tokens": ("pdserve_spec_decode_num_draft_tokens", "draft tokens proposed", {}),
+    "spec_num_accepted_tokens": ("pdserve_spec_decode_num_accepted_tokens", "draft tokens accepted", {}),
 }
+NODE_COUNTERS.update({f"spec_accepted_pos_{i}": ("pdserve_spec_decode_num_accepted_tokens_per_pos",
+                                                 "draft tokens accepted, by position in the draft" if i == 0 else "",
+                                                 {"position": str(i)}) for i in range(32)})
 
 
 class NodeCollector:

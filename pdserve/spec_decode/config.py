@@ -1,0 +1,65 @@
+"""--speculative-config: vLLM's keys, checked when the engine starts."""
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+METHODS = ("ngram", "draft_model")
+
+
+class SpeculativeConfig(BaseModel):
+    """{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
+    or {"method": "draft_model", "model": DIR, "num_speculative_tokens": k}."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram", "draft_model"]
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(f"num_speculative_tokens must be in [1, 32], got {self.num_speculative_tokens}")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("method ngram takes no model")
+            lo, hi = self.lookup_range
+            if not 1 <= lo <= hi:
+                raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
+        elif self.model is None:
+            raise ValueError("method draft_model needs a model (a directory or builtin: name)")
+        return self
+
+    @property
+    def lookup_range(self) -> tuple[int, int]:
+        """(min, max) n-gram lengths, with vLLM's defaults: 5 and 5 when neither is given, else
+        the one given for the other."""
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            return 5, 5
+        return (hi if lo is None else lo), (lo if hi is None else hi)
+
+
+def parse_speculative_config(value) -> SpeculativeConfig | None:
+    """A JSON string, a dict or a SpeculativeConfig (None: off); ValueError with the reason."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("speculative config must be a JSON object")
+    if value.get("method") not in METHODS:
+        raise ValueError(f"speculative config: unknown method {value.get('method')!r}; "
+                         f"supported: {', '.join(METHODS)}")
+    try:
+        return SpeculativeConfig(**value)
+    except ValidationError as exc:
+        reasons = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"bad speculative config: {reasons}") from None

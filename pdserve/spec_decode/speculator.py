@@ -1,0 +1,142 @@
+"""The engine's side of speculation: drafts go into a scheduled batch as extra query tokens of
+the decoding requests, the runner scores them with everything else in one forward pass, and
+the verified tokens come out as one StepOutput per request.
+
+While the step runs, a drafted request's all_token_ids carries its drafts (the step's inputs
+read them from there); take_drafts removes them before anything keys a block on them. The
+rejected drafts' KV slots lie past num_computed_tokens, so the next step overwrites them: no
+block holds a rejected token once it is committed, and none is leaked (the few blocks drafted
+into stay the request's, and are used by the tokens that follow)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.engine.outputs import StepOutput
+from pdserve.engine.request import Request
+from pdserve.spec_decode.config import SpeculativeConfig
+from pdserve.spec_decode.ngram import NgramProposer
+from pdserve.spec_decode.verify import accepted_length
+
+
+@dataclass
+class SpecStats:
+    """vLLM's counters: drafts proposed, drafts accepted, acceptance per draft position."""
+    num_drafts: int = 0  # requests drafted for, summed over steps
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafted:
+            self.accepted_per_position += [0] * (num_drafted - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per drafted step: the accepted drafts plus the target's own."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def spec_stats(engine) -> dict[str, int]:
+    """The node's speculation counters for its Pong (the router's /metrics names them as vLLM does)."""
+    spec = getattr(engine, "speculator", None)
+    if spec is None:
+        return {}
+    s = spec.stats
+    out = {"spec_num_drafts": s.num_drafts, "spec_num_draft_tokens": s.num_draft_tokens,
+           "spec_num_accepted_tokens": s.num_accepted_tokens}
+    out.update({f"spec_accepted_pos_{i}": n for i, n in enumerate(s.accepted_per_position)})
+    return out
+
+
+def can_speculate(req: Request) -> bool:
+    """Requests whose every output feature verification reproduces exactly. Logits edits that
+    depend on the tokens before each position (penalties, bad words, min_tokens; logit_bias
+    goes with them), grammars, prompt logprobs and KV handovers decode one token a step."""
+    p = req.sampling_params
+    return (req.num_tokens - req.num_computed_tokens == 1 and bool(req.output_token_ids)
+            and not p.has_logits_processors and req.matcher is None and p.prompt_logprobs is None
+            and not req.hold_blocks)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, engine):
+        self.config, self.engine = config, engine
+        self.k = config.num_speculative_tokens
+        if config.method == "ngram":
+            self.proposer = NgramProposer(*config.lookup_range)
+        else:
+            from pdserve.spec_decode.draft_model import DraftModelProposer
+            self.proposer = DraftModelProposer(config, engine)
+        self.stats = SpecStats()
+
+    def add_drafts(self, batch) -> None:
+        """Draft for the batch's decoding requests, within the step's token budget and the free
+        KV blocks (a request that gets none decodes one token as usual)."""
+        engine = self.engine
+        budget = engine.config.max_num_batched_tokens - batch.num_tokens
+        wanted = []
+        for i, (req, n) in enumerate(batch.items):
+            k = min(self.k, req.sampling_params.max_tokens - req.num_output_tokens - 1,
+                    engine.max_model_len - req.num_tokens - 1)
+            if n == 1 and k > 0 and can_speculate(req):
+                wanted.append((i, req, k))
+        drafts = self.proposer.propose_batch([(req, k) for _, req, k in wanted])
+        for (i, req, _), draft in zip(wanted, drafts):
+            draft = draft[:max(budget, 0)]
+            if not draft or not engine.kv.allocate(req, 1 + len(draft)):
+                continue
+            budget -= len(draft)
+            req.spec_token_ids = draft
+            req.all_token_ids.extend(draft)
+            batch.items[i] = (req, 1 + len(draft))
+
+    def take_drafts(self, batch) -> dict[str, list[int]]:
+        """After the forward pass: each drafted request's drafts, taken out of its tokens."""
+        drafted = {}
+        for req, _ in batch.items:
+            if req.spec_token_ids:
+                drafted[req.request_id] = req.spec_token_ids
+                del req.all_token_ids[len(req.all_token_ids) - len(req.spec_token_ids):]
+                req.spec_token_ids = []
+        return drafted
+
+    def advance(self, req: Request, drafts: list[int], tokens: list[int], logprobs: list) -> StepOutput:
+        """Emit the verified tokens of a drafted request (tokens, logprobs: the target's draw at
+        its last token and at each draft), stopping where a stop condition ends it."""
+        keep = accepted_length(drafts, tokens) + 1
+        self.stats.record(len(drafts), keep - 1)
+        engine, computed = self.engine, req.num_computed_tokens
+        outs = []
+        for token, logprob in zip(tokens[:keep], logprobs[:keep]):
+            outs.append(engine._advance(req, token, logprob))
+            if outs[-1].finished:
+                return merge_outputs(outs)
+        req.num_computed_tokens = computed + keep  # the last token and the accepted drafts
+        engine.kv.commit(req)
+        return merge_outputs(outs)
+
+    def release(self, request_id: str) -> None:
+        """A request ended: drop whatever the proposer keeps for it."""
+        if hasattr(self.proposer, "release"):
+            self.proposer.release(request_id)
+
+
+def merge_outputs(outs: list[StepOutput]) -> StepOutput:
+    """One request's several tokens of one step as one output (as a client sees a chunk)."""
+    merged = outs[0]
+    for out in outs[1:]:
+        merged.new_token_ids += out.new_token_ids
+        merged.new_text += out.new_text
+        if out.new_logprobs is not None:
+            merged.new_logprobs = (merged.new_logprobs or []) + out.new_logprobs
+        merged.finished, merged.finish_reason, merged.error = out.finished, out.finish_reason, out.error
+    return merged
