@@ -35,8 +35,10 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
 fi
 
 # GGML_NATIVE (the default) compiles for this CPU's instruction set, as a user building it would.
+# LLAMA_USE_PREBUILT_UI=OFF: no download of the web UI's assets (the server runs without them).
 nice -n 19 cmake -S "$SRC" -B "$BUILD_DIR/build" -DCMAKE_BUILD_TYPE=Release \
-    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_USE_PREBUILT_UI=OFF
 nice -n 19 cmake --build "$BUILD_DIR/build" --target llama-server -j"$JOBS"
 
 echo "$BUILD_DIR/build/bin/llama-server"
