@@ -142,12 +142,19 @@ def pdserve_flags(args) -> list[str]:
             "--threads-per-node", str(args.threads), "--max-num-seqs", str(SLOTS), *args.pdserve_flag]
 
 
-def pdserve_weight_bytes(url: str) -> int | None:
-    """The node's weight bytes as it holds them, from the router's /metrics."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    found = re.findall(r"^pdserve_node_weight_bytes\{[^}]*\}\s+([0-9.e+]+)", text, re.M)
-    return int(float(found[0])) if found else None
+def pdserve_weight_bytes(url: str, timeout_s: float = 10.0) -> int:
+    """The node's weight bytes as it holds them, from the router's /metrics (which has them once
+    the node's first stats have arrived)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        found = re.findall(r"^pdserve_node_weight_bytes\{[^}]*\}\s+([0-9.e+]+)", text, re.M)
+        if found and float(found[0]) > 0:
+            return int(float(found[0]))
+        if time.monotonic() > deadline:
+            raise RuntimeError("the router's /metrics has no pdserve_node_weight_bytes")
+        time.sleep(0.5)
 
 
 # ---------------------------------------------------------------- load
