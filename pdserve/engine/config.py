@@ -36,6 +36,14 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     # Compute threads of each rank at TP > 1 (default: this process's share of cores / size).
     threads_per_rank: int | None = None
+    # LoRA adapters (pdserve.lora), as vLLM names the settings: lora_modules {name: PEFT dir}
+    # registered at start (and turns adapters on); max_loras resident at once in a step,
+    # max_lora_rank the largest rank accepted, max_cpu_loras host copies kept (>= max_loras).
+    enable_lora: bool = False
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -51,6 +59,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.kernel_backend not in ("auto", "torch", "numba", "triton"):
             raise ValueError(f"kernel_backend must be auto, torch, numba or triton, got {self.kernel_backend!r}")
+        if self.lora_modules:
+            self.enable_lora = True
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
 
 
 def engine_options(args: Any) -> dict:
@@ -61,4 +73,14 @@ def engine_options(args: Any) -> dict:
                 max_num_seqs=args.max_num_seqs, kernel_backend=args.kernel_backend,
                 enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-                enable_expert_parallel=getattr(args, "enable_expert_parallel", False))
+                enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+                **lora_options(args))
+
+
+def lora_options(args: Any) -> dict:
+    """EngineConfig's LoRA keywords from --lora-modules name=DIR ..., --max-loras, --max-lora-rank
+    and --max-cpu-loras (absent flags: adapters off)."""
+    modules = dict(getattr(args, "lora_modules", None) or [])
+    return dict(enable_lora=bool(modules) or getattr(args, "enable_lora", False), lora_modules=modules or None,
+                max_loras=getattr(args, "max_loras", 1), max_lora_rank=getattr(args, "max_lora_rank", 16),
+                max_cpu_loras=getattr(args, "max_cpu_loras", None))

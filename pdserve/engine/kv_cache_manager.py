@@ -23,13 +23,15 @@ class KVCacheManager:
         self.window = window
 
     def block_keys(self, req: Request) -> list[bytes]:
-        """Keys of every full block of the request's tokens (cached on the request)."""
+        """Keys of every full block of the request's tokens (cached on the request), salted with
+        the request's own salt (a tenant's, an adapter's) where it has one."""
         keys, bs = req.block_keys, self.block_size
+        salt = req.salt or self.salt
         tokens = req.all_token_ids
         known = len(tokens) - (tokens[-1] == PENDING_TOKEN if tokens else 0)  # a pending token has no key yet
         for i in range(len(keys), known // bs):
             parent = keys[-1] if keys else ROOT_KEY
-            keys.append(block_key(parent, tokens[i * bs:(i + 1) * bs], self.salt))
+            keys.append(block_key(parent, tokens[i * bs:(i + 1) * bs], salt))
         return keys
 
     def find_cached_prefix(self, req: Request) -> list[int]:

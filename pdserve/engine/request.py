@@ -64,7 +64,13 @@ class Request:
     awaiting_last_token: bool = False  # its pending token ends it (async scheduling): skip it
     # sampling_params.prompt_logprobs: filled position by position as the prompt is computed
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # What must never share KV with other requests: a tenant's cache salt and a LoRA adapter's
+    # name. `salt` is their block-key salt (block_keys.request_salt); b"": the engine's own.
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    salt: bytes = b""
     all_token_ids: list[int] = field(init=False)
+    lora_slot: int | None = field(default=None, init=False)  # the adapter's slot while held (pdserve.lora.manager)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
