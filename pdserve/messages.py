@@ -71,6 +71,10 @@ class PrefillRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     transfer: str  # "store" | "nixl"
+    # The request's salt string (engine/cache_salt.py: cache_salt and/or tenant) and LoRA adapter
+    # name: both enter its block keys' salt (block_keys.request_salt) on every node.
+    cache_salt: str | None = None
+    adapter: str | None = None
 
 
 class PrefillResult(msgspec.Struct, tag=True):
@@ -86,6 +90,8 @@ class DecodeRequest(msgspec.Struct, tag=True):
     params: SamplingParams
     first_token_ids: list[int] = []  # drawn by the prefill node
     handover: KVHandover | None = None
+    cache_salt: str | None = None  # as PrefillRequest's
+    adapter: str | None = None
 
 
 class EmbedRequest(msgspec.Struct, tag=True):

@@ -59,13 +59,16 @@ class EchoBackend:
 
     def reset(self) -> None:
         self.params: dict[str, SamplingParams] = {}
+        self.salts: dict[str, str | None] = {}  # the cache_salt each request reached the backend with
         self.aborted: list[str] = []
         self.delay_s = 0.0
         self.fail: str | None = None  # "start" | "mid"
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, session: str | None = None) -> AsyncIterator[StepOutput]:
+                       params: SamplingParams, session: str | None = None, cache_salt: str | None = None,
+                       adapter: str | None = None) -> AsyncIterator[StepOutput]:
         self.params[request_id] = params
+        self.salts[request_id] = cache_salt
         if self.fail == "start":
             raise BackendError("no prefill nodes registered")
         source = prompt_token_ids[::-1]

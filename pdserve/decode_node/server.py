@@ -52,7 +52,8 @@ class DecodeNode(NodeRuntime):
         pull = handover is not None and handover.mode in ("store", "nixl") and handover.num_tokens > 0
         try:
             req = self.engine.add_request(rid, msg.prompt_token_ids, msg.params, output_token_ids=msg.first_token_ids,
-                                          remote_kv_tokens=handover.num_tokens if pull else 0)
+                                          remote_kv_tokens=handover.num_tokens if pull else 0,
+                                          cache_salt=msg.cache_salt, lora_name=msg.adapter)
         except ValueError as exc:
             return self.fail(identity, rid, str(exc))
         self.origin[rid] = identity

@@ -134,6 +134,9 @@ class LLMEngine:
         blocks only with requests that name the same ones. lora_name: the LoRA adapter that
         computes it (one registered with add_lora or lora_modules)."""
         self._validate(request_id, prompt_token_ids, params)
+        for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"{name} must be a non-empty string")
         self._check_lora_name(lora_name)
         req = Request(request_id, list(prompt_token_ids), params, hold_blocks=hold_blocks,
                       cache_salt=cache_salt, lora_name=lora_name, salt=self.request_salt(cache_salt, lora_name))

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from pdserve.engine.cache_salt import check_cache_salt
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import CompletionOutput, RequestOutput
@@ -44,7 +45,7 @@ class LLM:
         for prompt, p, adapter in zip(prompts, params, adapters):
             rid = str(next(self._ids))
             text, token_ids = self._tokenize(prompt)
-            self.engine.add_request(rid, token_ids, p, lora_name=adapter)
+            self.engine.add_request(rid, token_ids, p, cache_salt=_cache_salt(prompt), lora_name=adapter)
             results[rid] = _Collector(text, token_ids)
         self._run(results, use_tqdm and len(prompts) > 1)
         return [c.to_output(rid) for rid, c in results.items()]
@@ -73,13 +74,23 @@ class LLM:
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt needs 'prompt_token_ids'")
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if not isinstance(prompt.get("prompt"), str):
+                raise ValueError("a dict prompt needs 'prompt_token_ids' or a 'prompt' text")
+            prompt = prompt["prompt"]
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]} instead")
         return prompt, tokenizer(prompt)["input_ids"]
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """A dict prompt's cache_salt (as vLLM takes it): its blocks are shared only with prompts
+    that carry the same salt."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    check_cache_salt(salt)
+    return salt
 
 
 class _Collector:

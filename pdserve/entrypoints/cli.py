@@ -106,7 +106,8 @@ def _add_keys_parser(sub) -> None:
 def _add_admission_args(p: argparse.ArgumentParser) -> None:
     from pdserve.router.admission import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
-                   "(default: $PDSERVE_API_KEY; none: open)")
+                   "(default: $PDSERVE_API_KEY; none: open). Several keys: KEY1,KEY2; KEY:TENANT names the "
+                   "key's tenant, whose cached KV no other tenant shares (docs/adapters-and-tenants.md)")
     p.add_argument("--protect-metrics", action="store_true", help="require the API key on /health and /metrics too")
     p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                    help="generation requests in flight before the router answers 429 with Retry-After")

@@ -93,13 +93,15 @@ class PrefillNode(NodeRuntime):
         # Only the first token is drawn here; the decode node draws the rest.
         params = dataclasses.replace(req.params, max_tokens=1)
         bs = self.engine.config.block_size
-        keys = block_key_chain(req.prompt_token_ids, bs, self.engine.salt, include_partial=True)
+        salt = self.engine.request_salt(req.cache_salt, req.adapter)  # a tenant's blocks are its own
+        keys = block_key_chain(req.prompt_token_ids, bs, salt, include_partial=True)
         try:
             # Full blocks before the last token only: that token is computed for its logits.
             stored = self._store_prefix_tokens(keys[:(len(req.prompt_token_ids) - 1) // bs])
             engine_req = self.engine.add_request(rid, req.prompt_token_ids, params, hold_blocks=True,
                                                  remote_kv_tokens=stored,
-                                                 continues_elsewhere=req.params.max_tokens > 1)
+                                                 continues_elsewhere=req.params.max_tokens > 1,
+                                                 cache_salt=req.cache_salt, lora_name=req.adapter)
         except ValueError as exc:
             return self._reply_error(identity, rid, str(exc))
         if stored and engine_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:

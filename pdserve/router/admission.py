@@ -13,6 +13,7 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.router.errors import INVALID_REQUEST, SERVER_ERROR, APIError, error_body
+from pdserve.router.tenants import SCOPE_TENANT, parse_api_keys
 
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
@@ -23,7 +24,8 @@ class AdmissionMiddleware:
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, metrics=None) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        # key -> the tenant it names (None: none); see router/tenants.py
+        self.api_keys = parse_api_keys(api_key)
         self.protect_metrics = protect_metrics
         self.max_body_bytes = max_body_bytes
         self.max_queued_requests = max_queued_requests
@@ -48,9 +50,13 @@ class AdmissionMiddleware:
         headers = dict(scope.get("headers") or [])
         path = scope["path"]
         protected = path.startswith(("/v1/", "/admin/")) or (self.protect_metrics and path in ("/metrics", "/health"))
-        if self.api_key and protected and not self._authorized(headers.get(b"authorization", b"")):
-            self._count("unauthorized")
-            return 401, "Incorrect API key provided.", INVALID_REQUEST, "invalid_api_key", {}
+        if self.api_keys and protected:
+            known, tenant = self._key_tenant(headers.get(b"authorization", b""))
+            if not known:
+                self._count("unauthorized")
+                return 401, "Incorrect API key provided.", INVALID_REQUEST, "invalid_api_key", {}
+            if tenant is not None:
+                scope[SCOPE_TENANT] = tenant
         if scope["method"] != "POST":
             return None
         length = headers.get(b"content-length", b"0")
@@ -62,9 +68,16 @@ class AdmissionMiddleware:
                     "retry later.", SERVER_ERROR, "rate_limit_exceeded", {"retry-after": "1"})
         return None
 
-    def _authorized(self, header: bytes) -> bool:
+    def _key_tenant(self, header: bytes) -> tuple[bool, str | None]:
+        """(whether the bearer token is a known key, the tenant it names). Every key is compared,
+        in constant time each, so the time taken does not say which key came close."""
         scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        token = token.strip()
+        found, tenant = False, None
+        for key, key_tenant in self.api_keys.items():
+            if hmac.compare_digest(token, key) and scheme.lower() == b"bearer":
+                found, tenant = True, key_tenant
+        return found, tenant
 
     def _too_large(self) -> tuple:
         self._count("body_too_large")

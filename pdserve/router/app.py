@@ -57,6 +57,7 @@ from pdserve.router.streaming import (
     sse_events,
 )
 from pdserve.router.structured_request import GrammarCheck
+from pdserve.router.tenants import request_cache_salt
 from pdserve.router.tokenize_routes import add_tokenize_routes
 from pdserve.router.tool_parsers import parser_for
 
@@ -178,7 +179,8 @@ class _Router:
         logger.info("%s: prompt_tokens=%d choices=%d max_tokens=%d stream=%s", request_id,
                     job.max_prompt_tokens, len(params), params[0].max_tokens, bool(body.stream))
         group = GenerationGroup(self.backend, request_id, job.choice_prompts[0], params, session=body.user,
-                                choice_prompts=job.choice_prompts)
+                                choice_prompts=job.choice_prompts,
+                                cache_salt=request_cache_salt(request, body.cache_salt))
         model = self.served.resolve(body.model)  # the name asked for, as vLLM answers
         headers = {"X-Request-Id": request_id}
         if body.ignored_fields:  # accepted but not acted on: the client can see what was dropped

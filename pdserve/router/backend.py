@@ -20,9 +20,12 @@ class GenerationBackend(Protocol):
     model_name: str
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams, session: str | None = None) -> AsyncIterator[StepOutput]:
+                 params: SamplingParams, session: str | None = None, cache_salt: str | None = None,
+                 adapter: str | None = None) -> AsyncIterator[StepOutput]:
         """Yields StepOutput deltas; the last one has finished=True. Raises BackendError.
-        session (the OpenAI `user` field) may pin a conversation to a node."""
+        session (the OpenAI `user` field) may pin a conversation to a node. cache_salt (the
+        request's salt string, pdserve.engine.cache_salt) and adapter (a LoRA adapter's name)
+        enter its block keys' salt: it shares cached KV only with requests naming the same."""
         ...
 
     async def abort(self, request_id: str) -> None:

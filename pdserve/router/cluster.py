@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from pdserve.engine.block_keys import block_key_chain
+from pdserve.engine.block_keys import block_key_chain, request_salt
 from pdserve.engine.outputs import StepOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import (
@@ -65,6 +65,17 @@ def _view(node: Node) -> NodeView:
     return NodeView(node.node_id, len(node.requests), stats.get("free_blocks", 0), stats.get("total_blocks", 0),
                     sum(node.queued_tokens.values()), stats.get("prefill_ns_per_token", 0) / 1e9,
                     stats.get("store_load_us", 0) / 1e6 / store_tokens if store_tokens else 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVScope:
+    """What keys a request's KV blocks apart from other requests': its salt string (a tenant's
+    cache_salt, pdserve.engine.cache_salt) and its LoRA adapter. Both travel to the nodes."""
+    cache_salt: str | None = None
+    adapter: str | None = None
+
+
+NO_SCOPE = KVScope()
 
 
 class _Lost:
@@ -130,15 +141,18 @@ class ClusterBackend:
         await self.pool.stop()
 
     # ---- messages from nodes ----------------------------------------------------------------
-    def block_keys(self, token_ids: list[int]) -> list[bytes]:
-        """The prompt's block keys as the nodes compute them: with the salt the nodes report."""
+    def block_keys(self, token_ids: list[int], scope: KVScope = NO_SCOPE) -> list[bytes]:
+        """The prompt's block keys as the nodes compute them: with the salt the nodes report,
+        mixed with the request's scope (so the index never matches another tenant's blocks)."""
         salts = sorted({n.kv_salt for n in self.nodes if n.healthy and n.kv_salt})
         if len(salts) > 1 and not self._salt_conflict_logged:
             self._salt_conflict_logged = True
             log.error("nodes report %d different KV layouts (model, dtype or block size differ): "
                       "their caches cannot be shared", len(salts))
         salt = salts[0] if salts else self.salt
-        return block_key_chain(token_ids, self.block_size, salt) if salt is not None else []
+        if salt is None:
+            return []
+        return block_key_chain(token_ids, self.block_size, request_salt(salt, scope.cache_salt, scope.adapter))
 
     def _send_later(self, node: Node, msg: Message) -> None:
         task = asyncio.get_running_loop().create_task(self.pool.send(node, msg))
@@ -221,9 +235,9 @@ class ClusterBackend:
                 return None
             await asyncio.sleep(0.05)
 
-    def _plan(self, rid: str, prompt: list[int], params: SamplingParams, session: str | None = None
-              ) -> tuple[RoutePlan, list[bytes]]:
-        keys = self.block_keys(prompt)
+    def _plan(self, rid: str, prompt: list[int], params: SamplingParams, session: str | None = None,
+              scope: KVScope = NO_SCOPE) -> tuple[RoutePlan, list[bytes]]:
+        keys = self.block_keys(prompt, scope)
         views = {role: [_view(n) for n in self.pool.by_role(role)] for role in ("decode", "prefill")}
         if not views["decode"]:
             raise BackendError("no healthy decode node")
@@ -235,20 +249,22 @@ class ClusterBackend:
         return plan, keys
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, session: str | None = None) -> AsyncIterator[StepOutput]:
+                       params: SamplingParams, session: str | None = None, cache_salt: str | None = None,
+                       adapter: str | None = None) -> AsyncIterator[StepOutput]:
         self.streams[request_id] = asyncio.Queue()
+        scope = KVScope(cache_salt, adapter)
         timer = RequestTimer(self.metrics, len(prompt_token_ids))
         relayed: list[int] = []  # every token id the client has been sent, in order
         reason = "abort"  # unless the stream reaches its end
         try:
             if not self.pool.by_role("decode"):
                 await self._await_node("decode")
-            plan, keys = self._plan(request_id, prompt_token_ids, params, session)
+            plan, keys = self._plan(request_id, prompt_token_ids, params, session, scope)
             handover = None
             if plan.prefill is not None:
                 self.index.add(plan.prefill, keys)
                 first, handover = await self._prefill_with_retry(request_id, prompt_token_ids, params, timer,
-                                                                 plan.prefill)
+                                                                 plan.prefill, scope)
                 if handover is not None and handover.mode == "store":
                     self.index.add(STORE_HOLDER, handover.keys)  # any prefill node can load these now
                 if first is not None:
@@ -264,7 +280,7 @@ class ClusterBackend:
             else:
                 self.metrics.handovers.labels("local").inc()
             async for out in self._decode_with_resume(request_id, prompt_token_ids, params, relayed, handover,
-                                                      timer, plan.decode, keys):
+                                                      timer, plan.decode, keys, scope):
                 timer.tokens(len(out.new_token_ids), out.num_cached_tokens)
                 reason = out.finish_reason if out.finished else reason
                 yield out
@@ -278,7 +294,8 @@ class ClusterBackend:
             self.owner.pop(request_id, None)
 
     async def _prefill_with_retry(self, rid: str, prompt: list[int], params: SamplingParams, timer: RequestTimer,
-                                  preferred: str | None = None) -> tuple[StepOutput | None, KVHandover | None]:
+                                  preferred: str | None = None, scope: KVScope = NO_SCOPE
+                                  ) -> tuple[StepOutput | None, KVHandover | None]:
         """The first token and the handover; (None, None) when no prefill node can do it, so the
         decode node prefills the prompt itself."""
         tried: set[str] = set()
@@ -290,7 +307,7 @@ class ClusterBackend:
             if attempt == 0:
                 timer.dispatched()
             try:
-                return await self._prefill(rid, prompt, params, node)
+                return await self._prefill(rid, prompt, params, node, scope)
             except (NodeLost, BackendError) as exc:
                 await self.pool.send(node, Abort(rid))  # a hung node that comes back drops it
                 self.counters["prefill_retries"] += 1
@@ -303,8 +320,8 @@ class ClusterBackend:
         log.info("[%s] no prefill node could take it: the decode node prefills", rid)
         return None, None
 
-    async def _prefill(self, rid: str, prompt: list[int], params: SamplingParams, node: Node
-                       ) -> tuple[StepOutput, KVHandover | None]:
+    async def _prefill(self, rid: str, prompt: list[int], params: SamplingParams, node: Node,
+                       scope: KVScope = NO_SCOPE) -> tuple[StepOutput, KVHandover | None]:
         fut = asyncio.get_running_loop().create_future()
         self.prefill_results[rid] = fut
         self.owner[rid] = node.node_id
@@ -312,7 +329,8 @@ class ClusterBackend:
         node.queued_tokens[rid] = len(prompt)
         log.debug("[%s] %d tokens, prefill on %s", rid, len(prompt), node.node_id)
         try:
-            await self.pool.send(node, PrefillRequest(rid, prompt, params, self.transfer))
+            await self.pool.send(node, PrefillRequest(rid, prompt, params, self.transfer,
+                                                      cache_salt=scope.cache_salt, adapter=scope.adapter))
             result = await asyncio.wait_for(fut, PREFILL_TIMEOUT_S)
         except asyncio.TimeoutError:
             self.pool.mark_dead(node, f"did not answer a prefill in {PREFILL_TIMEOUT_S:.0f} s")
@@ -327,8 +345,8 @@ class ClusterBackend:
 
     async def _decode_with_resume(self, rid: str, prompt: list[int], params: SamplingParams,
                                   relayed: list[int], handover: KVHandover | None, timer: RequestTimer,
-                                  preferred: str | None = None, keys: list[bytes] = ()
-                                  ) -> AsyncIterator[StepOutput]:
+                                  preferred: str | None = None, keys: list[bytes] = (),
+                                  scope: KVScope = NO_SCOPE) -> AsyncIterator[StepOutput]:
         queue = self.streams[rid]
         tried: set[str] = set()
         failures = moves = 0  # planned moves off draining nodes are bounded apart from failures
@@ -341,7 +359,8 @@ class ClusterBackend:
                 timer.dispatched()
             self.owner[rid] = node.node_id
             node.requests.add(rid)
-            await self.pool.send(node, DecodeRequest(rid, prompt, params, list(relayed), handover))
+            await self.pool.send(node, DecodeRequest(rid, prompt, params, list(relayed), handover,
+                                                     cache_salt=scope.cache_salt, adapter=scope.adapter))
             self.index.add(node.node_id, keys)  # concurrent requests sharing the prefix follow it here
             try:
                 async for out in self._relay(queue, rid):
@@ -349,7 +368,7 @@ class ClusterBackend:
                     yield out
                 # The node now also holds the generated tokens' blocks: a follow-up turn that
                 # resends this conversation finds its whole history there.
-                self.index.add(node.node_id, self.block_keys(prompt + relayed))
+                self.index.add(node.node_id, self.block_keys(prompt + relayed, scope))
                 return
             except NodeLost as exc:
                 await self.pool.send(node, Abort(rid))  # a hung node that comes back drops it

@@ -10,7 +10,7 @@ tool calls, the P/D backend), so its request is translated here:
   * `tools` in Responses' flat shape `{"type": "function", "name", "parameters"}`, `tool_choice`
     `"auto" | "none" | "required" | {"type": "function", "name"}`;
   * `text.format` (`text`, `json_object`, `json_schema`) as `response_format`;
-  * `max_output_tokens`, `temperature`, `top_p`, `user`.
+  * `max_output_tokens`, `temperature`, `top_p`, `user`, and vLLM's `cache_salt`.
 Unknown fields are a 400 (extra="forbid"): a client that asks for something this server does
 not do learns it, rather than getting an answer that silently ignored it. A few fields that
 change nothing here are accepted and ignored (see IGNORED_FIELDS).
@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
-from pdserve.router.schemas import INT64_MAX, UnicodeCheckedRequest
+from pdserve.router.schemas import INT64_MAX, CacheSalt, UnicodeCheckedRequest
 
 # Accepted and ignored: routing and billing hints, and what only changes OpenAI's own service.
 IGNORED_FIELDS = ("metadata", "parallel_tool_calls", "prompt_cache_key", "safety_identifier", "service_tier",
@@ -46,6 +46,7 @@ class ResponsesRequest(UnicodeCheckedRequest):
     tool_choice: str | dict[str, Any] | None = None
     text: dict[str, Any] | None = None
     user: str | None = None
+    cache_salt: CacheSalt = None  # vLLM's, as on the chat and completions routes
     # Accepted, not acted on (IGNORED_FIELDS); metadata is echoed back as OpenAI does.
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool | None = None

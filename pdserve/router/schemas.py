@@ -18,8 +18,9 @@ import logging
 from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
+from pdserve.engine.cache_salt import MAX_CACHE_SALT_BYTES, check_cache_salt
 from pdserve.engine.sampling_params import SamplingParams, StructuredSpec
 from pdserve.router.structured_request import ToolPlan, structured_spec, tool_plan
 
@@ -31,6 +32,17 @@ MAX_CHOICES = 1024  # prompts x n: each choice is a request on the nodes
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+
+
+def _check_cache_salt(value: str | None) -> str | None:
+    check_cache_salt(value)  # ValueError: a 400 naming the field
+    return value
+
+
+# A non-empty string of at most MAX_CACHE_SALT_BYTES, without NUL (pdserve.engine.cache_salt).
+CacheSalt = Annotated[str | None, AfterValidator(_check_cache_salt),
+                      Field(description="Cached KV is shared only between requests with the same salt: "
+                            f"a non-empty string of at most {MAX_CACHE_SALT_BYTES} UTF-8 bytes, without NUL.")]
 
 
 def _only(schema: dict[str, Any], why: str) -> WithJsonSchema:
@@ -131,6 +143,8 @@ class GenerationRequest(UnicodeCheckedRequest):
     spaces_between_special_tokens: bool = True
     # vLLM's: each prompt token's logprob and the top-N (the first token's entry is null).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: cached KV is shared only between requests with the same salt (docs/adapters-and-tenants.md).
+    cache_salt: CacheSalt = None
 
     @model_validator(mode="after")
     def _log_ignored_fields(self) -> GenerationRequest:

@@ -44,13 +44,16 @@ class ClientDisconnected(Exception):
 class GenerationGroup:
     """The backend streams of one HTTP request (n per prompt), merged into one stream of
     (index, output). choice_prompts: each choice's prompt, for a batch of prompts; without it
-    every choice continues prompt_ids."""
+    every choice continues prompt_ids. cache_salt, adapter: what keys the request's KV blocks
+    apart from other requests' (backend.generate's)."""
 
     def __init__(self, backend: GenerationBackend, base_id: str, prompt_ids: list[int],
                  params: list[SamplingParams], session: str | None = None,
-                 choice_prompts: list[list[int]] | None = None) -> None:
+                 choice_prompts: list[list[int]] | None = None, cache_salt: str | None = None,
+                 adapter: str | None = None) -> None:
         self.backend = backend
         self.session = session
+        self.cache_salt, self.adapter = cache_salt, adapter
         self.prompt_ids = prompt_ids
         self.params = params
         self.choice_prompts = choice_prompts or [prompt_ids] * len(params)
@@ -74,7 +77,8 @@ class GenerationGroup:
             self._queue.put_nowait((index, None, exc))
 
     async def _consume(self, index: int, rid: str, params: SamplingParams) -> None:
-        stream = self.backend.generate(rid, self.choice_prompts[index], params, session=self.session)
+        stream = self.backend.generate(rid, self.choice_prompts[index], params, session=self.session,
+                                       cache_salt=self.cache_salt, adapter=self.adapter)
         closer = getattr(stream, "aclose", None)
         async with contextlib.AsyncExitStack() as stack:
             if closer is not None:
