@@ -29,6 +29,19 @@ FORWARDED_ENGINE_FLAGS = ("model", "dtype", "block_size", "num_kv_blocks", "kv_c
                           "max_num_batched_tokens", "max_num_seqs", "kernel_backend")
 
 
+def lora_flags(args, router: bool = False) -> list[str]:
+    """The LoRA flags `pdserve up` passes on: --lora-modules (as absolute paths) to the router and
+    the nodes, the slot settings to the nodes."""
+    modules = getattr(args, "lora_modules", None) or []
+    flags = ["--lora-modules", *(f"{name}={os.path.abspath(path)}" for name, path in modules)] if modules else []
+    if router:
+        return flags
+    if getattr(args, "enable_lora", False):
+        flags.append("--enable-lora")
+    flags += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
+    return flags + (["--max-cpu-loras", str(args.max_cpu_loras)] if args.max_cpu_loras is not None else [])
+
+
 def _die_with_parent() -> None:
     # Linux: a node gets SIGTERM if `pdserve up` dies without cleaning up.
     try:
@@ -91,6 +104,7 @@ class Cluster:
             cmd.append("--enforce-eager")
         if getattr(self.args, "kv_cache_dtype", "auto") != "auto":
             cmd += ["--kv-cache-dtype", self.args.kv_cache_dtype]
+        cmd += lora_flags(self.args)
         return cmd + extra + self._curve_flags() + self._registry_flags()
 
     def _registry_flags(self) -> list[str]:
@@ -126,6 +140,7 @@ class Cluster:
         router += ["--tool-call-parser", a.tool_call_parser] if a.tool_call_parser else []
         router += ["--served-model-name", *a.served_model_name] if a.served_model_name else []
         router += ["--pooling", a.pooling] if getattr(a, "pooling", None) else []
+        router += lora_flags(a, router=True)
         if a.api_key:  # through the environment: a command line is visible to every local user
             os.environ["PDSERVE_API_KEY"] = a.api_key
         router += ["--protect-metrics"] if a.protect_metrics else []

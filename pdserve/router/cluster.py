@@ -28,6 +28,7 @@ from pdserve.messages import (
     KVEvents,
     KVHandover,
     KVSnapshotRequest,
+    LoRAReply,
     Message,
     Pong,
     PrefillRequest,
@@ -35,6 +36,7 @@ from pdserve.messages import (
     Rejected,
     TokenDelta,
 )
+from pdserve.router.adapters import RouterAdapters
 from pdserve.router.backend import BackendError
 from pdserve.router.cluster_embeddings import embed_on_nodes
 from pdserve.router.drain import DrainTracker
@@ -58,13 +60,13 @@ MAX_PLANNED_MOVES = 16  # a stream moved off this many draining nodes counts fur
 NODE_WAIT_S = 30.0
 
 
-def _view(node: Node) -> NodeView:
+def _view(node: Node, adapter_cost: int = 0) -> NodeView:
     """What the planner sees of a node: the router's own counts and the node's last report."""
     stats = node.stats
     store_tokens = stats.get("cached_tokens_store", 0)
     return NodeView(node.node_id, len(node.requests), stats.get("free_blocks", 0), stats.get("total_blocks", 0),
                     sum(node.queued_tokens.values()), stats.get("prefill_ns_per_token", 0) / 1e9,
-                    stats.get("store_load_us", 0) / 1e6 / store_tokens if store_tokens else 0.0)
+                    stats.get("store_load_us", 0) / 1e6 / store_tokens if store_tokens else 0.0, adapter_cost)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +96,7 @@ class ClusterBackend:
                  transfer: str = "nixl", salt: bytes | None = None, block_size: int = 16,
                  prefill_policy: str = "cache_aware", decode_policy: str = "cache_aware",
                  local_prefill_threshold: int = 0, session_affinity: bool = False, registry: str | None = None,
-                 owner: str | None = None):
+                 owner: str | None = None, adapters: RouterAdapters | None = None):
         if not decode_addrs and registry is None:
             raise ValueError("the cluster needs at least one decode node, or a registry to find them in")
         self.registry = registry  # tcp://host:port of the node registry, or None for static lists
@@ -108,6 +110,8 @@ class ClusterBackend:
         self._background: set[asyncio.Task] = set()
         self.pool = NodePool(prefill_addrs, decode_addrs, self._on_message, self._on_dead)
         self.nodes = self.pool.nodes
+        self.adapters = adapters or RouterAdapters()  # LoRA adapters served (pdserve.router.adapters)
+        self.adapters.pool = self.pool
         self.streams: dict[str, asyncio.Queue] = {}
         self.prefill_results: dict[str, asyncio.Future] = {}
         self.owner: dict[str, str | None] = {}  # request id -> the node whose replies count
@@ -186,12 +190,16 @@ class ClusterBackend:
     def _on_message(self, node: Node, msg: Message) -> None:
         if isinstance(msg, Pong):
             self.drains.on_pong(node, msg)
+            for load in self.adapters.on_pong(node, msg):  # a node that joined later catches up
+                self._send_later(node, load)
             if self.kv_tracker.needs_snapshot(node.node_id):
                 self._send_later(node, KVSnapshotRequest())
         elif isinstance(msg, Rejected):  # the node changed role before the request reached it
             log.info("[%s] %s rejected it (%s): moving it", msg.request_id, node.node_id, msg.reason)
             self.move_requests(node, [msg.request_id])
             node.requests.discard(msg.request_id)
+        elif isinstance(msg, LoRAReply):
+            self.adapters.on_reply(msg)
         elif isinstance(msg, KVEvents):
             if self.kv_tracker.apply(node.node_id, msg):
                 log.info("%s: KV event gap (epoch %d, seq %d): asking for a snapshot", node.node_id,
@@ -238,7 +246,8 @@ class ClusterBackend:
     def _plan(self, rid: str, prompt: list[int], params: SamplingParams, session: str | None = None,
               scope: KVScope = NO_SCOPE) -> tuple[RoutePlan, list[bytes]]:
         keys = self.block_keys(prompt, scope)
-        views = {role: [_view(n) for n in self.pool.by_role(role)] for role in ("decode", "prefill")}
+        views = {role: [_view(n, self.adapters.cost(n.node_id, scope.adapter)) for n in self.pool.by_role(role)]
+                 for role in ("decode", "prefill")}
         if not views["decode"]:
             raise BackendError("no healthy decode node")
         pinned = self.sessions.get(session) if self.sessions is not None and session else None
@@ -248,9 +257,18 @@ class ClusterBackend:
             self.sessions.put(session, plan.decode)
         return plan, keys
 
+    async def _send_adapter_first(self, node: Node, adapter: str | None) -> None:
+        """A node that may lack the request's adapter is told to load it first (it reads its
+        messages in order, so it has it when the request arrives)."""
+        load = self.adapters.before_request(node, adapter)
+        if load is not None:
+            await self.pool.send(node, load)
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, session: str | None = None, cache_salt: str | None = None,
                        adapter: str | None = None) -> AsyncIterator[StepOutput]:
+        if not self.adapters.begin(adapter):
+            raise BackendError(f"LoRA adapter {adapter!r} was unloaded")
         self.streams[request_id] = asyncio.Queue()
         scope = KVScope(cache_salt, adapter)
         timer = RequestTimer(self.metrics, len(prompt_token_ids))
@@ -292,6 +310,7 @@ class ClusterBackend:
             timer.finished(reason)
             self.streams.pop(request_id, None)
             self.owner.pop(request_id, None)
+            self.adapters.end(adapter)
 
     async def _prefill_with_retry(self, rid: str, prompt: list[int], params: SamplingParams, timer: RequestTimer,
                                   preferred: str | None = None, scope: KVScope = NO_SCOPE
@@ -329,6 +348,7 @@ class ClusterBackend:
         node.queued_tokens[rid] = len(prompt)
         log.debug("[%s] %d tokens, prefill on %s", rid, len(prompt), node.node_id)
         try:
+            await self._send_adapter_first(node, scope.adapter)
             await self.pool.send(node, PrefillRequest(rid, prompt, params, self.transfer,
                                                       cache_salt=scope.cache_salt, adapter=scope.adapter))
             result = await asyncio.wait_for(fut, PREFILL_TIMEOUT_S)
@@ -359,6 +379,7 @@ class ClusterBackend:
                 timer.dispatched()
             self.owner[rid] = node.node_id
             node.requests.add(rid)
+            await self._send_adapter_first(node, scope.adapter)
             await self.pool.send(node, DecodeRequest(rid, prompt, params, list(relayed), handover,
                                                      cache_salt=scope.cache_salt, adapter=scope.adapter))
             self.index.add(node.node_id, keys)  # concurrent requests sharing the prefix follow it here
