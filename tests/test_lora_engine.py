@@ -109,3 +109,36 @@ def test_unload_while_running_finishes_its_requests(setup):
     assert tokens == want["full"][0]
     assert engine.lora.host == {} and engine.lora.resident() == []  # dropped once its last request ended
     engine.add_lora("full", str(adapters["rslora"]))  # the name is free again
+
+
+def test_stacked_and_per_run_products_equal_a_per_token_reference():
+    """The two ways a step applies its adapters (pdserve.lora.slots) against a plain-torch loop
+    over tokens: a fused layer of two parts, three slots of different ranks, one part left out."""
+    import torch
+
+    from pdserve.lora.slots import LoRABatch, LoRALayerSlots
+    torch.manual_seed(0)
+    batch = LoRABatch()
+    layer = LoRALayerSlots(32, [16, 8], 3, 4, batch, torch.float32, torch.device("cpu"))
+    adapters = {}
+    for slot, rank in enumerate((4, 2, 3)):
+        parts = [(torch.randn(rank, 32), torch.randn(16, rank)), None if slot == 1 else
+                 (torch.randn(rank, 32), torch.randn(8, rank))]
+        layer.load(slot, rank, parts)
+        adapters[slot] = parts
+    items = [(0, 3), (None, 2), (2, 1), (1, 2), (0, 1)]  # (slot, tokens) in row order
+    x = torch.randn(sum(n for _, n in items), 32)
+    want = torch.zeros(x.shape[0], 24)
+    row = 0
+    for slot, n in items:
+        for t in range(row, row + n):
+            for part, cols in zip(adapters.get(slot, []), (slice(0, 16), slice(16, 24))):
+                if part is not None:
+                    want[t, cols] = part[1] @ (part[0] @ x[t])
+        row += n
+    batch.set_runs(items)
+    assert batch.token_slots is not None  # a small step of several adapters: stacked
+    stacked = layer.add(x, torch.zeros(x.shape[0], 24))
+    batch.token_slots = None
+    per_run = layer.add(x, torch.zeros(x.shape[0], 24))
+    assert torch.allclose(stacked, want, atol=1e-4) and torch.allclose(per_run, want, atol=1e-4)

@@ -31,7 +31,7 @@ class LoRAManager:
         if max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
         self.max_rank, self.max_cpu_loras = max_rank, max_cpu_loras
-        self.batch = LoRABatch()
+        self.batch = LoRABatch(device)
         self.layers = attach_slots(model, max_loras, max_rank, self.batch, dtype, device)
         self.shapes = module_shapes(model)
         self.num_layers = len(model.layers)

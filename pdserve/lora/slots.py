@@ -7,9 +7,14 @@ i's rank columns write only part i's output columns. An adapter of rank r < max_
 first parts * r columns; the products use only those.
 
 A step's tokens come in runs of one adapter (the model runner orders requests by adapter inside
-the decodes and inside the prefills), so the products are one (shrink, expand) pair of matmuls
-per run of an adapter, added in place into that run's rows of the base output: no per-request
-loop, no gather. Tokens on the base model are in no run and cost nothing.
+the decodes and inside the prefills). Two ways to apply them, no per-request loop either way:
+
+- per run: one (shrink, expand) pair of matmuls per run of an adapter, added in place into that
+  run's rows of the base output (no gather). Tokens on the base model cost nothing.
+- stacked, for small steps (decode) with several runs: every slot's A^T side by side, so one
+  matmul shrinks every token against every slot; a mask keeps each token's own slot's columns
+  (exact zeros elsewhere), and one matmul expands against every slot's B^T stacked. max_loras
+  times the products' FLOPs, but two matmuls per layer however many adapters the batch mixes.
 """
 from __future__ import annotations
 
@@ -22,11 +27,19 @@ LAYER_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",)
                "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
-class LoRABatch:
-    """The current step's runs: (slot, first row, end row), shared by every layer's slots."""
+# Steps of at most this many tokens with more than one run use the stacked products.
+STACKED_MAX_TOKENS = 64
 
-    def __init__(self):
+
+class LoRABatch:
+    """The current step's runs: (slot, first row, end row), shared by every layer's slots; for a
+    stacked step, each token's slot and the column masks built from it."""
+
+    def __init__(self, device: torch.device | None = None):
+        self.device = device
         self.runs: list[tuple[int, int, int]] = []
+        self.token_slots: torch.Tensor | None = None  # [T] for a stacked step (-1: the base model)
+        self._masks: dict[int, torch.Tensor] = {}
 
     def set_runs(self, slots_and_tokens: list[tuple[int | None, int]]) -> None:
         """From the step's requests in row order: (slot or None for the base model, tokens)."""
@@ -40,22 +53,39 @@ class LoRABatch:
                     runs.append((slot, row, row + n))
             row += n
         self.runs = runs
+        self._masks = {}
+        self.token_slots = None
+        if len(runs) > 1 and row <= STACKED_MAX_TOKENS:
+            slots = [-1] * row
+            for slot, start, end in runs:
+                slots[start:end] = [slot] * (end - start)
+            self.token_slots = torch.tensor(slots, device=self.device)
+
+    def mask(self, width: int, max_loras: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, max_loras * width]: 1 where the column belongs to the token's slot."""
+        mask = self._masks.get(width)
+        if mask is None:
+            column_slot = torch.arange(max_loras * width, device=self.token_slots.device) // width
+            mask = self._masks[width] = (self.token_slots[:, None] == column_slot[None, :]).to(dtype)
+        return mask
 
 
 class LoRALayerSlots:
     def __init__(self, input_size: int, part_sizes: list[int], max_loras: int, max_rank: int,
                  batch: LoRABatch, dtype: torch.dtype, device: torch.device):
         self.part_sizes = list(part_sizes)
-        self.max_rank, self.batch = max_rank, batch
-        width = len(part_sizes) * max_rank
-        self.a_t = torch.zeros(max_loras, input_size, width, dtype=dtype, device=device)
-        self.b_t = torch.zeros(max_loras, width, sum(part_sizes), dtype=dtype, device=device)
+        self.max_rank, self.batch, self.max_loras = max_rank, batch, max_loras
+        self.stride = width = len(part_sizes) * max_rank  # columns per slot
+        # Slot s: columns s * width.. of a_stack, rows s * width.. of b_stack.
+        self.a_stack = torch.zeros(input_size, max_loras * width, dtype=dtype, device=device)
+        self.b_stack = torch.zeros(max_loras * width, sum(part_sizes), dtype=dtype, device=device)
         self.width = [0] * max_loras  # columns in use per slot: parts * the adapter's rank
 
     def load(self, slot: int, rank: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """parts[i]: part i's (A [r_i, in], scaled B [out_i, r_i]), or None where the adapter
         leaves that part alone. Every part gets `rank` columns (r_i <= rank; the rest zero)."""
-        a_t, b_t = self.a_t[slot], self.b_t[slot]
+        first = slot * self.stride
+        a_t, b_t = self.a_stack[:, first:first + self.stride], self.b_stack[first:first + self.stride]
         a_t.zero_()
         b_t.zero_()
         out = 0
@@ -69,12 +99,16 @@ class LoRALayerSlots:
         self.width[slot] = len(self.part_sizes) * rank
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y [T, out] += each run's x rows times its adapter's A^T B^T, in place."""
-        for slot, start, end in self.batch.runs:
-            w = self.width[slot]
+        """y [T, out] += each token's x times its adapter's A^T B^T, in place."""
+        batch = self.batch
+        if batch.token_slots is not None:
+            h = torch.mm(x, self.a_stack) * batch.mask(self.stride, self.max_loras, x.dtype)
+            return y.addmm_(h, self.b_stack)
+        for slot, start, end in batch.runs:
+            w, first = self.width[slot], slot * self.stride
             if w:
-                h = torch.mm(x[start:end], self.a_t[slot, :, :w])
-                y[start:end].addmm_(h, self.b_t[slot, :w])
+                h = torch.mm(x[start:end], self.a_stack[:, first:first + w])
+                y[start:end].addmm_(h, self.b_stack[first:first + w])
         return y
 
 

@@ -6,14 +6,16 @@ unloading an adapter not loaded. See pdserve.router.adapters for how they reach 
 from __future__ import annotations
 
 from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.router.adapters import AdapterError
 from pdserve.router.errors import NOT_FOUND, APIError, bad_request, error_responses
 from pdserve.router.model_routes import ServedModel
 
-_NAME = Field(min_length=1, max_length=256, pattern=r"^[^\s/]([^\s]*)$")
+_TEXT_200 = {200: {"description": "Success, as plain text (as vLLM answers)",
+                   "content": {"text/plain": {"schema": {"type": "string"}}}}}
+_NAME = Field(min_length=1, max_length=256, pattern=r"^\S+$")  # a model name: no spaces
 
 
 class LoadLoRABody(BaseModel):
@@ -30,8 +32,9 @@ class UnloadLoRABody(BaseModel):
 def add_lora_routes(app: FastAPI, served: ServedModel) -> None:
     adapters = served.adapters
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
-              responses=error_responses(400, 401, 500))
+    # response_class=Response: the 200 is text, and errors stay application/json.
+    @app.post("/v1/load_lora_adapter", response_class=Response,
+              responses={**_TEXT_200, **error_responses(400, 401, 413, 500)})
     async def load_lora_adapter(body: LoadLoRABody) -> PlainTextResponse:
         if adapters.pool is None:
             raise bad_request("this router's backend serves no LoRA adapters")
@@ -41,8 +44,8 @@ def add_lora_routes(app: FastAPI, served: ServedModel) -> None:
             raise bad_request(str(exc), "lora_name" if exc.status == 400 else None) from exc
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
-              responses=error_responses(400, 401, 404, 500))
+    @app.post("/v1/unload_lora_adapter", response_class=Response,
+              responses={**_TEXT_200, **error_responses(400, 401, 404, 413, 500)})
     async def unload_lora_adapter(body: UnloadLoRABody) -> PlainTextResponse:
         if adapters.pool is None:
             raise bad_request("this router's backend serves no LoRA adapters")
