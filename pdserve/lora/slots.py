@@ -10,7 +10,9 @@ A step's tokens come in runs of one adapter (the model runner orders requests by
 the decodes and inside the prefills). Two ways to apply them, no per-request loop either way:
 
 - per run: one (shrink, expand) pair of matmuls per run of an adapter, added in place into that
-  run's rows of the base output (no gather). Tokens on the base model cost nothing.
+  run's rows of the base output (no gather). Tokens on the base model cost nothing. A long run
+  of a fused layer expands part by part (skipping parts the adapter leaves alone) rather than
+  through the zeros of the block-diagonal B^T.
 - stacked, for small steps (decode) with several runs: every slot's A^T side by side, so one
   matmul shrinks every token against every slot; a mask keeps each token's own slot's columns
   (exact zeros elsewhere), and one matmul expands against every slot's B^T stacked. max_loras
@@ -79,7 +81,8 @@ class LoRALayerSlots:
         # Slot s: columns s * width.. of a_stack, rows s * width.. of b_stack.
         self.a_stack = torch.zeros(input_size, max_loras * width, dtype=dtype, device=device)
         self.b_stack = torch.zeros(max_loras * width, sum(part_sizes), dtype=dtype, device=device)
-        self.width = [0] * max_loras  # columns in use per slot: parts * the adapter's rank
+        self.rank = [0] * max_loras  # the adapter's rank per slot (its columns: parts * rank)
+        self.targets: list[list[bool]] = [[False] * len(part_sizes) for _ in range(max_loras)]
 
     def load(self, slot: int, rank: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """parts[i]: part i's (A [r_i, in], scaled B [out_i, r_i]), or None where the adapter
@@ -96,7 +99,8 @@ class LoRALayerSlots:
                 a_t[:, col:col + a.shape[0]].copy_(a.t())
                 b_t[col:col + a.shape[0], out:out + size].copy_(b.t())
             out += size
-        self.width[slot] = len(self.part_sizes) * rank
+        self.rank[slot] = rank
+        self.targets[slot] = [ab is not None for ab in parts]
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] += each token's x times its adapter's A^T B^T, in place."""
@@ -105,10 +109,19 @@ class LoRALayerSlots:
             h = torch.mm(x, self.a_stack) * batch.mask(self.stride, self.max_loras, x.dtype)
             return y.addmm_(h, self.b_stack)
         for slot, start, end in batch.runs:
-            w, first = self.width[slot], slot * self.stride
-            if w:
-                h = torch.mm(x[start:end], self.a_stack[:, first:first + w])
-                y[start:end].addmm_(h, self.b_stack[first:first + w])
+            rank, first = self.rank[slot], slot * self.stride
+            if not rank:
+                continue
+            h = torch.mm(x[start:end], self.a_stack[:, first:first + len(self.part_sizes) * rank])
+            if len(self.part_sizes) == 1 or end - start < STACKED_MAX_TOKENS:
+                y[start:end].addmm_(h, self.b_stack[first:first + h.shape[1]])
+                continue
+            out = 0
+            for i, size in enumerate(self.part_sizes):
+                if self.targets[slot][i]:
+                    rows = slice(first + i * rank, first + (i + 1) * rank)
+                    y[start:end, out:out + size].addmm_(h[:, i * rank:(i + 1) * rank], self.b_stack[rows, out:out + size])
+                out += size
         return y
 
 
