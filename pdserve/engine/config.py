@@ -1,6 +1,7 @@
 """Engine settings shared by the offline API and both node kinds."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,3 +85,16 @@ def lora_options(args: Any) -> dict:
     return dict(enable_lora=bool(modules) or getattr(args, "enable_lora", False), lora_modules=modules or None,
                 max_loras=getattr(args, "max_loras", 1), max_lora_rank=getattr(args, "max_lora_rank", 16),
                 max_cpu_loras=getattr(args, "max_cpu_loras", None))
+
+
+def lora_flags(args, router: bool = False) -> list[str]:
+    """The LoRA flags `pdserve up` passes on: --lora-modules (as absolute paths) to the router and
+    the nodes, the slot settings to the nodes."""
+    modules = getattr(args, "lora_modules", None) or []
+    flags = ["--lora-modules", *(f"{name}={os.path.abspath(path)}" for name, path in modules)] if modules else []
+    if router:
+        return flags
+    if getattr(args, "enable_lora", False):
+        flags.append("--enable-lora")
+    flags += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
+    return flags + (["--max-cpu-loras", str(args.max_cpu_loras)] if args.max_cpu_loras is not None else [])

@@ -19,6 +19,7 @@ from pdserve.cluster.owner import with_role
 from pdserve.cluster.owner_admin import answer_owner_request
 from pdserve.cluster.planner import planner_flags
 from pdserve.cluster.registry import RegistryServer
+from pdserve.engine.config import lora_flags
 from pdserve.kvstore.redact import redact_url
 from pdserve.transport import NodeSocket, free_port
 
@@ -27,19 +28,6 @@ READY_TIMEOUT_S = 300
 MAX_RESTARTS_PER_MIN = 5
 FORWARDED_ENGINE_FLAGS = ("model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
                           "max_num_batched_tokens", "max_num_seqs", "kernel_backend")
-
-
-def lora_flags(args, router: bool = False) -> list[str]:
-    """The LoRA flags `pdserve up` passes on: --lora-modules (as absolute paths) to the router and
-    the nodes, the slot settings to the nodes."""
-    modules = getattr(args, "lora_modules", None) or []
-    flags = ["--lora-modules", *(f"{name}={os.path.abspath(path)}" for name, path in modules)] if modules else []
-    if router:
-        return flags
-    if getattr(args, "enable_lora", False):
-        flags.append("--enable-lora")
-    flags += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
-    return flags + (["--max-cpu-loras", str(args.max_cpu_loras)] if args.max_cpu_loras is not None else [])
 
 
 def _die_with_parent() -> None:
