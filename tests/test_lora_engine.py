@@ -145,24 +145,3 @@ def test_stacked_and_per_run_products_equal_a_per_token_reference(items):
     got.append(layer.add(x, torch.zeros(x.shape[0], 24)))
     for y in got:
         assert torch.allclose(y, want, atol=1e-4)
-
-
-def test_a_request_waiting_for_a_slot_is_not_starved_by_a_resident_adapter(setup):
-    """max_loras 1: while `full` holds the slot, an `rslora` request waits, and later `full`
-    requests queue behind it rather than keep the slot busy for ever."""
-    base, adapters, prompts, want = setup
-    llm = LLM(str(base), block_size=BLOCK, max_loras=1, lora_modules={n: str(adapters[n]) for n in ("full", "rslora")})
-    engine = llm.engine
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    engine.add_request("full-1", prompts[0], params, lora_name="full")
-    engine.step()
-    engine.add_request("rslora", prompts[1], params, lora_name="rslora")
-    engine.add_request("full-2", prompts[1], params, lora_name="full")
-    first_token_step, tokens, step = {}, {}, 0
-    while engine.has_unfinished_requests():
-        step += 1
-        for out in engine.step():
-            first_token_step.setdefault(out.request_id, step)
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert first_token_step["rslora"] < first_token_step["full-2"]
-    assert tokens["rslora"] == want["rslora"][1] and tokens["full-2"] == want["full"][1]

@@ -5,9 +5,8 @@ request is preempted (its blocks freed, recomputed later). Waiting requests join
 that preempted nothing, so a preempted request is never starved by newcomers.
 
 With LoRA adapters, a waiting request joins only once its adapter holds a slot
-(pdserve.lora.manager). While every slot is held by running requests' adapters it waits; later
-requests on the base model may pass it, later requests on adapters queue behind it (even on a
-resident adapter, which would otherwise hold its slot for ever under steady traffic).
+(pdserve.lora.manager); while every slot is held by running requests' adapters it waits and
+later requests may pass it.
 """
 from __future__ import annotations
 
@@ -94,14 +93,12 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         held: list[Request] = []
         computing = self._blocks_being_computed() if self.waiting else set()
-        slot_blocked = False  # an earlier request waits for an adapter slot
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not self._resolve_remote(req):
                 held.append(self.waiting.popleft())
                 continue
-            if req.lora_name is not None and req.lora_slot is None and (slot_blocked or not self._take_slot(req)):
-                slot_blocked = True
+            if not self._adapter_ready(req):
                 held.append(self.waiting.popleft())
                 continue
             cached = self.kv.find_cached_prefix(req) if not req.block_ids else []
@@ -125,8 +122,10 @@ class Scheduler:
             computing.update(self._uncommitted_prompt_keys(req))
         self.waiting.extendleft(reversed(held))
 
-    def _take_slot(self, req: Request) -> bool:
-        """Its adapter's slot for the request (loaded now if need be); False: it must wait."""
+    def _adapter_ready(self, req: Request) -> bool:
+        """The request's adapter holds a slot (taken now if need be); False: it must wait."""
+        if req.lora_name is None or req.lora_slot is not None:
+            return True
         req.lora_slot = self.lora.acquire(req.lora_name)
         return req.lora_slot is not None
 
