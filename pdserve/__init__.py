@@ -16,7 +16,7 @@ def _version() -> str:
 
 
 __version__ = _version()
-__all__ = ["LLM", "SamplingParams", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "LoRARequest"]
 
 
 def __getattr__(name: str):
@@ -30,4 +30,7 @@ def __getattr__(name: str):
     if name == "EngineConfig":
         from pdserve.engine.config import EngineConfig
         return EngineConfig
+    if name == "LoRARequest":
+        from pdserve.lora.request import LoRARequest
+        return LoRARequest
     raise AttributeError(name)

@@ -46,6 +46,8 @@ class Pong(msgspec.Struct, tag=True):
     # "active"; "draining" (told to drain, work still in flight); "drained" (idle, waiting to be
     # stopped). A node switching roles turns "active" again under its new role.
     state: str = "active"
+    loras: list[str] = []         # LoRA adapters registered on the node (pdserve.lora)
+    active_loras: list[str] = []  # ... and those resident in its slots now (no load to serve them)
 
 
 class KVEvents(msgspec.Struct, tag=True):
@@ -111,6 +113,26 @@ class EmbedResult(msgspec.Struct, tag=True):
     error: str | None = None
 
 
+class LoadLoRA(msgspec.Struct, tag=True):
+    """Router -> node: register a PEFT adapter directory under lora_name (vLLM's
+    /v1/load_lora_adapter body). Answered with a LoRAReply carrying seq."""
+    lora_name: str
+    lora_path: str
+    seq: int = 0
+
+
+class UnloadLoRA(msgspec.Struct, tag=True):
+    """Router -> node: unregister an adapter (requests already naming it finish)."""
+    lora_name: str
+    seq: int = 0
+
+
+class LoRAReply(msgspec.Struct, tag=True):
+    seq: int
+    ok: bool
+    detail: str = ""
+
+
 class TokenDelta(msgspec.Struct, tag=True):
     output: StepOutput
 
@@ -173,7 +195,7 @@ class NixlMetadata(msgspec.Struct, tag=True):
 
 
 Message = (Ping | Pong | PrefillRequest | PrefillResult | DecodeRequest | TokenDelta | Abort
-           | EmbedRequest | EmbedResult
+           | EmbedRequest | EmbedResult | LoadLoRA | UnloadLoRA | LoRAReply
            | NixlMetadataRequest | NixlMetadata | KVEvents | KVSnapshotRequest | Drain | Rejected
            | StartNode | StopNode | ListNodes | SetNodeRole | OwnerReply)
 
@@ -190,6 +212,6 @@ def decode(data: bytes) -> Message:
 
 
 __all__ = ["KVHandover", "KVEvents", "KVSnapshotRequest", "Ping", "Pong", "PrefillRequest", "PrefillResult",
-           "DecodeRequest", "EmbedRequest", "EmbedResult", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
+           "DecodeRequest", "EmbedRequest", "EmbedResult", "LoadLoRA", "UnloadLoRA", "LoRAReply", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
            "OwnerReply", "NixlMetadataRequest", "NixlMetadata", "Message", "encode", "decode", "StepOutput",
            "TokenLogprob"]

@@ -55,6 +55,7 @@ def _tp_flags(args, role: str) -> list[str]:
 
 
 def router_template(args) -> list[str]:
+    from pdserve.engine.config import lora_flags
     host = "{ip}" if args.host in LOOPBACK else args.host  # a router is reached from other machines
     cmd = ["--log-level", args.log_level, "router", "--model", args.model, "--host", host,
            "--port", "{router_port}", "--kv-transfer", args.kv_transfer, "--block-size", str(args.block_size),
@@ -68,6 +69,7 @@ def router_template(args) -> list[str]:
     cmd += ["--tool-call-parser", args.tool_call_parser] if getattr(args, "tool_call_parser", None) else []
     cmd += ["--served-model-name", *args.served_model_name] if getattr(args, "served_model_name", None) else []
     cmd += ["--pooling", args.pooling] if getattr(args, "pooling", None) else []
+    cmd += lora_flags(args, router=True)  # adapter directories: a path every machine has
     return cmd + (["--protect-metrics"] if args.protect_metrics else [])
 
 

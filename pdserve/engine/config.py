@@ -1,6 +1,7 @@
 """Engine settings shared by the offline API and both node kinds."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,14 @@ class EngineConfig:
     # Speculative decoding (pdserve.spec_decode): vLLM's --speculative-config, as a JSON string,
     # a dict or a SpeculativeConfig; None: off.
     speculative_config: Any = None
+    # LoRA adapters (pdserve.lora), as vLLM names the settings: lora_modules {name: PEFT dir}
+    # registered at start (and turns adapters on); max_loras resident at once in a step,
+    # max_lora_rank the largest rank accepted, max_cpu_loras host copies kept (>= max_loras).
+    enable_lora: bool = False
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -58,6 +67,10 @@ class EngineConfig:
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative decoding is not supported with tensor_parallel_size > 1 yet")
+        if self.lora_modules:
+            self.enable_lora = True
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
 
 
 def engine_options(args: Any) -> dict:
@@ -69,4 +82,27 @@ def engine_options(args: Any) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                 enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
-                speculative_config=getattr(args, "speculative_config", None))
+                speculative_config=getattr(args, "speculative_config", None),
+                **lora_options(args))
+
+
+def lora_options(args: Any) -> dict:
+    """EngineConfig's LoRA keywords from --lora-modules name=DIR ..., --max-loras, --max-lora-rank
+    and --max-cpu-loras (absent flags: adapters off)."""
+    modules = dict(getattr(args, "lora_modules", None) or [])
+    return dict(enable_lora=bool(modules) or getattr(args, "enable_lora", False), lora_modules=modules or None,
+                max_loras=getattr(args, "max_loras", 1), max_lora_rank=getattr(args, "max_lora_rank", 16),
+                max_cpu_loras=getattr(args, "max_cpu_loras", None))
+
+
+def lora_flags(args, router: bool = False) -> list[str]:
+    """The LoRA flags `pdserve up` passes on: --lora-modules (as absolute paths) to the router and
+    the nodes, the slot settings to the nodes."""
+    modules = getattr(args, "lora_modules", None) or []
+    flags = ["--lora-modules", *(f"{name}={os.path.abspath(path)}" for name, path in modules)] if modules else []
+    if router:
+        return flags
+    if getattr(args, "enable_lora", False):
+        flags.append("--enable-lora")
+    flags += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
+    return flags + (["--max-cpu-loras", str(args.max_cpu_loras)] if args.max_cpu_loras is not None else [])

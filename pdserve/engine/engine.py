@@ -68,7 +68,8 @@ class LLMEngine:
         self.salt = self.kv_layout.salt()
         self.pool = BlockPool(self.kv_cache.shape[0], config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size, self.salt, kv_window(self.model))
-        self.scheduler = Scheduler(config, self.kv)
+        self.lora = start_lora(config, self.model, self.dtype, self.device)
+        self.scheduler = Scheduler(config, self.kv, self.lora)
         ops = get_ops(config.kernel_backend, self.device.type)
         if hasattr(ops, "warm_up"):
             ops.warm_up()
@@ -80,7 +81,8 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, ops, self.device,
                                       max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                      use_cuda_graphs=not config.enforce_eager)
+                                      use_cuda_graphs=not config.enforce_eager and self.lora is None,
+                                      lora_batch=self.lora.batch if self.lora is not None else None)
         self.last_step_tokens = 0
         self.prefill_s_per_token = 0.0  # measured on prefill-sized steps (an EMA); 0: not yet
         self.cached_prompt_tokens = 0    # prompt tokens of requests sampled here that were not computed
@@ -134,11 +136,13 @@ class LLMEngine:
         hold_blocks keeps the blocks after the request finishes, until release_blocks.
         continues_elsewhere: a prefill node's request, which another node continues.
         cache_salt, lora_name: enter its block keys' salt (request_salt), so it shares cached
-        blocks only with requests that name the same ones."""
+        blocks only with requests that name the same ones. lora_name: the LoRA adapter that
+        computes it (one registered with add_lora or lora_modules)."""
         self._validate(request_id, prompt_token_ids, params)
         for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
             if value is not None and not (isinstance(value, str) and value):
                 raise ValueError(f"{name} must be a non-empty string")
+        self._check_lora_name(lora_name)
         req = Request(request_id, list(prompt_token_ids), params, hold_blocks=hold_blocks,
                       cache_salt=cache_salt, lora_name=lora_name, salt=self.request_salt(cache_salt, lora_name))
         for token in output_token_ids or []:
@@ -146,6 +150,8 @@ class LLMEngine:
         if params.structured is not None:  # replays the tokens drawn elsewhere; ValueError if off-grammar
             req.matcher = self.structured.new_matcher(params.structured, req.output_token_ids)
         self.outputs.add(request_id, params, req.output_token_ids, continues_elsewhere)
+        if lora_name is not None:
+            self.lora.ref(lora_name)  # (checked above: cannot fail)
         if remote_kv_tokens > 0 and (params.prompt_logprobs is None or req.output_token_ids):
             # (A request still owing prompt logprobs computes its prompt: they need its logits.)
             remote = RemoteKV(min(remote_kv_tokens, req.num_tokens - 1),
@@ -158,6 +164,27 @@ class LLMEngine:
     def request_salt(self, cache_salt: str | None = None, lora_name: str | None = None) -> bytes:
         """The block-key salt of a request naming these: the engine's layout salt mixed with them."""
         return request_salt(self.salt, cache_salt, lora_name)
+
+    # ---- LoRA adapters (pdserve.lora) ------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Register a PEFT adapter directory under `name` (ValueError if unusable)."""
+        self._lora_manager().add(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Unregister an adapter: new requests cannot name it; those that do already finish."""
+        return self._lora_manager().remove(name)
+
+    def list_loras(self) -> list[str]:
+        return self.lora.names() if self.lora is not None else []
+
+    def _lora_manager(self):
+        if self.lora is None:
+            raise ValueError("LoRA adapters are off: start with enable_lora (--lora-modules or --max-loras)")
+        return self.lora
+
+    def _check_lora_name(self, lora_name: str | None) -> None:
+        if lora_name is not None and lora_name not in self._lora_manager().paths:
+            raise ValueError(f"unknown LoRA adapter {lora_name!r}")
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self.scheduler.requests or request_id in self.scheduler.held:
@@ -326,6 +353,17 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.release(req.request_id)
         return out
+
+
+def start_lora(config: EngineConfig, model, dtype: torch.dtype, device: torch.device):
+    """The engine's LoRAManager with config.lora_modules registered; None when adapters are off."""
+    if not config.enable_lora:
+        return None
+    from pdserve.lora.manager import LoRAManager
+    manager = LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, dtype, device)
+    for name, path in (config.lora_modules or {}).items():
+        manager.add(name, path)
+    return manager
 
 
 def _check_fp8_kv_supported(config: EngineConfig, layout: KVLayout) -> None:

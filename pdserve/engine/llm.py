@@ -11,6 +11,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import CompletionOutput, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.lora.request import LoRARequest
 
 PromptType = str | dict
 
@@ -29,21 +30,33 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """lora_request: the adapter of every prompt, or one per prompt (None: the base model);
+        an adapter not registered yet is registered from its path."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        adapters = self._adapters(lora_request, len(prompts))
         results = {}
-        for prompt, p in zip(prompts, params):
+        for prompt, p, adapter in zip(prompts, params, adapters):
             rid = str(next(self._ids))
             text, token_ids = self._tokenize(prompt)
-            self.engine.add_request(rid, token_ids, p, cache_salt=_cache_salt(prompt))
+            self.engine.add_request(rid, token_ids, p, cache_salt=_cache_salt(prompt), lora_name=adapter)
             results[rid] = _Collector(text, token_ids)
         self._run(results, use_tqdm and len(prompts) > 1)
         return [c.to_output(rid) for rid, c in results.items()]
+
+    def _adapters(self, lora_request, count: int) -> list[str | None]:
+        requests = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * count
+        if len(requests) != count:
+            raise ValueError(f"got {count} prompts but {len(requests)} LoRA requests")
+        for lr in {lr for lr in requests if lr is not None}:
+            self.engine.add_lora(lr.lora_name, lr.lora_path)
+        return [lr.lora_name if lr is not None else None for lr in requests]
 
     def _run(self, results: dict, use_tqdm: bool) -> None:
         bar = tqdm(total=len(results), desc="Generating", disable=not use_tqdm)

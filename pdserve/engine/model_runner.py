@@ -65,8 +65,9 @@ class ModelRunner:
     max_num_seqs requests replay captured CUDA graphs; everything else runs eagerly."""
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, ops, device: torch.device,
-                 max_num_seqs: int = 0, max_model_len: int = 0, use_cuda_graphs: bool = False):
+                 max_num_seqs: int = 0, max_model_len: int = 0, use_cuda_graphs: bool = False, lora_batch=None):
         self.model, self.kv_cache, self.block_size, self.ops, self.device = model, kv_cache, block_size, ops, device
+        self.lora_batch = lora_batch  # pdserve.lora.slots.LoRABatch: set to each step's adapter runs
         # Per layer, one view per plane: (K, V), or (latent,) for an MLA cache.
         self.layer_caches = [tuple(kv_cache[:, i].unbind(1)) for i in range(kv_cache.shape[1])]
         model.fused = get_fused_layer_ops(ops, device.type)
@@ -94,7 +95,7 @@ class ModelRunner:
         """Runs one step; returns logits [S, vocab] for the S requests to sample, in order
         (or for every token when all_logits). pending: (device tokens, request id -> row) of
         the step before, for one-token queries whose token is still PENDING_TOKEN on the host."""
-        items = sorted(items, key=lambda it: it[1] != 1)  # one-token queries first
+        items = self._ordered(items)
         num_decodes = sum(1 for _, n in items if n == 1)
         spans = prompt_spans(items)  # rows whose logits give prompt logprobs
         if not all_logits and not spans and num_decodes == len(items) and self._graph_fits(items):
@@ -107,6 +108,15 @@ class ModelRunner:
                                                    torch.from_numpy(sources).to(self.device))
         hidden = self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
         return self._step_logits(hidden, inputs, spans, all_logits)
+
+    def _ordered(self, items: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """One-token queries first. With LoRA adapters, each kind's requests grouped by adapter
+        slot, so the step's LoRA products run once per adapter (pdserve.lora.slots)."""
+        if self.lora_batch is None:
+            return sorted(items, key=lambda it: it[1] != 1)
+        items = sorted(items, key=lambda it: (it[1] != 1, -1 if it[0].lora_slot is None else it[0].lora_slot))
+        self.lora_batch.set_runs([(r.lora_slot, n) for r, n in items])
+        return items
 
     def _step_logits(self, hidden: torch.Tensor, inputs, spans, all_logits: bool
                      ) -> tuple[torch.Tensor, list[Request]]:
@@ -133,6 +143,8 @@ class ModelRunner:
         no logits (embeddings pool these)."""
         order = sorted(range(len(items)), key=lambda i: items[i][1] != 1)  # as execute: one-token queries first
         ranked = [items[i] for i in order]
+        if self.lora_batch is not None:
+            self.lora_batch.set_runs([(r.lora_slot, n) for r, n in ranked])
         num_decodes = sum(1 for _, n in ranked if n == 1)
         hidden = self._forward_hidden(build_step_inputs(ranked, num_decodes, self.block_size), num_decodes)
         pieces = hidden.split([n for _, n in ranked])

@@ -73,6 +73,7 @@ class Request:
     lora_name: str | None = None
     salt: bytes = b""
     all_token_ids: list[int] = field(init=False)
+    lora_slot: int | None = field(default=None, init=False)  # the adapter's slot while held (pdserve.lora.manager)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -3,6 +3,10 @@
 Running requests go first, in arrival order; when blocks run out the latest-arrived running
 request is preempted (its blocks freed, recomputed later). Waiting requests join only in steps
 that preempted nothing, so a preempted request is never starved by newcomers.
+
+With LoRA adapters, a waiting request joins only once its adapter holds a slot
+(pdserve.lora.manager); while every slot is held by running requests' adapters it waits and
+later requests may pass it.
 """
 from __future__ import annotations
 
@@ -27,9 +31,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, lora=None):
         self.config = config
         self.kv = kv
+        self.lora = lora  # a pdserve.lora.manager.LoRAManager when adapters are on
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -106,6 +111,9 @@ class Scheduler:
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not self._resolve_remote(req):
                 held.append(self.waiting.popleft())
                 continue
+            if not self._adapter_ready(req):
+                held.append(self.waiting.popleft())
+                continue
             cached = self.kv.find_cached_prefix(req) if not req.block_ids else []
             if not req.block_ids and self._next_block_key(req, len(cached)) in computing:
                 # Another request is computing this prompt's next blocks right now: wait a step
@@ -117,6 +125,7 @@ class Scheduler:
                 held.append(self.waiting.popleft())
                 continue
             if not self.kv.allocate(req, n, cached):
+                self._release_adapter(req)
                 break
             self.waiting.popleft()
             if cached:
@@ -141,6 +150,17 @@ class Scheduler:
             self._prefill_left -= n
             self.step_prefill_tokens += n
         return n
+    def _adapter_ready(self, req: Request) -> bool:
+        """The request's adapter holds a slot (taken now if need be); False: it must wait."""
+        if req.lora_name is None or req.lora_slot is not None:
+            return True
+        req.lora_slot = self.lora.acquire(req.lora_name)
+        return req.lora_slot is not None
+
+    def _release_adapter(self, req: Request) -> None:
+        if req.lora_slot is not None:
+            self.lora.release(req.lora_slot)
+            req.lora_slot = None
 
     def _uncommitted_prompt_keys(self, req: Request) -> list[bytes]:
         if not self.kv.pool.enable_caching or req.num_computed_tokens >= req.num_prompt_tokens:
@@ -176,6 +196,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.num_preemptions += 1
         self.kv.free(req)
+        self._release_adapter(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
@@ -184,6 +205,9 @@ class Scheduler:
         """End a request in any state, freeing every block it holds (or holding them for a
         handover when the request asked for it and was not aborted)."""
         req.status = status
+        self._release_adapter(req)
+        if req.lora_name is not None and req.request_id in self.requests:
+            self.lora.unref(req.lora_name)
         if req.hold_blocks and status != RequestStatus.FINISHED_ABORTED:
             self.held[req.request_id] = req
         else:

@@ -40,6 +40,7 @@ def _add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) -
                    help="reuse cached KV blocks of earlier prompts (--no-enable-prefix-caching: recompute)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no CUDA graphs for decode steps, every op launched eagerly")
+    _add_lora_args(p)
     if not tensor_parallel:  # `pdserve up` sets each role's size: --prefill-tp, --decode-tp
         return
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
@@ -48,6 +49,40 @@ def _add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) -
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE at --tensor-parallel-size > 1: each process holds a share of the experts whole, "
                         "instead of a slice of every expert")
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """One --lora-modules entry: name=DIR, or vLLM's JSON form {"name": ..., "path": ...}."""
+    import json
+    if value.lstrip().startswith("{"):
+        try:
+            entry = json.loads(value)
+            return str(entry["name"]), str(entry["path"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(f"bad --lora-modules JSON {value!r}: {exc}") from exc
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes name=DIR, got {value!r}")
+    return name, path
+
+
+def _add_lora_module_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=DIR",
+                   help="LoRA adapters (PEFT directories) served beside the model; a request picks one by "
+                        "giving its name as `model` (turns --enable-lora on; docs/adapters-and-tenants.md)")
+
+
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    _add_lora_module_arg(p)
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (implied by --lora-modules); load more at run time with "
+                        "POST /v1/load_lora_adapter")
+    p.add_argument("--max-loras", type=int, default=1,
+                   help="adapters resident at once, in one batch; more are swapped in and out, least recently used")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory (>= --max-loras; default: --max-loras); others are read "
+                        "from their directory again when needed")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -198,6 +233,7 @@ def _add_cluster_parsers(sub) -> None:
     rt.add_argument("--dtype", default="auto", help="the nodes' --dtype")
     rt.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the nodes' --kv-cache-dtype")
     rt.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    _add_lora_module_arg(rt)
     _add_curve_args(rt)
     _add_admission_args(rt)
     _add_routing_args(rt)

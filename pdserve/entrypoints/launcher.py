@@ -19,6 +19,7 @@ from pdserve.cluster.owner import with_role
 from pdserve.cluster.owner_admin import answer_owner_request
 from pdserve.cluster.planner import placement_flags, planner_flags
 from pdserve.cluster.registry import RegistryServer
+from pdserve.engine.config import lora_flags
 from pdserve.entrypoints.tp_degrees import node_degree, pool_ranks
 from pdserve.kvstore.redact import redact_url
 from pdserve.transport import NodeSocket, free_port
@@ -92,6 +93,7 @@ class Cluster:
             cmd.append("--enforce-eager")
         if getattr(self.args, "kv_cache_dtype", "auto") != "auto":
             cmd += ["--kv-cache-dtype", self.args.kv_cache_dtype]
+        cmd += lora_flags(self.args)
         return cmd + extra + self._curve_flags() + self._registry_flags()
 
     def _registry_flags(self) -> list[str]:
@@ -128,6 +130,7 @@ class Cluster:
         router += ["--tool-call-parser", a.tool_call_parser] if a.tool_call_parser else []
         router += ["--served-model-name", *a.served_model_name] if a.served_model_name else []
         router += ["--pooling", a.pooling] if getattr(a, "pooling", None) else []
+        router += lora_flags(a, router=True)
         if a.api_key:  # through the environment: a command line is visible to every local user
             os.environ["PDSERVE_API_KEY"] = a.api_key
         router += ["--protect-metrics"] if a.protect_metrics else []

@@ -14,6 +14,9 @@ each parameter holds output rows and which input columns (None where it has no s
 so a quantized format's scales and packed weights load through the same code as a plain weight.
 (The dims live on the layer, not on the Parameter: moving a module off the meta device makes new
 Parameter objects.)
+
+`layer.lora`, when set (pdserve.lora.slots), adds the step's LoRA adapters' low-rank products
+to the layer's output, after its bias (as PEFT adds them to the base layer's output).
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ class LinearBase(nn.Module):
         self.output_sizes = self.local_output_sizes()
         self.param_dims: dict[str, tuple[int | None, int | None]] = {}
         dtype = params_dtype or torch.get_default_dtype()
+        self.lora = None  # LoRA slot buffers (pdserve.lora.slots.LoRALayerSlots) when adapters are on
         self.quant_method = (quant_config.linear_method(self, prefix) if quant_config is not None
                              else UnquantizedLinearMethod())
         self.quant_method.create_weights(self, self.input_size, self.output_sizes, dtype)
@@ -82,7 +86,10 @@ class LinearBase(nn.Module):
         target.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        return self.with_lora(x, self.quant_method.apply(self, x, self.bias))
+
+    def with_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return y if self.lora is None else self.lora.add(x, y)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_sizes}, tp={self.tp.rank}/{self.tp.size}, "
@@ -152,7 +159,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self.quant_method.apply(self, x, self.bias)
+            return self.with_lora(x, self.quant_method.apply(self, x, self.bias))
         y = self.quant_method.apply(self, x, None)
         if self.reduce_results:
             y = self.tp.all_reduce(y)

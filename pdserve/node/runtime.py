@@ -31,8 +31,21 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.footprint import footprint
 from pdserve.engine.outputs import StepOutput
 from pdserve.kv_events import KVEventPublisher
-from pdserve.messages import ROLES, Abort, Drain, EmbedRequest, KVSnapshotRequest, Message, Ping, Pong, TokenDelta
+from pdserve.messages import (
+    ROLES,
+    Abort,
+    Drain,
+    EmbedRequest,
+    KVSnapshotRequest,
+    LoadLoRA,
+    Message,
+    Ping,
+    Pong,
+    TokenDelta,
+    UnloadLoRA,
+)
 from pdserve.node.embeddings import EmbeddingQueue
+from pdserve.node.lora_control import apply_lora_message, lora_pong_fields
 from pdserve.spec_decode.speculator import spec_stats
 from pdserve.transport import NodeSocket
 
@@ -209,6 +222,8 @@ class NodeRuntime:
                 self.stats.embedding_requests += 1
             elif isinstance(msg, Drain):
                 self.drain(msg)
+            elif isinstance(msg, (LoadLoRA, UnloadLoRA)):
+                self.control.send(identity, apply_lora_message(self.engine, msg))
             else:
                 self.handle(identity, msg)
         except Exception:  # one bad message must not take the node down
@@ -225,10 +240,11 @@ class NodeRuntime:
                      prefill_ns_per_token=int(engine.prefill_s_per_token * 1e9),
                      integrity_failures=self.integrity_failures())
         stats.update(role_switches=self.switches, tensor_parallel_size=engine.config.tensor_parallel_size,
+                     lora_slot_loads=engine.lora.slot_loads if engine.lora is not None else 0,
                      **footprint(self.engine), **spec_stats(engine))
         return Pong(ping.seq, self.node_id, self.role, len(sched.requests),
                     engine.pool.num_free, engine.pool.num_blocks, stats,
-                    kv_salt=engine.salt, state=self.state())
+                    kv_salt=engine.salt, state=self.state(), **lora_pong_fields(engine))
 
     # ---- draining -------------------------------------------------------------------------
     def drain(self, msg: Drain) -> None:

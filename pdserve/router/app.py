@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.adapters import RouterAdapters
 from pdserve.router.admin_routes import add_admin_routes
 from pdserve.router.admission import AdmissionMiddleware
 from pdserve.router.backend import GenerationBackend
@@ -38,6 +39,7 @@ from pdserve.router.errors import (
     install_error_handlers,
 )
 from pdserve.router.jobs import GenerationJob, chat_job, completion_job
+from pdserve.router.lora_routes import add_lora_routes
 from pdserve.router.model_routes import ServedModel, add_model_routes
 from pdserve.router.responses import (
     ChoiceState,
@@ -181,7 +183,8 @@ class _Router:
         default_targets = getattr(getattr(self.backend, "planner", None), "targets", None)
         group = GenerationGroup(self.backend, request_id, job.choice_prompts[0], params, session=body.user,
                                 choice_prompts=job.choice_prompts, targets=body.targets(default_targets),
-                                cache_salt=request_cache_salt(request, body.cache_salt))
+                                cache_salt=request_cache_salt(request, body.cache_salt),
+                                adapter=self.served.adapter_for(body.model))
         model = self.served.resolve(body.model)  # the name asked for, as vLLM answers
         headers = {"X-Request-Id": request_id}
         if body.ignored_fields:  # accepted but not acted on: the client can see what was dropped
@@ -291,7 +294,7 @@ def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
     app.add_middleware(AdmissionMiddleware, metrics=getattr(backend, "metrics", None), **(admission or {}))
     install_error_handlers(app)
     served = ServedModel(served_model_names or [model_name], model_root or model_name, max_model_len,
-                         int(time.time()))
+                         int(time.time()), getattr(backend, "adapters", None) or RouterAdapters())
     router = _Router(backend, tokenizer, served, tool_call_parser)
     _add_openai_routes(app, router)
     add_responses_routes(app, router)
@@ -300,6 +303,7 @@ def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
     add_tokenize_routes(app, router)
     add_embedding_routes(app, router, embedding or EmbeddingOptions())
     add_admin_routes(app, backend)
+    add_lora_routes(app, served)
     app.state.router = router
     app.openapi = lambda: _openapi_document(app, router.vocab_size)  # type: ignore[method-assign]
     return app

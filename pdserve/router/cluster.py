@@ -28,6 +28,7 @@ from pdserve.messages import (
     KVEvents,
     KVHandover,
     KVSnapshotRequest,
+    LoRAReply,
     Message,
     Pong,
     PrefillRequest,
@@ -35,6 +36,7 @@ from pdserve.messages import (
     Rejected,
     TokenDelta,
 )
+from pdserve.router.adapters import RouterAdapters
 from pdserve.router.backend import BackendError
 from pdserve.router.cluster_embeddings import embed_on_nodes
 from pdserve.router.drain import DrainTracker
@@ -77,7 +79,8 @@ class ClusterBackend:
                  transfer: str = "nixl", salt: bytes | None = None, block_size: int = 16,
                  prefill_policy: str = "cache_aware", decode_policy: str = "cache_aware",
                  local_prefill_threshold: int = 0, session_affinity: bool = False, registry: str | None = None,
-                 owner: str | None = None, placement: str = "threshold", targets: Targets | None = None):
+                 owner: str | None = None, placement: str = "threshold", targets: Targets | None = None,
+                 adapters: RouterAdapters | None = None):
         if not decode_addrs and registry is None:
             raise ValueError("the cluster needs at least one decode node, or a registry to find them in")
         self.registry = registry  # tcp://host:port of the node registry, or None for static lists
@@ -91,6 +94,8 @@ class ClusterBackend:
         self._background: set[asyncio.Task] = set()
         self.pool = NodePool(prefill_addrs, decode_addrs, self._on_message, self._on_dead)
         self.nodes = self.pool.nodes
+        self.adapters = adapters or RouterAdapters()  # LoRA adapters served (pdserve.router.adapters)
+        self.adapters.pool = self.pool
         self.streams: dict[str, asyncio.Queue] = {}
         self.prefill_results: dict[str, asyncio.Future] = {}
         self.owner: dict[str, str | None] = {}  # request id -> the node whose replies count
@@ -173,12 +178,16 @@ class ClusterBackend:
     def _on_message(self, node: Node, msg: Message) -> None:
         if isinstance(msg, Pong):
             self.drains.on_pong(node, msg)
+            for load in self.adapters.on_pong(node, msg):  # a node that joined later catches up
+                self._send_later(node, load)
             if self.kv_tracker.needs_snapshot(node.node_id):
                 self._send_later(node, KVSnapshotRequest())
         elif isinstance(msg, Rejected):  # the node changed role before the request reached it
             log.info("[%s] %s rejected it (%s): moving it", msg.request_id, node.node_id, msg.reason)
             self.move_requests(node, [msg.request_id])
             node.requests.discard(msg.request_id)
+        elif isinstance(msg, LoRAReply):
+            self.adapters.on_reply(msg)
         elif isinstance(msg, KVEvents):
             if self.kv_tracker.apply(node.node_id, msg):
                 log.info("%s: KV event gap (epoch %d, seq %d): asking for a snapshot", node.node_id,
@@ -225,7 +234,8 @@ class ClusterBackend:
     def _plan(self, rid: str, prompt: list[int], params: SamplingParams, session: str | None = None,
               targets: Targets | None = None, scope: KVScope = NO_SCOPE) -> tuple[RoutePlan, list[bytes]]:
         keys = self.block_keys(prompt, scope)
-        views = {role: [node_view(n) for n in self.pool.by_role(role)] for role in ("decode", "prefill")}
+        views = {role: [node_view(n, self.adapters.cost(n.node_id, scope.adapter)) for n in self.pool.by_role(role)]
+                 for role in ("decode", "prefill")}
         if not views["decode"]:
             raise BackendError("no healthy decode node")
         pinned = self.sessions.get(session) if self.sessions is not None and session else None
@@ -235,10 +245,19 @@ class ClusterBackend:
             self.sessions.put(session, plan.decode)
         return plan, keys
 
+    async def _send_adapter_first(self, node: Node, adapter: str | None) -> None:
+        """A node that may lack the request's adapter is told to load it first (it reads its
+        messages in order, so it has it when the request arrives)."""
+        load = self.adapters.before_request(node, adapter)
+        if load is not None:
+            await self.pool.send(node, load)
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        session: str | None = None, targets: Targets | None = None, cache_salt: str | None = None,
                        adapter: str | None = None) -> AsyncIterator[StepOutput]:
         """targets: this request's TTFT/ITL targets (the body's ttft_slo_ms/itl_slo_ms), else the router's."""
+        if not self.adapters.begin(adapter):
+            raise BackendError(f"LoRA adapter {adapter!r} was unloaded")
         self.streams[request_id] = asyncio.Queue()
         scope = KVScope(cache_salt, adapter)
         timer = RequestTimer(self.metrics, len(prompt_token_ids))
@@ -291,6 +310,7 @@ class ClusterBackend:
             self.itl_targets.pop(request_id, None)
             if plan is not None:
                 self._unqueue_local(plan.decode, request_id)
+            self.adapters.end(adapter)
 
     def _queue_local(self, plan: RoutePlan, rid: str, prompt_len: int) -> None:
         """The decode node prefills this prompt: its tokens count as queued there until the first
@@ -340,6 +360,7 @@ class ClusterBackend:
         node.queued_tokens[rid] = len(prompt)
         log.debug("[%s] %d tokens, prefill on %s", rid, len(prompt), node.node_id)
         try:
+            await self._send_adapter_first(node, scope.adapter)
             await self.pool.send(node, PrefillRequest(rid, prompt, params, self.transfer,
                                                       cache_salt=scope.cache_salt, adapter=scope.adapter))
             result = await asyncio.wait_for(fut, PREFILL_TIMEOUT_S)
@@ -370,6 +391,7 @@ class ClusterBackend:
                 timer.dispatched()
             self.owner[rid] = node.node_id
             node.requests.add(rid)
+            await self._send_adapter_first(node, scope.adapter)
             await self.pool.send(node, DecodeRequest(rid, prompt, params, list(relayed), handover,
                                                      itl_slo_s=self.itl_targets.get(rid, 0.0),
                                                      cache_salt=scope.cache_salt, adapter=scope.adapter))

@@ -13,7 +13,13 @@ def node_entry(backend: Any, node: Node) -> dict:
             **node.stats, "routed_requests": len(node.requests),
             "index_blocks": backend.index.size(node.node_id),
             "kv_event_seq_applied": backend.kv_tracker.seq(node.node_id),
-            "state": backend.drains.state(node.node_id)}
+            "state": backend.drains.state(node.node_id), **_adapters(backend, node)}
+
+
+def _adapters(backend: Any, node: Node) -> dict:
+    """The node's LoRA adapters from its last pong: registered and resident in its slots."""
+    state = backend.adapters.nodes.get(node.node_id)
+    return {"loras": sorted(state.registered), "active_loras": sorted(state.active)} if state else {}
 
 
 def cluster_health(backend: Any) -> dict:

@@ -19,15 +19,18 @@ def layout_salt(model: str, hf_config, dtype: str, block_size: int) -> bytes:
 def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, block_size: int = 16,
               dtype: str = "float32", max_model_len: int | None = None, admission: dict | None = None,
               routing: dict | None = None, curve_dir: str | None = None, registry: str | None = None,
-              chat: dict | None = None, served_model_names: list[str] | None = None):
+              chat: dict | None = None, served_model_names: list[str] | None = None,
+              lora_modules: dict[str, str] | None = None):
     """chat: chat_template (a Jinja file replacing the tokenizer's), tool_call_parser and
     pooling (/v1/embeddings: "last" or "mean"; default: the checkpoint's, else "last").
-    served_model_names: --served-model-name's values (default: the model as given)."""
+    served_model_names: --served-model-name's values (default: the model as given).
+    lora_modules: LoRA adapters served at start, name -> directory (pdserve.router.adapters)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from pdserve.curve_keys import RouterKeys
     from pdserve.models.gguf import checkpoint_name
     from pdserve.models.loader import resolve_model_path
+    from pdserve.router.adapters import RouterAdapters
     from pdserve.router.app import create_app
     from pdserve.router.chat_templates import builtin_chat_template
     from pdserve.router.cluster import ClusterBackend
@@ -47,7 +50,7 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     NodePool.curve = RouterKeys.load(curve_dir) if curve_dir else None
     backend = ClusterBackend(model, prefill, decode, transfer,
                              salt=salt, block_size=block_size, registry=registry,
-                             **(routing or {}))
+                             adapters=RouterAdapters(lora_modules), **(routing or {}))
     embedding = EmbeddingOptions(chat.get("pooling") or checkpoint_pooling(path) or "last",
                                  getattr(hf_config, "hidden_size", None))
     app = create_app(backend, tokenizer, model, max_model_len or hf_config.max_position_embeddings, admission,
@@ -105,7 +108,7 @@ def run_router(args) -> int:
                          session_affinity=args.session_affinity, owner=args.owner), args.curve_dir, args.registry,
                     chat=dict(chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
                               pooling=args.pooling),
-                    served_model_names=args.served_model_name)
+                    served_model_names=args.served_model_name, lora_modules=dict(args.lora_modules or []))
     attach_planner(app.state.router.backend, args)
     log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s%s%s", args.host, args.port,
              len(args.prefill or []), len(args.decode or []), args.kv_transfer, ", CURVE" if args.curve_dir else "",

@@ -7,7 +7,7 @@ from pdserve.router.nodes import Node
 from pdserve.router.policy import NodeView
 
 
-def node_view(node: Node) -> NodeView:
+def node_view(node: Node, adapter_cost: int = 0) -> NodeView:
     """What the planner sees of a node: the router's own counts and the node's last report. On a
     decode node, queued_tokens are the prompt tokens it prefills itself that have no first token
     yet; its decode rows are every request the router has there, those queued prompts included:
@@ -20,4 +20,4 @@ def node_view(node: Node) -> NodeView:
                     sum(node.queued_tokens.values()), stats.get("prefill_ns_per_token", 0) / 1e9,
                     stats.get("store_load_us", 0) / 1e6 / store_tokens if store_tokens else 0.0,
                     decode_rows=len(node.requests), step_costs=costs,
-                    max_step_tokens=stats.get("max_num_batched_tokens", 2048))
+                    max_step_tokens=stats.get("max_num_batched_tokens", 2048), adapter_cost=adapter_cost)

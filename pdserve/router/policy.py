@@ -4,6 +4,9 @@ NodeView, the index as a PrefixIndex; no sockets, so the logic is testable alone
 
   round_robin   rotate over healthy nodes
   least_loaded  fewest requests in flight, then most free KV blocks
+  (least_loaded and cache_aware first keep the nodes that serve the request's LoRA adapter
+  cheapest, resident before registered before absent, unless those are hot spots: Dynamo's
+  and llm-d's adapter-aware routing. round_robin ignores adapters: it is the baseline.)
   cache_aware   decode: the longest prefix the node holds, unless it is much busier than the
                 least loaded node (then least_loaded): SGLang's balance-threshold rule.
                 prefill: the lowest estimated time to first token: the prompt tokens the node
@@ -52,6 +55,9 @@ class NodeView:
     decode_rows: int = 0
     step_costs: StepCosts = StepCosts()
     max_step_tokens: int = 2048
+    # The request's LoRA adapter on this node: 0 resident (or none asked), 1 a slot load, 2 a
+    # load from disk first (pdserve.router.adapters).
+    adapter_cost: int = 0
 
 
 @dataclass
@@ -104,7 +110,8 @@ class Planner:
         pinned_decode (session affinity) wins while that node is healthy, fits and is not a hot spot.
         targets: this request's TTFT/ITL targets (default: the planner's)."""
         held = self.index.prefix_match(keys)
-        decode = self._able_to_fit(decode, held, prompt_len + max_tokens)
+        decode = self._able_to_fit(self._adapter_holders(self.decode_policy, decode), held, prompt_len + max_tokens)
+        prefill = self._adapter_holders(self.prefill_policy, prefill)
         d_node, scores = self._choose("decode", self.decode_policy, decode, held)
         pinned = next((n for n in decode if n.node_id == pinned_decode), None)
         if pinned is not None and pinned.in_flight - d_node.in_flight < BALANCE_ABS_THRESHOLD:
@@ -180,6 +187,17 @@ class Planner:
             computed = prompt_len - local - from_store
             cost[n.node_id] = per_token * (n.queued_tokens + computed) + per_stored * from_store
         return cost
+
+    @staticmethod
+    def _adapter_holders(policy: str, nodes: list[NodeView]) -> list[NodeView]:
+        """The nodes whose adapter cost is lowest, unless they are hot spots (then all)."""
+        if policy == "round_robin" or not nodes:
+            return nodes
+        cheapest = min(n.adapter_cost for n in nodes)
+        least_busy = min(n.in_flight for n in nodes)
+        holders = [n for n in nodes if n.adapter_cost == cheapest
+                   and n.in_flight - least_busy < BALANCE_ABS_THRESHOLD]
+        return holders or nodes
 
     def _able_to_fit(self, nodes: list[NodeView], held: dict[str, int], tokens: int) -> list[NodeView]:
         """Never a node that cannot fit the request while another can."""

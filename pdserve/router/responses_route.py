@@ -117,7 +117,8 @@ class _ResponsesRoute:
         logger.info("%s: prompt_tokens=%d max_tokens=%d stream=%s previous=%s", response_id, job.prompt_tokens,
                     job.params[0].max_tokens, bool(body.stream), body.previous_response_id)
         group = GenerationGroup(self.router.backend, response_id, job.choice_prompts[0], job.params,
-                                session=body.user, cache_salt=request_cache_salt(request, body.cache_salt))
+                                session=body.user, cache_salt=request_cache_salt(request, body.cache_salt),
+                                adapter=self.router.served.adapter_for(body.model))
         run = _Run(job, ResponseEvents(self._base(body, response_id)))
         keep = (lambda: self._keep(response_id, run, conversation)) if body.store is not False else (lambda: None)
         headers = {"X-Request-Id": response_id}
