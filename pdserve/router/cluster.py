@@ -31,7 +31,6 @@ from pdserve.messages import (
     LoRAReply,
     Message,
     Pong,
-    PrefillRequest,
     PrefillResult,
     Rejected,
     TokenDelta,
@@ -39,8 +38,9 @@ from pdserve.messages import (
 from pdserve.router.adapters import RouterAdapters
 from pdserve.router.backend import BackendError
 from pdserve.router.cluster_embeddings import embed_on_nodes
+from pdserve.router.cluster_prefill import PrefillDispatch
 from pdserve.router.drain import DrainTracker
-from pdserve.router.failover import MAX_ATTEMPTS, PREFILL_TIMEOUT_S, NodeLost
+from pdserve.router.failover import MAX_ATTEMPTS, NodeLost
 from pdserve.router.health_report import cluster_health
 from pdserve.router.index import STORE_HOLDER, PrefixIndex
 from pdserve.router.kv_events import KVEventTracker
@@ -71,7 +71,7 @@ class _Lost:
         self.planned = planned
 
 
-class ClusterBackend:
+class ClusterBackend(PrefillDispatch):
     """GenerationBackend over prefill and decode nodes (prefill_addrs may be empty: then each
     request runs whole on a decode node, the monolithic mode)."""
 
@@ -245,13 +245,6 @@ class ClusterBackend:
             self.sessions.put(session, plan.decode)
         return plan, keys
 
-    async def _send_adapter_first(self, node: Node, adapter: str | None) -> None:
-        """A node that may lack the request's adapter is told to load it first (it reads its
-        messages in order, so it has it when the request arrives)."""
-        load = self.adapters.before_request(node, adapter)
-        if load is not None:
-            await self.pool.send(node, load)
-
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        session: str | None = None, targets: Targets | None = None, cache_salt: str | None = None,
                        adapter: str | None = None) -> AsyncIterator[StepOutput]:
@@ -323,57 +316,6 @@ class ClusterBackend:
         node = self.pool.get(node_id)
         if node is not None:
             node.queued_tokens.pop(rid, None)
-
-    async def _prefill_with_retry(self, rid: str, prompt: list[int], params: SamplingParams, timer: RequestTimer,
-                                  preferred: str | None = None, scope: KVScope = NO_SCOPE
-                                  ) -> tuple[StepOutput | None, KVHandover | None]:
-        """The first token and the handover; (None, None) when no prefill node can do it, so the
-        decode node prefills the prompt itself."""
-        tried: set[str] = set()
-        for attempt in range(MAX_ATTEMPTS):
-            node = self._preferred(preferred, tried) or self._pick("prefill", tried)
-            if node is None:
-                break
-            tried.add(node.node_id)
-            if attempt == 0:
-                timer.dispatched()
-            try:
-                return await self._prefill(rid, prompt, params, node, scope)
-            except (NodeLost, BackendError) as exc:
-                await self.pool.send(node, Abort(rid))  # a hung node that comes back drops it
-                self.counters["prefill_retries"] += 1
-                self.metrics.retries.labels("prefill").inc()
-                if isinstance(exc, NodeLost):
-                    self.metrics.failovers.labels("prefill").inc()
-                log.warning("[%s] prefill on %s failed (%s): attempt %d of %d", rid, node.node_id, exc,
-                            attempt + 1, MAX_ATTEMPTS)
-        self.counters["local_prefills"] += 1
-        log.info("[%s] no prefill node could take it: the decode node prefills", rid)
-        return None, None
-
-    async def _prefill(self, rid: str, prompt: list[int], params: SamplingParams, node: Node,
-                       scope: KVScope = NO_SCOPE) -> tuple[StepOutput, KVHandover | None]:
-        fut = asyncio.get_running_loop().create_future()
-        self.prefill_results[rid] = fut
-        self.owner[rid] = node.node_id
-        node.requests.add(rid)
-        node.queued_tokens[rid] = len(prompt)
-        log.debug("[%s] %d tokens, prefill on %s", rid, len(prompt), node.node_id)
-        try:
-            await self._send_adapter_first(node, scope.adapter)
-            await self.pool.send(node, PrefillRequest(rid, prompt, params, self.transfer,
-                                                      cache_salt=scope.cache_salt, adapter=scope.adapter))
-            result = await asyncio.wait_for(fut, PREFILL_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            self.pool.mark_dead(node, f"did not answer a prefill in {PREFILL_TIMEOUT_S:.0f} s")
-            raise NodeLost(node.node_id) from None
-        finally:
-            self.prefill_results.pop(rid, None)
-            node.requests.discard(rid)
-            node.queued_tokens.pop(rid, None)
-        if result.error is not None or result.first is None:
-            raise BackendError(f"prefill failed: {result.error}")
-        return result.first, result.handover
 
     async def _decode_with_resume(self, rid: str, prompt: list[int], params: SamplingParams,
                                   relayed: list[int], handover: KVHandover | None, timer: RequestTimer,
