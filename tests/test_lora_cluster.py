@@ -78,8 +78,10 @@ def test_each_adapter_matches_peft_across_prefill_and_decode(setup):
             got = list(pool.map(lambda c: _complete(client, c[0], prompts[c[1]]), cases))
         for (model, i), tokens in zip(cases, got):
             assert tokens == want[model][i], f"{model}, prompt {i}"
-    decode = node_stats(url)["decode-0"]
-    assert decode["transfers_failed"] == 0 and decode["transfer_bytes_nixl"] > 0  # the KV came over NIXL
+    # The node's counters reach the router with its pongs: wait for one after the last request.
+    decode = wait_for(lambda: (lambda s: s if s["transfer_bytes_nixl"] > 0 else None)(node_stats(url)["decode-0"]),
+                      timeout_s=30)
+    assert decode["transfers_failed"] == 0  # the KV came over NIXL
     assert set(decode["loras"]) == {"full", "rslora"}
 
 

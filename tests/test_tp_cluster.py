@@ -91,8 +91,10 @@ def _offline(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[i
 
 
 def _failover(url: str) -> dict[str, int]:
-    """The router's counters of prefill retries, decode resumes and prompts prefilled on a decode node."""
-    return httpx.get(f"{url}/health", timeout=10).json()["failover"]
+    """The router's counters of prefill retries, decode resumes and prompts prefilled on a decode node
+    (after a failure); not placed_local/placed_remote, which count every planned placement."""
+    counters = httpx.get(f"{url}/health", timeout=10).json()["failover"]
+    return {k: v for k, v in counters.items() if not k.startswith("placed_")}
 
 
 def _prompt(seed: int, length: int = 96) -> list[int]:
