@@ -14,10 +14,10 @@ import torch
 from numba import njit, prange
 
 from pdserve.kernels import numba_threads  # noqa: F401  (before the first parallel call)
+from pdserve.kernels.dequant_tiles import matmul_by_tiles
 
 GEMV_MAX_TOKENS = 16
 ROWS_PER_TASK = 16
-TILE_BYTES = 1 << 20
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
 # 2^(e - 127), exact in float32 (2^-127 a subnormal); e = 255 is E8M0's NaN.
@@ -64,26 +64,14 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-_tiles: dict[int, np.ndarray] = {}
-
-
 def mxfp4_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [tokens, K] float32 @ w.T -> [tokens, N]."""
     x = x.float().contiguous()
     qn, sn = q.numpy(), scales.numpy()
-    tokens, cols, rows = x.shape[0], x.shape[1], q.shape[0]
+    tokens, rows = x.shape[0], q.shape[0]
     if tokens <= GEMV_MAX_TOKENS:
         out = np.empty((tokens, rows), dtype=np.float32)
         _gemv(x.numpy(), qn, sn, FP4_VALUES, POW2, out)
         return torch.from_numpy(out)
-    tile_rows = max(ROWS_PER_TASK, TILE_BYTES // (4 * cols))
-    buffer = _tiles.get(cols)
-    if buffer is None or buffer.shape[0] < tile_rows:
-        buffer = _tiles[cols] = np.empty((tile_rows, cols), dtype=np.float32)
-    out_t = torch.empty(rows, tokens)
-    for start in range(0, rows, tile_rows):
-        end = min(rows, start + tile_rows)
-        tile = buffer[:end - start]
-        _dequantize(qn, sn, FP4_VALUES, POW2, start, tile)
-        torch.mm(torch.from_numpy(tile), x.T, out=out_t[start:end])
-    return out_t.T.contiguous()
+    return matmul_by_tiles(x, rows, lambda start, _, tile: _dequantize(qn, sn, FP4_VALUES, POW2, start, tile),
+                           ROWS_PER_TASK)

@@ -29,6 +29,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from pdserve.kernels import numba_threads  # noqa: F401  (before the first parallel call)
+from pdserve.kernels.dequant_tiles import matmul_by_tiles
 
 # Up to this many tokens the fused gemv kernel beats dequantize + BLAS (measured on the 2-core
 # CPU machine for SmolLM2's shapes, benchmarks/bench_quant_matmul.py).
@@ -37,7 +38,6 @@ ROWS_PER_TASK = 16
 # Dequantize + BLAS works on tiles of about this many float32 bytes, in one reused buffer: the
 # tile stays in cache between being written and being read, and the LM head (49152 rows on
 # SmolLM2) never exists in float32 whole.
-TILE_BYTES = 1 << 20
 
 HALF_TO_FLOAT = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 
@@ -207,22 +207,11 @@ def _value_order(x: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(x[:, order])
 
 
-_tiles: dict[int, np.ndarray] = {}
-
-
 def tiled_matmul(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,
-                  mins: torch.Tensor | None, group: int) -> torch.Tensor:
-    cols, rows = x.shape[1], q.shape[0]
-    tile_rows = max(ROWS_PER_TASK, TILE_BYTES // (4 * cols))
-    buffer = _tiles.get(cols)
-    if buffer is None:
-        buffer = _tiles[cols] = np.empty((tile_rows, cols), dtype=np.float32)
-    out_t = torch.empty(rows, x.shape[0])  # [N, tokens]: each tile's product is a contiguous slice
+                 mins: torch.Tensor | None, group: int) -> torch.Tensor:
     qn, sn, mn = _np(q), _np(scales), _mins_np(mins, scales)
-    for start in range(0, rows, tile_rows):
-        end = min(rows, start + tile_rows)
-        tile = buffer[:end - start]
+
+    def fill(start: int, end: int, tile: np.ndarray) -> None:
         _dequantize(qn, sn, mn, mins is not None, group, HALF_TO_FLOAT, bits, np.arange(start, end, dtype=np.int64),
                     tile)
-        torch.mm(torch.from_numpy(tile), x.T, out=out_t[start:end])
-    return out_t.T.contiguous()
+    return matmul_by_tiles(x, q.shape[0], fill, ROWS_PER_TASK)
