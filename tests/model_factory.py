@@ -65,7 +65,6 @@ def assert_matches_reference(llm, ref, seed: int, lengths: tuple[int, ...], new_
     the comparison means something)."""
     import random
 
-    from pdserve import SamplingParams
     rng = random.Random(seed)
     prompts = [[rng.randrange(ref.config.vocab_size) for _ in range(n)] for n in lengths]
     for prompt in prompts:
@@ -73,6 +72,13 @@ def assert_matches_reference(llm, ref, seed: int, lengths: tuple[int, ...], new_
             theirs = ref(torch.tensor([prompt])).logits[0]
         diff = (llm.engine.prompt_logits(prompt) - theirs).abs().max().item()
         assert diff < tol, f"{what}: max |logit diff| {diff:.2e}"
+    assert_greedy_matches_reference(llm, ref, prompts, new_tokens, what)
+
+
+def assert_greedy_matches_reference(llm, ref, prompts: list[list[int]], new_tokens: int, what: str = "") -> None:
+    """pdserve's greedy tokens equal the transformers model ref's generate, and vary (so the
+    comparison means something)."""
+    from pdserve import SamplingParams
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, ours):
@@ -82,3 +88,14 @@ def assert_matches_reference(llm, ref, seed: int, lengths: tuple[int, ...], new_
                                 do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert out.outputs[0].token_ids == want, what
         assert len(set(want)) > 1, what
+
+
+def save_compressed(model, compressor, src: Path, out: Path) -> Path:
+    """Write a compressed-tensors checkpoint (compressor already applied to model) to out, with the
+    source directory's tokenizer files."""
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / name).is_file():
+            (out / name).write_bytes((src / name).read_bytes())
+    return out

@@ -12,11 +12,11 @@ import json
 
 import pytest
 import torch
-from model_factory import load_reference, make_model
+from model_factory import assert_greedy_matches_reference, load_reference, make_model, save_compressed
 from safetensors.torch import load_file
 from torch import nn
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM
 from pdserve.layers.quant.act_quant import Fp8LinearMethod, Int8LinearMethod
 from pdserve.models.loader import ModelLoadError
 
@@ -56,13 +56,7 @@ def write_checkpoint(root, src, preset: str):
             module.weight_scale.data.copy_(_weight_qparams(module.weight.data, scheme.weights))
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=PRESETS[preset])
     compressor.compress_model(model)
-    out = root / preset
-    model.save_pretrained(out)
-    compressor.update_config(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (src / name).is_file():
-            (out / name).write_bytes((src / name).read_bytes())
-    return out
+    return save_compressed(model, compressor, src, root / preset)
 
 
 def _quant_dequant(x: torch.Tensor, kind: str, group: int | None) -> torch.Tensor:
@@ -119,15 +113,7 @@ def assert_matches_quantized_reference(llm, ref, what: str) -> None:
         diffs.append((llm.engine.prompt_logits(prompt) - theirs).abs().amax(-1))
     diffs = torch.cat(diffs)
     assert (diffs < 1e-3).float().mean() >= 0.9 and diffs.max() < 1.0, f"{what}: logit diffs {diffs.tolist()}"
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, ours):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.outputs[0].token_ids == want, what
-        assert len(set(want)) > 1, what
+    assert_greedy_matches_reference(llm, ref, prompts, NEW_TOKENS, what)
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from model_factory import assert_matches_reference, make_model
+from model_factory import assert_matches_reference, make_model, save_compressed
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
 from pdserve import LLM
@@ -43,13 +43,7 @@ def write_checkpoint(root, bits: int, group_size: int | None, symmetric: bool):
             module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
     compressor.compress_model(model)
-    out = root / f"ct-w{bits}-g{group_size}-{'sym' if symmetric else 'asym'}"
-    model.save_pretrained(out)
-    compressor.update_config(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (src / name).is_file():
-            (out / name).write_bytes((src / name).read_bytes())
-    return out
+    return save_compressed(model, compressor, src, root / f"ct-w{bits}-g{group_size}-{'sym' if symmetric else 'asym'}")
 
 
 @pytest.mark.parametrize("bits,group_size,symmetric", [(4, 32, False), (4, None, True), (8, None, True),
