@@ -3,9 +3,6 @@ parallel embedding and LM head, loaded from whole checkpoint tensors at TP 2 in 
 processes over gloo, give the output of the unsharded layer on every rank (TP 1 too)."""
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -74,21 +71,17 @@ def _check(rank: int) -> None:
     torch.testing.assert_close(head(x), x @ t["embed"].T)
 
 
-def _rank_main(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(rank: int, rendezvous_file: str) -> None:
+    # A file rendezvous, not a port picked in advance: on a busy CI machine another test could
+    # take that port between the pick and the bind, and rank 1 then met a stranger's store.
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        set_tp_group(TPGroup(rank, 2, dist.group.WORLD))
-        _check(rank)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous_file}", rank=rank, world_size=2)
+    set_tp_group(TPGroup(rank, 2, dist.group.WORLD))
+    _check(rank)
+    # Both ranks are past their last collective before either tears gloo down: a rank that
+    # destroyed its pairs while the other still used them aborted it (SIGABRT in CI).
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def test_layers_tp1_match_torch():
@@ -97,5 +90,5 @@ def test_layers_tp1_match_torch():
 
 
 @pytest.mark.timeout(120)
-def test_layers_tp2_match_torch():
-    mp.spawn(_rank_main, args=(_free_port(),), nprocs=2, join=True)
+def test_layers_tp2_match_torch(tmp_path):
+    mp.spawn(_rank_main, args=(str(tmp_path / "rendezvous"),), nprocs=2, join=True)
