@@ -57,7 +57,7 @@ import zmq  # noqa: E402
 from cluster import http_json, local_cluster, source_info  # noqa: E402
 
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.loadgen.bench import percentile  # noqa: E402
+from pdserve.loadgen.metrics import percentile  # noqa: E402
 from pdserve.messages import DecodeRequest, TokenDelta, decode, encode  # noqa: E402
 from pdserve.transport import free_port  # noqa: E402
 

@@ -14,8 +14,9 @@ from cluster_util import running_cluster
 
 from pdserve.entrypoints.cli import main as pdserve_main
 from pdserve.loadgen import plot as bench_plot
-from pdserve.loadgen.bench import BenchConfig, RequestResult, _samples, compute_metrics
+from pdserve.loadgen.bench import BenchConfig, RequestResult
 from pdserve.loadgen.cli import main as bench_main
+from pdserve.loadgen.metrics import compute_metrics, latency_samples
 
 WORKLOAD = ["--workload", "shared-prefix", "--num-groups", "2", "--prompts-per-group", "3", "--prefix-len", "64",
             "--question-len", "8", "--output-len", "6", "--max-token-id", "250", "--num-warmup", "0",
@@ -76,7 +77,7 @@ def _synthetic_results(n: int, ttft_s: float) -> list[RequestResult]:
 
 def _synthetic_report(concurrency: int, results: list[RequestResult], duration_s: float) -> dict:
     cfg = BenchConfig(concurrency=concurrency)
-    return {"config": asdict(cfg), **compute_metrics(results, duration_s, cfg), "samples_s": _samples(results)}
+    return {"config": asdict(cfg), **compute_metrics(results, duration_s, cfg), "samples_s": latency_samples(results)}
 
 
 def test_sweep_table_rows_are_compute_metrics_numbers():

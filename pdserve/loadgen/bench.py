@@ -24,12 +24,13 @@ import logging
 import math
 import random
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
 from tqdm.asyncio import tqdm
+
+from pdserve.loadgen.metrics import compute_metrics, latency_samples
 
 logger = logging.getLogger(__name__)
 
@@ -305,61 +306,6 @@ async def _resolve_model(client: httpx.AsyncClient, cfg: BenchConfig) -> str:
     return resp.json()["data"][0]["id"]
 
 
-# ---------------------------------------------------------------- metrics
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    low, high = math.floor(pos), math.ceil(pos)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def _stats(name: str, values_s: Sequence[float]) -> dict[str, float | None]:
-    ms = [v * 1000.0 for v in values_s]
-    out: dict[str, float | None] = {f"mean_{name}_ms": sum(ms) / len(ms) if ms else None}
-    for q in (50, 90, 99):
-        out[f"p{q}_{name}_ms"] = percentile(ms, q)
-    return out
-
-
-def _is_good(r: RequestResult, cfg: BenchConfig) -> bool:
-    if cfg.goodput_ttft_ms is not None and (r.ttft_s or 0) * 1000 > cfg.goodput_ttft_ms:
-        return False
-    tpot = r.tpot_s
-    return cfg.goodput_tpot_ms is None or tpot is None or tpot * 1000 <= cfg.goodput_tpot_ms
-
-
-def compute_metrics(results: list[RequestResult], duration_s: float,
-                    cfg: BenchConfig) -> dict[str, Any]:
-    ok = [r for r in results if r.success]
-    inp, outp = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
-    slo = cfg.goodput_ttft_ms is not None or cfg.goodput_tpot_ms is not None
-    metrics: dict[str, Any] = {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration_s,
-        "total_input_tokens": inp, "total_output_tokens": outp,
-        "request_throughput": len(ok) / duration_s,
-        "output_throughput": outp / duration_s,
-        "total_token_throughput": (inp + outp) / duration_s,
-        "goodput": sum(_is_good(r, cfg) for r in ok) / duration_s if slo else None,
-    }
-    metrics |= _stats("ttft", [r.ttft_s for r in ok if r.ttft_s is not None])
-    metrics |= _stats("tpot", [t for r in ok if (t := r.tpot_s) is not None])
-    metrics |= _stats("itl", [itl for r in ok for itl in r.itls_s])
-    metrics |= _stats("e2e", [r.e2e_s for r in ok])
-    metrics["errors"] = [r.error for r in results if not r.success][:10]
-    return metrics
-
-
-def _samples(results: list[RequestResult]) -> dict[str, list[float]]:
-    """Per-request latencies for plots (pdserve.loadgen.plot)."""
-    ok = [r for r in results if r.success]
-    return {"ttft": [r.ttft_s for r in ok if r.ttft_s is not None], "e2e": [r.e2e_s for r in ok],
-            "itl": [itl for r in ok for itl in r.itls_s]}
-
-
 # ---------------------------------------------------------------- entry points
 
 async def run_benchmark(config: BenchConfig | dict[str, Any]) -> dict[str, Any]:
@@ -380,7 +326,7 @@ async def run_benchmark(config: BenchConfig | dict[str, Any]) -> dict[str, Any]:
         duration = time.perf_counter() - start
         if pbar is not None:
             pbar.close()
-    report = {"config": asdict(cfg), **compute_metrics(results, duration, cfg), "samples_s": _samples(results)}
+    report = {"config": asdict(cfg), **compute_metrics(results, duration, cfg), "samples_s": latency_samples(results)}
     if cfg.output_json:
         with open(cfg.output_json, "w") as f:
             json.dump(report, f, indent=2, default=str)
@@ -405,12 +351,3 @@ def build_parser() -> argparse.ArgumentParser:
                     "model": str, "api_key": str, "output_json": str}.get(name, type(value))
             p.add_argument(flag, type=kind, default=value, help=help_text)
     return p
-
-
-def format_report(report: dict[str, Any]) -> str:
-    keys = [k for k in report if k not in ("config", "errors", "samples_s")]
-    lines = [f"{k:>26}: {report[k]:.3f}" if isinstance(report[k], float)
-             else f"{k:>26}: {report[k]}" for k in keys]
-    if report.get("errors"):
-        lines.append(f"{'first error':>26}: {report['errors'][0]}")
-    return "\n".join(lines)

@@ -6,8 +6,9 @@ import argparse
 import asyncio
 from collections.abc import Sequence
 
-from pdserve.loadgen.bench import BenchConfig, format_report, run_benchmark
+from pdserve.loadgen.bench import BenchConfig, run_benchmark
 from pdserve.loadgen.bench import build_parser as build_load_parser
+from pdserve.loadgen.metrics import format_report
 from pdserve.loadgen.plot import add_plot_arguments, run_with_plots
 
 PLOT_FLAGS = ("plot", "sweep_concurrency", "label", "plot_with")

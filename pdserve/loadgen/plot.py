@@ -12,7 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.loadgen.bench import BenchConfig, format_report, run_benchmark
+from pdserve.loadgen.bench import BenchConfig, run_benchmark
+from pdserve.loadgen.metrics import format_report
 
 CDF_PANELS = (("ttft", "time to first token"), ("itl", "inter-token latency"), ("e2e", "end-to-end latency"))
 Report = dict[str, Any]
