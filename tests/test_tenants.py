@@ -14,6 +14,7 @@ from pdserve.engine.llm import LLM
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.cluster import ClusterBackend
+from pdserve.router.index import STORE_HOLDER
 from pdserve.router.policy import NodeView
 from pdserve.router.tenants import KVScope, parse_api_keys
 
@@ -82,6 +83,19 @@ def test_router_index_never_matches_another_tenants_blocks():
     assert planned["alpha"].decode == "decode-1" and planned["alpha"].decode_cached_tokens == 10 * BS
     assert planned["beta"].decode_cached_tokens == 0 and planned["none"].decode_cached_tokens == 0
     assert backend.index.prefix_match(backend.block_keys(PROMPT, beta)) == {}
+
+
+def test_router_index_keeps_adapters_apart():
+    """The adapter enters the router's keys as it enters the nodes' and the store's: blocks
+    indexed for adapter sql (on a node, or in the store) match sql's requests only."""
+    backend = ClusterBackend("builtin:tiny", [], [], salt=LAYOUT, block_size=BS, registry="tcp://127.0.0.1:9")
+    sql = KVScope(adapter="sql")
+    assert backend.block_keys(PROMPT, sql) == _keys(None, adapter="sql")  # what the nodes compute
+    backend.index.add("prefill-0", backend.block_keys(PROMPT, sql))
+    backend.index.add(STORE_HOLDER, backend.block_keys(PROMPT, sql))
+    assert backend.index.prefix_match(backend.block_keys(PROMPT, sql)) == {"prefill-0": 10, STORE_HOLDER: 10}
+    for other in (KVScope(adapter="chat"), KVScope(), KVScope(tenant_cache_salt("alpha", None), "sql")):
+        assert backend.index.prefix_match(backend.block_keys(PROMPT, other)) == {}, other
 
 
 @pytest.fixture(scope="module")
