@@ -27,8 +27,8 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kernels import get_ops
 from pdserve.kvstore.layout import KVLayout
+from pdserve.spec_decode.eligible import may_speculate
 from pdserve.spec_decode.hidden_stash import HiddenStash
-from pdserve.spec_decode.speculator import may_speculate
 
 HEAD_SALT = b"pdserve-spec-head"  # the head's pool caches nothing; its keys are never shared
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.outputs import StepOutput
 from pdserve.engine.request import Request
 from pdserve.spec_decode.config import SpeculativeConfig
+from pdserve.spec_decode.eligible import may_speculate
 from pdserve.spec_decode.ngram import NgramProposer
 from pdserve.spec_decode.verify import accepted_length
 
@@ -55,15 +56,6 @@ def spec_stats(engine) -> dict[str, int]:
            "spec_num_accepted_tokens": s.num_accepted_tokens}
     out.update({f"spec_accepted_pos_{i}": n for i, n in enumerate(s.accepted_per_position)})
     return out
-
-
-def may_speculate(req: Request) -> bool:
-    """Requests whose every output feature verification reproduces exactly. Logits edits that
-    depend on the tokens before each position (penalties, bad words, min_tokens; logit_bias
-    goes with them), grammars, prompt logprobs and KV handovers decode one token a step."""
-    p = req.sampling_params
-    return (not p.has_logits_processors and req.matcher is None and p.prompt_logprobs is None
-            and not req.hold_blocks)
 
 
 def can_speculate(req: Request) -> bool:
