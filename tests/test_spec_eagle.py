@@ -141,3 +141,14 @@ def test_a_head_that_copies_the_target_is_accepted(tmp_path):
     stats = llm.engine.speculator.stats
     assert stats.num_draft_tokens > 0 and stats.acceptance_rate == 1.0
     _assert_no_leak(llm)
+
+
+def test_seeded_sampling_equals_plain(models, plain):
+    """Sampled requests verify the head's drafts as any others: seeded output is the plain engine's."""
+    target, head, _ = models
+    inputs = [{"prompt_token_ids": p} for p in _prompts(4, (10, 21))]
+    params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=s, ignore_eos=True) for s in (7, 8)]
+    llm = _eagle(target, head)
+    assert _ids(llm.generate(inputs, params, use_tqdm=False)) == _ids(plain.generate(inputs, params, use_tqdm=False))
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
+    _assert_no_leak(llm)
