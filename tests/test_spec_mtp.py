@@ -76,3 +76,15 @@ def test_checkpoint_without_mtp_layer_is_refused(models):
     _, plain_dir, _ = models
     with pytest.raises(ValueError, match="no MTP layer"):
         _llm(plain_dir, MTP)
+
+
+def test_mtp_and_eagle_refuse_the_other_family(models, tmp_path):
+    path, _, _ = models
+    with pytest.raises(ValueError, match="DeepSeek-V3 targets"):
+        LLM("builtin:tiny", num_kv_blocks=16, speculative_config=MTP)
+    from spec_heads import make_eagle_head
+
+    from pdserve.models.builtin import ensure_builtin_model
+    head = make_eagle_head(tmp_path, ensure_builtin_model("builtin:tiny"))
+    with pytest.raises(ValueError, match="Llama-family targets"):
+        _llm(path, {"method": "eagle", "model": str(head), "num_speculative_tokens": 2})
