@@ -81,7 +81,8 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, ops, self.device,
                                       max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                      use_cuda_graphs=not config.enforce_eager and self.lora is None,
+                                      use_cuda_graphs=(not config.enforce_eager and self.lora is None
+                                                       and not _drafts_from_hidden(config)),
                                       lora_batch=self.lora.batch if self.lora is not None else None)
         self.last_step_tokens = 0
         self.prefill_s_per_token = 0.0  # measured on prefill-sized steps (an EMA); 0: not yet
@@ -381,6 +382,12 @@ def kv_window(model) -> int:
     every block."""
     windows = [getattr(getattr(layer, "self_attn", None), "window", 0) or 0 for layer in model.layers]
     return max(windows) if windows and min(windows) > 0 else 0
+
+
+def _drafts_from_hidden(config: EngineConfig) -> bool:
+    """An EAGLE or MTP head reads every step's hidden states: no CUDA graphs (they give logits only)."""
+    spec = config.speculative_config
+    return spec is not None and spec.method in ("eagle", "mtp")
 
 
 def _use_async_scheduling(setting, device: torch.device) -> bool:

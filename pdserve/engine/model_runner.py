@@ -68,6 +68,9 @@ class ModelRunner:
                  max_num_seqs: int = 0, max_model_len: int = 0, use_cuda_graphs: bool = False, lora_batch=None):
         self.model, self.kv_cache, self.block_size, self.ops, self.device = model, kv_cache, block_size, ops, device
         self.lora_batch = lora_batch  # pdserve.lora.slots.LoRABatch: set to each step's adapter runs
+        # Speculation with a head (EAGLE, MTP) sets this: it gets each eager step's (items, final
+        # hidden states) to draft from (pdserve.spec_decode.head_proposer). None: no cost.
+        self.hidden_sink = None
         # Per layer, one view per plane: (K, V), or (latent,) for an MLA cache.
         self.layer_caches = [tuple(kv_cache[:, i].unbind(1)) for i in range(kv_cache.shape[1])]
         model.fused = get_fused_layer_ops(ops, device.type)
@@ -107,6 +110,8 @@ class ModelRunner:
             token_ids[:num_decodes] = take_pending(token_ids[:num_decodes], pending[0],
                                                    torch.from_numpy(sources).to(self.device))
         hidden = self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
+        if self.hidden_sink is not None:
+            self.hidden_sink(items, hidden)
         return self._step_logits(hidden, inputs, spans, all_logits)
 
     def _ordered(self, items: list[tuple[Request, int]]) -> list[tuple[Request, int]]:

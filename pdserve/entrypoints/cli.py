@@ -135,7 +135,8 @@ def _add_speculative_args(p: argparse.ArgumentParser, where: str = "") -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding" + where + ", vLLM's keys: "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
-                        "or '{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 4}' "
+                        "or '{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 4}'; "
+                        "method eagle takes an EAGLE-1 head's DIR, mtp a DeepSeek-V3 checkpoint's own MTP layer "
                         "(docs/speculative-decoding.md)")
 
 

@@ -6,15 +6,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle", "mtp")
 
 
 class SpeculativeConfig(BaseModel):
     """{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
-    or {"method": "draft_model", "model": DIR, "num_speculative_tokens": k}."""
+    or {"method": "draft_model" | "eagle", "model": DIR, "num_speculative_tokens": k}
+    or {"method": "mtp", "num_speculative_tokens": k} (model: the target's own directory by default)."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["ngram", "draft_model"]
+    method: Literal["ngram", "draft_model", "eagle", "mtp"]
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
@@ -30,8 +31,8 @@ class SpeculativeConfig(BaseModel):
             lo, hi = self.lookup_range
             if not 1 <= lo <= hi:
                 raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
-        elif self.model is None:
-            raise ValueError("method draft_model needs a model (a directory or builtin: name)")
+        elif self.model is None and self.method != "mtp":
+            raise ValueError(f"method {self.method} needs a model (a directory or builtin: name)")
         return self
 
     @property

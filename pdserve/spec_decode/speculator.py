@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.outputs import StepOutput
 from pdserve.engine.request import Request
 from pdserve.spec_decode.config import SpeculativeConfig
+from pdserve.spec_decode.eligible import may_speculate
 from pdserve.spec_decode.ngram import NgramProposer
 from pdserve.spec_decode.verify import accepted_length
 
@@ -58,24 +59,15 @@ def spec_stats(engine) -> dict[str, int]:
 
 
 def can_speculate(req: Request) -> bool:
-    """Requests whose every output feature verification reproduces exactly. Logits edits that
-    depend on the tokens before each position (penalties, bad words, min_tokens; logit_bias
-    goes with them), grammars, prompt logprobs and KV handovers decode one token a step."""
-    p = req.sampling_params
-    return (req.num_tokens - req.num_computed_tokens == 1 and bool(req.output_token_ids)
-            and not p.has_logits_processors and req.matcher is None and p.prompt_logprobs is None
-            and not req.hold_blocks)
+    """A request to draft for this step: one that may speculate, decoding its next token."""
+    return req.num_tokens - req.num_computed_tokens == 1 and bool(req.output_token_ids) and may_speculate(req)
 
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, engine):
         self.config, self.engine = config, engine
         self.k = config.num_speculative_tokens
-        if config.method == "ngram":
-            self.proposer = NgramProposer(*config.lookup_range)
-        else:
-            from pdserve.spec_decode.draft_model import DraftModelProposer
-            self.proposer = DraftModelProposer(config, engine)
+        self.proposer = make_proposer(config, engine)
         self.stats = SpecStats()
 
     def add_drafts(self, batch) -> None:
@@ -128,6 +120,20 @@ class Speculator:
         """A request ended: drop whatever the proposer keeps for it."""
         if hasattr(self.proposer, "release"):
             self.proposer.release(request_id)
+
+
+def make_proposer(config: SpeculativeConfig, engine):
+    """The method's proposer: propose_batch([(request, k)]) -> drafts (and release(request id))."""
+    if config.method == "ngram":
+        return NgramProposer(*config.lookup_range)
+    if config.method == "draft_model":
+        from pdserve.spec_decode.draft_model import DraftModelProposer
+        return DraftModelProposer(config, engine)
+    if config.method == "eagle":
+        from pdserve.spec_decode.eagle import eagle_proposer
+        return eagle_proposer(config, engine)
+    from pdserve.spec_decode.mtp import mtp_proposer
+    return mtp_proposer(config, engine)
 
 
 def merge_outputs(outs: list[StepOutput]) -> StepOutput:
