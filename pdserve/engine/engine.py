@@ -10,6 +10,15 @@ import torch
 from pdserve.engine.block_keys import request_salt
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_setup import (
+    check_fp8_kv_supported,
+    drafts_from_hidden,
+    eos_ids,
+    kv_window,
+    load_tokenizer,
+    start_lora,
+    use_async_scheduling,
+)
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.logits_processors import apply_logits_processors
 from pdserve.engine.model_runner import ModelRunner
@@ -51,7 +60,7 @@ class LLMEngine:
         self.kv_layout = KVLayout.for_model(self.hf_config, config.block_size, kv_dtype,
                                             checkpoint_name(config.model, self.model_path))
         if kv_dtype != self.dtype:
-            _check_fp8_kv_supported(config, self.kv_layout)
+            check_fp8_kv_supported(config, self.kv_layout)
         self.executor = None
         if config.tensor_parallel_size > 1:
             from pdserve.executor.setup import load_driver_shard, start_executor
@@ -62,7 +71,7 @@ class LLMEngine:
         else:
             self.model = load_model(self.model_path, self.hf_config, self.dtype, self.device)
             self.kv_cache = self._allocate_kv_cache()
-        self.tokenizer = _load_tokenizer(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
         spec = self.model.spec
         self.max_model_len = self._max_model_len()
         self.salt = self.kv_layout.salt()
@@ -82,13 +91,13 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, ops, self.device,
                                       max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                       use_cuda_graphs=(not config.enforce_eager and self.lora is None
-                                                       and not _drafts_from_hidden(config)),
+                                                       and not drafts_from_hidden(config)),
                                       lora_batch=self.lora.batch if self.lora is not None else None)
         self.last_step_tokens = 0
         self.prefill_s_per_token = 0.0  # measured on prefill-sized steps (an EMA); 0: not yet
         self.cached_prompt_tokens = 0    # prompt tokens of requests sampled here that were not computed
         self.computed_prompt_tokens = 0  # ... and that were
-        self.outputs = OutputProcessor(self.tokenizer, _eos_ids(self.hf_config, self.tokenizer), self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer, eos_ids(self.hf_config, self.tokenizer), self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, spec.vocab_size, self.outputs.eos_token_ids)
         self.speculator = None
         if config.speculative_config is not None:
@@ -96,7 +105,7 @@ class LLMEngine:
             self.speculator = Speculator(config.speculative_config, self)
         # (Speculation needs each step's tokens on the host to draft the next: no overlap.)
         self.async_scheduling = (self.executor is None and self.speculator is None
-                                 and _use_async_scheduling(config.async_scheduling, self.device))
+                                 and use_async_scheduling(config.async_scheduling, self.device))
         self.in_flight: InFlightStep | None = None  # with async scheduling: the step launched last
 
     # ---- set-up -------------------------------------------------------------------------
@@ -354,60 +363,3 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.release(req.request_id)
         return out
-
-
-def start_lora(config: EngineConfig, model, dtype: torch.dtype, device: torch.device):
-    """The engine's LoRAManager with config.lora_modules registered; None when adapters are off."""
-    if not config.enable_lora:
-        return None
-    from pdserve.lora.manager import LoRAManager
-    manager = LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, dtype, device)
-    for name, path in (config.lora_modules or {}).items():
-        manager.add(name, path)
-    return manager
-
-
-def _check_fp8_kv_supported(config: EngineConfig, layout: KVLayout) -> None:
-    """The FP8 cache wraps the K/V attention ops of one process: MLA's latent cache and the
-    tensor-parallel workers' shared cache do not go through them."""
-    if layout.planes != 2:
-        raise ValueError("kv_cache_dtype fp8 is not supported for MLA models (their latent cache)")
-    if config.tensor_parallel_size > 1:
-        raise ValueError("kv_cache_dtype fp8 is not supported with tensor_parallel_size > 1")
-
-
-def kv_window(model) -> int:
-    """The window past which a block can be freed: > 0 only when every attention layer slides
-    (then the widest window); 0 when any layer attends to the whole context, which needs
-    every block."""
-    windows = [getattr(getattr(layer, "self_attn", None), "window", 0) or 0 for layer in model.layers]
-    return max(windows) if windows and min(windows) > 0 else 0
-
-
-def _drafts_from_hidden(config: EngineConfig) -> bool:
-    """An EAGLE or MTP head reads every step's hidden states: no CUDA graphs (they give logits only)."""
-    spec = config.speculative_config
-    return spec is not None and spec.method in ("eagle", "mtp")
-
-
-def _use_async_scheduling(setting, device: torch.device) -> bool:
-    """auto: on CUDA, where the host's work can hide behind the GPU's; on the CPU the host is
-    the device, so there is nothing to overlap."""
-    return device.type == "cuda" if setting == "auto" else bool(setting)
-
-
-def _load_tokenizer(path):
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as exc:
-        log.warning("no tokenizer in %s (%s): text prompts and output text are unavailable", path, exc)
-        return None
-
-
-def _eos_ids(hf_config, tokenizer) -> set[int]:
-    eos = getattr(hf_config, "eos_token_id", None)
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids

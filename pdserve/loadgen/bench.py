@@ -24,13 +24,13 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
 from tqdm.asyncio import tqdm
 
-from pdserve.loadgen.metrics import compute_metrics, latency_samples
+from pdserve.loadgen.metrics import RequestResult, compute_metrics, latency_samples
 
 logger = logging.getLogger(__name__)
 
@@ -120,25 +120,6 @@ FIELD_HELP = {
 class Session:
     questions: list[Prompt]
     carry_history: bool = False
-
-
-@dataclass
-class RequestResult:
-    success: bool = False
-    error: str | None = None
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft_s: float | None = None
-    e2e_s: float = 0.0
-    itls_s: list[float] = field(default_factory=list)
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.ttft_s is None or self.output_tokens < 2:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
 # ---------------------------------------------------------------- workloads

@@ -1,13 +1,36 @@
 """The load generator's report: throughput, goodput and latency percentiles from the requests'
-results, as vLLM's benchmark_serving names them."""
+results (one RequestResult per request), as vLLM's benchmark_serving names them."""
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-if TYPE_CHECKING:  # only for annotations: bench imports this module
-    from pdserve.loadgen.bench import BenchConfig, RequestResult
+
+class GoodputTargets(Protocol):
+    """What goodput is judged by (bench.BenchConfig has both): None counts every request."""
+    goodput_ttft_ms: float | None
+    goodput_tpot_ms: float | None
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    itls_s: list[float] = field(default_factory=list)
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -28,7 +51,7 @@ def _stats(name: str, values_s: Sequence[float]) -> dict[str, float | None]:
     return out
 
 
-def _is_good(r: RequestResult, cfg: BenchConfig) -> bool:
+def _is_good(r: RequestResult, cfg: GoodputTargets) -> bool:
     if cfg.goodput_ttft_ms is not None and (r.ttft_s or 0) * 1000 > cfg.goodput_ttft_ms:
         return False
     tpot = r.tpot_s
@@ -36,7 +59,7 @@ def _is_good(r: RequestResult, cfg: BenchConfig) -> bool:
 
 
 def compute_metrics(results: list[RequestResult], duration_s: float,
-                    cfg: BenchConfig) -> dict[str, Any]:
+                    cfg: GoodputTargets) -> dict[str, Any]:
     ok = [r for r in results if r.success]
     inp, outp = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
     slo = cfg.goodput_ttft_ms is not None or cfg.goodput_tpot_ms is not None

@@ -1,0 +1,70 @@
+"""What the engine decides once, at start, from its config and model: the LoRA manager, whether
+the FP8 cache, CUDA graphs and async scheduling apply, the sliding-window bound on blocks, the
+tokenizer and the EOS ids."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.kvstore.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+
+def start_lora(config: EngineConfig, model, dtype: torch.dtype, device: torch.device):
+    """The engine's LoRAManager with config.lora_modules registered; None when adapters are off."""
+    if not config.enable_lora:
+        return None
+    from pdserve.lora.manager import LoRAManager
+    manager = LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, dtype, device)
+    for name, path in (config.lora_modules or {}).items():
+        manager.add(name, path)
+    return manager
+
+
+def check_fp8_kv_supported(config: EngineConfig, layout: KVLayout) -> None:
+    """The FP8 cache wraps the K/V attention ops of one process: MLA's latent cache and the
+    tensor-parallel workers' shared cache do not go through them."""
+    if layout.planes != 2:
+        raise ValueError("kv_cache_dtype fp8 is not supported for MLA models (their latent cache)")
+    if config.tensor_parallel_size > 1:
+        raise ValueError("kv_cache_dtype fp8 is not supported with tensor_parallel_size > 1")
+
+
+def kv_window(model) -> int:
+    """The window past which a block can be freed: > 0 only when every attention layer slides
+    (then the widest window); 0 when any layer attends to the whole context, which needs
+    every block."""
+    windows = [getattr(getattr(layer, "self_attn", None), "window", 0) or 0 for layer in model.layers]
+    return max(windows) if windows and min(windows) > 0 else 0
+
+
+def drafts_from_hidden(config: EngineConfig) -> bool:
+    """An EAGLE or MTP head reads every step's hidden states: no CUDA graphs (they give logits only)."""
+    spec = config.speculative_config
+    return spec is not None and spec.method in ("eagle", "mtp")
+
+
+def use_async_scheduling(setting, device: torch.device) -> bool:
+    """auto: on CUDA, where the host's work can hide behind the GPU's; on the CPU the host is
+    the device, so there is nothing to overlap."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer in %s (%s): text prompts and output text are unavailable", path, exc)
+        return None
+
+
+def eos_ids(hf_config, tokenizer) -> set[int]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
