@@ -39,6 +39,35 @@ def _die_with_parent() -> None:
         pass
 
 
+def node_speculative_config(value: str | None, index: int) -> str | None:
+    """Decode node `index`'s --speculative-config: `pdserve up` takes one JSON object for every
+    decode node, or a JSON list that gives the decode nodes theirs in turn (decode-i: entry i mod
+    the list's length; null: no speculation there), as --decode-tp does for degrees."""
+    if not value:
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        return value  # the node refuses it with the parser's message (run_up checks it first)
+    if not isinstance(parsed, list):
+        return value
+    entry = parsed[index % len(parsed)]
+    return None if entry is None else json.dumps(entry)
+
+
+def check_speculative_configs(value: str | None) -> None:
+    """Refuse a bad --speculative-config (each entry of a list) before any node starts."""
+    from pdserve.spec_decode.config import parse_speculative_config
+    try:
+        parsed = json.loads(value) if value else None
+    except json.JSONDecodeError:
+        parsed = None  # the parser below says what is wrong with it
+    if parsed == []:
+        raise ValueError("--speculative-config: an empty list; give a config object, or null for a node without")
+    for entry in parsed if isinstance(parsed, list) else [value]:
+        parse_speculative_config(entry)
+
+
 def _on_port(cmd: list[str], port: int) -> list[str]:
     cmd = list(cmd)
     cmd[cmd.index("--port") + 1] = str(port)
@@ -161,7 +190,8 @@ class Cluster:
         if role == "decode":
             extra += ["--nixl"] if a.kv_transfer == "nixl" else []
             extra += ["--on-transfer-failure", a.on_transfer_failure, "--pull-delay-s", str(a.decode_pull_delay_s)]
-            extra += ["--speculative-config", a.speculative_config] if getattr(a, "speculative_config", None) else []
+            spec = node_speculative_config(getattr(a, "speculative_config", None), index)
+            extra += ["--speculative-config", spec] if spec else []
         tp = node_degree(a, role, index)
         extra += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         self.spawn(node_id, self.node_cmd(role, node_id, addr, extra), self.threads_per_node(tp))
@@ -308,8 +338,7 @@ def run_up(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        from pdserve.spec_decode.config import parse_speculative_config
-        parse_speculative_config(getattr(args, "speculative_config", None))  # refused before any node starts
+        check_speculative_configs(getattr(args, "speculative_config", None))  # refused before any node starts
         prepare_model(args.model)
         url = cluster.start()
         cluster.wait_ready(url)
