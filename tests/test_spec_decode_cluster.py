@@ -9,7 +9,7 @@ failover) is right: its acceptance must stay 1.0. On builtin:tiny the n-gram loo
 and is seldom right, so its node exercises rejection. Against the offline engine without
 speculation:
 - greedy output is token-identical, whole and streamed, and every KV block is back in the
-  pools of every node afterwards;
+  pools of every node afterwards (the draft model's own pool too: its node reports it);
 - the speculation counters reach the router's /metrics under vLLM's names, and move;
 - a decode node SIGKILLed in the middle of a speculating stream: the stream resumes on the other
   decode node with identical output (greedy over NIXL onto the draft model, seeded sampling
@@ -32,7 +32,7 @@ from cluster_util import node_pids, node_stats, running_clusters, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import LLM, SamplingParams
-from pdserve.entrypoints.launcher import node_speculative_config
+from pdserve.entrypoints.node_speculation import node_speculative_config
 from pdserve.transport import free_port
 
 TRANSPORTS = ("store", "nixl")
@@ -108,7 +108,8 @@ def _failover(url: str) -> dict:
 
 
 def _blocks_back_to_zero(url: str) -> bool:
-    return all(s["free_blocks"] == s["total_blocks"] and s["requests"] == 0
+    """Every healthy node's pool is whole again, and a draft model's own pool empty."""
+    return all(s["free_blocks"] == s["total_blocks"] and s["requests"] == 0 and not s.get("spec_draft_blocks_in_use")
                for s in node_stats(url).values() if s["healthy"])
 
 
@@ -132,6 +133,7 @@ def test_speculating_decode_nodes_match_offline(clusters, llm, transport):
     ngram, draft = stats["decode-0"], stats["decode-1"]
     assert ngram["spec_num_drafts"] > 0 and ngram["spec_num_accepted_tokens"] <= ngram["spec_num_draft_tokens"]
     assert draft["spec_num_accepted_tokens"] == draft["spec_num_draft_tokens"] > 0
+    assert draft["spec_draft_blocks_in_use"] == 0  # (reported: the pool check above covers it)
     for node in decode:
         for key, name in SPEC_METRICS.items():
             assert after[(name, node)] == stats[node][key], (name, node)

@@ -20,6 +20,7 @@ from pdserve.cluster.owner_admin import answer_owner_request
 from pdserve.cluster.planner import placement_flags, planner_flags
 from pdserve.cluster.registry import RegistryServer
 from pdserve.engine.config import lora_flags
+from pdserve.entrypoints.node_speculation import check_speculative_configs, node_speculative_config
 from pdserve.entrypoints.tp_degrees import node_degree, pool_ranks
 from pdserve.kvstore.redact import redact_url
 from pdserve.transport import NodeSocket, free_port
@@ -37,35 +38,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-def node_speculative_config(value: str | None, index: int) -> str | None:
-    """Decode node `index`'s --speculative-config: `pdserve up` takes one JSON object for every
-    decode node, or a JSON list that gives the decode nodes theirs in turn (decode-i: entry i mod
-    the list's length; null: no speculation there), as --decode-tp does for degrees."""
-    if not value:
-        return None
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError:
-        return value  # the node refuses it with the parser's message (run_up checks it first)
-    if not isinstance(parsed, list):
-        return value
-    entry = parsed[index % len(parsed)]
-    return None if entry is None else json.dumps(entry)
-
-
-def check_speculative_configs(value: str | None) -> None:
-    """Refuse a bad --speculative-config (each entry of a list) before any node starts."""
-    from pdserve.spec_decode.config import parse_speculative_config
-    try:
-        parsed = json.loads(value) if value else None
-    except json.JSONDecodeError:
-        parsed = None  # the parser below says what is wrong with it
-    if parsed == []:
-        raise ValueError("--speculative-config: an empty list; give a config object, or null for a node without")
-    for entry in parsed if isinstance(parsed, list) else [value]:
-        parse_speculative_config(entry)
 
 
 def _on_port(cmd: list[str], port: int) -> list[str]:
