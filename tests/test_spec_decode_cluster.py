@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import httpx
 import openai
@@ -150,15 +151,18 @@ def test_decode_node_killed_mid_speculating_stream_resumes_identically(clusters,
     prompts = ["a long speculative stream that outlives its decode node " * 2, "and a second one beside it"]
     want = [o.token_ids for o in _reference(llm, prompts, LONG, **sampling)]
     killed: list[int] = []  # the streams the victim served when it was killed
+    lock = threading.Lock()
 
     def kill_victim(n_tokens: int) -> None:
-        if n_tokens < 20 or killed:
-            return
-        # The router's own count: a node's pong may still show a request an earlier test ended.
-        serving = node_stats(url)[victim]["routed_requests"]
-        if serving:
-            killed.append(serving)
-            os.kill(node_pids(proc.pid)[victim], signal.SIGKILL)
+        # Either stream's 20th token: the victim's own stream is then mid-way, whichever it is.
+        with lock:
+            if n_tokens < 20 or killed:
+                return
+            # The router's own count: a node's pong may still show a request an earlier test ended.
+            serving = node_stats(url)[victim]["routed_requests"]
+            if serving:
+                killed.append(serving)
+                os.kill(node_pids(proc.pid)[victim], signal.SIGKILL)
 
     old = node_pids(proc.pid)
     resumes = _failover(url)["decode_resumes"]
@@ -166,7 +170,7 @@ def test_decode_node_killed_mid_speculating_stream_resumes_identically(clusters,
     client = _client(url)
     with cf.ThreadPoolExecutor(2) as pool:  # round robin: one stream on each decode node
         futures = [pool.submit(_stream, client, prompts[0], LONG, kill_victim, **sampling),
-                   pool.submit(_stream, client, prompts[1], LONG, **sampling)]
+                   pool.submit(_stream, client, prompts[1], LONG, kill_victim, **sampling)]
         got = [f.result()[0] for f in futures]  # a lost request raises here
     assert killed, f"the streams ended before {victim} could be killed"
     assert got == want  # no repeated, missing or different token, drafts or not
