@@ -34,6 +34,8 @@ def running_cluster(*flags: str, timeout_s: float = 240.0, as_given: bool = Fals
         yield url, proc
     finally:
         if proc.poll() is None:
+            # Nodes the launcher restarted after a test killed one must stop too.
+            children.update({f"{name} (pid {pid})": pid for name, pid in node_pids(proc.pid).items()})
             proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=30)

@@ -3,6 +3,8 @@ actor fills in on its own machine parse as `pdserve prefill|decode|router` and b
 that machine's address; flags that cannot work across machines are refused before connecting."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pdserve.cluster.ray_actors import fill_template, template_ports
@@ -41,6 +43,8 @@ def test_each_machine_binds_and_advertises_its_own_address():
     (("--kv-transfer", "nixl", "--curve"), "--curve"),
     # A mixed pool (local `pdserve up` only): one template and one placement shape per role on Ray.
     (("--kv-transfer", "nixl", "--decode-tp", "1,2"), "--decode-tp 1,2"),
+    (("--kv-transfer", "nixl", "--speculative-config", '[{"method": "ngram", "num_speculative_tokens": 2}, null]'),
+     "every decode node has the same"),
 ])
 def test_flags_that_cannot_span_machines_are_refused(flags, message):
     args = _up(*flags)
@@ -80,3 +84,15 @@ def test_a_tp_node_is_one_strict_pack_group_with_a_bundle_per_rank():
     assert isinstance(strategy, PlacementGroupSchedulingStrategy)
     assert strategy.placement_group is group and strategy.placement_group_bundle_index == 0
     assert strategy.placement_group_capture_child_tasks is False
+
+
+def test_decode_nodes_get_the_speculative_config():
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    for value in (spec, f"[{spec}, {spec}]"):  # one for all, or a list of the same one
+        args = _up("--kv-transfer", "nixl", "--speculative-config", value)
+        templates = node_templates(args, Cluster(args))
+        fill = {"control": 5600, "side": 5601}
+        nodes = [build_parser().parse_args(fill_template([a.replace("{node_id}", f"{r}-0") for a in templates[r]],
+                                                         "10.0.0.7", fill)) for r in ("prefill", "decode")]
+        assert not hasattr(nodes[0], "speculative_config")  # prefill nodes take none
+        assert json.loads(nodes[1].speculative_config) == json.loads(spec)

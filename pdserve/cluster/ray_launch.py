@@ -17,6 +17,7 @@ import urllib.request
 
 from pdserve.cluster.planner import placement_flags
 from pdserve.cluster.ray_controller import Placement, RayController
+from pdserve.entrypoints.node_speculation import pool_speculative_config
 from pdserve.entrypoints.tp_degrees import pool_degree
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ def node_templates(args, cluster) -> dict[str, list[str]]:
     if args.kv_transfer == "nixl":
         common += ["--nixl-side-channel", "tcp://{ip}:{port:side}"]
     decode = ["--on-transfer-failure", args.on_transfer_failure] + (["--nixl"] if args.kv_transfer == "nixl" else [])
+    spec = pool_speculative_config(getattr(args, "speculative_config", None))
+    decode += ["--speculative-config", spec] if spec else []
     templates = {role: cluster.node_cmd(role, "{node_id}", "tcp://{ip}:{port:control}",
                                         common + extra + _tp_flags(args, role))[3:]
                  for role, extra in (("prefill", []), ("decode", decode))}

@@ -131,13 +131,13 @@ def _add_curve_args(p: argparse.ArgumentParser) -> None:
                         "nodes accept only the router's key (default: plain TCP)")
 
 
-def _add_speculative_args(p: argparse.ArgumentParser, where: str = "") -> None:
+def _add_speculative_args(p: argparse.ArgumentParser, where: str = "", per_node: str = "") -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding" + where + ", vLLM's keys: "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
                         "or '{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 4}'; "
-                        "method eagle takes an EAGLE-1 head's DIR, mtp a DeepSeek-V3 checkpoint's own MTP layer "
-                        "(docs/speculative-decoding.md)")
+                        "method eagle takes an EAGLE-1 head's DIR, mtp a DeepSeek-V3 checkpoint's own MTP layer"
+                        + per_node + " (docs/speculative-decoding.md)")
 
 
 def _add_keys_parser(sub) -> None:
@@ -262,7 +262,9 @@ def _add_cluster_parsers(sub) -> None:
         up.add_argument(f"--{role}-tp", type=parse_degrees, default="1", metavar="N[,N...]",
                         help=f"tensor-parallel size of each {role} node; a comma list gives the {role} nodes "
                              f"their sizes in turn ({role}-i: entry i mod the list's length)")
-    _add_speculative_args(up, " on the decode nodes (they run whole requests too, with --prefill-nodes 0)")
+    _add_speculative_args(up, " on the decode nodes (they run whole requests too, with --prefill-nodes 0)",
+                          "; a JSON list of them gives the decode nodes theirs in turn (decode-i: entry i mod "
+                          "the list's length; null: no speculation on that node)")
     up.add_argument("--threads-per-node", type=int, default=None,
                     help="compute threads per node (default: the machine's cores divided among the nodes)")
     _add_admission_args(up)

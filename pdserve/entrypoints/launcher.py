@@ -20,6 +20,7 @@ from pdserve.cluster.owner_admin import answer_owner_request
 from pdserve.cluster.planner import placement_flags, planner_flags
 from pdserve.cluster.registry import RegistryServer
 from pdserve.engine.config import lora_flags
+from pdserve.entrypoints.node_speculation import check_speculative_configs, node_speculative_config
 from pdserve.entrypoints.tp_degrees import node_degree, pool_ranks
 from pdserve.kvstore.redact import redact_url
 from pdserve.transport import NodeSocket, free_port
@@ -161,7 +162,8 @@ class Cluster:
         if role == "decode":
             extra += ["--nixl"] if a.kv_transfer == "nixl" else []
             extra += ["--on-transfer-failure", a.on_transfer_failure, "--pull-delay-s", str(a.decode_pull_delay_s)]
-            extra += ["--speculative-config", a.speculative_config] if getattr(a, "speculative_config", None) else []
+            spec = node_speculative_config(getattr(a, "speculative_config", None), index)
+            extra += ["--speculative-config", spec] if spec else []
         tp = node_degree(a, role, index)
         extra += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         self.spawn(node_id, self.node_cmd(role, node_id, addr, extra), self.threads_per_node(tp))
@@ -308,8 +310,7 @@ def run_up(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        from pdserve.spec_decode.config import parse_speculative_config
-        parse_speculative_config(getattr(args, "speculative_config", None))  # refused before any node starts
+        check_speculative_configs(getattr(args, "speculative_config", None))  # refused before any node starts
         prepare_model(args.model)
         url = cluster.start()
         cluster.wait_ready(url)

@@ -55,6 +55,9 @@ def spec_stats(engine) -> dict[str, int]:
     out = {"spec_num_drafts": s.num_drafts, "spec_num_draft_tokens": s.num_draft_tokens,
            "spec_num_accepted_tokens": s.num_accepted_tokens}
     out.update({f"spec_accepted_pos_{i}": n for i, n in enumerate(s.accepted_per_position)})
+    draft_kv = getattr(spec.proposer, "kv", None)
+    if draft_kv is not None:  # a draft model's own pool: back to empty once no request runs
+        out["spec_draft_blocks_in_use"] = draft_kv.pool.num_blocks - draft_kv.pool.num_free
     return out
 
 
