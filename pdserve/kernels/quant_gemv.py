@@ -22,16 +22,9 @@ import numpy as np
 from numba import njit, prange
 
 from pdserve.kernels import numba_threads  # noqa: F401  (before the first parallel call)
-from pdserve.kernels.quant_scales import HALF_TO_FLOAT, scale_value
+from pdserve.kernels.quant_scales import HALF_TO_FLOAT, nibbles, scale_value
 
 ROWS_PER_TASK = 16
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _nibbles(b):  # pragma: no cover
-    bf = np.float32(b)
-    hi = np.floor(bf * np.float32(0.0625))
-    return bf - np.float32(16.0) * hi, hi
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -59,7 +52,7 @@ def _group_sums(x, group, xs):  # pragma: no cover
 @njit(cache=True, nogil=True, inline="always")
 def _broadcast(scales, table, n, width, se):  # pragma: no cover
     """se[g * width:(g + 1) * width] = scale g of row n, for each g that fits in se."""
-    if width == 16:  # the common widths as constants: the compiler then unrolls each store
+    if width == 16:  # the common widths as constants (explicit loops, or a variable width, were slower)
         for g in range(se.shape[0] // 16):
             se[g * 16:(g + 1) * 16] = scale_value(scales[n, g], table)
     elif width == 32:
@@ -107,11 +100,11 @@ def _dot_one(qrow, bits, group, se, xt):  # pragma: no cover
     half = xt.shape[0] // 2
     if group == 16:
         for i in range(half):
-            lo, hi = _nibbles(qrow[i])
+            lo, hi = nibbles(qrow[i])
             s += lo * se[i] * xt[i] + hi * se[half + i] * xt[half + i]
     else:  # both nibbles of a byte share a scale: one multiply by it
         for i in range(half):
-            lo, hi = _nibbles(qrow[i])
+            lo, hi = nibbles(qrow[i])
             s += (lo * xt[i] + hi * xt[half + i]) * se[i]
     return s
 
@@ -125,12 +118,12 @@ def _decode(qrow, bits, group, se, w):  # pragma: no cover
     half = w.shape[0] // 2
     if group == 16:
         for i in range(half):
-            lo, hi = _nibbles(qrow[i])
+            lo, hi = nibbles(qrow[i])
             w[i] = lo * se[i]
             w[half + i] = hi * se[half + i]
     else:
         for i in range(half):
-            lo, hi = _nibbles(qrow[i])
+            lo, hi = nibbles(qrow[i])
             w[i] = lo * se[i]
             w[half + i] = hi * se[i]
 
