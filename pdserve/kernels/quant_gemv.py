@@ -11,7 +11,7 @@ Why it is shaped this way (SmolLM2's shapes, benchmarks/bench_quant_gemv_ab.py):
 - One token (a decode step at concurrency 1): each weight is decoded and multiplied in one pass,
   with no row buffer.
 - More tokens: each row is decoded once, into a buffer that stays in L1, and dotted with the
-  tokens four at a time, so each decoded weight is loaded once per four tokens.
+  tokens two rows and four tokens at a time, so each load feeds several multiply-adds.
 An int4 row is decoded in value order (all low nibbles, then all high ones: flat loops the
 compiler vectorises) and meets the tokens with their columns permuted to match.
 Everything is float32: the result is x @ dequantized(w).T up to the order of the sums.
@@ -129,30 +129,48 @@ def _decode(qrow, bits, group, se, w):  # pragma: no cover
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _dot_tokens(w, x, xs, mins, has_min, table, n, out):  # pragma: no cover
-    """out[t, n] = w . x[t] (+ the min term) for every token, four tokens per pass over w."""
+def _put(out, t, n, s, mins, has_min, table, xs):  # pragma: no cover
+    out[t, n] = s + _min_term(mins, has_min, table, n, xs[t])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_tokens(w0, w1, x, xs, mins, has_min, table, n0, n1, out):  # pragma: no cover
+    """out[t, n0] = w0 . x[t] and out[t, n1] = w1 . x[t] (+ the min terms) for every token: two
+    rows and four tokens per pass, so each load of a weight or of x feeds several multiply-adds
+    (8 to 25% faster than one row on SmolLM2's Q4_1 shapes at 8 and 16 tokens)."""
     tokens, cols = x.shape
     t = 0
     while t + 4 <= tokens:
         x0, x1, x2, x3 = x[t], x[t + 1], x[t + 2], x[t + 3]
-        s0 = s1 = s2 = s3 = np.float32(0.0)
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
         for k in range(cols):
-            wk = w[k]
-            s0 += wk * x0[k]
-            s1 += wk * x1[k]
-            s2 += wk * x2[k]
-            s3 += wk * x3[k]
-        out[t, n] = s0 + _min_term(mins, has_min, table, n, xs[t])
-        out[t + 1, n] = s1 + _min_term(mins, has_min, table, n, xs[t + 1])
-        out[t + 2, n] = s2 + _min_term(mins, has_min, table, n, xs[t + 2])
-        out[t + 3, n] = s3 + _min_term(mins, has_min, table, n, xs[t + 3])
+            u, v = w0[k], w1[k]
+            c0, c1, c2, c3 = x0[k], x1[k], x2[k], x3[k]
+            a0 += u * c0
+            a1 += u * c1
+            a2 += u * c2
+            a3 += u * c3
+            b0 += v * c0
+            b1 += v * c1
+            b2 += v * c2
+            b3 += v * c3
+        _put(out, t, n0, a0, mins, has_min, table, xs)
+        _put(out, t + 1, n0, a1, mins, has_min, table, xs)
+        _put(out, t + 2, n0, a2, mins, has_min, table, xs)
+        _put(out, t + 3, n0, a3, mins, has_min, table, xs)
+        _put(out, t, n1, b0, mins, has_min, table, xs)
+        _put(out, t + 1, n1, b1, mins, has_min, table, xs)
+        _put(out, t + 2, n1, b2, mins, has_min, table, xs)
+        _put(out, t + 3, n1, b3, mins, has_min, table, xs)
         t += 4
     for r in range(t, tokens):
         xt = x[r]
-        s = np.float32(0.0)
+        a = b = np.float32(0.0)
         for k in range(cols):
-            s += w[k] * xt[k]
-        out[r, n] = s + _min_term(mins, has_min, table, n, xs[r])
+            a += w0[k] * xt[k]
+            b += w1[k] * xt[k]
+        _put(out, r, n0, a, mins, has_min, table, xs)
+        _put(out, r, n1, b, mins, has_min, table, xs)
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -168,15 +186,22 @@ def _gemv(x, q, scales, mins, has_min, group, table, bits, out):  # pragma: no c
     else:
         xv = x
     for blk in prange((rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        start, end = blk * ROWS_PER_TASK, min(rows, (blk + 1) * ROWS_PER_TASK)
         se = np.empty(cols, dtype=np.float32)
-        w = np.empty(cols, dtype=np.float32)
-        for n in range(blk * ROWS_PER_TASK, min(rows, (blk + 1) * ROWS_PER_TASK)):
-            _row_scales(scales, group, table, bits, n, se)
-            if tokens == 1:
+        if tokens == 1:
+            for n in range(start, end):
+                _row_scales(scales, group, table, bits, n, se)
                 out[0, n] = _dot_one(q[n], bits, group, se, xv[0]) + _min_term(mins, has_min, table, n, xs[0])
-            else:
-                _decode(q[n], bits, group, se, w)
-                _dot_tokens(w, xv, xs, mins, has_min, table, n, out)
+            continue
+        w0 = np.empty(cols, dtype=np.float32)
+        w1 = np.empty(cols, dtype=np.float32)
+        for n in range(start, end, 2):
+            m = min(n + 1, end - 1)  # an odd last row pairs with itself
+            _row_scales(scales, group, table, bits, n, se)
+            _decode(q[n], bits, group, se, w0)
+            _row_scales(scales, group, table, bits, m, se)
+            _decode(q[m], bits, group, se, w1)
+            _dot_tokens(w0, w1, xv, xs, mins, has_min, table, n, m, out)
 
 
 def gemv(x: np.ndarray, bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray, has_min: bool,
