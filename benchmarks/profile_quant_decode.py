@@ -43,8 +43,10 @@ def main() -> None:
             return out
         return wrapper
 
-    quant_cpu.quant_matmul = timed(quant_cpu.quant_matmul,
-                                   lambda a, out: LAYER_BY_ROWS.get(out.shape[-1], f"{out.shape[-1]} rows"))
+    # The layers call packed_matmul (quant_matmul in older checkouts, which bench_quant_ab.py runs).
+    entry = "packed_matmul" if hasattr(quant_cpu, "packed_matmul") else "quant_matmul"
+    setattr(quant_cpu, entry, timed(getattr(quant_cpu, entry),
+                                    lambda a, out: LAYER_BY_ROWS.get(out.shape[-1], f"{out.shape[-1]} rows")))
     numba_ops.paged_decode_attention = timed(numba_ops.paged_decode_attention, lambda a, out: "attention")
     llm = LLM(DEFAULT_MODEL, num_kv_blocks=256, enable_prefix_caching=False)
     engine = llm.engine

@@ -32,7 +32,10 @@ def _available(module: str) -> bool:
 
 def get_fused_layer_ops(ops: ModuleType, device: str) -> ModuleType | None:
     """The fused norm/RoPE/activation kernels that go with an attention backend, or None (the
-    model then runs those ops in plain torch): Triton's, on CUDA only."""
+    model then runs those ops in plain torch): Triton's on CUDA, numba's with the numba backend on
+    CPU (float32; other dtypes run the plain torch ops through it)."""
     if ops.__name__ == "pdserve.kernels.triton_ops" and device.startswith("cuda"):
         return importlib.import_module("pdserve.kernels.triton_fused")
+    if ops.__name__ == "pdserve.kernels.numba_ops" and device == "cpu":
+        return importlib.import_module("pdserve.kernels.numba_fused")
     return None

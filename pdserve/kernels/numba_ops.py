@@ -3,7 +3,8 @@
 Decode attention in plain torch must first gather every sequence's blocks into a padded
 contiguous tensor, which copies the whole KV context each step and dominates decode time on
 CPU. This kernel reads K and V straight through the block table, once, in parallel over
-(sequence, KV head). store_kv and prefill_attention are the plain torch ones.
+(sequence, KV head). store_kv is one compiled call too (the torch one is about eight small ops,
+per layer and step); prefill_attention is the plain torch one.
 """
 from __future__ import annotations
 
@@ -13,8 +14,39 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from pdserve.kernels import numba_threads  # noqa: F401  (before the first parallel call)
-from pdserve.kernels.torch_ops import prefill_attention, store_kv  # noqa: F401  (same contract)
+from pdserve.kernels import numba_threads, torch_ops  # noqa: F401  (numba_threads: before the first parallel call)
+from pdserve.kernels.torch_ops import prefill_attention  # noqa: F401  (same contract)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, kv_heads, head_dim] into the cache slots named by slot_mapping [T]
+    (slots < 0 are skipped), as torch_ops.store_kv."""
+    usable = (key.dtype == value.dtype == k_cache.dtype == torch.float32 and k_cache.device.type == "cpu"
+              and k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride())
+    if not usable:
+        torch_ops.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
+    _store_kernel(key.numpy(), value.numpy(), _flat(k_cache), k_cache.storage_offset(), _flat(v_cache),
+                  v_cache.storage_offset(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                  k_cache.shape[1], slot_mapping.numpy())
+
+
+@njit(cache=True, nogil=True)
+def _store_kernel(key, value, k_flat, k_offset, v_flat, v_offset, s_block, s_slot, s_head, block_size,
+                  slots):  # pragma: no cover
+    tokens, heads, head_dim = key.shape
+    for t in range(tokens):
+        slot = slots[t]
+        if slot < 0:
+            continue
+        base = (slot // block_size) * s_block + (slot % block_size) * s_slot
+        for h in range(heads):
+            k_row = k_offset + base + h * s_head
+            v_row = v_offset + base + h * s_head
+            for d in range(head_dim):
+                k_flat[k_row + d] = key[t, h, d]
+                v_flat[v_row + d] = value[t, h, d]
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -25,7 +57,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     usable = (q.dtype == torch.float32 and q.device.type == "cpu" and k_cache.stride(-1) == 1
               and v_cache.stride() == k_cache.stride())
     if not usable:
-        from pdserve.kernels import torch_ops
         return torch_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                                 window, sinks)
     out = torch.empty_like(q)

@@ -6,16 +6,11 @@ Two storage widths, one arithmetic:
   load without reordering).
 - int8: q as int8, one per byte.
 
-Scales and mins are float32, or float16 kept as their raw 16 bits (uint16) where the checkpoint
-stores float16 (GGUF Q4_0, Q4_1, Q8_0): that halves their bytes. numba has no float16 on CPU, so
-the kernels widen them through a 65536-entry table, exactly.
+Scales and mins are float32, or float16 kept as their raw 16 bits (see quant_scales).
 
 Two ways to multiply, chosen by the number of tokens (see QUANT_GEMV_MAX_TOKENS):
-- gemv: each row is dequantized once, into a buffer that stays in L1, and dotted with every
-  token of the step; decode steps are memory-bound, and this reads 4-8 bits per weight instead of 32.
-  Each row's scales are broadcast to its columns first, so that decoding is one flat loop the
-  compiler vectorises; an int4 row decodes in value order (all low nibbles, then all high ones)
-  and meets the step's tokens with their columns permuted to match;
+- gemv (quant_gemv): the weights are decoded as they are read, at 4 or 8 bits instead of 32;
+  decode steps are memory-bound;
 - dequantize a tile of rows to float32, multiply it by BLAS, next tile: prefill is
   compute-bound, and the dequantization is amortised over its tokens.
 Both multiply the float32 values transformers computes when it dequantizes the same checkpoint
@@ -23,34 +18,20 @@ Both multiply the float32 values transformers computes when it dequantizes the s
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
-from numba import njit, prange, types
-from numba.extending import overload
+from numba import njit, prange
 
-from pdserve.kernels import numba_threads  # noqa: F401  (before the first parallel call)
+from pdserve.kernels import numba_threads, quant_gemv  # noqa: F401  (numba_threads: before the first parallel call)
 from pdserve.kernels.dequant_tiles import matmul_by_tiles
+from pdserve.kernels.quant_scales import HALF_TO_FLOAT, scale_value
 
 # Up to this many tokens the fused gemv kernel beats dequantize + BLAS (measured on the 2-core
 # CPU machine for SmolLM2's shapes, benchmarks/bench_quant_matmul.py).
 QUANT_GEMV_MAX_TOKENS = 16
 ROWS_PER_TASK = 16
-# Dequantize + BLAS works on tiles of about this many float32 bytes, in one reused buffer: the
-# tile stays in cache between being written and being read, and the LM head (49152 rows on
-# SmolLM2) never exists in float32 whole.
-
-HALF_TO_FLOAT = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
-
-
-def _scale_value(s, table):  # pragma: no cover  (replaced by the overload in compiled code)
-    return s
-
-
-@overload(_scale_value)
-def _scale_value_impl(s, table):
-    if isinstance(s, types.Integer):  # float16 bits
-        return lambda s, table: table[s]
-    return lambda s, table: np.float32(s)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -64,9 +45,9 @@ def _decode_row(q, scales, mins, has_min, group, table, bits, n, w, se, me):  # 
         # the row: a loop over 16 columns per scale is unrolled and left scalar by the compiler
         # (3x slower on SmolLM2's Q8_0 LM head).
         for g in range(w.shape[0] // group):
-            se[g * group:(g + 1) * group] = _scale_value(scales[n, g], table)
+            se[g * group:(g + 1) * group] = scale_value(scales[n, g], table)
             if has_min:
-                me[g * group:(g + 1) * group] = _scale_value(mins[n, g], table)
+                me[g * group:(g + 1) * group] = scale_value(mins[n, g], table)
         if has_min:
             for k in range(w.shape[0]):
                 w[k] = np.float32(qrow[k]) * se[k] + me[k]
@@ -79,66 +60,12 @@ def _decode_row(q, scales, mins, has_min, group, table, bits, n, w, se, me):  # 
         # Halves of 16 columns: a group holds 16 columns or a multiple of 32 (Q6_K's are 16).
         for h in range(2):
             g = (base + 16 * h) // group
-            sc = _scale_value(scales[n, g], table)
-            mn = _scale_value(mins[n, g], table) if has_min else np.float32(0.0)
+            sc = scale_value(scales[n, g], table)
+            mn = scale_value(mins[n, g], table) if has_min else np.float32(0.0)
             start = base + 16 * h
             for j in range(16):
                 b = qrow[c * 16 + j]
                 w[start + j] = np.float32((b >> np.uint8(4 * h)) & np.uint8(15)) * sc + mn
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _decode_row_int4_value_order(q, scales, mins, has_min, group, table, n, w, se, me):  # pragma: no cover
-    """Row n of an int4 matrix dequantized in value order: the low nibbles of its bytes into the
-    first half of w, the high nibbles into the second (see _value_order)."""
-    qrow = q[n]
-    half = w.shape[0] // 2
-    if group == 16:  # byte run c holds group 2c in its low nibbles, 2c + 1 in its high ones
-        for c in range(half // 16):
-            se[c * 16:(c + 1) * 16] = _scale_value(scales[n, 2 * c], table)
-            se[half + c * 16:half + (c + 1) * 16] = _scale_value(scales[n, 2 * c + 1], table)
-            if has_min:
-                me[c * 16:(c + 1) * 16] = _scale_value(mins[n, 2 * c], table)
-                me[half + c * 16:half + (c + 1) * 16] = _scale_value(mins[n, 2 * c + 1], table)
-    else:  # a group of 32k columns is k byte runs, low and high nibbles alike
-        step = group // 2
-        for g in range(half // step):
-            sc = _scale_value(scales[n, g], table)
-            se[g * step:(g + 1) * step] = sc
-            se[half + g * step:half + (g + 1) * step] = sc
-            if has_min:
-                mn = _scale_value(mins[n, g], table)
-                me[g * step:(g + 1) * step] = mn
-                me[half + g * step:half + (g + 1) * step] = mn
-    if not has_min:
-        me[:] = 0.0
-    for i in range(half):
-        w[i] = np.float32(qrow[i] & np.uint8(15)) * se[i] + me[i]
-    for i in range(half):
-        w[half + i] = np.float32(qrow[i] >> np.uint8(4)) * se[half + i] + me[half + i]
-
-
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def _gemv(x, q, scales, mins, has_min, group, table, bits, out):  # pragma: no cover
-    tokens, cols = x.shape
-    rows = q.shape[0]
-    blocks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for blk in prange(blocks):
-        w = np.empty(cols, dtype=np.float32)
-        se = np.empty(cols, dtype=np.float32)
-        me = np.empty(cols, dtype=np.float32)
-        for n in range(blk * ROWS_PER_TASK, min(rows, (blk + 1) * ROWS_PER_TASK)):
-            # The row is dequantized once (it stays in L1) and dotted with every token of the step.
-            if bits == 4:
-                _decode_row_int4_value_order(q, scales, mins, has_min, group, table, n, w, se, me)
-            else:
-                _decode_row(q, scales, mins, has_min, group, table, bits, n, w, se, me)
-            for t in range(tokens):
-                xt = x[t]
-                s = np.float32(0.0)
-                for k in range(cols):
-                    s += w[k] * xt[k]
-                out[t, n] = s
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -173,45 +100,52 @@ def dequantize_rows(bits: int, q: torch.Tensor, scales: torch.Tensor, mins: torc
     return torch.from_numpy(out)
 
 
+@dataclass(frozen=True)
+class PackedMatrix:
+    """One quantized matrix's parameters as the kernels take them (numpy views of the layer's
+    tensors, made once: building them costs several microseconds a call, against a kernel of
+    60 us on SmolLM2's o_proj at one token)."""
+    bits: int
+    group: int
+    q: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray  # empty when has_min is False
+    has_min: bool
+
+    @classmethod
+    def of(cls, bits: int, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+           group: int) -> PackedMatrix:
+        return cls(bits, group, _np(q), _np(scales), _mins_np(mins, scales), mins is not None)
+
+
 def quant_matmul(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, group: int) -> torch.Tensor:
     """x [tokens, K] float32 @ w.T -> [tokens, N], w the dequantized [N, K] matrix."""
+    return packed_matmul(x, PackedMatrix.of(bits, q, scales, mins, group))
+
+
+def packed_matmul(x: torch.Tensor, m: PackedMatrix) -> torch.Tensor:
+    """quant_matmul over a PackedMatrix."""
     x = x.float().contiguous()
     if x.shape[0] > QUANT_GEMV_MAX_TOKENS:
-        return tiled_matmul(x, bits, q, scales, mins, group)
-    return gemv(x, bits, q, scales, mins, group)
+        return _tiled(x, m)
+    return torch.from_numpy(quant_gemv.gemv(x.numpy(), m.bits, m.q, m.scales, m.mins, m.has_min, m.group))
 
 
 def gemv(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,
          mins: torch.Tensor | None, group: int) -> torch.Tensor:
-    tokens, rows = x.shape[0], q.shape[0]
-    out = np.empty((tokens, rows), dtype=np.float32)
-    _gemv(_value_order(x.numpy(), bits), _np(q), _np(scales), _mins_np(mins, scales), mins is not None, group, HALF_TO_FLOAT,
-          bits, out)
-    return torch.from_numpy(out)
-
-
-_orders: dict[int, np.ndarray] = {}
-
-
-def _value_order(x: np.ndarray, bits: int) -> np.ndarray:
-    """x's columns in the order the gemv decodes an int4 row: the low nibble of each byte (the
-    first 16 columns of each run of 32) for every byte, then the high nibbles."""
-    if bits != 4:
-        return x
-    cols = x.shape[1]
-    order = _orders.get(cols)
-    if order is None:
-        runs = np.arange(cols).reshape(cols // 32, 2, 16)
-        order = _orders[cols] = np.ascontiguousarray(np.concatenate([runs[:, 0].ravel(), runs[:, 1].ravel()]))
-    return np.ascontiguousarray(x[:, order])
+    m = PackedMatrix.of(bits, q, scales, mins, group)
+    return torch.from_numpy(quant_gemv.gemv(x.float().contiguous().numpy(), bits, m.q, m.scales, m.mins,
+                                            m.has_min, group))
 
 
 def tiled_matmul(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, group: int) -> torch.Tensor:
-    qn, sn, mn = _np(q), _np(scales), _mins_np(mins, scales)
+    return _tiled(x, PackedMatrix.of(bits, q, scales, mins, group))
 
+
+def _tiled(x: torch.Tensor, m: PackedMatrix) -> torch.Tensor:
     def fill(start: int, end: int, tile: np.ndarray) -> None:
-        _dequantize(qn, sn, mn, mins is not None, group, HALF_TO_FLOAT, bits, np.arange(start, end, dtype=np.int64),
-                    tile)
-    return matmul_by_tiles(x, q.shape[0], fill, ROWS_PER_TASK)
+        _dequantize(m.q, m.scales, m.mins, m.has_min, m.group, HALF_TO_FLOAT, m.bits,
+                    np.arange(start, end, dtype=np.int64), tile)
+    return matmul_by_tiles(x, m.q.shape[0], fill, ROWS_PER_TASK)

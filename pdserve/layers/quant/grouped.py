@@ -112,11 +112,21 @@ class GroupedLinearMethod(QuantMethod):
         mins = scales_view(layer.mins) if self.fmt.has_min else None
         return layer.qweight, scales_view(layer.scales), mins
 
+    def _packed(self, layer: nn.Module) -> quant_cpu.PackedMatrix:
+        """The kernels' views of the layer's parameters, made on first use and again whenever a
+        parameter's storage changes (a reload or a tie)."""
+        key = (layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.mins.data_ptr() if self.fmt.has_min else 0)
+        cached = layer.__dict__.get("_packed_matrix")
+        if cached is None or cached[0] != key:
+            cached = layer.__dict__["_packed_matrix"] = (
+                key, quant_cpu.PackedMatrix.of(self.fmt.bits, *self._parts(layer), self.fmt.group))
+        return cached[1]
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        q, scales, mins = self._parts(layer)
         flat = x.reshape(-1, x.shape[-1])
-        y = quant_cpu.quant_matmul(flat.float(), self.fmt.bits, q, scales, mins, self.fmt.group)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        y = quant_cpu.packed_matmul(flat, self._packed(layer))
+        if y.dtype != x.dtype or x.dim() != 2:
+            y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
         return y + bias if bias is not None else y
 
     def embedding(self, layer: nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
