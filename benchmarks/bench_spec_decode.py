@@ -1,7 +1,8 @@
 """Speculative decoding on SmolLM2-135M-Instruct (the default model), offline, against the same
-engine without it, on an input-grounded workload: "repeat this passage with one word changed"
-(chat template, greedy, 256-token answers). Runs alternate between the engines so a change in
-the machine's load hits each alike; medians of --repeats runs. Per concurrency (requests decoded
+engine without it, on an input-grounded workload (chat template, greedy, 256-token answers):
+"fix the bug in this code" with the code in the prompt (the default), or "repeat this passage
+with one word changed" (--workload passage; its answers end after ~150 tokens). Runs alternate
+between the engines so a change in the machine's load hits each alike; medians of --repeats runs. Per concurrency (requests decoded
 together): output tokens/s, TPOT p50 (per request: (last token - first token) / (tokens - 1)),
 and the acceptance rate. The draft-model row is SmolLM2 drafting for itself: acceptance 1.0,
 the method's ceiling here, which shows what verification costs. Run:
@@ -36,14 +37,66 @@ PASSAGES = [
     "the kitchen are full of jars, and the garden is ready to rest under a blanket of straw until next year.",
 ]
 CHANGES = [("lighthouse", "tower"), ("garden", "plot")]
+# "Fix the bug in this code": total_value adds quantity and price where it should multiply them.
+# SmolLM2 answers with the whole file (over 256 tokens, no end of text before), edited here and there.
+BUGGY_CODE = '''\
+def parse_inventory(lines):
+    """Parse lines of 'name, quantity, price' into a list of items."""
+    items = []
+    for number, line in enumerate(lines):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) != 3:
+            raise ValueError(f"line {number}: expected 3 fields, got {len(parts)}")
+        name, quantity, price = parts
+        items.append({"name": name, "quantity": int(quantity), "price": float(price)})
+    return items
 
 
-def workload(tokenizer, concurrency: int) -> list[list[int]]:
+def total_value(items):
+    """The value of the whole inventory: the sum of quantity times price."""
+    total = 0
+    for item in items:
+        total += item["quantity"] + item["price"]
+    return total
+
+
+def low_stock(items, threshold=5):
+    """The names of the items whose quantity is below the threshold, sorted by name."""
+    names = []
+    for item in items:
+        if item["quantity"] < threshold:
+            names.append(item["name"])
+    return sorted(names)
+
+
+def report(lines, threshold=5):
+    """A short text report of the inventory."""
+    items = parse_inventory(lines)
+    value = total_value(items)
+    low = low_stock(items, threshold)
+    text = [f"items: {len(items)}", f"total value: {value:.2f}"]
+    if low:
+        text.append("low stock: " + ", ".join(low))
+    return "\n".join(text)
+'''
+CODE_ASKS = ["Fix the bug in this code and return the whole corrected code.",
+             "There is a bug in total_value. Rewrite the whole file with the bug fixed."]
+
+
+def workload(tokenizer, concurrency: int, kind: str = "code") -> list[list[int]]:
+    """code: fix the bug in a ~350-token file (the answer: the file again, over 256 tokens).
+    passage: repeat a ~150-token passage with one word changed (the answer ends after ~150
+    tokens: what follows under ignore_eos is no longer grounded in the input)."""
     prompts = []
     for i in range(concurrency):
         passage, (old, new) = PASSAGES[i % 2], CHANGES[i % 2]
         text = (f"Repeat the following passage word for word, changing only the word \"{old}\" to "
                 f"\"{new}\" everywhere.\n\n{passage}")
+        if kind == "code":
+            text = f"{CODE_ASKS[i % 2]}\n\n```python\n{BUGGY_CODE}```"
         chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=False)
         prompts.append(tokenizer(chat, add_special_tokens=False)["input_ids"])
@@ -81,6 +134,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--ngram-max", type=int, default=4, help="prompt_lookup_max (min is 2)")
+    ap.add_argument("--workload", choices=["code", "passage"], default="code")
     ap.add_argument("--no-draft", action="store_true", help="skip the draft-model (self-drafting) rows")
     args = ap.parse_args()
     common = dict(num_kv_blocks=1024, enable_prefix_caching=False)
@@ -93,13 +147,14 @@ def main() -> None:
     engines = {name: LLM(DEFAULT_MODEL, speculative_config=spec, **common) for name, spec in configs.items()}
     tokenizer = engines["off"].get_tokenizer()
     for llm in engines.values():
-        run(llm, workload(tokenizer, 2), 8)  # warm up
+        run(llm, workload(tokenizer, 2, args.workload), 8)  # warm up
     print(f"uptime: {os.popen('uptime').read().strip()}")
-    print(json.dumps({"k": args.k, "ngram": [2, args.ngram_max], "new_tokens": args.new_tokens}))
+    print(json.dumps({"workload": args.workload, "k": args.k, "ngram": [2, args.ngram_max],
+                      "new_tokens": args.new_tokens}))
     print("| concurrency | engine | output tok/s | TPOT p50 (ms) | acceptance | speed-up | runs (tok/s) |")
     print("|---|---|---|---|---|---|---|")
     for concurrency in (int(c) for c in args.concurrency.split(",")):
-        prompts = workload(tokenizer, concurrency)
+        prompts = workload(tokenizer, concurrency, args.workload)
         results: dict[str, list[dict]] = {name: [] for name in engines}
         for _ in range(args.repeats):
             for name, llm in engines.items():
