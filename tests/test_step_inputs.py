@@ -64,6 +64,32 @@ def test_build_step_inputs_matches_the_per_token_formula(seed):
     assert flat.dtype == np.int32 and flat.size == sum(int(np.prod(s)) for s in got.int32_shapes())
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_drafted_queries_run_as_one_decode_row_per_token(seed):
+    """A request's last token and its drafts: one decode row per token (context up to itself,
+    the request's table), laid out with the plain decodes ahead of the prefills."""
+    rng = random.Random(seed)
+    items = []
+    for i, c in enumerate(rng.sample(range(1, 60), 6)):
+        drafts = [rng.randrange(1000) for _ in range(rng.choice([0, 0, 1, 4]))]
+        req = _request(rng, i, c, c + 1 + len(drafts))
+        req.spec_token_ids = drafts
+        items.append((req, 1 + len(drafts)))
+    prefill = _request(rng, 99, 3, 20)
+    items.append((prefill, 17))
+    got = build_step_inputs(items, 6, BS)
+    tokens, positions, slots, _, sampled = _expected(items)
+    assert got.ints64.tolist() == [tokens, positions, slots]
+    n_decode = sum(n for _, n in items[:6])
+    assert got.num_decode_tokens == n_decode and got.to_sample == sampled
+    assert got.decode_context_lens.tolist() == [p + 1 for p in positions[:n_decode]]
+    owners = [r for r, n in items[:6] for _ in range(n)]
+    for row, r in zip(got.decode_tables, owners):
+        assert row[:len(r.block_ids)].tolist() == r.block_ids
+    assert got.sample_rows == [i for i in range(n_decode)] + [len(tokens) - 1]
+    assert got.prefill_context_lens.tolist() == [20] and got.prefill_cu_seqlens.tolist() == [0, 17]
+
+
 def test_fill_decode_rows_leaves_rows_past_n_and_stale_columns_unread():
     rng = random.Random(7)
     reqs = [_request(rng, i, c, c + 1) for i, c in enumerate((3, 17, 40))]

@@ -11,7 +11,7 @@ from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.overlap import pending_sources, take_pending
 from pdserve.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
 from pdserve.engine.request import Request
-from pdserve.engine.step_inputs import KeptTableRows, build_step_inputs, fill_decode_rows
+from pdserve.engine.step_inputs import KeptTableRows, build_step_inputs, fill_decode_rows, is_decode_query
 from pdserve.kernels import get_fused_layer_ops
 from pdserve.models.llama import LlamaModel
 
@@ -99,12 +99,13 @@ class ModelRunner:
         (or for every token when all_logits). pending: (device tokens, request id -> row) of
         the step before, for one-token queries whose token is still PENDING_TOKEN on the host."""
         items = self._ordered(items)
-        num_decodes = sum(1 for _, n in items if n == 1)
+        num_decodes = sum(1 for r, n in items if is_decode_query(r, n))
         spans = prompt_spans(items)  # rows whose logits give prompt logprobs
-        if not all_logits and not spans and num_decodes == len(items) and self._graph_fits(items):
+        if (not all_logits and not spans and all(n == 1 for _, n in items)
+                and self._graph_fits(items)):
             return self._execute_graph([r for r, _ in items], pending)
         inputs = build_step_inputs(items, num_decodes, self.block_size)
-        token_ids, positions, meta = self._to_device(inputs, num_decodes)
+        token_ids, positions, meta = self._to_device(inputs, inputs.num_decode_tokens)
         if pending is not None:
             sources = pending_sources([r for r, _ in items[:num_decodes]], pending[1])
             token_ids[:num_decodes] = take_pending(token_ids[:num_decodes], pending[0],
@@ -115,11 +116,13 @@ class ModelRunner:
         return self._step_logits(hidden, inputs, spans, all_logits)
 
     def _ordered(self, items: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
-        """One-token queries first. With LoRA adapters, each kind's requests grouped by adapter
-        slot, so the step's LoRA products run once per adapter (pdserve.lora.slots)."""
+        """Decode-shaped queries (one token, or one plus drafts) first. With LoRA adapters, each
+        kind's requests grouped by adapter slot, so the step's LoRA products run once per adapter
+        (pdserve.lora.slots)."""
         if self.lora_batch is None:
-            return sorted(items, key=lambda it: it[1] != 1)
-        items = sorted(items, key=lambda it: (it[1] != 1, -1 if it[0].lora_slot is None else it[0].lora_slot))
+            return sorted(items, key=lambda it: not is_decode_query(*it))
+        items = sorted(items, key=lambda it: (not is_decode_query(*it),
+                                              -1 if it[0].lora_slot is None else it[0].lora_slot))
         self.lora_batch.set_runs([(r.lora_slot, n) for r, n in items])
         return items
 
@@ -151,7 +154,8 @@ class ModelRunner:
         if self.lora_batch is not None:
             self.lora_batch.set_runs([(r.lora_slot, n) for r, n in ranked])
         num_decodes = sum(1 for _, n in ranked if n == 1)
-        hidden = self._forward_hidden(build_step_inputs(ranked, num_decodes, self.block_size), num_decodes)
+        inputs = build_step_inputs(ranked, num_decodes, self.block_size)
+        hidden = self._forward_hidden(inputs, inputs.num_decode_tokens)
         pieces = hidden.split([n for _, n in ranked])
         out: list[torch.Tensor] = [hidden] * len(items)
         for piece, i in zip(pieces, order):

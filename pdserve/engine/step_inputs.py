@@ -97,6 +97,7 @@ class StepInputs:
     prefill_tables: np.ndarray        # [P, width] int32
     sample_rows: list[int]
     to_sample: list[Request]
+    num_decode_tokens: int = 0        # rows that run as one-token decodes (the first ones)
 
     def ints32(self) -> np.ndarray:
         """Every int32 input in one flat array (one copy to the device); see split_ints32."""
@@ -110,21 +111,55 @@ class StepInputs:
                                   self.prefill_tables)]
 
 
+def is_decode_query(req: Request, n: int) -> bool:
+    """A query of decode shape: one token, or one token plus the request's drafts. Each of its
+    tokens attends to the whole context up to itself, so each runs as a one-token decode row
+    (its own context length, the request's block table) beside the plain decodes: one paged
+    decode kernel call per layer, no per-request causal prefill pass."""
+    return n == 1 or (bool(req.spec_token_ids) and n == 1 + len(req.spec_token_ids))
+
+
+def fill_drafted_rows(items: list[tuple[Request, int]], block_size: int, ints64: np.ndarray,
+                      context_lens: np.ndarray, tables: np.ndarray) -> None:
+    """As fill_decode_rows, for queries of several tokens (a request's last token and its
+    drafts): one decode row per token, at consecutive positions, with the request's table."""
+    counts = np.fromiter((n for _, n in items), np.int64, len(items))
+    total = int(counts.sum())
+    owner = np.repeat(np.arange(len(items)), counts)
+    first_row = np.cumsum(counts) - counts
+    pos = np.repeat(np.fromiter((r.num_computed_tokens for r, _ in items), np.int64, len(items)), counts)
+    pos += np.arange(total) - first_row[owner]
+    ints64[0, :total] = np.fromiter(itertools.chain.from_iterable(
+        r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + n] for r, n in items), np.int64, total)
+    ints64[1, :total] = pos
+    per_request = np.zeros((len(items), tables.shape[1]), np.int32)
+    nblocks = np.fromiter((len(r.block_ids) for r, _ in items), np.int64, len(items))
+    per_request[np.arange(tables.shape[1])[None, :] < nblocks[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(r.block_ids for r, _ in items), np.int32, int(nblocks.sum()))
+    tables[:total] = per_request[owner]
+    ints64[2, :total] = tables[np.arange(total), pos // block_size].astype(np.int64) * block_size + pos % block_size
+    context_lens[:total] = pos + 1
+
+
 def build_step_inputs(items: list[tuple[Request, int]], num_decodes: int,
                       block_size: int) -> StepInputs:
-    """items: (request, new tokens), the num_decodes one-token queries first."""
-    decodes = [r for r, _ in items[:num_decodes]]
+    """items: (request, new tokens), the num_decodes decode-shaped queries (is_decode_query)
+    first; their tokens are the step's first num_decode_tokens rows, one decode row each."""
+    decodes = items[:num_decodes]
     prefills = items[num_decodes:]
-    total = num_decodes + sum(n for _, n in prefills)
+    num_decode_tokens = sum(n for _, n in decodes)
+    total = num_decode_tokens + sum(n for _, n in prefills)
     ints64 = np.empty((3, total), np.int64)
-    decode_ctx = np.empty(num_decodes, np.int32)
-    decode_tables = np.zeros((num_decodes, _width(decodes)), np.int32)
-    if decodes:
-        fill_decode_rows(decodes, block_size, ints64, decode_ctx, decode_tables)
+    decode_ctx = np.empty(num_decode_tokens, np.int32)
+    decode_tables = np.zeros((num_decode_tokens, _width([r for r, _ in decodes])), np.int32)
+    if num_decode_tokens == num_decodes > 0:
+        fill_decode_rows([r for r, _ in decodes], block_size, ints64, decode_ctx, decode_tables)
+    elif decodes:
+        fill_drafted_rows(decodes, block_size, ints64, decode_ctx, decode_tables)
     cu = np.zeros(len(prefills) + 1, np.int32)
     prefill_ctx = np.empty(len(prefills), np.int32)
     prefill_tables = np.zeros((len(prefills), _width([r for r, _ in prefills])), np.int32)
-    row = num_decodes
+    row = num_decode_tokens
     for i, (req, n) in enumerate(prefills):
         start = req.num_computed_tokens
         pos = np.arange(start, start + n, dtype=np.int64)
@@ -135,7 +170,7 @@ def build_step_inputs(items: list[tuple[Request, int]], num_decodes: int,
         prefill_tables[i, :len(blocks)] = blocks
         prefill_ctx[i] = start + n
         row += n
-        cu[i + 1] = row - num_decodes
+        cu[i + 1] = row - num_decode_tokens
     sample_rows, to_sample, row = [], [], 0
     for req, n in items:
         row += n
@@ -143,7 +178,7 @@ def build_step_inputs(items: list[tuple[Request, int]], num_decodes: int,
             sample_rows.extend(range(row - 1 - len(req.spec_token_ids), row))  # drafts: every row
             to_sample.append(req)
     return StepInputs(ints64, decode_ctx, decode_tables, cu, prefill_ctx, prefill_tables,
-                      sample_rows, to_sample)
+                      sample_rows, to_sample, num_decode_tokens)
 
 
 def _width(reqs: list[Request]) -> int:
