@@ -58,8 +58,8 @@ from cluster import http_json, local_cluster, source_info  # noqa: E402
 
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.loadgen.metrics import percentile  # noqa: E402
-from pdserve.messages import DecodeRequest, TokenDelta, decode, encode  # noqa: E402
-from pdserve.transport import free_port  # noqa: E402
+from pdserve.wire.messages import DecodeRequest, TokenDelta, decode, encode  # noqa: E402
+from pdserve.wire.transport import free_port  # noqa: E402
 
 QS = (50, 90, 99)
 STAGES = [("client->asgi", "client_send", "asgi_in"), ("asgi->handler", "asgi_in", "handler"),
@@ -311,9 +311,9 @@ def serve_instrumented_router(args: argparse.Namespace) -> int:
     import pdserve.router.app as app_mod
     import pdserve.router.cluster as cluster_mod
     import pdserve.router.nodes as nodes_mod
-    from pdserve.messages import DecodeRequest as DR
-    from pdserve.messages import TokenDelta as TD
     from pdserve.router.main import build_app
+    from pdserve.wire.messages import DecodeRequest as DR
+    from pdserve.wire.messages import TokenDelta as TD
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     current: contextvars.ContextVar[dict | None] = contextvars.ContextVar("stamps", default=None)

@@ -39,10 +39,10 @@ from bench_router_overhead import proc_cpu_s  # noqa: E402
 from cluster import source_info  # noqa: E402
 
 from pdserve.engine.outputs import StepOutput  # noqa: E402
-from pdserve.messages import DecodeRequest, KVEvents, KVSnapshotRequest, Ping, Pong, TokenDelta  # noqa: E402
-from pdserve.messages import decode as decode_msg  # noqa: E402
-from pdserve.messages import encode as encode_msg  # noqa: E402
-from pdserve.transport import free_port  # noqa: E402
+from pdserve.wire.messages import DecodeRequest, KVEvents, KVSnapshotRequest, Ping, Pong, TokenDelta  # noqa: E402
+from pdserve.wire.messages import decode as decode_msg  # noqa: E402
+from pdserve.wire.messages import encode as encode_msg  # noqa: E402
+from pdserve.wire.transport import free_port  # noqa: E402
 
 MODEL = "builtin:tiny"
 WORKLOADS = ("requests", "tokens")

@@ -48,7 +48,7 @@ from cluster import local_cluster, source_info  # noqa: E402
 
 from pdserve.loadgen.bench import BenchConfig, run_benchmark  # noqa: E402
 from pdserve.models.gguf import DEFAULT_MODEL, embedded_model_file  # noqa: E402
-from pdserve.transport import free_port  # noqa: E402
+from pdserve.wire.transport import free_port  # noqa: E402
 
 SERVERS = ("llama-server", "pdserve")
 DEFAULT_LLAMA = "/work/llamacpp-build/build/bin/llama-server"

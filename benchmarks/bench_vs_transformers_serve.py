@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offline import CONFIG  # noqa: E402
 from cluster import local_cluster, source_info  # noqa: E402
 
-from pdserve.transport import free_port  # noqa: E402
+from pdserve.wire.transport import free_port  # noqa: E402
 
 PD_FLAGS = {"pdserve-mono": ["--prefill-nodes", "0", "--decode-nodes", "1"],
             "pdserve-pd": ["--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl"]}

@@ -23,7 +23,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from pdserve.transport import free_port
+from pdserve.wire.transport import free_port
 
 
 class ClusterError(RuntimeError):

@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from pdserve.transport import free_port
+from pdserve.wire.transport import free_port
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 from urllib.parse import quote
 
-from pdserve.transport import free_port  # noqa: E402  (re-exported for tests)
+from pdserve.wire.transport import free_port  # noqa: E402  (re-exported for tests)
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 

@@ -12,7 +12,7 @@ from cluster_util import assert_greedy_matches_offline, node_stats
 
 from pdserve.router.nodes import NodePool
 from pdserve.router.registry_watcher import RegistryWatcher
-from pdserve.transport import free_port
+from pdserve.wire.transport import free_port
 
 PROMPT = list(range(3, 60))
 

@@ -180,13 +180,13 @@ def test_health_checks_probe_the_served_ports(cluster):
 
 
 def test_node_healthcheck_speaks_the_control_protocol():
-    """The node healthcheck's inline script must still match pdserve.messages."""
+    """The node healthcheck's inline script must still match pdserve.wire.messages."""
     doc = load()
     probe = doc["services"]["prefill-0"]["healthcheck"]["test"][-1]
     script = probe.split(";")
-    assert any("from pdserve.messages import" in part for part in script)
+    assert any("from pdserve.wire.messages import" in part for part in script)
     compile(probe, "healthcheck", "exec")  # valid Python
-    import pdserve.messages as messages
+    import pdserve.wire.messages as messages
     for name in ("Ping", "Pong", "encode", "decode"):
         assert hasattr(messages, name)
 

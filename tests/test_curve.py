@@ -16,10 +16,10 @@ import zmq.auth
 from cluster_util import assert_greedy_matches_offline, node_stats, running_cluster, wait_for
 
 from pdserve import LLM
-from pdserve.curve_keys import NodeKeys, RouterKeys
 from pdserve.kvstore.nixl_transfer import nixl_import_error
-from pdserve.messages import NixlMetadataRequest, Ping, Pong, decode, encode
-from pdserve.transport import free_port
+from pdserve.wire.curve_keys import NodeKeys, RouterKeys
+from pdserve.wire.messages import NixlMetadataRequest, Ping, Pong, decode, encode
+from pdserve.wire.transport import free_port
 
 SILENCE_S = 2.0  # how long an unauthorized client waits for an answer that must not come
 

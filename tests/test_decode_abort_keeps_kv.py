@@ -27,8 +27,8 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.factory import make_store
 from pdserve.kvstore.layout import KVLayout
-from pdserve.messages import Abort, DecodeRequest, KVHandover, TokenDelta, decode, encode
-from pdserve.transport import free_port
+from pdserve.wire.messages import Abort, DecodeRequest, KVHandover, TokenDelta, decode, encode
+from pdserve.wire.transport import free_port
 
 PROMPT = [(i * 37) % 250 + 3 for i in range(100)]  # 6 full blocks of 16 and a partial one
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

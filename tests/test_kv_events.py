@@ -11,10 +11,10 @@ from pdserve.engine.block_keys import block_key_chain
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.kv_events import DROP_BATCH_ENV, KVEventPublisher
-from pdserve.messages import KVEvents, Ping
+from pdserve.node.kv_events import DROP_BATCH_ENV, KVEventPublisher
 from pdserve.router.index import PrefixIndex
 from pdserve.router.kv_events import KVEventTracker
+from pdserve.wire.messages import KVEvents, Ping
 
 
 def _keys(*names: str) -> list[bytes]:

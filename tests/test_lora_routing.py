@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.messages import LoadLoRA, Pong
 from pdserve.router.adapters import RouterAdapters
 from pdserve.router.index import PrefixIndex
 from pdserve.router.policy import NodeView, Planner
+from pdserve.wire.messages import LoadLoRA, Pong
 
 
 def _pong(loras, active) -> Pong:

@@ -21,7 +21,7 @@ from pdserve import LLM
 from pdserve.cluster.registration import NodeRegistration
 from pdserve.cluster.registry import RegistryServer
 from pdserve.cluster.registry_messages import EXPIRE_AFTER_S, NodeRecord, Register, encode
-from pdserve.transport import free_port
+from pdserve.wire.transport import free_port
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from test_redis_security import make_certs
 from pdserve import LLM
 from pdserve.cluster.registry_messages import EXPIRE_AFTER_S, HEARTBEAT_S, NodeRecord
 from pdserve.cluster.registry_redis import INDEX_KEY, RedisNodeRegistration, record_key
-from pdserve.transport import free_port
+from pdserve.wire.transport import free_port
 
 
 @pytest.fixture(scope="module")

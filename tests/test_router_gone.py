@@ -18,8 +18,8 @@ from pdserve.cluster.router_liveness import RouterLiveness
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import Ping, PrefillRequest, PrefillResult, decode, encode
-from pdserve.transport import free_port
+from pdserve.wire.messages import Ping, PrefillRequest, PrefillResult, decode, encode
+from pdserve.wire.transport import free_port
 
 GONE_AFTER_S = 1.0
 LEASE_S = 60.0

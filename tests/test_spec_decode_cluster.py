@@ -39,7 +39,7 @@ from spec_heads import make_eagle_head
 from pdserve import LLM, SamplingParams
 from pdserve.entrypoints.node_speculation import node_speculative_config
 from pdserve.models.builtin import ensure_builtin_model
-from pdserve.transport import free_port
+from pdserve.wire.transport import free_port
 
 TRANSPORTS = ("store", "nixl")
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 3, "0123456789" * 4,

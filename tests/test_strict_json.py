@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerFast
 from pdserve import LLM, SamplingParams
 from pdserve.engine.sampling_params import StructuredSpec
 from pdserve.router.app import create_app
-from pdserve.transport import free_port
+from pdserve.wire.transport import free_port
 
 
 class Note(BaseModel):

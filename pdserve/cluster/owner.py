@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from pdserve.messages import ROLES
+from pdserve.wire.messages import ROLES
 
 
 def with_role(argv: list[str], role: str) -> list[str]:

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import zmq
 
 from pdserve.cluster.owner import NodeOwner
-from pdserve.messages import ListNodes, OwnerReply, SetNodeRole, StartNode, StopNode
-from pdserve.transport import NodeSocket
+from pdserve.wire.messages import ListNodes, OwnerReply, SetNodeRole, StartNode, StopNode
+from pdserve.wire.transport import NodeSocket
 
 log = logging.getLogger(__name__)
 POLL_MS = 200

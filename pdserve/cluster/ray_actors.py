@@ -23,7 +23,7 @@ import sys
 import threading
 
 from pdserve.cluster.owner import with_role
-from pdserve.transport import free_port
+from pdserve.wire.transport import free_port
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0

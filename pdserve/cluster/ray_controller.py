@@ -23,7 +23,7 @@ from pdserve.cluster.ray_placement import actor_options_in_group, create_node_gr
 from pdserve.cluster.ray_routers import RayRouters
 from pdserve.cluster.registry import RegistryServer
 from pdserve.cluster.registry_messages import AdminReply, ScaleRequest, SwitchRequest
-from pdserve.messages import ROLES
+from pdserve.wire.messages import ROLES
 
 log = logging.getLogger(__name__)
 

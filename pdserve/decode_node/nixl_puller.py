@@ -11,7 +11,7 @@ import torch
 import zmq
 
 from pdserve.kvstore.nixl_transfer import NixlKVAgent, NixlReadHandle, NixlTransferError, mismatched_blocks
-from pdserve.messages import KVHandover, NixlMetadata, NixlMetadataRequest, decode, encode
+from pdserve.wire.messages import KVHandover, NixlMetadata, NixlMetadataRequest, decode, encode
 
 log = logging.getLogger(__name__)
 METADATA_TIMEOUT_MS = 3000

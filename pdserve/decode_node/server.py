@@ -19,8 +19,8 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.tpot_budget import StepCostModel, StepCosts, prefill_tokens_per_step
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
-from pdserve.messages import DecodeRequest, KVHandover, Message, Ping, Pong, PrefillRequest, Rejected
 from pdserve.node.runtime import NodeRuntime
+from pdserve.wire.messages import DecodeRequest, KVHandover, Message, Ping, Pong, PrefillRequest, Rejected
 
 log = logging.getLogger(__name__)
 

@@ -141,7 +141,7 @@ def _add_speculative_args(p: argparse.ArgumentParser, where: str = "", per_node:
 
 
 def _add_keys_parser(sub) -> None:
-    from pdserve.curve_keys import run_keys
+    from pdserve.wire.curve_keys import run_keys
     keys = sub.add_parser("keys", help="write the router and node CURVE key pairs for --curve-dir")
     keys.add_argument("--out", required=True, help="directory to write them into (created 0700)")
     keys.add_argument("--force", action="store_true", help="replace existing secret keys")

@@ -23,7 +23,7 @@ from pdserve.engine.config import lora_flags
 from pdserve.entrypoints.node_speculation import check_speculative_configs, node_speculative_config
 from pdserve.entrypoints.tp_degrees import node_degree, pool_ranks
 from pdserve.kvstore.redact import redact_url
-from pdserve.transport import NodeSocket, free_port
+from pdserve.wire.transport import NodeSocket, free_port
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300
@@ -104,7 +104,7 @@ class Cluster:
         if not self.args.curve:
             return []
         if self.curve_dir is None:
-            from pdserve.curve_keys import write_keys
+            from pdserve.wire.curve_keys import write_keys
             self.curve_dir = tempfile.mkdtemp(prefix="pdserve-curve-")  # 0700: only this user reads the secrets
             write_keys(self.curve_dir)
         return ["--curve-dir", self.curve_dir]

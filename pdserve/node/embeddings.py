@@ -9,7 +9,7 @@ import logging
 import numpy as np
 
 from pdserve.engine.embedding import EmbeddingBatch
-from pdserve.messages import EmbedRequest, EmbedResult
+from pdserve.wire.messages import EmbedRequest, EmbedResult
 
 log = logging.getLogger(__name__)
 

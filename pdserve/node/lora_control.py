@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from pdserve.engine.engine import LLMEngine
-from pdserve.messages import LoadLoRA, LoRAReply, UnloadLoRA
+from pdserve.wire.messages import LoadLoRA, LoRAReply, UnloadLoRA
 
 log = logging.getLogger(__name__)
 

@@ -53,8 +53,8 @@ def _engine(args):
 
 def _use_curve(args) -> None:
     """Before the engine loads: a bad key directory fails in a second, not after the weights."""
-    from pdserve.curve_keys import NodeKeys
     from pdserve.node.runtime import NodeRuntime
+    from pdserve.wire.curve_keys import NodeKeys
     NodeRuntime.curve = NodeKeys.load(args.curve_dir) if args.curve_dir else None
     NodeRuntime.registry = getattr(args, "registry", None)
     NodeRuntime.advertise_host = getattr(args, "advertise_host", None)

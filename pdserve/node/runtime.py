@@ -26,12 +26,15 @@ from pdserve.cluster.registration import NodeRegistration
 from pdserve.cluster.registry_client import keep_registered
 from pdserve.cluster.registry_messages import ACTIVE, DRAINING
 from pdserve.cluster.router_liveness import RouterLiveness
-from pdserve.curve_keys import CONTROL_DOMAIN, CurveContext, NodeKeys, node_context
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.footprint import footprint
 from pdserve.engine.outputs import StepOutput
-from pdserve.kv_events import KVEventPublisher
-from pdserve.messages import (
+from pdserve.node.embeddings import EmbeddingQueue
+from pdserve.node.kv_events import KVEventPublisher
+from pdserve.node.lora_control import apply_lora_message, lora_pong_fields
+from pdserve.spec_decode.speculator import spec_stats
+from pdserve.wire.curve_keys import CONTROL_DOMAIN, CurveContext, NodeKeys, node_context
+from pdserve.wire.messages import (
     ROLES,
     Abort,
     Drain,
@@ -44,10 +47,7 @@ from pdserve.messages import (
     TokenDelta,
     UnloadLoRA,
 )
-from pdserve.node.embeddings import EmbeddingQueue
-from pdserve.node.lora_control import apply_lora_message, lora_pong_fields
-from pdserve.spec_decode.speculator import spec_stats
-from pdserve.transport import NodeSocket
+from pdserve.wire.transport import NodeSocket
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 5

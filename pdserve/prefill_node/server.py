@@ -16,7 +16,8 @@ from pdserve.engine.request import RequestStatus
 from pdserve.engine.structured_output import DEAD_END_FINISH
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
-from pdserve.messages import (
+from pdserve.node.runtime import NodeRuntime
+from pdserve.wire.messages import (
     DecodeRequest,
     KVHandover,
     Message,
@@ -26,8 +27,7 @@ from pdserve.messages import (
     PrefillResult,
     Rejected,
 )
-from pdserve.node.runtime import NodeRuntime
-from pdserve.transport import NodeSocket
+from pdserve.wire.transport import NodeSocket
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from pdserve.messages import LoadLoRA, LoRAReply, Pong, UnloadLoRA
+from pdserve.wire.messages import LoadLoRA, LoRAReply, Pong, UnloadLoRA
 
 log = logging.getLogger(__name__)
 FAN_OUT_TIMEOUT_S = 60.0

@@ -21,20 +21,6 @@ from collections.abc import AsyncIterator
 from pdserve.engine.block_keys import block_key_chain, request_salt
 from pdserve.engine.outputs import StepOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import (
-    Abort,
-    DecodeRequest,
-    EmbedResult,
-    KVEvents,
-    KVHandover,
-    KVSnapshotRequest,
-    LoRAReply,
-    Message,
-    Pong,
-    PrefillResult,
-    Rejected,
-    TokenDelta,
-)
 from pdserve.router.adapters import RouterAdapters
 from pdserve.router.backend import BackendError
 from pdserve.router.cluster_embeddings import embed_on_nodes
@@ -52,6 +38,20 @@ from pdserve.router.policy import Planner, RoutePlan, SessionMap
 from pdserve.router.registry_watcher import RegistryWatcher
 from pdserve.router.scaler import OwnerClient, Scaler
 from pdserve.router.tenants import NO_SCOPE, KVScope
+from pdserve.wire.messages import (
+    Abort,
+    DecodeRequest,
+    EmbedResult,
+    KVEvents,
+    KVHandover,
+    KVSnapshotRequest,
+    LoRAReply,
+    Message,
+    Pong,
+    PrefillResult,
+    Rejected,
+    TokenDelta,
+)
 
 log = logging.getLogger(__name__)
 TOKEN_TIMEOUT_S = 300.0  # a healthy node that sends nothing for this long still fails the request

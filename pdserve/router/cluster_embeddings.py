@@ -12,10 +12,10 @@ import asyncio
 import logging
 from typing import Any
 
-from pdserve.messages import Abort, EmbedRequest, EmbedResult
 from pdserve.router.backend import BackendError
 from pdserve.router.failover import MAX_ATTEMPTS, PREFILL_TIMEOUT_S, NodeLost
 from pdserve.router.nodes import Node
+from pdserve.wire.messages import Abort, EmbedRequest, EmbedResult
 
 log = logging.getLogger(__name__)
 

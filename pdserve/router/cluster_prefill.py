@@ -9,12 +9,12 @@ import logging
 
 from pdserve.engine.outputs import StepOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import Abort, KVHandover, PrefillRequest
 from pdserve.router.backend import BackendError
 from pdserve.router.failover import MAX_ATTEMPTS, PREFILL_TIMEOUT_S, NodeLost
 from pdserve.router.metrics import RequestTimer
 from pdserve.router.nodes import Node
 from pdserve.router.tenants import NO_SCOPE, KVScope
+from pdserve.wire.messages import Abort, KVHandover, PrefillRequest
 
 log = logging.getLogger("pdserve.router.cluster")
 

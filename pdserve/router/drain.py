@@ -16,8 +16,8 @@ import asyncio
 import logging
 import time
 
-from pdserve.messages import ROLES, Pong
 from pdserve.router.nodes import Node
+from pdserve.wire.messages import ROLES, Pong
 
 log = logging.getLogger(__name__)
 DECODE_GRACE_S = 2.0

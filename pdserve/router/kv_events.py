@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.messages import KVEvents
 from pdserve.router.index import PrefixIndex
+from pdserve.wire.messages import KVEvents
 
 
 @dataclass

@@ -27,7 +27,6 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     lora_modules: LoRA adapters served at start, name -> directory (pdserve.router.adapters)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from pdserve.curve_keys import RouterKeys
     from pdserve.models.gguf import checkpoint_name
     from pdserve.models.loader import resolve_model_path
     from pdserve.router.adapters import RouterAdapters
@@ -37,6 +36,7 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     from pdserve.router.embeddings import EmbeddingOptions, checkpoint_pooling
     from pdserve.router.model_routes import served_names
     from pdserve.router.nodes import NodePool
+    from pdserve.wire.curve_keys import RouterKeys
 
     path = resolve_model_path(model)
     hf_config = AutoConfig.from_pretrained(str(path))

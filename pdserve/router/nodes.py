@@ -23,8 +23,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pdserve.curve_keys import RouterKeys
-from pdserve.messages import Message, Ping, Pong, decode, encode
+from pdserve.wire.curve_keys import RouterKeys
+from pdserve.wire.messages import Message, Ping, Pong, decode, encode
 
 log = logging.getLogger(__name__)
 PING_INTERVAL_S = 0.2

@@ -14,8 +14,8 @@ import time
 from prometheus_client import Counter, Gauge, Histogram
 
 from pdserve.cluster.planner import Decision, PoolSnapshot, SlaPlanner
-from pdserve.messages import ROLES
 from pdserve.router.scaler import ScaleError
+from pdserve.wire.messages import ROLES
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ import time
 import zmq
 import zmq.asyncio
 
-from pdserve.messages import (
+from pdserve.router.nodes import Node
+from pdserve.wire.messages import (
     ROLES,
     Drain,
     ListNodes,
@@ -27,7 +28,6 @@ from pdserve.messages import (
     decode,
     encode,
 )
-from pdserve.router.nodes import Node
 
 log = logging.getLogger(__name__)
 OWNER_TIMEOUT_S = 30.0

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.engine.block_pool import BlockPool
-from pdserve.messages import KVEvents
+from pdserve.wire.messages import KVEvents
 
 FLUSH_INTERVAL_S = 0.02  # batch a step's worth of events; the router's view lags by at most this
 # Fault injection for tests: the batch with this seq is counted but never sent (a lost message).

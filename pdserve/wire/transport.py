@@ -1,4 +1,4 @@
-"""zmq sockets carrying pdserve.messages: a ROUTER on each node, DEALERs on the router."""
+"""zmq sockets carrying pdserve.wire.messages: a ROUTER on each node, DEALERs on the router."""
 from __future__ import annotations
 
 import logging
@@ -7,8 +7,8 @@ import socket
 import msgspec
 import zmq
 
-from pdserve.curve_keys import PEER_DOMAIN, make_server
-from pdserve.messages import Message, decode, encode
+from pdserve.wire.curve_keys import PEER_DOMAIN, make_server
+from pdserve.wire.messages import Message, decode, encode
 
 log = logging.getLogger(__name__)
 

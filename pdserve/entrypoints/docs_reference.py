@@ -1,8 +1,8 @@
 """The configuration reference (docs/configuration.md), generated from the argparse parsers so it
 cannot drift from the code: one table per command, every flag with its default and its help.
 
-    python -m pdserve.docs_reference --write docs/configuration.md   # regenerate
-    python -m pdserve.docs_reference --check docs/configuration.md   # exit 1 when it differs
+    python -m pdserve.entrypoints.docs_reference --write docs/configuration.md   # regenerate
+    python -m pdserve.entrypoints.docs_reference --check docs/configuration.md   # exit 1 when it differs
 
 tests/test_docs_reference.py runs the check.
 """
@@ -17,7 +17,7 @@ HEADER = """\
 # Configuration reference
 
 Every flag of every `pdserve` command, generated from the command-line parsers by
-`python -m pdserve.docs_reference --write docs/configuration.md`; a test fails when this page
+`python -m pdserve.entrypoints.docs_reference --write docs/configuration.md`; a test fails when this page
 and the parsers disagree. The other pages explain what the flags are for and link here.
 
 `pdserve COMMAND --help` prints the same list. Environment variables read by pdserve:
@@ -112,7 +112,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.docs_reference", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pdserve.entrypoints.docs_reference", description=__doc__.split("\n")[0])
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", metavar="FILE", help="write the reference to FILE")
     mode.add_argument("--check", metavar="FILE", help="exit 1 when FILE differs from the parsers")
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.write).write_text(text)
         return 0
     if Path(args.check).read_text() != text:
-        print(f"{args.check} is out of date: python -m pdserve.docs_reference --write {args.check}",
+        print(f"{args.check} is out of date: python -m pdserve.entrypoints.docs_reference --write {args.check}",
               file=sys.stderr)
         return 1
     return 0
