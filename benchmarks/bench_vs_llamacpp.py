@@ -35,7 +35,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -44,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import local_cluster, source_info  # noqa: E402
+from cluster import local_cluster, peer_server, source_info  # noqa: E402
 
 from pdserve.loadgen.bench import BenchConfig, run_benchmark  # noqa: E402
 from pdserve.models.gguf import DEFAULT_MODEL, embedded_model_file  # noqa: E402
@@ -99,42 +98,14 @@ def process_tree(pid: int) -> list[int]:
 
 # ---------------------------------------------------------------- servers
 
-def wait_ready(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        time.sleep(0.5)
-    raise RuntimeError(f"llama-server not ready in {timeout_s:.0f} s")
-
-
 @contextlib.contextmanager
 def llama_server(binary: str, model: Path, args, log_path: Path):
     port = free_port()
     cmd = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(args.threads), "-tb", str(args.threads), "-np", str(SLOTS),
            "-c", str(SLOTS * args.slot_ctx), "--cont-batching", "--no-webui"]
-    with open(log_path, "w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", proc, log_path, args.startup_timeout_s)
-        yield f"http://127.0.0.1:{port}", proc.pid, cmd
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+    with peer_server("llama-server", cmd, port, log_path, args.startup_timeout_s) as (url, pid):
+        yield url, pid, cmd
 
 
 def pdserve_flags(args) -> list[str]:

@@ -29,9 +29,7 @@ import contextlib
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +39,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offline import CONFIG  # noqa: E402
-from cluster import local_cluster, source_info  # noqa: E402
+from cluster import local_cluster, peer_server, source_info  # noqa: E402
 
 from pdserve.wire.transport import free_port  # noqa: E402
 
@@ -71,44 +69,17 @@ def chat_prompts(n: int, seed: int) -> list[str]:
 
 # ---------------------------------------------------------------- servers
 
-def wait_ready(url: str, proc: subprocess.Popen, log_path: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"transformers serve exited ({proc.returncode}):\n{Path(log_path).read_text()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"transformers serve not ready in {timeout_s:.0f} s")
-
-
 @contextlib.contextmanager
 def tf_server(model: Path, cb: bool, log_path: str, timeout_s: float, extra_path: str | None):
     port = free_port()
     exe = str(Path(sys.executable).with_name("transformers"))
     cmd = [exe, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
            "--dtype", "float32", "--continuous-batching" if cb else "--no-continuous-batching"]
-    with open(log_path, "w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        env = dict(os.environ)
-        if extra_path:  # transformers serve always passes device_map, which needs `accelerate`
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [extra_path, env.get("PYTHONPATH")]))
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", proc, log_path, timeout_s)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+    env = dict(os.environ)
+    if extra_path:  # transformers serve always passes device_map, which needs `accelerate`
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [extra_path, env.get("PYTHONPATH")]))
+    with peer_server("transformers serve", cmd, port, log_path, timeout_s, env) as (url, _):
+        yield url
 
 
 @contextlib.contextmanager

@@ -169,6 +169,46 @@ def local_cluster(*flags: str, **kwargs) -> Iterator[Cluster]:
         stop_cluster(c)
 
 
+@contextlib.contextmanager
+def peer_server(name: str, cmd: list[str], port: int, log_path, timeout_s: float,
+                env: dict | None = None) -> Iterator[tuple[str, int]]:
+    """A peer's HTTP server (llama-server, transformers serve) on 127.0.0.1:port in a process group
+    of its own, logged to log_path: yields (url, pid) once GET /health answers 200; stops the group
+    (SIGTERM, then SIGKILL after 20 s) however the caller exits."""
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=env)
+    try:
+        _wait_peer_ready(name, url, proc, log_path, timeout_s)
+        yield url, proc.pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def _wait_peer_ready(name: str, url: str, proc: subprocess.Popen, log_path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log_path) as f:
+                raise ClusterError(f"{name} exited ({proc.returncode}):\n{f.read()[-3000:]}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        time.sleep(0.5)
+    raise ClusterError(f"{name} not ready in {timeout_s:.0f} s")
+
+
 def source_info() -> dict:
     """Which pdserve the benchmark ran: its path, and the git commit (+ dirty files) when the
     source is a checkout, else $PDSERVE_BENCH_COMMIT (set it when running from an exported tree)."""
