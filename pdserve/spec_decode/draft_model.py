@@ -8,16 +8,11 @@ prompt, which for a draft ~10x smaller than the target costs ~1/10 of that prefi
 """
 from __future__ import annotations
 
-import torch
-
-from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kernels import get_ops
 from pdserve.kvstore.layout import KVLayout
 from pdserve.models.loader import load_hf_config, load_model, resolve_model_path
+from pdserve.spec_decode.own_kv import own_paged_runner
 
 DRAFT_SALT = b"pdserve-draft"  # the draft pool caches nothing; its keys are never shared
 
@@ -31,13 +26,8 @@ class DraftModelProposer:
         if draft_vocab != target_vocab:
             raise ValueError(f"speculative config: the draft model {config.model} has a vocabulary of "
                              f"{draft_vocab} tokens, the target's has {target_vocab}; they must be the same")
-        block_size = engine.config.block_size
-        layout = KVLayout.for_model(hf_config, block_size, engine.dtype, str(config.model))
-        num_blocks = engine.kv_cache.shape[0]
-        kv_cache = torch.zeros((num_blocks, *layout.block_shape()), dtype=layout.dtype, device=engine.device)
-        self.kv = KVCacheManager(BlockPool(num_blocks, enable_caching=False), block_size, DRAFT_SALT)
-        ops = get_ops(engine.config.kernel_backend, engine.device.type)
-        self.runner = ModelRunner(self.model, kv_cache, block_size, ops, engine.device)
+        layout = KVLayout.for_model(hf_config, engine.config.block_size, engine.dtype, str(config.model))
+        self.kv, self.runner = own_paged_runner(self.model, layout, engine, DRAFT_SALT)
         self.engine = engine
         self.shadows: dict[str, Request] = {}
         self.bases: dict[str, int] = {}  # target tokens a shadow held when it last drafted

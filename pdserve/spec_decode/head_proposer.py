@@ -20,15 +20,12 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.block_keys import kv_entry_dims
-from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kernels import get_ops
 from pdserve.kvstore.layout import KVLayout
 from pdserve.spec_decode.eligible import may_speculate
 from pdserve.spec_decode.hidden_stash import HiddenStash
+from pdserve.spec_decode.own_kv import own_paged_runner
 
 HEAD_SALT = b"pdserve-spec-head"  # the head's pool caches nothing; its keys are never shared
 
@@ -38,14 +35,9 @@ class HeadProposer:
 
     def __init__(self, head, head_config, engine, pre_norm: bool):
         self.head, self.engine = head, engine
-        block_size = engine.config.block_size
         planes, heads, dim = kv_entry_dims(head_config)
-        layout = KVLayout(1, heads, dim, block_size, engine.dtype, "spec-head", planes)
-        num_blocks = engine.kv_cache.shape[0]
-        kv_cache = torch.zeros((num_blocks, *layout.block_shape()), dtype=layout.dtype, device=engine.device)
-        self.kv = KVCacheManager(BlockPool(num_blocks, enable_caching=False), block_size, HEAD_SALT)
-        ops = get_ops(engine.config.kernel_backend, engine.device.type)
-        self.runner = ModelRunner(head, kv_cache, block_size, ops, engine.device)
+        layout = KVLayout(1, heads, dim, engine.config.block_size, engine.dtype, "spec-head", planes)
+        self.kv, self.runner = own_paged_runner(head, layout, engine, HEAD_SALT)
         self.stash = HiddenStash(may_speculate)
         self.shadows: dict[str, Request] = {}
         self.offsets: dict[str, int] = {}  # target position of each shadow's row 0
