@@ -127,16 +127,16 @@ def quant_matmul(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tens
 def packed_matmul(x: torch.Tensor, m: PackedMatrix) -> torch.Tensor:
     """quant_matmul over a PackedMatrix."""
     x = x.float().contiguous()
-    if x.shape[0] > QUANT_GEMV_MAX_TOKENS:
-        return _tiled(x, m)
-    return torch.from_numpy(quant_gemv.gemv(x.numpy(), m.bits, m.q, m.scales, m.mins, m.has_min, m.group))
+    return _tiled(x, m) if x.shape[0] > QUANT_GEMV_MAX_TOKENS else _gemv(x, m)
 
 
 def gemv(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,
          mins: torch.Tensor | None, group: int) -> torch.Tensor:
-    m = PackedMatrix.of(bits, q, scales, mins, group)
-    return torch.from_numpy(quant_gemv.gemv(x.float().contiguous().numpy(), bits, m.q, m.scales, m.mins,
-                                            m.has_min, group))
+    return _gemv(x.float().contiguous(), PackedMatrix.of(bits, q, scales, mins, group))
+
+
+def _gemv(x: torch.Tensor, m: PackedMatrix) -> torch.Tensor:
+    return torch.from_numpy(quant_gemv.gemv(x.numpy(), m.bits, m.q, m.scales, m.mins, m.has_min, m.group))
 
 
 def tiled_matmul(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,
