@@ -198,3 +198,25 @@ def make_markov_target_and_copy_head(root: Path) -> tuple[Path, Path]:
     model.config.save_pretrained(head)
     save_file(tensors, str(head / "model.safetensors"))
     return target, head
+
+
+def record_drafts(llm) -> list[tuple[str, list[int], list[int], int]]:
+    """Every (request id, its tokens, the drafts, the head's offset) the proposer produces."""
+    proposer, seen = llm.engine.speculator.proposer, []
+    propose = proposer.propose_batch
+
+    def recording(wanted):
+        drafts = propose(wanted)
+        for (req, _), draft in zip(wanted, drafts):
+            if draft:
+                seen.append((req.request_id, list(req.all_token_ids), draft, proposer.offsets[req.request_id]))
+        return drafts
+    proposer.propose_batch = recording
+    return seen
+
+
+def assert_outputs_equal_transformers(ref, prompts: list[list[int]], outs, new_tokens: int) -> None:
+    """Each engine output's tokens equal transformers' greedy generate of its prompt."""
+    for prompt, out in zip(prompts, outs):
+        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)[0, len(prompt):]
+        assert out.outputs[0].token_ids == theirs.tolist()

@@ -6,9 +6,14 @@ weights), so a wrong head fails even though verification keeps the output exact.
 from __future__ import annotations
 
 import pytest
-import torch
 from model_factory import load_reference, make_model
-from spec_heads import EagleReference, make_eagle_head, make_markov_target_and_copy_head
+from spec_heads import (
+    EagleReference,
+    assert_outputs_equal_transformers,
+    make_eagle_head,
+    make_markov_target_and_copy_head,
+    record_drafts,
+)
 from test_spec_decode import _assert_no_leak, _ids, _prompts
 
 from pdserve import LLM, SamplingParams
@@ -34,21 +39,6 @@ def _eagle(target, head, **kw):
                                                               "num_speculative_tokens": K}, **kw)
 
 
-def _record_drafts(llm) -> list[tuple[str, list[int], list[int], int]]:
-    """Every (request id, its tokens, the drafts, the head's offset) the proposer produces."""
-    proposer, seen = llm.engine.speculator.proposer, []
-    propose = proposer.propose_batch
-
-    def recording(wanted):
-        drafts = propose(wanted)
-        for (req, _), draft in zip(wanted, drafts):
-            if draft:
-                seen.append((req.request_id, list(req.all_token_ids), draft, proposer.offsets[req.request_id]))
-        return drafts
-    proposer.propose_batch = recording
-    return seen
-
-
 def test_greedy_equals_plain_engine_and_transformers(models, plain):
     target, head, ref = models
     prompts = _prompts(2, (5, 12, 20, 31))
@@ -58,12 +48,10 @@ def test_greedy_equals_plain_engine_and_transformers(models, plain):
     inputs = [{"prompt_token_ids": p} for p in prompts]
     want = plain.generate(inputs, params, use_tqdm=False)
     llm = _eagle(target, head)
-    seen = _record_drafts(llm)
+    seen = record_drafts(llm)
     ours = llm.generate(inputs, params, use_tqdm=False)
     assert _ids(ours) == _ids(want)
-    for prompt, out in zip(prompts[:2], ours[:2]):
-        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):]
-        assert out.outputs[0].token_ids == theirs.tolist()
+    assert_outputs_equal_transformers(ref, prompts[:2], ours[:2], 20)
     assert llm.engine.speculator.stats.num_draft_tokens > 0
     assert seen and {rid for rid, *_ in seen} == {"0", "1", "2"}  # (the penalised request never drafts)
     _assert_no_leak(llm)
@@ -74,7 +62,7 @@ def test_drafts_equal_the_torch_reference(models):
     rejected drafts) equals the reference head run over the whole sequence."""
     target, head, ref = models
     llm = _eagle(target, head)
-    seen = _record_drafts(llm)
+    seen = record_drafts(llm)
     inputs = [{"prompt_token_ids": p} for p in _prompts(6, (7, 19))]
     llm.generate(inputs, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
     reference = EagleReference(head, ref)
@@ -96,7 +84,7 @@ def test_prefix_hits_and_preemption(models, plain):
     llm = _eagle(target, head, num_kv_blocks=14)
     assert _ids(llm.generate(prompts, params, use_tqdm=False)) == want
     assert llm.engine.scheduler.num_preemptions > 0
-    seen = _record_drafts(llm)
+    seen = record_drafts(llm)
     again = llm.generate(prompts, params, use_tqdm=False)
     assert _ids(again) == want and any(o.num_cached_tokens for o in again)
     reference = EagleReference(head, ref)
@@ -110,7 +98,7 @@ def test_own_embedding_and_fc_bias(models, tmp_path):
     target, _, ref = models
     head = make_eagle_head(tmp_path, target, seed=9, own_embedding=True, fc_bias=True)
     llm = _eagle(target, head)
-    seen = _record_drafts(llm)
+    seen = record_drafts(llm)
     llm.generate({"prompt_token_ids": _prompts(8, (11,))[0]}, SamplingParams(max_tokens=8, temperature=0,
                                                                               ignore_eos=True), use_tqdm=False)
     reference = EagleReference(head, ref)

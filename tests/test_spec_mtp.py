@@ -7,12 +7,10 @@ prefix hits too; a checkpoint without the layer is refused."""
 from __future__ import annotations
 
 import pytest
-import torch
 from model_factory import load_reference
-from spec_heads import MtpReference, add_mtp_layer
+from spec_heads import MtpReference, add_mtp_layer, assert_outputs_equal_transformers, record_drafts
 from test_models_deepseek import make_deepseek
 from test_spec_decode import _assert_no_leak, _ids, _prompts
-from test_spec_eagle import _record_drafts
 
 from pdserve import LLM, SamplingParams
 
@@ -41,12 +39,10 @@ def test_greedy_equals_plain_engine_and_transformers_and_drafts_the_reference(mo
     inputs = [{"prompt_token_ids": p} for p in prompts]
     want = _llm(path).generate(inputs, params, use_tqdm=False)
     llm = _llm(path, MTP)
-    seen = _record_drafts(llm)
+    seen = record_drafts(llm)
     ours = llm.generate(inputs, params, use_tqdm=False)
     assert _ids(ours) == _ids(want)
-    for prompt, out in zip(prompts[:2], ours[:2]):
-        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):]
-        assert out.outputs[0].token_ids == theirs.tolist()
+    assert_outputs_equal_transformers(ref, prompts[:2], ours[:2], 10)
     reference = MtpReference(path, ref)
     assert {rid for rid, *_ in seen} == {"0", "1"}
     for _, tokens, drafts, offset in seen:
@@ -62,7 +58,7 @@ def test_prefix_hits_draft_over_the_computed_positions(models):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     llm = _llm(path, MTP)
     first = _ids(llm.generate(inputs, params, use_tqdm=False))
-    seen = _record_drafts(llm)
+    seen = record_drafts(llm)
     again = llm.generate(inputs, params, use_tqdm=False)
     assert _ids(again) == first and all(o.num_cached_tokens for o in again)
     reference = MtpReference(path, ref)
