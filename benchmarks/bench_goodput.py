@@ -5,7 +5,8 @@ Layouts (every one on this machine's cores, one `pdserve up` each, started once 
 rate in turn; the same prompts and arrival times for every layout):
 
   pd-slo        1 prefill + 1 decode node, one thread each, --prefill-placement slo (per-request
-                placement from load; decode nodes cap their prefill chunks to hold the ITL target)
+                placement from load, the prefill node taking whole requests when the decode node
+                has no room; nodes that decode cap their prefill chunks to hold the ITL target)
   pd-threshold  the same nodes with today's rule (--local-prefill-threshold only)
   mono-2x1      2 monolithic nodes, 1 thread each (no prefill nodes: each request runs whole)
   mono-1x2      1 monolithic node with 2 threads
@@ -76,7 +77,7 @@ def run_layout(name: str, args) -> dict[float, list[dict]]:
                 before = c.health().get("failover", {})
                 row = measure(c.url, args, rate, run)
                 after = c.health().get("failover", {})
-                row.update({k: after.get(k, 0) - before.get(k, 0) for k in ("placed_local", "placed_remote")})
+                row.update({k: after.get(k, 0) - before.get(k, 0) for k in ("placed_local", "placed_remote", "placed_whole")})
                 out.setdefault(rate, []).append(row)
                 print(f"{name} rate {rate} run {run}: {json.dumps(row)}", flush=True)
     return out
@@ -94,7 +95,7 @@ def table(results: dict[str, dict[float, list[dict]]], rates: list[float]) -> st
         cells = []
         for rate in rates:
             m = median_row(by_rate[rate])
-            extra = f", {m['placed_local']:.0f} local" if name == "pd-slo" else ""
+            extra = f", {m['placed_local']:.0f} local, {m['placed_whole']:.0f} whole" if name == "pd-slo" else ""
             cells.append(f"{m['attainment']:.1%} (TTFT p50 {m['ttft_p50_ms'] / 1e3:.2f} s, "
                          f"TPOT p90 {m['tpot_p90_ms']:.0f} ms{extra})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

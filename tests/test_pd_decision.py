@@ -186,3 +186,52 @@ def test_prompts_queued_on_the_decode_node_count_as_its_rows():
     queued_prefill = [NodeView("p0", 12, queued_tokens=6000, prefill_s_per_token=COSTS.token_s)]
     plan = Planner(index, 16, placement="slo", targets=TARGETS).plan("x", 400, keys, [view], queued_prefill)
     assert plan.prefill == "p0" and plan.scores["placement"]["reason"] == "decode steps at their ITL target"
+
+
+def test_decode_at_its_target_sends_the_request_whole_to_a_prefill_node_with_room():
+    """The monolithic fallback (rule 2): the decode node has no room beside its streams, so a
+    prefill node that serves whole requests, has room beside its own streams and computes the
+    prompt within the TTFT target prefills and decodes it. Without any of the three: remote."""
+    busy = DecodeLoad(rows=34, costs=COSTS)
+    idle_host = (400, DecodeLoad(rows=0, costs=COSTS))
+    p = place(remote_ttft_s=0.2, local_tokens=400, load=busy, targets=TARGETS, whole=idle_host)
+    assert p.whole and not p.local and p.scores()["where"] == "whole"
+    full_host = (400, DecodeLoad(rows=34, costs=COSTS))  # its own streams at the target too
+    behind_host = (400, DecodeLoad(rows=1, costs=COSTS, queued_tokens=6000))  # 3.2 s of prompts queued
+    for whole in (None, full_host, behind_host):
+        p = place(remote_ttft_s=0.2, local_tokens=400, load=busy, targets=TARGETS, whole=whole)
+        assert not p.whole and not p.local and p.reason == "decode steps at their ITL target"
+    # A decode node with room keeps the prompt's stream: the fallback is for a decode-bound node.
+    assert not place(0.2, 400, DecodeLoad(rows=2, costs=COSTS), TARGETS, whole=idle_host).whole
+
+
+def test_planner_runs_the_request_whole_on_the_prefill_node_and_prices_its_streams():
+    """Planner: the whole placement names the prefill node as the decode node, with no prefill
+    node; a prefill node that does not serve whole requests is never chosen so. A prefill node
+    that decodes streams prefills in capped chunks, and its TTFT estimate says so."""
+    index = PrefixIndex()
+    keys = block_key_chain(list(range(400)), 16, b"salt")
+    busy = [NodeView("d0", 34, 100, 100, decode_rows=34, step_costs=COSTS)]
+    slo = Planner(index, 16, placement="slo", targets=TARGETS)
+    host = NodeView("p0", 0, prefill_s_per_token=COSTS.token_s, step_costs=COSTS, takes_whole=True)
+    plan = slo.plan("a", 400, keys, busy, [host])
+    assert (plan.decode, plan.prefill) == ("p0", None) and plan.scores["placement"]["where"] == "whole"
+    plain = NodeView("p0", 0, prefill_s_per_token=COSTS.token_s, step_costs=COSTS)
+    assert slo.plan("b", 400, keys, busy, [plain]).prefill == "p0"
+    # Four streams on the prefill node: 400 tokens take ceil(400 / chunk) capped steps, not 0.2 s.
+    streaming = NodeView("p0", 4, prefill_s_per_token=COSTS.token_s, step_costs=COSTS, decode_rows=4)
+    idle_decode = [NodeView("d0", 0, 100, 100, step_costs=COSTS)]
+    remote = slo.plan("c", 400, keys, idle_decode, [streaming]).scores["placement"]["remote_ttft"]
+    chunk = prefill_tokens_per_step(4, COSTS, TARGETS.itl_s, 2048)
+    assert remote == pytest.approx(math.ceil(400 / chunk) * COSTS.step_s(4, chunk), abs=1e-4)
+
+
+def test_prefill_node_view_counts_its_whole_requests_as_rows():
+    from pdserve.router.node_view import node_view
+    from pdserve.router.nodes import Node
+
+    node = Node("p0", "prefill", "tcp://127.0.0.1:1", sock=None, healthy=True, stats={"serves_whole": 1})
+    node.requests = {"a", "b", "c"}  # two prompts it prefills for others, one whole request
+    node.whole = {"c"}
+    view = node_view(node)
+    assert view.decode_rows == 1 and view.takes_whole

@@ -5,8 +5,8 @@ recomputed locally (or failed, if so configured).
 
 A request may carry its inter-token latency target (DecodeRequest.itl_slo_s): while any does,
 each step prefills only the prompt tokens the tightest target leaves after the decode rows
-(pdserve.engine.tpot_budget), from the step costs this node measures, so prompts the router
-sends here to prefill do not make the running streams late."""
+(pdserve.node.step_budget), so prompts the router sends here to prefill do not make the running
+streams late."""
 from __future__ import annotations
 
 import logging
@@ -16,16 +16,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pdserve.decode_node.nixl_puller import NixlPuller
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.tpot_budget import StepCostModel, StepCosts, prefill_tokens_per_step
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
 from pdserve.node.runtime import NodeRuntime
+from pdserve.node.step_budget import StepBudget
 from pdserve.wire.messages import DecodeRequest, KVHandover, Message, Ping, Pong, PrefillRequest, Rejected
 
 log = logging.getLogger(__name__)
 
 
-class DecodeNode(NodeRuntime):
+class DecodeNode(StepBudget):
     role = "decode"
 
     def __init__(self, engine: LLMEngine, bind: str | NodeRuntime, node_id: str, store: KVStore | None = None,
@@ -43,11 +43,8 @@ class DecodeNode(NodeRuntime):
         self.pull_started: dict[str, tuple[str, float, int]] = {}  # rid -> (path, start, bytes)
         self.block_nbytes = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
         self.delayed: list[tuple[float, Request, KVHandover, float]] = []
-        self.step_costs = StepCostModel()
-        self.itl_targets: dict[str, float] = {}  # request id -> its ITL target (seconds)
         self.placements = {"prefills_local": 0, "prefills_handed_over": 0}
-        self._prefill_cap = 0
-        engine.scheduler.prefill_budget = self._prefill_tokens
+        self.init_step_budget()
 
     def handle(self, identity: bytes, msg: Message) -> None:
         if isinstance(msg, PrefillRequest):  # sent before the router saw this node switch roles
@@ -69,8 +66,7 @@ class DecodeNode(NodeRuntime):
             return self.fail(identity, rid, str(exc))
         self.origin[rid] = identity
         self.stats.requests_total += 1
-        if msg.itl_slo_s > 0:
-            self.itl_targets[rid] = msg.itl_slo_s
+        self.hold_itl_target(rid, msg.itl_slo_s)
         if pull or not msg.first_token_ids:  # (a stream resumed here after a failover is neither)
             self.placements["prefills_handed_over" if pull else "prefills_local"] += 1
         if pull and req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -82,46 +78,10 @@ class DecodeNode(NodeRuntime):
             self.delayed.append((now + self.pull_delay_s, req, handover, now))
             self._start_due_pulls()
 
-    # ---- the TPOT budget ------------------------------------------------------------------
-    def _costs(self) -> StepCosts:
-        costs = self.step_costs.costs()
-        if costs.token_s == 0 and self.engine.prefill_s_per_token > 0:  # no mixed step yet
-            costs = StepCosts(costs.base_s, costs.row_s, self.engine.prefill_s_per_token)
-        return costs
-
-    def _prefill_tokens(self, rows: int) -> int | None:
-        """The scheduler's cap on this step's prompt tokens (None: no request here has a target)."""
-        if not self.itl_targets:
-            self._prefill_cap = 0
-            return None
-        self._prefill_cap = prefill_tokens_per_step(rows, self._costs(), min(self.itl_targets.values()),
-                                                    self.engine.config.max_num_batched_tokens)
-        return self._prefill_cap
-
-    def _step_answering_pings(self):
-        t0 = time.perf_counter()
-        outputs = super()._step_answering_pings()
-        tokens, prefill = self.engine.last_step_tokens, self.engine.scheduler.step_prefill_tokens
-        if tokens:
-            self.step_costs.observe(tokens - prefill, prefill, time.perf_counter() - t0)
-        return outputs
-
     def pong(self, ping: Ping) -> Pong:
         pong = super().pong(ping)
-        costs = self._costs()
-        pong.stats.update(step_base_us=int(costs.base_s * 1e6), decode_row_us=int(costs.row_s * 1e6),
-                          mixed_prefill_ns_per_token=int(costs.token_s * 1e9), prefill_cap_tokens=self._prefill_cap,
-                          max_num_batched_tokens=self.engine.config.max_num_batched_tokens, **self.placements)
+        pong.stats.update(**self.budget_stats(), **self.placements)
         return pong
-
-    def reply_delta(self, out) -> None:
-        if out.finished:
-            self.itl_targets.pop(out.request_id, None)
-        super().reply_delta(out)
-
-    def fail(self, identity: bytes, request_id: str, error: str) -> None:
-        self.itl_targets.pop(request_id, None)
-        super().fail(identity, request_id, error)
 
     def _start_due_pulls(self) -> None:
         now = time.monotonic()
@@ -218,7 +178,6 @@ class DecodeNode(NodeRuntime):
             self.origin.pop(request_id, None)
             return
         self.delayed = [d for d in self.delayed if d[1].request_id != request_id]
-        self.itl_targets.pop(request_id, None)
         super().abort(request_id)
 
     def role_idle(self) -> bool:
@@ -226,7 +185,7 @@ class DecodeNode(NodeRuntime):
         return not (self.fetches or self.delayed or self.deferred_aborts or self.resumes_waiting or nixl_busy)
 
     def close_role(self) -> None:
-        self.engine.scheduler.prefill_budget = None  # the engine may serve another role next
+        self.close_step_budget()
         if self.fetcher is not None:
             self.fetcher.shutdown(wait=True, cancel_futures=True)
         if self.nixl is not None:

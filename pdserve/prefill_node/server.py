@@ -1,6 +1,11 @@
 """Prefill node: computes prompts' KV and first tokens, then hands the KV to a decode node
 through the KV store or by pinning the blocks for a NIXL READ (freed on the decode node's
-notification or when the lease expires)."""
+notification or when the lease expires).
+
+It also serves whole requests (a DecodeRequest with no KV to pull): the router's monolithic
+fallback under --prefill-placement slo, when the decode nodes' steps have no room left under
+their ITL target and this node has. Those streams keep their target here as on a decode node
+(pdserve.node.step_budget), which also caps the prompts this node prefills for others."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,12 +22,15 @@ from pdserve.engine.structured_output import DEAD_END_FINISH
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
 from pdserve.node.runtime import NodeRuntime
+from pdserve.node.step_budget import StepBudget
 from pdserve.wire.messages import (
     DecodeRequest,
     KVHandover,
     Message,
     NixlMetadata,
     NixlMetadataRequest,
+    Ping,
+    Pong,
     PrefillRequest,
     PrefillResult,
     Rejected,
@@ -40,6 +48,11 @@ class PendingPrefill:
     store_tokens: int = 0  # prompt tokens the store held at admission
 
 
+def _pulls_kv(msg: DecodeRequest) -> bool:
+    handover = msg.handover
+    return handover is not None and handover.mode in ("store", "nixl") and handover.num_tokens > 0
+
+
 def advertised(endpoint: str, host: str | None) -> str:
     if not host:
         return endpoint
@@ -47,7 +60,7 @@ def advertised(endpoint: str, host: str | None) -> str:
     return f"{scheme}://{host}:{rest.rsplit(':', 1)[1]}"
 
 
-class PrefillNode(NodeRuntime):
+class PrefillNode(StepBudget):
     role = "prefill"
 
     def __init__(self, engine: LLMEngine, bind: str | NodeRuntime, node_id: str, store: KVStore | None = None,
@@ -59,6 +72,8 @@ class PrefillNode(NodeRuntime):
         self.leases: dict[str, float] = {}  # request id -> monotonic expiry of its pinned blocks
         self.agent = None
         self.side = None
+        self.whole_requests = 0  # requests prefilled and decoded here (the router's fallback)
+        self.init_step_budget()
         if nixl_side_channel:
             self._start_nixl(nixl_side_channel, advertise_host)
 
@@ -79,6 +94,8 @@ class PrefillNode(NodeRuntime):
             self.side.send(identity, NixlMetadata(self.agent.name, self.agent.metadata()))
         elif isinstance(msg, PrefillRequest):
             self._admit(identity, msg)
+        elif isinstance(msg, DecodeRequest) and not _pulls_kv(msg):
+            self._admit_whole(identity, msg)
         elif isinstance(msg, DecodeRequest):  # sent before the router saw this node switch roles
             self.control.send(identity, Rejected(msg.request_id, "this node serves prefill now"))
         else:
@@ -115,6 +132,19 @@ class PrefillNode(NodeRuntime):
         self.origin[rid] = identity
         self.stats.requests_total += 1
 
+    def _admit_whole(self, identity: bytes, msg: DecodeRequest) -> None:
+        """Prefill and decode the request here, streaming its tokens as a decode node does."""
+        rid = msg.request_id
+        try:
+            self.engine.add_request(rid, msg.prompt_token_ids, msg.params, output_token_ids=msg.first_token_ids,
+                                    cache_salt=msg.cache_salt, lora_name=msg.adapter)
+        except ValueError as exc:
+            return self.fail(identity, rid, str(exc))
+        self.origin[rid] = identity
+        self.stats.requests_total += 1
+        self.whole_requests += 1
+        self.hold_itl_target(rid, msg.itl_slo_s)
+
     def _store_prefix_tokens(self, keys: list[bytes]) -> int:
         """Tokens of the leading blocks found in the shared store (reused, not recomputed)."""
         if self.store is None or not keys:
@@ -148,6 +178,13 @@ class PrefillNode(NodeRuntime):
             pending = self.pending.pop(out.request_id, None)
             if pending is not None:
                 self._hand_over(pending, out)
+            else:  # a whole request
+                self.reply_delta(out)
+
+    def pong(self, ping: Ping) -> Pong:
+        pong = super().pong(ping)
+        pong.stats.update(**self.budget_stats(), whole_requests=self.whole_requests, serves_whole=1)
+        return pong
 
     def _hand_over(self, pending: PendingPrefill, first: StepOutput) -> None:
         req = pending.request
@@ -240,6 +277,7 @@ class PrefillNode(NodeRuntime):
         return not self.pending and not self.leases
 
     def close_role(self) -> None:
+        self.close_step_budget()
         if self.side is not None:
             self.side.close()
         if self.agent is not None:

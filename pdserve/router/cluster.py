@@ -102,7 +102,7 @@ class ClusterBackend(PrefillDispatch):
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         # placed_*: where the planner had prompts prefilled (local_prefills: fallbacks after failures)
         self.counters = {"prefill_retries": 0, "decode_resumes": 0, "local_prefills": 0,
-                         "placed_remote": 0, "placed_local": 0}
+                         "placed_remote": 0, "placed_local": 0, "placed_whole": 0}
         self.metrics = RouterMetrics(self.nodes)
         self.index = PrefixIndex()
         self.kv_tracker = KVEventTracker(self.index)
@@ -266,7 +266,7 @@ class ClusterBackend(PrefillDispatch):
                 self.itl_targets[request_id] = targets.itl_s
             handover = None
             if self.pool.by_role("prefill"):
-                self.counters["placed_local" if plan.prefill is None else "placed_remote"] += 1
+                self.counters[self._placed(plan)] += 1
             if plan.prefill is not None:
                 self.index.add(plan.prefill, keys)
                 first, handover = await self._prefill_with_retry(request_id, prompt_token_ids, params, timer,
@@ -303,19 +303,8 @@ class ClusterBackend(PrefillDispatch):
             self.itl_targets.pop(request_id, None)
             if plan is not None:
                 self._unqueue_local(plan.decode, request_id)
+                self._unplace_whole(plan.decode, request_id)
             self.adapters.end(adapter)
-
-    def _queue_local(self, plan: RoutePlan, rid: str, prompt_len: int) -> None:
-        """The decode node prefills this prompt: its tokens count as queued there until the first
-        token (the decision's estimate of that node's prefill queue)."""
-        node = self.pool.get(plan.decode)
-        if node is not None:
-            node.queued_tokens[rid] = max(prompt_len - plan.decode_cached_tokens, 1)
-
-    def _unqueue_local(self, node_id: str, rid: str) -> None:
-        node = self.pool.get(node_id)
-        if node is not None:
-            node.queued_tokens.pop(rid, None)
 
     async def _decode_with_resume(self, rid: str, prompt: list[int], params: SamplingParams,
                                   relayed: list[int], handover: KVHandover | None, timer: RequestTimer,

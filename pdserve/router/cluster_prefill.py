@@ -1,6 +1,6 @@
-"""The prefill half of ClusterBackend's request flow: send the prompt to a prefill node, wait
-for its first token and handover, and retry on another node when one fails (with none left,
-the decode node prefills the prompt itself). A mixin so cluster.py keeps one job: the
+"""The prefill half of ClusterBackend's request flow: count where the plan put the prompt, send
+it to a prefill node, wait for its first token and handover, and retry on another node when one
+fails (with none left, the decode node prefills the prompt itself). A mixin so cluster.py keeps one job: the
 request's path from plan to relayed stream."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pdserve.router.backend import BackendError
 from pdserve.router.failover import MAX_ATTEMPTS, PREFILL_TIMEOUT_S, NodeLost
 from pdserve.router.metrics import RequestTimer
 from pdserve.router.nodes import Node
+from pdserve.router.policy import RoutePlan
 from pdserve.router.tenants import NO_SCOPE, KVScope
 from pdserve.wire.messages import Abort, KVHandover, PrefillRequest
 
@@ -22,6 +23,32 @@ log = logging.getLogger("pdserve.router.cluster")
 class PrefillDispatch:
     """Uses ClusterBackend's pool, adapters, counters, metrics, prefill_results, owner,
     transfer, _preferred and _pick."""
+
+    def _placed(self, plan: RoutePlan) -> str:
+        if plan.prefill is not None:
+            return "placed_remote"
+        node = self.pool.get(plan.decode)
+        return "placed_whole" if node is not None and node.role == "prefill" else "placed_local"
+
+    def _queue_local(self, plan: RoutePlan, rid: str, prompt_len: int) -> None:
+        """The decode node prefills this prompt: its tokens count as queued there until the first
+        token (the decision's estimate of that node's prefill queue). On a prefill node (a whole
+        request) it also counts as a stream decoding there until it ends."""
+        node = self.pool.get(plan.decode)
+        if node is not None:
+            node.queued_tokens[rid] = max(prompt_len - plan.decode_cached_tokens, 1)
+            if node.role == "prefill":
+                node.whole.add(rid)
+
+    def _unplace_whole(self, node_id: str, rid: str) -> None:
+        node = self.pool.get(node_id)
+        if node is not None:
+            node.whole.discard(rid)
+
+    def _unqueue_local(self, node_id: str, rid: str) -> None:
+        node = self.pool.get(node_id)
+        if node is not None:
+            node.queued_tokens.pop(rid, None)
 
     async def _send_adapter_first(self, node: Node, adapter: str | None) -> None:
         """A node that may lack the request's adapter is told to load it first (it reads its

@@ -48,6 +48,7 @@ class Node:
     disconnected: bool = False  # its TCP connection closed (a dead process), not merely silent
     kv_salt: bytes = b""  # the node's block-key salt, from its pongs
     queued_tokens: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens sent to prefill
+    whole: set[str] = field(default_factory=set)  # on a prefill node: requests it also decodes
     draining: bool = False  # finishing its requests; no new ones are routed to it
     nixl_side_channel: str | None = None  # as the node registered it (None for static nodes)
     closed: bool = False  # removed from the pool: its socket is closed

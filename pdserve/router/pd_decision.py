@@ -11,7 +11,10 @@ prompt of W queued tokens there takes ceil(W / chunk) steps of at most the targe
 The rule, in order:
   1. no prefill node, or none worth a round trip (the prompt lacks few tokens): local;
   2. the decode node has no room beside its streams (a minimal chunk would push its steps past
-     the ITL target): remote, whatever the queue;
+     the ITL target): whole on the prefill node when it serves whole requests, has room beside
+     its own streams and meets REMOTE_COMFORT of the TTFT target (a monolithic fallback: the
+     request then decodes there too, so a decode-bound mix uses both cores); else remote,
+     whatever the queue;
   3. the best prefill node meets REMOTE_COMFORT of the TTFT target: remote (the decode batch
      stays free of prefill work, which is what disaggregation is for);
   4. otherwise whichever side gives the earlier first token.
@@ -52,9 +55,13 @@ class Placement:
     remote_ttft_s: float
     local_ttft_s: float
     reason: str
+    whole: bool = False  # prefilled and decoded on the prefill node (local is then False)
+
+    def where(self) -> str:
+        return "whole" if self.whole else "local" if self.local else "remote"
 
     def scores(self) -> dict:
-        return {"where": "local" if self.local else "remote", "remote_ttft": round(self.remote_ttft_s, 4),
+        return {"where": self.where(), "remote_ttft": round(self.remote_ttft_s, 4),
                 "local_ttft": round(self.local_ttft_s, 4), "reason": self.reason}
 
 
@@ -66,15 +73,26 @@ def local_ttft_s(tokens: int, load: DecodeLoad, itl_s: float) -> float:
     return steps * load.costs.step_s(load.rows, min(chunk, work))
 
 
-def place(remote_ttft_s: float | None, local_tokens: int, load: DecodeLoad, targets: Targets) -> Placement:
-    """remote_ttft_s: the best prefill node's estimate (None: no prefill node)."""
+def place(remote_ttft_s: float | None, local_tokens: int, load: DecodeLoad, targets: Targets,
+          whole: tuple[int, DecodeLoad] | None = None) -> Placement:
+    """remote_ttft_s: the best prefill node's estimate (None: no prefill node). whole: that node's
+    (prompt tokens it would compute, its load as a decode node) when it serves whole requests."""
     local = local_ttft_s(local_tokens, load, targets.itl_s)
     if remote_ttft_s is None:
         return Placement(True, math.inf, local, "no prefill node")
     if not has_headroom(load.rows, load.costs, targets.itl_s):
+        if whole is not None and _takes_whole(*whole, targets):
+            return Placement(False, remote_ttft_s, local, "decode steps at their ITL target: whole on the prefill node",
+                             whole=True)
         return Placement(False, remote_ttft_s, local, "decode steps at their ITL target")
     if remote_ttft_s <= targets.ttft_s * REMOTE_COMFORT:
         return Placement(False, remote_ttft_s, local, "prefill node within the TTFT target")
     if local < remote_ttft_s:
         return Placement(True, remote_ttft_s, local, "decode node first")
     return Placement(False, remote_ttft_s, local, "prefill node first")
+
+
+def _takes_whole(tokens: int, load: DecodeLoad, targets: Targets) -> bool:
+    """The prefill node has room for one more stream and computes the prompt in time."""
+    return (has_headroom(load.rows, load.costs, targets.itl_s)
+            and local_ttft_s(tokens, load, targets.itl_s) <= targets.ttft_s * REMOTE_COMFORT)

@@ -18,7 +18,9 @@ Placement (whether the decode node prefills the prompt itself):
   threshold     when it lacks at most local_prefill_threshold prompt tokens
   slo           the same, and otherwise per request from load and the request's TTFT/ITL
                 targets: pd_decision.place over the prefill node's estimate above and the
-                decode node's batch, step costs and queued local prefills
+                decode node's batch, step costs and queued local prefills; when the decode
+                node has no room under the ITL target, the request may run whole on the
+                prefill node (RoutePlan.decode is then that node, prefill None)
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.tpot_budget import StepCosts
 from pdserve.router.index import STORE_HOLDER, PrefixIndex
-from pdserve.router.pd_decision import DecodeLoad, Targets, place
+from pdserve.router.pd_decision import DecodeLoad, Placement, Targets, local_ttft_s, place
 
 log = logging.getLogger(__name__)
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
@@ -58,6 +60,7 @@ class NodeView:
     # The request's LoRA adapter on this node: 0 resident (or none asked), 1 a slot load, 2 a
     # load from disk first (pdserve.router.adapters).
     adapter_cost: int = 0
+    takes_whole: bool = False  # a prefill node that also serves whole requests (slo placement)
 
 
 @dataclass
@@ -127,17 +130,31 @@ class Planner:
             scores.update(p_scores)
             targets = targets or self.targets
             if self.placement == "slo" and targets is not None:
-                remote = self._ttft_costs(prefill, held, prompt_len)[p_node.node_id]
-                load = DecodeLoad(d_node.decode_rows, self._decode_costs(d_node, prefill), d_node.queued_tokens,
-                                  d_node.max_step_tokens)
-                placement = place(remote, prompt_len - cached, load, targets)
+                placement = self._place(prompt_len, cached, held, d_node, p_node, prefill, targets)
                 scores["placement"] = placement.scores()
-                if placement.local:
+                if placement.whole:  # monolithic on the prefill node
+                    d_node, cached = p_node, min(held.get(p_node.node_id, 0) * self.block_size, prompt_len - 1)
+                if placement.local or placement.whole:
                     p_node = None
         plan = RoutePlan(d_node.node_id, p_node.node_id if p_node else None, cached, scores)
         log.debug("[%s] route: decode=%s (%s, %d cached tokens) prefill=%s (%s) scores=%s", rid, plan.decode,
                   self.decode_policy, cached, plan.prefill, self.prefill_policy, scores)
         return plan
+
+    def _place(self, prompt_len: int, cached: int, held: dict[str, int], d_node: NodeView, p_node: NodeView,
+               prefill: list[NodeView], targets: Targets) -> Placement:
+        """pd_decision.place for this request. A prefill node that decodes whole requests caps
+        its prefill chunks to hold their ITL target too, so it is priced as the decode node is."""
+        remote = self._ttft_costs(prefill, held, prompt_len)[p_node.node_id]
+        p_tokens = prompt_len - min(held.get(p_node.node_id, 0) * self.block_size, prompt_len - 1)
+        p_load = self._host_load(p_node, prefill)
+        if p_node.decode_rows:
+            remote = max(remote, local_ttft_s(p_tokens, p_load, targets.itl_s))
+        whole = (p_tokens, p_load) if p_node.takes_whole else None
+        return place(remote, prompt_len - cached, self._host_load(d_node, prefill), targets, whole)
+
+    def _host_load(self, node: NodeView, prefill: list[NodeView]) -> DecodeLoad:
+        return DecodeLoad(node.decode_rows, self._decode_costs(node, prefill), node.queued_tokens, node.max_step_tokens)
 
     def _choose(self, role: str, policy: str, nodes: list[NodeView], held: dict[str, int]
                 ) -> tuple[NodeView, dict]:
