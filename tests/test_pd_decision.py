@@ -16,6 +16,9 @@ from pdserve.engine.tpot_budget import (
     TARGET_SHARE,
     StepCostModel,
     StepCosts,
+    StreamClock,
+    absorbs_prefill,
+    amortized_prefill_tokens,
     has_headroom,
     prefill_tokens_per_step,
 )
@@ -188,21 +191,23 @@ def test_prompts_queued_on_the_decode_node_count_as_its_rows():
     assert plan.prefill == "p0" and plan.scores["placement"]["reason"] == "decode steps at their ITL target"
 
 
-def test_decode_at_its_target_sends_the_request_whole_to_a_prefill_node_with_room():
+def test_decode_at_its_target_sends_the_request_whole_to_an_idle_prefill_node():
     """The monolithic fallback (rule 2): the decode node has no room beside its streams, so a
-    prefill node that serves whole requests, has room beside its own streams and computes the
-    prompt within the TTFT target prefills and decodes it. Without any of the three: remote."""
+    prefill node that serves whole requests, where a stream would decode faster (fewer streams,
+    little prefill queued), prefills and decodes it. A busy prefill node (its queue's prefill
+    would slow the stream more), one with as many streams, or one that does not serve whole
+    requests: remote."""
     busy = DecodeLoad(rows=34, costs=COSTS)
-    idle_host = (400, DecodeLoad(rows=0, costs=COSTS))
-    p = place(remote_ttft_s=0.2, local_tokens=400, load=busy, targets=TARGETS, whole=idle_host)
-    assert p.whole and not p.local and p.scores()["where"] == "whole"
-    full_host = (400, DecodeLoad(rows=34, costs=COSTS))  # its own streams at the target too
-    behind_host = (400, DecodeLoad(rows=1, costs=COSTS, queued_tokens=6000))  # 3.2 s of prompts queued
-    for whole in (None, full_host, behind_host):
+    for host in (DecodeLoad(rows=0, costs=COSTS), DecodeLoad(rows=30, costs=COSTS, queued_tokens=100)):
+        p = place(remote_ttft_s=0.2, local_tokens=400, load=busy, targets=TARGETS, whole=host)
+        assert p.whole and not p.local and p.scores()["where"] == "whole"
+    # 1000 queued tokens: 0.5 s of prefill over a 32-token stream's 31 intervals, 16 ms more a token.
+    queued_host = DecodeLoad(rows=30, costs=COSTS, queued_tokens=1000)
+    for whole in (None, queued_host, DecodeLoad(rows=34, costs=COSTS)):
         p = place(remote_ttft_s=0.2, local_tokens=400, load=busy, targets=TARGETS, whole=whole)
         assert not p.whole and not p.local and p.reason == "decode steps at their ITL target"
-    # A decode node with room keeps the prompt's stream: the fallback is for a decode-bound node.
-    assert not place(0.2, 400, DecodeLoad(rows=2, costs=COSTS), TARGETS, whole=idle_host).whole
+    # A decode node with room keeps the stream: the fallback is for a decode-bound node.
+    assert not place(0.2, 400, DecodeLoad(rows=2, costs=COSTS), TARGETS, whole=DecodeLoad(0, COSTS)).whole
 
 
 def test_planner_runs_the_request_whole_on_the_prefill_node_and_prices_its_streams():
@@ -235,3 +240,36 @@ def test_prefill_node_view_counts_its_whole_requests_as_rows():
     node.whole = {"c"}
     view = node_view(node)
     assert view.decode_rows == 1 and view.takes_whole
+
+
+def test_a_prefill_stall_spreads_over_the_streams_tokens():
+    """TPOT is a stream's mean: a decode node whose every step with a prefill chunk would pass the
+    target still has room for a short prompt when its stall, spread over a stream's tokens, keeps
+    the mean within the target share; a long prompt, or short streams, do not fit."""
+    slow_token = StepCosts(base_s=0.035, row_s=0.007, token_s=0.0032)  # the default model on one core
+    rows4 = DecodeLoad(rows=4, costs=slow_token)
+    assert not has_headroom(4, slow_token, TARGETS.itl_s)  # 16 tokens alone take 51 ms
+    # 35 + 5 x 7 = 70 ms a step; 64 tokens: 205 ms over 31 intervals, 6.6 ms: 76.6 ms <= 80 ms.
+    assert place(3.0, 64, rows4, TARGETS, stream_tokens=32).local
+    assert absorbs_prefill(4, slow_token, TARGETS.itl_s, 64, 32)
+    assert not absorbs_prefill(4, slow_token, TARGETS.itl_s, 512, 32)  # 1.6 s / 31 = 53 ms more
+    assert not absorbs_prefill(4, slow_token, TARGETS.itl_s, 64, 8)  # 205 ms over 7 intervals
+    assert not place(3.0, 64, rows4, TARGETS, stream_tokens=8).local
+    assert absorbs_prefill(4, slow_token, TARGETS.itl_s, 64, 0) == has_headroom(4, slow_token, TARGETS.itl_s)
+
+
+def test_stream_clocks_let_a_step_prefill_what_the_streams_banked_and_will_bank():
+    """The node's budget (tpot_budget.amortized_prefill_tokens): a stream 100 ms ahead of its
+    target share, with 20 tokens left at 20 ms below the share each, absorbs 500 ms of prefill:
+    1000 tokens at 0.5 ms. The least allowance among the streams decides; a stream behind its
+    target and with nothing left to bank still lets a minimal chunk through; no stream, no cap."""
+    now = 10.0
+    share = TARGETS.itl_s * TARGET_SHARE  # 80 ms
+    # 10 tokens in 0.7 s: 100 ms banked. Steps of 60 ms (10 + 25 rows x 2 ms) bank 20 ms a token.
+    ahead = StreamClock(TARGETS.itl_s, start_s=now - 0.7, tokens_left=30, tokens=10)
+    assert ahead.allowance_s(now, COSTS.step_s(25, 0)) == pytest.approx(0.1 + 20 * (share - 0.060))
+    assert amortized_prefill_tokens([ahead], now, 25, COSTS, 2048) == 1000
+    behind = StreamClock(TARGETS.itl_s, start_s=now - 2.0, tokens_left=10, tokens=10)  # 1.2 s late, done banking
+    assert amortized_prefill_tokens([ahead, behind], now, 25, COSTS, 2048) == MIN_PREFILL_CHUNK
+    assert amortized_prefill_tokens([], now, 25, COSTS, 2048) == 2048
+    assert amortized_prefill_tokens([ahead], now, 25, COSTS, 512) == 512  # never past the step's budget

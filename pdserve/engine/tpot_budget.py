@@ -19,6 +19,9 @@ TARGET_SHARE = 0.8
 # starves, even on a node already at its target (the router then sends prompts elsewhere).
 MIN_PREFILL_CHUNK = 16
 EMA_WEIGHT = 0.2
+# A stream's length, for spreading a prefill's stall over its tokens, is its max_tokens up to this:
+# a request that may run to the context's end mostly stops well before it.
+STREAM_TOKENS_CAP = 128
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,49 @@ def has_headroom(rows: int, costs: StepCosts, itl_s: float) -> bool:
     if rows == 0 or itl_s <= 0:
         return True
     return costs.step_s(rows, MIN_PREFILL_CHUNK) <= itl_s * TARGET_SHARE
+
+
+def absorbs_prefill(rows: int, costs: StepCosts, itl_s: float, prefill_tokens: int, stream_tokens: int) -> bool:
+    """A node decoding `rows` streams can also prefill `prefill_tokens` and keep its streams'
+    mean inter-token time (TPOT: a stream's decode time over its tokens) within the target share.
+    The prefill's time spreads over a stream's stream_tokens - 1 intervals, however it is
+    chunked. stream_tokens 0 (unknown): the per-step rule, has_headroom."""
+    if rows == 0 or itl_s <= 0:
+        return True
+    if stream_tokens <= 0:
+        return has_headroom(rows, costs, itl_s)
+    stall_s = prefill_tokens * costs.token_s
+    return costs.step_s(rows + 1, 0) + stall_s / max(stream_tokens - 1, 1) <= itl_s * TARGET_SHARE
+
+
+@dataclass
+class StreamClock:
+    """One stream's inter-token budget on the node that decodes it. TPOT is the stream's mean:
+    steps faster than the target bank time, and the tokens it has left will bank more, at
+    (target share - step) each; a prefill may stall it by what is banked and still to bank."""
+    target_s: float
+    start_s: float       # when its first token here went out (monotonic)
+    tokens_left: int     # tokens it may still decode (max_tokens left, at most STREAM_TOKENS_CAP)
+    tokens: int = 0      # tokens since start_s
+
+    def allowance_s(self, now_s: float, step_s: float) -> float:
+        share = self.target_s * TARGET_SHARE
+        banked = share * self.tokens - (now_s - self.start_s)
+        return banked + max(self.tokens_left - self.tokens, 0) * (share - step_s)
+
+
+def amortized_prefill_tokens(clocks: list[StreamClock], now_s: float, rows: int, costs: StepCosts,
+                             max_tokens: int) -> int:
+    """Prompt tokens one step may prefill so that every stream's mean inter-token time stays
+    within its target share over its life (the least allowance among them, at the measured cost
+    per prompt token); at least MIN_PREFILL_CHUNK, so a prefill always progresses."""
+    if not clocks:
+        return max_tokens
+    if costs.token_s <= 0:
+        return min(MIN_PREFILL_CHUNK, max_tokens)
+    step_s = costs.step_s(rows, 0)
+    allowance = min(c.allowance_s(now_s, step_s) for c in clocks)
+    return int(min(max(allowance / costs.token_s, MIN_PREFILL_CHUNK), max_tokens))
 
 
 class StepCostModel:

@@ -1,6 +1,9 @@
 """A node that decodes streams with an inter-token latency target holds it while it prefills: each
-step takes only the prompt tokens the tightest target leaves after the decode rows
-(pdserve.engine.tpot_budget), from step costs the node measures on its own steps.
+step takes only the prompt tokens its streams can absorb. TPOT is a stream's mean inter-token
+time, so a stream that decodes faster than its target banks time a prefill may spend; each
+stream's clock (tpot_budget.StreamClock) counts what it has banked and will bank over the tokens
+it has left, and the step takes what the least of them allows, at the cost per prompt token the
+node measures on its own steps (at least a 16-token chunk, so a prefill always progresses).
 
 A mixin over NodeRuntime, shared by decode nodes and by prefill nodes that serve whole requests
 (the router's monolithic fallback under --prefill-placement slo): on a prefill node the cap then
@@ -9,7 +12,13 @@ from __future__ import annotations
 
 import time
 
-from pdserve.engine.tpot_budget import StepCostModel, StepCosts, prefill_tokens_per_step
+from pdserve.engine.tpot_budget import (
+    STREAM_TOKENS_CAP,
+    StepCostModel,
+    StepCosts,
+    StreamClock,
+    amortized_prefill_tokens,
+)
 from pdserve.node.runtime import NodeRuntime
 
 
@@ -17,6 +26,7 @@ class StepBudget(NodeRuntime):
     def init_step_budget(self) -> None:
         self.step_costs = StepCostModel()
         self.itl_targets: dict[str, float] = {}  # request id -> its ITL target (seconds)
+        self.clocks: dict[str, StreamClock] = {}  # request id -> its budget, from its first token here
         self._prefill_cap = 0
         self.engine.scheduler.prefill_budget = self._prefill_tokens
 
@@ -38,9 +48,22 @@ class StepBudget(NodeRuntime):
         if not self.itl_targets:
             self._prefill_cap = 0
             return None
-        self._prefill_cap = prefill_tokens_per_step(rows, self._costs(), min(self.itl_targets.values()),
-                                                    self.engine.config.max_num_batched_tokens)
+        self._prefill_cap = amortized_prefill_tokens(list(self.clocks.values()), time.monotonic(), rows,
+                                                     self._costs(), self.engine.config.max_num_batched_tokens)
         return self._prefill_cap
+
+    def _tick_clock(self, out) -> None:
+        """Start a stream's clock at its first token here; count its tokens after."""
+        rid = out.request_id
+        clock = self.clocks.get(rid)
+        if clock is not None:
+            clock.tokens += len(out.new_token_ids)
+            return
+        req = self.engine.scheduler.requests.get(rid)
+        if req is None or not out.new_token_ids:
+            return
+        left = (req.sampling_params.max_tokens or STREAM_TOKENS_CAP) - len(req.output_token_ids)
+        self.clocks[rid] = StreamClock(self.itl_targets[rid], time.monotonic(), min(left, STREAM_TOKENS_CAP))
 
     def _step_answering_pings(self):
         t0 = time.perf_counter()
@@ -58,13 +81,19 @@ class StepBudget(NodeRuntime):
 
     def reply_delta(self, out) -> None:
         if out.finished:
-            self.itl_targets.pop(out.request_id, None)
+            self._forget(out.request_id)
+        elif out.request_id in self.itl_targets:
+            self._tick_clock(out)
         super().reply_delta(out)
 
-    def fail(self, identity: bytes, request_id: str, error: str) -> None:
+    def _forget(self, request_id: str) -> None:
         self.itl_targets.pop(request_id, None)
+        self.clocks.pop(request_id, None)
+
+    def fail(self, identity: bytes, request_id: str, error: str) -> None:
+        self._forget(request_id)
         super().fail(identity, request_id, error)
 
     def abort(self, request_id: str) -> None:
-        self.itl_targets.pop(request_id, None)
+        self._forget(request_id)
         super().abort(request_id)

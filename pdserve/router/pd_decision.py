@@ -4,17 +4,22 @@ load comes in as a small snapshot, so the logic is testable without sockets.
 
 Both sides are priced with the router's TTFT cost model (policy.Planner: the tokens a node has
 queued plus the ones it would compute, times its measured seconds per token), extended here to
-the decode node's steps. A decode node that holds its streams' ITL target prefills in chunks: each
-step takes the prompt tokens the target leaves after its decode rows (engine.tpot_budget), so a
-prompt of W queued tokens there takes ceil(W / chunk) steps of at most the target each.
+the decode node's steps. A decode node holds its streams' ITL target as a mean (TPOT): it
+prefills as much per step as its streams' banked and future slack allows (node.step_budget).
+When the prompt's and its queue's prefill time, spread over a stream's tokens, fits beside its
+steps, the work goes in full steps; otherwise in the chunks one step's share of the target leaves
+after its decode rows, ceil(W / chunk) steps for W queued tokens.
 
 The rule, in order:
   1. no prefill node, or none worth a round trip (the prompt lacks few tokens): local;
-  2. the decode node has no room beside its streams (a minimal chunk would push its steps past
-     the ITL target): whole on the prefill node when it serves whole requests, has room beside
-     its own streams and meets REMOTE_COMFORT of the TTFT target (a monolithic fallback: the
-     request then decodes there too, so a decode-bound mix uses both cores); else remote,
-     whatever the queue;
+  2. the decode node has no room for the prompt: its steps with one more stream, plus the
+     prefill time of this prompt and of its queued ones spread over a stream's tokens, would
+     take its streams' mean inter-token time past the target share (tpot_budget.absorbs_prefill).
+     Then whole on the prefill node when it serves whole requests and a stream there would decode
+     faster than on the decode node: its steps with one more stream, plus its queued prompts'
+     prefill time spread over a stream's tokens (a monolithic fallback: a decode-bound mix then
+     decodes on both cores, while a prefill node with a queue keeps its core for prefill);
+     otherwise remote, whatever the queue;
   3. the best prefill node meets REMOTE_COMFORT of the TTFT target: remote (the decode batch
      stays free of prefill work, which is what disaggregation is for);
   4. otherwise whichever side gives the earlier first token.
@@ -27,11 +32,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pdserve.engine.tpot_budget import StepCosts, has_headroom, prefill_tokens_per_step
+from pdserve.engine.tpot_budget import StepCosts, absorbs_prefill, prefill_tokens_per_step
 
 # A prefill node whose estimated TTFT is within this share of the target takes the prompt: the
 # estimate misses what arrives after it (Poisson bursts), so the queue is not filled to the brim.
 REMOTE_COMFORT = 0.7
+# A stream's length when the request does not say (max_tokens unknown).
+DEFAULT_STREAM_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -65,34 +72,42 @@ class Placement:
                 "local_ttft": round(self.local_ttft_s, 4), "reason": self.reason}
 
 
-def local_ttft_s(tokens: int, load: DecodeLoad, itl_s: float) -> float:
-    """Seconds until the decode node has prefilled its queue and then this prompt's `tokens`."""
+def local_ttft_s(tokens: int, load: DecodeLoad, itl_s: float, stream_tokens: int = 0) -> float:
+    """Seconds until the decode node has prefilled its queue and then this prompt's `tokens`:
+    in steps as large as the node allows when its streams can absorb the work (their mean
+    inter-token time holds), else in the chunks a single step's share of the target leaves."""
     work = load.queued_tokens + tokens
-    chunk = prefill_tokens_per_step(load.rows, load.costs, itl_s, load.max_step_tokens)
+    if stream_tokens > 0 and absorbs_prefill(load.rows, load.costs, itl_s, work, stream_tokens):
+        chunk = load.max_step_tokens
+    else:
+        chunk = prefill_tokens_per_step(load.rows, load.costs, itl_s, load.max_step_tokens)
     steps = math.ceil(work / chunk)
     return steps * load.costs.step_s(load.rows, min(chunk, work))
 
 
+def stream_tpot_s(load: DecodeLoad, stream_tokens: int) -> float:
+    """A new stream's mean inter-token time on this node: its steps with one more row, plus the
+    prefill time of the prompts queued there, spread over the stream's intervals (the node keeps
+    prefilling at about that rate while the stream decodes)."""
+    n = stream_tokens if stream_tokens > 0 else DEFAULT_STREAM_TOKENS
+    return load.costs.step_s(load.rows + 1, 0) + load.queued_tokens * load.costs.token_s / max(n - 1, 1)
+
+
 def place(remote_ttft_s: float | None, local_tokens: int, load: DecodeLoad, targets: Targets,
-          whole: tuple[int, DecodeLoad] | None = None) -> Placement:
+          whole: DecodeLoad | None = None, stream_tokens: int = 0) -> Placement:
     """remote_ttft_s: the best prefill node's estimate (None: no prefill node). whole: that node's
-    (prompt tokens it would compute, its load as a decode node) when it serves whole requests."""
-    local = local_ttft_s(local_tokens, load, targets.itl_s)
+    load as a decode node, when it serves whole requests. stream_tokens: the tokens a stream
+    decodes (the request's max_tokens, capped; 0 unknown: then the decode node must have room in
+    every step, tpot_budget.has_headroom)."""
+    local = local_ttft_s(local_tokens, load, targets.itl_s, stream_tokens)
     if remote_ttft_s is None:
         return Placement(True, math.inf, local, "no prefill node")
-    if not has_headroom(load.rows, load.costs, targets.itl_s):
-        if whole is not None and _takes_whole(*whole, targets):
-            return Placement(False, remote_ttft_s, local, "decode steps at their ITL target: whole on the prefill node",
-                             whole=True)
+    if not absorbs_prefill(load.rows, load.costs, targets.itl_s, load.queued_tokens + local_tokens, stream_tokens):
+        if whole is not None and stream_tpot_s(whole, stream_tokens) < stream_tpot_s(load, stream_tokens):
+            return Placement(False, remote_ttft_s, local, "decode node full: whole on the prefill node", whole=True)
         return Placement(False, remote_ttft_s, local, "decode steps at their ITL target")
     if remote_ttft_s <= targets.ttft_s * REMOTE_COMFORT:
         return Placement(False, remote_ttft_s, local, "prefill node within the TTFT target")
     if local < remote_ttft_s:
         return Placement(True, remote_ttft_s, local, "decode node first")
     return Placement(False, remote_ttft_s, local, "prefill node first")
-
-
-def _takes_whole(tokens: int, load: DecodeLoad, targets: Targets) -> bool:
-    """The prefill node has room for one more stream and computes the prompt in time."""
-    return (has_headroom(load.rows, load.costs, targets.itl_s)
-            and local_ttft_s(tokens, load, targets.itl_s) <= targets.ttft_s * REMOTE_COMFORT)

@@ -29,7 +29,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdserve.engine.tpot_budget import StepCosts
+from pdserve.engine.tpot_budget import STREAM_TOKENS_CAP, StepCosts
 from pdserve.router.index import STORE_HOLDER, PrefixIndex
 from pdserve.router.pd_decision import DecodeLoad, Placement, Targets, local_ttft_s, place
 
@@ -130,7 +130,7 @@ class Planner:
             scores.update(p_scores)
             targets = targets or self.targets
             if self.placement == "slo" and targets is not None:
-                placement = self._place(prompt_len, cached, held, d_node, p_node, prefill, targets)
+                placement = self._place(prompt_len, cached, held, d_node, p_node, prefill, targets, max_tokens)
                 scores["placement"] = placement.scores()
                 if placement.whole:  # monolithic on the prefill node
                     d_node, cached = p_node, min(held.get(p_node.node_id, 0) * self.block_size, prompt_len - 1)
@@ -142,16 +142,17 @@ class Planner:
         return plan
 
     def _place(self, prompt_len: int, cached: int, held: dict[str, int], d_node: NodeView, p_node: NodeView,
-               prefill: list[NodeView], targets: Targets) -> Placement:
+               prefill: list[NodeView], targets: Targets, max_tokens: int) -> Placement:
         """pd_decision.place for this request. A prefill node that decodes whole requests caps
         its prefill chunks to hold their ITL target too, so it is priced as the decode node is."""
         remote = self._ttft_costs(prefill, held, prompt_len)[p_node.node_id]
         p_tokens = prompt_len - min(held.get(p_node.node_id, 0) * self.block_size, prompt_len - 1)
         p_load = self._host_load(p_node, prefill)
+        stream_tokens = min(max_tokens, STREAM_TOKENS_CAP)
         if p_node.decode_rows:
-            remote = max(remote, local_ttft_s(p_tokens, p_load, targets.itl_s))
-        whole = (p_tokens, p_load) if p_node.takes_whole else None
-        return place(remote, prompt_len - cached, self._host_load(d_node, prefill), targets, whole)
+            remote = max(remote, local_ttft_s(p_tokens, p_load, targets.itl_s, stream_tokens))
+        whole = p_load if p_node.takes_whole else None
+        return place(remote, prompt_len - cached, self._host_load(d_node, prefill), targets, whole, stream_tokens)
 
     def _host_load(self, node: NodeView, prefill: list[NodeView]) -> DecodeLoad:
         return DecodeLoad(node.decode_rows, self._decode_costs(node, prefill), node.queued_tokens, node.max_step_tokens)
