@@ -273,3 +273,21 @@ def test_stream_clocks_let_a_step_prefill_what_the_streams_banked_and_will_bank(
     assert amortized_prefill_tokens([ahead, behind], now, 25, COSTS, 2048) == MIN_PREFILL_CHUNK
     assert amortized_prefill_tokens([], now, 25, COSTS, 2048) == 2048
     assert amortized_prefill_tokens([ahead], now, 25, COSTS, 512) == 512  # never past the step's budget
+
+
+def test_the_decode_node_s_reported_slack_must_pay_for_a_local_prefill():
+    """The model says a 64-token prompt fits beside four streams (as in the stall test above), but
+    the node reports its streams can absorb only 50 ms more: the 205 ms prefill goes remote. The
+    node view reads the slack from the pong, and a node without timed streams has no limit."""
+    from pdserve.router.node_view import node_view
+    from pdserve.router.nodes import Node
+
+    slow_token = StepCosts(base_s=0.035, row_s=0.007, token_s=0.0032)
+    roomy = DecodeLoad(rows=4, costs=slow_token)
+    assert place(3.0, 64, roomy, TARGETS, stream_tokens=32).local
+    tight = DecodeLoad(rows=4, costs=slow_token, slack_s=0.050)
+    p = place(3.0, 64, tight, TARGETS, stream_tokens=32)
+    assert not p.local and p.reason == "decode steps at their ITL target"
+    node = Node("d0", "decode", "tcp://127.0.0.1:1", sock=None, healthy=True, stats={"stream_slack_us": -20_000})
+    assert node_view(node).stream_slack_s == pytest.approx(-0.02)
+    assert node_view(Node("d1", "decode", "tcp://127.0.0.1:1", sock=None, healthy=True)).stream_slack_s == math.inf

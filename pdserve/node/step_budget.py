@@ -75,9 +75,14 @@ class StepBudget(NodeRuntime):
 
     def budget_stats(self) -> dict:
         costs = self._costs()
-        return dict(step_base_us=int(costs.base_s * 1e6), decode_row_us=int(costs.row_s * 1e6),
-                    mixed_prefill_ns_per_token=int(costs.token_s * 1e9), prefill_cap_tokens=self._prefill_cap,
-                    max_num_batched_tokens=self.engine.config.max_num_batched_tokens)
+        stats = dict(step_base_us=int(costs.base_s * 1e6), decode_row_us=int(costs.row_s * 1e6),
+                     mixed_prefill_ns_per_token=int(costs.token_s * 1e9), prefill_cap_tokens=self._prefill_cap,
+                     max_num_batched_tokens=self.engine.config.max_num_batched_tokens, timed_streams=len(self.clocks))
+        if self.clocks:  # the prefill time its streams can still absorb (negative: they are behind)
+            step_s = costs.step_s(len(self.clocks), 0)
+            now = time.monotonic()
+            stats["stream_slack_us"] = int(min(c.allowance_s(now, step_s) for c in self.clocks.values()) * 1e6)
+        return stats
 
     def reply_delta(self, out) -> None:
         if out.finished:

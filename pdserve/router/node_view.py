@@ -2,6 +2,8 @@
 node's last pong."""
 from __future__ import annotations
 
+import math
+
 from pdserve.engine.tpot_budget import StepCosts
 from pdserve.router.nodes import Node
 from pdserve.router.policy import NodeView
@@ -22,4 +24,5 @@ def node_view(node: Node, adapter_cost: int = 0) -> NodeView:
                     stats.get("store_load_us", 0) / 1e6 / store_tokens if store_tokens else 0.0,
                     decode_rows=len(node.whole) if node.role == "prefill" else len(node.requests), step_costs=costs,
                     max_step_tokens=stats.get("max_num_batched_tokens", 2048), adapter_cost=adapter_cost,
-                    takes_whole=bool(stats.get("serves_whole", 0)))
+                    takes_whole=bool(stats.get("serves_whole", 0)),
+                    stream_slack_s=stats["stream_slack_us"] / 1e6 if "stream_slack_us" in stats else math.inf)

@@ -14,7 +14,8 @@ The rule, in order:
   1. no prefill node, or none worth a round trip (the prompt lacks few tokens): local;
   2. the decode node has no room for the prompt: its steps with one more stream, plus the
      prefill time of this prompt and of its queued ones spread over a stream's tokens, would
-     take its streams' mean inter-token time past the target share (tpot_budget.absorbs_prefill).
+     take its streams' mean inter-token time past the target share (tpot_budget.absorbs_prefill),
+     or that prefill time is more than its streams' slack as the node last reported it.
      Then whole on the prefill node when it serves whole requests and a stream there would decode
      faster than on the decode node: its steps with one more stream, plus its queued prompts'
      prefill time spread over a stream's tokens (a monolithic fallback: a decode-bound mix then
@@ -54,6 +55,7 @@ class DecodeLoad:
     costs: StepCosts           # its measured step costs (token_s: 0 falls back to the prefill nodes')
     queued_tokens: int = 0     # prompt tokens the router sent it to prefill that have no first token yet
     max_step_tokens: int = 2048
+    slack_s: float = math.inf  # the prefill time its streams can still absorb, as the node reports it
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,14 @@ def stream_tpot_s(load: DecodeLoad, stream_tokens: int) -> float:
     return load.costs.step_s(load.rows + 1, 0) + load.queued_tokens * load.costs.token_s / max(n - 1, 1)
 
 
+def _has_room(load: DecodeLoad, tokens: int, targets: Targets, stream_tokens: int) -> bool:
+    """The model's estimate, and the node's own word: its streams' measured slack must pay for
+    the prefill too (a cost fit that is off, or streams already behind, show there first)."""
+    work = load.queued_tokens + tokens
+    return (absorbs_prefill(load.rows, load.costs, targets.itl_s, work, stream_tokens)
+            and work * load.costs.token_s <= load.slack_s)
+
+
 def place(remote_ttft_s: float | None, local_tokens: int, load: DecodeLoad, targets: Targets,
           whole: DecodeLoad | None = None, stream_tokens: int = 0) -> Placement:
     """remote_ttft_s: the best prefill node's estimate (None: no prefill node). whole: that node's
@@ -102,7 +112,7 @@ def place(remote_ttft_s: float | None, local_tokens: int, load: DecodeLoad, targ
     local = local_ttft_s(local_tokens, load, targets.itl_s, stream_tokens)
     if remote_ttft_s is None:
         return Placement(True, math.inf, local, "no prefill node")
-    if not absorbs_prefill(load.rows, load.costs, targets.itl_s, load.queued_tokens + local_tokens, stream_tokens):
+    if not _has_room(load, local_tokens, targets, stream_tokens):
         if whole is not None and stream_tpot_s(whole, stream_tokens) < stream_tpot_s(load, stream_tokens):
             return Placement(False, remote_ttft_s, local, "decode node full: whole on the prefill node", whole=True)
         return Placement(False, remote_ttft_s, local, "decode steps at their ITL target")

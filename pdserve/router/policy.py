@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -61,6 +62,7 @@ class NodeView:
     # load from disk first (pdserve.router.adapters).
     adapter_cost: int = 0
     takes_whole: bool = False  # a prefill node that also serves whole requests (slo placement)
+    stream_slack_s: float = math.inf  # the prefill time its streams can still absorb (node.step_budget)
 
 
 @dataclass
@@ -155,7 +157,8 @@ class Planner:
         return place(remote, prompt_len - cached, self._host_load(d_node, prefill), targets, whole, stream_tokens)
 
     def _host_load(self, node: NodeView, prefill: list[NodeView]) -> DecodeLoad:
-        return DecodeLoad(node.decode_rows, self._decode_costs(node, prefill), node.queued_tokens, node.max_step_tokens)
+        return DecodeLoad(node.decode_rows, self._decode_costs(node, prefill), node.queued_tokens, node.max_step_tokens,
+                          node.stream_slack_s)
 
     def _choose(self, role: str, policy: str, nodes: list[NodeView], held: dict[str, int]
                 ) -> tuple[NodeView, dict]:

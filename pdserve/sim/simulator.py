@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.engine.block_keys import ROOT_KEY, block_key, kv_layout_salt
-from pdserve.engine.tpot_budget import StepCosts, prefill_tokens_per_step
+from pdserve.engine.tpot_budget import STREAM_TOKENS_CAP, StepCosts, StreamClock, amortized_prefill_tokens
 from pdserve.router.index import STORE_HOLDER, PrefixIndex
 from pdserve.router.pd_decision import Targets
 from pdserve.router.policy import NodeView, Planner
@@ -180,10 +180,15 @@ class Simulator:
 
     def _prefill_chunks(self, node: SimDecodeNode) -> dict[int, int]:
         """Prompt tokens each prefilling request computes this step (request id -> tokens): all
-        of them, or under "slo" what the ITL target leaves after the decode rows, first come first."""
+        of them, or under "slo" what the decoding streams' TPOT clocks allow (as a real node's
+        step budget does, pdserve.node.step_budget), first come first."""
         targets = self.spec.targets
-        itl = targets.itl_s if self.spec.placement == "slo" and targets is not None else 0.0
-        left = prefill_tokens_per_step(node.decoding_rows, self.step_costs, itl, 1 << 30)
+        left = 1 << 30
+        if self.spec.placement == "slo" and targets is not None:
+            clocks = [StreamClock(targets.itl_s, r.first_token, min(r.output_tokens - 1, STREAM_TOKENS_CAP),
+                                  r.output_tokens - 1 - r.remaining)
+                      for r in node.running if r.first_token is not None and r.remaining > 0]
+            left = amortized_prefill_tokens(clocks, self.now, node.decoding_rows, self.step_costs, left)
         chunks = {}
         for req in node.running:
             if req.prefill_left > 0 and left > 0:
