@@ -52,6 +52,13 @@ def has_headroom(rows: int, costs: StepCosts, itl_s: float) -> bool:
     return costs.step_s(rows, MIN_PREFILL_CHUNK) <= itl_s * TARGET_SHARE
 
 
+def spread_tpot_s(rows: int, costs: StepCosts, prefill_tokens: int, stream_tokens: int) -> float:
+    """The mean inter-token time of a node's streams once it decodes one more beside `rows`: its
+    steps with one more row, plus the time of prefill_tokens spread over a stream's
+    stream_tokens - 1 intervals, however the prefill is chunked."""
+    return costs.step_s(rows + 1, 0) + prefill_tokens * costs.token_s / max(stream_tokens - 1, 1)
+
+
 def absorbs_prefill(rows: int, costs: StepCosts, itl_s: float, prefill_tokens: int, stream_tokens: int) -> bool:
     """A node decoding `rows` streams can also prefill `prefill_tokens` and keep its streams'
     mean inter-token time (TPOT: a stream's decode time over its tokens) within the target share.
@@ -61,8 +68,7 @@ def absorbs_prefill(rows: int, costs: StepCosts, itl_s: float, prefill_tokens: i
         return True
     if stream_tokens <= 0:
         return has_headroom(rows, costs, itl_s)
-    stall_s = prefill_tokens * costs.token_s
-    return costs.step_s(rows + 1, 0) + stall_s / max(stream_tokens - 1, 1) <= itl_s * TARGET_SHARE
+    return spread_tpot_s(rows, costs, prefill_tokens, stream_tokens) <= itl_s * TARGET_SHARE
 
 
 @dataclass
@@ -81,6 +87,11 @@ class StreamClock:
         return banked + max(self.tokens_left - self.tokens, 0) * (share - step_s)
 
 
+def least_allowance_s(clocks: list[StreamClock], now_s: float, step_s: float) -> float:
+    """The prefill time every one of these streams can still absorb (negative: one is behind)."""
+    return min(c.allowance_s(now_s, step_s) for c in clocks)
+
+
 def amortized_prefill_tokens(clocks: list[StreamClock], now_s: float, rows: int, costs: StepCosts,
                              max_tokens: int) -> int:
     """Prompt tokens one step may prefill so that every stream's mean inter-token time stays
@@ -90,8 +101,7 @@ def amortized_prefill_tokens(clocks: list[StreamClock], now_s: float, rows: int,
         return max_tokens
     if costs.token_s <= 0:
         return min(MIN_PREFILL_CHUNK, max_tokens)
-    step_s = costs.step_s(rows, 0)
-    allowance = min(c.allowance_s(now_s, step_s) for c in clocks)
+    allowance = least_allowance_s(clocks, now_s, costs.step_s(rows, 0))
     return int(min(max(allowance / costs.token_s, MIN_PREFILL_CHUNK), max_tokens))
 
 

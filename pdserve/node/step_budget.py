@@ -18,6 +18,7 @@ from pdserve.engine.tpot_budget import (
     StepCosts,
     StreamClock,
     amortized_prefill_tokens,
+    least_allowance_s,
 )
 from pdserve.node.runtime import NodeRuntime
 
@@ -79,9 +80,8 @@ class StepBudget(NodeRuntime):
                      mixed_prefill_ns_per_token=int(costs.token_s * 1e9), prefill_cap_tokens=self._prefill_cap,
                      max_num_batched_tokens=self.engine.config.max_num_batched_tokens, timed_streams=len(self.clocks))
         if self.clocks:  # the prefill time its streams can still absorb (negative: they are behind)
-            step_s = costs.step_s(len(self.clocks), 0)
-            now = time.monotonic()
-            stats["stream_slack_us"] = int(min(c.allowance_s(now, step_s) for c in self.clocks.values()) * 1e6)
+            slack_s = least_allowance_s(list(self.clocks.values()), time.monotonic(), costs.step_s(len(self.clocks), 0))
+            stats["stream_slack_us"] = int(slack_s * 1e6)
         return stats
 
     def reply_delta(self, out) -> None:

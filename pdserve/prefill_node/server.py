@@ -48,11 +48,6 @@ class PendingPrefill:
     store_tokens: int = 0  # prompt tokens the store held at admission
 
 
-def _pulls_kv(msg: DecodeRequest) -> bool:
-    handover = msg.handover
-    return handover is not None and handover.mode in ("store", "nixl") and handover.num_tokens > 0
-
-
 def advertised(endpoint: str, host: str | None) -> str:
     if not host:
         return endpoint
@@ -94,7 +89,7 @@ class PrefillNode(StepBudget):
             self.side.send(identity, NixlMetadata(self.agent.name, self.agent.metadata()))
         elif isinstance(msg, PrefillRequest):
             self._admit(identity, msg)
-        elif isinstance(msg, DecodeRequest) and not _pulls_kv(msg):
+        elif isinstance(msg, DecodeRequest) and not (msg.handover is not None and msg.handover.carries_kv()):
             self._admit_whole(identity, msg)
         elif isinstance(msg, DecodeRequest):  # sent before the router saw this node switch roles
             self.control.send(identity, Rejected(msg.request_id, "this node serves prefill now"))

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pdserve.engine.tpot_budget import StepCosts, absorbs_prefill, prefill_tokens_per_step
+from pdserve.engine.tpot_budget import StepCosts, absorbs_prefill, prefill_tokens_per_step, spread_tpot_s
 
 # A prefill node whose estimated TTFT is within this share of the target takes the prompt: the
 # estimate misses what arrives after it (Poisson bursts), so the queue is not filled to the brim.
@@ -50,7 +50,8 @@ class Targets:
 
 @dataclass(frozen=True)
 class DecodeLoad:
-    """The chosen decode node as the router sees it."""
+    """A node as a host of decode streams, as the router sees it: the chosen decode node, or a
+    prefill node that would run the request whole."""
     rows: int                  # streams decoding there by the time this prompt prefills (queued prompts too)
     costs: StepCosts           # its measured step costs (token_s: 0 falls back to the prefill nodes')
     queued_tokens: int = 0     # prompt tokens the router sent it to prefill that have no first token yet
@@ -91,8 +92,7 @@ def stream_tpot_s(load: DecodeLoad, stream_tokens: int) -> float:
     """A new stream's mean inter-token time on this node: its steps with one more row, plus the
     prefill time of the prompts queued there, spread over the stream's intervals (the node keeps
     prefilling at about that rate while the stream decodes)."""
-    n = stream_tokens if stream_tokens > 0 else DEFAULT_STREAM_TOKENS
-    return load.costs.step_s(load.rows + 1, 0) + load.queued_tokens * load.costs.token_s / max(n - 1, 1)
+    return spread_tpot_s(load.rows, load.costs, load.queued_tokens, stream_tokens or DEFAULT_STREAM_TOKENS)
 
 
 def _has_room(load: DecodeLoad, tokens: int, targets: Targets, stream_tokens: int) -> bool:

@@ -122,7 +122,7 @@ class Planner:
         if pinned is not None and pinned.in_flight - d_node.in_flight < BALANCE_ABS_THRESHOLD:
             d_node = pinned
             scores["pinned"] = pinned.node_id
-        cached = min(held.get(d_node.node_id, 0) * self.block_size, prompt_len - 1)
+        cached = self._held_tokens(d_node, held, prompt_len)
         p_node = None
         if prefill and prompt_len - cached > self.local_prefill_threshold:
             if self.prefill_policy == "cache_aware":
@@ -135,7 +135,7 @@ class Planner:
                 placement = self._place(prompt_len, cached, held, d_node, p_node, prefill, targets, max_tokens)
                 scores["placement"] = placement.scores()
                 if placement.whole:  # monolithic on the prefill node
-                    d_node, cached = p_node, min(held.get(p_node.node_id, 0) * self.block_size, prompt_len - 1)
+                    d_node, cached = p_node, self._held_tokens(p_node, held, prompt_len)
                 if placement.local or placement.whole:
                     p_node = None
         plan = RoutePlan(d_node.node_id, p_node.node_id if p_node else None, cached, scores)
@@ -148,13 +148,17 @@ class Planner:
         """pd_decision.place for this request. A prefill node that decodes whole requests caps
         its prefill chunks to hold their ITL target too, so it is priced as the decode node is."""
         remote = self._ttft_costs(prefill, held, prompt_len)[p_node.node_id]
-        p_tokens = prompt_len - min(held.get(p_node.node_id, 0) * self.block_size, prompt_len - 1)
+        p_tokens = prompt_len - self._held_tokens(p_node, held, prompt_len)
         p_load = self._host_load(p_node, prefill)
         stream_tokens = min(max_tokens, STREAM_TOKENS_CAP)
         if p_node.decode_rows:
             remote = max(remote, local_ttft_s(p_tokens, p_load, targets.itl_s, stream_tokens))
         whole = p_load if p_node.takes_whole else None
         return place(remote, prompt_len - cached, self._host_load(d_node, prefill), targets, whole, stream_tokens)
+
+    def _held_tokens(self, node: NodeView, held: dict[str, int], prompt_len: int) -> int:
+        """Prompt tokens the node holds (the last one is always computed, for its logits)."""
+        return min(held.get(node.node_id, 0) * self.block_size, prompt_len - 1)
 
     def _host_load(self, node: NodeView, prefill: list[NodeView]) -> DecodeLoad:
         return DecodeLoad(node.decode_rows, self._decode_costs(node, prefill), node.queued_tokens, node.max_step_tokens,
@@ -203,7 +207,7 @@ class Planner:
         for n in nodes:
             per_token = n.prefill_s_per_token or fleet_cost
             per_stored = n.store_s_per_token or per_token * STORE_HIT_RELATIVE_COST
-            local = min(held.get(n.node_id, 0) * self.block_size, prompt_len - 1)
+            local = self._held_tokens(n, held, prompt_len)
             from_store = min(max(stored - local, 0), prompt_len - 1 - local)
             computed = prompt_len - local - from_store
             cost[n.node_id] = per_token * (n.queued_tokens + computed) + per_stored * from_store

@@ -25,6 +25,10 @@ class KVHandover(msgspec.Struct, frozen=True):
     # model whose layers all slide). regions and digests start at it; keys stay the whole chain.
     first_block: int = 0
 
+    def carries_kv(self) -> bool:
+        """The receiver pulls KV (store fetch or NIXL READ), rather than computing the prompt."""
+        return self.mode in ("store", "nixl") and self.num_tokens > 0
+
 
 class Ping(msgspec.Struct, tag=True):
     seq: int
