@@ -60,7 +60,7 @@ def test_long_prefill_queue_with_decode_headroom_goes_local():
 def test_decode_near_its_tpot_target_keeps_the_prompt_remote():
     busy = DecodeLoad(rows=34, costs=COSTS)  # 78 ms of decode per step: no room for 16 tokens under 80 ms
     p = place(remote_ttft_s=10.0, local_tokens=400, load=busy, targets=TARGETS)
-    assert not p.local and p.reason == "decode steps at their ITL target"
+    assert not p.local and p.reason.startswith("decode steps at their ITL target")
 
 
 def test_queued_local_work_and_a_slow_decode_node_send_it_back_remote():
@@ -197,17 +197,30 @@ def test_decode_at_its_target_sends_the_request_whole_to_an_idle_prefill_node():
     little prefill queued), prefills and decodes it. A busy prefill node (its queue's prefill
     would slow the stream more), one with as many streams, or one that does not serve whole
     requests: remote."""
-    busy = DecodeLoad(rows=34, costs=COSTS)
+    busy = DecodeLoad(rows=35, costs=COSTS)  # one more stream: 82 ms a step, past the 80 ms share
     for host in (DecodeLoad(rows=0, costs=COSTS), DecodeLoad(rows=30, costs=COSTS, queued_tokens=100)):
         p = place(remote_ttft_s=0.2, local_tokens=400, load=busy, targets=TARGETS, whole=host)
         assert p.whole and not p.local and p.scores()["where"] == "whole"
     # 1000 queued tokens: 0.5 s of prefill over a 32-token stream's 31 intervals, 16 ms more a token.
     queued_host = DecodeLoad(rows=30, costs=COSTS, queued_tokens=1000)
-    for whole in (None, queued_host, DecodeLoad(rows=34, costs=COSTS)):
+    for whole in (None, queued_host, DecodeLoad(rows=35, costs=COSTS)):
         p = place(remote_ttft_s=0.2, local_tokens=400, load=busy, targets=TARGETS, whole=whole)
         assert not p.whole and not p.local and p.reason == "decode steps at their ITL target"
     # A decode node with room keeps the stream: the fallback is for a decode-bound node.
     assert not place(0.2, 400, DecodeLoad(rows=2, costs=COSTS), TARGETS, whole=DecodeLoad(0, COSTS)).whole
+
+
+def test_decode_node_with_room_for_the_stream_but_not_its_prefill_takes_it_remote():
+    """Rule 2's first branch: 20 streams leave room for a 21st (52 ms a step, under the 80 ms
+    share) but not for a 4000-token prefill beside them, so the prompt prefills remotely and the
+    stream decodes there, even though an idle prefill node would decode it faster whole. At 34
+    streams plus queued prompts spread over the stream, the node is full: whole again."""
+    roomy = DecodeLoad(rows=20, costs=COSTS)
+    p = place(remote_ttft_s=0.2, local_tokens=4000, load=roomy, targets=TARGETS, whole=DecodeLoad(0, COSTS),
+              stream_tokens=32)
+    assert not p.local and not p.whole and p.reason == "decode steps at their ITL target with its prefill"
+    queued = DecodeLoad(rows=34, costs=COSTS, queued_tokens=200)  # 80 ms + 200 x 0.5 ms / 31 > 80 ms
+    assert place(0.2, 4000, queued, TARGETS, whole=DecodeLoad(0, COSTS), stream_tokens=32).whole
 
 
 def test_planner_runs_the_request_whole_on_the_prefill_node_and_prices_its_streams():
@@ -216,7 +229,7 @@ def test_planner_runs_the_request_whole_on_the_prefill_node_and_prices_its_strea
     that decodes streams prefills in capped chunks, and its TTFT estimate says so."""
     index = PrefixIndex()
     keys = block_key_chain(list(range(400)), 16, b"salt")
-    busy = [NodeView("d0", 34, 100, 100, decode_rows=34, step_costs=COSTS)]
+    busy = [NodeView("d0", 35, 100, 100, decode_rows=35, step_costs=COSTS)]
     slo = Planner(index, 16, placement="slo", targets=TARGETS)
     host = NodeView("p0", 0, prefill_s_per_token=COSTS.token_s, step_costs=COSTS, takes_whole=True)
     plan = slo.plan("a", 400, keys, busy, [host])
@@ -287,7 +300,7 @@ def test_the_decode_node_s_reported_slack_must_pay_for_a_local_prefill():
     assert place(3.0, 64, roomy, TARGETS, stream_tokens=32).local
     tight = DecodeLoad(rows=4, costs=slow_token, slack_s=0.050)
     p = place(3.0, 64, tight, TARGETS, stream_tokens=32)
-    assert not p.local and p.reason == "decode steps at their ITL target"
+    assert not p.local and p.reason.startswith("decode steps at their ITL target")
     node = Node("d0", "decode", "tcp://127.0.0.1:1", sock=None, healthy=True, stats={"stream_slack_us": -20_000})
     assert node_view(node).stream_slack_s == pytest.approx(-0.02)
     assert node_view(Node("d1", "decode", "tcp://127.0.0.1:1", sock=None, healthy=True)).stream_slack_s == math.inf

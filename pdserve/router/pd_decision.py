@@ -16,8 +16,10 @@ The rule, in order:
      prefill time of this prompt and of its queued ones spread over a stream's tokens, would
      take its streams' mean inter-token time past the target share (tpot_budget.absorbs_prefill),
      or that prefill time is more than its streams' slack as the node last reported it.
-     Then whole on the prefill node when it serves whole requests and a stream there would decode
-     faster than on the decode node: its steps with one more stream, plus its queued prompts'
+     Then remote when the decode node can still decode one more stream within the target share
+     (its steps with one more row, plus its queued prompts' prefill spread over a stream's
+     tokens); else whole on the prefill node when it serves whole requests and a stream there
+     would decode faster than on the decode node: its steps with one more stream, plus its queued prompts'
      prefill time spread over a stream's tokens (a monolithic fallback: a decode-bound mix then
      decodes on both cores, while a prefill node with a queue keeps its core for prefill);
      otherwise remote, whatever the queue;
@@ -33,7 +35,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pdserve.engine.tpot_budget import StepCosts, absorbs_prefill, prefill_tokens_per_step, spread_tpot_s
+from pdserve.engine.tpot_budget import (
+    TARGET_SHARE,
+    StepCosts,
+    absorbs_prefill,
+    prefill_tokens_per_step,
+    spread_tpot_s,
+)
 
 # A prefill node whose estimated TTFT is within this share of the target takes the prompt: the
 # estimate misses what arrives after it (Poisson bursts), so the queue is not filled to the brim.
@@ -103,6 +111,13 @@ def _has_room(load: DecodeLoad, tokens: int, targets: Targets, stream_tokens: in
             and work * load.costs.token_s <= load.slack_s)
 
 
+def _takes_stream(load: DecodeLoad, targets: Targets, stream_tokens: int) -> bool:
+    """The decode node can decode one more stream, prefilled elsewhere, within the target share:
+    then remote. Sending it whole would make the prefill node prefill every other prompt beside
+    a stream's budget, which costs the next requests' TTFT for no TPOT gained."""
+    return load.rows == 0 or stream_tpot_s(load, stream_tokens) <= targets.itl_s * TARGET_SHARE
+
+
 def place(remote_ttft_s: float | None, local_tokens: int, load: DecodeLoad, targets: Targets,
           whole: DecodeLoad | None = None, stream_tokens: int = 0) -> Placement:
     """remote_ttft_s: the best prefill node's estimate (None: no prefill node). whole: that node's
@@ -113,6 +128,8 @@ def place(remote_ttft_s: float | None, local_tokens: int, load: DecodeLoad, targ
     if remote_ttft_s is None:
         return Placement(True, math.inf, local, "no prefill node")
     if not _has_room(load, local_tokens, targets, stream_tokens):
+        if _takes_stream(load, targets, stream_tokens):
+            return Placement(False, remote_ttft_s, local, "decode steps at their ITL target with its prefill")
         if whole is not None and stream_tpot_s(whole, stream_tokens) < stream_tpot_s(load, stream_tokens):
             return Placement(False, remote_ttft_s, local, "decode node full: whole on the prefill node", whole=True)
         return Placement(False, remote_ttft_s, local, "decode steps at their ITL target")
