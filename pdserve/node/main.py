@@ -5,6 +5,8 @@ import logging
 import os
 import time
 
+from pdserve.node.compute_thread import on_compute_thread
+
 log = logging.getLogger(__name__)
 
 
@@ -101,7 +103,7 @@ def serve_node(role: str, args) -> int:
     store client and control socket, without reloading weights."""
     _use_curve(args)
     _pin_ucx(args.bind)
-    engine = _engine(args)
+    engine = on_compute_thread(_engine, args)  # one OpenMP pool: see node.compute_thread
     store = _store(args, engine)
     node = _build_node(role, args, engine, args.bind, store)
     while (to_role := node.serve_forever()) is not None:

@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import zmq
@@ -29,6 +28,7 @@ from pdserve.cluster.router_liveness import RouterLiveness
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.footprint import footprint
 from pdserve.engine.outputs import StepOutput
+from pdserve.node.compute_thread import compute_executor
 from pdserve.node.embeddings import EmbeddingQueue
 from pdserve.node.kv_events import KVEventPublisher
 from pdserve.node.lora_control import apply_lora_message, lora_pong_fields
@@ -95,7 +95,7 @@ class NodeRuntime:
             self.control = NodeSocket(self.ctx, bind, zap_domain=CONTROL_DOMAIN)
             self.stats = NodeStats()
             self.kv_events = KVEventPublisher(engine.pool, node_id, self.control.send)
-            self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{node_id}-step")
+            self._stepper = compute_executor()  # the thread that built the engine (one OpenMP pool)
             # The worker writes a byte here when a step ends, so the poll wakes at once.
             self._step_done_r, self._step_done_w = os.pipe()
             self.switches = 0
@@ -323,7 +323,7 @@ class NodeRuntime:
         if self.registration is not None:
             self.registration.close()  # deregister first: routers stop sending before the socket closes
         self.close_role()
-        self._stepper.shutdown(wait=True)
+        self._stepper.submit(lambda: None).result()  # a step in flight ends first; the thread is the process's
         os.close(self._step_done_r)
         os.close(self._step_done_w)
         self.control.close()
