@@ -58,9 +58,10 @@ def test_long_prefill_queue_with_decode_headroom_goes_local():
 
 
 def test_decode_near_its_tpot_target_keeps_the_prompt_remote():
-    busy = DecodeLoad(rows=34, costs=COSTS)  # 78 ms of decode per step: no room for 16 tokens under 80 ms
+    # 78 ms of decode per step: no room for 16 prompt tokens under 80 ms, room for one more stream (80 ms).
+    busy = DecodeLoad(rows=34, costs=COSTS)
     p = place(remote_ttft_s=10.0, local_tokens=400, load=busy, targets=TARGETS)
-    assert not p.local and p.reason.startswith("decode steps at their ITL target")
+    assert not p.local and p.reason == "decode steps at their ITL target with its prefill"
 
 
 def test_queued_local_work_and_a_slow_decode_node_send_it_back_remote():
@@ -300,7 +301,7 @@ def test_the_decode_node_s_reported_slack_must_pay_for_a_local_prefill():
     assert place(3.0, 64, roomy, TARGETS, stream_tokens=32).local
     tight = DecodeLoad(rows=4, costs=slow_token, slack_s=0.050)
     p = place(3.0, 64, tight, TARGETS, stream_tokens=32)
-    assert not p.local and p.reason.startswith("decode steps at their ITL target")
+    assert not p.local and p.reason == "decode steps at their ITL target with its prefill"
     node = Node("d0", "decode", "tcp://127.0.0.1:1", sock=None, healthy=True, stats={"stream_slack_us": -20_000})
     assert node_view(node).stream_slack_s == pytest.approx(-0.02)
     assert node_view(Node("d1", "decode", "tcp://127.0.0.1:1", sock=None, healthy=True)).stream_slack_s == math.inf

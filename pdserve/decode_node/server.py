@@ -57,7 +57,7 @@ class DecodeNode(StepBudget):
         if rid in self.deferred_aborts:  # the router resumes it here (no other decode node was up)
             self.resumes_waiting[rid] = (identity, msg)
             return
-        pull = handover is not None and handover.carries_kv()
+        pull = msg.pulls_kv()
         try:
             req = self.engine.add_request(rid, msg.prompt_token_ids, msg.params, output_token_ids=msg.first_token_ids,
                                           remote_kv_tokens=handover.num_tokens if pull else 0,

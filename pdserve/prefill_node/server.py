@@ -89,7 +89,7 @@ class PrefillNode(StepBudget):
             self.side.send(identity, NixlMetadata(self.agent.name, self.agent.metadata()))
         elif isinstance(msg, PrefillRequest):
             self._admit(identity, msg)
-        elif isinstance(msg, DecodeRequest) and not (msg.handover is not None and msg.handover.carries_kv()):
+        elif isinstance(msg, DecodeRequest) and not msg.pulls_kv():
             self._admit_whole(identity, msg)
         elif isinstance(msg, DecodeRequest):  # sent before the router saw this node switch roles
             self.control.send(identity, Rejected(msg.request_id, "this node serves prefill now"))

@@ -25,10 +25,6 @@ class KVHandover(msgspec.Struct, frozen=True):
     # model whose layers all slide). regions and digests start at it; keys stay the whole chain.
     first_block: int = 0
 
-    def carries_kv(self) -> bool:
-        """The receiver pulls KV (store fetch or NIXL READ), rather than computing the prompt."""
-        return self.mode in ("store", "nixl") and self.num_tokens > 0
-
 
 class Ping(msgspec.Struct, tag=True):
     seq: int
@@ -101,6 +97,11 @@ class DecodeRequest(msgspec.Struct, tag=True):
     itl_slo_s: float = 0.0
     cache_salt: str | None = None  # as PrefillRequest's
     adapter: str | None = None
+
+    def pulls_kv(self) -> bool:
+        """The receiver pulls the prompt's KV (store fetch or NIXL READ), rather than computing it."""
+        h = self.handover
+        return h is not None and h.mode in ("store", "nixl") and h.num_tokens > 0
 
 
 class EmbedRequest(msgspec.Struct, tag=True):
