@@ -10,7 +10,7 @@ Scales and mins are float32, or float16 kept as their raw 16 bits (see quant_sca
 
 Two ways to multiply, chosen by the number of tokens (see QUANT_GEMV_MAX_TOKENS):
 - gemv (quant_gemv): the weights are decoded as they are read, at 4 or 8 bits instead of 32;
-  decode steps are memory-bound;
+  decode steps are memory-bound. At one token, native_gemv's compiled kernel runs where it builds;
 - dequantize a tile of rows to float32, multiply it by BLAS, next tile: prefill is
   compute-bound, and the dequantization is amortised over its tokens.
 Both multiply the float32 values transformers computes when it dequantizes the same checkpoint
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from pdserve.kernels import numba_threads, quant_gemv  # noqa: F401  (numba_threads: before the first parallel call)
+from pdserve.kernels import native_gemv, numba_threads, quant_gemv  # noqa: F401  (numba_threads: before the first parallel call)
 from pdserve.kernels.dequant_tiles import matmul_by_tiles
 from pdserve.kernels.quant_scales import HALF_TO_FLOAT, scale_value
 
@@ -136,7 +136,12 @@ def gemv(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,
 
 
 def _gemv(x: torch.Tensor, m: PackedMatrix) -> torch.Tensor:
-    return torch.from_numpy(quant_gemv.gemv(x.numpy(), m.bits, m.q, m.scales, m.mins, m.has_min, m.group))
+    xn = x.numpy()
+    if xn.shape[0] == 1:  # a decode step at one request: the compiled kernel, where it builds
+        out = native_gemv.gemv_one_token(xn, m.bits, m.q, m.scales, m.mins, m.has_min, m.group)
+        if out is not None:
+            return torch.from_numpy(out)
+    return torch.from_numpy(quant_gemv.gemv(xn, m.bits, m.q, m.scales, m.mins, m.has_min, m.group))
 
 
 def tiled_matmul(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,

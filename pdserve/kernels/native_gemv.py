@@ -1,0 +1,126 @@
+"""The one-token quantized matmul compiled from C (native_gemv.c): AVX-512 intrinsics, OpenMP.
+
+A decode step at concurrency 1 multiplies one token by every weight, and numba's kernel
+(quant_gemv) left it at 2 to 3 bytes of weights a cycle: its loops widen the nibbles and the
+scales lane by lane. The C kernel decodes a block of 32 columns in a few vector instructions and
+prefetches the rows ahead, 1.6 to 2.5 times as fast on SmolLM2's shapes
+(benchmarks/bench_native_gemv.py). It computes the same float32 values, in another order of sums.
+
+The library is compiled on first use with the machine's C compiler (`-march=native`) into
+PDSERVE_CACHE_DIR/native, keyed by the source, the flags, the compiler and the CPU's flags, so a
+second process loads it without compiling. Where there is no compiler, no AVX-512 or no source
+(`PDSERVE_NATIVE_KERNELS=0` too), `library()` is None, one log line says why, and numba's kernel
+runs instead.
+
+OpenMP: the library links the same libgomp as numba's threading layer, so the compute thread keeps
+one thread pool for both (see pdserve/node/compute_thread.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numba
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native_gemv.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+_P, _I = ctypes.c_void_p, ctypes.c_int
+
+
+def _cache_dir() -> Path:
+    from pdserve.models.builtin import cache_root
+    return cache_root() / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_key(compiler: str) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (*FLAGS, version, _cpu_flags(), platform.machine()):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
+def _compile(compiler: str, target: Path) -> None:
+    """Into a temporary file beside target, then renamed: processes that compile at once each
+    write their own file, and a reader never sees half of one."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _why_not() -> str | None:
+    if os.environ.get("PDSERVE_NATIVE_KERNELS", "1") == "0":
+        return "PDSERVE_NATIVE_KERNELS=0"
+    if platform.machine() not in ("x86_64", "AMD64") or "avx512bw" not in _cpu_flags():
+        return "the CPU has no AVX-512"
+    if not SOURCE.exists():
+        return f"{SOURCE.name} is not installed"
+    return None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (numba's kernel runs) with one log line saying why."""
+    reason = _why_not()
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if reason is None and compiler is None:
+        reason = "no C compiler (cc, gcc) on PATH"
+    if reason is None:
+        try:
+            path = _cache_dir() / f"native_gemv-{_build_key(compiler)}.so"
+            if not path.exists():
+                _compile(compiler, path)
+            lib = ctypes.CDLL(str(path))
+        except (OSError, subprocess.CalledProcessError) as e:
+            reason = f"it did not build or load: {getattr(e, 'stderr', None) or e}"
+    if reason is not None:
+        log.info("native quantized gemv unavailable (%s): numba's kernel runs instead", reason.strip()[:500])
+        return None
+    fn = lib.pd_gemv_one_token
+    fn.argtypes = [_P, _I, _P, _I, _I, _P, _P, _I, _I, _I, _P, _I]
+    fn.restype = _I
+    return lib
+
+
+def gemv_one_token(x: np.ndarray, bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray,
+                   has_min: bool, group: int) -> np.ndarray | None:
+    """x [1, K] float32 (contiguous) @ w.T -> [1, N], with q, scales and mins as quant_cpu holds
+    them (contiguous numpy arrays; scales and mins float32, or float16 bits as uint16). None when
+    the library is unavailable or does not take this shape."""
+    lib = library()
+    if lib is None or not (x.flags.c_contiguous and q.flags.c_contiguous and scales.flags.c_contiguous
+                           and mins.flags.c_contiguous):
+        return None
+    out = np.empty((1, q.shape[0]), dtype=np.float32)
+    half = scales.dtype == np.uint16
+    rc = lib.pd_gemv_one_token(x.ctypes.data, x.shape[1], q.ctypes.data, q.shape[0], bits, scales.ctypes.data,
+                               mins.ctypes.data if has_min else None, int(half), int(has_min), group,
+                               out.ctypes.data, numba.get_num_threads())
+    return out if rc == 0 else None

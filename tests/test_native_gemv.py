@@ -1,0 +1,90 @@
+"""The compiled one-token quantized matmul (pdserve/kernels/native_gemv.c): for each layout the
+kernels hold (int4 and int8 values, groups of 16, 32 and 64 columns, with and without mins, float16
+and float32 scales) it gives x @ w.T over the dequantized float32 weights, as numba's kernel does,
+and the CPU path uses it at one token. It is compiled here, with the machine's compiler."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.kernels import native_gemv, quant_cpu, quant_gemv
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    native_gemv.library.cache_clear()
+    yield
+    native_gemv.library.cache_clear()
+
+
+def _available() -> bool:
+    return native_gemv._why_not() is None and native_gemv.shutil.which("cc") is not None
+
+
+needs_native = pytest.mark.skipif(not _available(), reason="no AVX-512 or no C compiler: numba's kernel runs")
+
+
+def _matrix(rng, rows, cols, bits, group, has_min, half):
+    q = rng.integers(0, 16 if bits == 4 else 256, (rows, cols // 2 if bits == 4 else cols), dtype=np.uint8)
+    if bits == 8:
+        q = q.view(np.int8)
+    else:  # two values a byte: the low nibble column j, the high one column j + 16 of each run of 32
+        q = (q & 15) | (rng.integers(0, 16, q.shape, dtype=np.uint8) << 4)
+    scales = (rng.random((rows, cols // group)) * 0.02 + 0.001).astype(np.float32)
+    mins = (rng.random((rows, cols // group)) * -0.1).astype(np.float32)
+    if half:
+        scales, mins = (a.astype(np.float16).view(np.uint16) for a in (scales, mins))
+    return q, scales, mins if has_min else scales[:, :0]
+
+
+def _dequantized(q, scales, mins, bits, group, has_min):
+    t = lambda a: torch.from_numpy(a.view(np.int16)).view(torch.float16) if a.dtype == np.uint16 else torch.from_numpy(a)  # noqa: E731
+    return quant_cpu.dequantize_rows(bits, torch.from_numpy(q), t(scales), t(mins) if has_min else None, group).double()
+
+
+@needs_native
+@pytest.mark.parametrize("bits,group,has_min,half",
+                         list(itertools.product((4, 8), (16, 32, 64), (False, True), (False, True))))
+def test_matches_the_dequantized_matmul_and_numba(bits, group, has_min, half):
+    rng = np.random.default_rng(bits * 1000 + group + 10 * has_min + half)
+    rows, cols = 37, 256  # rows not a multiple of the kernel's 4 or 16
+    q, scales, mins = _matrix(rng, rows, cols, bits, group, has_min, half)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    got = native_gemv.gemv_one_token(x, bits, q, scales, mins, has_min, group)
+    assert got is not None
+    want = (torch.from_numpy(x).double() @ _dequantized(q, scales, mins, bits, group, has_min).T).numpy()
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 1e-5 * scale
+    numba_out = quant_gemv.gemv(x, bits, q, scales, mins, has_min, group)
+    assert np.abs(got - numba_out).max() <= 1e-5 * scale
+
+
+@needs_native
+def test_one_token_matmuls_take_the_compiled_kernel(monkeypatch):
+    rng = np.random.default_rng(1)
+    q, scales, mins = _matrix(rng, 64, 128, 4, 32, True, True)
+    m = quant_cpu.PackedMatrix(4, 32, q, scales, mins, True)
+    calls = []
+    real = native_gemv.gemv_one_token
+    monkeypatch.setattr(native_gemv, "gemv_one_token", lambda *a: calls.append(a[0].shape) or real(*a))
+    quant_cpu.packed_matmul(torch.randn(1, 128), m)
+    quant_cpu.packed_matmul(torch.randn(3, 128), m)
+    assert calls == [(1, 128)]
+    assert list((native_gemv._cache_dir()).glob("native_gemv-*.so"))  # compiled into the cache
+
+
+def test_switched_off_falls_back_to_numba(monkeypatch, caplog):
+    monkeypatch.setenv("PDSERVE_NATIVE_KERNELS", "0")
+    with caplog.at_level("INFO", logger=native_gemv.__name__):
+        assert native_gemv.library() is None
+    assert "PDSERVE_NATIVE_KERNELS=0" in caplog.text
+    rng = np.random.default_rng(2)
+    q, scales, mins = _matrix(rng, 20, 64, 8, 32, False, True)
+    x = torch.randn(1, 64)
+    y = quant_cpu.packed_matmul(x, quant_cpu.PackedMatrix(8, 32, q, scales, mins, False))
+    want = x.double() @ _dequantized(q, scales, mins, 8, 32, False).T
+    assert (y.double() - want).abs().max() <= 1e-5 * want.abs().max()
