@@ -67,13 +67,19 @@ def test_matches_the_dequantized_matmul_and_numba(bits, group, has_min, half):
 def test_one_token_matmuls_take_the_compiled_kernel(monkeypatch):
     rng = np.random.default_rng(1)
     q, scales, mins = _matrix(rng, 64, 128, 4, 32, True, True)
-    m = quant_cpu.PackedMatrix(4, 32, q, scales, mins, True)
+    m = quant_cpu.PackedMatrix.of(4, torch.from_numpy(q), torch.from_numpy(scales.view(np.int16)).view(torch.float16),
+                                  torch.from_numpy(mins.view(np.int16)).view(torch.float16), 32)
     calls = []
-    real = native_gemv.gemv_one_token
-    monkeypatch.setattr(native_gemv, "gemv_one_token", lambda *a: calls.append(a[0].shape) or real(*a))
-    quant_cpu.packed_matmul(torch.randn(1, 128), m)
-    quant_cpu.packed_matmul(torch.randn(3, 128), m)
-    assert calls == [(1, 128)]
+    real = native_gemv.run_one_token
+    monkeypatch.setattr(native_gemv, "run_one_token", lambda *a: calls.append(a[1]) or real(*a))
+    x = torch.randn(4, 128)
+    want = x.double() @ _dequantized(q, scales, mins, 4, 32, True).T
+    one = quant_cpu.packed_matmul(x[:1], m)
+    assert calls == [128]
+    three = quant_cpu.packed_matmul(x[1:], m)
+    assert calls == [128]  # more tokens: numba's kernel
+    got = torch.cat([one, three]).double()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     assert list((native_gemv._cache_dir()).glob("native_gemv-*.so"))  # compiled into the cache
 
 
@@ -85,6 +91,7 @@ def test_switched_off_falls_back_to_numba(monkeypatch, caplog):
     rng = np.random.default_rng(2)
     q, scales, mins = _matrix(rng, 20, 64, 8, 32, False, True)
     x = torch.randn(1, 64)
-    y = quant_cpu.packed_matmul(x, quant_cpu.PackedMatrix(8, 32, q, scales, mins, False))
+    y = quant_cpu.packed_matmul(x, quant_cpu.PackedMatrix(8, 32, q, scales, mins, False,
+                                                          native_gemv.matrix_args(8, q, scales, mins, False, 32)))
     want = x.double() @ _dequantized(q, scales, mins, 8, 32, False).T
     assert (y.double() - want).abs().max() <= 1e-5 * want.abs().max()

@@ -109,18 +109,33 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def matrix_args(bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray, has_min: bool,
+                group: int) -> tuple | None:
+    """The kernel's arguments that describe one weight matrix (pointers into its arrays, which the
+    caller keeps alive), made once per matrix: building them costs microseconds a call. None when
+    the arrays are not contiguous."""
+    if not (q.flags.c_contiguous and scales.flags.c_contiguous and mins.flags.c_contiguous):
+        return None
+    return (q.ctypes.data, q.shape[0], bits, scales.ctypes.data, mins.ctypes.data if has_min else None,
+            int(scales.dtype == np.uint16), int(has_min), group)
+
+
+def run_one_token(x_ptr: int, cols: int, matrix: tuple, out_ptr: int) -> bool:
+    """out[0, :N] = x[0, :cols] @ w.T for float32 buffers at x_ptr and out_ptr. False when the library
+    is unavailable or does not take this shape (nothing is written then)."""
+    lib = library()
+    if lib is None:
+        return False
+    return lib.pd_gemv_one_token(x_ptr, cols, *matrix, out_ptr, numba.get_num_threads()) == 0
+
+
 def gemv_one_token(x: np.ndarray, bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray,
                    has_min: bool, group: int) -> np.ndarray | None:
     """x [1, K] float32 (contiguous) @ w.T -> [1, N], with q, scales and mins as quant_cpu holds
-    them (contiguous numpy arrays; scales and mins float32, or float16 bits as uint16). None when
-    the library is unavailable or does not take this shape."""
-    lib = library()
-    if lib is None or not (x.flags.c_contiguous and q.flags.c_contiguous and scales.flags.c_contiguous
-                           and mins.flags.c_contiguous):
-        return None
+    them (numpy arrays; scales and mins float32, or float16 bits as uint16); None where
+    run_one_token is False."""
+    matrix = matrix_args(bits, q, scales, mins, has_min, group)
     out = np.empty((1, q.shape[0]), dtype=np.float32)
-    half = scales.dtype == np.uint16
-    rc = lib.pd_gemv_one_token(x.ctypes.data, x.shape[1], q.ctypes.data, q.shape[0], bits, scales.ctypes.data,
-                               mins.ctypes.data if has_min else None, int(half), int(has_min), group,
-                               out.ctypes.data, numba.get_num_threads())
-    return out if rc == 0 else None
+    if matrix is None or not x.flags.c_contiguous or not run_one_token(x.ctypes.data, x.shape[1], matrix, out.ctypes.data):
+        return None
+    return out

@@ -111,11 +111,14 @@ class PackedMatrix:
     scales: np.ndarray
     mins: np.ndarray  # empty when has_min is False
     has_min: bool
+    native: tuple | None = None  # native_gemv's arguments for this matrix, None where it cannot take it
 
     @classmethod
     def of(cls, bits: int, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
            group: int) -> PackedMatrix:
-        return cls(bits, group, _np(q), _np(scales), _mins_np(mins, scales), mins is not None)
+        qn, sn, mn = _np(q), _np(scales), _mins_np(mins, scales)
+        native = native_gemv.matrix_args(bits, qn, sn, mn, mins is not None, group)
+        return cls(bits, group, qn, sn, mn, mins is not None, native)
 
 
 def quant_matmul(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,
@@ -136,12 +139,11 @@ def gemv(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,
 
 
 def _gemv(x: torch.Tensor, m: PackedMatrix) -> torch.Tensor:
-    xn = x.numpy()
-    if xn.shape[0] == 1:  # a decode step at one request: the compiled kernel, where it builds
-        out = native_gemv.gemv_one_token(xn, m.bits, m.q, m.scales, m.mins, m.has_min, m.group)
-        if out is not None:
-            return torch.from_numpy(out)
-    return torch.from_numpy(quant_gemv.gemv(xn, m.bits, m.q, m.scales, m.mins, m.has_min, m.group))
+    if x.shape[0] == 1 and m.native is not None:  # a decode step at one request: the compiled kernel
+        out = torch.empty(1, m.q.shape[0])
+        if native_gemv.run_one_token(x.data_ptr(), x.shape[1], m.native, out.data_ptr()):
+            return out
+    return torch.from_numpy(quant_gemv.gemv(x.numpy(), m.bits, m.q, m.scales, m.mins, m.has_min, m.group))
 
 
 def tiled_matmul(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,
