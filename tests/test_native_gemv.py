@@ -1,7 +1,8 @@
-"""The compiled one-token quantized matmul (pdserve/kernels/native_gemv.c): for each layout the
-kernels hold (int4 and int8 values, groups of 16, 32 and 64 columns, with and without mins, float16
-and float32 scales) it gives x @ w.T over the dequantized float32 weights, as numba's kernel does,
-and the CPU path uses it at one token. It is compiled here, with the machine's compiler."""
+"""The compiled quantized matmul of decode steps (pdserve/kernels/native_gemv.c): for each layout
+the kernels hold (int4 and int8 values, groups of 16, 32 and 64 columns, with and without mins,
+float16 and float32 scales) and for 1 to 32 tokens it gives x @ w.T over the dequantized float32
+weights, as numba's kernel does, and the CPU path uses it up to 32 tokens. It is compiled here,
+with the machine's compiler."""
 from __future__ import annotations
 
 import itertools
@@ -53,32 +54,34 @@ def test_matches_the_dequantized_matmul_and_numba(bits, group, has_min, half):
     rng = np.random.default_rng(bits * 1000 + group + 10 * has_min + half)
     rows, cols = 37, 256  # rows not a multiple of the kernel's 4 or 16
     q, scales, mins = _matrix(rng, rows, cols, bits, group, has_min, half)
-    x = rng.standard_normal((1, cols)).astype(np.float32)
-    got = native_gemv.gemv_one_token(x, bits, q, scales, mins, has_min, group)
-    assert got is not None
-    want = (torch.from_numpy(x).double() @ _dequantized(q, scales, mins, bits, group, has_min).T).numpy()
-    scale = np.abs(want).max()
-    assert np.abs(got - want).max() <= 1e-5 * scale
-    numba_out = quant_gemv.gemv(x, bits, q, scales, mins, has_min, group)
-    assert np.abs(got - numba_out).max() <= 1e-5 * scale
+    w = _dequantized(q, scales, mins, bits, group, has_min)
+    for tokens in (1, 3, 8, 13, 32):  # every pass: 4 rows x 1 token, 2 x 8, 2 x 4, 2 x 1 and 1 x 1
+        x = rng.standard_normal((tokens, cols)).astype(np.float32)
+        got = native_gemv.gemv(x, bits, q, scales, mins, has_min, group)
+        assert got is not None
+        want = (torch.from_numpy(x).double() @ w.T).numpy()
+        scale = np.abs(want).max()
+        assert np.abs(got - want).max() <= 1e-5 * scale, tokens
+        numba_out = quant_gemv.gemv(x, bits, q, scales, mins, has_min, group)
+        assert np.abs(got - numba_out).max() <= 1e-5 * scale, tokens
 
 
 @needs_native
-def test_one_token_matmuls_take_the_compiled_kernel(monkeypatch):
+def test_decode_sized_matmuls_take_the_compiled_kernel(monkeypatch):
     rng = np.random.default_rng(1)
     q, scales, mins = _matrix(rng, 64, 128, 4, 32, True, True)
     m = quant_cpu.PackedMatrix.of(4, torch.from_numpy(q), torch.from_numpy(scales.view(np.int16)).view(torch.float16),
                                   torch.from_numpy(mins.view(np.int16)).view(torch.float16), 32)
     calls = []
-    real = native_gemv.run_one_token
-    monkeypatch.setattr(native_gemv, "run_one_token", lambda *a: calls.append(a[1]) or real(*a))
-    x = torch.randn(4, 128)
+    real = native_gemv.run
+    monkeypatch.setattr(native_gemv, "run", lambda *a: calls.append(a[1]) or real(*a))
+    x = torch.randn(6 + native_gemv.MAX_TOKENS + 1, 128)
     want = x.double() @ _dequantized(q, scales, mins, 4, 32, True).T
-    one = quant_cpu.packed_matmul(x[:1], m)
-    assert calls == [128]
-    three = quant_cpu.packed_matmul(x[1:], m)
-    assert calls == [128]  # more tokens: numba's kernel
-    got = torch.cat([one, three]).double()
+    parts = [quant_cpu.packed_matmul(x[:1], m), quant_cpu.packed_matmul(x[1:6], m)]
+    assert calls == [1, 5]
+    parts.append(quant_cpu.packed_matmul(x[6:], m))
+    assert calls == [1, 5]  # more tokens: dequantized tiles through BLAS
+    got = torch.cat(parts).double()
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     assert list((native_gemv._cache_dir()).glob("native_gemv-*.so"))  # compiled into the cache
 

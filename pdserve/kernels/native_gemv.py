@@ -1,10 +1,11 @@
-"""The one-token quantized matmul compiled from C (native_gemv.c): AVX-512 intrinsics, OpenMP.
+"""The decode steps' quantized matmul compiled from C (native_gemv.c): AVX-512 intrinsics, OpenMP.
 
-A decode step at concurrency 1 multiplies one token by every weight, and numba's kernel
-(quant_gemv) left it at 2 to 3 bytes of weights a cycle: its loops widen the nibbles and the
-scales lane by lane. The C kernel decodes a block of 32 columns in a few vector instructions and
-prefetches the rows ahead, 1.6 to 2.5 times as fast on SmolLM2's shapes
-(benchmarks/bench_native_gemv.py). It computes the same float32 values, in another order of sums.
+A decode step multiplies a few tokens by every weight. numba's kernel (quant_gemv) widens the
+nibbles and the scales lane by lane; the C kernel decodes a block of 32 columns in a few vector
+instructions, keeps 2 rows x 8 tokens of sums in registers and prefetches the rows ahead. On
+SmolLM2's shapes it is 1.3 to 2.5 times as fast as numba's from 1 to 32 tokens, and faster than
+dequantizing tiles for BLAS up to 32 (benchmarks/bench_native_gemv.py). It computes the same float32
+values, in another order of sums.
 
 The library is compiled on first use with the machine's C compiler (`-march=native`) into
 PDSERVE_CACHE_DIR/native, keyed by the source, the flags, the compiler and the CPU's flags, so a
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("native_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int
+MAX_TOKENS = 32  # above this, dequantized tiles through BLAS win (bench_native_gemv.py)
 
 
 def _cache_dir() -> Path:
@@ -103,8 +105,8 @@ def library() -> ctypes.CDLL | None:
     if reason is not None:
         log.info("native quantized gemv unavailable (%s): numba's kernel runs instead", reason.strip()[:500])
         return None
-    fn = lib.pd_gemv_one_token
-    fn.argtypes = [_P, _I, _P, _I, _I, _P, _P, _I, _I, _I, _P, _I]
+    fn = lib.pd_gemv
+    fn.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _P, _I]
     fn.restype = _I
     return lib
 
@@ -120,22 +122,22 @@ def matrix_args(bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray, 
             int(scales.dtype == np.uint16), int(has_min), group)
 
 
-def run_one_token(x_ptr: int, cols: int, matrix: tuple, out_ptr: int) -> bool:
-    """out[0, :N] = x[0, :cols] @ w.T for float32 buffers at x_ptr and out_ptr. False when the library
-    is unavailable or does not take this shape (nothing is written then)."""
+def run(x_ptr: int, tokens: int, cols: int, matrix: tuple, out_ptr: int) -> bool:
+    """out[:tokens, :N] = x[:tokens, :cols] @ w.T for contiguous float32 buffers at x_ptr and out_ptr.
+    False when the library is unavailable or does not take this shape (nothing is written then)."""
     lib = library()
     if lib is None:
         return False
-    return lib.pd_gemv_one_token(x_ptr, cols, *matrix, out_ptr, numba.get_num_threads()) == 0
+    return lib.pd_gemv(x_ptr, tokens, cols, *matrix, out_ptr, numba.get_num_threads()) == 0
 
 
-def gemv_one_token(x: np.ndarray, bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray,
-                   has_min: bool, group: int) -> np.ndarray | None:
-    """x [1, K] float32 (contiguous) @ w.T -> [1, N], with q, scales and mins as quant_cpu holds
-    them (numpy arrays; scales and mins float32, or float16 bits as uint16); None where
-    run_one_token is False."""
+def gemv(x: np.ndarray, bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray, has_min: bool,
+         group: int) -> np.ndarray | None:
+    """x [tokens, K] float32 @ w.T -> [tokens, N], with q, scales and mins as quant_cpu holds them
+    (numpy arrays; scales and mins float32, or float16 bits as uint16); None where run is False."""
     matrix = matrix_args(bits, q, scales, mins, has_min, group)
-    out = np.empty((1, q.shape[0]), dtype=np.float32)
-    if matrix is None or not x.flags.c_contiguous or not run_one_token(x.ctypes.data, x.shape[1], matrix, out.ctypes.data):
+    out = np.empty((x.shape[0], q.shape[0]), dtype=np.float32)
+    if matrix is None or not x.flags.c_contiguous or not run(x.ctypes.data, x.shape[0], x.shape[1], matrix,
+                                                                out.ctypes.data):
         return None
     return out

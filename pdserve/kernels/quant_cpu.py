@@ -10,7 +10,8 @@ Scales and mins are float32, or float16 kept as their raw 16 bits (see quant_sca
 
 Two ways to multiply, chosen by the number of tokens (see QUANT_GEMV_MAX_TOKENS):
 - gemv (quant_gemv): the weights are decoded as they are read, at 4 or 8 bits instead of 32;
-  decode steps are memory-bound. At one token, native_gemv's compiled kernel runs where it builds;
+  decode steps are memory-bound. Up to native_gemv.MAX_TOKENS tokens its compiled kernel runs
+  instead, where it builds;
 - dequantize a tile of rows to float32, multiply it by BLAS, next tile: prefill is
   compute-bound, and the dequantization is amortised over its tokens.
 Both multiply the float32 values transformers computes when it dequantizes the same checkpoint
@@ -130,6 +131,10 @@ def quant_matmul(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tens
 def packed_matmul(x: torch.Tensor, m: PackedMatrix) -> torch.Tensor:
     """quant_matmul over a PackedMatrix."""
     x = x.float().contiguous()
+    if x.shape[0] <= native_gemv.MAX_TOKENS and m.native is not None:  # decode steps: the compiled kernel
+        out = torch.empty(x.shape[0], m.q.shape[0])
+        if native_gemv.run(x.data_ptr(), x.shape[0], x.shape[1], m.native, out.data_ptr()):
+            return out
     return _tiled(x, m) if x.shape[0] > QUANT_GEMV_MAX_TOKENS else _gemv(x, m)
 
 
@@ -139,10 +144,6 @@ def gemv(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,
 
 
 def _gemv(x: torch.Tensor, m: PackedMatrix) -> torch.Tensor:
-    if x.shape[0] == 1 and m.native is not None:  # a decode step at one request: the compiled kernel
-        out = torch.empty(1, m.q.shape[0])
-        if native_gemv.run_one_token(x.data_ptr(), x.shape[1], m.native, out.data_ptr()):
-            return out
     return torch.from_numpy(quant_gemv.gemv(x.numpy(), m.bits, m.q, m.scales, m.mins, m.has_min, m.group))
 
 
