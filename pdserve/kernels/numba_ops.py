@@ -9,6 +9,7 @@ per layer and step); prefill_attention is the plain torch one.
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -27,9 +28,10 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     if not usable:
         torch_ops.store_kv(key, value, k_cache, v_cache, slot_mapping)
         return
-    _store_kernel(key.numpy(), value.numpy(), _flat(k_cache), k_cache.storage_offset(), _flat(v_cache),
-                  v_cache.storage_offset(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                  k_cache.shape[1], slot_mapping.numpy())
+    k_flat, k_offset, strides = _views(k_cache)
+    v_flat, v_offset, _ = _views(v_cache)
+    _store_kernel(key.numpy(), value.numpy(), k_flat, k_offset, v_flat, v_offset, strides[0], strides[1],
+                  strides[2], k_cache.shape[1], slot_mapping.numpy())
 
 
 @njit(cache=True, nogil=True)
@@ -62,12 +64,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     # Address K/V through the flat storage: a 1-D contiguous array lets the compiler vectorise
     # the head_dim loop, which a strided per-layer view would not.
-    k_flat, v_flat = _flat(k_cache), _flat(v_cache)
-    strides = np.array(k_cache.stride()[:3], dtype=np.int64)
+    (k_flat, k_offset, strides), (v_flat, v_offset, _) = _views(k_cache), _views(v_cache)
     sink_values = (sinks.detach().float().contiguous().numpy() if sinks is not None
                    else np.zeros(q.shape[1], dtype=np.float32))
-    _decode_kernel(q.contiguous().numpy(), k_flat, k_cache.storage_offset(), v_flat,
-                   v_cache.storage_offset(), strides, k_cache.shape[1], k_cache.shape[2],
+    _decode_kernel(q.contiguous().numpy(), k_flat, k_offset, v_flat, v_offset, strides, k_cache.shape[1],
+                   k_cache.shape[2],
                    block_tables.numpy(), context_lens.numpy(), np.float32(scale), np.int64(window),
                    sink_values, sinks is not None, out.numpy())
     return out
@@ -77,54 +78,72 @@ def _flat(cache: torch.Tensor) -> np.ndarray:
     return torch.empty(0, dtype=cache.dtype).set_(cache.untyped_storage()).numpy()
 
 
+_VIEWS: dict[int, tuple[weakref.ref, tuple[np.ndarray, int, np.ndarray]]] = {}
+
+
+def _views(cache: torch.Tensor) -> tuple[np.ndarray, int, np.ndarray]:
+    """(the flat storage, the offset, the first three strides) of a layer's cache, made once per
+    cache tensor: every layer of every step passes the same ones, and making them cost about 10 us
+    a call. An entry goes when its tensor does (the flat view would keep the storage alive)."""
+    entry = _VIEWS.get(id(cache))
+    if entry is None or entry[0]() is not cache:
+        views = (_flat(cache), cache.storage_offset(), np.array(cache.stride()[:3], dtype=np.int64))
+        entry = _VIEWS[id(cache)] = (weakref.ref(cache), views)
+        weakref.finalize(cache, _VIEWS.pop, id(cache), None)
+    return entry[1]
+
+
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _decode_kernel(q, k_flat, k_offset, v_flat, v_offset, strides, block_size, kv_heads,
                    block_tables, context_lens, scale, window, sinks, use_sinks, out):  # pragma: no cover
     batch, heads, head_dim = q.shape
     group = heads // kv_heads
-    # One sequence per work item, all its KV heads together: each token's K (and V) row for all
-    # heads is one contiguous run, so the block streams through the cache in order.
-    for b in prange(batch):
+    # One (sequence, KV head) per work item, with the query heads that share it: a decode step at
+    # one request still has a work item per KV head for each thread (parallel over sequences
+    # alone, it ran on one thread). Each token's K (and V) row of a head is one contiguous run.
+    for item in prange(batch * kv_heads):
+        b, kh = item // kv_heads, item % kv_heads
         end = context_lens[b]
         first = max(0, end - window) if window > 0 else 0  # a sliding window's first visible key
         length = end - first
-        qs = q[b].copy() * scale
-        scores = np.empty((heads, length), dtype=np.float32)
+        qs = q[b, kh * group:(kh + 1) * group].copy() * scale
+        scores = np.empty((group, length), dtype=np.float32)
         for i in range(length):
             t = first + i
-            row = k_offset + block_tables[b, t // block_size] * strides[0] + (t % block_size) * strides[1]
-            for kh in range(kv_heads):
-                key = k_flat[row + kh * strides[2]:row + kh * strides[2] + head_dim]
-                for h in range(kh * group, (kh + 1) * group):
-                    qh = qs[h]
-                    acc = np.float32(0.0)
-                    for d in range(head_dim):
-                        acc += qh[d] * key[d]
-                    scores[h, i] = acc
-        for h in range(heads):
-            peak = scores[h].max()
+            row = (k_offset + block_tables[b, t // block_size] * strides[0] + (t % block_size) * strides[1]
+                   + kh * strides[2])
+            key = k_flat[row:row + head_dim]
+            for g in range(group):
+                qh = qs[g]
+                acc = np.float32(0.0)
+                for d in range(head_dim):
+                    acc += qh[d] * key[d]
+                scores[g, i] = acc
+        for g in range(group):
+            h = kh * group + g
+            peak = scores[g].max()
             if use_sinks:
                 peak = max(peak, sinks[h])
             total = np.float32(0.0)
             for i in range(length):
-                e = math.exp(scores[h, i] - peak)
-                scores[h, i] = e
+                e = math.exp(scores[g, i] - peak)
+                scores[g, i] = e
                 total += e
             if use_sinks:  # the sink's share of the softmax goes to no value
                 total += math.exp(sinks[h] - peak)
-            scores[h] /= total
-        acc_v = np.zeros((heads, head_dim), dtype=np.float32)
+            scores[g] /= total
+        acc_v = np.zeros((group, head_dim), dtype=np.float32)
         for i in range(length):
             t = first + i
-            row = v_offset + block_tables[b, t // block_size] * strides[0] + (t % block_size) * strides[1]
-            for kh in range(kv_heads):
-                value = v_flat[row + kh * strides[2]:row + kh * strides[2] + head_dim]
-                for h in range(kh * group, (kh + 1) * group):
-                    w = scores[h, i]
-                    acc_h = acc_v[h]
-                    for d in range(head_dim):
-                        acc_h[d] += w * value[d]
-        out[b] = acc_v
+            row = (v_offset + block_tables[b, t // block_size] * strides[0] + (t % block_size) * strides[1]
+                   + kh * strides[2])
+            value = v_flat[row:row + head_dim]
+            for g in range(group):
+                w = scores[g, i]
+                acc_g = acc_v[g]
+                for d in range(head_dim):
+                    acc_g[d] += w * value[d]
+        out[b, kh * group:(kh + 1) * group] = acc_v
 
 
 def warm_up() -> None:
