@@ -19,7 +19,7 @@
  * 28 MB int8 LM head at 11 GB/s (2.7 ms); with this, 1.1 ms, about a one-thread copy's bandwidth. */
 #define PREFETCH_BYTES 4096
 
-static inline float scale_at(const void *s, int half, long idx) {
+static inline __attribute__((always_inline)) float scale_at(const void *s, int half, long idx) {
     return half ? _cvtsh_ss(((const uint16_t *)s)[idx]) : ((const float *)s)[idx];
 }
 
@@ -83,6 +83,61 @@ static inline __attribute__((always_inline)) void tile(const float *x, int cols,
                 _mm512_reduce_add_ps(NT == 1 ? _mm512_add_ps(acc[r][t][0], acc[r][t][1]) : acc[r][t][0]);
 }
 
+/* One token, a group a multiple of 32 columns (so a block has one scale): each block's integers are
+ * dotted with x first and scaled once, q . x * scale, and the mins come in at the end as
+ * sum_g min_g * X_g, X_g the sum of x over group g (as llama.cpp multiplies Q4_1). 1.4 times as fast
+ * as dequantizing each block first. R rows from n; HALF and BITS constants once inlined. */
+static inline __attribute__((always_inline)) void rows_one(const float *x, const float *xg, int cols,
+                                                           const uint8_t *q, const void *sc, const void *mn,
+                                                           int has_min, int group, float *out, int n,
+                                                           const int R, const int HALF, const int BITS) {
+    long qstride = BITS == 4 ? cols / 2 : cols, groups = cols / group;
+    int shift = __builtin_ctz(group / 32);
+    __m512 acc[ROWS_PER_PASS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int c = 0; c < cols / 32; c++) {
+        __m512 x0 = _mm512_loadu_ps(x + c * 32), x1 = _mm512_loadu_ps(x + c * 32 + 16);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *qrow = q + (n + r) * qstride;
+            _mm_prefetch((const char *)qrow + c * (BITS == 4 ? 16 : 32) + PREFETCH_BYTES, _MM_HINT_T0);
+            __m512 a, b;
+            if (BITS == 4) {
+                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 16)));
+                a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+                b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+            } else {
+                a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 32))));
+                b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 32 + 16))));
+            }
+            __m512 dot = _mm512_fmadd_ps(b, x1, _mm512_mul_ps(a, x0));
+            float scale = scale_at(sc, HALF, (n + r) * groups + (c >> shift));
+            acc[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(scale), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float sum = _mm512_reduce_add_ps(acc[r]);
+        if (has_min)
+            for (int g = 0; g < groups; g++) sum += scale_at(mn, HALF, (n + r) * groups + g) * xg[g];
+        out[n + r] = sum;
+    }
+}
+
+#define ROWS_ONE(HALF, BITS)                                                                          \
+    do {                                                                                              \
+        for (; n + ROWS_PER_PASS <= end; n += ROWS_PER_PASS)                                          \
+            rows_one(x, xg, cols, q, sc, mn, has_min, group, out, n, ROWS_PER_PASS, HALF, BITS);      \
+        for (; n < end; n++) rows_one(x, xg, cols, q, sc, mn, has_min, group, out, n, 1, HALF, BITS); \
+    } while (0)
+
+/* rows [n, end) of one token, a group a multiple of 32 */
+static void task_one(const float *x, const float *xg, int cols, const uint8_t *q, int bits, const void *sc,
+                     const void *mn, int half, int has_min, int group, float *out, int n, int end) {
+    if (half && bits == 4) ROWS_ONE(1, 4);
+    else if (half) ROWS_ONE(1, 8);
+    else if (bits == 4) ROWS_ONE(0, 4);
+    else ROWS_ONE(0, 8);
+}
+
 #define TILE(R, NT, n, t) tile(x, cols, q, bits, sc, mn, half, has_min, group, out, nrows, n, t, R, NT)
 
 /* rows [n, end) for every token */
@@ -109,11 +164,18 @@ static void task(const float *x, int tokens, int cols, const uint8_t *q, int bit
 int pd_gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
             const void *mins, int half, int has_min, int group, float *out, int threads) {
     if (cols % 32 || (group != 16 && group % 32) || (bits != 4 && bits != 8)) return -1;
+    int one = tokens == 1 && group % 32 == 0, groups = cols / group;
+    float xg[one && has_min ? groups : 1]; /* the one-token path's sums of x over each group */
+    for (int g = 0; one && has_min && g < groups; g++) {
+        xg[g] = 0.f;
+        for (int k = g * group; k < (g + 1) * group; k++) xg[g] += x[k];
+    }
     int tasks = (nrows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int t = 0; t < tasks; t++) {
         int n = t * ROWS_PER_TASK, end = n + ROWS_PER_TASK < nrows ? n + ROWS_PER_TASK : nrows;
-        task(x, tokens, cols, q, bits, scales, mins, half, has_min, group, out, nrows, n, end);
+        if (one) task_one(x, xg, cols, q, bits, scales, mins, half, has_min, group, out, n, end);
+        else task(x, tokens, cols, q, bits, scales, mins, half, has_min, group, out, nrows, n, end);
     }
     return 0;
 }
