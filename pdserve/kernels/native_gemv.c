@@ -23,19 +23,24 @@ static inline __attribute__((always_inline)) float scale_at(const void *s, int h
     return half ? _cvtsh_ss(((const uint16_t *)s)[idx]) : ((const float *)s)[idx];
 }
 
+/* columns 32c .. 32c + 31 of a row as float32 integers, in two vectors of 16 */
+static inline __attribute__((always_inline)) void widen32(const uint8_t *qrow, int bits, int c, __m512 *a, __m512 *b) {
+    if (bits == 4) {
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 16)));
+        *a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+        *b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+    } else {
+        *a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 32))));
+        *b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 32 + 16))));
+    }
+}
+
 /* columns 32c .. 32c + 31 of a row, dequantized into two vectors of 16 */
 static inline __attribute__((always_inline)) void decode32(const uint8_t *qrow, int bits, int c, const void *sc,
                                                            const void *mn, int half, int has_min, int group,
                                                            long srow, __m512 *w0, __m512 *w1) {
     __m512 a, b;
-    if (bits == 4) {
-        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 16)));
-        a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-        b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-    } else {
-        a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 32))));
-        b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 32 + 16))));
-    }
+    widen32(qrow, bits, c, &a, &b);
     long g0 = srow + (c * 32) / group, g1 = srow + (c * 32 + 16) / group;
     __m512 s0 = _mm512_set1_ps(scale_at(sc, half, g0)), s1 = _mm512_set1_ps(scale_at(sc, half, g1));
     if (has_min) {
@@ -101,14 +106,7 @@ static inline __attribute__((always_inline)) void rows_one(const float *x, const
             const uint8_t *qrow = q + (n + r) * qstride;
             _mm_prefetch((const char *)qrow + c * (BITS == 4 ? 16 : 32) + PREFETCH_BYTES, _MM_HINT_T0);
             __m512 a, b;
-            if (BITS == 4) {
-                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 16)));
-                a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-                b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-            } else {
-                a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 32))));
-                b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 32 + 16))));
-            }
+            widen32(qrow, BITS, c, &a, &b);
             __m512 dot = _mm512_fmadd_ps(b, x1, _mm512_mul_ps(a, x0));
             float scale = scale_at(sc, HALF, (n + r) * groups + (c >> shift));
             acc[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(scale), acc[r]);
