@@ -1,5 +1,5 @@
 """The compiled quantized matmul of decode steps (pdserve/kernels/native_gemv.c): for each layout
-the kernels hold (int4 and int8 values, groups of 16, 32 and 64 columns, with and without mins,
+the kernels hold (int4 and int8 values, groups of 16, 32, 64 and 96 columns, with and without mins,
 float16 and float32 scales) and for 1 to 32 tokens it gives x @ w.T over the dequantized float32
 weights, as numba's kernel does, and the CPU path uses it up to 32 tokens. It is compiled here,
 with the machine's compiler."""
@@ -49,10 +49,10 @@ def _dequantized(q, scales, mins, bits, group, has_min):
 
 @needs_native
 @pytest.mark.parametrize("bits,group,has_min,half",
-                         list(itertools.product((4, 8), (16, 32, 64), (False, True), (False, True))))
+                         list(itertools.product((4, 8), (16, 32, 64, 96), (False, True), (False, True))))
 def test_matches_the_dequantized_matmul_and_numba(bits, group, has_min, half):
     rng = np.random.default_rng(bits * 1000 + group + 10 * has_min + half)
-    rows, cols = 37, 256  # rows not a multiple of the kernel's 4 or 16
+    rows, cols = 37, 576  # rows not a multiple of the kernel's 4 or 16; columns in groups of 96 too
     q, scales, mins = _matrix(rng, rows, cols, bits, group, has_min, half)
     w = _dequantized(q, scales, mins, bits, group, has_min)
     for tokens in (1, 3, 8, 13, 32):  # every pass: 4 rows x 1 token, 2 x 8, 2 x 4, 2 x 1 and 1 x 1

@@ -1,13 +1,15 @@
-/* A few tokens times a group-quantized weight matrix, on x86-64 with AVX-512: pdserve's decode steps. Compiled and loaded by native_gemv.py; the layouts are quant_cpu's:
+/* A few tokens times a group-quantized weight matrix, on x86-64 with AVX-512: pdserve's decode steps.
+ * Compiled and loaded by native_gemv.py; the layouts are quant_cpu's:
  * - int4: two values a byte. Each run of 32 columns is 16 bytes, byte j holding column j in its
  *   low nibble and column j + 16 in its high one (GGUF's Q4_0/Q4_1 block order);
  * - int8: one value a byte;
- * - scales and mins per group of 16 columns or of a power-of-two multiple of 32, float32 or float16
- *   bits; w = q * scale (+ min).
- * Each block of 32 columns is widened to float32 and dequantized as q * scale + min, in vector
- * registers, then multiply-added into the row's sum: the result is x @ dequantized(w).T up to the
- * order of the sums, as numba's kernel gives it, 1.6 to 2.5 times as fast on SmolLM2's shapes
- * (benchmarks/bench_native_gemv.py).
+ * - scales and mins per group of 16 columns or of a multiple of 32, float32 or float16 bits;
+ *   w = q * scale (+ min).
+ * Each block of 32 columns is widened to float32 in vector registers. At one token (groups of a
+ * power-of-two multiple of 32) its integers are dotted with x and scaled once; otherwise it is
+ * dequantized as q * scale + min and multiply-added into every token's sums. The result is
+ * x @ dequantized(w).T up to the order of the sums, as numba's kernel gives it, 1.4 to 2.6 times
+ * as fast on SmolLM2's shapes (benchmarks/bench_native_gemv.py).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -88,7 +90,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int cols,
                 _mm512_reduce_add_ps(NT == 1 ? _mm512_add_ps(acc[r][t][0], acc[r][t][1]) : acc[r][t][0]);
 }
 
-/* One token, a group a multiple of 32 columns (so a block has one scale): each block's integers are
+/* One token, a group a power-of-two multiple of 32 columns (so a block has one scale): each block's integers are
  * dotted with x first and scaled once, q . x * scale, and the mins come in at the end as
  * sum_g min_g * X_g, X_g the sum of x over group g (as llama.cpp multiplies Q4_1). 1.4 times as fast
  * as dequantizing each block first. R rows from n; HALF and BITS constants once inlined. */
@@ -127,7 +129,7 @@ static inline __attribute__((always_inline)) void rows_one(const float *x, const
         for (; n < end; n++) rows_one(x, xg, cols, q, sc, mn, has_min, group, out, n, 1, HALF, BITS); \
     } while (0)
 
-/* rows [n, end) of one token, a group a multiple of 32 */
+/* rows [n, end) of one token, a group a power-of-two multiple of 32 */
 static void task_one(const float *x, const float *xg, int cols, const uint8_t *q, int bits, const void *sc,
                      const void *mn, int half, int has_min, int group, float *out, int n, int end) {
     if (half && bits == 4) ROWS_ONE(1, 4);
@@ -162,7 +164,8 @@ static void task(const float *x, int tokens, int cols, const uint8_t *q, int bit
 int pd_gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
             const void *mins, int half, int has_min, int group, float *out, int threads) {
     if (cols % 32 || (group != 16 && group % 32) || (bits != 4 && bits != 8)) return -1;
-    int one = tokens == 1 && group % 32 == 0, groups = cols / group;
+    /* the one-token path finds a block's group by a shift: group / 32 a power of two */
+    int one = tokens == 1 && group % 32 == 0 && ((group / 32) & (group / 32 - 1)) == 0, groups = cols / group;
     float xg[one && has_min ? groups : 1]; /* the one-token path's sums of x over each group */
     for (int g = 0; one && has_min && g < groups; g++) {
         xg[g] = 0.f;
