@@ -23,7 +23,7 @@ def private_cache(tmp_path, monkeypatch):
 
 
 def _available() -> bool:
-    return native_gemv._why_not() is None and native_gemv.shutil.which("cc") is not None
+    return native_gemv._why_not() is None and native_gemv.compiler() is not None
 
 
 needs_native = pytest.mark.skipif(not _available(), reason="no AVX-512 or no C compiler: numba's kernel runs")

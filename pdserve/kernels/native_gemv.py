@@ -87,18 +87,23 @@ def _why_not() -> str | None:
     return None
 
 
+def compiler() -> str | None:
+    """The C compiler the kernel is built with: $CC (default cc), else gcc; None when neither is on PATH."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, or None (numba's kernel runs) with one log line saying why."""
     reason = _why_not()
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if reason is None and compiler is None:
+    compiler_path = compiler()
+    if reason is None and compiler_path is None:
         reason = "no C compiler (cc, gcc) on PATH"
     if reason is None:
         try:
-            path = _cache_dir() / f"native_gemv-{_build_key(compiler)}.so"
+            path = _cache_dir() / f"native_gemv-{_build_key(compiler_path)}.so"
             if not path.exists():
-                _compile(compiler, path)
+                _compile(compiler_path, path)
             lib = ctypes.CDLL(str(path))
         except (OSError, subprocess.CalledProcessError) as e:
             reason = f"it did not build or load: {getattr(e, 'stderr', None) or e}"
