@@ -23,7 +23,7 @@ from pdserve.engine.tpot_budget import (
     prefill_tokens_per_step,
 )
 from pdserve.router.index import PrefixIndex
-from pdserve.router.pd_decision import REMOTE_COMFORT, DecodeLoad, Targets, local_ttft_s, place
+from pdserve.router.pd_decision import REMOTE_COMFORT, DecodeLoad, Targets, local_ttft_s, place, place_short
 from pdserve.router.policy import NodeView, Planner
 from pdserve.router.schemas import CompletionRequest
 
@@ -305,3 +305,57 @@ def test_the_decode_node_s_reported_slack_must_pay_for_a_local_prefill():
     node = Node("d0", "decode", "tcp://127.0.0.1:1", sock=None, healthy=True, stats={"stream_slack_us": -20_000})
     assert node_view(node).stream_slack_s == pytest.approx(-0.02)
     assert node_view(Node("d1", "decode", "tcp://127.0.0.1:1", sock=None, healthy=True)).stream_slack_s == math.inf
+
+
+def test_a_decode_node_whose_streams_are_past_their_share_takes_no_more():
+    """The node's word beats the model: 10 streams price at 32 ms a step, well under the 80 ms
+    share, but the node reports a stream already behind its share (negative slack). The stream
+    then runs whole on an idle prefill node; with slack left, it decodes remotely as before."""
+    behind = DecodeLoad(rows=10, costs=COSTS, slack_s=-0.010)
+    p = place(remote_ttft_s=0.2, local_tokens=400, load=behind, targets=TARGETS, whole=DecodeLoad(0, COSTS),
+              stream_tokens=32)
+    assert p.whole and p.reason == "decode node full: whole on the prefill node"
+    on_pace = DecodeLoad(rows=10, costs=COSTS, slack_s=0.5)
+    p = place(0.2, 4000, on_pace, TARGETS, whole=DecodeLoad(0, COSTS), stream_tokens=32)
+    assert not p.whole and not p.local
+    # A prefill node whose own streams are behind is no better a host: remote, whatever the queue.
+    p = place(0.2, 400, behind, TARGETS, whole=DecodeLoad(12, COSTS, slack_s=-0.010), stream_tokens=32)
+    assert not p.whole and not p.local
+
+
+def test_a_cached_prompt_on_a_full_decode_node_runs_whole_on_the_prefill_node():
+    """Rule 1's case (place_short): the decode node holds all but 64 tokens of the prompt, so no
+    prefill node is worth a round trip, but one more stream would take its steps past the 80 ms
+    share (35 streams). An idle prefill node serving whole requests takes it whole; a decode node
+    with room, no such node, or one whose TTFT estimate is past the comfort share: local."""
+    busy = DecodeLoad(rows=35, costs=COSTS)
+    idle = DecodeLoad(rows=0, costs=COSTS)
+    p = place_short(64, busy, TARGETS, idle, whole_ttft_s=0.25, stream_tokens=32)
+    assert p.whole and not p.local and p.where() == "whole"
+    assert place_short(64, DecodeLoad(rows=3, costs=COSTS), TARGETS, idle, 0.25, 32).local
+    assert place_short(64, busy, TARGETS, None, 0.25, 32).local
+    assert place_short(64, busy, TARGETS, idle, TARGETS.ttft_s * REMOTE_COMFORT + 0.01, 32).local
+    # A host as full as the decode node holds the stream no better.
+    assert place_short(64, busy, TARGETS, DecodeLoad(rows=36, costs=COSTS), 0.25, 32).local
+
+
+def test_planner_sends_a_cached_prompt_whole_when_its_decode_node_is_full():
+    """Planner: the decode node holds the prompt's 384-token prefix (the shared-prefix workload),
+    so the threshold rule keeps it local; under slo placement a full decode node hands it whole
+    to the prefill node, which is priced for the tokens it must compute itself. A decode node
+    with room keeps it, and threshold placement never looks."""
+    index = PrefixIndex()
+    keys = block_key_chain(list(range(448)), 16, b"salt")
+    index.add("d0", keys[:24])
+    host = [NodeView("p0", 0, prefill_s_per_token=COSTS.token_s, step_costs=COSTS, takes_whole=True)]
+    full = [NodeView("d0", 35, 100, 100, decode_rows=35, step_costs=COSTS)]
+    slo = Planner(index, 16, placement="slo", targets=TARGETS, local_prefill_threshold=128)
+    plan = slo.plan("a", 448, keys, full, host, max_tokens=32)
+    assert (plan.decode, plan.prefill, plan.decode_cached_tokens) == ("p0", None, 0)
+    assert plan.scores["placement"]["where"] == "whole"
+    assert plan.scores["placement"]["remote_ttft"] == pytest.approx(COSTS.step_s(0, 448), abs=1e-4)
+    roomy = [NodeView("d0", 3, 100, 100, decode_rows=3, step_costs=COSTS)]
+    plan = slo.plan("b", 448, keys, roomy, host, max_tokens=32)
+    assert (plan.decode, plan.prefill, plan.decode_cached_tokens) == ("d0", None, 384)
+    threshold = Planner(index, 16, targets=TARGETS, local_prefill_threshold=128)
+    assert threshold.plan("c", 448, keys, full, host, max_tokens=32).decode == "d0"

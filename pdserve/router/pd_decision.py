@@ -11,7 +11,9 @@ steps, the work goes in full steps; otherwise in the chunks one step's share of 
 after its decode rows, ceil(W / chunk) steps for W queued tokens.
 
 The rule, in order:
-  1. no prefill node, or none worth a round trip (the prompt lacks few tokens): local;
+  1. no prefill node, or none worth a round trip (the prompt lacks few tokens): local, unless
+     the decode node cannot take one more stream and a prefill node serving whole requests
+     would decode it within the target share, or faster (place_short): then whole there;
   2. the decode node has no room for the prompt: its steps with one more stream, plus the
      prefill time of this prompt and of its queued ones spread over a stream's tokens, would
      take its streams' mean inter-token time past the target share (tpot_budget.absorbs_prefill),
@@ -19,9 +21,11 @@ The rule, in order:
      Then remote when the decode node can still decode one more stream within the target share
      (its steps with one more row, plus its queued prompts' prefill spread over a stream's
      tokens); else whole on the prefill node when it serves whole requests and a stream there
-     would decode faster than on the decode node: its steps with one more stream, plus its queued prompts'
-     prefill time spread over a stream's tokens (a monolithic fallback: a decode-bound mix then
-     decodes on both cores, while a prefill node with a queue keeps its core for prefill);
+     would decode within the target share, or faster than on the decode node: its steps with one
+     more stream, plus its queued prompts' prefill time spread over a stream's tokens (a
+     monolithic fallback: a decode-bound mix then decodes on both cores, while a prefill node
+     with a queue keeps its core for prefill). "Within the target share" takes the node's word
+     too: no stream there may be past its share already (slack_s > 0);
      otherwise remote, whatever the queue;
   3. the best prefill node meets REMOTE_COMFORT of the TTFT target: remote (the decode batch
      stays free of prefill work, which is what disaggregation is for);
@@ -111,11 +115,27 @@ def _has_room(load: DecodeLoad, tokens: int, targets: Targets, stream_tokens: in
             and work * load.costs.token_s <= load.slack_s)
 
 
+def _within_share(load: DecodeLoad, targets: Targets, stream_tokens: int) -> bool:
+    """A new stream there would decode within the target share, by the cost model and by the
+    node's own word: streams already past their share (no slack left) show a model that is off
+    (longer contexts, a loaded host) before the model does."""
+    return load.slack_s > 0 and stream_tpot_s(load, stream_tokens) <= targets.itl_s * TARGET_SHARE
+
+
 def _takes_stream(load: DecodeLoad, targets: Targets, stream_tokens: int) -> bool:
     """The decode node can decode one more stream, prefilled elsewhere, within the target share:
     then remote. Sending it whole would make the prefill node prefill every other prompt beside
     a stream's budget, which costs the next requests' TTFT for no TPOT gained."""
-    return load.rows == 0 or stream_tpot_s(load, stream_tokens) <= targets.itl_s * TARGET_SHARE
+    return load.rows == 0 or _within_share(load, targets, stream_tokens)
+
+
+def _holds_stream_better(whole: DecodeLoad | None, load: DecodeLoad, targets: Targets, stream_tokens: int) -> bool:
+    """The prefill node, serving whole requests, would decode a new stream within the target share,
+    or faster than the (full) decode node would."""
+    if whole is None:
+        return False
+    return (_within_share(whole, targets, stream_tokens)
+            or stream_tpot_s(whole, stream_tokens) < stream_tpot_s(load, stream_tokens))
 
 
 def place(remote_ttft_s: float | None, local_tokens: int, load: DecodeLoad, targets: Targets,
@@ -130,7 +150,7 @@ def place(remote_ttft_s: float | None, local_tokens: int, load: DecodeLoad, targ
     if not _has_room(load, local_tokens, targets, stream_tokens):
         if _takes_stream(load, targets, stream_tokens):
             return Placement(False, remote_ttft_s, local, "decode steps at their ITL target with its prefill")
-        if whole is not None and stream_tpot_s(whole, stream_tokens) < stream_tpot_s(load, stream_tokens):
+        if _holds_stream_better(whole, load, targets, stream_tokens):
             return Placement(False, remote_ttft_s, local, "decode node full: whole on the prefill node", whole=True)
         return Placement(False, remote_ttft_s, local, "decode steps at their ITL target")
     if remote_ttft_s <= targets.ttft_s * REMOTE_COMFORT:
@@ -138,3 +158,18 @@ def place(remote_ttft_s: float | None, local_tokens: int, load: DecodeLoad, targ
     if local < remote_ttft_s:
         return Placement(True, remote_ttft_s, local, "decode node first")
     return Placement(False, remote_ttft_s, local, "prefill node first")
+
+
+def place_short(local_tokens: int, load: DecodeLoad, targets: Targets, whole: DecodeLoad | None = None,
+                whole_ttft_s: float = math.inf, stream_tokens: int = 0) -> Placement:
+    """Rule 1's second case: the prompt lacks few tokens on the decode node (a cached prefix, a
+    short prompt), so no prefill node is worth a round trip and the decode node prefills it. But
+    when the decode node cannot take one more stream and a prefill node that serves whole
+    requests would hold it better, within the TTFT comfort share, the request runs there whole:
+    a decode-bound mix then decodes on both cores, as two monolithic nodes' would. whole_ttft_s:
+    that node's estimate for the prompt, its own prefix cache counted."""
+    local = local_ttft_s(local_tokens, load, targets.itl_s, stream_tokens)
+    if (not _takes_stream(load, targets, stream_tokens) and whole_ttft_s <= targets.ttft_s * REMOTE_COMFORT
+            and _holds_stream_better(whole, load, targets, stream_tokens)):
+        return Placement(False, whole_ttft_s, local, "decode node full: whole on the prefill node", whole=True)
+    return Placement(True, whole_ttft_s, local, "few prompt tokens to compute")

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.tpot_budget import STREAM_TOKENS_CAP, StepCosts
 from pdserve.router.index import STORE_HOLDER, PrefixIndex
-from pdserve.router.pd_decision import DecodeLoad, Placement, Targets, local_ttft_s, place
+from pdserve.router.pd_decision import DecodeLoad, Placement, Targets, local_ttft_s, place, place_short
 
 log = logging.getLogger(__name__)
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
@@ -124,13 +124,13 @@ class Planner:
             scores["pinned"] = pinned.node_id
         cached = self._held_tokens(d_node, held, prompt_len)
         p_node = None
+        targets = targets or self.targets
         if prefill and prompt_len - cached > self.local_prefill_threshold:
             if self.prefill_policy == "cache_aware":
                 p_node, p_scores = self._lowest_ttft(prefill, held, prompt_len)
             else:
                 p_node, p_scores = self._choose("prefill", self.prefill_policy, prefill, held)
             scores.update(p_scores)
-            targets = targets or self.targets
             if self.placement == "slo" and targets is not None:
                 placement = self._place(prompt_len, cached, held, d_node, p_node, prefill, targets, max_tokens)
                 scores["placement"] = placement.scores()
@@ -138,6 +138,9 @@ class Planner:
                     d_node, cached = p_node, self._held_tokens(p_node, held, prompt_len)
                 if placement.local or placement.whole:
                     p_node = None
+        elif prefill and self.placement == "slo" and targets is not None:  # few tokens to compute
+            d_node = self._place_short(prompt_len, cached, held, d_node, prefill, targets, max_tokens, scores)
+            cached = self._held_tokens(d_node, held, prompt_len)
         plan = RoutePlan(d_node.node_id, p_node.node_id if p_node else None, cached, scores)
         log.debug("[%s] route: decode=%s (%s, %d cached tokens) prefill=%s (%s) scores=%s", rid, plan.decode,
                   self.decode_policy, cached, plan.prefill, self.prefill_policy, scores)
@@ -155,6 +158,25 @@ class Planner:
             remote = max(remote, local_ttft_s(p_tokens, p_load, targets.itl_s, stream_tokens))
         whole = p_load if p_node.takes_whole else None
         return place(remote, prompt_len - cached, self._host_load(d_node, prefill), targets, whole, stream_tokens)
+
+    def _place_short(self, prompt_len: int, cached: int, held: dict[str, int], d_node: NodeView,
+                     prefill: list[NodeView], targets: Targets, max_tokens: int, scores: dict) -> NodeView:
+        """pd_decision.place_short for a prompt the decode node lacks few tokens of: the node that
+        decodes it, the decode node or, when that is full, the prefill node serving whole
+        requests with the fewest streams."""
+        hosts = [n for n in prefill if n.takes_whole]
+        if not hosts:
+            return d_node
+        host = min(hosts, key=lambda n: (n.decode_rows, n.queued_tokens))
+        stream_tokens = min(max_tokens, STREAM_TOKENS_CAP)
+        h_load = self._host_load(host, prefill)
+        h_ttft = max(self._ttft_costs([host], held, prompt_len)[host.node_id],
+                     local_ttft_s(prompt_len - self._held_tokens(host, held, prompt_len), h_load, targets.itl_s,
+                                  stream_tokens))
+        placement = place_short(prompt_len - cached, self._host_load(d_node, prefill), targets, h_load, h_ttft,
+                                stream_tokens)
+        scores["placement"] = placement.scores()
+        return host if placement.whole else d_node
 
     def _held_tokens(self, node: NodeView, held: dict[str, int], prompt_len: int) -> int:
         """Prompt tokens the node holds (the last one is always computed, for its logits)."""
