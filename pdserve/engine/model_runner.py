@@ -12,7 +12,7 @@ from pdserve.engine.overlap import pending_sources, take_pending
 from pdserve.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
 from pdserve.engine.request import Request
 from pdserve.engine.step_inputs import KeptTableRows, build_step_inputs, fill_decode_rows, is_decode_query
-from pdserve.kernels import get_fused_layer_ops
+from pdserve.kernels import get_fused_layer_ops, native_decode
 from pdserve.models.llama import LlamaModel
 
 
@@ -74,6 +74,8 @@ class ModelRunner:
         # Per layer, one view per plane: (K, V), or (latent,) for an MLA cache.
         self.layer_caches = [tuple(kv_cache[:, i].unbind(1)) for i in range(kv_cache.shape[1])]
         model.fused = get_fused_layer_ops(ops, device.type)
+        if isinstance(model, LlamaModel) and lora_batch is None:  # one compiled call for a decode step's layers
+            model.native_decode = native_decode.plan_for(model, self.layer_caches, device)
         self.graphs: DecodeGraphs | None = None
         self.kept_rows: KeptTableRows | None = None
         if (use_cuda_graphs and device.type == "cuda" and getattr(ops, "CUDA_GRAPH_SAFE", False)

@@ -34,7 +34,8 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native_gemv.c")
+# native_decode.c (a decode step through every layer) is built into the same library: it calls pd_gemv.
+SOURCES = (Path(__file__).with_name("native_gemv.c"), Path(__file__).with_name("native_decode.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int
 MAX_TOKENS = 32  # above this, dequantized tiles through BLAS win (bench_native_gemv.py)
@@ -57,7 +58,7 @@ def _cpu_flags() -> str:
 
 def _build_key(compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     for part in (*FLAGS, version, _cpu_flags(), platform.machine()):
         h.update(part.encode())
     return h.hexdigest()[:16]
@@ -70,7 +71,7 @@ def _compile(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, check=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -82,8 +83,9 @@ def _why_not() -> str | None:
         return "PDSERVE_NATIVE_KERNELS=0"
     if platform.machine() not in ("x86_64", "AMD64") or "avx512bw" not in _cpu_flags():
         return "the CPU has no AVX-512"
-    if not SOURCE.exists():
-        return f"{SOURCE.name} is not installed"
+    missing = [source.name for source in SOURCES if not source.exists()]
+    if missing:
+        return f"{', '.join(missing)} is not installed"
     return None
 
 
@@ -112,6 +114,9 @@ def library() -> ctypes.CDLL | None:
         return None
     fn = lib.pd_gemv
     fn.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _P, _I]
+    fn.restype = _I
+    fn = lib.pd_decode_layers
+    fn.argtypes = [_P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I]
     fn.restype = _I
     return lib
 

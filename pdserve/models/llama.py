@@ -136,6 +136,9 @@ class LlamaModel(nn.Module):
     # Mistral's and Qwen2/3's sliding windows are applied by the attention kernels (window=),
     # so the engine serves the model's whole context rather than capping prompts at the window.
     handles_sliding_window = True
+    # pdserve.kernels.native_decode.NativeDecode on CPU when the layers fit it (set by the model
+    # runner): a decode step's layers in one compiled call. None: the layers below.
+    native_decode = None
 
     def __init__(self, spec: ModelSpec, rope: RotaryEmbedding, quant_config=None):
         super().__init__()
@@ -153,6 +156,8 @@ class LlamaModel(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         x = self.embed_tokens(token_ids)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
+        if self.native_decode is not None and self.native_decode.takes(x, ctx):
+            return self.native_decode.forward(x, cos, sin, ctx)
         if self.fused is not None:
             return self._forward_fused(x, cos, sin, ctx)
         for layer in self.layers:

@@ -112,7 +112,7 @@ class GroupedLinearMethod(QuantMethod):
         mins = scales_view(layer.mins) if self.fmt.has_min else None
         return layer.qweight, scales_view(layer.scales), mins
 
-    def _packed(self, layer: nn.Module) -> quant_cpu.PackedMatrix:
+    def packed(self, layer: nn.Module) -> quant_cpu.PackedMatrix:
         """The kernels' views of the layer's parameters, made on first use and again whenever a
         parameter's storage changes (a reload or a tie)."""
         key = (layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.mins.data_ptr() if self.fmt.has_min else 0)
@@ -124,7 +124,7 @@ class GroupedLinearMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        y = quant_cpu.packed_matmul(flat, self._packed(layer))
+        y = quant_cpu.packed_matmul(flat, self.packed(layer))
         if y.dtype != x.dtype or x.dim() != 2:
             y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
         return y + bias if bias is not None else y

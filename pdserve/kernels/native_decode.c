@@ -1,0 +1,230 @@
+/* A decode step through every layer of a Llama-family model on CPU, in one call: pdserve's decode
+ * steps at a few requests. Built into the same library as native_gemv.c (native_gemv.py builds it;
+ * native_decode.py lays out the model and calls it).
+ *
+ * Why: at one request a SmolLM2 step spent about 5 ms of its 13 in Python between the kernels,
+ * some ten calls a layer (norms, RoPE, the cache write, attention, SiLU, four matmuls) of 3 to
+ * 10 us each. Here the same work runs layer after layer in C, and only the matmuls (pd_gemv) and
+ * attention open parallel regions.
+ *
+ * Each op is the one pdserve.models.llama runs on CPU (numba_fused, numba_ops, quant_cpu), in
+ * float32, in the same order of ops; sums may be taken in another order, as between those
+ * kernels and transformers' own. Per layer:
+ *   h = RMSNorm(x) (carried from the layer before), qkv = h @ Wqkv.T, RoPE on q and k, k and v
+ *   into the paged cache, paged attention per (sequence, KV head), x += attn @ Wo.T,
+ *   h = RMSNorm(x), x += (SiLU(gate) * up) @ Wdown.T, h = the next layer's RMSNorm(x).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int pd_gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
+            const void *mins, int half, int has_min, int group, float *out, int threads);
+
+/* One quantized matrix, as native_gemv.matrix_args describes it (native_decode.py mirrors these). */
+typedef struct {
+    const uint8_t *q;
+    const void *scales, *mins;
+    int32_t nrows, bits, half, has_min, group;
+} pd_matrix;
+
+typedef struct {
+    pd_matrix qkv, o, gate_up, down;
+    const float *input_norm, *post_norm;
+    float *k_cache, *v_cache; /* this layer's planes: [blocks, block_size, kv_heads, head_dim] at the strides below */
+    int64_t window;           /* sliding window in tokens, 0 for full attention */
+} pd_layer;
+
+typedef struct {
+    int32_t layers, hidden, inter, heads, kv_heads, head_dim, block_size;
+    float eps, scale;
+    int64_t s_block, s_slot, s_head; /* cache strides, in floats */
+    const float *final_norm;
+    const pd_layer *layer;
+} pd_model;
+
+static int matmul(const pd_matrix *m, const float *x, int tokens, int cols, float *out, int threads) {
+    return pd_gemv(x, tokens, cols, m->q, m->nrows, m->bits, m->scales, m->mins, m->half, m->has_min, m->group,
+                   out, threads);
+}
+
+/* h = w * (x / sqrt(mean(x^2) + eps)) for each of the tokens' rows, after x += delta when delta is given */
+static void add_norm(float *x, const float *delta, const float *w, float eps, int tokens, int cols, float *h) {
+    for (int t = 0; t < tokens; t++) {
+        float *xr = x + (long)t * cols, *hr = h + (long)t * cols, ss = 0.f;
+        if (delta)
+            for (int c = 0; c < cols; c++) xr[c] += delta[(long)t * cols + c];
+        for (int c = 0; c < cols; c++) ss += xr[c] * xr[c];
+        float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+        for (int c = 0; c < cols; c++) hr[c] = w[c] * (xr[c] * inv);
+    }
+}
+
+/* rotate_half RoPE in place on `heads` heads of one token; cos, sin that token's [head_dim] */
+static void rope(float *x, int heads, int dim, const float *cos, const float *sin) {
+    int half = dim / 2;
+    for (int h = 0; h < heads; h++) {
+        float *xh = x + (long)h * dim;
+        for (int d = 0; d < half; d++) {
+            float x1 = xh[d], x2 = xh[d + half];
+            xh[d] = x1 * cos[d] - x2 * sin[d];
+            xh[d + half] = x2 * cos[d + half] + x1 * sin[d + half];
+        }
+    }
+}
+
+static inline long cache_row(const pd_model *m, const int32_t *table, long t, int kh) {
+    return table[t / m->block_size] * m->s_block + (t % m->block_size) * m->s_slot + kh * m->s_head;
+}
+
+/* RoPE on each token's q and k, then its k and v into the cache slot slots[t] (skipped when < 0) */
+static void rope_and_store(const pd_model *m, const pd_layer *L, float *qkv, int tokens, const float *cos,
+                           const float *sin, const int64_t *slots) {
+    int D = m->head_dim, cols = (m->heads + 2 * m->kv_heads) * D;
+    for (int t = 0; t < tokens; t++) {
+        float *q = qkv + (long)t * cols, *k = q + m->heads * D, *v = k + m->kv_heads * D;
+        rope(q, m->heads, D, cos + (long)t * D, sin + (long)t * D);
+        rope(k, m->kv_heads, D, cos + (long)t * D, sin + (long)t * D);
+        if (slots[t] < 0) continue;
+        long base = (slots[t] / m->block_size) * m->s_block + (slots[t] % m->block_size) * m->s_slot;
+        for (int h = 0; h < m->kv_heads; h++) {
+            memcpy(L->k_cache + base + h * m->s_head, k + (long)h * D, D * sizeof(float));
+            memcpy(L->v_cache + base + h * m->s_head, v + (long)h * D, D * sizeof(float));
+        }
+    }
+}
+
+/* e^x in each lane: Cephes' expf (x = n ln2 + r, a degree-7 polynomial in r, times 2^n), within
+ * 2 ulp of glibc's expf (SiLU and the softmax need 16 at a time; expf takes one) */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-104.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* s[i] = e^(s[i] - peak) / sum over i, for i < length */
+static void softmax(float *s, long length) {
+    float peak = s[0], total = 0.f;
+    for (long i = 1; i < length; i++) peak = s[i] > peak ? s[i] : peak;
+    long i = 0;
+    for (; i + 16 <= length; i += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(peak)));
+        _mm512_storeu_ps(s + i, e);
+        total += _mm512_reduce_add_ps(e);
+    }
+    for (; i < length; i++) {
+        s[i] = expf(s[i] - peak);
+        total += s[i];
+    }
+    for (i = 0; i < length; i++) s[i] /= total;
+}
+
+/* Query heads g0 .. g0 + ng - 1 of KV head kh's group, of sequence b, over its context:
+ * softmax(q k^T * scale) v, as numba_ops._decode_kernel. scores holds ng x max_len floats. */
+static void attend_one(const pd_model *m, const pd_layer *L, const float *qkv, int b, int kh, int g0, int ng,
+                       const int32_t *table, int32_t end, float *scores, int max_len, float *out) {
+    int D = m->head_dim, group = m->heads / m->kv_heads, cols = (m->heads + 2 * m->kv_heads) * D;
+    long first = L->window > 0 && end > L->window ? end - L->window : 0, length = end - first;
+    float qs[ng * D], acc[ng * D];
+    const float *q = qkv + (long)b * cols + ((long)kh * group + g0) * D;
+    for (int i = 0; i < ng * D; i++) qs[i] = q[i] * m->scale;
+    for (long i = 0; i < length; i++) {
+        const float *key = L->k_cache + cache_row(m, table, first + i, kh);
+        for (int g = 0; g < ng; g++) {
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int d = 0; d < D; d++) dot += qs[g * D + d] * key[d];
+            scores[g * max_len + i] = dot;
+        }
+    }
+    for (int g = 0; g < ng; g++) softmax(scores + (long)g * max_len, length);
+    memset(acc, 0, sizeof(acc));
+    for (long i = 0; i < length; i++) {
+        const float *value = L->v_cache + cache_row(m, table, first + i, kh);
+        for (int g = 0; g < ng; g++) {
+            float w = scores[(long)g * max_len + i];
+#pragma omp simd
+            for (int d = 0; d < D; d++) acc[g * D + d] += w * value[d];
+        }
+    }
+    memcpy(out + (long)b * m->heads * D + ((long)kh * group + g0) * D, acc, sizeof(acc));
+}
+
+/* every sequence's attention, in parallel over (sequence, KV head), or over (sequence, query head)
+ * when those are too few to keep the threads busy (one request: SmolLM2 has 3 KV heads, 9 query
+ * heads); out [tokens, heads * head_dim] */
+static int attend(const pd_model *m, const pd_layer *L, const float *qkv, int tokens, const int32_t *tables,
+                  int max_blocks, const int32_t *lens, float *out, int threads) {
+    int max_len = 1, group = m->heads / m->kv_heads;
+    int per = tokens * m->kv_heads >= 4 * threads ? group : 1, items = tokens * m->heads / per;
+    for (int b = 0; b < tokens; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+    float *scores = malloc(sizeof(float) * (size_t)tokens * m->heads * max_len);
+    if (!scores) return -2;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int item = 0; item < items; item++) {
+        int b = item / (m->heads / per), head = item % (m->heads / per) * per;
+        attend_one(m, L, qkv, b, head / group, head % group, per, tables + (long)b * max_blocks, lens[b],
+                   scores + (size_t)item * per * max_len, max_len, out);
+    }
+    free(scores);
+    return 0;
+}
+
+/* SiLU(gate) * up for each token's [gate | up] row of gu [tokens, 2 * inter] -> act [tokens, inter],
+ * as torch's silu: g / (1 + e^-g) */
+static void silu_mul(const float *gu, int tokens, int inter, float *act) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int t = 0; t < tokens; t++) {
+        const float *gate = gu + (long)t * 2 * inter, *up = gate + inter;
+        float *a = act + (long)t * inter;
+        int i = 0;
+        for (; i + 16 <= inter; i += 16) {
+            __m512 g = _mm512_loadu_ps(gate + i);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
+        }
+        for (; i < inter; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* x [tokens, hidden]: the embedded tokens in, the last residual out; h [tokens, hidden] out: the
+ * final RMSNorm's output. cos, sin [tokens, head_dim]; slots [tokens]; tables [tokens, max_blocks];
+ * lens [tokens] (each sequence's context, this token included). Returns 0, or < 0 on failure (a
+ * shape pd_gemv does not take: the caller checked them; no memory). */
+int pd_decode_layers(const pd_model *m, float *x, int tokens, const float *cos, const float *sin,
+                     const int64_t *slots, const int32_t *tables, int max_blocks, const int32_t *lens, float *h,
+                     int threads) {
+    int H = m->hidden, D = m->head_dim, qkv_cols = (m->heads + 2 * m->kv_heads) * D, q_cols = m->heads * D;
+    size_t per_token = (size_t)qkv_cols + q_cols + H + 2 * m->inter + m->inter;
+    float *qkv = malloc(sizeof(float) * per_token * tokens), *attn = qkv + (size_t)tokens * qkv_cols;
+    float *o = attn + (size_t)tokens * q_cols, *gu = o + (size_t)tokens * H, *act = gu + (size_t)tokens * 2 * m->inter;
+    int rc = qkv ? 0 : -2;
+    add_norm(x, NULL, m->layer[0].input_norm, m->eps, tokens, H, h);
+    for (int l = 0; rc == 0 && l < m->layers; l++) {
+        const pd_layer *L = &m->layer[l];
+        rc = matmul(&L->qkv, h, tokens, H, qkv, threads);
+        if (rc) break;
+        rope_and_store(m, L, qkv, tokens, cos, sin, slots);
+        rc = attend(m, L, qkv, tokens, tables, max_blocks, lens, attn, threads);
+        if (rc || (rc = matmul(&L->o, attn, tokens, q_cols, o, threads))) break;
+        add_norm(x, o, L->post_norm, m->eps, tokens, H, h);
+        if ((rc = matmul(&L->gate_up, h, tokens, H, gu, threads))) break;
+        silu_mul(gu, tokens, m->inter, act);
+        if ((rc = matmul(&L->down, act, tokens, m->inter, o, threads))) break;
+        add_norm(x, o, l + 1 < m->layers ? m->layer[l + 1].input_norm : m->final_norm, m->eps, tokens, H, h);
+    }
+    free(qkv);
+    return rc;
+}

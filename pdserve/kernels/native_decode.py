@@ -1,0 +1,147 @@
+"""A decode step through every layer of a Llama-family model in one compiled call
+(native_decode.c, built with native_gemv.c into one library).
+
+At one request a SmolLM2 decode step spent about 5 of its 13 ms in Python between the kernels:
+some ten calls a layer over 30 layers. For a step whose queries are all one token (at most
+native_gemv.MAX_TOKENS of them), with quantized weights the compiled gemv takes, a float32 KV
+cache, and no LoRA, tensor parallelism, biases or QK norms, LlamaModel.forward hands its layers
+to this one call; anything else runs the layers in Python as before. The embedding, the LM head
+and sampling stay in Python.
+
+The plan (plan_for) is made once per model runner: the C structs hold pointers into the model's
+weight arrays and the runner's KV cache, which live as long as the runner.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from ctypes import POINTER, c_float, c_int32, c_int64, c_void_p
+
+import numba
+import torch
+
+from pdserve.kernels import native_gemv
+
+log = logging.getLogger(__name__)
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("q", c_void_p), ("scales", c_void_p), ("mins", c_void_p), ("nrows", c_int32), ("bits", c_int32),
+                ("half", c_int32), ("has_min", c_int32), ("group", c_int32)]
+
+    @classmethod
+    def of(cls, args: tuple) -> _Matrix:
+        """From native_gemv.matrix_args: (q, rows, bits, scales, mins, half, has_min, group)."""
+        q, rows, bits, scales, mins, half, has_min, group = args
+        return cls(q, scales, mins, rows, bits, half, has_min, group)
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix),
+                ("input_norm", c_void_p), ("post_norm", c_void_p), ("k_cache", c_void_p), ("v_cache", c_void_p),
+                ("window", c_int64)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("layers", c_int32), ("hidden", c_int32), ("inter", c_int32), ("heads", c_int32),
+                ("kv_heads", c_int32), ("head_dim", c_int32), ("block_size", c_int32), ("eps", c_float),
+                ("scale", c_float), ("s_block", c_int64), ("s_slot", c_int64), ("s_head", c_int64),
+                ("final_norm", c_void_p), ("layer", POINTER(_Layer))]
+
+
+def _matrix(linear) -> tuple | None:
+    """The compiled gemv's arguments for a linear layer, or None where it cannot take it."""
+    packed = getattr(linear.quant_method, "packed", None)
+    if packed is None or linear.bias is not None or linear.lora is not None or linear.tp.size != 1:
+        return None
+    return packed(linear).native
+
+
+def _float32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+def _why_not(model, layer_caches) -> str | None:
+    from pdserve.models.llama import MLP, Attention, DecoderLayer, LlamaModel
+    if type(model) is not LlamaModel:
+        return f"{type(model).__name__} is not the plain Llama model"
+    if model.spec.qk_norm or any(type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention
+                                 or type(layer.mlp) is not MLP for layer in model.layers):
+        return "the layers are not plain Llama layers"
+    linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    if any(_matrix(m) is None for m in linears):
+        return "a linear layer is not quantized for the compiled gemv, or has a bias, LoRA or TP shards"
+    norms = [n.weight for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if not all(_float32(w) for w in norms + [model.norm.weight]):
+        return "the norms' weights are not float32 on CPU"
+    k0 = layer_caches[0][0]
+    if any(len(planes) != 2 or not all(p.dtype == torch.float32 and p.device.type == "cpu" and p.dim() == 4
+                                       and p.stride() == k0.stride() and p.stride(-1) == 1 for p in planes)
+           for planes in layer_caches):
+        return "the KV cache is not a float32 K and V per layer on CPU"
+    return None
+
+
+class NativeDecode:
+    """The compiled decode step for one model over one KV cache."""
+
+    def __init__(self, lib: ctypes.CDLL, model, layer_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.lib, self.layer_caches = lib, layer_caches
+        spec, attn0 = model.spec, model.layers[0].self_attn
+        self._layers = (_Layer * len(model.layers))(*(self._layer(layer, caches)
+                                                       for layer, caches in zip(model.layers, layer_caches)))
+        k0 = layer_caches[0][0]
+        self._model = _Model(len(model.layers), spec.hidden_size, model.layers[0].mlp.intermediate, attn0.num_heads,
+                             attn0.num_kv_heads, attn0.head_dim, k0.shape[1], model.norm.eps, attn0.scale,
+                             *k0.stride()[:3], model.norm.weight.data_ptr(), self._layers)
+        self._model_ptr = ctypes.addressof(self._model)
+        self.steps = 0  # steps run here (tests check the path is taken)
+
+    @staticmethod
+    def _layer(layer, caches: tuple[torch.Tensor, torch.Tensor]) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        matrices = [_Matrix.of(_matrix(m)) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        return _Layer(*matrices, layer.input_layernorm.weight.data_ptr(),
+                      layer.post_attention_layernorm.weight.data_ptr(), caches[0].data_ptr(), caches[1].data_ptr(),
+                      attn.window)
+
+    def takes(self, x: torch.Tensor, ctx) -> bool:
+        """A step of one-token queries only, few enough for the gemv, over this plan's cache."""
+        meta, tokens = ctx.meta, x.shape[0]
+        return (tokens <= native_gemv.MAX_TOKENS and meta.num_decodes == tokens
+                and meta.decode_context_lens.shape[0] == tokens and x.dtype == torch.float32
+                and ctx.layer_caches is self.layer_caches)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        """The final norm's output [T, hidden] for the embedded tokens x [T, hidden]; cos, sin as
+        RotaryEmbedding.cos_sin gives them. The step's K and V go into the cache."""
+        meta, tokens = ctx.meta, x.shape[0]
+        x = x.contiguous()
+        h = torch.empty_like(x)
+        cos, sin = cos.reshape(tokens, -1).contiguous(), sin.reshape(tokens, -1).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        tables = meta.decode_block_tables.to(torch.int32).contiguous()
+        lens = meta.decode_context_lens.to(torch.int32).contiguous()
+        rc = self.lib.pd_decode_layers(self._model_ptr, x.data_ptr(), tokens, cos.data_ptr(), sin.data_ptr(),
+                                       slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+                                       h.data_ptr(), numba.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native decode step failed ({rc})")
+        self.steps += 1
+        return h
+
+
+def plan_for(model, layer_caches: list[tuple[torch.Tensor, ...]], device: torch.device) -> NativeDecode | None:
+    """The compiled decode step for this model and cache, or None (the layers run in Python),
+    with one log line saying why when the library is there but the model does not fit it."""
+    if device.type != "cpu":
+        return None
+    lib = native_gemv.library()
+    if lib is None:
+        return None
+    reason = _why_not(model, layer_caches)
+    if reason is not None:
+        log.info("compiled decode step off: %s", reason)
+        return None
+    return NativeDecode(lib, model, layer_caches)
