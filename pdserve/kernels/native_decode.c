@@ -131,14 +131,52 @@ static void softmax(float *s, long length) {
     for (i = 0; i < length; i++) s[i] /= total;
 }
 
-/* Query heads g0 .. g0 + ng - 1 of KV head kh's group, of sequence b, over its context:
- * softmax(q k^T * scale) v, as numba_ops._decode_kernel. scores holds ng x max_len floats. */
-static void attend_one(const pd_model *m, const pd_layer *L, const float *qkv, int b, int kh, int g0, int ng,
-                       const int32_t *table, int32_t end, float *scores, int max_len, float *out) {
-    int D = m->head_dim, group = m->heads / m->kv_heads, cols = (m->heads + 2 * m->kv_heads) * D;
-    long first = L->window > 0 && end > L->window ? end - L->window : 0, length = end - first;
+#define MAX_NG 4  /* query heads an item holds in registers */
+#define MAX_D16 8 /* head_dim / 16 held in registers: up to 128 */
+
+/* Query heads g0 .. g0 + NG - 1 of KV head kh's group, of sequence b, over its context:
+ * softmax(q k^T * scale) v, as numba_ops._decode_kernel, with head_dim = 16 * D16. NG and D16 are
+ * constants once inlined, so the queries and the sums stay in registers: each key and value row
+ * is loaded once for the NG heads. scores holds NG x max_len floats. */
+static inline __attribute__((always_inline)) void attend_regs(const pd_model *m, const pd_layer *L,
+                                                              const float *q, int kh, const int32_t *table,
+                                                              long first, long length, float *scores,
+                                                              int max_len, float *out, const int NG,
+                                                              const int D16) {
+    __m512 qs[MAX_NG][MAX_D16], acc[MAX_NG][MAX_D16];
+    for (int g = 0; g < NG; g++)
+        for (int c = 0; c < D16; c++) {
+            qs[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D16 * 16 + c * 16), _mm512_set1_ps(m->scale));
+            acc[g][c] = _mm512_setzero_ps();
+        }
+    for (long i = 0; i < length; i++) {
+        const float *key = L->k_cache + cache_row(m, table, first + i, kh);
+        __m512 k[MAX_D16];
+        for (int c = 0; c < D16; c++) k[c] = _mm512_loadu_ps(key + c * 16);
+        for (int g = 0; g < NG; g++) {
+            __m512 dot = _mm512_mul_ps(qs[g][0], k[0]);
+            for (int c = 1; c < D16; c++) dot = _mm512_fmadd_ps(qs[g][c], k[c], dot);
+            scores[g * max_len + i] = _mm512_reduce_add_ps(dot);
+        }
+    }
+    for (int g = 0; g < NG; g++) softmax(scores + (long)g * max_len, length);
+    for (long i = 0; i < length; i++) {
+        const float *value = L->v_cache + cache_row(m, table, first + i, kh);
+        for (int c = 0; c < D16; c++) {
+            __m512 v = _mm512_loadu_ps(value + c * 16);
+            for (int g = 0; g < NG; g++)
+                acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * max_len + i]), v, acc[g][c]);
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        for (int c = 0; c < D16; c++) _mm512_storeu_ps(out + g * D16 * 16 + c * 16, acc[g][c]);
+}
+
+/* The same for any head_dim and group, with the queries and sums in memory. */
+static void attend_any(const pd_model *m, const pd_layer *L, const float *q, int kh, int ng, const int32_t *table,
+                       long first, long length, float *scores, int max_len, float *out) {
+    int D = m->head_dim;
     float qs[ng * D], acc[ng * D];
-    const float *q = qkv + (long)b * cols + ((long)kh * group + g0) * D;
     for (int i = 0; i < ng * D; i++) qs[i] = q[i] * m->scale;
     for (long i = 0; i < length; i++) {
         const float *key = L->k_cache + cache_row(m, table, first + i, kh);
@@ -159,7 +197,24 @@ static void attend_one(const pd_model *m, const pd_layer *L, const float *qkv, i
             for (int d = 0; d < D; d++) acc[g * D + d] += w * value[d];
         }
     }
-    memcpy(out + (long)b * m->heads * D + ((long)kh * group + g0) * D, acc, sizeof(acc));
+    memcpy(out, acc, sizeof(acc));
+}
+
+#define ATTEND_REGS(NG, D16) attend_regs(m, L, q, kh, table, first, length, scores, max_len, o, NG, D16)
+
+/* Query heads g0 .. g0 + ng - 1 of KV head kh's group, of sequence b (a window's keys only) */
+static void attend_one(const pd_model *m, const pd_layer *L, const float *qkv, int b, int kh, int g0, int ng,
+                       const int32_t *table, int32_t end, float *scores, int max_len, float *out) {
+    int D = m->head_dim, group = m->heads / m->kv_heads, cols = (m->heads + 2 * m->kv_heads) * D;
+    long first = L->window > 0 && end > L->window ? end - L->window : 0, length = end - first;
+    const float *q = qkv + (long)b * cols + ((long)kh * group + g0) * D;
+    float *o = out + (long)b * m->heads * D + ((long)kh * group + g0) * D;
+    if (D == 64 && ng == 1) ATTEND_REGS(1, 4);
+    else if (D == 64 && ng == 3) ATTEND_REGS(3, 4);
+    else if (D == 64 && ng == 4) ATTEND_REGS(4, 4);
+    else if (D == 128 && ng == 1) ATTEND_REGS(1, 8);
+    else if (D == 128 && ng == 2) ATTEND_REGS(2, 8);
+    else attend_any(m, L, q, kh, ng, table, first, length, scores, max_len, o);
 }
 
 /* every sequence's attention, in parallel over (sequence, KV head), or over (sequence, query head)
