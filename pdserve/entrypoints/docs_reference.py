@@ -23,8 +23,8 @@ and the parsers disagree. The other pages explain what the flags are for and lin
 `pdserve COMMAND --help` prints the same list. Environment variables read by pdserve:
 `PDSERVE_API_KEY` (the default of `--api-key`), `PDSERVE_CACHE_DIR` (where `builtin:` models and
 the compiled CPU kernels are written, default `~/.cache/pdserve`), `PDSERVE_NATIVE_KERNELS` (`0`:
-run the numba kernels instead of compiling `pdserve/kernels/native_gemv.c`), `LMCACHE_CONFIG_FILE`
-(the default of `--lmcache-config`).
+run the numba kernels and the Python layers instead of compiling `pdserve/kernels/native_gemv.c`
+and `native_decode.c`), `LMCACHE_CONFIG_FILE` (the default of `--lmcache-config`).
 """
 
 # Defaults computed on the machine that builds the parser, written as the rule instead.
