@@ -2,6 +2,8 @@
 weights kept quantized. Times every quantized matmul (by layer), the paged attention and the whole
 engine step of one request's decode steps, and reports per step the median of each part and the
 remainder (the Python and torch work between the kernels: norms, RoPE, KV store, sampling).
+The compiled decode step (native_decode) runs the layers inside one call, so only the LM head is
+timed apart; --python-layers runs them in Python to see each part.
 
     PYTHONPATH=. .venv/bin/python benchmarks/profile_quant_decode.py [--threads 2] [--new-tokens 64]
 
@@ -23,6 +25,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--python-layers", action="store_true",
+                    help="run the layers in Python (the compiled decode step hides the per-layer parts)")
     args = ap.parse_args()
     os.environ.update(OMP_NUM_THREADS=str(args.threads), NUMBA_NUM_THREADS=str(args.threads))
     import torch
@@ -50,6 +54,8 @@ def main() -> None:
     numba_ops.paged_decode_attention = timed(numba_ops.paged_decode_attention, lambda a, out: "attention")
     llm = LLM(DEFAULT_MODEL, num_kv_blocks=256, enable_prefix_caching=False)
     engine = llm.engine
+    if args.python_layers:
+        engine.model.native_decode = None
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": list(range(1000, 1000 + args.prompt_len))}],
                  SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)  # warm up
