@@ -353,7 +353,7 @@ def test_planner_sends_a_cached_prompt_whole_when_its_decode_node_is_full():
     plan = slo.plan("a", 448, keys, full, host, max_tokens=32)
     assert (plan.decode, plan.prefill, plan.decode_cached_tokens) == ("p0", None, 0)
     assert plan.scores["placement"]["where"] == "whole"
-    assert plan.scores["placement"]["remote_ttft"] == pytest.approx(COSTS.step_s(0, 448), abs=1e-4)
+    assert plan.scores["placement"]["remote_ttft"] == pytest.approx(448 * COSTS.token_s, abs=1e-4)
     roomy = [NodeView("d0", 3, 100, 100, decode_rows=3, step_costs=COSTS)]
     plan = slo.plan("b", 448, keys, roomy, host, max_tokens=32)
     assert (plan.decode, plan.prefill, plan.decode_cached_tokens) == ("d0", None, 384)

@@ -150,14 +150,21 @@ class Planner:
                prefill: list[NodeView], targets: Targets, max_tokens: int) -> Placement:
         """pd_decision.place for this request. A prefill node that decodes whole requests caps
         its prefill chunks to hold their ITL target too, so it is priced as the decode node is."""
-        remote = self._ttft_costs(prefill, held, prompt_len)[p_node.node_id]
-        p_tokens = prompt_len - self._held_tokens(p_node, held, prompt_len)
         p_load = self._host_load(p_node, prefill)
         stream_tokens = min(max_tokens, STREAM_TOKENS_CAP)
-        if p_node.decode_rows:
-            remote = max(remote, local_ttft_s(p_tokens, p_load, targets.itl_s, stream_tokens))
+        remote = self._prefill_ttft(p_node, p_load, prefill, held, prompt_len, targets, stream_tokens)
         whole = p_load if p_node.takes_whole else None
         return place(remote, prompt_len - cached, self._host_load(d_node, prefill), targets, whole, stream_tokens)
+
+    def _prefill_ttft(self, node: NodeView, load: DecodeLoad, prefill: list[NodeView], held: dict[str, int],
+                      prompt_len: int, targets: Targets, stream_tokens: int) -> float:
+        """A prefill node's TTFT estimate for the prompt; one that decodes streams (whole requests)
+        prefills in capped chunks to hold their ITL target, so it is priced as a decode node too."""
+        ttft = self._ttft_costs(prefill, held, prompt_len)[node.node_id]
+        if node.decode_rows:
+            tokens = prompt_len - self._held_tokens(node, held, prompt_len)
+            ttft = max(ttft, local_ttft_s(tokens, load, targets.itl_s, stream_tokens))
+        return ttft
 
     def _place_short(self, prompt_len: int, cached: int, held: dict[str, int], d_node: NodeView,
                      prefill: list[NodeView], targets: Targets, max_tokens: int, scores: dict) -> NodeView:
@@ -170,9 +177,7 @@ class Planner:
         host = min(hosts, key=lambda n: (n.decode_rows, n.queued_tokens))
         stream_tokens = min(max_tokens, STREAM_TOKENS_CAP)
         h_load = self._host_load(host, prefill)
-        h_ttft = max(self._ttft_costs([host], held, prompt_len)[host.node_id],
-                     local_ttft_s(prompt_len - self._held_tokens(host, held, prompt_len), h_load, targets.itl_s,
-                                  stream_tokens))
+        h_ttft = self._prefill_ttft(host, h_load, prefill, held, prompt_len, targets, stream_tokens)
         placement = place_short(prompt_len - cached, self._host_load(d_node, prefill), targets, h_load, h_ttft,
                                 stream_tokens)
         scores["placement"] = placement.scores()
