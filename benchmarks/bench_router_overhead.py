@@ -56,8 +56,8 @@ import httpx  # noqa: E402
 import zmq  # noqa: E402
 from cluster import http_json, local_cluster, source_info  # noqa: E402
 
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.loadgen.metrics import percentile  # noqa: E402
+from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
 from pdserve.wire.messages import DecodeRequest, TokenDelta, decode, encode  # noqa: E402
 from pdserve.wire.transport import free_port  # noqa: E402
 

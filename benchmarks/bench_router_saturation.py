@@ -38,7 +38,7 @@ import zmq  # noqa: E402
 from bench_router_overhead import proc_cpu_s  # noqa: E402
 from cluster import source_info  # noqa: E402
 
-from pdserve.engine.outputs import StepOutput  # noqa: E402
+from pdserve.protocol.outputs import StepOutput  # noqa: E402
 from pdserve.wire.messages import DecodeRequest, KVEvents, KVSnapshotRequest, Ping, Pong, TokenDelta  # noqa: E402
 from pdserve.wire.messages import decode as decode_msg  # noqa: E402
 from pdserve.wire.messages import encode as encode_msg  # noqa: E402

@@ -25,10 +25,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from redis_util import redis_server  # noqa: E402
 
-from pdserve.engine.block_keys import block_key_chain  # noqa: E402
 from pdserve.kvstore.factory import make_store  # noqa: E402
 from pdserve.kvstore.layout import KVLayout  # noqa: E402
 from pdserve.loadgen.bench import BenchConfig, Prompt, build_sessions  # noqa: E402
+from pdserve.protocol.block_keys import block_key_chain  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32,
                   model_name="hit-rate")

@@ -81,7 +81,7 @@ class Timer:
 
 def params_for(config: str, row: int):
     from pdserve import SamplingParams
-    from pdserve.engine.sampling_params import StructuredSpec
+    from pdserve.protocol.sampling_params import StructuredSpec
     base = dict(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     if config.startswith("json") and (config == "json-all" or row % 2 == 0):
         return SamplingParams(**base, structured=StructuredSpec("json", json.dumps(SCHEMA)))

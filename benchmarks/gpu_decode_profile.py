@@ -34,7 +34,7 @@ def make_engine(model: str, requests: int, prompt_len: int, new_tokens: int, eag
 
 
 def fill(engine, requests: int, prompt_len: int, new_tokens: int) -> None:
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol.sampling_params import SamplingParams
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     for i, p in enumerate(workload(requests, prompt_len)):
         engine.add_request(str(i), p, params)

@@ -73,7 +73,7 @@ def copy_bandwidth(nbytes: int = 4 << 30, runs: int = 10) -> float:
 def run_pdserve(args) -> dict:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol.sampling_params import SamplingParams
     blocks = args.requests * (-(-(args.prompt_len + args.new_tokens) // 16)) + 64
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", device="cuda",
                                     num_kv_blocks=blocks, max_num_seqs=args.requests,

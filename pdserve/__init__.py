@@ -25,7 +25,7 @@ def __getattr__(name: str):
         from pdserve.engine.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.protocol.sampling_params import SamplingParams
         return SamplingParams
     if name == "EngineConfig":
         from pdserve.engine.config import EngineConfig

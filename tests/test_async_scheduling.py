@@ -14,7 +14,7 @@ import pytest
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import PENDING_TOKEN
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 def make_engine(async_scheduling: bool, num_kv_blocks: int = 256) -> LLMEngine:

@@ -24,9 +24,9 @@ from redis_util import redis_server
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.factory import make_store
 from pdserve.kvstore.layout import KVLayout
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.wire.messages import Abort, DecodeRequest, KVHandover, TokenDelta, decode, encode
 from pdserve.wire.transport import free_port
 

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.block_keys import block_key_chain, kv_layout_salt
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import RequestStatus
+from pdserve.protocol.block_keys import block_key_chain, kv_layout_salt
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -26,7 +26,7 @@ def test_block_keys_are_identical_across_processes():
     salt = kv_layout_salt("m", 2, 2, 64, "float32", 16)
     tokens = list(range(1000, 1050))
     here = [k.hex() for k in block_key_chain(tokens, 16, salt)]
-    code = ("from pdserve.engine.block_keys import *; s = kv_layout_salt('m', 2, 2, 64, 'float32', 16);"
+    code = ("from pdserve.protocol.block_keys import *; s = kv_layout_salt('m', 2, 2, 64, 'float32', 16);"
             "print(','.join(k.hex() for k in block_key_chain(list(range(1000, 1050)), 16, s)))")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     there = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -16,7 +16,7 @@ import pytest
 from cluster_util import node_pids, node_stats, running_cluster, wait_for
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.sampling_params import StructuredSpec
+from pdserve.protocol.sampling_params import StructuredSpec
 
 PROMPTS = [f"request {i}: " + "failover keeps every stream alive. " * (1 + i % 4) for i in range(16)]
 SHORT = 24

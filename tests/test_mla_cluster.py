@@ -15,7 +15,7 @@ from cluster_util import node_pids, node_stats, running_cluster, wait_for
 from test_models_deepseek import make_deepseek
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.sampling_params import StructuredSpec
+from pdserve.protocol.sampling_params import StructuredSpec
 
 PROMPTS = ["Hello latent world", "Multi-head latent attention caches one vector per token. " * 2,
            "x", "0123456789" * 5]

@@ -119,7 +119,7 @@ def test_prefix_cache_hits_and_preemption_keep_output(checkpoint):
 def test_latent_cache_layout(checkpoint):
     """The paged cache holds kv_lora_rank + qk_rope_head_dim values per token and layer, in one
     plane, and its block keys are salted apart from a K/V-per-head layout of the same sizes."""
-    from pdserve.engine.block_keys import kv_layout_salt
+    from pdserve.protocol.block_keys import kv_layout_salt
     kind, path, ref = checkpoint
     llm = LLM(model=str(path), num_kv_blocks=8)
     cfg = ref.config

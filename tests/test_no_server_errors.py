@@ -21,7 +21,7 @@ import pytest
 from cluster_util import running_cluster
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.sampling_params import StructuredSpec
+from pdserve.protocol.sampling_params import StructuredSpec
 
 FLOOR = -9999.0
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},

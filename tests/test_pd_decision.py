@@ -10,8 +10,8 @@ import math
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.block_keys import block_key_chain
-from pdserve.engine.tpot_budget import (
+from pdserve.protocol.block_keys import block_key_chain
+from pdserve.protocol.tpot_budget import (
     MIN_PREFILL_CHUNK,
     TARGET_SHARE,
     StepCostModel,

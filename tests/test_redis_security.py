@@ -25,11 +25,11 @@ from cryptography.x509.oid import NameOID
 from redis_util import TLSFiles, free_port, redis_server
 
 from pdserve import LLM
-from pdserve.engine.block_keys import block_key_chain
 from pdserve.entrypoints.launcher import Cluster
 from pdserve.kvstore.errors import KVStoreError
 from pdserve.kvstore.factory import SUPPORTED_SCHEMES, make_store, redact_url
 from pdserve.kvstore.redis_store import RedisKVStore
+from pdserve.protocol.block_keys import block_key_chain
 
 PASSWORD = "p@ss w:rd/7"  # URL-reserved characters: the URL must carry it percent-encoded
 QPASS = quote(PASSWORD, safe="")

@@ -17,7 +17,7 @@ from node_thread import serving_in_thread
 from pdserve.cluster.router_liveness import RouterLiveness
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.wire.messages import Ping, PrefillRequest, PrefillResult, decode, encode
 from pdserve.wire.transport import free_port
 

@@ -23,9 +23,9 @@ import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pdserve.engine.outputs import StepOutput, TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.loadgen.bench import BenchConfig, run_benchmark
+from pdserve.protocol.outputs import StepOutput, TokenLogprob
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router.app import create_app
 from pdserve.router.backend import BackendError
 from pdserve.router.chat_prompt import render_chat_prompt

@@ -11,7 +11,7 @@ import pytest
 from cluster_util import node_stats, running_cluster, wait_for
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.block_keys import block_key_chain
+from pdserve.protocol.block_keys import block_key_chain
 from pdserve.router.index import PrefixIndex
 from pdserve.router.policy import NodeView, Planner
 

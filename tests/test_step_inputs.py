@@ -10,8 +10,8 @@ import pytest
 
 from pdserve.engine.cuda_graphs import batch_buckets
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_inputs import build_step_inputs, fill_decode_rows
+from pdserve.protocol.sampling_params import SamplingParams
 
 BS = 4
 

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.sampling_params import StructuredSpec
+from pdserve.protocol.sampling_params import StructuredSpec
 from pdserve.router.app import create_app
 from pdserve.wire.transport import free_port
 

@@ -18,7 +18,7 @@ from cluster_util import running_cluster
 from model_factory import make_model
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.sampling_params import StructuredSpec
+from pdserve.protocol.sampling_params import StructuredSpec
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "ok", "tags", "note"],

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.block_keys import block_key_chain, kv_layout_salt, request_salt
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.cache_salt import MAX_CACHE_SALT_BYTES, check_cache_salt, tenant_cache_salt
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.llm import LLM
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.block_keys import block_key_chain, kv_layout_salt, request_salt
+from pdserve.protocol.cache_salt import MAX_CACHE_SALT_BYTES, check_cache_salt, tenant_cache_salt
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router.cluster import ClusterBackend
 from pdserve.router.index import STORE_HOLDER
 from pdserve.router.policy import NodeView

@@ -28,11 +28,11 @@ from cluster_util import node_stats, running_cluster, wait_for
 from lora_util import make_adapter, peft_greedy
 from redis_util import redis_server
 
-from pdserve.engine.block_keys import block_key_chain
-from pdserve.engine.cache_salt import tenant_cache_salt
 from pdserve.engine.llm import LLM
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.models.builtin import ensure_builtin_model
+from pdserve.protocol.block_keys import block_key_chain
+from pdserve.protocol.cache_salt import tenant_cache_salt
+from pdserve.protocol.sampling_params import SamplingParams
 
 BS = 16
 LONG = 2048  # tokens in the isolation prompt (the figure): 128 blocks

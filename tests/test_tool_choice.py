@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from pdserve.engine.outputs import StepOutput
+from pdserve.protocol.outputs import StepOutput
 from pdserve.router.responses import ChoiceState
 from pdserve.router.structured_request import tool_plan
 from pdserve.router.tool_calls import ParsedToolCallChatFlavor

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 
 POOLINGS = ("last", "mean")
 

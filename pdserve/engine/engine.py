@@ -7,7 +7,6 @@ import time
 
 import torch
 
-from pdserve.engine.block_keys import request_salt
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_setup import (
@@ -23,12 +22,10 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.logits_processors import apply_logits_processors
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_processor import OutputProcessor
-from pdserve.engine.outputs import StepOutput
 from pdserve.engine.overlap import InFlightStep, overlapped_step
 from pdserve.engine.prompt_logprobs import take_prompt_logprobs
 from pdserve.engine.request import RemoteKV, Request, RequestStatus
 from pdserve.engine.sampler import sample
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.structured_output import StructuredOutputs
 from pdserve.kernels import get_ops
@@ -36,6 +33,9 @@ from pdserve.kernels.fp8_kv import Fp8KVOps, checkpoint_kv_scales, kv_cache_torc
 from pdserve.kvstore.layout import KVLayout
 from pdserve.models.gguf import checkpoint_name
 from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
+from pdserve.protocol.block_keys import request_salt
+from pdserve.protocol.outputs import StepOutput
+from pdserve.protocol.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 # Steps of at least this many tokens are prefill-bound; their time per token is the node's

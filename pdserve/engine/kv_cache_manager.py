@@ -7,9 +7,9 @@ puts SLID_OUT in its place in the request's block table, which no kernel reads.
 """
 from __future__ import annotations
 
-from pdserve.engine.block_keys import ROOT_KEY, block_key
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import PENDING_TOKEN, Request
+from pdserve.protocol.block_keys import ROOT_KEY, block_key
 
 SLID_OUT = -1  # a block-table entry whose block left every layer's window and went back to the pool
 

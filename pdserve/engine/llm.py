@@ -6,12 +6,12 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from pdserve.engine.cache_salt import check_cache_salt
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.lora.request import LoRARequest
+from pdserve.protocol.cache_salt import check_cache_salt
+from pdserve.protocol.outputs import CompletionOutput, RequestOutput
+from pdserve.protocol.sampling_params import SamplingParams
 
 PromptType = str | dict
 

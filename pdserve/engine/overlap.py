@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.outputs import StepOutput
 from pdserve.engine.request import PENDING_TOKEN, Request
+from pdserve.protocol.outputs import StepOutput
 
 
 @dataclass

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
+from pdserve.protocol.outputs import TokenLogprob
 
 # Rows turned into logits at once: bounds the [rows, vocab] float32 buffer of a long chunk.
 ROWS_PER_PASS = 256

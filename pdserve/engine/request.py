@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.outputs import TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.outputs import TokenLogprob
+from pdserve.protocol.sampling_params import SamplingParams
 
 # An output token still on the device (async scheduling): filled in before anything reads it.
 PENDING_TOKEN = -1

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.outputs import TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.outputs import TokenLogprob
+from pdserve.protocol.sampling_params import SamplingParams
 
 _POSITION_MIX = 0x9E3779B97F4A7C15
 

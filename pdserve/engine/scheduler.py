@@ -41,7 +41,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.held: dict[str, Request] = {}  # finished, blocks kept for a handover
         # Optional cap on the prompt tokens a step prefills, given its decode rows (a decode node
-        # holding its streams' TPOT target sets it: pdserve.engine.tpot_budget); None: no cap.
+        # holding its streams' TPOT target sets it: pdserve.protocol.tpot_budget); None: no cap.
         self.prefill_budget: Callable[[int], int | None] | None = None
         self._prefill_left = 0
         self.step_prefill_tokens = 0  # the last step's tokens in prefill chunks (the rest are one-token rows)

@@ -14,7 +14,7 @@ import torch
 
 
 class KVStore(ABC):
-    """Batched put/get of cache blocks under block keys (bytes from pdserve.engine.block_keys)."""
+    """Batched put/get of cache blocks under block keys (bytes from pdserve.protocol.block_keys)."""
 
     integrity_failures: int = 0  # blocks found but rejected by their checksum or digest
 

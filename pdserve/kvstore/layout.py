@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.block_keys import kv_entry_dims, kv_layout_salt
+from pdserve.protocol.block_keys import kv_entry_dims, kv_layout_salt
 
 
 @dataclass(frozen=True)
@@ -13,7 +13,7 @@ class KVLayout:
     """Layout of the block-major paged cache [num_blocks, num_layers, planes, block_size,
     kv_heads, head_dim]: planes 2 for K and V per KV head, or 1 for one latent per token (MLA,
     with kv_heads 1 and head_dim = kv_lora_rank + qk_rope_head_dim; see
-    pdserve.engine.block_keys.kv_entry_dims). Frozen so one layout object can be shared between
+    pdserve.protocol.block_keys.kv_entry_dims). Frozen so one layout object can be shared between
     stores and nodes."""
 
     num_layers: int
@@ -40,7 +40,7 @@ class KVLayout:
         return numel * torch.empty((), dtype=self.dtype).element_size()
 
     def salt(self) -> bytes:
-        """The block-key salt for this layout (see pdserve.engine.block_keys)."""
+        """The block-key salt for this layout (see pdserve.protocol.block_keys)."""
         return kv_layout_salt(self.model_name, self.num_layers, self.num_kv_heads, self.head_dim,
                               self.dtype_name, self.block_size, self.planes)
 

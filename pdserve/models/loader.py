@@ -11,8 +11,11 @@ from safetensors import safe_open
 from pdserve.kernels.fp8_kv import is_kv_scale
 from pdserve.layers.loading import load_param, process_weights_after_loading
 from pdserve.layers.quant.grouped import GroupedWeight
-from pdserve.models.gguf import VIEW_MARKER, find_gguf_file, gguf_tensor_types, gguf_tensors, is_gguf_view, prepare_view
+from pdserve.models.gguf import VIEW_MARKER, gguf_tensor_types, gguf_tensors, is_gguf_view
 from pdserve.models.llama import LlamaModel, ModelSpec, layer_windows
+
+# resolve_model_path is the loader's public API too (callers that load a model import it here).
+from pdserve.models.model_path import ModelLoadError, resolve_model_path  # noqa: F401
 from pdserve.models.rope import RotaryEmbedding
 
 # Families with a model module of their own: architecture -> module exposing
@@ -29,26 +32,6 @@ FAMILY_MODULES = {
 }
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            *FAMILY_MODULES)
-
-
-class ModelLoadError(ValueError):
-    pass
-
-
-def resolve_model_path(model: str) -> Path:
-    if model.startswith("builtin:"):
-        from pdserve.models.builtin import ensure_builtin_model
-        return ensure_builtin_model(model)
-    gguf_file = find_gguf_file(model)
-    if gguf_file is not None:
-        return prepare_view(gguf_file)
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ModelLoadError(f"model directory {model!r} does not exist (pdserve loads local Hugging Face "
-                             f"directories or builtin:tiny; it never downloads)")
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path} has no config.json")
-    return path
 
 
 def load_hf_config(path: Path):

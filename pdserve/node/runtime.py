@@ -27,11 +27,11 @@ from pdserve.cluster.registry_messages import ACTIVE, DRAINING
 from pdserve.cluster.router_liveness import RouterLiveness
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.footprint import footprint
-from pdserve.engine.outputs import StepOutput
 from pdserve.node.compute_thread import compute_executor
 from pdserve.node.embeddings import EmbeddingQueue
 from pdserve.node.kv_events import KVEventPublisher
 from pdserve.node.lora_control import apply_lora_message, lora_pong_fields
+from pdserve.protocol.outputs import StepOutput
 from pdserve.spec_decode.speculator import spec_stats
 from pdserve.wire.curve_keys import CONTROL_DOMAIN, CurveContext, NodeKeys, node_context
 from pdserve.wire.messages import (

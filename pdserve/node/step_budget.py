@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import time
 
-from pdserve.engine.tpot_budget import (
+from pdserve.node.runtime import NodeRuntime
+from pdserve.protocol.tpot_budget import (
     STREAM_TOKENS_CAP,
     StepCostModel,
     StepCosts,
@@ -20,7 +21,6 @@ from pdserve.engine.tpot_budget import (
     amortized_prefill_tokens,
     least_allowance_s,
 )
-from pdserve.node.runtime import NodeRuntime
 
 
 class StepBudget(NodeRuntime):

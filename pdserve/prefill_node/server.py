@@ -14,15 +14,15 @@ import time
 
 import zmq
 
-from pdserve.engine.block_keys import block_key_chain
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.outputs import StepOutput
 from pdserve.engine.request import RequestStatus
-from pdserve.engine.structured_output import DEAD_END_FINISH
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
 from pdserve.node.runtime import NodeRuntime
 from pdserve.node.step_budget import StepBudget
+from pdserve.protocol.block_keys import block_key_chain
+from pdserve.protocol.grammar import DEAD_END_FINISH
+from pdserve.protocol.outputs import StepOutput
 from pdserve.wire.messages import (
     DecodeRequest,
     KVHandover,

@@ -21,7 +21,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router.adapters import RouterAdapters
 from pdserve.router.admin_routes import add_admin_routes
 from pdserve.router.admission import AdmissionMiddleware

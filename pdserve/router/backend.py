@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from pdserve.engine.outputs import StepOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.outputs import StepOutput
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 class BackendError(Exception):
@@ -24,7 +24,7 @@ class GenerationBackend(Protocol):
                  adapter: str | None = None) -> AsyncIterator[StepOutput]:
         """Yields StepOutput deltas; the last one has finished=True. Raises BackendError.
         session (the OpenAI `user` field) may pin a conversation to a node. cache_salt (the
-        request's salt string, pdserve.engine.cache_salt) and adapter (a LoRA adapter's name)
+        request's salt string, pdserve.protocol.cache_salt) and adapter (a LoRA adapter's name)
         enter its block keys' salt: it shares cached KV only with requests naming the same."""
         ...
 

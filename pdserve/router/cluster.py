@@ -18,9 +18,9 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from pdserve.engine.block_keys import block_key_chain, request_salt
-from pdserve.engine.outputs import StepOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.block_keys import block_key_chain, request_salt
+from pdserve.protocol.outputs import StepOutput
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router.adapters import RouterAdapters
 from pdserve.router.backend import BackendError
 from pdserve.router.cluster_embeddings import embed_on_nodes

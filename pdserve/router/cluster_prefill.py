@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pdserve.engine.outputs import StepOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.outputs import StepOutput
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router.backend import BackendError
 from pdserve.router.failover import MAX_ATTEMPTS, PREFILL_TIMEOUT_S, NodeLost
 from pdserve.router.metrics import RequestTimer

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router.chat_prompt import render_chat_prompt
 from pdserve.router.errors import bad_request
 from pdserve.router.responses import ChatFlavor, CompletionFlavor, Flavor

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 
-from pdserve.engine.block_keys import kv_entry_dims, kv_layout_salt
+from pdserve.protocol.block_keys import kv_entry_dims, kv_layout_salt
 
 log = logging.getLogger(__name__)
 KEEP_ALIVE_S = 75
@@ -28,7 +28,7 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     from transformers import AutoConfig, AutoTokenizer
 
     from pdserve.models.gguf import checkpoint_name
-    from pdserve.models.loader import resolve_model_path
+    from pdserve.models.model_path import resolve_model_path
     from pdserve.router.adapters import RouterAdapters
     from pdserve.router.app import create_app
     from pdserve.router.chat_templates import builtin_chat_template

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from pdserve.engine.tpot_budget import StepCosts
+from pdserve.protocol.tpot_budget import StepCosts
 from pdserve.router.nodes import Node
 from pdserve.router.policy import NodeView
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pdserve.engine.tpot_budget import (
+from pdserve.protocol.tpot_budget import (
     TARGET_SHARE,
     StepCosts,
     absorbs_prefill,

@@ -30,7 +30,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdserve.engine.tpot_budget import STREAM_TOKENS_CAP, StepCosts
+from pdserve.protocol.tpot_budget import STREAM_TOKENS_CAP, StepCosts
 from pdserve.router.index import STORE_HOLDER, PrefixIndex
 from pdserve.router.pd_decision import DecodeLoad, Placement, Targets, local_ttft_s, place, place_short
 

@@ -10,8 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.outputs import StepOutput, TokenLogprob
-from pdserve.engine.structured_output import DEAD_END_FINISH, DEAD_END_MESSAGE
+from pdserve.protocol.grammar import DEAD_END_FINISH, DEAD_END_MESSAGE
+from pdserve.protocol.outputs import StepOutput, TokenLogprob
 
 # JSON has no -Infinity or NaN: a token a grammar or a ban rules out has logprob -inf, and such a
 # value would fail the response (or reach a client as invalid JSON). vLLM's server clamps to this.

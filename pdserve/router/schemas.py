@@ -20,8 +20,8 @@ from urllib.parse import quote
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from pdserve.engine.cache_salt import MAX_CACHE_SALT_BYTES, check_cache_salt
-from pdserve.engine.sampling_params import SamplingParams, StructuredSpec
+from pdserve.protocol.cache_salt import MAX_CACHE_SALT_BYTES, check_cache_salt
+from pdserve.protocol.sampling_params import SamplingParams, StructuredSpec
 from pdserve.router.pd_decision import Targets
 from pdserve.router.structured_request import ToolPlan, structured_spec, tool_plan
 
@@ -40,7 +40,7 @@ def _check_cache_salt(value: str | None) -> str | None:
     return value
 
 
-# A non-empty string of at most MAX_CACHE_SALT_BYTES, without NUL (pdserve.engine.cache_salt).
+# A non-empty string of at most MAX_CACHE_SALT_BYTES, without NUL (pdserve.protocol.cache_salt).
 CacheSalt = Annotated[str | None, AfterValidator(_check_cache_salt),
                       Field(description="Cached KV is shared only between requests with the same salt: "
                             f"a non-empty string of at most {MAX_CACHE_SALT_BYTES} UTF-8 bytes, without NUL.")]

@@ -23,8 +23,8 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pdserve.engine.outputs import StepOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.outputs import StepOutput
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router.backend import BackendError, GenerationBackend
 from pdserve.router.errors import as_api_error
 

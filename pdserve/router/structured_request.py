@@ -16,8 +16,9 @@ from typing import Any
 
 import anyio
 
-from pdserve.engine.sampling_params import StructuredSpec
-from pdserve.engine.structured_output import StructuredOutputs, check_spec
+from pdserve.engine.structured_output import StructuredOutputs
+from pdserve.protocol.grammar import check_spec
+from pdserve.protocol.sampling_params import StructuredSpec
 
 # json_object: any JSON object (compact, see structured_output.ANY_WHITESPACE).
 JSON_OBJECT_SCHEMA = '{"type": "object"}'

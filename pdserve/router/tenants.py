@@ -3,7 +3,7 @@
 A tenant comes from the API key (`--api-key KEY:TENANT`, several keys separated by commas) or,
 when the key names none, from the `x-tenant-id` header (as Dynamo takes it; meant for a trusted
 gateway in front of the router, which sets it). The body's `cache_salt` (vLLM's field) mixes
-with the tenant: see pdserve.engine.cache_salt.tenant_cache_salt.
+with the tenant: see pdserve.protocol.cache_salt.tenant_cache_salt.
 """
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import dataclasses
 
 from fastapi import Request
 
-from pdserve.engine.cache_salt import cache_salt_error, tenant_cache_salt
+from pdserve.protocol.cache_salt import cache_salt_error, tenant_cache_salt
 from pdserve.router.errors import bad_request
 
 
 @dataclasses.dataclass(frozen=True)
 class KVScope:
     """What keys a request's KV blocks apart from other requests': its salt string (a tenant's
-    cache_salt, pdserve.engine.cache_salt) and its LoRA adapter. Both travel to the nodes."""
+    cache_salt, pdserve.protocol.cache_salt) and its LoRA adapter. Both travel to the nodes."""
     cache_salt: str | None = None
     adapter: str | None = None
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from pdserve.engine.outputs import StepOutput
+from pdserve.protocol.outputs import StepOutput
 from pdserve.router.responses import ChatFlavor, ChoiceState, TokenTexts
 from pdserve.router.tool_parsers import ToolCall, ToolCallParser, required_calls
 

@@ -32,7 +32,7 @@ class NodeCosts:
 
 
 def _timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> float:
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol.sampling_params import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -15,8 +15,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.engine.block_keys import ROOT_KEY, block_key, kv_layout_salt
-from pdserve.engine.tpot_budget import STREAM_TOKENS_CAP, StepCosts, StreamClock, amortized_prefill_tokens
+from pdserve.protocol.block_keys import ROOT_KEY, block_key, kv_layout_salt
+from pdserve.protocol.tpot_budget import STREAM_TOKENS_CAP, StepCosts, StreamClock, amortized_prefill_tokens
 from pdserve.router.index import STORE_HOLDER, PrefixIndex
 from pdserve.router.pd_decision import Targets
 from pdserve.router.policy import NodeView, Planner

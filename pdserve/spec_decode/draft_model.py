@@ -9,9 +9,9 @@ prompt, which for a draft ~10x smaller than the target costs ~1/10 of that prefi
 from __future__ import annotations
 
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.layout import KVLayout
 from pdserve.models.loader import load_hf_config, load_model, resolve_model_path
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.spec_decode.own_kv import own_paged_runner
 
 DRAFT_SALT = b"pdserve-draft"  # the draft pool caches nothing; its keys are never shared

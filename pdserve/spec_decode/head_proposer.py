@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.block_keys import kv_entry_dims
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvstore.layout import KVLayout
+from pdserve.protocol.block_keys import kv_entry_dims
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.spec_decode.eligible import may_speculate
 from pdserve.spec_decode.hidden_stash import HiddenStash
 from pdserve.spec_decode.own_kv import own_paged_runner

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.outputs import StepOutput
 from pdserve.engine.request import Request
+from pdserve.protocol.outputs import StepOutput
 from pdserve.spec_decode.config import SpeculativeConfig
 from pdserve.spec_decode.eligible import may_speculate
 from pdserve.spec_decode.ngram import NgramProposer

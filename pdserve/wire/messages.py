@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.engine.outputs import StepOutput, TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.outputs import StepOutput, TokenLogprob
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 class KVHandover(msgspec.Struct, frozen=True):
@@ -93,7 +93,7 @@ class DecodeRequest(msgspec.Struct, tag=True):
     first_token_ids: list[int] = []  # drawn by the prefill node
     handover: KVHandover | None = None
     # The stream's inter-token latency target, seconds (0: none): the decode node caps the prompt
-    # tokens its steps prefill so that its streams keep their targets (pdserve.engine.tpot_budget).
+    # tokens its steps prefill so that its streams keep their targets (pdserve.protocol.tpot_budget).
     itl_slo_s: float = 0.0
     cache_salt: str | None = None  # as PrefillRequest's
     adapter: str | None = None

@@ -3,7 +3,7 @@
 
 A request's salt string is the client's `cache_salt` (vLLM's field), or the tenant its API key or
 `x-tenant-id` header names, or both mixed (`tenant_cache_salt`). The string enters the first
-block key's salt through pdserve.engine.block_keys.request_salt, and every later key chains on
+block key's salt through pdserve.protocol.block_keys.request_salt, and every later key chains on
 it. Torch-free: the router imports it.
 """
 from __future__ import annotations
