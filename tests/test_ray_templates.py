@@ -8,9 +8,9 @@ import json
 import pytest
 
 from pdserve.cluster.ray_actors import fill_template, template_ports
-from pdserve.cluster.ray_launch import node_templates, placement
 from pdserve.entrypoints.cli import build_parser
 from pdserve.entrypoints.launcher import Cluster
+from pdserve.entrypoints.ray_launch import node_templates, placement
 
 
 def _up(*flags: str):

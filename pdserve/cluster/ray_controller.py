@@ -44,7 +44,7 @@ class Placement:
 
 
 class RayController:
-    """Use through ray.remote (pdserve.cluster.ray_launch does)."""
+    """Use through ray.remote (pdserve.entrypoints.ray_launch does)."""
 
     def __init__(self, templates: dict[str, list[str]], placement: Placement):
         self.templates = templates  # role or "router" -> pdserve arguments with placeholders

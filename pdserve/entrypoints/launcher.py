@@ -301,7 +301,7 @@ def prepare_model(model: str) -> None:
 def run_up(args) -> int:
     cluster = Cluster(args)
     if getattr(args, "ray", None):  # the same nodes and routers, as actors on a Ray cluster
-        from pdserve.cluster.ray_launch import run_up_ray
+        from pdserve.entrypoints.ray_launch import run_up_ray
         return run_up_ray(args, cluster)
 
     def on_signal(signum, _frame):
