@@ -1,11 +1,12 @@
-"""Random-weight LoRA adapters made with PEFT on a random base (tests/model_factory), and PEFT's
+"""Random-weight LoRA adapters made with PEFT on a random base (pdserve/testing/model_factory.py), and PEFT's
 own greedy generation as the reference pdserve's adapters must match token for token."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from model_factory import load_reference
+
+from pdserve.testing.model_factory import load_reference
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

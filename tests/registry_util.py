@@ -8,10 +8,10 @@ import signal
 import subprocess
 import sys
 
-from cluster_util import assert_greedy_matches_offline, node_stats
-
 from pdserve.router.nodes import NodePool
 from pdserve.router.registry_watcher import RegistryWatcher
+
+from pdserve.testing.up_cluster import assert_greedy_matches_offline, node_stats
 from pdserve.wire.transport import free_port
 
 PROMPT = list(range(3, 60))

@@ -181,8 +181,9 @@ def make_markov_target_and_copy_head(root: Path) -> tuple[Path, Path]:
     has unit weights, so its next token depends on the last token alone; and an EAGLE head that
     is a copy of its layer with fc passing the token's embedding through: the head's argmax is
     the target's (the final norm only rescales), so every draft is accepted."""
-    from model_factory import make_model
     from transformers import AutoModelForCausalLM
+
+    from pdserve.testing.model_factory import make_model
     target = make_model(root, "llama", seed=4, num_hidden_layers=1)
     model = AutoModelForCausalLM.from_pretrained(str(target))
     with torch.no_grad():

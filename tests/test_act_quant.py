@@ -12,51 +12,22 @@ import json
 
 import pytest
 import torch
-from model_factory import assert_greedy_matches_reference, load_reference, make_model, save_compressed
 from safetensors.torch import load_file
 from torch import nn
 
 from pdserve import LLM
 from pdserve.layers.quant.act_quant import Fp8LinearMethod, Int8LinearMethod
 from pdserve.models.loader import ModelLoadError
+from pdserve.testing.model_factory import assert_greedy_matches_reference, load_reference, make_model
+from pdserve.testing.quant_checkpoints import PRESETS, write_act_quant
 
 NEW_TOKENS = 16
 SHAPE = dict(hidden_size=256, intermediate_size=320)  # 320: a ragged last 128-column block
-PRESETS = {"FP8_DYNAMIC": "float-quantized", "FP8_BLOCK": "float-quantized", "W8A8": "int-quantized"}
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("act"), "llama", **SHAPE)
-
-
-def _weight_qparams(weight: torch.Tensor, args) -> torch.Tensor:
-    """Round-to-nearest scales from the weight's range, per channel or per block."""
-    from compressed_tensors.quantization.utils import calculate_qparams
-    if args.strategy == "block":
-        rows, cols = weight.shape
-        br, bc = args.block_structure
-        pad = torch.nn.functional.pad(weight, (0, -cols % bc, 0, -rows % br))
-        blocks = pad.view(pad.shape[0] // br, br, pad.shape[1] // bc, bc)
-        low, high = blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
-    else:
-        low, high = weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True)
-    return calculate_qparams(low, high, args)[0]
-
-
-def write_checkpoint(root, src, preset: str):
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    scheme = preset_name_to_scheme(preset, ["Linear"])
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
-    for module in model.modules():
-        if hasattr(module, "weight_scale"):
-            module.weight_scale.data.copy_(_weight_qparams(module.weight.data, scheme.weights))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=PRESETS[preset])
-    compressor.compress_model(model)
-    return save_compressed(model, compressor, src, root / preset)
 
 
 def _quant_dequant(x: torch.Tensor, kind: str, group: int | None) -> torch.Tensor:
@@ -118,7 +89,7 @@ def assert_matches_quantized_reference(llm, ref, what: str) -> None:
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_matches_plain_torch_reference(tmp_path, source, preset):
-    path = write_checkpoint(tmp_path, source, preset)
+    path = write_act_quant(tmp_path, source, preset)
     llm = LLM(str(path), num_kv_blocks=64)
     layer = llm.engine.model.layers[0]
     method = Int8LinearMethod if preset == "W8A8" else Fp8LinearMethod
@@ -129,7 +100,7 @@ def test_matches_plain_torch_reference(tmp_path, source, preset):
 
 
 def test_unsupported_activation_schemes_are_refused(tmp_path, source):
-    path = write_checkpoint(tmp_path, source, "W8A8")
+    path = write_act_quant(tmp_path, source, "W8A8")
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"]["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
     (path / "config.json").write_text(json.dumps(config))

@@ -10,13 +10,13 @@ from dataclasses import asdict
 
 import matplotlib.image
 import pytest
-from cluster_util import running_cluster
 
 from pdserve.entrypoints.cli import main as pdserve_main
 from pdserve.loadgen import plot as bench_plot
 from pdserve.loadgen.bench import BenchConfig, RequestResult
 from pdserve.loadgen.cli import main as bench_main
 from pdserve.loadgen.metrics import compute_metrics, latency_samples
+from pdserve.testing.up_cluster import running_cluster
 
 WORKLOAD = ["--workload", "shared-prefix", "--num-groups", "2", "--prompts-per-group", "3", "--prefix-len", "64",
             "--question-len", "8", "--output-len", "6", "--max-token-id", "250", "--num-warmup", "0",

@@ -16,12 +16,12 @@ from typing import Literal
 
 import openai
 import pytest
-from cluster_util import running_cluster
-from model_factory import make_model
 from pydantic import BaseModel, Field
 from transformers import AutoTokenizer
 
 from pdserve import LLM, SamplingParams
+from pdserve.testing.model_factory import make_model
+from pdserve.testing.up_cluster import running_cluster
 
 TOOLS_TEMPLATE = """{%- if tools %}<|system|>Call a tool by writing <tool_call>{"name": NAME, "arguments": {...}}\
 </tool_call>. Tools:

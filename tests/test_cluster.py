@@ -6,9 +6,9 @@ import concurrent.futures as cf
 
 import openai
 import pytest
-from cluster_util import node_stats, running_cluster, wait_for
 
 from pdserve import LLM, SamplingParams
+from pdserve.testing.up_cluster import node_stats, running_cluster, wait_for
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 3, "a",
            "Disaggregated serving splits prefill from decode; " * 2, "0123456789" * 5, "short one"]

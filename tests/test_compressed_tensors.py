@@ -9,12 +9,12 @@ import json
 
 import pytest
 import torch
-from model_factory import assert_matches_reference, make_model, save_compressed
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
 from pdserve import LLM
 from pdserve.layers.quant.grouped import GroupedLinearMethod
 from pdserve.models.loader import ModelLoadError
+from pdserve.testing.model_factory import assert_matches_reference, make_model, save_compressed
 
 NEW_TOKENS = 16
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA grap
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    from model_factory import make_model
+    from pdserve.testing.model_factory import make_model
     return make_model(tmp_path_factory.mktemp("graphs"), "llama")
 
 
@@ -35,7 +35,7 @@ def _generate(path, prompts, max_tokens, eager: bool, dtype: str = "float32"):
 
 @pytest.mark.parametrize("batch", [1, 3, 5, 19])
 def test_graph_decode_matches_transformers_and_eager(model_path, batch):
-    from model_factory import load_reference
+    from pdserve.testing.model_factory import load_reference
     prompts = _prompts(batch, seed=batch)
     max_tokens = [8 + (i * 5) % 17 for i in range(batch)]  # requests leave at different steps
     graphs = _generate(model_path, prompts, max_tokens, eager=False)

@@ -13,10 +13,10 @@ import time
 import psutil
 import zmq
 import zmq.auth
-from cluster_util import assert_greedy_matches_offline, node_stats, running_cluster, wait_for
 
 from pdserve import LLM
 from pdserve.kvstore.nixl_transfer import nixl_import_error
+from pdserve.testing.up_cluster import assert_greedy_matches_offline, node_stats, running_cluster, wait_for
 from pdserve.wire.curve_keys import NodeKeys, RouterKeys
 from pdserve.wire.messages import NixlMetadataRequest, Ping, Pong, decode, encode
 from pdserve.wire.transport import free_port

@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from cluster_util import running_cluster
+
+from pdserve.testing.up_cluster import running_cluster
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "monitoring" / "grafana" / "pdserve-dashboard.json"
 METRIC_NAME = re.compile(r"\bpdserve_[a-zA-Z0-9_]+")

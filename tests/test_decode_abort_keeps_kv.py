@@ -18,15 +18,15 @@ import time
 
 import pytest
 import zmq
-from cluster_util import wait_for
 from node_thread import serving_in_thread
-from redis_util import redis_server
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.factory import make_store
 from pdserve.kvstore.layout import KVLayout
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.redis_server import redis_server
+from pdserve.testing.up_cluster import wait_for
 from pdserve.wire.messages import Abort, DecodeRequest, KVHandover, TokenDelta, decode, encode
 from pdserve.wire.transport import free_port
 

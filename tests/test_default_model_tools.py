@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 import openai
 import pytest
-from cluster_util import running_cluster
+from pdserve.router.chat_prompt import template_drops_tools
+from pdserve.router.chat_templates import builtin_chat_template
 from transformers import AutoTokenizer
 
 from pdserve.models.gguf import DEFAULT_MODEL
 from pdserve.models.loader import resolve_model_path
-from pdserve.router.chat_prompt import template_drops_tools
-from pdserve.router.chat_templates import builtin_chat_template
+from pdserve.testing.up_cluster import running_cluster
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],

@@ -14,13 +14,13 @@ from types import SimpleNamespace
 
 import openai
 import pytest
-from cluster_util import running_cluster
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.models.builtin import build_byte_tokenizer
+from pdserve.testing.up_cluster import running_cluster
 
 SPECIALS = ["<s>", "</s>", "<unk>", "<sep>"]
 

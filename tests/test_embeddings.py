@@ -14,12 +14,12 @@ import numpy as np
 import openai
 import pytest
 import torch
-from cluster_util import running_clusters
-from model_factory import make_model
 from transformers import AutoModel, AutoTokenizer
 
 from pdserve import LLM
 from pdserve.engine.embedding import EmbeddingBatch
+from pdserve.testing.model_factory import make_model
+from pdserve.testing.up_cluster import running_clusters
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ import threading
 import httpx
 import openai
 import pytest
-from cluster_util import node_pids, node_stats, running_cluster, wait_for
 
 from pdserve import LLM, SamplingParams
 from pdserve.protocol.sampling_params import StructuredSpec
+from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, wait_for
 
 PROMPTS = [f"request {i}: " + "failover keeps every stream alive. " * (1 + i % 4) for i in range(16)]
 SHORT = 24

@@ -8,9 +8,9 @@ import signal
 import httpx
 import openai
 import pytest
-from cluster_util import node_pids, node_stats, running_cluster, wait_for
 
 from pdserve import LLM, SamplingParams
+from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, wait_for
 
 LONG = {"max_tokens": 3000, "temperature": 0, "ignore_eos": True}
 

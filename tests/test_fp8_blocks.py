@@ -14,10 +14,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from model_factory import load_reference, make_model
-from safetensors.torch import load_file, save_file
 from test_act_quant import _quant_dequant, assert_matches_quantized_reference
-from test_models_deepseek import make_deepseek
 from torch import nn
 
 from pdserve import LLM
@@ -25,53 +22,10 @@ from pdserve.executor.setup import check_tp_support
 from pdserve.layers.quant.act_quant import Fp8LinearMethod
 from pdserve.models.loader import ModelLoadError, load_hf_config
 from pdserve.models.moe_quant import Fp8Experts
+from pdserve.testing.model_factory import load_reference, make_deepseek, make_model
+from pdserve.testing.quant_checkpoints import BLOCK, is_block_quantized, write_fp8
 
-BLOCK = 128
 SHAPE = dict(hidden_size=256, intermediate_size=320)  # several column blocks, a ragged last one
-
-
-def _quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = w.shape
-    pad = F.pad(w, (0, -cols % BLOCK, 0, -rows % BLOCK))
-    blocks = pad.view(pad.shape[0] // BLOCK, BLOCK, pad.shape[1] // BLOCK, BLOCK)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-    q = (blocks / scale[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return q.view(pad.shape)[:rows, :cols].contiguous(), scale
-
-
-def _dequantize_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
-    return q.float() * full[:q.shape[0], :q.shape[1]]
-
-
-def _is_quantized(name: str, tensor: torch.Tensor) -> bool:
-    return (name.endswith(".weight") and tensor.dim() == 2 and "norm" not in name
-            and not name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")))
-
-
-def write_fp8(src, root):
-    """(the FP8 checkpoint, a float32 checkpoint of its dequantized weights)."""
-    fp8, dequantized = root / "fp8", root / "dequantized"
-    tensors = load_file(str(src / "model.safetensors"))
-    out_fp8, out_deq = {}, {}
-    for name, t in tensors.items():
-        if _is_quantized(name, t):
-            q, scale = _quantize_blocks(t)
-            out_fp8[name], out_fp8[name.replace(".weight", ".weight_scale_inv")] = q, scale
-            out_deq[name] = _dequantize_blocks(q, scale)
-        else:
-            out_fp8[name] = out_deq[name] = t
-    config = json.loads((src / "config.json").read_text())
-    for path, out in ((fp8, out_fp8), (dequantized, out_deq)):
-        path.mkdir()
-        save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
-        for f in src.iterdir():
-            if f.name != "model.safetensors":
-                (path / f.name).write_bytes(f.read_bytes())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [BLOCK, BLOCK]}
-    (fp8 / "config.json").write_text(json.dumps(config))
-    return fp8, dequantized
 
 
 def _kept_fp8(name: str) -> bool:
@@ -96,7 +50,7 @@ def fp8_reference(dequantized, kept) -> tuple[nn.Module, int]:
     ref = load_reference(dequantized)
     count = 0
     for name, module in ref.named_modules():
-        if isinstance(module, nn.Linear) and _is_quantized(f"{name}.weight", module.weight) and kept(name):
+        if isinstance(module, nn.Linear) and is_block_quantized(f"{name}.weight", module.weight) and kept(name):
             module.register_forward_pre_hook(lambda m, args: (_quant_dequant(args[0], "float", BLOCK),))
             count += 1
     return ref, count

@@ -14,10 +14,7 @@ from argparse import Namespace
 
 import pytest
 import torch
-from cluster_util import node_stats, running_clusters
-from model_factory import make_model
 from openai import OpenAI
-from redis_util import redis_server
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
@@ -28,6 +25,9 @@ from pdserve.kvstore.layout import KVLayout
 from pdserve.kvstore.redis_store import HEADER, decode_into, encode_block
 from pdserve.models.gguf import checkpoint_name
 from pdserve.router.main import _kv_dtype_name, layout_salt
+from pdserve.testing.model_factory import make_model
+from pdserve.testing.redis_server import redis_server
+from pdserve.testing.up_cluster import node_stats, running_clusters
 
 # |logprob difference| over the prompt tokens, nats. e4m3 keeps 3 mantissa bits (relative error
 # up to 1/16 per element), and this random model (weights std 0.2) has sharp logits; measured

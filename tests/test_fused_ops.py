@@ -83,9 +83,8 @@ def test_silu_mul_matches_torch(fused, dtype, inter):
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_model_with_fused_ops_matches_transformers_logits(tmp_path, kind):
     """Every position's logits of a prompt, fused model against transformers in float32."""
-    from model_factory import load_reference, make_model
-
     from pdserve import LLM
+    from pdserve.testing.model_factory import load_reference, make_model
     path = make_model(tmp_path, kind)
     llm = LLM(model=str(path), dtype="float32", device=DEVICE, kernel_backend="triton",
               num_kv_blocks=64, enforce_eager=True)
@@ -101,9 +100,8 @@ def test_model_with_fused_ops_matches_transformers_logits(tmp_path, kind):
 
 def test_cpu_model_runs_numba_fused_ops_and_matches_transformers_logits(tmp_path):
     """The numba backend on CPU puts the numba ops in the layers; float32 logits as transformers'."""
-    from model_factory import load_reference, make_model
-
     from pdserve import LLM
+    from pdserve.testing.model_factory import load_reference, make_model
     path = make_model(tmp_path, "llama")
     llm = LLM(model=str(path), dtype="float32", device="cpu", kernel_backend="numba", num_kv_blocks=64)
     assert llm.engine.model.fused is numba_fused

@@ -12,13 +12,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from model_factory import assert_matches_reference
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pdserve import LLM
 from pdserve.models.gguf import GGUFError, checkpoint_name, find_gguf_file, hf_tensor_name
 from pdserve.models.loader import resolve_model_path
+from pdserve.testing.model_factory import assert_matches_reference
 
 Q = gguf.GGMLQuantizationType
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 from gguf_kquants import quantize
-from model_factory import assert_matches_reference
 from test_gguf import reference, write_gguf
 
 from pdserve import LLM
 from pdserve.kernels import quant_cpu
 from pdserve.layers.quant.gguf_blocks import KEPT_TYPES, decode
 from pdserve.layers.quant.grouped import GroupedLinearMethod, scales_view
+from pdserve.testing.model_factory import assert_matches_reference
 
 Q = gguf.GGMLQuantizationType
 # K types need rows of 256 columns.

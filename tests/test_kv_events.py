@@ -5,15 +5,15 @@ and a bfloat16 node's alike."""
 from __future__ import annotations
 
 import openai
-from cluster_util import node_stats, running_cluster, wait_for
+from pdserve.router.index import PrefixIndex
+from pdserve.router.kv_events import KVEventTracker
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.node.kv_events import DROP_BATCH_ENV, KVEventPublisher
 from pdserve.protocol.block_keys import block_key_chain
-from pdserve.router.index import PrefixIndex
-from pdserve.router.kv_events import KVEventTracker
+from pdserve.testing.up_cluster import node_stats, running_cluster, wait_for
 from pdserve.wire.messages import KVEvents, Ping
 
 

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 import torch
-from redis_util import redis_server, start_redis_server, stop_redis_server
 
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
@@ -21,6 +20,7 @@ from pdserve.kvstore.layout import KVLayout
 from pdserve.kvstore.memory_store import MemoryKVStore
 from pdserve.kvstore.redis_store import HEADER, RedisKVStore
 from pdserve.protocol.block_keys import block_key_chain
+from pdserve.testing.redis_server import redis_server, start_redis_server, stop_redis_server
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, model_name="test-kv")
 NUM_BLOCKS = 12

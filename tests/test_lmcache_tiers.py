@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from redis_util import REDIS_SERVER, _ping, free_port, redis_server
 
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.factory import make_store
 from pdserve.kvstore.layout import KVLayout
+from pdserve.testing.redis_server import REDIS_SERVER, _ping, free_port, redis_server
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, model_name="test-tiers")
 CHUNK_TOKENS = 32  # 2 blocks, 8 KiB per chunk

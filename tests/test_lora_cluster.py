@@ -12,9 +12,10 @@ import threading
 import httpx
 import openai
 import pytest
-from cluster_util import node_stats, running_cluster, wait_for
 from lora_util import make_adapter, peft_greedy
-from model_factory import make_model
+
+from pdserve.testing.model_factory import make_model
+from pdserve.testing.up_cluster import node_stats, running_cluster, wait_for
 
 NEW_TOKENS = 8
 KEY = "lora-test-key"

@@ -8,9 +8,9 @@ import random
 
 import pytest
 from lora_util import make_adapter, peft_greedy
-from model_factory import make_model
 
 from pdserve import LLM, LoRARequest, SamplingParams
+from pdserve.testing.model_factory import make_model
 
 NEW_TOKENS = 8
 BLOCK = 16

@@ -11,8 +11,9 @@ import signal
 import httpx
 import openai
 import pytest
-from cluster_util import node_pids, running_cluster, wait_for
 from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.testing.up_cluster import node_pids, running_cluster, wait_for
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}

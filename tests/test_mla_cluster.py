@@ -11,11 +11,11 @@ import time
 
 import openai
 import pytest
-from cluster_util import node_pids, node_stats, running_cluster, wait_for
-from test_models_deepseek import make_deepseek
 
 from pdserve import LLM, SamplingParams
 from pdserve.protocol.sampling_params import StructuredSpec
+from pdserve.testing.model_factory import make_deepseek
+from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, wait_for
 
 PROMPTS = ["Hello latent world", "Multi-head latent attention caches one vector per token. " * 2,
            "x", "0123456789" * 5]

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from redis_util import redis_server
 
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.factory import make_store
 from pdserve.kvstore.layout import KVLayout
 from pdserve.protocol.block_keys import block_key_chain, kv_entry_dims
+from pdserve.testing.redis_server import redis_server
 
 # DeepSeek-V3's latent (512 + 64) scaled down: 3 layers, 40 + 8 values per token.
 MLA = KVLayout(num_layers=3, num_kv_heads=1, head_dim=48, block_size=16, model_name="test-mla", planes=1)

@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 import torch
-from model_factory import make_model
 
 from pdserve import LLM, SamplingParams
 from pdserve.models.loader import SUPPORTED_ARCHITECTURES, ModelLoadError
+from pdserve.testing.model_factory import make_model
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):

@@ -5,9 +5,9 @@ import random
 
 import pytest
 import torch
-from model_factory import ARCHS, load_reference, make_model
 
 from pdserve import LLM, SamplingParams
+from pdserve.testing.model_factory import ARCHS, load_reference, make_model, reference_greedy
 
 NEW_TOKENS = 12
 
@@ -22,14 +22,6 @@ def checkpoint(request, tmp_path_factory):
 def _prompts(seed: int, vocab: int, lengths) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab - 5) for _ in range(n)] for n in lengths]
-
-
-def reference_greedy(ref, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                           output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences[0, len(prompt):].tolist(), [step[0] for step in out.logits]
 
 
 def assert_same_or_near_tie(got: list[int], want: list[int], logits: list[torch.Tensor]) -> None:

@@ -3,62 +3,16 @@ generate on the same random weights (checked with transformers 5.24)."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
-from model_factory import load_reference
-from test_model_vs_transformers import assert_same_or_near_tie, reference_greedy
+from test_model_vs_transformers import assert_same_or_near_tie
 
 from pdserve import LLM, SamplingParams
-from pdserve.models.builtin import build_byte_tokenizer
+from pdserve.testing.model_factory import DEEPSEEK_ARCHS, DEEPSEEK_BASE, load_reference, make_deepseek, reference_greedy
 
 NEW_TOKENS = 12
-MLA = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8,
-           qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
-           n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=1024,
-           initializer_range=0.2)
-KINDS = {
-    # V3: q LoRA, sigmoid grouped routing with a correction bias, yarn RoPE with both mscales
-    # (cos/sin and the softmax scale), interleaved RoPE.
-    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(
-        q_lora_rank=48, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
-                         "mscale": 1.0, "mscale_all_dim": 0.707})),
-    # V2: no q LoRA (as V2-Lite), softmax group-limited routing, complex (interleaved) RoPE.
-    "deepseek_v2": ("DeepseekV2ForCausalLM", dict(
-        q_lora_rank=None, n_group=2, topk_group=1, topk_method="group_limited_greedy",
-        routed_scaling_factor=1.5)),
-}
-
-
-def make_deepseek(root: Path, kind: str, seed: int = 0, **overrides) -> Path:
-    """A random-weight checkpoint written by transformers (std 0.2, norms and the routing
-    correction bias randomised too, so every weight is exercised)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    arch, extra = KINDS[kind]
-    tokenizer = build_byte_tokenizer()
-    config = AutoConfig.for_model(kind, **{**MLA, **extra, **overrides}, vocab_size=len(tokenizer),
-                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                  architectures=[arch])
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.normal_(0.0, 0.05)
-    path = root / kind
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module", params=list(KINDS))
+@pytest.fixture(scope="module", params=list(DEEPSEEK_ARCHS))
 def checkpoint(request, tmp_path_factory):
     path = make_deepseek(tmp_path_factory.mktemp("models"), request.param)
     return request.param, path, load_reference(path)
@@ -143,7 +97,7 @@ def test_unusual_configs_are_refused(tmp_path):
         "scoring": (dict(scoring_func="sigmoid"), "scoring_func"),
     }
     for overrides, words in bad.values():
-        config = AutoConfig.for_model("deepseek_v2", **{**MLA, **overrides}, architectures=["DeepseekV2ForCausalLM"])
+        config = AutoConfig.for_model("deepseek_v2", **{**DEEPSEEK_BASE, **overrides}, architectures=["DeepseekV2ForCausalLM"])
         with pytest.raises(ValueError, match=words):
             check_config(config)
-    check_config(AutoConfig.for_model("deepseek_v2", **MLA, architectures=["DeepseekV2ForCausalLM"]))
+    check_config(AutoConfig.for_model("deepseek_v2", **DEEPSEEK_BASE, architectures=["DeepseekV2ForCausalLM"]))

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import openai
 import pytest
-from cluster_util import node_stats, running_clusters, wait_for
 from family_models import assert_meaningful, load_reference, make_family_model, random_prompts, reference_greedy
-from test_models_deepseek import make_deepseek
 
 from pdserve import LLM, SamplingParams
 from pdserve.models.loader import SUPPORTED_ARCHITECTURES
+from pdserve.testing.model_factory import make_deepseek
+from pdserve.testing.up_cluster import node_stats, running_clusters, wait_for
 
 NEW_TOKENS = 10
 SEEDED = dict(max_tokens=8, temperature=0.8, top_p=0.9, seed=11)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-from cluster_util import running_cluster
 from family_models import (
     assert_meaningful,
     check_offline_greedy,
@@ -23,6 +22,7 @@ from family_models import (
 
 from pdserve import LLM, SamplingParams
 from pdserve.models.loader import ModelLoadError, load_hf_config
+from pdserve.testing.up_cluster import running_cluster
 
 
 @pytest.fixture(scope="module", params=["gemma3_text", "gpt_oss"])

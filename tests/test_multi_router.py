@@ -20,9 +20,9 @@ import httpx
 import openai
 import psutil
 import pytest
-from cluster_util import assert_greedy_matches_offline, node_stats, running_cluster, wait_for
 
 from pdserve import LLM, SamplingParams
+from pdserve.testing.up_cluster import assert_greedy_matches_offline, node_stats, running_cluster, wait_for
 
 SHARED = list(range(3, 163))  # 10 blocks of 16 tokens
 MAX_TOKENS = 32

@@ -10,11 +10,11 @@ from __future__ import annotations
 import gguf
 import pytest
 from gguf_kquants import quantize
-from model_factory import assert_greedy_matches_reference
 from test_gguf import reference, write_gguf
 
 from pdserve import LLM, SamplingParams
 from pdserve.kernels import native_gemv
+from pdserve.testing.model_factory import assert_greedy_matches_reference
 
 Q = gguf.GGMLQuantizationType
 SIZES = dict(hidden_size=256, intermediate_size=512)

@@ -18,10 +18,10 @@ import math
 import httpx
 import openai
 import pytest
-from cluster_util import running_cluster
 
 from pdserve import LLM, SamplingParams
 from pdserve.protocol.sampling_params import StructuredSpec
+from pdserve.testing.up_cluster import running_cluster
 
 FLOOR = -9999.0
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},

@@ -15,7 +15,8 @@ import sys
 
 import httpx
 import pytest
-from cluster_util import running_cluster
+
+from pdserve.testing.up_cluster import running_cluster
 
 pytest.importorskip("schemathesis")
 

@@ -22,9 +22,9 @@ import signal
 import httpx
 import openai
 import pytest
-from cluster_util import node_pids, node_stats, running_cluster, wait_for
 
 from pdserve import LLM, SamplingParams
+from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, wait_for
 
 PROMPTS = [[random.Random(i).randrange(5, 250) for _ in range(96)] for i in range(3)]
 LONG = 1200  # the first stream keeps the decode node busy while the others are placed

@@ -12,8 +12,6 @@ import dataclasses
 import openai
 import pytest
 import torch
-from cluster_util import running_cluster
-from model_factory import load_reference, make_model
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -25,6 +23,8 @@ from transformers import (
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.logits_processors import apply_logits_processors
+from pdserve.testing.model_factory import load_reference, make_model
+from pdserve.testing.up_cluster import running_cluster
 
 VOCAB = 97
 EOS = 3

@@ -12,9 +12,9 @@ import time
 import httpx
 import openai
 import pytest
-from cluster_util import running_cluster, wait_for
 
 from pdserve import LLM, SamplingParams
+from pdserve.testing.up_cluster import running_cluster, wait_for
 
 PROMPTS = [[random.Random(i).randrange(5, 250) for _ in range(384)] for i in range(6)]
 

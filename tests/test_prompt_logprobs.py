@@ -16,10 +16,10 @@ import httpx
 import openai
 import pytest
 import torch
-from cluster_util import node_pids, node_stats, running_cluster, wait_for
-from model_factory import load_reference, make_model
 
 from pdserve import LLM, SamplingParams
+from pdserve.testing.model_factory import load_reference, make_model
+from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, wait_for
 
 TOL = 1e-4
 MODEL = None  # the served model's name: its checkpoint directory, set by the cluster fixture

@@ -10,12 +10,12 @@ import urllib.request
 
 import gguf
 import pytest
-from cluster_util import running_cluster
 from openai import OpenAI
 from test_gguf import write_gguf
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.footprint import weight_bytes
+from pdserve.testing.up_cluster import running_cluster
 
 SIZES = dict(hidden_size=256, intermediate_size=512)
 PROMPTS = ["the thin tin", "a hat in the hat"]

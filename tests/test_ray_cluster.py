@@ -36,11 +36,11 @@ import openai
 import psutil
 import pytest
 import redis
-from cluster_util import assert_greedy_matches_offline
 from ray_util import listening_sockets, machine_addresses, net_namespace, netns_unavailable, ray_cluster
-from redis_util import REDIS_SERVER
 
 from pdserve import LLM, SamplingParams
+from pdserve.testing.redis_server import REDIS_SERVER
+from pdserve.testing.up_cluster import assert_greedy_matches_offline
 
 pytest.importorskip("ray", reason="the ray extra is not installed")
 pytestmark = pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))

@@ -17,14 +17,14 @@ import openai
 import pytest
 import redis
 import torch
-from cluster_util import node_stats, running_cluster, wait_for
-from redis_cluster_util import redis_cluster
 
 from pdserve import LLM, SamplingParams
 from pdserve.kvstore.digest_ledger import DIGEST_PREFIX
 from pdserve.kvstore.factory import make_store
 from pdserve.kvstore.layout import KVLayout
 from pdserve.kvstore.redis_cluster import parse_cluster_url, redis_client
+from pdserve.testing.redis_cluster import redis_cluster
+from pdserve.testing.up_cluster import node_stats, running_cluster, wait_for
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, model_name="test-cluster")
 N = 41  # 20 chunks of 2 blocks and one block in the tail

@@ -7,9 +7,9 @@ import os
 import signal
 
 import redis
-from cluster_util import assert_greedy_matches_offline, node_pids, running_cluster, wait_for
 
 from pdserve import LLM
+from pdserve.testing.up_cluster import assert_greedy_matches_offline, node_pids, running_cluster, wait_for
 
 
 def test_requests_survive_redis_death_and_reuse_it_once_back():

@@ -17,12 +17,10 @@ import httpx
 import pytest
 import redis
 import torch
-from cluster_util import assert_greedy_matches_offline, node_stats, running_cluster, wait_for
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from redis_util import TLSFiles, free_port, redis_server
 
 from pdserve import LLM
 from pdserve.entrypoints.launcher import Cluster
@@ -30,6 +28,8 @@ from pdserve.kvstore.errors import KVStoreError
 from pdserve.kvstore.factory import SUPPORTED_SCHEMES, make_store, redact_url
 from pdserve.kvstore.redis_store import RedisKVStore
 from pdserve.protocol.block_keys import block_key_chain
+from pdserve.testing.redis_server import TLSFiles, free_port, redis_server
+from pdserve.testing.up_cluster import assert_greedy_matches_offline, node_stats, running_cluster, wait_for
 
 PASSWORD = "p@ss w:rd/7"  # URL-reserved characters: the URL must carry it percent-encoded
 QPASS = quote(PASSWORD, safe="")

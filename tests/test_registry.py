@@ -14,13 +14,13 @@ import signal
 import psutil
 import pytest
 import zmq
-from cluster_util import node_stats, running_cluster, wait_for
 from registry_util import serves, start_decode, stop_process, watch_pool
 
 from pdserve import LLM
 from pdserve.cluster.registration import NodeRegistration
 from pdserve.cluster.registry import RegistryServer
 from pdserve.cluster.registry_messages import EXPIRE_AFTER_S, NodeRecord, Register, encode
+from pdserve.testing.up_cluster import node_stats, running_cluster, wait_for
 from pdserve.wire.transport import free_port
 
 

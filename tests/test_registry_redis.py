@@ -22,14 +22,14 @@ import httpx
 import msgspec
 import pytest
 import redis
-from cluster_util import node_stats, wait_for
-from redis_util import redis_server, start_redis_server, stop_redis_server
 from registry_util import serves, start_decode, stop_process, terminate_process, watch_pool
 from test_redis_security import make_certs
 
 from pdserve import LLM
 from pdserve.cluster.registry_messages import EXPIRE_AFTER_S, HEARTBEAT_S, NodeRecord
 from pdserve.cluster.registry_redis import INDEX_KEY, RedisNodeRegistration, record_key
+from pdserve.testing.redis_server import redis_server, start_redis_server, stop_redis_server
+from pdserve.testing.up_cluster import node_stats, wait_for
 from pdserve.wire.transport import free_port
 
 

@@ -14,9 +14,10 @@ from typing import Literal
 import httpx
 import openai
 import pytest
-from cluster_util import running_cluster
 from openai.types.responses import Response
 from pydantic import BaseModel
+
+from pdserve.testing.up_cluster import running_cluster
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 INSTRUCTIONS = "You are a terse geography assistant."

@@ -11,13 +11,13 @@ import time
 
 import pytest
 import zmq
-from cluster_util import wait_for
 from node_thread import serving_in_thread
 
 from pdserve.cluster.router_liveness import RouterLiveness
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.up_cluster import wait_for
 from pdserve.wire.messages import Ping, PrefillRequest, PrefillResult, decode, encode
 from pdserve.wire.transport import free_port
 

@@ -8,12 +8,12 @@ import time
 
 import openai
 import pytest
-from cluster_util import node_stats, running_cluster, wait_for
+from pdserve.router.index import PrefixIndex
+from pdserve.router.policy import NodeView, Planner
 
 from pdserve import LLM, SamplingParams
 from pdserve.protocol.block_keys import block_key_chain
-from pdserve.router.index import PrefixIndex
-from pdserve.router.policy import NodeView, Planner
+from pdserve.testing.up_cluster import node_stats, running_cluster, wait_for
 
 TURN = 48        # tokens the user adds per round
 ANSWER = 16      # tokens generated per round

@@ -17,9 +17,9 @@ import threading
 import httpx
 import openai
 import pytest
-from cluster_util import node_pids, node_stats, running_cluster, wait_for
 
 from pdserve import LLM, SamplingParams
+from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, wait_for
 
 KEY = "scale-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

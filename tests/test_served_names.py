@@ -7,12 +7,12 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from cluster_util import running_cluster
+from pdserve.router.model_routes import served_names
 from transformers import AutoTokenizer
 
 import pdserve
 from pdserve.entrypoints.cli import build_parser
-from pdserve.router.model_routes import served_names
+from pdserve.testing.up_cluster import running_cluster
 
 NAMES = ["tiny-chat", "org/tiny-alias"]
 

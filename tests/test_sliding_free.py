@@ -15,14 +15,14 @@ import concurrent.futures as cf
 import openai
 import pytest
 import torch
-from cluster_util import node_stats, running_cluster, wait_for
 from family_models import assert_meaningful, random_prompts, reference_greedy
-from model_factory import load_reference, make_model
 from test_kernels import DEVICE, fill_sequences, make_cache, packed_qkv
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.kv_cache_manager import SLID_OUT
 from pdserve.kernels import get_ops
+from pdserve.testing.model_factory import load_reference, make_model
+from pdserve.testing.up_cluster import node_stats, running_cluster, wait_for
 
 WINDOW, BLOCK = 24, 16
 # Blocks a decoding request holds: the window's W keys span at most ceil(W / bs) + 1 blocks.

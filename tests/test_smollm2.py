@@ -14,11 +14,11 @@ import concurrent.futures as cf
 import httpx
 import openai
 import pytest
-from cluster_util import node_stats, running_cluster
-from smollm2_util import NEW_TOKENS, PROMPTS, assert_greedy_matches, load_reference
 
 from pdserve import LLM, SamplingParams
 from pdserve.models.gguf import DEFAULT_MODEL
+from pdserve.testing.smollm2 import NEW_TOKENS, PROMPTS, assert_greedy_matches, load_reference
+from pdserve.testing.up_cluster import node_stats, running_cluster
 
 GREEDY = dict(max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
 

@@ -8,10 +8,10 @@ import random
 
 import pytest
 import torch
-from model_factory import load_reference, make_model
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.request import RequestStatus
+from pdserve.testing.model_factory import load_reference, make_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 

@@ -32,13 +32,13 @@ import threading
 import httpx
 import openai
 import pytest
-from cluster_util import node_pids, node_stats, running_clusters, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from spec_heads import make_eagle_head
 
 from pdserve import LLM, SamplingParams
 from pdserve.entrypoints.node_speculation import node_speculative_config
 from pdserve.models.builtin import ensure_builtin_model
+from pdserve.testing.up_cluster import node_pids, node_stats, running_clusters, wait_for
 from pdserve.wire.transport import free_port
 
 TRANSPORTS = ("store", "nixl")

@@ -6,7 +6,6 @@ weights), so a wrong head fails even though verification keeps the output exact.
 from __future__ import annotations
 
 import pytest
-from model_factory import load_reference, make_model
 from spec_heads import (
     EagleReference,
     assert_outputs_equal_transformers,
@@ -17,6 +16,7 @@ from spec_heads import (
 from test_spec_decode import _assert_no_leak, _ids, _prompts
 
 from pdserve import LLM, SamplingParams
+from pdserve.testing.model_factory import load_reference, make_model
 
 K = 3
 

@@ -7,12 +7,11 @@ prefix hits too; a checkpoint without the layer is refused."""
 from __future__ import annotations
 
 import pytest
-from model_factory import load_reference
 from spec_heads import MtpReference, add_mtp_layer, assert_outputs_equal_transformers, record_drafts
-from test_models_deepseek import make_deepseek
 from test_spec_decode import _assert_no_leak, _ids, _prompts
 
 from pdserve import LLM, SamplingParams
+from pdserve.testing.model_factory import load_reference, make_deepseek
 
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
 

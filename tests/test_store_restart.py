@@ -10,9 +10,9 @@ import httpx
 import psutil
 import pytest
 import redis
-from cluster_util import assert_greedy_matches_offline, node_pids, node_stats, running_cluster, wait_for
 
 from pdserve import LLM
+from pdserve.testing.up_cluster import assert_greedy_matches_offline, node_pids, node_stats, running_cluster, wait_for
 
 
 @pytest.mark.parametrize("store", ["default", "32-token chunks", "LMCache config file"])

@@ -14,11 +14,11 @@ import jsonschema
 import openai
 import pytest
 import torch
-from cluster_util import running_cluster
-from model_factory import make_model
 
 from pdserve import LLM, SamplingParams
 from pdserve.protocol.sampling_params import StructuredSpec
+from pdserve.testing.model_factory import make_model
+from pdserve.testing.up_cluster import running_cluster
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "ok", "tags", "note"],

@@ -1,6 +1,6 @@
 """Tenant and adapter isolation through a real `pdserve up` cluster: two prefill nodes (round
 robin, so a request and its repeat land on different nodes), one decode node, the KV store on a
-real redis-server (tests/redis_util.py, direct Redis so its keys can be read back), and two LoRA
+real redis-server (pdserve/testing/redis_server.py, direct Redis so its keys can be read back), and two LoRA
 adapters of builtin:tiny made with PEFT.
 
 Tenants come from API keys (`--api-key KEY:TENANT`), from the x-tenant-id header, and mix with
@@ -24,15 +24,15 @@ import httpx
 import openai
 import pytest
 import redis
-from cluster_util import node_stats, running_cluster, wait_for
 from lora_util import make_adapter, peft_greedy
-from redis_util import redis_server
-
 from pdserve.engine.llm import LLM
+
 from pdserve.models.builtin import ensure_builtin_model
 from pdserve.protocol.block_keys import block_key_chain
 from pdserve.protocol.cache_salt import tenant_cache_salt
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.testing.redis_server import redis_server
+from pdserve.testing.up_cluster import node_stats, running_cluster, wait_for
 
 BS = 16
 LONG = 2048  # tokens in the isolation prompt (the issue's figure): 128 blocks

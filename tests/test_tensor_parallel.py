@@ -17,14 +17,13 @@ import pytest
 import torch
 from family_models import NEW_TOKENS, check_offline_greedy, make_family_model, random_prompts, reference_greedy
 from family_models import load_reference as load_family_reference
-from model_factory import load_reference, make_model
-from test_models_deepseek import load_reference as load_deepseek_reference
-from test_models_deepseek import make_deepseek
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.embedding import EmbeddingBatch, pool
 from pdserve.executor.executor import WorkerLost
 from pdserve.executor.setup import check_tp_support
+from pdserve.testing.model_factory import load_reference, make_deepseek, make_model
+from pdserve.testing.model_factory import load_reference as load_deepseek_reference
 
 
 @pytest.fixture(scope="module")

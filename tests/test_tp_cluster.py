@@ -30,9 +30,9 @@ import httpx
 import openai
 import psutil
 import pytest
-from cluster_util import node_pids, node_stats, running_clusters, wait_for
 
 from pdserve import LLM, SamplingParams
+from pdserve.testing.up_cluster import node_pids, node_stats, running_clusters, wait_for
 
 SHORT = 8
 # Long enough that streams still run when a worker is killed, on a fast machine too (CI once

@@ -1,4 +1,4 @@
-"""Random-weight Hugging Face checkpoints for tests, built offline with transformers.
+"""Random-weight Hugging Face checkpoints for tests and benchmarks, built offline with transformers.
 
 Weights use std 0.2 so greedy decoding has clear winners (std 0.02 gives near-flat logits
 whose argmax flips under any change in reduction order).
@@ -90,6 +90,15 @@ def assert_greedy_matches_reference(llm, ref, prompts: list[list[int]], new_toke
         assert len(set(want)) > 1, what
 
 
+def reference_greedy(ref, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy tokens for prompt, and its logits at each of them."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                           output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences[0, len(prompt):].tolist(), [step[0] for step in out.logits]
+
+
 def save_compressed(model, compressor, src: Path, out: Path) -> Path:
     """Write a compressed-tensors checkpoint (compressor already applied to model) to out, with the
     source directory's tokenizer files."""
@@ -99,3 +108,48 @@ def save_compressed(model, compressor, src: Path, out: Path) -> Path:
         if (src / name).is_file():
             (out / name).write_bytes((src / name).read_bytes())
     return out
+
+
+# DeepSeek-V2/V3: multi-head latent attention and MoE.
+DEEPSEEK_BASE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8,
+                     qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
+                     n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=1024,
+                     initializer_range=0.2)
+DEEPSEEK_ARCHS = {
+    # V3: q LoRA, sigmoid grouped routing with a correction bias, yarn RoPE with both mscales
+    # (cos/sin and the softmax scale), interleaved RoPE.
+    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(
+        q_lora_rank=48, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 0.707})),
+    # V2: no q LoRA (as V2-Lite), softmax group-limited routing, complex (interleaved) RoPE.
+    "deepseek_v2": ("DeepseekV2ForCausalLM", dict(
+        q_lora_rank=None, n_group=2, topk_group=1, topk_method="group_limited_greedy",
+        routed_scaling_factor=1.5)),
+}
+
+
+def make_deepseek(root: Path, kind: str, seed: int = 0, **overrides) -> Path:
+    """A random-weight checkpoint written by transformers (std 0.2, norms and the routing
+    correction bias randomised too, so every weight is exercised)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    arch, extra = DEEPSEEK_ARCHS[kind]
+    tokenizer = build_byte_tokenizer()
+    config = AutoConfig.for_model(kind, **{**DEEPSEEK_BASE, **extra, **overrides}, vocab_size=len(tokenizer),
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  architectures=[arch])
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.05)
+    path = root / kind
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,6 +1,6 @@
 """Throwaway redis-server instances for tests and benchmarks.
 
-    from redis_util import start_redis_server, redis_server
+    from pdserve.testing.redis_server import start_redis_server, redis_server
 
     url, proc = start_redis_server()      # caller stops it: stop_redis_server(proc)
     with redis_server() as (url, proc): ...   # stopped on exit
