@@ -3,7 +3,9 @@ Hugging Face view) or a local Hugging Face directory. No torch: the router resol
 to find its tokenizer and chat template."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 from pdserve.models.gguf import find_gguf_file, prepare_view
 
@@ -26,3 +28,33 @@ def resolve_model_path(model: str) -> Path:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json")
     return path
+
+
+# Tokenizer classes that are transformers' generic fast tokenizer over tokenizer.json: when a
+# checkpoint names one of these, AutoTokenizer loads that same class.
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path: Path):
+    """The checkpoint's tokenizer, as AutoTokenizer loads it. A checkpoint whose tokenizer_config
+    names the generic fast tokenizer is loaded by that class directly, which keeps torch out of
+    the router process (AutoTokenizer's resolution imports transformers' config module, and so
+    torch); the router and the nodes both load through here, so they always tokenize alike."""
+    config = _read_json(path / "tokenizer_config.json")
+    if (config.get("tokenizer_class") in _GENERIC_TOKENIZERS and "auto_map" not in config
+            and (path / "tokenizer.json").is_file()):
+        from transformers import PreTrainedTokenizerFast  # heavy (transformers), deferred on purpose
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from transformers import AutoTokenizer  # a specialised tokenizer class: transformers' own resolution
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def read_model_config(path: Path) -> SimpleNamespace:
+    """config.json's fields as attributes, without transformers' config classes (which import
+    torch): what the router reads of a model (layers, heads, context length) is written there
+    by save_pretrained, class defaults included."""
+    return SimpleNamespace(**_read_json(path / "config.json"))
+
+
+def _read_json(file: Path) -> dict:
+    return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}

@@ -24,23 +24,21 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     """chat: chat_template (a Jinja file replacing the tokenizer's), tool_call_parser and
     pooling (/v1/embeddings: "last" or "mean"; default: the checkpoint's, else "last").
     served_model_names: --served-model-name's values (default: the model as given).
-    lora_modules: LoRA adapters served at start, name -> directory (pdserve.router.adapters)."""
-    from transformers import AutoConfig, AutoTokenizer
-
+    lora_modules: LoRA adapters served at start, name -> directory (pdserve.router.dispatch.adapters)."""
     from pdserve.models.gguf import checkpoint_name
-    from pdserve.models.model_path import resolve_model_path
-    from pdserve.router.adapters import RouterAdapters
-    from pdserve.router.app import create_app
-    from pdserve.router.chat_templates import builtin_chat_template
-    from pdserve.router.cluster import ClusterBackend
-    from pdserve.router.embeddings import EmbeddingOptions, checkpoint_pooling
-    from pdserve.router.model_routes import served_names
-    from pdserve.router.nodes import NodePool
+    from pdserve.models.model_path import load_tokenizer, read_model_config, resolve_model_path
+    from pdserve.router.dispatch.adapters import RouterAdapters
+    from pdserve.router.dispatch.cluster import ClusterBackend
+    from pdserve.router.dispatch.nodes import NodePool
+    from pdserve.router.openai.chat_templates import builtin_chat_template
+    from pdserve.router.routes.app import create_app
+    from pdserve.router.routes.embedding_routes import EmbeddingOptions, checkpoint_pooling
+    from pdserve.router.routes.model_routes import served_names
     from pdserve.wire.curve_keys import RouterKeys
 
     path = resolve_model_path(model)
-    hf_config = AutoConfig.from_pretrained(str(path))
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    hf_config = read_model_config(path)  # no transformers config classes: they import torch
+    tokenizer = load_tokenizer(path)
     chat = chat or {}
     if chat.get("chat_template"):
         tokenizer.chat_template = load_chat_template(chat["chat_template"])
@@ -94,9 +92,9 @@ def run_router(args) -> int:
     import uvicorn
 
     from pdserve.kvstore.redact import redact_url
-    from pdserve.router.pd_decision import Targets
-    from pdserve.router.planner_loop import attach_planner
-    from pdserve.router.tenants import parse_api_keys
+    from pdserve.router.placement.pd_decision import Targets
+    from pdserve.router.routes.tenants import parse_api_keys
+    from pdserve.router.scaling.planner_loop import attach_planner
     admission = dict(api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"), protect_metrics=args.protect_metrics,
                      max_body_bytes=args.max_body_bytes, max_queued_requests=args.max_queued_requests)
     parse_api_keys(admission["api_key"])  # a malformed key list stops the start, not each request

@@ -1,0 +1,108 @@
+"""What is decided once, as an engine is built, from its config and model: the device, the KV
+cache's size, the longest request, the kernels, the LoRA manager, whether the FP8 cache, CUDA
+graphs and async scheduling apply, the sliding-window bound on blocks, the tokenizer and the EOS
+ids."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.kernels import get_ops
+from pdserve.kernels.fp8_kv import Fp8KVOps, checkpoint_kv_scales
+from pdserve.kvstore.layout import KVLayout
+from pdserve.lora.manager import LoRAManager
+from pdserve.models.model_path import load_tokenizer as load_checkpoint_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(config: EngineConfig) -> torch.device:
+    if config.device != "auto":
+        return torch.device(config.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def num_kv_blocks(config: EngineConfig, layout: KVLayout) -> int:
+    bytes_per_block = layout.block_nbytes()
+    n = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // bytes_per_block)
+    log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, config.block_size, n * bytes_per_block / 2**20)
+    return n
+
+
+def max_model_len(config: EngineConfig, hf_config, model, num_blocks: int) -> int:
+    """The longest request: the model's positions, the cache, and a sliding window the model's
+    attention does not apply itself."""
+    limit = min(model.spec.max_position_embeddings, num_blocks * config.block_size)
+    window = getattr(hf_config, "sliding_window", None)
+    if getattr(model, "handles_sliding_window", False):
+        window = None  # the model's attention applies its windows itself
+    if window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, window)  # sliding-window attention is not implemented: stay inside it
+    return min(config.max_model_len or limit, limit)
+
+
+def kernel_ops(config: EngineConfig, device: torch.device, kv_cache: torch.Tensor, model_path, num_layers: int):
+    """The attention kernels (warmed up), wrapped for an FP8 cache with the checkpoint's scales."""
+    ops = get_ops(config.kernel_backend, device.type)
+    if hasattr(ops, "warm_up"):
+        ops.warm_up()
+    if config.kv_cache_dtype == "fp8":
+        ops = Fp8KVOps(ops, kv_cache, checkpoint_kv_scales(model_path, num_layers))
+    return ops
+
+
+def start_lora(config: EngineConfig, model, dtype: torch.dtype, device: torch.device):
+    """The engine's LoRAManager with config.lora_modules registered; None when adapters are off."""
+    if not config.enable_lora:
+        return None
+    manager = LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, dtype, device)
+    for name, path in (config.lora_modules or {}).items():
+        manager.add(name, path)
+    return manager
+
+
+def check_fp8_kv_supported(config: EngineConfig, layout: KVLayout) -> None:
+    """The FP8 cache wraps the K/V attention ops of one process: MLA's latent cache and the
+    tensor-parallel workers' shared cache do not go through them."""
+    if layout.planes != 2:
+        raise ValueError("kv_cache_dtype fp8 is not supported for MLA models (their latent cache)")
+    if config.tensor_parallel_size > 1:
+        raise ValueError("kv_cache_dtype fp8 is not supported with tensor_parallel_size > 1")
+
+
+def kv_window(model) -> int:
+    """The window past which a block can be freed: > 0 only when every attention layer slides
+    (then the widest window); 0 when any layer attends to the whole context, which needs
+    every block."""
+    windows = [getattr(getattr(layer, "self_attn", None), "window", 0) or 0 for layer in model.layers]
+    return max(windows) if windows and min(windows) > 0 else 0
+
+
+def drafts_from_hidden(config: EngineConfig) -> bool:
+    """An EAGLE or MTP head reads every step's hidden states: no CUDA graphs (they give logits only)."""
+    spec = config.speculative_config
+    return spec is not None and spec.method in ("eagle", "mtp")
+
+
+def use_async_scheduling(setting, device: torch.device) -> bool:
+    """auto: on CUDA, where the host's work can hide behind the GPU's; on the CPU the host is
+    the device, so there is nothing to overlap."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+def load_tokenizer(path):
+    try:
+        return load_checkpoint_tokenizer(path)  # the router's loader too: both tokenize alike
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer in %s (%s): text prompts and output text are unavailable", path, exc)
+        return None
+
+
+def eos_ids(hf_config, tokenizer) -> set[int]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
