@@ -7,18 +7,21 @@ Workloads:
   multi-round    num_users users x num_rounds rounds; each round sends the whole history
                  (earlier questions and answers) plus a new question. Rounds of one user are
                  sequential; users run concurrently.
+  trace          --trace FILE: a production trace in Mooncake's JSONL format, replayed open loop
+                 or as conversations (pdserve.loadgen.trace_replay), with the cache bounds.
 Load: --concurrency caps requests in flight; --request-rate spaces arrivals (of sessions:
 one request each, or one user for multi-round) as a Poisson process. Both may be combined.
 Prompts are token-id lists by default (exact lengths); --prompt-mode text sends random words.
 Requests set ignore_eos and a fixed max_tokens so every request generates output_len tokens.
 
-    python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000 --workload random \
+    python -m benchmarks.serving.serve_bench --base-url http://127.0.0.1:8000 --workload random \
         --num-prompts 200 --concurrency 16 --output-json out.json
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -31,11 +34,12 @@ import httpx
 from tqdm.asyncio import tqdm
 
 from pdserve.loadgen.metrics import RequestResult, compute_metrics, latency_samples
+from pdserve.loadgen.trace_replay import replay_trace
 
 logger = logging.getLogger(__name__)
 
 Prompt = list[int] | str
-WORKLOADS = ("random", "shared-prefix", "multi-round")
+WORKLOADS = ("random", "shared-prefix", "multi-round", "trace")
 _WORDS = ("the of and to in is was for on that with as by at from his an were are which this "
           "be or has had first one their its new after but who not they have her she two been "
           "other when there all during into school time may years more most only over city "
@@ -72,8 +76,23 @@ class BenchConfig:
     api_key: str | None = None
     output_json: str | None = None
     disable_tqdm: bool = False
+    trace: str | None = None
+    trace_length_divisor: int = 1
+    trace_output_divisor: int = 1
+    trace_output_cap: int | None = None
+    trace_time_scale: float = 1.0
+    trace_start_s: float = 0.0
+    trace_duration_s: float | None = None
+    trace_max_requests: int | None = None
+    trace_sessions: bool = False
+    trace_num_sessions: int | None = None
+    cache_capacity_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.trace is not None:
+            self.workload = "trace"
+        elif self.workload == "trace":
+            raise ValueError("the trace workload needs --trace FILE")
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {WORKLOADS}, got {self.workload!r}")
         if self.prompt_mode not in ("token-ids", "text"):
@@ -113,6 +132,17 @@ FIELD_HELP = {
     "api_key": "sent as 'Authorization: Bearer KEY'",
     "output_json": "write the report here",
     "disable_tqdm": "no progress bar",
+    "trace": "replay this trace (Mooncake JSONL: timestamp, input_length, output_length, hash_ids)",
+    "trace_length_divisor": "trace: divide prompt lengths by this (a 512-token block becomes 512/N tokens)",
+    "trace_output_divisor": "trace: divide output lengths by this",
+    "trace_output_cap": "trace: at most this many output tokens a request",
+    "trace_time_scale": "trace: multiply timestamps and think times by this (below 1: faster than real time)",
+    "trace_start_s": "trace: skip the trace's first seconds",
+    "trace_duration_s": "trace: keep this many seconds of it",
+    "trace_max_requests": "trace: keep at most this many requests",
+    "trace_sessions": "trace: replay conversations as sessions (next turn a think time after the answer)",
+    "trace_num_sessions": "trace sessions: sample this many conversations (seeded)",
+    "cache_capacity_tokens": "trace: the cluster's KV capacity, for the optimal cache's bound",
 }
 
 
@@ -175,8 +205,10 @@ class _StreamTracker:
         if "error" in event:
             self.result.error = str(event["error"].get("message", event["error"]))
         if event.get("usage"):
-            self.result.prompt_tokens = event["usage"].get("prompt_tokens", 0)
-            self.result.output_tokens = event["usage"].get("completion_tokens", 0)
+            usage = event["usage"]
+            self.result.prompt_tokens = usage.get("prompt_tokens", 0)
+            self.result.output_tokens = usage.get("completion_tokens", 0)
+            self.result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         for choice in event.get("choices") or []:
             ids = choice.get("token_ids") or []
             if choice.get("text") or ids:
@@ -200,8 +232,8 @@ def _parse_sse(line: str) -> dict[str, Any] | None | str:
     return "[DONE]" if data == "[DONE]" else json.loads(data)
 
 
-def _payload(cfg: BenchConfig, prompt: Prompt) -> dict[str, Any]:
-    return {"model": cfg.model, "prompt": prompt, "max_tokens": cfg.output_len,
+def _payload(cfg: BenchConfig, prompt: Prompt, max_tokens: int | None) -> dict[str, Any]:
+    return {"model": cfg.model, "prompt": prompt, "max_tokens": max_tokens or cfg.output_len,
             "temperature": cfg.temperature, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True},
             # vLLM extra: lets multi-round resend the exact answer tokens.
@@ -209,13 +241,13 @@ def _payload(cfg: BenchConfig, prompt: Prompt) -> dict[str, Any]:
 
 
 async def send_request(client: httpx.AsyncClient, cfg: BenchConfig,
-                       prompt: Prompt) -> RequestResult:
+                       prompt: Prompt, max_tokens: int | None = None) -> RequestResult:
     result = RequestResult(prompt_tokens=len(prompt) if isinstance(prompt, list)
                            else len(prompt.split()))
     start = time.perf_counter()
     tracker = _StreamTracker(result, start)
     try:
-        async with client.stream("POST", "/v1/completions", json=_payload(cfg, prompt)) as resp:
+        async with client.stream("POST", "/v1/completions", json=_payload(cfg, prompt, max_tokens)) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 result.error = f"HTTP {resp.status_code}: {body[:300]}"
@@ -287,6 +319,27 @@ async def _resolve_model(client: httpx.AsyncClient, cfg: BenchConfig) -> str:
     return resp.json()["data"][0]["id"]
 
 
+async def _run_workload(client: httpx.AsyncClient, cfg: BenchConfig) -> tuple[list[RequestResult], float, dict]:
+    sessions = build_sessions(cfg, random.Random(cfg.seed))
+    pbar = None if cfg.disable_tqdm else tqdm(total=sum(len(s.questions) for s in sessions), desc=cfg.workload)
+    start = time.perf_counter()
+    results = await _run_load(client, cfg, sessions, pbar)
+    duration = time.perf_counter() - start
+    if pbar is not None:
+        pbar.close()
+    return results, duration, {}
+
+
+async def _replay(client: httpx.AsyncClient, cfg: BenchConfig) -> tuple[list[RequestResult], float, dict]:
+    limiter = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else contextlib.nullcontext()
+
+    async def send(prompt: list[int], max_tokens: int) -> RequestResult:
+        async with limiter:
+            return await send_request(client, cfg, prompt, max_tokens)
+
+    return await replay_trace(cfg, send)
+
+
 # ---------------------------------------------------------------- entry points
 
 async def run_benchmark(config: BenchConfig | dict[str, Any]) -> dict[str, Any]:
@@ -297,17 +350,12 @@ async def run_benchmark(config: BenchConfig | dict[str, Any]) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(cfg.timeout_s)) as client:
         cfg.model = await _resolve_model(client, cfg)
-        sessions = build_sessions(cfg, random.Random(cfg.seed))
         if cfg.num_warmup:
             await _warm_up(client, cfg)
-        total = sum(len(s.questions) for s in sessions)
-        pbar = None if cfg.disable_tqdm else tqdm(total=total, desc=cfg.workload)
-        start = time.perf_counter()
-        results = await _run_load(client, cfg, sessions, pbar)
-        duration = time.perf_counter() - start
-        if pbar is not None:
-            pbar.close()
-    report = {"config": asdict(cfg), **compute_metrics(results, duration, cfg), "samples_s": latency_samples(results)}
+        run = _replay if cfg.trace is not None else _run_workload
+        results, duration, extra = await run(client, cfg)
+    report = {"config": asdict(cfg), **compute_metrics(results, duration, cfg), **extra,
+              "samples_s": latency_samples(results)}
     if cfg.output_json:
         with open(cfg.output_json, "w") as f:
             json.dump(report, f, indent=2, default=str)
@@ -329,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(flag, choices=("token-ids", "text"), default=value, help=help_text)
         else:
             kind = {"concurrency": int, "goodput_ttft_ms": float, "goodput_tpot_ms": float,
-                    "model": str, "api_key": str, "output_json": str}.get(name, type(value))
+                    "model": str, "api_key": str, "output_json": str, "trace": str, "trace_output_cap": int,
+                    "trace_duration_s": float, "trace_max_requests": int, "trace_num_sessions": int,
+                    "cache_capacity_tokens": int}.get(name, type(value))
             p.add_argument(flag, type=kind, default=value, help=help_text)
     return p

@@ -25,6 +25,7 @@ class RequestResult:
     itls_s: list[float] = field(default_factory=list)
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server says
 
     @property
     def tpot_s(self) -> float | None:
@@ -75,8 +76,15 @@ def compute_metrics(results: list[RequestResult], duration_s: float,
     metrics |= _stats("tpot", [t for r in ok if (t := r.tpot_s) is not None])
     metrics |= _stats("itl", [itl for r in ok for itl in r.itls_s])
     metrics |= _stats("e2e", [r.e2e_s for r in ok])
+    metrics["cached_token_share"] = _cached_share(ok)
     metrics["errors"] = [r.error for r in results if not r.success][:10]
     return metrics
+
+
+def _cached_share(ok: list[RequestResult]) -> float | None:
+    """The share of prompt tokens the server says it served from cache (None: it never said)."""
+    told = [r for r in ok if r.cached_tokens is not None]
+    return sum(r.cached_tokens for r in told) / max(1, sum(r.prompt_tokens for r in told)) if told else None
 
 
 def latency_samples(results: list[RequestResult]) -> dict[str, list[float]]:
