@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from pdserve.assembly.build import build_engine
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import PENDING_TOKEN
@@ -20,7 +21,7 @@ from pdserve.protocol.sampling_params import SamplingParams
 def make_engine(async_scheduling: bool, num_kv_blocks: int = 256) -> LLMEngine:
     # float32 on every device: a preemption's recompute goes through the prefill kernels, and
     # bfloat16 roundings there may flip a near-tie that the decode kernels did not.
-    return LLMEngine(EngineConfig(model="builtin:tiny", dtype="float32", num_kv_blocks=num_kv_blocks, max_num_seqs=16,
+    return build_engine(EngineConfig(model="builtin:tiny", dtype="float32", num_kv_blocks=num_kv_blocks, max_num_seqs=16,
                                   max_num_batched_tokens=256, async_scheduling=async_scheduling))
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import time
 
+from pdserve.assembly.build import build_engine
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import LLMEngine
 from pdserve.node.runtime import NodeRuntime
 
 
 def test_the_loop_wakes_when_the_step_is_done_not_before(monkeypatch):
-    engine = LLMEngine(EngineConfig(model="builtin:tiny", num_kv_blocks=16))
+    engine = build_engine(EngineConfig(model="builtin:tiny", num_kv_blocks=16))
     runtime = NodeRuntime(engine, "tcp://127.0.0.1:0", "decode-0")
     real_write = os.write
 

@@ -25,8 +25,8 @@ import openai
 import pytest
 import redis
 from lora_util import make_adapter, peft_greedy
-from pdserve.engine.llm import LLM
 
+from pdserve.entrypoints.llm import LLM
 from pdserve.models.builtin import ensure_builtin_model
 from pdserve.protocol.block_keys import block_key_chain
 from pdserve.protocol.cache_salt import tenant_cache_salt

@@ -5,6 +5,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.engine.speculative_config import parse_speculative_config
+
 
 @dataclass
 class EngineConfig:
@@ -63,7 +65,6 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.kernel_backend not in ("auto", "torch", "numba", "triton"):
             raise ValueError(f"kernel_backend must be auto, torch, numba or triton, got {self.kernel_backend!r}")
-        from pdserve.spec_decode.config import parse_speculative_config
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative decoding is not supported with tensor_parallel_size > 1 yet")

@@ -2,42 +2,21 @@
 offline LLM run on this; it imports no server code."""
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
 
-from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine_setup import (
-    check_fp8_kv_supported,
-    drafts_from_hidden,
-    eos_ids,
-    kv_window,
-    load_tokenizer,
-    start_lora,
-    use_async_scheduling,
-)
-from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.logits_processors import apply_logits_processors
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.overlap import InFlightStep, overlapped_step
+from pdserve.engine.parts import EngineParts
 from pdserve.engine.prompt_logprobs import take_prompt_logprobs
 from pdserve.engine.request import RemoteKV, Request, RequestStatus
 from pdserve.engine.sampler import sample
-from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.structured_output import StructuredOutputs
-from pdserve.kernels import get_ops
-from pdserve.kernels.fp8_kv import Fp8KVOps, checkpoint_kv_scales, kv_cache_torch_dtype
-from pdserve.kvstore.layout import KVLayout
-from pdserve.models.gguf import checkpoint_name
-from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
+from pdserve.engine.speculation import Speculation
 from pdserve.protocol.block_keys import request_salt
 from pdserve.protocol.outputs import StepOutput
 from pdserve.protocol.sampling_params import SamplingParams
 
-log = logging.getLogger(__name__)
 # Steps of at least this many tokens are prefill-bound; their time per token is the node's
 # prefill cost, averaged with this weight on the newest sample.
 COST_SAMPLE_MIN_TOKENS = 64
@@ -45,95 +24,38 @@ COST_EMA_WEIGHT = 0.2
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
-        self.config = config
-        self.device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
-                                   else ("cpu" if config.device == "auto" else config.device))
-        self.model_path = resolve_model_path(config.model)
-        self.hf_config = load_hf_config(self.model_path)
-        self.dtype = default_dtype(config.dtype, self.device)
-        # K/V per head, or one latent per token for MLA: sizes the cache and salts its block keys
-        # (the same at every TP degree: the cache holds every KV head, see pdserve.executor).
-        # The KV dtype, not the model's, goes in the layout and so in the block-key salt: an FP8
-        # node and a full-width node never share a block (pdserve.kernels.fp8_kv).
-        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
-        self.kv_layout = KVLayout.for_model(self.hf_config, config.block_size, kv_dtype,
-                                            checkpoint_name(config.model, self.model_path))
-        if kv_dtype != self.dtype:
-            check_fp8_kv_supported(config, self.kv_layout)
-        self.executor = None
-        if config.tensor_parallel_size > 1:
-            from pdserve.executor.setup import load_driver_shard, start_executor
-            self.executor = start_executor(config, self.model_path, self.hf_config, self.dtype, self.device,
-                                           (self._num_kv_blocks(), *self.kv_layout.block_shape()))
-            self.model = load_driver_shard(self.executor, self.model_path, self.hf_config, self.dtype, self.device)
-            self.kv_cache = self.executor.kv_cache
-        else:
-            self.model = load_model(self.model_path, self.hf_config, self.dtype, self.device)
-            self.kv_cache = self._allocate_kv_cache()
-        self.tokenizer = load_tokenizer(self.model_path)
-        spec = self.model.spec
-        self.max_model_len = self._max_model_len()
-        self.salt = self.kv_layout.salt()
-        self.pool = BlockPool(self.kv_cache.shape[0], config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, config.block_size, self.salt, kv_window(self.model))
-        self.lora = start_lora(config, self.model, self.dtype, self.device)
-        self.scheduler = Scheduler(config, self.kv, self.lora)
-        ops = get_ops(config.kernel_backend, self.device.type)
-        if hasattr(ops, "warm_up"):
-            ops.warm_up()
-        if config.kv_cache_dtype == "fp8":
-            ops = Fp8KVOps(ops, self.kv_cache, checkpoint_kv_scales(self.model_path, self.kv_layout.num_layers))
-        if self.executor is not None:
-            from pdserve.executor.runner import TPModelRunner
-            self.runner = TPModelRunner(self.model, self.executor, config.block_size, ops, self.device)
-        else:
-            self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, ops, self.device,
-                                      max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                      use_cuda_graphs=(not config.enforce_eager and self.lora is None
-                                                       and not drafts_from_hidden(config)),
-                                      lora_batch=self.lora.batch if self.lora is not None else None)
+    """Implements SpeculationHost (pdserve.engine.speculation). Built by pdserve.assembly."""
+
+    def __init__(self, parts: EngineParts):
+        self.config = parts.config
+        self.device, self.dtype = parts.device, parts.dtype
+        self.model_path, self.hf_config = parts.model_path, parts.hf_config
+        self.kv_layout, self.salt = parts.kv_layout, parts.salt
+        self.model, self.kv_cache, self.executor = parts.model, parts.kv_cache, parts.executor
+        self.tokenizer = parts.tokenizer
+        self.max_model_len = parts.max_model_len
+        self.pool, self.kv, self.lora, self.scheduler = parts.pool, parts.kv, parts.lora, parts.scheduler
+        self.runner = parts.runner
+        self.outputs, self.structured = parts.outputs, parts.structured
+        self.async_scheduling = parts.async_scheduling
+        self.speculator: Speculation | None = None  # see attach_speculator
         self.last_step_tokens = 0
         self.prefill_s_per_token = 0.0  # measured on prefill-sized steps (an EMA); 0: not yet
         self.cached_prompt_tokens = 0    # prompt tokens of requests sampled here that were not computed
         self.computed_prompt_tokens = 0  # ... and that were
-        self.outputs = OutputProcessor(self.tokenizer, eos_ids(self.hf_config, self.tokenizer), self.max_model_len)
-        self.structured = StructuredOutputs(self.tokenizer, spec.vocab_size, self.outputs.eos_token_ids)
-        self.speculator = None
-        if config.speculative_config is not None:
-            from pdserve.spec_decode.speculator import Speculator
-            self.speculator = Speculator(config.speculative_config, self)
-        # (Speculation needs each step's tokens on the host to draft the next: no overlap.)
-        self.async_scheduling = (self.executor is None and self.speculator is None
-                                 and use_async_scheduling(config.async_scheduling, self.device))
         self.in_flight: InFlightStep | None = None  # with async scheduling: the step launched last
 
-    # ---- set-up -------------------------------------------------------------------------
-    def _num_kv_blocks(self) -> int:
-        bytes_per_block = self.kv_layout.block_nbytes()
-        n = self.config.num_kv_blocks or int(self.config.kv_cache_memory_gb * 2**30 // bytes_per_block)
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, self.config.block_size,
-                 n * bytes_per_block / 2**20)
-        return n
-
-    def _allocate_kv_cache(self) -> torch.Tensor:
-        shape = (self._num_kv_blocks(), *self.kv_layout.block_shape())
-        return torch.zeros(shape, dtype=self.kv_layout.dtype, device=self.device)
+    def attach_speculator(self, speculator: Speculation) -> None:
+        """Speculative decoding (pdserve.assembly attaches it before the first request). It needs
+        each step's tokens on the host to draft the next: no async scheduling with it."""
+        if self.async_scheduling:
+            raise ValueError("speculative decoding runs without async scheduling")
+        self.speculator = speculator
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when this process ends)."""
         if self.executor is not None:
             self.executor.close()
-
-    def _max_model_len(self) -> int:
-        spec = self.model.spec
-        limit = min(spec.max_position_embeddings, self.kv_cache.shape[0] * self.config.block_size)
-        window = getattr(self.hf_config, "sliding_window", None)
-        if getattr(self.model, "handles_sliding_window", False):
-            window = None  # the model's attention applies its windows itself
-        if window and getattr(self.hf_config, "use_sliding_window", True):
-            limit = min(limit, window)  # sliding-window attention is not implemented: stay inside it
-        return min(self.config.max_model_len or limit, limit)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -302,7 +224,7 @@ class LLMEngine:
         params = [r.sampling_params for r in to_sample]
         self._process_logits(logits, to_sample)
         tokens, logprobs = sample(logits, params, [r.num_output_tokens for r in to_sample])
-        return [self._advance(req, tok, lp) for req, tok, lp in zip(to_sample, tokens, logprobs)]
+        return [self.advance(req, tok, lp) for req, tok, lp in zip(to_sample, tokens, logprobs)]
 
     def _verify(self, logits: torch.Tensor, to_sample: list[Request], drafted: dict[str, list[int]]
                 ) -> list[StepOutput]:
@@ -316,7 +238,7 @@ class LLMEngine:
         outs, row = [], 0
         for req, n in zip(to_sample, spans):
             if n == 1:
-                outs.append(self._advance(req, tokens[row], logprobs[row]))
+                outs.append(self.advance(req, tokens[row], logprobs[row]))
             else:
                 outs.append(self.speculator.advance(req, drafted[req.request_id], tokens[row:row + n],
                                                     logprobs[row:row + n]))
@@ -335,7 +257,8 @@ class LLMEngine:
         ema = self.prefill_s_per_token
         self.prefill_s_per_token = sample if ema == 0 else ema + COST_EMA_WEIGHT * (sample - ema)
 
-    def _advance(self, req: Request, token: int, logprob) -> StepOutput:
+    def advance(self, req: Request, token: int, logprob) -> StepOutput:
+        """A request's newly drawn token appended: its stops, text and step output."""
         if not req.output_token_ids:  # its prompt was prefilled here
             self.cached_prompt_tokens += req.num_cached_tokens
             self.computed_prompt_tokens += req.num_prompt_tokens - req.num_cached_tokens

@@ -2,6 +2,7 @@
 returns logits for the requests that reached the end of their tokens this step."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,7 +14,8 @@ from pdserve.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
 from pdserve.engine.request import Request
 from pdserve.engine.step_inputs import KeptTableRows, build_step_inputs, fill_decode_rows, is_decode_query
 from pdserve.kernels import get_fused_layer_ops, native_decode
-from pdserve.models.llama import LlamaModel
+
+HiddenSink = Callable[[list[tuple[Request, int]], torch.Tensor], None]
 
 
 @dataclass
@@ -64,17 +66,16 @@ class ModelRunner:
     use_cuda_graphs is off (the engine's enforce_eager), pure-decode batches of up to
     max_num_seqs requests replay captured CUDA graphs; everything else runs eagerly."""
 
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, ops, device: torch.device,
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, ops, device: torch.device,
                  max_num_seqs: int = 0, max_model_len: int = 0, use_cuda_graphs: bool = False, lora_batch=None):
         self.model, self.kv_cache, self.block_size, self.ops, self.device = model, kv_cache, block_size, ops, device
         self.lora_batch = lora_batch  # pdserve.lora.slots.LoRABatch: set to each step's adapter runs
-        # Speculation with a head (EAGLE, MTP) sets this: it gets each eager step's (items, final
-        # hidden states) to draft from (pdserve.spec_decode.head_proposer). None: no cost.
-        self.hidden_sink = None
+        self._hidden_sink: HiddenSink | None = None  # see set_hidden_sink
         # Per layer, one view per plane: (K, V), or (latent,) for an MLA cache.
         self.layer_caches = [tuple(kv_cache[:, i].unbind(1)) for i in range(kv_cache.shape[1])]
         model.fused = get_fused_layer_ops(ops, device.type)
-        if isinstance(model, LlamaModel) and lora_batch is None:  # one compiled call for a decode step's layers
+        # One compiled call for a decode step's layers, for a model that declares it can take it.
+        if hasattr(model, "native_decode_weights") and lora_batch is None:
             model.native_decode = native_decode.plan_for(model, self.layer_caches, device)
         self.graphs: DecodeGraphs | None = None
         self.kept_rows: KeptTableRows | None = None
@@ -85,6 +86,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self._decode_context, device, max_num_seqs, max_blocks)
             self.graphs.capture()
             self.kept_rows = KeptTableRows(2 * max_num_seqs, max_blocks)
+
+    def set_hidden_sink(self, sink: HiddenSink | None) -> None:
+        """sink(items, hidden) gets each eager step's items and final hidden states [T, hidden]
+        in their rows' order: a drafting head (EAGLE, MTP) drafts from them. None: no cost."""
+        self._hidden_sink = sink
 
     def _decode_context(self, slots, tables, context_lens) -> AttentionContext:
         empty = torch.zeros(0, dtype=torch.int32, device=self.device)
@@ -113,8 +119,8 @@ class ModelRunner:
             token_ids[:num_decodes] = take_pending(token_ids[:num_decodes], pending[0],
                                                    torch.from_numpy(sources).to(self.device))
         hidden = self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
-        if self.hidden_sink is not None:
-            self.hidden_sink(items, hidden)
+        if self._hidden_sink is not None:
+            self._hidden_sink(items, hidden)
         return self._step_logits(hidden, inputs, spans, all_logits)
 
     def _ordered(self, items: list[tuple[Request, int]]) -> list[tuple[Request, int]]:

@@ -26,7 +26,7 @@ def node_speculative_config(value: str | None, index: int) -> str | None:
 
 def check_speculative_configs(value: str | None) -> None:
     """Refuse a bad --speculative-config (each entry of a list) before any node starts."""
-    from pdserve.spec_decode.config import parse_speculative_config
+    from pdserve.engine.speculative_config import parse_speculative_config
     entries = _entries(value)
     if entries == []:
         raise ValueError("--speculative-config: an empty list; give a config object, or null for a node without")

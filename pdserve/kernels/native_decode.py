@@ -8,14 +8,18 @@ cache, and no LoRA, tensor parallelism, biases or QK norms, LlamaModel.forward h
 to this one call; anything else runs the layers in Python as before. The embedding, the LM head
 and sampling stay in Python.
 
-The plan (plan_for) is made once per model runner: the C structs hold pointers into the model's
-weight arrays and the runner's KV cache, which live as long as the runner.
+A model declares whether it fits (native_decode_weights: its arrays as a DecodeWeights, or why
+not); this module reads only those arrays. The plan (plan_for) is made once per model runner:
+the C structs hold pointers into the model's weight arrays and the runner's KV cache, which live
+as long as the runner.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
 from ctypes import POINTER, c_float, c_int32, c_int64, c_void_p
+from dataclasses import dataclass
+from typing import Protocol
 
 import numba
 import torch
@@ -49,32 +53,45 @@ class _Model(ctypes.Structure):
                 ("final_norm", c_void_p), ("layer", POINTER(_Layer))]
 
 
-def _matrix(linear) -> tuple | None:
-    """The compiled gemv's arguments for a linear layer, or None where it cannot take it."""
-    packed = getattr(linear.quant_method, "packed", None)
-    if packed is None or linear.bias is not None or linear.lora is not None or linear.tp.size != 1:
-        return None
-    return packed(linear).native
+@dataclass
+class DecodeLayer:
+    """One layer's arrays: each matrix as native_gemv.matrix_args gives it, the two norms'
+    float32 weights, and the layer's sliding window (0: full attention)."""
+    qkv: tuple
+    o: tuple
+    gate_up: tuple
+    down: tuple
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    window: int
 
 
-def _float32(t: torch.Tensor) -> bool:
+@dataclass
+class DecodeWeights:
+    """What the compiled step reads of a model: a Llama-family decoder whose every layer is a
+    plain pre-norm attention and SiLU MLP. A model that fits declares it (the model runner asks
+    plan_for, which asks the model's native_decode_weights)."""
+    layers: list[DecodeLayer]
+    final_norm: torch.Tensor
+    hidden: int
+    inter: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+
+
+class DeclaresNativeDecode(Protocol):
+    def native_decode_weights(self) -> DecodeWeights | str:
+        """The model's arrays for the compiled step, or why it cannot take it."""
+
+
+def float32_on_cpu(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
-def _why_not(model, layer_caches) -> str | None:
-    from pdserve.models.llama import MLP, Attention, DecoderLayer, LlamaModel
-    if type(model) is not LlamaModel:
-        return f"{type(model).__name__} is not the plain Llama model"
-    if model.spec.qk_norm or any(type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention
-                                 or type(layer.mlp) is not MLP for layer in model.layers):
-        return "the layers are not plain Llama layers"
-    linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    if any(_matrix(m) is None for m in linears):
-        return "a linear layer is not quantized for the compiled gemv, or has a bias, LoRA or TP shards"
-    norms = [n.weight for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    if not all(_float32(w) for w in norms + [model.norm.weight]):
-        return "the norms' weights are not float32 on CPU"
+def _cache_unfit(layer_caches) -> str | None:
     k0 = layer_caches[0][0]
     if any(len(planes) != 2 or not all(p.dtype == torch.float32 and p.device.type == "cpu" and p.dim() == 4
                                        and p.stride() == k0.stride() and p.stride(-1) == 1 for p in planes)
@@ -86,25 +103,24 @@ def _why_not(model, layer_caches) -> str | None:
 class NativeDecode:
     """The compiled decode step for one model over one KV cache."""
 
-    def __init__(self, lib: ctypes.CDLL, model, layer_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, lib: ctypes.CDLL, weights: DecodeWeights,
+                 layer_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         self.lib, self.layer_caches = lib, layer_caches
-        spec, attn0 = model.spec, model.layers[0].self_attn
-        self._layers = (_Layer * len(model.layers))(*(self._layer(layer, caches)
-                                                       for layer, caches in zip(model.layers, layer_caches)))
+        self.weights = weights  # (holds the arrays the C structs point into)
+        w = weights
+        self._layers = (_Layer * len(w.layers))(*(self._layer(layer, caches)
+                                                   for layer, caches in zip(w.layers, layer_caches)))
         k0 = layer_caches[0][0]
-        self._model = _Model(len(model.layers), spec.hidden_size, model.layers[0].mlp.intermediate, attn0.num_heads,
-                             attn0.num_kv_heads, attn0.head_dim, k0.shape[1], model.norm.eps, attn0.scale,
-                             *k0.stride()[:3], model.norm.weight.data_ptr(), self._layers)
+        self._model = _Model(len(w.layers), w.hidden, w.inter, w.heads, w.kv_heads, w.head_dim, k0.shape[1], w.eps,
+                             w.scale, *k0.stride()[:3], w.final_norm.data_ptr(), self._layers)
         self._model_ptr = ctypes.addressof(self._model)
         self.steps = 0  # steps run here (tests check the path is taken)
 
     @staticmethod
-    def _layer(layer, caches: tuple[torch.Tensor, torch.Tensor]) -> _Layer:
-        attn, mlp = layer.self_attn, layer.mlp
-        matrices = [_Matrix.of(_matrix(m)) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        return _Layer(*matrices, layer.input_layernorm.weight.data_ptr(),
-                      layer.post_attention_layernorm.weight.data_ptr(), caches[0].data_ptr(), caches[1].data_ptr(),
-                      attn.window)
+    def _layer(layer: DecodeLayer, caches: tuple[torch.Tensor, torch.Tensor]) -> _Layer:
+        matrices = [_Matrix.of(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return _Layer(*matrices, layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), caches[0].data_ptr(),
+                      caches[1].data_ptr(), layer.window)
 
     def takes(self, x: torch.Tensor, ctx) -> bool:
         """A step of one-token queries only, few enough for the gemv, over this plan's cache."""
@@ -132,7 +148,8 @@ class NativeDecode:
         return h
 
 
-def plan_for(model, layer_caches: list[tuple[torch.Tensor, ...]], device: torch.device) -> NativeDecode | None:
+def plan_for(model: DeclaresNativeDecode, layer_caches: list[tuple[torch.Tensor, ...]], device: torch.device
+             ) -> NativeDecode | None:
     """The compiled decode step for this model and cache, or None (the layers run in Python),
     with one log line saying why when the library is there but the model does not fit it."""
     if device.type != "cpu":
@@ -140,8 +157,9 @@ def plan_for(model, layer_caches: list[tuple[torch.Tensor, ...]], device: torch.
     lib = native_gemv.library()
     if lib is None:
         return None
-    reason = _why_not(model, layer_caches)
+    weights = model.native_decode_weights()
+    reason = weights if isinstance(weights, str) else _cache_unfit(layer_caches)
     if reason is not None:
         log.info("compiled decode step off: %s", reason)
         return None
-    return NativeDecode(lib, model, layer_caches)
+    return NativeDecode(lib, weights, layer_caches)

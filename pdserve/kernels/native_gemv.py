@@ -4,7 +4,7 @@ A decode step multiplies a few tokens by every weight. numba's kernel (quant_gem
 nibbles and the scales lane by lane; the C kernel decodes a block of 32 columns in a few vector
 instructions, keeps 2 rows x 8 tokens of sums in registers and prefetches the rows ahead. On
 SmolLM2's shapes it is 1.3 to 2.5 times as fast as numba's from 1 to 32 tokens, and faster than
-dequantizing tiles for BLAS up to 32 (benchmarks/bench_native_gemv.py). It computes the same float32
+dequantizing tiles for BLAS up to 32 (benchmarks/kernels/bench_native_gemv.py). It computes the same float32
 values, in another order of sums.
 
 The library is compiled on first use with the machine's C compiler (`-march=native`) into
@@ -32,6 +32,8 @@ from pathlib import Path
 import numba
 import numpy as np
 
+from pdserve.cache_dir import cache_root
+
 log = logging.getLogger(__name__)
 
 # native_decode.c (a decode step through every layer) is built into the same library: it calls pd_gemv.
@@ -42,7 +44,6 @@ MAX_TOKENS = 32  # above this, dequantized tiles through BLAS win (bench_native_
 
 
 def _cache_dir() -> Path:
-    from pdserve.models.builtin import cache_root
     return cache_root() / "native"
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pdserve.cache_dir import cache_root
+
 BUILTIN_MODELS = {
     "builtin:tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
@@ -24,10 +26,6 @@ _INIT_STD = 0.2  # large enough that greedy decoding has clear winners
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|user|>", "<|assistant|>", "<|system|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
 
 
 def ensure_builtin_model(name: str) -> Path:

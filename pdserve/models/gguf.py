@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from pdserve.cache_dir import cache_root
 from pdserve.models.gguf_file import read_layout
 
 # name -> (import name of the package holding the file, distribution to install, file name)
@@ -117,7 +118,6 @@ def prepare_view(gguf_file: Path) -> Path:
     cluster may all ask at once) and found again by the file's path, size and mtime."""
     import xxhash
 
-    from pdserve.models.builtin import cache_root
     gguf_file = gguf_file.resolve()
     stat = gguf_file.stat()
     identity = f"v{_VIEW_VERSION}|{gguf_file}|{stat.st_size}|{stat.st_mtime_ns}"

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels.native_decode import DecodeLayer, DecodeWeights, float32_on_cpu
 from pdserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pdserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from pdserve.models.rope import RotaryEmbedding
@@ -137,7 +138,8 @@ class LlamaModel(nn.Module):
     # so the engine serves the model's whole context rather than capping prompts at the window.
     handles_sliding_window = True
     # pdserve.kernels.native_decode.NativeDecode on CPU when the layers fit it (set by the model
-    # runner): a decode step's layers in one compiled call. None: the layers below.
+    # runner, see native_decode_weights): a decode step's layers in one compiled call. None: the
+    # layers below.
     native_decode = None
 
     def __init__(self, spec: ModelSpec, rope: RotaryEmbedding, quant_config=None):
@@ -181,3 +183,38 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def native_decode_weights(self) -> DecodeWeights | str:
+        """This model's arrays for the compiled decode step (pdserve.kernels.native_decode), or
+        why it cannot take them: only the plain Llama layers, every matrix in a layout the
+        compiled gemv takes, float32 norms on CPU."""
+        if type(self) is not LlamaModel:
+            return f"{type(self).__name__} is not the plain Llama model"
+        if self.spec.qk_norm or any(type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention
+                                    or type(layer.mlp) is not MLP for layer in self.layers):
+            return "the layers are not plain Llama layers"
+        layers = [_native_layer(layer) for layer in self.layers]
+        if any(layer is None for layer in layers):
+            return "a linear layer is not quantized for the compiled gemv, or has a bias, LoRA or TP shards"
+        norms = [w for layer in layers for w in (layer.input_norm, layer.post_norm)] + [self.norm.weight]
+        if not all(float32_on_cpu(w) for w in norms):
+            return "the norms' weights are not float32 on CPU"
+        attn = self.layers[0].self_attn
+        return DecodeWeights(layers, self.norm.weight, self.spec.hidden_size, self.layers[0].mlp.intermediate,
+                             attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norm.eps, attn.scale)
+
+
+def _native_matrix(linear) -> tuple | None:
+    """The compiled gemv's arguments for a linear layer, or None where it cannot take it."""
+    packed = getattr(linear.quant_method, "packed", None)
+    if packed is None or linear.bias is not None or linear.lora is not None or linear.tp.size != 1:
+        return None
+    return packed(linear).native
+
+
+def _native_layer(layer: DecoderLayer) -> DecodeLayer | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    matrices = [_native_matrix(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    if any(m is None for m in matrices):
+        return None
+    return DecodeLayer(*matrices, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.window)

@@ -45,7 +45,7 @@ def calibrate(model: str = "builtin:tiny", threads: int = 1, repeats: int = 3) -
 
     import torch
 
-    from pdserve.engine.llm import LLM
+    from pdserve.entrypoints.llm import LLM
     torch.set_num_threads(threads)
     llm = LLM(model, enable_prefix_caching=False)
     engine = llm.engine

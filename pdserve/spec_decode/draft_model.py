@@ -9,6 +9,7 @@ prompt, which for a draft ~10x smaller than the target costs ~1/10 of that prefi
 from __future__ import annotations
 
 from pdserve.engine.request import Request
+from pdserve.engine.speculation import SpeculationHost
 from pdserve.kvstore.layout import KVLayout
 from pdserve.models.loader import load_hf_config, load_model, resolve_model_path
 from pdserve.protocol.sampling_params import SamplingParams
@@ -18,17 +19,17 @@ DRAFT_SALT = b"pdserve-draft"  # the draft pool caches nothing; its keys are nev
 
 
 class DraftModelProposer:
-    def __init__(self, config, engine):
+    def __init__(self, config, host: SpeculationHost):
         path = resolve_model_path(config.model)
         hf_config = load_hf_config(path)
-        self.model = load_model(path, hf_config, engine.dtype, engine.device)
-        target_vocab, draft_vocab = engine.model.spec.vocab_size, self.model.spec.vocab_size
+        self.model = load_model(path, hf_config, host.dtype, host.device)
+        target_vocab, draft_vocab = host.model.spec.vocab_size, self.model.spec.vocab_size
         if draft_vocab != target_vocab:
             raise ValueError(f"speculative config: the draft model {config.model} has a vocabulary of "
                              f"{draft_vocab} tokens, the target's has {target_vocab}; they must be the same")
-        layout = KVLayout.for_model(hf_config, engine.config.block_size, engine.dtype, str(config.model))
-        self.kv, self.runner = own_paged_runner(self.model, layout, engine, DRAFT_SALT)
-        self.engine = engine
+        layout = KVLayout.for_model(hf_config, host.config.block_size, host.dtype, str(config.model))
+        self.kv, self.runner = own_paged_runner(self.model, layout, host, DRAFT_SALT)
+        self.host = host
         self.shadows: dict[str, Request] = {}
         self.bases: dict[str, int] = {}  # target tokens a shadow held when it last drafted
         self.catch_up_tokens = 0  # tokens the draft computed beyond one per step: prompts, mostly
@@ -76,8 +77,7 @@ class DraftModelProposer:
         return shadow
 
     def _drop_finished(self) -> None:
-        live = self.engine.scheduler.requests
-        for rid in [rid for rid in self.shadows if rid not in live]:
+        for rid in [rid for rid in self.shadows if self.host.get_request(rid) is None]:
             self.release(rid)
 
     def release(self, request_id: str) -> None:

@@ -16,6 +16,7 @@ import copy
 import torch
 from torch import nn
 
+from pdserve.engine.speculation import SpeculationHost
 from pdserve.models.llama import DecoderLayer, LlamaModel
 from pdserve.models.loader import _place, resolve_model_path, safetensors_files, spec_from_config
 from pdserve.models.rope import RotaryEmbedding
@@ -45,12 +46,12 @@ class EagleHead(nn.Module):
         return self._target[0].compute_logits(hidden)
 
 
-def load_eagle_head(path, engine) -> tuple[EagleHead, object]:
+def load_eagle_head(path, host: SpeculationHost) -> tuple[EagleHead, object]:
     """The head and its config; ValueError when it cannot serve this target."""
     from transformers import AutoConfig
     path = resolve_model_path(str(path))
     config = AutoConfig.from_pretrained(str(path))
-    target = engine.model
+    target = host.model
     _check(config, target)
     tensors = {name.removeprefix("model."): t for name, t in checkpoint_tensors(safetensors_files(path))}
     llama = copy.deepcopy(config)
@@ -69,8 +70,8 @@ def load_eagle_head(path, engine) -> tuple[EagleHead, object]:
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"speculative config: the EAGLE head {path} is missing weights: {', '.join(missing)}")
-    head.rope = rope.to(engine.device)
-    return head.to(device=engine.device, dtype=engine.dtype).eval(), config
+    head.rope = rope.to(host.device)
+    return head.to(device=host.device, dtype=host.dtype).eval(), config
 
 
 def _check(config, target) -> None:
@@ -86,6 +87,6 @@ def _check(config, target) -> None:
                              f"the target's {ours}; they must be the same")
 
 
-def eagle_proposer(config, engine) -> HeadProposer:
-    head, head_config = load_eagle_head(config.model, engine)
-    return HeadProposer(head, head_config, engine, pre_norm=False)
+def eagle_proposer(config, host: SpeculationHost) -> HeadProposer:
+    head, head_config = load_eagle_head(config.model, host)
+    return HeadProposer(head, head_config, host, pre_norm=False)

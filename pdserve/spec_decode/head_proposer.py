@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.request import Request
+from pdserve.engine.speculation import SpeculationHost
 from pdserve.kvstore.layout import KVLayout
 from pdserve.protocol.block_keys import kv_entry_dims
 from pdserve.protocol.sampling_params import SamplingParams
@@ -33,18 +34,18 @@ HEAD_SALT = b"pdserve-spec-head"  # the head's pool caches nothing; its keys are
 class HeadProposer:
     """head: forward(token_ids, positions, ctx) reading head.hidden_in [T, hidden]; logits(out)."""
 
-    def __init__(self, head, head_config, engine, pre_norm: bool):
-        self.head, self.engine = head, engine
+    def __init__(self, head, head_config, host: SpeculationHost, pre_norm: bool):
+        self.head, self.host = head, host
         planes, heads, dim = kv_entry_dims(head_config)
-        layout = KVLayout(1, heads, dim, engine.config.block_size, engine.dtype, "spec-head", planes)
-        self.kv, self.runner = own_paged_runner(head, layout, engine, HEAD_SALT)
+        layout = KVLayout(1, heads, dim, host.config.block_size, host.dtype, "spec-head", planes)
+        self.kv, self.runner = own_paged_runner(head, layout, host, HEAD_SALT)
         self.stash = HiddenStash(may_speculate)
         self.shadows: dict[str, Request] = {}
         self.offsets: dict[str, int] = {}  # target position of each shadow's row 0
         self._pre_norm: list[torch.Tensor] = []
         if pre_norm:  # MTP reads the hidden states before the target's final norm
-            engine.model.norm.register_forward_pre_hook(lambda _mod, args: self._pre_norm.append(args[0]))
-        engine.runner.hidden_sink = self._on_target_step
+            host.model.norm.register_forward_pre_hook(lambda _mod, args: self._pre_norm.append(args[0]))
+        host.runner.set_hidden_sink(self._on_target_step)
 
     def _on_target_step(self, items: list[tuple[Request, int]], hidden: torch.Tensor) -> None:
         if self._pre_norm:
@@ -118,10 +119,9 @@ class HeadProposer:
         return shadow, rows
 
     def _drop_finished(self) -> None:
-        live = self.engine.scheduler.requests
-        for rid in [rid for rid in self.shadows if rid not in live]:
+        for rid in [rid for rid in self.shadows if self.host.get_request(rid) is None]:
             self.release(rid)
-        for rid in [rid for rid in self.stash.rows if rid not in live]:
+        for rid in [rid for rid in self.stash.rows if self.host.get_request(rid) is None]:
             self.stash.drop(rid)
 
     def release(self, request_id: str) -> None:

@@ -1,6 +1,6 @@
 """The target's hidden states that a drafting head (EAGLE, MTP) has not consumed yet.
 
-The target model runner hands over every step's hidden states (ModelRunner.hidden_sink); the
+The target model runner hands over every step's hidden states (ModelRunner.set_hidden_sink); the
 stash keeps, per request, the rows of consecutive positions [start, start + n). A step's rows
 start at the request's num_computed_tokens: a chunk that continues the stash (or overwrites its
 tail: rejected drafts, whose positions the next step computes again) is appended; one that

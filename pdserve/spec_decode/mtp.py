@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pdserve.engine.speculation import SpeculationHost
 from pdserve.models.deepseek import DeepseekDecoderLayer, DeepseekModel, _copy, _targets, deepseek_spec
 from pdserve.models.llama import RMSNorm
 from pdserve.models.loader import resolve_model_path, safetensors_files
@@ -66,11 +67,11 @@ def _mtp_tensors(path, layer: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_mtp_head(path, engine) -> tuple[MtpHead, object]:
+def load_mtp_head(path, host: SpeculationHost) -> tuple[MtpHead, object]:
     from transformers import AutoConfig
-    path = resolve_model_path(str(path)) if path is not None else engine.model_path
+    path = resolve_model_path(str(path)) if path is not None else host.model_path
     config = AutoConfig.from_pretrained(str(path))
-    target = engine.model
+    target = host.model
     layer = _check(config, target, path)
     tensors = _mtp_tensors(path, layer)
     if not tensors:
@@ -95,7 +96,7 @@ def load_mtp_head(path, engine) -> tuple[MtpHead, object]:
     missing = sorted(n for n, p in params.items() if filled[n] < p.numel())
     if missing:
         raise ValueError(f"speculative config: the MTP layer in {path} is missing weights: {', '.join(missing[:8])}")
-    return head.to(device=engine.device, dtype=engine.dtype).eval(), config
+    return head.to(device=host.device, dtype=host.dtype).eval(), config
 
 
 def _check(config, target, path) -> int:
@@ -115,6 +116,6 @@ def _check(config, target, path) -> int:
     return config.num_hidden_layers
 
 
-def mtp_proposer(config, engine) -> HeadProposer:
-    head, head_config = load_mtp_head(config.model, engine)
-    return HeadProposer(head, head_config, engine, pre_norm=True)
+def mtp_proposer(config, host: SpeculationHost) -> HeadProposer:
+    head, head_config = load_mtp_head(config.model, host)
+    return HeadProposer(head, head_config, host, pre_norm=True)

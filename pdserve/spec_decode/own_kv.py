@@ -6,15 +6,17 @@ import torch
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.speculation import SpeculationHost
 from pdserve.kernels import get_ops
 from pdserve.kvstore.layout import KVLayout
 
 
-def own_paged_runner(model, layout: KVLayout, engine, salt: bytes) -> tuple[KVCacheManager, ModelRunner]:
+def own_paged_runner(model, layout: KVLayout, host: SpeculationHost, salt: bytes
+                     ) -> tuple[KVCacheManager, ModelRunner]:
     """As many blocks as the target's cache, without prefix caching (salt: keys never shared
     with the target's), and a runner of model over them."""
-    block_size, num_blocks = engine.config.block_size, engine.kv_cache.shape[0]
-    kv_cache = torch.zeros((num_blocks, *layout.block_shape()), dtype=layout.dtype, device=engine.device)
+    block_size, num_blocks = host.config.block_size, host.kv_cache.shape[0]
+    kv_cache = torch.zeros((num_blocks, *layout.block_shape()), dtype=layout.dtype, device=host.device)
     kv = KVCacheManager(BlockPool(num_blocks, enable_caching=False), block_size, salt)
-    ops = get_ops(engine.config.kernel_backend, engine.device.type)
-    return kv, ModelRunner(model, kv_cache, block_size, ops, engine.device)
+    ops = get_ops(host.config.kernel_backend, host.device.type)
+    return kv, ModelRunner(model, kv_cache, block_size, ops, host.device)

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.request import Request
+from pdserve.engine.speculation import SpeculationHost
+from pdserve.engine.speculative_config import SpeculativeConfig
 from pdserve.protocol.outputs import StepOutput
-from pdserve.spec_decode.config import SpeculativeConfig
 from pdserve.spec_decode.eligible import may_speculate
-from pdserve.spec_decode.ngram import NgramProposer
 from pdserve.spec_decode.verify import accepted_length
 
 
@@ -67,27 +67,31 @@ def can_speculate(req: Request) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, engine):
-        self.config, self.engine = config, engine
+    """The engine's Speculation (pdserve.engine.speculation): proposer drafts, the host verifies.
+    proposer: propose_batch([(request, k)]) -> drafts, and release(request id) if it keeps any
+    state (pdserve.assembly picks it by the config's method)."""
+
+    def __init__(self, config: SpeculativeConfig, host: SpeculationHost, proposer):
+        self.config, self.host = config, host
         self.k = config.num_speculative_tokens
-        self.proposer = make_proposer(config, engine)
+        self.proposer = proposer
         self.stats = SpecStats()
 
     def add_drafts(self, batch) -> None:
         """Draft for the batch's decoding requests, within the step's token budget and the free
         KV blocks (a request that gets none decodes one token as usual)."""
-        engine = self.engine
-        budget = engine.config.max_num_batched_tokens - batch.num_tokens
+        host = self.host
+        budget = host.config.max_num_batched_tokens - batch.num_tokens
         wanted = []
         for i, (req, n) in enumerate(batch.items):
             k = min(self.k, req.sampling_params.max_tokens - req.num_output_tokens - 1,
-                    engine.max_model_len - req.num_tokens - 1)
+                    host.max_model_len - req.num_tokens - 1)
             if n == 1 and k > 0 and can_speculate(req):
                 wanted.append((i, req, k))
         drafts = self.proposer.propose_batch([(req, k) for _, req, k in wanted])
         for (i, req, _), draft in zip(wanted, drafts):
             draft = draft[:max(budget, 0)]
-            if not draft or not engine.kv.allocate(req, 1 + len(draft)):
+            if not draft or not host.kv.allocate(req, 1 + len(draft)):
                 continue
             budget -= len(draft)
             req.spec_token_ids = draft
@@ -109,34 +113,20 @@ class Speculator:
         its last token and at each draft), stopping where a stop condition ends it."""
         keep = accepted_length(drafts, tokens) + 1
         self.stats.record(len(drafts), keep - 1)
-        engine, computed = self.engine, req.num_computed_tokens
+        host, computed = self.host, req.num_computed_tokens
         outs = []
         for token, logprob in zip(tokens[:keep], logprobs[:keep]):
-            outs.append(engine._advance(req, token, logprob))
+            outs.append(host.advance(req, token, logprob))
             if outs[-1].finished:
                 return merge_outputs(outs)
         req.num_computed_tokens = computed + keep  # the last token and the accepted drafts
-        engine.kv.commit(req)
+        host.kv.commit(req)
         return merge_outputs(outs)
 
     def release(self, request_id: str) -> None:
         """A request ended: drop whatever the proposer keeps for it."""
         if hasattr(self.proposer, "release"):
             self.proposer.release(request_id)
-
-
-def make_proposer(config: SpeculativeConfig, engine):
-    """The method's proposer: propose_batch([(request, k)]) -> drafts (and release(request id))."""
-    if config.method == "ngram":
-        return NgramProposer(*config.lookup_range)
-    if config.method == "draft_model":
-        from pdserve.spec_decode.draft_model import DraftModelProposer
-        return DraftModelProposer(config, engine)
-    if config.method == "eagle":
-        from pdserve.spec_decode.eagle import eagle_proposer
-        return eagle_proposer(config, engine)
-    from pdserve.spec_decode.mtp import mtp_proposer
-    return mtp_proposer(config, engine)
 
 
 def merge_outputs(outs: list[StepOutput]) -> StepOutput:

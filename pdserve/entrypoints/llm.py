@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from pdserve.assembly.build import build_engine
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import LLMEngine
 from pdserve.lora.request import LoRARequest
 from pdserve.protocol.cache_salt import check_cache_salt
 from pdserve.protocol.outputs import CompletionOutput, RequestOutput
@@ -18,7 +18,7 @@ PromptType = str | dict
 
 class LLM:
     def __init__(self, model: str = "builtin:tiny", **engine_options):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.engine = build_engine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
 
     def close(self) -> None:

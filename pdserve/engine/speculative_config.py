@@ -1,4 +1,5 @@
-"""--speculative-config: vLLM's keys, checked when the engine starts."""
+"""--speculative-config: vLLM's keys, checked when the engine's config is made (the settings of
+pdserve.spec_decode, which sits above the engine)."""
 from __future__ import annotations
 
 import json

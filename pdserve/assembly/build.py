@@ -1,0 +1,113 @@
+"""build_engine: an LLMEngine put together from its config. Here the executor is picked (the
+model in this process, or sharded over tensor-parallel workers: pdserve.executor), with the
+runner that goes with it, LoRA, structured outputs and speculation (pdserve.spec_decode)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.assembly.setup import (
+    check_fp8_kv_supported,
+    drafts_from_hidden,
+    eos_ids,
+    kernel_ops,
+    kv_window,
+    load_tokenizer,
+    max_model_len,
+    num_kv_blocks,
+    pick_device,
+    start_lora,
+    use_async_scheduling,
+)
+from pdserve.assembly.speculation import make_speculator
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.output_processor import OutputProcessor
+from pdserve.engine.parts import EngineParts
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.structured_output import StructuredOutputs
+from pdserve.executor.executor import TPExecutor
+from pdserve.executor.runner import TPModelRunner
+from pdserve.executor.setup import load_driver_shard, start_executor
+from pdserve.kernels.fp8_kv import kv_cache_torch_dtype
+from pdserve.kvstore.layout import KVLayout
+from pdserve.models.gguf import checkpoint_name
+from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    """The engine for config: the model loaded, its cache allocated, speculation attached."""
+    target = _load_target(config)
+    engine = LLMEngine(_parts(config, target))
+    if config.speculative_config is not None:
+        engine.attach_speculator(make_speculator(config.speculative_config, engine))
+    return engine
+
+
+@dataclass
+class _Target:
+    """The model as loaded, with its paged KV cache (and its TP workers, if any)."""
+    device: torch.device
+    model_path: Path
+    hf_config: Any
+    dtype: torch.dtype
+    kv_layout: KVLayout
+    model: torch.nn.Module
+    kv_cache: torch.Tensor
+    executor: TPExecutor | None
+
+
+def _load_target(config: EngineConfig) -> _Target:
+    device = pick_device(config)
+    model_path = resolve_model_path(config.model)
+    hf_config = load_hf_config(model_path)
+    dtype = default_dtype(config.dtype, device)
+    # K/V per head, or one latent per token for MLA: sizes the cache and salts its block keys
+    # (the same at every TP degree: the cache holds every KV head, see pdserve.executor).
+    # The KV dtype, not the model's, goes in the layout and so in the block-key salt: an FP8
+    # node and a full-width node never share a block (pdserve.kernels.fp8_kv).
+    kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+    layout = KVLayout.for_model(hf_config, config.block_size, kv_dtype, checkpoint_name(config.model, model_path))
+    if kv_dtype != dtype:
+        check_fp8_kv_supported(config, layout)
+    if config.tensor_parallel_size > 1:
+        executor = start_executor(config, model_path, hf_config, dtype, device,
+                                  (num_kv_blocks(config, layout), *layout.block_shape()))
+        model = load_driver_shard(executor, model_path, hf_config, dtype, device)
+        return _Target(device, model_path, hf_config, dtype, layout, model, executor.kv_cache, executor)
+    model = load_model(model_path, hf_config, dtype, device)
+    shape = (num_kv_blocks(config, layout), *layout.block_shape())
+    kv_cache = torch.zeros(shape, dtype=layout.dtype, device=device)
+    return _Target(device, model_path, hf_config, dtype, layout, model, kv_cache, None)
+
+
+def _parts(config: EngineConfig, t: _Target) -> EngineParts:
+    tokenizer = load_tokenizer(t.model_path)
+    max_len = max_model_len(config, t.hf_config, t.model, t.kv_cache.shape[0])
+    salt = t.kv_layout.salt()
+    pool = BlockPool(t.kv_cache.shape[0], config.enable_prefix_caching)
+    kv = KVCacheManager(pool, config.block_size, salt, kv_window(t.model))
+    lora = start_lora(config, t.model, t.dtype, t.device)
+    ops = kernel_ops(config, t.device, t.kv_cache, t.model_path, t.kv_layout.num_layers)
+    if t.executor is not None:
+        runner = TPModelRunner(t.model, t.executor, config.block_size, ops, t.device)
+    else:
+        runner = ModelRunner(t.model, t.kv_cache, config.block_size, ops, t.device,
+                             max_num_seqs=config.max_num_seqs, max_model_len=max_len,
+                             use_cuda_graphs=(not config.enforce_eager and lora is None
+                                              and not drafts_from_hidden(config)),
+                             lora_batch=lora.batch if lora is not None else None)
+    outputs = OutputProcessor(tokenizer, eos_ids(t.hf_config, tokenizer), max_len)
+    structured = StructuredOutputs(tokenizer, t.model.spec.vocab_size, outputs.eos_token_ids)
+    # (Speculation needs each step's tokens on the host to draft the next: no overlap.)
+    async_scheduling = (t.executor is None and config.speculative_config is None
+                        and use_async_scheduling(config.async_scheduling, t.device))
+    return EngineParts(config, t.device, t.model_path, t.hf_config, t.dtype, t.kv_layout, salt, t.model, t.kv_cache,
+                       tokenizer, max_len, pool, kv, lora, Scheduler(config, kv, lora), runner, outputs, structured,
+                       t.executor, async_scheduling)
