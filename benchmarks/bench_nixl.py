@@ -22,8 +22,11 @@ from multiprocessing.connection import Connection
 import msgspec
 import torch
 
-from pdserve.kvstore.nixl_messages import NixlBlockRegions, NixlPeerInfo, decode_message, encode_message
 from pdserve.kvstore.nixl_transfer import NixlKVAgent, block_digest, mismatched_blocks
+from pdserve.wire.handover import NixlHandover, NixlMetadata
+
+encode_message = msgspec.msgpack.encode
+decode_message = msgspec.msgpack.Decoder(NixlMetadata | NixlHandover).decode
 
 
 class Config(msgspec.Struct):
@@ -99,9 +102,9 @@ def prefill_main(conn: Connection, job_bytes: bytes) -> None:
     """Serve block regions on request; poll notifications (which also drives UCX progress)."""
     job = msgspec.msgpack.decode(job_bytes, type=Job)
     agent, _ = _agent("bench-prefill", job, seed=2)
-    conn.send_bytes(encode_message(NixlPeerInfo(agent.name, agent.metadata())))
+    conn.send_bytes(encode_message(NixlMetadata(agent.name, agent.metadata())))
     peer = decode_message(conn.recv_bytes())
-    assert isinstance(peer, NixlPeerInfo)
+    assert isinstance(peer, NixlMetadata)
     agent.add_peer(peer.metadata)
     pub_decoder = msgspec.msgpack.Decoder(Publish)
     while True:
@@ -110,14 +113,14 @@ def prefill_main(conn: Connection, job_bytes: bytes) -> None:
                 ids = pub_decoder.decode(conn.recv_bytes()).block_ids
             except EOFError:
                 break
-            msg = NixlBlockRegions("bench", agent.name, agent.block_regions(ids),
-                                   block_digest(agent.kv_cache, ids), time.time() + 60)
+            msg = NixlHandover(0, agent.name, "", agent.block_regions(ids),
+                               block_digest(agent.kv_cache, ids), lease_s=60)
             conn.send_bytes(encode_message(msg))
         agent.get_notifications()
     agent.close()
 
 
-def _time_reads(agent: NixlKVAgent, peer: str, msg: NixlBlockRegions, local: list[int],
+def _time_reads(agent: NixlKVAgent, peer: str, msg: NixlHandover, local: list[int],
                 runs: int, per_block: bool) -> tuple[float, float, float]:
     """(first-run s, median READ s, median memcpy s). A single-thread copy_ of the same bytes
     runs before each READ in this process, so both see the same (shared, noisy) machine."""
@@ -153,9 +156,9 @@ def decode_main(conn: Connection, out: Connection, job_bytes: bytes) -> None:
     torch.set_num_threads(1)  # the memcpy reference is single-threaded
     agent, setup_ms = _agent("bench-decode", job, seed=3)
     info = decode_message(conn.recv_bytes())
-    assert isinstance(info, NixlPeerInfo)
+    assert isinstance(info, NixlMetadata)
     peer = agent.add_peer(info.metadata)
-    conn.send_bytes(encode_message(NixlPeerInfo(agent.name, agent.metadata())))
+    conn.send_bytes(encode_message(NixlMetadata(agent.name, agent.metadata())))
     agent.make_connection(peer)
     n = job.num_blocks // 2
     rng = random.Random(0)
@@ -169,7 +172,7 @@ def decode_main(conn: Connection, out: Connection, job_bytes: bytes) -> None:
     for label, remote, local, per_block in paths:
         conn.send_bytes(msgspec.msgpack.encode(Publish(remote)))
         msg = decode_message(conn.recv_bytes())
-        assert isinstance(msg, NixlBlockRegions)
+        assert isinstance(msg, NixlHandover)
         first, med, copy = _time_reads(agent, peer, msg, local, job.runs, per_block)
         ok = not mismatched_blocks(agent.kv_cache, local, msg.digests)
         nbytes = n * agent.block_nbytes

@@ -24,10 +24,12 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.factory import make_store
 from pdserve.kvstore.layout import KVLayout
+from pdserve.node.decode import DecodeNode, PullState
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.testing.redis_server import redis_server
 from pdserve.testing.up_cluster import wait_for
-from pdserve.wire.messages import Abort, DecodeRequest, KVHandover, TokenDelta, decode, encode
+from pdserve.wire.handover import StoreHandover
+from pdserve.wire.messages import Abort, DecodeRequest, TokenDelta, decode, encode
 from pdserve.wire.transport import free_port
 
 PROMPT = [(i * 37) % 250 + 3 for i in range(100)]  # 6 full blocks of 16 and a partial one
@@ -64,7 +66,6 @@ def _prefill_into(url: str) -> tuple[list[bytes], int]:
 
 @pytest.fixture
 def decode_node():
-    from pdserve.decode_node.server import DecodeNode
     with redis_server() as (url, _proc):
         engine = _engine()
         port = free_port()
@@ -107,15 +108,15 @@ def _generate(prompt: list[int]) -> list[int]:
 def test_an_abort_during_the_store_fetch_leaves_the_prompt_cached(decode_node):
     node, url, sock = decode_node
     keys, first = _prefill_into(url)
-    handover = KVHandover("store", len(keys) * node.engine.config.block_size, keys=keys)  # the full blocks
+    handover = StoreHandover(len(keys) * node.engine.config.block_size, keys)  # the full blocks
     busy = threading.Event()
-    node.fetcher.submit(busy.wait)  # the fetch for "a" queues behind this
+    node.pullers[StoreHandover].fetcher.submit(busy.wait)  # the fetch for "a" queues behind this
     sock.send(encode(DecodeRequest("a", PROMPT, GREEDY, [first], handover)))
-    wait_for(lambda: "a" in node.fetches, timeout_s=30)
+    wait_for(lambda: node.pull_state("a") is PullState.PULLING, timeout_s=30)
     sock.send(encode(Abort("a")))
-    wait_for(lambda: "a" in node.deferred_aborts, timeout_s=30)
+    wait_for(lambda: node.pull_state("a") is PullState.ABANDONED, timeout_s=30)
     busy.set()
-    wait_for(lambda: not node.deferred_aborts and not node.fetches, timeout_s=30)
+    wait_for(lambda: not node.pulls, timeout_s=30)
 
     engine = node.engine
     assert all(key in engine.pool.cached for key in keys), "the landed blocks were freed uncached"

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from pdserve.decode_node.nixl_puller import CORRUPT_PULLS_ENV
 
 from pdserve import LLM
 from pdserve.kvstore.nixl_transfer import nixl_import_error
+from pdserve.node.pullers import CORRUPT_PULLS_ENV
 from pdserve.testing.up_cluster import assert_greedy_matches_offline, node_stats, running_cluster, wait_for
 
 pytestmark = pytest.mark.skipif(nixl_import_error() is not None, reason=f"NIXL: {nixl_import_error()}")

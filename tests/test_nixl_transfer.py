@@ -14,7 +14,6 @@ import msgspec
 import pytest
 import torch
 
-from pdserve.kvstore.nixl_messages import NixlBlockRegions, NixlPeerInfo, decode_message, encode_message
 from pdserve.kvstore.nixl_transfer import (
     NixlKVAgent,
     NixlTimeoutError,
@@ -23,6 +22,7 @@ from pdserve.kvstore.nixl_transfer import (
     mismatched_blocks,
     nixl_import_error,
 )
+from pdserve.wire.handover import NixlHandover, NixlMetadata
 
 _why = nixl_import_error()
 if _why is not None:  # pragma: no cover - depends on the optional extra
@@ -48,6 +48,8 @@ class NotifReport(msgspec.Struct, tag=True):
 
 _cmd_decoder = msgspec.msgpack.Decoder(PublishCmd)
 _report_decoder = msgspec.msgpack.Decoder(NotifReport)
+encode_message = msgspec.msgpack.encode
+decode_message = msgspec.msgpack.Decoder(NixlMetadata | NixlHandover).decode
 
 
 def prefill_cache() -> torch.Tensor:
@@ -60,9 +62,9 @@ def _prefill_worker(conn: Connection, name: str, peer_mode: bool) -> None:
     kv = prefill_cache()
     agent = NixlKVAgent(name, kv, error_handling="peer" if peer_mode else "none",
                         progress_thread=peer_mode)
-    conn.send_bytes(encode_message(NixlPeerInfo(agent.name, agent.metadata())))
+    conn.send_bytes(encode_message(NixlMetadata(agent.name, agent.metadata())))
     peer = decode_message(conn.recv_bytes())
-    assert isinstance(peer, NixlPeerInfo)
+    assert isinstance(peer, NixlMetadata)
     agent.add_peer(peer.metadata)
     deadline = time.monotonic() + 60  # never outlive a broken test
     while time.monotonic() < deadline:
@@ -74,8 +76,8 @@ def _prefill_worker(conn: Connection, name: str, peer_mode: bool) -> None:
             digests = block_digest(kv, cmd.block_ids)
             for b in cmd.corrupt:  # the block was reused after its digest was taken
                 kv[b].add_(1)
-            msg = NixlBlockRegions(cmd.request_id, agent.name, agent.block_regions(cmd.block_ids),
-                                   digests, time.time() + 30)
+            msg = NixlHandover(len(cmd.block_ids) * PREFILL_SHAPE[3], agent.name, "",
+                               agent.block_regions(cmd.block_ids), digests, lease_s=30)
             conn.send_bytes(encode_message(msg))
         notifs = agent.get_notifications()
         if notifs:
@@ -95,19 +97,19 @@ class Prefill:
         child.close()
         assert self.conn.poll(60), "prefill worker did not start"
         info = decode_message(self.conn.recv_bytes())
-        assert isinstance(info, NixlPeerInfo) and info.agent_name == name
+        assert isinstance(info, NixlMetadata) and info.agent_name == name
         self.name = decode.add_peer(info.metadata)
         assert decode.add_peer(info.metadata) == self.name  # idempotent
-        self.conn.send_bytes(encode_message(NixlPeerInfo(decode.name, decode.metadata())))
+        self.conn.send_bytes(encode_message(NixlMetadata(decode.name, decode.metadata())))
         decode.make_connection(self.name)
 
     def publish(self, request_id: str, block_ids: list[int],
-                corrupt: list[int] | None = None) -> NixlBlockRegions:
+                corrupt: list[int] | None = None) -> NixlHandover:
         self.conn.send_bytes(msgspec.msgpack.encode(PublishCmd(request_id, block_ids,
                                                                corrupt or [])))
         assert self.conn.poll(10)
         msg = decode_message(self.conn.recv_bytes())
-        assert isinstance(msg, NixlBlockRegions) and msg.request_id == request_id
+        assert isinstance(msg, NixlHandover)
         return msg
 
     def notifications(self, timeout_s: float = 15.0) -> list[tuple[str, bytes]]:
@@ -138,9 +140,8 @@ def prefill(decode: NixlKVAgent) -> Prefill:
     worker.stop()
 
 
-def _read(decode: NixlKVAgent, msg: NixlBlockRegions, local_ids: list[int]) -> None:
-    handle = decode.start_read(msg.agent_name, msg.regions, local_ids,
-                               notif=msg.request_id.encode(), timeout_s=10)
+def _read(decode: NixlKVAgent, msg: NixlHandover, local_ids: list[int], rid: str) -> None:
+    handle = decode.start_read(msg.agent_name, msg.regions, local_ids, notif=rid.encode(), timeout_s=10)
     decode.wait(handle)
     assert handle.state == "DONE" and handle.released
 
@@ -150,7 +151,7 @@ def test_read_random_blocks_bit_exact(decode: NixlKVAgent, prefill: Prefill) -> 
     local_ids = [5, 40, 6, 20, 21, 22, 47, 1]
     before = decode.kv_cache.clone()
     msg = prefill.publish("req-a", remote_ids)
-    _read(decode, msg, local_ids)
+    _read(decode, msg, local_ids, "req-a")
 
     expected = prefill_cache()
     assert torch.equal(decode.kv_cache[local_ids], expected[remote_ids])
@@ -165,7 +166,7 @@ def test_digest_mismatch_detected(decode: NixlKVAgent, prefill: Prefill) -> None
     remote_ids = [8, 30, 9]
     local_ids = [30, 31, 2]
     msg = prefill.publish("req-c", remote_ids, corrupt=[30])
-    _read(decode, msg, local_ids)
+    _read(decode, msg, local_ids, "req-c")
     assert mismatched_blocks(decode.kv_cache, local_ids, msg.digests) == [1]
     assert prefill.notifications() == [(decode.name, b"req-c")]
 
@@ -195,7 +196,7 @@ def test_peer_mode_reads_and_times_out_on_hung_peer() -> None:
         worker = Prefill(decode, "test-prefill-peer", peer_mode=True)
         try:
             msg = worker.publish("req-p", [7, 2, 50])
-            _read(decode, msg, [0, 1, 2])
+            _read(decode, msg, [0, 1, 2], "req-p")
             assert torch.equal(kv[[0, 1, 2]], prefill_cache()[[7, 2, 50]])
             assert worker.notifications() == [(decode.name, b"req-p")]
             os.kill(worker.proc.pid, signal.SIGSTOP)
@@ -230,10 +231,10 @@ def test_bad_requests_rejected(decode: NixlKVAgent, prefill: Prefill) -> None:
 
 
 def test_messages_round_trip() -> None:
-    msg = NixlBlockRegions("r", "a", [(2**63 + 5, 8192, 0)], [2**64 - 1], 1.5)
+    msg = NixlHandover(16, "a", "tcp://h:1", [(2**63 + 5, 8192, 0)], [2**64 - 1], 1.5)
     assert decode_message(encode_message(msg)) == msg
-    info = NixlPeerInfo("a", b"\x00\xff")
+    info = NixlMetadata("a", b"\x00\xff")
     assert decode_message(encode_message(info)) == info
     with pytest.raises(msgspec.ValidationError):
-        decode_message(encode_message(NixlBlockRegions("r", "a", [], [], 0.0)).replace(
+        decode_message(encode_message(NixlHandover(0, "a", "", [], [], 0.0)).replace(
             b"regions", b"regionz"))

@@ -16,8 +16,10 @@ from node_thread import serving_in_thread
 from pdserve.cluster.router_liveness import RouterLiveness
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.node.prefill import PrefillNode
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.testing.up_cluster import wait_for
+from pdserve.wire.handover import NixlHandover
 from pdserve.wire.messages import Ping, PrefillRequest, PrefillResult, decode, encode
 from pdserve.wire.transport import free_port
 
@@ -27,7 +29,6 @@ LEASE_S = 60.0
 
 @pytest.fixture
 def prefill_node():
-    from pdserve.prefill_node.server import PrefillNode
     engine = LLMEngine(EngineConfig(model="builtin:tiny", num_kv_blocks=32))
     port, side = free_port(), free_port()
     node = PrefillNode(engine, f"tcp://127.0.0.1:{port}", "prefill-0",
@@ -84,17 +85,17 @@ def _check_silent_router_is_dropped(node, live: FakeRouter, dying: FakeRouter) -
     prompt = list(range(5, 45))  # 40 tokens: three blocks
     for router, rid in ((live, "live-0"), (dying, "dying-0")):
         result = router.prefill(rid, prompt)
-        assert result.error is None and result.handover.mode == "nixl"
-    assert set(node.leases) == {"live-0", "dying-0"}
+        assert result.error is None and isinstance(result.handover, NixlHandover)
+    assert set(node.nixl.leases) == {"live-0", "dying-0"}
     held_each = len(node.engine.scheduler.held["live-0"].block_ids)
     # `dying` stops pinging; `live` goes on. Well inside the 60 s lease, the silent router's
     # blocks return to the pool and the live router's stay pinned for its decode node's pull.
     deadline = time.monotonic() + 10
-    while "dying-0" in node.leases and time.monotonic() < deadline:
+    while "dying-0" in node.nixl.leases and time.monotonic() < deadline:
         live.ping()
         live.drain()
         time.sleep(0.2)
-    assert "dying-0" not in node.leases, "a dead router's lease outlived it"
-    assert set(node.leases) == {"live-0"}
+    assert "dying-0" not in node.nixl.leases, "a dead router's lease outlived it"
+    assert set(node.nixl.leases) == {"live-0"}
     wait_for(lambda: "dying-0" not in node.engine.scheduler.held and "dying-0" not in node.origin, timeout_s=5)
     assert node.engine.pool.num_used == held_each

@@ -2,7 +2,7 @@
 
 The paged cache is one block-major tensor kv_cache[num_blocks, ...], so block b is the single
 byte range [base + b * block_nbytes, +block_nbytes). The prefill side pins blocks and sends
-their regions (plain ints, see nixl_messages); the decode side READs them into its own blocks
+their regions (plain ints, see pdserve.wire.handover); the decode side READs them into its own blocks
 with a notification, and the prefill side frees the blocks when that notification arrives.
 
 An agent is not thread-safe in NIXL's default sync mode, so every agent call here holds a lock.
@@ -179,7 +179,7 @@ class NixlKVAgent:
     # ---- peers ---------------------------------------------------------------------------
 
     def metadata(self) -> bytes:
-        """This agent's metadata; send it to each peer once (see NixlPeerInfo)."""
+        """This agent's metadata; send it to each peer once (in a wire.handover.NixlMetadata)."""
         with self._lock:
             return bytes(self._agent.get_agent_metadata())
 

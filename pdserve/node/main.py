@@ -88,10 +88,10 @@ def _build_node(role: str, args, engine, bind, store):
     READs once it prefills."""
     nixl_side_channel = getattr(args, "nixl_side_channel", None)
     if role == "prefill":
-        from pdserve.prefill_node.server import PrefillNode
+        from pdserve.node.prefill import PrefillNode  # heavy: torch and the engine, for node processes only
         return PrefillNode(engine, bind, args.node_id, store=store, nixl_side_channel=nixl_side_channel,
                            lease_s=getattr(args, "lease_s", 30.0), advertise_host=getattr(args, "advertise_host", None))
-    from pdserve.decode_node.server import DecodeNode
+    from pdserve.node.decode import DecodeNode  # heavy: torch and the engine, for node processes only
     return DecodeNode(engine, bind, args.node_id, store=store,
                       use_nixl=getattr(args, "nixl", False) or bool(nixl_side_channel),
                       on_transfer_failure=getattr(args, "on_transfer_failure", "recompute"),

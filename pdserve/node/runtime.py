@@ -280,8 +280,12 @@ class NodeRuntime:
 
     def integrity_failures(self) -> int:
         """KV blocks rejected by a checksum or digest, on every path this node reads (store, NIXL)."""
-        sources = (getattr(self, "store", None), getattr(self, "nixl", None))
+        sources = (getattr(self, "store", None), *self.kv_readers())
         return sum(getattr(src, "integrity_failures", 0) for src in sources if src is not None)
+
+    def kv_readers(self) -> list[object]:
+        """The paths besides the store this role reads KV over (a decode node's pullers)."""
+        return []
 
     # ---- hooks ----------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:

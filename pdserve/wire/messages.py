@@ -9,21 +9,7 @@ import msgspec
 
 from pdserve.protocol.outputs import StepOutput, TokenLogprob
 from pdserve.protocol.sampling_params import SamplingParams
-
-
-class KVHandover(msgspec.Struct, frozen=True):
-    """Where a prompt's KV is and how to check it arrived whole."""
-    mode: str                      # "store" | "nixl" | "none" (decode recomputes)
-    num_tokens: int                # prompt tokens whose KV is handed over
-    keys: list[bytes] = []         # store: one key per block, the last maybe a partial block's
-    agent_name: str = ""           # nixl: the prefill node's agent
-    side_channel: str = ""         # nixl: zmq endpoint serving the agent's metadata
-    regions: list[tuple[int, int, int]] = []  # nixl: (address, bytes, device id) per block
-    digests: list[int] = []        # xxh3-64 of each block's bytes, checked after the READ
-    lease_s: float = 0.0           # nixl: seconds the prefill node keeps the blocks pinned
-    # Blocks before this one are not handed over: they slid out of every layer's window (a
-    # model whose layers all slide). regions and digests start at it; keys stay the whole chain.
-    first_block: int = 0
+from pdserve.wire.handover import KVHandover, NixlMetadata, NixlMetadataRequest, Transport
 
 
 class Ping(msgspec.Struct, tag=True):
@@ -72,7 +58,7 @@ class PrefillRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    transfer: str  # "store" | "nixl"
+    transfer: Transport
     # The request's salt string (engine/cache_salt.py: cache_salt and/or tenant) and LoRA adapter
     # name: both enter its block keys' salt (block_keys.request_salt) on every node.
     cache_salt: str | None = None
@@ -100,8 +86,7 @@ class DecodeRequest(msgspec.Struct, tag=True):
 
     def pulls_kv(self) -> bool:
         """The receiver pulls the prompt's KV (store fetch or NIXL READ), rather than computing it."""
-        h = self.handover
-        return h is not None and h.mode in ("store", "nixl") and h.num_tokens > 0
+        return self.handover is not None and self.handover.num_tokens > 0
 
 
 class EmbedRequest(msgspec.Struct, tag=True):
@@ -190,15 +175,6 @@ class OwnerReply(msgspec.Struct, tag=True):
     nodes: dict[str, str] = {}       # node id -> role, every node the owner runs
 
 
-class NixlMetadataRequest(msgspec.Struct, tag=True):
-    pass
-
-
-class NixlMetadata(msgspec.Struct, tag=True):
-    agent_name: str
-    metadata: bytes
-
-
 Message = (Ping | Pong | PrefillRequest | PrefillResult | DecodeRequest | TokenDelta | Abort
            | EmbedRequest | EmbedResult | LoadLoRA | UnloadLoRA | LoRAReply
            | NixlMetadataRequest | NixlMetadata | KVEvents | KVSnapshotRequest | Drain | Rejected
@@ -216,7 +192,7 @@ def decode(data: bytes) -> Message:
     return _decoder.decode(data)
 
 
-__all__ = ["KVHandover", "KVEvents", "KVSnapshotRequest", "Ping", "Pong", "PrefillRequest", "PrefillResult",
+__all__ = ["KVEvents", "KVSnapshotRequest", "Ping", "Pong", "PrefillRequest", "PrefillResult",
            "DecodeRequest", "EmbedRequest", "EmbedResult", "LoadLoRA", "UnloadLoRA", "LoRAReply", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
            "OwnerReply", "NixlMetadataRequest", "NixlMetadata", "Message", "encode", "decode", "StepOutput",
            "TokenLogprob"]

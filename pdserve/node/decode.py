@@ -1,0 +1,211 @@
+"""Decode node: admits each request in WAITING_FOR_REMOTE_KVS with its blocks allocated, pulls
+the prompt's KV (NIXL READ or store fetch, pdserve.node.pullers), checks it arrived whole, then
+decodes it in the continuous batch and streams tokens back. A failed or late pull never hangs a
+request: it is recomputed locally (or failed, if so configured).
+
+A request whose KV is pulled has one entry in `pulls` while the pull is not over, in one of the
+PullState states below; once its pull ends the engine has it as any other request.
+
+A request may carry its inter-token latency target (DecodeRequest.itl_slo_s): while any does,
+each step prefills only the prompt tokens the tightest target leaves after the decode rows
+(pdserve.node.step_budget), so prompts the router sends here to prefill do not make the running
+streams late."""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.kvstore.base import KVStore
+from pdserve.node.pullers import NixlPuller, Puller, StorePuller
+from pdserve.node.runtime import NodeRuntime
+from pdserve.node.step_budget import StepBudget
+from pdserve.wire.handover import KVHandover, NixlHandover, StoreHandover
+from pdserve.wire.messages import DecodeRequest, Message, Ping, Pong, PrefillRequest, Rejected
+
+log = logging.getLogger(__name__)
+
+
+class PullState(enum.Enum):
+    DELAYED = "delayed"      # admitted; its pull starts once pull_delay_s has passed
+    PULLING = "pulling"      # a READ or fetch writes into the request's blocks
+    ABANDONED = "abandoned"  # aborted while pulling: its blocks are freed once the pull ends
+
+
+@dataclass
+class Pull:
+    state: PullState
+    req: Request
+    handover: KVHandover
+    received_at: float
+    due: float = 0.0                # DELAYED: when the pull may start
+    path: str = ""                  # PULLING: the puller's transport, and what it moves
+    started: float = 0.0
+    nbytes: int = 0
+    # ABANDONED: the router resumed the request here under the same id (no other decode node
+    # was up); it is admitted once the aborted pull ends.
+    resume: tuple[bytes, DecodeRequest] | None = None
+
+
+class DecodeNode(StepBudget):
+    role = "decode"
+
+    def __init__(self, engine: LLMEngine, bind: str | NodeRuntime, node_id: str, store: KVStore | None = None,
+                 use_nixl: bool = False, on_transfer_failure: str = "recompute", pull_delay_s: float = 0.0):
+        super().__init__(engine, bind, node_id)
+        self.store = store
+        self.on_transfer_failure = on_transfer_failure
+        self.pull_delay_s = pull_delay_s  # fault injection for tests: wait before pulling
+        self.pullers: dict[type, Puller] = {}  # by the handover's type
+        if store is not None:
+            self.pullers[StoreHandover] = StorePuller(store, engine.kv_cache, engine.config.block_size)
+        if use_nixl:
+            self.pullers[NixlHandover] = NixlPuller(node_id, engine.kv_cache, self.ctx, engine.salt)
+        self.pulls: dict[str, Pull] = {}  # request id -> its pull, until the pull is over
+        self.block_nbytes = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
+        self.placements = {"prefills_local": 0, "prefills_handed_over": 0}
+        self.init_step_budget()
+
+    def pull_state(self, request_id: str) -> PullState | None:
+        pull = self.pulls.get(request_id)
+        return None if pull is None else pull.state
+
+    def handle(self, identity: bytes, msg: Message) -> None:
+        if isinstance(msg, PrefillRequest):  # sent before the router saw this node switch roles
+            self.control.send(identity, Rejected(msg.request_id, "this node serves decode now"))
+            return
+        if not isinstance(msg, DecodeRequest):
+            log.warning("decode node ignores %s", type(msg).__name__)
+            return
+        rid, handover = msg.request_id, msg.handover
+        if self.pull_state(rid) is PullState.ABANDONED:
+            self.pulls[rid].resume = (identity, msg)
+            return
+        pull = msg.pulls_kv()
+        try:
+            req = self.engine.add_request(rid, msg.prompt_token_ids, msg.params, output_token_ids=msg.first_token_ids,
+                                          remote_kv_tokens=handover.num_tokens if pull else 0,
+                                          cache_salt=msg.cache_salt, lora_name=msg.adapter)
+        except ValueError as exc:
+            return self.fail(identity, rid, str(exc))
+        self.origin[rid] = identity
+        self.stats.requests_total += 1
+        self.hold_itl_target(rid, msg.itl_slo_s)
+        if pull or not msg.first_token_ids:  # (a stream resumed here after a failover is neither)
+            self.placements["prefills_handed_over" if pull else "prefills_local"] += 1
+        if pull and req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # No room for the handed-over blocks: computed here instead; free the sender's now.
+            self._release_sender(handover, rid)
+        elif pull:
+            now = time.monotonic()
+            self.pulls[rid] = Pull(PullState.DELAYED, req, handover, now, due=now + self.pull_delay_s)
+            self._start_due_pulls()
+
+    def pong(self, ping: Ping) -> Pong:
+        pong = super().pong(ping)
+        pong.stats.update(**self.budget_stats(), **self.placements)
+        return pong
+
+    def kv_readers(self) -> list[object]:
+        return list(self.pullers.values())
+
+    def _release_sender(self, handover: KVHandover, rid: str) -> None:
+        if (puller := self.pullers.get(type(handover))) is not None:
+            puller.release(handover, rid)
+
+    def _start_due_pulls(self) -> None:
+        now = time.monotonic()
+        due = [p for p in self.pulls.values() if p.state is PullState.DELAYED and p.due <= now]
+        for pull in due:
+            rid = pull.req.request_id
+            del self.pulls[rid]
+            if rid not in self.engine.scheduler.requests:
+                continue
+            if pull.req.remote_kv is None:  # its deadline passed meanwhile: the engine recomputes it
+                self._release_sender(pull.handover, rid)
+            else:
+                self._start_pull(pull)
+
+    def _start_pull(self, pull: Pull) -> None:
+        req, handover, bs = pull.req, pull.handover, self.engine.config.block_size
+        if handover.first_block > req.num_slid_blocks:
+            # Blocks this node would keep were not handed over (a differently windowed model?):
+            # recompute rather than cache blocks that never landed.
+            self._finish_pull(req.request_id, False, release=handover)
+            return
+        # Skip the blocks the local prefix cache already had and those out of the window.
+        first = max(req.num_computed_tokens // bs, req.num_slid_blocks)
+        n_blocks = -(-handover.num_tokens // bs)
+        if first >= n_blocks:
+            self._finish_pull(req.request_id, True, release=handover)
+            return
+        puller = self.pullers.get(type(handover))
+        started = time.perf_counter()
+        if puller is None or not puller.start(req.request_id, handover, req.block_ids[:n_blocks], first,
+                                              pull.received_at, req.remote_kv.deadline - time.monotonic()):
+            self._finish_pull(req.request_id, False, release=handover)
+            return
+        self.engine.mark_remote_transfer(req.request_id)
+        pull.state, pull.path, pull.started = PullState.PULLING, puller.path, started
+        pull.nbytes = (n_blocks - first) * self.block_nbytes
+        self.pulls[req.request_id] = pull
+
+    def poll_background(self) -> None:
+        if self.pulls:
+            self._start_due_pulls()
+        for puller in self.pullers.values():
+            for rid, ok in puller.poll():
+                self._finish_pull(rid, ok)
+
+    def _finish_pull(self, rid: str, ok: bool, release: KVHandover | None = None) -> None:
+        """The pull ended (or never started: then `release` lets the sender free the blocks)."""
+        if release is not None:
+            self._release_sender(release, rid)
+        pull = self.pulls.pop(rid, None)
+        if pull is not None and pull.state is PullState.ABANDONED:
+            if ok:  # its client left while the prompt's KV was landing: keep it for the next one
+                self.engine.cache_landed_kv(rid)
+            super().abort(rid)
+            if pull.resume is not None:
+                self.handle(*pull.resume)
+            return
+        if ok:
+            self.stats.transfers_ok += 1
+            if pull is not None:
+                self._count_transfer(pull)
+        else:
+            self.stats.transfers_failed += 1
+            log.warning("[%s] KV pull failed: %s", rid, self.on_transfer_failure)
+            if self.on_transfer_failure == "fail":
+                identity = self.origin.get(rid)
+                super().abort(rid)
+                if identity is not None:
+                    self.fail(identity, rid, "the prompt's KV could not be transferred")
+                return
+        self.engine.report_remote_kv(rid, ok)
+
+    def _count_transfer(self, pull: Pull) -> None:
+        bytes_name, us_name = f"transfer_bytes_{pull.path}", f"transfer_us_{pull.path}"
+        setattr(self.stats, bytes_name, getattr(self.stats, bytes_name) + pull.nbytes)
+        setattr(self.stats, us_name, getattr(self.stats, us_name) + int((time.perf_counter() - pull.started) * 1e6))
+
+    def abort(self, request_id: str) -> None:
+        pull = self.pulls.get(request_id)
+        if pull is not None and pull.state is not PullState.DELAYED:
+            # A pull in flight writes into the request's blocks: free them only once it ends.
+            pull.state, pull.resume = PullState.ABANDONED, None
+            self.origin.pop(request_id, None)
+            return
+        self.pulls.pop(request_id, None)
+        super().abort(request_id)
+
+    def role_idle(self) -> bool:
+        return not self.pulls
+
+    def close_role(self) -> None:
+        self.close_step_budget()
+        for puller in self.pullers.values():
+            puller.close()

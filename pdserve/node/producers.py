@@ -1,0 +1,169 @@
+"""Where a handover is made: the prefill node's one producer per transport.
+
+Once a prompt is computed, the producer of the transport the request names describes where its
+KV is (pdserve.wire.handover):
+- StoreProducer writes the blocks to the shared KV store; the node frees them at once.
+- NixlProducer pins them for the decode node's READ and serves its agent's metadata on a zmq side
+  channel; it frees them on the decode node's notification, or when their lease ends.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Protocol
+
+import zmq
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.kvstore.base import KVStore
+from pdserve.kvstore.errors import KVStoreError
+from pdserve.kvstore.nixl_transfer import NixlKVAgent, block_digest
+from pdserve.node.runtime import NodeStats
+from pdserve.wire.handover import KVHandover, NixlHandover, NixlMetadata, StoreHandover, Transport
+from pdserve.wire.messages import PrefillRequest
+from pdserve.wire.transport import NodeSocket
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PendingPrefill:
+    identity: bytes
+    request: PrefillRequest
+    keys: list[bytes]  # the prompt's block-key chain, its trailing partial block included
+    store_tokens: int = 0  # prompt tokens the store held at admission
+
+
+class Producer(Protocol):
+    transport: Transport
+    pins_blocks: bool  # the request's blocks stay held after the handover, until freed()
+
+    def hand_over(self, pending: PendingPrefill) -> KVHandover:
+        """Describe (and, for the store, write) the prompt's KV; raises KVStoreError or
+        RuntimeError when it cannot."""
+
+    def freed(self) -> list[str]:
+        """Requests whose pinned blocks may be freed now."""
+
+    def forget(self, request_id: str) -> None:
+        """The request was aborted: its blocks are freed with it."""
+
+    def idle(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+# Why a node cannot serve a transport it has no producer for.
+MISSING = {"nixl": "this prefill node has no NIXL agent (start it with --nixl-side-channel)",
+           "store": "this prefill node has no KV store (start it with --store)"}
+
+
+def advertised(endpoint: str, host: str | None) -> str:
+    if not host:
+        return endpoint
+    scheme, rest = endpoint.split("://", 1)
+    return f"{scheme}://{host}:{rest.rsplit(':', 1)[1]}"
+
+
+class StoreProducer:
+    transport = "store"
+    pins_blocks = False
+
+    def __init__(self, engine: LLMEngine, store: KVStore, stats: NodeStats):
+        self.engine, self.store, self.stats = engine, store, stats
+
+    def hand_over(self, pending: PendingPrefill) -> StoreHandover:
+        req, keys = pending.request, pending.keys
+        prompt, bs = req.prompt_token_ids, self.engine.config.block_size
+        held = self.engine.scheduler.held[req.request_id]
+        first = held.num_slid_blocks  # the decode node reads only the blocks in the window
+        t0 = time.perf_counter()
+        # A prefix the shared store already holds (a warm prompt) is not written again: on a
+        # 2048-token prefix that rewrite was most of the handover, and it sat before the first token.
+        start = max(first, self._shared_blocks(pending))
+        counts = [min(bs, len(prompt) - i * bs) for i in range(start, len(keys))]
+        self.store.put(keys[start:], self.engine.kv_cache, held.block_ids[start:len(keys)], counts,
+                       first_block=start)
+        self.stats.transfer_us_store += int((time.perf_counter() - t0) * 1e6)
+        self.stats.transfer_bytes_store += len(counts) * self.engine.kv_cache[0].numel() * self.engine.kv_cache.element_size()
+        log.debug("[%s] stored %d blocks (from block %d) in %.1f ms", req.request_id, len(counts), start,
+                  (time.perf_counter() - t0) * 1e3)
+        return StoreHandover(len(prompt), keys, first_block=first)
+
+    def _shared_blocks(self, pending: PendingPrefill) -> int:
+        """Leading blocks of the prompt every decode node can read from the store already. Asked
+        again at handover (one round trip) only when admission found a prefix there."""
+        if not pending.store_tokens:
+            return 0
+        full = len(pending.request.prompt_token_ids) // self.engine.config.block_size
+        try:
+            return self.store.shared_prefix(pending.keys[:full])
+        except KVStoreError:
+            return 0
+
+    def freed(self) -> list[str]:
+        return []
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def idle(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        """The store is the node's, not the producer's: the node closes it."""
+
+
+class NixlProducer:
+    transport = "nixl"
+    pins_blocks = True
+
+    def __init__(self, engine: LLMEngine, node_id: str, ctx: zmq.Context, side_channel: str,
+                 advertise_host: str | None, lease_s: float, stats: NodeStats):
+        self.engine, self.lease_s, self.stats = engine, lease_s, stats
+        self.agent = NixlKVAgent(node_id, engine.kv_cache)
+        self.side = NodeSocket(ctx, side_channel)
+        # Bound on e.g. tcp://0.0.0.0:5701; decode nodes must dial a name they can reach.
+        self.side_channel = advertised(side_channel, advertise_host)
+        self.leases: dict[str, float] = {}  # request id -> monotonic expiry of its pinned blocks
+
+    def metadata(self) -> NixlMetadata:
+        """The handshake's answer: the agent, and what a reader checks before it READs."""
+        return NixlMetadata(self.agent.name, self.agent.metadata(), kv_salt=self.engine.salt,
+                            block_nbytes=self.agent.block_nbytes)
+
+    def hand_over(self, pending: PendingPrefill) -> NixlHandover:
+        req = pending.request
+        prompt, bs = req.prompt_token_ids, self.engine.config.block_size
+        held = self.engine.scheduler.held[req.request_id]
+        first = held.num_slid_blocks  # the decode node reads only the blocks in the window
+        ids = held.block_ids[first:-(-len(prompt) // bs)]
+        self.leases[req.request_id] = time.monotonic() + self.lease_s
+        return NixlHandover(len(prompt), self.agent.name, self.side_channel, self.agent.block_regions(ids),
+                            block_digest(self.engine.kv_cache, ids), self.lease_s, first_block=first)
+
+    def freed(self) -> list[str]:
+        done = []
+        for _peer, note in self.agent.get_notifications():
+            rid = note.decode(errors="replace")
+            if self.leases.pop(rid, None) is not None:
+                done.append(rid)
+                self.stats.transfers_ok += 1
+        now = time.monotonic()
+        for rid in [r for r, expiry in self.leases.items() if expiry <= now]:
+            del self.leases[rid]
+            done.append(rid)
+            self.stats.leases_expired += 1
+            log.info("[%s] lease expired: pinned blocks freed", rid)
+        return done
+
+    def forget(self, request_id: str) -> None:
+        self.leases.pop(request_id, None)
+
+    def idle(self) -> bool:
+        return not self.leases
+
+    def close(self) -> None:
+        self.side.close()
+        self.agent.close()

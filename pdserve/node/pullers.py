@@ -1,0 +1,199 @@
+"""Where a handover is pulled: the decode node's one interface over both transports.
+
+A puller starts a pull of a prompt's blocks into the request's local blocks, reports each pull
+that ended (and whether its bytes arrived whole) when polled, and tells a sender it will not read
+what it was handed. The decode node picks the puller once, by the handover's type.
+- StorePuller: fetches the blocks from the shared KV store on a worker thread.
+- NixlPuller: fetches the prefill agent's metadata over its zmq side channel once (refusing a
+  peer whose handshake does not match), READs the blocks, then checks lease and digests.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import zmq
+
+from pdserve.kvstore.base import KVStore
+from pdserve.kvstore.errors import KVStoreError
+from pdserve.kvstore.nixl_transfer import NixlKVAgent, NixlReadHandle, NixlTransferError, mismatched_blocks
+from pdserve.wire.handover import (
+    KVHandover,
+    NixlHandover,
+    NixlMetadata,
+    NixlMetadataRequest,
+    StoreHandover,
+    peer_mismatch,
+)
+from pdserve.wire.messages import decode, encode
+
+log = logging.getLogger(__name__)
+METADATA_TIMEOUT_MS = 3000
+LEASE_MARGIN_S = 0.25  # a READ must finish this long before the lease ends to be trusted
+# Fault injection for tests: the first N pulls that land get one byte flipped in their first
+# block before the digest check, as a flaky link or bad DIMM would.
+CORRUPT_PULLS_ENV = "PDSERVE_FAULT_CORRUPT_NIXL_PULLS"
+
+
+class Puller(Protocol):
+    path: str  # the transport, naming its transfer_bytes_<path> / transfer_us_<path> counters
+
+    def start(self, rid: str, handover: KVHandover, local_ids: list[int], first: int,
+              received_at: float, timeout_s: float) -> bool:
+        """Start pulling blocks [first:] of the prompt into local_ids[first:] (local_ids: the
+        prompt's local blocks); False if the pull cannot start."""
+
+    def poll(self) -> list[tuple[str, bool]]:
+        """(request id, arrived whole) for each pull that ended since the last call."""
+
+    def release(self, handover: KVHandover, rid: str) -> None:
+        """Tell the sender we will not read these blocks."""
+
+    def close(self) -> None: ...
+
+
+class StorePuller:
+    path = "store"
+
+    def __init__(self, store: KVStore, kv_cache: torch.Tensor, block_size: int):
+        self.store = store
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-fetch")
+        self.fetches: dict[str, Future] = {}
+
+    def start(self, rid: str, handover: StoreHandover, local_ids: list[int], first: int,
+              received_at: float, timeout_s: float) -> bool:
+        bs, n = self.block_size, len(local_ids)
+        counts = [min(bs, handover.num_tokens - i * bs) for i in range(first, n)]
+        self.fetches[rid] = self.fetcher.submit(self._fetch, handover.keys[first:n], local_ids[first:], counts, first)
+        return True
+
+    def _fetch(self, keys: list[bytes], block_ids: list[int], counts: list[int], first: int) -> bool:
+        try:
+            return self.store.get(keys, self.kv_cache, block_ids, counts, first_block=first) == len(keys)
+        except KVStoreError as exc:
+            log.warning("store fetch failed: %s", exc)
+            return False
+
+    def poll(self) -> list[tuple[str, bool]]:
+        return [(rid, self.fetches.pop(rid).result()) for rid in [r for r, f in self.fetches.items() if f.done()]]
+
+    def release(self, handover: StoreHandover, rid: str) -> None:
+        """The store keeps its blocks whether or not they are read."""
+
+    def close(self) -> None:
+        self.fetcher.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class Read:
+    handle: NixlReadHandle
+    handover: NixlHandover
+    local_ids: list[int]
+    first: int
+    lease_end: float
+
+
+def fetch_peer_metadata(ctx: zmq.Context, side_channel: str, kv_salt: bytes = b"",
+                        block_nbytes: int = 0) -> NixlMetadata:
+    """The handshake: ask a prefill node's side channel for its agent's metadata, and refuse a
+    peer whose version or KV layout differs from ours (NixlTransferError)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(side_channel)
+    try:
+        sock.send(encode(NixlMetadataRequest()))
+        if not sock.poll(METADATA_TIMEOUT_MS):
+            raise NixlTransferError(f"no NIXL metadata from {side_channel}")
+        reply = decode(sock.recv())
+    finally:
+        sock.close(0)
+    if not isinstance(reply, NixlMetadata):
+        raise NixlTransferError(f"unexpected side-channel reply {type(reply).__name__}")
+    if (why := peer_mismatch(reply, kv_salt, block_nbytes)) is not None:
+        raise NixlTransferError(why)
+    return reply
+
+
+class NixlPuller:
+    path = "nixl"
+
+    def __init__(self, name: str, kv_cache: torch.Tensor, ctx: zmq.Context, kv_salt: bytes = b""):
+        self.agent = NixlKVAgent(name, kv_cache)
+        self.kv_cache = kv_cache
+        self.ctx = ctx
+        self.kv_salt = kv_salt
+        self.peers: dict[str, str] = {}  # side channel -> agent name
+        self.reads: dict[str, Read] = {}
+        self.integrity_failures = 0  # pulls whose blocks failed their digest check
+        self._corrupt_left = int(os.environ.get(CORRUPT_PULLS_ENV, "0") or 0)
+
+    def _peer(self, side_channel: str, agent_name: str = "") -> str:
+        if side_channel not in self.peers:
+            reply = fetch_peer_metadata(self.ctx, side_channel, self.kv_salt, self.agent.block_nbytes)
+            name = self.agent.add_peer(reply.metadata, agent_name)
+            self.agent.make_connection(name)
+            self.peers[side_channel] = name
+        return self.peers[side_channel]
+
+    def start(self, rid: str, handover: NixlHandover, local_ids: list[int], first: int,
+              received_at: float, timeout_s: float) -> bool:
+        """Post the READ (the handover's regions start at its first_block)."""
+        # The lease runs from when we received the handover (our clock, so no skew between
+        # machines); it started a little earlier on the prefill node, which the margin covers.
+        lease_end = received_at + handover.lease_s
+        if time.monotonic() > lease_end - LEASE_MARGIN_S:
+            log.warning("[%s] the lease has expired before the READ: recomputing", rid)
+            return False
+        try:
+            peer = self._peer(handover.side_channel, handover.agent_name)
+            regions = handover.regions[first - handover.first_block:]
+            handle = self.agent.start_read(peer, regions, local_ids[first:], notif=rid.encode(),
+                                           timeout_s=max(min(lease_end - LEASE_MARGIN_S - time.monotonic(),
+                                                             timeout_s), 0.1))
+        except (NixlTransferError, ValueError, IndexError) as exc:
+            log.warning("[%s] NIXL READ not started: %s", rid, exc)
+            self.peers.pop(handover.side_channel, None)
+            return False
+        self.reads[rid] = Read(handle, handover, local_ids, first, lease_end)
+        return True
+
+    def poll(self) -> list[tuple[str, bool]]:
+        done = []
+        for rid, read in list(self.reads.items()):
+            state = self.agent.poll(read.handle)
+            if state == "PROC":
+                continue
+            del self.reads[rid]
+            done.append((rid, state == "DONE" and self._trusted(rid, read)))
+        return done
+
+    def _trusted(self, rid: str, read: Read) -> bool:
+        if time.monotonic() > read.lease_end - LEASE_MARGIN_S:
+            log.warning("[%s] READ ended after the lease: the blocks may have been reused", rid)
+            return False
+        ids = read.local_ids[read.first:]
+        if self._corrupt_left > 0 and ids:
+            self._corrupt_left -= 1
+            self.kv_cache[ids[0]].view(-1).view(torch.uint8)[7] ^= 0x10
+        bad = mismatched_blocks(self.kv_cache, ids, read.handover.digests[read.first - read.handover.first_block:])
+        if bad:
+            self.integrity_failures += 1
+            log.warning("[%s] %d blocks failed their digest check", rid, len(bad))
+        return not bad
+
+    def release(self, handover: NixlHandover, rid: str) -> None:
+        """Tell the prefill node to free blocks we will not read."""
+        try:
+            self.agent.send_notification(self._peer(handover.side_channel), rid.encode())
+        except NixlTransferError as exc:
+            log.debug("[%s] could not notify the prefill node (its lease will free them): %s", rid, exc)
+
+    def close(self) -> None:
+        self.agent.close()

@@ -1,2 +1,0 @@
-"""Requests to nodes: the node pool and its sockets, the prefill, decode and embedding paths
-with their failover, drains, LoRA adapters on the nodes, metrics and the health report."""
