@@ -308,9 +308,9 @@ def serve_instrumented_router(args: argparse.Namespace) -> int:
     import uvicorn
     from fastapi.responses import JSONResponse, PlainTextResponse
 
-    import pdserve.router.app as app_mod
-    import pdserve.router.cluster as cluster_mod
-    import pdserve.router.nodes as nodes_mod
+    import pdserve.router.dispatch.cluster as cluster_mod
+    import pdserve.router.dispatch.nodes as nodes_mod
+    import pdserve.router.routes.app as app_mod
     from pdserve.router.main import build_app
     from pdserve.wire.messages import DecodeRequest as DR
     from pdserve.wire.messages import TokenDelta as TD

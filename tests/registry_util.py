@@ -8,9 +8,8 @@ import signal
 import subprocess
 import sys
 
-from pdserve.router.nodes import NodePool
-from pdserve.router.registry_watcher import RegistryWatcher
-
+from pdserve.router.dispatch.nodes import NodePool
+from pdserve.router.scaling.registry_watcher import RegistryWatcher
 from pdserve.testing.up_cluster import assert_greedy_matches_offline, node_stats
 from pdserve.wire.transport import free_port
 

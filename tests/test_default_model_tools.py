@@ -1,7 +1,7 @@
 """The default model (SmolLM2-135M-Instruct, `pdserve up` with no flags) calls tools and embeds.
 
 Its own chat template drops `tools`; pdserve serves it with a tool-capable one
-(pdserve/router/chat_templates.py) that renders every conversation without tools exactly as the
+(pdserve/router/openai/chat_templates.py) that renders every conversation without tools exactly as the
 GGUF's template does. Checked here: that equality, that the router can tell a template that drops
 tools, LangChain's bind_tools loop with tool_choice at its default (the model calls the tool, gets
 the result, answers in text), and /v1/embeddings ranking a paraphrase above an unrelated sentence.
@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 import openai
 import pytest
-from pdserve.router.chat_prompt import template_drops_tools
-from pdserve.router.chat_templates import builtin_chat_template
 from transformers import AutoTokenizer
 
 from pdserve.models.gguf import DEFAULT_MODEL
 from pdserve.models.loader import resolve_model_path
+from pdserve.router.openai.chat_prompt import template_drops_tools
+from pdserve.router.openai.chat_templates import builtin_chat_template
 from pdserve.testing.up_cluster import running_cluster
 
 CONVERSATIONS = [

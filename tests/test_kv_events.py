@@ -5,14 +5,14 @@ and a bfloat16 node's alike."""
 from __future__ import annotations
 
 import openai
-from pdserve.router.index import PrefixIndex
-from pdserve.router.kv_events import KVEventTracker
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.node.kv_events import DROP_BATCH_ENV, KVEventPublisher
 from pdserve.protocol.block_keys import block_key_chain
+from pdserve.router.placement.index import PrefixIndex
+from pdserve.router.placement.kv_events import KVEventTracker
 from pdserve.testing.up_cluster import node_stats, running_cluster, wait_for
 from pdserve.wire.messages import KVEvents, Ping
 
@@ -61,7 +61,7 @@ def test_publisher_batches_net_changes_numbers_them_and_snapshots():
 
 
 def test_router_keys_use_the_salt_the_node_reports_float32_and_bfloat16():
-    from pdserve.router.cluster import ClusterBackend
+    from pdserve.router.dispatch.cluster import ClusterBackend
     prompt = list(range(20, 90))
     for dtype in ("float32", "bfloat16"):
         engine = LLMEngine(EngineConfig(model="builtin:tiny", dtype=dtype, num_kv_blocks=16))

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.router.adapters import RouterAdapters
-from pdserve.router.index import PrefixIndex
-from pdserve.router.policy import NodeView, Planner
+from pdserve.router.dispatch.adapters import RouterAdapters
+from pdserve.router.placement.index import PrefixIndex
+from pdserve.router.placement.policy import NodeView, Planner
 from pdserve.wire.messages import LoadLoRA, Pong
 
 

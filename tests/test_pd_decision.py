@@ -22,10 +22,10 @@ from pdserve.protocol.tpot_budget import (
     has_headroom,
     prefill_tokens_per_step,
 )
-from pdserve.router.index import PrefixIndex
-from pdserve.router.pd_decision import REMOTE_COMFORT, DecodeLoad, Targets, local_ttft_s, place, place_short
-from pdserve.router.policy import NodeView, Planner
-from pdserve.router.schemas import CompletionRequest
+from pdserve.router.openai.schemas import CompletionRequest
+from pdserve.router.placement.index import PrefixIndex
+from pdserve.router.placement.pd_decision import REMOTE_COMFORT, DecodeLoad, Targets, local_ttft_s, place, place_short
+from pdserve.router.placement.policy import NodeView, Planner
 
 COSTS = StepCosts(base_s=0.010, row_s=0.002, token_s=0.0005)
 TARGETS = Targets(ttft_s=2.0, itl_s=0.100)
@@ -175,8 +175,8 @@ def test_prompts_queued_on_the_decode_node_count_as_its_rows():
     """node_view: every request the router has on a decode node is a row by the time a prompt
     queued after it prefills, so a node whose queued local prompts leave no headroom under the ITL
     target is not handed another one (a decode node with slow steps does not take every prompt)."""
-    from pdserve.router.node_view import node_view
-    from pdserve.router.nodes import Node
+    from pdserve.router.dispatch.node_view import node_view
+    from pdserve.router.dispatch.nodes import Node
 
     node = Node("d0", "decode", "tcp://127.0.0.1:1", sock=None, healthy=True,
                 stats={"free_blocks": 100, "total_blocks": 100, "step_base_us": 10_000, "decode_row_us": 40_000,
@@ -246,8 +246,8 @@ def test_planner_runs_the_request_whole_on_the_prefill_node_and_prices_its_strea
 
 
 def test_prefill_node_view_counts_its_whole_requests_as_rows():
-    from pdserve.router.node_view import node_view
-    from pdserve.router.nodes import Node
+    from pdserve.router.dispatch.node_view import node_view
+    from pdserve.router.dispatch.nodes import Node
 
     node = Node("p0", "prefill", "tcp://127.0.0.1:1", sock=None, healthy=True, stats={"serves_whole": 1})
     node.requests = {"a", "b", "c"}  # two prompts it prefills for others, one whole request
@@ -293,8 +293,8 @@ def test_the_decode_node_s_reported_slack_must_pay_for_a_local_prefill():
     """The model says a 64-token prompt fits beside four streams (as in the stall test above), but
     the node reports its streams can absorb only 50 ms more: the 205 ms prefill goes remote. The
     node view reads the slack from the pong, and a node without timed streams has no limit."""
-    from pdserve.router.node_view import node_view
-    from pdserve.router.nodes import Node
+    from pdserve.router.dispatch.node_view import node_view
+    from pdserve.router.dispatch.nodes import Node
 
     slow_token = StepCosts(base_s=0.035, row_s=0.007, token_s=0.0032)
     roomy = DecodeLoad(rows=4, costs=slow_token)

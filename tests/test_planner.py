@@ -103,8 +103,8 @@ def test_bad_bounds_are_refused():
 
 
 def test_interval_percentiles_come_from_histogram_deltas():
-    from pdserve.router.metrics import RouterMetrics
-    from pdserve.router.planner_loop import bucket_counts, interval_quantile
+    from pdserve.router.dispatch.metrics import RouterMetrics
+    from pdserve.router.scaling.planner_loop import bucket_counts, interval_quantile
     m = RouterMetrics()
     for x in (5.0, 6.0):  # an earlier interval's slow requests must not count in the next one
         m.ttft.observe(x)

@@ -8,9 +8,9 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from pdserve.router.errors import backend_unavailable
-from pdserve.router.responses import ChoiceState
-from pdserve.router.responses_events import ResponseEvents, responses_usage
+from pdserve.router.openai.errors import backend_unavailable
+from pdserve.router.openai.responses import ChoiceState
+from pdserve.router.openai.responses_events import ResponseEvents, responses_usage
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 BASE = {"id": "resp_1", "object": "response", "created_at": 1, "model": "m", "instructions": None,

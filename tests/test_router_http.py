@@ -26,9 +26,9 @@ from transformers import PreTrainedTokenizerFast
 from pdserve.loadgen.bench import BenchConfig, run_benchmark
 from pdserve.protocol.outputs import StepOutput, TokenLogprob
 from pdserve.protocol.sampling_params import SamplingParams
-from pdserve.router.app import create_app
-from pdserve.router.backend import BackendError
-from pdserve.router.chat_prompt import render_chat_prompt
+from pdserve.router.dispatch.backend import BackendError
+from pdserve.router.openai.chat_prompt import render_chat_prompt
+from pdserve.router.routes.app import create_app
 
 MODEL = "tiny-echo"
 MAX_MODEL_LEN = 256
@@ -209,7 +209,7 @@ def test_chat_default_max_tokens_fills_context(ctx):
 
 
 def test_no_chat_template_is_a_400():
-    from pdserve.router.errors import APIError
+    from pdserve.router.openai.errors import APIError
     tokenizer = build_tokenizer()
     tokenizer.chat_template = None
     with pytest.raises(APIError) as info:

@@ -8,11 +8,11 @@ import time
 
 import openai
 import pytest
-from pdserve.router.index import PrefixIndex
-from pdserve.router.policy import NodeView, Planner
 
 from pdserve import LLM, SamplingParams
 from pdserve.protocol.block_keys import block_key_chain
+from pdserve.router.placement.index import PrefixIndex
+from pdserve.router.placement.policy import NodeView, Planner
 from pdserve.testing.up_cluster import node_stats, running_cluster, wait_for
 
 TURN = 48        # tokens the user adds per round

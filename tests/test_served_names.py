@@ -7,11 +7,11 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from pdserve.router.model_routes import served_names
 from transformers import AutoTokenizer
 
 import pdserve
 from pdserve.entrypoints.cli import build_parser
+from pdserve.router.routes.model_routes import served_names
 from pdserve.testing.up_cluster import running_cluster
 
 NAMES = ["tiny-chat", "org/tiny-alias"]

@@ -15,13 +15,13 @@ import time
 import openai
 import pytest
 import uvicorn
-from pdserve.router.app import create_app
 from pydantic import BaseModel, Field
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from pdserve import LLM, SamplingParams
 from pdserve.protocol.sampling_params import StructuredSpec
+from pdserve.router.routes.app import create_app
 from pdserve.testing.model_factory import make_model
 from pdserve.wire.transport import free_port
 

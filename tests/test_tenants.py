@@ -13,10 +13,10 @@ from pdserve.engine.request import Request
 from pdserve.protocol.block_keys import block_key_chain, kv_layout_salt, request_salt
 from pdserve.protocol.cache_salt import MAX_CACHE_SALT_BYTES, check_cache_salt, tenant_cache_salt
 from pdserve.protocol.sampling_params import SamplingParams
-from pdserve.router.cluster import ClusterBackend
-from pdserve.router.index import STORE_HOLDER
-from pdserve.router.policy import NodeView
-from pdserve.router.tenants import KVScope, parse_api_keys
+from pdserve.router.dispatch.cluster import ClusterBackend
+from pdserve.router.placement.index import STORE_HOLDER
+from pdserve.router.placement.policy import NodeView
+from pdserve.router.routes.tenants import KVScope, parse_api_keys
 
 BS = 16
 LAYOUT = kv_layout_salt("builtin:tiny", 4, 4, 32, "float32", BS)

@@ -10,10 +10,10 @@ import jsonschema
 import pytest
 
 from pdserve.protocol.outputs import StepOutput
-from pdserve.router.responses import ChoiceState
-from pdserve.router.structured_request import tool_plan
-from pdserve.router.tool_calls import ParsedToolCallChatFlavor
-from pdserve.router.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, parser_for, required_calls
+from pdserve.router.openai.responses import ChoiceState
+from pdserve.router.openai.structured_request import tool_plan
+from pdserve.router.openai.tool_calls import ParsedToolCallChatFlavor
+from pdserve.router.openai.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, parser_for, required_calls
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -2,7 +2,7 @@
 and decode nodes the cluster should run, and the cheapest way to get there.
 
 Pure logic (no sockets, no clock): `SlaPlanner.decide(snapshot)` takes a `PoolSnapshot` and
-returns a `Decision`; the router's planner loop (pdserve/router/planner_loop.py) builds the
+returns a `Decision`; the router's planner loop (pdserve/router/scaling/planner_loop.py) builds the
 snapshots and carries decisions out. The simulator can drive the same object.
 
 The rules, per role:

@@ -149,7 +149,7 @@ def _add_keys_parser(sub) -> None:
 
 
 def _add_admission_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.router.admission import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS
+    from pdserve.router.routes.admission import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
                    "(default: $PDSERVE_API_KEY; none: open). Several keys: KEY1,KEY2; KEY:TENANT names the "
                    "key's tenant, whose cached KV no other tenant shares (docs/adapters-and-tenants.md)")
@@ -160,7 +160,7 @@ def _add_admission_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_chat_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.router.tool_parsers import PARSERS
+    from pdserve.router.openai.tool_parsers import PARSERS
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file, replacing the tokenizer's (without either, "
                         "/v1/chat/completions answers 400)")
@@ -179,7 +179,7 @@ def _add_served_name_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_routing_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.router.policy import PLACEMENTS, POLICIES
+    from pdserve.router.placement.policy import PLACEMENTS, POLICIES
     p.add_argument("--prefill-policy", choices=POLICIES, default="cache_aware", help="how a prefill node is picked")
     p.add_argument("--decode-policy", choices=POLICIES, default="cache_aware", help="how a decode node is picked")
     p.add_argument("--local-prefill-threshold", type=int, default=DEFAULT_LOCAL_PREFILL_THRESHOLD,

@@ -13,7 +13,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from pdserve.router.tenants import parse_api_keys
+from pdserve.router.routes.tenants import parse_api_keys
 
 TIMEOUT_S = 600.0  # a scale answers once new nodes have loaded and removed ones have drained
 

@@ -6,7 +6,7 @@ the prompt tokens a step may take are what the target leaves after the decode ro
 max_num_batched_tokens and SGLang's mixed chunk, but derived from the target and from measured
 costs instead of fixed). The node measures the three costs from its own steps (StepCostModel);
 the router uses the same arithmetic (prefill_tokens_per_step) to estimate how long a prompt
-prefilled on a decode node would take (pdserve.router.pd_decision).
+prefilled on a decode node would take (pdserve.router.placement.pd_decision).
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 
 from pdserve.cluster.planner import PoolSnapshot, SlaPlanner
-from pdserve.router.pd_decision import Targets
+from pdserve.router.placement.pd_decision import Targets
 from pdserve.sim.costs import NodeCosts
 from pdserve.sim.nodes import PrefixCache, SimDecodeNode, SimPrefillNode, SimRequest
 from pdserve.sim.simulator import ClusterSpec, Simulator

@@ -9,7 +9,7 @@ import json
 import sys
 import time
 
-from pdserve.router.policy import POLICIES
+from pdserve.router.placement.policy import POLICIES
 from pdserve.sim.costs import NodeCosts, calibrate
 from pdserve.sim.elastic import add_elastic_args, run_elastic_eval
 from pdserve.sim.report import Summary, plot, summarize, table

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from pdserve.router.index import PrefixIndex
+from pdserve.router.placement.index import PrefixIndex
 
 
 @dataclass

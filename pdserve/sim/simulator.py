@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from pdserve.protocol.block_keys import ROOT_KEY, block_key, kv_layout_salt
 from pdserve.protocol.tpot_budget import STREAM_TOKENS_CAP, StepCosts, StreamClock, amortized_prefill_tokens
-from pdserve.router.index import STORE_HOLDER, PrefixIndex
-from pdserve.router.pd_decision import Targets
-from pdserve.router.policy import NodeView, Planner
+from pdserve.router.placement.index import STORE_HOLDER, PrefixIndex
+from pdserve.router.placement.pd_decision import Targets
+from pdserve.router.placement.policy import NodeView, Planner
 from pdserve.sim.costs import NodeCosts
 from pdserve.sim.nodes import PrefixCache, SimDecodeNode, SimPrefillNode, SimRequest
 from pdserve.sim.trace import Session

@@ -1,0 +1,185 @@
+"""The request fields that ask for structured output, reduced to one StructuredSpec.
+
+Accepted spellings: OpenAI's `response_format` (json_object, json_schema) and
+`tool_choice` "required" or a named function with `tools`; vLLM's `structured_outputs` ({json|regex|choice|grammar}) and its
+older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. At most one may be
+given. The spec is parsed here (check_spec, cached) so a malformed schema or regex is a 400 at
+the router, never a node error.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from pdserve.protocol.grammar import check_spec
+from pdserve.protocol.sampling_params import StructuredSpec
+
+# json_object: any JSON object (compact, see structured_output.ANY_WHITESPACE).
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+_VLLM_KEYS = ("json", "regex", "choice", "grammar")
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked(kind: str, spec: str) -> StructuredSpec:
+    value = StructuredSpec(kind, spec)
+    check_spec(value)
+    return value
+
+
+def _schema_text(schema: Any, where: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise ValueError(f"{where} is not valid JSON: {exc}") from None
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where} must be a JSON schema object")
+    # Key order is kept: xgrammar emits properties in the order the schema lists them.
+    return json.dumps(schema, ensure_ascii=False)
+
+
+def _from_response_format(fmt: Any) -> tuple[str, str] | None:
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise ValueError("response_format.type must be 'text', 'json_object' or 'json_schema'")
+    if fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return "json", JSON_OBJECT_SCHEMA
+    inner = fmt.get("json_schema")
+    if not isinstance(inner, dict) or "schema" not in inner:
+        raise ValueError("response_format.json_schema.schema is required for type 'json_schema'")
+    return "json", _schema_text(inner["schema"], "response_format.json_schema.schema")
+
+
+def _from_vllm(structured: Any, guided: dict[str, Any]) -> list[tuple[str, str]]:
+    found: list[tuple[str, str]] = []
+    sources = [(k, v) for k, v in (structured or {}).items() if v is not None and k in _VLLM_KEYS]
+    sources += [(k, v) for k, v in guided.items() if v is not None]
+    for kind, value in sources:
+        if kind == "json":
+            found.append(("json", _schema_text(value, "the json schema")))
+        elif kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            found.append(("choice", json.dumps(value, ensure_ascii=False)))
+        elif not isinstance(value, str) or not value:
+            raise ValueError(f"{kind} must be a non-empty string")
+        else:
+            found.append((kind, value))
+    return found
+
+
+@dataclass
+class ToolPlan:
+    """What tool_choice asks for. mode: "none" (tools not shown to the model), "auto" (the
+    model answers in text or calls tools; calls are parsed out of the text), "required" (the
+    output is constrained to a JSON list of calls) or "named" (to that function's arguments)."""
+    mode: str
+    tools: list[dict[str, Any]] = field(default_factory=list)  # the function tools, checked
+    name: str | None = None  # mode "named": the function
+    parallel: bool = True  # parallel_tool_calls: false allows one call ("required": the grammar's array)
+
+    def parameters(self, name: str) -> str:
+        function = next(t["function"] for t in self.tools if t["function"]["name"] == name)
+        schema = function.get("parameters") or {"type": "object", "properties": {}}
+        return _schema_text(schema, f"the parameters of tool {name!r}")
+
+    def grammar(self) -> tuple[str, str] | None:
+        """The structured-output constraint this plan puts on the output."""
+        if self.mode == "named":
+            return "json", self.parameters(self.name)
+        if self.mode != "required":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                   "parameters": json.loads(self.parameters(t["function"]["name"]))},
+                  "required": ["name", "parameters"]} for t in self.tools]
+        array = {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
+        return "json", json.dumps(array, ensure_ascii=False)
+
+
+def _function_tools(tools: list[dict] | None) -> list[dict[str, Any]]:
+    checked = []
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                             "'parameters': {...}}}")
+        checked.append(tool)
+    return checked
+
+
+def tool_plan(tools: list[dict] | None, tool_choice: Any, parallel: bool = True) -> ToolPlan | None:
+    """The plan for these tools and tool_choice; None without tools. As OpenAI: tool_choice
+    defaults to "auto" when tools are given. parallel: parallel_tool_calls (false: one call at
+    most). ValueError when malformed."""
+    checked = _function_tools(tools)
+    if tool_choice is None:
+        tool_choice = "auto" if checked else "none"
+    if tool_choice == "none":
+        return None
+    if tool_choice in ("auto", "required"):
+        if not checked:
+            raise ValueError(f"tool_choice {tool_choice!r} needs tools")
+        return ToolPlan(tool_choice, checked, parallel=parallel)
+    if isinstance(tool_choice, str):
+        raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or name a function, got {tool_choice!r}")
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError("tool_choice must name a function: {'type': 'function', 'function': {'name': ...}}")
+    if not any(t["function"]["name"] == name for t in checked):
+        raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+    return ToolPlan("named", checked, name)
+
+
+def structured_spec(response_format: Any, structured: Any, guided: dict[str, Any],
+                    tools: ToolPlan | None = None) -> StructuredSpec | None:
+    """The one constraint the request asks for (ValueError when several or malformed)."""
+    found = _from_vllm(structured, guided)
+    from_format = _from_response_format(response_format)
+    found += [from_format] if from_format else []
+    from_tools = tools.grammar() if tools is not None else None
+    found += [from_tools] if from_tools else []
+    if len(found) > 1:
+        raise ValueError("ask for one structured output at a time (response_format, structured_outputs, "
+                         "guided_*, or tool_choice 'required' or named)")
+    return _checked(*found[0]) if found else None
+
+
+class GrammarCheck:
+    """Whether a constraint can be met with the model's vocabulary, checked at the router with
+    its tokenizer (each spec compiled once, in a worker thread) so an impossible one is a 400
+    before any node generates, not an empty answer with finish_reason "stop"."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()  # one bitmask buffer
+        self._outputs: Any = None  # engine.structured_output.StructuredOutputs, built at the first check
+        self._satisfiable: set[tuple[str, str]] = set()
+
+    async def check(self, spec: StructuredSpec) -> None:
+        """ValueError when no output the constraint accepts can be written in this vocabulary."""
+        key = (spec.kind, spec.spec)
+        if key not in self._satisfiable:
+            await anyio.to_thread.run_sync(self._check, spec)
+            if len(self._satisfiable) > 4096:
+                self._satisfiable.clear()
+            self._satisfiable.add(key)
+
+    def _check(self, spec: StructuredSpec) -> None:
+        with self._lock:
+            if self._outputs is None:
+                # Heavy: torch and xgrammar, loaded at the first constrained request, never at import.
+                from pdserve.engine.structured_output import StructuredOutputs
+                eos = getattr(self.tokenizer, "eos_token_id", None)
+                self._outputs = StructuredOutputs(self.tokenizer, len(self.tokenizer), {eos} if eos is not None else set())
+            self._outputs.check_satisfiable(spec)
