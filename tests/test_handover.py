@@ -1,4 +1,5 @@
-"""The typed handover on the wire, and the NIXL handshake refusing a peer it must not READ from.
+"""The typed handover on the wire, the NIXL handshake refusing a peer it must not READ from, and a
+router keeping a node of another wire version out of its rotation.
 
 The handshake runs over a real zmq socket: a stand-in prefill side channel answers the decode
 side's NixlMetadataRequest; no NIXL agent is needed to see a mismatched peer refused."""
@@ -13,6 +14,7 @@ import zmq
 from pdserve.kvstore.nixl_transfer import NixlTransferError
 from pdserve.node.pullers import fetch_peer_metadata
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.router.dispatch.nodes import Node, NodePool
 from pdserve.wire.handover import (
     HANDSHAKE_VERSION,
     NixlHandover,
@@ -22,7 +24,7 @@ from pdserve.wire.handover import (
     handover_path,
     peer_mismatch,
 )
-from pdserve.wire.messages import DecodeRequest, PrefillRequest, PrefillResult, decode, encode
+from pdserve.wire.messages import WIRE_VERSION, DecodeRequest, Pong, PrefillRequest, PrefillResult, decode, encode
 from pdserve.wire.transport import NodeSocket, free_port
 
 NIXL = NixlHandover(48, "prefill-0", "tcp://127.0.0.1:1", [(4096, 8192, 0)] * 3, [1, 2, 3], 30.0, first_block=1)
@@ -95,3 +97,11 @@ def test_a_peer_of_another_handshake_version_is_refused(side_channel):
     reply[0] = NixlMetadata("prefill-0", b"md", kv_salt=b"other", block_nbytes=8192)
     with pytest.raises(NixlTransferError, match="KV layout"):
         fetch_peer_metadata(ctx, endpoint, b"layout", 8192)
+
+
+def test_a_node_of_another_wire_version_stays_out_of_the_rotation():
+    node = Node("decode-0", "decode", "tcp://127.0.0.1:1", sock=None)
+    NodePool._on_pong(node, Pong(1, "decode-0", "decode", version=WIRE_VERSION + 1))
+    assert not node.healthy and node.refused
+    NodePool._on_pong(node, decode(encode(Pong(2, "decode-0", "decode"))))  # upgraded
+    assert node.healthy and not node.refused

@@ -11,6 +11,10 @@ from pdserve.protocol.outputs import StepOutput, TokenLogprob
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.wire.handover import KVHandover, NixlMetadata, NixlMetadataRequest, Transport
 
+# Bump when routers and nodes can no longer read each other's messages: a router keeps a node whose
+# pongs say another version out of its rotation, with one clear error, instead of mis-serving it.
+WIRE_VERSION = 1
+
 
 class Ping(msgspec.Struct, tag=True):
     seq: int
@@ -34,6 +38,7 @@ class Pong(msgspec.Struct, tag=True):
     state: str = "active"
     loras: list[str] = []         # LoRA adapters registered on the node (pdserve.lora)
     active_loras: list[str] = []  # ... and those resident in its slots now (no load to serve them)
+    version: int = WIRE_VERSION   # the messages the node speaks
 
 
 class KVEvents(msgspec.Struct, tag=True):
@@ -194,5 +199,5 @@ def decode(data: bytes) -> Message:
 
 __all__ = ["KVEvents", "KVSnapshotRequest", "Ping", "Pong", "PrefillRequest", "PrefillResult",
            "DecodeRequest", "EmbedRequest", "EmbedResult", "LoadLoRA", "UnloadLoRA", "LoRAReply", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
-           "OwnerReply", "NixlMetadataRequest", "NixlMetadata", "Message", "encode", "decode", "StepOutput",
+           "OwnerReply", "NixlMetadataRequest", "NixlMetadata", "Message", "encode", "decode", "WIRE_VERSION", "StepOutput",
            "TokenLogprob"]

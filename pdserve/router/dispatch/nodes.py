@@ -24,7 +24,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.wire.curve_keys import RouterKeys
-from pdserve.wire.messages import Message, Ping, Pong, decode, encode
+from pdserve.wire.messages import WIRE_VERSION, Message, Ping, Pong, decode, encode
 
 log = logging.getLogger(__name__)
 PING_INTERVAL_S = 0.2
@@ -52,6 +52,7 @@ class Node:
     draining: bool = False  # finishing its requests; no new ones are routed to it
     nixl_side_channel: str | None = None  # as the node registered it (None for static nodes)
     closed: bool = False  # removed from the pool: its socket is closed
+    refused: bool = False  # its pongs speak another WIRE_VERSION: kept out of the rotation
 
 
 class NodePool:
@@ -200,6 +201,13 @@ class NodePool:
 
     @staticmethod
     def _on_pong(node: Node, msg: Pong) -> None:
+        if msg.version != WIRE_VERSION:
+            if not node.refused:
+                log.error("%s (%s) speaks wire version %d, this router %d: not routing to it; upgrade "
+                          "routers and nodes together", node.node_id, node.address, msg.version, WIRE_VERSION)
+            node.refused, node.healthy = True, False
+            return
+        node.refused = False
         if not node.healthy:
             log.info("%s (%s) is healthy", node.node_id, node.address)
         node.healthy, node.last_pong, node.disconnected = True, time.monotonic(), False
