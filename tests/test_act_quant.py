@@ -5,7 +5,7 @@ from a random Llama; pdserve keeps the weights 8-bit and must give the greedy to
 plain-torch reference that applies the same quantization: transformers' Llama with each quantized
 Linear's weight replaced by the checkpoint's dequantized values and its input quantized and
 dequantized per token (or per token and group) before the matmul. (How far each format moves
-a real model from its float32 tokens: benchmarks/bench_act_quant_agreement.py.)"""
+a real model from its float32 tokens: benchmarks/engine/bench_act_quant_agreement.py.)"""
 from __future__ import annotations
 
 import json

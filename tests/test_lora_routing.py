@@ -1,6 +1,6 @@
 """Adapter-aware routing without sockets: the router's per-node adapter state from pongs, the
 cost it gives each node, the catch-up loads it sends, and the planner's choice. (The measured
-loads avoided on a real cluster: benchmarks/bench_lora_routing.py.)"""
+loads avoided on a real cluster: benchmarks/serving/bench_lora_routing.py.)"""
 from __future__ import annotations
 
 from types import SimpleNamespace

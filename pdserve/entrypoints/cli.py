@@ -12,7 +12,7 @@ from pdserve.models.gguf import DEFAULT_MODEL
 
 # Up to this many missing prompt tokens the decode node prefills them itself instead of taking a
 # prefill node's round trip and a KV handover. Measured on the 2-core CI machine
-# (benchmarks/bench_local_prefill.py): local prefill gave the lower TTFT at every size up to 512
+# (benchmarks/serving/bench_local_prefill.py): local prefill gave the lower TTFT at every size up to 512
 # missing tokens, but it stalls the decode batch for ~0.15 ms per token; with 4 streams decoding
 # beside it, the TTFT gained equals the stall summed over those streams at about 32 tokens.
 DEFAULT_LOCAL_PREFILL_THRESHOLD = 32

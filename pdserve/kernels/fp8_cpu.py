@@ -13,7 +13,7 @@ Two paths, as pdserve.kernels.quant_cpu: up to GEMV_MAX_TOKENS tokens each row i
 (through a 256-entry table) into a buffer that stays in L1 and dotted with every token; more,
 tiles of rows are decoded into one reused float32 buffer and multiplied by BLAS.
 torch._scaled_mm runs on CPU in torch 2.13 but was 20 to 140 times slower than these on
-SmolLM2's shapes (benchmarks/bench_act_quant_matmul.py).
+SmolLM2's shapes (benchmarks/kernels/bench_act_quant_matmul.py).
 """
 from __future__ import annotations
 

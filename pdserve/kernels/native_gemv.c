@@ -9,7 +9,7 @@
  * power-of-two multiple of 32) its integers are dotted with x and scaled once; otherwise it is
  * dequantized as q * scale + min and multiply-added into every token's sums. The result is
  * x @ dequantized(w).T up to the order of the sums, as numba's kernel gives it, 1.4 to 2.6 times
- * as fast on SmolLM2's shapes (benchmarks/bench_native_gemv.py).
+ * as fast on SmolLM2's shapes (benchmarks/kernels/bench_native_gemv.py).
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -83,6 +83,6 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for gate_up [T, 2 * I] (gate first): [T, I]. torch's own ops: its
     vectorised exp beat a compiled loop (5.5 against 8.6 us at one token, 11 against 39 at
-    eight; benchmarks/bench_cpu_layer_ops.py)."""
+    eight; benchmarks/kernels/bench_cpu_layer_ops.py)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -30,7 +30,7 @@ from pdserve.kernels.dequant_tiles import matmul_by_tiles
 from pdserve.kernels.quant_scales import HALF_TO_FLOAT, scale_value
 
 # Up to this many tokens the fused gemv kernel beats dequantize + BLAS (measured on the 2-core
-# CPU machine for SmolLM2's shapes, benchmarks/bench_quant_matmul.py).
+# CPU machine for SmolLM2's shapes, benchmarks/kernels/bench_quant_matmul.py).
 QUANT_GEMV_MAX_TOKENS = 16
 ROWS_PER_TASK = 16
 

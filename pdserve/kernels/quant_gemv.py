@@ -1,7 +1,7 @@
 """The decode-step matmul of pdserve.kernels.quant_cpu: a few float32 tokens times a
 group-quantized weight matrix (int4 or int8, see quant_cpu), reading each weight at its own width.
 
-Why it is shaped this way (SmolLM2's shapes, benchmarks/bench_quant_gemv_ab.py):
+Why it is shaped this way (SmolLM2's shapes, benchmarks/kernels/bench_quant_ab.py):
 - A nibble is widened in float arithmetic: b = float(byte), hi = floor(b / 16), lo = b - 16 hi,
   all exact. numba types `byte & 15` as int64, and the compiler then converted 8 lanes at a time
   (vcvtqq2ps); in float the loop runs 16 lanes wide.

@@ -27,7 +27,7 @@ _MAX_HEAD_DIM = 256
 # the kernel), so a decode step through these ops may be captured in a CUDA graph.
 CUDA_GRAPH_SAFE = True
 # Launch options for decode with head_dim <= 64, e.g. {"BLOCK_N": 128, "num_warps": 8,
-# "num_stages": 1}: that one was 1.18x faster alone (benchmarks/gpu_attention_tune.py, H100) but
+# "num_stages": 1}: that one was 1.18x faster alone (benchmarks/gpu/gpu_attention_tune.py, H100) but
 # 13% slower inside the model's decode step, so None: the general launch.
 DECODE_TUNING: dict | None = None
 _LOG2E = 1.4426950408889634

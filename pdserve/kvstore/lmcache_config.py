@@ -14,7 +14,7 @@ from pdserve.kvstore.layout import KVLayout
 from pdserve.kvstore.lmcache_compat import LMCacheEngineConfig
 
 CONFIG_ENV = "LMCACHE_CONFIG_FILE"  # LMCache's own variable for the same file
-# Measured with benchmarks/bench_kvstore.py --chunk-tokens (docs/benchmarks/kv-transfer.md): 256 reads
+# Measured with benchmarks/kv_transfer/bench_kvstore.py --chunk-tokens (docs/benchmarks/kv-transfer.md): 256 reads
 # fastest from Redis; smaller chunks pay a round trip each.
 DEFAULT_CHUNK_TOKENS = 256
 

@@ -7,7 +7,7 @@ with a notification, and the prefill side frees the blocks when that notificatio
 
 An agent is not thread-safe in NIXL's default sync mode, so every agent call here holds a lock.
 
-Defaults chosen for CPU peers on one host (measured on a 2-core box, see benchmarks/bench_nixl.py):
+Defaults chosen for CPU peers on one host (measured on a 2-core box, see benchmarks/kv_transfer/bench_nixl.py):
 - error_handling="none": NIXL's UCX default ("peer") needs a peer-failure handler, which UCX's
   shared-memory transports lack, so UCX's control lane falls back to TCP loopback. The bytes
   still move by cma (process_vm_readv), but a READ only completes once the target has

@@ -5,7 +5,7 @@ pool of worker threads per calling thread. A node that built its engine on the m
 kernels' warm-up, the weights' repacking) and then stepped on another thread had two pools, and
 its decode steps at two threads took as long as at one: served, SmolLM2's Q4_1 decode step at
 one request took 38.8 ms, and 24.8 ms once every parallel call ran on one thread
-(benchmarks/bench_vs_llamacpp.py, docs/quantization.md). So everything that runs the model goes
+(benchmarks/peers/bench_vs_llamacpp.py, docs/quantization.md). So everything that runs the model goes
 through this one thread.
 """
 from __future__ import annotations

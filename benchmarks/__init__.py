@@ -1,0 +1,1 @@
+"""pdserve's benchmarks, each run from the repository root as a module: `python -m benchmarks.FOLDER.SCRIPT`."""

@@ -1,0 +1,70 @@
+"""The compiled decode step (pdserve/kernels/native_decode.c: a step's layers in one C call) beside
+the same engine running the layers in Python, offline, on the default model (SmolLM2-135M's Q4_1
+GGUF, kept quantized), in one run.
+
+    .venv/bin/python -m benchmarks.engine.bench_native_decode [--batches 1 8 32] [--threads 2]
+
+For each batch size, requests with 128-token prompts decode --steps steps; the median engine step
+(sampling included) is taken for each mode, the two modes alternating within each of --repeats
+rounds (the machine is shared). Prints the medians over rounds and the ratio Python / compiled.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+
+def decode_steps(llm, batch: int, steps: int, seed: int) -> float:
+    """The median seconds of an engine step while `batch` requests decode (prefill excluded)."""
+    from pdserve import SamplingParams
+    engine = llm.engine
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        start = 1000 + 997 * (seed * batch + i) % 20000
+        engine.add_request(f"r{seed}-{i}", list(range(start, start + 128)), params)
+    times = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])  # after the prefill steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    os.environ.update(OMP_NUM_THREADS=str(args.threads), NUMBA_NUM_THREADS=str(args.threads))
+    import torch
+
+    from pdserve import LLM
+    from pdserve.models.gguf import DEFAULT_MODEL
+    torch.set_num_threads(args.threads)
+    llm = LLM(DEFAULT_MODEL, num_kv_blocks=1024, enable_prefix_caching=False)
+    model = llm.engine.model
+    native = model.native_decode
+    if native is None:
+        raise SystemExit("the compiled decode step is off on this machine (see the log line above)")
+    decode_steps(llm, 1, 4, seed=99)  # warm up both paths
+    model.native_decode = None
+    decode_steps(llm, 1, 4, seed=98)
+    print(f"SmolLM2-135M Q4_1, {args.threads} threads, {args.steps} decode steps, medians of {args.repeats} rounds")
+    print(f"{'batch':>5} {'python layers ms':>17} {'compiled ms':>12} {'python / compiled':>18}")
+    for batch in args.batches:
+        timings = {"python": [], "compiled": []}
+        for r in range(args.repeats):
+            for mode in ("compiled", "python") if r % 2 else ("python", "compiled"):
+                model.native_decode = native if mode == "compiled" else None
+                timings[mode].append(decode_steps(llm, batch, args.steps, seed=r))
+        py, c = (statistics.median(timings[m]) for m in ("python", "compiled"))
+        print(f"{batch:>5} {py * 1e3:17.2f} {c * 1e3:12.2f} {py / c:17.2f}x")
+    model.native_decode = native
+
+
+if __name__ == "__main__":
+    main()

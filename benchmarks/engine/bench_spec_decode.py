@@ -1,0 +1,176 @@
+"""Speculative decoding on SmolLM2-135M-Instruct (the default model), offline, against the same
+engine without it, on an input-grounded workload (chat template, greedy, 256-token answers):
+"copy this passage with one word changed" (the default), or "fix the bug in this code" with the
+code in the prompt (--workload code). Runs alternate between the engines so a change in the
+machine's load hits each alike; medians of --repeats runs. Per concurrency (requests decoded
+together): output tokens/s, TPOT p50 (per request: (last token - first token) / (tokens - 1)),
+and the acceptance rate. The draft-model row is SmolLM2 drafting for itself: acceptance 1.0,
+the method's ceiling here, which shows what verification costs. Run:
+
+    .venv/bin/python -m benchmarks.engine.bench_spec_decode --repeats 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+from pdserve import LLM, SamplingParams
+from pdserve.models.gguf import DEFAULT_MODEL
+
+# ~300 tokens: SmolLM2 copies it faithfully past 256 tokens (a 150-token passage ends the answer
+# early, and it loses its way in most longer ones it was tried on).
+PASSAGE = (
+    "A good vegetable garden begins with the soil. Before planting anything, the gardener turns the earth, "
+    "removes the stones and the roots of weeds, and mixes in compost made from leaves and kitchen scraps. In "
+    "spring the first seeds go in: peas, lettuce and radishes, which like the cool weather. Tomatoes, beans "
+    "and courgettes wait until the nights are warm. Every plant needs water, but not too much, and the best "
+    "time to water is early in the morning, before the sun is high. Through the summer the gardener pulls "
+    "weeds, ties the tall plants to sticks and watches for snails. By the end of the season the shelves of "
+    "the kitchen are full of jars, and the garden is ready to rest under a blanket of straw until next year. "
+    "Through the winter the gardener plans the next season at the kitchen table, with a notebook, a pencil "
+    "and a pile of seed catalogues. Each bed moves one step along, so that the beans grow where the potatoes "
+    "grew and the cabbages follow the beans, which keeps the soil healthy and the pests confused. Seeds saved "
+    "from the best plants of the summer are sorted into paper packets and labelled with their names and the "
+    "date. On the first mild day of the new year the gardener walks the paths again, pulls back the straw and "
+    "pushes a fork into the dark earth, which is soft and full of worms. The birds follow close behind, "
+    "looking for their breakfast, and the whole cycle of the garden begins once more."
+)
+CHANGES = [("garden", "plot"), ("garden", "yard"), ("soil", "earth"), ("gardener", "grower")]
+# "Fix the bug in this code": total_value adds quantity and price where it should multiply them.
+# SmolLM2 answers with the file again (over 256 tokens), rewriting parts of it.
+BUGGY_CODE = '''\
+def parse_inventory(lines):
+    """Parse lines of 'name, quantity, price' into a list of items."""
+    items = []
+    for number, line in enumerate(lines):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) != 3:
+            raise ValueError(f"line {number}: expected 3 fields, got {len(parts)}")
+        name, quantity, price = parts
+        items.append({"name": name, "quantity": int(quantity), "price": float(price)})
+    return items
+
+
+def total_value(items):
+    """The value of the whole inventory: the sum of quantity times price."""
+    total = 0
+    for item in items:
+        total += item["quantity"] + item["price"]
+    return total
+
+
+def low_stock(items, threshold=5):
+    """The names of the items whose quantity is below the threshold, sorted by name."""
+    names = []
+    for item in items:
+        if item["quantity"] < threshold:
+            names.append(item["name"])
+    return sorted(names)
+
+
+def report(lines, threshold=5):
+    """A short text report of the inventory."""
+    items = parse_inventory(lines)
+    value = total_value(items)
+    low = low_stock(items, threshold)
+    text = [f"items: {len(items)}", f"total value: {value:.2f}"]
+    if low:
+        text.append("low stock: " + ", ".join(low))
+    return "\n".join(text)
+'''
+CODE_ASKS = ["Fix the bug in this code and return the whole corrected code.",
+             "There is a bug in total_value. Rewrite the whole file with the bug fixed."]
+
+
+def workload(tokenizer, concurrency: int, kind: str = "passage") -> list[list[int]]:
+    """passage: copy a ~300-token passage with one word changed (each request its own word).
+    code: fix the bug in a ~350-token file (SmolLM2 rewrites parts of it: fewer drafts match)."""
+    prompts = []
+    for i in range(concurrency):
+        old, new = CHANGES[i % len(CHANGES)]
+        text = f"Copy this text exactly, but replace \"{old}\" with \"{new}\":\n\n{PASSAGE}"
+        if kind == "code":
+            text = f"{CODE_ASKS[i % 2]}\n\n```python\n{BUGGY_CODE}```"
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+        prompts.append(tokenizer(chat, add_special_tokens=False)["input_ids"])
+    return prompts
+
+
+def run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Output tokens/s and per-request TPOTs of the prompts decoded together."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    first, last, count = {}, {}, {}
+    spec = engine.speculator
+    before = (spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens) if spec else (0, 0)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}-{start}", prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.perf_counter()
+            first.setdefault(out.request_id, now)
+            last[out.request_id] = now
+            count[out.request_id] = count.get(out.request_id, 0) + len(out.new_token_ids)
+    wall = time.perf_counter() - start
+    tpots = [(last[r] - first[r]) / (count[r] - 1) for r in first]
+    drafted = (spec.stats.num_draft_tokens - before[0]) if spec else 0
+    accepted = (spec.stats.num_accepted_tokens - before[1]) if spec else 0
+    return {"tok_s": sum(count.values()) / wall, "tpot_ms": 1e3 * statistics.median(tpots),
+            "acceptance": accepted / drafted if drafted else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--ngram-max", type=int, default=4, help="prompt_lookup_max (min is 2)")
+    ap.add_argument("--workload", choices=["passage", "code"], default="passage")
+    ap.add_argument("--no-draft", action="store_true", help="skip the draft-model (self-drafting) rows")
+    args = ap.parse_args()
+    common = dict(num_kv_blocks=1024, enable_prefix_caching=False)
+    configs = {"off": None,
+               "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
+                         "prompt_lookup_max": args.ngram_max}}
+    if not args.no_draft:
+        configs["draft_model (self)"] = {"method": "draft_model", "model": DEFAULT_MODEL,
+                                         "num_speculative_tokens": args.k}
+    engines = {name: LLM(DEFAULT_MODEL, speculative_config=spec, **common) for name, spec in configs.items()}
+    tokenizer = engines["off"].get_tokenizer()
+    for llm in engines.values():
+        run(llm, workload(tokenizer, 2, args.workload), 8)  # warm up
+    print(f"uptime: {os.popen('uptime').read().strip()}")
+    print(json.dumps({"workload": args.workload, "k": args.k, "ngram": [2, args.ngram_max],
+                      "new_tokens": args.new_tokens}))
+    print("| concurrency | engine | output tok/s | TPOT p50 (ms) | acceptance | speed-up | runs (tok/s) |")
+    print("|---|---|---|---|---|---|---|")
+    for concurrency in (int(c) for c in args.concurrency.split(",")):
+        prompts = workload(tokenizer, concurrency, args.workload)
+        results: dict[str, list[dict]] = {name: [] for name in engines}
+        for _ in range(args.repeats):
+            for name, llm in engines.items():
+                results[name].append(run(llm, prompts, args.new_tokens))
+                print(f"# concurrency {concurrency} {name}: {results[name][-1]}", flush=True)  # progress
+        base = statistics.median(r["tok_s"] for r in results["off"])
+        for name, runs in results.items():
+            tok_s = statistics.median(r["tok_s"] for r in runs)
+            tpot = statistics.median(r["tpot_ms"] for r in runs)
+            acc = [r["acceptance"] for r in runs if r["acceptance"] is not None]
+            acc_s = f"{statistics.median(acc):.2f}" if acc else "-"
+            each = ", ".join(f"{r['tok_s']:.1f}" for r in runs)
+            print(f"| {concurrency} | {name} | {tok_s:.1f} | {tpot:.1f} | {acc_s} | {tok_s / base:.2f}x | {each} |",
+                  flush=True)
+    print(f"uptime: {os.popen('uptime').read().strip()}")
+
+
+if __name__ == "__main__":
+    main()

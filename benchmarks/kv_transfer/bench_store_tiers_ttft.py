@@ -1,0 +1,88 @@
+"""Warm / cold TTFT at a long shared prefix served from each tier of the default store alone.
+
+    .venv/bin/python -m benchmarks.kv_transfer.bench_store_tiers_ttft [--prefix-len 2048] [--trials 3]
+
+1 prefill + 1 decode node over the default store (LMCache, 256-token chunks, its own Redis), the
+~32M bench model served (support/bench_model.py). Each trial: cold = prefix + question A (nothing cached
+anywhere); then a filler prompt of the same length, which evicts the prefix from the prefill
+node's paged cache (--num-kv-blocks holds one such prompt) so the warm request gets no local
+hit; warm = prefix + question B. Where the warm prefix comes from is set by an LMCache config
+file per row:
+  CPU tier    max_local_cpu_size 1 GB: the prefill node's own CPU tier still holds the chunks
+  disk tier   an 8 MiB CPU tier (the filler evicts the prefix from it) and a 1 GB disk tier
+  Redis       an 8 MiB CPU tier, no disk: the chunks come back from Redis
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+from pathlib import Path
+
+import httpx
+
+from benchmarks.support.bench_model import build_served_model
+from benchmarks.support.cluster import local_cluster, ttft_ms
+
+SMALL_CPU_GB = 8 / 1024
+
+
+def tier_configs(root: Path) -> dict[str, str]:
+    rows = {"CPU tier": {"max_local_cpu_size": 1.0},
+            "disk tier": {"max_local_cpu_size": SMALL_CPU_GB, "local_disk": f'"file://{root / "disk"}/"',
+                          "max_local_disk_size": 1.0},
+            "Redis": {"max_local_cpu_size": SMALL_CPU_GB}}
+    paths = {}
+    for name, values in rows.items():
+        path = root / f"{name.split()[0].lower()}.yaml"
+        lines = {"chunk_size": 256, "local_cpu": "true", "remote_serde": "naive", **values}
+        path.write_text("".join(f"{k}: {v}\n" for k, v in lines.items()))
+        paths[name] = str(path)
+    (root / "disk").mkdir(exist_ok=True)
+    return paths
+
+
+def run_tier(model: Path, config: str, args) -> list[tuple[float, float]]:
+    blocks = (args.prefix_len + args.question_len) // 16 + 8  # one prompt's blocks, a little spare
+    flags = ["--model", str(model), "--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store",
+             "--num-kv-blocks", str(blocks), "--lmcache-config", config, "--local-prefill-threshold", "0"]
+    pairs = []
+    with local_cluster(*flags) as c, httpx.Client() as client:
+        model_id = client.get(f"{c.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        rng = random.Random(0)
+        draw = lambda n: [rng.randrange(3, 258) for _ in range(n)]  # noqa: E731
+        ttft_ms(client, c.url, model_id, draw(args.question_len) * 4)  # warm-up: connections, kernels
+        for _ in range(args.trials):
+            prefix = draw(args.prefix_len)
+            cold = ttft_ms(client, c.url, model_id, prefix + draw(args.question_len))
+            ttft_ms(client, c.url, model_id, draw(args.prefix_len + args.question_len))  # the filler
+            warm = ttft_ms(client, c.url, model_id, prefix + draw(args.question_len))
+            pairs.append((cold, warm))
+            print(f"  cold {cold:.0f} ms, warm {warm:.0f} ms", flush=True)
+    return pairs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prefix-len", type=int, default=2048)
+    ap.add_argument("--question-len", type=int, default=64)
+    ap.add_argument("--trials", type=int, default=3)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp())
+    model = build_served_model(root / "llama-32m")
+    rows = {}
+    for name, config in tier_configs(root).items():
+        print(f"{name}:", flush=True)
+        pairs = run_tier(model, config, args)
+        rows[name] = (statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs))
+    print(f"\n{args.prefix_len}-token shared prefix + {args.question_len}-token question, 1P1D over the "
+          f"default store, no local hit, medians of {args.trials} trials\n")
+    print("| warm prefix from | cold TTFT ms | warm TTFT ms | warm / cold |")
+    print("|---|---:|---:|---:|")
+    for name, (cold, warm) in rows.items():
+        print(f"| {name} | {cold:.0f} | {warm:.0f} | 1/{cold / warm:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

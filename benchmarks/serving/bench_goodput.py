@@ -1,0 +1,145 @@
+"""Goodput of one workload over several layouts of the same cores: the share of requests that meet
+both a TTFT and a TPOT target (DistServe's measure), per Poisson rate.
+
+Layouts (every one on this machine's cores, one `pdserve up` each, started once and loaded at every
+rate in turn; the same prompts and arrival times for every layout):
+
+  pd-slo        1 prefill + 1 decode node, one thread each, --prefill-placement slo (per-request
+                placement from load, the prefill node taking whole requests when the decode node
+                has no room; nodes that decode cap their prefill chunks to hold the ITL target)
+  pd-threshold  the same nodes with today's rule (--local-prefill-threshold only)
+  mono-2x1      2 monolithic nodes, 1 thread each (no prefill nodes: each request runs whole)
+  mono-1x2      1 monolithic node with 2 threads
+
+    .venv/bin/python -m benchmarks.serving.bench_goodput --rates 0.5,1,2,4 --runs 3 --json goodput.json --plot goodput.png
+    .venv/bin/python -m benchmarks.serving.bench_goodput --workload decode-heavy      # 64-token prompts, 256 out
+    .venv/bin/python -m benchmarks.serving.bench_goodput --workload shared-prefix     # 4 prefixes of 384 tokens
+
+The default model is the CLI's (SmolLM2-135M-Instruct); `--model builtin:tiny` for a quick check.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import statistics
+
+from benchmarks.support.cluster import local_cluster, source_info
+from pdserve.loadgen.bench import BenchConfig, run_benchmark
+from pdserve.models.gguf import DEFAULT_MODEL
+
+LAYOUTS = {
+    "pd-slo": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1", "--prefill-placement", "slo"),
+    "mono-2x1": ("--prefill-nodes", "0", "--decode-nodes", "2", "--threads-per-node", "1"),
+    "mono-1x2": ("--prefill-nodes", "0", "--decode-nodes", "1", "--threads-per-node", "2"),
+    "pd-threshold": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1"),
+}
+WORKLOADS = {
+    "random": dict(workload="random", input_len_min=128, input_len_max=512, output_len=32),
+    "decode-heavy": dict(workload="random", input_len_min=64, input_len_max=64, output_len=256),
+    "shared-prefix": dict(workload="shared-prefix", num_groups=4, prompts_per_group=6, prefix_len=384,
+                          question_len=64, output_len=32),
+}
+
+
+def bench_config(url: str, args, rate: float, run: int) -> BenchConfig:
+    return BenchConfig(base_url=url, num_prompts=args.requests, request_rate=rate, seed=run, num_warmup=0,
+                       goodput_ttft_ms=args.ttft_slo_ms, goodput_tpot_ms=args.itl_slo_ms, disable_tqdm=True,
+                       max_token_id=min(30000, args.vocab), **WORKLOADS[args.workload])
+
+
+def measure(url: str, args, rate: float, run: int) -> dict:
+    report = asyncio.run(run_benchmark(bench_config(url, args, rate, run)))
+    sent = report["completed"] + report["failed"]
+    good = round((report["goodput"] or 0.0) * report["duration_s"])
+    return {"attainment": good / sent if sent else 0.0, "goodput_rps": report["goodput"],
+            "failed": report["failed"], "ttft_p50_ms": report["p50_ttft_ms"], "ttft_p90_ms": report["p90_ttft_ms"],
+            "tpot_p50_ms": report["p50_tpot_ms"], "tpot_p90_ms": report["p90_tpot_ms"]}
+
+
+def run_layout(name: str, args) -> dict[float, list[dict]]:
+    flags = LAYOUTS[name] + ("--model", args.model, "--ttft-slo-ms", str(args.ttft_slo_ms),
+                             "--itl-slo-ms", str(args.itl_slo_ms), "--kv-transfer", "nixl")
+    out: dict[float, list[dict]] = {}
+    log_path = os.path.join(args.log_dir, f"goodput-{name}.log")
+    with local_cluster(*flags, log_path=log_path) as c:
+        warm = dataclasses.replace(bench_config(c.url, args, math.inf, 1000), num_prompts=2)
+        asyncio.run(run_benchmark(warm))  # untimed: first steps, the nodes' first cost measurements
+        for rate in args.rates:
+            for run in range(args.runs):
+                before = c.health().get("failover", {})
+                row = measure(c.url, args, rate, run)
+                after = c.health().get("failover", {})
+                row.update({k: after.get(k, 0) - before.get(k, 0) for k in ("placed_local", "placed_remote", "placed_whole")})
+                out.setdefault(rate, []).append(row)
+                print(f"{name} rate {rate} run {run}: {json.dumps(row)}", flush=True)
+    return out
+
+
+def median_row(rows: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rows if r[k] is not None)
+            if any(r[k] is not None for r in rows) else None for k in rows[0]}
+
+
+def table(results: dict[str, dict[float, list[dict]]], rates: list[float]) -> str:
+    lines = ["| layout | " + " | ".join(f"{r:g} req/s" for r in rates) + " |",
+             "|---|" + "---|" * len(rates)]
+    for name, by_rate in results.items():
+        cells = []
+        for rate in rates:
+            m = median_row(by_rate[rate])
+            extra = f", {m['placed_local']:.0f} local, {m['placed_whole']:.0f} whole" if name == "pd-slo" else ""
+            cells.append(f"{m['attainment']:.1%} (TTFT p50 {m['ttft_p50_ms'] / 1e3:.2f} s, "
+                         f"TPOT p90 {m['tpot_p90_ms']:.0f} ms{extra})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, rates: list[float], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, by_rate in results.items():
+        ax.plot(rates, [median_row(by_rate[r])["attainment"] * 100 for r in rates], "o-", label=name)
+    ax.set(xlabel="request rate (req/s)", ylabel="requests within both targets (%)", xscale="log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--vocab", type=int, default=49152, help="random token ids stay below min(30000, this)")
+    p.add_argument("--workload", choices=list(WORKLOADS), default="random")
+    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--rates", default="0.5,1,2,4")
+    p.add_argument("--runs", type=int, default=3, help="repeats per rate (medians are reported)")
+    p.add_argument("--requests", type=int, default=24, help="requests per rate and run")
+    p.add_argument("--ttft-slo-ms", type=float, default=2000.0)
+    p.add_argument("--itl-slo-ms", type=float, default=100.0)
+    p.add_argument("--log-dir", default="/tmp")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    args = p.parse_args()
+    args.rates = [float(r) for r in args.rates.split(",")]
+    results = {}
+    for name in args.layouts.split(","):
+        results[name] = run_layout(name, args)
+        print(table(results, args.rates), flush=True)
+        if args.json:  # after every layout: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"source": source_info(), "args": vars(args), "load": os.getloadavg(),
+                           "results": {n: {str(r): rows for r, rows in v.items()} for n, v in results.items()}},
+                          f, indent=2)
+    if args.plot:
+        plot(results, args.rates, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
