@@ -40,7 +40,7 @@ class StructuredOutputs:
 
     @functools.cached_property
     def compiler(self):
-        import xgrammar as xgr
+        import xgrammar as xgr  # heavy: loaded once a request names a grammar
         if self.tokenizer is None:
             raise ValueError("structured outputs need the model's tokenizer, and this model has none")
         stops = self.stop_token_ids or None
@@ -71,7 +71,7 @@ class StructuredOutputs:
 
     def new_matcher(self, spec: StructuredSpec, produced: Sequence[int]):
         """A matcher advanced past the tokens already produced (drawn on another node)."""
-        import xgrammar as xgr
+        import xgrammar as xgr  # heavy: loaded once a request names a grammar
         matcher = xgr.GrammarMatcher(self.compiled(spec.kind, spec.spec))
         for token in produced:
             if not matcher.accept_token(int(token)):
@@ -94,7 +94,7 @@ class StructuredOutputs:
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
-        import xgrammar as xgr
+        import xgrammar as xgr  # heavy: loaded once a request names a grammar
         bitmask = self._bitmask_for(len(matchers))
         for i in rows:
             matchers[i].fill_next_token_bitmask(bitmask, i)
@@ -113,7 +113,7 @@ class StructuredOutputs:
                 logits[rows[k], stops] = 0.0
 
     def _bitmask_for(self, batch: int) -> torch.Tensor:
-        import xgrammar as xgr
+        import xgrammar as xgr  # heavy: loaded once a request names a grammar
         if self._bitmask is None or self._bitmask.shape[0] < batch:
             self._bitmask = xgr.allocate_token_bitmask(max(batch, 8), self.vocab_size)
         return self._bitmask

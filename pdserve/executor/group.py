@@ -76,7 +76,7 @@ def set_rank_threads(threads: int) -> None:
     """Compute threads of this rank's torch and numba pools (one per rank on a 2-core machine)."""
     torch.set_num_threads(threads)
     try:
-        import numba
+        import numba  # optional here: a rank runs the torch kernels without it
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     except ImportError:
         pass

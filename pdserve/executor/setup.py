@@ -10,6 +10,7 @@ import torch
 from pdserve.executor.executor import TPExecutor
 from pdserve.layers.parallel import set_tp_group
 from pdserve.models.loader import FAMILY_MODULES, load_model
+from pdserve.models.tp_shard import shard_decoder_model
 
 # Families built from pdserve.layers (sharded as they are built), and families loaded whole
 # and then cut to the rank's slice (pdserve.models.tp_shard); the others refuse TP > 1.
@@ -62,7 +63,6 @@ def load_shard(model_path, hf_config, dtype: torch.dtype, device: torch.device, 
     finally:
         set_tp_group(None)  # another engine in this process builds unsharded unless it sets its own
     if hf_config.architectures[0] in SHARDED_AFTER_LOAD:
-        from pdserve.models.tp_shard import shard_decoder_model
         shard_decoder_model(model, group, expert_parallel)
     return model
 

@@ -35,11 +35,14 @@ def main(argv: list[str]) -> int:
 
 class _Shard:
     def __init__(self, spec: WorkerSpec):
+        # Deferred on purpose: torch and the model code load here, after main has set SIGINT
+        # aside (loading takes seconds, and a Ctrl-C meanwhile is the driver's to handle).
         import torch
 
         from pdserve.executor.group import join_store, make_group, set_rank_threads
         from pdserve.executor.kv_shared import fd_path, kv_head_range, map_shared, rank_layer_caches
         from pdserve.executor.setup import load_shard
+        from pdserve.executor.shard_step import run_worker_step
         from pdserve.executor.shm_collectives import ShmCollectives
         from pdserve.executor.step_channel import StepChannel
         from pdserve.kernels import get_fused_layer_ops, get_ops
@@ -62,12 +65,12 @@ class _Shard:
         if hasattr(self.ops, "warm_up"):
             self.ops.warm_up()
         self.model.fused = get_fused_layer_ops(self.ops, self.device.type)
+        self._run_step = run_worker_step
         store.set(f"ready/{spec.rank}", "1")
 
     def step(self, plan) -> None:
-        from pdserve.executor.shard_step import run_worker_step
         flat = self.channel.receive(plan)
-        run_worker_step(self.model, self.ops, self.layer_caches, self.device, plan, flat)
+        self._run_step(self.model, self.ops, self.layer_caches, self.device, plan, flat)
 
 
 def _driver_check():

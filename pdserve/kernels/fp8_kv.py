@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from pdserve.kernels import torch_ops
 
@@ -56,7 +57,6 @@ def checkpoint_kv_scales(model_path: Path, num_layers: int) -> list[tuple[float,
     files = sorted(model_path.glob("*.safetensors")) if model_path.is_dir() else []
     if not files:
         return [tuple(s) for s in scales]
-    from safetensors import safe_open
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():

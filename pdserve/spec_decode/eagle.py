@@ -48,7 +48,7 @@ class EagleHead(nn.Module):
 
 def load_eagle_head(path, host: SpeculationHost) -> tuple[EagleHead, object]:
     """The head and its config; ValueError when it cannot serve this target."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy, deferred on purpose: loaded with a head only
     path = resolve_model_path(str(path))
     config = AutoConfig.from_pretrained(str(path))
     target = host.model

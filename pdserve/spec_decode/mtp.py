@@ -68,7 +68,7 @@ def _mtp_tensors(path, layer: int) -> dict[str, torch.Tensor]:
 
 
 def load_mtp_head(path, host: SpeculationHost) -> tuple[MtpHead, object]:
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy, deferred on purpose: loaded with a head only
     path = resolve_model_path(str(path)) if path is not None else host.model_path
     config = AutoConfig.from_pretrained(str(path))
     target = host.model
