@@ -20,6 +20,7 @@ import pytest
 import zmq
 from node_thread import serving_in_thread
 
+from pdserve.assembly.build import build_engine
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.factory import make_store
@@ -37,7 +38,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 def _engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(model="builtin:tiny", num_kv_blocks=64))
+    return build_engine(EngineConfig(model="builtin:tiny", num_kv_blocks=64))
 
 
 def _store(url: str, engine: LLMEngine):

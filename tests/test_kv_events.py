@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import openai
 
+from pdserve.assembly.build import build_engine
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import LLMEngine
 from pdserve.node.kv_events import DROP_BATCH_ENV, KVEventPublisher
 from pdserve.protocol.block_keys import block_key_chain
 from pdserve.router.placement.index import PrefixIndex
@@ -64,7 +64,7 @@ def test_router_keys_use_the_salt_the_node_reports_float32_and_bfloat16():
     from pdserve.router.dispatch.cluster import ClusterBackend
     prompt = list(range(20, 90))
     for dtype in ("float32", "bfloat16"):
-        engine = LLMEngine(EngineConfig(model="builtin:tiny", dtype=dtype, num_kv_blocks=16))
+        engine = build_engine(EngineConfig(model="builtin:tiny", dtype=dtype, num_kv_blocks=16))
         node_keys = block_key_chain(prompt, engine.config.block_size, engine.salt)
         backend = ClusterBackend("builtin:tiny", [], ["tcp://127.0.0.1:1"], salt=b"a router-side guess!")
         node = backend.nodes[0]

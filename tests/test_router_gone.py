@@ -13,9 +13,9 @@ import pytest
 import zmq
 from node_thread import serving_in_thread
 
+from pdserve.assembly.build import build_engine
 from pdserve.cluster.router_liveness import RouterLiveness
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import LLMEngine
 from pdserve.node.prefill import PrefillNode
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.testing.up_cluster import wait_for
@@ -29,7 +29,7 @@ LEASE_S = 60.0
 
 @pytest.fixture
 def prefill_node():
-    engine = LLMEngine(EngineConfig(model="builtin:tiny", num_kv_blocks=32))
+    engine = build_engine(EngineConfig(model="builtin:tiny", num_kv_blocks=32))
     port, side = free_port(), free_port()
     node = PrefillNode(engine, f"tcp://127.0.0.1:{port}", "prefill-0",
                        nixl_side_channel=f"tcp://127.0.0.1:{side}", lease_s=LEASE_S)

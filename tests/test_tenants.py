@@ -8,8 +8,8 @@ import pytest
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.llm import LLM
 from pdserve.engine.request import Request
+from pdserve.entrypoints.llm import LLM
 from pdserve.protocol.block_keys import block_key_chain, kv_layout_salt, request_salt
 from pdserve.protocol.cache_salt import MAX_CACHE_SALT_BYTES, check_cache_salt, tenant_cache_salt
 from pdserve.protocol.sampling_params import SamplingParams

@@ -48,9 +48,9 @@ def _engine(args):
     if getattr(args, "tensor_parallel_size", 1) > 1:
         from pdserve.executor import executor
         executor.EXIT_ON_WORKER_DEATH = True  # a lost worker takes the node down; its owner restarts it
+    from pdserve.assembly.build import build_engine
     from pdserve.engine.config import EngineConfig, engine_options
-    from pdserve.engine.engine import LLMEngine
-    return LLMEngine(EngineConfig(model=args.model, remote_kv_timeout_s=args.kv_timeout_s, **engine_options(args)))
+    return build_engine(EngineConfig(model=args.model, remote_kv_timeout_s=args.kv_timeout_s, **engine_options(args)))
 
 
 def _use_curve(args) -> None:
