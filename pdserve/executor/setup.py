@@ -1,5 +1,5 @@
-"""Starting a node's tensor-parallel executor and loading the driver's shard (LLMEngine's
-entry points at tensor_parallel_size > 1)."""
+"""Starting a node's tensor-parallel executor and loading the driver's shard (what
+pdserve.assembly.build calls at tensor_parallel_size > 1)."""
 from __future__ import annotations
 
 import os
