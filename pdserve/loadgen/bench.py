@@ -27,13 +27,14 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import httpx
 from tqdm.asyncio import tqdm
 
 from pdserve.loadgen.metrics import RequestResult, compute_metrics, latency_samples
+from pdserve.loadgen.trace import TraceScale
 from pdserve.loadgen.trace_replay import replay_trace
 
 logger = logging.getLogger(__name__)
@@ -77,18 +78,14 @@ class BenchConfig:
     output_json: str | None = None
     disable_tqdm: bool = False
     trace: str | None = None
-    trace_length_divisor: int = 1
-    trace_output_divisor: int = 1
-    trace_output_cap: int | None = None
-    trace_time_scale: float = 1.0
-    trace_start_s: float = 0.0
-    trace_duration_s: float | None = None
-    trace_max_requests: int | None = None
+    trace_scale: TraceScale = field(default_factory=TraceScale)  # flags --trace-length-divisor etc.
     trace_sessions: bool = False
     trace_num_sessions: int | None = None
     cache_capacity_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.trace_scale, dict):  # a saved report's config
+            self.trace_scale = TraceScale(**self.trace_scale)
         if self.trace is not None:
             self.workload = "trace"
         elif self.workload == "trace":
@@ -363,10 +360,12 @@ async def run_benchmark(config: BenchConfig | dict[str, Any]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The load generator's flags, one per BenchConfig field (pdserve.loadgen.cli adds the plot flags)."""
+    """The load generator's flags, one per BenchConfig field and one per TraceScale field
+    (--trace-NAME; config_from_flags gathers them), and pdserve.loadgen.cli adds the plot flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    defaults = BenchConfig()
-    for name, value in asdict(defaults).items():
+    defaults = {**asdict(BenchConfig()), **{f"trace_{k}": v for k, v in asdict(TraceScale()).items()}}
+    defaults.pop("trace_scale")
+    for name, value in defaults.items():
         flag = "--" + name.replace("_", "-")
         help_text = FIELD_HELP[name]
         if isinstance(value, bool):
@@ -376,9 +375,18 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "prompt_mode":
             p.add_argument(flag, choices=("token-ids", "text"), default=value, help=help_text)
         else:
-            kind = {"concurrency": int, "goodput_ttft_ms": float, "goodput_tpot_ms": float,
-                    "model": str, "api_key": str, "output_json": str, "trace": str, "trace_output_cap": int,
-                    "trace_duration_s": float, "trace_max_requests": int, "trace_num_sessions": int,
-                    "cache_capacity_tokens": int}.get(name, type(value))
-            p.add_argument(flag, type=kind, default=value, help=help_text)
+            p.add_argument(flag, type=_OPTIONAL_TYPES.get(name, type(value)), default=value, help=help_text)
     return p
+
+
+# The types of the flags whose default is None.
+_OPTIONAL_TYPES = {"concurrency": int, "goodput_ttft_ms": float, "goodput_tpot_ms": float, "model": str,
+                   "api_key": str, "output_json": str, "trace": str, "trace_output_cap": int,
+                   "trace_duration_s": float, "trace_max_requests": int, "trace_num_sessions": int,
+                   "cache_capacity_tokens": int}
+
+
+def config_from_flags(args: dict[str, Any]) -> BenchConfig:
+    """A BenchConfig from build_parser's parsed flags (the --trace-NAME ones make its trace_scale)."""
+    scale = {f.name: args.pop(f"trace_{f.name}") for f in fields(TraceScale)}
+    return BenchConfig(**args, trace_scale=TraceScale(**scale))

@@ -6,8 +6,8 @@ import argparse
 import asyncio
 from collections.abc import Sequence
 
-from pdserve.loadgen.bench import BenchConfig, run_benchmark
 from pdserve.loadgen.bench import build_parser as build_load_parser
+from pdserve.loadgen.bench import config_from_flags, run_benchmark
 from pdserve.loadgen.metrics import format_report
 from pdserve.loadgen.plot import add_plot_arguments, run_with_plots
 
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     extras = {k: args.pop(k) for k in PLOT_FLAGS}
-    cfg = BenchConfig(**args)
+    cfg = config_from_flags(args)
     if not extras["sweep_concurrency"] and not extras["plot"]:
         report = asyncio.run(run_benchmark(cfg))
         print(format_report(report))

@@ -77,10 +77,9 @@ async def run_replay(plan: ReplayPlan, send: SendFn, request_rate: float, seed: 
 
 
 async def replay_trace(cfg, send: SendFn) -> tuple[list[RequestResult], float, dict]:
-    """cfg: the load generator's BenchConfig (its trace_* fields, seed, token range and rate).
+    """cfg: the load generator's BenchConfig (its trace fields, seed, token range and rate).
     The cache bounds come from the plan, before anything is sent."""
-    scale = TraceScale(cfg.trace_length_divisor, cfg.trace_output_divisor, cfg.trace_output_cap,
-                       cfg.trace_time_scale, cfg.trace_start_s, cfg.trace_duration_s, cfg.trace_max_requests)
+    scale = cfg.trace_scale
     plan = plan_replay(cfg.trace, scale, cfg.seed, cfg.min_token_id, cfg.max_token_id,
                        cfg.trace_sessions, cfg.trace_num_sessions)
     bounds = plan.cache_bounds(cfg.cache_capacity_tokens)
