@@ -1,3 +1,5 @@
-"""What every node process runs, whatever its role: the runtime that owns the engine, control
-socket, KV events and handover (runtime.py), the process entry point (main.py) and the queue of
-embedding requests (embeddings.py)."""
+"""A node process: the runtime every role shares, which owns the engine, control socket and KV
+events (runtime.py); the two roles, prefill.py and decode.py; where a handover is made, one
+producer per transport (producers.py), and where it is pulled, one puller per handover type
+(pullers.py); the process entry point (main.py) and the queue of embedding requests
+(embeddings.py)."""
