@@ -23,7 +23,7 @@ from pdserve.kvstore.base import KVStore
 from pdserve.node.pullers import NixlPuller, Puller, StorePuller
 from pdserve.node.runtime import NodeRuntime
 from pdserve.node.step_budget import StepBudget
-from pdserve.wire.handover import KVHandover, NixlHandover, StoreHandover
+from pdserve.wire.handover import KVHandover
 from pdserve.wire.messages import DecodeRequest, Message, Ping, Pong, PrefillRequest, Rejected
 
 log = logging.getLogger(__name__)
@@ -59,11 +59,12 @@ class DecodeNode(StepBudget):
         self.store = store
         self.on_transfer_failure = on_transfer_failure
         self.pull_delay_s = pull_delay_s  # fault injection for tests: wait before pulling
-        self.pullers: dict[type, Puller] = {}  # by the handover's type
+        pullers: list[Puller] = []
         if store is not None:
-            self.pullers[StoreHandover] = StorePuller(store, engine.kv_cache, engine.config.block_size)
+            pullers.append(StorePuller(store, engine.kv_cache, engine.config.block_size))
         if use_nixl:
-            self.pullers[NixlHandover] = NixlPuller(node_id, engine.kv_cache, self.ctx, engine.salt)
+            pullers.append(NixlPuller(node_id, engine.kv_cache, self.ctx, engine.salt))
+        self.pullers = {p.handover_type: p for p in pullers}  # by the type of handover each pulls
         self.pulls: dict[str, Pull] = {}  # request id -> its pull, until the pull is over
         self.block_nbytes = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
         self.placements = {"prefills_local": 0, "prefills_handed_over": 0}

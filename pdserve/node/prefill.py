@@ -49,14 +49,13 @@ class PrefillNode(StepBudget):
         self.pending: dict[str, PendingPrefill] = {}
         self.whole_requests = 0  # requests prefilled and decoded here (the router's fallback)
         self.init_step_budget()
-        self.producers: dict[str, Producer] = {}  # by the transport a request names
-        if store is not None:
-            self.producers["store"] = StoreProducer(engine, store, self.stats)
         self.nixl: NixlProducer | None = None
         if nixl_side_channel:
             self.nixl = NixlProducer(engine, node_id, self.ctx, nixl_side_channel, advertise_host, lease_s, self.stats)
-            self.producers["nixl"] = self.nixl
             self.poller.register(self.nixl.side.sock, zmq.POLLIN)
+        producers = [StoreProducer(engine, store, self.stats)] if store is not None else []
+        # By the transport a request names.
+        self.producers: dict[str, Producer] = {p.transport: p for p in [*producers, self.nixl] if p is not None}
 
     def socket_for(self, raw) -> NodeSocket:
         return self.nixl.side if self.nixl is not None and raw is self.nixl.side.sock else self.control

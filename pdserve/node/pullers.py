@@ -41,6 +41,7 @@ CORRUPT_PULLS_ENV = "PDSERVE_FAULT_CORRUPT_NIXL_PULLS"
 
 
 class Puller(Protocol):
+    handover_type: type  # the handovers it pulls
     path: str  # the transport, naming its transfer_bytes_<path> / transfer_us_<path> counters
 
     def start(self, rid: str, handover: KVHandover, local_ids: list[int], first: int,
@@ -58,6 +59,7 @@ class Puller(Protocol):
 
 
 class StorePuller:
+    handover_type = StoreHandover
     path = "store"
 
     def __init__(self, store: KVStore, kv_cache: torch.Tensor, block_size: int):
@@ -122,6 +124,7 @@ def fetch_peer_metadata(ctx: zmq.Context, side_channel: str, kv_salt: bytes = b"
 
 
 class NixlPuller:
+    handover_type = NixlHandover
     path = "nixl"
 
     def __init__(self, name: str, kv_cache: torch.Tensor, ctx: zmq.Context, kv_salt: bytes = b""):
