@@ -21,7 +21,8 @@ IMPORT_EVERY_ROUTER_MODULE = """
 import importlib, pkgutil, sys
 import pdserve.router as router
 names = [m.name for m in pkgutil.walk_packages(router.__path__, "pdserve.router.")]
-for name in names:
+# and what the router loads only when asked: the registry's Redis client (--registry redis://)
+for name in names + ["pdserve.cluster.registry_redis"]:
     importlib.import_module(name)
 print(len(names), "torch" in sys.modules)
 """

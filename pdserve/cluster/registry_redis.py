@@ -38,7 +38,7 @@ from redis.backoff import NoBackoff
 from pdserve.cluster.registration import NodeRegistration
 from pdserve.cluster.registry_messages import EXPIRE_AFTER_S, HEARTBEAT_S, Membership, NodeRecord
 from pdserve.kvstore.redact import redact_url
-from pdserve.kvstore.redis_store import tls_options
+from pdserve.kvstore.redis_tls import tls_options
 
 log = logging.getLogger(__name__)
 

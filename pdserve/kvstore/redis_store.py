@@ -12,10 +12,9 @@ or bit-flipped value ends the loaded run instead of landing in the cache.
 """
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import redis
@@ -29,6 +28,7 @@ from pdserve.kvstore.errors import KVStoreError
 from pdserve.kvstore.layout import check_batch
 from pdserve.kvstore.redact import redact_url
 from pdserve.kvstore.redis_cluster import REDIS_ERRORS, mget, redis_client
+from pdserve.kvstore.redis_tls import tls_options
 
 MAGIC = b"PDKV"
 FORMAT_VERSION = 1
@@ -96,21 +96,6 @@ def decode_into(value: bytes | None, kv_cache: torch.Tensor, block_id: int, n: i
         return False
     _copy_into(memoryview(value)[HEADER.size:], kv_cache, block_id, n)
     return True
-
-
-def tls_options(url: str, ca_file: str | None,
-                tls_schemes: str = "rediss:// (or direct+rediss://)") -> dict[str, Any]:
-    """redis-py's SSL settings for a rediss:// URL. Verification is spelled out, not left to
-    redis-py's defaults: redis-py 5 (our floor) does not check the hostname unless told to.
-    tls_schemes: what the error for a CA without TLS tells the user to write instead."""
-    if not url.lower().startswith("rediss://"):
-        if ca_file is not None:  # a CA with plain TCP means the operator believes they have TLS
-            raise ValueError(f"ca_file is a TLS option: use {tls_schemes}")
-        return {}
-    if ca_file is not None and not os.path.isfile(ca_file):
-        # Checked here: at connect time it would read as a dead server on every call instead.
-        raise ValueError(f"ca_file {ca_file!r} is not a readable file")
-    return {"ssl_cert_reqs": "required", "ssl_check_hostname": True, "ssl_ca_certs": ca_file}
 
 
 class RedisKVStore(KVStore):
