@@ -22,7 +22,7 @@ __all__ = ["LLM", "SamplingParams", "EngineConfig", "LoRARequest"]
 def __getattr__(name: str):
     # Lazy, so `import pdserve.router` and the CLI do not pay for torch and the model code.
     if name == "LLM":
-        from pdserve.entrypoints.llm import LLM
+        from pdserve.offline.llm import LLM
         return LLM
     if name == "SamplingParams":
         from pdserve.protocol.sampling_params import SamplingParams

@@ -9,14 +9,15 @@ import pytest
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
-from pdserve.entrypoints.llm import LLM
+from pdserve.offline.llm import LLM
 from pdserve.protocol.block_keys import block_key_chain, kv_layout_salt, request_salt
 from pdserve.protocol.cache_salt import MAX_CACHE_SALT_BYTES, check_cache_salt, tenant_cache_salt
 from pdserve.protocol.sampling_params import SamplingParams
-from pdserve.router.dispatch.cluster import ClusterBackend
+from pdserve.router.main import build_backend
 from pdserve.router.placement.index import STORE_HOLDER
+from pdserve.router.placement.keys import KVScope
 from pdserve.router.placement.policy import NodeView
-from pdserve.router.routes.tenants import KVScope, parse_api_keys
+from pdserve.router.routes.tenants import parse_api_keys
 
 BS = 16
 LAYOUT = kv_layout_salt("builtin:tiny", 4, 4, 32, "float32", BS)
@@ -71,7 +72,7 @@ def test_api_keys_name_tenants():
 def test_router_index_never_matches_another_tenants_blocks():
     """The router's own block keys (ClusterBackend.block_keys) carry the request's scope: its
     prefix index credits a node with tenant alpha's blocks for alpha's requests only."""
-    backend = ClusterBackend("builtin:tiny", [], [], salt=LAYOUT, block_size=BS, registry="tcp://127.0.0.1:9")
+    backend = build_backend([], [], salt=LAYOUT, block_size=BS, registry="tcp://127.0.0.1:9")
     alpha, beta = KVScope(tenant_cache_salt("alpha", None)), KVScope(tenant_cache_salt("beta", None))
     assert backend.block_keys(PROMPT) == block_key_chain(PROMPT, BS, LAYOUT)
     assert backend.block_keys(PROMPT, alpha) == _keys(alpha.cache_salt)  # what the nodes compute
@@ -88,7 +89,7 @@ def test_router_index_never_matches_another_tenants_blocks():
 def test_router_index_keeps_adapters_apart():
     """The adapter enters the router's keys as it enters the nodes' and the store's: blocks
     indexed for adapter sql (on a node, or in the store) match sql's requests only."""
-    backend = ClusterBackend("builtin:tiny", [], [], salt=LAYOUT, block_size=BS, registry="tcp://127.0.0.1:9")
+    backend = build_backend([], [], salt=LAYOUT, block_size=BS, registry="tcp://127.0.0.1:9")
     sql = KVScope(adapter="sql")
     assert backend.block_keys(PROMPT, sql) == _keys(None, adapter="sql")  # what the nodes compute
     backend.index.add("prefill-0", backend.block_keys(PROMPT, sql))

@@ -26,8 +26,8 @@ import pytest
 import redis
 from lora_util import make_adapter, peft_greedy
 
-from pdserve.entrypoints.llm import LLM
 from pdserve.models.builtin import ensure_builtin_model
+from pdserve.offline.llm import LLM
 from pdserve.protocol.block_keys import block_key_chain
 from pdserve.protocol.cache_salt import tenant_cache_salt
 from pdserve.protocol.sampling_params import SamplingParams

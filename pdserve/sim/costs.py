@@ -10,6 +10,8 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
+from pdserve.protocol.sampling_params import SamplingParams
+
 
 @dataclass
 class NodeCosts:
@@ -32,7 +34,6 @@ class NodeCosts:
 
 
 def _timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> float:
-    from pdserve.protocol.sampling_params import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -43,9 +44,10 @@ def calibrate(model: str = "builtin:tiny", threads: int = 1, repeats: int = 3) -
     """Measure the engine's prefill and decode costs (medians of `repeats`) in this process."""
     import statistics
 
+    # torch and the engine, only to calibrate: the simulator itself runs without them.
     import torch
 
-    from pdserve.entrypoints.llm import LLM
+    from pdserve.offline.llm import LLM
     torch.set_num_threads(threads)
     llm = LLM(model, enable_prefix_caching=False)
     engine = llm.engine
