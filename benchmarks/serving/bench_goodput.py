@@ -10,10 +10,17 @@ rate in turn; the same prompts and arrival times for every layout):
   pd-threshold  the same nodes with today's rule (--local-prefill-threshold only)
   mono-2x1      2 monolithic nodes, 1 thread each (no prefill nodes: each request runs whole)
   mono-1x2      1 monolithic node with 2 threads
+  pd-2p2d-store 2 prefill + 2 decode nodes, one thread each, slo placement, the KV store
+
+Workloads: random, decode-heavy and shared-prefix (below), and conversation: Mooncake's
+conversation trace (--trace FILE; default the repository's 300-line slice) replayed as sessions,
+--requests conversations started at the rate, each next turn its scaled think time after the
+previous answer (pdserve.loadgen.trace_replay), with the cache share against its bounds.
 
     .venv/bin/python -m benchmarks.serving.bench_goodput --rates 0.5,1,2,4 --runs 3 --json goodput.json --plot goodput.png
     .venv/bin/python -m benchmarks.serving.bench_goodput --workload decode-heavy      # 64-token prompts, 256 out
     .venv/bin/python -m benchmarks.serving.bench_goodput --workload shared-prefix     # 4 prefixes of 384 tokens
+    .venv/bin/python -m benchmarks.serving.bench_goodput --workload conversation --trace conversation_trace.jsonl
 
 The default model is the CLI's (SmolLM2-135M-Instruct); `--model builtin:tiny` for a quick check.
 """
@@ -29,6 +36,7 @@ import statistics
 
 from benchmarks.support.cluster import local_cluster, source_info
 from pdserve.loadgen.bench import BenchConfig, run_benchmark
+from pdserve.loadgen.trace import TraceScale
 from pdserve.models.gguf import DEFAULT_MODEL
 
 LAYOUTS = {
@@ -36,19 +44,29 @@ LAYOUTS = {
     "mono-2x1": ("--prefill-nodes", "0", "--decode-nodes", "2", "--threads-per-node", "1"),
     "mono-1x2": ("--prefill-nodes", "0", "--decode-nodes", "1", "--threads-per-node", "2"),
     "pd-threshold": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1"),
+    "pd-2p2d-store": ("--prefill-nodes", "2", "--decode-nodes", "2", "--threads-per-node", "1",
+                      "--prefill-placement", "slo", "--kv-transfer", "store"),
 }
+TRACE_SLICE = os.path.join(os.path.dirname(__file__), "..", "traces", "mooncake_conversation_300.jsonl")
+# The conversation trace shrunk so that 2 cores keep up: prompts of about 12k tokens become about
+# 750 (blocks of 32 tokens), outputs of about 340 about 43 (at most 64), and the minutes between
+# turns seconds (x 0.02).
+CONVERSATION_SCALE = TraceScale(length_divisor=16, output_divisor=8, output_cap=64, time_scale=0.02)
 WORKLOADS = {
     "random": dict(workload="random", input_len_min=128, input_len_max=512, output_len=32),
     "decode-heavy": dict(workload="random", input_len_min=64, input_len_max=64, output_len=256),
     "shared-prefix": dict(workload="shared-prefix", num_groups=4, prompts_per_group=6, prefix_len=384,
                           question_len=64, output_len=32),
+    "conversation": dict(trace_sessions=True, trace_scale=CONVERSATION_SCALE),
 }
 
 
 def bench_config(url: str, args, rate: float, run: int) -> BenchConfig:
+    trace = dict(trace=args.trace, trace_num_sessions=args.requests,
+                 cache_capacity_tokens=args.cache_capacity_tokens) if args.workload == "conversation" else {}
     return BenchConfig(base_url=url, num_prompts=args.requests, request_rate=rate, seed=run, num_warmup=0,
                        goodput_ttft_ms=args.ttft_slo_ms, goodput_tpot_ms=args.itl_slo_ms, disable_tqdm=True,
-                       max_token_id=min(30000, args.vocab), **WORKLOADS[args.workload])
+                       max_token_id=min(30000, args.vocab), **WORKLOADS[args.workload], **trace)
 
 
 def measure(url: str, args, rate: float, run: int) -> dict:
@@ -57,16 +75,22 @@ def measure(url: str, args, rate: float, run: int) -> dict:
     good = round((report["goodput"] or 0.0) * report["duration_s"])
     return {"attainment": good / sent if sent else 0.0, "goodput_rps": report["goodput"],
             "failed": report["failed"], "ttft_p50_ms": report["p50_ttft_ms"], "ttft_p90_ms": report["p90_ttft_ms"],
-            "tpot_p50_ms": report["p50_tpot_ms"], "tpot_p90_ms": report["p90_tpot_ms"]}
+            "tpot_p50_ms": report["p50_tpot_ms"], "tpot_p90_ms": report["p90_tpot_ms"],
+            "cached_share": report.get("cached_token_share"), "bound_optimal": report.get("cache_bound_optimal"),
+            "bound_infinite": report.get("cache_bound_infinite")}
 
 
 def run_layout(name: str, args) -> dict[float, list[dict]]:
+    transfer = () if "--kv-transfer" in LAYOUTS[name] else ("--kv-transfer", "nixl")
     flags = LAYOUTS[name] + ("--model", args.model, "--ttft-slo-ms", str(args.ttft_slo_ms),
-                             "--itl-slo-ms", str(args.itl_slo_ms), "--kv-transfer", "nixl")
+                             "--itl-slo-ms", str(args.itl_slo_ms), *transfer)
     out: dict[float, list[dict]] = {}
     log_path = os.path.join(args.log_dir, f"goodput-{name}.log")
     with local_cluster(*flags, log_path=log_path) as c:
-        warm = dataclasses.replace(bench_config(c.url, args, math.inf, 1000), num_prompts=2)
+        if args.workload == "conversation" and args.cache_capacity_tokens is None:
+            args = argparse.Namespace(**{**vars(args), "cache_capacity_tokens": kv_capacity_tokens(c)})
+        warm = dataclasses.replace(bench_config(c.url, args, math.inf, 1000), num_prompts=2, trace=None,
+                                   workload="random", input_len_min=64, input_len_max=64)
         asyncio.run(run_benchmark(warm))  # untimed: first steps, the nodes' first cost measurements
         for rate in args.rates:
             for run in range(args.runs):
@@ -77,6 +101,11 @@ def run_layout(name: str, args) -> dict[float, list[dict]]:
                 out.setdefault(rate, []).append(row)
                 print(f"{name} rate {rate} run {run}: {json.dumps(row)}", flush=True)
     return out
+
+
+def kv_capacity_tokens(c, block_size: int = 16) -> int:
+    """The layout's KV capacity: every node's paged cache (the CLI's default block size)."""
+    return sum(n.get("total_blocks", 0) for n in c.nodes().values()) * block_size
 
 
 def median_row(rows: list[dict]) -> dict:
@@ -92,6 +121,8 @@ def table(results: dict[str, dict[float, list[dict]]], rates: list[float]) -> st
         for rate in rates:
             m = median_row(by_rate[rate])
             extra = f", {m['placed_local']:.0f} local, {m['placed_whole']:.0f} whole" if name == "pd-slo" else ""
+            if m.get("cached_share") is not None:
+                extra += f", cached {m['cached_share']:.1%} of optimal {m['bound_optimal'] or 0:.1%}"
             cells.append(f"{m['attainment']:.1%} (TTFT p50 {m['ttft_p50_ms'] / 1e3:.2f} s, "
                          f"TPOT p90 {m['tpot_p90_ms']:.0f} ms{extra})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -122,6 +153,9 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=24, help="requests per rate and run")
     p.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     p.add_argument("--itl-slo-ms", type=float, default=100.0)
+    p.add_argument("--trace", default=TRACE_SLICE, help="conversation: the Mooncake trace file")
+    p.add_argument("--cache-capacity-tokens", type=int, default=None,
+                   help="conversation: the cluster's KV capacity in tokens, for the optimal cache's bound")
     p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
