@@ -4,10 +4,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from functools import partial
 
 from pdserve import __version__
+from pdserve.cluster.planner import add_planner_args
 from pdserve.engine.config import engine_options
+from pdserve.entrypoints.http_flags import add_http_args
 from pdserve.entrypoints.tp_degrees import parse_degrees
+from pdserve.entrypoints.vllm_flags import add_serve_args, add_up_hints, brief_errors
 from pdserve.models.gguf import DEFAULT_MODEL
 
 # Up to this many missing prompt tokens the decode node prefills them itself instead of taking a
@@ -108,6 +112,8 @@ def _add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--store", default=None,
                    help="KV store URL: redis://host:port (LMCache tiers, the default), direct+redis://, memory://")
     _add_store_args(p)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed the node's random generators: requests that give no seed draw from them")
     p.add_argument("--kv-timeout-s", type=float, default=30.0,
                    help="how long a request may wait for its KV before it is computed locally")
     p.add_argument("--registry", default=None, type=registry_url,
@@ -193,16 +199,24 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="keep requests with the same OpenAI `user` on the decode node that served the last one")
 
 
+def _seeded(run, args: argparse.Namespace) -> int:
+    """A node given --seed seeds torch's generators before it starts (vLLM's --seed)."""
+    if args.seed is not None:
+        import torch  # heavy: only in a node process, which loads it anyway
+        torch.manual_seed(args.seed)
+    return run(args)
+
+
 def _add_cluster_parsers(sub) -> None:
-    from pdserve.cluster.planner import add_planner_args
     from pdserve.cluster.registry import run_registry
     from pdserve.cluster.registry_client import registry_url
     from pdserve.entrypoints.launcher import run_up
+    from pdserve.entrypoints.serve_cli import run_serve
     from pdserve.node.main import run_decode, run_prefill
     from pdserve.router.main import run_router
     pre = sub.add_parser("prefill", help="run one prefill node")
     _add_node_args(pre, "prefill")
-    pre.set_defaults(func=run_prefill)
+    pre.set_defaults(func=partial(_seeded, run_prefill))
     dec = sub.add_parser("decode", help="run one decode node")
     _add_node_args(dec, "decode")
     for p in (pre, dec):  # a decode node uses them once switched to prefill (pdserve scale --switch)
@@ -215,7 +229,7 @@ def _add_cluster_parsers(sub) -> None:
                      help="when a KV pull fails: compute the prompt here, or fail the request")
     dec.add_argument("--pull-delay-s", type=float, default=0.0, help="fault injection: delay each KV pull")
     _add_speculative_args(dec)
-    dec.set_defaults(func=run_decode)
+    dec.set_defaults(func=partial(_seeded, run_decode))
     rt = sub.add_parser("router", help="run the OpenAI-compatible router")
     rt.add_argument("--model", default=DEFAULT_MODEL, help="the served model: its tokenizer and name")
     rt.add_argument("--host", default="127.0.0.1", help="HTTP address")
@@ -233,7 +247,7 @@ def _add_cluster_parsers(sub) -> None:
     rt.add_argument("--block-size", type=int, default=16, help="the nodes' --block-size (for block keys)")
     rt.add_argument("--dtype", default="auto", help="the nodes' --dtype")
     rt.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the nodes' --kv-cache-dtype")
-    rt.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    add_http_args(rt)
     _add_lora_module_arg(rt)
     _add_curve_args(rt)
     _add_admission_args(rt)
@@ -243,6 +257,25 @@ def _add_cluster_parsers(sub) -> None:
     _add_served_name_args(rt)
     rt.set_defaults(func=run_router)
     up = sub.add_parser("up", help="start a local cluster: router, prefill and decode nodes (and Redis)")
+    add_up_args(up)
+    add_up_hints(up)  # vLLM's flags it does not take answer with their equivalent
+    brief_errors(up)
+    up.set_defaults(func=run_up)
+    serve = sub.add_parser("serve", help="`vllm serve` for pdserve: `pdserve up` with MODEL first and vLLM's flags "
+                                         "(docs/from-vllm.md)")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (as --model)")
+    add_up_args(serve)
+    add_serve_args(serve)
+    brief_errors(serve)
+    serve.set_defaults(func=run_serve)
+    reg = sub.add_parser("registry", help="run a node registry for nodes and routers started by hand")
+    reg.add_argument("--bind", default="tcp://127.0.0.1:5700",
+                     help="zmq endpoint; nodes and routers take it as --registry (use a reachable address)")
+    reg.set_defaults(func=run_registry)
+
+
+def add_up_args(up: argparse.ArgumentParser) -> None:
+    """`pdserve up`'s flags, which `pdserve serve` takes too, with the same defaults."""
     _add_engine_args(up, tensor_parallel=False)
     up.add_argument("--host", default="127.0.0.1", help="the router's HTTP address")
     up.add_argument("--port", type=int, default=8000, help="the router's HTTP port")
@@ -275,12 +308,8 @@ def _add_cluster_parsers(sub) -> None:
     up.add_argument("--curve", action="store_true",
                     help="fresh CURVE keys in a private temporary directory for every node and the router")
     up.add_argument("--decode-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # fault injection
+    add_http_args(up)
     _add_ray_args(up)
-    up.set_defaults(func=run_up)
-    reg = sub.add_parser("registry", help="run a node registry for nodes and routers started by hand")
-    reg.add_argument("--bind", default="tcp://127.0.0.1:5700",
-                     help="zmq endpoint; nodes and routers take it as --registry (use a reachable address)")
-    reg.set_defaults(func=run_registry)
 
 
 def _add_ray_args(up: argparse.ArgumentParser) -> None:
@@ -332,7 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench-plot"]:
         from pdserve.loadgen.plot import plot_main
         return plot_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # named with the command and where vLLM's flags are mapped, not the top-level usage
+        print(f"pdserve {args.command}: error: unrecognized arguments: {' '.join(unknown)} (`pdserve "
+              f"{args.command} --help` lists its flags; docs/from-vllm.md maps vLLM's)", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

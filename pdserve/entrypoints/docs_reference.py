@@ -18,7 +18,8 @@ HEADER = """\
 
 Every flag of every `pdserve` command, generated from the command-line parsers by
 `python -m pdserve.entrypoints.docs_reference --write docs/configuration.md`; a test fails when this page
-and the parsers disagree. The other pages explain what the flags are for and link here.
+and the parsers disagree. The other pages explain what the flags are for and link here;
+[Coming from vLLM](from-vllm.md) maps `vllm serve`'s flags to `pdserve serve`'s.
 
 `pdserve COMMAND --help` prints the same list. Environment variables read by pdserve:
 `PDSERVE_API_KEY` (the default of `--api-key`), `PDSERVE_CACHE_DIR` (where `builtin:` models and

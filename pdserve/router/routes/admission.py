@@ -48,7 +48,8 @@ class AdmissionMiddleware:
 
     def _refusal(self, scope: Scope) -> tuple | None:
         headers = dict(scope.get("headers") or [])
-        path = scope["path"]
+        path, root = scope["path"], scope.get("root_path", "")
+        path = path[len(root):] if root and path.startswith(root) else path  # uvicorn --root-path prefixes it
         protected = path.startswith(("/v1/", "/admin/")) or (self.protect_metrics and path in ("/metrics", "/health"))
         if self.api_keys and protected:
             known, tenant = self._key_tenant(headers.get(b"authorization", b""))
