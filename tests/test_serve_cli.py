@@ -23,6 +23,7 @@ from pdserve.entrypoints.cli import build_parser, main
 from pdserve.entrypoints.http_flags import http_flags
 from pdserve.entrypoints.kv_pool import kv_pool_gb
 from pdserve.entrypoints.launcher import Cluster
+from pdserve.entrypoints.ray_launch import router_template
 from pdserve.entrypoints.serve_cli import serve_settings
 from pdserve.entrypoints.vllm_flags import VLLM_FLAGS, checkpoint_quantization
 from pdserve.testing.up_cluster import running_cluster
@@ -198,3 +199,13 @@ def test_serve_honours_api_key_cors_and_root_path(served):
     other = http.options(f"{url}/v1/completions", headers={"Origin": "http://other.example", **preflight})
     assert "access-control-allow-origin" not in other.headers
     assert http.get(f"{url}/openapi.json").json()["servers"] == [{"url": "/api"}]
+
+
+def test_ray_routers_get_the_http_flags_and_tls_is_refused(tmp_path):
+    args = build_parser().parse_args(["up", "--max-model-len", "512", "--root-path", "/api"])
+    assert router_template(args)[-4:] == ["--max-model-len", "512", "--root-path", "/api"]
+    key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
+    key.write_text(""), cert.write_text("")
+    tls = build_parser().parse_args(["up", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)])
+    with pytest.raises(ValueError, match="not with --ray"):
+        router_template(tls)

@@ -78,7 +78,7 @@ def _default(action: argparse.Action) -> str:
     if action.required:
         return "required"
     if isinstance(action, argparse.BooleanOptionalAction):
-        return "on" if action.default else "off"
+        return "(none)" if action.default is None else "on" if action.default else "off"
     if action.nargs == 0:
         return "off"
     if action.default is None or action.default == []:

@@ -54,7 +54,7 @@ def http_flags(args: argparse.Namespace) -> list[str]:
     if args.allowed_origins is not None:
         flags += ["--allowed-origins", json.dumps(args.allowed_origins)]
     flags += ["--root-path", args.root_path] if args.root_path else []
-    flags += ["--uvicorn-log-level", args.uvicorn_log_level]
+    flags += ["--uvicorn-log-level", args.uvicorn_log_level] if args.uvicorn_log_level != "warning" else []
     return flags + (["--disable-log-requests"] if args.disable_log_requests else [])
 
 

@@ -17,6 +17,7 @@ import urllib.request
 
 from pdserve.cluster.planner import placement_flags
 from pdserve.cluster.ray_controller import Placement, RayController
+from pdserve.entrypoints.http_flags import http_flags
 from pdserve.entrypoints.node_speculation import pool_speculative_config
 from pdserve.entrypoints.tp_degrees import pool_degree
 
@@ -73,6 +74,10 @@ def router_template(args) -> list[str]:
     cmd += ["--served-model-name", *args.served_model_name] if getattr(args, "served_model_name", None) else []
     cmd += ["--pooling", args.pooling] if getattr(args, "pooling", None) else []
     cmd += lora_flags(args, router=True)  # adapter directories: a path every machine has
+    if getattr(args, "ssl_certfile", None):
+        raise ValueError("--ssl-keyfile/--ssl-certfile: not with --ray (its health checks speak HTTP); "
+                         "terminate TLS in front of the routers")
+    cmd += http_flags(args)
     return cmd + (["--protect-metrics"] if args.protect_metrics else [])
 
 
