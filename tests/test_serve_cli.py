@@ -50,6 +50,7 @@ REFUSED = [
     (["--response-role", "bot"], "always have the role assistant"),
     (["--return-tokens-as-token-ids"], "logprobs name tokens by their text"),
     (["--ssl-keyfile", "key.pem"], "--ssl-keyfile and --ssl-certfile go together"),
+    (["-tp", "2", "--decode-tp", "2"], "-tp sets both roles' size: give it, or --prefill-tp and --decode-tp"),
 ]
 
 

@@ -56,6 +56,8 @@ def _only(allowed: Any, why: str) -> Check:
 def _tensor_parallel(args: argparse.Namespace, value: int) -> None:
     if value < 1:
         raise ValueError("a tensor-parallel size is at least 1")
+    if tuple(args.prefill_tp) != (1,) or tuple(args.decode_tp) != (1,):  # given with --prefill-tp/--decode-tp
+        raise ValueError("-tp sets both roles' size: give it, or --prefill-tp and --decode-tp, not both")
     args.prefill_tp = args.decode_tp = (value,)  # with --prefill-nodes 0, the decode nodes' alone
 
 
