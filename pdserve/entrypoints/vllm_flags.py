@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.entrypoints.kv_pool import kv_pool_from_utilization
 from pdserve.models.gguf import find_gguf_file
 from pdserve.models.model_path import read_model_config, resolve_model_path
 
@@ -62,7 +63,6 @@ def _tensor_parallel(args: argparse.Namespace, value: int) -> None:
 
 
 def _gpu_memory(args: argparse.Namespace, value: float) -> None:
-    from pdserve.entrypoints.kv_pool import kv_pool_from_utilization  # torch: only when the flag is given
     args.kv_cache_memory_gb = kv_pool_from_utilization(args, value)
 
 
