@@ -1,0 +1,62 @@
+"""A tensor-parallel worker's shard: its part of the model, the node's shared KV cache and step
+buffer mapped in, and one step run per StepPlan (pdserve.executor.worker drives it).
+
+Kept apart from the worker's entry point, which imports this module only after it has set
+SIGINT aside: torch and the model code load here and take seconds, and a Ctrl-C meanwhile is
+the driver's to handle.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from pdserve.executor.group import join_store, make_group, set_rank_threads
+from pdserve.executor.kv_shared import fd_path, kv_head_range, map_shared, rank_layer_caches
+from pdserve.executor.messages import WorkerSpec
+from pdserve.executor.setup import load_shard
+from pdserve.executor.shard_step import run_worker_step
+from pdserve.executor.shm_collectives import ShmCollectives
+from pdserve.executor.step_channel import StepChannel
+from pdserve.kernels import get_fused_layer_ops, get_ops
+from pdserve.models.loader import load_hf_config
+
+
+class Shard:
+    """One rank's part of the model and of the node's KV cache, joined to the driver's TP group."""
+
+    def __init__(self, spec: WorkerSpec):
+        set_rank_threads(spec.threads)
+        self.device = torch.device(spec.device)
+        store = join_store(spec.store_host, spec.store_port, spec.world_size, spec.timeout_s)
+        store.set(f"joined/{spec.rank}", "1")
+        shm = ShmCollectives(spec.collectives_fd, spec.rank, spec.world_size, driver_check(), spec.timeout_s)
+        group = make_group(store, spec.rank, spec.world_size, self.device, spec.timeout_s, shm)
+        self.channel = StepChannel(fd_path(spec.payload_fd), spec.payload_capacity, group)
+        dtype = getattr(torch, spec.dtype)
+        hf_config = load_hf_config(Path(spec.model_path))
+        self.model = load_shard(spec.model_path, hf_config, dtype, self.device, group, spec.expert_parallel)
+        kv_cache = map_shared(fd_path(spec.kv_fd), spec.kv_shape, dtype)
+        heads = kv_head_range(spec.kv_shape[4], spec.world_size, spec.rank)
+        self.layer_caches = rank_layer_caches(kv_cache, heads)
+        self.ops = get_ops(spec.kernel_backend, self.device.type)
+        if hasattr(self.ops, "warm_up"):
+            self.ops.warm_up()
+        self.model.fused = get_fused_layer_ops(self.ops, self.device.type)
+        self._run_step = run_worker_step
+        store.set(f"ready/{spec.rank}", "1")
+
+    def step(self, plan) -> None:
+        flat = self.channel.receive(plan)
+        self._run_step(self.model, self.ops, self.layer_caches, self.device, plan, flat)
+
+
+def driver_check():
+    """Raises once the driver (this process's parent) is gone."""
+    driver = os.getppid()
+
+    def check() -> None:
+        if os.getppid() != driver:
+            raise RuntimeError("the driver is gone")
+    return check
