@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.layers.linear import LinearBase
 from pdserve.lora.peft_format import MODULE_PARTS
 
 # pdserve's fused Llama layer -> the PEFT module of each of its parts, in order.
@@ -129,7 +130,6 @@ def attach_slots(model, max_loras: int, max_rank: int, batch: LoRABatch, dtype: 
                  device: torch.device) -> dict[tuple[int, str], LoRALayerSlots]:
     """Give every adapted linear layer of a Llama-family model its slot buffers; returns them by
     (layer index, fused layer name)."""
-    from pdserve.layers.linear import LinearBase
     found: dict[tuple[int, str], LoRALayerSlots] = {}
     for i, decoder_layer in enumerate(model.layers):
         for owner, layer_name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),

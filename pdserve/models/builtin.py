@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from pdserve.cache_dir import cache_root
 
@@ -55,9 +56,10 @@ def _make_readable(path: Path) -> None:
 
 
 def write_builtin_model(path: Path, dims: dict) -> None:
+    # deferred: torch, for writing the weights only; the torch-free router imports this module through model_path
     import torch
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig
+    from safetensors.torch import save_file  # torch, as above
+    from transformers import LlamaConfig  # deferred: transformers takes seconds to import
 
     tokenizer = build_byte_tokenizer()
     dims = {**dims, "vocab_size": len(tokenizer)}
@@ -93,8 +95,7 @@ def _weight_shapes(d: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 def build_byte_tokenizer():
     """A byte-level tokenizer with no merges: every byte is a token, so any text round-trips."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # deferred: transformers takes seconds to import
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}

@@ -28,6 +28,7 @@ from pdserve.layers.quant import fp8_block
 from pdserve.models.llama import RMSNorm
 from pdserve.models.mla import MLASpec, MLAttention, mla_softmax_scale
 from pdserve.models.moe import DenseMLP, SparseMoE, grouped_topk
+from pdserve.models.moe_quant import Fp8Experts
 from pdserve.models.rope import RotaryEmbedding
 
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -209,7 +210,6 @@ def _keeps_fp8(module: str) -> bool:
 def _keep_fp8(model: DeepseekModel, quantized: set[str], block: tuple[int, int]) -> None:
     """Swap each nn.Linear whose checkpoint weights are FP8 and kept for an FP8 layer, and each
     layer's experts for FP8 experts when the checkpoint's are FP8."""
-    from pdserve.models.moe_quant import Fp8Experts
     for name, module in list(model.named_modules()):
         if isinstance(module, SparseMoE) and f"{name}.experts.0.gate_proj" in quantized:
             module.experts = Fp8Experts.like(module.experts, block[1])

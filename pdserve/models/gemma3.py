@@ -68,6 +68,7 @@ def _rope(config, layer_type: str, head_dim: int) -> RopeTable:
         exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         inv_freq, scaling = 1.0 / (params["rope_theta"] ** exps), 1.0
     else:
+        # deferred: transformers takes ~1 s to import; only scaled RoPE types need it
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), layer_type=layer_type)
     return RopeTable(inv_freq, scaling, config.max_position_embeddings)

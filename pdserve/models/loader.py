@@ -1,6 +1,7 @@
 """Load a Llama-family model from a local Hugging Face directory (config.json + safetensors)."""
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -10,6 +11,9 @@ from safetensors import safe_open
 
 from pdserve.kernels.fp8_kv import is_kv_scale
 from pdserve.layers.loading import load_param, process_weights_after_loading
+from pdserve.layers.quant import fp8_block
+from pdserve.layers.quant.compressed_tensors import SUPPORTED, CompressedTensorsConfig, grouped_tensors
+from pdserve.layers.quant.gguf_config import GGUFQuantConfig
 from pdserve.layers.quant.grouped import GroupedWeight
 from pdserve.models.gguf import VIEW_MARKER, gguf_tensor_types, gguf_tensors, is_gguf_view
 from pdserve.models.llama import LlamaModel, ModelSpec, layer_windows
@@ -35,6 +39,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 
 
 def load_hf_config(path: Path):
+    # deferred: transformers takes ~1 s to import, and not every importer reads a config (eagle, mtp)
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(str(path))
     archs = getattr(config, "architectures", None) or []
@@ -54,8 +59,6 @@ def load_hf_config(path: Path):
 
 def _checkpoint_quant_config(path: Path, arch: str, quantization):
     """The QuantConfig of a checkpoint's quantization_config (Llama family, compressed-tensors)."""
-    from pdserve.layers.quant import fp8_block
-    from pdserve.layers.quant.compressed_tensors import SUPPORTED, CompressedTensorsConfig
     quantization = quantization if isinstance(quantization, dict) else quantization.to_dict()
     method = quantization.get("quant_method")
     if arch in FAMILY_MODULES or method not in ("compressed-tensors", "fp8"):
@@ -72,7 +75,6 @@ def _checkpoint_quant_config(path: Path, arch: str, quantization):
 
 
 def _family(arch: str):
-    import importlib
     return importlib.import_module(FAMILY_MODULES[arch])
 
 
@@ -144,14 +146,11 @@ def _quant_config(path: Path, device: torch.device, config):
             raise ModelLoadError("quantized checkpoints run on CPU only so far (no CUDA kernels yet)")
         return _checkpoint_quant_config(path, config.architectures[0], quantization)
     if is_gguf_view(path) and device.type == "cpu":
-        from pdserve.layers.quant.gguf_config import GGUFQuantConfig
         return GGUFQuantConfig(gguf_tensor_types(path))
     return None
 
 
 def _quantized_tensors(quant_config, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
-    from pdserve.layers.quant import fp8_block
-    from pdserve.layers.quant.compressed_tensors import grouped_tensors
     if isinstance(quant_config, fp8_block.Fp8BlockConfig):
         return fp8_block.fp8_block_tensors(tensors, quant_config.block, lambda module: True)
     return grouped_tensors(tensors, quant_config)

@@ -103,7 +103,7 @@ def grouped_topk(logits: torch.Tensor, bias: torch.Tensor | None = None, *, top_
 @functools.cache
 def _numba_moe():
     try:
-        from pdserve.kernels import numba_moe
+        from pdserve.kernels import numba_moe  # deferred: numba (~0.1 s), for CPU decode steps only; None without it
     except ImportError:
         return None
     return numba_moe
@@ -116,7 +116,7 @@ def _torch_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tens
 @functools.cache
 def _triton_moe():
     try:
-        from pdserve.kernels import triton_moe
+        from pdserve.kernels import triton_moe  # optional dependency: triton (the pdserve[triton] extra)
     except ImportError:
         return None
     return triton_moe

@@ -23,6 +23,7 @@ class RotaryEmbedding:
             exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
             inv_freq, self.scaling = 1.0 / (base ** exps), 1.0
         else:
+            # deferred: transformers takes ~1 s to import; only scaled RoPE types need it
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
         self.inv_freq = inv_freq.float()

@@ -25,7 +25,7 @@ import types
 import torch
 from torch import nn
 
-from pdserve.layers.parallel import TPGroup, divide
+from pdserve.layers.parallel import TPGroup, divide, get_tp_group, set_tp_group
 from pdserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from pdserve.models.attention import PagedAttention
 from pdserve.models.mla import MLAttention
@@ -160,7 +160,6 @@ def _expert_parallel_forward(self: Experts, x: torch.Tensor, ids: torch.Tensor, 
 
 
 def _shard_vocab(model: nn.Module, group: TPGroup) -> None:
-    from pdserve.layers.parallel import get_tp_group, set_tp_group
     previous = get_tp_group()
     set_tp_group(group)  # the vocabulary layers read the group as they are built
     try:

@@ -19,8 +19,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pdserve.layers.linear import ReplicatedLinear
 from pdserve.layers.quant.act_quant import Fp8LinearMethod, expand_scale, scale_bits
 from pdserve.layers.quant.base import QuantConfig, QuantMethod
+from pdserve.layers.quant.grouped import FUSED_PARTS
 from pdserve.layers.quant.unquantized import UnquantizedLinearMethod
 
 log = logging.getLogger("pdserve.quant")
@@ -67,7 +69,6 @@ class Fp8BlockConfig(QuantConfig):
         self.quantized = quantized
 
     def linear_method(self, layer: nn.Module, prefix: str) -> QuantMethod:
-        from pdserve.layers.quant.grouped import FUSED_PARTS
         head, _, last = prefix.rpartition(".")
         parts = [f"{head}.{p}" for p in FUSED_PARTS[last]] if last in FUSED_PARTS else [prefix]
         kept = {p in self.quantized for p in parts}
@@ -80,8 +81,6 @@ class Fp8BlockConfig(QuantConfig):
 
 def fp8_linear(linear: nn.Linear, block: tuple[int, int], prefix: str) -> nn.Module:
     """A ReplicatedLinear holding FP8 weights in place of `linear` (built on the same device)."""
-    from pdserve.layers.linear import ReplicatedLinear
-
     class _Fp8(QuantConfig):
         name = "fp8"
 
