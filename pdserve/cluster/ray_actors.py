@@ -41,7 +41,7 @@ def node_address() -> str:
     --node-ip-address`), never one guessed from the machine's interfaces: a machine can hold
     several (a bridge, a container network, network namespaces), and only this one is the Ray
     node's."""
-    import ray
+    import ray  # optional dependency: ray (the pdserve[ray] extra)
     here = ray.get_runtime_context().get_node_id()
     for node in ray.nodes():
         if node["NodeID"] == here:
@@ -76,7 +76,7 @@ def switched_role(template: list[str], roles_namespace: str | None, name: str) -
     that in Ray's key-value store, which a restarted actor reads on any machine."""
     if not roles_namespace:
         return template
-    from ray.experimental.internal_kv import _internal_kv_get
+    from ray.experimental.internal_kv import _internal_kv_get  # optional dependency: ray (the pdserve[ray] extra)
     role = _internal_kv_get(name, namespace=roles_namespace)
     return with_role(template, role.decode()) if role else template
 

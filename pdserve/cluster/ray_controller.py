@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdserve.cluster.owner_admin import OwnerAdminServer
-from pdserve.cluster.ray_actors import node_address
+from pdserve.cluster.ray_actors import ProcessActor, node_address
 from pdserve.cluster.ray_placement import actor_options_in_group, create_node_group, rank_bundles, remove_node_group
 from pdserve.cluster.ray_routers import RayRouters
 from pdserve.cluster.registry import RegistryServer
@@ -66,7 +66,7 @@ class RayController:
 
     def control_address(self, node_id: str, timeout_s: float = 120.0) -> str:
         """Where a node's control socket is (waits for its actor to have started its process)."""
-        import ray
+        import ray  # optional dependency: ray (the pdserve[ray] extra)
         with self._lock:
             actor = self.nodes[node_id][1]
         info = ray.get(actor.info.remote(), timeout=timeout_s)
@@ -119,7 +119,7 @@ class RayController:
         self._forget_role(node_id)
 
     def set_role(self, node_id: str, role: str) -> None:
-        from ray.experimental.internal_kv import _internal_kv_put
+        from ray.experimental.internal_kv import _internal_kv_put  # optional dependency: ray (the pdserve[ray] extra)
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}")
         with self._lock:
@@ -129,7 +129,7 @@ class RayController:
         _internal_kv_put(node_id, role, namespace=self.roles_namespace)
 
     def _forget_role(self, node_id: str) -> None:
-        from ray.experimental.internal_kv import _internal_kv_del
+        from ray.experimental.internal_kv import _internal_kv_del  # optional dependency: ray (the pdserve[ray] extra)
         _internal_kv_del(node_id, namespace=self.roles_namespace)
 
     def owned_nodes(self) -> dict[str, str]:
@@ -153,7 +153,7 @@ class RayController:
 
     def processes(self) -> dict[str, dict]:
         """name -> where its process runs now (ip, pid, actor pid), for every live actor."""
-        import ray
+        import ray  # optional dependency: ray (the pdserve[ray] extra)
         with self._lock:
             handles = {node_id: actor for node_id, (_, actor) in self.nodes.items()}
         handles |= {f"router-{i}": actor for i, actor in enumerate(self.routers.actors if self.routers else [])}
@@ -203,9 +203,7 @@ class RayController:
                roles_namespace: str | None = None, in_group: dict | None = None):
         """in_group: options that place the actor in its placement group's bundle (resources
         and strategy), instead of the ones reserved here."""
-        import ray
-
-        from pdserve.cluster.ray_actors import ProcessActor
+        import ray  # optional dependency: ray (the pdserve[ray] extra)
         options = dict(num_cpus=threads if num_cpus is None else num_cpus, num_gpus=gpus,
                        max_restarts=self.placement.max_restarts, name=None, lifetime=None)
         if resources:
@@ -223,7 +221,7 @@ class RayController:
 
     @staticmethod
     def _stop_actors(actors: list) -> None:
-        import ray
+        import ray  # optional dependency: ray (the pdserve[ray] extra)
         for actor, stopping in [(a, a.stop.remote()) for a in actors]:
             try:
                 ray.get(stopping, timeout=30)

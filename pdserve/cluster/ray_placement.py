@@ -33,6 +33,7 @@ def rank_bundles(tp: int, threads_per_rank: int, gpus_per_rank: float,
 def actor_options_in_group(group, bundle: dict[str, float]) -> dict:
     """Ray actor options that run the node's actor in bundle 0 of `group`, using exactly that
     bundle's resources (an actor must fit in one bundle)."""
+    # optional dependency: ray (the pdserve[ray] extra)
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
     options = dict(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0),
@@ -46,10 +47,10 @@ def actor_options_in_group(group, bundle: dict[str, float]) -> dict:
 
 
 def create_node_group(name: str, bundles: list[dict[str, float]]):
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group  # optional dependency: ray (the pdserve[ray] extra)
     return placement_group(bundles, strategy=STRATEGY, name=name)
 
 
 def remove_node_group(group) -> None:
-    from ray.util.placement_group import remove_placement_group
+    from ray.util.placement_group import remove_placement_group  # optional dependency: ray (the pdserve[ray] extra)
     remove_placement_group(group)

@@ -20,7 +20,7 @@ REPLACE_AFTER_S = 15.0
 
 def cpu_machines() -> list[str]:
     """Node ids of the live machines, those with CPUs first choice, in a stable order."""
-    import ray
+    import ray  # optional dependency: ray (the pdserve[ray] extra)
     alive = [n for n in ray.nodes() if n["Alive"]]
     with_cpus = sorted(n["NodeID"] for n in alive if n["Resources"].get("CPU", 0) > 0)
     return with_cpus or sorted(n["NodeID"] for n in alive)
@@ -41,7 +41,7 @@ class RayRouters:
         self._thread = threading.Thread(target=self._watch, name="router-watch", daemon=True)
 
     def start(self, count: int) -> list[str]:
-        import ray
+        import ray  # optional dependency: ray (the pdserve[ray] extra)
         machines = cpu_machines()
         for i in range(count):
             self._place(i, machines[i % len(machines)])
@@ -50,6 +50,7 @@ class RayRouters:
         return [f"http://{info['ip']}:{self.port + i}" for i, info in enumerate(infos)]
 
     def _place(self, i: int, machine: str) -> None:
+        # optional dependency: ray (the pdserve[ray] extra)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         template = [arg.replace("{router_port}", str(self.port + i)) for arg in self.template]
         actor = self.make_actor(f"router-{i}", template, NodeAffinitySchedulingStrategy(machine, soft=False))
@@ -61,7 +62,7 @@ class RayRouters:
                 self.machines.append(machine)
 
     def _watch(self) -> None:
-        import ray
+        import ray  # optional dependency: ray (the pdserve[ray] extra)
         while not self._stop.wait(WATCH_S):
             for i, actor in enumerate(list(self.actors)):
                 try:
@@ -73,7 +74,7 @@ class RayRouters:
                         self._replace(i, actor)
 
     def _replace(self, i: int, actor) -> None:
-        import ray
+        import ray  # optional dependency: ray (the pdserve[ray] extra)
         live = cpu_machines()
         if not live:
             return

@@ -17,6 +17,7 @@ the new one is complete (see router/registry_watcher.py).
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -222,7 +223,6 @@ class RegistryServer:
 def run_registry(args) -> int:
     """`pdserve registry`: a registry of its own, for nodes and routers started by hand (compose,
     bare hosts); `pdserve up` and `pdserve up --ray` host theirs inside the owner."""
-    import signal
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -16,6 +16,7 @@ def registry_url(value: str) -> str:
     """`--registry`'s argparse type: a zmq tcp:// endpoint or a Redis URL, checked at start-up
     (a bad one would otherwise only show as a node no router ever finds)."""
     if is_redis_url(value):
+        # deferred: redis and its asyncio client (~0.1 s) load only for a Redis registry
         from pdserve.cluster.registry_redis import connection
         try:
             connection(value)
@@ -30,6 +31,7 @@ def registry_url(value: str) -> str:
 def registration_class(url: str) -> type[NodeRegistration]:
     """The registration for a registry URL: Redis for redis:// and rediss://, else zmq."""
     if is_redis_url(url):
+        # deferred: redis and its asyncio client (~0.1 s) load only for a Redis registry
         from pdserve.cluster.registry_redis import RedisNodeRegistration
         return RedisNodeRegistration
     return NodeRegistration

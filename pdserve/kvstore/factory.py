@@ -57,7 +57,7 @@ def _redis_url(url: str) -> str:
 
 
 def _direct(base: str, options: dict[str, str], kwargs: dict[str, Any]) -> KVStore:
-    from pdserve.kvstore.redis_store import RedisKVStore
+    from pdserve.kvstore.redis_store import RedisKVStore  # deferred: loads torch, which this module must not
     if "ttl_s" in options:
         kwargs.setdefault("ttl_s", float(options["ttl_s"]))
     if "ca_file" in options:
@@ -66,7 +66,7 @@ def _direct(base: str, options: dict[str, str], kwargs: dict[str, Any]) -> KVSto
 
 
 def _tier_options(options: dict[str, str], kwargs: dict[str, Any]) -> Any:
-    from pdserve.kvstore.lmcache_config import TierOptions
+    from pdserve.kvstore.lmcache_config import TierOptions  # optional dependency: lmcache (the pdserve[lmcache] extra)
     fields = {"chunk_tokens": int, "local_cpu_gb": float, "local_disk": str, "local_disk_gb": float}
     values = {}
     for name, cast in fields.items():  # kwargs win over the URL's query options
@@ -86,13 +86,13 @@ def _lmcache(base: str, options: dict[str, str], layout: KVLayout | None, kwargs
     if "ttl_s" in options or parts.path.strip("/") not in ("", "0"):
         raise ValueError("ttl_s and a db number are direct-client options: use direct+redis://")
     try:  # imported here: lmcache is slow to import, and the launcher imports this module
-        from pdserve.kvstore.lmcache_config import build_config, config_file_from_env
-        from pdserve.kvstore.lmcache_store import LMCacheKVStore
+        from pdserve.kvstore.lmcache_config import build_config, config_file_from_env  # optional dependency: lmcache
+        from pdserve.kvstore.lmcache_store import LMCacheKVStore  # optional dependency: lmcache
     except ImportError as exc:
         raise ValueError(f"{redact_url(base)} is the LMCache store, which needs lmcache>=0.5.6 "
                          f"(pip install 'pdserve[lmcache]'); or use direct+redis:// ({exc})") from exc
-    from pdserve.kvstore.memory_store import MemoryKVStore
-    from pdserve.kvstore.redis_store import RedisKVStore
+    from pdserve.kvstore.memory_store import MemoryKVStore  # deferred: loads torch, which this module must not
+    from pdserve.kvstore.redis_store import RedisKVStore  # deferred: loads torch, which this module must not
     config_file = config_file_from_env(kwargs.pop("lmcache_config", None) or options.get("lmcache_config"))
     tiers = _tier_options(options, kwargs)
     cluster = parts.scheme.lower() == CLUSTER_SCHEME
@@ -118,7 +118,7 @@ def make_store(url: str, *, layout: KVLayout | None = None, **kwargs: Any) -> KV
         for name in LMCACHE_OPTIONS:
             kwargs.pop(name, None)
     if scheme == "memory":
-        from pdserve.kvstore.memory_store import MemoryKVStore
+        from pdserve.kvstore.memory_store import MemoryKVStore  # deferred: loads torch, which this module must not
         max_gb = float(kwargs.pop("max_gb", options.get("max_gb", 1.0)))
         return MemoryKVStore(max_bytes=int(max_gb * (1 << 30)), **kwargs)
     if scheme in ("rediss", "direct+redis", "direct+rediss"):

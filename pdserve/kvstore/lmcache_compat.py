@@ -207,8 +207,8 @@ class ReconnectingRESPClient:
 
 def reconnect_resp(backend: RemoteBackend) -> None:
     """Wrap the RESP connector's native client (through LMCache's instrumentation wrapper)."""
-    from lmcache.v1.storage_backend.connector.redis_connector import RESPConnector
-    from lmcache.v1.storage_backend.native_clients.resp_client import RESPClient
+    from lmcache.v1.storage_backend.connector.redis_connector import RESPConnector  # optional dependency: lmcache
+    from lmcache.v1.storage_backend.native_clients.resp_client import RESPClient  # optional dependency: lmcache
     conn = getattr(backend.connection, "_connector", backend.connection)
     if not isinstance(conn, RESPConnector) or isinstance(conn.client, ReconnectingRESPClient):
         return

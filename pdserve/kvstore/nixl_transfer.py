@@ -56,7 +56,7 @@ def _import_nixl() -> tuple[Any, Any]:
         os.environ.setdefault(key, value)
     raise_exc = logging.raiseExceptions
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config  # optional dependency: nixl (the pdserve[nixl] extra)
     except ImportError as exc:
         raise ImportError(f"NIXL is not available: {exc}") from exc
     finally:

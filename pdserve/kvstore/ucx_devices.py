@@ -5,14 +5,14 @@ from the node's start-up, and needs nothing of NIXL.
 """
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
+import struct
 
 
 def interface_holding(ip: str) -> str | None:
     """The name of the network interface whose (primary IPv4) address is `ip`, or None."""
-    import fcntl
-    import socket
-    import struct
     siocgifaddr = 0x8915
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         for _, name in socket.if_nameindex():

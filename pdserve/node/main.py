@@ -5,7 +5,11 @@ import logging
 import os
 import time
 
+from pdserve.engine.config import EngineConfig, engine_options
+from pdserve.kvstore.factory import make_store
+from pdserve.kvstore.ucx_devices import pin_ucx_to_host
 from pdserve.node.compute_thread import on_compute_thread
+from pdserve.wire.curve_keys import NodeKeys
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ def _apply_thread_limit() -> None:
     if threads is None:
         return
     os.environ.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
-    import torch
+    import torch  # deferred: this module is torch-free until a node is served
     torch.set_num_threads(threads)
     log.info("compute threads for this node: %d", threads)
 
@@ -46,17 +50,15 @@ def _apply_thread_limit() -> None:
 def _engine(args):
     _apply_thread_limit()
     if getattr(args, "tensor_parallel_size", 1) > 1:
-        from pdserve.executor import executor
+        from pdserve.executor import executor  # deferred: loads torch; torch-free until a node is served
         executor.EXIT_ON_WORKER_DEATH = True  # a lost worker takes the node down; its owner restarts it
-    from pdserve.assembly.build import build_engine
-    from pdserve.engine.config import EngineConfig, engine_options
+    from pdserve.assembly.build import build_engine  # deferred: loads torch; torch-free until a node is served
     return build_engine(EngineConfig(model=args.model, remote_kv_timeout_s=args.kv_timeout_s, **engine_options(args)))
 
 
 def _use_curve(args) -> None:
     """Before the engine loads: a bad key directory fails in a second, not after the weights."""
-    from pdserve.node.runtime import NodeRuntime
-    from pdserve.wire.curve_keys import NodeKeys
+    from pdserve.node.runtime import NodeRuntime  # deferred: loads torch; torch-free until a node is served
     NodeRuntime.curve = NodeKeys.load(args.curve_dir) if args.curve_dir else None
     NodeRuntime.registry = getattr(args, "registry", None)
     NodeRuntime.advertise_host = getattr(args, "advertise_host", None)
@@ -64,7 +66,6 @@ def _use_curve(args) -> None:
 
 def _pin_ucx(bind: str) -> None:
     """NIXL's UCX listens only where the node's control socket is bound (not on every interface)."""
-    from pdserve.kvstore.ucx_devices import pin_ucx_to_host
     host = bind.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
     if (device := pin_ucx_to_host(host)) is not None:
         log.info("UCX limited to network device %s (the one holding %s)", device, host)
@@ -73,8 +74,7 @@ def _pin_ucx(bind: str) -> None:
 def _store(args, engine):
     if not args.store:
         return None
-    from pdserve.kvstore.factory import make_store
-    from pdserve.kvstore.layout import KVLayout
+    from pdserve.kvstore.layout import KVLayout  # deferred: loads torch; torch-free until a node is served
     options = {"chunk_tokens": args.store_chunk_tokens, "lmcache_config": args.lmcache_config}
     return make_store(args.store, layout=KVLayout.from_cache(engine.kv_cache, args.model),
                       **{k: v for k, v in options.items() if v is not None})
