@@ -107,6 +107,7 @@ def _log_axis(axis: Any, span: tuple[float, float]) -> None:
     """Plain numbers on a log axis (10, 20, 50, 100...), not 3x10^2; only powers of ten when the
     data spans over two decades, so the labels do not run into each other, and more ticks when
     it spans less than one, so the axis has more than one label."""
+    # optional dependency: matplotlib (the pdserve[plot] extra)
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     lo, hi = span
     ratio = hi / lo if lo > 0 else float("inf")
@@ -119,9 +120,9 @@ def _log_axis(axis: Any, span: tuple[float, float]) -> None:
 def plot(series: Series, path: str) -> None:
     """CDFs of each series' last run (its highest sweep level); with several levels anywhere,
     a fourth panel of output tokens/s against TTFT p99, each point marked with its concurrency."""
-    import matplotlib
+    import matplotlib  # optional dependency: matplotlib (the pdserve[plot] extra)
     matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency: matplotlib (the pdserve[plot] extra)
 
     sweeping = any(len(reports) > 1 for reports in series.values())
     panels = 4 if sweeping else 3

@@ -29,7 +29,7 @@ _STRING_CHAR_CLASSES = {
 
 def strict_json_grammar(schema: str) -> str:
     """The schema's grammar as EBNF, with every string character class held to strict JSON."""
-    import xgrammar as xgr
+    import xgrammar as xgr  # deferred: xgrammar loads torch, and the router imports this module
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=ANY_WHITESPACE))
     for lax, strict in _STRING_CHAR_CLASSES.items():
         ebnf = ebnf.replace(lax, strict)
@@ -44,7 +44,7 @@ def choice_grammar(choices: list[str]) -> str:
 def check_spec(spec: StructuredSpec) -> None:
     """Raise ValueError when the spec does not parse (no tokenizer needed: the router calls
     this so a malformed schema or regex is a 400, not a node error)."""
-    import xgrammar as xgr
+    import xgrammar as xgr  # deferred: xgrammar loads torch, and the router imports this module
     try:
         if spec.kind == "json":
             xgr.Grammar.from_json_schema(spec.spec, any_whitespace=ANY_WHITESPACE)

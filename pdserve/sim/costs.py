@@ -7,6 +7,7 @@ them back). Transfers use bench_nixl / bench_kvstore figures for that model's 16
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -42,12 +43,10 @@ def _timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> float:
 
 def calibrate(model: str = "builtin:tiny", threads: int = 1, repeats: int = 3) -> NodeCosts:
     """Measure the engine's prefill and decode costs (medians of `repeats`) in this process."""
-    import statistics
-
     # torch and the engine, only to calibrate: the simulator itself runs without them.
     import torch
 
-    from pdserve.offline.llm import LLM
+    from pdserve.offline.llm import LLM  # torch and the engine, as above
     torch.set_num_threads(threads)
     llm = LLM(model, enable_prefix_caching=False)
     engine = llm.engine

@@ -9,10 +9,11 @@ its mean inter-token time are both within target.
 """
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 
-from pdserve.cluster.planner import PoolSnapshot, SlaPlanner
+from pdserve.cluster.planner import PlannerConfig, PoolSnapshot, SlaPlanner
 from pdserve.router.placement.pd_decision import Targets
 from pdserve.sim.costs import NodeCosts
 from pdserve.sim.nodes import PrefixCache, SimDecodeNode, SimPrefillNode, SimRequest
@@ -228,7 +229,6 @@ def planner_for(nodes: int, slo: tuple[float, float]) -> SlaPlanner:
     intervals before a pool gives nodes up, a floor of an eighth of the nodes per role (a pool
     shrunk to one node takes every request of a shifted mix, and a request waits where it was
     routed), up to a quarter of the nodes per step."""
-    from pdserve.cluster.planner import PlannerConfig
     floor = max(1, nodes // 8)
     return SlaPlanner(PlannerConfig(ttft_slo_s=slo[0], itl_slo_s=slo[1], min_nodes=2 * floor, max_nodes=nodes,
                                     min_prefill=floor, min_decode=floor, calm_intervals=2, cooldown_intervals=1,
@@ -265,9 +265,9 @@ def elastic_table(rows: list[ElasticResult]) -> str:
 
 
 def elastic_plot(rows: list[ElasticResult], path: str) -> None:
-    import matplotlib
+    import matplotlib  # optional dependency: matplotlib (the pdserve[plot] extra)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency: matplotlib (the pdserve[plot] extra)
     sizes = sorted({int(r.label.split()[0]) for r in rows})
     fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
     for ax, n in zip(axes[0], sizes):
@@ -291,7 +291,6 @@ def elastic_plot(rows: list[ElasticResult], path: str) -> None:
 
 
 def run_elastic_eval(args) -> int:
-    import json
     costs = NodeCosts.load(args.costs) if args.costs else NodeCosts()
     slo = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
     placements = tuple(args.placements.split(","))

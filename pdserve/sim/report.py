@@ -61,9 +61,9 @@ def table(rows: list[Summary]) -> str:
 
 def plot(rows: list[Summary], path: str) -> None:
     """Hit rate and TTFT p50/p99 per configuration, one bar group each."""
-    import matplotlib
+    import matplotlib  # optional dependency: matplotlib (the pdserve[plot] extra)
     matplotlib.use("Agg")  # files only: no display on a server
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency: matplotlib (the pdserve[plot] extra)
     labels = [s.label for s in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, len(rows) * 1.2), 4.5))
     ax1.bar(labels, [s.hit_rate * 100 for s in rows], color="tab:green")

@@ -5,11 +5,13 @@ whose argmax flips under any change in reduction order).
 """
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
 
 from pdserve.models.builtin import build_byte_tokenizer
+from pdserve.protocol.sampling_params import SamplingParams
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2)
@@ -29,6 +31,7 @@ ARCHS = {
 
 
 def make_model(root: Path, kind: str, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
+    # deferred: transformers takes ~1 s to import, and tests import this module at collection
     from transformers import AutoConfig, AutoModelForCausalLM
     arch, extra = ARCHS[kind]
     tokenizer = build_byte_tokenizer()
@@ -51,6 +54,7 @@ def make_model(root: Path, kind: str, seed: int = 0, max_shard_size: str | None 
 
 
 def load_reference(path: Path):
+    # deferred: transformers takes ~1 s to import, and tests import this module at collection
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
@@ -63,8 +67,6 @@ def assert_matches_reference(llm, ref, seed: int, lengths: tuple[int, ...], new_
     """Random prompts of the given lengths: pdserve's prompt logits within tol of the transformers
     model ref's, and its greedy tokens equal to ref.generate's (with greedy text that varies, so
     the comparison means something)."""
-    import random
-
     rng = random.Random(seed)
     prompts = [[rng.randrange(ref.config.vocab_size) for _ in range(n)] for n in lengths]
     for prompt in prompts:
@@ -78,7 +80,6 @@ def assert_matches_reference(llm, ref, seed: int, lengths: tuple[int, ...], new_
 def assert_greedy_matches_reference(llm, ref, prompts: list[list[int]], new_tokens: int, what: str = "") -> None:
     """pdserve's greedy tokens equal the transformers model ref's generate, and vary (so the
     comparison means something)."""
-    from pdserve import SamplingParams
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, ours):
@@ -134,6 +135,7 @@ DEEPSEEK_ARCHS = {
 def make_deepseek(root: Path, kind: str, seed: int = 0, **overrides) -> Path:
     """A random-weight checkpoint written by transformers (std 0.2, norms and the routing
     correction bias randomised too, so every weight is exercised)."""
+    # deferred: transformers takes ~1 s to import, and tests import this module at collection
     from transformers import AutoConfig, AutoModelForCausalLM
     arch, extra = DEEPSEEK_ARCHS[kind]
     tokenizer = build_byte_tokenizer()

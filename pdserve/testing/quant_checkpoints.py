@@ -17,6 +17,7 @@ BLOCK = 128
 
 def _weight_qparams(weight: torch.Tensor, args) -> torch.Tensor:
     """Round-to-nearest scales from the weight's range, per channel or per block."""
+    # optional dependency: compressed-tensors (the pdserve[test] extra)
     from compressed_tensors.quantization.utils import calculate_qparams
     if args.strategy == "block":
         rows, cols = weight.shape
@@ -32,9 +33,14 @@ def _weight_qparams(weight: torch.Tensor, args) -> torch.Tensor:
 def write_act_quant(root, src, preset: str):
     """A compressed-tensors checkpoint of src under root/PRESET: weights quantized round-to-nearest
     with scales from their range, activations quantized per token at run time."""
+    # optional dependency: compressed-tensors (the pdserve[test] extra)
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
-    from transformers import AutoModelForCausalLM
+    from compressed_tensors.quantization import (  # optional dependency: compressed-tensors, as above
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from transformers import AutoModelForCausalLM  # deferred: transformers takes ~1 s to import
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     scheme = preset_name_to_scheme(preset, ["Linear"])
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))

@@ -76,7 +76,7 @@ class Reference:
 
 
 def load_reference() -> Reference:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: transformers takes ~1 s to import
     gguf = embedded_model_file(DEFAULT_MODEL)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
