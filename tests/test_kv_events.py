@@ -61,12 +61,12 @@ def test_publisher_batches_net_changes_numbers_them_and_snapshots():
 
 
 def test_router_keys_use_the_salt_the_node_reports_float32_and_bfloat16():
-    from pdserve.router.dispatch.cluster import ClusterBackend
+    from pdserve.router.main import build_backend
     prompt = list(range(20, 90))
     for dtype in ("float32", "bfloat16"):
         engine = build_engine(EngineConfig(model="builtin:tiny", dtype=dtype, num_kv_blocks=16))
         node_keys = block_key_chain(prompt, engine.config.block_size, engine.salt)
-        backend = ClusterBackend("builtin:tiny", [], ["tcp://127.0.0.1:1"], salt=b"a router-side guess!")
+        backend = build_backend([], ["tcp://127.0.0.1:1"], salt=b"a router-side guess!")
         node = backend.nodes[0]
         backend.pool._on_pong(node, _node_pong(engine))
         assert backend.block_keys(prompt) == node_keys

@@ -306,7 +306,7 @@ def serve_instrumented_router(args: argparse.Namespace) -> int:
     import uvicorn
     from fastapi.responses import JSONResponse, PlainTextResponse
 
-    import pdserve.router.dispatch.cluster as cluster_mod
+    import pdserve.router.dispatch.node_events as events_mod
     import pdserve.router.dispatch.nodes as nodes_mod
     import pdserve.router.routes.app as app_mod
     from pdserve.router.main import build_app
@@ -354,14 +354,14 @@ def serve_instrumented_router(args: argparse.Namespace) -> int:
         return real_encode(msg)
 
     nodes_mod.encode = timed_encode
-    real_on_message = cluster_mod.ClusterBackend._on_message
+    real_on_message = events_mod.NodeEvents.on_message
 
     def timed_on_message(self, node, msg):
         if isinstance(msg, TD) and msg.output.finished and msg.output.request_id in by_rid:
             by_rid[msg.output.request_id]["delta"] = now_ns()
         return real_on_message(self, node, msg)
 
-    cluster_mod.ClusterBackend._on_message = timed_on_message
+    events_mod.NodeEvents.on_message = timed_on_message
     app = build_app(args.model, [], [args.decode], "nixl", 16, "float32", None)
     profiler: dict[str, Any] = {}
 

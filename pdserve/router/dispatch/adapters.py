@@ -14,7 +14,7 @@
   reads its messages in order), so the node loads it before serving.
 - Routing: a node's cost for an adapter is 0 when resident in its slots (active_loras), 1 when
   registered only (a slot load), 2 when absent (read from disk first); the planner prefers the
-  cheapest nodes (policy.py).
+  cheapest nodes (placement/policy.py).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from pdserve.router.dispatch.nodes import Node, NodePool
 from pdserve.wire.messages import LoadLoRA, LoRAReply, Pong, UnloadLoRA
 
 log = logging.getLogger(__name__)
@@ -48,12 +49,12 @@ class NodeAdapters:
 
 
 class RouterAdapters:
-    def __init__(self, modules: dict[str, str] | None = None):
+    def __init__(self, modules: dict[str, str] | None = None, pool: NodePool | None = None):
         self.paths: dict[str, str] = dict(modules or {})
         self.nodes: dict[str, NodeAdapters] = {}
         self._seq = itertools.count(1)
         self._replies: dict[int, asyncio.Future] = {}
-        self.pool = None  # the backend's NodePool, set by ClusterBackend
+        self.pool = pool  # the cluster's nodes (None: an app without a cluster, nothing to load)
         self.in_flight: Counter[str] = Counter()  # requests on each adapter, routed by this router
 
     def __contains__(self, name: object) -> bool:
@@ -136,6 +137,18 @@ class RouterAdapters:
         state = self.nodes.setdefault(node.node_id, NodeAdapters())
         state.registered, state.active = set(msg.loras), set(msg.active_loras)
         return [self._load_msg(state, name) for name in self.paths if self._needs(state, name)]
+
+    async def send_ahead(self, node: Node, name: str | None) -> None:
+        """A node that may lack the request's adapter is told to load it first (it reads its
+        messages in order, so it has it when the request arrives)."""
+        load = self.before_request(node, name)
+        if load is not None:
+            await self.pool.send(node, load)
+
+    def report(self, node_id: str) -> dict:
+        """The node's adapters from its last pong: registered and resident in its slots."""
+        state = self.nodes.get(node_id)
+        return {"loras": sorted(state.registered), "active_loras": sorted(state.active)} if state else {}
 
     def before_request(self, node, name: str | None) -> LoadLoRA | None:
         """A LoadLoRA to send ahead of a request naming `name`, if the node may lack it."""

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 
+from pdserve.router.dispatch.inflight import Inflight
 from pdserve.router.dispatch.nodes import Node
 from pdserve.wire.messages import ROLES, Pong
 
@@ -26,8 +27,8 @@ MOVE_CHECK_S = 0.25
 
 
 class DrainTracker:
-    def __init__(self, backend) -> None:
-        self.backend = backend  # the ClusterBackend: owns the streams and moves them
+    def __init__(self, inflight: Inflight) -> None:
+        self.inflight = inflight  # the requests on the nodes: moved off a draining one
         self.states: dict[str, str] = {}  # node id -> the state its last pong reported
         self._movers: dict[str, asyncio.Task] = {}
         self.grace_s: dict[str, float] = {}  # node id -> decode grace asked for by this router's admin
@@ -57,6 +58,10 @@ class DrainTracker:
             self.grace_s.pop(node.node_id, None)
             self._stop_mover(node.node_id)
 
+    def set_grace(self, node_id: str, grace_s: float) -> None:
+        """How long decode streams may stay on this node once it drains (this router's admin asked)."""
+        self.grace_s[node_id] = grace_s
+
     def drained(self, node: Node) -> bool:
         """The node reports nothing in flight and this router has nothing on it."""
         return self.state(node.node_id) == "drained" and not node.requests
@@ -70,12 +75,12 @@ class DrainTracker:
                 now = time.monotonic()
                 for rid in node.requests:
                     seen.setdefault(rid, now)
-                prefilling = self.backend.prefill_results
                 grace = self.grace_s.get(node.node_id, DECODE_GRACE_S)
+                prefilling = {r for r in node.requests if self.inflight.awaits_reply(r)}
                 streams = [r for r in node.requests if r not in prefilling and now - seen[r] >= grace]
                 prefills = [r for r in node.requests if r in prefilling and now - seen[r] >= PREFILL_GRACE_S]
-                self.counters["streams_moved"] += self.backend.move_requests(node, streams, planned=True)
-                self.counters["prefills_moved"] += self.backend.move_requests(node, prefills, planned=True)
+                self.counters["streams_moved"] += self.inflight.move(node, streams, planned=True)
+                self.counters["prefills_moved"] += self.inflight.move(node, prefills, planned=True)
                 await asyncio.sleep(MOVE_CHECK_S)
         finally:
             self._movers.pop(node.node_id, None)

@@ -1,12 +1,12 @@
-"""A node as the routing policy sees it (policy.NodeView), from the router's own counts and the
-node's last pong."""
+"""A node as placement sees it (placement.views.NodeView), from the router's own counts and the
+node's last pong; and the counts the router keeps there for the prompts a node prefills itself."""
 from __future__ import annotations
 
 import math
 
 from pdserve.protocol.tpot_budget import StepCosts
 from pdserve.router.dispatch.nodes import Node
-from pdserve.router.placement.policy import NodeView
+from pdserve.router.placement.views import NodeView
 
 
 def node_view(node: Node, adapter_cost: int = 0) -> NodeView:
@@ -26,3 +26,20 @@ def node_view(node: Node, adapter_cost: int = 0) -> NodeView:
                     max_step_tokens=stats.get("max_num_batched_tokens", 2048), adapter_cost=adapter_cost,
                     takes_whole=bool(stats.get("serves_whole", 0)),
                     stream_slack_s=stats["stream_slack_us"] / 1e6 if "stream_slack_us" in stats else math.inf)
+
+
+def queue_local(node: Node, rid: str, tokens: int) -> None:
+    """The decode node prefills this prompt: its `tokens` count as queued there until the first
+    token (the decision's estimate of that node's prefill queue). On a prefill node (a whole
+    request) it also counts as a stream decoding there until it ends."""
+    node.queued_tokens[rid] = max(tokens, 1)
+    if node.role == "prefill":
+        node.whole.add(rid)
+
+
+def unqueue_local(node: Node, rid: str) -> None:
+    node.queued_tokens.pop(rid, None)
+
+
+def end_whole(node: Node, rid: str) -> None:
+    node.whole.discard(rid)

@@ -56,14 +56,15 @@ class Node:
 
 
 class NodePool:
-    """Keeps every node's health current and hands each decoded message to `on_message`."""
-    # CURVE keys (--curve-dir), or None for plain TCP. Set on the class by the router's main:
-    # one pool per process, built inside ClusterBackend.
-    curve: RouterKeys | None = None
+    """Keeps every node's health current and hands each decoded message to `on_message`
+    (given here or, by the router's main, through listen). curve: the router's CURVE keys
+    (--curve-dir), or None for plain TCP."""
 
     def __init__(self, prefill_addrs: list[str], decode_addrs: list[str],
-                 on_message: Callable[[Node, Message], None], on_dead: Callable[[Node], None]):
+                 on_message: Callable[[Node, Message], None] | None = None,
+                 on_dead: Callable[[Node], None] | None = None, curve: RouterKeys | None = None):
         self.ctx = zmq.asyncio.Context.instance()
+        self.curve = curve
         # One live list: metrics and the cluster hold references to it, so it is changed in place.
         self.nodes = [self._connect(f"prefill-{i}", "prefill", a) for i, a in enumerate(prefill_addrs)]
         self.nodes += [self._connect(f"decode-{i}", "decode", a) for i, a in enumerate(decode_addrs)]
@@ -72,6 +73,15 @@ class NodePool:
         self._tasks: list[asyncio.Task] = []
         self._node_tasks: dict[str, list[asyncio.Task]] = {}
         self._started = False
+
+    def listen(self, on_message: Callable[[Node, Message], None], on_dead: Callable[[Node], None]) -> None:
+        """Where the nodes' messages and deaths go (set before start)."""
+        self.on_message = on_message
+        self.on_dead = on_dead
+
+    def kv_salts(self) -> list[bytes]:
+        """The distinct block-key salts the healthy nodes report, sorted."""
+        return sorted({n.kv_salt for n in self.nodes if n.healthy and n.kv_salt})
 
     def _connect(self, node_id: str, role: str, address: str) -> Node:
         sock = self.ctx.socket(zmq.DEALER)

@@ -2,7 +2,7 @@
 that will decode it (local), chosen from load and the request's TTFT and ITL targets. Pure: the
 load comes in as a small snapshot, so the logic is testable without sockets.
 
-Both sides are priced with the router's TTFT cost model (policy.Planner: the tokens a node has
+Both sides are priced with the router's TTFT cost model (costs.CostModel: the tokens a node has
 queued plus the ones it would compute, times its measured seconds per token), extended here to
 the decode node's steps. A decode node holds its streams' ITL target as a mean (TPOT): it
 prefills as much per step as its streams' banked and future slack allows (node.step_budget).
@@ -33,6 +33,9 @@ The rule, in order:
 A split (the prefill node computes the first part, the decode node the rest) is never chosen:
 the second part needs the first part's KV, so a split's TTFT is the sum of both parts', and since
 both are linear in the tokens each side takes, one side alone is always at least as fast.
+
+PDRule applies the rule to node views (policy.Planner calls it once per request under the slo
+placement); place and place_short are the rule over a load snapshot.
 """
 from __future__ import annotations
 
@@ -40,12 +43,15 @@ import math
 from dataclasses import dataclass
 
 from pdserve.protocol.tpot_budget import (
+    STREAM_TOKENS_CAP,
     TARGET_SHARE,
     StepCosts,
     absorbs_prefill,
     prefill_tokens_per_step,
     spread_tpot_s,
 )
+from pdserve.router.placement.costs import CostModel
+from pdserve.router.placement.views import NodeView
 
 # A prefill node whose estimated TTFT is within this share of the target takes the prompt: the
 # estimate misses what arrives after it (Poisson bursts), so the queue is not filled to the brim.
@@ -72,7 +78,7 @@ class DecodeLoad:
 
 
 @dataclass(frozen=True)
-class Placement:
+class PDChoice:
     local: bool
     remote_ttft_s: float
     local_ttft_s: float
@@ -139,29 +145,29 @@ def _holds_stream_better(whole: DecodeLoad | None, load: DecodeLoad, targets: Ta
 
 
 def place(remote_ttft_s: float | None, local_tokens: int, load: DecodeLoad, targets: Targets,
-          whole: DecodeLoad | None = None, stream_tokens: int = 0) -> Placement:
+          whole: DecodeLoad | None = None, stream_tokens: int = 0) -> PDChoice:
     """remote_ttft_s: the best prefill node's estimate (None: no prefill node). whole: that node's
     load as a decode node, when it serves whole requests. stream_tokens: the tokens a stream
     decodes (the request's max_tokens, capped; 0 unknown: then the decode node must have room in
     every step, tpot_budget.has_headroom)."""
     local = local_ttft_s(local_tokens, load, targets.itl_s, stream_tokens)
     if remote_ttft_s is None:
-        return Placement(True, math.inf, local, "no prefill node")
+        return PDChoice(True, math.inf, local, "no prefill node")
     if not _has_room(load, local_tokens, targets, stream_tokens):
         if _takes_stream(load, targets, stream_tokens):
-            return Placement(False, remote_ttft_s, local, "decode steps at their ITL target with its prefill")
+            return PDChoice(False, remote_ttft_s, local, "decode steps at their ITL target with its prefill")
         if _holds_stream_better(whole, load, targets, stream_tokens):
-            return Placement(False, remote_ttft_s, local, "decode node full: whole on the prefill node", whole=True)
-        return Placement(False, remote_ttft_s, local, "decode steps at their ITL target")
+            return PDChoice(False, remote_ttft_s, local, "decode node full: whole on the prefill node", whole=True)
+        return PDChoice(False, remote_ttft_s, local, "decode steps at their ITL target")
     if remote_ttft_s <= targets.ttft_s * REMOTE_COMFORT:
-        return Placement(False, remote_ttft_s, local, "prefill node within the TTFT target")
+        return PDChoice(False, remote_ttft_s, local, "prefill node within the TTFT target")
     if local < remote_ttft_s:
-        return Placement(True, remote_ttft_s, local, "decode node first")
-    return Placement(False, remote_ttft_s, local, "prefill node first")
+        return PDChoice(True, remote_ttft_s, local, "decode node first")
+    return PDChoice(False, remote_ttft_s, local, "prefill node first")
 
 
 def place_short(local_tokens: int, load: DecodeLoad, targets: Targets, whole: DecodeLoad | None = None,
-                whole_ttft_s: float = math.inf, stream_tokens: int = 0) -> Placement:
+                whole_ttft_s: float = math.inf, stream_tokens: int = 0) -> PDChoice:
     """Rule 1's second case: the prompt lacks few tokens on the decode node (a cached prefix, a
     short prompt), so no prefill node is worth a round trip and the decode node prefills it. But
     when the decode node cannot take one more stream and a prefill node that serves whole
@@ -171,5 +177,65 @@ def place_short(local_tokens: int, load: DecodeLoad, targets: Targets, whole: De
     local = local_ttft_s(local_tokens, load, targets.itl_s, stream_tokens)
     if (not _takes_stream(load, targets, stream_tokens) and whole_ttft_s <= targets.ttft_s * REMOTE_COMFORT
             and _holds_stream_better(whole, load, targets, stream_tokens)):
-        return Placement(False, whole_ttft_s, local, "decode node full: whole on the prefill node", whole=True)
-    return Placement(True, whole_ttft_s, local, "few prompt tokens to compute")
+        return PDChoice(False, whole_ttft_s, local, "decode node full: whole on the prefill node", whole=True)
+    return PDChoice(True, whole_ttft_s, local, "few prompt tokens to compute")
+
+
+@dataclass(frozen=True)
+class PDOutcome:
+    """Where the rule puts a request: the node that decodes it (the decode node, or a prefill
+    node that runs it whole) and the prefill node (None: the decoding node prefills it)."""
+    decode: NodeView
+    prefill: NodeView | None
+    choice: PDChoice
+
+
+class PDRule:
+    """The rule over node views, each side priced with the router's cost model."""
+
+    def __init__(self, costs: CostModel):
+        self.costs = costs
+
+    def decide(self, prompt_len: int, held: dict[str, int], d_node: NodeView, p_node: NodeView | None,
+               prefill: list[NodeView], targets: Targets, max_tokens: int) -> PDOutcome | None:
+        """p_node: the prefill node chosen for the prompt; None when the decode node lacks too
+        few of its tokens for a round trip (rule 1: place_short). None back: nothing to decide
+        (a short prompt and no prefill node serving whole requests), the decode node prefills."""
+        stream_tokens = min(max_tokens, STREAM_TOKENS_CAP)
+        local_tokens = prompt_len - self.costs.held_tokens(d_node, held, prompt_len)
+        d_load = self.host_load(d_node, prefill)
+        if p_node is None:
+            return self._short(prompt_len, local_tokens, held, d_node, d_load, prefill, targets, stream_tokens)
+        p_load = self.host_load(p_node, prefill)
+        remote = self.prefill_ttft(p_node, p_load, prefill, held, prompt_len, targets, stream_tokens)
+        whole = p_load if p_node.takes_whole else None
+        choice = place(remote, local_tokens, d_load, targets, whole, stream_tokens)
+        return PDOutcome(p_node if choice.whole else d_node, None if choice.local or choice.whole else p_node, choice)
+
+    def _short(self, prompt_len: int, local_tokens: int, held: dict[str, int], d_node: NodeView, d_load: DecodeLoad,
+               prefill: list[NodeView], targets: Targets, stream_tokens: int) -> PDOutcome | None:
+        """place_short: the decode node, or when that is full, the prefill node serving whole
+        requests with the fewest streams."""
+        hosts = [n for n in prefill if n.takes_whole]
+        if not hosts:
+            return None
+        host = min(hosts, key=lambda n: (n.decode_rows, n.queued_tokens))
+        h_load = self.host_load(host, prefill)
+        h_ttft = self.prefill_ttft(host, h_load, prefill, held, prompt_len, targets, stream_tokens)
+        choice = place_short(local_tokens, d_load, targets, h_load, h_ttft, stream_tokens)
+        return PDOutcome(host if choice.whole else d_node, None, choice)
+
+    def prefill_ttft(self, node: NodeView, load: DecodeLoad, prefill: list[NodeView], held: dict[str, int],
+                     prompt_len: int, targets: Targets, stream_tokens: int) -> float:
+        """A prefill node's TTFT estimate for the prompt; one that decodes streams (whole requests)
+        prefills in capped chunks to hold their ITL target, so it is priced as a decode node too."""
+        ttft = self.costs.ttft_costs(prefill, held, prompt_len)[node.node_id]
+        if node.decode_rows:
+            tokens = prompt_len - self.costs.held_tokens(node, held, prompt_len)
+            ttft = max(ttft, local_ttft_s(tokens, load, targets.itl_s, stream_tokens))
+        return ttft
+
+    def host_load(self, node: NodeView, prefill: list[NodeView]) -> DecodeLoad:
+        """The node as a host of decode streams."""
+        return DecodeLoad(node.decode_rows, self.costs.decode_costs(node, prefill), node.queued_tokens,
+                          node.max_step_tokens, node.stream_slack_s)

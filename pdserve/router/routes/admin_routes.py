@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.router.openai.errors import APIError, bad_request
+from pdserve.router.scaling.planner_loop import PlannerLoop
 from pdserve.router.scaling.scaler import ScaleError, Scaler
 
 
@@ -33,19 +34,18 @@ class SwitchBody(BaseModel):
     grace_s: float | None = Field(default=None, ge=0, le=3600)
 
 
-def _scaler(backend: Any) -> Scaler:
-    scaler = getattr(backend, "scaler", None)
+def _scaler(scaler: Scaler | None) -> Scaler:
     if scaler is None:
         raise APIError(404, "this router's backend cannot be scaled", "not_found_error")
     return scaler
 
 
-def add_admin_routes(app: FastAPI, backend: Any) -> None:
+def add_admin_routes(app: FastAPI, scaler: Scaler | None, planner: PlannerLoop | None = None) -> None:
+    """scaler: None for a backend that cannot be scaled (every route answers 404); planner: the
+    SLA planner loop, when --planner sla."""
     @app.get("/admin/nodes", include_in_schema=False)
     async def admin_nodes() -> dict[str, Any]:
-        scaler = _scaler(backend)
-        planner = getattr(backend, "planner_loop", None)
-        return {**scaler.describe(), "owned": await _run(scaler.owned()),
+        return {**_scaler(scaler).describe(), "owned": await _run(_scaler(scaler).owned()),
                 "planner": planner.recent() if planner is not None else None}
 
     @app.post("/admin/scale", include_in_schema=False)
@@ -53,11 +53,11 @@ def add_admin_routes(app: FastAPI, backend: Any) -> None:
         if body.prefill is None and body.decode is None:
             raise bad_request("give prefill, decode or both")
         targets = {"prefill": body.prefill, "decode": body.decode}
-        return await _run(_scaler(backend).scale(targets, body.wait, body.grace_s, tuple(body.remove)))
+        return await _run(_scaler(scaler).scale(targets, body.wait, body.grace_s, tuple(body.remove)))
 
     @app.post("/admin/switch", include_in_schema=False)
     async def admin_switch(body: SwitchBody) -> dict[str, Any]:
-        return await _run(_scaler(backend).switch(body.node_id, body.to_role, body.grace_s))
+        return await _run(_scaler(scaler).switch(body.node_id, body.to_role, body.grace_s))
 
 
 async def _run(action):

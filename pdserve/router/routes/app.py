@@ -62,6 +62,8 @@ from pdserve.router.routes.model_routes import ServedModel, add_model_routes
 from pdserve.router.routes.responses_route import add_responses_routes
 from pdserve.router.routes.tenants import request_cache_salt
 from pdserve.router.routes.tokenize_routes import add_tokenize_routes
+from pdserve.router.scaling.planner_loop import PlannerLoop
+from pdserve.router.scaling.scaler import Scaler
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +182,7 @@ class _Router:
         params, flavor = job.params, job.flavor
         logger.info("%s: prompt_tokens=%d choices=%d max_tokens=%d stream=%s", request_id,
                     job.max_prompt_tokens, len(params), params[0].max_tokens, bool(body.stream))
-        default_targets = getattr(getattr(self.backend, "planner", None), "targets", None)
+        default_targets = getattr(self.backend, "targets", None)  # only backends that place prompts
         group = GenerationGroup(self.backend, request_id, job.choice_prompts[0], params, session=body.user,
                                 choice_prompts=job.choice_prompts, targets=body.targets(default_targets),
                                 cache_salt=request_cache_salt(request, body.cache_salt),
@@ -284,12 +286,14 @@ def _openapi_document(app: FastAPI, vocab_size: int) -> dict[str, Any]:
 def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
                max_model_len: int, admission: dict[str, Any] | None = None,
                tool_call_parser: str | None = None, served_model_names: list[str] | None = None,
-               model_root: str | None = None, embedding: EmbeddingOptions | None = None) -> FastAPI:
+               model_root: str | None = None, embedding: EmbeddingOptions | None = None,
+               scaler: Scaler | None = None, planner: PlannerLoop | None = None) -> FastAPI:
     """admission: AdmissionMiddleware's options (api_key, protect_metrics, max_body_bytes,
     max_queued_requests). tool_call_parser: the tool-call format of tool_choice "auto"
     (tool_parsers.PARSERS; default: the chat template's). served_model_names: the names a
     request may use (default: model_name); model_root: the tokenizer's directory, for /v1/models.
-    embedding: /v1/embeddings' pooling and vector size."""
+    embedding: /v1/embeddings' pooling and vector size. scaler, planner: the cluster's scaling
+    (admin_routes), None where the backend cannot be scaled."""
     app = FastAPI(title="pdserve router")
     app.add_middleware(AdmissionMiddleware, metrics=getattr(backend, "metrics", None), **(admission or {}))
     install_error_handlers(app)
@@ -302,7 +306,7 @@ def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
     _add_info_routes(app, router)
     add_tokenize_routes(app, router)
     add_embedding_routes(app, router, embedding or EmbeddingOptions())
-    add_admin_routes(app, backend)
+    add_admin_routes(app, scaler, planner)
     add_lora_routes(app, served)
     app.state.router = router
     app.openapi = lambda: _openapi_document(app, router.vocab_size)  # type: ignore[method-assign]

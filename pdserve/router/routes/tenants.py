@@ -3,27 +3,16 @@
 A tenant comes from the API key (`--api-key KEY:TENANT`, several keys separated by commas) or,
 when the key names none, from the `x-tenant-id` header (as Dynamo takes it; meant for a trusted
 gateway in front of the router, which sets it). The body's `cache_salt` (vLLM's field) mixes
-with the tenant: see pdserve.protocol.cache_salt.tenant_cache_salt.
+with the tenant: see pdserve.protocol.cache_salt.tenant_cache_salt. The request's KV scope
+(its salt and adapter) is router.placement.keys.KVScope.
 """
 from __future__ import annotations
-
-import dataclasses
 
 from fastapi import Request
 
 from pdserve.protocol.cache_salt import cache_salt_error, tenant_cache_salt
 from pdserve.router.openai.errors import bad_request
 
-
-@dataclasses.dataclass(frozen=True)
-class KVScope:
-    """What keys a request's KV blocks apart from other requests': its salt string (a tenant's
-    cache_salt, pdserve.protocol.cache_salt) and its LoRA adapter. Both travel to the nodes."""
-    cache_salt: str | None = None
-    adapter: str | None = None
-
-
-NO_SCOPE = KVScope()
 TENANT_HEADER = "x-tenant-id"
 SCOPE_TENANT = "pdserve.tenant"  # set in the ASGI scope by AdmissionMiddleware from the API key
 

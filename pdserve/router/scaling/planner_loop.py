@@ -14,7 +14,8 @@ import time
 from prometheus_client import Counter, Gauge, Histogram
 
 from pdserve.cluster.planner import Decision, PoolSnapshot, SlaPlanner
-from pdserve.router.scaling.scaler import ScaleError
+from pdserve.router.dispatch.metrics import RouterMetrics
+from pdserve.router.scaling.scaler import ScaleError, Scaler
 from pdserve.wire.messages import ROLES
 
 log = logging.getLogger(__name__)
@@ -44,13 +45,13 @@ def interval_quantile(before: list[tuple[float, float]], after: list[tuple[float
 
 
 class PlannerLoop:
-    def __init__(self, backend, planner: SlaPlanner, interval_s: float = 5.0):
-        self.backend = backend  # ClusterBackend: its metrics, pool and scaler
+    def __init__(self, metrics: RouterMetrics, scaler: Scaler, planner: SlaPlanner, interval_s: float = 5.0):
+        self.metrics = metrics  # the router's latency histograms and prompt token count
+        self.scaler = scaler  # what it acts through
         self.planner = planner
         self.interval_s = interval_s
         self.decisions: list[Decision] = []
         self._task: asyncio.Task | None = None
-        metrics = backend.metrics
         self._last = {"ttft": bucket_counts(metrics.ttft), "itl": bucket_counts(metrics.itl)}
         self._last_prompt_tokens, self._last_time = _counter_value(metrics.prompt_tokens), time.monotonic()
         r = metrics.registry
@@ -97,7 +98,7 @@ class PlannerLoop:
         return decision
 
     def snapshot(self) -> PoolSnapshot:
-        metrics, scaler = self.backend.metrics, self.backend.scaler
+        metrics, scaler = self.metrics, self.scaler
         now = {"ttft": bucket_counts(metrics.ttft), "itl": bucket_counts(metrics.itl)}
         ttft = interval_quantile(self._last["ttft"], now["ttft"], 0.9)
         itl = interval_quantile(self._last["itl"], now["itl"], 0.9)
@@ -124,7 +125,7 @@ class PlannerLoop:
                  "reasons": d.reasons} for d in acted]
 
     async def act(self, decision: Decision) -> None:
-        scaler = self.backend.scaler
+        scaler = self.scaler
         if decision.kind == "switch":
             source = "decode" if decision.switch_to == "prefill" else "prefill"
             count = max(abs(getattr(decision, source) - len(scaler.active(source))), 1)
@@ -137,13 +138,3 @@ class PlannerLoop:
         else:
             await scaler.scale({"prefill": decision.prefill, "decode": decision.decode})
 
-
-def attach_planner(backend, args) -> None:
-    """Give the router's backend its planner loop (started with the backend) when --planner sla."""
-    if getattr(args, "planner", "none") != "sla":
-        return
-    from pdserve.cluster.planner import PlannerConfig
-    config = PlannerConfig(ttft_slo_s=args.ttft_slo_ms / 1e3, itl_slo_s=args.itl_slo_ms / 1e3,
-                           min_nodes=args.min_nodes, max_nodes=args.max_nodes,
-                           min_prefill=args.min_prefill_nodes, min_decode=args.min_decode_nodes)
-    backend.planner_loop = PlannerLoop(backend, SlaPlanner(config), args.planner_interval_s)

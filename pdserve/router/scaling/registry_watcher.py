@@ -55,7 +55,7 @@ class RegistryWatcher:
 
     async def run(self) -> None:
         if is_redis_url(self.registry_url):
-            from pdserve.cluster.registry_redis import watch_redis
+            from pdserve.cluster.registry_redis import watch_redis  # optional: redis, only for a redis:// registry
             await watch_redis(self.registry_url, self.apply)
             return
         await self._watch_zmq()

@@ -15,7 +15,8 @@ import time
 import zmq
 import zmq.asyncio
 
-from pdserve.router.dispatch.nodes import Node
+from pdserve.router.dispatch.drain import DrainTracker
+from pdserve.router.dispatch.nodes import Node, NodePool
 from pdserve.wire.messages import (
     ROLES,
     Drain,
@@ -64,22 +65,23 @@ class OwnerClient:
 
 
 class Scaler:
-    def __init__(self, backend, owner: OwnerClient | None = None) -> None:
-        self.backend = backend  # ClusterBackend
-        self.owner = owner
+    def __init__(self, pool: NodePool, drains: DrainTracker, owner: OwnerClient | None = None) -> None:
+        self.pool = pool
+        self.drains = drains
+        self.owner = owner  # None: no node owner, so role switches only
         self._lock = asyncio.Lock()  # one scale or switch at a time
         self.counters = {"scale_up": 0, "scale_down": 0, "switch": 0}
 
     def active(self, role: str) -> list[Node]:
         """Nodes of `role` taking new work (healthy or still joining), not draining."""
-        return [n for n in self.backend.pool.nodes if n.role == role and not n.draining and not n.closed]
+        return [n for n in self.pool.nodes if n.role == role and not n.draining and not n.closed]
 
     def describe(self) -> dict:
-        drains = self.backend.drains
+        drains = self.drains
         nodes = [{"id": n.node_id, "role": n.role, "address": n.address, "healthy": n.healthy,
                   "state": drains.state(n.node_id), "draining": n.draining, "in_flight": len(n.requests),
                   "tensor_parallel_size": n.stats.get("tensor_parallel_size", 1)}
-                 for n in self.backend.pool.nodes]
+                 for n in self.pool.nodes]
         return {"nodes": nodes, "owner": self.owner.address if self.owner else None,
                 "counts": {r: len(self.active(r)) for r in ROLES}, "actions": dict(self.counters)}
 
@@ -118,7 +120,7 @@ class Scaler:
         reply = await self.owner.request(StartNode(role))
         if not reply.ok:
             raise ScaleError(f"the node owner could not start a {role} node: {reply.detail}")
-        node = self.backend.pool.get(reply.node_id) or self.backend.pool.add_node(reply.node_id, role, reply.address)
+        node = self.pool.get(reply.node_id) or self.pool.add_node(reply.node_id, role, reply.address)
         self.counters["scale_up"] += 1
         log.info("scale: started %s at %s", reply.node_id, reply.address)
         return node
@@ -128,15 +130,15 @@ class Scaler:
         reply = await self.owner.request(StopNode(node.node_id))
         if not reply.ok:
             log.warning("scale: the owner could not stop %s: %s", node.node_id, reply.detail)
-        await self.backend.pool.remove_node(node.node_id)
+        await self.pool.remove_node(node.node_id)
         self.counters["scale_down"] += 1
         log.info("scale: %s drained and stopped", node.node_id)
 
     async def drain(self, node: Node, to_role: str = "", grace_s: float | None = None) -> None:
         node.draining = True  # out of this router's rotation at once; the pongs confirm it
         if grace_s is not None:
-            self.backend.drains.grace_s[node.node_id] = grace_s
-        await self.backend.pool.send(node, Drain(to_role))
+            self.drains.set_grace(node.node_id, grace_s)
+        await self.pool.send(node, Drain(to_role))
         if not to_role:
             try:
                 await self._wait(lambda: self._drained(node.node_id), DRAIN_TIMEOUT_S, f"{node.node_id} to drain")
@@ -147,7 +149,7 @@ class Scaler:
     async def switch(self, node_id: str, to_role: str, grace_s: float | None = None) -> dict:
         if to_role not in ROLES:
             raise ScaleError(f"to_role must be one of {list(ROLES)}, not {to_role!r}")
-        node = self.backend.pool.get(node_id)
+        node = self.pool.get(node_id)
         if node is None:
             raise ScaleError(f"no node {node_id!r}")
         if node.role == to_role:
@@ -180,11 +182,11 @@ class Scaler:
     # A registry watcher may replace a node's Node object (a role change re-adds it): look nodes
     # up by id each time.
     def _drained(self, node_id: str) -> bool:
-        node = self.backend.pool.get(node_id)
-        return node is None or not node.healthy or self.backend.drains.drained(node)
+        node = self.pool.get(node_id)
+        return node is None or not node.healthy or self.drains.drained(node)
 
     def _serving(self, node_id: str, role: str) -> bool:
-        node = self.backend.pool.get(node_id)
+        node = self.pool.get(node_id)
         return node is not None and node.role == role and not node.draining and node.healthy
 
     async def owned(self) -> dict[str, str]:

@@ -1,0 +1,88 @@
+"""The requests this router has on nodes, and where each node's replies for them go.
+
+Each request has an owner: the node whose replies count (a reply from any other node, such as
+one the request was moved off, is stale). A decode stream's tokens go to its queue; a request
+that waits for one reply (a prefill, an embedding) waits on a future. Moving a request off a
+node (the node died, drains, or rejected it) fails that future, or puts a Lost marker in the
+stream's queue, so the path serving it retries elsewhere."""
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.protocol.outputs import StepOutput
+from pdserve.router.dispatch.failover import NodeLost
+from pdserve.router.dispatch.nodes import Node
+from pdserve.wire.messages import EmbedResult, PrefillResult
+
+
+class Lost:
+    """Queue marker: the decode node serving the request was lost (or drains: planned)."""
+
+    def __init__(self, node_id: str, planned: bool = False):
+        self.node_id = node_id
+        self.planned = planned
+
+
+class Inflight:
+    def __init__(self) -> None:
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.replies: dict[str, asyncio.Future] = {}  # request id -> its one reply (prefill, embedding)
+        self.owner: dict[str, str | None] = {}  # request id -> the node whose replies count
+
+    def open_stream(self, rid: str) -> asyncio.Queue:
+        self.streams[rid] = asyncio.Queue()
+        return self.streams[rid]
+
+    def close_stream(self, rid: str) -> None:
+        self.streams.pop(rid, None)
+        self.owner.pop(rid, None)
+
+    def assign(self, rid: str, node: Node) -> None:
+        """The node serves the request now: its replies count, and it counts the request."""
+        self.owner[rid] = node.node_id
+        node.requests.add(rid)
+
+    def expect_reply(self, rid: str, node: Node) -> asyncio.Future:
+        """The future the node's one reply for `rid` resolves; the node owns the request now."""
+        fut = asyncio.get_running_loop().create_future()
+        self.replies[rid] = fut
+        self.owner[rid] = node.node_id
+        return fut
+
+    def awaits_reply(self, rid: str) -> bool:
+        return rid in self.replies
+
+    def drop_reply(self, rid: str, release: bool = False) -> None:
+        """release: the request ends with this reply (an embedding), no node owns it now."""
+        self.replies.pop(rid, None)
+        if release:
+            self.owner.pop(rid, None)
+
+    def on_reply(self, node: Node, msg: PrefillResult | EmbedResult) -> None:
+        fut = self.replies.get(msg.request_id)
+        if fut is not None and not fut.done() and self.owner.get(msg.request_id) == node.node_id:
+            fut.set_result(msg)
+
+    def on_output(self, node: Node, out: StepOutput) -> None:
+        queue = self.streams.get(out.request_id)
+        if queue is not None and self.owner.get(out.request_id) == node.node_id:
+            queue.put_nowait(out)
+
+    def move(self, node: Node, request_ids: list[str], planned: bool = False) -> int:
+        """Take these requests off `node` as if it were lost: a prefill is retried elsewhere, a
+        decode stream resumes on another decode node (the failover path). planned: the node
+        drains, so the move does not count against a stream's failure budget. Returns how many moved."""
+        moved = 0
+        for rid in request_ids:
+            if self.owner.get(rid) != node.node_id:
+                continue
+            self.owner[rid] = None  # whatever the node still sends for it is stale
+            node.requests.discard(rid)
+            moved += 1
+            fut = self.replies.get(rid)
+            if fut is not None and not fut.done():
+                fut.set_exception(NodeLost(node.node_id, planned))
+            queue = self.streams.get(rid)
+            if queue is not None and fut is None:
+                queue.put_nowait(Lost(node.node_id, planned))
+        return moved

@@ -1,0 +1,78 @@
+"""What the router does with each message a node sends (NodePool hands them here), and when a
+node dies: replies and tokens go to the requests waiting on them (inflight), pongs to the
+drains, the LoRA adapters and the KV event tracker, KV events to the prefix index."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from pdserve.router.dispatch.adapters import RouterAdapters
+from pdserve.router.dispatch.drain import DrainTracker
+from pdserve.router.dispatch.inflight import Inflight
+from pdserve.router.dispatch.nodes import Node, NodePool
+from pdserve.router.placement.index import PrefixIndex
+from pdserve.router.placement.kv_events import KVEventTracker
+from pdserve.wire.messages import (
+    EmbedResult,
+    KVEvents,
+    KVSnapshotRequest,
+    LoRAReply,
+    Message,
+    Pong,
+    PrefillResult,
+    Rejected,
+    TokenDelta,
+)
+
+log = logging.getLogger("pdserve.router.dispatch.cluster")
+
+
+@dataclass
+class NodeEvents:
+    pool: NodePool
+    inflight: Inflight
+    drains: DrainTracker
+    adapters: RouterAdapters
+    index: PrefixIndex
+    kv_tracker: KVEventTracker
+    _background: set[asyncio.Task] = field(default_factory=set)  # sends scheduled from a callback
+
+    def _send_later(self, node: Node, msg: Message) -> None:
+        task = asyncio.get_running_loop().create_task(self.pool.send(node, msg))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def on_dead(self, node: Node) -> None:
+        self.index.drop_node(node.node_id)  # it comes back, if at all, with an empty cache
+        self.kv_tracker.forget(node.node_id)
+        self.inflight.move(node, list(node.requests))
+
+    def on_message(self, node: Node, msg: Message) -> None:
+        if isinstance(msg, Pong):
+            self._on_pong(node, msg)
+        elif isinstance(msg, Rejected):  # the node changed role before the request reached it
+            log.info("[%s] %s rejected it (%s): moving it", msg.request_id, node.node_id, msg.reason)
+            self.inflight.move(node, [msg.request_id])
+            node.requests.discard(msg.request_id)
+        elif isinstance(msg, LoRAReply):
+            self.adapters.on_reply(msg)
+        elif isinstance(msg, KVEvents):
+            if self.kv_tracker.apply(node.node_id, msg):
+                log.info("%s: KV event gap (epoch %d, seq %d): asking for a snapshot", node.node_id,
+                         msg.epoch, msg.seq)
+                self._send_later(node, KVSnapshotRequest())
+        elif isinstance(msg, (PrefillResult, EmbedResult)):  # one reply per request, awaited
+            node.requests.discard(msg.request_id)
+            self.inflight.on_reply(node, msg)
+        elif isinstance(msg, TokenDelta):
+            if msg.output.finished:
+                node.requests.discard(msg.output.request_id)
+            self.inflight.on_output(node, msg.output)
+
+    def _on_pong(self, node: Node, msg: Pong) -> None:
+        self.drains.on_pong(node, msg)
+        for load in self.adapters.on_pong(node, msg):  # a node that joined later catches up
+            self._send_later(node, load)
+        if self.kv_tracker.needs_snapshot(node.node_id):
+            self._send_later(node, KVSnapshotRequest())

@@ -1,0 +1,51 @@
+"""The router's TTFT cost model: seconds until a node has computed a prompt, its queue first.
+
+A node computes the prompt tokens it has queued plus the ones it lacks of this prompt (all but
+the prefix it holds or finds in the store), at its measured seconds per prompt token; blocks
+loaded from the store cost their measured load time. Node choice (policy: cache_aware prefill)
+and the P/D rule (pd_decision.PDRule) price nodes with it."""
+from __future__ import annotations
+
+from pdserve.protocol.tpot_budget import StepCosts
+from pdserve.router.placement.index import STORE_HOLDER
+from pdserve.router.placement.views import NodeView
+
+# Before a node has measured its store loads, a stored block costs this share of computing it
+# (bench_kvstore: a 16-token block of the bench model loads in ~0.3 ms, computes in ~3 ms).
+STORE_HIT_RELATIVE_COST = 0.1
+
+
+class CostModel:
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def held_tokens(self, node: NodeView, held: dict[str, int], prompt_len: int) -> int:
+        """Prompt tokens the node holds (the last one is always computed, for its logits)."""
+        return min(held.get(node.node_id, 0) * self.block_size, prompt_len - 1)
+
+    @staticmethod
+    def fleet_cost(nodes: list[NodeView]) -> float:
+        measured = [n.prefill_s_per_token for n in nodes if n.prefill_s_per_token > 0]
+        return sum(measured) / len(measured) if measured else 1.0
+
+    def ttft_costs(self, nodes: list[NodeView], held: dict[str, int], prompt_len: int) -> dict[str, float]:
+        """Per node: seconds to compute its queue and then this prompt (the router's TTFT model)."""
+        fleet_cost = self.fleet_cost(nodes)
+        stored = held.get(STORE_HOLDER, 0) * self.block_size
+        cost = {}
+        for n in nodes:
+            per_token = n.prefill_s_per_token or fleet_cost
+            per_stored = n.store_s_per_token or per_token * STORE_HIT_RELATIVE_COST
+            local = self.held_tokens(n, held, prompt_len)
+            from_store = min(max(stored - local, 0), prompt_len - 1 - local)
+            computed = prompt_len - local - from_store
+            cost[n.node_id] = per_token * (n.queued_tokens + computed) + per_stored * from_store
+        return cost
+
+    def decode_costs(self, node: NodeView, prefill: list[NodeView]) -> StepCosts:
+        """The decode node's step costs; a prompt token costs what the prefill nodes measured
+        until the node has measured its own."""
+        costs = node.step_costs
+        if costs.token_s > 0:
+            return costs
+        return StepCosts(costs.base_s, costs.row_s, node.prefill_s_per_token or self.fleet_cost(prefill))

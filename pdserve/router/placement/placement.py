@@ -1,0 +1,65 @@
+"""Where a request runs, decided in one place: Placement.place, which the dispatch calls once per
+request. It computes the prompt's block keys, keeps a session on its decode node, and asks the
+planner (policy.Planner: node choice, then the P/D rule of pd_decision under the slo placement,
+priced with costs.CostModel) for the nodes. The nodes come in as views (dispatch.node_view)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.router.placement.keys import NO_SCOPE, BlockKeys, KVScope
+from pdserve.router.placement.pd_decision import Targets
+from pdserve.router.placement.policy import Planner, SessionMap
+from pdserve.router.placement.views import NodeView, RoutePlan
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    request_id: str
+    prompt: list[int]                # token ids
+    max_tokens: int = 0
+    session: str | None = None       # the OpenAI `user`, for session affinity
+    targets: Targets | None = None   # this request's TTFT/ITL targets (None: the router's)
+    scope: KVScope = NO_SCOPE
+
+
+@dataclass(frozen=True)
+class PlacementDecision:
+    plan: RoutePlan
+    keys: list[bytes]       # the prompt's block keys
+    itl_target_s: float     # the ITL target its decode node holds for it (0: none)
+    where: str              # "remote" (a prefill node), "local" (the decode node) or "whole" (a prefill node)
+
+
+class Placement:
+    def __init__(self, planner: Planner, block_keys: BlockKeys, sessions: SessionMap | None = None):
+        self.planner = planner
+        self.block_keys = block_keys
+        self.sessions = sessions  # None: no session affinity
+
+    @property
+    def targets(self) -> Targets | None:
+        """The router's default TTFT/ITL targets (a request may bring its own)."""
+        return self.planner.targets
+
+    def place(self, request: PlacementRequest, decode: list[NodeView], prefill: list[NodeView]) -> PlacementDecision:
+        """decode: the decode nodes taking requests (non-empty); prefill: the prefill nodes (may
+        be empty). The prefill node chosen is recorded in the index at once, so concurrent
+        requests sharing the prefix follow it there."""
+        keys = self.block_keys(request.prompt, request.scope)
+        session = request.session if self.sessions is not None else None
+        pinned = self.sessions.get(session) if session else None
+        plan = self.planner.plan(request.request_id, len(request.prompt), keys, decode, prefill, request.max_tokens,
+                                 pinned_decode=pinned, targets=request.targets)
+        if session:
+            self.sessions.put(session, plan.decode)
+        if plan.prefill is not None:
+            self.planner.index.add(plan.prefill, keys)
+        targets = request.targets or self.planner.targets
+        itl = targets.itl_s if self.planner.placement == "slo" and targets is not None else 0.0
+        return PlacementDecision(plan, keys, itl, _where(plan, prefill))
+
+
+def _where(plan: RoutePlan, prefill: list[NodeView]) -> str:
+    if plan.prefill is not None:
+        return "remote"
+    return "whole" if any(n.node_id == plan.decode for n in prefill) else "local"
