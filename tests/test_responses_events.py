@@ -1,4 +1,4 @@
-"""The translation of chat deltas into Responses items and events (router/responses_events.py),
+"""The translation of chat deltas into Responses items and events (router/openai/responses_events.py),
 checked strictly against the openai SDK's own types: the SDK's client parses leniently, so a
 missing required field would pass the cluster tests unseen; pydantic's validation here does not
 let it. The cluster side (real deltas from real nodes) is tests/test_responses_api.py."""

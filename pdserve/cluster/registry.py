@@ -12,7 +12,7 @@ one zmq ROUTER socket at `tcp://HOST:PORT`, in a thread of its own:
 
 Restarting the registry loses nothing that matters: a heartbeat for an unknown record is answered
 RegistryAck(known=False) and the node registers again; routers keep their last membership until
-the new one is complete (see router/registry_watcher.py).
+the new one is complete (see router/scaling/registry_watcher.py).
 """
 from __future__ import annotations
 

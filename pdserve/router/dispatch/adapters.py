@@ -1,7 +1,7 @@
 """The LoRA adapters a router serves, and how they reach its nodes.
 
 - The set: name -> PEFT directory. --lora-modules at start; POST /v1/load_lora_adapter and
-  /v1/unload_lora_adapter change it at run time (lora_routes.py). A request names an adapter as
+  /v1/unload_lora_adapter change it at run time (routes/lora_routes.py). A request names an adapter as
   its `model`.
 - Loading and unloading fan out to every node as LoadLoRA / UnloadLoRA and wait for the replies;
   a load that some node refuses (a bad directory, a rank above its --max-lora-rank) is undone on

@@ -4,7 +4,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not), POST
 /v1/responses with GET/DELETE /v1/responses/{id} (responses_route.py), POST /v1/embeddings
-(embeddings.py), GET /v1/models[/{model}] and /version (model_routes.py), GET /health,
+(embedding_routes.py), GET /v1/models[/{model}] and /version (model_routes.py), GET /health,
 GET /metrics; /openapi.json declares every status each answers.
 The router tokenizes (and renders chat templates); nodes receive token ids and send back
 detokenized, stop-string-checked deltas, which are relayed here.
