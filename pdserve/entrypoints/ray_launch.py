@@ -17,6 +17,7 @@ import urllib.request
 
 from pdserve.cluster.planner import placement_flags
 from pdserve.cluster.ray_controller import Placement, RayController
+from pdserve.engine.config import lora_flags
 from pdserve.entrypoints.http_flags import http_flags
 from pdserve.entrypoints.node_speculation import pool_speculative_config
 from pdserve.entrypoints.tp_degrees import pool_degree
@@ -59,7 +60,6 @@ def _tp_flags(args, role: str) -> list[str]:
 
 
 def router_template(args) -> list[str]:
-    from pdserve.engine.config import lora_flags
     host = "{ip}" if args.host in LOOPBACK else args.host  # a router is reached from other machines
     cmd = ["--log-level", args.log_level, "router", "--model", args.model, "--host", host,
            "--port", "{router_port}", "--kv-transfer", args.kv_transfer, "--block-size", str(args.block_size),
@@ -112,7 +112,7 @@ def wait_ready(urls: list[str], expected: int, timeout_s: float = READY_TIMEOUT_
 
 
 def run_up_ray(args, cluster) -> int:
-    import ray
+    import ray  # optional dependency: ray (the pdserve[ray] extra)
     templates = node_templates(args, cluster)  # bad flags fail before connecting
     # The driver joins the Ray node of its own machine (Ray finds its raylet), so it runs on a
     # machine of the cluster, bound to the addresses Ray uses there.
