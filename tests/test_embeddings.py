@@ -108,7 +108,10 @@ def test_embeddings_on_prefill_node_match_transformers(clusters, reference):
     np.testing.assert_allclose(one.data[0].embedding, reference(ids[1]), atol=1e-5)
     batch = client.embeddings.create(model=resp.model, input=ids, encoding_format="float")
     assert [d.embedding for d in batch.data] == [d.embedding for d in resp.data]
-    nodes = {n["role"]: n for n in _nodes(url, lambda ns: sum(n["embedding_requests"] for n in ns) == 5)}
+    # Settled: every request counted and its blocks freed (a pong taken between the node counting
+    # a request and freeing its blocks reports them in use; a leak never settles).
+    nodes = {n["role"]: n for n in _nodes(url, lambda ns: sum(n["embedding_requests"] for n in ns) == 5
+                                          and all(n["kv_blocks_in_use"] == 0 for n in ns))}
     assert nodes["prefill"]["embedding_requests"] == 5 and nodes["decode"]["embedding_requests"] == 0
     assert all(n["kv_blocks_in_use"] == 0 for n in nodes.values())
 
@@ -119,7 +122,7 @@ def test_monolithic_mode_and_mean_pooling(clusters, reference):
     resp = client.embeddings.create(model=client.models.list().data[0].id, input=ids, encoding_format="float")
     for item, want in zip(resp.data, ids):
         np.testing.assert_allclose(item.embedding, reference(want, "mean"), atol=1e-5)
-    (node,) = _nodes(url, lambda ns: ns[0]["embedding_requests"] == 1)
+    (node,) = _nodes(url, lambda ns: ns[0]["embedding_requests"] == 1 and ns[0]["kv_blocks_in_use"] == 0)
     assert node["role"] == "decode" and node["embedding_requests"] == 1 and node["kv_blocks_in_use"] == 0
 
 
