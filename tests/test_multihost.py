@@ -127,7 +127,8 @@ def cluster(transfer: str, log_dir):
                            "--kv-timeout-s", "5", *(["--nixl"] if transfer == "nixl" else []), *common, *store,
                            log_dir=log_dir))
         procs.append(spawn("rt", "router", "--host", addr("rt"), "--port", "8000", "--kv-transfer", transfer,
-                           "--local-prefill-threshold", "0",  # every prompt crosses the network
+                           # every prompt crosses the network
+                           "--local-prefill-threshold", "0", "--prefill-placement", "threshold",
                            "--prefill", f"tcp://{addr('pf')}:5600", "--decode", f"tcp://{addr('dc')}:5600",
                            log_dir=log_dir))
         url = f"http://{addr('rt')}:8000"

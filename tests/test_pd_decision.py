@@ -23,6 +23,7 @@ from pdserve.protocol.tpot_budget import (
     prefill_tokens_per_step,
 )
 from pdserve.router.openai.schemas import CompletionRequest
+from pdserve.router.placement.costs import UNMEASURED_S_PER_TOKEN, CostModel
 from pdserve.router.placement.index import PrefixIndex
 from pdserve.router.placement.pd_decision import REMOTE_COMFORT, DecodeLoad, Targets, local_ttft_s, place, place_short
 from pdserve.router.placement.policy import NodeView, Planner
@@ -92,6 +93,29 @@ def test_planner_places_per_request_only_under_slo_placement():
     # Before the decode node has measured a prompt token, it is priced at the prefill nodes' cost.
     unmeasured = [NodeView("d0", 2, 100, 100, decode_rows=2, step_costs=StepCosts(0.010, 0.002, 0.0))]
     assert slo.plan("e", 400, keys, unmeasured, queued_prefill).prefill is None
+
+
+def test_unmeasured_nodes_are_priced_from_their_peers_then_sent_the_first_prompts():
+    """No node has measured a prompt token: the prefill node is within any TTFT target, so it gets
+    the prompt (and measures itself on it); a guess of 1 s a token once sent every prompt local
+    and the prefill node never measured. A prefill node with no measurement of its own, beside a
+    decode node that has one, is priced at the decode node's cost: a long queue then sends the
+    prompt local, as a measured one would."""
+    index = PrefixIndex()
+    keys = block_key_chain(list(range(400)), 16, b"salt")
+    slo = Planner(index, 16, placement="slo", targets=TARGETS)
+    fresh_decode = [NodeView("d0", 0, 100, 100, step_costs=StepCosts(0.010, 0.002, 0.0))]
+    fresh_prefill = [NodeView("p0", 0)]
+    assert slo.plan("a", 400, keys, fresh_decode, fresh_prefill).prefill == "p0"
+    costs = CostModel(16)
+    assert costs.fleet_cost(fresh_prefill) == UNMEASURED_S_PER_TOKEN
+    measured_decode = NodeView("d0", 0, 100, 100, step_costs=COSTS)
+    assert costs.fleet_cost(fresh_prefill, [measured_decode]) == COSTS.token_s
+    queued_unmeasured = [NodeView("p0", 12, queued_tokens=6000)]
+    plan = slo.plan("b", 400, keys, [measured_decode], queued_unmeasured)
+    assert plan.prefill is None and plan.scores["placement"]["where"] == "local"
+    # The same queue at the 1e-6 s a token of an unmeasured fleet is within the target: remote.
+    assert slo.plan("c", 400, keys, fresh_decode, queued_unmeasured).prefill == "p0"
 
 
 def test_step_cost_model_recovers_the_costs_it_is_fed():

@@ -7,7 +7,7 @@ rate in turn; the same prompts and arrival times for every layout):
   pd-slo        1 prefill + 1 decode node, one thread each, --prefill-placement slo (per-request
                 placement from load, the prefill node taking whole requests when the decode node
                 has no room; nodes that decode cap their prefill chunks to hold the ITL target)
-  pd-threshold  the same nodes with today's rule (--local-prefill-threshold only)
+  pd-threshold  the same nodes with the threshold rule (--local-prefill-threshold only)
   mono-2x1      2 monolithic nodes, 1 thread each (no prefill nodes: each request runs whole)
   mono-1x2      1 monolithic node with 2 threads
   pd-2p2d-store 2 prefill + 2 decode nodes, one thread each, slo placement, the KV store
@@ -43,7 +43,8 @@ LAYOUTS = {
     "pd-slo": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1", "--prefill-placement", "slo"),
     "mono-2x1": ("--prefill-nodes", "0", "--decode-nodes", "2", "--threads-per-node", "1"),
     "mono-1x2": ("--prefill-nodes", "0", "--decode-nodes", "1", "--threads-per-node", "2"),
-    "pd-threshold": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1"),
+    "pd-threshold": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1",
+                     "--prefill-placement", "threshold"),
     "pd-2p2d-store": ("--prefill-nodes", "2", "--decode-nodes", "2", "--threads-per-node", "1",
                       "--prefill-placement", "slo", "--kv-transfer", "store"),
 }

@@ -195,11 +195,12 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-policy", choices=POLICIES, default="cache_aware", help="how a decode node is picked")
     p.add_argument("--local-prefill-threshold", type=int, default=DEFAULT_LOCAL_PREFILL_THRESHOLD,
                    help="the decode node prefills itself when it lacks at most this many prompt tokens")
-    p.add_argument("--prefill-placement", choices=PLACEMENTS, default="threshold",
-                   help="where prompts are prefilled: threshold (on a prefill node unless "
-                        "--local-prefill-threshold says otherwise) or slo (per request, from the prefill queue, "
-                        "the decode node's batch and step times, and the --ttft-slo-ms/--itl-slo-ms targets or "
-                        "the request's own; decode nodes then cap their prefill chunks to hold the ITL target)")
+    p.add_argument("--prefill-placement", choices=PLACEMENTS, default="slo",
+                   help="where prompts are prefilled: slo (per request, from the prefill queue, the decode "
+                        "node's batch and step times, and the --ttft-slo-ms/--itl-slo-ms targets or the "
+                        "request's own; decode nodes then cap their prefill chunks to hold the ITL target) or "
+                        "threshold (on a prefill node unless --local-prefill-threshold says otherwise, however "
+                        "long its queue)")
     p.add_argument("--session-affinity", action="store_true",
                    help="keep requests with the same OpenAI `user` on the decode node that served the last one")
 

@@ -71,6 +71,10 @@ def _test_defaults(flags: tuple[str, ...]) -> tuple[str, ...]:
         # Tests and benchmarks exercise the prefill nodes with short prompts, which the default
         # threshold would prefill on the decode node; they opt in to it where they test it.
         flags = ("--local-prefill-threshold", "0", *flags)
+    if "--prefill-placement" not in flags:
+        # The same reason: the default (slo) may prefill a prompt on the decode node when that is
+        # faster; tests of the handover need it to go to the prefill node every time.
+        flags = ("--prefill-placement", "threshold", *flags)
     if "--model" not in flags:  # the built-in test model unless a test names one (the CLI's default is SmolLM2)
         flags = ("--model", "builtin:tiny", *flags)
     return flags

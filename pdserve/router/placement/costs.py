@@ -13,6 +13,11 @@ from pdserve.router.placement.views import NodeView
 # Before a node has measured its store loads, a stored block costs this share of computing it
 # (bench_kvstore: a 16-token block of the bench model loads in ~0.3 ms, computes in ~3 ms).
 STORE_HIT_RELATIVE_COST = 0.1
+# A prompt token's cost while no node of the cluster has measured one: small, so a prefill node
+# with nothing measured is within any TTFT target and gets the prompts it must measure itself on
+# (a large guess sent every prompt to the decode node, and the prefill nodes never measured);
+# above zero, so queues still rank the nodes.
+UNMEASURED_S_PER_TOKEN = 1e-6
 
 
 class CostModel:
@@ -24,13 +29,21 @@ class CostModel:
         return min(held.get(node.node_id, 0) * self.block_size, prompt_len - 1)
 
     @staticmethod
-    def fleet_cost(nodes: list[NodeView]) -> float:
-        measured = [n.prefill_s_per_token for n in nodes if n.prefill_s_per_token > 0]
-        return sum(measured) / len(measured) if measured else 1.0
+    def fleet_cost(nodes: list[NodeView], peers: list[NodeView] = ()) -> float:
+        """A prompt token's cost on a node that has not measured its own: the mean of the nodes'
+        measurements, else of their peers' (decode nodes' prefill or mixed-step cost: the same
+        model on the same kind of host), else UNMEASURED_S_PER_TOKEN."""
+        for group in (nodes, peers):
+            measured = [c for n in group if (c := n.prefill_s_per_token or n.step_costs.token_s) > 0]
+            if measured:
+                return sum(measured) / len(measured)
+        return UNMEASURED_S_PER_TOKEN
 
-    def ttft_costs(self, nodes: list[NodeView], held: dict[str, int], prompt_len: int) -> dict[str, float]:
-        """Per node: seconds to compute its queue and then this prompt (the router's TTFT model)."""
-        fleet_cost = self.fleet_cost(nodes)
+    def ttft_costs(self, nodes: list[NodeView], held: dict[str, int], prompt_len: int,
+                   peers: list[NodeView] = ()) -> dict[str, float]:
+        """Per node: seconds to compute its queue and then this prompt (the router's TTFT model).
+        peers: the other role's nodes, whose measurements stand in for the unmeasured."""
+        fleet_cost = self.fleet_cost(nodes, peers)
         stored = held.get(STORE_HOLDER, 0) * self.block_size
         cost = {}
         for n in nodes:

@@ -207,7 +207,7 @@ class PDRule:
         if p_node is None:
             return self._short(prompt_len, local_tokens, held, d_node, d_load, prefill, targets, stream_tokens)
         p_load = self.host_load(p_node, prefill)
-        remote = self.prefill_ttft(p_node, p_load, prefill, held, prompt_len, targets, stream_tokens)
+        remote = self.prefill_ttft(p_node, p_load, prefill, held, prompt_len, targets, stream_tokens, d_node)
         whole = p_load if p_node.takes_whole else None
         choice = place(remote, local_tokens, d_load, targets, whole, stream_tokens)
         return PDOutcome(p_node if choice.whole else d_node, None if choice.local or choice.whole else p_node, choice)
@@ -221,15 +221,16 @@ class PDRule:
             return None
         host = min(hosts, key=lambda n: (n.decode_rows, n.queued_tokens))
         h_load = self.host_load(host, prefill)
-        h_ttft = self.prefill_ttft(host, h_load, prefill, held, prompt_len, targets, stream_tokens)
+        h_ttft = self.prefill_ttft(host, h_load, prefill, held, prompt_len, targets, stream_tokens, d_node)
         choice = place_short(local_tokens, d_load, targets, h_load, h_ttft, stream_tokens)
         return PDOutcome(host if choice.whole else d_node, None, choice)
 
     def prefill_ttft(self, node: NodeView, load: DecodeLoad, prefill: list[NodeView], held: dict[str, int],
-                     prompt_len: int, targets: Targets, stream_tokens: int) -> float:
+                     prompt_len: int, targets: Targets, stream_tokens: int, decode: NodeView) -> float:
         """A prefill node's TTFT estimate for the prompt; one that decodes streams (whole requests)
-        prefills in capped chunks to hold their ITL target, so it is priced as a decode node too."""
-        ttft = self.costs.ttft_costs(prefill, held, prompt_len)[node.node_id]
+        prefills in capped chunks to hold their ITL target, so it is priced as a decode node too.
+        decode: the decode node, whose measurement stands in while no prefill node has one."""
+        ttft = self.costs.ttft_costs(prefill, held, prompt_len, [decode])[node.node_id]
         if node.decode_rows:
             tokens = prompt_len - self.costs.held_tokens(node, held, prompt_len)
             ttft = max(ttft, local_ttft_s(tokens, load, targets.itl_s, stream_tokens))
