@@ -32,6 +32,12 @@ from pdserve.router.dispatch.nodes import NodePool
 from pdserve.router.dispatch.picker import NodePicker
 from pdserve.router.dispatch.prefill import PrefillDispatch
 from pdserve.router.openai.chat_templates import builtin_chat_template
+from pdserve.router.openai.media_options import (
+    DEFAULT_FETCH_TIMEOUT_S,
+    DEFAULT_IMAGES_PER_PROMPT,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    MediaOptions,
+)
 from pdserve.router.placement.index import PrefixIndex
 from pdserve.router.placement.keys import BlockKeys
 from pdserve.router.placement.kv_events import KVEventTracker
@@ -108,12 +114,13 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
               routing: dict | None = None, curve_dir: str | None = None, registry: str | None = None,
               chat: dict | None = None, served_model_names: list[str] | None = None,
               lora_modules: dict[str, str] | None = None, planner: PlannerConfig | None = None,
-              planner_interval_s: float = 5.0):
+              planner_interval_s: float = 5.0, media: MediaOptions | None = None):
     """routing: build_backend's policy options, and owner (build_scaling's). chat: chat_template
     (a Jinja file replacing the tokenizer's), tool_call_parser and pooling (/v1/embeddings:
     "last" or "mean"; default: the checkpoint's, else "last"). served_model_names:
     --served-model-name's values (default: the model as given). lora_modules: LoRA adapters
-    served at start, name -> directory. planner: the SLA planner's config (--planner sla)."""
+    served at start, name -> directory. planner: the SLA planner's config (--planner sla). media:
+    the limits on image inputs."""
     path = resolve_model_path(model)
     hf_config = read_model_config(path)  # no transformers config classes: they import torch
     tokenizer = load_tokenizer(path)
@@ -134,7 +141,7 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     app = create_app(backend, tokenizer, model, max_model_len or hf_config.max_position_embeddings, admission,
                      tool_call_parser=chat.get("tool_call_parser"), embedding=embedding,
                      served_model_names=served_names(served_model_names, model), model_root=str(path.resolve()),
-                     scaler=scaling.scaler, planner=scaling.planner)
+                     scaler=scaling.scaler, planner=scaling.planner, media=media)
     _run_with_app(app, backend, scaling)
     return app
 
@@ -186,6 +193,17 @@ def planner_config(args) -> PlannerConfig | None:
                          min_prefill=args.min_prefill_nodes, min_decode=args.min_decode_nodes)
 
 
+def media_options(args, max_body_bytes: int) -> MediaOptions:
+    """The router's MediaOptions from its flags (entrypoints/http_flags.py); a fetched image is held
+    to the body limit."""
+    limits = getattr(args, "limit_mm_per_prompt", None) or {}
+    domains = [d for group in getattr(args, "allowed_media_domains", None) or [] for d in group]
+    return MediaOptions(images_per_prompt=limits.get("image", DEFAULT_IMAGES_PER_PROMPT),
+                        max_image_pixels=getattr(args, "max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS),
+                        allowed_domains=tuple(domains), max_image_bytes=max_body_bytes,
+                        fetch_timeout_s=getattr(args, "media_fetch_timeout_s", DEFAULT_FETCH_TIMEOUT_S))
+
+
 def run_router(args) -> int:
     import uvicorn  # heavy: the server, only when a router runs
 
@@ -201,7 +219,8 @@ def run_router(args) -> int:
                     chat=dict(chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
                               pooling=args.pooling),
                     served_model_names=args.served_model_name, lora_modules=dict(args.lora_modules or []),
-                    planner=planner_config(args), planner_interval_s=getattr(args, "planner_interval_s", 5.0))
+                    planner=planner_config(args), planner_interval_s=getattr(args, "planner_interval_s", 5.0),
+                    media=media_options(args, args.max_body_bytes))
     log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s%s%s", args.host, args.port,
              len(args.prefill or []), len(args.decode or []), args.kv_transfer, ", CURVE" if args.curve_dir else "",
              f", nodes from the registry at {redact_url(args.registry)}" if args.registry else "")

@@ -4,7 +4,8 @@ that shapes the response, and the usage's prompt token count.
   * /v1/completions: a prompt, or a batch of them (texts or token-id lists); choice i*n+j is
     prompt i's choice j, as OpenAI indexes them. echo (with max_tokens 0: the prompt only) and
     echo with logprobs, whose prompt logprobs the engine computes where the prompt is computed.
-  * /v1/chat/completions: the chat template (400 without one), tools as tool_choice asks.
+  * /v1/chat/completions: the chat template (400 without one), tools as tool_choice asks; image
+    parts are checked (media.py) and, as no served model takes images yet, refused.
 
 `router` is the app's _Router (duck-typed here: it tokenizes, checks lengths, builds params).
 """
@@ -86,6 +87,7 @@ def _tools_plan(body: ChatCompletionRequest) -> ToolPlan | None:
 async def chat_job(router: Any, body: ChatCompletionRequest) -> GenerationJob:
     plan = _tools_plan(body)
     tools = plan.tools if plan is not None else None
+    await router.media.check(body.image_refs(), body.model or router.model_name)  # image parts: checked, or a 400
     text, add_special = render_chat_prompt(router.tokenizer, body.plain_messages(), tools)
     ids = await router.encode(text, add_special)
     router.check_token_ids(ids, "messages")

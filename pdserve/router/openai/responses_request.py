@@ -3,7 +3,8 @@
 The Responses API is served by the chat-completions path (chat template, structured outputs,
 tool calls, the P/D backend), so its request is translated here:
   * `input`: a string (one user turn), or a list of items: messages (`role`, `content` as a
-    string or `input_text`/`output_text` parts; role `developer` is the system turn),
+    string or `input_text`/`output_text` parts, and `input_image` parts, which become chat
+    `image_url` parts; role `developer` is the system turn),
     `function_call` items (an assistant turn that called a tool) and `function_call_output`
     items (the tool's answer);
   * `instructions`: a system turn first (not carried over to a follow-up, as in OpenAI's API);
@@ -111,14 +112,43 @@ def _text(content: Any, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise ValueError(f"{where} must be a string or a list of text parts")
-    texts = []
+    return "\n".join(_part_text(part, f"{where}[{j}]") for j, part in enumerate(content))  # as chat joins them
+
+
+def _part_text(part: Any, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in _TEXT_PART_TYPES or not isinstance(part.get("text"), str):
+        raise ValueError(f"{where}: only text parts ({', '.join(_TEXT_PART_TYPES)}) and, in a message, "
+                         f"input_image parts are supported, got {kind!r}")
+    return part["text"]
+
+
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content for the chat request: its text, or, when it has input_image parts,
+    chat content parts (text and image_url, each image naming its own field for errors)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text(content, where)
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PART_TYPES or not isinstance(part.get("text"), str):
-            raise ValueError(f"{where}[{j}]: only text parts ({', '.join(_TEXT_PART_TYPES)}) are supported, "
-                             f"got {kind!r}")
-        texts.append(part["text"])
-    return "\n".join(texts)  # as the chat route joins text parts
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            parts.append(_image_part(part, f"{where}[{j}]"))
+        else:
+            parts.append({"type": "text", "text": _part_text(part, f"{where}[{j}]")})
+    return parts
+
+
+def _image_part(part: dict[str, Any], where: str) -> dict[str, Any]:
+    url = part.get("image_url")
+    if part.get("file_id") is not None and url is None:
+        raise ValueError(f"{where}.file_id: images by file id are not supported (send image_url: a data: URL, "
+                         "or an http(s) URL the server allows)")
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"{where}.image_url must be a non-empty string (a data: or http(s) URL)")
+    detail = part.get("detail")
+    if detail not in (None, "auto", "low", "high"):
+        raise ValueError(f"{where}.detail must be 'auto', 'low' or 'high', got {detail!r}")
+    return {"type": "image_url", "image_url": {"url": url, "detail": detail}, "source_param": f"{where}.image_url"}
 
 
 def _string(item: dict[str, Any], key: str, where: str) -> str:
@@ -150,7 +180,7 @@ def input_items_to_messages(items: list[Any]) -> list[dict[str, Any]]:
             role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
             if role is None:
                 raise ValueError(f"{where}.role must be one of {sorted(_ROLES)}, got {item.get('role')!r}")
-            messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            messages.append({"role": role, "content": _content(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             _add_call(messages, item, where)
         elif kind == "function_call_output":

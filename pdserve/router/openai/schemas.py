@@ -22,6 +22,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchem
 
 from pdserve.protocol.cache_salt import MAX_CACHE_SALT_BYTES, check_cache_salt
 from pdserve.protocol.sampling_params import SamplingParams, StructuredSpec
+from pdserve.router.openai.content_parts import ContentPart
+from pdserve.router.openai.media import ImageRef
 from pdserve.router.openai.structured_request import ToolPlan, structured_spec, tool_plan
 from pdserve.router.placement.pd_decision import Targets
 
@@ -277,19 +279,6 @@ class CompletionRequest(GenerationRequest):
         return bool(self.echo) and self.max_tokens == 0
 
 
-class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Annotated[str, _only({"const": "text"}, "Only text parts.")]
-    text: str = ""
-
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, value: str) -> str:
-        if value != "text":
-            raise ValueError(f"content parts of type {value!r} are not supported (only 'text')")
-        return value
-
-
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
@@ -299,7 +288,7 @@ class ChatMessage(BaseModel):
     must send content and the function's name."""
     model_config = ConfigDict(extra="allow")
     role: Role
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
@@ -321,7 +310,14 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content if part.type == "text")
+
+    def image_refs(self, index: int) -> list[ImageRef]:
+        """This message's image parts; `index`: the message's, for the parts' params."""
+        if not isinstance(self.content, list):
+            return []
+        return [ImageRef(part.url, part.source_param or f"messages[{index}].content[{j}].image_url", part.detail)
+                for j, part in enumerate(self.content) if part.type == "image_url"]
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -354,6 +350,10 @@ class ChatCompletionRequest(GenerationRequest):
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
+
+    def image_refs(self) -> list[ImageRef]:
+        """Every image part of every message, in order."""
+        return [ref for i, m in enumerate(self.messages) for ref in m.image_refs(i)]
 
     def plain_messages(self) -> list[dict[str, Any]]:
         """Messages as chat templates take them: text content, tool calls with their

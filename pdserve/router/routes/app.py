@@ -36,6 +36,8 @@ from pdserve.router.openai.errors import (
     install_error_handlers,
 )
 from pdserve.router.openai.jobs import GenerationJob, chat_job, completion_job
+from pdserve.router.openai.media import MediaInputs
+from pdserve.router.openai.media_options import MediaOptions
 from pdserve.router.openai.responses import (
     ChoiceState,
     Flavor,
@@ -98,8 +100,9 @@ class _Router:
     """State shared by the route handlers."""
 
     def __init__(self, backend: GenerationBackend, tokenizer: Any, served: ServedModel,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, media: MediaOptions | None = None) -> None:
         self.backend = backend
+        self.media = MediaInputs(media)  # image parts: checked, then refused (no served model takes images)
         self.tokenizer = tokenizer
         self.served = served
         self.model_name = served.id
@@ -287,19 +290,21 @@ def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
                max_model_len: int, admission: dict[str, Any] | None = None,
                tool_call_parser: str | None = None, served_model_names: list[str] | None = None,
                model_root: str | None = None, embedding: EmbeddingOptions | None = None,
-               scaler: Scaler | None = None, planner: PlannerLoop | None = None) -> FastAPI:
+               scaler: Scaler | None = None, planner: PlannerLoop | None = None,
+               media: MediaOptions | None = None) -> FastAPI:
     """admission: AdmissionMiddleware's options (api_key, protect_metrics, max_body_bytes,
     max_queued_requests). tool_call_parser: the tool-call format of tool_choice "auto"
     (tool_parsers.PARSERS; default: the chat template's). served_model_names: the names a
     request may use (default: model_name); model_root: the tokenizer's directory, for /v1/models.
     embedding: /v1/embeddings' pooling and vector size. scaler, planner: the cluster's scaling
-    (admin_routes), None where the backend cannot be scaled."""
+    (admin_routes), None where the backend cannot be scaled. media: the limits on image inputs
+    (media.py's MediaOptions)."""
     app = FastAPI(title="pdserve router")
     app.add_middleware(AdmissionMiddleware, metrics=getattr(backend, "metrics", None), **(admission or {}))
     install_error_handlers(app)
     served = ServedModel(served_model_names or [model_name], model_root or model_name, max_model_len,
                          int(time.time()), getattr(backend, "adapters", None) or RouterAdapters())
-    router = _Router(backend, tokenizer, served, tool_call_parser)
+    router = _Router(backend, tokenizer, served, tool_call_parser, media)
     _add_openai_routes(app, router)
     add_responses_routes(app, router)
     add_model_routes(app, served)

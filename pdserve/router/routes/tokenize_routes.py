@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.router.openai.chat_prompt import render_chat_prompt
 from pdserve.router.openai.errors import bad_request, error_responses
+from pdserve.router.openai.media import MediaInputs
 from pdserve.router.openai.schemas import ChatMessage
 
 
@@ -21,6 +22,8 @@ class TokenizingRouter(Protocol):
     tokenizer: Any
     max_model_len: int
     vocab_size: int
+    model_name: str
+    media: MediaInputs
 
     def check_model(self, model: str | None) -> None: ...
 
@@ -83,8 +86,11 @@ async def _tokenize(router: TokenizingRouter, body: TokenizeRequest) -> list[int
     if body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         return await router.encode(body.prompt, add_special)
+    messages = body.messages or []
+    refs = [ref for i, m in enumerate(messages) for ref in m.image_refs(i)]
+    await router.media.check(refs, body.model or router.model_name)  # as the chat route checks them
     text, template_special = render_chat_prompt(router.tokenizer, [
-        {"role": m.role, "content": m.text()} for m in body.messages or []], None,
+        {"role": m.role, "content": m.text()} for m in messages], None,
         add_generation_prompt=body.add_generation_prompt)
     add_special = template_special if body.add_special_tokens is None else body.add_special_tokens
     return await router.encode(text, add_special)
