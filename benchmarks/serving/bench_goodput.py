@@ -65,7 +65,10 @@ WORKLOADS = {
 def bench_config(url: str, args, rate: float, run: int) -> BenchConfig:
     trace = dict(trace=args.trace, trace_num_sessions=args.requests,
                  cache_capacity_tokens=args.cache_capacity_tokens) if args.workload == "conversation" else {}
-    return BenchConfig(base_url=url, num_prompts=args.requests, request_rate=rate, seed=run, num_warmup=0,
+    # Prompts differ from rate to rate (a rate repeating an earlier rate's prompts on the same
+    # cluster was served from its prefix cache) and are the same for every layout.
+    seed = run * 1000 + (round(rate * 100) if math.isfinite(rate) else 999)
+    return BenchConfig(base_url=url, num_prompts=args.requests, request_rate=rate, seed=seed, num_warmup=0,
                        goodput_ttft_ms=args.ttft_slo_ms, goodput_tpot_ms=args.itl_slo_ms, disable_tqdm=True,
                        max_token_id=min(30000, args.vocab), **WORKLOADS[args.workload], **trace)
 
