@@ -34,7 +34,8 @@ from safetensors import safe_open
 from torch import nn
 
 from pdserve.models.gemma3 import GemmaRMSNorm
-from pdserve.models.weights import WeightLoader, check_fields
+from pdserve.models.vision_common import HeadDim, load_tower
+from pdserve.models.weights import check_fields
 
 # Checkpoint name prefixes -> module prefix, longest first. The released Gemma 3 checkpoints
 # name the tower vision_tower.vision_model.* (SiglipVisionModel's old module path); transformers
@@ -52,7 +53,7 @@ SKIPPED = ("vision_tower.head.",)
 
 
 @dataclass(frozen=True)
-class Gemma3VisionSpec:
+class Gemma3VisionSpec(HeadDim):
     """The vision_config facts (and the two top-level ones) the encoder needs."""
     hidden_size: int
     intermediate_size: int
@@ -64,10 +65,6 @@ class Gemma3VisionSpec:
     layer_norm_eps: float
     mm_tokens_per_image: int
     text_hidden_size: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
     @property
     def patches_per_side(self) -> int:
@@ -260,12 +257,6 @@ def load_image_encoder(config, files: list[Path], dtype: torch.dtype = torch.flo
     """The tower and projector of a Gemma3ForConditionalGeneration config, with their weights
     from the checkpoint's safetensors files."""
     spec = vision_spec(config)
-    with torch.device("meta"):
-        encoder = Gemma3ImageEncoder(spec)
-    encoder = encoder.to_empty(device="cpu")
     # qkv_proj is the only fused parameter: q, k and v are each hidden_size rows
-    loader = WeightLoader(encoder, lambda name: [spec.hidden_size] * 3)
-    for name, tensor in _encoder_tensors(files):
-        loader.copy_standard(name, tensor)
-    loader.check_complete()
-    return encoder.to(device=device, dtype=dtype).eval()
+    return load_tower(lambda: Gemma3ImageEncoder(spec), [spec.hidden_size] * 3, _encoder_tensors(files),
+                      dtype, device)

@@ -27,7 +27,8 @@ from safetensors import safe_open
 from torch import nn
 
 from pdserve.models.llama import RMSNorm
-from pdserve.models.weights import WeightLoader, check_fields
+from pdserve.models.vision_common import HeadDim, load_tower
+from pdserve.models.weights import check_fields
 
 # transformers saves the tower as visual.* (the released checkpoints' names); model.visual.* is
 # its module path inside transformers' model, accepted in case a save keeps that.
@@ -36,7 +37,7 @@ NORM_EPS = 1e-6  # fixed in transformers' Qwen2.5-VL vision code, not read from 
 
 
 @dataclass(frozen=True)
-class VisionSpec:
+class VisionSpec(HeadDim):
     """The vision_config facts the tower needs."""
     depth: int
     hidden_size: int
@@ -50,10 +51,6 @@ class VisionSpec:
     out_hidden_size: int
     fullatt_block_indexes: tuple[int, ...]
     rope_theta: float
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
     @property
     def merge_unit(self) -> int:
@@ -276,12 +273,6 @@ def load_vision_tower(config, files: list[Path], dtype: torch.dtype = torch.floa
     """The tower of a Qwen2_5_VLForConditionalGeneration config (or its vision_config),
     with its weights from the checkpoint's safetensors files."""
     spec = vision_spec(getattr(config, "vision_config", config))
-    with torch.device("meta"):
-        tower = Qwen2_5_VLVisionTower(spec)
-    tower = tower.to_empty(device="cpu")
     # gate_up_proj is the only fused parameter (qkv is fused in the checkpoint already)
-    loader = WeightLoader(tower, lambda name: [spec.intermediate_size] * 2)
-    for name, tensor in _vision_tensors(files):
-        loader.copy_standard(name, tensor)
-    loader.check_complete()
-    return tower.to(device=device, dtype=dtype).eval()
+    return load_tower(lambda: Qwen2_5_VLVisionTower(spec), [spec.intermediate_size] * 2, _vision_tensors(files),
+                      dtype, device)
