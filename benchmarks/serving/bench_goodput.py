@@ -93,8 +93,10 @@ def run_layout(name: str, args) -> dict[float, list[dict]]:
     with local_cluster(*flags, log_path=log_path) as c:
         if args.workload == "conversation" and args.cache_capacity_tokens is None:
             args = argparse.Namespace(**{**vars(args), "cache_capacity_tokens": kv_capacity_tokens(c)})
-        warm = dataclasses.replace(bench_config(c.url, args, math.inf, 1000), num_prompts=2, trace=None,
-                                   workload="random", input_len_min=64, input_len_max=64)
+        cfg = bench_config(c.url, args, math.inf, 1000)
+        # A trace warms up on random prompts of its config's lengths (no trace entry is used up).
+        warm = dataclasses.replace(cfg, num_prompts=2, trace=None,
+                                   workload="random" if cfg.workload == "trace" else cfg.workload)
         asyncio.run(run_benchmark(warm))  # untimed: first steps, the nodes' first cost measurements
         for rate in args.rates:
             for run in range(args.runs):
