@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -57,14 +58,18 @@ def _torch_libraries(pid: int) -> list[str]:
 def router_process():
     resolve_model_path(DEFAULT_MODEL)  # the GGUF's Hugging Face view, made once (that step uses transformers' config)
     port, dead_node = free_port(), free_port()
+    # Its log goes to a file, not a pipe: a pipe nobody reads blocks a router that logs a lot.
+    log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([sys.executable, "-m", "pdserve", "router", "--model", DEFAULT_MODEL, "--host", "127.0.0.1",
                              "--port", str(port), "--decode", f"tcp://127.0.0.1:{dead_node}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stderr.read().decode()
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"the router exited:\n{log.read()[-4000:]}")
             try:
                 if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
                     break
@@ -76,6 +81,7 @@ def router_process():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        log.close()
 
 
 def test_a_serving_router_process_maps_no_torch(router_process):
