@@ -28,6 +28,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.multimodal import EncoderCache, MultiModalInputs
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.scheduler import Scheduler
@@ -87,6 +88,13 @@ def _load_target(config: EngineConfig) -> _Target:
     return _Target(device, model_path, hf_config, dtype, layout, model, kv_cache, None)
 
 
+def multimodal_inputs(model, encoder_cache_tokens: int) -> MultiModalInputs | None:
+    """A vision-language model's image inputs and encoder cache; None for a text model."""
+    if not getattr(model, "is_multimodal", False):
+        return None
+    return MultiModalInputs(model, EncoderCache(encoder_cache_tokens))
+
+
 def _parts(config: EngineConfig, t: _Target) -> EngineParts:
     tokenizer = load_tokenizer(t.model_path)
     max_len = max_model_len(config, t.hf_config, t.model, t.kv_cache.shape[0])
@@ -96,13 +104,16 @@ def _parts(config: EngineConfig, t: _Target) -> EngineParts:
     lora = start_lora(config, t.model, t.dtype, t.device)
     ops = kernel_ops(config, t.device, t.kv_cache, t.model_path, t.kv_layout.num_layers)
     if t.executor is not None:
+        if getattr(t.model, "is_multimodal", False):
+            raise ValueError("vision-language models run at tensor_parallel_size 1 so far")
         runner = TPModelRunner(t.model, t.executor, config.block_size, ops, t.device)
     else:
         runner = ModelRunner(t.model, t.kv_cache, config.block_size, ops, t.device,
                              max_num_seqs=config.max_num_seqs, max_model_len=max_len,
                              use_cuda_graphs=(not config.enforce_eager and lora is None
                                               and not drafts_from_hidden(config)),
-                             lora_batch=lora.batch if lora is not None else None)
+                             lora_batch=lora.batch if lora is not None else None,
+                             multimodal=multimodal_inputs(t.model, config.encoder_cache_tokens))
     outputs = OutputProcessor(tokenizer, eos_ids(t.hf_config, tokenizer), max_len)
     structured = StructuredOutputs(tokenizer, t.model.spec.vocab_size, outputs.eos_token_ids)
     # (Speculation needs each step's tokens on the host to draft the next: no overlap.)

@@ -50,6 +50,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Vision-language models: image embeddings kept by content hash (pdserve.engine.multimodal),
+    # in embedding rows (tokens); 0: none kept, every step that needs an image encodes it.
+    encoder_cache_tokens: int = 16384
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@ offline LLM run on this; it imports no server code."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -14,6 +15,7 @@ from pdserve.engine.request import RemoteKV, Request, RequestStatus
 from pdserve.engine.sampler import sample
 from pdserve.engine.speculation import Speculation
 from pdserve.protocol.block_keys import request_salt
+from pdserve.protocol.multimodal import ImageInput
 from pdserve.protocol.outputs import StepOutput
 from pdserve.protocol.sampling_params import SamplingParams
 
@@ -61,7 +63,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     output_token_ids: list[int] | None = None, remote_kv_tokens: int = 0,
                     hold_blocks: bool = False, continues_elsewhere: bool = False,
-                    cache_salt: str | None = None, lora_name: str | None = None) -> Request:
+                    cache_salt: str | None = None, lora_name: str | None = None,
+                    images: Sequence[ImageInput] = ()) -> Request:
         """Queue a request. output_token_ids continues a generation (tokens drawn elsewhere);
         remote_kv_tokens > 0 admits it in WAITING_FOR_REMOTE_KVS with blocks for that many
         tokens allocated (see Request.block_ids), until report_remote_kv is called.
@@ -69,7 +72,9 @@ class LLMEngine:
         continues_elsewhere: a prefill node's request, which another node continues.
         cache_salt, lora_name: enter its block keys' salt (request_salt), so it shares cached
         blocks only with requests that name the same ones. lora_name: the LoRA adapter that
-        computes it (one registered with add_lora or lora_modules)."""
+        computes it (one registered with add_lora or lora_modules).
+        images: a vision-language model's images, their placeholders already in the prompt
+        (pdserve.protocol.multimodal); their keys enter the block keys."""
         self._validate(request_id, prompt_token_ids, params)
         for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
             if value is not None and not (isinstance(value, str) and value):
@@ -77,6 +82,8 @@ class LLMEngine:
         self._check_lora_name(lora_name)
         req = Request(request_id, list(prompt_token_ids), params, hold_blocks=hold_blocks,
                       cache_salt=cache_salt, lora_name=lora_name, salt=self.request_salt(cache_salt, lora_name))
+        if images:
+            self._attach_images(req, images)
         for token in output_token_ids or []:
             req.append_output(token)
         if params.structured is not None:  # replays the tokens drawn elsewhere; ValueError if off-grammar
@@ -92,6 +99,19 @@ class LLMEngine:
         else:
             self.scheduler.add(req)
         return req
+
+    def _attach_images(self, req: Request, images: Sequence[ImageInput]) -> None:
+        mm = self.runner.multimodal
+        if mm is None:
+            raise ValueError(f"the model {self.config.model} does not take images")
+        req.images = tuple(images)
+        mm.prepare(req)  # ValueError when the placeholders and the images disagree
+
+    @property
+    def encoder_stats(self):
+        """A vision-language model's encoder-cache counters (EncoderStats); None for text."""
+        mm = self.runner.multimodal
+        return mm.cache.stats if mm is not None else None
 
     def request_salt(self, cache_salt: str | None = None, lora_name: str | None = None) -> bytes:
         """The block-key salt of a request naming these: the engine's layout salt mixed with them."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import PENDING_TOKEN, Request
 from pdserve.protocol.block_keys import ROOT_KEY, block_key
+from pdserve.protocol.multimodal import block_extra
 
 SLID_OUT = -1  # a block-table entry whose block left every layer's window and went back to the pool
 
@@ -24,14 +25,16 @@ class KVCacheManager:
 
     def block_keys(self, req: Request) -> list[bytes]:
         """Keys of every full block of the request's tokens (cached on the request), salted with
-        the request's own salt (a tenant's, an adapter's) where it has one."""
+        the request's own salt (a tenant's, an adapter's) where it has one, and holding the keys
+        of the images whose tokens each block covers."""
         keys, bs = req.block_keys, self.block_size
         salt = req.salt or self.salt
         tokens = req.all_token_ids
         known = len(tokens) - (tokens[-1] == PENDING_TOKEN if tokens else 0)  # a pending token has no key yet
         for i in range(len(keys), known // bs):
             parent = keys[-1] if keys else ROOT_KEY
-            keys.append(block_key(parent, tokens[i * bs:(i + 1) * bs], salt))
+            extra = block_extra(req.images, i * bs, (i + 1) * bs) if req.images else b""
+            keys.append(block_key(parent, tokens[i * bs:(i + 1) * bs], salt, extra))
         return keys
 
     def find_cached_prefix(self, req: Request) -> list[int]:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.multimodal import MultiModalInputs
 from pdserve.engine.overlap import pending_sources, take_pending
 from pdserve.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
 from pdserve.engine.request import Request
@@ -67,8 +68,10 @@ class ModelRunner:
     max_num_seqs requests replay captured CUDA graphs; everything else runs eagerly."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, ops, device: torch.device,
-                 max_num_seqs: int = 0, max_model_len: int = 0, use_cuda_graphs: bool = False, lora_batch=None):
+                 max_num_seqs: int = 0, max_model_len: int = 0, use_cuda_graphs: bool = False, lora_batch=None,
+                 multimodal: MultiModalInputs | None = None):
         self.model, self.kv_cache, self.block_size, self.ops, self.device = model, kv_cache, block_size, ops, device
+        self.multimodal = multimodal  # a vision-language model's images and [3, T] positions
         self.lora_batch = lora_batch  # pdserve.lora.slots.LoRABatch: set to each step's adapter runs
         self._hidden_sink: HiddenSink | None = None  # see set_hidden_sink
         # Per layer, one view per plane: (K, V), or (latent,) for an MLA cache.
@@ -118,10 +121,20 @@ class ModelRunner:
             sources = pending_sources([r for r, _ in items[:num_decodes]], pending[1])
             token_ids[:num_decodes] = take_pending(token_ids[:num_decodes], pending[0],
                                                    torch.from_numpy(sources).to(self.device))
-        hidden = self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
+        hidden = self._run_model(items, inputs, token_ids, positions, meta)
         if self._hidden_sink is not None:
             self._hidden_sink(items, hidden)
         return self._step_logits(hidden, inputs, spans, all_logits)
+
+    def _run_model(self, items, inputs, token_ids, positions, meta) -> torch.Tensor:
+        """The model over a step's rows (items in row order); a multimodal model also gets the
+        step's image embeddings and its [3, T] positions."""
+        ctx = AttentionContext(self.ops, self.layer_caches, meta)
+        mm = self.multimodal
+        if mm is None:
+            return self.model(token_ids, positions, ctx)
+        positions = torch.from_numpy(mm.positions(items, inputs.ints64[1])).to(self.device)
+        return self.model(token_ids, positions, ctx, images=mm.image_rows(items, self.device))
 
     def _ordered(self, items: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         """Decode-shaped queries (one token, or one plus drafts) first. With LoRA adapters, each
@@ -146,11 +159,11 @@ class ModelRunner:
             return torch.empty(0), []
         return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.to_sample
 
-    def _forward_hidden(self, inputs, num_decodes: int) -> torch.Tensor:
-        """The final hidden states of a step's tokens, with no logits (TPModelRunner also has
-        its workers run the step)."""
+    def _forward_hidden(self, inputs, num_decodes: int, items=()) -> torch.Tensor:
+        """The final hidden states of a step's tokens (items: in row order), with no logits
+        (TPModelRunner also has its workers run the step)."""
         token_ids, positions, meta = self._to_device(inputs, num_decodes)
-        return self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
+        return self._run_model(items, inputs, token_ids, positions, meta)
 
     @torch.inference_mode()
     def hidden_states(self, items: list[tuple[Request, int]]) -> list[torch.Tensor]:
@@ -163,7 +176,7 @@ class ModelRunner:
             self.lora_batch.set_runs([(r.lora_slot, n) for r, n in ranked])
         num_decodes = sum(1 for _, n in ranked if n == 1)
         inputs = build_step_inputs(ranked, num_decodes, self.block_size)
-        hidden = self._forward_hidden(inputs, inputs.num_decode_tokens)
+        hidden = self._forward_hidden(inputs, inputs.num_decode_tokens, ranked)
         pieces = hidden.split([n for _, n in ranked])
         out: list[torch.Tensor] = [hidden] * len(items)
         for piece, i in zip(pieces, order):

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.protocol.multimodal import ImageInput
 from pdserve.protocol.outputs import TokenLogprob
 from pdserve.protocol.sampling_params import SamplingParams
 
@@ -72,6 +73,12 @@ class Request:
     cache_salt: str | None = None
     lora_name: str | None = None
     salt: bytes = b""
+    # Images (pdserve.protocol.multimodal): their keys enter the block keys of the blocks that
+    # hold their tokens; the model runner encodes them (once, see engine.multimodal) when a
+    # step computes those tokens. mrope: a multimodal-RoPE model's prompt positions [3, P] and
+    # the delta every later token's index takes (pdserve.models.mrope); None for 1-D positions.
+    images: tuple[ImageInput, ...] = ()
+    mrope: tuple[Any, int] | None = None
     all_token_ids: list[int] = field(init=False)
     lora_slot: int | None = field(default=None, init=False)  # the adapter's slot while held (pdserve.lora.manager)
 

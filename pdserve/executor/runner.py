@@ -39,7 +39,7 @@ class TPModelRunner(ModelRunner):
         hidden = self._run_step(make_plan(inputs, num_decodes, spans, all_logits, in_shm=False), inputs)
         return self._step_logits(hidden, inputs, spans, all_logits)
 
-    def _forward_hidden(self, inputs, num_decodes: int) -> torch.Tensor:
+    def _forward_hidden(self, inputs, num_decodes: int, items=()) -> torch.Tensor:
         """Hidden states only (embeddings): the workers run the same forward pass, with no LM
         head passes, so every collective has all its ranks."""
         plan = make_plan(inputs, num_decodes, [], False, in_shm=False)

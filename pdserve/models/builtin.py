@@ -93,17 +93,19 @@ def _weight_shapes(d: dict) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
-def build_byte_tokenizer():
-    """A byte-level tokenizer with no merges: every byte is a token, so any text round-trips."""
+def build_byte_tokenizer(extra_special_tokens: tuple[str, ...] = (), chat_template: str = CHAT_TEMPLATE):
+    """A byte-level tokenizer with no merges: every byte is a token, so any text round-trips.
+    extra_special_tokens follow the standard ones (a vision model's image tokens)."""
     from transformers import PreTrainedTokenizerFast  # deferred: transformers takes seconds to import
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    for tok in SPECIAL_TOKENS:
+    specials = [*SPECIAL_TOKENS, *extra_special_tokens]
+    for tok in specials:
         vocab[tok] = len(vocab)
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(SPECIAL_TOKENS)
+    core.add_special_tokens(specials)
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=SPECIAL_TOKENS[0],
-                                   eos_token=SPECIAL_TOKENS[1], chat_template=CHAT_TEMPLATE)
+                                   eos_token=SPECIAL_TOKENS[1], chat_template=chat_template)

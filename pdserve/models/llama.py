@@ -155,8 +155,12 @@ class LlamaModel(nn.Module):
         # pdserve.kernels.triton_fused on CUDA (set by the model runner); None: plain torch.
         self.fused = None
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx, images=None) -> torch.Tensor:
+        """images: a multimodal model's image embeddings for this step's placeholder rows
+        (pdserve.engine.multimodal.ImageRows); they replace those rows' token embeddings."""
         x = self.embed_tokens(token_ids)
+        if images is not None:
+            x = images.merge(x)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         if self.native_decode is not None and self.native_decode.takes(x, ctx):
             return self.native_decode.forward(x, cos, sin, ctx)

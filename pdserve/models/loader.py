@@ -15,11 +15,13 @@ from pdserve.layers.quant import fp8_block
 from pdserve.layers.quant.compressed_tensors import SUPPORTED, CompressedTensorsConfig, grouped_tensors
 from pdserve.layers.quant.gguf_config import GGUFQuantConfig
 from pdserve.layers.quant.grouped import GroupedWeight
+from pdserve.models import qwen2_5_vl
 from pdserve.models.gguf import VIEW_MARKER, gguf_tensor_types, gguf_tensors, is_gguf_view
 from pdserve.models.llama import LlamaModel, ModelSpec, layer_windows
 
 # resolve_model_path is the loader's public API too (callers that load a model import it here).
 from pdserve.models.model_path import ModelLoadError, resolve_model_path  # noqa: F401
+from pdserve.models.mrope import MRotaryEmbedding
 from pdserve.models.rope import RotaryEmbedding
 
 # Families with a model module of their own: architecture -> module exposing
@@ -34,8 +36,11 @@ FAMILY_MODULES = {
     "Gemma3ForCausalLM": "pdserve.models.gemma3",
     "GptOssForCausalLM": "pdserve.models.gpt_oss",
 }
+# Vision-language models whose language model loads as a Llama-family model: the config's
+# text_config is what the engine reads (flatten_multimodal_config), the tower is attached after.
+MULTIMODAL_ARCHITECTURES = (qwen2_5_vl.ARCHITECTURE,)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           *FAMILY_MODULES)
+                           *MULTIMODAL_ARCHITECTURES, *FAMILY_MODULES)
 
 
 def load_hf_config(path: Path):
@@ -43,6 +48,8 @@ def load_hf_config(path: Path):
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(str(path))
     archs = getattr(config, "architectures", None) or []
+    if archs and archs[0] in MULTIMODAL_ARCHITECTURES:
+        config = flatten_multimodal_config(config)
     if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"architecture {archs or 'unknown'} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -55,6 +62,18 @@ def load_hf_config(path: Path):
     if quantization and not (archs[0] in FAMILY_MODULES and getattr(_family(archs[0]), "LOADS_QUANTIZED", False)):
         _checkpoint_quant_config(path, archs[0], quantization)  # refuses what cannot load, now
     return config
+
+
+def flatten_multimodal_config(config):
+    """The language model's config, standing for the whole model: the engine reads layers, heads
+    and context length from it as from a text model's. It keeps the model's architecture and
+    tied embeddings, and the whole config as multimodal_config (the tower's and the image
+    token's settings)."""
+    text = config.get_text_config()
+    text.architectures = list(config.architectures)
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    text.multimodal_config = config
+    return text
 
 
 def _checkpoint_quant_config(path: Path, arch: str, quantization):
@@ -88,7 +107,7 @@ def spec_from_config(config) -> ModelSpec:
         num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim, rms_norm_eps=config.rms_norm_eps,
-        qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+        qkv_bias=arch in ("Qwen2ForCausalLM", qwen2_5_vl.ARCHITECTURE) or attention_bias,
         o_bias=arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM") and attention_bias,
         qk_norm=arch == "Qwen3ForCausalLM",
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
@@ -118,10 +137,14 @@ def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> 
         files = [path / VIEW_MARKER] if is_gguf_view(path) else safetensors_files(path)
         return _family(config.architectures[0]).build_model(config, files, dtype, device)
     spec = spec_from_config(config)
-    rope = RotaryEmbedding(config, spec.head_dim, spec.max_position_embeddings)
+    multimodal = config.architectures[0] in MULTIMODAL_ARCHITECTURES
+    rope = (MRotaryEmbedding if multimodal else RotaryEmbedding)(config, spec.head_dim, spec.max_position_embeddings)
     quant_config = _quant_config(path, device, config)
     with torch.device("meta"):
-        model = LlamaModel(spec, rope, quant_config)
+        if multimodal:
+            model = qwen2_5_vl.Qwen2_5_VLModel(spec, rope, config.multimodal_config, quant_config)
+        else:
+            model = LlamaModel(spec, rope, quant_config)
     model = model.to_empty(device="cpu")
     if spec.tie_word_embeddings:
         model.lm_head.tie_to(model.embed_tokens)
@@ -134,7 +157,10 @@ def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> 
         _load_weights(model, spec, safetensors_files(path))
     process_weights_after_loading(model)
     model.rope = rope.to(device)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    if multimodal:
+        model.attach_tower(config.multimodal_config, safetensors_files(path), dtype, device)
+    return model
 
 
 def _quant_config(path: Path, device: torch.device, config):
@@ -187,6 +213,8 @@ def _place(name: str, tensor, model: LlamaModel, params: dict, spec: ModelSpec) 
     """Copy one checkpoint tensor into its (possibly fused) parameters; returns the parameters
     complete once it is in (a fused one counts when its last part arrives). A quantized tensor
     (GroupedWeight) fills its layer's packed weights, scales and mins."""
+    if qwen2_5_vl.is_tower_weight(name):  # a vision tower's: attached after (Qwen2_5_VLModel.attach_tower)
+        return []
     name = name.removeprefix("model.") if not name.startswith("lm_head") else name
     if "rotary_emb" in name or is_kv_scale(name):  # KV scales: see pdserve.kernels.fp8_kv
         return []

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from pdserve.assembly.build import build_engine
 from pdserve.engine.config import EngineConfig
 from pdserve.lora.request import LoRARequest
+from pdserve.models.image_prompts import ImagePrompts
 from pdserve.protocol.cache_salt import check_cache_salt
 from pdserve.protocol.outputs import CompletionOutput, RequestOutput
 from pdserve.protocol.sampling_params import SamplingParams
@@ -20,6 +21,9 @@ class LLM:
     def __init__(self, model: str = "builtin:tiny", **engine_options):
         self.engine = build_engine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
+        # A vision-language model's image processor and placeholder expansion; None for text.
+        self.image_prompts = ImagePrompts.for_model(self.engine.model_path, self.engine.hf_config.multimodal_config) \
+            if getattr(self.engine.hf_config, "multimodal_config", None) is not None else None
 
     def close(self) -> None:
         """Stop the engine's tensor-parallel workers now rather than at exit."""
@@ -45,7 +49,9 @@ class LLM:
         for prompt, p, adapter in zip(prompts, params, adapters):
             rid = str(next(self._ids))
             text, token_ids = self._tokenize(prompt)
-            self.engine.add_request(rid, token_ids, p, cache_salt=_cache_salt(prompt), lora_name=adapter)
+            token_ids, images = self._with_images(prompt, token_ids)
+            self.engine.add_request(rid, token_ids, p, cache_salt=_cache_salt(prompt), lora_name=adapter,
+                                    images=images)
             results[rid] = _Collector(text, token_ids)
         self._run(results, use_tqdm and len(prompts) > 1)
         return [c.to_output(rid) for rid, c in results.items()]
@@ -71,6 +77,19 @@ class LLM:
             raise
         finally:
             bar.close()
+
+    def _with_images(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], list]:
+        """A dict prompt's multi_modal_data {"image": a PIL image or a list of them}, as vLLM
+        takes it: the prompt with each image placeholder expanded, and the images' inputs."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return token_ids, []
+        if set(data) - {"image"}:
+            raise ValueError(f"multi_modal_data takes only 'image', got {sorted(data)}")
+        if self.image_prompts is None:
+            raise ValueError(f"the model {self.engine.config.model} does not take images")
+        pictures = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        return self.image_prompts.expand(token_ids, pictures)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import xxhash
 
+from pdserve.protocol.multimodal import ImageInput, block_extra
+
 KEY_BYTES = 16
 ROOT_KEY = b"\x00" * KEY_BYTES
 
@@ -55,20 +57,26 @@ def kv_entry_dims(hf_config) -> tuple[int, int, int]:
     return 2, getattr(hf_config, "num_key_value_heads", None) or heads, head_dim
 
 
-def block_key(parent: bytes, token_ids: Sequence[int], salt: bytes) -> bytes:
+def block_key(parent: bytes, token_ids: Sequence[int], salt: bytes, extra: bytes = b"") -> bytes:
+    """extra: the keys of the images whose tokens the block holds (multimodal.block_extra); the
+    placeholder token ids are the same for every image, so without it two prompts with the same
+    text and different images would share KV. Empty for text, which keeps text keys unchanged."""
     packed = struct.pack(f"<{len(token_ids)}I", *token_ids)
-    return xxhash.xxh3_128_digest(parent + salt + packed)
+    return xxhash.xxh3_128_digest(parent + salt + packed + extra)
 
 
 def block_key_chain(token_ids: Sequence[int], block_size: int, salt: bytes,
-                    include_partial: bool = False) -> list[bytes]:
+                    include_partial: bool = False, images: Sequence[ImageInput] = ()) -> list[bytes]:
     """Keys of each full block of `token_ids`, chained from the root; optionally the trailing
-    partial block too (its key covers only the tokens it holds, so it differs from any full block)."""
+    partial block too (its key covers only the tokens it holds, so it differs from any full block).
+    images: the prompt's images, whose keys enter the blocks that hold their tokens."""
     keys: list[bytes] = []
     parent = ROOT_KEY
     n_full = len(token_ids) // block_size
     end = len(token_ids) if include_partial else n_full * block_size
     for start in range(0, end, block_size):
-        parent = block_key(parent, token_ids[start:start + block_size], salt)
+        stop = min(start + block_size, len(token_ids))
+        extra = block_extra(images, start, stop) if images else b""
+        parent = block_key(parent, token_ids[start:stop], salt, extra)
         keys.append(parent)
     return keys

@@ -1,0 +1,59 @@
+"""Random-weight vision-language checkpoints for tests and benchmarks, built offline with
+transformers: the smallest towers that still exercise every path (window and full attention,
+the patch merger, M-RoPE), with a byte tokenizer that knows the image tokens and a chat template
+that places them, and the model's own image processor saved beside them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pdserve.models.builtin import SPECIAL_TOKENS, build_byte_tokenizer
+
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+# Content parts: text as is, each image as Qwen's vision_start, image_pad, vision_end.
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'text' %}{{ p['text'] }}{% else %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+# Small enough that a test image is tens of tokens: 56x56 to 224x224 pixels.
+QWEN_PROCESSOR = dict(min_pixels=56 * 56, max_pixels=224 * 224)
+
+
+def make_qwen2_5_vl(root: Path, seed: int = 0) -> Path:
+    # deferred: transformers takes seconds to import, and tests import this module at collection
+    import transformers
+    tokenizer = build_byte_tokenizer(QWEN_VISION_TOKENS, QWEN_CHAT_TEMPLATE)
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_VISION_TOKENS}
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           fullatt_block_indexes=[1], window_size=56, spatial_merge_size=2, patch_size=14,
+                           temporal_patch_size=2),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # std 0.2 around 0, norms around 1: clear greedy winners (see model_factory)
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    path = root / "qwen2_5_vl"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    transformers.Qwen2VLImageProcessorPil(**QWEN_PROCESSOR).save_pretrained(path)
+    return path
+
+
+def load_qwen2_5_vl_reference(path: Path):
+    # deferred: transformers, for the reference model only
+    import transformers
+    return transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        str(path), torch_dtype=torch.float32, attn_implementation="eager").eval()
+
+
+assert SPECIAL_TOKENS[1] == "<|end_of_text|>"  # the eos the configs above name
