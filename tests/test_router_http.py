@@ -392,3 +392,36 @@ def test_tokenize_bad_input_is_an_openai_error(ctx, path, payload):
     resp = httpx.post(f"{ctx[0]}{path}", json=payload)
     assert resp.status_code in (400, 404)
     assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+BAD_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}},
+             {"type": "function", "function": {"name": "f", "parameters": '{"type": "object"}'}}]
+
+
+@pytest.mark.parametrize("tool", BAD_TOOLS, ids=["bad-schema", "string"])
+@pytest.mark.parametrize("choice", [None, "auto", "none", "required", {"type": "function", "function": {"name": "f"}}])
+def test_invalid_tool_schema_is_a_400_under_any_tool_choice(ctx, tool, choice):
+    client = ctx[3]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       tools=[tool], **({} if choice is None else {"tool_choice": choice}))
+    assert info.value.param == "tools" and "parameters" in info.value.message
+    flat = {"type": "function", "name": "f", "parameters": tool["function"]["parameters"], "strict": False}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=2, tools=[flat])
+    assert info.value.param == "tools"
+
+
+@pytest.mark.parametrize("stop", ["", [""], ["the", ""]])
+def test_empty_stop_string_and_empty_responses_input_are_400s(ctx, stop):
+    client = ctx[3]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stop=stop)
+    assert info.value.param == "stop"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       stop=stop)
+    assert info.value.param == "stop"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="", max_output_tokens=2)
+    assert info.value.param == "input"

@@ -20,7 +20,7 @@ from pdserve.router.openai.chat_prompt import render_chat_prompt
 from pdserve.router.openai.errors import bad_request
 from pdserve.router.openai.responses import ChatFlavor, CompletionFlavor, Flavor
 from pdserve.router.openai.schemas import ChatCompletionRequest, CompletionRequest
-from pdserve.router.openai.structured_request import ToolPlan
+from pdserve.router.openai.structured_request import ToolPlan, ToolsError
 from pdserve.router.openai.tool_calls import ParsedToolCallChatFlavor, ToolCallChatFlavor
 
 
@@ -81,7 +81,7 @@ def _tools_plan(body: ChatCompletionRequest) -> ToolPlan | None:
     try:
         return body.tools_plan()
     except ValueError as exc:
-        raise bad_request(str(exc), "tool_choice") from exc
+        raise bad_request(str(exc), "tools" if isinstance(exc, ToolsError) else "tool_choice") from exc
 
 
 async def chat_job(router: Any, body: ChatCompletionRequest) -> GenerationJob:

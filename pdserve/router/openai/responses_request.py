@@ -18,9 +18,9 @@ change nothing here are accepted and ignored (see IGNORED_FIELDS).
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
 from pdserve.router.openai.schemas import INT64_MAX, CacheSalt, UnicodeCheckedRequest
 
@@ -35,7 +35,10 @@ class ResponsesRequest(UnicodeCheckedRequest):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
-    input: str | list[Any]  # items are checked in input_items_to_messages, with clearer messages
+    # Items are checked in input_items_to_messages, with clearer messages; emptiness in _some_input.
+    input: Annotated[str | list[Any], WithJsonSchema(
+        {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {}, "minItems": 1}],
+         "description": "A string (one user turn) or a list of input items; not empty."})]
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool | None = True
@@ -88,7 +91,7 @@ class ResponsesRequest(UnicodeCheckedRequest):
     @field_validator("input")
     @classmethod
     def _some_input(cls, value: str | list[Any]) -> str | list[Any]:
-        if isinstance(value, list) and not value:
+        if not value:  # "" as much as []: there is no turn to answer
             raise ValueError("input must not be empty")
         return value
 

@@ -116,7 +116,10 @@ class GenerationRequest(UnicodeCheckedRequest):
     n: int | None = Field(1, ge=1, le=MAX_N)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, _only(
+        {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1}},
+                   {"type": "null"}]},
+        "Where to stop: a string or a list of strings, none of them empty.")] = None
     seed: Int64 | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -163,6 +166,14 @@ class GenerationRequest(UnicodeCheckedRequest):
     def ignored_fields(self) -> list[str]:
         """The unknown fields' names, percent-encoded (they go into a header, which is latin-1)."""
         return sorted(quote(name, safe="") for name in self.model_extra or {})
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        # An empty stop string matches at once: the answer would be empty, with finish_reason "stop".
+        if value == "" or (isinstance(value, list) and "" in value):
+            raise ValueError("stop strings must not be empty")
+        return value
 
     @field_validator("logit_bias")
     @classmethod

@@ -4,7 +4,8 @@ Accepted spellings: OpenAI's `response_format` (json_object, json_schema) and
 `tool_choice` "required" or a named function with `tools`; vLLM's `structured_outputs` ({json|regex|choice|grammar}) and its
 older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. At most one may be
 given. The spec is parsed here (check_spec, cached) so a malformed schema or regex is a 400 at
-the router, never a node error.
+the router, never a node error. Every tool's `parameters` is checked against the JSON Schema
+meta-schema under any tool_choice, so an invalid one is a 400 even where no grammar is built.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import jsonschema
 
 from pdserve.protocol.grammar import check_spec
 from pdserve.protocol.sampling_params import StructuredSpec
@@ -22,6 +24,7 @@ from pdserve.protocol.sampling_params import StructuredSpec
 # json_object: any JSON object (compact, see structured_output.ANY_WHITESPACE).
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 _VLLM_KEYS = ("json", "regex", "choice", "grammar")
+_JSON_TYPES = {str: "a string", list: "an array", bool: "a boolean", int: "a number", float: "a number"}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -106,13 +109,42 @@ class ToolPlan:
         return "json", json.dumps(array, ensure_ascii=False)
 
 
+class ToolsError(ValueError):
+    """A malformed entry of `tools` (its 400 names `tools`, not `tool_choice`)."""
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_schema_text(text: str) -> None:
+    # Cached by the schema's text: an agent sends the same tools with every turn.
+    schema = json.loads(text)
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    validator.check_schema(schema)
+
+
+def _check_parameters(parameters: Any, where: str) -> None:
+    """ToolsError unless `parameters` is absent or a JSON schema object (as OpenAI: a string
+    holding one is refused too)."""
+    if parameters is None:
+        return
+    if not isinstance(parameters, dict):
+        kind = _JSON_TYPES.get(type(parameters), type(parameters).__name__)
+        raise ToolsError(f"{where}: parameters must be a JSON schema object, got {kind}")
+    try:
+        _check_schema_text(json.dumps(parameters, sort_keys=True, ensure_ascii=False))
+    except jsonschema.SchemaError as exc:
+        raise ToolsError(f"{where}: parameters is not a valid JSON schema: {exc.message} (at {exc.json_path})") from None
+    except RecursionError:  # nesting deeper than the interpreter's stack: not a schema anyone means
+        raise ToolsError(f"{where}: parameters is nested too deeply") from None
+
+
 def _function_tools(tools: list[dict] | None) -> list[dict[str, Any]]:
     checked = []
     for i, tool in enumerate(tools or []):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+            raise ToolsError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
                              "'parameters': {...}}}")
+        _check_parameters(function.get("parameters"), f"tools[{i}]")
         checked.append(tool)
     return checked
 
