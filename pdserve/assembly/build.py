@@ -100,9 +100,14 @@ def _parts(config: EngineConfig, t: _Target) -> EngineParts:
     max_len = max_model_len(config, t.hf_config, t.model, t.kv_cache.shape[0])
     salt = t.kv_layout.salt()
     pool = BlockPool(t.kv_cache.shape[0], config.enable_prefix_caching)
-    kv = KVCacheManager(pool, config.block_size, salt, kv_window(t.model))
+    whole_images = bool(getattr(t.model, "bidirectional_images", False))
+    kv = KVCacheManager(pool, config.block_size, salt, kv_window(t.model), whole_images)
     lora = start_lora(config, t.model, t.dtype, t.device)
     ops = kernel_ops(config, t.device, t.kv_cache, t.model_path, t.kv_layout.num_layers)
+    if whole_images and not getattr(ops, "PREFILL_KEY_ENDS", False):
+        raise ValueError(f"{t.hf_config.architectures[0]}'s image tokens attend bidirectionally, which only the "
+                         "torch and numba kernel backends implement so far (kernel_backend='torch'), with a "
+                         "bfloat16/float32 KV cache")
     if t.executor is not None:
         if getattr(t.model, "is_multimodal", False):
             raise ValueError("vision-language models run at tensor_parallel_size 1 so far")

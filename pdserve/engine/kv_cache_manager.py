@@ -16,12 +16,16 @@ SLID_OUT = -1  # a block-table entry whose block left every layer's window and w
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, salt: bytes, window: int = 0):
+    def __init__(self, pool: BlockPool, block_size: int, salt: bytes, window: int = 0, whole_images: bool = False):
         self.pool = pool
         self.block_size = block_size
         self.salt = salt
         # > 0: every layer slides and none looks further back than this (0: some layer is full).
         self.window = window
+        # The model's image tokens attend bidirectionally (Gemma 3: model.bidirectional_images):
+        # an image's tokens are computed together, so no prefix hit nor prefill chunk ends
+        # inside one (the scheduler reads this too).
+        self.whole_images = whole_images
 
     def block_keys(self, req: Request) -> list[bytes]:
         """Keys of every full block of the request's tokens (cached on the request), salted with
@@ -50,6 +54,8 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        while hits and self.whole_images and inside_image(req, len(hits) * self.block_size):
+            hits.pop()
         return hits
 
     def allocate(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
@@ -123,3 +129,8 @@ class KVCacheManager:
         req.block_ids = []
         req.num_registered_blocks = 0
         req.num_slid_blocks = 0
+
+
+def inside_image(req: Request, position: int) -> bool:
+    """A cut before `position` falls strictly inside one of the request's images."""
+    return any(im.offset < position < im.offset + im.length for im in req.images)

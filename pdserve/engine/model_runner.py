@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.image_attention import image_key_ends
 from pdserve.engine.multimodal import MultiModalInputs
 from pdserve.engine.overlap import pending_sources, take_pending
 from pdserve.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
@@ -28,6 +29,9 @@ class AttentionMetadata:
     prefill_cu_seqlens: torch.Tensor    # [P+1] int32, relative to the first prefill token
     prefill_context_lens: torch.Tensor  # [P] int32
     prefill_block_tables: torch.Tensor  # [P, max_blocks] int32
+    # [prefill tokens] int64 or None: each prefill query sees keys below this position rather
+    # than up to its own (a bidirectional image token sees its whole image; see image_attention)
+    prefill_key_ends: torch.Tensor | None = None
 
 
 class AttentionContext:
@@ -52,8 +56,11 @@ class AttentionContext:
         if d == q.shape[0]:
             return self.ops.paged_decode_attention(q, k_cache, v_cache, m.decode_block_tables,
                                                    m.decode_context_lens, scale, **extra)
+        if m.prefill_key_ends is not None:  # only a backend with PREFILL_KEY_ENDS gets here (assembly)
+            extra["key_ends"] = m.prefill_key_ends
         prefill = self.ops.prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, m.prefill_cu_seqlens,
                                              m.prefill_context_lens, m.prefill_block_tables, scale, **extra)
+        extra.pop("key_ends", None)  # decode rows are text: causal
         if d == 0:
             return prefill
         decode = self.ops.paged_decode_attention(q[:d], k_cache, v_cache, m.decode_block_tables,
@@ -128,12 +135,17 @@ class ModelRunner:
 
     def _run_model(self, items, inputs, token_ids, positions, meta) -> torch.Tensor:
         """The model over a step's rows (items in row order); a multimodal model also gets the
-        step's image embeddings and its [3, T] positions."""
-        ctx = AttentionContext(self.ops, self.layer_caches, meta)
+        step's image embeddings, and its [3, T] positions (M-RoPE) or its image tokens' key ends
+        (bidirectional images)."""
         mm = self.multimodal
         if mm is None:
-            return self.model(token_ids, positions, ctx)
-        positions = torch.from_numpy(mm.positions(items, inputs.ints64[1])).to(self.device)
+            return self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
+        if getattr(self.model, "uses_mrope", True):
+            positions = torch.from_numpy(mm.positions(items, inputs.ints64[1])).to(self.device)
+        if getattr(self.model, "bidirectional_images", False):
+            ends = image_key_ends(items, inputs.ints64[1], meta.num_decodes)
+            meta.prefill_key_ends = torch.from_numpy(ends).to(self.device) if ends is not None else None
+        ctx = AttentionContext(self.ops, self.layer_caches, meta)
         return self.model(token_ids, positions, ctx, images=mm.image_rows(items, self.device))
 
     def _ordered(self, items: list[tuple[Request, int]]) -> list[tuple[Request, int]]:

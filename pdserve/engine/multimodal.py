@@ -104,12 +104,14 @@ class MultiModalInputs:
 
     def prepare(self, req: Request) -> None:
         """Checks the request's images against its placeholders, and sets its M-RoPE positions
-        (numpy, host side) once, at admission."""
+        (numpy, host side) once, at admission (a model without M-RoPE keeps plain positions)."""
         prompt, token = req.prompt_token_ids, self.model.image_token_id
         check_image_inputs(req.images, prompt)
         if any(prompt[i] != token for im in req.images for i in range(im.offset, im.offset + im.length)):
             raise ValueError(f"an image's placeholder range holds tokens other than the image token {token}")
         if prompt.count(token) != sum(im.length for im in req.images):
             raise ValueError("the prompt has image placeholder tokens that no image fills")
+        if not getattr(self.model, "uses_mrope", True):
+            return
         positions, delta = self.model.prompt_positions(req.prompt_token_ids, req.images)
         req.mrope = (positions.numpy(), delta)

@@ -88,7 +88,7 @@ class Scheduler:
             if req.awaiting_last_token:
                 i += 1
                 continue
-            n = self._take_prefill(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._take_prefill(req, req.num_computed_tokens, budget)
             if n == 0:  # a prefill chunk past this step's prefill cap: it waits a step
                 i += 1
                 continue
@@ -120,7 +120,7 @@ class Scheduler:
                 # and take them from the prefix cache instead of computing them a second time.
                 held.append(self.waiting.popleft())
                 continue
-            n = self._take_prefill(req.num_tokens - req.num_computed_tokens - len(cached) * self.kv.block_size, budget)
+            n = self._take_prefill(req, req.num_computed_tokens + len(cached) * self.kv.block_size, budget)
             if n == 0:  # past the prefill cap: requests behind it that only decode may still join
                 held.append(self.waiting.popleft())
                 continue
@@ -141,14 +141,32 @@ class Scheduler:
     def _decode_rows(self) -> int:
         return sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not r.awaiting_last_token)
 
-    def _take_prefill(self, remaining: int, budget: int) -> int:
-        """Tokens to compute for a request with `remaining` left: one (a decode row, or a prompt
-        whose KV landed) always fits the step's budget; more is a prefill chunk, within the cap."""
+    def _take_prefill(self, req: Request, start: int, budget: int) -> int:
+        """Tokens to compute for a request from token `start` on: one (a decode row, or a prompt
+        whose KV landed) always fits the step's budget; more is a prefill chunk, within the cap,
+        that cuts no image of a model with bidirectional images."""
+        remaining = req.num_tokens - start
         n = min(remaining, budget)
         if remaining > 1:
             n = min(n, self._prefill_left)
+            if self.kv.whole_images and req.images:
+                n = self._whole_images(req, start, n)
             self._prefill_left -= n
             self.step_prefill_tokens += n
+        return n
+
+    def _whole_images(self, req: Request, start: int, n: int) -> int:
+        """n cut back to the start of an image it would end inside. An image starting at `start`
+        that does not fit waits for a step with room, unless no step ever has it (longer than
+        max_num_batched_tokens): then it goes whole, past the budget."""
+        end = start + n
+        for im in req.images:
+            if im.offset < end < im.offset + im.length:
+                if im.offset > start:
+                    return im.offset - start
+                if im.length > self.config.max_num_batched_tokens:
+                    return im.offset + im.length - start
+                return 0
         return n
     def _adapter_ready(self, req: Request) -> bool:
         """The request's adapter holds a slot (taken now if need be); False: it must wait."""

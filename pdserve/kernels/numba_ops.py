@@ -16,7 +16,7 @@ import torch
 from numba import njit, prange
 
 from pdserve.kernels import numba_threads, torch_ops  # noqa: F401  (numba_threads: before the first parallel call)
-from pdserve.kernels.torch_ops import prefill_attention  # noqa: F401  (same contract)
+from pdserve.kernels.torch_ops import PREFILL_KEY_ENDS, prefill_attention  # noqa: F401  (same contract)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -16,6 +16,9 @@ import torch.nn.functional as F
 
 # The CPU flash-attention kernel behind SDPA, called directly for the log-sum-exp it returns
 # beside the output (prefill merges a prefix part and a causal part with it).
+# prefill_attention takes key_ends (a query may see keys past its own position): what a model
+# with bidirectional image tokens needs (other backends' kernels are causal only).
+PREFILL_KEY_ENDS = True
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -92,12 +95,16 @@ def _decode_blocks(block_tables: torch.Tensor, context_lens: torch.Tensor, block
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       context_lens: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      scale: float, window: int = 0, sinks: torch.Tensor | None = None,
+                      key_ends: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention for the new tokens of several sequences packed in q [T, heads, head_dim].
 
     Sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1]; those are the last tokens of its
     context_lens[i]-token context, whose K/V (prefix and new) are already in the cache. k_new and
     v_new [T, kv_heads, head_dim] are the new tokens' K/V, used directly when there is no prefix.
+    key_ends [T] (optional): each query sees the keys at positions below its entry instead of up
+    to its own (a Gemma 3 image token sees its whole image); a window still counts back from
+    the query's own position.
     """
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
@@ -106,9 +113,10 @@ def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         q_len = rows.stop - rows.start
         if q_len == 0:
             continue
-        if window and window < ctx:  # the window hides some keys from some query: a mask it is
+        ends = _reaching_ends(key_ends, rows, ctx)
+        if (window and window < ctx) or ends is not None:  # some query's keys are not a causal prefix
             out[rows] = _masked_prefill(q[rows], k_new[rows], v_new[rows], k_cache, v_cache,
-                                        block_tables[i], ctx, scale, window, sinks)
+                                        block_tables[i], ctx, scale, window, sinks, ends)
         elif ctx == q_len and sinks is None:
             out[rows] = _sdpa_causal(q[rows], k_new[rows], v_new[rows], None, scale)
         elif q.device.type == "cpu" and _FLASH_CPU is not None:
@@ -120,9 +128,19 @@ def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     return out
 
 
+def _reaching_ends(key_ends: torch.Tensor | None, rows: slice, ctx: int) -> torch.Tensor | None:
+    """One sequence's key ends, or None where every query's is its own position + 1 (causal)."""
+    if key_ends is None:
+        return None
+    ends = key_ends[rows]
+    causal = torch.arange(ctx - ends.shape[0] + 1, ctx + 1, device=ends.device)
+    return ends if bool((ends != causal).any()) else None
+
+
 def _masked_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, block_table: torch.Tensor, ctx: int, scale: float,
-                    window: int, sinks: torch.Tensor | None) -> torch.Tensor:
+                    window: int, sinks: torch.Tensor | None, key_ends: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """One sequence's new tokens q [L, H, D] over all its visible keys with an explicit mask:
     sliding windows, and devices without the CPU flash kernel."""
     q_len = q.shape[0]
@@ -134,7 +152,8 @@ def _masked_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k
         v = gather_kv(v_cache, block_table, ctx, first)
     q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
     k_pos = torch.arange(ctx - k.shape[0], ctx, device=q.device)[None, :]
-    mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+    mask = (k_pos < key_ends[:, None]) if key_ends is not None else (k_pos <= q_pos)
+    mask = mask & ((k_pos > q_pos - window) if window else True)
     if sinks is not None:
         return _prefill_with_sinks(q, k, v, mask, scale, sinks)
     return _sdpa_causal(q, k, v, mask, scale)

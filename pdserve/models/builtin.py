@@ -93,9 +93,11 @@ def _weight_shapes(d: dict) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
-def build_byte_tokenizer(extra_special_tokens: tuple[str, ...] = (), chat_template: str = CHAT_TEMPLATE):
+def build_byte_tokenizer(extra_special_tokens: tuple[str, ...] = (), chat_template: str = CHAT_TEMPLATE,
+                         named_tokens: dict[str, str] | None = None):
     """A byte-level tokenizer with no merges: every byte is a token, so any text round-trips.
-    extra_special_tokens follow the standard ones (a vision model's image tokens)."""
+    extra_special_tokens follow the standard ones (a vision model's image tokens); named_tokens
+    gives some of them the attribute names a processor reads (Gemma 3's tokenizer.boi_token)."""
     from transformers import PreTrainedTokenizerFast  # deferred: transformers takes seconds to import
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -108,4 +110,5 @@ def build_byte_tokenizer(extra_special_tokens: tuple[str, ...] = (), chat_templa
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens(specials)
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=SPECIAL_TOKENS[0],
-                                   eos_token=SPECIAL_TOKENS[1], chat_template=chat_template)
+                                   eos_token=SPECIAL_TOKENS[1], chat_template=chat_template,
+                                   **({"extra_special_tokens": named_tokens} if named_tokens else {}))

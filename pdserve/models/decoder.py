@@ -43,10 +43,13 @@ class DecoderModel(nn.Module):
     def cuda_graph_safe(self) -> bool:
         return self._graph_safe() if callable(self._graph_safe) else self._graph_safe
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx, images=None) -> torch.Tensor:
+        """images: a vision-language model's image rows (pdserve.engine.multimodal.ImageRows)."""
         x = self.embed_tokens(token_ids)
         if self.embed_scale is not None:  # as transformers: the scale rounded to the dtype first
             x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
+        if images is not None:  # after the scale, as transformers (image rows are not scaled)
+            x = images.merge(x)
         tables = {name: rope.cos_sin(positions, x.dtype) for name, rope in self.ropes.items()}
         for layer, rope in zip(self.layers, self.layer_rope):
             x = layer(x, *tables[rope], ctx)

@@ -10,6 +10,7 @@ be soft-capped.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -106,17 +107,24 @@ def model_spec(config) -> ModelSpec:
         max_position_embeddings=config.max_position_embeddings, hidden_act=config.hidden_activation)
 
 
-def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.device) -> DecoderModel:
+def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.device, *,
+                model_class: type[DecoderModel] = DecoderModel,
+                rename: Callable[[str], str | None] | None = None) -> DecoderModel:
+    """model_class and rename: a vision-language checkpoint's language model (gemma3_vl), whose
+    tensors carry a prefix, beside the tower's (rename gives None for those: skipped)."""
     spec = model_spec(config)
     ropes = {t: _rope(config, t, spec.head_dim) for t in sorted(set(config.layer_types))}
 
     def make() -> DecoderModel:
         layers = [Gemma3DecoderLayer(config, spec, i) for i in range(spec.num_layers)]
-        return DecoderModel(spec, layers, GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps), ropes,
-                            list(config.layer_types), embed_scale=spec.hidden_size ** 0.5,
-                            final_softcap=config.final_logit_softcapping)
+        return model_class(spec, layers, GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps), ropes,
+                           list(config.layer_types), embed_scale=spec.hidden_size ** 0.5,
+                           final_softcap=config.final_logit_softcapping)
 
     def place(name: str, tensor: torch.Tensor, loader: WeightLoader) -> None:
+        name = rename(name) if rename is not None else name
+        if name is None or (name == "lm_head.weight" and spec.tie_word_embeddings):
+            return
         loader.copy_standard(name, tensor)
 
     return build_and_load(make, files, place, dtype, device)

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
+from pdserve.models.model_path import load_tokenizer
 from pdserve.protocol.multimodal import ImageInput, make_image_input
 
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
-MULTIMODAL_ARCHITECTURES = (QWEN2_5_VL,)
+GEMMA3 = "Gemma3ForConditionalGeneration"
+MULTIMODAL_ARCHITECTURES = (QWEN2_5_VL, GEMMA3)
 
 
 class ImagePrompts:
@@ -36,6 +38,8 @@ class ImagePrompts:
         archs = getattr(config, "architectures", None) or []
         if not archs or archs[0] not in MULTIMODAL_ARCHITECTURES:
             return None
+        if archs[0] == GEMMA3:
+            return Gemma3ImagePrompts.for_gemma3(path, config)
         # deferred: transformers (and so torch) only for a vision-language model
         from transformers import Qwen2VLImageProcessorPil
         processor = Qwen2VLImageProcessorPil.from_pretrained(str(path))
@@ -67,3 +71,52 @@ class ImagePrompts:
     def _preprocess(self, image) -> tuple[np.ndarray, list[int]]:
         batch = self.processor(images=[image.convert("RGB")], return_tensors="np")
         return batch["pixel_values"], [int(v) for v in batch["image_grid_thw"][0]]
+
+
+class Gemma3ImagePrompts(ImagePrompts):
+    """Gemma 3: each <start_of_image> ("boi") of the prompt becomes what transformers'
+    Gemma3Processor puts in its place, "\n\n<start_of_image>" + mm_tokens_per_image x
+    <image_soft_token> + "<end_of_image>\n\n", here on token ids (the blank lines tokenized
+    alone: a tokenizer that merges them with the text beside them would differ). The
+    ImageInput covers the soft tokens only, every image resized to the tower's square."""
+
+    def __init__(self, processor, boi_token_id: int, image_token_id: int, eoi_token_id: int,
+                 tokens_per_image: int, blank_lines: list[int]):
+        super().__init__(processor, image_token_id, 1)
+        self.boi, self.eoi, self.tokens_per_image = boi_token_id, eoi_token_id, tokens_per_image
+        self.blank_lines = blank_lines
+
+    @classmethod
+    def for_gemma3(cls, path: Path, config) -> Gemma3ImagePrompts:
+        # deferred: transformers (and so torch) only for a vision-language model
+        from transformers import Gemma3ImageProcessorPil
+        blank_lines = load_tokenizer(path).encode("\n\n", add_special_tokens=False)
+        ids = [_token_id(config, name) for name in ("boi", "image", "eoi")]
+        return cls(Gemma3ImageProcessorPil.from_pretrained(str(path)), *ids, int(config.mm_tokens_per_image),
+                   list(blank_lines))
+
+    def placeholder_count(self, prompt_token_ids: Sequence[int]) -> int:
+        return sum(1 for t in prompt_token_ids if t == self.boi)
+
+    def expand(self, prompt_token_ids: Sequence[int], images: Sequence) -> tuple[list[int], list[ImageInput]]:
+        found = self.placeholder_count(prompt_token_ids)
+        if found != len(images):
+            raise ValueError(f"the prompt has {found} image placeholders for {len(images)} images")
+        out: list[int] = []
+        inputs: list[ImageInput] = []
+        pictures = iter(images)
+        for token in prompt_token_ids:
+            if token != self.boi:
+                out.append(token)
+                continue
+            out.extend([*self.blank_lines, self.boi])
+            pixels = self.processor(images=[next(pictures).convert("RGB")], return_tensors="np")["pixel_values"]
+            inputs.append(make_image_input(pixels, len(out), self.tokens_per_image))
+            out.extend([self.image_token_id] * self.tokens_per_image + [self.eoi, *self.blank_lines])
+        return out, inputs
+
+
+def _token_id(config, name: str) -> int:
+    """config.json names Gemma 3's token ids *_token_index; transformers' config also *_token_id."""
+    value = getattr(config, f"{name}_token_index", None)
+    return int(value if value is not None else getattr(config, f"{name}_token_id"))

@@ -34,11 +34,13 @@ FAMILY_MODULES = {
     "DeepseekV2ForCausalLM": "pdserve.models.deepseek",
     "DeepseekV3ForCausalLM": "pdserve.models.deepseek",
     "Gemma3ForCausalLM": "pdserve.models.gemma3",
+    "Gemma3ForConditionalGeneration": "pdserve.models.gemma3_vl",
     "GptOssForCausalLM": "pdserve.models.gpt_oss",
 }
-# Vision-language models whose language model loads as a Llama-family model: the config's
-# text_config is what the engine reads (flatten_multimodal_config), the tower is attached after.
-MULTIMODAL_ARCHITECTURES = (qwen2_5_vl.ARCHITECTURE,)
+# Vision-language models: the config's text_config is what the engine reads
+# (flatten_multimodal_config). Qwen2.5-VL's language model loads as a Llama-family model, the
+# tower attached after; Gemma 3's has a family module (above) that loads its tower itself.
+MULTIMODAL_ARCHITECTURES = (qwen2_5_vl.ARCHITECTURE, "Gemma3ForConditionalGeneration")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            *MULTIMODAL_ARCHITECTURES, *FAMILY_MODULES)
 
@@ -137,7 +139,7 @@ def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> 
         files = [path / VIEW_MARKER] if is_gguf_view(path) else safetensors_files(path)
         return _family(config.architectures[0]).build_model(config, files, dtype, device)
     spec = spec_from_config(config)
-    multimodal = config.architectures[0] in MULTIMODAL_ARCHITECTURES
+    multimodal = config.architectures[0] == qwen2_5_vl.ARCHITECTURE
     rope = (MRotaryEmbedding if multimodal else RotaryEmbedding)(config, spec.head_dim, spec.max_position_embeddings)
     quant_config = _quant_config(path, device, config)
     with torch.device("meta"):

@@ -56,4 +56,59 @@ def load_qwen2_5_vl_reference(path: Path):
         str(path), torch_dtype=torch.float32, attn_implementation="eager").eval()
 
 
+
+GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                       "eoi_token": "<end_of_image>"}
+# Content parts: text as is, each image as Gemma's <start_of_image> (the processor expands it).
+GEMMA3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'text' %}{{ p['text'] }}{% else %}<start_of_image>{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+GEMMA3_IMAGE_SIZE = 56  # 4x4 patches of 14 pixels, pooled 2x2 into 4 tokens an image
+GEMMA3_TOKENS_PER_IMAGE = 4
+
+
+def make_gemma3_vl(root: Path, seed: int = 0, sliding_window: int = 4) -> Path:
+    """Gemma 3 with a 1-layer SigLIP tower; the text model alternates sliding and full layers,
+    its window no longer than an image's tokens so that it cuts into their bidirectional block."""
+    # deferred: transformers takes seconds to import, and tests import this module at collection
+    import transformers
+    names = tuple(GEMMA3_IMAGE_TOKENS.values())
+    tokenizer = build_byte_tokenizer(names, GEMMA3_CHAT_TEMPLATE, named_tokens=GEMMA3_IMAGE_TOKENS)
+    ids = {key: tokenizer.convert_tokens_to_ids(tok) for key, tok in GEMMA3_IMAGE_TOKENS.items()}
+    config = transformers.Gemma3Config(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         sliding_window=sliding_window, query_pre_attn_scalar=16,
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.eos_token_id),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=GEMMA3_IMAGE_SIZE, patch_size=14, vision_use_head=False),
+        mm_tokens_per_image=GEMMA3_TOKENS_PER_IMAGE, image_token_index=ids["image_token"],
+        boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # std 0.2 around 0, norms around 1: clear greedy winners (see model_factory)
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    path = root / "gemma3_vl"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    processor = transformers.Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE})
+    processor.save_pretrained(path)
+    transformers.Gemma3Processor(processor, tokenizer, image_seq_length=GEMMA3_TOKENS_PER_IMAGE).save_pretrained(path)
+    return path
+
+
+def load_gemma3_vl_reference(path: Path):
+    # deferred: transformers, for the reference model and its processor only
+    import transformers
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        str(path), torch_dtype=torch.float32, attn_implementation="eager").eval()
+    return model, transformers.AutoProcessor.from_pretrained(str(path))
+
+
 assert SPECIAL_TOKENS[1] == "<|end_of_text|>"  # the eos the configs above name
