@@ -52,8 +52,13 @@ def load_tokenizer(path: Path):
 def read_model_config(path: Path) -> SimpleNamespace:
     """config.json's fields as attributes, without transformers' config classes (which import
     torch): what the router reads of a model (layers, heads, context length) is written there
-    by save_pretrained, class defaults included."""
-    return SimpleNamespace(**_read_json(path / "config.json"))
+    by save_pretrained, class defaults included. A vision-language model's text_config fields
+    are read as the model's own (as the engine's loader flattens them)."""
+    config = _read_json(path / "config.json")
+    text = config.get("text_config")
+    if isinstance(text, dict) and config.get("vision_config") is not None:
+        config = {**config, **text, "architectures": config.get("architectures")}
+    return SimpleNamespace(**config)
 
 
 def _read_json(file: Path) -> dict:

@@ -89,7 +89,7 @@ class DecodeNode(StepBudget):
         try:
             req = self.engine.add_request(rid, msg.prompt_token_ids, msg.params, output_token_ids=msg.first_token_ids,
                                           remote_kv_tokens=handover.num_tokens if pull else 0,
-                                          cache_salt=msg.cache_salt, lora_name=msg.adapter)
+                                          cache_salt=msg.cache_salt, lora_name=msg.adapter, images=msg.images)
         except ValueError as exc:
             return self.fail(identity, rid, str(exc))
         self.origin[rid] = identity

@@ -81,14 +81,15 @@ class PrefillNode(StepBudget):
         params = dataclasses.replace(req.params, max_tokens=1)
         bs = self.engine.config.block_size
         salt = self.engine.request_salt(req.cache_salt, req.adapter)  # a tenant's blocks are its own
-        keys = block_key_chain(req.prompt_token_ids, bs, salt, include_partial=True)
+        keys = block_key_chain(req.prompt_token_ids, bs, salt, include_partial=True, images=req.images)
         try:
             # Full blocks before the last token only: that token is computed for its logits.
             stored = self._store_prefix_tokens(keys[:(len(req.prompt_token_ids) - 1) // bs])
             engine_req = self.engine.add_request(rid, req.prompt_token_ids, params, hold_blocks=True,
                                                  remote_kv_tokens=stored,
                                                  continues_elsewhere=req.params.max_tokens > 1,
-                                                 cache_salt=req.cache_salt, lora_name=req.adapter)
+                                                 cache_salt=req.cache_salt, lora_name=req.adapter,
+                                                 images=req.images)
         except ValueError as exc:
             return self._reply_error(identity, rid, str(exc))
         if stored and engine_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -107,7 +108,7 @@ class PrefillNode(StepBudget):
         rid = msg.request_id
         try:
             self.engine.add_request(rid, msg.prompt_token_ids, msg.params, output_token_ids=msg.first_token_ids,
-                                    cache_salt=msg.cache_salt, lora_name=msg.adapter)
+                                    cache_salt=msg.cache_salt, lora_name=msg.adapter, images=msg.images)
         except ValueError as exc:
             return self.fail(identity, rid, str(exc))
         self.origin[rid] = identity

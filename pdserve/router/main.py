@@ -18,6 +18,7 @@ from starlette.middleware.cors import CORSMiddleware
 from pdserve.cluster.planner import PlannerConfig, SlaPlanner
 from pdserve.kvstore.redact import redact_url
 from pdserve.models.gguf import checkpoint_name
+from pdserve.models.image_prompts import ImagePrompts
 from pdserve.models.model_path import load_tokenizer, read_model_config, resolve_model_path
 from pdserve.protocol.block_keys import kv_entry_dims, kv_layout_salt
 from pdserve.router.dispatch.adapters import RouterAdapters
@@ -141,7 +142,8 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
     app = create_app(backend, tokenizer, model, max_model_len or hf_config.max_position_embeddings, admission,
                      tool_call_parser=chat.get("tool_call_parser"), embedding=embedding,
                      served_model_names=served_names(served_model_names, model), model_root=str(path.resolve()),
-                     scaler=scaling.scaler, planner=scaling.planner, media=media)
+                     scaler=scaling.scaler, planner=scaling.planner, media=media,
+                     image_prompts=ImagePrompts.for_model(path, hf_config))
     _run_with_app(app, backend, scaling)
     return app
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.protocol.multimodal import ImageInput
 from pdserve.protocol.outputs import StepOutput, TokenLogprob
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.wire.handover import KVHandover, NixlMetadata, NixlMetadataRequest, Transport
 
 # Bump when routers and nodes can no longer read each other's messages: a router keeps a node whose
 # pongs say another version out of its rotation, with one clear error, instead of mis-serving it.
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: PrefillRequest and DecodeRequest carry the prompt's images
 
 
 class Ping(msgspec.Struct, tag=True):
@@ -68,6 +69,9 @@ class PrefillRequest(msgspec.Struct, tag=True):
     # name: both enter its block keys' salt (block_keys.request_salt) on every node.
     cache_salt: str | None = None
     adapter: str | None = None
+    # A vision-language prompt's images (placeholders already expanded in prompt_token_ids):
+    # their keys enter the block keys, and the node encodes them.
+    images: list[ImageInput] = []
 
 
 class PrefillResult(msgspec.Struct, tag=True):
@@ -88,6 +92,9 @@ class DecodeRequest(msgspec.Struct, tag=True):
     itl_slo_s: float = 0.0
     cache_salt: str | None = None  # as PrefillRequest's
     adapter: str | None = None
+    # As PrefillRequest's: a decode node needs them for the block keys and M-RoPE positions,
+    # and to compute the prompt itself if its KV never lands.
+    images: list[ImageInput] = []
 
     def pulls_kv(self) -> bool:
         """The receiver pulls the prompt's KV (store fetch or NIXL READ), rather than computing it."""

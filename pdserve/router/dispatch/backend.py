@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from pdserve.protocol.multimodal import ImageInput
 from pdserve.protocol.outputs import StepOutput
 from pdserve.protocol.sampling_params import SamplingParams
 
@@ -21,11 +22,13 @@ class GenerationBackend(Protocol):
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams, session: str | None = None, cache_salt: str | None = None,
-                 adapter: str | None = None) -> AsyncIterator[StepOutput]:
+                 adapter: str | None = None, images: tuple[ImageInput, ...] = ()) -> AsyncIterator[StepOutput]:
         """Yields StepOutput deltas; the last one has finished=True. Raises BackendError.
         session (the OpenAI `user` field) may pin a conversation to a node. cache_salt (the
         request's salt string, pdserve.protocol.cache_salt) and adapter (a LoRA adapter's name)
-        enter its block keys' salt: it shares cached KV only with requests naming the same."""
+        enter its block keys' salt: it shares cached KV only with requests naming the same.
+        images: a vision-language prompt's (pdserve.protocol.multimodal); their keys enter the
+        block keys of the blocks that hold their tokens."""
         ...
 
     async def abort(self, request_id: str) -> None:

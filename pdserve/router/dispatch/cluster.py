@@ -21,6 +21,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
+from pdserve.protocol.multimodal import ImageInput
 from pdserve.protocol.outputs import StepOutput
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router.dispatch.adapters import RouterAdapters
@@ -91,12 +92,13 @@ class ClusterBackend:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        session: str | None = None, targets: Targets | None = None, cache_salt: str | None = None,
-                       adapter: str | None = None) -> AsyncIterator[StepOutput]:
-        """targets: this request's TTFT/ITL targets (the body's ttft_slo_ms/itl_slo_ms), else the router's."""
+                       adapter: str | None = None, images: tuple[ImageInput, ...] = ()) -> AsyncIterator[StepOutput]:
+        """targets: this request's TTFT/ITL targets (the body's ttft_slo_ms/itl_slo_ms), else the router's.
+        images: a vision-language prompt's (pdserve.protocol.multimodal), in its KV scope."""
         if not self.adapters.begin(adapter):
             raise BackendError(f"LoRA adapter {adapter!r} was unloaded")
         self.inflight.open_stream(request_id)
-        scope = KVScope(cache_salt, adapter)
+        scope = KVScope(cache_salt, adapter, tuple(images))
         timer = RequestTimer(self.metrics, len(prompt_token_ids))
         relayed: list[int] = []  # every token id the client has been sent, in order
         reason = "abort"  # unless the stream reaches its end
@@ -193,7 +195,8 @@ class ClusterBackend:
             await self.adapters.send_ahead(node, scope.adapter)
             await self.pool.send(node, DecodeRequest(rid, request.prompt, params, list(relayed), handover,
                                                      itl_slo_s=decision.itl_target_s,
-                                                     cache_salt=scope.cache_salt, adapter=scope.adapter))
+                                                     cache_salt=scope.cache_salt, adapter=scope.adapter,
+                                                     images=list(scope.images)))
             self.index.add(node.node_id, decision.keys)  # concurrent requests sharing the prefix follow it here
             try:
                 async for out in self._relay(queue, rid):

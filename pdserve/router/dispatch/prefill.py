@@ -70,7 +70,8 @@ class PrefillDispatch:
         try:
             await self.adapters.send_ahead(node, scope.adapter)
             await self.pool.send(node, PrefillRequest(rid, prompt, params, self.transfer,
-                                                      cache_salt=scope.cache_salt, adapter=scope.adapter))
+                                                      cache_salt=scope.cache_salt, adapter=scope.adapter,
+                                                      images=list(scope.images)))
             result = await asyncio.wait_for(fut, PREFILL_TIMEOUT_S)
         except asyncio.TimeoutError:
             self.pool.mark_dead(node, f"did not answer a prefill in {PREFILL_TIMEOUT_S:.0f} s")

@@ -5,7 +5,8 @@ that shapes the response, and the usage's prompt token count.
     prompt i's choice j, as OpenAI indexes them. echo (with max_tokens 0: the prompt only) and
     echo with logprobs, whose prompt logprobs the engine computes where the prompt is computed.
   * /v1/chat/completions: the chat template (400 without one), tools as tool_choice asks; image
-    parts are checked (media.py) and, as no served model takes images yet, refused.
+    parts are checked (media.py) and, for a vision-language model, their placeholders expanded
+    (the job's images); a text model refuses them.
 
 `router` is the app's _Router (duck-typed here: it tokenizes, checks lengths, builds params).
 """
@@ -29,7 +30,8 @@ class GenerationJob:
     choice_prompts: list[list[int]]  # each choice's prompt token ids
     params: list[SamplingParams]     # each choice's sampling params
     flavor: Flavor
-    prompt_tokens: int               # every prompt once, for usage
+    prompt_tokens: int               # every prompt once, for usage (image tokens included)
+    images: tuple = ()               # a vision-language prompt's ImageInputs (pdserve.protocol.multimodal)
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -87,9 +89,9 @@ def _tools_plan(body: ChatCompletionRequest) -> ToolPlan | None:
 async def chat_job(router: Any, body: ChatCompletionRequest) -> GenerationJob:
     plan = _tools_plan(body)
     tools = plan.tools if plan is not None else None
-    await router.media.check(body.image_refs(), body.model or router.model_name)  # image parts: checked, or a 400
-    text, add_special = render_chat_prompt(router.tokenizer, body.plain_messages(), tools)
-    ids = await router.encode(text, add_special)
+    checked = await router.media.check(body.image_refs(), body.model or router.model_name)  # or a 400
+    text, add_special = render_chat_prompt(router.tokenizer, body.plain_messages(bool(checked)), tools)
+    ids, images = await router.media.expand(await router.encode(text, add_special), checked)
     router.check_token_ids(ids, "messages")
     max_tokens = router.resolve_max_tokens(body.requested_max_tokens(), len(ids), "max_tokens")
     logprobs = body.engine_logprobs()
@@ -108,4 +110,4 @@ async def chat_job(router: Any, body: ChatCompletionRequest) -> GenerationJob:
             # The call's marker is a special token: keep it in the text, or nothing marks the call.
             params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
     flavor.want_prompt_logprobs = body.prompt_logprobs is not None
-    return GenerationJob([ids] * len(params), params, flavor, len(ids))
+    return GenerationJob([ids] * len(params), params, flavor, len(ids), images)

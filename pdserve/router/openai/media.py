@@ -12,15 +12,17 @@ Every image is checked before its pixels are decoded: its header's size against
 from its header). Then the pixels are decoded (a truncated or corrupt file is refused) and
 hashed: xxhash of the pixels in a canonical mode (RGB, or RGBA when the image has alpha) with
 that mode and the size, so one picture sent as PNG or as lossless WebP hashes the same (a JPEG
-re-encode changes the pixels, so its hash). The hash is what a later change puts into the block
-keys of the image's tokens; nothing uses it yet.
+re-encode changes the pixels, so its hash).
 
 At most --limit-mm-per-prompt images per prompt (vLLM's `{"image": N}`), counted before any is
 fetched. Each refusal is a 400 naming the part (`messages[0].content[1].image_url`). Decoding
 runs in worker threads, a few at a time (DECODE_SLOTS), so the event loop keeps serving.
 
-No model pdserve serves takes images yet: after the checks, `MediaInputs.check` refuses a
-request that has any (a 400 saying the model does not accept image inputs).
+A text model refuses a request with images after the checks (a 400 saying the model does not
+accept image inputs). For a vision-language model, `MediaInputs.expand` runs the model's image
+processor (pdserve.models.image_prompts) on the checked images and expands the tokenized
+prompt's placeholders; the ImageInputs it gives (with the processed pixels' hash, which keys the
+blocks of the image's tokens) travel with the request to the nodes.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ import anyio
 import xxhash
 from PIL import Image
 
+from pdserve.models.image_prompts import ImagePrompts
+from pdserve.protocol.multimodal import ImageInput
 from pdserve.router.openai.errors import bad_request
 from pdserve.router.openai.media_fetch import FetchRefused, fetch_image_bytes
 from pdserve.router.openai.media_options import MediaOptions
@@ -142,13 +146,13 @@ def _check_size(size: tuple[int, int], max_pixels: int) -> None:
 
 
 class MediaInputs:
-    """The router's image checks, with its options; `accepts_images`: whether the served model
-    takes images (none does yet)."""
+    """The router's image checks, with its options; image_prompts: the served vision-language
+    model's image processing (None: the model takes no images)."""
 
-    def __init__(self, options: MediaOptions | None = None, accepts_images: bool = False,
+    def __init__(self, options: MediaOptions | None = None, image_prompts: ImagePrompts | None = None,
                  transport=None) -> None:
         self.options = options or MediaOptions()
-        self.accepts_images = accepts_images
+        self.image_prompts = image_prompts
         self.transport = transport  # an httpx transport for fetches (tests); None: the network
         self._decode_slots = anyio.CapacityLimiter(DECODE_SLOTS)
 
@@ -177,7 +181,27 @@ class MediaInputs:
     async def check(self, refs: list[ImageRef], model: str) -> list[CheckedImage]:
         """The request's images, checked; then a 400 if there are any and the model takes none."""
         images = await self.load(refs)
-        if images and not self.accepts_images:
-            raise bad_request(f"The model `{model}` does not accept image inputs: pdserve serves text-only "
-                              "models so far (serving vision-language models is still to come)", refs[0].param)
+        if images and self.image_prompts is None:
+            raise bad_request(f"The model `{model}` does not accept image inputs (it is a text-only model)",
+                              refs[0].param)
         return images
+
+    async def expand(self, prompt_token_ids: list[int], images: list[CheckedImage]
+                     ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt with each image's placeholder expanded, and the images' inputs (the model's
+        image processor runs in a worker thread); a 400 when placeholders and images differ."""
+        if not images:
+            return prompt_token_ids, ()
+        try:
+            ids, inputs = await anyio.to_thread.run_sync(self._expand, prompt_token_ids, images,
+                                                         limiter=self._decode_slots)
+        except ValueError as exc:
+            raise bad_request(f"{images[0].param}: {exc}", images[0].param) from None
+        return ids, tuple(inputs)
+
+    def _expand(self, prompt_token_ids: list[int], images: list[CheckedImage]):
+        pictures = []
+        for image in images:
+            with Image.open(io.BytesIO(image.data), formats=[image.format]) as picture:
+                pictures.append(canonical(picture).convert("RGB"))
+        return self.image_prompts.expand(prompt_token_ids, pictures)

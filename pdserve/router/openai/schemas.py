@@ -323,6 +323,11 @@ class ChatMessage(BaseModel):
             return self.content
         return "\n".join(part.text for part in self.content if part.type == "text")
 
+    def template_parts(self) -> list[dict[str, str]]:
+        """The content's parts in order, as a chat template takes them."""
+        return [{"type": "text", "text": part.text or ""} if part.type == "text" else {"type": "image"}
+                for part in self.content]
+
     def image_refs(self, index: int) -> list[ImageRef]:
         """This message's image parts; `index`: the message's, for the parts' params."""
         if not isinstance(self.content, list):
@@ -366,12 +371,15 @@ class ChatCompletionRequest(GenerationRequest):
         """Every image part of every message, in order."""
         return [ref for i, m in enumerate(self.messages) for ref in m.image_refs(i)]
 
-    def plain_messages(self) -> list[dict[str, Any]]:
+    def plain_messages(self, with_images: bool = False) -> list[dict[str, Any]]:
         """Messages as chat templates take them: text content, tool calls with their
-        arguments as objects (templates render them), the id a tool turn answers."""
+        arguments as objects (templates render them), the id a tool turn answers. with_images:
+        a message with image parts keeps its parts, each image as {"type": "image"} (where a
+        vision-language model's template puts its placeholder)."""
         out: list[dict[str, Any]] = []
         for m in self.messages:
-            message: dict[str, Any] = {"role": m.role, "content": m.text()}
+            content = m.template_parts() if with_images and m.image_refs(0) else m.text()
+            message: dict[str, Any] = {"role": m.role, "content": content}
             if m.name is not None:
                 message["name"] = m.name
             if m.tool_calls:

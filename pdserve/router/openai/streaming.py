@@ -50,8 +50,9 @@ class GenerationGroup:
     def __init__(self, backend: GenerationBackend, base_id: str, prompt_ids: list[int],
                  params: list[SamplingParams], session: str | None = None,
                  choice_prompts: list[list[int]] | None = None, targets=None, cache_salt: str | None = None,
-                 adapter: str | None = None) -> None:
+                 adapter: str | None = None, images: tuple = ()) -> None:
         self.backend = backend
+        self.images = images  # a vision-language prompt's ImageInputs (every choice shares the prompt)
         self.session = session
         self.targets = targets  # the request's own TTFT/ITL targets (pd_decision.Targets), if any
         self.cache_salt, self.adapter = cache_salt, adapter
@@ -79,6 +80,8 @@ class GenerationGroup:
 
     async def _consume(self, index: int, rid: str, params: SamplingParams) -> None:
         extra = {"targets": self.targets} if self.targets is not None else {}  # only backends that place prompts
+        if self.images:
+            extra["images"] = self.images  # only backends that serve a vision-language model
         stream = self.backend.generate(rid, self.choice_prompts[index], params, session=self.session,
                                        cache_salt=self.cache_salt, adapter=self.adapter, **extra)
         closer = getattr(stream, "aclose", None)

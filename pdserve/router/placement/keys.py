@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 
 from pdserve.protocol.block_keys import block_key_chain, request_salt
+from pdserve.protocol.multimodal import ImageInput
 
 log = logging.getLogger(__name__)
 
@@ -15,9 +16,11 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class KVScope:
     """What keys a request's KV blocks apart from other requests': its salt string (a tenant's
-    cache_salt, pdserve.protocol.cache_salt) and its LoRA adapter. Both travel to the nodes."""
+    cache_salt, pdserve.protocol.cache_salt), its LoRA adapter, and its images (whose keys enter
+    the blocks that hold their tokens). All travel to the nodes."""
     cache_salt: str | None = None
     adapter: str | None = None
+    images: tuple[ImageInput, ...] = ()
 
 
 NO_SCOPE = KVScope()
@@ -44,4 +47,5 @@ class BlockKeys:
         salt = salts[0] if salts else self.salt
         if salt is None:
             return []
-        return block_key_chain(token_ids, self.block_size, request_salt(salt, scope.cache_salt, scope.adapter))
+        return block_key_chain(token_ids, self.block_size, request_salt(salt, scope.cache_salt, scope.adapter),
+                               images=scope.images)

@@ -21,6 +21,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.models.image_prompts import ImagePrompts
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router.dispatch.adapters import RouterAdapters
 from pdserve.router.dispatch.backend import GenerationBackend
@@ -100,9 +101,10 @@ class _Router:
     """State shared by the route handlers."""
 
     def __init__(self, backend: GenerationBackend, tokenizer: Any, served: ServedModel,
-                 tool_call_parser: str | None = None, media: MediaOptions | None = None) -> None:
+                 tool_call_parser: str | None = None, media: MediaOptions | None = None,
+                 image_prompts: ImagePrompts | None = None) -> None:
         self.backend = backend
-        self.media = MediaInputs(media)  # image parts: checked, then refused (no served model takes images)
+        self.media = MediaInputs(media, image_prompts)  # image parts: checked, and expanded for a VLM
         self.tokenizer = tokenizer
         self.served = served
         self.model_name = served.id
@@ -189,7 +191,7 @@ class _Router:
         group = GenerationGroup(self.backend, request_id, job.choice_prompts[0], params, session=body.user,
                                 choice_prompts=job.choice_prompts, targets=body.targets(default_targets),
                                 cache_salt=request_cache_salt(request, body.cache_salt),
-                                adapter=self.served.adapter_for(body.model))
+                                adapter=self.served.adapter_for(body.model), images=job.images)
         model = self.served.resolve(body.model)  # the name asked for, as vLLM answers
         headers = {"X-Request-Id": request_id}
         if body.ignored_fields:  # accepted but not acted on: the client can see what was dropped
@@ -291,20 +293,21 @@ def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
                tool_call_parser: str | None = None, served_model_names: list[str] | None = None,
                model_root: str | None = None, embedding: EmbeddingOptions | None = None,
                scaler: Scaler | None = None, planner: PlannerLoop | None = None,
-               media: MediaOptions | None = None) -> FastAPI:
+               media: MediaOptions | None = None, image_prompts: ImagePrompts | None = None) -> FastAPI:
     """admission: AdmissionMiddleware's options (api_key, protect_metrics, max_body_bytes,
     max_queued_requests). tool_call_parser: the tool-call format of tool_choice "auto"
     (tool_parsers.PARSERS; default: the chat template's). served_model_names: the names a
     request may use (default: model_name); model_root: the tokenizer's directory, for /v1/models.
     embedding: /v1/embeddings' pooling and vector size. scaler, planner: the cluster's scaling
     (admin_routes), None where the backend cannot be scaled. media: the limits on image inputs
-    (media.py's MediaOptions)."""
+    (media.py's MediaOptions); image_prompts: a vision-language model's image processing (None:
+    the model takes no images)."""
     app = FastAPI(title="pdserve router")
     app.add_middleware(AdmissionMiddleware, metrics=getattr(backend, "metrics", None), **(admission or {}))
     install_error_handlers(app)
     served = ServedModel(served_model_names or [model_name], model_root or model_name, max_model_len,
                          int(time.time()), getattr(backend, "adapters", None) or RouterAdapters())
-    router = _Router(backend, tokenizer, served, tool_call_parser, media)
+    router = _Router(backend, tokenizer, served, tool_call_parser, media, image_prompts)
     _add_openai_routes(app, router)
     add_responses_routes(app, router)
     add_model_routes(app, served)

@@ -118,7 +118,7 @@ class _ResponsesRoute:
                     job.params[0].max_tokens, bool(body.stream), body.previous_response_id)
         group = GenerationGroup(self.router.backend, response_id, job.choice_prompts[0], job.params,
                                 session=body.user, cache_salt=request_cache_salt(request, body.cache_salt),
-                                adapter=self.router.served.adapter_for(body.model))
+                                adapter=self.router.served.adapter_for(body.model), images=job.images)
         run = _Run(job, ResponseEvents(self._base(body, response_id)))
         keep = (lambda: self._keep(response_id, run, conversation)) if body.store is not False else (lambda: None)
         headers = {"X-Request-Id": response_id}

@@ -88,10 +88,11 @@ async def _tokenize(router: TokenizingRouter, body: TokenizeRequest) -> list[int
         return await router.encode(body.prompt, add_special)
     messages = body.messages or []
     refs = [ref for i, m in enumerate(messages) for ref in m.image_refs(i)]
-    await router.media.check(refs, body.model or router.model_name)  # as the chat route checks them
+    checked = await router.media.check(refs, body.model or router.model_name)  # as the chat route checks them
     text, template_special = render_chat_prompt(router.tokenizer, [
-        {"role": m.role, "content": m.text()} for m in messages], None,
-        add_generation_prompt=body.add_generation_prompt)
+        {"role": m.role, "content": m.template_parts() if checked and m.image_refs(0) else m.text()}
+        for m in messages], None, add_generation_prompt=body.add_generation_prompt)
     add_special = template_special if body.add_special_tokens is None else body.add_special_tokens
-    return await router.encode(text, add_special)
+    ids, _ = await router.media.expand(await router.encode(text, add_special), checked)  # image tokens counted
+    return ids
 

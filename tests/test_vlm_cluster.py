@@ -1,0 +1,136 @@
+"""A vision-language model across P/D: the official openai client sends chat requests with
+images (data: URLs) to `pdserve up` on a tiny random Qwen2.5-VL, 1P1D over the store and over
+NIXL; the greedy output equals the offline engine's (itself exact against transformers, see
+test_qwen2_5_vl_engine.py). The prefill node encodes the images and hands over KV; the decode
+node continues M-RoPE positions without encoding. Then: the same text with another image gets
+no cached tokens beyond the text, the same image again does, and a decode node killed
+mid-stream costs nothing (the next one resumes with the images the request carries).
+"""
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+Image = pytest.importorskip("PIL.Image")
+
+from pdserve.offline.llm import LLM  # noqa: E402
+from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
+from pdserve.testing.up_cluster import node_pids, node_stats, running_clusters, wait_for  # noqa: E402
+from pdserve.testing.vlm_checkpoints import make_qwen2_5_vl  # noqa: E402
+
+SIZES = [(112, 140), (196, 84), (84, 112)]
+LONG = 400  # a stream long enough that a kill after token 20 lands mid-stream
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_qwen2_5_vl(tmp_path_factory.mktemp("vlm_cluster"))
+
+
+@pytest.fixture(scope="module")
+def pictures():
+    rng = np.random.RandomState(1)
+    return [Image.fromarray(rng.randint(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in SIZES]
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(str(checkpoint), block_size=16)
+
+
+@pytest.fixture(scope="module")
+def clusters(checkpoint):
+    common = ("--model", str(checkpoint), "--served-model-name", "vlm", "--prefill-nodes", "1")
+    with running_clusters((*common, "--decode-nodes", "2", "--kv-transfer", "store"),
+                          (*common, "--decode-nodes", "1", "--kv-transfer", "nixl")) as started:
+        yield {"store": started[0], "nixl": started[1]}
+
+
+def data_url(picture) -> str:
+    buf = io.BytesIO()
+    picture.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def content(before: str, images, after: str) -> list[dict]:
+    return [{"type": "text", "text": before}, *({"type": "image_url", "image_url": {"url": data_url(p)}}
+                                                for p in images), {"type": "text", "text": after}]
+
+
+def offline(llm, before: str, images, after: str, max_tokens: int) -> tuple[list[int], int]:
+    parts = [{"type": "text", "text": before}, *[{"type": "image"}] * len(images), {"type": "text", "text": after}]
+    text = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
+                                                   tokenize=False)
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}},
+                       SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    return out.outputs[0].token_ids, len(out.prompt_token_ids)
+
+
+def chat(url: str, before: str, images, after: str, max_tokens: int = 8, on_token=None):
+    """(token ids, usage) of a streamed greedy chat completion."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    stream = client.chat.completions.create(
+        model="vlm", messages=[{"role": "user", "content": content(before, images, after)}], max_tokens=max_tokens,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids, usage = [], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        if chunk.choices:
+            ids += chunk.choices[0].model_extra.get("token_ids") or []
+            if on_token is not None:
+                on_token(len(ids))
+    return ids, usage
+
+
+CASES = [("Look: ", [0], " what is it?"), ("Two pictures ", [0, 1], " compared.")]
+
+
+@pytest.mark.parametrize("transfer", ["store", "nixl"])
+def test_greedy_chat_with_images_equals_offline(clusters, llm, pictures, transfer):
+    url, _ = clusters[transfer]
+    for before, which, after in CASES:
+        images = [pictures[i] for i in which]
+        ids, usage = chat(url, before, images, after)
+        want, prompt_tokens = offline(llm, before, images, after, 8)
+        assert ids == want, (transfer, before)
+        assert usage.prompt_tokens == prompt_tokens  # the image tokens are counted
+    stats = node_stats(url)
+    assert sum(s.get("prefills_handed_over", 0) for s in stats.values() if s["role"] == "decode") >= len(CASES)
+
+
+def test_another_image_never_hits_the_same_image_does(clusters, llm, pictures):
+    url, _ = clusters["store"]
+    before, after = "Please describe this picture: ", " in detail, and nothing else."
+    first, _ = chat(url, before, [pictures[2]], after)
+    other, usage_other = chat(url, before, [pictures[1]], after)
+    again, usage_again = chat(url, before, [pictures[2]], after)
+    text_blocks = 32  # <|user|>, 30 bytes and <|vision_start|>: all that precedes the image
+    assert usage_other.prompt_tokens_details.cached_tokens <= text_blocks
+    assert other == offline(llm, before, [pictures[1]], after, 8)[0] != first
+    assert usage_again.prompt_tokens_details.cached_tokens > text_blocks
+    assert again == first
+
+
+def test_decode_node_killed_mid_stream_resumes_identically(clusters, llm, pictures):
+    url, proc = clusters["store"]
+    killed: list[str] = []
+
+    def kill_serving_decode_node(n_tokens: int) -> None:
+        if n_tokens < 20 or killed:
+            return
+        busy = [n for n, s in node_stats(url).items() if s["role"] == "decode" and s["routed_requests"]]
+        if busy:
+            killed.append(busy[0])
+            os.kill(node_pids(proc.pid)[busy[0]], signal.SIGKILL)
+
+    ids, _ = chat(url, "Tell a long story about ", [pictures[0]], ".", LONG, kill_serving_decode_node)
+    assert killed, "the stream ended before a decode node could be killed"
+    assert ids == offline(llm, "Tell a long story about ", [pictures[0]], ".", LONG)[0]
+    wait_for(lambda: node_stats(url).get(killed[0], {}).get("healthy"), timeout_s=120)
