@@ -153,3 +153,10 @@ def test_the_bidirectional_mask_matters(checkpoint, reference, pictures, monkeyp
     finally:
         engine.close()
     assert differ
+
+
+def test_a_causal_only_backend_is_refused(checkpoint):
+    """The FP8 cache wraps the kernels without passing on key ends: a clear error, not a
+    silently causal model."""
+    with pytest.raises(ValueError, match="bidirectionally"):
+        LLM(str(checkpoint), block_size=16, kv_cache_dtype="fp8")
