@@ -63,12 +63,12 @@ def content(before: str, images, after: str) -> list[dict]:
                                                 for p in images), {"type": "text", "text": after}]
 
 
-def offline(llm, before: str, images, after: str, max_tokens: int) -> tuple[list[int], int]:
+def offline(llm, before: str, images, after: str, max_tokens: int, ignore_eos: bool = True) -> tuple[list[int], int]:
     parts = [{"type": "text", "text": before}, *[{"type": "image"}] * len(images), {"type": "text", "text": after}]
     text = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
                                                    tokenize=False)
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}},
-                       SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+                       SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos), use_tqdm=False)[0]
     return out.outputs[0].token_ids, len(out.prompt_token_ids)
 
 
@@ -101,8 +101,9 @@ def test_greedy_chat_with_images_equals_offline(clusters, llm, pictures, transfe
         want, prompt_tokens = offline(llm, before, images, after, 8)
         assert ids == want, (transfer, before)
         assert usage.prompt_tokens == prompt_tokens  # the image tokens are counted
-    stats = node_stats(url)
-    assert sum(s.get("prefills_handed_over", 0) for s in stats.values() if s["role"] == "decode") >= len(CASES)
+    # (node stats ride on pings: wait for the next)
+    wait_for(lambda: sum(s.get("prefills_handed_over", 0) for s in node_stats(url).values()
+                         if s["role"] == "decode") >= len(CASES), timeout_s=10)
 
 
 def test_another_image_never_hits_the_same_image_does(clusters, llm, pictures):
@@ -134,3 +135,29 @@ def test_decode_node_killed_mid_stream_resumes_identically(clusters, llm, pictur
     assert killed, "the stream ended before a decode node could be killed"
     assert ids == offline(llm, "Tell a long story about ", [pictures[0]], ".", LONG)[0]
     wait_for(lambda: node_stats(url).get(killed[0], {}).get("healthy"), timeout_s=120)
+
+
+def test_clients_with_images_and_the_encoder_metrics(clusters, llm, pictures):
+    """responses.create with an input_image, LangChain's ChatOpenAI with an image message; the
+    repeated picture is found in the prefill node's encoder cache (/health and /metrics)."""
+    import httpx  # the test extra's: /metrics is plain text
+    langchain_openai = pytest.importorskip("langchain_openai")
+    url, _ = clusters["nixl"]
+    ids = offline(llm, "Look: ", [pictures[0]], " what is it?", 8, ignore_eos=False)[0]
+    want = llm.get_tokenizer().decode(ids, skip_special_tokens=True)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    response = client.responses.create(model="vlm", max_output_tokens=8, temperature=0,
+                                       input=[{"role": "user", "content": [
+                                           {"type": "input_text", "text": "Look: "},
+                                           {"type": "input_image", "image_url": data_url(pictures[0])},
+                                           {"type": "input_text", "text": " what is it?"}]}])
+    assert response.output_text == want
+    chat_model = langchain_openai.ChatOpenAI(base_url=f"{url}/v1", api_key="none", model="vlm", max_tokens=8,
+                                             temperature=0, max_retries=0)
+    # Other text before the same picture: no prefix hit reaches the image, the encoder cache does
+    message = chat_model.invoke([{"role": "user", "content": content("Here: ", [pictures[0]], " what is it?")}])
+    ids = offline(llm, "Here: ", [pictures[0]], " what is it?", 8, ignore_eos=False)[0]
+    assert message.content == llm.get_tokenizer().decode(ids, skip_special_tokens=True)
+    wait_for(lambda: next(s for s in node_stats(url).values() if s["role"] == "prefill").get("encoder_cache_hits"),
+             timeout_s=10)
+    assert "pdserve_encoder_cache_hits_total" in httpx.get(f"{url}/metrics", timeout=10).text

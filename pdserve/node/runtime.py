@@ -241,7 +241,7 @@ class NodeRuntime:
                      integrity_failures=self.integrity_failures())
         stats.update(role_switches=self.switches, tensor_parallel_size=engine.config.tensor_parallel_size,
                      lora_slot_loads=engine.lora.slot_loads if engine.lora is not None else 0,
-                     **footprint(self.engine), **spec_stats(engine))
+                     **footprint(self.engine), **spec_stats(engine), **encoder_stats(engine))
         return Pong(ping.seq, self.node_id, self.role, len(sched.requests),
                     engine.pool.num_free, engine.pool.num_blocks, stats,
                     kv_salt=engine.salt, state=self.state(), **lora_pong_fields(engine))
@@ -337,3 +337,12 @@ class NodeRuntime:
         if isinstance(self.ctx, CurveContext):
             self.ctx.authenticator.stop()
 
+
+def encoder_stats(engine) -> dict[str, int]:
+    """A vision-language model's encoder cache: images found there, images encoded and the
+    embeddings those runs gave (nothing for a text model)."""
+    stats = engine.encoder_stats
+    if stats is None:
+        return {}
+    return {"encoder_cache_hits": stats.hits, "encoder_runs": stats.encoder_runs,
+            "encoded_tokens": stats.encoded_tokens}

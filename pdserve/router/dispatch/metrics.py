@@ -36,6 +36,10 @@ NODE_COUNTERS = {
     "transfers_failed": ("pdserve_kv_transfer_failures", "KV transfers that failed", {"reason": "pull_failed"}),
     "leases_expired": ("pdserve_kv_transfer_failures", "", {"reason": "lease_expired"}),
     "integrity_failures": ("pdserve_kv_transfer_failures", "", {"reason": "digest_mismatch"}),
+    # Vision-language models (pdserve.engine.multimodal): the encoder cache on each node
+    "encoder_cache_hits": ("pdserve_encoder_cache_hits", "images whose embeddings the encoder cache held", {}),
+    "encoder_runs": ("pdserve_encoder_runs", "images the vision encoder ran on", {}),
+    "encoded_tokens": ("pdserve_encoder_tokens", "image embeddings (tokens) the vision encoder produced", {}),
     # Speculative decoding, vLLM's counters (pdserve.spec_decode.speculator.spec_stats)
     "spec_num_drafts": ("pdserve_spec_decode_num_drafts", "decode steps that verified drafts, summed over requests", {}),
     "spec_num_draft_tokens": ("pdserve_spec_decode_num_draft_tokens", "draft tokens proposed", {}),
