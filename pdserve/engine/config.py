@@ -87,6 +87,7 @@ def engine_options(args: Any) -> dict:
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                 enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
                 speculative_config=getattr(args, "speculative_config", None),
+                encoder_cache_tokens=getattr(args, "encoder_cache_tokens", 16384),
                 **lora_options(args))
 
 

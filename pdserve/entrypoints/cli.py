@@ -52,6 +52,9 @@ def _add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) -
                    help="attention kernels; auto: numba on CPU, triton on CUDA")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached KV blocks of earlier prompts (--no-enable-prefix-caching: recompute)")
+    p.add_argument("--encoder-cache-tokens", type=int, default=16384,
+                   help="vision-language models: image embeddings kept by image hash, in tokens, so a "
+                        "repeated image is not encoded again (0: none kept)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no CUDA graphs for decode steps, every op launched eagerly")
     _add_lora_args(p)

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300
 MAX_RESTARTS_PER_MIN = 5
 FORWARDED_ENGINE_FLAGS = ("model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
-                          "max_num_batched_tokens", "max_num_seqs", "kernel_backend")
+                          "max_num_batched_tokens", "max_num_seqs", "kernel_backend", "encoder_cache_tokens")
 
 
 def _die_with_parent() -> None:
