@@ -21,7 +21,9 @@ QWEN_CHAT_TEMPLATE = (
 QWEN_PROCESSOR = dict(min_pixels=56 * 56, max_pixels=224 * 224)
 
 
-def make_qwen2_5_vl(root: Path, seed: int = 0) -> Path:
+def make_qwen2_5_vl(root: Path, seed: int = 0, vision_overrides: dict | None = None) -> Path:
+    """vision_overrides: keys merged into the vision config (a bigger tower for benchmarks);
+    None keeps the tests' smallest one."""
     # deferred: transformers takes seconds to import, and tests import this module at collection
     import transformers
     tokenizer = build_byte_tokenizer(QWEN_VISION_TOKENS, QWEN_CHAT_TEMPLATE)
@@ -33,7 +35,7 @@ def make_qwen2_5_vl(root: Path, seed: int = 0) -> Path:
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
                            fullatt_block_indexes=[1], window_size=56, spatial_merge_size=2, patch_size=14,
-                           temporal_patch_size=2),
+                           temporal_patch_size=2) | (vision_overrides or {}),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
