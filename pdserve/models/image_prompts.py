@@ -47,8 +47,13 @@ class ImagePrompts:
         merge = vision["spatial_merge_size"] if isinstance(vision, dict) else vision.spatial_merge_size
         return cls(processor, int(config.image_token_id), int(merge))
 
+    @property
+    def placeholder(self) -> int:
+        """The token that marks an image in the tokenized prompt (one per image)."""
+        return self.image_token_id
+
     def placeholder_count(self, prompt_token_ids: Sequence[int]) -> int:
-        return sum(1 for t in prompt_token_ids if t == self.image_token_id)
+        return sum(1 for t in prompt_token_ids if t == self.placeholder)
 
     def expand(self, prompt_token_ids: Sequence[int], images: Sequence) -> tuple[list[int], list[ImageInput]]:
         """ValueError when the prompt's placeholders and the images do not pair up."""
@@ -59,18 +64,20 @@ class ImagePrompts:
         inputs: list[ImageInput] = []
         pictures = iter(images)
         for token in prompt_token_ids:
-            if token != self.image_token_id:
+            if token == self.placeholder:
+                inputs.append(self._place(next(pictures), out))
+            else:
                 out.append(token)
-                continue
-            pixels, grid = self._preprocess(next(pictures))
-            length = int(np.prod(grid)) // self.merge_size ** 2
-            inputs.append(make_image_input(pixels, len(out), length, grid))
-            out.extend([self.image_token_id] * length)
         return out, inputs
 
-    def _preprocess(self, image) -> tuple[np.ndarray, list[int]]:
-        batch = self.processor(images=[image.convert("RGB")], return_tensors="np")
-        return batch["pixel_values"], [int(v) for v in batch["image_grid_thw"][0]]
+    def _place(self, picture, out: list[int]) -> ImageInput:
+        """Appends the image's tokens to the expanded prompt `out`; its ImageInput."""
+        batch = self.processor(images=[picture.convert("RGB")], return_tensors="np")
+        grid = [int(v) for v in batch["image_grid_thw"][0]]
+        length = int(np.prod(grid)) // self.merge_size ** 2
+        image = make_image_input(batch["pixel_values"], len(out), length, grid)
+        out.extend([self.image_token_id] * length)
+        return image
 
 
 class Gemma3ImagePrompts(ImagePrompts):
@@ -95,25 +102,16 @@ class Gemma3ImagePrompts(ImagePrompts):
         return cls(Gemma3ImageProcessorPil.from_pretrained(str(path)), *ids, int(config.mm_tokens_per_image),
                    list(blank_lines))
 
-    def placeholder_count(self, prompt_token_ids: Sequence[int]) -> int:
-        return sum(1 for t in prompt_token_ids if t == self.boi)
+    @property
+    def placeholder(self) -> int:
+        return self.boi
 
-    def expand(self, prompt_token_ids: Sequence[int], images: Sequence) -> tuple[list[int], list[ImageInput]]:
-        found = self.placeholder_count(prompt_token_ids)
-        if found != len(images):
-            raise ValueError(f"the prompt has {found} image placeholders for {len(images)} images")
-        out: list[int] = []
-        inputs: list[ImageInput] = []
-        pictures = iter(images)
-        for token in prompt_token_ids:
-            if token != self.boi:
-                out.append(token)
-                continue
-            out.extend([*self.blank_lines, self.boi])
-            pixels = self.processor(images=[next(pictures).convert("RGB")], return_tensors="np")["pixel_values"]
-            inputs.append(make_image_input(pixels, len(out), self.tokens_per_image))
-            out.extend([self.image_token_id] * self.tokens_per_image + [self.eoi, *self.blank_lines])
-        return out, inputs
+    def _place(self, picture, out: list[int]) -> ImageInput:
+        out.extend([*self.blank_lines, self.boi])
+        pixels = self.processor(images=[picture.convert("RGB")], return_tensors="np")["pixel_values"]
+        image = make_image_input(pixels, len(out), self.tokens_per_image)
+        out.extend([self.image_token_id] * self.tokens_per_image + [self.eoi, *self.blank_lines])
+        return image
 
 
 def _token_id(config, name: str) -> int:

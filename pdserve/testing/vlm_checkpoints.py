@@ -21,6 +21,19 @@ QWEN_CHAT_TEMPLATE = (
 QWEN_PROCESSOR = dict(min_pixels=56 * 56, max_pixels=224 * 224)
 
 
+def _save_random(model_class, config, seed: int, tokenizer, path: Path) -> Path:
+    """The model with random weights, saved with its tokenizer: std 0.2 around 0, norms around 1
+    (clear greedy winners, see model_factory)."""
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def make_qwen2_5_vl(root: Path, seed: int = 0, vision_overrides: dict | None = None) -> Path:
     """vision_overrides: keys merged into the vision config (a bigger tower for benchmarks);
     None keeps the tests' smallest one."""
@@ -39,14 +52,7 @@ def make_qwen2_5_vl(root: Path, seed: int = 0, vision_overrides: dict | None = N
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
-    with torch.no_grad():  # std 0.2 around 0, norms around 1: clear greedy winners (see model_factory)
-        for name, param in model.named_parameters():
-            param.normal_(1.0 if "norm" in name else 0.0, 0.2)
-    path = root / "qwen2_5_vl"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    path = _save_random(transformers.Qwen2_5_VLForConditionalGeneration, config, seed, tokenizer, root / "qwen2_5_vl")
     transformers.Qwen2VLImageProcessorPil(**QWEN_PROCESSOR).save_pretrained(path)
     return path
 
@@ -91,14 +97,7 @@ def make_gemma3_vl(root: Path, seed: int = 0, sliding_window: int = 4) -> Path:
         mm_tokens_per_image=GEMMA3_TOKENS_PER_IMAGE, image_token_index=ids["image_token"],
         boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = transformers.Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():  # std 0.2 around 0, norms around 1: clear greedy winners (see model_factory)
-        for name, param in model.named_parameters():
-            param.normal_(1.0 if "norm" in name else 0.0, 0.2)
-    path = root / "gemma3_vl"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    path = _save_random(transformers.Gemma3ForConditionalGeneration, config, seed, tokenizer, root / "gemma3_vl")
     processor = transformers.Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE})
     processor.save_pretrained(path)
     transformers.Gemma3Processor(processor, tokenizer, image_seq_length=GEMMA3_TOKENS_PER_IMAGE).save_pretrained(path)
