@@ -20,6 +20,7 @@ from pdserve.protocol.grammar import (
     error_first_line,
     parse_choices,
     strict_json_grammar,
+    structural_tag_grammar,
 )
 from pdserve.protocol.sampling_params import StructuredSpec
 
@@ -65,6 +66,8 @@ class StructuredOutputs:
                 return compiler.compile_regex(spec)
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(parse_choices(spec)))
+            if kind == "structural_tag":
+                return compiler.compile_grammar(structural_tag_grammar(spec))
             return compiler.compile_grammar(spec)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"invalid {kind} for structured output: {error_first_line(exc)}") from None

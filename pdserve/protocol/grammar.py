@@ -30,7 +30,17 @@ _STRING_CHAR_CLASSES = {
 def strict_json_grammar(schema: str) -> str:
     """The schema's grammar as EBNF, with every string character class held to strict JSON."""
     import xgrammar as xgr  # deferred: xgrammar loads torch, and the router imports this module
-    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=ANY_WHITESPACE))
+    return _strict_strings(str(xgr.Grammar.from_json_schema(schema, any_whitespace=ANY_WHITESPACE)))
+
+
+def structural_tag_grammar(spec: str) -> str:
+    """A structural tag's grammar (free text, then tagged JSON) as EBNF, its JSON strings held
+    to strict JSON as strict_json_grammar's are."""
+    import xgrammar as xgr  # deferred: xgrammar loads torch, and the router imports this module
+    return _strict_strings(str(xgr.Grammar.from_structural_tag(spec)))
+
+
+def _strict_strings(ebnf: str) -> str:
     for lax, strict in _STRING_CHAR_CLASSES.items():
         ebnf = ebnf.replace(lax, strict)
     return ebnf
@@ -52,6 +62,8 @@ def check_spec(spec: StructuredSpec) -> None:
             xgr.Grammar.from_regex(spec.spec)
         elif spec.kind == "choice":
             xgr.Grammar.from_ebnf(choice_grammar(parse_choices(spec.spec)))
+        elif spec.kind == "structural_tag":
+            xgr.Grammar.from_ebnf(structural_tag_grammar(spec.spec))
         else:
             xgr.Grammar.from_ebnf(spec.spec)
     except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's parse errors are RuntimeErrors

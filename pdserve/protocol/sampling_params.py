@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass
@@ -11,7 +11,8 @@ class StructuredSpec:
     """What the output must match, carried as a spec (not matcher state) so it crosses the
     P/D handover as plain data; each node compiles it (cached) and replays the tokens so far.
     kind: "json" (spec: a JSON schema, as text), "regex", "choice" (spec: a JSON list of
-    strings) or "grammar" (EBNF)."""
+    strings), "grammar" (EBNF) or "structural_tag" (xgrammar's structural tag as JSON: free
+    text until a trigger, then tagged content; tool calls under tool_choice "auto")."""
     kind: str
     spec: str
 

@@ -21,8 +21,9 @@ from pdserve.router.openai.chat_prompt import render_chat_prompt
 from pdserve.router.openai.errors import bad_request
 from pdserve.router.openai.responses import ChatFlavor, CompletionFlavor, Flavor
 from pdserve.router.openai.schemas import ChatCompletionRequest, CompletionRequest
-from pdserve.router.openai.structured_request import ToolPlan, ToolsError
+from pdserve.router.openai.structured_request import ToolPlan, ToolsError, checked_spec
 from pdserve.router.openai.tool_calls import ParsedToolCallChatFlavor, ToolCallChatFlavor
+from pdserve.router.openai.tool_tags import tool_call_spec
 
 
 @dataclass
@@ -86,6 +87,18 @@ def _tools_plan(body: ChatCompletionRequest) -> ToolPlan | None:
         raise bad_request(str(exc), "tools" if isinstance(exc, ToolsError) else "tool_choice") from exc
 
 
+def _with_tool_call_tag(router: Any, plan: ToolPlan | None, params: list[SamplingParams]) -> list[SamplingParams]:
+    """tool_choice "auto": a call the model opens is held to the declared tools (tool_tags),
+    unless the request already asks for a structured output (response_format and the like)."""
+    if plan is None or plan.mode != "auto" or not params or params[0].structured is not None:
+        return params
+    try:
+        spec = tool_call_spec(plan, router.tool_parser.name, router.special_tokens, checked_spec)
+    except ValueError as exc:
+        raise bad_request(f"the tools' parameters cannot constrain a call: {exc}", "tools") from exc
+    return params if spec is None else [dataclasses.replace(p, structured=spec) for p in params]
+
+
 async def chat_job(router: Any, body: ChatCompletionRequest) -> GenerationJob:
     plan = _tools_plan(body)
     tools = plan.tools if plan is not None else None
@@ -95,7 +108,7 @@ async def chat_job(router: Any, body: ChatCompletionRequest) -> GenerationJob:
     router.check_token_ids(ids, "messages")
     max_tokens = router.resolve_max_tokens(body.requested_max_tokens(), len(ids), "max_tokens")
     logprobs = body.engine_logprobs()
-    params = router.build_params(body, max_tokens, logprobs)
+    params = _with_tool_call_tag(router, plan, router.build_params(body, max_tokens, logprobs))
     await _check_satisfiable(router, params)
     want = logprobs is not None
     if plan is None:

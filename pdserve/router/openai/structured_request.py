@@ -28,7 +28,8 @@ _JSON_TYPES = {str: "a string", list: "an array", bool: "a boolean", int: "a num
 
 
 @functools.lru_cache(maxsize=1024)
-def _checked(kind: str, spec: str) -> StructuredSpec:
+def checked_spec(kind: str, spec: str) -> StructuredSpec:
+    """The spec, parsed once (ValueError when xgrammar cannot build it)."""
     value = StructuredSpec(kind, spec)
     check_spec(value)
     return value
@@ -84,7 +85,8 @@ def _from_vllm(structured: Any, guided: dict[str, Any]) -> list[tuple[str, str]]
 @dataclass
 class ToolPlan:
     """What tool_choice asks for. mode: "none" (tools not shown to the model), "auto" (the
-    model answers in text or calls tools; calls are parsed out of the text), "required" (the
+    model answers in text or calls tools; calls are parsed out of the text, and a call the model
+    opens is held to the tools by a structural tag, tool_tags.py), "required" (the
     output is constrained to a JSON list of calls) or "named" (to that function's arguments)."""
     mode: str
     tools: list[dict[str, Any]] = field(default_factory=list)  # the function tools, checked
@@ -184,7 +186,7 @@ def structured_spec(response_format: Any, structured: Any, guided: dict[str, Any
     if len(found) > 1:
         raise ValueError("ask for one structured output at a time (response_format, structured_outputs, "
                          "guided_*, or tool_choice 'required' or named)")
-    return _checked(*found[0]) if found else None
+    return checked_spec(*found[0]) if found else None
 
 
 class GrammarCheck:

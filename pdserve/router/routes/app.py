@@ -117,7 +117,11 @@ class _Router:
         if self.tools_ignored:
             logger.warning("the chat template renders no tools: with tools, tool_choice 'auto' will not call "
                            "them (give a template that lists tools with --chat-template)")
-        self.special_tokens = set(getattr(tokenizer, "all_special_tokens", []))
+        # Added tokens marked special count too: Mistral's [TOOL_CALLS] is one, and the
+        # structured-output vocabulary leaves every special token out.
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.special_tokens = set(getattr(tokenizer, "all_special_tokens", [])) | {
+            t.content for t in added.values() if getattr(t, "special", False)}
         self.grammars = GrammarCheck(tokenizer)  # structured outputs the vocabulary cannot write: 400
 
     def check_model(self, model: str | None) -> None:

@@ -1,0 +1,87 @@
+"""Tool calls valid by construction under tool_choice "auto": an xgrammar structural tag.
+
+The output stays free text until the model writes its template's tool-call marker (the
+trigger: Hermes `<tool_call>`, Llama 3's `{"name": "`, Mistral's `[TOOL_CALLS]`). From there the
+grammar holds it to a call of a declared tool: the name is one of theirs, the arguments match
+that tool's `parameters` schema (exactly under `strict: true`; a tool without it falls back to
+any JSON object when xgrammar cannot build its schema). After the call's closing marker only
+the stop token is allowed (stop_after_first), so a call ends the turn: one call per turn,
+whatever parallel_tool_calls says (allowed to go on, a small model repeats its call until
+max_tokens cuts it; "required" is the way to several calls at once). Before the trigger every
+token the model may draw stays allowed, so greedy text without a call equals the same request
+without tools. Built here as plain JSON (no torch); the nodes compile it (structured_output).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.protocol.sampling_params import StructuredSpec
+
+# One whitespace at most between JSON tokens: a weak model allowed any pads forever instead of
+# closing the object, and one space keeps the `{"city": "Paris"}` spacing the templates show.
+MAX_WHITESPACE = 1
+_ANY_OBJECT = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How a family writes a call: trigger, then begin, prefix, the arguments, suffix, end."""
+    trigger: str
+    begin: str
+    prefix: str  # "{name}" stands for the JSON-escaped function name
+    suffix: str
+    end: str
+
+
+FORMATS = {
+    # <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>, as SmolLM2's and Qwen's templates show
+    "hermes": CallFormat("<tool_call>", "<tool_call>\n", '{{"name": "{name}", "arguments": ', "}", "\n</tool_call>"),
+    # {"name": "f", "parameters": {...}} (the closing brace is the end: xgrammar wants a
+    # non-empty end after unbounded content)
+    "llama3_json": CallFormat('{"name": "', '{"name": "', '{name}", "parameters": ', "", "}"),
+    # [TOOL_CALLS][{"name": "f", "arguments": {...}}]
+    "mistral": CallFormat("[TOOL_CALLS]", "[TOOL_CALLS][", '{{"name": "{name}", "arguments": ', "}", "]"),
+}
+
+
+def _const(text: str) -> dict[str, Any]:
+    return {"type": "const_string", "value": text}
+
+
+def _call(fmt: CallFormat, name: str, schema: dict | bool) -> dict[str, Any]:
+    escaped = json.dumps(name, ensure_ascii=False)[1:-1]
+    arguments = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
+    return {"type": "sequence", "elements": [_const(fmt.prefix.format(name=escaped)), arguments, _const(fmt.suffix)]}
+
+
+def _strict(tool: dict[str, Any]) -> bool:
+    return tool["function"].get("strict") is True
+
+
+def tool_call_tag(fmt: CallFormat, tools: list[tuple[str, Any]]) -> str:
+    """The structural tag (JSON text) for these (name, parameters schema) pairs."""
+    calls = {"type": "or", "elements": [_call(fmt, name, schema) for name, schema in tools]}
+    tag = {"type": "tag", "begin": fmt.begin, "content": calls, "end": fmt.end}
+    triggered = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": [tag], "stop_after_first": True}
+    return json.dumps({"type": "structural_tag", "format": triggered}, ensure_ascii=False)
+
+
+def tool_call_spec(plan: Any, parser_name: str, special_tokens: set[str], check: Any) -> StructuredSpec | None:
+    """The constraint for a ToolPlan in mode "auto" written in this parser's format; None when
+    the format's marker is a special token (the grammar's vocabulary leaves those out, so the
+    call could never open: such calls stay parsed from free text) or the format is unknown.
+    check: structured_request's cached check (ValueError when xgrammar cannot build it)."""
+    fmt = FORMATS.get(parser_name)
+    if plan.mode != "auto" or fmt is None or any(s and s in fmt.begin for s in special_tokens):
+        return None
+    tools = [(t["function"]["name"], json.loads(plan.parameters(t["function"]["name"]))) for t in plan.tools]
+    try:
+        return check("structural_tag", tool_call_tag(fmt, tools))
+    except ValueError:
+        if all(_strict(t) for t in plan.tools):
+            raise
+    # A schema xgrammar cannot build: tools without `strict` still get a well-formed JSON object.
+    loose = [(name, schema if _strict(t) else _ANY_OBJECT) for (name, schema), t in zip(tools, plan.tools)]
+    return check("structural_tag", tool_call_tag(fmt, loose))

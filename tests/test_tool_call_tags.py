@@ -1,0 +1,157 @@
+"""Tool calls valid by construction under tool_choice "auto" (pdserve/router/openai/tool_tags.py).
+
+Without a cluster: the structural tag, compiled against the default model's vocabulary, leaves
+free text alone, holds an opened call to a declared name and its schema, and allows only the
+stop token after the call. On `pdserve up` with no flags (SmolLM2-135M, the official openai
+client): across 50 prompts and tool sets every returned call names a declared tool and its
+arguments validate against the tool's schema (jsonschema), a call ends the turn; and a chat
+with tools whose answer opens no call is token for token the unconstrained completion of the
+same prompt.
+"""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+
+from pdserve.models.gguf import DEFAULT_MODEL
+from pdserve.models.model_path import load_tokenizer, resolve_model_path
+from pdserve.router.openai.chat_prompt import render_chat_prompt
+from pdserve.router.openai.chat_templates import builtin_chat_template
+from pdserve.router.openai.structured_request import checked_spec, tool_plan
+from pdserve.router.openai.tool_tags import tool_call_spec
+from pdserve.testing.up_cluster import running_cluster
+
+
+def _tool(name: str, description: str, properties: dict) -> dict:
+    # OpenAI's strict form (what the Agents SDK sends): every property required, no others.
+    return {"type": "function", "function": {"name": name, "description": description, "strict": True, "parameters": {
+        "type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}}}
+
+
+WEATHER = _tool("get_weather", "Get the current weather in a city.",
+                {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}})
+TIME = _tool("get_time", "Get the time in a time zone.", {"zone": {"enum": ["UTC", "CET", "PST", "JST"]}})
+CALC = _tool("calculate", "Apply an arithmetic operation to two numbers.",
+             {"a": {"type": "number"}, "b": {"type": "number"}, "op": {"enum": ["add", "sub", "mul", "div"]}})
+SEARCH = _tool("search_web", "Search the web.",
+               {"query": {"type": "string", "maxLength": 80}, "max_results": {"type": "integer", "minimum": 1, "maximum": 10}})
+EMAIL = _tool("send_email", "Send an email.", {"to": {"type": "string"}, "subject": {"type": "string", "maxLength": 60}})
+ALARM = _tool("set_alarm", "Set an alarm.", {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                                             "minute": {"type": "integer", "minimum": 0, "maximum": 59}})
+FLIGHT = _tool("book_flight", "Book a flight.", {"origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                                                 "destination": {"type": "string", "pattern": "^[A-Z]{3}$"}})
+MONEY = _tool("convert_currency", "Convert money between currencies.",
+              {"amount": {"type": "number", "minimum": 0}, "to": {"enum": ["USD", "EUR", "JPY"]}})
+TOOL_SETS = [[WEATHER], [TIME, WEATHER], [CALC], [SEARCH, EMAIL], [ALARM, TIME], [FLIGHT], [MONEY, CALC],
+             [EMAIL], [WEATHER, SEARCH, ALARM], [FLIGHT, MONEY]]
+PROMPTS = [
+    "What is the weather in Paris?", "How hot is it in Cairo right now, in fahrenheit?", "What time is it in Tokyo?",
+    "Add 17 and 25.", "What is 9 times 12?", "Find recent news about electric cars.",
+    "Email bob@example.com that the meeting moved to Friday.", "Wake me up at 6:30 tomorrow.",
+    "Book me a flight from Boston to Denver.", "Convert 120 dollars to euros.", "Is it raining in London?",
+    "Search for the best pizza recipe.", "Set an alarm for 7 in the morning.", "Divide 144 by 12.",
+    "Tell me the weather in Tokyo and the time there.", "I need to fly from JFK to LAX next week.",
+    "Paris", "Send a thank-you note to alice@example.com.", "How many yen is 50 euros?",
+    "Look up the population of Brazil.", "Remind me at 22:15.", "What's the temperature in Oslo?",
+    "Please multiply 3.5 by 4.", "Who won the 2018 World Cup?", "Check the forecast for Madrid, in celsius.",
+]
+CASES = [(p, TOOL_SETS[(i + k) % len(TOOL_SETS)]) for k in (0, 5) for i, p in enumerate(PROMPTS)]  # 50
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = load_tokenizer(resolve_model_path(DEFAULT_MODEL))
+    tok.chat_template = builtin_chat_template(DEFAULT_MODEL)  # as the router serves it
+    return tok
+
+
+def _accepts(matcher, tokenizer, text: str) -> bool:
+    return all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_structural_tag_frees_text_and_holds_calls(tokenizer):
+    from pdserve.engine.structured_output import StructuredOutputs  # heavy: torch and xgrammar
+    outputs = StructuredOutputs(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    spec = tool_call_spec(tool_plan([WEATHER, TIME], None), "hermes", set(), checked_spec)
+    bitmask = outputs._bitmask_for(1)
+    matcher = outputs.new_matcher(spec, ())
+    assert _accepts(matcher, tokenizer, "Sure, <b>some</b> {free} text: 1 < 2.")
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    allowed = sum(bin(w & 0xFFFFFFFF).count("1") for w in bitmask[0].tolist())
+    specials = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special} - {tokenizer.eos_token_id}
+    assert allowed == len(tokenizer) - len(specials)  # before a call: every token but the special ones
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}\n</tool_call>'
+    assert _accepts(matcher, tokenizer, call)
+    assert not matcher.accept_token(tokenizer.encode("\n", add_special_tokens=False)[0])  # one call ends the turn
+    assert matcher.accept_token(tokenizer.eos_token_id)
+    for bad in ('<tool_call>\n{"name": "Paris", ', '<tool_call>\n{"name": "get_time", "arguments": {"zone": "EST"',
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}'):
+        assert not _accepts(outputs.new_matcher(spec, ()), tokenizer, bad), bad
+    llama = tool_call_spec(tool_plan([WEATHER, TIME], None), "llama3_json", set(), checked_spec)
+    assert _accepts(outputs.new_matcher(llama, ()), tokenizer, 'Ok. {"name": "get_time", "parameters": {"zone": "UTC"}}')
+    assert not _accepts(outputs.new_matcher(llama, ()), tokenizer, '{"name": "get_time", "parameters": {"zone": 1')
+    assert tool_call_spec(tool_plan([WEATHER], None), "mistral", {"[TOOL_CALLS]"}, checked_spec) is None
+
+
+@pytest.fixture(scope="module")
+def client():
+    with running_cluster(as_given=True) as (url, _):  # `pdserve up` with no flags: the default model
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _ask(client, prompt: str, tools: list[dict]):
+    return client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": prompt}],
+                                          tools=tools, temperature=0, max_tokens=64).choices[0]
+
+
+def test_every_call_names_a_declared_tool_with_valid_arguments(client):
+    with ThreadPoolExecutor(8) as pool:
+        choices = list(pool.map(lambda case: _ask(client, *case), CASES))
+    called = 0
+    for (prompt, tools), choice in zip(CASES, choices):
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+        for call in choice.message.tool_calls or []:
+            assert call.function.name in schemas, (prompt, call)
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        if choice.message.tool_calls:
+            called += 1
+            assert choice.finish_reason == "tool_calls", (prompt, choice)
+        else:
+            assert "<tool_call>" not in (choice.message.content or ""), (prompt, choice)  # no unparsed call
+    assert called >= len(CASES) // 2, f"only {called} of {len(CASES)} answers called a tool"
+
+
+def test_streamed_call_ends_the_turn(client):
+    stream = client.chat.completions.create(model=DEFAULT_MODEL, tools=[WEATHER], temperature=0, max_tokens=64,
+                                            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                                            stream=True)
+    chunks = list(stream)
+    calls = [c for chunk in chunks for d in chunk.choices for c in d.delta.tool_calls or []]
+    assert [c.function.name for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+EXACT_PROMPTS = ["Write a haiku about autumn leaves.", "Hi! How are you today?",
+                 "Explain in two sentences why the sky is blue.", "Give me three names for a pet goldfish.",
+                 "What is the capital of Italy?", "Translate 'good morning' into Spanish."]
+
+
+def test_text_without_a_call_equals_the_unconstrained_completion(client, tokenizer):
+    compared = 0
+    for prompt in EXACT_PROMPTS:  # one at a time: each run meets the same (empty) batch
+        messages = [{"role": "user", "content": prompt}]
+        chat = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, tools=[CALC],
+                                              temperature=0, max_tokens=40).choices[0]
+        if chat.message.tool_calls or "<tool_call" in (chat.message.content or ""):
+            continue  # a call opened: the constraint is meant to act there
+        text, _ = render_chat_prompt(tokenizer, messages, [CALC])  # the chat's own prompt, no constraint
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        plain = client.completions.create(model=DEFAULT_MODEL, prompt=ids, temperature=0, max_tokens=40).choices[0]
+        assert chat.message.content == plain.text and chat.finish_reason == plain.finish_reason, prompt
+        compared += 1
+    assert compared >= 3, f"only {compared} prompts answered without a call"
