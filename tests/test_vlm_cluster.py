@@ -1,6 +1,6 @@
 """A vision-language model across P/D: the official openai client sends chat requests with
 images (data: URLs) to `pdserve up` on a tiny random Qwen2.5-VL, 1P1D over the store and over
-NIXL; the greedy output equals the offline engine's (itself exact against transformers, see
+NIXL (and on a tiny Gemma 3, whose image tokens attend both ways, through the store); the greedy output equals the offline engine's (itself exact against transformers, see
 test_qwen2_5_vl_engine.py). The prefill node encodes the images and hands over KV; the decode
 node continues M-RoPE positions without encoding. Then: the same text with another image gets
 no cached tokens beyond the text, the same image again does, and a decode node killed
@@ -13,6 +13,7 @@ import io
 import os
 import signal
 
+import httpx
 import numpy as np
 import pytest
 
@@ -21,8 +22,8 @@ Image = pytest.importorskip("PIL.Image")
 
 from pdserve.offline.llm import LLM  # noqa: E402
 from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
-from pdserve.testing.up_cluster import node_pids, node_stats, running_clusters, wait_for  # noqa: E402
-from pdserve.testing.vlm_checkpoints import make_qwen2_5_vl  # noqa: E402
+from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, running_clusters, wait_for  # noqa: E402
+from pdserve.testing.vlm_checkpoints import make_gemma3_vl, make_qwen2_5_vl  # noqa: E402
 
 SIZES = [(112, 140), (196, 84), (84, 112)]
 LONG = 400  # a stream long enough that a kill after token 20 lands mid-stream
@@ -161,3 +162,41 @@ def test_clients_with_images_and_the_encoder_metrics(clusters, llm, pictures):
     wait_for(lambda: next(s for s in node_stats(url).values() if s["role"] == "prefill").get("encoder_cache_hits"),
              timeout_s=10)
     assert "pdserve_encoder_cache_hits_total" in httpx.get(f"{url}/metrics", timeout=10).text
+
+
+def test_gemma3_chat_with_images_through_the_store_equals_offline(tmp_path_factory, pictures):
+    """Gemma 3: the prefill node never cuts an image across chunks (16 tokens a step here), the
+    decode node continues from the handed-over KV."""
+    path = make_gemma3_vl(tmp_path_factory.mktemp("gemma3_cluster"))
+    gemma = LLM(str(path), block_size=16)
+    with running_cluster("--model", str(path), "--served-model-name", "vlm", "--prefill-nodes", "1",
+                         "--decode-nodes", "1", "--kv-transfer", "store", "--max-num-batched-tokens", "16") as (url, _):
+        for before, which, after in CASES:
+            images = [pictures[i] for i in which]
+            ids, usage = chat(url, before, images, after)
+            want, prompt_tokens = offline(gemma, before, images, after, 8)
+            assert ids == want and usage.prompt_tokens == prompt_tokens, before
+
+
+def _stat(url: str, role: str, name: str) -> int:
+    return sum(s.get(name, 0) for s in node_stats(url).values() if s["role"] == role and s["healthy"])
+
+
+def test_encoder_node_encodes_and_a_lost_one_costs_nothing(checkpoint, llm, pictures):
+    """E/P/D: the encoder node encodes, the prefill node loads the embeddings from the store and
+    encodes nothing; the same picture behind other text is an encoder-cache hit there; with the
+    encoder node killed, the prefill node encodes by itself, with the same output."""
+    with running_cluster("--model", str(checkpoint), "--served-model-name", "vlm", "--encode-nodes", "1",
+                         "--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store") as (url, proc):
+        for before, which, after in CASES:
+            images = [pictures[i] for i in which]
+            assert chat(url, before, images, after)[0] == offline(llm, before, images, after, 8)[0]
+        # picture 0 loaded once: the prefill node keeps it in its own encoder cache for the second prompt
+        wait_for(lambda: _stat(url, "prefill", "embeddings_loaded") >= 2, timeout_s=10)
+        assert _stat(url, "encode", "encoder_runs") == 2 and _stat(url, "prefill", "encoder_runs") == 0
+        assert chat(url, "Again: ", [pictures[1]], "?")[0] == offline(llm, "Again: ", [pictures[1]], "?", 8)[0]
+        wait_for(lambda: _stat(url, "encode", "encoder_cache_hits") >= 2, timeout_s=10)
+        os.kill(node_pids(proc.pid)["encode-0"], signal.SIGKILL)
+        assert chat(url, "Lost: ", [pictures[2]], "?")[0] == offline(llm, "Lost: ", [pictures[2]], "?", 8)[0]
+        wait_for(lambda: _stat(url, "prefill", "encoder_runs") >= 1, timeout_s=10)
+        assert httpx.get(f"{url}/health", timeout=5).json()["failover"]["encodes_remote"] == 3

@@ -32,6 +32,9 @@ class EncoderCache:
         self.tokens = 0
         self.stats = EncoderStats()
 
+    def __contains__(self, content_hash: str) -> bool:
+        return content_hash in self.entries
+
     def get(self, image: ImageInput, encode) -> torch.Tensor:
         found = self.entries.get(image.content_hash)
         if found is not None:

@@ -213,11 +213,11 @@ def _run_node(role: str, args: argparse.Namespace) -> int:
     starts (vLLM's --seed)."""
     # deferred: the node's engine, KV store and CURVE modules (torch once it serves), loaded by the
     # node process only, not by `pdserve --help` or the router
-    from pdserve.node.main import run_decode, run_prefill
+    from pdserve.node.main import serve_node
     if args.seed is not None:
         import torch  # heavy: only in a node process, which loads it anyway
         torch.manual_seed(args.seed)
-    return (run_prefill if role == "prefill" else run_decode)(args)
+    return serve_node(role, args)
 
 
 def _run_router(args: argparse.Namespace) -> int:
@@ -245,12 +245,17 @@ def _add_cluster_parsers(sub) -> None:
     dec.add_argument("--pull-delay-s", type=float, default=0.0, help="fault injection: delay each KV pull")
     _add_speculative_args(dec)
     dec.set_defaults(func=partial(_run_node, "decode"))
+    enc = sub.add_parser("encode", help="run one encoder node: a vision-language model's image encoder (E/P/D)")
+    _add_node_args(enc, "encode")
+    enc.set_defaults(func=partial(_run_node, "encode"))
     rt = sub.add_parser("router", help="run the OpenAI-compatible router")
     rt.add_argument("--model", default=DEFAULT_MODEL, help="the served model: its tokenizer and name")
     rt.add_argument("--host", default="127.0.0.1", help="HTTP address")
     rt.add_argument("--port", type=int, default=8000, help="HTTP port")
     rt.add_argument("--prefill", action="append", help="a prefill node's zmq endpoint (repeat)")
     rt.add_argument("--decode", action="append", help="a decode node's zmq endpoint (repeat)")
+    rt.add_argument("--encode", action="append",
+                    help="an encoder node's zmq endpoint (repeat): images are encoded there (E/P/D)")
     rt.add_argument("--registry", default=None, type=registry_url,
                     help="the node registry, tcp://host:port (`pdserve registry`) or redis://host:port[/db]: "
                          "route to every node registered there (besides any --prefill/--decode), as nodes "
@@ -296,6 +301,10 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     up.add_argument("--port", type=int, default=8000, help="the router's HTTP port")
     up.add_argument("--prefill-nodes", type=int, default=1, help="0 runs whole requests on decode nodes")
     up.add_argument("--decode-nodes", type=int, default=1, help="decode nodes to start")
+    up.add_argument("--encode-nodes", type=int, default=0,
+                    help="encoder nodes to start for a vision-language model (E/P/D): they encode images and "
+                         "hand the embeddings to prefill nodes through the store (needs --kv-transfer store "
+                         "or --store redis://...); 0: prefill nodes encode")
     up.add_argument("--kv-transfer", choices=["nixl", "store"], default=_default_transfer(),
                     help="how prefill nodes hand KV to decode nodes")
     up.add_argument("--store", default=None,

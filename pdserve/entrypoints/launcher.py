@@ -25,7 +25,7 @@ from pdserve.entrypoints.http_flags import check_tls, http_flags, url_scheme
 from pdserve.entrypoints.node_speculation import check_speculative_configs, node_speculative_config
 from pdserve.entrypoints.ray_launch import run_up_ray
 from pdserve.entrypoints.tp_degrees import node_degree, pool_ranks
-from pdserve.kvstore.redact import redact_url
+from pdserve.kvstore.redact import embedding_store_url, redact_url
 from pdserve.models.gguf import find_gguf_file, prepare_view
 from pdserve.wire.curve_keys import write_keys
 from pdserve.wire.transport import NodeSocket, free_port
@@ -62,7 +62,7 @@ class Cluster:
         # NodeOwner state: the nodes this launcher runs, and where the router reaches them.
         self.node_roles: dict[str, str] = {}
         self.node_addresses: dict[str, str] = {}
-        self._next_index = {"prefill": 0, "decode": 0}
+        self._next_index = {"prefill": 0, "decode": 0, "encode": 0}
         self._store: str | None = None
         self.admin: NodeSocket | None = None  # the router's StartNode/StopNode requests arrive here
 
@@ -83,7 +83,8 @@ class Cluster:
         if a.threads_per_node:
             return a.threads_per_node
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        ranks = pool_ranks(a, "prefill", a.prefill_nodes) + pool_ranks(a, "decode", a.decode_nodes)
+        ranks = (pool_ranks(a, "prefill", a.prefill_nodes) + pool_ranks(a, "decode", a.decode_nodes)
+                 + getattr(a, "encode_nodes", 0))
         return tp * max(1, cores // max(1, ranks))
 
     def node_cmd(self, role: str, node_id: str, bind: str, extra: list[str]) -> list[str]:
@@ -120,6 +121,7 @@ class Cluster:
         self.registry = RegistryServer("tcp://127.0.0.1:0").start()
         prefill = [self.node_addresses[self.start_node("prefill")] for _ in range(a.prefill_nodes)]
         decode = [self.node_addresses[self.start_node("decode")] for _ in range(a.decode_nodes)]
+        encode = [self.node_addresses[self.start_node("encode")] for _ in range(self._encode_nodes())]
         admin_addr = f"tcp://127.0.0.1:{free_port()}"
         self.admin = NodeSocket(zmq.Context.instance(), admin_addr)
         router = [sys.executable, "-m", "pdserve", "--log-level", a.log_level, "router", "--model", a.model,
@@ -145,6 +147,7 @@ class Cluster:
         # A router at start also gets the nodes' addresses, so it routes before any membership
         # arrives; a restarted one takes them all from the registry (the nodes may have changed).
         nodes = [x for addr in prefill for x in ("--prefill", addr)] + [x for addr in decode for x in ("--decode", addr)]
+        nodes += [x for addr in encode for x in ("--encode", addr)]
         for i in range(max(1, getattr(a, "routers", 1))):  # replicas: router i on --port + i
             name, cmd = ("router", router) if i == 0 else (f"router-{i}", _on_port(router, a.port + i))
             self.spawn(name, cmd + nodes)
@@ -155,13 +158,14 @@ class Cluster:
     def start_node(self, role: str) -> str:
         """Start a node of `role`; it joins the router's rotation at its first pong. Every node gets
         both roles' transfer flags, so it can switch roles in place later."""
-        if role not in ("prefill", "decode"):
+        if role not in ("prefill", "decode", "encode"):
             raise ValueError(f"unknown role {role!r}")
         a = self.args
         index = self._next_index[role]
         node_id = f"{role}-{index}"
         self._next_index[role] += 1
-        addr = f"tcp://127.0.0.1:{free_port()}"
+        if role == "encode":  # the tower only: the store for its embeddings, a token KV cache
+            return self._start(role, node_id, self._store_flags(self._store) + ["--num-kv-blocks", "16"])
         extra = ["--lease-s", str(a.lease_s)] + self._store_flags(self._store)
         if a.kv_transfer == "nixl":
             extra += ["--nixl-side-channel", f"tcp://127.0.0.1:{free_port()}"]
@@ -172,9 +176,21 @@ class Cluster:
             extra += ["--speculative-config", spec] if spec else []
         tp = node_degree(a, role, index)
         extra += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+        return self._start(role, node_id, extra, tp)
+
+    def _start(self, role: str, node_id: str, extra: list[str], tp: int = 1) -> str:
+        addr = f"tcp://127.0.0.1:{free_port()}"
         self.spawn(node_id, self.node_cmd(role, node_id, addr, extra), self.threads_per_node(tp))
         self.node_roles[node_id], self.node_addresses[node_id] = role, addr
         return node_id
+
+    def _encode_nodes(self) -> int:
+        """--encode-nodes, checked: encoder nodes hand embeddings over through the store's Redis."""
+        count = getattr(self.args, "encode_nodes", 0)
+        if count and not embedding_store_url(self._store):
+            raise ValueError("--encode-nodes hand image embeddings to prefill nodes through the store: use "
+                             "--kv-transfer store, or --store redis://host:port")
+        return count
 
     def stop_node(self, node_id: str) -> None:
         """SIGTERM a (drained) node and forget it, so it is not restarted."""

@@ -86,6 +86,8 @@ class DecodeNode(StepBudget):
             self.pulls[rid].resume = (identity, msg)
             return
         pull = msg.pulls_kv()
+        if not pull:
+            self.take_embeddings(msg.images)  # it computes the prompt here: an encoder node's, if any
         try:
             req = self.engine.add_request(rid, msg.prompt_token_ids, msg.params, output_token_ids=msg.first_token_ids,
                                           remote_kv_tokens=handover.num_tokens if pull else 0,

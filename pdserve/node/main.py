@@ -1,4 +1,4 @@
-"""`pdserve prefill` and `pdserve decode`: build the engine, the store and NIXL, then serve."""
+"""`pdserve prefill`, `pdserve decode` and `pdserve encode`: build the engine, the store and NIXL, then serve."""
 from __future__ import annotations
 
 import logging
@@ -7,6 +7,7 @@ import time
 
 from pdserve.engine.config import EngineConfig, engine_options
 from pdserve.kvstore.factory import make_store
+from pdserve.kvstore.redact import embedding_store_url
 from pdserve.kvstore.ucx_devices import pin_ucx_to_host
 from pdserve.node.compute_thread import on_compute_thread
 from pdserve.wire.curve_keys import NodeKeys
@@ -62,6 +63,10 @@ def _use_curve(args) -> None:
     NodeRuntime.curve = NodeKeys.load(args.curve_dir) if args.curve_dir else None
     NodeRuntime.registry = getattr(args, "registry", None)
     NodeRuntime.advertise_host = getattr(args, "advertise_host", None)
+    # deferred: loads torch; torch-free until a node is served
+    from pdserve.kvstore.embedding_store import EmbeddingStore
+    if (url := embedding_store_url(getattr(args, "store", None))) is not None:
+        NodeRuntime.embedding_store = EmbeddingStore(url)  # image embeddings from encoder nodes
 
 
 def _pin_ucx(bind: str) -> None:
@@ -87,6 +92,9 @@ def _build_node(role: str, args, engine, bind, store):
     channel pulls over NIXL once it decodes; a decode node given --nixl-side-channel serves NIXL
     READs once it prefills."""
     nixl_side_channel = getattr(args, "nixl_side_channel", None)
+    if role == "encode":
+        from pdserve.node.encode import EncodeNode  # heavy: torch and the engine, for node processes only
+        return EncodeNode(engine, bind, args.node_id)
     if role == "prefill":
         from pdserve.node.prefill import PrefillNode  # heavy: torch and the engine, for node processes only
         return PrefillNode(engine, bind, args.node_id, store=store, nixl_side_channel=nixl_side_channel,
@@ -112,10 +120,3 @@ def serve_node(role: str, args) -> int:
         log.info("%s is a %s node now (%.3f s to switch)", args.node_id, to_role, time.perf_counter() - started)
     return 0
 
-
-def run_prefill(args) -> int:
-    return serve_node("prefill", args)
-
-
-def run_decode(args) -> int:
-    return serve_node("decode", args)

@@ -77,6 +77,7 @@ class PrefillNode(StepBudget):
         rid = req.request_id
         if req.transfer not in self.producers:
             return self._reply_error(identity, rid, MISSING[req.transfer])
+        self.take_embeddings(req.images)  # an encoder node's, if it put them in the store
         # Only the first token is drawn here; the decode node draws the rest.
         params = dataclasses.replace(req.params, max_tokens=1)
         bs = self.engine.config.block_size
@@ -106,6 +107,7 @@ class PrefillNode(StepBudget):
     def _admit_whole(self, identity: bytes, msg: DecodeRequest) -> None:
         """Prefill and decode the request here, streaming its tokens as a decode node does."""
         rid = msg.request_id
+        self.take_embeddings(msg.images)
         try:
             self.engine.add_request(rid, msg.prompt_token_ids, msg.params, output_token_ids=msg.first_token_ids,
                                     cache_salt=msg.cache_salt, lora_name=msg.adapter, images=msg.images)

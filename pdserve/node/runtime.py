@@ -27,6 +27,7 @@ from pdserve.cluster.registry_messages import ACTIVE, DRAINING
 from pdserve.cluster.router_liveness import RouterLiveness
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.footprint import footprint
+from pdserve.kvstore.embedding_store import EmbeddingStore
 from pdserve.node.compute_thread import compute_executor
 from pdserve.node.embeddings import EmbeddingQueue
 from pdserve.node.kv_events import KVEventPublisher
@@ -69,6 +70,8 @@ class NodeStats:
     transfer_us_store: int = 0
     store_load_us: int = 0         # microseconds spent loading prompt blocks from the store
     embedding_requests: int = 0    # /v1/embeddings requests computed here
+    embeddings_loaded: int = 0     # images whose embeddings an encoder node put in the store (E/P/D)
+    embedding_bytes_store: int = 0  # bytes of image embeddings put in or loaded from the store
 
 
 class NodeRuntime:
@@ -81,6 +84,9 @@ class NodeRuntime:
     registry: str | None = None
     advertise_host: str | None = None
     registration: NodeRegistration | None = None
+    # Image embeddings from encoder nodes (E/P/D, pdserve.kvstore.embedding_store): set on the
+    # class by node_main, like curve, from the node's --store.
+    embedding_store: EmbeddingStore | None = None
 
     def __init__(self, engine: LLMEngine, bind: str | NodeRuntime, node_id: str):
         """bind: the control endpoint, or the node this one takes over from in a role switch (its
@@ -109,6 +115,22 @@ class NodeRuntime:
         self.drain_to: str | None = None  # None: active; "": drain, then wait to stop; a role: switch
         self.drain_since = 0.0
         self.switch_to: str | None = None  # set when the loop ends for a role switch
+
+    def take_embeddings(self, images) -> None:
+        """Images an encoder node put in the store go into the engine's encoder cache, so the
+        engine does not encode them; an image not found there is the engine's to encode."""
+        store, mm = self.embedding_store, self.engine.runner.multimodal
+        if store is None or mm is None:
+            return
+        for image in images:
+            if image.content_hash in mm.cache:
+                continue
+            found = store.get(store.key(self.engine.salt, image.content_hash))
+            if found is None or found[0].shape[0] != image.length:
+                continue
+            mm.cache.put(image.content_hash, found[0].to(self.engine.device, self.engine.dtype))
+            self.stats.embeddings_loaded += 1
+            self.stats.embedding_bytes_store += found[1]
 
     def _take_over(self, old: NodeRuntime) -> None:
         self.ctx, self.control, self.stats, self.kv_events = old.ctx, old.control, old.stats, old.kv_events

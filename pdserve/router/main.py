@@ -25,6 +25,7 @@ from pdserve.router.dispatch.adapters import RouterAdapters
 from pdserve.router.dispatch.cluster import ClusterBackend, Dispatchers
 from pdserve.router.dispatch.drain import DrainTracker
 from pdserve.router.dispatch.embeddings import EmbeddingDispatch
+from pdserve.router.dispatch.encode import EncodeDispatch
 from pdserve.router.dispatch.health_report import HealthReport
 from pdserve.router.dispatch.inflight import Inflight
 from pdserve.router.dispatch.metrics import RouterMetrics
@@ -69,15 +70,16 @@ def build_backend(prefill_addrs: list[str], decode_addrs: list[str], transfer: s
                   decode_policy: str = "cache_aware", local_prefill_threshold: int = 0,
                   session_affinity: bool = False, registry: str | None = None, placement: str = "threshold",
                   targets: Targets | None = None, lora_modules: dict[str, str] | None = None,
-                  curve: RouterKeys | None = None) -> ClusterBackend:
+                  curve: RouterKeys | None = None, encode_addrs: list[str] = ()) -> ClusterBackend:
     """The cluster backend over these nodes (prefill_addrs may be empty: then each request runs
     whole on a decode node, the monolithic mode). salt: the nodes' block-key salt as the router
     guesses it, used until a node reports its own. registry: where the nodes are found instead
     (the watcher that follows it is build_scaling's). lora_modules: LoRA adapters served at
-    start, name -> directory (pdserve.router.dispatch.adapters)."""
+    start, name -> directory (pdserve.router.dispatch.adapters). encode_addrs: encoder nodes
+    (E/P/D, pdserve.router.dispatch.encode)."""
     if not decode_addrs and registry is None:
         raise ValueError("the cluster needs at least one decode node, or a registry to find them in")
-    pool = NodePool(prefill_addrs, decode_addrs, curve=curve)
+    pool = NodePool(prefill_addrs, decode_addrs, curve=curve, encode_addrs=encode_addrs)
     adapters = RouterAdapters(lora_modules, pool)
     inflight, picker, metrics, index = Inflight(), NodePicker(pool), RouterMetrics(pool.nodes), PrefixIndex()
     kv_tracker, drains = KVEventTracker(index), DrainTracker(inflight)
@@ -87,7 +89,7 @@ def build_backend(prefill_addrs: list[str], decode_addrs: list[str], transfer: s
     placer = Placement(planner, BlockKeys(block_size, salt, pool.kv_salts),
                        SessionMap() if session_affinity else None)
     dispatch = Dispatchers(pool, inflight, picker, PrefillDispatch(pool, inflight, picker, adapters, metrics, transfer),
-                           EmbeddingDispatch(pool, inflight, picker), drains,
+                           EmbeddingDispatch(pool, inflight, picker), EncodeDispatch(pool, inflight), drains,
                            HealthReport(pool, index, kv_tracker, drains, adapters, transfer))
     return ClusterBackend(dispatch, placer, adapters, metrics)
 
@@ -217,7 +219,8 @@ def run_router(args) -> int:
                     dict(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                          local_prefill_threshold=args.local_prefill_threshold,
                          placement=args.prefill_placement, targets=Targets(args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3),
-                         session_affinity=args.session_affinity, owner=args.owner), args.curve_dir, args.registry,
+                         session_affinity=args.session_affinity, owner=args.owner,
+                         encode_addrs=args.encode or []), args.curve_dir, args.registry,
                     chat=dict(chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
                               pooling=args.pooling),
                     served_model_names=args.served_model_name, lora_modules=dict(args.lora_modules or []),

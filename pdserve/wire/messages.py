@@ -101,6 +101,19 @@ class DecodeRequest(msgspec.Struct, tag=True):
         return self.handover is not None and self.handover.num_tokens > 0
 
 
+class EncodeRequest(msgspec.Struct, tag=True):
+    """Encode these images and put their embeddings in the store under their hashes (an encoder
+    node's one job: pdserve.node.encode); the prefill node then loads them instead of encoding."""
+    request_id: str
+    images: list[ImageInput]
+
+
+class EncodeResult(msgspec.Struct, tag=True):
+    request_id: str
+    stored: list[str] = []  # the content hashes now in the store
+    error: str | None = None
+
+
 class EmbedRequest(msgspec.Struct, tag=True):
     """Pool the final hidden states of each prompt (any node role computes them)."""
     request_id: str
@@ -188,7 +201,7 @@ class OwnerReply(msgspec.Struct, tag=True):
 
 
 Message = (Ping | Pong | PrefillRequest | PrefillResult | DecodeRequest | TokenDelta | Abort
-           | EmbedRequest | EmbedResult | LoadLoRA | UnloadLoRA | LoRAReply
+           | EncodeRequest | EncodeResult | EmbedRequest | EmbedResult | LoadLoRA | UnloadLoRA | LoRAReply
            | NixlMetadataRequest | NixlMetadata | KVEvents | KVSnapshotRequest | Drain | Rejected
            | StartNode | StopNode | ListNodes | SetNodeRole | OwnerReply)
 
@@ -205,6 +218,6 @@ def decode(data: bytes) -> Message:
 
 
 __all__ = ["KVEvents", "KVSnapshotRequest", "Ping", "Pong", "PrefillRequest", "PrefillResult",
-           "DecodeRequest", "EmbedRequest", "EmbedResult", "LoadLoRA", "UnloadLoRA", "LoRAReply", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
+           "DecodeRequest", "EncodeRequest", "EncodeResult", "EmbedRequest", "EmbedResult", "LoadLoRA", "UnloadLoRA", "LoRAReply", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
            "OwnerReply", "NixlMetadataRequest", "NixlMetadata", "Message", "encode", "decode", "WIRE_VERSION", "StepOutput",
            "TokenLogprob"]

@@ -28,6 +28,7 @@ from pdserve.router.dispatch.adapters import RouterAdapters
 from pdserve.router.dispatch.backend import BackendError
 from pdserve.router.dispatch.drain import DrainTracker
 from pdserve.router.dispatch.embeddings import EmbeddingDispatch
+from pdserve.router.dispatch.encode import EncodeDispatch
 from pdserve.router.dispatch.failover import MAX_ATTEMPTS, NodeLost
 from pdserve.router.dispatch.health_report import HealthReport
 from pdserve.router.dispatch.inflight import Inflight, Lost
@@ -56,6 +57,7 @@ class Dispatchers:
     picker: NodePicker
     prefill: PrefillDispatch
     embeddings: EmbeddingDispatch
+    encode: EncodeDispatch
     drains: DrainTracker
     report: HealthReport
 
@@ -106,6 +108,8 @@ class ClusterBackend:
         try:
             request = PlacementRequest(request_id, prompt_token_ids, params.max_tokens, session, targets, scope)
             decision = await self._place(request)
+            if scope.images:  # E/P/D: an encoder node's embeddings, when one is up
+                await self.dispatch.encode.encode(request_id, scope.images)
             first, handover = await self._prefill(request, params, timer, decision)
             if first is not None:
                 reason = first.finish_reason if first.finished else reason
@@ -252,4 +256,5 @@ class ClusterBackend:
             node.requests.discard(request_id)
 
     async def health(self) -> dict:
-        return self.dispatch.report.render({**self.dispatch.prefill.counters, **self.counters})
+        return self.dispatch.report.render({**self.dispatch.prefill.counters, **self.dispatch.encode.counters,
+                                            **self.counters})

@@ -12,7 +12,7 @@ import asyncio
 from pdserve.protocol.outputs import StepOutput
 from pdserve.router.dispatch.failover import NodeLost
 from pdserve.router.dispatch.nodes import Node
-from pdserve.wire.messages import EmbedResult, PrefillResult
+from pdserve.wire.messages import EmbedResult, EncodeResult, PrefillResult
 
 
 class Lost:
@@ -58,7 +58,7 @@ class Inflight:
         if release:
             self.owner.pop(rid, None)
 
-    def on_reply(self, node: Node, msg: PrefillResult | EmbedResult) -> None:
+    def on_reply(self, node: Node, msg: PrefillResult | EmbedResult | EncodeResult) -> None:
         fut = self.replies.get(msg.request_id)
         if fut is not None and not fut.done() and self.owner.get(msg.request_id) == node.node_id:
             fut.set_result(msg)

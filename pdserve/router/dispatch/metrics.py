@@ -40,6 +40,9 @@ NODE_COUNTERS = {
     "encoder_cache_hits": ("pdserve_encoder_cache_hits", "images whose embeddings the encoder cache held", {}),
     "encoder_runs": ("pdserve_encoder_runs", "images the vision encoder ran on", {}),
     "encoded_tokens": ("pdserve_encoder_tokens", "image embeddings (tokens) the vision encoder produced", {}),
+    "embedding_bytes_store": ("pdserve_embedding_transfer_bytes", "image embedding bytes put in or loaded from "
+                              "the store (E/P/D)", {}),
+    "embeddings_loaded": ("pdserve_embeddings_loaded", "images a prefill node took from an encoder node", {}),
     # Speculative decoding, vLLM's counters (pdserve.spec_decode.speculator.spec_stats)
     "spec_num_drafts": ("pdserve_spec_decode_num_drafts", "decode steps that verified drafts, summed over requests", {}),
     "spec_num_draft_tokens": ("pdserve_spec_decode_num_draft_tokens", "draft tokens proposed", {}),

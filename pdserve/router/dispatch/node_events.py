@@ -15,6 +15,7 @@ from pdserve.router.placement.index import PrefixIndex
 from pdserve.router.placement.kv_events import KVEventTracker
 from pdserve.wire.messages import (
     EmbedResult,
+    EncodeResult,
     KVEvents,
     KVSnapshotRequest,
     LoRAReply,
@@ -62,7 +63,7 @@ class NodeEvents:
                 log.info("%s: KV event gap (epoch %d, seq %d): asking for a snapshot", node.node_id,
                          msg.epoch, msg.seq)
                 self._send_later(node, KVSnapshotRequest())
-        elif isinstance(msg, (PrefillResult, EmbedResult)):  # one reply per request, awaited
+        elif isinstance(msg, (PrefillResult, EmbedResult, EncodeResult)):  # one reply per request, awaited
             node.requests.discard(msg.request_id)
             self.inflight.on_reply(node, msg)
         elif isinstance(msg, TokenDelta):

@@ -62,12 +62,14 @@ class NodePool:
 
     def __init__(self, prefill_addrs: list[str], decode_addrs: list[str],
                  on_message: Callable[[Node, Message], None] | None = None,
-                 on_dead: Callable[[Node], None] | None = None, curve: RouterKeys | None = None):
+                 on_dead: Callable[[Node], None] | None = None, curve: RouterKeys | None = None,
+                 encode_addrs: list[str] = ()):
         self.ctx = zmq.asyncio.Context.instance()
         self.curve = curve
         # One live list: metrics and the cluster hold references to it, so it is changed in place.
         self.nodes = [self._connect(f"prefill-{i}", "prefill", a) for i, a in enumerate(prefill_addrs)]
         self.nodes += [self._connect(f"decode-{i}", "decode", a) for i, a in enumerate(decode_addrs)]
+        self.nodes += [self._connect(f"encode-{i}", "encode", a) for i, a in enumerate(encode_addrs)]
         self.on_message = on_message
         self.on_dead = on_dead
         self._tasks: list[asyncio.Task] = []
