@@ -114,3 +114,21 @@ def test_images_that_do_not_fit_their_placeholders_are_refused(checkpoint, pictu
     text = LLM("builtin:tiny")
     with pytest.raises(ValueError, match="does not take images"):
         text.generate({"prompt": "hi", "multi_modal_data": {"image": pictures[0]}}, GREEDY, use_tqdm=False)
+
+
+def test_encoding_counts_against_the_step_so_an_image_starts_a_chunk(checkpoint, reference, pictures):
+    """32 tokens a step: the first step stops where the image starts (its 20 embeddings and the
+    chunk would not both fit), the next starts with it and pays for the encoding; without the
+    rule the first step would run 32 tokens through the image. The output stays exact."""
+    llm = LLM(str(checkpoint), block_size=16, max_num_batched_tokens=32)
+    prompt = chat(llm.get_tokenizer(), "Look: ", 1, " what is it? Say it.")
+    ids, images = llm.image_prompts.expand(llm.get_tokenizer()(prompt)["input_ids"], [pictures[0]])
+    engine = llm.engine
+    req = engine.add_request("r", ids, GREEDY, images=images)
+    engine.step()
+    assert req.num_computed_tokens == images[0].offset < 32
+    engine.step()
+    assert engine.scheduler.step_encoder_tokens == images[0].length == 20
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert req.output_token_ids == reference_greedy(llm, reference, prompt, [pictures[0]])

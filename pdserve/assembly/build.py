@@ -119,11 +119,14 @@ def _parts(config: EngineConfig, t: _Target) -> EngineParts:
                                               and not drafts_from_hidden(config)),
                              lora_batch=lora.batch if lora is not None else None,
                              multimodal=multimodal_inputs(t.model, config.encoder_cache_tokens))
+    scheduler = Scheduler(config, kv, lora)
+    if runner.multimodal is not None:  # encoding counts against the step's prefill
+        scheduler.uncached_images = runner.multimodal.uncached_images
     outputs = OutputProcessor(tokenizer, eos_ids(t.hf_config, tokenizer), max_len)
     structured = StructuredOutputs(tokenizer, t.model.spec.vocab_size, outputs.eos_token_ids)
     # (Speculation needs each step's tokens on the host to draft the next: no overlap.)
     async_scheduling = (t.executor is None and config.speculative_config is None
                         and use_async_scheduling(config.async_scheduling, t.device))
     return EngineParts(config, t.device, t.model_path, t.hf_config, t.dtype, t.kv_layout, salt, t.model, t.kv_cache,
-                       tokenizer, max_len, pool, kv, lora, Scheduler(config, kv, lora), runner, outputs, structured,
+                       tokenizer, max_len, pool, kv, lora, scheduler, runner, outputs, structured,
                        t.executor, async_scheduling)

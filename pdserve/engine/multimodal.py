@@ -89,6 +89,11 @@ class MultiModalInputs:
             return None
         return ImageRows(torch.cat(rows).to(device), torch.cat(values).to(device))
 
+    def uncached_images(self, req: Request, start: int, end: int) -> list[ImageInput]:
+        """The request's images that tokens [start, end) need and the encoder cache lacks."""
+        return [im for im in req.images
+                if im.offset < end and im.offset + im.length > start and im.content_hash not in self.cache]
+
     @staticmethod
     def positions(items: list[tuple[Request, int]], flat: np.ndarray) -> np.ndarray:
         """[3, T] positions from the step's token indices (flat [T], in row order): a prompt

@@ -45,6 +45,12 @@ class Scheduler:
         self.prefill_budget: Callable[[int], int | None] | None = None
         self._prefill_left = 0
         self.step_prefill_tokens = 0  # the last step's tokens in prefill chunks (the rest are one-token rows)
+        # A vision-language model's images that a range of a request's tokens needs encoded (not
+        # in the encoder cache): pdserve.engine.multimodal.MultiModalInputs.uncached_images.
+        # Their embeddings count against the step's prefill tokens, one per embedding, so an
+        # image is encoded in a step that starts with it rather than on top of a full one.
+        self.uncached_images: Callable[[Request, int, int], list] | None = None
+        self.step_encoder_tokens = 0  # the last step's embeddings to encode
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -75,7 +81,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         cap = self.prefill_budget(self._decode_rows()) if self.prefill_budget is not None else None
         self._prefill_left = budget if cap is None else cap
-        self.step_prefill_tokens = 0
+        self.step_prefill_tokens = self.step_encoder_tokens = 0
         budget = self._schedule_running(batch, budget)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
@@ -151,8 +157,24 @@ class Scheduler:
             n = min(n, self._prefill_left)
             if self.kv.whole_images and req.images:
                 n = self._whole_images(req, start, n)
+            if self.uncached_images is not None and req.images and n > 0:
+                n = self._encoder_room(req, start, n)
             self._prefill_left -= n
             self.step_prefill_tokens += n
+        return n
+
+    def _encoder_room(self, req: Request, start: int, n: int) -> int:
+        """n, or cut back to the first image that needs encoding when the chunk and the encoding
+        do not both fit what is left of the step's prefill; an image the chunk starts with is
+        encoded now, its embeddings charged to the step."""
+        images = self.uncached_images(req, start, start + n)
+        cost = sum(im.length for im in images)
+        if not cost:
+            return n
+        if images[0].offset > start and n + cost > self._prefill_left:
+            return images[0].offset - start
+        self._prefill_left = max(self._prefill_left - cost, n)
+        self.step_encoder_tokens += cost
         return n
 
     def _whole_images(self, req: Request, start: int, n: int) -> int:
