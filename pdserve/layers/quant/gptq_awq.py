@@ -1,0 +1,296 @@
+"""GPTQ and AWQ checkpoints (`quant_method: gptq` / `awq`), kept quantized in pdserve's group
+format (grouped.py).
+
+Both store, for each quantized Linear with W [out, in], unsigned `bits`-wide fields packed
+little-endian into int32 words, `scales` float16 [groups, out], and w = (q - zero) * scale:
+- GPTQ (GPTQModel / AutoGPTQ / optimum): `qweight` int32 [in * bits / 32, out], packed along the
+  input dimension; `qzeros` int32 [groups, out * bits / 32], packed along the output dimension;
+  `g_idx` int32 [in], the group of each input column. The v1 format (`checkpoint_format: gptq`,
+  the default) stores zero - 1 in each field, and readers add 1 back per field, as vLLM's and
+  the exllama kernels do; `gptq_v2` stores the zero itself. With `desc_act` (activation order)
+  g_idx is a shuffled assignment: the layer then holds its columns sorted by group and takes its
+  input in that order (PermutedGroupedMethod), which is exact.
+- AWQ GEMM (AutoAWQ): `qweight` int32 [in, out / 8] and `qzeros` int32 [groups, out / 8], both
+  packed along the output dimension with eight columns to a word in the order
+  [0, 2, 4, 6, 1, 3, 5, 7] (field i holds column ORDER[i]); the zero is stored as is.
+
+In the group format (scales and mins kept float32: (q - zero) * scale of a float16 scale and an
+integer of at most 9 bits is exact in float32, so the layer holds exactly the checkpoint's values):
+- 4 bits: q itself (0..15) with min = -zero * scale;
+- 8 bits: q - 128 (int8) with min = (128 - zero) * scale; none when symmetric (zero 128).
+Anything else is refused with the list of what loads.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from pdserve.kernels import quant_cpu
+from pdserve.layers.quant.base import QuantConfig, QuantMethod
+from pdserve.layers.quant.grouped import FUSED_PARTS, GroupedLinearMethod, GroupedWeight, GroupFormat
+from pdserve.layers.quant.unquantized import UnquantizedLinearMethod
+
+METHODS = ("gptq", "awq")
+SUPPORTED = ("GPTQ (4 or 8 bits; groups of 16 or a multiple of 32 columns, or per channel (group_size -1); "
+             "desc_act with g_idx; sym true or false; checkpoint_format gptq (v1) or gptq_v2; int32 packing) "
+             "and AWQ (version gemm, 4 bits, zero_point true, groups of 16 or a multiple of 32 columns)")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_AWQ_REVERSE = tuple(AWQ_ORDER.index(c) for c in range(8))  # natural column c sits in field _AWQ_REVERSE[c]
+_PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}
+
+
+class GptqAwqError(ValueError):
+    pass
+
+
+def _refuse(method: str, what: str) -> GptqAwqError:
+    return GptqAwqError(f"{method} checkpoint: {what} is not supported; pdserve loads {SUPPORTED}")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    method: str  # "gptq" or "awq"
+    bits: int
+    group_size: int  # 0: one group per output channel
+    sym: bool
+    desc_act: bool
+    zero_offset: int  # added to each stored zero: 1 for GPTQ v1
+
+
+def _group_size(method: str, value) -> int:
+    group = int(value if value is not None else 128)
+    if group == -1 and method == "gptq":
+        return 0
+    if group <= 0 or not (group == 16 or group % 32 == 0):
+        raise _refuse(method, f"group_size {group}")
+    return group
+
+
+def parse_scheme(qc: dict) -> Scheme:
+    method = qc.get("quant_method")
+    if method == "gptq":
+        return _gptq_scheme(qc)
+    if method == "awq":
+        return _awq_scheme(qc)
+    raise GptqAwqError(f"quant_method {method!r} is neither gptq nor awq")
+
+
+def _gptq_scheme(qc: dict) -> Scheme:
+    fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
+    if qc.get("is_marlin_format") or fmt not in ("gptq", "gptq_v2"):
+        raise _refuse("gptq", f"checkpoint_format {'marlin' if qc.get('is_marlin_format') else fmt!r}")
+    bits = qc.get("bits")
+    if bits not in (4, 8):
+        raise _refuse("gptq", f"{bits}-bit weights")
+    if str(qc.get("pack_dtype") or "int32").removeprefix("torch.") != "int32":
+        raise _refuse("gptq", f"pack_dtype {qc.get('pack_dtype')!r}")
+    if qc.get("dynamic"):
+        raise _refuse("gptq", "per-module overrides (dynamic)")
+    if qc.get("lm_head"):
+        raise _refuse("gptq", "a quantized lm_head")
+    return Scheme("gptq", bits, _group_size("gptq", qc.get("group_size")), bool(qc.get("sym", True)),
+                  bool(qc.get("desc_act", False)), 1 if fmt == "gptq" else 0)
+
+
+def _awq_scheme(qc: dict) -> Scheme:
+    version = str(qc.get("version") or "gemm").lower()
+    if version != "gemm" or str(qc.get("backend") or "autoawq").lower() != "autoawq":
+        raise _refuse("awq", f"version {version!r} (backend {qc.get('backend') or 'autoawq'!r})")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise _refuse("awq", f"{bits}-bit weights")
+    if not qc.get("zero_point", True):
+        raise _refuse("awq", "zero_point false")
+    group = _group_size("awq", qc.get("group_size", qc.get("q_group_size")))
+    return Scheme("awq", 4, group, False, False, 0)
+
+
+class PermutedGroupedMethod(GroupedLinearMethod):
+    """A desc_act layer: its columns sorted by group (so each group is contiguous, as the kernels
+    need), and `perm` [in], the input column each sorted column came from."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        super().create_weights(layer, input_size, output_sizes, dtype)
+        layer.register_parameter("perm", nn.Parameter(torch.zeros(input_size, dtype=torch.int64),
+                                                      requires_grad=False))
+        layer.param_dims["perm"] = (None, None)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).index_select(1, layer.perm)
+        y = quant_cpu.packed_matmul(flat, super().packed(layer))
+        if y.dtype != x.dtype or x.dim() != 2:
+            y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        return y + bias if bias is not None else y
+
+    def packed(self, layer: nn.Module) -> quant_cpu.PackedMatrix:
+        """The matrix for callers that multiply by it themselves (the compiled decode step,
+        pdserve.kernels.native_decode), without the compiled gemv's arguments: they would skip
+        the input permutation, so such a model decodes layer by layer through apply."""
+        return dataclasses.replace(super().packed(layer), native=None)
+
+    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+        sorted_cols = super().dequantized(layer)
+        out = torch.empty_like(sorted_cols)
+        out[:, layer.perm] = sorted_cols
+        return out
+
+
+@dataclass
+class PermutedGroupedWeight(GroupedWeight):
+    perm: np.ndarray | None = None  # int64 [cols]: the checkpoint column of each (sorted) column
+
+    def to_params(self, fmt: GroupFormat) -> dict[str, torch.Tensor]:
+        return {**super().to_params(fmt), "perm": torch.from_numpy(self.perm.astype(np.int64))}
+
+
+class GptqAwqConfig(QuantConfig):
+    def __init__(self, quantization_config: dict):
+        qc = quantization_config
+        self.scheme = parse_scheme(qc)
+        self.name = self.scheme.method
+        self.not_converted = tuple(qc.get("modules_to_not_convert") or ())
+        blocks = qc.get("modules_in_block_to_quantize")
+        self.block_modules = tuple(m for block in blocks for m in block) if blocks else None
+        self.layers: dict[str, nn.Module] = {}  # pdserve prefix -> layer, to tell which take a bias
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the checkpoint's module `module` (model.layers.0.mlp.up_proj) is quantized."""
+        if not module.startswith("model.layers.") or any(m in module for m in self.not_converted):
+            return False
+        return self.block_modules is None or any(module.endswith(f".{m}") for m in self.block_modules)
+
+    def linear_method(self, layer: nn.Module, prefix: str) -> QuantMethod:
+        if prefix in ("embed_tokens", "lm_head"):
+            return UnquantizedLinearMethod()
+        head, _, last = prefix.rpartition(".")
+        names = [f"model.{head}.{p}" for p in FUSED_PARTS.get(last, (last,))]
+        quantized = {self.quantizes(n) for n in names}
+        if len(quantized) > 1:
+            raise _refuse(self.name, f"parts of {prefix} quantized differently ({', '.join(names)})")
+        self.layers[prefix] = layer
+        if not quantized.pop():
+            return UnquantizedLinearMethod()
+        s = self.scheme
+        fmt = GroupFormat(s.bits, s.group_size or layer.input_size, half_scales=False,
+                          has_min=s.bits == 4 or not s.sym)
+        if not s.desc_act:
+            return GroupedLinearMethod(fmt)
+        if getattr(layer, "split_input", False) and layer.tp.size > 1:
+            raise _refuse("gptq", f"desc_act at tensor_parallel_size {layer.tp.size} ({prefix} splits its "
+                                  f"input columns, and activation order mixes them across ranks; it loads at 1)")
+        return PermutedGroupedMethod(fmt)
+
+
+def _fields(packed: torch.Tensor, bits: int, axis: int) -> np.ndarray:
+    """int32 words -> their unsigned `bits`-wide fields, little-endian, laid out along `axis`
+    (0: each word holds 32 / bits consecutive rows; 1: consecutive columns)."""
+    words = np.ascontiguousarray(packed.to(torch.int32).numpy()).view(np.uint32)
+    shifts = np.arange(0, 32, bits, dtype=np.uint32)
+    mask = np.uint32((1 << bits) - 1)
+    if axis == 0:
+        return ((words[:, None, :] >> shifts[None, :, None]) & mask).reshape(-1, words.shape[1])
+    return ((words[:, :, None] >> shifts[None, None, :]) & mask).reshape(words.shape[0], -1)
+
+
+def _grouped(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, scheme: Scheme,
+             group: int, module: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """q [out, in] 0..2^bits-1, zeros and scales [out, groups] -> the group format's q, scales, mins."""
+    if scheme.bits == 4:
+        return q.astype(np.uint8), scales, -zeros * scales
+    if scheme.sym:
+        if (zeros != 128).any():
+            raise GptqAwqError(f"{module}: a symmetric 8-bit checkpoint with zero points other than 128")
+        return (q.astype(np.int16) - 128).astype(np.int8), scales, None
+    return (q.astype(np.int16) - 128).astype(np.int8), scales, (128 - zeros) * scales
+
+
+def decode_gptq(parts: dict[str, torch.Tensor], scheme: Scheme, module: str) -> GroupedWeight:
+    q = _fields(parts["qweight"], scheme.bits, axis=0)  # [in, out]
+    scales = parts["scales"].float().numpy()  # [groups, out]
+    cols, rows = q.shape[0], scales.shape[1]
+    zeros = _fields(parts["qzeros"], scheme.bits, axis=1)[:, :rows].astype(np.float32) + scheme.zero_offset
+    group = scheme.group_size or cols
+    g_idx = parts["g_idx"].to(torch.int64).numpy() if "g_idx" in parts else np.arange(cols) // group
+    perm = np.argsort(g_idx, kind="stable")
+    if not np.array_equal(g_idx[perm], np.arange(cols) // group):
+        raise GptqAwqError(f"{module}.g_idx does not give every group {group} columns")
+    if not scheme.desc_act and not np.array_equal(perm, np.arange(cols)):
+        raise GptqAwqError(f"{module}.g_idx is in activation order, but the config says desc_act false")
+    qv, sv, mv = _grouped(q[perm].T, zeros.T, scales.T, scheme, group, module)
+    if scheme.desc_act:
+        return PermutedGroupedWeight(qv, sv, mv, group, scheme.bits, perm)
+    return GroupedWeight(qv, sv, mv, group, scheme.bits)
+
+
+def decode_awq(parts: dict[str, torch.Tensor], scheme: Scheme, module: str) -> GroupedWeight:
+    def natural(packed: torch.Tensor) -> np.ndarray:  # [n, out / 8] words -> [n, out] in column order
+        fields = _fields(packed, 4, axis=1)
+        return fields.reshape(fields.shape[0], -1, 8)[:, :, _AWQ_REVERSE].reshape(fields.shape[0], -1)
+    q = natural(parts["qweight"])  # [in, out]
+    scales = parts["scales"].float().numpy()  # [groups, out]
+    zeros = natural(parts["qzeros"])[:, :scales.shape[1]].astype(np.float32)
+    group = q.shape[0] // scales.shape[0]
+    if group != scheme.group_size:
+        raise GptqAwqError(f"{module}: {scales.shape[0]} groups of {q.shape[0]} columns; the config says "
+                           f"groups of {scheme.group_size}")
+    qv, sv, mv = _grouped(q.T, zeros.T, scales.T, scheme, group, module)
+    return GroupedWeight(qv, sv, mv, group, 4)
+
+
+def gptq_awq_tensors(tensors: Iterable[tuple[str, torch.Tensor]],
+                     config: GptqAwqConfig) -> Iterator[tuple[str, object]]:
+    """The checkpoint's tensors, with each quantized Linear's parts gathered into one
+    `<module>.weight` GroupedWeight (they may come in any order, across shards)."""
+    scheme, needed = config.scheme, set(_PARTS[config.scheme.method])
+    decode = decode_gptq if scheme.method == "gptq" else decode_awq
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    perms: dict[str, np.ndarray] = {}
+    for name, tensor in tensors:
+        module, _, part = name.rpartition(".")
+        if part == "bias" and config.quantizes(module) and _extra_bias(config, module, tensor):
+            continue
+        if part not in _PARTS[scheme.method] or not config.quantizes(module):
+            yield name, tensor
+            continue
+        parts = pending.setdefault(module, {})
+        parts[part] = tensor
+        if needed <= parts.keys():
+            weight = decode(pending.pop(module), scheme, module)
+            _check_fused_order(perms, module, weight)
+            yield f"{module}.weight", weight
+    for module in [m for m, parts in pending.items() if needed - {"g_idx"} <= parts.keys()]:
+        if scheme.desc_act:  # without g_idx, activation order is lost
+            raise GptqAwqError(f"{module}.g_idx is missing from a desc_act checkpoint")
+        yield f"{module}.weight", decode(pending.pop(module), scheme, module)
+    if pending:
+        raise GptqAwqError(f"checkpoint is missing quantized parts of {', '.join(sorted(pending))}")
+
+
+def _layer_prefix(module: str) -> str:
+    """pdserve's layer prefix of a checkpoint module (model.layers.0.self_attn.k_proj -> layers.0.self_attn.qkv_proj)."""
+    head, _, last = module.removeprefix("model.").rpartition(".")
+    fused = next((f for f, parts in FUSED_PARTS.items() if last in parts), last)
+    return f"{head}.{fused}"
+
+
+def _extra_bias(config: GptqAwqConfig, module: str, tensor: torch.Tensor) -> bool:
+    """A zero bias of a layer that has none: some GPTQ writers give every quantized Linear one."""
+    layer = config.layers.get(_layer_prefix(module))
+    return layer is not None and layer.bias is None and not tensor.any()
+
+
+def _check_fused_order(perms: dict[str, np.ndarray], module: str, weight: GroupedWeight) -> None:
+    """The parts of a fused layer (q, k, v; gate, up) share its input, so they must share its order."""
+    perm = getattr(weight, "perm", None)
+    if perm is None:
+        return
+    prefix = _layer_prefix(module)
+    if prefix in perms and not np.array_equal(perms[prefix], perm):
+        raise GptqAwqError(f"{module}: its g_idx orders the input differently from the other parts of {prefix}")
+    perms.setdefault(prefix, perm)
