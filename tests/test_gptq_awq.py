@@ -166,6 +166,9 @@ CASES = {
     "gptq-8bit-channel-sym": dict(kind="qwen3", method="gptq", bits=8, group_size=-1, sym=True, v1=True),
     "gptq-8bit-g128-desc_act-asym-v2": dict(kind="llama", method="gptq", bits=8, group_size=128, sym=False,
                                             desc_act=True, v1=False),
+    # 192 and 320 columns: the last group of 128 has 64 (as in SmolLM2's 576), held as groups of 64
+    "gptq-4bit-g128-ragged": dict(kind="llama", method="gptq", bits=4, group_size=128, sym=False, v1=True,
+                                  sizes=dict(hidden_size=192, intermediate_size=320, num_attention_heads=6)),
     "awq-4bit-g128": dict(kind="qwen2", method="awq", bits=4, group_size=128, sym=False),
 }
 
@@ -173,7 +176,7 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_loads_exact_and_matches_dequantized_transformers(tmp_path, name):
     case = CASES[name]
-    src = make_model(tmp_path, case["kind"], **SIZES)
+    src = make_model(tmp_path, case["kind"], **case.get("sizes", SIZES))
     tensors, packed, refs = quantize(src, case)
     path = write_checkpoint(src, tmp_path / name, tensors, packed, quant_config(case), case.get("zero_biases", False))
     llm = LLM(str(path), num_kv_blocks=64)

@@ -23,6 +23,7 @@ Anything else is refused with the list of what loads.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -177,7 +178,8 @@ class GptqAwqConfig(QuantConfig):
         if not quantized.pop():
             return UnquantizedLinearMethod()
         s = self.scheme
-        fmt = GroupFormat(s.bits, s.group_size or layer.input_size, half_scales=False,
+        # gcd: groups of the whole input when per channel (0), split where the columns are not whole groups
+        fmt = GroupFormat(s.bits, math.gcd(s.group_size, layer.input_size), half_scales=False,
                           has_min=s.bits == 4 or not s.sym)
         if not s.desc_act:
             return GroupedLinearMethod(fmt)
@@ -199,15 +201,21 @@ def _fields(packed: torch.Tensor, bits: int, axis: int) -> np.ndarray:
 
 
 def _grouped(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, scheme: Scheme,
-             group: int, module: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """q [out, in] 0..2^bits-1, zeros and scales [out, groups] -> the group format's q, scales, mins."""
+              group: int, module: str) -> GroupedWeight:
+    """q [out, in] 0..2^bits-1, zeros and scales [out, groups] -> the group format's weight.
+    Where the columns are not a whole number of groups (SmolLM2's 576 in groups of 128: the last
+    has 64), the groups are split into groups of gcd(group, columns), each with its group's scale."""
+    cols = q.shape[1]
+    if cols % group:
+        sub = math.gcd(group, cols)
+        zeros, scales = (np.repeat(a, group // sub, axis=1)[:, :cols // sub] for a in (zeros, scales))
+        group = sub
     if scheme.bits == 4:
-        return q.astype(np.uint8), scales, -zeros * scales
-    if scheme.sym:
-        if (zeros != 128).any():
-            raise GptqAwqError(f"{module}: a symmetric 8-bit checkpoint with zero points other than 128")
-        return (q.astype(np.int16) - 128).astype(np.int8), scales, None
-    return (q.astype(np.int16) - 128).astype(np.int8), scales, (128 - zeros) * scales
+        return GroupedWeight(q.astype(np.uint8), scales, -zeros * scales, group, 4)
+    if scheme.sym and (zeros != 128).any():
+        raise GptqAwqError(f"{module}: a symmetric 8-bit checkpoint with zero points other than 128")
+    mins = None if scheme.sym else (128 - zeros) * scales
+    return GroupedWeight((q.astype(np.int16) - 128).astype(np.int8), scales, mins, group, 8)
 
 
 def decode_gptq(parts: dict[str, torch.Tensor], scheme: Scheme, module: str) -> GroupedWeight:
@@ -222,10 +230,10 @@ def decode_gptq(parts: dict[str, torch.Tensor], scheme: Scheme, module: str) -> 
         raise GptqAwqError(f"{module}.g_idx does not give every group {group} columns")
     if not scheme.desc_act and not np.array_equal(perm, np.arange(cols)):
         raise GptqAwqError(f"{module}.g_idx is in activation order, but the config says desc_act false")
-    qv, sv, mv = _grouped(q[perm].T, zeros.T, scales.T, scheme, group, module)
+    weight = _grouped(q[perm].T, zeros.T, scales.T, scheme, group, module)
     if scheme.desc_act:
-        return PermutedGroupedWeight(qv, sv, mv, group, scheme.bits, perm)
-    return GroupedWeight(qv, sv, mv, group, scheme.bits)
+        return PermutedGroupedWeight(weight.q, weight.scales, weight.mins, weight.group, weight.bits, perm)
+    return weight
 
 
 def decode_awq(parts: dict[str, torch.Tensor], scheme: Scheme, module: str) -> GroupedWeight:
@@ -235,12 +243,10 @@ def decode_awq(parts: dict[str, torch.Tensor], scheme: Scheme, module: str) -> G
     q = natural(parts["qweight"])  # [in, out]
     scales = parts["scales"].float().numpy()  # [groups, out]
     zeros = natural(parts["qzeros"])[:, :scales.shape[1]].astype(np.float32)
-    group = q.shape[0] // scales.shape[0]
-    if group != scheme.group_size:
+    if scales.shape[0] != -(-q.shape[0] // scheme.group_size):
         raise GptqAwqError(f"{module}: {scales.shape[0]} groups of {q.shape[0]} columns; the config says "
                            f"groups of {scheme.group_size}")
-    qv, sv, mv = _grouped(q.T, zeros.T, scales.T, scheme, group, module)
-    return GroupedWeight(qv, sv, mv, group, 4)
+    return _grouped(q.T, zeros.T, scales.T, scheme, scheme.group_size, module)
 
 
 def gptq_awq_tensors(tensors: Iterable[tuple[str, torch.Tensor]],
