@@ -8,17 +8,26 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+_URL = "^(data:|https?://)"  # media.py's schemes (and so not empty); the rest is checked there
+
 
 class ImageURL(BaseModel):
     model_config = ConfigDict(extra="allow")
-    url: str = Field(description="A data: URL (PNG, JPEG or WebP, base64), or an http(s) URL on a domain the "
+    url: str = Field(json_schema_extra={"pattern": _URL}, description="A data: URL (PNG, JPEG or WebP, base64), or an http(s) URL on a domain the "
                                  "server allows (--allowed-media-domains).")
     detail: Literal["auto", "low", "high"] | None = None
 
 
+# What _image_has_url enforces, for the OpenAPI document: an image part carries a non-empty URL
+# (an ImageURL object, whose url has minLength 1, or a bare URL string).
+_IMAGE_NEEDS_URL = {"if": {"properties": {"type": {"const": "image_url"}}},
+                    "then": {"required": ["image_url"],
+                             "properties": {"image_url": {"type": ["object", "string"], "pattern": _URL}}}}
+
+
 class ContentPart(BaseModel):
     """A text part, or an image part (checked by router/openai/media.py)."""
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=_IMAGE_NEEDS_URL)
     type: Annotated[str, WithJsonSchema({"enum": ["text", "image_url"], "description": "Text and image parts."})]
     text: str = ""
     image_url: ImageURL | str | None = None  # OpenAI's {"url", "detail"}; a bare URL string too, as vLLM takes

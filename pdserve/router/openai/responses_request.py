@@ -31,13 +31,20 @@ _TEXT_PART_TYPES = ("input_text", "output_text", "text")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
+# What input_items_to_messages takes, for the document: objects; a message (the default type) has a role.
+_INPUT_ITEM = {"anyOf": [
+    {"type": "object", "required": ["role"],
+     "properties": {"type": {"const": "message"}, "role": {"enum": sorted(_ROLES)}}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["function_call", "function_call_output"]}}}]}
+
+
 class ResponsesRequest(UnicodeCheckedRequest):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
     # Items are checked in input_items_to_messages, with clearer messages; emptiness in _some_input.
     input: Annotated[str | list[Any], WithJsonSchema(
-        {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {}, "minItems": 1}],
+        {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": _INPUT_ITEM, "minItems": 1}],
          "description": "A string (one user turn) or a list of input items; not empty."})]
     instructions: str | None = None
     previous_response_id: str | None = None
@@ -180,7 +187,8 @@ def input_items_to_messages(items: list[Any]) -> list[dict[str, Any]]:
             raise ValueError(f"{where} must be an object")
         kind = item.get("type", "message")
         if kind == "message":
-            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            # Not a string (an object is unhashable): no role, the same 400.
+            role = _ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
             if role is None:
                 raise ValueError(f"{where}.role must be one of {sorted(_ROLES)}, got {item.get('role')!r}")
             messages.append({"role": role, "content": _content(item.get("content"), f"{where}.content")})

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 from urllib.parse import quote
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from pdserve.protocol.cache_salt import MAX_CACHE_SALT_BYTES, check_cache_salt
 from pdserve.protocol.sampling_params import SamplingParams, StructuredSpec
-from pdserve.router.openai.content_parts import ContentPart
+from pdserve.router.openai.chat_message import ChatMessage
 from pdserve.router.openai.media import ImageRef
 from pdserve.router.openai.structured_request import ToolPlan, structured_spec, tool_plan
 from pdserve.router.placement.pd_decision import Targets
@@ -43,9 +43,12 @@ def _check_cache_salt(value: str | None) -> str | None:
 
 
 # A non-empty string of at most MAX_CACHE_SALT_BYTES, without NUL (pdserve.protocol.cache_salt).
-CacheSalt = Annotated[str | None, AfterValidator(_check_cache_salt),
-                      Field(description="Cached KV is shared only between requests with the same salt: "
-                            f"a non-empty string of at most {MAX_CACHE_SALT_BYTES} UTF-8 bytes, without NUL.")]
+# maxLength counts characters, which are at least one byte each: the byte limit stays the validator's.
+CacheSalt = Annotated[str | None, AfterValidator(_check_cache_salt), WithJsonSchema({
+    "anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_BYTES, "pattern": "^[^\\x00]*$"},
+              {"type": "null"}],
+    "description": "Cached KV is shared only between requests with the same salt: "
+                   f"a non-empty string of at most {MAX_CACHE_SALT_BYTES} UTF-8 bytes, without NUL."})]
 
 
 def _only(schema: dict[str, Any], why: str) -> WithJsonSchema:
@@ -103,6 +106,12 @@ class StreamOptions(BaseModel):
 
 
 Penalty = Annotated[float, Field(ge=-2, le=2)]
+_NON_EMPTY = {"minLength": 1}  # structured_request's rule for guided_*
+# structured_spec takes one structured output at a time: each branch lets one of these be non-null.
+# (A response_format of type text counts here though the server ignores it: the document is the stricter.)
+_STRUCTURED = ["response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"]
+STRUCTURED_AT_MOST_ONE = {"anyOf": [{"properties": {other: {"type": "null"} for other in _STRUCTURED if other != kept}}
+                                    for kept in _STRUCTURED]}
 LogitBias = Annotated[float, Field(ge=-100, le=100)]
 
 
@@ -124,7 +133,7 @@ class GenerationRequest(UnicodeCheckedRequest):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     # Keys: token ids (as strings, as OpenAI sends them); checked against the vocabulary later.
-    logit_bias: dict[str, LogitBias] | None = None
+    logit_bias: Annotated[dict[str, LogitBias] | None, Field(json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}})] = None
     response_format: dict[str, Any] | None = None
     user: str | None = None
     # vLLM extras.
@@ -142,9 +151,9 @@ class GenerationRequest(UnicodeCheckedRequest):
     bad_words: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_regex: str | None = Field(None, json_schema_extra=_NON_EMPTY)
+    guided_choice: list[str] | None = Field(None, json_schema_extra={"minItems": 1, "items": _NON_EMPTY})
+    guided_grammar: str | None = Field(None, json_schema_extra=_NON_EMPTY)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # vLLM's: each prompt token's logprob and the top-N (the first token's entry is null).
@@ -241,13 +250,26 @@ class GenerationRequest(UnicodeCheckedRequest):
 
 
 _BATCH = {"minItems": 1, "maxItems": MAX_PROMPTS}
+_TEXT = {"type": "string", "minLength": 1}  # an empty text has no token to start from
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
 
+# _reject_completion_only's rules: max_tokens 0 only with echo, and best_of only equal to n (which JSON
+# Schema cannot compare: it says so where n is 1, the default, and the description says the rest).
+_COMPLETION_RULES = [
+    {"if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
+     "then": {"required": ["echo"], "properties": {"echo": {"const": True}}}},
+    {"if": {"required": ["n"], "properties": {"n": {"type": "integer", "minimum": 2}}},
+     "else": {"properties": {"best_of": {"enum": [1, None]}}}},
+    STRUCTURED_AT_MOST_ONE,
+]
+
+
 class CompletionRequest(GenerationRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": _COMPLETION_RULES})
     # Ids outside the vocabulary (negative ones included) are refused by the router, per model.
     prompt: Annotated[str | list[int] | list[str] | list[list[int]], _only(
-        {"anyOf": [{"type": "string"}, _IDS, {"type": "array", "items": {"type": "string"}, **_BATCH},
+        {"anyOf": [_TEXT, _IDS, {"type": "array", "items": _TEXT, **_BATCH},
                    {"type": "array", "items": _IDS, **_BATCH}]},
         "Text or token ids, or a batch: a list of texts or of token-id lists. Choice i*n+j is "
         "prompt i's choice j.")]
@@ -290,53 +312,12 @@ class CompletionRequest(GenerationRequest):
         return bool(self.echo) and self.max_tokens == 0
 
 
-Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
-
-
-class ChatMessage(BaseModel):
-    """OpenAI's rules: content is required, except that an assistant turn that called tools
-    (tool_calls, or the older function_call) may omit it. A function turn may send null, but
-    must send content and the function's name."""
-    model_config = ConfigDict(extra="allow")
-    role: Role
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
-    tool_call_id: str | None = None  # a tool turn: the call it answers
-
-    @model_validator(mode="after")
-    def _content_where_required(self) -> ChatMessage:
-        if self.role == "function":
-            if not self.name or "content" not in self.model_fields_set:
-                raise ValueError("a function message needs name and content")
-            return self
-        called = self.tool_calls or (self.model_extra or {}).get("function_call")
-        if self.content is None and not (self.role == "assistant" and called):
-            unless = " unless it has tool_calls" if self.role == "assistant" else ""
-            raise ValueError(f"a message with role {self.role!r} needs content{unless}")
-        return self
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content if part.type == "text")
-
-    def template_parts(self) -> list[dict[str, str]]:
-        """The content's parts in order, as a chat template takes them."""
-        return [{"type": "text", "text": part.text or ""} if part.type == "text" else {"type": "image"}
-                for part in self.content]
-
-    def image_refs(self, index: int) -> list[ImageRef]:
-        """This message's image parts; `index`: the message's, for the parts' params."""
-        if not isinstance(self.content, list):
-            return []
-        return [ImageRef(part.url, part.source_param or f"messages[{index}].content[{j}].image_url", part.detail)
-                for j, part in enumerate(self.content) if part.type == "image_url"]
-
-
 class ChatCompletionRequest(GenerationRequest):
+    # _reject_chat_only's rule: top_logprobs only with logprobs.
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+        STRUCTURED_AT_MOST_ONE]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)

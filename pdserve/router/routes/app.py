@@ -31,7 +31,6 @@ from pdserve.router.openai.errors import (
     APIError,
     ErrorResponse,
     bad_request,
-    drop_validation_422,
     error_body,
     error_responses,
     install_error_handlers,
@@ -39,6 +38,7 @@ from pdserve.router.openai.errors import (
 from pdserve.router.openai.jobs import GenerationJob, chat_job, completion_job
 from pdserve.router.openai.media import MediaInputs
 from pdserve.router.openai.media_options import MediaOptions
+from pdserve.router.openai.openapi_doc import openapi_document
 from pdserve.router.openai.responses import (
     ChoiceState,
     Flavor,
@@ -279,19 +279,6 @@ def _add_info_routes(app: FastAPI, router: _Router) -> None:
         return JSONResponse(info, status_code=status)
 
 
-def _openapi_document(app: FastAPI, vocab_size: int) -> dict[str, Any]:
-    doc = drop_validation_422(FastAPI.openapi(app))  # cached by FastAPI; the edits are idempotent
-    # Prompt token ids are bounded by this model's vocabulary, which only the app knows.
-    stack = [doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]]
-    while stack:
-        node = stack.pop()
-        if node.get("type") == "integer":
-            node["maximum"] = vocab_size - 1
-        stack.extend(node.get("anyOf", []))
-        stack.extend([node["items"]] if isinstance(node.get("items"), dict) else [])
-    return doc
-
-
 def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
                max_model_len: int, admission: dict[str, Any] | None = None,
                tool_call_parser: str | None = None, served_model_names: list[str] | None = None,
@@ -321,5 +308,6 @@ def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
     add_admin_routes(app, scaler, planner)
     add_lora_routes(app, served)
     app.state.router = router
-    app.openapi = lambda: _openapi_document(app, router.vocab_size)  # type: ignore[method-assign]
+    embedding_size = (embedding or EmbeddingOptions()).hidden_size
+    app.openapi = lambda: openapi_document(app, router.vocab_size, embedding_size)  # type: ignore[method-assign]
     return app

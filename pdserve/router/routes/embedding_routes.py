@@ -29,8 +29,9 @@ from pdserve.router.openai.schemas import UnicodeCheckedRequest
 log = logging.getLogger(__name__)
 MAX_INPUTS = 2048  # OpenAI's limit on inputs in one request
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-_INPUT_SCHEMA = {"anyOf": [{"type": "string"}, _IDS,
-                           {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_INPUTS},
+_TEXT = {"type": "string", "minLength": 1}  # inputs() refuses empty texts
+_INPUT_SCHEMA = {"anyOf": [_TEXT, _IDS,
+                           {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_INPUTS},
                            {"type": "array", "items": _IDS, "minItems": 1, "maxItems": MAX_INPUTS}],
                  "description": "A text, a list of texts, token ids, or a list of token-id lists"}
 
@@ -62,6 +63,7 @@ class EmbeddingRequest(UnicodeCheckedRequest):
     input: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(_INPUT_SCHEMA)]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
+    # Only the model's own size (EmbeddingOptions.hidden_size): the app's document names it.
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
 

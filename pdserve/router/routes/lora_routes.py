@@ -15,7 +15,10 @@ from pdserve.router.routes.model_routes import ServedModel
 
 _TEXT_200 = {200: {"description": "Success, as plain text (as vLLM answers)",
                    "content": {"text/plain": {"schema": {"type": "string"}}}}}
-_NAME = Field(min_length=1, max_length=256, pattern=r"^\S+$")  # a model name: no spaces
+# A model name: no spaces. \s differs between pydantic's (Rust) regex, Python's and the ECMA regex of
+# JSON Schema (\x85 and \x1c-\x1f are space to some, \ufeff to another): naming them all makes the
+# document's pattern mean what the server checks.
+_NAME = Field(min_length=1, max_length=256, pattern=r"^[^\s\x1c-\x1f\x85\ufeff]+$")
 
 
 class LoadLoRABody(BaseModel):

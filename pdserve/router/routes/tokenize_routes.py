@@ -11,10 +11,10 @@ from typing import Any, Protocol
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.router.openai.chat_message import ChatMessage
 from pdserve.router.openai.chat_prompt import render_chat_prompt
 from pdserve.router.openai.errors import bad_request, error_responses
 from pdserve.router.openai.media import MediaInputs
-from pdserve.router.openai.schemas import ChatMessage
 
 
 class TokenizingRouter(Protocol):
@@ -30,12 +30,19 @@ class TokenizingRouter(Protocol):
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
 
 
+# Exactly one of prompt and messages (null counts as absent), as _tokenize enforces.
+_ONE_OF_PROMPT_MESSAGES = {"oneOf": [
+    {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+    {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]}
+
+
 class TokenizeRequest(BaseModel):
     """Either `prompt` (completion style) or `messages` (chat style, rendered by the template)."""
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=_ONE_OF_PROMPT_MESSAGES)
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    # A chat template renders no empty conversation.
+    messages: list[ChatMessage] | None = Field(None, json_schema_extra={"minItems": 1})
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False
