@@ -17,7 +17,7 @@ def _version() -> str:
 
 
 __version__ = _version()
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "LoRARequest"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "EngineConfig", "LoRARequest"]
 
 
 def __getattr__(name: str):
@@ -29,6 +29,9 @@ def __getattr__(name: str):
     if name == "SamplingParams":  # the protocol package, light, kept lazy like the rest
         from pdserve.protocol.sampling_params import SamplingParams
         return SamplingParams
+    if name == "BeamSearchParams":  # the protocol package, light, kept lazy like the rest
+        from pdserve.protocol.beam_search import BeamSearchParams
+        return BeamSearchParams
     if name == "EngineConfig":  # the engine's configuration and what it validates against
         from pdserve.engine.config import EngineConfig
         return EngineConfig

@@ -10,6 +10,8 @@ from pdserve.assembly.build import build_engine
 from pdserve.engine.config import EngineConfig
 from pdserve.lora.request import LoRARequest
 from pdserve.models.image_prompts import ImagePrompts
+from pdserve.offline.beam_search import run_beam_search
+from pdserve.protocol.beam_search import BeamSearchOutput, BeamSearchParams
 from pdserve.protocol.cache_salt import check_cache_salt
 from pdserve.protocol.outputs import CompletionOutput, RequestOutput
 from pdserve.protocol.sampling_params import SamplingParams
@@ -55,6 +57,21 @@ class LLM:
             results[rid] = _Collector(text, token_ids)
         self._run(results, use_tqdm and len(prompts) > 1)
         return [c.to_output(rid) for rid, c in results.items()]
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search, with transformers' rules (pdserve.protocol.beam_search):
+        per prompt, the beam_width best hypotheses, best first. Text prompts only (no images)."""
+        del use_tqdm  # (vLLM's argument; the rounds are short)
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        adapter = self._adapters(lora_request, 1)[0]
+        tokenized = []
+        for prompt in prompts:
+            if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+                raise ValueError("beam search takes text prompts only")
+            tokenized.append((self._tokenize(prompt)[1], _cache_salt(prompt)))
+        return run_beam_search(self.engine, tokenized, params, lora_name=adapter)
 
     def _adapters(self, lora_request, count: int) -> list[str | None]:
         requests = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * count
