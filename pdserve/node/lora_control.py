@@ -29,4 +29,4 @@ def lora_pong_fields(engine: LLMEngine) -> dict:
     """Pong's loras and active_loras (none when the engine serves no adapters)."""
     if engine.lora is None:
         return {}
-    return {"loras": engine.lora.names(), "active_loras": engine.lora.resident()}
+    return {"loras": engine.lora.names(), "active_loras": engine.lora.resident(), "lora_enabled": True}

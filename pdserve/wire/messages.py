@@ -39,6 +39,7 @@ class Pong(msgspec.Struct, tag=True):
     state: str = "active"
     loras: list[str] = []         # LoRA adapters registered on the node (pdserve.lora)
     active_loras: list[str] = []  # ... and those resident in its slots now (no load to serve them)
+    lora_enabled: bool = False    # the node's engine serves adapters at all (--enable-lora)
     version: int = WIRE_VERSION   # the messages the node speaks
 
 

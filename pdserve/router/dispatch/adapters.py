@@ -45,6 +45,7 @@ class NodeAdapters:
     """What one node reported in its last pong, and the loads sent to it since."""
     registered: set[str] = field(default_factory=set)
     active: set[str] = field(default_factory=set)
+    enabled: bool = False  # the node serves adapters at all
     sent: dict[str, float] = field(default_factory=dict)  # name -> when its LoadLoRA was sent
 
 
@@ -135,7 +136,7 @@ class RouterAdapters:
     def on_pong(self, node, msg: Pong) -> list[LoadLoRA]:
         """Record the node's adapters; the LoadLoRA messages it needs to catch up."""
         state = self.nodes.setdefault(node.node_id, NodeAdapters())
-        state.registered, state.active = set(msg.loras), set(msg.active_loras)
+        state.registered, state.active, state.enabled = set(msg.loras), set(msg.active_loras), msg.lora_enabled
         return [self._load_msg(state, name) for name in self.paths if self._needs(state, name)]
 
     async def send_ahead(self, node: Node, name: str | None) -> None:
@@ -144,6 +145,12 @@ class RouterAdapters:
         load = self.before_request(node, name)
         if load is not None:
             await self.pool.send(node, load)
+
+    def enabled_anywhere(self) -> bool:
+        """Some healthy node serves adapters (a node that has not answered a ping yet counts:
+        its pong may still say so)."""
+        healthy = {n.node_id for n in self.pool.nodes if n.healthy} if self.pool is not None else set()
+        return any(self.nodes.get(n, NodeAdapters(enabled=True)).enabled for n in healthy)
 
     def report(self, node_id: str) -> dict:
         """The node's adapters from its last pong: registered and resident in its slots."""

@@ -37,10 +37,13 @@ def add_lora_routes(app: FastAPI, served: ServedModel) -> None:
 
     # response_class=Response: the 200 is text, and errors stay application/json.
     @app.post("/v1/load_lora_adapter", response_class=Response,
-              responses={**_TEXT_200, **error_responses(400, 401, 413, 500)})
+              responses={**_TEXT_200, **error_responses(400, 401, 404, 413, 500)})
     async def load_lora_adapter(body: LoadLoRABody) -> PlainTextResponse:
         if adapters.pool is None:
             raise bad_request("this router's backend serves no LoRA adapters")
+        if not adapters.enabled_anywhere():  # as vLLM, whose route exists only with --enable-lora
+            raise APIError(404, "LoRA adapters are off on this cluster: start it with --enable-lora or "
+                           "--lora-modules", NOT_FOUND, None)
         try:
             await adapters.load(body.lora_name, body.lora_path, served.names)
         except AdapterError as exc:
