@@ -13,6 +13,7 @@ from pdserve.kernels import get_ops
 from pdserve.kernels.fp8_kv import Fp8KVOps, checkpoint_kv_scales
 from pdserve.kvstore.layout import KVLayout
 from pdserve.lora.manager import LoRAManager
+from pdserve.models.model_path import eos_token_ids
 from pdserve.models.model_path import load_tokenizer as load_checkpoint_tokenizer
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,4 @@ def load_tokenizer(path):
 
 
 def eos_ids(hf_config, tokenizer) -> set[int]:
-    eos = getattr(hf_config, "eos_token_id", None)
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
+    return eos_token_ids(hf_config, tokenizer)  # (the router's rule too: one place)

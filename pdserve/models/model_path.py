@@ -61,5 +61,15 @@ def read_model_config(path: Path) -> SimpleNamespace:
     return SimpleNamespace(**config)
 
 
+def eos_token_ids(hf_config, tokenizer) -> set[int]:
+    """The ids that end a generation: config.json's eos_token_id (one or a list) and the
+    tokenizer's. The engine stops on these, and the router's beam search finishes beams on them."""
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
 def _read_json(file: Path) -> dict:
     return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}

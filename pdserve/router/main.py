@@ -19,7 +19,7 @@ from pdserve.cluster.planner import PlannerConfig, SlaPlanner
 from pdserve.kvstore.redact import redact_url
 from pdserve.models.gguf import checkpoint_name
 from pdserve.models.image_prompts import ImagePrompts
-from pdserve.models.model_path import load_tokenizer, read_model_config, resolve_model_path
+from pdserve.models.model_path import eos_token_ids, load_tokenizer, read_model_config, resolve_model_path
 from pdserve.protocol.block_keys import kv_entry_dims, kv_layout_salt
 from pdserve.router.dispatch.adapters import RouterAdapters
 from pdserve.router.dispatch.cluster import ClusterBackend, Dispatchers
@@ -145,7 +145,8 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
                      tool_call_parser=chat.get("tool_call_parser"), embedding=embedding,
                      served_model_names=served_names(served_model_names, model), model_root=str(path.resolve()),
                      scaler=scaling.scaler, planner=scaling.planner, media=media,
-                     image_prompts=ImagePrompts.for_model(path, hf_config))
+                     image_prompts=ImagePrompts.for_model(path, hf_config),
+                     eos_token_ids=eos_token_ids(hf_config, tokenizer))
     _run_with_app(app, backend, scaling)
     return app
 

@@ -2,7 +2,7 @@
 
 Unknown fields are tolerated (extra="allow") so clients that send newer OpenAI fields keep
 working; each request's ignored fields are logged and named in the response's
-`X-Ignored-Fields` header. Fields the engine cannot honour (suffix, best_of != n) are
+`X-Ignored-Fields` header. Fields the engine cannot honour (suffix, best_of != n without beam search) are
 rejected with 400 rather than silently ignored, because a silently ignored knob yields outputs
 the client did not ask for. Those knobs keep their validators (for the clearer message) and
 say in the OpenAPI document which values are accepted, so generated clients and fuzzers do not
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
@@ -164,6 +164,23 @@ class GenerationRequest(UnicodeCheckedRequest):
     itl_slo_ms: float | None = Field(None, gt=0, le=3_600_000)
     # vLLM's: cached KV is shared only between requests with the same salt (docs/adapters-and-tenants.md).
     cache_salt: CacheSalt = None
+    # vLLM's beam search (pdserve.router.openai.beam_job): best_of beams (default n), the best n
+    # returned; scores are sum(logprobs) / length ** length_penalty (transformers' rules).
+    use_beam_search: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description=(
+        "With use_beam_search: the beam width, at least n (default n). Without it: only equal to n."))
+    length_penalty: float = Field(1.0, ge=-10, le=10)
+    early_stopping: bool | Literal["never"] = False
+
+    @model_validator(mode="after")
+    def _check_best_of(self) -> GenerationRequest:
+        if self.best_of is None:
+            return self
+        if self.use_beam_search and self.best_of < self.num_choices:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.num_choices})")
+        if not self.use_beam_search and self.best_of != self.num_choices:
+            raise ValueError("best_of other than n needs use_beam_search (sampled best_of is not supported)")
+        return self
 
     @model_validator(mode="after")
     def _log_ignored_fields(self) -> GenerationRequest:
@@ -254,13 +271,16 @@ _TEXT = {"type": "string", "minLength": 1}  # an empty text has no token to star
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
 
-# _reject_completion_only's rules: max_tokens 0 only with echo, and best_of only equal to n (which JSON
-# Schema cannot compare: it says so where n is 1, the default, and the description says the rest).
+# _check_best_of's rule: without use_beam_search, best_of only equal to n (which JSON Schema cannot
+# compare: it says so where n is 1, the default, and the description says the rest).
+BEST_OF_RULE = {"if": {"required": ["use_beam_search"], "properties": {"use_beam_search": {"const": True}}},
+                "else": {"if": {"required": ["n"], "properties": {"n": {"type": "integer", "minimum": 2}}},
+                         "else": {"properties": {"best_of": {"enum": [1, None]}}}}}
+# _reject_completion_only's rule: max_tokens 0 only with echo.
 _COMPLETION_RULES = [
     {"if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
      "then": {"required": ["echo"], "properties": {"echo": {"const": True}}}},
-    {"if": {"required": ["n"], "properties": {"n": {"type": "integer", "minimum": 2}}},
-     "else": {"properties": {"best_of": {"enum": [1, None]}}}},
+    BEST_OF_RULE,
     STRUCTURED_AT_MOST_ONE,
 ]
 
@@ -277,7 +297,6 @@ class CompletionRequest(GenerationRequest):
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Only equal to n.")
     suffix: Annotated[str | None, _only({"enum": ["", None]}, "Not supported.")] = None
 
     @model_validator(mode="after")
@@ -286,8 +305,6 @@ class CompletionRequest(GenerationRequest):
             raise ValueError("max_tokens must be at least 1 (0 only with echo=true)")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.best_of is not None and self.best_of != self.num_choices:
-            raise ValueError("best_of is not supported (only equal to n)")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -317,7 +334,7 @@ class ChatCompletionRequest(GenerationRequest):
     model_config = ConfigDict(json_schema_extra={"allOf": [
         {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
          "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
-        STRUCTURED_AT_MOST_ONE]})
+        BEST_OF_RULE, STRUCTURED_AT_MOST_ONE]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)

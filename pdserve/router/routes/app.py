@@ -25,6 +25,7 @@ from pdserve.models.image_prompts import ImagePrompts
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router.dispatch.adapters import RouterAdapters
 from pdserve.router.dispatch.backend import GenerationBackend
+from pdserve.router.openai.beam_job import serve_beams
 from pdserve.router.openai.chat_prompt import TOOLS_IGNORED, template_drops_tools
 from pdserve.router.openai.errors import (
     SERVER_ERROR,
@@ -102,8 +103,11 @@ class _Router:
 
     def __init__(self, backend: GenerationBackend, tokenizer: Any, served: ServedModel,
                  tool_call_parser: str | None = None, media: MediaOptions | None = None,
-                 image_prompts: ImagePrompts | None = None) -> None:
+                 image_prompts: ImagePrompts | None = None, eos_token_ids: set[int] | None = None) -> None:
         self.backend = backend
+        # Where beams end (beam_job): the engine's EOS ids, else the tokenizer's.
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else {eos} - {None}
         self.media = MediaInputs(media, image_prompts)  # image parts: checked, and expanded for a VLM
         self.tokenizer = tokenizer
         self.served = served
@@ -187,6 +191,12 @@ class _Router:
         return out
 
     async def serve(self, request: Request, body: GenerationRequest, job: GenerationJob, prefix: str) -> Response:
+        if body.use_beam_search:
+            if job.images:
+                raise bad_request("use_beam_search takes text prompts only", "use_beam_search")
+            kw = {"session": body.user, "cache_salt": request_cache_salt(request, body.cache_salt),
+                  "adapter": self.served.adapter_for(body.model)}
+            return await serve_beams(self, request, body, job, prefix, kw)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         params, flavor = job.params, job.flavor
         logger.info("%s: prompt_tokens=%d choices=%d max_tokens=%d stream=%s", request_id,
@@ -284,7 +294,8 @@ def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
                tool_call_parser: str | None = None, served_model_names: list[str] | None = None,
                model_root: str | None = None, embedding: EmbeddingOptions | None = None,
                scaler: Scaler | None = None, planner: PlannerLoop | None = None,
-               media: MediaOptions | None = None, image_prompts: ImagePrompts | None = None) -> FastAPI:
+               media: MediaOptions | None = None, image_prompts: ImagePrompts | None = None,
+               eos_token_ids: set[int] | None = None) -> FastAPI:
     """admission: AdmissionMiddleware's options (api_key, protect_metrics, max_body_bytes,
     max_queued_requests). tool_call_parser: the tool-call format of tool_choice "auto"
     (tool_parsers.PARSERS; default: the chat template's). served_model_names: the names a
@@ -292,13 +303,14 @@ def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
     embedding: /v1/embeddings' pooling and vector size. scaler, planner: the cluster's scaling
     (admin_routes), None where the backend cannot be scaled. media: the limits on image inputs
     (media.py's MediaOptions); image_prompts: a vision-language model's image processing (None:
-    the model takes no images)."""
+    the model takes no images). eos_token_ids: the model's (beam search ends beams on them;
+    default: the tokenizer's)."""
     app = FastAPI(title="pdserve router")
     app.add_middleware(AdmissionMiddleware, metrics=getattr(backend, "metrics", None), **(admission or {}))
     install_error_handlers(app)
     served = ServedModel(served_model_names or [model_name], model_root or model_name, max_model_len,
                          int(time.time()), getattr(backend, "adapters", None) or RouterAdapters())
-    router = _Router(backend, tokenizer, served, tool_call_parser, media, image_prompts)
+    router = _Router(backend, tokenizer, served, tool_call_parser, media, image_prompts, eos_token_ids)
     _add_openai_routes(app, router)
     add_responses_routes(app, router)
     add_model_routes(app, served)
