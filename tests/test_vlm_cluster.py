@@ -164,18 +164,23 @@ def test_clients_with_images_and_the_encoder_metrics(clusters, llm, pictures):
     assert "pdserve_encoder_cache_hits_total" in httpx.get(f"{url}/metrics", timeout=10).text
 
 
-def test_gemma3_chat_with_images_through_the_store_equals_offline(tmp_path_factory, pictures):
-    """Gemma 3: the prefill node never cuts an image across chunks (16 tokens a step here), the
-    decode node continues from the handed-over KV."""
+def test_gemma3_chat_with_images_equals_offline(tmp_path_factory, pictures):
+    """Gemma 3, 16 tokens a prefill step (the prefill node never cuts an image across chunks),
+    E/P/D with its KV over NIXL and the embeddings through a Redis."""
+    from pdserve.testing.redis_server import redis_server  # the test extra's: a real redis-server
     path = make_gemma3_vl(tmp_path_factory.mktemp("gemma3_cluster"))
     gemma = LLM(str(path), block_size=16)
-    with running_cluster("--model", str(path), "--served-model-name", "vlm", "--prefill-nodes", "1",
-                         "--decode-nodes", "1", "--kv-transfer", "store", "--max-num-batched-tokens", "16") as (url, _):
+    common = ("--model", str(path), "--served-model-name", "vlm", "--prefill-nodes", "1", "--decode-nodes", "1",
+              "--max-num-batched-tokens", "16")
+    with redis_server() as (redis_url, _), running_cluster(
+            *common, "--kv-transfer", "nixl", "--store", redis_url, "--encode-nodes", "1") as (url, _):
         for before, which, after in CASES:
             images = [pictures[i] for i in which]
             ids, usage = chat(url, before, images, after)
             want, prompt_tokens = offline(gemma, before, images, after, 8)
             assert ids == want and usage.prompt_tokens == prompt_tokens, before
+        wait_for(lambda: _stat(url, "encode", "encoder_runs") == 2, timeout_s=10)
+        assert _stat(url, "prefill", "encoder_runs") == 0
 
 
 def _stat(url: str, role: str, name: str) -> int:
