@@ -271,16 +271,13 @@ _TEXT = {"type": "string", "minLength": 1}  # an empty text has no token to star
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
 
-# _check_best_of's rule: without use_beam_search, best_of only equal to n (which JSON Schema cannot
-# compare: it says so where n is 1, the default, and the description says the rest).
-BEST_OF_RULE = {"if": {"required": ["use_beam_search"], "properties": {"use_beam_search": {"const": True}}},
-                "else": {"if": {"required": ["n"], "properties": {"n": {"type": "integer", "minimum": 2}}},
-                         "else": {"properties": {"best_of": {"enum": [1, None]}}}}}
+# _check_best_of's rule (best_of equal to n without use_beam_search, at least n with it) is only
+# described on best_of: as a schema rule next to STRUCTURED_AT_MOST_ONE it leaves the fuzzer's
+# generator (schemathesis) unable to model the body.
 # _reject_completion_only's rule: max_tokens 0 only with echo.
 _COMPLETION_RULES = [
     {"if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
      "then": {"required": ["echo"], "properties": {"echo": {"const": True}}}},
-    BEST_OF_RULE,
     STRUCTURED_AT_MOST_ONE,
 ]
 
@@ -334,7 +331,7 @@ class ChatCompletionRequest(GenerationRequest):
     model_config = ConfigDict(json_schema_extra={"allOf": [
         {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
          "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
-        BEST_OF_RULE, STRUCTURED_AT_MOST_ONE]})
+        STRUCTURED_AT_MOST_ONE]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
