@@ -17,6 +17,11 @@ fi
 # modules used need only torch, and its declared dependencies (datasets, an older transformers
 # range) are not wanted here.
 .venv/bin/python -m pip install -q --no-deps "autoawq==0.2.7.post3"
+# The Vercel AI SDK for tests/test_agents_sdk.py, pinned by tests/js/package-lock.json; the test
+# skips where node is missing, so a machine without npm skips this step too.
+if command -v npm >/dev/null 2>&1; then
+  (cd tests/js && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
+fi
 apt_install() {
   if [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && apt-get install -y -qq "$@") >/dev/null

@@ -51,7 +51,9 @@ def served():
         yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
 
 
-def test_langchain_bind_tools_loop_calls_and_finishes(served):
+@pytest.mark.parametrize(("prompt", "city"), [("What is the weather in Paris?", "Paris"),
+                                            ("What's the weather like in Tokyo today?", "Tokyo")])
+def test_langchain_bind_tools_loop_calls_and_finishes(served, prompt, city):
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
@@ -64,7 +66,7 @@ def test_langchain_bind_tools_loop_calls_and_finishes(served):
 
     llm = ChatOpenAI(model=DEFAULT_MODEL, base_url=f"{url}/v1", api_key="none", temperature=0, max_tokens=48,
                      max_retries=0).bind_tools([get_weather])  # tool_choice left at its default
-    messages = [HumanMessage("What's the weather like in Tokyo today?")]
+    messages = [HumanMessage(prompt)]
     calls = []
     for _ in range(3):
         reply = llm.invoke(messages)
@@ -74,7 +76,7 @@ def test_langchain_bind_tools_loop_calls_and_finishes(served):
         for call in reply.tool_calls:
             calls.append(call)
             messages.append(ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"]))
-    assert [c["name"] for c in calls] == ["get_weather"] and calls[0]["args"]["city"] == "Tokyo"
+    assert [c["name"] for c in calls] == ["get_weather"] and calls[0]["args"]["city"] == city
     assert not messages[-1].tool_calls and messages[-1].content, messages[-1]
 
 

@@ -5,7 +5,11 @@ tool_choice "auto" the model never learns of a tool. SMOLLM2_TOOLS keeps SmolLM2
 `<|im_start|>role ... <|im_end|>` format (a conversation without tools renders exactly as with
 the GGUF's template) and adds Hermes-style tools:
   * the tools listed as JSON in the system turn, with how to call one:
-    <tool_call>{"name": ..., "arguments": {...}}</tool_call> (the hermes parser reads it);
+    <tool_call>{"name": ..., "arguments": {...}}</tool_call> (the hermes parser reads it). The
+    system turn opens as Hermes' function-calling prompt does: introduced instead as "a helpful
+    assistant with tools", the model answered "What is the weather in Paris?" in prose (greedy)
+    and called on 5 of 8 weather wordings, against 8 of 8 with this opening (chit-chat calls
+    nothing either way);
   * one example exchange calling the first tool, because a 135M model given only the instruction
     answers in prose: with the example it copies the call's form (greedy, checked by hand over
     several wordings; see docs/openai.md);
@@ -21,7 +25,7 @@ SMOLLM2_TOOLS = """{%- set answering = messages[-1].role == 'tool' %}
 {%- if tools and not answering %}
 {{- '<|im_start|>system\\n' }}
 {%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}
-{{- 'You are a helpful assistant with tools:\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}{{- '\\n</tools>\\nTo call a tool, reply with <tool_call>{"name": "' + tools[0].function.name + '", "arguments": {...}}</tool_call>.<|im_end|>\\n' }}{%- set f = tools[0].function %}{%- set ns = namespace(args='') %}{%- for k, v in ((f.parameters or {}).properties or {}).items() %}{%- set val = (v.enum[0] | tojson) if v.enum is defined else ('1' if v.type in ('integer', 'number') else '"' + k + '"') %}{%- set ns.args = ns.args + (', ' if ns.args else '') + '"' + k + '": ' + val %}{%- endfor %}{{- '<|im_start|>user\\nUse the ' + f.name + ' tool.<|im_end|>\\n<|im_start|>assistant\\n<tool_call>\\n{"name": "' + f.name + '", "arguments": {' + ns.args + '}}\\n</tool_call><|im_end|>\\n' }}
+{{- 'You are a function calling AI model. You may call one or more functions to assist with the user query. The functions:\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}{{- '\\n</tools>\\nTo call a tool, reply with <tool_call>{"name": "' + tools[0].function.name + '", "arguments": {...}}</tool_call>.<|im_end|>\\n' }}{%- set f = tools[0].function %}{%- set ns = namespace(args='') %}{%- for k, v in ((f.parameters or {}).properties or {}).items() %}{%- set val = (v.enum[0] | tojson) if v.enum is defined else ('1' if v.type in ('integer', 'number') else '"' + k + '"') %}{%- set ns.args = ns.args + (', ' if ns.args else '') + '"' + k + '": ' + val %}{%- endfor %}{{- '<|im_start|>user\\nUse the ' + f.name + ' tool.<|im_end|>\\n<|im_start|>assistant\\n<tool_call>\\n{"name": "' + f.name + '", "arguments": {' + ns.args + '}}\\n</tool_call><|im_end|>\\n' }}
 {%- elif messages[0]['role'] != 'system' %}
 {{- '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}
 {%- endif %}

@@ -1,0 +1,100 @@
+"""Agent frameworks on `pdserve up` with no flags (the default model, SmolLM2-135M-Instruct).
+
+The OpenAI Agents SDK (`openai-agents`, the `test` extra) runs an Agent with one function tool
+and tool_choice left at its default, through OpenAIResponsesModel and OpenAIChatCompletionsModel,
+with Runner.run and Runner.run_streamed: the model calls the tool with the city of the question,
+the tool's result goes back, and the run ends on a text answer. The SDK sends its tools with
+`strict: true` and fails a run whose call names an undeclared tool (ModelBehaviorError), so a
+completed run also checks that the server held the call to the declared tool
+(pdserve/router/openai/tool_tags.py).
+
+The Vercel AI SDK's generateText with a tool, over the chat and the Responses API, runs the
+script tests/js/weather.mjs under node; it skips where node or tests/js/node_modules (installed
+by scripts/setup.sh) is missing.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from openai import AsyncOpenAI
+
+from pdserve.models.gguf import DEFAULT_MODEL
+from pdserve.testing.up_cluster import running_cluster
+
+PROMPT = "What is the weather in Paris?"
+JS_DIR = Path(__file__).parent / "js"
+
+
+@pytest.fixture(scope="module")
+def url():
+    with running_cluster(as_given=True) as (url, _):  # `pdserve up` with no flags: the default model
+        yield url
+
+
+async def _run_agent(url: str, model_class: str, streamed: bool) -> tuple[list[str], object, list[str]]:
+    # The SDK is imported here: importing it pulls in mcp and its web stack, wanted by this module only.
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)  # tracing would upload spans to OpenAI's platform
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a given city."""
+        calls.append(city)
+        return f"sunny, 21 C in {city}"
+
+    # One client per run: an AsyncOpenAI client is bound to the event loop it first ran on.
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+    model_type = OpenAIResponsesModel if model_class == "responses" else OpenAIChatCompletionsModel
+    agent = Agent(name="weather", instructions="You are a helpful assistant.", tools=[get_weather],
+                  model=model_type(model=DEFAULT_MODEL, openai_client=client),
+                  model_settings=ModelSettings(temperature=0, max_tokens=64))  # tool_choice: the default
+    events: list[str] = []
+    if streamed:
+        result = Runner.run_streamed(agent, PROMPT, max_turns=4)
+        async for event in result.stream_events():
+            if event.type == "run_item_stream_event":
+                events.append(event.name)
+    else:
+        result = await Runner.run(agent, PROMPT, max_turns=4)
+    await client.close()
+    return calls, result, events
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+@pytest.mark.parametrize("model_class", ["responses", "chat_completions"])
+def test_agents_sdk_calls_the_tool_and_answers(url, model_class, streamed):
+    calls, result, events = asyncio.run(_run_agent(url, model_class, streamed))
+    assert calls == ["Paris"], calls  # called once, with the question's city
+    items = [item.type for item in result.new_items]
+    assert items[:2] == ["tool_call_item", "tool_call_output_item"] and items[-1] == "message_output_item", items
+    assert isinstance(result.final_output, str) and result.final_output.strip(), result.final_output
+    if streamed:
+        assert "tool_called" in events and "tool_output" in events, events
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_vercel_ai_sdk_generate_text_calls_the_tool(url, api):
+    node = shutil.which("node")
+    if node is None or not (JS_DIR / "node_modules" / "ai").is_dir():
+        pytest.skip("needs node and tests/js/node_modules (scripts/setup.sh runs npm install there)")
+    out = subprocess.run([node, str(JS_DIR / "weather.mjs"), f"{url}/v1", api, PROMPT], cwd=JS_DIR,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["toolCalls"] == [{"name": "get_weather", "input": {"city": "Paris"}}], got
+    assert got["calls"] == ["Paris"] and got["finish"] == ["tool-calls", "stop"] and got["text"].strip(), got
