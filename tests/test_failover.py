@@ -16,7 +16,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.protocol.sampling_params import StructuredSpec
-from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, wait_for
+from pdserve.testing.up_cluster import DecodeNodeKiller, node_pids, node_stats, running_cluster, wait_for
 
 PROMPTS = [f"request {i}: " + "failover keeps every stream alive. " * (1 + i % 4) for i in range(16)]
 SHORT = 24
@@ -108,20 +108,11 @@ def test_decode_node_killed_mid_stream_resumes_identically(cluster, llm, samplin
     if "extra_body" in offline:
         offline["structured"] = StructuredSpec("regex", offline.pop("extra_body")["guided_regex"])
     want = _reference(llm, [prompt], LONG, **offline)[0]
-    killed: list[str] = []
-
-    def kill_serving_decode_node(n_tokens: int) -> None:
-        if n_tokens < 20 or killed:
-            return
-        # The router's own count: a node's pong may still show a request an earlier test ended.
-        busy = [n for n, s in node_stats(url).items() if s["role"] == "decode" and s["routed_requests"]]
-        if busy:
-            killed.append(busy[0])
-            os.kill(node_pids(proc.pid)[busy[0]], signal.SIGKILL)
-
+    killer = DecodeNodeKiller(url, proc.pid)
+    killed = killer.killed
     old = node_pids(proc.pid)
     resumes = _failover(url)["decode_resumes"]
-    got = _stream_ids(_client(url), prompt, LONG, kill_serving_decode_node, **sampling)
+    got = _stream_ids(_client(url), prompt, LONG, killer, **sampling)
     assert killed, "the stream ended before a decode node could be killed"
     assert got == want  # no repeated, missing or different token
     assert _failover(url)["decode_resumes"] == resumes + 1

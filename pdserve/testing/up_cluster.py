@@ -126,6 +126,24 @@ def node_pids(up_pid: int) -> dict[str, int]:
     return out
 
 
+class DecodeNodeKiller:
+    """A stream's on_token callback: once the stream has `after` tokens, SIGKILL the decode node
+    serving it (the first the router counts a request on); `killed` names it."""
+
+    def __init__(self, url: str, up_pid: int, after: int = 20):
+        self.url, self.up_pid, self.after = url, up_pid, after
+        self.killed: list[str] = []
+
+    def __call__(self, n_tokens: int) -> None:
+        if n_tokens < self.after or self.killed:
+            return
+        # The router's own count: a node's pong may still show a request an earlier test ended.
+        busy = [n for n, s in node_stats(self.url).items() if s["role"] == "decode" and s["routed_requests"]]
+        if busy:
+            self.killed.append(busy[0])
+            os.kill(node_pids(self.up_pid)[busy[0]], signal.SIGKILL)
+
+
 def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.2):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
