@@ -44,6 +44,9 @@ COVERED_ELSEWHERE = {
     # P/D moves and how it is read do not differ from Llama's, so test_cluster.py stands for them.
     "Qwen2ForCausalLM": "test_cluster.py",
     "Qwen3ForCausalLM": "test_cluster.py",
+    # vision-language models: their images cross P/D with the prompt
+    "Qwen2_5_VLForConditionalGeneration": "test_vlm_cluster.py",
+    "Gemma3ForConditionalGeneration": "test_vlm_epd_cluster.py",
 }
 
 
