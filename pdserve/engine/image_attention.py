@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pdserve.engine.multimodal import step_image_spans
 from pdserve.engine.request import Request
 
 
@@ -17,13 +18,8 @@ def image_key_ends(items: list[tuple[Request, int]], positions: np.ndarray, num_
     items and positions [T] in row order), or None when no query of the step is an image token
     (then the kernel stays causal)."""
     ends = positions + 1
-    touched, row0 = False, 0
-    for req, n in items:
-        start = req.num_computed_tokens
-        for image in req.images:
-            lo, hi = max(start, image.offset), min(start + n, image.offset + image.length)
-            if lo < hi:
-                ends[row0 + lo - start:row0 + hi - start] = image.offset + image.length
-                touched = True
-        row0 += n
+    touched = False
+    for image, row, lo, hi in step_image_spans(items):
+        ends[row:row + hi - lo] = image.end
+        touched = True
     return ends[num_decodes:] if touched else None

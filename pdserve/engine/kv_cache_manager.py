@@ -133,4 +133,4 @@ class KVCacheManager:
 
 def inside_image(req: Request, position: int) -> bool:
     """A cut before `position` falls strictly inside one of the request's images."""
-    return any(im.offset < position < im.offset + im.length for im in req.images)
+    return any(im.offset < position < im.end for im in req.images)

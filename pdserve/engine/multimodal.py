@@ -6,6 +6,7 @@ encoding it again. A multimodal-RoPE model's [3, T] positions are built here too
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +68,19 @@ class ImageRows:
         return embedded.index_copy(0, self.rows, self.values.to(embedded.dtype))
 
 
+def step_image_spans(items: list[tuple[Request, int]]) -> Iterator[tuple[ImageInput, int, int, int]]:
+    """(image, first row, lo, hi) for each image a step computes tokens [lo, hi) of; items in
+    row order, (request, tokens computed from num_computed_tokens); rows first row.. hold them."""
+    row0 = 0
+    for req, n in items:
+        start = req.num_computed_tokens
+        for image in req.images:
+            lo, hi = max(start, image.offset), min(start + n, image.end)
+            if lo < hi:
+                yield image, row0 + lo - start, lo, hi
+        row0 += n
+
+
 class MultiModalInputs:
     """What a multimodal model's step takes beside token ids: image rows and [3, T] positions."""
 
@@ -75,24 +89,18 @@ class MultiModalInputs:
 
     def image_rows(self, items: list[tuple[Request, int]], device: torch.device) -> ImageRows | None:
         """items in row order: (request, tokens this step computes from num_computed_tokens)."""
-        rows, values, row0 = [], [], 0
-        for req, n in items:
-            start = req.num_computed_tokens
-            for image in req.images:
-                lo, hi = max(start, image.offset), min(start + n, image.offset + image.length)
-                if lo < hi:
-                    embeddings = self.cache.get(image, self.model.encode_image)
-                    rows.append(torch.arange(row0 + lo - start, row0 + hi - start))
-                    values.append(embeddings[lo - image.offset:hi - image.offset])
-            row0 += n
+        rows, values = [], []
+        for image, row, lo, hi in step_image_spans(items):
+            embeddings = self.cache.get(image, self.model.encode_image)
+            rows.append(torch.arange(row, row + hi - lo))
+            values.append(embeddings[lo - image.offset:hi - image.offset])
         if not rows:
             return None
         return ImageRows(torch.cat(rows).to(device), torch.cat(values).to(device))
 
     def uncached_images(self, req: Request, start: int, end: int) -> list[ImageInput]:
         """The request's images that tokens [start, end) need and the encoder cache lacks."""
-        return [im for im in req.images
-                if im.offset < end and im.offset + im.length > start and im.content_hash not in self.cache]
+        return [im for im in req.images if im.overlaps(start, end) and im.content_hash not in self.cache]
 
     @staticmethod
     def positions(items: list[tuple[Request, int]], flat: np.ndarray) -> np.ndarray:
@@ -115,7 +123,7 @@ class MultiModalInputs:
         (numpy, host side) once, at admission (a model without M-RoPE keeps plain positions)."""
         prompt, token = req.prompt_token_ids, self.model.image_token_id
         check_image_inputs(req.images, prompt)
-        if any(prompt[i] != token for im in req.images for i in range(im.offset, im.offset + im.length)):
+        if any(prompt[i] != token for im in req.images for i in range(im.offset, im.end)):
             raise ValueError(f"an image's placeholder range holds tokens other than the image token {token}")
         if prompt.count(token) != sum(im.length for im in req.images):
             raise ValueError("the prompt has image placeholder tokens that no image fills")

@@ -183,13 +183,14 @@ class Scheduler:
         max_num_batched_tokens): then it goes whole, past the budget."""
         end = start + n
         for im in req.images:
-            if im.offset < end < im.offset + im.length:
+            if im.offset < end < im.end:
                 if im.offset > start:
                     return im.offset - start
                 if im.length > self.config.max_num_batched_tokens:
-                    return im.offset + im.length - start
+                    return im.end - start
                 return 0
         return n
+
     def _adapter_ready(self, req: Request) -> bool:
         """The request's adapter holds a slot (taken now if need be); False: it must wait."""
         if req.lora_name is None or req.lora_slot is not None:

@@ -26,6 +26,15 @@ class ImageInput(msgspec.Struct, frozen=True):
     grid_thw: list[int] | None = None  # Qwen2.5-VL: the patch grid (t, h, w)
 
     @property
+    def end(self) -> int:
+        """One past the image's last placeholder token."""
+        return self.offset + self.length
+
+    def overlaps(self, start: int, end: int) -> bool:
+        """Some of the image's tokens lie in prompt positions [start, end)."""
+        return self.offset < end and self.end > start
+
+    @property
     def key(self) -> bytes:
         """The 16 bytes that enter the block keys of the blocks holding this image's tokens."""
         return bytes.fromhex(self.content_hash)
@@ -54,17 +63,17 @@ def check_image_inputs(images: Sequence[ImageInput], prompt_token_ids: Sequence[
     prompt, with well-formed pixels."""
     end = 0
     for i, image in enumerate(images):
-        if image.length <= 0 or image.offset < end or image.offset + image.length > len(prompt_token_ids):
-            raise ValueError(f"image {i}'s placeholder range [{image.offset}, {image.offset + image.length}) "
+        if image.length <= 0 or image.offset < end or image.end > len(prompt_token_ids):
+            raise ValueError(f"image {i}'s placeholder range [{image.offset}, {image.end}) "
                              f"is out of order or outside the prompt ({len(prompt_token_ids)} tokens)")
         if len(image.content_hash) != 32:
             raise ValueError(f"image {i}'s content_hash must be 32 hex digits")
         if len(image.pixel_values) != 4 * int(np.prod(image.pixel_shape)):
             raise ValueError(f"image {i}'s pixel_values do not hold a float32 array of shape {image.pixel_shape}")
-        end = image.offset + image.length
+        end = image.end
 
 
 def block_extra(images: Sequence[ImageInput], start: int, end: int) -> bytes:
     """The keys of the images whose tokens overlap prompt positions [start, end), in order:
     what a block covering those positions adds to its key (block_keys.block_key's extra)."""
-    return b"".join(im.key for im in images if im.offset < end and im.offset + im.length > start)
+    return b"".join(im.key for im in images if im.overlaps(start, end))
