@@ -34,6 +34,7 @@ from pdserve.engine.parts import EngineParts
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.structured_output import StructuredOutputs
 from pdserve.executor.executor import TPExecutor
+from pdserve.executor.pipeline_runner import PipelineModelRunner
 from pdserve.executor.runner import TPModelRunner
 from pdserve.executor.setup import load_driver_shard, start_executor
 from pdserve.kernels.fp8_kv import kv_cache_torch_dtype
@@ -77,7 +78,7 @@ def _load_target(config: EngineConfig) -> _Target:
     layout = KVLayout.for_model(hf_config, config.block_size, kv_dtype, checkpoint_name(config.model, model_path))
     if kv_dtype != dtype:
         check_fp8_kv_supported(config, layout)
-    if config.tensor_parallel_size > 1:
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
         executor = start_executor(config, model_path, hf_config, dtype, device,
                                   (num_kv_blocks(config, layout), *layout.block_shape()))
         model = load_driver_shard(executor, model_path, hf_config, dtype, device)
@@ -110,8 +111,12 @@ def _parts(config: EngineConfig, t: _Target) -> EngineParts:
                          "bfloat16/float32 KV cache")
     if t.executor is not None:
         if getattr(t.model, "is_multimodal", False):
-            raise ValueError("vision-language models run at tensor_parallel_size 1 so far")
-        runner = TPModelRunner(t.model, t.executor, config.block_size, ops, t.device)
+            raise ValueError("vision-language models run at tensor_parallel_size 1 and pipeline_parallel_size 1 "
+                             "so far")
+        if t.executor.pp_size > 1:
+            runner = PipelineModelRunner(t.model, t.executor, config.block_size, ops, t.device, t.dtype)
+        else:
+            runner = TPModelRunner(t.model, t.executor, config.block_size, ops, t.device)
     else:
         runner = ModelRunner(t.model, t.kv_cache, config.block_size, ops, t.device,
                              max_num_seqs=config.max_num_seqs, max_model_len=max_len,

@@ -35,6 +35,9 @@ class EngineConfig:
     seed: int = 0
     # Ranks the model is split over (pdserve.executor): this process and size - 1 workers.
     tensor_parallel_size: int = 1
+    # Pipeline stages the layers are split over (pdserve.executor), each with
+    # tensor_parallel_size ranks: this process and pipeline * tensor - 1 workers.
+    pipeline_parallel_size: int = 1
     # MoE at TP > 1: partition the experts across ranks instead of splitting each expert.
     enable_expert_parallel: bool = False
     # Compute threads of each rank at TP > 1 (default: this process's share of cores / size).
@@ -64,6 +67,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.kernel_backend not in ("auto", "torch", "numba", "triton"):
@@ -75,6 +80,16 @@ class EngineConfig:
             self.enable_lora = True
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """What does not run over pipeline stages yet, refused at start with the pair named."""
+        if self.pipeline_parallel_size == 1:
+            return
+        for name, on in (("speculative decoding", self.speculative_config is not None),
+                         ("LoRA adapters", self.enable_lora), ("kv_cache_dtype fp8", self.kv_cache_dtype == "fp8")):
+            if on:
+                raise ValueError(f"{name} is not supported with pipeline_parallel_size > 1 yet")
 
 
 def engine_options(args: Any) -> dict:
@@ -85,6 +100,7 @@ def engine_options(args: Any) -> dict:
                 max_num_seqs=args.max_num_seqs, kernel_backend=args.kernel_backend,
                 enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
                 enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
                 speculative_config=getattr(args, "speculative_config", None),
                 encoder_cache_tokens=getattr(args, "encoder_cache_tokens", 16384),

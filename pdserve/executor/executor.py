@@ -21,7 +21,7 @@ import weakref
 import msgspec
 import torch
 
-from pdserve.executor.group import DEFAULT_TIMEOUT_S, make_group, open_store, set_rank_threads
+from pdserve.executor.group import DEFAULT_TIMEOUT_S, make_rank_groups, open_store, set_rank_threads
 from pdserve.executor.kv_shared import create_shared_file, fd_path, map_shared
 from pdserve.executor.messages import Shutdown, StepPlan, WorkerSpec, write_message
 from pdserve.executor.shm_collectives import ShmCollectives, buffer_bytes
@@ -41,15 +41,20 @@ class WorkerLost(RuntimeError):
 
 
 class TPExecutor:
-    """Ranks 1..size-1 as child processes, the TP group, the shared KV cache and step buffer."""
+    """Ranks 1..size-1 as child processes, the groups, the shared KV cache and step buffer.
 
-    def __init__(self, size: int, model_path: str, dtype: torch.dtype, device: torch.device,
+    size = tp_size * pp_size ranks: rank r is TP rank r % tp_size of pipeline stage
+    r // tp_size (pdserve.executor.stage_link); this process is rank 0, on the first stage."""
+
+    def __init__(self, tp_size: int, model_path: str, dtype: torch.dtype, device: torch.device,
                  kernel_backend: str, kv_shape: tuple[int, ...], threads: int,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False, pp_size: int = 1):
         if device.type != "cpu":
-            raise ValueError("tensor_parallel_size > 1 runs on CPU for now (the shared KV cache is "
-                             "host memory); see docs/tensor-parallelism.md")
-        self.size, self.threads, self.lost = size, threads, None
+            raise ValueError("tensor_parallel_size > 1 and pipeline_parallel_size > 1 run on CPU for now (the "
+                             "shared KV cache is host memory); see docs/tensor-parallelism.md")
+        self.tp_size, self.pp_size, self.size = tp_size, pp_size, tp_size * pp_size
+        self.kind = "tensor-parallel" if pp_size == 1 else "pipeline-parallel"  # (for messages)
+        self.threads, self.lost = threads, None
         self.closing = threading.Event()  # set before the workers are told to stop: their exit is no loss
         self.expert_parallel = expert_parallel
         nbytes = int(torch.tensor([], dtype=dtype).element_size())
@@ -57,23 +62,32 @@ class TPExecutor:
             nbytes *= d
         self._kv_fd = create_shared_file(nbytes, "kv")
         self._payload_fd = create_shared_file(DEFAULT_CAPACITY * 8, "steps")
-        self._coll_fd = create_shared_file(buffer_bytes(size), "collectives")
+        # One shared-memory collectives buffer per stage, for its TP ranks (none without TP).
+        self._coll_fds = [create_shared_file(buffer_bytes(tp_size), "collectives") for _ in range(pp_size)
+                          ] if tp_size > 1 else []
         self.kv_cache = map_shared(fd_path(self._kv_fd), kv_shape, dtype)
-        store = open_store(size, timeout_s)
-        spec = dict(world_size=size, store_host="127.0.0.1", store_port=store.port, model_path=str(model_path),
+        store = open_store(self.size, timeout_s)
+        spec = dict(world_size=self.size, store_host="127.0.0.1", store_port=store.port, model_path=str(model_path),
                     dtype=str(dtype).removeprefix("torch."), device=str(device), kernel_backend=kernel_backend,
                     threads=threads, kv_fd=self._kv_fd, kv_shape=list(kv_shape), payload_fd=self._payload_fd,
                     payload_capacity=DEFAULT_CAPACITY, timeout_s=timeout_s, expert_parallel=expert_parallel,
-                    collectives_fd=self._coll_fd)
-        self.workers = [self._start_watched(WorkerSpec(rank=r, **spec)) for r in range(1, size)]
+                    pp_size=pp_size)
+        self.workers = [self._start_watched(WorkerSpec(rank=r, collectives_fd=self._stage_coll_fd(r), **spec))
+                        for r in range(1, self.size)]
         self._finalizer = weakref.finalize(self, _close_workers, list(self.workers), self.closing)
         atexit.register(self._finalizer)
         set_rank_threads(threads)
         self._store = store
         self._wait_for("joined")  # a worker that dies on start fails us now, not at the group's timeout
-        shm = ShmCollectives(self._coll_fd, 0, size, self.raise_if_lost, timeout_s)
-        self.group: TPGroup = make_group(store, 0, size, device, timeout_s, shm)
-        self.channel = StepChannel(fd_path(self._payload_fd), DEFAULT_CAPACITY, self.group)
+        shm = (ShmCollectives(self._coll_fds[0], 0, tp_size, self.raise_if_lost, timeout_s)
+               if self._coll_fds else None)
+        groups = make_rank_groups(store, 0, tp_size, pp_size, device, timeout_s, shm)
+        self.group: TPGroup = groups.tp
+        self.node_group: TPGroup = groups.world  # every rank: the step broadcast, the stage links
+        self.channel = StepChannel(fd_path(self._payload_fd), DEFAULT_CAPACITY, self.node_group)
+
+    def _stage_coll_fd(self, rank: int) -> int:
+        return self._coll_fds[rank // self.tp_size] if self._coll_fds else -1
 
     def _start_watched(self, spec: WorkerSpec) -> subprocess.Popen:
         """Start a worker from a thread that then waits on it: PR_SET_PDEATHSIG fires when the
@@ -93,14 +107,14 @@ class TPExecutor:
         threading.Thread(target=run, daemon=True, name=f"tp-worker-{spec.rank}").start()
         spawned.wait()
         if not started:
-            raise WorkerLost(f"could not start tensor-parallel worker rank {spec.rank}")
+            raise WorkerLost(f"could not start {self.kind} worker rank {spec.rank}")
         return started[0]
 
     def _spawn(self, spec: WorkerSpec) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), NUMBA_NUM_THREADS=str(self.threads))
         cmd = [sys.executable, "-m", "pdserve.executor.worker", msgspec.json.encode(spec).decode()]
-        return subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, pass_fds=(self._kv_fd, self._payload_fd, self._coll_fd),
-                                preexec_fn=_die_with_parent)
+        fds = (self._kv_fd, self._payload_fd) + ((spec.collectives_fd,) if spec.collectives_fd >= 0 else ())
+        return subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, pass_fds=fds, preexec_fn=_die_with_parent)
 
     def wait_ready(self) -> None:
         """Block until every worker has built its shard (or fail if one died trying)."""
@@ -112,7 +126,7 @@ class TPExecutor:
         while not self._store.check(keys):
             self.raise_if_lost()
             if time.monotonic() > deadline:
-                raise WorkerLost(f"tensor-parallel workers not {stage} after {STARTUP_TIMEOUT_S:.0f} s")
+                raise WorkerLost(f"{self.kind} workers not {stage} after {STARTUP_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
 
     def send(self, plan: StepPlan, flat: torch.Tensor) -> None:
@@ -124,7 +138,7 @@ class TPExecutor:
             for proc in self.workers:
                 write_message(proc.stdin.fileno(), plan)
         except OSError as exc:
-            raise WorkerLost(f"a tensor-parallel worker is gone: {exc}") from None
+            raise WorkerLost(f"a {self.kind} worker is gone: {exc}") from None
         if not plan.in_shm:
             self.channel.broadcast(flat)
 
@@ -136,7 +150,7 @@ class TPExecutor:
         code = proc.wait()
         if self.closing.is_set():
             return
-        self.lost = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
+        self.lost = f"{self.kind} worker rank {rank} (pid {proc.pid}) exited with code {code}"
         log.error("%s; stopping the other workers", self.lost)
         _stop_workers(self.workers, grace_s=0.0)
         if EXIT_ON_WORKER_DEATH:
@@ -154,7 +168,7 @@ class TPExecutor:
             except (OSError, ValueError):
                 pass
         self._finalizer()
-        for fd in (self._kv_fd, self._payload_fd, self._coll_fd):
+        for fd in (self._kv_fd, self._payload_fd, *self._coll_fds):
             try:
                 os.close(fd)
             except OSError:

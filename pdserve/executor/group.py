@@ -41,6 +41,30 @@ def make_group(store: dist.TCPStore, rank: int, world_size: int, device: torch.d
     return NodeTPGroup(rank=rank, size=world_size, group=pg, shm=shm if use_shm_collectives() else None)
 
 
+@dataclasses.dataclass(frozen=True)
+class RankGroups:
+    """A rank's groups: its stage's TP group (the layers' collectives; size 1 without TP), and
+    the group of every rank of the node (the step-input broadcast, the links between stages).
+    Without pipeline stages they are one group."""
+    tp: TPGroup
+    world: TPGroup
+
+
+def make_rank_groups(store: dist.TCPStore, rank: int, tp_size: int, pp_size: int, device: torch.device,
+                     timeout_s: float, shm: ShmCollectives | None = None) -> RankGroups:
+    """Every rank builds the same groups in the same order (each build is a rendezvous): the
+    node's, then its stage's, each under a store prefix of its own."""
+    if pp_size == 1:
+        group = make_group(store, rank, tp_size, device, timeout_s, shm)
+        return RankGroups(group, group)
+    # gloo for the stage links: hidden states cross between processes on the host (CPU for now).
+    world = make_group(dist.PrefixStore("node", store), rank, tp_size * pp_size, torch.device("cpu"), timeout_s)
+    if tp_size == 1:
+        return RankGroups(TPGroup(), world)
+    stage_store = dist.PrefixStore(f"stage{rank // tp_size}", store)
+    return RankGroups(make_group(stage_store, rank % tp_size, tp_size, device, timeout_s, shm), world)
+
+
 def use_shm_collectives() -> bool:
     return os.environ.get("PDSERVE_TP_COLLECTIVES", "shm") != "gloo"
 

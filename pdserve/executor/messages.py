@@ -29,6 +29,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     timeout_s: float
     collectives_fd: int = -1       # inherited descriptor of the shared-memory collectives' buffer
     expert_parallel: bool = False  # MoE experts partitioned across ranks, not split inside each
+    pp_size: int = 1               # pipeline stages; world_size = pp_size * the TP degree
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="step"):
@@ -41,6 +42,9 @@ class StepPlan(msgspec.Struct, frozen=True, tag="step"):
     sample_rows: list[int]                # then these rows' logits (all rows when all_logits)
     all_logits: bool
     in_shm: bool
+    # Pipeline: the last stage sends the step's final hidden states back to the driver instead
+    # of logits (embeddings).
+    return_hidden: bool = False
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):

@@ -25,7 +25,7 @@ class TPModelRunner(ModelRunner):
         self.executor = executor
         self.steps, self.send_seconds = 0, 0.0  # for the benchmark's per-step figures
         total_heads = executor.kv_cache.shape[4]
-        self.layer_caches = rank_layer_caches(executor.kv_cache, kv_head_range(total_heads, executor.size, 0))
+        self.layer_caches = rank_layer_caches(executor.kv_cache, kv_head_range(total_heads, executor.tp_size, 0))
 
     @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]], all_logits: bool = False, pending=None

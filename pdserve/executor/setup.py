@@ -1,5 +1,5 @@
-"""Starting a node's tensor-parallel executor and loading the driver's shard (what
-pdserve.assembly.build calls at tensor_parallel_size > 1)."""
+"""Starting a node's executor and loading the driver's shard (what pdserve.assembly.build
+calls at tensor_parallel_size > 1 or pipeline_parallel_size > 1)."""
 from __future__ import annotations
 
 import os
@@ -10,6 +10,7 @@ import torch
 from pdserve.executor.executor import TPExecutor
 from pdserve.layers.parallel import set_tp_group
 from pdserve.models.loader import FAMILY_MODULES, load_model
+from pdserve.models.pipeline import cut_to_stage, pp_layer_range
 from pdserve.models.tp_shard import shard_decoder_model
 
 # Families built from pdserve.layers (sharded as they are built), and families loaded whole
@@ -41,35 +42,50 @@ def check_tp_support(hf_config, size: int, expert_parallel: bool = False) -> Non
             raise ValueError(f"tensor_parallel_size={size} does not divide the {experts} experts")
 
 
+def check_pp_support(hf_config, size: int) -> None:
+    """Pipeline stages run the families tensor parallelism runs, text only, with a layer each."""
+    arch = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
+    if arch not in TP_FAMILIES:
+        raise ValueError(f"pipeline_parallel_size={size}: {arch} is not split into pipeline stages yet; "
+                         f"pipeline parallelism supports {', '.join(TP_FAMILIES)}")
+    pp_layer_range(hf_config.num_hidden_layers, 0, size)  # refuses more stages than layers
+
+
 def rank_threads(config) -> int:
     if config.threads_per_rank:
         return config.threads_per_rank
-    return max(1, torch.get_num_threads() // config.tensor_parallel_size)
+    return max(1, torch.get_num_threads() // (config.tensor_parallel_size * config.pipeline_parallel_size))
 
 
 def start_executor(config, model_path, hf_config, dtype: torch.dtype, device: torch.device,
                    kv_shape: tuple[int, ...]) -> TPExecutor:
-    size = config.tensor_parallel_size
-    check_tp_support(hf_config, size, config.enable_expert_parallel)
+    size, stages = config.tensor_parallel_size, config.pipeline_parallel_size
+    if size > 1:
+        check_tp_support(hf_config, size, config.enable_expert_parallel)
+    if stages > 1:
+        check_pp_support(hf_config, stages)
     return TPExecutor(size, os.fspath(model_path), dtype, device, config.kernel_backend, kv_shape,
-                      rank_threads(config), expert_parallel=config.enable_expert_parallel)
+                      rank_threads(config), expert_parallel=config.enable_expert_parallel, pp_size=stages)
 
 
-def load_shard(model_path, hf_config, dtype: torch.dtype, device: torch.device, group, expert_parallel: bool):
-    """This rank's shard of the model (the driver's and every worker's)."""
+def load_shard(model_path, hf_config, dtype: torch.dtype, device: torch.device, group, expert_parallel: bool,
+               stage: int = 0, num_stages: int = 1):
+    """This rank's shard of the model (the driver's and every worker's): its TP slice, cut to its
+    pipeline stage's layers (loaded whole, then the other stages' layers dropped)."""
     set_tp_group(group)
     try:
         model = load_model(Path(model_path), hf_config, dtype, device)
     finally:
         set_tp_group(None)  # another engine in this process builds unsharded unless it sets its own
-    if hf_config.architectures[0] in SHARDED_AFTER_LOAD:
+    if hf_config.architectures[0] in SHARDED_AFTER_LOAD and group.size > 1:
         shard_decoder_model(model, group, expert_parallel)
-    return model
+    return cut_to_stage(model, stage, num_stages) if num_stages > 1 else model
 
 
 def load_driver_shard(executor: TPExecutor, model_path, hf_config, dtype: torch.dtype, device: torch.device):
     """Rank 0's shard, built with the TP group set (layers read it as they are built), then wait
     for the workers' shards."""
-    model = load_shard(model_path, hf_config, dtype, device, executor.group, executor.expert_parallel)
+    model = load_shard(model_path, hf_config, dtype, device, executor.group, executor.expert_parallel,
+                       0, executor.pp_size)
     executor.wait_ready()
     return model

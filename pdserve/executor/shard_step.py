@@ -1,6 +1,7 @@
 """One model step on one rank, the same on the driver and on every worker: the step's flat
-inputs into tensors, the forward pass over the rank's shard and KV heads, and the LM-head
-passes (each a collective, so every rank runs them in the same order)."""
+inputs into tensors, the forward pass over the rank's shard and KV heads (and, with pipeline
+stages, its layers: the hidden states come from the stage before and go to the stage after),
+and the LM-head passes (each a collective, so every rank runs them in the same order)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +11,7 @@ from pdserve.engine.model_runner import AttentionContext, AttentionMetadata
 from pdserve.engine.prompt_logprobs import pass_rows, span_passes
 from pdserve.engine.step_inputs import StepInputs
 from pdserve.executor.messages import StepPlan
+from pdserve.executor.stage_link import StageLink
 
 
 def make_plan(inputs: StepInputs, num_decodes: int, spans, all_logits: bool, in_shm: bool) -> StepPlan:
@@ -38,14 +40,36 @@ def step_tensors(flat: torch.Tensor, plan: StepPlan, device: torch.device):
     return ints64[0], ints64[1], meta
 
 
-@torch.inference_mode()
-def run_worker_step(model, ops, layer_caches, device: torch.device, plan: StepPlan, flat: torch.Tensor) -> None:
-    """A worker's share of a step; the logits it helps gather are the driver's to use."""
-    token_ids, positions, meta = step_tensors(flat, plan, device)
-    hidden = model(token_ids, positions, AttentionContext(ops, layer_caches, meta))
-    for start, end in plan.logit_passes:
-        model.compute_logits(hidden[start:end])
+def result_rows(plan: StepPlan) -> int:
+    """Rows of logits a step gives the driver: the prompt-logprob passes', then the sampled rows'
+    (or every row's)."""
+    sampled = plan.num_tokens if plan.all_logits else len(plan.sample_rows)
+    return sum(end - start for start, end in plan.logit_passes) + sampled
+
+
+def step_logits(model, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+    """The step's logit rows in the plan's order (result_rows of them), each pass a collective."""
+    parts = [model.compute_logits(hidden[start:end]) for start, end in plan.logit_passes]
     if plan.all_logits:
-        model.compute_logits(hidden)
+        parts.append(model.compute_logits(hidden))
     elif plan.sample_rows:
-        model.compute_logits(hidden[plan.sample_rows])
+        parts.append(model.compute_logits(hidden[plan.sample_rows]))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
+
+
+@torch.inference_mode()
+def run_worker_step(model, ops, layer_caches, device: torch.device, plan: StepPlan, flat: torch.Tensor,
+                    link: StageLink | None = None) -> None:
+    """A worker's share of a step. Without pipeline stages (link None) the logits it helps
+    gather are the driver's to use; with them, a stage before the last hands its hidden states
+    on, and the last stage's first rank sends the step's results to the driver."""
+    token_ids, positions, meta = step_tensors(flat, plan, device)
+    if link is not None and not link.role.first:
+        model.embed_tokens.hidden = link.recv_hidden(plan.num_tokens)
+    hidden = model(token_ids, positions, AttentionContext(ops, layer_caches, meta))
+    if link is not None and not link.role.last:
+        link.send_hidden(hidden)
+        return
+    result = hidden if plan.return_hidden else step_logits(model, hidden, plan)
+    if link is not None and link.role.tp_rank == 0:
+        link.send_result(result)

@@ -1,5 +1,6 @@
-"""A tensor-parallel worker's shard: its part of the model, the node's shared KV cache and step
-buffer mapped in, and one step run per StepPlan (pdserve.executor.worker drives it).
+"""A worker's shard: its part of the model (its TP slice of its pipeline stage's layers), the
+node's shared KV cache and step buffer mapped in, and one step run per StepPlan
+(pdserve.executor.worker drives it).
 
 Kept apart from the worker's entry point, which imports this module only after it has set
 SIGINT aside: torch and the model code load here and take seconds, and a Ctrl-C meanwhile is
@@ -12,12 +13,13 @@ from pathlib import Path
 
 import torch
 
-from pdserve.executor.group import join_store, make_group, set_rank_threads
+from pdserve.executor.group import join_store, make_rank_groups, set_rank_threads
 from pdserve.executor.kv_shared import fd_path, kv_head_range, map_shared, rank_layer_caches
 from pdserve.executor.messages import WorkerSpec
 from pdserve.executor.setup import load_shard
 from pdserve.executor.shard_step import run_worker_step
 from pdserve.executor.shm_collectives import ShmCollectives
+from pdserve.executor.stage_link import StageLink, StageRole
 from pdserve.executor.step_channel import StepChannel
 from pdserve.kernels import get_fused_layer_ops, get_ops
 from pdserve.models.loader import load_hf_config
@@ -31,14 +33,19 @@ class Shard:
         self.device = torch.device(spec.device)
         store = join_store(spec.store_host, spec.store_port, spec.world_size, spec.timeout_s)
         store.set(f"joined/{spec.rank}", "1")
-        shm = ShmCollectives(spec.collectives_fd, spec.rank, spec.world_size, driver_check(), spec.timeout_s)
-        group = make_group(store, spec.rank, spec.world_size, self.device, spec.timeout_s, shm)
-        self.channel = StepChannel(fd_path(spec.payload_fd), spec.payload_capacity, group)
+        role = StageRole(spec.rank, spec.world_size // spec.pp_size, spec.pp_size)
+        shm = (ShmCollectives(spec.collectives_fd, role.tp_rank, role.tp_size, driver_check(), spec.timeout_s)
+               if spec.collectives_fd >= 0 else None)
+        groups = make_rank_groups(store, spec.rank, role.tp_size, role.pp_size, self.device, spec.timeout_s, shm)
+        self.channel = StepChannel(fd_path(spec.payload_fd), spec.payload_capacity, groups.world)
         dtype = getattr(torch, spec.dtype)
         hf_config = load_hf_config(Path(spec.model_path))
-        self.model = load_shard(spec.model_path, hf_config, dtype, self.device, group, spec.expert_parallel)
+        self.model = load_shard(spec.model_path, hf_config, dtype, self.device, groups.tp, spec.expert_parallel,
+                                stage=role.stage, num_stages=role.pp_size)
+        self.link = (StageLink(groups.world.group, role, self.model.spec.hidden_size, dtype)
+                     if role.pp_size > 1 else None)
         kv_cache = map_shared(fd_path(spec.kv_fd), spec.kv_shape, dtype)
-        heads = kv_head_range(spec.kv_shape[4], spec.world_size, spec.rank)
+        heads = kv_head_range(spec.kv_shape[4], role.tp_size, role.tp_rank)
         self.layer_caches = rank_layer_caches(kv_cache, heads)
         self.ops = get_ops(spec.kernel_backend, self.device.type)
         if hasattr(self.ops, "warm_up"):
@@ -49,7 +56,7 @@ class Shard:
 
     def step(self, plan) -> None:
         flat = self.channel.receive(plan)
-        self._run_step(self.model, self.ops, self.layer_caches, self.device, plan, flat)
+        self._run_step(self.model, self.ops, self.layer_caches, self.device, plan, flat, self.link)
 
 
 def driver_check():

@@ -1,0 +1,180 @@
+"""Pipeline parallelism offline (pdserve.executor with pipeline stages): a PP 2 engine (this
+process runs the first stage, a worker process the second) on random-weight checkpoints with an
+odd layer count (an uneven split) equals transformers' greedy output in float32, batched, with
+prefix-cache hits and with preemption; seeded sampling, prompt logprobs and embeddings equal
+PP 1; the KV blocks' bytes and keys do not depend on PP; a lost stage fails the engine's next
+step and no worker outlives its driver."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from family_models import NEW_TOKENS, check_offline_greedy, make_family_model, random_prompts, reference_greedy
+from family_models import load_reference as load_family_reference
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.embedding import EmbeddingBatch
+from pdserve.engine.request import Request
+from pdserve.executor.executor import WorkerLost
+from pdserve.models.pipeline import pp_layer_range
+from pdserve.testing.model_factory import load_reference, make_deepseek, make_model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pp")
+    # Three layers each: stage 0 holds layers 0-1 (with the embedding), stage 1 layer 2 (with
+    # the norm and the LM head).
+    return {"llama": make_model(root, "llama", num_hidden_layers=3),
+            "qwen3_moe": make_family_model(root, "qwen3_moe", num_hidden_layers=3),
+            "deepseek_v3": make_deepseek(root, "deepseek_v3")}
+
+
+def _reference(models, kind):
+    return (load_family_reference if kind == "qwen3_moe" else load_reference)(models[kind])
+
+
+def test_layers_split_as_vllm_does():
+    """By count, the remainder one each to the stages before the last (vLLM's get_pp_indices)."""
+    assert [pp_layer_range(3, s, 2) for s in range(2)] == [(0, 2), (2, 3)]
+    assert [pp_layer_range(20, s, 4) for s in range(4)] == [(0, 5), (5, 10), (10, 15), (15, 20)]
+    assert [pp_layer_range(10, s, 4) for s in range(4)] == [(0, 2), (2, 5), (5, 8), (8, 10)]
+    with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
+        pp_layer_range(2, 0, 3)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_pp2_greedy_equals_transformers(models, kind):
+    path = models[kind]
+    llm = LLM(model=str(path), pipeline_parallel_size=2, num_kv_blocks=9, max_num_batched_tokens=32)
+    try:
+        model = llm.engine.model
+        assert model.pp_layers == (0, 2), "the driver holds the first stage: layers 0 and 1"
+        assert model.lm_head is None, "the LM head belongs to the last stage"
+        check_offline_greedy(path, _reference(models, kind), llm)
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def llama_pp2(models):
+    # Built on a thread that ends at once: the workers must outlive the thread that started them
+    # (PR_SET_PDEATHSIG follows the forking thread, not the process).
+    built: list[LLM] = []
+    thread = threading.Thread(target=lambda: built.append(
+        LLM(model=str(models["llama"]), pipeline_parallel_size=2, num_kv_blocks=64)))
+    thread.start()
+    thread.join()
+    llm = built[0]
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def llama_pp1(models):
+    llm = LLM(model=str(models["llama"]), num_kv_blocks=64)
+    yield llm
+    llm.close()
+
+
+def test_pp2_sampling_and_prompt_logprobs_equal_pp1(llama_pp1, llama_pp2):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(7, 250, [5, 30, 61])]
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True, prompt_logprobs=2)
+    want = llama_pp1.generate(prompts, params, use_tqdm=False)
+    got = llama_pp2.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(want, got):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+    prompt = prompts[2]["prompt_token_ids"]
+    assert torch.allclose(llama_pp1.engine.prompt_logits(prompt), llama_pp2.engine.prompt_logits(prompt), atol=1e-4)
+    assert llama_pp2.engine.pool.num_in_use() == 0
+
+
+def test_pp2_embeddings_equal_pp1(llama_pp1, llama_pp2):
+    """Hidden states, no LM head: the last stage sends them back instead of logits."""
+    prompts = random_prompts(4, 250, [6, 25])
+    vectors = []
+    for llm in (llama_pp1, llama_pp2):
+        batch = EmbeddingBatch(prompts, "mean")
+        while not batch.done:
+            assert batch.advance(llm.engine)
+        vectors.append(batch.vectors)
+    for a, b in zip(*vectors):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+
+
+def test_kv_blocks_and_keys_do_not_depend_on_pp(llama_pp1, llama_pp2):
+    """The node's cache holds every layer whatever the stages, so a block computed at PP 2 has
+    PP 1's layout and values under PP 1's key: what the store and NIXL hand over, and what a prefix hit
+    across nodes of different degrees rests on."""
+    prompt = random_prompts(11, 250, [40])[0]
+    params = SamplingParams(max_tokens=1, temperature=0)
+    blocks = []
+    for llm in (llama_pp1, llama_pp2):
+        llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        keys = llm.engine.kv.block_keys(Request("keys", prompt, params))
+        blocks.append((keys, [llm.engine.pool.lookup(k) for k in keys], llm.engine.kv_cache))
+    (keys1, ids1, cache1), (keys2, ids2, cache2) = blocks
+    assert keys1 == keys2 and len(keys1) == len(prompt) // 16
+    assert None not in ids1 + ids2, "the prompt's blocks should be cached"
+    for b1, b2 in zip(ids1, ids2):
+        torch.testing.assert_close(cache2[b2], cache1[b1], atol=1e-5, rtol=0)  # (another thread count)
+
+
+def test_lost_stage_fails_the_next_step_and_leaves_no_process(llama_pp2):
+    worker = llama_pp2.engine.executor.workers[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait(timeout=10)
+    with pytest.raises(WorkerLost, match="rank 1"):
+        for _ in range(50):  # the watcher thread notices within a moment
+            llama_pp2.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert all(w.poll() is not None for w in llama_pp2.engine.executor.workers)
+
+
+def test_stages_die_with_their_driver(models):
+    """SIGKILL the driver process (no cleanup runs): its stage worker goes too."""
+    script = textwrap.dedent(f"""
+        from pdserve import LLM
+        llm = LLM({str(models['llama'])!r}, pipeline_parallel_size=2, num_kv_blocks=16)
+        print("ready", flush=True)
+        import time; time.sleep(600)
+    """)
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline().strip() == "ready"
+        workers = psutil.Process(driver.pid).children()
+        assert len(workers) == 1
+        driver.kill()
+        driver.wait(timeout=10)
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"workers outlived their driver: {alive}"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+
+
+def test_pp2_tp2_greedy_equals_transformers(models):
+    """Four processes: two stages of two TP ranks each (a light batch: they share two cores)."""
+    path = models["llama"]
+    ref = load_reference(path)
+    llm = LLM(model=str(path), pipeline_parallel_size=2, tensor_parallel_size=2, num_kv_blocks=32,
+              max_num_batched_tokens=32)
+    try:
+        assert llm.engine.model.layers[0].self_attn.num_heads == 2
+        prompts = random_prompts(8, ref.config.vocab_size, [9, 45])
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == reference_greedy(ref, prompt, NEW_TOKENS)[0]
+    finally:
+        llm.close()
