@@ -28,6 +28,7 @@ from pdserve.cluster.router_liveness import RouterLiveness
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.footprint import footprint
 from pdserve.kvstore.embedding_store import EmbeddingStore
+from pdserve.node.compat import NodeCompat
 from pdserve.node.compute_thread import compute_executor
 from pdserve.node.embeddings import EmbeddingQueue
 from pdserve.node.kv_events import KVEventPublisher
@@ -93,6 +94,7 @@ class NodeRuntime:
         control socket, KV event stream, counters and step thread carry over)."""
         self.engine = engine
         self.node_id = node_id
+        self.compat = NodeCompat(engine)  # what its KV is, in every pong (the router pairs by it)
         self.poller = zmq.Poller()
         if isinstance(bind, NodeRuntime):
             self._take_over(bind)
@@ -266,7 +268,7 @@ class NodeRuntime:
                      **footprint(self.engine), **spec_stats(engine), **encoder_stats(engine))
         return Pong(ping.seq, self.node_id, self.role, len(sched.requests),
                     engine.pool.num_free, engine.pool.num_blocks, stats,
-                    kv_salt=engine.salt, state=self.state(), **lora_pong_fields(engine))
+                    kv_salt=engine.salt, state=self.state(), compat=self.compat.current(), **lora_pong_fields(engine))
 
     # ---- draining -------------------------------------------------------------------------
     def drain(self, msg: Drain) -> None:

@@ -10,6 +10,7 @@ import msgspec
 from pdserve.protocol.multimodal import ImageInput
 from pdserve.protocol.outputs import StepOutput, TokenLogprob
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.wire.compat import KVCompat
 from pdserve.wire.handover import KVHandover, NixlMetadata, NixlMetadataRequest, Transport
 
 # Bump when routers and nodes can no longer read each other's messages: a router keeps a node whose
@@ -41,6 +42,9 @@ class Pong(msgspec.Struct, tag=True):
     active_loras: list[str] = []  # ... and those resident in its slots now (no load to serve them)
     lora_enabled: bool = False    # the node's engine serves adapters at all (--enable-lora)
     version: int = WIRE_VERSION   # the messages the node speaks
+    # What the node's KV is (weights digest, dtypes, layout, shape): the router pairs only nodes
+    # whose KV agrees (pdserve.wire.compat); None from a node that does not say.
+    compat: KVCompat | None = None
 
 
 class KVEvents(msgspec.Struct, tag=True):

@@ -36,4 +36,5 @@ class HealthReport:
                 **node.stats, "routed_requests": len(node.requests),
                 "index_blocks": self.index.size(node.node_id),
                 "kv_event_seq_applied": self.kv_tracker.seq(node.node_id),
-                "state": self.drains.state(node.node_id), **self.adapters.report(node.node_id)}
+                "state": self.drains.state(node.node_id), **self.adapters.report(node.node_id),
+                **({"refused": node.refusal} if node.refusal else {})}

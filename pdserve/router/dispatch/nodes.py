@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from pdserve.router.dispatch.compat_gate import CompatGate
 from pdserve.wire.curve_keys import RouterKeys
 from pdserve.wire.messages import WIRE_VERSION, Message, Ping, Pong, decode, encode
 
@@ -52,7 +53,8 @@ class Node:
     draining: bool = False  # finishing its requests; no new ones are routed to it
     nixl_side_channel: str | None = None  # as the node registered it (None for static nodes)
     closed: bool = False  # removed from the pool: its socket is closed
-    refused: bool = False  # its pongs speak another WIRE_VERSION: kept out of the rotation
+    refused: bool = False  # its pongs speak another WIRE_VERSION or its KV differs: out of the rotation
+    refusal: str = ""  # why it is refused, for /health
 
 
 class NodePool:
@@ -72,6 +74,7 @@ class NodePool:
         self.nodes += [self._connect(f"encode-{i}", "encode", a) for i, a in enumerate(encode_addrs)]
         self.on_message = on_message
         self.on_dead = on_dead
+        self.compat = CompatGate()  # which nodes' KV agrees: only those are paired
         self._tasks: list[asyncio.Task] = []
         self._node_tasks: dict[str, list[asyncio.Task]] = {}
         self._started = False
@@ -96,8 +99,9 @@ class NodePool:
         return Node(node_id, role, address, sock)
 
     def by_role(self, role: str, healthy_only: bool = True) -> list[Node]:
-        """The nodes of `role` that may take new requests: never a draining one."""
-        return [n for n in self.nodes if n.role == role and not n.draining and (n.healthy or not healthy_only)]
+        """The nodes of `role` that may take new requests: never a draining or refused one."""
+        return [n for n in self.nodes if n.role == role and not n.draining and not n.refused
+                and (n.healthy or not healthy_only)]
 
     def get(self, node_id: str) -> Node | None:
         return next((n for n in self.nodes if n.node_id == node_id), None)
@@ -122,6 +126,7 @@ class NodePool:
             return
         self.mark_dead(node, "left the cluster")
         self.nodes.remove(node)
+        self.compat.forget(node_id)
         tasks = self._node_tasks.pop(node_id, [])
         for task in tasks:
             task.cancel()
@@ -207,9 +212,16 @@ class NodePool:
             except Exception as exc:  # a malformed message is dropped, never fatal
                 log.warning("bad message from %s: %s", node.node_id, exc)
                 continue
-            if isinstance(msg, Pong):
-                self._on_pong(node, msg)
+            if isinstance(msg, Pong) and not self.take_pong(node, msg):
+                continue  # a refused node's pongs go no further
             self.on_message(node, msg)
+
+    def take_pong(self, node: Node, msg: Pong) -> bool:
+        """Update the node's health from its pong; False when the node is refused."""
+        if self._compat_refused(node, msg):
+            return False
+        self._on_pong(node, msg)
+        return True
 
     @staticmethod
     def _on_pong(node: Node, msg: Pong) -> None:
@@ -226,3 +238,19 @@ class NodePool:
         node.kv_salt = msg.kv_salt or node.kv_salt
         node.stats = {"requests": msg.num_requests, "free_blocks": msg.free_blocks,
                       "total_blocks": msg.total_blocks, **msg.stats}
+
+    def _compat_refused(self, node: Node, msg: Pong) -> bool:
+        """A node whose KV differs from the admitted group's stays out of the rotation (the
+        reason logged once and in /health); requests it holds move elsewhere."""
+        if msg.compat is not None:
+            self.compat.report(node.node_id, node.role, msg.compat)
+        why = self.compat.refusal(node.node_id)
+        if why is None:
+            node.refusal = ""
+            return False
+        if node.refusal != why:
+            log.error("%s (%s) refused: it computes other KV than the nodes it would pair with (%s); no "
+                      "request is routed to it", node.node_id, node.address, why)
+        node.refused, node.refusal = True, why
+        self.mark_dead(node, "was refused")
+        return True
