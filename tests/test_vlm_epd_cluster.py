@@ -1,9 +1,10 @@
-"""Encoder nodes (E/P/D) with `pdserve up --encode-nodes 1`: a tiny random Qwen2.5-VL through the
-store, the encoder node encoding and the prefill node loading the embeddings (and a lost encoder
-node costing nothing), then Gemma 3 (image tokens attend both ways) with its KV over NIXL and its
-embeddings through a Redis. Greedy output equals the offline engine's (itself exact against
-transformers: test_qwen2_5_vl_engine.py, test_gemma3_vl_engine.py). Each cluster runs alone,
-with 256 KV blocks a node: several clusters at once are memory CI lacks.
+"""Encoder nodes (E/P/D) with `pdserve up --encode-nodes 1`: Gemma 3 (image tokens attend both
+ways) with its KV and its embeddings over NIXL and no Redis, a decode node and then the encoder
+node killed; a tiny random Qwen2.5-VL through the store, the encoder node encoding and the prefill
+node loading the embeddings (and a lost encoder node costing nothing). Greedy output equals
+transformers' generate, or the offline engine's (itself exact against transformers:
+test_qwen2_5_vl_engine.py, test_gemma3_vl_engine.py). Each cluster runs alone, with 256 KV blocks
+a node: several clusters at once are memory CI lacks.
 """
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ openai = pytest.importorskip("openai")
 Image = pytest.importorskip("PIL.Image")
 
 from pdserve.offline.llm import LLM  # noqa: E402
-from pdserve.testing.redis_server import redis_server  # noqa: E402
-from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, wait_for  # noqa: E402
-from pdserve.testing.vlm_chat import CASES, chat, offline, random_pictures  # noqa: E402
-from pdserve.testing.vlm_checkpoints import make_gemma3_vl, make_qwen2_5_vl  # noqa: E402
+from pdserve.testing.up_cluster import DecodeNodeKiller, node_pids, node_stats, running_cluster, wait_for  # noqa: E402
+from pdserve.testing.vlm_chat import CASES, chat, offline, random_pictures, transformers_greedy  # noqa: E402
+from pdserve.testing.vlm_checkpoints import load_gemma3_vl_reference, make_gemma3_vl, make_qwen2_5_vl  # noqa: E402
 
 SMALL_KV = ("--num-kv-blocks", "256")
+LONG = 400  # a stream long enough that a kill after token 20 lands mid-stream
 
 
 @pytest.fixture(scope="module")
@@ -34,22 +35,36 @@ def _stat(url: str, role: str, name: str) -> int:
     return sum(s.get(name, 0) for s in node_stats(url).values() if s["role"] == role and s["healthy"])
 
 
-def test_gemma3_chat_with_images_equals_offline(tmp_path_factory, pictures):
-    """Gemma 3, 16 tokens a prefill step (the prefill node never cuts an image across chunks),
-    E/P/D with its KV over NIXL and the embeddings through a Redis."""
+def test_gemma3_epd_over_nixl_equals_transformers(tmp_path_factory, pictures):
+    """Gemma 3 E/P/D with no Redis: KV and embeddings both over NIXL, 16 tokens a prefill step
+    (the prefill node never cuts an image across chunks). Greedy tokens equal transformers'; the
+    prefill node READs the embeddings and encodes nothing; a decode node killed mid-stream and
+    then the encoder node killed each cost nothing."""
     path = make_gemma3_vl(tmp_path_factory.mktemp("gemma3_cluster"))
-    gemma = LLM(str(path), block_size=16, num_kv_blocks=256)
-    common = ("--model", str(path), "--served-model-name", "vlm", "--prefill-nodes", "1", "--decode-nodes", "1",
-              "--max-num-batched-tokens", "16", *SMALL_KV)
-    with redis_server() as (redis_url, _), running_cluster(
-            *common, "--kv-transfer", "nixl", "--store", redis_url, "--encode-nodes", "1") as (url, _):
+    gemma, reference = LLM(str(path), block_size=16, num_kv_blocks=256), load_gemma3_vl_reference(path)
+    tokenizer = gemma.get_tokenizer()
+    with running_cluster("--model", str(path), "--served-model-name", "vlm", "--prefill-nodes", "1",
+                         "--decode-nodes", "2", "--encode-nodes", "1", "--kv-transfer", "nixl",
+                         "--max-num-batched-tokens", "16", *SMALL_KV) as (url, proc):
         for before, which, after in CASES:
             images = [pictures[i] for i in which]
             ids, usage = chat(url, before, images, after)
-            want, prompt_tokens = offline(gemma, before, images, after, 8)
-            assert ids == want and usage.prompt_tokens == prompt_tokens, before
-        wait_for(lambda: _stat(url, "encode", "encoder_runs") == 2, timeout_s=10)
-        assert _stat(url, "prefill", "encoder_runs") == 0
+            want = transformers_greedy(reference, tokenizer, before, images, after, 8)
+            assert ids[:len(want)] == want and usage.prompt_tokens == offline(gemma, before, images, after, 1)[1]
+        wait_for(lambda: _stat(url, "prefill", "embeddings_loaded") == 2, timeout_s=10)
+        assert _stat(url, "encode", "encoder_runs") == 2 and _stat(url, "prefill", "encoder_runs") == 0
+        assert _stat(url, "prefill", "embedding_bytes_nixl") > 0 and _stat(url, "prefill", "integrity_failures") == 0
+        assert 'pdserve_embedding_transfer_bytes_total{node="prefill-0",path="nixl"}' in httpx.get(
+            f"{url}/metrics", timeout=10).text
+        killer = DecodeNodeKiller(url, proc.pid)
+        ids, _ = chat(url, "Tell a long story about ", [pictures[2]], ".", LONG, killer)
+        assert killer.killed, "the stream ended before a decode node could be killed"
+        assert ids == offline(gemma, "Tell a long story about ", [pictures[2]], ".", LONG)[0]
+        os.kill(node_pids(proc.pid)["encode-0"], signal.SIGKILL)
+        new = random_pictures(seed=2)[:1]  # in no encoder cache yet
+        want = transformers_greedy(reference, tokenizer, "Lost: ", new, "?", 8)
+        assert chat(url, "Lost: ", new, "?")[0][:len(want)] == want
+        wait_for(lambda: _stat(url, "prefill", "encoder_runs") >= 1, timeout_s=10)
 
 
 def test_encoder_node_encodes_and_a_lost_one_costs_nothing(tmp_path_factory, pictures):

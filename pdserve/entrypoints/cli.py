@@ -63,6 +63,9 @@ def _add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) -
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many processes (this one and N-1 workers), "
                         "one thread each by default")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="split the model's layers into this many pipeline stages, each a process (this one "
+                        "runs the first) with --tensor-parallel-size ranks")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE at --tensor-parallel-size > 1: each process holds a share of the experts whole, "
                         "instead of a slice of every expert")
@@ -247,6 +250,12 @@ def _add_cluster_parsers(sub) -> None:
     dec.set_defaults(func=partial(_run_node, "decode"))
     enc = sub.add_parser("encode", help="run one encoder node: a vision-language model's image encoder (E/P/D)")
     _add_node_args(enc, "encode")
+    enc.add_argument("--nixl-side-channel", default=None,
+                     help="zmq endpoint serving NIXL metadata: embeddings are handed over by NIXL READ "
+                          "(else through --store)")
+    enc.add_argument("--lease-s", type=float, default=30.0, help="seconds NIXL-pinned embeddings are kept")
+    enc.add_argument("--advertise-host", default=None,
+                     help="host name prefill nodes dial for the side channel (when bound to 0.0.0.0)")
     enc.set_defaults(func=partial(_run_node, "encode"))
     rt = sub.add_parser("router", help="run the OpenAI-compatible router")
     rt.add_argument("--model", default=DEFAULT_MODEL, help="the served model: its tokenizer and name")
@@ -303,8 +312,8 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     up.add_argument("--decode-nodes", type=int, default=1, help="decode nodes to start")
     up.add_argument("--encode-nodes", type=int, default=0,
                     help="encoder nodes to start for a vision-language model (E/P/D): they encode images and "
-                         "hand the embeddings to prefill nodes through the store (needs --kv-transfer store "
-                         "or --store redis://...); 0: prefill nodes encode")
+                         "hand the embeddings to prefill nodes as the KV goes (--kv-transfer): by NIXL READ or "
+                         "through the store; 0: prefill nodes encode")
     up.add_argument("--kv-transfer", choices=["nixl", "store"], default=_default_transfer(),
                     help="how prefill nodes hand KV to decode nodes")
     up.add_argument("--store", default=None,
@@ -319,6 +328,9 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
         up.add_argument(f"--{role}-tp", type=parse_degrees, default="1", metavar="N[,N...]",
                         help=f"tensor-parallel size of each {role} node; a comma list gives the {role} nodes "
                              f"their sizes in turn ({role}-i: entry i mod the list's length)")
+        up.add_argument(f"--{role}-pp", type=parse_degrees, default="1", metavar="N[,N...]",
+                        help=f"pipeline stages of each {role} node (each stage --{role}-tp ranks); a comma list "
+                             f"gives the {role} nodes theirs in turn")
     _add_speculative_args(up, " on the decode nodes (they run whole requests too, with --prefill-nodes 0)",
                           "; a JSON list of them gives the decode nodes theirs in turn (decode-i: entry i mod "
                           "the list's length; null: no speculation on that node)")

@@ -24,7 +24,7 @@ from pdserve.engine.config import lora_flags
 from pdserve.entrypoints.http_flags import check_tls, http_flags, url_scheme
 from pdserve.entrypoints.node_speculation import check_speculative_configs, node_speculative_config
 from pdserve.entrypoints.ray_launch import run_up_ray
-from pdserve.entrypoints.tp_degrees import node_degree, pool_ranks
+from pdserve.entrypoints.tp_degrees import node_parallel_flags, node_ranks, pool_ranks
 from pdserve.kvstore.redact import embedding_store_url, redact_url
 from pdserve.models.gguf import find_gguf_file, prepare_view
 from pdserve.wire.curve_keys import write_keys
@@ -76,16 +76,16 @@ class Cluster:
         self.commands[name] = (cmd, env)
         self.procs.append((name, subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
 
-    def threads_per_node(self, tp: int = 1) -> int:
-        """A node's threads: its ranks' share of the cores (a TP node gets one share per rank,
-        and its engine gives each rank its part; see pdserve.executor)."""
+    def threads_per_node(self, ranks: int = 1) -> int:
+        """A node's threads: its ranks' share of the cores (a TP or PP node gets one share per
+        rank, and its engine gives each rank its part; see pdserve.executor)."""
         a = self.args
         if a.threads_per_node:
             return a.threads_per_node
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        ranks = (pool_ranks(a, "prefill", a.prefill_nodes) + pool_ranks(a, "decode", a.decode_nodes)
-                 + getattr(a, "encode_nodes", 0))
-        return tp * max(1, cores // max(1, ranks))
+        all_ranks = (pool_ranks(a, "prefill", a.prefill_nodes) + pool_ranks(a, "decode", a.decode_nodes)
+                     + getattr(a, "encode_nodes", 0))
+        return ranks * max(1, cores // max(1, all_ranks))
 
     def node_cmd(self, role: str, node_id: str, bind: str, extra: list[str]) -> list[str]:
         cmd = [sys.executable, "-m", "pdserve", "--log-level", self.args.log_level, role,
@@ -164,8 +164,8 @@ class Cluster:
         index = self._next_index[role]
         node_id = f"{role}-{index}"
         self._next_index[role] += 1
-        if role == "encode":  # the tower only: the store for its embeddings, a token KV cache
-            return self._start(role, node_id, self._store_flags(self._store) + ["--num-kv-blocks", "16"])
+        if role == "encode":  # the tower only, a token KV cache, and the embeddings' path
+            return self._start(role, node_id, self._encode_flags() + ["--num-kv-blocks", "16"])
         extra = ["--lease-s", str(a.lease_s)] + self._store_flags(self._store)
         if a.kv_transfer == "nixl":
             extra += ["--nixl-side-channel", f"tcp://127.0.0.1:{free_port()}"]
@@ -174,23 +174,29 @@ class Cluster:
             extra += ["--on-transfer-failure", a.on_transfer_failure, "--pull-delay-s", str(a.decode_pull_delay_s)]
             spec = node_speculative_config(getattr(a, "speculative_config", None), index)
             extra += ["--speculative-config", spec] if spec else []
-        tp = node_degree(a, role, index)
-        extra += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
-        return self._start(role, node_id, extra, tp)
+        extra += node_parallel_flags(a, role, index)
+        return self._start(role, node_id, extra, node_ranks(a, role, index))
 
-    def _start(self, role: str, node_id: str, extra: list[str], tp: int = 1) -> str:
+    def _start(self, role: str, node_id: str, extra: list[str], ranks: int = 1) -> str:
         addr = f"tcp://127.0.0.1:{free_port()}"
-        self.spawn(node_id, self.node_cmd(role, node_id, addr, extra), self.threads_per_node(tp))
+        self.spawn(node_id, self.node_cmd(role, node_id, addr, extra), self.threads_per_node(ranks))
         self.node_roles[node_id], self.node_addresses[node_id] = role, addr
         return node_id
 
     def _encode_nodes(self) -> int:
-        """--encode-nodes, checked: encoder nodes hand embeddings over through the store's Redis."""
+        """--encode-nodes, checked: encoder nodes hand embeddings over as the KV goes, by NIXL or
+        through the store's Redis."""
         count = getattr(self.args, "encode_nodes", 0)
-        if count and not embedding_store_url(self._store):
-            raise ValueError("--encode-nodes hand image embeddings to prefill nodes through the store: use "
-                             "--kv-transfer store, or --store redis://host:port")
+        if count and self.args.kv_transfer != "nixl" and not embedding_store_url(self._store):
+            raise ValueError("--encode-nodes hand image embeddings to prefill nodes by NIXL or through the store's "
+                             "Redis: use --kv-transfer nixl, --kv-transfer store, or --store redis://host:port")
         return count
+
+    def _encode_flags(self) -> list[str]:
+        """An encoder node's path for its embeddings: NIXL when the KV goes by NIXL, else the store."""
+        if self.args.kv_transfer == "nixl":
+            return ["--nixl-side-channel", f"tcp://127.0.0.1:{free_port()}", "--lease-s", str(self.args.lease_s)]
+        return self._store_flags(self._store)
 
     def stop_node(self, node_id: str) -> None:
         """SIGTERM a (drained) node and forget it, so it is not restarted."""

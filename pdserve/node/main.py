@@ -50,7 +50,7 @@ def _apply_thread_limit() -> None:
 
 def _engine(args):
     _apply_thread_limit()
-    if getattr(args, "tensor_parallel_size", 1) > 1:
+    if getattr(args, "tensor_parallel_size", 1) > 1 or getattr(args, "pipeline_parallel_size", 1) > 1:
         from pdserve.executor import executor  # deferred: loads torch; torch-free until a node is served
         executor.EXIT_ON_WORKER_DEATH = True  # a lost worker takes the node down; its owner restarts it
     from pdserve.assembly.build import build_engine  # deferred: loads torch; torch-free until a node is served
@@ -94,7 +94,8 @@ def _build_node(role: str, args, engine, bind, store):
     nixl_side_channel = getattr(args, "nixl_side_channel", None)
     if role == "encode":
         from pdserve.node.encode import EncodeNode  # heavy: torch and the engine, for node processes only
-        return EncodeNode(engine, bind, args.node_id)
+        return EncodeNode(engine, bind, args.node_id, nixl_side_channel=nixl_side_channel,
+                          lease_s=getattr(args, "lease_s", 30.0), advertise_host=getattr(args, "advertise_host", None))
     if role == "prefill":
         from pdserve.node.prefill import PrefillNode  # heavy: torch and the engine, for node processes only
         return PrefillNode(engine, bind, args.node_id, store=store, nixl_side_channel=nixl_side_channel,

@@ -77,7 +77,7 @@ class PrefillNode(StepBudget):
         rid = req.request_id
         if req.transfer not in self.producers:
             return self._reply_error(identity, rid, MISSING[req.transfer])
-        self.take_embeddings(req.images)  # an encoder node's, if it put them in the store
+        self.take_embeddings(req.images, req.embeddings)  # an encoder node's, over NIXL or through the store
         # Only the first token is drawn here; the decode node draws the rest.
         params = dataclasses.replace(req.params, max_tokens=1)
         bs = self.engine.config.block_size

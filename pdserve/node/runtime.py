@@ -30,6 +30,7 @@ from pdserve.engine.footprint import footprint
 from pdserve.kvstore.embedding_store import EmbeddingStore
 from pdserve.node.compat import NodeCompat
 from pdserve.node.compute_thread import compute_executor
+from pdserve.node.embedding_intake import EmbeddingIntake
 from pdserve.node.embeddings import EmbeddingQueue
 from pdserve.node.kv_events import KVEventPublisher
 from pdserve.node.lora_control import apply_lora_message, lora_pong_fields
@@ -71,8 +72,10 @@ class NodeStats:
     transfer_us_store: int = 0
     store_load_us: int = 0         # microseconds spent loading prompt blocks from the store
     embedding_requests: int = 0    # /v1/embeddings requests computed here
-    embeddings_loaded: int = 0     # images whose embeddings an encoder node put in the store (E/P/D)
+    embeddings_loaded: int = 0     # images whose embeddings came from an encoder node (E/P/D)
     embedding_bytes_store: int = 0  # bytes of image embeddings put in or loaded from the store
+    embedding_bytes_nixl: int = 0   # bytes of image embeddings handed over or READ over NIXL
+    embedding_us_nixl: int = 0      # microseconds spent in those READs
 
 
 class NodeRuntime:
@@ -107,6 +110,7 @@ class NodeRuntime:
             # The worker writes a byte here when a step ends, so the poll wakes at once.
             self._step_done_r, self._step_done_w = os.pipe()
             self.switches = 0
+            self.intake = EmbeddingIntake(node_id, engine, self.ctx, self.embedding_store, self.stats)
         self.poller.register(self.control.sock, zmq.POLLIN)
         self.poller.register(self._step_done_r, zmq.POLLIN)
         self.origin: dict[str, bytes] = {}  # request id -> the router that sent it
@@ -118,26 +122,18 @@ class NodeRuntime:
         self.drain_since = 0.0
         self.switch_to: str | None = None  # set when the loop ends for a role switch
 
-    def take_embeddings(self, images) -> None:
-        """Images an encoder node put in the store go into the engine's encoder cache, so the
-        engine does not encode them; an image not found there is the engine's to encode."""
-        store, mm = self.embedding_store, self.engine.runner.multimodal
-        if store is None or mm is None:
-            return
-        for image in images:
-            if image.content_hash in mm.cache:
-                continue
-            found = store.get(store.key(self.engine.salt, image.content_hash))
-            if found is None or found[0].shape[0] != image.length:
-                continue
-            mm.cache.put(image.content_hash, found[0].to(self.engine.device, self.engine.dtype))
-            self.stats.embeddings_loaded += 1
-            self.stats.embedding_bytes_store += found[1]
+    def take_embeddings(self, images, handovers=()) -> None:
+        """Images an encoder node encoded go into the engine's encoder cache, READ over NIXL
+        (handovers) or loaded from the store, so the engine does not encode them; an image found
+        in neither is the engine's to encode."""
+        if images:
+            self.intake.take(images, handovers)
 
     def _take_over(self, old: NodeRuntime) -> None:
         self.ctx, self.control, self.stats, self.kv_events = old.ctx, old.control, old.stats, old.kv_events
         self._stepper, self._step_done_r, self._step_done_w = old._stepper, old._step_done_r, old._step_done_w
         self.switches = old.switches + 1
+        self.intake = old.intake
         self.registration = old.registration
 
     # ---- the loop -------------------------------------------------------------------------
@@ -304,7 +300,7 @@ class NodeRuntime:
 
     def integrity_failures(self) -> int:
         """KV blocks rejected by a checksum or digest, on every path this node reads (store, NIXL)."""
-        sources = (getattr(self, "store", None), *self.kv_readers())
+        sources = (getattr(self, "store", None), self.intake, *self.kv_readers())
         return sum(getattr(src, "integrity_failures", 0) for src in sources if src is not None)
 
     def kv_readers(self) -> list[object]:
@@ -355,6 +351,7 @@ class NodeRuntime:
         os.close(self._step_done_r)
         os.close(self._step_done_w)
         self.control.close()
+        self.intake.close()
         store = getattr(self, "store", None)
         if store is not None:
             store.close()

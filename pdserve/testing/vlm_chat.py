@@ -57,3 +57,19 @@ def chat(url: str, before: str, images, after: str, max_tokens: int = 8, on_toke
             if on_token is not None:
                 on_token(len(ids))
     return ids, usage
+
+
+def transformers_greedy(reference, tokenizer, before: str, images, after: str, max_tokens: int) -> list[int]:
+    """transformers' greedy tokens for the same conversation: reference is (model, processor)
+    (vlm_checkpoints.load_*_reference), the prompt the chat template's, the pixels the processor's.
+    It stops at EOS, where a stream asked to ignore it goes on: compare that many tokens."""
+    import torch  # deferred: the cluster tests' own process needs torch only for the reference
+
+    model, processor = reference
+    parts = [{"type": "text", "text": before}, *[{"type": "image"}] * len(images), {"type": "text", "text": after}]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
+                                         tokenize=False)
+    batch = processor(text=[text], images=[list(images)], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=max_tokens, do_sample=False)
+    return out[0, batch["input_ids"].shape[1]:].tolist()

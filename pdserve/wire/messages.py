@@ -11,6 +11,7 @@ from pdserve.protocol.multimodal import ImageInput
 from pdserve.protocol.outputs import StepOutput, TokenLogprob
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.wire.compat import KVCompat
+from pdserve.wire.embedding_handover import EmbeddingHandover
 from pdserve.wire.handover import KVHandover, NixlMetadata, NixlMetadataRequest, Transport
 
 # Bump when routers and nodes can no longer read each other's messages: a router keeps a node whose
@@ -77,6 +78,8 @@ class PrefillRequest(msgspec.Struct, tag=True):
     # A vision-language prompt's images (placeholders already expanded in prompt_token_ids):
     # their keys enter the block keys, and the node encodes them.
     images: list[ImageInput] = []
+    # E/P/D over NIXL: images an encoder node encoded, read from its arena instead of encoded here.
+    embeddings: list[EmbeddingHandover] = []
 
 
 class PrefillResult(msgspec.Struct, tag=True):
@@ -107,8 +110,9 @@ class DecodeRequest(msgspec.Struct, tag=True):
 
 
 class EncodeRequest(msgspec.Struct, tag=True):
-    """Encode these images and put their embeddings in the store under their hashes (an encoder
-    node's one job: pdserve.node.encode); the prefill node then loads them instead of encoding."""
+    """Encode these images and hand their embeddings over (an encoder node's one job:
+    pdserve.node.encode): in the store under their hashes, or pinned for a NIXL READ; the prefill
+    node then takes them instead of encoding."""
     request_id: str
     images: list[ImageInput]
 
@@ -117,6 +121,7 @@ class EncodeResult(msgspec.Struct, tag=True):
     request_id: str
     stored: list[str] = []  # the content hashes now in the store
     error: str | None = None
+    handovers: list[EmbeddingHandover] = []  # over NIXL: where each image's embeddings wait
 
 
 class EmbedRequest(msgspec.Struct, tag=True):

@@ -41,6 +41,7 @@ from pdserve.router.placement.index import STORE_HOLDER
 from pdserve.router.placement.keys import KVScope
 from pdserve.router.placement.pd_decision import Targets
 from pdserve.router.placement.placement import Placement, PlacementDecision, PlacementRequest
+from pdserve.wire.embedding_handover import EmbeddingHandover
 from pdserve.wire.handover import KVHandover, StoreHandover, handover_path
 from pdserve.wire.messages import Abort, DecodeRequest, EmbedResult
 
@@ -108,9 +109,9 @@ class ClusterBackend:
         try:
             request = PlacementRequest(request_id, prompt_token_ids, params.max_tokens, session, targets, scope)
             decision = await self._place(request)
-            if scope.images:  # E/P/D: an encoder node's embeddings, when one is up
-                await self.dispatch.encode.encode(request_id, scope.images)
-            first, handover = await self._prefill(request, params, timer, decision)
+            # E/P/D: an encoder node's embeddings, when one is up (over NIXL: where they wait)
+            embeddings = await self.dispatch.encode.encode(request_id, scope.images) if scope.images else []
+            first, handover = await self._prefill(request, params, timer, decision, embeddings)
             if first is not None:
                 reason = first.finish_reason if first.finished else reason
                 yield first
@@ -156,7 +157,8 @@ class ClusterBackend:
         return decision
 
     async def _prefill(self, request: PlacementRequest, params: SamplingParams, timer: RequestTimer,
-                       decision: PlacementDecision) -> tuple[StepOutput | None, KVHandover | None]:
+                       decision: PlacementDecision, embeddings: list[EmbeddingHandover] | None = None
+                       ) -> tuple[StepOutput | None, KVHandover | None]:
         """The first token and the handover from the prefill node placement chose; (None, None)
         when the decode node prefills the prompt (placed there, or no prefill node could)."""
         rid, plan = request.request_id, decision.plan
@@ -167,7 +169,7 @@ class ClusterBackend:
                 queue_local(node, rid, len(request.prompt) - plan.decode_cached_tokens)
             return None, None
         first, handover = await self.dispatch.prefill.prefill(rid, request.prompt, params, timer, plan.prefill,
-                                                              request.scope)
+                                                              request.scope, embeddings)
         if isinstance(handover, StoreHandover):
             self.index.add(STORE_HOLDER, handover.keys)  # any prefill node can load these now
         if first is not None:

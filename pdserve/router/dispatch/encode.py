@@ -1,5 +1,6 @@
-"""E/P/D: a request's images go to an encoder node before the prefill, which then loads their
-embeddings from the store instead of encoding them (pdserve.node.encode).
+"""E/P/D: a request's images go to an encoder node before the prefill, which then takes their
+embeddings instead of encoding them (pdserve.node.encode): READ over NIXL from where the encoder
+node's answer says they wait (passed on in the PrefillRequest), or loaded from the store.
 
 The encoder node is chosen by the first image's hash (rendezvous hashing over the healthy
 encoder nodes), so a repeated image meets the node whose encoder cache holds it, and a node
@@ -18,6 +19,7 @@ from pdserve.protocol.multimodal import ImageInput
 from pdserve.router.dispatch.failover import NodeLost
 from pdserve.router.dispatch.inflight import Inflight
 from pdserve.router.dispatch.nodes import Node, NodePool
+from pdserve.wire.embedding_handover import EmbeddingHandover
 from pdserve.wire.messages import EncodeRequest
 
 log = logging.getLogger(__name__)
@@ -34,12 +36,12 @@ class EncodeDispatch:
         self.pool, self.inflight = pool, inflight
         self.counters = {"encodes_remote": 0, "encode_fallbacks": 0}
 
-    async def encode(self, rid: str, images: tuple[ImageInput, ...]) -> bool:
-        """True when an encoder node stored every image's embeddings; False: the prefill node
-        encodes (no encoder node, or it failed)."""
+    async def encode(self, rid: str, images: tuple[ImageInput, ...]) -> list[EmbeddingHandover]:
+        """Each image's NIXL handover when an encoder node encoded them and handed them over by NIXL
+        ([] when through the store, or when the prefill node encodes: no encoder node, or it failed)."""
         node = pick_encoder(self.pool.by_role("encode"), images[0].content_hash) if images else None
         if node is None:
-            return False
+            return []
         encode_id = f"{rid}-encode"
         fut = self.inflight.expect_reply(encode_id, node)
         node.requests.add(encode_id)
@@ -54,9 +56,9 @@ class EncodeDispatch:
         if result.error is not None:
             return self._fallback(rid, node, result.error)
         self.counters["encodes_remote"] += 1
-        return True
+        return result.handovers
 
-    def _fallback(self, rid: str, node: Node, why: str) -> bool:
+    def _fallback(self, rid: str, node: Node, why: str) -> list[EmbeddingHandover]:
         self.counters["encode_fallbacks"] += 1
         log.warning("[%s] encoder node %s: %s; the prefill node encodes the images", rid, node.node_id, why)
-        return False
+        return []

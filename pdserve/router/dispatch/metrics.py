@@ -40,8 +40,11 @@ NODE_COUNTERS = {
     "encoder_cache_hits": ("pdserve_encoder_cache_hits", "images whose embeddings the encoder cache held", {}),
     "encoder_runs": ("pdserve_encoder_runs", "images the vision encoder ran on", {}),
     "encoded_tokens": ("pdserve_encoder_tokens", "image embeddings (tokens) the vision encoder produced", {}),
-    "embedding_bytes_store": ("pdserve_embedding_transfer_bytes", "image embedding bytes put in or loaded from "
-                              "the store (E/P/D)", {}),
+    "embedding_bytes_store": ("pdserve_embedding_transfer_bytes", "image embedding bytes an encoder node "
+                              "handed over and a node took (E/P/D)", {"path": "store"}),
+    "embedding_bytes_nixl": ("pdserve_embedding_transfer_bytes", "", {"path": "nixl"}),
+    "embedding_us_nixl": ("pdserve_embedding_transfer_seconds", "seconds nodes spent reading image embeddings "
+                          "over NIXL", {"path": "nixl"}),
     "embeddings_loaded": ("pdserve_embeddings_loaded", "images a prefill node took from an encoder node", {}),
     # Speculative decoding, vLLM's counters (pdserve.spec_decode.speculator.spec_stats)
     "spec_num_drafts": ("pdserve_spec_decode_num_drafts", "decode steps that verified drafts, summed over requests", {}),
@@ -73,7 +76,7 @@ class NodeCollector:
                     continue
                 family = families.get(name) or families.setdefault(
                     name, CounterMetricFamily(name, doc, labels=["node", *labels]))
-                value = node.stats[key] / 1e6 if key.startswith("transfer_us") else node.stats[key]
+                value = node.stats[key] / 1e6 if "_us_" in key else node.stats[key]
                 family.add_metric([node.node_id, *labels.values()], float(value))
         yield healthy
         yield from gauges.values()

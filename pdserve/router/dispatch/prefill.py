@@ -17,6 +17,7 @@ from pdserve.router.dispatch.metrics import RequestTimer, RouterMetrics
 from pdserve.router.dispatch.nodes import Node, NodePool
 from pdserve.router.dispatch.picker import NodePicker
 from pdserve.router.placement.keys import NO_SCOPE, KVScope
+from pdserve.wire.embedding_handover import EmbeddingHandover
 from pdserve.wire.handover import KVHandover
 from pdserve.wire.messages import Abort, PrefillRequest
 
@@ -35,10 +36,11 @@ class PrefillDispatch:
     counters: dict[str, int] = field(default_factory=lambda: {"prefill_retries": 0, "local_prefills": 0})
 
     async def prefill(self, rid: str, prompt: list[int], params: SamplingParams, timer: RequestTimer,
-                      preferred: str | None = None, scope: KVScope = NO_SCOPE
+                      preferred: str | None = None, scope: KVScope = NO_SCOPE,
+                      embeddings: list[EmbeddingHandover] | None = None
                       ) -> tuple[StepOutput | None, KVHandover | None]:
         """The first token and the handover; (None, None) when no prefill node can do it, so the
-        decode node prefills the prompt itself."""
+        decode node prefills the prompt itself. embeddings: where an encoder node's NIXL READs wait."""
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
             node = self.picker.preferred(preferred, tried) or self.picker.pick("prefill", tried)
@@ -48,7 +50,7 @@ class PrefillDispatch:
             if attempt == 0:
                 timer.dispatched()
             try:
-                return await self._prefill_on(node, rid, prompt, params, scope)
+                return await self._prefill_on(node, rid, prompt, params, scope, embeddings or [])
             except (NodeLost, BackendError) as exc:
                 await self.pool.send(node, Abort(rid))  # a hung node that comes back drops it
                 self.counters["prefill_retries"] += 1
@@ -62,7 +64,8 @@ class PrefillDispatch:
         return None, None
 
     async def _prefill_on(self, node: Node, rid: str, prompt: list[int], params: SamplingParams,
-                          scope: KVScope = NO_SCOPE) -> tuple[StepOutput, KVHandover | None]:
+                          scope: KVScope = NO_SCOPE, embeddings: list[EmbeddingHandover] | None = None
+                          ) -> tuple[StepOutput, KVHandover | None]:
         fut = self.inflight.expect_reply(rid, node)
         node.requests.add(rid)
         node.queued_tokens[rid] = len(prompt)
@@ -71,7 +74,7 @@ class PrefillDispatch:
             await self.adapters.send_ahead(node, scope.adapter)
             await self.pool.send(node, PrefillRequest(rid, prompt, params, self.transfer,
                                                       cache_salt=scope.cache_salt, adapter=scope.adapter,
-                                                      images=list(scope.images)))
+                                                      images=list(scope.images), embeddings=embeddings or []))
             result = await asyncio.wait_for(fut, PREFILL_TIMEOUT_S)
         except asyncio.TimeoutError:
             self.pool.mark_dead(node, f"did not answer a prefill in {PREFILL_TIMEOUT_S:.0f} s")
