@@ -1,7 +1,7 @@
 """`pdserve up --ray ADDRESS|auto`: the whole cluster on an existing Ray cluster.
 
 This process is Ray's driver. It starts the controller actor (the cluster's NodeOwner and node
-registry) on the head machine, asks it for the prefill and decode nodes and the routers, waits until
+registry) on the head machine, asks it for the prefill, decode and encoder nodes and the routers, waits until
 every router sees every node healthy, and then watches the controller until it is stopped; then
 the controller stops every actor it started. Node and router command lines are the ones `pdserve
 up` uses, with each process's address and ports filled in on the machine Ray placed it on.
@@ -50,13 +50,26 @@ def node_templates(args, cluster) -> dict[str, list[str]]:
     templates = {role: cluster.node_cmd(role, "{node_id}", "tcp://{ip}:{port:control}",
                                         common + extra + _tp_flags(args, role))[3:]
                  for role, extra in (("prefill", []), ("decode", decode))}
+    if getattr(args, "encode_nodes", 0):
+        templates["encode"] = encode_template(args, cluster)
     templates["router"] = router_template(args)
     return templates
 
 
+def encode_template(args, cluster) -> list[str]:
+    """An encoder node's arguments: its embeddings go as the KV goes (NIXL from its own side
+    channel, or the store every machine reaches), with a token KV cache (it runs the tower only)."""
+    path = (["--nixl-side-channel", "tcp://{ip}:{port:side}", "--lease-s", str(args.lease_s)]
+            if args.kv_transfer == "nixl" else cluster._store_flags(args.store))
+    extra = ["--advertise-host", "{ip}", *path, "--num-kv-blocks", "16"]
+    return cluster.node_cmd("encode", "{node_id}", "tcp://{ip}:{port:control}", extra)[3:]
+
+
 def _tp_flags(args, role: str) -> list[str]:
-    tp = pool_degree(args, role)
-    return ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+    """The pool's one TP and one PP degree as node flags."""
+    tp, pp = pool_degree(args, role), pool_degree(args, role, "pp")
+    return ((["--tensor-parallel-size", str(tp)] if tp > 1 else [])
+            + (["--pipeline-parallel-size", str(pp)] if pp > 1 else []))
 
 
 def router_template(args) -> list[str]:
@@ -83,14 +96,22 @@ def router_template(args) -> list[str]:
 
 def placement(args) -> Placement:
     roles = {role: res for role, res in (("prefill", args.ray_prefill_resource),
-                                          ("decode", args.ray_decode_resource)) if res}
+                                          ("decode", args.ray_decode_resource),
+                                          ("encode", getattr(args, "ray_encode_resource", None))) if res}
     # The API key reaches the routers through their environment, as `pdserve up` passes it: a
     # command line is visible to every user of a machine.
     key = args.api_key or os.environ.get("PDSERVE_API_KEY")
     return Placement(threads_per_node=args.threads_per_node or 1, gpus_per_node=args.ray_gpus_per_node,
                      role_resources=roles, max_restarts=args.ray_max_restarts,
-                     role_tp={role: pool_degree(args, role) for role in ("prefill", "decode")},
+                     # a node's ranks, every stage's: one bundle each in its placement group
+                     role_tp={role: pool_degree(args, role) * pool_degree(args, role, "pp")
+                              for role in ("prefill", "decode")},
                      router_env={"PDSERVE_API_KEY": key} if key else {})
+
+
+def node_counts(args) -> dict[str, int]:
+    """Nodes to start per role, in start order (encoder nodes last: routers fall back without them)."""
+    return {"prefill": args.prefill_nodes, "decode": args.decode_nodes, "encode": getattr(args, "encode_nodes", 0)}
 
 
 def wait_ready(urls: list[str], expected: int, timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -129,12 +150,13 @@ def run_up_ray(args, cluster) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         registry = ray.get(controller.registry_address.remote())
-        for role, count in (("prefill", args.prefill_nodes), ("decode", args.decode_nodes)):
+        counts = node_counts(args)
+        for role, count in counts.items():
             ray.get([controller.start_node.remote(role) for _ in range(count)])
         urls = ray.get(controller.start_routers.remote(args.routers, args.port))
-        wait_ready(urls, args.prefill_nodes + args.decode_nodes)
+        wait_ready(urls, sum(counts.values()))
         print(f"pdserve up --ray: {' '.join(u + '/v1' for u in urls)} serving {args.model} with "
-              f"{args.prefill_nodes} prefill and {args.decode_nodes} decode nodes (kv transfer: "
+              f"{', '.join(f'{n} {role}' for role, n in counts.items())} nodes (kv transfer: "
               f"{args.kv_transfer}; registry {registry})", flush=True)
         while True:
             ray.get(controller.ping.remote(), timeout=30)
