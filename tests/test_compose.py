@@ -5,8 +5,8 @@ would), and every pdserve container's command goes through pdserve's own CLI par
 typo fails here instead of in a container. Then the wiring: every node registers in the Redis
 registry the router reads, under its own service name (its NIXL side channel too), node ids are unique (they name NIXL agents), and health checks probe the ports
 the processes serve; the `tp` profile's decode node runs at a tensor-parallel degree the
-model's heads allow. When docker-compose (or the docker compose plugin) is installed, its own
-`config -q` check runs too.
+model's heads allow, and the `epd` profile's encoder node is wired like the others. When
+docker-compose (or the docker compose plugin) is installed, its own `config -q` check runs too.
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def test_services_and_image(cluster):
     assert {"redis", "prefill-0", "prefill-1", "decode-0", "decode-1", "router"} <= set(services)
     images = {svc["image"] for svc in pdserve_services(doc).values()}
     assert len(images) == 1, f"every pdserve service should share one image, got {images}"
-    assert {a.command for a in args.values()} == {"prefill", "decode", "router"}
+    assert {a.command for a in args.values()} == {"prefill", "decode", "encode", "router"}
     redis = services["redis"]
     assert redis["image"].startswith("redis:7")
     cmd = redis["command"]
@@ -250,3 +250,19 @@ def test_tp_profile_adds_a_tensor_parallel_decode_node(env, model, degree):
     if model == "SmolLM2-135M-Instruct":  # why the default is not 2: 9 attention heads
         with pytest.raises(ValueError, match="does not divide"):
             check_tp_support(AutoConfig.from_pretrained(resolve_model_path(model)), 2)
+
+
+def test_epd_profile_adds_an_encoder_node():
+    """`docker compose --profile epd up` adds encode-0, for a vision-language PDSERVE_MODEL; a plain
+    `up` is unchanged."""
+    doc = load({"PDSERVE_MODEL": "/models/qwen2.5-vl"})
+    svc = doc["services"]["encode-0"]
+    assert svc["profiles"] == ["epd"] and "encode-0" not in default_services(doc)
+    node = parse_command("encode-0", svc["command"])
+    router = parse_command("router", doc["services"]["router"]["command"])
+    assert (node.command, node.node_id, node.model) == ("encode", "encode-0", "/models/qwen2.5-vl")
+    assert endpoint(node.bind) == ("0.0.0.0", 5600) and node.advertise_host == "encode-0"
+    assert endpoint(node.nixl_side_channel) == ("0.0.0.0", 5601) and {"5600", "5601"} <= set(svc["expose"])
+    assert node.registry == router.registry, "the router finds the encoder node in the registry"
+    assert "encode-0" not in doc["services"]["router"]["depends_on"]
+    assert "tcp://127.0.0.1:5600" in " ".join(svc["healthcheck"]["test"])

@@ -26,6 +26,8 @@ from pdserve.cluster.registry_messages import AdminReply, ScaleRequest, SwitchRe
 from pdserve.wire.messages import ROLES
 
 log = logging.getLogger(__name__)
+# Roles a node starts in: the KV roles (a node may switch between them) and encoder nodes (E/P/D).
+NODE_ROLES = (*ROLES, "encode")
 
 
 @dataclass
@@ -54,7 +56,7 @@ class RayController:
         self.nodes: dict[str, tuple[str, object]] = {}  # node_id -> (role, actor handle)
         self.groups: dict[str, object] = {}  # node_id -> its placement group (TP nodes only)
         self.routers: RayRouters | None = None
-        self._next_index = dict.fromkeys(ROLES, 0)
+        self._next_index = dict.fromkeys(NODE_ROLES, 0)
         self._lock = threading.RLock()  # admin requests arrive on other threads
         # node_id -> the role it switched to, in Ray's key-value store: read by a restarted actor.
         self.roles_namespace = f"pdserve-roles-{uuid.uuid4().hex}"
@@ -74,7 +76,7 @@ class RayController:
 
     # ---- NodeOwner --------------------------------------------------------------------------
     def start_node(self, role: str) -> str:
-        if role not in ROLES:
+        if role not in NODE_ROLES:
             raise ValueError(f"unknown role {role!r}")
         with self._lock:
             node_id = f"{role}-{self._next_index[role]}"

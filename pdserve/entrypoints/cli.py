@@ -357,6 +357,7 @@ def _add_ray_args(up: argparse.ArgumentParser) -> None:
     up.add_argument("--ray-prefill-resource", default=None,
                     help="a custom Ray resource every prefill node needs (pins the role to machines that have it)")
     up.add_argument("--ray-decode-resource", default=None, help="the same, for decode nodes")
+    up.add_argument("--ray-encode-resource", default=None, help="the same, for encoder nodes (--encode-nodes)")
     up.add_argument("--ray-max-restarts", type=int, default=20,
                     help="times Ray restarts a node or router whose process or machine died (-1: always)")
 
