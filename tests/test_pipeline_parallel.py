@@ -24,6 +24,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.embedding import EmbeddingBatch
 from pdserve.engine.request import Request
 from pdserve.executor.executor import WorkerLost
+from pdserve.executor.pipeline_runner import split_micro_batches
 from pdserve.models.pipeline import pp_layer_range
 from pdserve.testing.model_factory import load_reference, make_deepseek, make_model
 
@@ -49,6 +50,13 @@ def test_layers_split_as_vllm_does():
     assert [pp_layer_range(10, s, 4) for s in range(4)] == [(0, 2), (2, 5), (5, 8), (8, 10)]
     with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
         pp_layer_range(2, 0, 3)
+
+
+def test_a_step_splits_into_micro_batches_of_about_equal_tokens():
+    items = [("a", 1), ("b", 1), ("c", 1), ("d", 1), ("e", 30), ("f", 2)]
+    assert split_micro_batches(items, 2) == [items[:5], items[5:]]
+    assert split_micro_batches(items[:4], 2) == [items[:2], items[2:4]]
+    assert split_micro_batches(items[:1], 2) == [items[:1]]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3"])
@@ -89,7 +97,14 @@ def test_pp2_sampling_and_prompt_logprobs_equal_pp1(llama_pp1, llama_pp2):
     prompts = [{"prompt_token_ids": p} for p in random_prompts(7, 250, [5, 30, 61])]
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True, prompt_logprobs=2)
     want = llama_pp1.generate(prompts, params, use_tqdm=False)
+    runner = llama_pp2.engine.runner
+    steps = runner.steps
     got = llama_pp2.generate(prompts, params, use_tqdm=False)
+    assert runner.steps - steps >= 2 * 11, "each decode step of 7 requests should go as 2 micro-batches"
+    runner.micro_batches = 1  # one step in flight at a time: the same tokens
+    assert [o.outputs[0].token_ids for o in llama_pp2.generate(prompts, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in want]
+    runner.micro_batches = 2
     for a, b in zip(want, got):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):

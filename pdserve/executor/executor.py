@@ -133,7 +133,7 @@ class TPExecutor:
         """This step's inputs to every worker: the arrays (shared memory), then the plan."""
         self.raise_if_lost()
         if plan.in_shm:
-            self.channel.write(flat.numpy())
+            self.channel.write(flat.numpy(), plan.payload_offset)
         try:
             for proc in self.workers:
                 write_message(proc.stdin.fileno(), plan)

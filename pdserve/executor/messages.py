@@ -45,6 +45,9 @@ class StepPlan(msgspec.Struct, frozen=True, tag="step"):
     # Pipeline: the last stage sends the step's final hidden states back to the driver instead
     # of logits (embeddings).
     return_hidden: bool = False
+    # Where the arrays start in the shared buffer (int64 elements): a pipeline's micro-batches of
+    # one step each have their own region, since a later stage copies its inputs out late.
+    payload_offset: int = 0
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):

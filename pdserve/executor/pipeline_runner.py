@@ -1,23 +1,39 @@
 """The driver's model runner with pipeline stages: each step's inputs go to every worker, then
 rank 0 runs its share of the first stage, hands the hidden states on to the next stage, and
-waits for the step's logit rows from the last stage, from which it samples as at PP 1.
+takes the step's logit rows from the last stage, from which it samples as at PP 1.
 
-One step is in flight at a time: a stage idles while the others compute (see
-docs/pipeline-parallelism.md for what that costs)."""
+A step's requests are split into micro-batches (as many as there are stages, by default), sent
+one after the other: while a later stage computes micro-batch k, the first computes k + 1, so
+the stages do not idle in turn through the whole step. The receives of every micro-batch's
+results are posted before the first is computed, and the driver's hidden-state sends are waited
+on only at the end of the step: a gloo send completes only once its receive is posted, and the
+last stage sends micro-batch k's results before it takes k + 1's hidden states.
+"""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import msgspec
 import torch
 
-from pdserve.engine.prompt_logprobs import record_prompt_logprobs
+from pdserve.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
+from pdserve.engine.step_inputs import build_step_inputs
 from pdserve.executor.executor import TPExecutor, WorkerLost
 from pdserve.executor.runner import TPModelRunner
 from pdserve.executor.shard_step import make_plan, result_rows
 from pdserve.executor.stage_link import StageLink, StageRole
+from pdserve.executor.step_channel import payload_length
 
 LOSS_NOTICE_S = 2.0  # how long a failed send or receive waits for the watcher to name the lost rank
+
+
+@dataclass
+class _MicroBatch:
+    items: list
+    inputs: object
+    spans: list
+    plan: object
 
 
 class PipelineModelRunner(TPModelRunner):
@@ -26,46 +42,107 @@ class PipelineModelRunner(TPModelRunner):
         role = StageRole(0, executor.tp_size, executor.pp_size)
         self.link = StageLink(executor.node_group.group, role, model.spec.hidden_size, dtype)
         self.vocab_size = model.spec.vocab_size
-        self._results = torch.empty(0)
+        self.micro_batches = executor.pp_size  # per step, at most (1: one step in flight at a time)
 
-    def _run_step(self, plan, inputs) -> torch.Tensor:
-        """Stage 0's share of the step, handed on; returns the final hidden states when the plan
-        asks for them (embeddings), else a [tokens, 0] stand-in whose rows index the logit rows
-        received (the driver holds no LM head)."""
-        hidden = super()._run_step(plan, inputs)
-        if plan.return_hidden:
-            shape, dtype = (plan.num_tokens, self.link.hidden_size), self.link.dtype
-        else:
-            shape, dtype = (result_rows(plan), self.vocab_size), torch.float32
-        self._results = self._exchange(hidden, shape, dtype)
-        return self._results if plan.return_hidden else hidden.new_empty(plan.num_tokens, 0)
-
-    def _exchange(self, hidden: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    @torch.inference_mode()
+    def execute(self, items, all_logits: bool = False, pending=None) -> tuple[torch.Tensor, list]:
+        if pending is not None:
+            raise RuntimeError("async scheduling is off at pipeline_parallel_size > 1")
+        items = sorted(items, key=lambda it: it[1] != 1)  # one-token queries first
+        parts = [items] if all_logits else split_micro_batches(items, self.micro_batches)
+        batches = [self._micro_batch(part, all_logits) for part in parts]
+        offsets = _payload_offsets([b.plan for b in batches])
+        if len(batches) > 1 and not self.executor.channel.fits(offsets[-1]):
+            return self._one_batch(items)
         try:
-            self.link.send_hidden(hidden)
-            return self.link.recv_result(shape, dtype)
+            posted = [self.link.post_result(*self._result_shape(b.plan)) for b in batches]
+            for batch, offset in zip(batches, offsets):
+                hidden = self._run_step(batch.plan, batch.inputs, offset)
+                self.link.send_hidden(hidden, wait=False)
+            results = [p.wait() for p in posted]
+            self.link.flush_sends()
         except RuntimeError as exc:  # gloo: a peer's socket closed, or the group timed out
-            deadline = time.monotonic() + LOSS_NOTICE_S
-            while self.executor.lost is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            raise WorkerLost(self.executor.lost or f"a pipeline stage failed: {exc}") from None
+            raise self._lost(exc) from None
+        logits, to_sample = [], []
+        for batch, result in zip(batches, results):
+            rows, sampled = self._logits(batch, result, all_logits)
+            logits.append(rows)
+            to_sample += sampled
+        return (torch.cat(logits) if to_sample or all_logits else torch.empty(0)), to_sample
 
-    def _forward_hidden(self, inputs, num_decodes: int, items=()) -> torch.Tensor:
-        plan = make_plan(inputs, num_decodes, [], False, in_shm=False)
-        return self._run_step(msgspec.structs.replace(plan, sample_rows=[], return_hidden=True), inputs)
+    def _one_batch(self, items) -> tuple[torch.Tensor, list]:
+        """A step whose micro-batches do not fit the shared buffer side by side: unsplit."""
+        split, self.micro_batches = self.micro_batches, 1
+        try:
+            return self.execute(items)
+        finally:
+            self.micro_batches = split
 
-    def _step_logits(self, hidden: torch.Tensor, inputs, spans, all_logits: bool
-                     ) -> tuple[torch.Tensor, list]:
-        """As ModelRunner's, with the last stage's rows in place of an LM head: they arrive in
-        the order the plan lists the passes, which is the order they are asked for here."""
-        rows = _ReceivedRows(self._results)
-        if spans:
-            record_prompt_logprobs(rows.take, hidden, spans)
+    def _micro_batch(self, items, all_logits: bool) -> _MicroBatch:
+        num_decodes = sum(1 for _, n in items if n == 1)
+        spans = prompt_spans(items)
+        inputs = build_step_inputs(items, num_decodes, self.block_size)
+        return _MicroBatch(items, inputs, spans, make_plan(inputs, num_decodes, spans, all_logits, in_shm=False))
+
+    def _result_shape(self, plan) -> tuple[tuple[int, ...], torch.dtype]:
+        if plan.return_hidden:
+            return (plan.num_tokens, self.link.hidden_size), self.link.dtype
+        return (result_rows(plan), self.vocab_size), torch.float32
+
+    def _logits(self, batch: _MicroBatch, result: torch.Tensor, all_logits: bool) -> tuple[torch.Tensor, list]:
+        """As ModelRunner._step_logits, with the last stage's rows in place of an LM head: they
+        arrive in the order the plan lists the passes, which is the order they are taken here."""
+        rows, inputs = _ReceivedRows(result), batch.inputs
+        hidden = result.new_empty(batch.plan.num_tokens, 0)  # stands for the rows the driver lacks
+        if batch.spans:
+            record_prompt_logprobs(rows.take, hidden, batch.spans)
         if all_logits:
             return rows.take(hidden), inputs.to_sample
         if not inputs.to_sample:
-            return torch.empty(0), []
+            return result.new_empty(0, self.vocab_size), []
         return rows.take(hidden[inputs.sample_rows]), inputs.to_sample
+
+    def _forward_hidden(self, inputs, num_decodes: int, items=()) -> torch.Tensor:
+        """The final hidden states (embeddings): the last stage sends them back instead of logits."""
+        plan = make_plan(inputs, num_decodes, [], False, in_shm=False)
+        plan = msgspec.structs.replace(plan, sample_rows=[], return_hidden=True)
+        try:
+            posted = self.link.post_result(*self._result_shape(plan))
+            self.link.send_hidden(self._run_step(plan, inputs))
+            return posted.wait()
+        except RuntimeError as exc:
+            raise self._lost(exc) from None
+
+    def _lost(self, exc: Exception) -> WorkerLost:
+        deadline = time.monotonic() + LOSS_NOTICE_S
+        while self.executor.lost is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return WorkerLost(self.executor.lost or f"a pipeline stage failed: {exc}")
+
+
+def split_micro_batches(items: list, count: int) -> list[list]:
+    """Up to `count` contiguous runs of items with about equal tokens each (items stay in order,
+    one-token queries first, so each run is ordered as a step's rows must be)."""
+    count = min(count, len(items))
+    if count <= 1:
+        return [items]
+    total = sum(n for _, n in items)
+    parts, current, done = [], [], 0
+    for item in items:
+        current.append(item)
+        done += item[1]
+        if len(parts) < count - 1 and done >= total * (len(parts) + 1) / count:
+            parts.append(current)
+            current = []
+    return parts + ([current] if current else [])
+
+
+def _payload_offsets(plans) -> list[int]:
+    """Where each micro-batch's arrays start in the shared buffer, and (last) where they end."""
+    offsets = [0]
+    for plan in plans:
+        offsets.append(offsets[-1] + payload_length(plan))
+    return offsets
 
 
 class _ReceivedRows:

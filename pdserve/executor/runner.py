@@ -45,11 +45,12 @@ class TPModelRunner(ModelRunner):
         plan = make_plan(inputs, num_decodes, [], False, in_shm=False)
         return self._run_step(msgspec.structs.replace(plan, sample_rows=[]), inputs)
 
-    def _run_step(self, plan, inputs) -> torch.Tensor:
-        """Send a step to the workers, then run rank 0's shard of its forward pass."""
+    def _run_step(self, plan, inputs, offset: int = 0) -> torch.Tensor:
+        """Send a step to the workers, then run rank 0's shard of its forward pass. offset: where
+        its arrays go in the shared buffer (a pipeline's micro-batches each have their own)."""
         flat = torch.from_numpy(flatten_inputs(inputs))
-        if self.executor.channel.fits(payload_length(plan)):
-            plan = msgspec.structs.replace(plan, in_shm=True)
+        if self.executor.channel.fits(offset + payload_length(plan)):
+            plan = msgspec.structs.replace(plan, in_shm=True, payload_offset=offset)
         started = time.perf_counter()
         self.executor.send(plan, flat)
         self.send_seconds += time.perf_counter() - started

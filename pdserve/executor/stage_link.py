@@ -55,9 +55,23 @@ class StageLink:
         self.group, self.role = group, role
         self.hidden_size, self.dtype = hidden_size, dtype  # of the hidden states between stages
         self.wait_seconds = 0.0
+        self._sends: list[tuple[object, torch.Tensor]] = []  # (work, tensor kept alive until done)
 
-    def send_hidden(self, hidden: torch.Tensor) -> None:
-        self.group.send([hidden.contiguous()], self.role.rank + self.role.tp_size, HIDDEN_TAG).wait()
+    def send_hidden(self, hidden: torch.Tensor, wait: bool = True) -> None:
+        """wait=False: returns at once; flush_sends() waits. A gloo send completes only once
+        the peer posts its receive, so a driver with several micro-batches in flight must not
+        wait on one before it has posted the receives of the results."""
+        hidden = hidden.contiguous()
+        work = self.group.send([hidden], self.role.rank + self.role.tp_size, HIDDEN_TAG)
+        if wait:
+            work.wait()
+        else:
+            self._sends.append((work, hidden))
+
+    def flush_sends(self) -> None:
+        sends, self._sends = self._sends, []
+        for work, _ in sends:
+            work.wait()
 
     def recv_hidden(self, num_tokens: int) -> torch.Tensor:
         return self._recv((num_tokens, self.hidden_size), self.dtype, self.role.rank - self.role.tp_size, HIDDEN_TAG)
@@ -65,9 +79,14 @@ class StageLink:
     def send_result(self, result: torch.Tensor) -> None:
         self.group.send([_nonempty(result.contiguous())], 0, RESULT_TAG).wait()
 
+    def post_result(self, shape: tuple[int, ...], dtype: torch.dtype) -> PostedResult:
+        """Post the receive of a step's results now; PostedResult.wait() gives them."""
+        out = torch.empty(_nonempty_shape(shape), dtype=dtype)
+        work = self.group.recv([out], self.role.result_rank, RESULT_TAG)
+        return PostedResult(self, work, out, tuple(shape))
+
     def recv_result(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        out = self._recv(_nonempty_shape(shape), dtype, self.role.result_rank, RESULT_TAG)
-        return out if _numel(shape) else torch.empty(shape, dtype=dtype)
+        return self.post_result(shape, dtype).wait()
 
     def _recv(self, shape, dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype)
@@ -75,6 +94,20 @@ class StageLink:
         self.group.recv([out], src, tag).wait()
         self.wait_seconds += time.perf_counter() - started
         return out
+
+
+@dataclasses.dataclass
+class PostedResult:
+    link: StageLink
+    work: object
+    out: torch.Tensor
+    shape: tuple[int, ...]
+
+    def wait(self) -> torch.Tensor:
+        started = time.perf_counter()
+        self.work.wait()
+        self.link.wait_seconds += time.perf_counter() - started
+        return self.out if _numel(self.shape) else torch.empty(self.shape, dtype=self.out.dtype)
 
 
 def _numel(shape) -> int:

@@ -10,7 +10,9 @@ The StepPlan (a few hundred bytes) goes down each worker's pipe, which also wake
 
 Reuse of the buffer is safe: the driver writes step k+1 only after step k ended, and a step ends
 with a collective (the last layer's all-reduce, the LM head's gather) that every worker reaches
-only after it copied its inputs out.
+only after it copied its inputs out; with pipeline stages, with the last stage's results, which
+it sends after every stage copied its inputs (each stage copies before it hands on). The
+micro-batches of one step go to regions of their own (StepPlan.payload_offset).
 """
 from __future__ import annotations
 
@@ -45,9 +47,9 @@ class StepChannel:
     def fits(self, length: int) -> bool:
         return self.shm and length <= self.capacity
 
-    def write(self, flat: np.ndarray) -> None:
+    def write(self, flat: np.ndarray, offset: int = 0) -> None:
         """Driver, before sending the plan: the arrays into shared memory."""
-        self.buffer[: flat.shape[0]].numpy()[:] = flat
+        self.buffer[offset: offset + flat.shape[0]].numpy()[:] = flat
 
     def broadcast(self, flat: torch.Tensor) -> None:
         """Driver, after sending the plan: the arrays to every worker."""
@@ -57,7 +59,7 @@ class StepChannel:
         """Worker: this step's flat arrays (its own copy)."""
         n = payload_length(plan)
         if plan.in_shm:
-            return self.buffer[:n].clone()
+            return self.buffer[plan.payload_offset: plan.payload_offset + n].clone()
         flat = torch.empty(n, dtype=torch.int64)
         _broadcast(self.group, flat)
         return flat
