@@ -19,6 +19,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
 from pdserve.kvstore.nixl_transfer import NixlKVAgent, block_digest
+from pdserve.node.pullers import agent_instance_name
 from pdserve.node.runtime import NodeStats
 from pdserve.wire.handover import KVHandover, NixlHandover, NixlMetadata, StoreHandover, Transport
 from pdserve.wire.messages import PrefillRequest
@@ -122,7 +123,7 @@ class NixlProducer:
     def __init__(self, engine: LLMEngine, node_id: str, ctx: zmq.Context, side_channel: str,
                  advertise_host: str | None, lease_s: float, stats: NodeStats):
         self.engine, self.lease_s, self.stats = engine, lease_s, stats
-        self.agent = NixlKVAgent(node_id, engine.kv_cache)
+        self.agent = NixlKVAgent(agent_instance_name(node_id), engine.kv_cache)  # new each process
         self.side = NodeSocket(ctx, side_channel)
         # Bound on e.g. tcp://0.0.0.0:5701; decode nodes must dial a name they can reach.
         self.side_channel = advertised(side_channel, advertise_host)

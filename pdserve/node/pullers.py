@@ -6,12 +6,19 @@ what it was handed. The decode node picks the puller once, by the handover's typ
 - StorePuller: fetches the blocks from the shared KV store on a worker thread.
 - NixlPuller: fetches the prefill agent's metadata over its zmq side channel once (refusing a
   peer whose handshake does not match), READs the blocks, then checks lease and digests.
+
+A node restarted on the same addresses is a new peer: each process names its NIXL agent anew
+(agent_instance_name), so a handover from the new process names another agent than the one a
+decode node loaded, which then drops the old agent and handshakes again. A READ that fails drops
+its peer too. Without this, a decode node READs the new process's blocks through the dead one's
+registrations: every READ fails, and the blocks it never read stay pinned until their lease.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -123,12 +130,17 @@ def fetch_peer_metadata(ctx: zmq.Context, side_channel: str, kv_salt: bytes = b"
     return reply
 
 
+def agent_instance_name(node_id: str) -> str:
+    """A NIXL agent name for this process: the node id, and what tells its restarts apart."""
+    return f"{node_id}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+
+
 class NixlPuller:
     handover_type = NixlHandover
     path = "nixl"
 
     def __init__(self, name: str, kv_cache: torch.Tensor, ctx: zmq.Context, kv_salt: bytes = b""):
-        self.agent = NixlKVAgent(name, kv_cache)
+        self.agent = NixlKVAgent(agent_instance_name(name), kv_cache)
         self.kv_cache = kv_cache
         self.ctx = ctx
         self.kv_salt = kv_salt
@@ -137,13 +149,25 @@ class NixlPuller:
         self.integrity_failures = 0  # pulls whose blocks failed their digest check
         self._corrupt_left = int(os.environ.get(CORRUPT_PULLS_ENV, "0") or 0)
 
-    def _peer(self, side_channel: str, agent_name: str = "") -> str:
+    def _peer(self, side_channel: str, agent_name: str) -> str:
+        """The loaded agent serving `side_channel`, which must be the handover's `agent_name`."""
+        if self.peers.get(side_channel, agent_name) != agent_name:
+            log.info("NIXL peer at %s is a new process (%s): dropping its old agent", side_channel, agent_name)
+            self.forget_peer(side_channel)
         if side_channel not in self.peers:
             reply = fetch_peer_metadata(self.ctx, side_channel, self.kv_salt, self.agent.block_nbytes)
+            if reply.agent_name != agent_name:  # the handover's process is gone; another serves there
+                raise NixlTransferError(f"agent {agent_name} no longer serves {side_channel}")
             name = self.agent.add_peer(reply.metadata, agent_name)
             self.agent.make_connection(name)
             self.peers[side_channel] = name
         return self.peers[side_channel]
+
+    def forget_peer(self, side_channel: str) -> None:
+        """Unload the agent at `side_channel`: the next handover from there handshakes again."""
+        name = self.peers.pop(side_channel, None)
+        if name is not None:
+            self.agent.remove_peer(name)
 
     def start(self, rid: str, handover: NixlHandover, local_ids: list[int], first: int,
               received_at: float, timeout_s: float) -> bool:
@@ -162,7 +186,7 @@ class NixlPuller:
                                                              timeout_s), 0.1))
         except (NixlTransferError, ValueError, IndexError) as exc:
             log.warning("[%s] NIXL READ not started: %s", rid, exc)
-            self.peers.pop(handover.side_channel, None)
+            self.forget_peer(handover.side_channel)
             return False
         self.reads[rid] = Read(handle, handover, local_ids, first, lease_end)
         return True
@@ -174,6 +198,8 @@ class NixlPuller:
             if state == "PROC":
                 continue
             del self.reads[rid]
+            if state != "DONE":  # a peer that fails a READ may be gone or restarted: handshake anew
+                self.forget_peer(read.handover.side_channel)
             done.append((rid, state == "DONE" and self._trusted(rid, read)))
         return done
 
@@ -194,7 +220,7 @@ class NixlPuller:
     def release(self, handover: NixlHandover, rid: str) -> None:
         """Tell the prefill node to free blocks we will not read."""
         try:
-            self.agent.send_notification(self._peer(handover.side_channel), rid.encode())
+            self.agent.send_notification(self._peer(handover.side_channel, handover.agent_name), rid.encode())
         except NixlTransferError as exc:
             log.debug("[%s] could not notify the prefill node (its lease will free them): %s", rid, exc)
 

@@ -1,0 +1,123 @@
+"""A client that closes its stream (the official openai client) at each stage of a P/D request
+frees the request's KV blocks on the prefill node and on the decode node at once: while it is
+queued behind another prompt, while its prompt is computing, in the handover (blocks pinned on
+the prefill node, the decode node not pulling yet), and while it decodes.
+
+The cluster computes prompts 16 tokens a step, so a long prompt takes many steps, and each
+decode node waits PULL_DELAY_S before it pulls, so a handover stays open; the NIXL lease is far
+longer than any wait here, so blocks freed in time were freed by the abort, not by the lease.
+After each case the same prompt, asked again in full, gives the offline engine's text.
+"""
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.testing.up_cluster import node_stats, running_cluster, wait_for
+
+MODEL = "builtin:tiny"
+PULL_DELAY_S = 2.0
+LEASE_S = 300
+FREED_WITHIN_S = 8.0  # pongs every 0.2 s; a loaded 2-core machine delays them, never by a lease
+
+
+def _prompt(stage: str, tokens: int) -> str:
+    text = f"{stage}: cancellation reaches every side of the handover. "
+    return (text * (tokens // len(text) + 1))[:tokens]  # the built-in tokenizer: a byte a token
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with running_cluster("--kv-transfer", "nixl", "--prefill-nodes", "1", "--decode-nodes", "1",
+                         "--num-kv-blocks", "256", "--max-num-batched-tokens", "16", "--lease-s", str(LEASE_S),
+                         "--decode-pull-delay-s", str(PULL_DELAY_S)) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(MODEL, num_kv_blocks=256)
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _open(client: openai.OpenAI, prompt: str, max_tokens: int = 400):
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                      temperature=0, extra_body={"ignore_eos": True})
+
+
+def _in_use(url: str) -> dict[str, int]:
+    return {name: n.get("kv_blocks_in_use", -1) for name, n in node_stats(url).items()}
+
+
+def _all_freed(url: str) -> None:
+    started = time.monotonic()
+    wait_for(lambda: all(v == 0 for v in _in_use(url).values()), timeout_s=FREED_WITHIN_S)
+    assert time.monotonic() - started < LEASE_S
+    stats = node_stats(url)
+    assert stats["prefill-0"]["leases_expired"] == 0  # freed by the abort, never by the lease
+    assert all(n["requests"] == 0 for n in stats.values())
+
+
+def _same_as_offline(url: str, llm: LLM, prompt: str) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    got = _client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+    assert got == want
+
+
+def test_closed_while_prefilling(cluster, llm):
+    url, prompt = cluster, _prompt("prefilling", 1200)
+    stream = _open(_client(url), prompt)
+    wait_for(lambda: _in_use(url)["prefill-0"] > 0, timeout_s=60)  # computing, nothing handed over
+    assert _in_use(url)["decode-0"] == 0
+    stream.close()
+    _all_freed(url)
+    _same_as_offline(url, llm, prompt)
+
+
+def test_closed_while_queued_behind_another_prompt(cluster, llm):
+    url, client = cluster, _client(url := cluster)
+    ahead = _open(client, _prompt("ahead", 1200))
+    wait_for(lambda: _in_use(url)["prefill-0"] > 0, timeout_s=60)
+    queued = _open(client, _prompt("queued", 600))
+    time.sleep(0.5)  # it waits for the prompt ahead of it, which has every step's 16 tokens
+    queued.close()
+    ahead.close()
+    _all_freed(url)
+    _same_as_offline(url, llm, _prompt("queued", 600))
+
+
+def test_closed_in_the_handover(cluster, llm):
+    """The first token came from the prefill node; its blocks are pinned for a READ the decode
+    node has not started (it waits PULL_DELAY_S): the prefill node frees them at once."""
+    url, prompt = cluster, _prompt("handover", 400)
+    stream = _open(_client(url), prompt)
+    next(iter(stream))  # the first token: the handover is on its way to the decode node
+    in_use = _in_use(url)
+    stream.close()
+    freed_at = time.monotonic()
+    assert in_use["prefill-0"] > 0  # pinned for the READ
+    _all_freed(url)
+    assert time.monotonic() - freed_at < PULL_DELAY_S + FREED_WITHIN_S
+    _same_as_offline(url, llm, prompt)
+
+
+def test_closed_while_decoding(cluster, llm):
+    url, prompt = cluster, _prompt("decoding", 200)
+    stream = _open(_client(url), prompt, max_tokens=3000)
+    received = 0
+    for chunk in stream:
+        received += len(chunk.choices[0].text) if chunk.choices else 0
+        if received >= 20:  # well past the handover: the decode node streams
+            break
+    assert _in_use(url)["decode-0"] > 0
+    stream.close()
+    _all_freed(url)
+    _same_as_offline(url, llm, prompt)
