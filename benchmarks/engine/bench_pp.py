@@ -1,9 +1,11 @@
 """Pipeline parallelism on CPU: PP 2 (two processes, one thread each, the layers split in two)
 against PP 1 (one process, two threads), same run, on bench_offline.py's model and workload
 (support/bench_model.py: 64 requests, prompts of 32-512 tokens, 64 new tokens each). Reports
-output tokens/s (median of --repeats) and each stage's idle share: the part of the run its
-process spent off the CPU (1 - its CPU time / the run's wall time; one thread a stage, so CPU
-time is the time it computed), and the driver's time waiting for the last stage's logits:
+output tokens/s (median of --repeats) and each stage's idle share: the part of the run it spent
+waiting, stage 0 (the driver) for the last stage's logits, stage 1 for its next step or for
+stage 0's hidden states (the driver's scheduling and sampling count as stage 0's work). PP 2
+runs once per --micro-batches entry (1: one step in flight at a time; 2, the default: a step's
+requests in two micro-batches, so both stages compute at once):
 
     .venv/bin/python -m benchmarks.engine.bench_pp --repeats 3
 """
@@ -15,18 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 from benchmarks.engine.bench_tp import weight_bytes
 from benchmarks.support.bench_model import BLOCK_TOKENS, KV_BLOCKS, build_model, workload
 
 
-def _cpu_seconds(pid: int) -> float:
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
-
-
-def run(path: Path, prompts, new_tokens: int, pp: int) -> dict:
+def run(path: Path, prompts, new_tokens: int, pp: int, micro_batches: int = 1) -> dict:
     import torch
 
     from pdserve import LLM, SamplingParams
@@ -34,21 +29,27 @@ def run(path: Path, prompts, new_tokens: int, pp: int) -> dict:
     llm = LLM(model=str(path), num_kv_blocks=KV_BLOCKS, block_size=BLOCK_TOKENS, pipeline_parallel_size=pp,
               threads_per_rank=2 // pp)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    if pp > 1:
+        llm.engine.runner.micro_batches = micro_batches
     llm.generate([{"prompt_token_ids": prompts[0][:32]}], params, use_tqdm=False)  # warm-up
-    pids = [psutil.Process().pid] + ([w.pid for w in llm.engine.executor.workers] if pp > 1 else [])
-    cpu0 = [_cpu_seconds(pid) for pid in pids]
-    link = getattr(llm.engine.runner, "link", None)
-    wait0 = link.wait_seconds if link is not None else 0.0
+    waits0 = _waits(llm, pp)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    busy = [(_cpu_seconds(pid) - c) / elapsed for pid, c in zip(pids, cpu0)]
+    idle = [(after - before) / elapsed for before, after in zip(waits0, _waits(llm, pp))]
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {"tok_s": produced / elapsed, "weights": weight_bytes(llm.engine.model),
-              "idle0": 1 - busy[0] if pp > 1 else 0.0, "idle1": 1 - busy[1] if pp > 1 else 0.0,
-              "wait0": ((link.wait_seconds - wait0) / elapsed) if link is not None else 0.0}
+              "idle0": idle[0] if pp > 1 else 0.0, "idle1": idle[1] if pp > 1 else 0.0}
     llm.close()
     return result
+
+
+def _waits(llm, pp: int) -> list[float]:
+    """Seconds each stage has waited so far: the driver for the last stage's logits, the worker
+    for its next step or for the hidden states."""
+    if pp == 1:
+        return [0.0]
+    return [llm.engine.runner.link.wait_seconds, *llm.engine.executor.worker_waits()]
 
 
 def main() -> None:
@@ -56,26 +57,33 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2])
     args = ap.parse_args()
     path = build_model(Path(tempfile.mkdtemp()) / "llama-32m")
     prompts = workload(args.requests, 32, 512)
-    runs: dict[int, list[dict]] = {1: [], 2: []}
+    configs = [(1, 1)] + [(2, m) for m in args.micro_batches]
+    runs: dict[tuple[int, int], list[dict]] = {c: [] for c in configs}
     for r in range(args.repeats):
-        for pp in (1, 2):
-            runs[pp].append(run(path, prompts, args.new_tokens, pp))
-        last = runs[2][-1]
-        print(f"run {r + 1}: PP1 {runs[1][-1]['tok_s']:.1f} tok/s, PP2 {last['tok_s']:.1f} tok/s (idle: stage 0 "
-              f"{last['idle0']:.0%}, stage 1 {last['idle1']:.0%}; driver waiting for logits {last['wait0']:.0%})",
-              flush=True)
-    med = {pp: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for pp, rs in runs.items()}
-    print("\n| | PP 1 (2 threads) | PP 2 (1 thread per stage) |\n|---|---:|---:|")
-    print(f"| output tokens/s (median of {args.repeats}) | {med[1]['tok_s']:.1f} | {med[2]['tok_s']:.1f} "
-          f"({med[2]['tok_s'] / med[1]['tok_s']:.2f}x) |")
-    print(f"| stage 0 idle (the driver: off the CPU) | | {med[2]['idle0']:.0%} |")
-    print(f"| stage 1 idle (off the CPU) | | {med[2]['idle1']:.0%} |")
-    print(f"| driver waiting for the last stage | | {med[2]['wait0']:.0%} |")
-    print(f"| weight bytes per stage | {med[1]['weights'] / 2**20:.1f} MiB | {med[2]['weights'] / 2**20:.1f} MiB "
-          f"(stage 0) |")
+        for pp, m in configs:
+            runs[(pp, m)].append(run(path, prompts, args.new_tokens, pp, m))
+        print(f"run {r + 1}: " + "; ".join(_describe(c, runs[c][-1]) for c in configs), flush=True)
+    med = {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in runs.items()}
+    base = med[(1, 1)]["tok_s"]
+    print(f"\n| (median of {args.repeats}) | output tokens/s | against PP 1 | stage 0 idle | stage 1 idle |"
+          "\n|---|---:|---:|---:|---:|")
+    for (pp, m), v in med.items():
+        name = "PP 1, 2 threads" if pp == 1 else f"PP 2, 1 thread a stage, {m} micro-batch{'es' if m > 1 else ''}"
+        idle = f"{v['idle0']:.0%} | {v['idle1']:.0%}" if pp > 1 else " | "
+        print(f"| {name} | {v['tok_s']:.1f} | {v['tok_s'] / base:.2f}x | {idle} |")
+    print(f"\nweights: PP 1 {med[(1, 1)]['weights'] / 2**20:.1f} MiB, PP 2 stage 0 "
+          f"{med[configs[-1]]['weights'] / 2**20:.1f} MiB")
+
+
+def _describe(config: tuple[int, int], result: dict) -> str:
+    pp, m = config
+    if pp == 1:
+        return f"PP1 {result['tok_s']:.1f} tok/s"
+    return f"PP2 x{m} {result['tok_s']:.1f} tok/s (idle {result['idle0']:.0%} / {result['idle1']:.0%})"
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ import torch
 
 from pdserve.executor.group import DEFAULT_TIMEOUT_S, make_rank_groups, open_store, set_rank_threads
 from pdserve.executor.kv_shared import create_shared_file, fd_path, map_shared
-from pdserve.executor.messages import Shutdown, StepPlan, WorkerSpec, write_message
+from pdserve.executor.messages import ReportWaits, Shutdown, StepPlan, WorkerSpec, write_message
 from pdserve.executor.shm_collectives import ShmCollectives, buffer_bytes
+from pdserve.executor.stage_link import recv_waits
 from pdserve.executor.step_channel import DEFAULT_CAPACITY, StepChannel
 from pdserve.layers.parallel import TPGroup
 
@@ -141,6 +142,13 @@ class TPExecutor:
             raise WorkerLost(f"a {self.kind} worker is gone: {exc}") from None
         if not plan.in_shm:
             self.channel.broadcast(flat)
+
+    def worker_waits(self) -> list[float]:
+        """Seconds each worker (rank 1, 2, ...) has spent waiting for work: on its pipe between
+        steps, and for the stage before's hidden states. Call between steps."""
+        for proc in self.workers:
+            write_message(proc.stdin.fileno(), ReportWaits())
+        return [recv_waits(self.node_group.group, rank) for rank in range(1, self.size)]
 
     def raise_if_lost(self) -> None:
         if self.lost is not None:

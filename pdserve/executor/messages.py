@@ -54,7 +54,12 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
     pass
 
 
-Control = StepPlan | Shutdown
+class ReportWaits(msgspec.Struct, frozen=True, tag="report_waits"):
+    """Each worker sends rank 0 the seconds it has waited for work so far (for measuring a
+    pipeline's idle stages): one float64 tensor over the node group."""
+
+
+Control = StepPlan | Shutdown | ReportWaits
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Control)
 _LEN = struct.Struct("<I")

@@ -17,6 +17,7 @@ import torch
 
 HIDDEN_TAG = 1
 RESULT_TAG = 2
+WAITS_TAG = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +109,17 @@ class PostedResult:
         self.work.wait()
         self.link.wait_seconds += time.perf_counter() - started
         return self.out if _numel(self.shape) else torch.empty(self.shape, dtype=self.out.dtype)
+
+
+def send_waits(group, seconds: float) -> None:
+    """A worker's seconds spent waiting for work, to rank 0 (executor.worker_waits)."""
+    group.send([torch.tensor([seconds], dtype=torch.float64)], 0, WAITS_TAG).wait()
+
+
+def recv_waits(group, rank: int) -> float:
+    out = torch.zeros(1, dtype=torch.float64)
+    group.recv([out], rank, WAITS_TAG).wait()
+    return float(out[0])
 
 
 def _numel(shape) -> int:

@@ -11,10 +11,11 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import msgspec
 
-from pdserve.executor.messages import Shutdown, WorkerSpec, read_message
+from pdserve.executor.messages import ReportWaits, Shutdown, WorkerSpec, read_message
 
 log = logging.getLogger("pdserve.executor.worker")
 
@@ -28,11 +29,17 @@ def main(argv: list[str]) -> int:
     from pdserve.executor.worker_shard import Shard
     shard = Shard(spec)
     log.info("rank %d of %d ready", spec.rank, spec.world_size)
+    waited = 0.0  # seconds blocked on the pipe, waiting for the next step
     while True:
+        started = time.perf_counter()
         msg = read_message(sys.stdin.fileno())
+        waited += time.perf_counter() - started
         if msg is None or isinstance(msg, Shutdown):
             return 0
-        shard.step(msg)
+        if isinstance(msg, ReportWaits):
+            shard.report_waits(waited)
+        else:
+            shard.step(msg)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pdserve.executor.messages import WorkerSpec
 from pdserve.executor.setup import load_shard
 from pdserve.executor.shard_step import run_worker_step
 from pdserve.executor.shm_collectives import ShmCollectives
-from pdserve.executor.stage_link import StageLink, StageRole
+from pdserve.executor.stage_link import StageLink, StageRole, send_waits
 from pdserve.executor.step_channel import StepChannel
 from pdserve.kernels import get_fused_layer_ops, get_ops
 from pdserve.models.loader import load_hf_config
@@ -53,6 +53,12 @@ class Shard:
         self.model.fused = get_fused_layer_ops(self.ops, self.device.type)
         self._run_step = run_worker_step
         store.set(f"ready/{spec.rank}", "1")
+
+    def report_waits(self, pipe_seconds: float) -> None:
+        """Rank 0 asked (ReportWaits): the seconds this rank waited for work, on its pipe and
+        for the hidden states of the stage before."""
+        link_seconds = self.link.wait_seconds if self.link is not None else 0.0
+        send_waits(self.channel.group.group, pipe_seconds + link_seconds)
 
     def step(self, plan) -> None:
         flat = self.channel.receive(plan)
