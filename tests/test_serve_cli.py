@@ -43,7 +43,7 @@ REFUSED = [
     (["--trust-remote-code"], "pdserve runs no code from a checkpoint"),
     (["--reasoning-parser", "deepseek_r1"], "pdserve has no reasoning parsers"),
     (["--generation-config", "auto"], "only --generation-config vllm"),
-    (["-pp", "2"], "no pipeline parallelism: split the model with -tp N"),
+    (["-pp", "2", "--prefill-pp", "2"], "-pp sets both roles' stages: give it, or --prefill-pp and --decode-pp"),
     (["-dp", "2"], "--decode-nodes N (and --prefill-nodes M)"),
     (["--no-enable-chunked-prefill"], "always chunks prefills: --max-num-batched-tokens"),
     (["--max-logprobs", "5"], "fixed at 20 logprobs"),
@@ -89,11 +89,12 @@ def test_quantization_is_checked_against_the_checkpoint(tmp_path):
 
 def test_accepted_flags_become_pdserve_settings():
     args = serve_args("-tp", "2", "--seed", "7", "--enable-auto-tool-choice", "--generation-config", "vllm",
-                      "-pp", "1", "-dp", "1", "--enable-chunked-prefill", "--max-logprobs", "20",
+                      "-pp", "2", "-dp", "1", "--enable-chunked-prefill", "--max-logprobs", "20",
                       "--response-role", "assistant", "--tokenizer", "builtin:tiny", "--max-model-len", "512",
                       "--root-path", "/api", "--allowed-origins", '["http://ui.example"]', "--disable-log-requests",
                       "--uvicorn-log-level", "info")
     assert args.prefill_tp == args.decode_tp == (2,)
+    assert args.prefill_pp == args.decode_pp == (2,)
     assert args.model == "builtin:tiny"
     assert Cluster(args).node_cmd("decode", "decode-0", "tcp://127.0.0.1:1", [])[-2:] == ["--seed", "7"]
     assert http_flags(args) == ["--max-model-len", "512", "--allowed-origins", '["http://ui.example"]',

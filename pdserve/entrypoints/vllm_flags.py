@@ -62,6 +62,14 @@ def _tensor_parallel(args: argparse.Namespace, value: int) -> None:
     args.prefill_tp = args.decode_tp = (value,)  # with --prefill-nodes 0, the decode nodes' alone
 
 
+def _pipeline_parallel(args: argparse.Namespace, value: int) -> None:
+    if value < 1:
+        raise ValueError("a pipeline-parallel size is at least 1")
+    if tuple(args.prefill_pp) != (1,) or tuple(args.decode_pp) != (1,):  # given with --prefill-pp/--decode-pp
+        raise ValueError("-pp sets both roles' stages: give it, or --prefill-pp and --decode-pp, not both")
+    args.prefill_pp = args.decode_pp = (value,)
+
+
 def _gpu_memory(args: argparse.Namespace, value: float) -> None:
     args.kv_cache_memory_gb = kv_pool_from_utilization(args, value)
 
@@ -130,10 +138,9 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
              "requests set their own", {},
              _only("vllm", "pdserve applies no sampling defaults from generation_config.json: only "
                            "--generation-config vllm (requests set their own parameters)")),
-    VllmFlag(("-pp", "--pipeline-parallel-size"), "1 only: pdserve has no pipeline parallelism (use -tp)",
-             "pdserve has no pipeline parallelism: split the model with --prefill-tp N --decode-tp N",
-             dict(type=int, metavar="N"),
-             _only(1, "pdserve has no pipeline parallelism: split the model with -tp N instead")),
+    VllmFlag(("-pp", "--pipeline-parallel-size"),
+             "pipeline stages of every node, prefill and decode (--prefill-pp and --decode-pp)",
+             "each role has its own: --prefill-pp N --decode-pp N", dict(type=int, metavar="N"), _pipeline_parallel),
     VllmFlag(("-dp", "--data-parallel-size"), "1 only: pdserve's replicas are its nodes (--decode-nodes)",
              "pdserve's replicas are its nodes: --decode-nodes N (and --prefill-nodes M)",
              dict(type=int, metavar="N"),
