@@ -1,0 +1,157 @@
+"""The soak's cluster: a router and 2 prefill and 2 decode nodes (built-in model, NIXL handover),
+each its own OS process started here, so that any of them, the router included, can be killed,
+stopped and restarted on the same addresses, as `pdserve up` or a container runtime would.
+
+A supervisor thread restarts a process that died (after RESTART_DELAY_S), until stop(). Every
+pid ever started is kept, so stop() can say whether any process was left behind.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+from pdserve.wire.transport import free_port
+
+MODEL = "builtin:tiny"
+RESTART_DELAY_S = 0.5
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    popen: subprocess.Popen | None = None
+    pids: list[int] = field(default_factory=list)  # every process started under this name
+    starts: int = 0
+    stopped: bool = False  # SIGSTOPped: not dead, not to be restarted
+
+
+class SoakCluster:
+    def __init__(self, workdir: Path, lease_s: float, prefill: int = 2, decode: int = 2):
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.procs: dict[str, Proc] = {}
+        addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for role, count in (("prefill", prefill), ("decode", decode)):
+            for i in range(count):
+                bind = f"tcp://127.0.0.1:{free_port()}"
+                addrs[role].append(bind)
+                side = ["--nixl-side-channel", f"tcp://127.0.0.1:{free_port()}", "--lease-s", str(lease_s)]
+                self._add(f"{role}-{i}", [role, "--model", MODEL, "--node-id", f"{role}-{i}", "--bind", bind,
+                                          "--num-kv-blocks", "256", *side, *(["--nixl"] if role == "decode" else [])])
+        self._add("router", ["router", "--model", MODEL, "--port", str(self.port), "--kv-transfer", "nixl",
+                             "--local-prefill-threshold", "0", "--prefill-placement", "threshold",
+                             *[a for p in addrs["prefill"] for a in ("--prefill", p)],
+                             *[a for d in addrs["decode"] for a in ("--decode", d)]])
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+
+    def _add(self, name: str, args: list[str]) -> None:
+        self.procs[name] = Proc(name, [sys.executable, "-m", "pdserve", "--log-level", "WARNING", *args])
+
+    @property
+    def nodes(self) -> list[str]:
+        return [n for n in self.procs if n != "router"]
+
+    def _spawn(self, proc: Proc) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+        log = open(self.workdir / f"{proc.name}.log", "a")
+        proc.popen = subprocess.Popen(proc.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True)
+        log.close()
+        proc.pids.append(proc.popen.pid)
+        proc.starts += 1
+
+    def start(self, timeout_s: float = 240) -> None:
+        for proc in self.procs.values():
+            self._spawn(proc)
+        self._supervisor.start()
+        self.wait_healthy(timeout_s)
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(0.2):
+            with self._lock:
+                dead = [p for p in self.procs.values() if p.popen is not None and p.popen.poll() is not None]
+            for proc in dead:
+                time.sleep(RESTART_DELAY_S)
+                with self._lock:
+                    if not self._stopping.is_set():
+                        self._spawn(proc)
+
+    def signal(self, name: str, sig: int) -> None:
+        proc = self.procs[name]
+        with self._lock:
+            if proc.popen is not None and proc.popen.poll() is None:
+                proc.popen.send_signal(sig)
+                proc.stopped = sig == signal.SIGSTOP
+
+    def health(self) -> dict | None:
+        try:
+            resp = httpx.get(f"{self.url}/health", timeout=3)
+            return resp.json() if resp.status_code in (200, 503) else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def all_healthy(self) -> bool:
+        body = self.health()
+        return bool(body) and len(body["nodes"]) == len(self.nodes) and all(n["healthy"] for n in body["nodes"])
+
+    def wait_healthy(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.all_healthy():
+                return True
+            time.sleep(0.5)
+        return False
+
+    def rss(self) -> dict[str, int]:
+        out = {}
+        for name, proc in self.procs.items():
+            try:
+                out[name] = psutil.Process(proc.popen.pid).memory_info().rss
+            except (psutil.Error, AttributeError):
+                pass
+        return out
+
+    def stop(self) -> list[str]:
+        """Stop every process; returns those still alive afterwards (with their children)."""
+        self._stopping.set()
+        self._supervisor.join(timeout=5)
+        for proc in self.procs.values():
+            if proc.popen is not None and proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGCONT)
+                proc.popen.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            if proc.popen is None:
+                continue
+            try:
+                proc.popen.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+                proc.popen.wait()
+        time.sleep(0.5)
+        return self._left_behind()
+
+    def _left_behind(self) -> list[str]:
+        """Processes of any group started here (each process led its own): TP workers included."""
+        groups = {pid: proc.name for proc in self.procs.values() for pid in proc.pids}
+        left = []
+        for p in psutil.process_iter():
+            try:
+                group = os.getpgid(p.pid)
+                if group in groups and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(f"{groups[group]}: pid {p.pid}")
+            except (psutil.Error, ProcessLookupError):
+                continue
+        return left
