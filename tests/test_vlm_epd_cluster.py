@@ -1,10 +1,10 @@
 """Encoder nodes (E/P/D) with `pdserve up --encode-nodes 1`: Gemma 3 (image tokens attend both
 ways) with its KV and its embeddings over NIXL and no Redis, a decode node and then the encoder
-node killed; a tiny random Qwen2.5-VL through the store, the encoder node encoding and the prefill
-node loading the embeddings (and a lost encoder node costing nothing). Greedy output equals
-transformers' generate, or the offline engine's (itself exact against transformers:
-test_qwen2_5_vl_engine.py, test_gemma3_vl_engine.py). Each cluster runs alone, with 256 KV blocks
-a node: several clusters at once are memory CI lacks.
+node killed; a tiny random Qwen2.5-VL through the store and over NIXL, the encoder node
+encoding and the prefill node taking the embeddings (and a lost encoder node costing nothing).
+Greedy output equals transformers' generate, or the offline engine's (itself exact against
+transformers: test_qwen2_5_vl_engine.py, test_gemma3_vl_engine.py). Each cluster runs alone,
+with 256 KV blocks a node: several clusters at once are memory CI lacks.
 """
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ def test_gemma3_epd_over_nixl_equals_transformers(tmp_path_factory, pictures):
         wait_for(lambda: _stat(url, "prefill", "embeddings_loaded") == 2, timeout_s=10)
         assert _stat(url, "encode", "encoder_runs") == 2 and _stat(url, "prefill", "encoder_runs") == 0
         assert _stat(url, "prefill", "embedding_bytes_nixl") > 0 and _stat(url, "prefill", "integrity_failures") == 0
-        assert 'pdserve_embedding_transfer_bytes_total{node="prefill-0",path="nixl"}' in httpx.get(
-            f"{url}/metrics", timeout=10).text
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert 'pdserve_node_healthy{node="encode-0",role="encode"} 1.0' in metrics
+        assert 'pdserve_embedding_transfer_bytes_total{node="prefill-0",path="nixl"}' in metrics
         killer = DecodeNodeKiller(url, proc.pid)
         ids, _ = chat(url, "Tell a long story about ", [pictures[2]], ".", LONG, killer)
         assert killer.killed, "the stream ended before a decode node could be killed"
@@ -67,20 +68,28 @@ def test_gemma3_epd_over_nixl_equals_transformers(tmp_path_factory, pictures):
         wait_for(lambda: _stat(url, "prefill", "encoder_runs") >= 1, timeout_s=10)
 
 
-def test_encoder_node_encodes_and_a_lost_one_costs_nothing(tmp_path_factory, pictures):
-    """E/P/D: the encoder node encodes, the prefill node loads the embeddings from the store and
-    encodes nothing; the same picture behind other text is an encoder-cache hit there; with the
-    encoder node killed, the prefill node encodes by itself, with the same output."""
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
     checkpoint = make_qwen2_5_vl(tmp_path_factory.mktemp("vlm_epd"))
-    llm = LLM(str(checkpoint), block_size=16, num_kv_blocks=256)
+    return checkpoint, LLM(str(checkpoint), block_size=16, num_kv_blocks=256)
+
+
+@pytest.mark.parametrize("transfer", ["store", "nixl"])
+def test_encoder_node_encodes_and_a_lost_one_costs_nothing(qwen, pictures, transfer):
+    """E/P/D: the encoder node encodes, the prefill node takes the embeddings (through the store,
+    or READ over NIXL) and encodes nothing; the same picture behind other text is an
+    encoder-cache hit there; with the encoder node killed, the prefill node encodes by itself,
+    with the same output."""
+    checkpoint, llm = qwen
     with running_cluster("--model", str(checkpoint), "--served-model-name", "vlm", "--encode-nodes", "1",
-                         "--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store", *SMALL_KV) as (url, proc):
+                         "--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", transfer, *SMALL_KV) as (url, proc):
         for before, which, after in CASES:
             images = [pictures[i] for i in which]
             assert chat(url, before, images, after)[0] == offline(llm, before, images, after, 8)[0]
-        # picture 0 loaded once: the prefill node keeps it in its own encoder cache for the second prompt
+        # picture 0 taken once: the prefill node keeps it in its own encoder cache for the second prompt
         wait_for(lambda: _stat(url, "prefill", "embeddings_loaded") >= 2, timeout_s=10)
         assert _stat(url, "encode", "encoder_runs") == 2 and _stat(url, "prefill", "encoder_runs") == 0
+        assert _stat(url, "prefill", f"embedding_bytes_{transfer}") > 0
         assert chat(url, "Again: ", [pictures[1]], "?")[0] == offline(llm, "Again: ", [pictures[1]], "?", 8)[0]
         wait_for(lambda: _stat(url, "encode", "encoder_cache_hits") >= 2, timeout_s=10)
         os.kill(node_pids(proc.pid)["encode-0"], signal.SIGKILL)
