@@ -3,12 +3,14 @@
 A Llama GGUF kept quantized takes it for its decode steps; its greedy tokens equal transformers'
 on the dequantized file, and its logprobs match the same engine running the layers in Python
 (the reference the C code transcribes), with and without sliding windows, at several requests a
-step. Steps it does not take (prefill, more than 32 queries) run in Python; it switches off with
-the native kernels, and for layers it does not take (biases: Qwen2)."""
+step. Steps it does not take (prefill, more than 64 rows) run in Python; it switches off with
+the native kernels, and for layers it does not take (a bias on o_proj). Verify rows and the Qwen
+layers: test_native_decode_rows.py."""
 from __future__ import annotations
 
 import gguf
 import pytest
+import torch
 from gguf_kquants import quantize
 from test_gguf import reference, write_gguf
 
@@ -28,12 +30,12 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def _llm(tmp_path, arch: str = "llama", qtype=Q.Q4_1) -> LLM:
+def _llm(tmp_path, arch: str = "llama", qtype=Q.Q4_1, **engine) -> LLM:
     path = write_gguf(tmp_path / f"m.{arch}.gguf", arch, qtype, dims=SIZES, quantize=quantize)
-    return LLM(str(path), num_kv_blocks=128, enable_prefix_caching=False), path
+    return LLM(str(path), num_kv_blocks=128, enable_prefix_caching=False, **engine), path
 
 
-def _logprobs(llm: LLM, prompts: list[list[int]], new_tokens: int = 12):
+def logprobs(llm: LLM, prompts: list[list[int]], new_tokens: int = 12):
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
@@ -44,16 +46,16 @@ def _logprobs(llm: LLM, prompts: list[list[int]], new_tokens: int = 12):
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 19, 40, 33)]
 
 
-def _compare_with_python_layers(llm: LLM) -> None:
+def compare_with_python_layers(llm: LLM, prompts: list[list[int]] = PROMPTS) -> None:
     """Same engine, the layers in Python: the same greedy tokens, logprobs within 1e-4."""
     model = llm.engine.model
     native = model.native_decode
     before = native.steps
-    tokens, values = _logprobs(llm, PROMPTS)
+    tokens, values = logprobs(llm, prompts)
     assert native.steps > before  # the decode steps took the compiled path
     model.native_decode = None
     try:
-        want_tokens, want_values = _logprobs(llm, PROMPTS)
+        want_tokens, want_values = logprobs(llm, prompts)
     finally:
         model.native_decode = native
     assert tokens == want_tokens
@@ -69,7 +71,7 @@ def test_compiled_decode_matches_transformers_and_the_python_layers(tmp_path, qt
     steps = llm.engine.model.native_decode.steps
     assert_greedy_matches_reference(llm, ref, PROMPTS[:3], 16)
     assert llm.engine.model.native_decode.steps > steps
-    _compare_with_python_layers(llm)
+    compare_with_python_layers(llm)
 
 
 def test_compiled_decode_with_sliding_windows(tmp_path):
@@ -82,18 +84,18 @@ def test_compiled_decode_with_sliding_windows(tmp_path):
     for i, layer in enumerate(model.layers):
         layer.self_attn.window = 8 if i % 2 == 0 else 16
     model.native_decode = plan_for(model, runner.layer_caches, runner.device)
-    _compare_with_python_layers(llm)
+    compare_with_python_layers(llm)
 
 
 def test_steps_it_does_not_take_and_models_it_does_not_fit(tmp_path, monkeypatch):
     llm, _ = _llm(tmp_path)
     native = llm.engine.model.native_decode
     before = native.steps
-    # 40 requests decode in steps of more than 32 queries: those run in Python (the gemv's limit).
-    _logprobs(llm, [list(range(3, 9))] * 40, new_tokens=2)
+    # 70 requests decode in steps of more than 64 rows: those run in Python.
+    logprobs(llm, [list(range(3, 9))] * 70, new_tokens=2)
     assert native.steps == before
-    qwen2, _ = _llm(tmp_path, "qwen2")  # q/k/v biases
-    assert qwen2.engine.model.native_decode is None
+    llm.engine.model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(SIZES["hidden_size"]))
+    assert isinstance(llm.engine.model.native_decode_weights(), str)  # a bias on o_proj: refused
     monkeypatch.setenv("PDSERVE_NATIVE_KERNELS", "0")
     native_gemv.library.cache_clear()
     (tmp_path / "off").mkdir()

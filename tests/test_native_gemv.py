@@ -55,7 +55,9 @@ def test_matches_the_dequantized_matmul_and_numba(bits, group, has_min, half):
     rows, cols = 37, 576  # rows not a multiple of the kernel's 4 or 16; columns in groups of 96 too
     q, scales, mins = _matrix(rng, rows, cols, bits, group, has_min, half)
     w = _dequantized(q, scales, mins, bits, group, has_min)
-    for tokens in (1, 3, 8, 13, 32):  # every pass: 4 rows x 1 token, 2 x 8, 2 x 4, 2 x 1 and 1 x 1
+    # every pass: 4 rows x 1 token; 2 x 3, 2 x 8 and 1 x each (one pass, every block decoded once);
+    # 13 and 40 (rows decoded once into a buffer, then 8 tokens at a time and the rest)
+    for tokens in (1, 3, 8, 13, 40):
         x = rng.standard_normal((tokens, cols)).astype(np.float32)
         got = native_gemv.gemv(x, bits, q, scales, mins, has_min, group)
         assert got is not None
@@ -64,6 +66,18 @@ def test_matches_the_dequantized_matmul_and_numba(bits, group, has_min, half):
         assert np.abs(got - want).max() <= 1e-5 * scale, tokens
         numba_out = quant_gemv.gemv(x, bits, q, scales, mins, has_min, group)
         assert np.abs(got - numba_out).max() <= 1e-5 * scale, tokens
+
+
+@needs_native
+def test_rows_too_wide_for_the_decoded_buffer():
+    """Past 8192 columns the rows are decoded again for each pass of 8 tokens, not buffered."""
+    rng = np.random.default_rng(7)
+    q, scales, mins = _matrix(rng, 5, 8192 + 64, 4, 32, True, True)
+    w = _dequantized(q, scales, mins, 4, 32, True)
+    x = rng.standard_normal((11, 8192 + 64)).astype(np.float32)
+    want = (torch.from_numpy(x).double() @ w.T).numpy()
+    got = native_gemv.gemv(x, 4, q, scales, mins, True, 32)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 @needs_native

@@ -10,9 +10,13 @@
  * Each op is the one pdserve.models.llama runs on CPU (numba_fused, numba_ops, quant_cpu), in
  * float32, in the same order of ops; sums may be taken in another order, as between those
  * kernels and transformers' own. Per layer:
- *   h = RMSNorm(x) (carried from the layer before), qkv = h @ Wqkv.T, RoPE on q and k, k and v
- *   into the paged cache, paged attention per (sequence, KV head), x += attn @ Wo.T,
+ *   h = RMSNorm(x) (carried from the layer before), qkv = h @ Wqkv.T (+ its bias: Qwen2), each
+ *   head of q and k RMS-normed (Qwen3), RoPE on q and k, k and v into the paged cache, paged
+ *   attention per (query row, KV head), x += attn @ Wo.T,
  *   h = RMSNorm(x), x += (SiLU(gate) * up) @ Wdown.T, h = the next layer's RMSNorm(x).
+ * A query row is one token: a plain decode's, or one of a verify step's k + 1 rows (speculation).
+ * Each row carries its own context length, so a verify row sees the rows before it (their keys are
+ * in the cache before any row attends) and not those after: causal among the rows.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -33,6 +37,8 @@ typedef struct {
 typedef struct {
     pd_matrix qkv, o, gate_up, down;
     const float *input_norm, *post_norm;
+    const float *qkv_bias;        /* added to h @ Wqkv.T (Qwen2), or NULL */
+    const float *q_norm, *k_norm; /* per-head RMSNorm weights [head_dim] before RoPE (Qwen3), or NULL */
     float *k_cache, *v_cache; /* this layer's planes: [blocks, block_size, kv_heads, head_dim] at the strides below */
     int64_t window;           /* sliding window in tokens, 0 for full attention */
 } pd_layer;
@@ -79,12 +85,19 @@ static inline long cache_row(const pd_model *m, const int32_t *table, long t, in
     return table[t / m->block_size] * m->s_block + (t % m->block_size) * m->s_slot + kh * m->s_head;
 }
 
-/* RoPE on each token's q and k, then its k and v into the cache slot slots[t] (skipped when < 0) */
-static void rope_and_store(const pd_model *m, const pd_layer *L, float *qkv, int tokens, const float *cos,
-                           const float *sin, const int64_t *slots) {
+/* Each token's qkv row: its bias added, q's and k's heads normed, RoPE on them, then its k and v
+ * into the cache slot slots[t] (skipped when < 0) */
+static void finish_qkv(const pd_model *m, const pd_layer *L, float *qkv, int tokens, const float *cos,
+                       const float *sin, const int64_t *slots) {
     int D = m->head_dim, cols = (m->heads + 2 * m->kv_heads) * D;
     for (int t = 0; t < tokens; t++) {
         float *q = qkv + (long)t * cols, *k = q + m->heads * D, *v = k + m->kv_heads * D;
+        if (L->qkv_bias)
+            for (int c = 0; c < cols; c++) q[c] += L->qkv_bias[c];
+        if (L->q_norm) {
+            add_norm(q, NULL, L->q_norm, m->eps, m->heads, D, q);
+            add_norm(k, NULL, L->k_norm, m->eps, m->kv_heads, D, k);
+        }
         rope(q, m->heads, D, cos + (long)t * D, sin + (long)t * D);
         rope(k, m->kv_heads, D, cos + (long)t * D, sin + (long)t * D);
         if (slots[t] < 0) continue;
@@ -271,7 +284,7 @@ int pd_decode_layers(const pd_model *m, float *x, int tokens, const float *cos, 
         const pd_layer *L = &m->layer[l];
         rc = matmul(&L->qkv, h, tokens, H, qkv, threads);
         if (rc) break;
-        rope_and_store(m, L, qkv, tokens, cos, sin, slots);
+        finish_qkv(m, L, qkv, tokens, cos, sin, slots);
         rc = attend(m, L, qkv, tokens, tables, max_blocks, lens, attn, threads);
         if (rc || (rc = matmul(&L->o, attn, tokens, q_cols, o, threads))) break;
         add_norm(x, o, L->post_norm, m->eps, tokens, H, h);

@@ -2,11 +2,14 @@
 (native_decode.c, built with native_gemv.c into one library).
 
 At one request a SmolLM2 decode step spent about 5 of its 13 ms in Python between the kernels:
-some ten calls a layer over 30 layers. For a step whose queries are all one token (at most
-native_gemv.MAX_TOKENS of them), with quantized weights the compiled gemv takes, a float32 KV
-cache, and no LoRA, tensor parallelism, biases or QK norms, LlamaModel.forward hands its layers
-to this one call; anything else runs the layers in Python as before. The embedding, the LM head
-and sampling stay in Python.
+some ten calls a layer over 30 layers. For a step whose rows are all decode rows (at most
+MAX_STEP_TOKENS of them), with quantized weights the compiled gemv takes, a float32 KV cache, and
+no LoRA or tensor parallelism, LlamaModel.forward hands its layers to this one call; anything
+else runs the layers in Python as before. A decode row is one token: a plain decode's, or one of
+the k + 1 rows of a speculative verify step (n-gram, draft model, EAGLE, MTP), each with its own
+context length, so the rows of one request are causal among themselves. Qwen2's qkv bias and
+Qwen3's per-head QK norms are part of the compiled layer. The embedding, the LM head and sampling
+stay in Python.
 
 A model declares whether it fits (native_decode_weights: its arrays as a DecodeWeights, or why
 not); this module reads only those arrays. The plan (plan_for) is made once per model runner:
@@ -28,6 +31,11 @@ from pdserve.kernels import native_gemv
 
 log = logging.getLogger(__name__)
 
+# Rows a compiled step takes: a verify step of 8 requests with k = 4 has 40. Past 8 rows the gemv
+# dequantizes each pair of weight rows once for all of them (native_gemv.c), so it keeps ahead of
+# the Python layers' dequantized tiles through BLAS up to here (bench_native_decode.py).
+MAX_STEP_TOKENS = 64
+
 
 class _Matrix(ctypes.Structure):
     _fields_ = [("q", c_void_p), ("scales", c_void_p), ("mins", c_void_p), ("nrows", c_int32), ("bits", c_int32),
@@ -42,8 +50,8 @@ class _Matrix(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix),
-                ("input_norm", c_void_p), ("post_norm", c_void_p), ("k_cache", c_void_p), ("v_cache", c_void_p),
-                ("window", c_int64)]
+                ("input_norm", c_void_p), ("post_norm", c_void_p), ("qkv_bias", c_void_p), ("q_norm", c_void_p),
+                ("k_norm", c_void_p), ("k_cache", c_void_p), ("v_cache", c_void_p), ("window", c_int64)]
 
 
 class _Model(ctypes.Structure):
@@ -56,7 +64,8 @@ class _Model(ctypes.Structure):
 @dataclass
 class DecodeLayer:
     """One layer's arrays: each matrix as native_gemv.matrix_args gives it, the two norms'
-    float32 weights, and the layer's sliding window (0: full attention)."""
+    float32 weights, and the layer's sliding window (0: full attention); where the layer has them,
+    the qkv projection's bias (Qwen2) and the per-head norms of q and k (Qwen3), float32."""
     qkv: tuple
     o: tuple
     gate_up: tuple
@@ -64,6 +73,19 @@ class DecodeLayer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     window: int
+    qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+    def unfit(self) -> str | None:
+        """Why the compiled step cannot read these arrays, or None."""
+        vectors = [self.input_norm, self.post_norm] + [t for t in (self.qkv_bias, self.q_norm, self.k_norm)
+                                                       if t is not None]
+        if not all(float32_on_cpu(t) for t in vectors):
+            return "the norms' weights or the qkv bias are not float32 on CPU"
+        if (self.q_norm is None) != (self.k_norm is None):
+            return "only one of q and k is normed"
+        return None
 
 
 @dataclass
@@ -114,18 +136,20 @@ class NativeDecode:
         self._model = _Model(len(w.layers), w.hidden, w.inter, w.heads, w.kv_heads, w.head_dim, k0.shape[1], w.eps,
                              w.scale, *k0.stride()[:3], w.final_norm.data_ptr(), self._layers)
         self._model_ptr = ctypes.addressof(self._model)
-        self.steps = 0  # steps run here (tests check the path is taken)
+        self.steps = self.rows = 0  # steps and rows run here (tests check the path is taken)
 
     @staticmethod
     def _layer(layer: DecodeLayer, caches: tuple[torch.Tensor, torch.Tensor]) -> _Layer:
         matrices = [_Matrix.of(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return _Layer(*matrices, layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), caches[0].data_ptr(),
-                      caches[1].data_ptr(), layer.window)
+        optional = [t.data_ptr() if t is not None else None for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]
+        return _Layer(*matrices, layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *optional,
+                      caches[0].data_ptr(), caches[1].data_ptr(), layer.window)
 
     def takes(self, x: torch.Tensor, ctx) -> bool:
-        """A step of one-token queries only, few enough for the gemv, over this plan's cache."""
+        """A step of decode rows only (one-token queries, verify rows), not too many, over this
+        plan's cache."""
         meta, tokens = ctx.meta, x.shape[0]
-        return (tokens <= native_gemv.MAX_TOKENS and meta.num_decodes == tokens
+        return (tokens <= MAX_STEP_TOKENS and meta.num_decodes == tokens
                 and meta.decode_context_lens.shape[0] == tokens and x.dtype == torch.float32
                 and ctx.layer_caches is self.layer_caches)
 
@@ -145,6 +169,7 @@ class NativeDecode:
         if rc != 0:
             raise RuntimeError(f"native decode step failed ({rc})")
         self.steps += 1
+        self.rows += tokens
         return h
 
 

@@ -7,7 +7,10 @@
  *   w = q * scale (+ min).
  * Each block of 32 columns is widened to float32 in vector registers. At one token (groups of a
  * power-of-two multiple of 32) its integers are dotted with x and scaled once; otherwise it is
- * dequantized as q * scale + min and multiply-added into every token's sums. The result is
+ * dequantized as q * scale + min and multiply-added into every token's sums: up to 8 tokens (a
+ * speculative verify step's k + 1 rows) in one pass, the block decoded once; past 8, a pair of rows
+ * is dequantized once into a buffer and multiplied into the tokens 8 at a time (a verify step of
+ * several requests). The result is
  * x @ dequantized(w).T up to the order of the sums, as numba's kernel gives it, 1.4 to 2.6 times
  * as fast on SmolLM2's shapes (benchmarks/kernels/bench_native_gemv.py).
  */
@@ -20,6 +23,9 @@
 /* Each row's bytes this far ahead are prefetched: the hardware prefetcher alone left SmolLM2's
  * 28 MB int8 LM head at 11 GB/s (2.7 ms); with this, 1.1 ms, about a one-thread copy's bandwidth. */
 #define PREFETCH_BYTES 4096
+/* task_many keeps two dequantized rows on the stack, 64 KiB at most: within L2, and well within a
+ * thread's stack */
+#define MAX_DECODED_COLS 8192
 
 static inline __attribute__((always_inline)) float scale_at(const void *s, int half, long idx) {
     return half ? _cvtsh_ss(((const uint16_t *)s)[idx]) : ((const float *)s)[idx];
@@ -140,22 +146,100 @@ static void task_one(const float *x, const float *xg, int cols, const uint8_t *q
 
 #define TILE(R, NT, n, t) tile(x, cols, q, bits, sc, mn, half, has_min, group, out, nrows, n, t, R, NT)
 
+/* R rows already dequantized into w [R][cols] (see task_many), times NT tokens from t0: the same
+ * sums as tile's, the rows read from L1 instead of decoded again for each pass over the tokens */
+static inline __attribute__((always_inline)) void tile_decoded(const float *w, const float *x, int cols, float *out,
+                                                               int nrows, int n, int t0, const int R, const int NT) {
+    __m512 acc[2][TOKENS_PER_PASS];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int c = 0; c < cols; c += 32) {
+        __m512 w0[2], w1[2];
+        for (int r = 0; r < R; r++) {
+            w0[r] = _mm512_loadu_ps(w + (long)r * cols + c);
+            w1[r] = _mm512_loadu_ps(w + (long)r * cols + c + 16);
+        }
+        for (int t = 0; t < NT; t++) {
+            const float *xt = x + (long)(t0 + t) * cols + c;
+            __m512 x0 = _mm512_loadu_ps(xt), x1 = _mm512_loadu_ps(xt + 16);
+            for (int r = 0; r < R; r++)
+                acc[r][t] = _mm512_fmadd_ps(w1[r], x1, _mm512_fmadd_ps(w0[r], x0, acc[r][t]));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) out[(long)(t0 + t) * nrows + n + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+/* A pass over nt <= TOKENS_PER_PASS tokens with nt a constant, so its sums stay in registers */
+#define BY_TOKENS(CALL, nt)            \
+    switch (nt) {                      \
+    case 1: CALL(1); break;            \
+    case 2: CALL(2); break;            \
+    case 3: CALL(3); break;            \
+    case 4: CALL(4); break;            \
+    case 5: CALL(5); break;            \
+    case 6: CALL(6); break;            \
+    case 7: CALL(7); break;            \
+    default: CALL(TOKENS_PER_PASS);    \
+    }
+
+/* rows [n, end) for every token, up to TOKENS_PER_PASS of them (a verify step's k + 1 rows, a few
+ * requests): one pass, each block decoded once */
+static void task_few(const float *x, int tokens, int cols, const uint8_t *q, int bits, const void *sc,
+                     const void *mn, int half, int has_min, int group, float *out, int nrows, int n, int end) {
+#define PAIR(NT) TILE(2, NT, n, 0)
+#define SINGLE(NT) TILE(1, NT, n, 0)
+    for (; n + 2 <= end; n += 2) BY_TOKENS(PAIR, tokens);
+    for (; n < end; n++) BY_TOKENS(SINGLE, tokens);
+#undef PAIR
+#undef SINGLE
+}
+
+/* rows [n, end) for more tokens: each pair of rows dequantized once into w (as decode32 gives them),
+ * then multiplied into the tokens TOKENS_PER_PASS at a time */
+static void task_many(const float *x, int tokens, int cols, const uint8_t *q, int bits, const void *sc,
+                      const void *mn, int half, int has_min, int group, float *out, int nrows, int n, int end) {
+    float w[2 * cols];
+    long qstride = bits == 4 ? cols / 2 : cols, sstride = cols / group;
+    for (; n < end; n += 2) {
+        int rows = end - n >= 2 ? 2 : 1;
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < cols / 32; c++) {
+                __m512 w0, w1;
+                decode32(q + (n + r) * qstride, bits, c, sc, mn, half, has_min, group, (n + r) * sstride, &w0, &w1);
+                _mm512_storeu_ps(w + (long)r * cols + c * 32, w0);
+                _mm512_storeu_ps(w + (long)r * cols + c * 32 + 16, w1);
+            }
+        for (int t = 0; t < tokens; t += TOKENS_PER_PASS) {
+            int nt = tokens - t < TOKENS_PER_PASS ? tokens - t : TOKENS_PER_PASS;
+#define PAIR(NT) tile_decoded(w, x, cols, out, nrows, n, t, 2, NT)
+#define SINGLE(NT) tile_decoded(w, x, cols, out, nrows, n, t, 1, NT)
+            if (rows == 2) BY_TOKENS(PAIR, nt) else BY_TOKENS(SINGLE, nt)
+#undef PAIR
+#undef SINGLE
+        }
+    }
+}
+
 /* rows [n, end) for every token */
 static void task(const float *x, int tokens, int cols, const uint8_t *q, int bits, const void *sc, const void *mn,
                  int half, int has_min, int group, float *out, int nrows, int n, int end) {
     if (tokens == 1) {
         for (; n + ROWS_PER_PASS <= end; n += ROWS_PER_PASS) TILE(ROWS_PER_PASS, 1, n, 0);
         for (; n < end; n++) TILE(1, 1, n, 0);
-        return;
+    } else if (tokens <= TOKENS_PER_PASS) {
+        task_few(x, tokens, cols, q, bits, sc, mn, half, has_min, group, out, nrows, n, end);
+    } else if (cols <= MAX_DECODED_COLS) {
+        task_many(x, tokens, cols, q, bits, sc, mn, half, has_min, group, out, nrows, n, end);
+    } else { /* rows too wide for task_many's buffer: decoded again for each pass */
+        for (; n < end; n++)
+            for (int t = 0; t < tokens; t += TOKENS_PER_PASS) {
+                int nt = tokens - t < TOKENS_PER_PASS ? tokens - t : TOKENS_PER_PASS;
+#define SINGLE(NT) TILE(1, NT, n, t)
+                BY_TOKENS(SINGLE, nt)
+#undef SINGLE
+            }
     }
-    for (; n + 2 <= end; n += 2) {
-        int t = 0;
-        for (; t + TOKENS_PER_PASS <= tokens; t += TOKENS_PER_PASS) TILE(2, TOKENS_PER_PASS, n, t);
-        for (; t + 4 <= tokens; t += 4) TILE(2, 4, n, t);
-        for (; t < tokens; t++) TILE(2, 1, n, t);
-    }
-    for (; n < end; n++)
-        for (int t = 0; t < tokens; t++) TILE(1, 1, n, t);
 }
 
 /* x [tokens, cols] float32 @ w.T -> out [tokens, nrows]. Returns 0, or -1 for a shape it does not take

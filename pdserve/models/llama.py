@@ -190,35 +190,43 @@ class LlamaModel(nn.Module):
 
     def native_decode_weights(self) -> DecodeWeights | str:
         """This model's arrays for the compiled decode step (pdserve.kernels.native_decode), or
-        why it cannot take them: only the plain Llama layers, every matrix in a layout the
-        compiled gemv takes, float32 norms on CPU."""
+        why it cannot take them: only the Llama layers (with Qwen2's qkv bias and Qwen3's QK
+        norms), every matrix in a layout the compiled gemv takes, float32 norms on CPU."""
         if type(self) is not LlamaModel:
             return f"{type(self).__name__} is not the plain Llama model"
-        if self.spec.qk_norm or any(type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention
-                                    or type(layer.mlp) is not MLP for layer in self.layers):
+        if any(type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention
+               or type(layer.mlp) is not MLP for layer in self.layers):
             return "the layers are not plain Llama layers"
         layers = [_native_layer(layer) for layer in self.layers]
         if any(layer is None for layer in layers):
-            return "a linear layer is not quantized for the compiled gemv, or has a bias, LoRA or TP shards"
-        norms = [w for layer in layers for w in (layer.input_norm, layer.post_norm)] + [self.norm.weight]
-        if not all(float32_on_cpu(w) for w in norms):
-            return "the norms' weights are not float32 on CPU"
+            return ("a linear layer is not quantized for the compiled gemv, or has LoRA, TP shards or a bias "
+                    "other than qkv's")
+        if any(layer.self_attn.q_norm is not None and layer.self_attn.q_norm.eps != self.norm.eps
+               for layer in self.layers):
+            return "the QK norms' eps differs from the layer norms'"
+        reason = next(filter(None, (layer.unfit() for layer in layers)), None)
+        if reason is not None or not float32_on_cpu(self.norm.weight):
+            return reason or "the final norm's weight is not float32 on CPU"
         attn = self.layers[0].self_attn
         return DecodeWeights(layers, self.norm.weight, self.spec.hidden_size, self.layers[0].mlp.intermediate,
                              attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norm.eps, attn.scale)
 
 
-def _native_matrix(linear) -> tuple | None:
+def _native_matrix(linear, bias_ok: bool = False) -> tuple | None:
     """The compiled gemv's arguments for a linear layer, or None where it cannot take it."""
     packed = getattr(linear.quant_method, "packed", None)
-    if packed is None or linear.bias is not None or linear.lora is not None or linear.tp.size != 1:
+    if (packed is None or (linear.bias is not None and not bias_ok) or linear.lora is not None
+            or linear.tp.size != 1):
         return None
     return packed(linear).native
 
 
 def _native_layer(layer: DecoderLayer) -> DecodeLayer | None:
     attn, mlp = layer.self_attn, layer.mlp
-    matrices = [_native_matrix(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    matrices = [_native_matrix(attn.qkv_proj, bias_ok=True)]
+    matrices += [_native_matrix(m) for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     if any(m is None for m in matrices):
         return None
-    return DecodeLayer(*matrices, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.window)
+    qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+    return DecodeLayer(*matrices, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.window,
+                       attn.qkv_proj.bias, *qk_norms)
