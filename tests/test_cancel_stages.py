@@ -1,7 +1,8 @@
 """A client that closes its stream (the official openai client) at each stage of a P/D request
 frees the request's KV blocks on the prefill node and on the decode node at once: while it is
 queued behind another prompt, while its prompt is computing, in the handover (blocks pinned on
-the prefill node, the decode node not pulling yet), and while it decodes.
+the prefill node, the decode node not pulling yet), and while it decodes; and a decode node
+that dies before it pulls leaves no block pinned on the prefill node.
 
 The cluster computes prompts 16 tokens a step, so a long prompt takes many steps, and each
 decode node waits PULL_DELAY_S before it pulls, so a handover stays open; the NIXL lease is far
@@ -10,13 +11,15 @@ After each case the same prompt, asked again in full, gives the offline engine's
 """
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import openai
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.testing.up_cluster import node_stats, running_cluster, wait_for
+from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, wait_for
 
 MODEL = "builtin:tiny"
 PULL_DELAY_S = 2.0
@@ -31,10 +34,10 @@ def _prompt(stage: str, tokens: int) -> str:
 
 @pytest.fixture(scope="module")
 def cluster():
-    with running_cluster("--kv-transfer", "nixl", "--prefill-nodes", "1", "--decode-nodes", "1",
+    with running_cluster("--kv-transfer", "nixl", "--prefill-nodes", "1", "--decode-nodes", "2",
                          "--num-kv-blocks", "256", "--max-num-batched-tokens", "16", "--lease-s", str(LEASE_S),
-                         "--decode-pull-delay-s", str(PULL_DELAY_S)) as (url, _):
-        yield url
+                         "--decode-pull-delay-s", str(PULL_DELAY_S)) as (url, proc):
+        yield url, proc
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +58,10 @@ def _in_use(url: str) -> dict[str, int]:
     return {name: n.get("kv_blocks_in_use", -1) for name, n in node_stats(url).items()}
 
 
+def _decoding(url: str) -> int:
+    return sum(v for name, v in _in_use(url).items() if name.startswith("decode"))
+
+
 def _all_freed(url: str) -> None:
     started = time.monotonic()
     wait_for(lambda: all(v == 0 for v in _in_use(url).values()), timeout_s=FREED_WITHIN_S)
@@ -73,17 +80,18 @@ def _same_as_offline(url: str, llm: LLM, prompt: str) -> None:
 
 
 def test_closed_while_prefilling(cluster, llm):
-    url, prompt = cluster, _prompt("prefilling", 1200)
+    url, prompt = cluster[0], _prompt("prefilling", 1200)
     stream = _open(_client(url), prompt)
     wait_for(lambda: _in_use(url)["prefill-0"] > 0, timeout_s=60)  # computing, nothing handed over
-    assert _in_use(url)["decode-0"] == 0
+    assert _decoding(url) == 0
     stream.close()
     _all_freed(url)
     _same_as_offline(url, llm, prompt)
 
 
 def test_closed_while_queued_behind_another_prompt(cluster, llm):
-    url, client = cluster, _client(url := cluster)
+    url = cluster[0]
+    client = _client(url)
     ahead = _open(client, _prompt("ahead", 1200))
     wait_for(lambda: _in_use(url)["prefill-0"] > 0, timeout_s=60)
     queued = _open(client, _prompt("queued", 600))
@@ -97,7 +105,7 @@ def test_closed_while_queued_behind_another_prompt(cluster, llm):
 def test_closed_in_the_handover(cluster, llm):
     """The first token came from the prefill node; its blocks are pinned for a READ the decode
     node has not started (it waits PULL_DELAY_S): the prefill node frees them at once."""
-    url, prompt = cluster, _prompt("handover", 400)
+    url, prompt = cluster[0], _prompt("handover", 400)
     stream = _open(_client(url), prompt)
     next(iter(stream))  # the first token: the handover is on its way to the decode node
     in_use = _in_use(url)
@@ -110,14 +118,36 @@ def test_closed_in_the_handover(cluster, llm):
 
 
 def test_closed_while_decoding(cluster, llm):
-    url, prompt = cluster, _prompt("decoding", 200)
+    url, prompt = cluster[0], _prompt("decoding", 200)
     stream = _open(_client(url), prompt, max_tokens=3000)
     received = 0
     for chunk in stream:
         received += len(chunk.choices[0].text) if chunk.choices else 0
         if received >= 20:  # well past the handover: the decode node streams
             break
-    assert _in_use(url)["decode-0"] > 0
+    assert _decoding(url) > 0
     stream.close()
     _all_freed(url)
     _same_as_offline(url, llm, prompt)
+
+
+def test_a_decode_node_lost_in_the_handover_frees_the_pinned_blocks(cluster, llm):
+    """The decode node dies before it pulls: the stream resumes on the other decode node, and
+    the router tells the prefill node to free the blocks nobody will read, at once."""
+    url, proc = cluster
+    prompt = _prompt("lost decode", 400)
+    stream = iter(_open(_client(url), prompt, max_tokens=24))
+    text = next(stream).choices[0].text  # the handover is on its way; the decode node waits to pull
+
+    def holder():
+        return next((n for n, s in node_stats(url).items() if n.startswith("decode") and s["routed_requests"]), None)
+
+    victim = wait_for(holder, timeout_s=PULL_DELAY_S)
+    os.kill(node_pids(proc.pid)[victim], signal.SIGKILL)
+    text += "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    assert text == llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    wait_for(lambda: _in_use(url)["prefill-0"] == 0, timeout_s=FREED_WITHIN_S)
+    assert node_stats(url)["prefill-0"]["leases_expired"] == 0
+    wait_for(lambda: node_stats(url).get(victim, {}).get("healthy"), timeout_s=120)  # restarted
+    _all_freed(url)

@@ -42,7 +42,7 @@ from pdserve.router.placement.keys import KVScope
 from pdserve.router.placement.pd_decision import Targets
 from pdserve.router.placement.placement import Placement, PlacementDecision, PlacementRequest
 from pdserve.wire.embedding_handover import EmbeddingHandover
-from pdserve.wire.handover import KVHandover, StoreHandover, handover_path
+from pdserve.wire.handover import KVHandover, NixlHandover, StoreHandover, handover_path
 from pdserve.wire.messages import Abort, DecodeRequest, EmbedResult
 
 log = logging.getLogger(__name__)
@@ -214,6 +214,9 @@ class ClusterBackend:
                 return
             except NodeLost as exc:
                 await self.pool.send(node, Abort(rid))  # a hung node that comes back drops it
+                if isinstance(handover, NixlHandover):  # blocks it never read: freed now, not at the lease's end
+                    for prefill in [n for n in self.nodes if n.role == "prefill" and n.healthy]:
+                        await self.pool.send(prefill, Abort(rid))
                 # The new node recomputes prompt + relayed tokens (or finds them in its caches).
                 handover = None
                 failures, moves = self._count_move(rid, exc, len(relayed), failures, moves)
