@@ -14,7 +14,6 @@ import zmq
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.embedding_nixl import EmbeddingFetcher, block_nbytes
 from pdserve.kvstore.embedding_store import EmbeddingStore
-from pdserve.kvstore.nixl_transfer import NixlTransferError
 from pdserve.node.pullers import fetch_peer_metadata
 from pdserve.protocol.multimodal import ImageInput
 from pdserve.wire.embedding_handover import EmbeddingHandover
@@ -36,8 +35,8 @@ class EmbeddingIntake:
         by_hash = {h.content_hash: h for h in handovers}
         received_at = time.monotonic()
         for image in images:
-            if image.content_hash in mm.cache:
-                continue
+            if image.content_hash in mm.cache or image.length > mm.cache.budget:
+                continue  # (an image over the encoder cache's budget could not be kept: the engine encodes it)
             handover = by_hash.get(image.content_hash)
             embeddings = self._read(handover, image, received_at) if handover is not None else None
             if embeddings is None:
@@ -63,7 +62,7 @@ class EmbeddingIntake:
         try:
             fetcher = self._fetcher()
             peer = self._peer(fetcher, handover)
-        except (NixlTransferError, ImportError, ValueError) as exc:
+        except Exception as exc:  # no agent here, or the encoder node's unreachable: the engine encodes
             log.warning("no NIXL READ from encoder agent %s: %s", handover.agent_name, exc)
             self.peers.pop(handover.side_channel, None)
             return None
