@@ -205,7 +205,8 @@ def test_docker_compose_config_accepts_the_file():
     cli = _compose_cli()
     if cli is None:
         pytest.skip("neither docker-compose nor the docker compose plugin is installed")
-    for env, profile in (({}, []), ({"PDSERVE_KV_TRANSFER": "store"}, []), ({}, ["--profile", "tp"])):
+    for env, profile in (({}, []), ({"PDSERVE_KV_TRANSFER": "store"}, []), ({}, ["--profile", "tp"]),
+                         ({}, ["--profile", "epd"])):
         result = subprocess.run([*cli, "-f", str(COMPOSE), *profile, "config", "-q"], capture_output=True, text=True,
                                 timeout=60, env={**os.environ, **env}, cwd=ROOT)
         assert result.returncode == 0, result.stderr
