@@ -1,13 +1,18 @@
-"""Speculative decoding on SmolLM2-135M-Instruct (the default model), offline, against the same
-engine without it, on an input-grounded workload (chat template, greedy, 256-token answers):
-"copy this passage with one word changed" (the default), or "fix the bug in this code" with the
-code in the prompt (--workload code). Runs alternate between the engines so a change in the
-machine's load hits each alike; medians of --repeats runs. Per concurrency (requests decoded
-together): output tokens/s, TPOT p50 (per request: (last token - first token) / (tokens - 1)),
-and the acceptance rate. The draft-model row is SmolLM2 drafting for itself: acceptance 1.0,
-the method's ceiling here, which shows what verification costs. Run:
+"""Speculative decoding on SmolLM2-135M-Instruct (the default model, its Q4_1 GGUF kept quantized),
+offline, against the same engine without it, on an input-grounded workload (chat template,
+greedy, 256-token answers): "copy this passage with one word changed" (the default), or "fix the
+bug in this code" with the code in the prompt (--workload code). Both sides run the compiled
+decode step (pdserve/kernels/native_decode.c) where the machine has it: the engine without
+speculation for its one-token steps, the engines with it for their verify steps (k + 1 rows a
+request); the last column counts the steps that took it. Runs alternate between the engines so a
+change in the machine's load hits each alike; medians of --repeats runs. Per concurrency
+(requests decoded together): output tokens/s, TPOT p50 (per request: (last token - first token)
+/ (tokens - 1)), and the acceptance rate. The draft-model row is SmolLM2 drafting for itself:
+acceptance 1.0, the method's ceiling here, which shows what verification costs. --threads 1 is
+what the decode node of a 1P1D cluster gets on a 2-core machine (`pdserve up` shares the cores
+out). Run:
 
-    .venv/bin/python -m benchmarks.engine.bench_spec_decode --repeats 3
+    .venv/bin/python -m benchmarks.engine.bench_spec_decode --repeats 5 --no-draft [--threads 1]
 """
 from __future__ import annotations
 
@@ -16,9 +21,6 @@ import json
 import os
 import statistics
 import time
-
-from pdserve import LLM, SamplingParams
-from pdserve.models.gguf import DEFAULT_MODEL
 
 # ~300 tokens: SmolLM2 copies it faithfully past 256 tokens (a 150-token passage ends the answer
 # early, and it loses its way in most longer ones it was tried on).
@@ -103,9 +105,14 @@ def workload(tokenizer, concurrency: int, kind: str = "passage") -> list[list[in
     return prompts
 
 
-def run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Output tokens/s and per-request TPOTs of the prompts decoded together."""
+def run(llm, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Output tokens/s and per-request TPOTs of the prompts decoded together, and the share of
+    the decode steps that ran compiled."""
+    from pdserve import SamplingParams
     engine = llm.engine
+    native = engine.model.native_decode
+    native_before = native.steps if native is not None else 0
+    steps = 0
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     first, last, count = {}, {}, {}
     spec = engine.speculator
@@ -114,6 +121,7 @@ def run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}-{start}", prompt, params)
     while engine.has_unfinished_requests():
+        steps += 1
         for out in engine.step():
             now = time.perf_counter()
             first.setdefault(out.request_id, now)
@@ -123,8 +131,9 @@ def run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
     tpots = [(last[r] - first[r]) / (count[r] - 1) for r in first]
     drafted = (spec.stats.num_draft_tokens - before[0]) if spec else 0
     accepted = (spec.stats.num_accepted_tokens - before[1]) if spec else 0
+    compiled = (native.steps - native_before) if native is not None else 0
     return {"tok_s": sum(count.values()) / wall, "tpot_ms": 1e3 * statistics.median(tpots),
-            "acceptance": accepted / drafted if drafted else None}
+            "acceptance": accepted / drafted if drafted else None, "compiled": f"{compiled}/{steps}"}
 
 
 def main() -> None:
@@ -136,7 +145,14 @@ def main() -> None:
     ap.add_argument("--ngram-max", type=int, default=4, help="prompt_lookup_max (min is 2)")
     ap.add_argument("--workload", choices=["passage", "code"], default="passage")
     ap.add_argument("--no-draft", action="store_true", help="skip the draft-model (self-drafting) rows")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     args = ap.parse_args()
+    os.environ.update(OMP_NUM_THREADS=str(args.threads), NUMBA_NUM_THREADS=str(args.threads))
+    import torch
+
+    from pdserve import LLM
+    from pdserve.models.gguf import DEFAULT_MODEL
+    torch.set_num_threads(args.threads)
     common = dict(num_kv_blocks=1024, enable_prefix_caching=False)
     configs = {"off": None,
                "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
@@ -150,9 +166,10 @@ def main() -> None:
         run(llm, workload(tokenizer, 2, args.workload), 8)  # warm up
     print(f"uptime: {os.popen('uptime').read().strip()}")
     print(json.dumps({"workload": args.workload, "k": args.k, "ngram": [2, args.ngram_max],
-                      "new_tokens": args.new_tokens}))
-    print("| concurrency | engine | output tok/s | TPOT p50 (ms) | acceptance | speed-up | runs (tok/s) |")
-    print("|---|---|---|---|---|---|---|")
+                      "new_tokens": args.new_tokens, "threads": args.threads}))
+    print("| concurrency | engine | output tok/s | TPOT p50 (ms) | acceptance | speed-up | runs (tok/s) "
+          "| compiled steps |")
+    print("|---|---|---|---|---|---|---|---|")
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         prompts = workload(tokenizer, concurrency, args.workload)
         results: dict[str, list[dict]] = {name: [] for name in engines}
@@ -167,8 +184,8 @@ def main() -> None:
             acc = [r["acceptance"] for r in runs if r["acceptance"] is not None]
             acc_s = f"{statistics.median(acc):.2f}" if acc else "-"
             each = ", ".join(f"{r['tok_s']:.1f}" for r in runs)
-            print(f"| {concurrency} | {name} | {tok_s:.1f} | {tpot:.1f} | {acc_s} | {tok_s / base:.2f}x | {each} |",
-                  flush=True)
+            print(f"| {concurrency} | {name} | {tok_s:.1f} | {tpot:.1f} | {acc_s} | {tok_s / base:.2f}x | {each} "
+                  f"| {runs[-1]['compiled']} |", flush=True)
     print(f"uptime: {os.popen('uptime').read().strip()}")
 
 
