@@ -21,10 +21,12 @@ from family_models import NEW_TOKENS, check_offline_greedy, make_family_model, r
 from family_models import load_reference as load_family_reference
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.embedding import EmbeddingBatch
 from pdserve.engine.request import Request
 from pdserve.executor.executor import WorkerLost
 from pdserve.executor.pipeline_runner import split_micro_batches
+from pdserve.executor.setup import check_pp_support
 from pdserve.models.pipeline import pp_layer_range
 from pdserve.testing.model_factory import load_reference, make_deepseek, make_model
 
@@ -50,6 +52,22 @@ def test_layers_split_as_vllm_does():
     assert [pp_layer_range(10, s, 4) for s in range(4)] == [(0, 2), (2, 5), (5, 8), (8, 10)]
     with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
         pp_layer_range(2, 0, 3)
+
+
+def test_what_does_not_run_over_stages_is_refused_with_the_pair_named():
+    with pytest.raises(ValueError, match="speculative decoding: not supported with pipeline_parallel_size > 1"):
+        EngineConfig(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="LoRA adapters: not supported with pipeline_parallel_size > 1"):
+        EngineConfig(pipeline_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="kv_cache_dtype fp8: not supported with pipeline_parallel_size > 1"):
+        EngineConfig(pipeline_parallel_size=2, kv_cache_dtype="fp8")
+    from transformers import AutoConfig
+    gemma = AutoConfig.for_model("gemma3_text", architectures=["Gemma3ForCausalLM"])
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM is not split into pipeline stages yet"):
+        check_pp_support(gemma, 2)
+    llama = AutoConfig.for_model("llama", num_hidden_layers=2, architectures=["LlamaForCausalLM"])
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
+        check_pp_support(llama, 3)
 
 
 def test_a_step_splits_into_micro_batches_of_about_equal_tokens():

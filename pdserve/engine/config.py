@@ -89,7 +89,7 @@ class EngineConfig:
         for name, on in (("speculative decoding", self.speculative_config is not None),
                          ("LoRA adapters", self.enable_lora), ("kv_cache_dtype fp8", self.kv_cache_dtype == "fp8")):
             if on:
-                raise ValueError(f"{name} is not supported with pipeline_parallel_size > 1 yet")
+                raise ValueError(f"{name}: not supported with pipeline_parallel_size > 1 yet")
 
 
 def engine_options(args: Any) -> dict:
