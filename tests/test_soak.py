@@ -1,4 +1,4 @@
-"""The fault soak (benchmarks/soak.py), short: about a minute and a half of traffic and faults on
+"""The fault soak (benchmarks/soak.py), short: 75 s of traffic and faults on
 a 2P2D cluster with a fixed seed, failing on any violation (a request lost, a text that differs
 from the offline engine's, a hung request, KV held once idle, RSS past its bound, a process left
 behind). Longer runs and their results: docs/reliability.md."""
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-MINUTES = 1.5
+MINUTES = 1.25
 
 
 @pytest.mark.timeout(600)
