@@ -21,9 +21,14 @@ from family_models import NEW_TOKENS, check_offline_greedy, make_family_model, r
 from family_models import load_reference as load_family_reference
 
 from pdserve import LLM, SamplingParams
+from pdserve.cluster.ray_actors import fill_template
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.embedding import EmbeddingBatch
 from pdserve.engine.request import Request
+from pdserve.entrypoints.cli import build_parser
+from pdserve.entrypoints.launcher import Cluster
+from pdserve.entrypoints.ray_launch import node_templates, placement
+from pdserve.entrypoints.tp_degrees import node_parallel_flags, pool_ranks
 from pdserve.executor.executor import WorkerLost
 from pdserve.executor.pipeline_runner import split_micro_batches
 from pdserve.executor.setup import check_pp_support
@@ -68,6 +73,24 @@ def test_what_does_not_run_over_stages_is_refused_with_the_pair_named():
     llama = AutoConfig.for_model("llama", num_hidden_layers=2, architectures=["LlamaForCausalLM"])
     with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
         check_pp_support(llama, 3)
+
+
+def test_pdserve_up_gives_each_node_its_stages():
+    """Locally, a comma list cycles over the pool; on Ray, each pool's one degree reaches its
+    template, and a node's placement group has a bundle per rank of every stage."""
+    local = build_parser().parse_args(["up", "--decode-nodes", "3", "--decode-pp", "1,2", "--decode-tp", "2"])
+    assert [node_parallel_flags(local, "decode", i) for i in range(3)] == [
+        ["--tensor-parallel-size", "2"], ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"],
+        ["--tensor-parallel-size", "2"]]
+    assert pool_ranks(local, "decode", 3) == 8
+    args = build_parser().parse_args(["up", "--ray", "auto", "--model", "builtin:tiny", "--kv-transfer", "nixl",
+                                      "--threads-per-node", "1", "--decode-pp", "2", "--decode-tp", "2"])
+    templates = node_templates(args, Cluster(args))
+    parsed = [build_parser().parse_args(fill_template([a.replace("{node_id}", f"{r}-0") for a in templates[r]],
+                                                      "10.0.0.7", {"control": 5600, "side": 5601}))
+              for r in ("prefill", "decode")]
+    assert [(n.tensor_parallel_size, n.pipeline_parallel_size) for n in parsed] == [(1, 1), (2, 2)]
+    assert placement(args).role_tp == {"prefill": 1, "decode": 4}
 
 
 def test_a_step_splits_into_micro_batches_of_about_equal_tokens():

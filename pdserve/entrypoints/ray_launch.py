@@ -48,7 +48,7 @@ def node_templates(args, cluster) -> dict[str, list[str]]:
     spec = pool_speculative_config(getattr(args, "speculative_config", None))
     decode += ["--speculative-config", spec] if spec else []
     templates = {role: cluster.node_cmd(role, "{node_id}", "tcp://{ip}:{port:control}",
-                                        common + extra + _tp_flags(args, role))[3:]
+                                        common + extra + _parallel_flags(args, role))[3:]
                  for role, extra in (("prefill", []), ("decode", decode))}
     if getattr(args, "encode_nodes", 0):
         templates["encode"] = encode_template(args, cluster)
@@ -65,7 +65,7 @@ def encode_template(args, cluster) -> list[str]:
     return cluster.node_cmd("encode", "{node_id}", "tcp://{ip}:{port:control}", extra)[3:]
 
 
-def _tp_flags(args, role: str) -> list[str]:
+def _parallel_flags(args, role: str) -> list[str]:
     """The pool's one TP and one PP degree as node flags."""
     tp, pp = pool_degree(args, role), pool_degree(args, role, "pp")
     return ((["--tensor-parallel-size", str(tp)] if tp > 1 else [])
