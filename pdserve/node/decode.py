@@ -23,7 +23,8 @@ from pdserve.kvstore.base import KVStore
 from pdserve.node.pullers import NixlPuller, Puller, StorePuller
 from pdserve.node.runtime import NodeRuntime
 from pdserve.node.step_budget import StepBudget
-from pdserve.wire.handover import KVHandover
+from pdserve.node.store_prefix import StorePrefix, request_block_keys
+from pdserve.wire.handover import KVHandover, StoreHandover
 from pdserve.wire.messages import DecodeRequest, Message, Ping, Pong, PrefillRequest, Rejected
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Pull:
     # ABANDONED: the router resumed the request here under the same id (no other decode node
     # was up); it is admitted once the aborted pull ends.
     resume: tuple[bytes, DecodeRequest] | None = None
+    store_prefix: bool = False      # the leading blocks of a prompt computed here, from the store
 
 
 class DecodeNode(StepBudget):
@@ -64,7 +66,8 @@ class DecodeNode(StepBudget):
             pullers.append(StorePuller(store, engine.kv_cache, engine.config.block_size))
         if use_nixl:
             pullers.append(NixlPuller(node_id, engine.kv_cache, self.ctx, engine.salt))
-        self.pullers = {p.handover_type: p for p in pullers}  # by the type of handover each pulls
+        self.pullers = {p.handover_type: p for p in pullers}
+        self.store_prefix = StorePrefix(engine, store, self.stats) if store is not None else None  # by the type of handover each pulls
         self.pulls: dict[str, Pull] = {}  # request id -> its pull, until the pull is over
         self.block_nbytes = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
         self.placements = {"prefills_local": 0, "prefills_handed_over": 0}
@@ -81,35 +84,54 @@ class DecodeNode(StepBudget):
         if not isinstance(msg, DecodeRequest):
             log.warning("decode node ignores %s", type(msg).__name__)
             return
-        rid, handover = msg.request_id, msg.handover
+        rid = msg.request_id
         if self.pull_state(rid) is PullState.ABANDONED:
             self.pulls[rid].resume = (identity, msg)
             return
-        pull = msg.pulls_kv()
-        if not pull:
+        handed_over = msg.pulls_kv()
+        handover = msg.handover if handed_over else self._stored_prefix(msg)
+        if not handed_over:
             self.take_embeddings(msg.images)  # it computes the prompt here: an encoder node's, if any
         try:
             req = self.engine.add_request(rid, msg.prompt_token_ids, msg.params, output_token_ids=msg.first_token_ids,
-                                          remote_kv_tokens=handover.num_tokens if pull else 0,
+                                          remote_kv_tokens=handover.num_tokens if handover is not None else 0,
                                           cache_salt=msg.cache_salt, lora_name=msg.adapter, images=msg.images)
         except ValueError as exc:
             return self.fail(identity, rid, str(exc))
         self.origin[rid] = identity
         self.stats.requests_total += 1
         self.hold_itl_target(rid, msg.itl_slo_s)
-        if pull or not msg.first_token_ids:  # (a stream resumed here after a failover is neither)
-            self.placements["prefills_handed_over" if pull else "prefills_local"] += 1
-        if pull and req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-            # No room for the handed-over blocks: computed here instead; free the sender's now.
-            self._release_sender(handover, rid)
-        elif pull:
-            now = time.monotonic()
-            self.pulls[rid] = Pull(PullState.DELAYED, req, handover, now, due=now + self.pull_delay_s)
-            self._start_due_pulls()
+        if handed_over or not msg.first_token_ids:  # (a stream resumed here after a failover is neither)
+            self.placements["prefills_handed_over" if handed_over else "prefills_local"] += 1
+        if handover is not None:
+            self._admit_pull(req, handover, store_prefix=not handed_over)
+
+    def _stored_prefix(self, msg: DecodeRequest) -> StoreHandover | None:
+        """A prompt this node computes itself fetches the leading blocks the store holds and its
+        own cache lacks, through its store puller as it fetches a handover (its streams do not
+        wait for the load)."""
+        if self.store_prefix is None:
+            return None
+        keys = request_block_keys(self.engine, msg.prompt_token_ids, msg.cache_salt, msg.adapter, msg.images)
+        full = (len(msg.prompt_token_ids) - 1) // self.engine.config.block_size
+        if all(self.engine.pool.lookup(key) is not None for key in keys[:full]):
+            return None  # all in this node's cache already
+        stored = self.store_prefix.stored_tokens(keys, len(msg.prompt_token_ids))
+        return self.store_prefix.handover(keys, stored) if stored else None
+
+    def _admit_pull(self, req: Request, handover: KVHandover, store_prefix: bool) -> None:
+        if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if not store_prefix:  # no room for the handed-over blocks: computed here; free the sender's now
+                self._release_sender(handover, req.request_id)
+            return
+        now = time.monotonic()
+        self.pulls[req.request_id] = Pull(PullState.DELAYED, req, handover, now, due=now + self.pull_delay_s,
+                                          store_prefix=store_prefix)
+        self._start_due_pulls()
 
     def pong(self, ping: Ping) -> Pong:
         pong = super().pong(ping)
-        pong.stats.update(**self.budget_stats(), **self.placements)
+        pong.stats.update(**self.budget_stats(), **self.placements, reads_store=int(self.store_prefix is not None))
         return pong
 
     def kv_readers(self) -> list[object]:
@@ -137,24 +159,29 @@ class DecodeNode(StepBudget):
         if handover.first_block > req.num_slid_blocks:
             # Blocks this node would keep were not handed over (a differently windowed model?):
             # recompute rather than cache blocks that never landed.
-            self._finish_pull(req.request_id, False, release=handover)
-            return
+            return self._end_unstarted(pull, False)
         # Skip the blocks the local prefix cache already had and those out of the window.
         first = max(req.num_computed_tokens // bs, req.num_slid_blocks)
         n_blocks = -(-handover.num_tokens // bs)
         if first >= n_blocks:
-            self._finish_pull(req.request_id, True, release=handover)
-            return
+            return self._end_unstarted(pull, True)
         puller = self.pullers.get(type(handover))
         started = time.perf_counter()
         if puller is None or not puller.start(req.request_id, handover, req.block_ids[:n_blocks], first,
                                               pull.received_at, req.remote_kv.deadline - time.monotonic()):
-            self._finish_pull(req.request_id, False, release=handover)
-            return
+            return self._end_unstarted(pull, False)
         self.engine.mark_remote_transfer(req.request_id)
         pull.state, pull.path, pull.started = PullState.PULLING, puller.path, started
         pull.nbytes = (n_blocks - first) * self.block_nbytes
         self.pulls[req.request_id] = pull
+
+    def _end_unstarted(self, pull: Pull, ok: bool) -> None:
+        """A pull that needs no fetch (ok) or cannot start. A stored prefix that cannot load is
+        computed here whatever --on-transfer-failure says: no peer owed it."""
+        if pull.store_prefix:
+            self.engine.report_remote_kv(pull.req.request_id, ok)
+        else:
+            self._finish_pull(pull.req.request_id, ok, release=pull.handover)
 
     def poll_background(self) -> None:
         if self.pulls:
@@ -175,6 +202,8 @@ class DecodeNode(StepBudget):
             if pull.resume is not None:
                 self.handle(*pull.resume)
             return
+        if pull is not None and pull.store_prefix:
+            return self._finish_store_prefix(pull, ok)
         if ok:
             self.stats.transfers_ok += 1
             if pull is not None:
@@ -189,6 +218,16 @@ class DecodeNode(StepBudget):
                     self.fail(identity, rid, "the prompt's KV could not be transferred")
                 return
         self.engine.report_remote_kv(rid, ok)
+
+    def _finish_store_prefix(self, pull: Pull, ok: bool) -> None:
+        """A stored prefix that did not land is computed here: it was never owed by a peer."""
+        if ok:
+            pull.req.num_cached_tokens = max(pull.req.num_cached_tokens, pull.handover.num_tokens)
+            self.store_prefix.count_loaded(pull.nbytes // self.block_nbytes * self.engine.config.block_size)
+            self.stats.store_load_us += int((time.perf_counter() - pull.started) * 1e6)
+        else:
+            log.info("[%s] stored prefix did not load: computing it", pull.req.request_id)
+        self.engine.report_remote_kv(pull.req.request_id, ok)
 
     def _count_transfer(self, pull: Pull) -> None:
         bytes_name, us_name = f"transfer_bytes_{pull.path}", f"transfer_us_{pull.path}"

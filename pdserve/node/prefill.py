@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 import zmq
 
@@ -21,7 +20,7 @@ from pdserve.kvstore.errors import KVStoreError
 from pdserve.node.producers import MISSING, NixlProducer, PendingPrefill, Producer, StoreProducer
 from pdserve.node.runtime import NodeRuntime
 from pdserve.node.step_budget import StepBudget
-from pdserve.protocol.block_keys import block_key_chain
+from pdserve.node.store_prefix import StorePrefix, request_block_keys
 from pdserve.protocol.grammar import DEAD_END_FINISH
 from pdserve.protocol.outputs import StepOutput
 from pdserve.wire.handover import NixlMetadataRequest
@@ -46,6 +45,7 @@ class PrefillNode(StepBudget):
                  nixl_side_channel: str | None = None, lease_s: float = 30.0, advertise_host: str | None = None):
         super().__init__(engine, bind, node_id)
         self.store = store
+        self.store_prefix = StorePrefix(engine, store, self.stats) if store is not None else None
         self.pending: dict[str, PendingPrefill] = {}
         self.whole_requests = 0  # requests prefilled and decoded here (the router's fallback)
         self.init_step_budget()
@@ -80,12 +80,10 @@ class PrefillNode(StepBudget):
         self.take_embeddings(req.images, req.embeddings)  # an encoder node's, over NIXL or through the store
         # Only the first token is drawn here; the decode node draws the rest.
         params = dataclasses.replace(req.params, max_tokens=1)
-        bs = self.engine.config.block_size
-        salt = self.engine.request_salt(req.cache_salt, req.adapter)  # a tenant's blocks are its own
-        keys = block_key_chain(req.prompt_token_ids, bs, salt, include_partial=True, images=req.images)
+        prefix = self.store_prefix
+        keys = request_block_keys(self.engine, req.prompt_token_ids, req.cache_salt, req.adapter, req.images)
+        stored = prefix.stored_tokens(keys, len(req.prompt_token_ids)) if prefix else 0
         try:
-            # Full blocks before the last token only: that token is computed for its logits.
-            stored = self._store_prefix_tokens(keys[:(len(req.prompt_token_ids) - 1) // bs])
             engine_req = self.engine.add_request(rid, req.prompt_token_ids, params, hold_blocks=True,
                                                  remote_kv_tokens=stored,
                                                  continues_elsewhere=req.params.max_tokens > 1,
@@ -95,10 +93,7 @@ class PrefillNode(StepBudget):
             return self._reply_error(identity, rid, str(exc))
         if stored and engine_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             # (When the cache had no room for the stored blocks the request just computes.)
-            local = engine_req.num_computed_tokens
-            if self._load_prefix_from_store(engine_req, keys[:stored // bs]):
-                engine_req.num_cached_tokens = max(engine_req.num_cached_tokens, stored)
-                self.stats.cached_tokens_store += max(stored - local, 0)
+            prefix.load(engine_req, keys, stored)
         self.pending[rid] = PendingPrefill(identity, req, keys, stored)
         # Until its blocks are free: a router that goes silent takes its prefills and leases with it.
         self.origin[rid] = identity
@@ -108,43 +103,21 @@ class PrefillNode(StepBudget):
         """Prefill and decode the request here, streaming its tokens as a decode node does."""
         rid = msg.request_id
         self.take_embeddings(msg.images)
+        prefix = self.store_prefix
+        keys = request_block_keys(self.engine, msg.prompt_token_ids, msg.cache_salt, msg.adapter, msg.images)
+        stored = prefix.stored_tokens(keys, len(msg.prompt_token_ids)) if prefix else 0
         try:
-            self.engine.add_request(rid, msg.prompt_token_ids, msg.params, output_token_ids=msg.first_token_ids,
-                                    cache_salt=msg.cache_salt, lora_name=msg.adapter, images=msg.images)
+            req = self.engine.add_request(rid, msg.prompt_token_ids, msg.params, output_token_ids=msg.first_token_ids,
+                                          remote_kv_tokens=stored, cache_salt=msg.cache_salt, lora_name=msg.adapter,
+                                          images=msg.images)
         except ValueError as exc:
             return self.fail(identity, rid, str(exc))
+        if stored and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            prefix.load(req, keys, stored)  # a turn whose history left this node: from the store
         self.origin[rid] = identity
         self.stats.requests_total += 1
         self.whole_requests += 1
         self.hold_itl_target(rid, msg.itl_slo_s)
-
-    def _store_prefix_tokens(self, keys: list[bytes]) -> int:
-        """Tokens of the leading blocks found in the shared store (reused, not recomputed)."""
-        if self.store is None or not keys:
-            return 0
-        try:
-            return self.store.lookup_prefix(keys) * self.engine.config.block_size
-        except KVStoreError as exc:
-            log.warning("store lookup failed, computing the whole prompt: %s", exc)
-            return 0
-
-    def _load_prefix_from_store(self, req, keys: list[bytes]) -> bool:
-        bs = self.engine.config.block_size
-        # Blocks already cached locally need no fetch; slid-out ones (out of every layer's
-        # window) are not held at all.
-        first = max(req.num_computed_tokens // bs, req.num_slid_blocks)
-        keys = keys[first:]
-        ids = req.block_ids[first:first + len(keys)]
-        t0 = time.perf_counter()
-        try:
-            loaded = self.store.get(keys, self.engine.kv_cache, ids, [bs] * len(keys), first_block=first)
-        except KVStoreError as exc:
-            log.warning("[%s] store fetch failed: %s", req.request_id, exc)
-            loaded = -1
-        self.stats.store_load_us += int((time.perf_counter() - t0) * 1e6)
-        ok = loaded == len(keys)
-        self.engine.report_remote_kv(req.request_id, ok=ok)
-        return ok
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
@@ -156,7 +129,8 @@ class PrefillNode(StepBudget):
 
     def pong(self, ping: Ping) -> Pong:
         pong = super().pong(ping)
-        pong.stats.update(**self.budget_stats(), whole_requests=self.whole_requests, serves_whole=1)
+        pong.stats.update(**self.budget_stats(), whole_requests=self.whole_requests, serves_whole=1,
+                          reads_store=int(self.store_prefix is not None))
         return pong
 
     def _hand_over(self, pending: PendingPrefill, first: StepOutput) -> None:

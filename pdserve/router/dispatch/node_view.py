@@ -25,7 +25,8 @@ def node_view(node: Node, adapter_cost: int = 0) -> NodeView:
                     decode_rows=len(node.whole) if node.role == "prefill" else len(node.requests), step_costs=costs,
                     max_step_tokens=stats.get("max_num_batched_tokens", 2048), adapter_cost=adapter_cost,
                     takes_whole=bool(stats.get("serves_whole", 0)),
-                    stream_slack_s=stats["stream_slack_us"] / 1e6 if "stream_slack_us" in stats else math.inf)
+                    stream_slack_s=stats["stream_slack_us"] / 1e6 if "stream_slack_us" in stats else math.inf,
+                    reads_store=bool(stats.get("reads_store", 0)))
 
 
 def queue_local(node: Node, rid: str, tokens: int) -> None:

@@ -39,20 +39,32 @@ class CostModel:
                 return sum(measured) / len(measured)
         return UNMEASURED_S_PER_TOKEN
 
+    def reach(self, node: NodeView, held: dict[str, int], prompt_len: int, reads_store: bool = True
+              ) -> tuple[int, int]:
+        """(prompt tokens the node holds, tokens more it would load from the shared store)."""
+        local = self.held_tokens(node, held, prompt_len)
+        if not reads_store:
+            return local, 0
+        stored = held.get(STORE_HOLDER, 0) * self.block_size
+        return local, min(max(stored - local, 0), prompt_len - 1 - local)
+
+    @staticmethod
+    def store_s_per_token(node: NodeView, per_token: float) -> float:
+        """Loading a token's KV from the store: measured, else a share of computing it."""
+        return node.store_s_per_token or per_token * STORE_HIT_RELATIVE_COST
+
     def ttft_costs(self, nodes: list[NodeView], held: dict[str, int], prompt_len: int,
                    peers: list[NodeView] = ()) -> dict[str, float]:
         """Per node: seconds to compute its queue and then this prompt (the router's TTFT model).
         peers: the other role's nodes, whose measurements stand in for the unmeasured."""
         fleet_cost = self.fleet_cost(nodes, peers)
-        stored = held.get(STORE_HOLDER, 0) * self.block_size
         cost = {}
         for n in nodes:
             per_token = n.prefill_s_per_token or fleet_cost
-            per_stored = n.store_s_per_token or per_token * STORE_HIT_RELATIVE_COST
-            local = self.held_tokens(n, held, prompt_len)
-            from_store = min(max(stored - local, 0), prompt_len - 1 - local)
+            local, from_store = self.reach(n, held, prompt_len)
             computed = prompt_len - local - from_store
-            cost[n.node_id] = per_token * (n.queued_tokens + computed) + per_stored * from_store
+            cost[n.node_id] = (per_token * (n.queued_tokens + computed)
+                               + self.store_s_per_token(n, per_token) * from_store)
         return cost
 
     def decode_costs(self, node: NodeView, prefill: list[NodeView]) -> StepCosts:

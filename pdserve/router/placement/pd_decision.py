@@ -145,12 +145,13 @@ def _holds_stream_better(whole: DecodeLoad | None, load: DecodeLoad, targets: Ta
 
 
 def place(remote_ttft_s: float | None, local_tokens: int, load: DecodeLoad, targets: Targets,
-          whole: DecodeLoad | None = None, stream_tokens: int = 0) -> PDChoice:
+          whole: DecodeLoad | None = None, stream_tokens: int = 0, local_load_s: float = 0.0) -> PDChoice:
     """remote_ttft_s: the best prefill node's estimate (None: no prefill node). whole: that node's
     load as a decode node, when it serves whole requests. stream_tokens: the tokens a stream
     decodes (the request's max_tokens, capped; 0 unknown: then the decode node must have room in
-    every step, tpot_budget.has_headroom)."""
-    local = local_ttft_s(local_tokens, load, targets.itl_s, stream_tokens)
+    every step, tpot_budget.has_headroom). local_load_s: the decode node's load of the prefix the
+    store holds (on its fetch thread: it adds to the first token, not to the steps)."""
+    local = local_ttft_s(local_tokens, load, targets.itl_s, stream_tokens) + local_load_s
     if remote_ttft_s is None:
         return PDChoice(True, math.inf, local, "no prefill node")
     if not _has_room(load, local_tokens, targets, stream_tokens):
@@ -167,18 +168,26 @@ def place(remote_ttft_s: float | None, local_tokens: int, load: DecodeLoad, targ
 
 
 def place_short(local_tokens: int, load: DecodeLoad, targets: Targets, whole: DecodeLoad | None = None,
-                whole_ttft_s: float = math.inf, stream_tokens: int = 0) -> PDChoice:
+                whole_ttft_s: float = math.inf, stream_tokens: int = 0, local_load_s: float = 0.0) -> PDChoice:
     """Rule 1's second case: the prompt lacks few tokens on the decode node (a cached prefix, a
     short prompt), so no prefill node is worth a round trip and the decode node prefills it. But
     when the decode node cannot take one more stream and a prefill node that serves whole
     requests would hold it better, within the TTFT comfort share, the request runs there whole:
     a decode-bound mix then decodes on both cores, as two monolithic nodes' would. whole_ttft_s:
     that node's estimate for the prompt, its own prefix cache counted."""
-    local = local_ttft_s(local_tokens, load, targets.itl_s, stream_tokens)
+    local = local_ttft_s(local_tokens, load, targets.itl_s, stream_tokens) + local_load_s
     if (not _takes_stream(load, targets, stream_tokens) and whole_ttft_s <= targets.ttft_s * REMOTE_COMFORT
             and _holds_stream_better(whole, load, targets, stream_tokens)):
         return PDChoice(False, whole_ttft_s, local, "decode node full: whole on the prefill node", whole=True)
     return PDChoice(True, whole_ttft_s, local, "few prompt tokens to compute")
+
+
+@dataclass(frozen=True)
+class LocalWork:
+    """The prompt on the decode node: the tokens it would compute, and its load of the prefix the
+    store holds (what its own cache lacks of it)."""
+    tokens: int
+    load_s: float
 
 
 @dataclass(frozen=True)
@@ -202,17 +211,18 @@ class PDRule:
         few of its tokens for a round trip (rule 1: place_short). None back: nothing to decide
         (a short prompt and no prefill node serving whole requests), the decode node prefills."""
         stream_tokens = min(max_tokens, STREAM_TOKENS_CAP)
-        local_tokens = prompt_len - self.costs.held_tokens(d_node, held, prompt_len)
         d_load = self.host_load(d_node, prefill)
+        own, stored = self.costs.reach(d_node, held, prompt_len, d_node.reads_store)
+        local = LocalWork(prompt_len - own - stored, stored * self.costs.store_s_per_token(d_node, d_load.costs.token_s))
         if p_node is None:
-            return self._short(prompt_len, local_tokens, held, d_node, d_load, prefill, targets, stream_tokens)
+            return self._short(prompt_len, local, held, d_node, d_load, prefill, targets, stream_tokens)
         p_load = self.host_load(p_node, prefill)
         remote = self.prefill_ttft(p_node, p_load, prefill, held, prompt_len, targets, stream_tokens, d_node)
         whole = p_load if p_node.takes_whole else None
-        choice = place(remote, local_tokens, d_load, targets, whole, stream_tokens)
+        choice = place(remote, local.tokens, d_load, targets, whole, stream_tokens, local.load_s)
         return PDOutcome(p_node if choice.whole else d_node, None if choice.local or choice.whole else p_node, choice)
 
-    def _short(self, prompt_len: int, local_tokens: int, held: dict[str, int], d_node: NodeView, d_load: DecodeLoad,
+    def _short(self, prompt_len: int, local: LocalWork, held: dict[str, int], d_node: NodeView, d_load: DecodeLoad,
                prefill: list[NodeView], targets: Targets, stream_tokens: int) -> PDOutcome | None:
         """place_short: the decode node, or when that is full, the prefill node serving whole
         requests with the fewest streams."""
@@ -222,7 +232,7 @@ class PDRule:
         host = min(hosts, key=lambda n: (n.decode_rows, n.queued_tokens))
         h_load = self.host_load(host, prefill)
         h_ttft = self.prefill_ttft(host, h_load, prefill, held, prompt_len, targets, stream_tokens, d_node)
-        choice = place_short(local_tokens, d_load, targets, h_load, h_ttft, stream_tokens)
+        choice = place_short(local.tokens, d_load, targets, h_load, h_ttft, stream_tokens, local.load_s)
         return PDOutcome(host if choice.whole else d_node, None, choice)
 
     def prefill_ttft(self, node: NodeView, load: DecodeLoad, prefill: list[NodeView], held: dict[str, int],

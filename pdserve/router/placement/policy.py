@@ -96,8 +96,10 @@ class Planner:
             d_node = pinned
             scores["pinned"] = pinned.node_id
         cached = self.costs.held_tokens(d_node, held, prompt_len)
+        # What the decode node would compute itself: a prefix in the store it loads instead.
+        lacking = prompt_len - sum(self.costs.reach(d_node, held, prompt_len, d_node.reads_store))
         p_node = None
-        if prefill and prompt_len - cached > self.local_prefill_threshold:
+        if prefill and lacking > self.local_prefill_threshold:
             p_node, p_scores = self._choose_prefill(prefill, held, prompt_len)
             scores.update(p_scores)
         targets = targets or self.targets

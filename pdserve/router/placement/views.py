@@ -26,6 +26,7 @@ class NodeView:
     adapter_cost: int = 0
     takes_whole: bool = False  # a prefill node that also serves whole requests (slo placement)
     stream_slack_s: float = math.inf  # the prefill time its streams can still absorb (node.step_budget)
+    reads_store: bool = False  # a prompt it computes itself loads what the shared store holds of it
 
 
 @dataclass
