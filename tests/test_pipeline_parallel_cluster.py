@@ -54,6 +54,7 @@ def clusters():
 @pytest.mark.parametrize("transfer", ["store", "nixl"])
 def test_handover_across_pp_degrees_equals_offline(clusters, llm, transfer):
     url, _ = clusters[transfer]
+    assert {n: s["pipeline_parallel_size"] for n, s in node_stats(url).items()} == STAGES
     before = node_stats(url)
     prompts = [_prompt(300 + k, 40 + 8 * k) for k in range(MAX_REQUESTS)]
     served = set()

@@ -260,6 +260,7 @@ class NodeRuntime:
                      prefill_ns_per_token=int(engine.prefill_s_per_token * 1e9),
                      integrity_failures=self.integrity_failures())
         stats.update(role_switches=self.switches, tensor_parallel_size=engine.config.tensor_parallel_size,
+                     pipeline_parallel_size=engine.config.pipeline_parallel_size,
                      lora_slot_loads=engine.lora.slot_loads if engine.lora is not None else 0,
                      **footprint(self.engine), **spec_stats(engine), **encoder_stats(engine))
         return Pong(ping.seq, self.node_id, self.role, len(sched.requests),
