@@ -30,7 +30,6 @@ LOSS_NOTICE_S = 2.0  # how long a failed send or receive waits for the watcher t
 
 @dataclass
 class _MicroBatch:
-    items: list
     inputs: object
     spans: list
     plan: object
@@ -82,7 +81,7 @@ class PipelineModelRunner(TPModelRunner):
         num_decodes = sum(1 for _, n in items if n == 1)
         spans = prompt_spans(items)
         inputs = build_step_inputs(items, num_decodes, self.block_size)
-        return _MicroBatch(items, inputs, spans, make_plan(inputs, num_decodes, spans, all_logits, in_shm=False))
+        return _MicroBatch(inputs, spans, make_plan(inputs, num_decodes, spans, all_logits, in_shm=False))
 
     def _result_shape(self, plan) -> tuple[tuple[int, ...], torch.dtype]:
         if plan.return_hidden:
