@@ -116,7 +116,10 @@ def _parts(config: EngineConfig, t: _Target) -> EngineParts:
         if t.executor.pp_size > 1:
             runner = PipelineModelRunner(t.model, t.executor, config.block_size, ops, t.device, t.dtype)
         else:
-            runner = TPModelRunner(t.model, t.executor, config.block_size, ops, t.device)
+            runner = TPModelRunner(t.model, t.executor, config.block_size, ops, t.device,
+                                   lora_batch=lora.batch if lora is not None else None)
+            if lora is not None:  # the workers load each adapter into the slot the driver does
+                lora.on_load = t.executor.load_lora
     else:
         runner = ModelRunner(t.model, t.kv_cache, config.block_size, ops, t.device,
                              max_num_seqs=config.max_num_seqs, max_model_len=max_len,

@@ -23,7 +23,7 @@ import torch
 
 from pdserve.executor.group import DEFAULT_TIMEOUT_S, make_rank_groups, open_store, set_rank_threads
 from pdserve.executor.kv_shared import create_shared_file, fd_path, map_shared
-from pdserve.executor.messages import ReportWaits, Shutdown, StepPlan, WorkerSpec, write_message
+from pdserve.executor.messages import LoadLoRA, ReportWaits, Shutdown, StepPlan, WorkerSpec, write_message
 from pdserve.executor.shm_collectives import ShmCollectives, buffer_bytes
 from pdserve.executor.stage_link import recv_waits
 from pdserve.executor.step_channel import DEFAULT_CAPACITY, StepChannel
@@ -49,7 +49,8 @@ class TPExecutor:
 
     def __init__(self, tp_size: int, model_path: str, dtype: torch.dtype, device: torch.device,
                  kernel_backend: str, kv_shape: tuple[int, ...], threads: int,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False, pp_size: int = 1):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False, pp_size: int = 1,
+                 lora_slots: tuple[int, int] = (0, 0)):
         if device.type != "cpu":
             raise ValueError("tensor_parallel_size > 1 and pipeline_parallel_size > 1 run on CPU for now (the "
                              "shared KV cache is host memory); see docs/tensor-parallelism.md")
@@ -72,7 +73,7 @@ class TPExecutor:
                     dtype=str(dtype).removeprefix("torch."), device=str(device), kernel_backend=kernel_backend,
                     threads=threads, kv_fd=self._kv_fd, kv_shape=list(kv_shape), payload_fd=self._payload_fd,
                     payload_capacity=DEFAULT_CAPACITY, timeout_s=timeout_s, expert_parallel=expert_parallel,
-                    pp_size=pp_size)
+                    pp_size=pp_size, max_loras=lora_slots[0], max_lora_rank=lora_slots[1])
         self.workers = [self._start_watched(WorkerSpec(rank=r, collectives_fd=self._stage_coll_fd(r), **spec))
                         for r in range(1, self.size)]
         self._finalizer = weakref.finalize(self, _close_workers, list(self.workers), self.closing)
@@ -142,6 +143,15 @@ class TPExecutor:
             raise WorkerLost(f"a {self.kind} worker is gone: {exc}") from None
         if not plan.in_shm:
             self.channel.broadcast(flat)
+
+    def load_lora(self, slot: int, name: str, path: str) -> None:
+        """Every worker loads its slice of the adapter at path into slot (before the next step,
+        which its pipe delivers after this)."""
+        try:
+            for proc in self.workers:
+                write_message(proc.stdin.fileno(), LoadLoRA(slot, name, path))
+        except OSError as exc:
+            raise WorkerLost(f"a {self.kind} worker is gone: {exc}") from None
 
     def worker_waits(self) -> list[float]:
         """Seconds each worker (rank 1, 2, ...) has spent waiting for work: on its pipe between

@@ -30,6 +30,8 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     collectives_fd: int = -1       # inherited descriptor of the shared-memory collectives' buffer
     expert_parallel: bool = False  # MoE experts partitioned across ranks, not split inside each
     pp_size: int = 1               # pipeline stages; world_size = pp_size * the TP degree
+    max_loras: int = 0             # LoRA slots per layer (0: adapters off), as the driver's
+    max_lora_rank: int = 0
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="step"):
@@ -48,6 +50,16 @@ class StepPlan(msgspec.Struct, frozen=True, tag="step"):
     # Where the arrays start in the shared buffer (int64 elements): a pipeline's micro-batches of
     # one step each have their own region, since a later stage copies its inputs out late.
     payload_offset: int = 0
+    # LoRA: the step's rows as (adapter slot or -1 for the base model, tokens), in row order.
+    lora_rows: list[tuple[int, int]] = []
+
+
+class LoadLoRA(msgspec.Struct, frozen=True, tag="load_lora"):
+    """Read the PEFT adapter at path into LoRA slot `slot` of this rank's shard (the driver
+    loaded it into the same slot of its own)."""
+    slot: int
+    name: str
+    path: str
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
@@ -59,7 +71,7 @@ class ReportWaits(msgspec.Struct, frozen=True, tag="report_waits"):
     pipeline's idle stages): one float64 tensor over the node group."""
 
 
-Control = StepPlan | Shutdown | ReportWaits
+Control = StepPlan | Shutdown | ReportWaits | LoadLoRA
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Control)
 _LEN = struct.Struct("<I")

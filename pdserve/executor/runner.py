@@ -12,7 +12,7 @@ import torch
 from pdserve.engine.model_runner import AttentionContext, ModelRunner
 from pdserve.engine.prompt_logprobs import prompt_spans
 from pdserve.engine.request import Request
-from pdserve.engine.step_inputs import build_step_inputs
+from pdserve.engine.step_inputs import build_step_inputs, is_decode_query
 from pdserve.executor.executor import TPExecutor
 from pdserve.executor.kv_shared import kv_head_range, rank_layer_caches
 from pdserve.executor.shard_step import flatten_inputs, make_plan, step_tensors
@@ -20,8 +20,8 @@ from pdserve.executor.step_channel import payload_length
 
 
 class TPModelRunner(ModelRunner):
-    def __init__(self, model, executor: TPExecutor, block_size: int, ops, device: torch.device):
-        super().__init__(model, executor.kv_cache, block_size, ops, device)
+    def __init__(self, model, executor: TPExecutor, block_size: int, ops, device: torch.device, lora_batch=None):
+        super().__init__(model, executor.kv_cache, block_size, ops, device, lora_batch=lora_batch)
         self.executor = executor
         self.steps, self.send_seconds = 0, 0.0  # for the benchmark's per-step figures
         total_heads = executor.kv_cache.shape[4]
@@ -32,11 +32,14 @@ class TPModelRunner(ModelRunner):
                 ) -> tuple[torch.Tensor, list[Request]]:
         if pending is not None:
             raise RuntimeError("async scheduling is off at tensor_parallel_size > 1")
-        items = sorted(items, key=lambda it: it[1] != 1)  # one-token queries first
-        num_decodes = sum(1 for _, n in items if n == 1)
+        items = self._ordered(items)  # decode-shaped queries (drafts too) first; LoRA runs grouped
+        num_decodes = sum(1 for r, n in items if is_decode_query(r, n))
         spans = prompt_spans(items)
         inputs = build_step_inputs(items, num_decodes, self.block_size)
-        hidden = self._run_step(make_plan(inputs, num_decodes, spans, all_logits, in_shm=False), inputs)
+        plan = make_plan(inputs, inputs.num_decode_tokens, spans, all_logits, in_shm=False)
+        hidden = self._run_step(plan, inputs)
+        if self._hidden_sink is not None:  # a drafting head (EAGLE, MTP) reads rank 0's hidden states
+            self._hidden_sink(items, hidden)
         return self._step_logits(hidden, inputs, spans, all_logits)
 
     def _forward_hidden(self, inputs, num_decodes: int, items=()) -> torch.Tensor:
@@ -49,6 +52,8 @@ class TPModelRunner(ModelRunner):
         """Send a step to the workers, then run rank 0's shard of its forward pass. offset: where
         its arrays go in the shared buffer (a pipeline's micro-batches each have their own)."""
         flat = torch.from_numpy(flatten_inputs(inputs))
+        if self.lora_batch is not None:  # the workers apply the same adapters to the same rows
+            plan = msgspec.structs.replace(plan, lora_rows=self.lora_batch.step_rows)
         if self.executor.channel.fits(offset + payload_length(plan)):
             plan = msgspec.structs.replace(plan, in_shm=True, payload_offset=offset)
         started = time.perf_counter()

@@ -65,7 +65,8 @@ def start_executor(config, model_path, hf_config, dtype: torch.dtype, device: to
     if stages > 1:
         check_pp_support(hf_config, stages)
     return TPExecutor(size, os.fspath(model_path), dtype, device, config.kernel_backend, kv_shape,
-                      rank_threads(config), expert_parallel=config.enable_expert_parallel, pp_size=stages)
+                      rank_threads(config), expert_parallel=config.enable_expert_parallel, pp_size=stages,
+                      lora_slots=(config.max_loras, config.max_lora_rank) if config.enable_lora else (0, 0))
 
 
 def load_shard(model_path, hf_config, dtype: torch.dtype, device: torch.device, group, expert_parallel: bool,

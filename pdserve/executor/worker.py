@@ -15,7 +15,7 @@ import time
 
 import msgspec
 
-from pdserve.executor.messages import ReportWaits, Shutdown, WorkerSpec, read_message
+from pdserve.executor.messages import LoadLoRA, ReportWaits, Shutdown, WorkerSpec, read_message
 
 log = logging.getLogger("pdserve.executor.worker")
 
@@ -38,6 +38,8 @@ def main(argv: list[str]) -> int:
             return 0
         if isinstance(msg, ReportWaits):
             shard.report_waits(waited)
+        elif isinstance(msg, LoadLoRA):
+            shard.load_lora(msg)
         else:
             shard.step(msg)
 

@@ -22,6 +22,9 @@ from pdserve.executor.shm_collectives import ShmCollectives
 from pdserve.executor.stage_link import StageLink, StageRole, send_waits
 from pdserve.executor.step_channel import StepChannel
 from pdserve.kernels import get_fused_layer_ops, get_ops
+from pdserve.lora.manager import fill_slot
+from pdserve.lora.peft_format import read_peft_adapter
+from pdserve.lora.slots import LoRABatch, attach_slots
 from pdserve.models.loader import load_hf_config
 
 
@@ -52,6 +55,11 @@ class Shard:
             self.ops.warm_up()
         self.model.fused = get_fused_layer_ops(self.ops, self.device.type)
         self._run_step = run_worker_step
+        self.lora = None  # LoRA slots like the driver's, when adapters are on
+        if spec.max_loras:
+            self.lora = LoRABatch(self.device)
+            self.lora_layers = attach_slots(self.model, spec.max_loras, spec.max_lora_rank, self.lora, dtype,
+                                            self.device)
         store.set(f"ready/{spec.rank}", "1")
 
     def report_waits(self, pipe_seconds: float) -> None:
@@ -60,8 +68,14 @@ class Shard:
         link_seconds = self.link.wait_seconds if self.link is not None else 0.0
         send_waits(self.channel.group.group, pipe_seconds + link_seconds)
 
+    def load_lora(self, msg) -> None:
+        """The driver loaded an adapter into a slot: load this rank's slice of it there too."""
+        fill_slot(self.lora_layers, msg.slot, read_peft_adapter(msg.name, msg.path))
+
     def step(self, plan) -> None:
         flat = self.channel.receive(plan)
+        if self.lora is not None:
+            self.lora.set_runs([(None if slot < 0 else slot, n) for slot, n in plan.lora_rows])
         self._run_step(self.model, self.ops, self.layer_caches, self.device, plan, flat, self.link)
 
 

@@ -16,7 +16,10 @@ so a quantized format's scales and packed weights load through the same code as 
 Parameter objects.)
 
 `layer.lora`, when set (pdserve.lora.slots), adds the step's LoRA adapters' low-rank products
-to the layer's output, after its bias (as PEFT adds them to the base layer's output).
+to the layer's output, after its bias (as PEFT adds them to the base layer's output). At TP > 1
+the adapters are cut as the weight is (`lora_shard`): a column-parallel layer's B by output
+rows, a row-parallel layer's A by input columns, its partial deltas summed by the layer's
+all-reduce (as vLLM's row-parallel LoRA layers do).
 """
 from __future__ import annotations
 
@@ -91,6 +94,16 @@ class LinearBase(nn.Module):
     def with_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return y if self.lora is None else self.lora.add(x, y)
 
+    def lora_shard(self, part: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of part `part`'s LoRA A [r, in] and B [out, r], cut as the base
+        weight is: B by this rank's output rows (a replicated KV head's rows on each of its
+        ranks), A by this rank's input columns."""
+        if self.split_output:
+            b = b.narrow(0, self.part_source_start(part), self.output_sizes[part])
+        if self.split_input:
+            a = a.narrow(1, self.tp.rank * self.input_size, self.input_size)
+        return a, b
+
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_sizes}, tp={self.tp.rank}/{self.tp.size}, "
                 f"method={type(self.quant_method).__name__}")
@@ -160,7 +173,9 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return self.with_lora(x, self.quant_method.apply(self, x, self.bias))
-        y = self.quant_method.apply(self, x, None)
+        # Each rank's LoRA delta uses its input columns of A, so it is a partial sum like the
+        # base product: both are summed by the one all-reduce (no collective of its own).
+        y = self.with_lora(x, self.quant_method.apply(self, x, None))
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from pdserve.lora.peft_format import LoRAWeights, read_peft_adapter
-from pdserve.lora.slots import LAYER_PARTS, LoRABatch, attach_slots, module_shapes
+from pdserve.lora.slots import LAYER_PARTS, LoRABatch, LoRALayerSlots, attach_slots, module_shapes
 
 
 class LoRAManager:
@@ -43,6 +43,9 @@ class LoRAManager:
         self.slot_users = [0] * max_loras
         self.slot_lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
         self.slot_loads = 0  # adapters copied into a slot (a cost the router's routing avoids)
+        # on_load(slot, name, path): at TP > 1, the workers load the adapter into the same slot
+        # of their shards (pdserve.executor's LoadLoRA), before the step that uses it.
+        self.on_load = None
 
     # ---- registry ------------------------------------------------------------------------
     def add(self, name: str, path: str | Path) -> None:
@@ -112,9 +115,9 @@ class LoRAManager:
 
     def _load(self, slot: int, name: str) -> None:
         weights = self._host_copy(name)
-        for (layer, layer_name), slots in self.layers.items():
-            parts = [weights.modules.get((layer, module)) for module in LAYER_PARTS[layer_name]]
-            slots.load(slot, weights.rank, parts)
+        fill_slot(self.layers, slot, weights)
+        if self.on_load is not None:
+            self.on_load(slot, weights.name, str(weights.path))
         self.slot_names[slot] = name
         self.slot_loads += 1
 
@@ -150,3 +153,10 @@ class LoRAManager:
                 raise ValueError(f"LoRA adapter {weights.name!r}: layers.{layer}.{module} of shapes "
                                  f"A {tuple(a.shape)}, B {tuple(b.shape)} does not fit this model "
                                  f"({self.num_layers} layers, {module} {in_size} -> {out_size})")
+
+
+def fill_slot(layers: dict[tuple[int, str], LoRALayerSlots], slot: int, weights: LoRAWeights) -> None:
+    """Copy an adapter into one slot of every adapted layer (each cuts its TP rank's slice)."""
+    for (layer, layer_name), slots in layers.items():
+        parts = [weights.modules.get((layer, module)) for module in LAYER_PARTS[layer_name]]
+        slots.load(slot, weights.rank, parts)

@@ -42,10 +42,13 @@ class LoRABatch:
         self.device = device
         self.runs: list[tuple[int, int, int]] = []
         self.token_slots: torch.Tensor | None = None  # [T] for a stacked step (-1: the base model)
+        self.step_rows: list[tuple[int, int]] = []
         self._masks: dict[int, torch.Tensor] = {}
 
     def set_runs(self, slots_and_tokens: list[tuple[int | None, int]]) -> None:
         """From the step's requests in row order: (slot or None for the base model, tokens)."""
+        # As given, for a TP step's plan: the workers set the same runs (-1: the base model).
+        self.step_rows = [(-1 if slot is None else slot, n) for slot, n in slots_and_tokens]
         runs: list[tuple[int, int, int]] = []
         row = 0
         for slot, n in slots_and_tokens:
@@ -75,8 +78,10 @@ class LoRABatch:
 
 class LoRALayerSlots:
     def __init__(self, input_size: int, part_sizes: list[int], max_loras: int, max_rank: int,
-                 batch: LoRABatch, dtype: torch.dtype, device: torch.device):
+                 batch: LoRABatch, dtype: torch.dtype, device: torch.device, shard=None):
         self.part_sizes = list(part_sizes)
+        # shard(part, A, B) -> this rank's (A, B) at TP > 1 (LinearBase.lora_shard); None: whole.
+        self.shard = shard
         self.max_rank, self.batch, self.max_loras = max_rank, batch, max_loras
         self.stride = width = len(part_sizes) * max_rank  # columns per slot
         # Slot s: columns s * width.. of a_stack, rows s * width.. of b_stack.
@@ -95,7 +100,7 @@ class LoRALayerSlots:
         out = 0
         for i, (size, ab) in enumerate(zip(self.part_sizes, parts)):
             if ab is not None:
-                a, b = ab
+                a, b = ab if self.shard is None else self.shard(i, *ab)
                 col = i * rank
                 a_t[:, col:col + a.shape[0]].copy_(a.t())
                 b_t[col:col + a.shape[0], out:out + size].copy_(b.t())
@@ -139,18 +144,19 @@ def attach_slots(model, max_loras: int, max_rank: int, batch: LoRABatch, dtype: 
                 raise ValueError("LoRA adapters are supported for the Llama family (Llama, Mistral, Qwen2, "
                                  f"Qwen3) only; this model has no {owner}.{layer_name} linear layer")
             slots = LoRALayerSlots(layer.input_size, layer.output_sizes, max_loras, max_rank, batch,
-                                   dtype, device)
+                                   dtype, device, shard=layer.lora_shard if layer.tp.size > 1 else None)
             layer.lora = slots
             found[(i, layer_name)] = slots
     return found
 
 
 def module_shapes(model) -> dict[str, tuple[int, int]]:
-    """PEFT module name -> (in, out) of one part, for checking an adapter against the model."""
+    """PEFT module name -> (in, out) of one part, for checking an adapter against the model (the
+    whole layer's sizes: an adapter is read whole, then cut to a TP rank's slice)."""
     layer0 = model.layers[0]
     shapes = {}
     for module, (layer_name, part) in MODULE_PARTS.items():
         owner = layer0.self_attn if layer_name in ("qkv_proj", "o_proj") else layer0.mlp
         layer = getattr(owner, layer_name)
-        shapes[module] = (layer.input_size, layer.output_sizes[part])
+        shapes[module] = (layer.full_input_size, layer.full_output_sizes[part])
     return shapes
