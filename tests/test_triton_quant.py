@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from pdserve.kernels import fp8_cpu, quant_cpu, triton_quant
-from pdserve.layers.quant.act_quant import fp8_quant_dequant
-from pdserve.layers.quant.grouped import GroupedWeight, scales_view
+from pdserve.layers.linear import ReplicatedLinear
+from pdserve.layers.quant import cuda_kernels
+from pdserve.layers.quant.act_quant import Fp8LinearMethod, expand_scale, fp8_quant_dequant, scale_bits
+from pdserve.layers.quant.base import QuantConfig
+from pdserve.layers.quant.grouped import GroupedLinearMethod, GroupedWeight, GroupFormat, scales_view
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -90,3 +93,44 @@ def test_grouped_bf16_activations():
     got = triton_quant.grouped_matmul(x, q.cuda(), scales.cuda(), mins.cuda(), 4, 32)
     want = triton_quant.grouped_reference(x.float(), q.cuda(), scales.cuda(), mins.cuda(), 4, 32)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+class _Method(QuantConfig):
+    def __init__(self, method):
+        self.method = method
+
+    def linear_method(self, layer, prefix):
+        return self.method
+
+
+def _layers_apply_both_ways(layer, x, monkeypatch):
+    """(the CPU path's output, the CUDA path's output run here through the interpreter)."""
+    cpu = layer(x)
+    monkeypatch.setattr(cuda_kernels, "runs_triton", lambda t: True)
+    return cpu, layer(x)
+
+
+@pytest.mark.parametrize("block", [128, 0])
+def test_fp8_layer_cuda_path_matches_cpu_path(block, monkeypatch):
+    rows, cols = 80, 256
+    weight, block_scale = _fp8_weight(rows, cols, block or cols, seed=5)
+    layer = ReplicatedLinear(cols, rows, quant_config=_Method(Fp8LinearMethod(block)))
+    layer.weight.data.copy_(weight.view(torch.uint8))
+    per_row = expand_scale(block_scale[:, :1] if not block else block_scale, rows, block or cols)
+    layer.weight_scale.data = scale_bits(per_row)
+    x = torch.randn(2, 3, cols, generator=torch.Generator().manual_seed(1))
+    cpu, cuda_path = _layers_apply_both_ways(layer, x, monkeypatch)
+    torch.testing.assert_close(cuda_path, cpu, rtol=1e-5, atol=1e-5 * cpu.abs().max().item())
+
+
+def test_grouped_layer_cuda_path_matches_cpu_path(monkeypatch):
+    rows, cols, fmt = 64, 128, GroupFormat(4, 32, True, True)
+    q, scales, mins = _grouped_weight(rows, cols, 4, 32, True, True, seed=9)
+    layer = ReplicatedLinear(cols, rows, bias=True, quant_config=_Method(GroupedLinearMethod(fmt)))
+    layer.qweight.data.copy_(q)
+    layer.scales.data.copy_(scales.view(torch.int16))
+    layer.mins.data.copy_(mins.view(torch.int16))
+    layer.bias.data.normal_()
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(2))
+    cpu, cuda_path = _layers_apply_both_ways(layer, x, monkeypatch)
+    torch.testing.assert_close(cuda_path, cpu, rtol=1e-5, atol=1e-5 * cpu.abs().max().item())

@@ -170,12 +170,12 @@ def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> 
 
 
 def _quant_config(path: Path, device: torch.device, config):
-    """The checkpoint's quantization scheme; None: full precision. GGUF blocks stay quantized on
-    CPU, where pdserve's quantized kernels run; on CUDA they are dequantized at load."""
+    """The checkpoint's quantization scheme; None: full precision. A quantization_config's
+    weights stay quantized on CPU and on CUDA (whose linear layers take the Triton and
+    torch._scaled_mm kernels, pdserve.layers.quant.cuda_kernels; quantized MoE experts are CPU
+    only and refuse there). GGUF blocks stay quantized on CPU; on CUDA they are dequantized at load."""
     quantization = getattr(config, "quantization_config", None)
     if quantization:
-        if device.type != "cpu":
-            raise ModelLoadError("quantized checkpoints run on CPU only so far (no CUDA kernels yet)")
         return _checkpoint_quant_config(path, config.architectures[0], quantization)
     if is_gguf_view(path) and device.type == "cpu":
         return GGUFQuantConfig(gguf_tensor_types(path))

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import fp8_cpu
+from pdserve.layers.quant import cuda_kernels
 from pdserve.layers.quant.base import QuantMethod
 
 FP8_MAX = 448.0
@@ -100,6 +101,11 @@ class ActQuantLinearMethod(QuantMethod):
 
 class Fp8LinearMethod(ActQuantLinearMethod):
     weight_dtype = torch.uint8
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if cuda_kernels.runs_triton(x):
+            return cuda_kernels.fp8_apply(layer, x, bias)
+        return super().apply(layer, x, bias)
 
     def matmul(self, layer: nn.Module, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return fp8_cpu.fp8_matmul(fp8_quant_dequant(x, layer.act_block), layer.weight, scale, layer.act_block)

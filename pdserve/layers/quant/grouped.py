@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels import quant_cpu
+from pdserve.layers.quant import cuda_kernels
 from pdserve.layers.quant.base import QuantMethod
 
 # A fused layer's checkpoint parts, by the last component of its prefix (qkv_proj -> q, k, v).
@@ -123,6 +124,8 @@ class GroupedLinearMethod(QuantMethod):
         return cached[1]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if cuda_kernels.runs_triton(x):
+            return cuda_kernels.grouped_apply(layer, self._parts(layer), self.fmt.bits, self.fmt.group, x, bias)
         flat = x.reshape(-1, x.shape[-1])
         y = quant_cpu.packed_matmul(flat, self.packed(layer))
         if y.dtype != x.dtype or x.dim() != 2:
@@ -131,10 +134,15 @@ class GroupedLinearMethod(QuantMethod):
 
     def embedding(self, layer: nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
         """Rows token_ids of the matrix, dequantized: only the looked-up rows are ever widened."""
+        if layer.qweight.is_cuda:
+            rows = cuda_kernels.grouped_rows(self._parts(layer), self.fmt.bits, self.fmt.group, token_ids)
+            return rows.reshape(*token_ids.shape, rows.shape[-1])
         q, scales, mins = self._parts(layer)
         rows = quant_cpu.dequantize_rows(self.fmt.bits, q, scales, mins, self.fmt.group, token_ids)
         return rows.reshape(*token_ids.shape, rows.shape[-1])
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
+        if layer.qweight.is_cuda:
+            return cuda_kernels.grouped_rows(self._parts(layer), self.fmt.bits, self.fmt.group, None)
         q, scales, mins = self._parts(layer)
         return quant_cpu.dequantize_rows(self.fmt.bits, q, scales, mins, self.fmt.group)
