@@ -90,8 +90,6 @@ def test_numba_and_torch_kernels_agree_and_checkpoint_scales_are_read(llama, tmp
     assert not torch.equal(plain[:, 1, 0], scaled_cache[:, 1, 0])  # layer 1's K: divided by 0.3
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(str(llama), kv_cache_dtype="int4")
-    with pytest.raises(ValueError, match="tensor_parallel_size"):  # refused before any worker starts
-        LLM(str(llama), kv_cache_dtype="fp8", tensor_parallel_size=2)
 
 
 def test_salts_differ_and_prefix_hits_read_what_was_stored(llama):

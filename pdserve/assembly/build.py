@@ -80,7 +80,7 @@ def _load_target(config: EngineConfig) -> _Target:
         check_fp8_kv_supported(config, layout)
     if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
         executor = start_executor(config, model_path, hf_config, dtype, device,
-                                  (num_kv_blocks(config, layout), *layout.block_shape()))
+                                  (num_kv_blocks(config, layout), *layout.block_shape()), layout.dtype)
         model = load_driver_shard(executor, model_path, hf_config, dtype, device)
         return _Target(device, model_path, hf_config, dtype, layout, model, executor.kv_cache, executor)
     model = load_model(model_path, hf_config, dtype, device)

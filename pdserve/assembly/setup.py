@@ -65,12 +65,10 @@ def start_lora(config: EngineConfig, model, dtype: torch.dtype, device: torch.de
 
 
 def check_fp8_kv_supported(config: EngineConfig, layout: KVLayout) -> None:
-    """The FP8 cache wraps the K/V attention ops of one process: MLA's latent cache and the
-    tensor-parallel workers' shared cache do not go through them."""
+    """The FP8 cache wraps the K/V attention ops (of the driver and of each TP worker): MLA's
+    latent cache does not go through them."""
     if layout.planes != 2:
         raise ValueError("kv_cache_dtype fp8 is not supported for MLA models (their latent cache)")
-    if config.tensor_parallel_size > 1:
-        raise ValueError("kv_cache_dtype fp8 is not supported with tensor_parallel_size > 1")
 
 
 def kv_window(model) -> int:

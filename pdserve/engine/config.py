@@ -74,12 +74,8 @@ class EngineConfig:
         if self.kernel_backend not in ("auto", "torch", "numba", "triton"):
             raise ValueError(f"kernel_backend must be auto, torch, numba or triton, got {self.kernel_backend!r}")
         self.speculative_config = parse_speculative_config(self.speculative_config)
-        if self.speculative_config is not None and self.tensor_parallel_size > 1:
-            raise ValueError("speculative decoding is not supported with tensor_parallel_size > 1 yet")
         if self.lora_modules:
             self.enable_lora = True
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
         self._check_pipeline()
 
     def _check_pipeline(self) -> None:

@@ -50,7 +50,7 @@ class TPExecutor:
     def __init__(self, tp_size: int, model_path: str, dtype: torch.dtype, device: torch.device,
                  kernel_backend: str, kv_shape: tuple[int, ...], threads: int,
                  timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False, pp_size: int = 1,
-                 lora_slots: tuple[int, int] = (0, 0)):
+                 lora_slots: tuple[int, int] = (0, 0), kv_dtype: torch.dtype | None = None):
         if device.type != "cpu":
             raise ValueError("tensor_parallel_size > 1 and pipeline_parallel_size > 1 run on CPU for now (the "
                              "shared KV cache is host memory); see docs/tensor-parallelism.md")
@@ -59,7 +59,8 @@ class TPExecutor:
         self.threads, self.lost = threads, None
         self.closing = threading.Event()  # set before the workers are told to stop: their exit is no loss
         self.expert_parallel = expert_parallel
-        nbytes = int(torch.tensor([], dtype=dtype).element_size())
+        kv_dtype = kv_dtype or dtype  # an FP8 cache: float8_e4m3fn (pdserve.kernels.fp8_kv)
+        nbytes = int(torch.tensor([], dtype=kv_dtype).element_size())
         for d in kv_shape:
             nbytes *= d
         self._kv_fd = create_shared_file(nbytes, "kv")
@@ -67,13 +68,14 @@ class TPExecutor:
         # One shared-memory collectives buffer per stage, for its TP ranks (none without TP).
         self._coll_fds = [create_shared_file(buffer_bytes(tp_size), "collectives") for _ in range(pp_size)
                           ] if tp_size > 1 else []
-        self.kv_cache = map_shared(fd_path(self._kv_fd), kv_shape, dtype)
+        self.kv_cache = map_shared(fd_path(self._kv_fd), kv_shape, kv_dtype)
         store = open_store(self.size, timeout_s)
         spec = dict(world_size=self.size, store_host="127.0.0.1", store_port=store.port, model_path=str(model_path),
                     dtype=str(dtype).removeprefix("torch."), device=str(device), kernel_backend=kernel_backend,
                     threads=threads, kv_fd=self._kv_fd, kv_shape=list(kv_shape), payload_fd=self._payload_fd,
                     payload_capacity=DEFAULT_CAPACITY, timeout_s=timeout_s, expert_parallel=expert_parallel,
-                    pp_size=pp_size, max_loras=lora_slots[0], max_lora_rank=lora_slots[1])
+                    pp_size=pp_size, max_loras=lora_slots[0], max_lora_rank=lora_slots[1],
+                    kv_dtype=str(kv_dtype).removeprefix("torch."))
         self.workers = [self._start_watched(WorkerSpec(rank=r, collectives_fd=self._stage_coll_fd(r), **spec))
                         for r in range(1, self.size)]
         self._finalizer = weakref.finalize(self, _close_workers, list(self.workers), self.closing)

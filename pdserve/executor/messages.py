@@ -32,6 +32,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     pp_size: int = 1               # pipeline stages; world_size = pp_size * the TP degree
     max_loras: int = 0             # LoRA slots per layer (0: adapters off), as the driver's
     max_lora_rank: int = 0
+    kv_dtype: str = ""             # the KV cache's torch dtype name ("": the model's)
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="step"):

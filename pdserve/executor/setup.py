@@ -58,7 +58,7 @@ def rank_threads(config) -> int:
 
 
 def start_executor(config, model_path, hf_config, dtype: torch.dtype, device: torch.device,
-                   kv_shape: tuple[int, ...]) -> TPExecutor:
+                   kv_shape: tuple[int, ...], kv_dtype: torch.dtype | None = None) -> TPExecutor:
     size, stages = config.tensor_parallel_size, config.pipeline_parallel_size
     if size > 1:
         check_tp_support(hf_config, size, config.enable_expert_parallel)
@@ -66,7 +66,8 @@ def start_executor(config, model_path, hf_config, dtype: torch.dtype, device: to
         check_pp_support(hf_config, stages)
     return TPExecutor(size, os.fspath(model_path), dtype, device, config.kernel_backend, kv_shape,
                       rank_threads(config), expert_parallel=config.enable_expert_parallel, pp_size=stages,
-                      lora_slots=(config.max_loras, config.max_lora_rank) if config.enable_lora else (0, 0))
+                      lora_slots=(config.max_loras, config.max_lora_rank) if config.enable_lora else (0, 0),
+                      kv_dtype=kv_dtype)
 
 
 def load_shard(model_path, hf_config, dtype: torch.dtype, device: torch.device, group, expert_parallel: bool,

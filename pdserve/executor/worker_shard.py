@@ -22,6 +22,7 @@ from pdserve.executor.shm_collectives import ShmCollectives
 from pdserve.executor.stage_link import StageLink, StageRole, send_waits
 from pdserve.executor.step_channel import StepChannel
 from pdserve.kernels import get_fused_layer_ops, get_ops
+from pdserve.kernels.fp8_kv import FP8, Fp8KVOps, checkpoint_kv_scales
 from pdserve.lora.manager import fill_slot
 from pdserve.lora.peft_format import read_peft_adapter
 from pdserve.lora.slots import LoRABatch, attach_slots
@@ -47,12 +48,16 @@ class Shard:
                                 stage=role.stage, num_stages=role.pp_size)
         self.link = (StageLink(groups.world.group, role, self.model.spec.hidden_size, dtype)
                      if role.pp_size > 1 else None)
-        kv_cache = map_shared(fd_path(spec.kv_fd), spec.kv_shape, dtype)
+        kv_dtype = getattr(torch, spec.kv_dtype) if spec.kv_dtype else dtype
+        kv_cache = map_shared(fd_path(spec.kv_fd), spec.kv_shape, kv_dtype)
         heads = kv_head_range(spec.kv_shape[4], role.tp_size, role.tp_rank)
         self.layer_caches = rank_layer_caches(kv_cache, heads)
         self.ops = get_ops(spec.kernel_backend, self.device.type)
         if hasattr(self.ops, "warm_up"):
             self.ops.warm_up()
+        if kv_dtype == FP8:  # the driver's scales: from the same checkpoint files
+            scales = checkpoint_kv_scales(Path(spec.model_path), spec.kv_shape[1])
+            self.ops = Fp8KVOps(self.ops, kv_cache, scales, [k for k, *_ in self.layer_caches])
         self.model.fused = get_fused_layer_ops(self.ops, self.device.type)
         self._run_step = run_worker_step
         self.lora = None  # LoRA slots like the driver's, when adapters are on

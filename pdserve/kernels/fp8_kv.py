@@ -88,10 +88,13 @@ class Fp8KVOps:
     The ops are called with one layer's cache views; the layer (and so its scales) is found by
     the K view's address, which is distinct for every layer of the block-major cache."""
 
-    def __init__(self, base, kv_cache: torch.Tensor, scales: list[tuple[float, float]]):
+    def __init__(self, base, kv_cache: torch.Tensor, scales: list[tuple[float, float]],
+                 k_views: list[torch.Tensor] | None = None):
         self.base, self.scales = base, scales
         self.__name__ = base.__name__  # the fused norm/RoPE kernels that go with it do not touch KV
-        self._layer_of = {kv_cache[:, i, 0].data_ptr(): i for i in range(kv_cache.shape[1])}
+        # k_views: each layer's K view as the ops get it (a TP rank's starts at its first head).
+        k_views = k_views or [kv_cache[:, i, 0] for i in range(kv_cache.shape[1])]
+        self._layer_of = {k.data_ptr(): i for i, k in enumerate(k_views)}
 
     def _scales(self, k_cache: torch.Tensor) -> tuple[float, float]:
         return self.scales[self._layer_of[k_cache.data_ptr()]]

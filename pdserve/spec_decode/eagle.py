@@ -4,7 +4,8 @@ A Hugging Face directory: config.json (a LlamaConfig with one hidden layer; arch
 as EagleLlamaForCausalLM or LlamaForCausalLMEagle) and weights fc.weight (Linear(2 * hidden,
 hidden), fc.bias optional), layers.0.* (one Llama decoder layer whose input_layernorm is the
 identity: a checkpoint's copy is ignored, as EAGLE-1 does) and optionally embed_tokens.weight
-(else the target's embedding). No final norm; the logits are the target's LM head's.
+(else the target's embedding). No final norm; the logits are the target's LM head's (at TP > 1
+whole copies of both on the driver, where the head runs: pdserve.spec_decode.target_vocab).
 
 Row r: fc(cat(embed(token), h)) through the layer, h the target's hidden state after its final
 norm at the position before the token (or, drafting further, the head's own output there).
@@ -22,10 +23,11 @@ from pdserve.models.loader import _place, resolve_model_path, safetensors_files,
 from pdserve.models.rope import RotaryEmbedding
 from pdserve.models.weights import checkpoint_tensors
 from pdserve.spec_decode.head_proposer import HeadProposer
+from pdserve.spec_decode.target_vocab import TargetVocab, target_vocab
 
 
 class EagleHead(nn.Module):
-    def __init__(self, spec, rope: RotaryEmbedding, target: LlamaModel, fc_bias: bool, own_embedding: bool):
+    def __init__(self, spec, rope: RotaryEmbedding, target: TargetVocab, fc_bias: bool, own_embedding: bool):
         super().__init__()
         self.spec, self.rope = spec, rope
         self.fc = nn.Linear(2 * spec.hidden_size, spec.hidden_size, bias=fc_bias)
@@ -37,13 +39,13 @@ class EagleHead(nn.Module):
         self.fused = None
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        embed = self.embed_tokens if self.embed_tokens is not None else self._target[0].embed_tokens
+        embed = self.embed_tokens if self.embed_tokens is not None else self._target[0].embed
         x = self.fc(torch.cat([embed(token_ids), self.hidden_in], dim=-1))
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         return self.layers[0](x, cos, sin, ctx)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._target[0].compute_logits(hidden)
+        return self._target[0].logits(hidden)
 
 
 def load_eagle_head(path, host: SpeculationHost) -> tuple[EagleHead, object]:
@@ -59,7 +61,7 @@ def load_eagle_head(path, host: SpeculationHost) -> tuple[EagleHead, object]:
     spec = spec_from_config(llama)
     rope = RotaryEmbedding(llama, spec.head_dim, spec.max_position_embeddings)
     with torch.device("meta"):
-        head = EagleHead(spec, rope, target, "fc.bias" in tensors, "embed_tokens.weight" in tensors)
+        head = EagleHead(spec, rope, None, "fc.bias" in tensors, "embed_tokens.weight" in tensors)
     head = head.to_empty(device="cpu")
     params = dict(head.named_parameters())
     loaded: set[str] = set()
@@ -71,6 +73,7 @@ def load_eagle_head(path, host: SpeculationHost) -> tuple[EagleHead, object]:
     if missing:
         raise ValueError(f"speculative config: the EAGLE head {path} is missing weights: {', '.join(missing)}")
     head.rope = rope.to(host.device)
+    head._target = (target_vocab(host, "eagle"),)
     return head.to(device=host.device, dtype=host.dtype).eval(), config
 
 

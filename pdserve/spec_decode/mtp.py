@@ -22,10 +22,12 @@ from pdserve.models.deepseek import DeepseekDecoderLayer, DeepseekModel, _copy, 
 from pdserve.models.llama import RMSNorm
 from pdserve.models.loader import resolve_model_path, safetensors_files
 from pdserve.spec_decode.head_proposer import HeadProposer
+from pdserve.spec_decode.target_vocab import TargetVocab, target_vocab
 
 
 class MtpHead(nn.Module):
-    def __init__(self, spec, target: DeepseekModel, layer: int, own_embedding: bool, own_head: bool):
+    def __init__(self, spec, target: DeepseekModel, vocab: TargetVocab, layer: int, own_embedding: bool,
+                 own_head: bool):
         super().__init__()
         h = spec.hidden_size
         # The layer keeps its checkpoint index L (its MLP kind and weight names follow from it);
@@ -41,19 +43,21 @@ class MtpHead(nn.Module):
         self.shared_head.head = nn.Linear(h, spec.vocab_size, bias=False) if own_head else None
         self.embed_tokens = nn.Embedding(spec.vocab_size, h) if own_embedding else None
         self._target = (target,)  # shared, not a submodule
+        self._vocab = (vocab,)  # the target's embedding and LM head (whole on the driver at TP > 1)
         self.hidden_in: torch.Tensor | None = None
         self.fused = None
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         target = self._target[0]
-        embed = (self.embed_tokens if self.embed_tokens is not None else target.embed_tokens)(token_ids)
+        embed = (self.embed_tokens if self.embed_tokens is not None else self._vocab[0].embed)(token_ids)
         x = self.eh_proj(torch.cat([self.enorm(embed), self.hnorm(self.hidden_in)], dim=-1))
         cos, sin = target.rope.cos_sin(positions, x.dtype)
         return self.layers[self._layer](x, cos, sin, ctx)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.shared_head.head if self.shared_head.head is not None else self._target[0].lm_head
-        return head(self.shared_head.norm(hidden)).float()
+        if self.shared_head.head is None:
+            return self._vocab[0].logits(self.shared_head.norm(hidden))
+        return self.shared_head.head(self.shared_head.norm(hidden)).float()
 
 
 def _mtp_tensors(path, layer: int) -> dict[str, torch.Tensor]:
@@ -79,7 +83,8 @@ def load_mtp_head(path, host: SpeculationHost) -> tuple[MtpHead, object]:
                          f"(model.layers.{layer}.*)")
     spec = deepseek_spec(config)
     with torch.device("meta"):
-        head = MtpHead(spec, target, layer, "embed_tokens.weight" in tensors, "shared_head.head.weight" in tensors)
+        head = MtpHead(spec, target, None, layer, "embed_tokens.weight" in tensors,
+                       "shared_head.head.weight" in tensors)
     head = head.to_empty(device="cpu")
     params = dict(head.named_parameters())
     filled = dict.fromkeys(params, 0)
@@ -96,7 +101,9 @@ def load_mtp_head(path, host: SpeculationHost) -> tuple[MtpHead, object]:
     missing = sorted(n for n, p in params.items() if filled[n] < p.numel())
     if missing:
         raise ValueError(f"speculative config: the MTP layer in {path} is missing weights: {', '.join(missing[:8])}")
-    return head.to(device=host.device, dtype=host.dtype).eval(), config
+    head = head.to(device=host.device, dtype=host.dtype).eval()
+    head._vocab = (target_vocab(host, "mtp"),)
+    return head, config
 
 
 def _check(config, target, path) -> int:

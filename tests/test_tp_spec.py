@@ -1,0 +1,83 @@
+"""Speculative decoding at TP 2: the verify step (a request's last token and its drafts as
+decode rows) runs over both ranks like any step, the proposer runs on the driver. Greedy output
+equals transformers' generate in float32 for n-gram, draft-model, EAGLE-1 and DeepSeek MTP
+drafts; drafts are both accepted and rejected; an EAGLE head's and an MTP layer's drafts equal
+their plain-torch references (so the whole embedding and LM head the driver reads for the head
+at TP 2 are the target's); no KV block is left in use."""
+from __future__ import annotations
+
+import pytest
+from spec_heads import (
+    EagleReference,
+    MtpReference,
+    add_mtp_layer,
+    assert_outputs_equal_transformers,
+    make_eagle_head,
+    record_drafts,
+)
+from test_spec_decode import _assert_no_leak, _prompts
+
+from pdserve import LLM, SamplingParams
+from pdserve.testing.model_factory import load_reference, make_deepseek, make_model
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A Llama target, a one-layer draft cut from it (it agrees with the target at times) and an
+    EAGLE head."""
+    from transformers import AutoModelForCausalLM
+    root = tmp_path_factory.mktemp("tp_spec")
+    target = make_model(root, "llama", seed=3)
+    cut = AutoModelForCausalLM.from_pretrained(target)
+    cut.model.layers = cut.model.layers[:1]
+    cut.config.num_hidden_layers = 1
+    cut.save_pretrained(root / "draft")
+    return target, root / "draft", make_eagle_head(root, target, seed=5), load_reference(target)
+
+
+def _run(path, spec, prompts, **kw):
+    llm = LLM(str(path), tensor_parallel_size=2, block_size=8, num_kv_blocks=64, speculative_config=spec, **kw)
+    seen = record_drafts(llm) if spec["method"] in ("eagle", "mtp") else None
+    try:
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        stats = llm.engine.speculator.stats
+        assert stats.num_draft_tokens > 0
+        _assert_no_leak(llm)
+        return outs, seen, stats
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+def test_tp2_speculation_equals_transformers(llama, method):
+    target, draft, head, ref = llama
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    else:
+        spec["model"] = str(draft if method == "draft_model" else head)
+    prompts = _prompts(2, (6, 14, 25), repeat=True)  # repeats give the n-gram lookup matches
+    outs, seen, stats = _run(target, spec, prompts)
+    assert_outputs_equal_transformers(ref, prompts, outs, NEW_TOKENS)
+    if method == "draft_model":
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if method == "eagle":
+        reference = EagleReference(head, ref)
+        for _, tokens, drafts, offset in seen:
+            assert drafts == reference.drafts(tokens, len(drafts), offset)
+
+
+def test_tp2_mtp_equals_transformers(tmp_path):
+    path = make_deepseek(tmp_path, "deepseek_v3", seed=2)
+    add_mtp_layer(path, seed=7)
+    ref = load_reference(path)
+    prompts = _prompts(2, (6, 15))
+    outs, seen, _ = _run(path, {"method": "mtp", "num_speculative_tokens": 2}, prompts)
+    assert_outputs_equal_transformers(ref, prompts, outs, NEW_TOKENS)
+    reference = MtpReference(path, ref)
+    assert seen
+    for _, tokens, drafts, offset in seen:
+        assert drafts == reference.drafts(tokens, len(drafts), offset)
