@@ -1,6 +1,7 @@
 """The GPU path, measured on one GPU. One command runs every step and writes JSON.
 
     python3 -m benchmarks.gpu.gpu_suite --out DIR [--steps env,kernels,exact,served,throughput,nixl,pd]
+    python3 -m benchmarks.gpu.gpu_suite --out DIR --steps quant
 
 Steps (each writes DIR/<step>.json; a failing step records its error and the rest still run):
   env         torch/CUDA/Triton/NIXL versions, the GPU, flash-attn presence
@@ -12,6 +13,9 @@ Steps (each writes DIR/<step>.json; a failing step records its error and the res
   throughput  benchmarks/gpu/gpu_throughput.py (1.1B Llama, bf16, 256 x 512 -> 256)
   nixl        benchmarks/kv_transfer/bench_nixl.py --device cuda (two processes, VRAM to VRAM READs)
   pd          benchmarks/serving/bench_serving.py, 1P1D over NIXL vs monolithic on the 1.1B model
+  quant       benchmarks/gpu/gpu_quant.py: quantized-kernel tests, greedy exactness per format,
+              the 1.1B decode step and throughput in bf16, FP8 per channel, FP8 blocks, W4A16
+              (about 8 minutes; not in the default steps)
 """
 from __future__ import annotations
 
@@ -198,14 +202,22 @@ def step_pd(args) -> dict:
             "stderr": proc.stderr[-3000:], "summary": out.get("summary", out)}
 
 
+def step_quant(args) -> dict:
+    from benchmarks.gpu import gpu_quant
+    out = RAW / "quant"
+    out.mkdir(parents=True, exist_ok=True)
+    return gpu_quant.run(gpu_quant.parse_args(["--out", str(out)]))
+
+
 STEPS = {"env": step_env, "kernels": step_kernels, "exact": step_exact, "served": step_served,
-         "throughput": step_throughput, "nixl": step_nixl, "pd": step_pd}
+         "throughput": step_throughput, "nixl": step_nixl, "pd": step_pd, "quant": step_quant}
+DEFAULT_STEPS = [name for name in STEPS if name != "quant"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", default=",".join(STEPS))
+    ap.add_argument("--steps", default=",".join(DEFAULT_STEPS))
     ap.add_argument("--nixl-configs", default="0,4,5", help="bench_nixl.py CONFIGS indices")
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
