@@ -36,3 +36,24 @@ def test_w4a16_checkpoint_loads_quantized_and_matches_transformers(tmp_path):
     assert isinstance(llm.engine.model.layers[0].mlp.down_proj.quant_method, GroupedLinearMethod)
     assert (fmt.bits, fmt.group) == (4, 32)
     assert_matches_reference(llm, ref, 2, (6, 19), 8, 1e-3, "w4a16")
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel"])
+def test_model_through_the_cuda_path_matches_the_cpu_path(fmt, tmp_path, monkeypatch):
+    """gpu_quant's exactness check, here: the whole model's greedy tokens with every FP8 layer on
+    the CUDA path (the Triton kernel under the interpreter; _scaled_mm on CPU) equal the CPU path's."""
+    if fmt == "fp8-channel":
+        pytest.importorskip("compressed_tensors")
+    from pdserve import LLM, SamplingParams
+    from pdserve.layers.quant import cuda_kernels
+    from pdserve.testing.model_factory import make_model
+    llm = LLM(str(checkpoint(make_model(tmp_path, "llama"), fmt)), dtype="float32", device="cpu", num_kv_blocks=64)
+    prompts = [{"prompt_token_ids": [5, 9, 33, 70, 12, 8, 100]}, {"prompt_token_ids": list(range(3, 40))}]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    cpu = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    calls = []
+    fp8_apply = cuda_kernels.fp8_apply
+    monkeypatch.setattr(cuda_kernels, "runs_triton", lambda x: True)
+    monkeypatch.setattr(cuda_kernels, "fp8_apply", lambda *a: calls.append(1) or fp8_apply(*a))
+    cuda_path = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert calls and cuda_path == cpu
