@@ -22,6 +22,12 @@ AMAX_FLOOR = 1e-10  # as act_quant: an all-zero group still gets a finite scale
 BLOCK_M = 16  # tl.dot's smallest M; a decode batch of one token pads to it
 
 
+def block_m_for(rows: int) -> int:
+    """Rows per tile: 16 for decode batches, up to 64 for larger ones (fewer reloads of each
+    weight tile, which is what these GEMMs read most)."""
+    return BLOCK_M if rows <= BLOCK_M else 32 if rows <= 32 else 64
+
+
 def per_token_group_quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (x_q float8_e4m3fn [M, K], scale float32 [M, ceil(K / group)]), the values
     act_quant.fp8_quant_dequant multiplies (x_q * scale is its result)."""
@@ -67,10 +73,11 @@ def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     n_out = weight.shape[0]
     out = torch.empty(rows, n_out, dtype=out_dtype or x.dtype, device=x.device)
     block_n = 64 if n_out >= 64 else max(16, triton.next_power_of_2(n_out))
-    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n_out, block_n))
+    block_m = block_m_for(rows)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(n_out, block_n))
     _fp8_block_kernel[grid](xq, x_scale, weight, weight_scale, out, rows, n_out, cols, scale_row_block,
                             *xq.stride(), *x_scale.stride(), *weight.stride(), *weight_scale.stride(),
-                            *out.stride(), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block)
+                            *out.stride(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block)
     return out
 
 
@@ -141,11 +148,12 @@ def grouped_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins:
     split = split_k or split_k_for(rows, n_tiles, k_tiles, x.device)
     tiles_per_split = triton.cdiv(k_tiles, split)
     partial = torch.empty(split, rows, n_out, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(rows, BLOCK_M), n_tiles, split)
+    block_m = block_m_for(rows)
+    grid = (triton.cdiv(rows, block_m), n_tiles, split)
     _grouped_kernel[grid](x, q, scales, mins if mins is not None else scales, partial, rows, n_out, cols,
                           tiles_per_split, *x.stride(), *q.stride(), *scales.stride(), *partial.stride(),
                           BITS=bits, GROUP=group, HAS_MIN=mins is not None, IEEE=x.dtype == torch.float32,
-                          BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
+                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     y = partial[0] if split == 1 else partial.sum(0)
     return y.to(x.dtype)
 
