@@ -1,6 +1,6 @@
 """The compiled quantized matmul of decode steps (pdserve/kernels/native_gemv.c): for each layout
 the kernels hold (int4 and int8 values, groups of 16, 32, 64 and 96 columns, with and without mins,
-float16 and float32 scales) and for 1 to 32 tokens it gives x @ w.T over the dequantized float32
+float16 and float32 scales) and for 1 to 40 tokens it gives x @ w.T over the dequantized float32
 weights, as numba's kernel does, and the CPU path uses it up to 32 tokens. It is compiled here,
 with the machine's compiler."""
 from __future__ import annotations
