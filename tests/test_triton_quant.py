@@ -14,6 +14,7 @@ from pdserve.layers.linear import ReplicatedLinear
 from pdserve.layers.quant import cuda_kernels
 from pdserve.layers.quant.act_quant import Fp8LinearMethod, expand_scale, fp8_quant_dequant, scale_bits
 from pdserve.layers.quant.base import QuantConfig
+from pdserve.layers.quant.gptq_awq import PermutedGroupedMethod
 from pdserve.layers.quant.grouped import GroupedLinearMethod, GroupedWeight, GroupFormat, scales_view
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -123,10 +124,14 @@ def test_fp8_layer_cuda_path_matches_cpu_path(block, monkeypatch):
     torch.testing.assert_close(cuda_path, cpu, rtol=1e-5, atol=1e-5 * cpu.abs().max().item())
 
 
-def test_grouped_layer_cuda_path_matches_cpu_path(monkeypatch):
+@pytest.mark.parametrize("method", [GroupedLinearMethod, PermutedGroupedMethod])
+def test_grouped_layer_cuda_path_matches_cpu_path(method, monkeypatch):
+    """Plain, and GPTQ desc_act's (columns sorted by group, the input permuted to match)."""
     rows, cols, fmt = 64, 128, GroupFormat(4, 32, True, True)
     q, scales, mins = _grouped_weight(rows, cols, 4, 32, True, True, seed=9)
-    layer = ReplicatedLinear(cols, rows, bias=True, quant_config=_Method(GroupedLinearMethod(fmt)))
+    layer = ReplicatedLinear(cols, rows, bias=True, quant_config=_Method(method(fmt)))
+    if method is PermutedGroupedMethod:
+        layer.perm.data.copy_(torch.randperm(cols, generator=torch.Generator().manual_seed(4)))
     layer.qweight.data.copy_(q)
     layer.scales.data.copy_(scales.view(torch.int16))
     layer.mins.data.copy_(mins.view(torch.int16))

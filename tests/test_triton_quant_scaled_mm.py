@@ -51,3 +51,22 @@ def test_scaled_mm_rowwise_bf16_on_cuda(per_tensor):
     want = fp8_channel_reference(x, weight, scale)
     got = fp8_channel_matmul(x.cuda().bfloat16(), weight.cuda(), scale.cuda(), out_dtype=torch.bfloat16)
     torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS int8 GEMM: CUDA only")
+def test_w8a8_layer_at_decode_batch_sizes_on_cuda():
+    """torch._int_mm on CUDA takes more than 16 rows; a decode batch of 3 is padded."""
+    from pdserve.layers.linear import ReplicatedLinear
+    from pdserve.layers.quant.act_quant import Int8LinearMethod, scale_bits
+    from pdserve.layers.quant.base import QuantConfig
+
+    class _Int8(QuantConfig):
+        def linear_method(self, layer, prefix):
+            return Int8LinearMethod()
+
+    layer = ReplicatedLinear(64, 32, quant_config=_Int8())
+    layer.weight.data.copy_(torch.randint(-127, 128, (32, 64), dtype=torch.int8))
+    layer.weight_scale.data = scale_bits(torch.rand(32, 1) + 0.5)
+    x = torch.randn(3, 64)
+    want = layer(x)
+    torch.testing.assert_close(layer.cuda()(x.cuda()).cpu(), want, rtol=1e-5, atol=1e-4)

@@ -34,6 +34,7 @@ from pdserve.layers.quant.base import QuantMethod
 FP8_MAX = 448.0
 INT8_MAX = 127.0
 AMAX_FLOOR = 1e-10  # an all-zero token (or group) still gets a finite scale
+INT_MM_MIN_CUDA_ROWS = 16  # torch._int_mm on CUDA takes more rows than this
 
 
 def fp8_quant_dequant(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -120,7 +121,10 @@ class Int8LinearMethod(ActQuantLinearMethod):
 
     def matmul(self, layer: nn.Module, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         q, x_scale = int8_quantize(x)
-        return torch._int_mm(q, layer.weight.t()).float() * x_scale * scale.reshape(1, -1)
+        rows = q.shape[0]
+        if q.is_cuda and rows <= INT_MM_MIN_CUDA_ROWS:  # cuBLAS's int8 GEMM wants more rows: pad
+            q = F.pad(q, (0, 0, 0, INT_MM_MIN_CUDA_ROWS + 1 - rows))
+        return torch._int_mm(q, layer.weight.t())[:rows].float() * x_scale * scale.reshape(1, -1)
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float() * layer.weight_scale.view(torch.float32)

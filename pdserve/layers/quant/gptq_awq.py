@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels import quant_cpu
+from pdserve.layers.quant import cuda_kernels
 from pdserve.layers.quant.base import QuantConfig, QuantMethod
 from pdserve.layers.quant.grouped import FUSED_PARTS, GroupedLinearMethod, GroupedWeight, GroupFormat
 from pdserve.layers.quant.unquantized import UnquantizedLinearMethod
@@ -124,6 +125,9 @@ class PermutedGroupedMethod(GroupedLinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).index_select(1, layer.perm)
+        if cuda_kernels.runs_triton(x):
+            y = cuda_kernels.grouped_apply(layer, self._parts(layer), self.fmt.bits, self.fmt.group, flat, bias)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         y = quant_cpu.packed_matmul(flat, super().packed(layer))
         if y.dtype != x.dtype or x.dim() != 2:
             y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
