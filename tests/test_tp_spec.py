@@ -1,7 +1,7 @@
 """Speculative decoding at TP 2: the verify step (a request's last token and its drafts as
 decode rows) runs over both ranks like any step, the proposer runs on the driver. Greedy output
-equals transformers' generate in float32 for n-gram, draft-model, EAGLE-1 and DeepSeek MTP
-drafts; drafts are both accepted and rejected; an EAGLE head's and an MTP layer's drafts equal
+equals transformers' generate in float32 for draft-model, EAGLE-1 and DeepSeek MTP drafts
+(n-gram drafts: tests/test_feature_matrix.py); drafts are both accepted and rejected; an EAGLE head's and an MTP layer's drafts equal
 their plain-torch references (so the whole embedding and LM head the driver reads for the head
 at TP 2 are the target's); no KV block is left in use."""
 from __future__ import annotations
@@ -51,15 +51,11 @@ def _run(path, spec, prompts, **kw):
         llm.close()
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])  # (n-gram at TP 2: tests/test_feature_matrix.py)
 def test_tp2_speculation_equals_transformers(llama, method):
     target, draft, head, ref = llama
-    spec = {"method": method, "num_speculative_tokens": 3}
-    if method == "ngram":
-        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
-    else:
-        spec["model"] = str(draft if method == "draft_model" else head)
-    prompts = _prompts(2, (6, 14, 25), repeat=True)  # repeats give the n-gram lookup matches
+    spec = {"method": method, "num_speculative_tokens": 3, "model": str(draft if method == "draft_model" else head)}
+    prompts = _prompts(2, (6, 14, 25))
     outs, seen, stats = _run(target, spec, prompts)
     assert_outputs_equal_transformers(ref, prompts, outs, NEW_TOKENS)
     if method == "draft_model":
