@@ -105,8 +105,11 @@ class _Method(QuantConfig):
 
 
 def _layers_apply_both_ways(layer, x, monkeypatch):
-    """(the CPU path's output, the CUDA path's output run here through the interpreter)."""
+    """(the CPU path's output, the CUDA path's: on the GPU where there is one, else forced on CPU
+    through the interpreter)."""
     cpu = layer(x)
+    if torch.cuda.is_available():
+        return cpu, layer.cuda()(x.cuda()).cpu()
     monkeypatch.setattr(cuda_kernels, "runs_triton", lambda t: True)
     return cpu, layer(x)
 

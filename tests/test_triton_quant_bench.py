@@ -38,6 +38,7 @@ def test_w4a16_checkpoint_loads_quantized_and_matches_transformers(tmp_path):
     assert_matches_reference(llm, ref, 2, (6, 19), 8, 1e-3, "w4a16")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through compiled Triton: gpu_quant's exact part runs the real thing")
 @pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel"])
 def test_model_through_the_cuda_path_matches_the_cpu_path(fmt, tmp_path, monkeypatch):
     """gpu_quant's exactness check, here: the whole model's greedy tokens with every FP8 layer on

@@ -58,8 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def part_kernels(args) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/test_triton_quant.py", "tests/test_triton_quant_scaled_mm.py"],
+    tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_triton_quant*.py"))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     return {"returncode": proc.returncode, "summary": proc.stdout.strip().splitlines()[-1:],
             "failures": [ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")][:40]}
