@@ -3,9 +3,11 @@ column-parallel layer's B by output rows, the one KV head's rows on both ranks; 
 layer's A by input columns, its partial deltas summed by the layer's all-reduce), the worker
 loads each adapter into the slot the driver does, and greedy tokens per adapter equal
 PeftModel.generate's in float32: one batch mixing two adapters and the base model (the stacked
-decode products) and a long prompt (the per-run, per-part products)."""
+decode products) and a long prompt (the per-run, per-part products); and the same through
+`pdserve up` with TP 2 nodes and n-gram speculation."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -56,3 +58,22 @@ def test_tp2_lora_equals_peft(setup):
         assert llm.engine.pool.num_in_use() == 0
     finally:
         llm.close()
+
+
+def test_pdserve_up_at_tp2_serves_adapters_with_speculation(setup):
+    """Through `pdserve up`: TP 2 prefill and decode nodes with an adapter and n-gram speculation
+    on the decode node; each completion (the adapter's and the base model's) equals PEFT's."""
+    import openai
+
+    from pdserve.testing.up_cluster import running_cluster
+    base, adapters, prompts, want = setup
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    flags = ("--model", str(base), "--prefill-tp", "2", "--decode-tp", "2", "--max-lora-rank", "8",
+             "--lora-modules", f"full={adapters['full']}", "--speculative-config", spec)
+    with running_cluster(*flags, timeout_s=300) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        for model, name in (("full", "full"), (str(base), None)):
+            for prompt, expected in zip(prompts, want[name]):
+                r = client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                              extra_body={"ignore_eos": True, "return_token_ids": True})
+                assert r.choices[0].model_extra["token_ids"] == expected, (model, prompt)
