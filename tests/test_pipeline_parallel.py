@@ -6,15 +6,9 @@ PP 1; the KV blocks' bytes and keys do not depend on PP; a lost stage fails the 
 step and no worker outlives its driver."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
 
 import numpy as np
-import psutil
 import pytest
 import torch
 from family_models import NEW_TOKENS, check_offline_greedy, make_family_model, random_prompts, reference_greedy
@@ -29,11 +23,11 @@ from pdserve.entrypoints.cli import build_parser
 from pdserve.entrypoints.launcher import Cluster
 from pdserve.entrypoints.ray_launch import node_templates, placement
 from pdserve.entrypoints.tp_degrees import node_parallel_flags, pool_ranks
-from pdserve.executor.executor import WorkerLost
 from pdserve.executor.pipeline_runner import split_micro_batches
 from pdserve.executor.setup import check_pp_support
 from pdserve.models.pipeline import pp_layer_range
 from pdserve.testing.model_factory import load_reference, make_deepseek, make_model
+from pdserve.testing.worker_checks import assert_lost_worker_fails_the_next_step, assert_workers_die_with_their_driver
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +58,6 @@ def test_what_does_not_run_over_stages_is_refused_with_the_pair_named():
         EngineConfig(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="LoRA adapters: not supported with pipeline_parallel_size > 1"):
         EngineConfig(pipeline_parallel_size=2, enable_lora=True)
-    with pytest.raises(ValueError, match="kv_cache_dtype fp8: not supported with pipeline_parallel_size > 1"):
-        EngineConfig(pipeline_parallel_size=2, kv_cache_dtype="fp8")
     from transformers import AutoConfig
     gemma = AutoConfig.for_model("gemma3_text", architectures=["Gemma3ForCausalLM"])
     with pytest.raises(ValueError, match="Gemma3ForCausalLM is not split into pipeline stages yet"):
@@ -188,35 +180,11 @@ def test_kv_blocks_and_keys_do_not_depend_on_pp(llama_pp1, llama_pp2):
 
 
 def test_lost_stage_fails_the_next_step_and_leaves_no_process(llama_pp2):
-    worker = llama_pp2.engine.executor.workers[0]
-    os.kill(worker.pid, signal.SIGKILL)
-    worker.wait(timeout=10)
-    with pytest.raises(WorkerLost, match="rank 1"):
-        for _ in range(50):  # the watcher thread notices within a moment
-            llama_pp2.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2), use_tqdm=False)
-    assert all(w.poll() is not None for w in llama_pp2.engine.executor.workers)
+    assert_lost_worker_fails_the_next_step(llama_pp2)
 
 
 def test_stages_die_with_their_driver(models):
-    """SIGKILL the driver process (no cleanup runs): its stage worker goes too."""
-    script = textwrap.dedent(f"""
-        from pdserve import LLM
-        llm = LLM({str(models['llama'])!r}, pipeline_parallel_size=2, num_kv_blocks=16)
-        print("ready", flush=True)
-        import time; time.sleep(600)
-    """)
-    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        assert driver.stdout.readline().strip() == "ready"
-        workers = psutil.Process(driver.pid).children()
-        assert len(workers) == 1
-        driver.kill()
-        driver.wait(timeout=10)
-        gone, alive = psutil.wait_procs(workers, timeout=10)
-        assert not alive, f"workers outlived their driver: {alive}"
-    finally:
-        if driver.poll() is None:
-            driver.kill()
+    assert_workers_die_with_their_driver(str(models['llama']), pipeline_parallel_size=2)
 
 
 def test_pp2_tp2_greedy_equals_transformers(models):

@@ -83,7 +83,7 @@ class EngineConfig:
         if self.pipeline_parallel_size == 1:
             return
         for name, on in (("speculative decoding", self.speculative_config is not None),
-                         ("LoRA adapters", self.enable_lora), ("kv_cache_dtype fp8", self.kv_cache_dtype == "fp8")):
+                         ("LoRA adapters", self.enable_lora)):
             if on:
                 raise ValueError(f"{name}: not supported with pipeline_parallel_size > 1 yet")
 
