@@ -4,15 +4,9 @@ with prefix-cache hits and with preemption; seeded sampling and prompt logprobs 
 lost worker fails the engine's next step instead of hanging, and no worker outlives its driver."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
 
 import numpy as np
-import psutil
 import pytest
 import torch
 from family_models import NEW_TOKENS, check_offline_greedy, make_family_model, random_prompts, reference_greedy
@@ -20,10 +14,10 @@ from family_models import load_reference as load_family_reference
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.embedding import EmbeddingBatch, pool
-from pdserve.executor.executor import WorkerLost
 from pdserve.executor.setup import check_tp_support
 from pdserve.testing.model_factory import load_reference, make_deepseek, make_model
 from pdserve.testing.model_factory import load_reference as load_deepseek_reference
+from pdserve.testing.worker_checks import assert_lost_worker_fails_the_next_step, assert_workers_die_with_their_driver
 
 
 @pytest.fixture(scope="module")
@@ -147,35 +141,11 @@ def test_tp2_sampling_and_prompt_logprobs_equal_tp1(models, llama_tp2):
 
 
 def test_lost_worker_fails_the_next_step_and_leaves_no_process(llama_tp2):
-    worker = llama_tp2.engine.executor.workers[0]
-    os.kill(worker.pid, signal.SIGKILL)
-    worker.wait(timeout=10)
-    with pytest.raises(WorkerLost, match="rank 1"):
-        for _ in range(50):  # the watcher thread notices within a moment
-            llama_tp2.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2), use_tqdm=False)
-    assert all(w.poll() is not None for w in llama_tp2.engine.executor.workers)
+    assert_lost_worker_fails_the_next_step(llama_tp2)
 
 
 def test_workers_die_with_their_driver(models):
-    """SIGKILL the driver process (no cleanup runs): its worker goes too."""
-    script = textwrap.dedent(f"""
-        from pdserve import LLM
-        llm = LLM({str(models['llama'])!r}, tensor_parallel_size=2, num_kv_blocks=16)
-        print("ready", flush=True)
-        import time; time.sleep(600)
-    """)
-    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        assert driver.stdout.readline().strip() == "ready"
-        workers = psutil.Process(driver.pid).children()
-        assert len(workers) == 1
-        driver.kill()
-        driver.wait(timeout=10)
-        gone, alive = psutil.wait_procs(workers, timeout=10)
-        assert not alive, f"workers outlived their driver: {alive}"
-    finally:
-        if driver.poll() is None:
-            driver.kill()
+    assert_workers_die_with_their_driver(str(models['llama']), tensor_parallel_size=2)
 
 
 def test_unconverted_family_is_refused_clearly():

@@ -25,7 +25,7 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torc
 
 
 def fp8_apply(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    from pdserve.kernels import triton_quant, triton_quant_scaled_mm
+    from pdserve.kernels import triton_quant, triton_quant_scaled_mm  # imports triton: heavy, the CUDA path only
     flat = x.reshape(-1, x.shape[-1])
     scale = layer.weight_scale.view(torch.float32)
     if scale.shape[1] == 1:  # per channel or per tensor
@@ -39,7 +39,7 @@ def fp8_apply(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> t
 def grouped_apply(layer: nn.Module, parts, bits: int, group: int, x: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """parts: (q, scales, mins) as GroupedLinearMethod._parts gives them."""
-    from pdserve.kernels import triton_quant
+    from pdserve.kernels import triton_quant  # imports triton: heavy, the CUDA path only
     q, scales, mins = parts
     y = triton_quant.grouped_matmul(x.reshape(-1, x.shape[-1]), q, scales, mins, bits, group)
     return _finish(y, x, bias)
@@ -47,7 +47,7 @@ def grouped_apply(layer: nn.Module, parts, bits: int, group: int, x: torch.Tenso
 
 def grouped_rows(parts, bits: int, group: int, row_ids: torch.Tensor | None) -> torch.Tensor:
     """float32 rows of a grouped matrix in torch on its own device (an embedding's lookups)."""
-    from pdserve.kernels import triton_quant
+    from pdserve.kernels import triton_quant  # imports triton: heavy, the CUDA path only
     q, scales, mins = parts
     if row_ids is not None:
         ids = row_ids.reshape(-1)
