@@ -3,8 +3,8 @@ column-parallel layer's B by output rows, the one KV head's rows on both ranks; 
 layer's A by input columns, its partial deltas summed by the layer's all-reduce), the worker
 loads each adapter into the slot the driver does, and greedy tokens per adapter equal
 PeftModel.generate's in float32: one batch mixing two adapters and the base model (the stacked
-decode products) and a long prompt (the per-run, per-part products); and the same through
-`pdserve up` with TP 2 nodes and n-gram speculation."""
+decode products) and a long prompt (the per-run, per-part products); the same at PP 2, and
+through `pdserve up` with TP 2 nodes and n-gram speculation."""
 from __future__ import annotations
 
 import json
@@ -54,6 +54,18 @@ def test_tp2_lora_equals_peft(setup):
     try:
         assert llm.engine.model.layers[0].self_attn.qkv_proj.lora.a_stack.shape[0] == 64  # q/k/v: whole input
         assert llm.engine.model.layers[0].mlp.down_proj.lora.a_stack.shape[0] == 64  # half of 128 columns
+        _check(llm, adapters, prompts, want)
+        assert llm.engine.pool.num_in_use() == 0
+    finally:
+        llm.close()
+
+
+def test_pp2_lora_equals_peft(setup):
+    """Pipeline stages: each stage's ranks hold the adapters' slices of its layers, and each
+    micro-batch's plan names its rows' slots."""
+    base, adapters, prompts, want = setup
+    llm = LLM(str(base), pipeline_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64)
+    try:
         _check(llm, adapters, prompts, want)
         assert llm.engine.pool.num_in_use() == 0
     finally:

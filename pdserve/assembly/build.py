@@ -114,12 +114,13 @@ def _parts(config: EngineConfig, t: _Target) -> EngineParts:
             raise ValueError("vision-language models run at tensor_parallel_size 1 and pipeline_parallel_size 1 "
                              "so far")
         if t.executor.pp_size > 1:
-            runner = PipelineModelRunner(t.model, t.executor, config.block_size, ops, t.device, t.dtype)
+            runner = PipelineModelRunner(t.model, t.executor, config.block_size, ops, t.device, t.dtype,
+                                         lora_batch=lora.batch if lora is not None else None)
         else:
             runner = TPModelRunner(t.model, t.executor, config.block_size, ops, t.device,
                                    lora_batch=lora.batch if lora is not None else None)
-            if lora is not None:  # the workers load each adapter into the slot the driver does
-                lora.on_load = t.executor.load_lora
+        if lora is not None:  # the workers load each adapter into the slot the driver does
+            lora.on_load = t.executor.load_lora
     else:
         runner = ModelRunner(t.model, t.kv_cache, config.block_size, ops, t.device,
                              max_num_seqs=config.max_num_seqs, max_model_len=max_len,

@@ -82,10 +82,8 @@ class EngineConfig:
         """What does not run over pipeline stages yet, refused at start with the pair named."""
         if self.pipeline_parallel_size == 1:
             return
-        for name, on in (("speculative decoding", self.speculative_config is not None),
-                         ("LoRA adapters", self.enable_lora)):
-            if on:
-                raise ValueError(f"{name}: not supported with pipeline_parallel_size > 1 yet")
+        if self.speculative_config is not None:
+            raise ValueError("speculative decoding: not supported with pipeline_parallel_size > 1 yet")
 
 
 def engine_options(args: Any) -> dict:

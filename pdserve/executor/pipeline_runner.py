@@ -36,8 +36,9 @@ class _MicroBatch:
 
 
 class PipelineModelRunner(TPModelRunner):
-    def __init__(self, model, executor: TPExecutor, block_size: int, ops, device: torch.device, dtype: torch.dtype):
-        super().__init__(model, executor, block_size, ops, device)
+    def __init__(self, model, executor: TPExecutor, block_size: int, ops, device: torch.device, dtype: torch.dtype,
+                 lora_batch=None):
+        super().__init__(model, executor, block_size, ops, device, lora_batch=lora_batch)
         role = StageRole(0, executor.tp_size, executor.pp_size)
         self.link = StageLink(executor.node_group.group, role, model.spec.hidden_size, dtype)
         self.vocab_size = model.spec.vocab_size
@@ -47,7 +48,7 @@ class PipelineModelRunner(TPModelRunner):
     def execute(self, items, all_logits: bool = False, pending=None) -> tuple[torch.Tensor, list]:
         if pending is not None:
             raise RuntimeError("async scheduling is off at pipeline_parallel_size > 1")
-        items = sorted(items, key=lambda it: it[1] != 1)  # one-token queries first
+        items = sorted(items, key=lambda it: (it[1] != 1, self._lora_slot(it[0])))  # one-token queries first
         parts = [items] if all_logits else split_micro_batches(items, self.micro_batches)
         batches = [self._micro_batch(part, all_logits) for part in parts]
         offsets = _payload_offsets([b.plan for b in batches])
@@ -55,7 +56,9 @@ class PipelineModelRunner(TPModelRunner):
             return self._one_batch(items)
         try:
             posted = [self.link.post_result(*self._result_shape(b.plan)) for b in batches]
-            for batch, offset in zip(batches, offsets):
+            for part, batch, offset in zip(parts, batches, offsets):
+                if self.lora_batch is not None:  # this micro-batch's adapter runs (its plan carries them)
+                    self.lora_batch.set_runs([(r.lora_slot, n) for r, n in part])
                 hidden = self._run_step(batch.plan, batch.inputs, offset)
                 self.link.send_hidden(hidden, wait=False)
             results = [p.wait() for p in posted]
@@ -68,6 +71,10 @@ class PipelineModelRunner(TPModelRunner):
             logits.append(rows)
             to_sample += sampled
         return (torch.cat(logits) if to_sample or all_logits else torch.empty(0)), to_sample
+
+    def _lora_slot(self, req) -> int:
+        """LoRA: a step's requests grouped by adapter slot, so each adapter's products run once."""
+        return -1 if self.lora_batch is None or req.lora_slot is None else req.lora_slot
 
     def _one_batch(self, items) -> tuple[torch.Tensor, list]:
         """A step whose micro-batches do not fit the shared buffer side by side: unsplit."""

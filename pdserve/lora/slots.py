@@ -24,6 +24,7 @@ import torch
 
 from pdserve.layers.linear import LinearBase
 from pdserve.lora.peft_format import MODULE_PARTS
+from pdserve.models.pipeline import MissingLayer
 
 # pdserve's fused Llama layer -> the PEFT module of each of its parts, in order.
 LAYER_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -137,6 +138,8 @@ def attach_slots(model, max_loras: int, max_rank: int, batch: LoRABatch, dtype: 
     (layer index, fused layer name)."""
     found: dict[tuple[int, str], LoRALayerSlots] = {}
     for i, decoder_layer in enumerate(model.layers):
+        if isinstance(decoder_layer, MissingLayer):  # another pipeline stage's layer: its adapters are there
+            continue
         for owner, layer_name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
                                   ("mlp", "gate_up_proj"), ("mlp", "down_proj")):
             layer = getattr(getattr(decoder_layer, owner, None), layer_name, None)
