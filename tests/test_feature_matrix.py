@@ -308,7 +308,8 @@ the store does) and compares what the row measures (greedy tokens, tokens under 
 logprobs, mean-pooled embeddings) with the one-process engine that has only the features that
 change the output (the LoRA adapter, the FP8 cache), which itself equals transformers (PEFT with
 the adapter) in float32. The quantized checkpoint is compressed-tensors W8A16, compared with its
-exact float32 dequantization.
+exact float32 dequantization; the other formats at TP 2 (and the ones refused there) are listed
+in [tensor parallelism](tensor-parallelism.md).
 
 ✓ runs and matches; ✗ refused at start with the message below; — nothing to combine (the same
 feature, or embeddings, which run no decode step and name no adapter).
