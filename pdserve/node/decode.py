@@ -110,8 +110,8 @@ class DecodeNode(StepBudget):
         """A prompt this node computes itself fetches the leading blocks the store holds and its
         own cache lacks, through its store puller as it fetches a handover (its streams do not
         wait for the load)."""
-        if self.store_prefix is None:
-            return None
+        if self.store_prefix is None or msg.first_token_ids:
+            return None  # (a stream resumed after a failover recomputes, as it always did)
         keys = request_block_keys(self.engine, msg.prompt_token_ids, msg.cache_salt, msg.adapter, msg.images)
         full = (len(msg.prompt_token_ids) - 1) // self.engine.config.block_size
         if all(self.engine.pool.lookup(key) is not None for key in keys[:full]):

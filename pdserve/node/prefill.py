@@ -103,7 +103,7 @@ class PrefillNode(StepBudget):
         """Prefill and decode the request here, streaming its tokens as a decode node does."""
         rid = msg.request_id
         self.take_embeddings(msg.images)
-        prefix = self.store_prefix
+        prefix = None if msg.first_token_ids else self.store_prefix  # a resumed stream recomputes
         keys = request_block_keys(self.engine, msg.prompt_token_ids, msg.cache_salt, msg.adapter, msg.images)
         stored = prefix.stored_tokens(keys, len(msg.prompt_token_ids)) if prefix else 0
         try:
