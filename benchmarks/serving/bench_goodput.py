@@ -128,7 +128,9 @@ def table(results: dict[str, dict[float, list[dict]]], rates: list[float]) -> st
             m = median_row(by_rate[rate])
             extra = f", {m['placed_local']:.0f} local, {m['placed_whole']:.0f} whole" if name == "pd-slo" else ""
             if m.get("cached_share") is not None:
-                extra += f", cached {m['cached_share']:.1%} of optimal {m['bound_optimal'] or 0:.1%}"
+                extra += f", cached {m['cached_share']:.1%}"
+                if m.get("bound_optimal") is not None:  # (a trace's bound; other workloads have none)
+                    extra += f" of optimal {m['bound_optimal']:.1%}"
             cells.append(f"{m['attainment']:.1%} (TTFT p50 {m['ttft_p50_ms'] / 1e3:.2f} s, "
                          f"TPOT p90 {m['tpot_p90_ms']:.0f} ms{extra})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
