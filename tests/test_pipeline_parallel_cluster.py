@@ -17,17 +17,12 @@ request counters (test_tp_cluster's helpers), so each pair is asserted as served
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
-import os
-import signal
-import threading
-
 import psutil
 import pytest
-from test_tp_cluster import SHORT, STREAM_LONG, STREAMS, _alive, _client, _failover, _offline, _prompt, _serve
+from test_tp_cluster import SHORT, _alive, _offline, _prompt, _serve, kill_a_worker_under_streams
 
 from pdserve import LLM
-from pdserve.testing.up_cluster import node_pids, node_stats, running_clusters, wait_for
+from pdserve.testing.up_cluster import node_pids, node_stats, running_clusters
 
 PP_POOLS = ("--num-kv-blocks", "256", "--prefill-nodes", "2", "--prefill-pp", "2,1", "--decode-nodes", "2",
             "--decode-pp", "1,2", "--prefill-policy", "round_robin", "--decode-policy", "round_robin")
@@ -97,40 +92,4 @@ def test_prefix_hits_across_pp_degrees_through_the_store(clusters, llm):
 
 
 def test_decode_stage_killed_under_streams_loses_nothing(clusters, llm):
-    url, proc = clusters["store"]
-    name = "decode-1"  # the PP 2 decode node
-    prompts = [[(29 * i + 7 * k) % 250 + 3 for i in range(20 + 3 * k)] for k in range(STREAMS)]
-    want = _offline(llm, prompts, STREAM_LONG)
-    client = _client(url)
-    started = threading.Event()
-    node_pid = node_pids(proc.pid)[name]
-    workers = psutil.Process(node_pid).children()
-    assert len(workers) == STAGES[name] - 1
-    resumes_before = _failover(url)["decode_resumes"]
-
-    def stream(prompt):
-        ids = []
-        for chunk in client.completions.create(model="builtin:tiny", prompt=prompt, max_tokens=STREAM_LONG,
-                                               stream=True, temperature=0,
-                                               extra_body={"ignore_eos": True, "return_token_ids": True}):
-            if chunk.choices:
-                ids += chunk.choices[0].model_extra.get("token_ids") or []
-                if len(ids) >= 10:
-                    started.set()
-        return ids
-
-    with cf.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(stream, p) for p in prompts]
-        assert started.wait(180)
-        wait_for(lambda: node_stats(url)[name]["routed_requests"], timeout_s=10)
-        os.kill(workers[0].pid, signal.SIGKILL)  # stage 1 of decode-1
-        got = [f.result(timeout=540) for f in futures]
-    assert got == want
-    assert _failover(url)["decode_resumes"] > resumes_before
-    _, alive = psutil.wait_procs([psutil.Process(node_pid)] if _alive(node_pid) else [], timeout=30)
-    assert not alive
-    assert not [p.pid for p in workers if _alive(p.pid)]
-    wait_for(lambda: node_pids(proc.pid).get(name, node_pid) != node_pid, timeout_s=30)
-    wait_for(lambda: node_stats(url).get(name, {}).get("healthy"), timeout_s=180)
-    wait_for(lambda: all(s["free_blocks"] == s["total_blocks"] and s["requests"] == 0
-                         for s in node_stats(url).values() if s["healthy"]), timeout_s=30)
+    kill_a_worker_under_streams(*clusters["store"], "decode-1", STAGES["decode-1"], llm)  # stage 1 of the PP 2 node

@@ -210,15 +210,21 @@ def test_prefix_hits_across_degrees_through_the_store(store_cluster, llm):
 
 
 def test_decode_worker_killed_under_streams_loses_nothing(store_cluster, llm):
-    url, proc = store_cluster
-    name = "decode-1"  # the TP 2 decode node
+    kill_a_worker_under_streams(*store_cluster, "decode-1", DEGREES["decode-1"], llm)  # the TP 2 decode node
+
+
+def kill_a_worker_under_streams(url: str, proc, name: str, ranks: int, llm) -> None:
+    """SIGKILL one worker process (rank 1) of node `name` under STREAMS greedy streams: every
+    stream's text equals the offline engine's, the streams resumed elsewhere, the node went down
+    with all its processes and came back, and every node's blocks return to free. Shared with the
+    pipeline-parallel cluster test (a stage's worker)."""
     prompts = [[(29 * i + 7 * k) % 250 + 3 for i in range(20 + 3 * k)] for k in range(STREAMS)]
     want = _offline(llm, prompts, STREAM_LONG)
     client = _client(url)
     started = threading.Event()
     node_pid = node_pids(proc.pid)[name]
     workers = psutil.Process(node_pid).children()
-    assert len(workers) == DEGREES[name] - 1
+    assert len(workers) == ranks - 1
     resumes_before = _failover(url)["decode_resumes"]
 
     def stream(prompt):
