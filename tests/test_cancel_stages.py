@@ -22,8 +22,9 @@ from pdserve import LLM, SamplingParams
 from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, wait_for
 
 MODEL = "builtin:tiny"
-PULL_DELAY_S = 2.0
+PULL_DELAY_S = 5.0  # long enough that a loaded machine still reads the pinned blocks before the READ
 LEASE_S = 300
+PROMPT_BLOCKS = 25  # the handover's prompt, in blocks of the default 16 tokens
 FREED_WITHIN_S = 8.0  # pongs every 0.2 s; a loaded 2-core machine delays them, never by a lease
 
 
@@ -105,13 +106,14 @@ def test_closed_while_queued_behind_another_prompt(cluster, llm):
 def test_closed_in_the_handover(cluster, llm):
     """The first token came from the prefill node; its blocks are pinned for a READ the decode
     node has not started (it waits PULL_DELAY_S): the prefill node frees them at once."""
-    url, prompt = cluster[0], _prompt("handover", 400)
+    url, prompt = cluster[0], _prompt("handover", PROMPT_BLOCKS * 16)
     stream = _open(_client(url), prompt)
     next(iter(stream))  # the first token: the handover is on its way to the decode node
-    in_use = _in_use(url)
+    # Pinned for the READ. The node's stats come with its pongs (every 0.2 s), and the tiny model
+    # computes the prompt faster than that: wait for a pong from after the prompt.
+    wait_for(lambda: _in_use(url)["prefill-0"] >= PROMPT_BLOCKS, timeout_s=PULL_DELAY_S - 1)
     stream.close()
     freed_at = time.monotonic()
-    assert in_use["prefill-0"] > 0  # pinned for the READ
     _all_freed(url)
     assert time.monotonic() - freed_at < PULL_DELAY_S + FREED_WITHIN_S
     _same_as_offline(url, llm, prompt)

@@ -43,9 +43,22 @@ def running_cluster(*flags: str, timeout_s: float = 240.0, as_given: bool = Fals
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
+            stacks = _stacks_and_log(proc)
             os.killpg(proc.pid, signal.SIGKILL)
-            raise AssertionError("pdserve up did not stop on SIGTERM") from None
+            raise AssertionError(f"pdserve up did not stop on SIGTERM; its stacks and log:\n{stacks}") from None
         _assert_all_stopped(children)
+
+
+def _stacks_and_log(proc: subprocess.Popen, tail_chars: int = 20000) -> str:
+    """What a launcher that will not stop is doing: SIGUSR1 makes it print every thread's stack
+    (pdserve/__main__.py registers faulthandler), then the tail of its log."""
+    with contextlib.suppress(OSError):
+        os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(2)
+    log_file = proc.log_file
+    log_file.flush()
+    log_file.seek(0)
+    return log_file.read()[-tail_chars:]
 
 
 @contextlib.contextmanager
