@@ -11,6 +11,7 @@ After each case the same prompt, asked again in full, gives the offline engine's
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -19,7 +20,7 @@ import openai
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, wait_for
+from pdserve.testing.up_cluster import node_pids, node_stats, router_counter, running_cluster, wait_for
 
 MODEL = "builtin:tiny"
 PULL_DELAY_S = 5.0  # long enough that a loaded machine still reads the pinned blocks before the READ
@@ -72,6 +73,18 @@ def _all_freed(url: str) -> None:
     assert all(n["requests"] == 0 for n in stats.values())
 
 
+def _aborts(url: str, stage: str | None = None) -> float:
+    return router_counter(url, "pdserve_request_aborts", **({"stage": stage} if stage else {}))
+
+
+def _counted(url: str, stage: str | None, before: float, n: int = 1) -> None:
+    """/metrics counts the abort at the stage the request was in (stage None: at any stage; the
+    tiny model may finish a prompt between the test's look and its close)."""
+    with contextlib.suppress(AssertionError):
+        wait_for(lambda: _aborts(url, stage) == before + n, timeout_s=FREED_WITHIN_S)
+    assert _aborts(url, stage) == before + n
+
+
 def _same_as_offline(url: str, llm: LLM, prompt: str) -> None:
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
@@ -82,17 +95,20 @@ def _same_as_offline(url: str, llm: LLM, prompt: str) -> None:
 
 def test_closed_while_prefilling(cluster, llm):
     url, prompt = cluster[0], _prompt("prefilling", 1200)
+    aborts = _aborts(url)
     stream = _open(_client(url), prompt)
     wait_for(lambda: _in_use(url)["prefill-0"] > 0, timeout_s=60)  # computing, nothing handed over
     assert _decoding(url) == 0
     stream.close()
     _all_freed(url)
+    _counted(url, None, aborts)
     _same_as_offline(url, llm, prompt)
 
 
 def test_closed_while_queued_behind_another_prompt(cluster, llm):
     url = cluster[0]
     client = _client(url)
+    aborts = _aborts(url)
     ahead = _open(client, _prompt("ahead", 1200))
     wait_for(lambda: _in_use(url)["prefill-0"] > 0, timeout_s=60)
     queued = _open(client, _prompt("queued", 600))
@@ -100,6 +116,7 @@ def test_closed_while_queued_behind_another_prompt(cluster, llm):
     queued.close()
     ahead.close()
     _all_freed(url)
+    _counted(url, None, aborts, 2)
     _same_as_offline(url, llm, _prompt("queued", 600))
 
 
@@ -107,6 +124,7 @@ def test_closed_in_the_handover(cluster, llm):
     """The first token came from the prefill node; its blocks are pinned for a READ the decode
     node has not started (it waits PULL_DELAY_S): the prefill node frees them at once."""
     url, prompt = cluster[0], _prompt("handover", PROMPT_BLOCKS * 16)
+    aborts = _aborts(url, "handover")
     stream = _open(_client(url), prompt)
     next(iter(stream))  # the first token: the handover is on its way to the decode node
     # Pinned for the READ. The node's stats come with its pongs (every 0.2 s), and the tiny model
@@ -116,11 +134,13 @@ def test_closed_in_the_handover(cluster, llm):
     freed_at = time.monotonic()
     _all_freed(url)
     assert time.monotonic() - freed_at < PULL_DELAY_S + FREED_WITHIN_S
+    _counted(url, "handover", aborts)
     _same_as_offline(url, llm, prompt)
 
 
 def test_closed_while_decoding(cluster, llm):
     url, prompt = cluster[0], _prompt("decoding", 200)
+    aborts = _aborts(url, "decode")
     stream = _open(_client(url), prompt, max_tokens=3000)
     received = 0
     for chunk in stream:
@@ -130,6 +150,7 @@ def test_closed_while_decoding(cluster, llm):
     assert _decoding(url) > 0
     stream.close()
     _all_freed(url)
+    _counted(url, "decode", aborts)
     _same_as_offline(url, llm, prompt)
 
 

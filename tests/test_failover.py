@@ -16,7 +16,14 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.protocol.sampling_params import StructuredSpec
-from pdserve.testing.up_cluster import DecodeNodeKiller, node_pids, node_stats, running_cluster, wait_for
+from pdserve.testing.up_cluster import (
+    DecodeNodeKiller,
+    node_pids,
+    node_stats,
+    router_counter,
+    running_cluster,
+    wait_for,
+)
 
 PROMPTS = [f"request {i}: " + "failover keeps every stream alive. " * (1 + i % 4) for i in range(16)]
 SHORT = 24
@@ -79,6 +86,8 @@ def test_prefill_node_killed_under_load_costs_no_request(cluster, llm):
     client = _client(url)
     started = threading.Event()
     victim = node_pids(proc.pid)["prefill-0"]
+    lost = {"node": "prefill-0", "role": "prefill"}
+    losses, rejoins = router_counter(url, "pdserve_node_losses", **lost), router_counter(url, "pdserve_node_rejoins", **lost)
     with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
         futures = [pool.submit(_stream_ids, client, p, SHORT, lambda n: started.set(), temperature=0)
                    for p in PROMPTS]
@@ -89,6 +98,10 @@ def test_prefill_node_killed_under_load_costs_no_request(cluster, llm):
     # The kill landed while prefill-0 held prefills, and they moved (not just new ones avoided it).
     assert _failover(url)["prefill_retries"] + _failover(url)["local_prefills"] > 0
     _wait_restarted(url, proc, "prefill-0", victim)
+    # /metrics counts the fault (a closed connection: the kernel closes a killed process's) and the return.
+    assert router_counter(url, "pdserve_node_losses", reason="disconnected", **lost) >= 1
+    assert router_counter(url, "pdserve_node_losses", **lost) >= losses + 1
+    assert router_counter(url, "pdserve_node_rejoins", **lost) >= rejoins + 1
     wait_for(lambda: _blocks_back_to_zero(url), timeout_s=30)
 
 

@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.serving.bench_prefix_ttft [--prefix-len 2048] [--trials 5]
         [--redis-cluster]   # also the same cluster over a 3-master + 3-replica Redis Cluster
         [--back-to-back]    # send the warm request when the cold stream ends, without waiting for idle nodes
+        [--model SmolLM2-135M-Instruct]  # any model pdserve serves, instead of the bench model
 
 The ~32M bench model (benchmarks/support/bench_model.py, with the byte tokenizer). Each trial
 draws a fresh prefix; the cold request is prefix + question A (nothing cached anywhere), the warm
@@ -67,7 +68,7 @@ def stored_bytes(before: dict[str, dict], after: dict[str, dict]) -> int:
                for i, n in after.items() if n["role"] == "prefill")
 
 
-def run_config(model: Path, flags: list[str], args, store: str | None, seed: int) -> list[dict]:
+def run_config(model: Path | str, flags: list[str], args, store: str | None, seed: int) -> list[dict]:
     """seed: each run draws prefixes of its own (a Redis Cluster serves several runs)."""
     cluster_flags = ["--model", str(model), "--prefill-nodes", "2", "--decode-nodes", "2",
                      "--kv-transfer", "store", "--num-kv-blocks", "2048", *flags]
@@ -118,9 +119,11 @@ def main() -> None:
                     help="also run on a Redis Cluster of 3 masters + 3 replicas (redis-cluster://)")
     ap.add_argument("--back-to-back", action="store_true",
                     help="send the warm request when the cold one's stream ends, not once every node is idle")
+    ap.add_argument("--model", default=None,
+                    help="a model pdserve serves (e.g. SmolLM2-135M-Instruct, the default GGUF); default: the ~32M bench model")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
-    model = build_served_model(Path(tempfile.mkdtemp()) / "llama-32m")
+    model = args.model or build_served_model(Path(tempfile.mkdtemp()) / "llama-32m")
     rows: dict[str, dict] = {}
     for store in ["redis", "redis-cluster"] if args.redis_cluster else ["redis"]:
         with store_url(store) as url:

@@ -121,6 +121,18 @@ def node_stats(url: str) -> dict[str, dict]:
     return {n["id"]: n for n in httpx.get(f"{url}/health", timeout=5).json()["nodes"]}
 
 
+def router_counter(url: str, name: str, **labels: str) -> float:
+    """The router's /metrics counter `name` (without _total), summed over the series whose labels
+    include `labels`; 0 when there is none yet."""
+    from prometheus_client.parser import text_string_to_metric_families  # deferred: only tests read /metrics
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == f"{name}_total" and labels.items() <= sample.labels.items():
+                total += sample.value
+    return total
+
+
 def node_pids(up_pid: int) -> dict[str, int]:
     """Node id (or 'router', 'redis') -> pid, read from the children's command lines."""
     import psutil  # optional dependency: psutil (the pdserve[test] extra)

@@ -105,15 +105,18 @@ class ClusterBackend:
         timer = RequestTimer(self.metrics, len(prompt_token_ids))
         relayed: list[int] = []  # every token id the client has been sent, in order
         reason = "abort"  # unless the stream reaches its end
+        stage = "queued"  # where an abort (a client gone) found it, for /metrics
         decision = None
         try:
             request = PlacementRequest(request_id, prompt_token_ids, params.max_tokens, session, targets, scope)
             decision = await self._place(request)
+            stage = "prefill"
             # E/P/D: an encoder node's embeddings, when one is up (over NIXL: where they wait)
             embeddings = await self.dispatch.encode.encode(request_id, scope.images) if scope.images else []
             first, handover = await self._prefill(request, params, timer, decision, embeddings)
             if first is not None:
                 reason = first.finish_reason if first.finished else reason
+                stage = "handover"
                 yield first
                 relayed += first.new_token_ids
                 if first.finished:
@@ -124,12 +127,15 @@ class ClusterBackend:
                 self._unqueue_local(decision.plan.decode, request_id)
                 timer.tokens(len(out.new_token_ids), out.num_cached_tokens)
                 reason = out.finish_reason if out.finished else reason
+                stage = "decode"
                 yield out
         except BackendError:
             reason = "error"
             self.metrics.errors.labels("backend").inc()
             raise
         finally:
+            if reason == "abort":
+                self.metrics.aborts.labels(stage).inc()
             self._end(request_id, timer, reason, decision, adapter)
 
     def _end(self, rid: str, timer: RequestTimer, reason: str, decision: PlacementDecision | None,

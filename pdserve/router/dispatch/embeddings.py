@@ -59,7 +59,7 @@ class EmbeddingDispatch:
             await self.pool.send(node, EmbedRequest(rid, prompts, pooling))
             return await asyncio.wait_for(fut, PREFILL_TIMEOUT_S)
         except asyncio.TimeoutError:
-            self.pool.mark_dead(node, f"did not answer an embedding in {PREFILL_TIMEOUT_S:.0f} s")
+            self.pool.mark_dead(node, f"did not answer an embedding in {PREFILL_TIMEOUT_S:.0f} s", "silent")
             raise NodeLost(node.node_id) from None
         except asyncio.CancelledError:  # the client went away: the node drops the work
             await asyncio.shield(self.pool.send(node, Abort(rid)))

@@ -59,8 +59,9 @@ NODE_COUNTERS.update({f"spec_accepted_pos_{i}": ("pdserve_spec_decode_num_accept
 class NodeCollector:
     """Per-node series from each node's last report."""
 
-    def __init__(self, nodes):
+    def __init__(self, nodes, faults=None):
         self.nodes = nodes  # the live list of router.nodes.Node
+        self.faults = faults  # the pool's NodeFaults
 
     def collect(self):
         healthy = GaugeMetricFamily("pdserve_node_healthy", "1 when the node answers pings", labels=["node", "role"])
@@ -79,12 +80,29 @@ class NodeCollector:
                 value = node.stats[key] / 1e6 if "_us_" in key else node.stats[key]
                 family.add_metric([node.node_id, *labels.values()], float(value))
         yield healthy
+        if self.faults is not None:
+            yield from _node_faults(self.faults)
         yield from gauges.values()
         yield from families.values()
 
 
+def _node_faults(faults):
+    """The faults the router saw of each node (a NodeFaults): losses by how it noticed, and returns."""
+    losses = CounterMetricFamily("pdserve_node_losses", "times a node left the rotation: its connection closed "
+                                 "(a dead process), it sent no pong in time (hung or cut off), or it was refused",
+                                 labels=["node", "role", "reason"])
+    rejoins = CounterMetricFamily("pdserve_node_rejoins", "times a lost node answered again (restarted or woke up)",
+                                  labels=["node", "role"])
+    for labels, count in sorted(faults.losses.items()):
+        losses.add_metric(list(labels), float(count))
+    for labels, count in sorted(faults.rejoins.items()):
+        rejoins.add_metric(list(labels), float(count))
+    yield losses
+    yield rejoins
+
+
 class RouterMetrics:
-    def __init__(self, nodes=None):
+    def __init__(self, nodes=None, faults=None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("pdserve_request_ttft_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=r)
@@ -98,13 +116,15 @@ class RouterMetrics:
         self.errors = Counter("pdserve_request_errors", "failed requests", ["kind"], registry=r)
         self.retries = Counter("pdserve_request_retries", "phases retried on another node", ["role"], registry=r)
         self.failovers = Counter("pdserve_failovers", "requests moved off a lost node", ["role"], registry=r)
+        self.aborts = Counter("pdserve_request_aborts", "requests whose client left (or that were aborted), by the "
+                              "stage they were in: queued, prefill, handover, decode", ["stage"], registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "generated tokens", registry=r)
         self.cached_tokens = Counter("pdserve_cached_prompt_tokens", "prompt tokens served from any cache",
                                      registry=r)
         self.handovers = Counter("pdserve_kv_handovers", "KV handovers by path", ["path"], registry=r)
         if nodes is not None:
-            r.register(NodeCollector(nodes))
+            r.register(NodeCollector(nodes, faults))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -45,7 +45,6 @@ class Node:
     last_pong: float = 0.0
     stats: dict = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)  # request ids in flight on this node
-    deaths: int = 0
     disconnected: bool = False  # its TCP connection closed (a dead process), not merely silent
     kv_salt: bytes = b""  # the node's block-key salt, from its pongs
     queued_tokens: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens sent to prefill
@@ -55,6 +54,24 @@ class Node:
     closed: bool = False  # removed from the pool: its socket is closed
     refused: bool = False  # its pongs speak another WIRE_VERSION or its KV differs: out of the rotation
     refusal: str = ""  # why it is refused, for /health
+
+
+@dataclass
+class NodeFaults:
+    """The faults the router saw, by node id, for /metrics. Kept by the pool, not the Node: a
+    restarted node that registers anew is a new Node, and a counter must never go back."""
+    losses: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (node, role, reason) -> times
+    rejoins: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, role) -> times
+
+    def lost(self, node: Node, reason: str) -> None:
+        key = (node.node_id, node.role, reason)
+        self.losses[key] = self.losses.get(key, 0) + 1
+
+    def answered(self, node: Node) -> None:
+        """An unhealthy node answered: a return, if the router had lost it before."""
+        if any(k[0] == node.node_id for k in self.losses):
+            key = (node.node_id, node.role)
+            self.rejoins[key] = self.rejoins.get(key, 0) + 1
 
 
 class NodePool:
@@ -75,6 +92,7 @@ class NodePool:
         self.on_message = on_message
         self.on_dead = on_dead
         self.compat = CompatGate()  # which nodes' KV agrees: only those are paired
+        self.faults = NodeFaults()
         self._tasks: list[asyncio.Task] = []
         self._node_tasks: dict[str, list[asyncio.Task]] = {}
         self._started = False
@@ -124,7 +142,7 @@ class NodePool:
         node = self.get(node_id)
         if node is None:
             return
-        self.mark_dead(node, "left the cluster")
+        self.mark_dead(node, "left the cluster", "removed")
         self.nodes.remove(node)
         self.compat.forget(node_id)
         tasks = self._node_tasks.pop(node_id, [])
@@ -160,11 +178,12 @@ class NodePool:
             return
         await node.sock.send(encode(msg))
 
-    def mark_dead(self, node: Node, why: str) -> None:
+    def mark_dead(self, node: Node, why: str, reason: str) -> None:
+        """reason: the loss's label in /metrics (disconnected, silent, refused, removed)."""
         if not node.healthy:
             return
         node.healthy = False
-        node.deaths += 1
+        self.faults.lost(node, reason)
         log.warning("%s (%s) %s: out of rotation; moving its %d requests", node.node_id, node.address,
                     why, len(node.requests))
         self.on_dead(node)
@@ -180,7 +199,7 @@ class NodePool:
             last_tick = now
             for node in list(self.nodes):  # a copy: membership may change while a send waits
                 if node.healthy and now - node.last_pong > DEAD_AFTER_S:
-                    self.mark_dead(node, f"sent no pong for {now - node.last_pong:.1f} s")
+                    self.mark_dead(node, f"sent no pong for {now - node.last_pong:.1f} s", "silent")
                 await self.send(node, Ping(seq))
             await asyncio.sleep(PING_INTERVAL_S)
 
@@ -199,7 +218,7 @@ class NodePool:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     node.disconnected = True
-                    self.mark_dead(node, "closed its connection")
+                    self.mark_dead(node, "closed its connection", "disconnected")
         finally:
             monitor.close(0)
 
@@ -223,8 +242,7 @@ class NodePool:
         self._on_pong(node, msg)
         return True
 
-    @staticmethod
-    def _on_pong(node: Node, msg: Pong) -> None:
+    def _on_pong(self, node: Node, msg: Pong) -> None:
         if msg.version != WIRE_VERSION:
             if not node.refused:
                 log.error("%s (%s) speaks wire version %d, this router %d: not routing to it; upgrade "
@@ -234,6 +252,7 @@ class NodePool:
         node.refused = False
         if not node.healthy:
             log.info("%s (%s) is healthy", node.node_id, node.address)
+            self.faults.answered(node)
         node.healthy, node.last_pong, node.disconnected = True, time.monotonic(), False
         node.kv_salt = msg.kv_salt or node.kv_salt
         node.stats = {"requests": msg.num_requests, "free_blocks": msg.free_blocks,
@@ -252,5 +271,5 @@ class NodePool:
             log.error("%s (%s) refused: it computes other KV than the nodes it would pair with (%s); no "
                       "request is routed to it", node.node_id, node.address, why)
         node.refused, node.refusal = True, why
-        self.mark_dead(node, "was refused")
+        self.mark_dead(node, "was refused", "refused")
         return True

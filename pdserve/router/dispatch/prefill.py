@@ -77,7 +77,7 @@ class PrefillDispatch:
                                                       images=list(scope.images), embeddings=embeddings or []))
             result = await asyncio.wait_for(fut, PREFILL_TIMEOUT_S)
         except asyncio.TimeoutError:
-            self.pool.mark_dead(node, f"did not answer a prefill in {PREFILL_TIMEOUT_S:.0f} s")
+            self.pool.mark_dead(node, f"did not answer a prefill in {PREFILL_TIMEOUT_S:.0f} s", "silent")
             raise NodeLost(node.node_id) from None
         finally:
             self.inflight.drop_reply(rid)
