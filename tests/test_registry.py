@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import signal
 
+import msgspec
 import psutil
 import pytest
 import zmq
@@ -21,6 +22,7 @@ from pdserve.cluster.registration import NodeRegistration
 from pdserve.cluster.registry import RegistryServer
 from pdserve.cluster.registry_messages import EXPIRE_AFTER_S, NodeRecord, Register, encode
 from pdserve.testing.up_cluster import node_stats, running_cluster, wait_for
+from pdserve.wire.compat import KVCompat
 from pdserve.wire.transport import free_port
 
 
@@ -86,6 +88,31 @@ def test_a_silent_node_expires_from_the_pool():
         server.stop()
     assert ["decode-x"] in samples, "the registered node never reached the pool"
     assert samples[-1] == [], "a node with no heartbeat stayed in the pool"
+
+
+def test_a_node_whose_kv_differs_is_refused_at_registration():
+    """The records carry each node's KVCompat: a router refuses the odd node as it adds it, before
+    any pong (these addresses answer none), and routes to the one that agrees."""
+    agreed = KVCompat("a" * 32, "float32", "float32", 16, 2, 4, 2, 32)
+    server = RegistryServer("tcp://127.0.0.1:0").start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    records = [NodeRecord("decode-x", "decode", "tcp://127.0.0.1:1", incarnation=1, compat=agreed),
+               NodeRecord("prefill-y", "prefill", "tcp://127.0.0.1:2", incarnation=1,
+                          compat=msgspec.structs.replace(agreed, block_size=32))]
+    try:
+        sock.connect(server.address)
+        for record in records:
+            sock.send(encode(Register(record)))
+        samples = asyncio.run(watch_pool(server.address, 1.5, lambda pool: {
+            n.node_id: (n.refused, n.refusal) for n in pool.nodes}))
+    finally:
+        sock.close()
+        server.stop()
+    last = samples[-1]
+    assert set(last) == {"decode-x", "prefill-y"}
+    assert last["decode-x"] == (False, "")
+    assert last["prefill-y"][0] and "block size: 32" in last["prefill-y"][1]
 
 
 def test_a_registry_restart_keeps_the_routers_nodes():

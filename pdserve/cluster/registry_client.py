@@ -42,7 +42,7 @@ def register_node(node, url: str, advertise_host: str | None) -> NodeRegistratio
     control = advertised_endpoint(node.control.sock.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
     side = getattr(node, "side_channel", None) if getattr(node, "agent", None) is not None else None
     record = NodeRecord(node.node_id, node.role, control, side, node.engine.salt or b"",
-                        incarnation=time.time_ns())
+                        incarnation=time.time_ns(), compat=node.compat.current())
     return registration_class(url)(url, record).start()
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.wire.compat import KVCompat
+
 HEARTBEAT_S = 1.0
 EXPIRE_AFTER_S = 3.0  # a record with no heartbeat for this long is dropped
 
@@ -32,6 +34,9 @@ class NodeRecord(msgspec.Struct, frozen=True):
     kv_salt: bytes = b""
     state: str = ACTIVE             # ACTIVE | DRAINING
     incarnation: int = 0            # a restarted node process registers a higher one
+    # What its KV is, as at registration: a router refuses a node that would not pair before it
+    # ever pongs (its pongs carry the current one, adapters loaded since included).
+    compat: KVCompat | None = None
 
 
 class Register(msgspec.Struct, tag=True):

@@ -24,6 +24,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.router.dispatch.compat_gate import CompatGate
+from pdserve.wire.compat import KVCompat
 from pdserve.wire.curve_keys import RouterKeys
 from pdserve.wire.messages import WIRE_VERSION, Message, Ping, Pong, decode, encode
 
@@ -257,6 +258,16 @@ class NodePool:
         node.kv_salt = msg.kv_salt or node.kv_salt
         node.stats = {"requests": msg.num_requests, "free_blocks": msg.free_blocks,
                       "total_blocks": msg.total_blocks, **msg.stats}
+
+    def check_registered(self, node: Node, compat: KVCompat) -> None:
+        """A node that registered with KV the admitted group's differs from is refused at once,
+        before its first pong could put it in the rotation."""
+        self.compat.report(node.node_id, node.role, compat)
+        why = self.compat.refusal(node.node_id)
+        if why is not None:
+            log.error("%s (%s) refused at registration: it computes other KV than the nodes it would pair "
+                      "with (%s); no request is routed to it", node.node_id, node.address, why)
+            node.refused, node.refusal = True, why
 
     def _compat_refused(self, node: Node, msg: Pong) -> bool:
         """A node whose KV differs from the admitted group's stays out of the rotation (the

@@ -125,6 +125,8 @@ class RegistryWatcher:
         if node is None:
             node = self.pool.add_node(record.node_id, record.role, record.control_addr, record.nixl_side_channel)
             self.managed.add(record.node_id)
+            if record.compat is not None:  # only when added: its pongs keep it current from then on
+                self.pool.check_registered(node, record.compat)
         draining = record.state == DRAINING
         if node.draining != draining:
             log.info("%s is %s", record.node_id, "draining" if draining else "active again")
