@@ -3,7 +3,9 @@ Qwen3 (round-to-nearest quantization of its linear weights), load kept quantized
 1. hold exactly the reference dequantization of the checkpoint's tensors;
 2. generate the greedy tokens of transformers running a float32 model whose linear weights are
    those dequantized values (a dequantizing load);
-3. unsupported variants are refused with the list of what loads.
+3. unsupported variants are refused with the list of what loads;
+4. a float embedding / LM head whose values are Q8_0's (int8 times a float16 scale per 32 columns,
+   as a GGUF's are once dequantized) is held as Q8_0, exactly, and tied when the model ties them.
 
 The checkpoints and their reference dequantization come from
 pdserve.testing.gptq_awq_checkpoints (AutoAWQ's packers and AWQ dequantizer; a GPTQ dequantizer
@@ -19,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pdserve import LLM
-from pdserve.layers.quant.gptq_awq import GptqAwqConfig, GptqAwqError, PermutedGroupedMethod
+from pdserve.layers.quant.gptq_awq import GptqAwqConfig, GptqAwqError, PermutedGroupedMethod, exact_int8_groups
 from pdserve.layers.quant.grouped import GroupedLinearMethod
 from pdserve.models.loader import ModelLoadError
 from pdserve.testing.gptq_awq_checkpoints import quant_config, quantize, write_checkpoint
@@ -73,6 +75,7 @@ def test_loads_exact_and_matches_dequantized_transformers(tmp_path, name):
             assert method.fmt.bits == case["bits"]
             want = torch.cat([refs[f"model.layers.{i}.{p}"] for p in parts])
             assert torch.equal(method.dequantized(linear), want), f"{name}: layers.{i}.{fused}"
+    assert model.embed_tokens.quant_method.grouped is None  # random floats: no Q8_0 holds them, kept float
     assert_matches_reference(llm, dequantized_reference(src, refs), 3, (6, 19, 40), 16, 1e-3, name)
 
 
@@ -106,3 +109,46 @@ def test_desc_act_refused_where_the_input_is_split():
         config.linear_method(row_parallel, "layers.0.self_attn.o_proj")
     column_parallel = SimpleNamespace(split_input=False, tp=SimpleNamespace(size=2), input_size=128)
     assert isinstance(config.linear_method(column_parallel, "layers.0.mlp.gate_up_proj"), PermutedGroupedMethod)
+
+
+def q8_0_values(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """float32 [rows, cols] that are int8 times a float16 scale per 32 columns, each group's largest
+    |q| 127 (as Q8_0 quantizes), the first row zero (a padding token's)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (rows, cols // 32, 32), generator=gen)
+    q[:, :, 0] = 127 * (torch.randint(0, 2, (rows, cols // 32), generator=gen) * 2 - 1)
+    scales = (torch.rand(rows, cols // 32, 1, generator=gen) * 0.02 + 1e-4).half().float()
+    values = (q.float() * scales).reshape(rows, cols)
+    values[0] = 0
+    return values
+
+
+def test_exact_int8_groups_only_where_exact():
+    w = q8_0_values(40, 96, seed=1)
+    q, scales = exact_int8_groups(w.numpy())
+    assert torch.equal(torch.from_numpy(q).float().reshape(40, 3, 32) * torch.from_numpy(scales).float()[..., None],
+                       w.reshape(40, 3, 32))
+    for value in (torch.nextafter(w[5, 7], torch.tensor(1.0)), torch.tensor(float("nan"))):
+        off = w.clone()
+        off[5, 7] = value  # one value no int8 times the group's scale gives
+        assert exact_int8_groups(off.numpy()) is None
+    assert exact_int8_groups(w[:, :80].contiguous().numpy()) is None  # not whole groups of 32
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])  # tied and untied embeddings
+def test_q8_0_embedding_held_as_q8_0(tmp_path, kind):
+    case = dict(method="gptq", bits=4, group_size=128, sym=True, v1=True)
+    src = make_model(tmp_path, kind, **SIZES)
+    tensors, packed, refs = quantize(src, case)
+    floats = {m: q8_0_values(*tensors[f"{m}.weight"].shape, seed=i)
+              for i, m in enumerate(("model.embed_tokens", "lm_head")) if f"{m}.weight" in tensors}
+    tensors.update({f"{m}.weight": w for m, w in floats.items()})
+    llm = LLM(str(write_checkpoint(src, tmp_path / "q8", tensors, packed, quant_config(case))), num_kv_blocks=64)
+    model = llm.engine.model
+    for layer, m in ((model.embed_tokens, "model.embed_tokens"), (model.lm_head, "lm_head")):
+        method = layer.quant_method
+        assert method.grouped is not None and layer.qweight.dtype == torch.int8 and not hasattr(layer, "weight")
+        assert torch.equal(method.grouped.dequantized(layer), floats.get(m, floats["model.embed_tokens"]))
+    tied = kind == "qwen2"
+    assert (model.lm_head.qweight is model.embed_tokens.qweight) == tied
+    assert_matches_reference(llm, dequantized_reference(src, {**refs, **floats}), 3, (6, 19, 40), 16, 1e-3, kind)

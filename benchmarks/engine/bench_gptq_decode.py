@@ -2,7 +2,9 @@
 run. The GPTQ checkpoints are round-to-nearest quantizations (symmetric, v1 format) of the GGUF
 dequantized to float32 by transformers, written by pdserve.testing.gptq_awq_checkpoints (needs
 autoawq, as the tests): groups of 128 (GPTQ's usual; SmolLM2's 576 columns are held as groups of
-64) and of 32 (Q4_1's group). All are kept quantized and decode through the compiled step.
+64) and of 32 (Q4_1's group). All are kept quantized and decode through the compiled step. The
+checkpoints' float embedding (SmolLM2's tied LM head) holds the GGUF's Q8_0 values, so pdserve holds
+it as Q8_0 too (gptq_awq.ExactFloatMethod); each model's line says how its LM head is held.
 
     .venv/bin/python -m benchmarks.engine.bench_gptq_decode [--batches 1 8] [--repeats 3]
 
@@ -57,8 +59,10 @@ def main() -> None:
         paths = {"GGUF Q4_1": DEFAULT_MODEL, **gptq_checkpoints(Path(tmp))}
         llms = {name: LLM(str(path), num_kv_blocks=1024, enable_prefix_caching=False) for name, path in paths.items()}
         for name, llm in llms.items():
-            compiled = llm.engine.model.native_decode is not None
-            print(f"{name}: compiled decode step {'on' if compiled else 'off'}")
+            model = llm.engine.model
+            head = "float32" if hasattr(model.lm_head, "weight") else f"int{model.lm_head.qweight.element_size() * 8}"
+            print(f"{name}: compiled decode step {'on' if model.native_decode is not None else 'off'}, "
+                  f"LM head held as {head}")
             decode_steps(llm, 1, 4, seed=99)  # warm up
         print(f"SmolLM2-135M, {args.threads} threads, {args.steps} decode steps, medians of {args.repeats} rounds")
         for batch in args.batches:

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import quant_cpu
@@ -163,6 +165,7 @@ class GptqAwqConfig(QuantConfig):
         blocks = qc.get("modules_in_block_to_quantize")
         self.block_modules = tuple(m for block in blocks for m in block) if blocks else None
         self.layers: dict[str, nn.Module] = {}  # pdserve prefix -> layer, to tell which take a bias
+        self.tied: dict = {}  # the embedding's and the LM head's ExactFloatMethod share what they hold
 
     def quantizes(self, module: str) -> bool:
         """Whether the checkpoint's module `module` (model.layers.0.mlp.up_proj) is quantized."""
@@ -172,7 +175,7 @@ class GptqAwqConfig(QuantConfig):
 
     def linear_method(self, layer: nn.Module, prefix: str) -> QuantMethod:
         if prefix in ("embed_tokens", "lm_head"):
-            return UnquantizedLinearMethod()
+            return ExactFloatMethod(self.tied)
         head, _, last = prefix.rpartition(".")
         names = [f"model.{head}.{p}" for p in FUSED_PARTS.get(last, (last,))]
         quantized = {self.quantizes(n) for n in names}
@@ -191,6 +194,77 @@ class GptqAwqConfig(QuantConfig):
             raise _refuse("gptq", f"desc_act at tensor_parallel_size {layer.tp.size} ({prefix} splits its "
                                   f"input columns, and activation order mixes them across ranks; it loads at 1)")
         return PermutedGroupedMethod(fmt)
+
+
+# GGUF's Q8_0: int8 values, one float16 scale per 32 columns (held as int16 bits, as grouped.py holds them), no min
+Q8_FORMAT = GroupFormat(8, 32, half_scales=True, has_min=False)
+_ROWS_PER_CHECK = 4096  # exact_int8_groups checks this many rows at a time: a few MB of temporaries
+
+
+def exact_int8_groups(w: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """w [rows, cols] float32 as int8 q [rows, cols] and float16 scales [rows, cols // 32] with
+    q * scale == w for every value in float32 (GGUF's Q8_0 form), or None where some group of 32
+    has no such scale. The scale tried is max |w| / 127, as Q8_0 makes it; a float32 matrix
+    dequantized from Q8_0 (a GGUF's embedding written out by transformers) always fits."""
+    rows, cols = w.shape
+    if cols % 32 or w.dtype != np.float32:
+        return None
+    q, scales = np.empty((rows, cols), dtype=np.int8), np.empty((rows, cols // 32), dtype=np.float16)
+    for start in range(0, rows, _ROWS_PER_CHECK):
+        g = w[start:start + _ROWS_PER_CHECK].reshape(-1, cols // 32, 32)
+        s16 = (np.abs(g).max(axis=2) / np.float32(127)).astype(np.float16)
+        s = s16.astype(np.float32)[..., None]
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            qs = np.where(s == 0, np.float32(0), np.rint(g / s))
+        if not (np.abs(qs) <= 127).all() or not np.array_equal(qs * s, g):
+            return None  # (also a NaN or an infinity: never equal)
+        q[start:start + g.shape[0]] = qs.reshape(g.shape[0], cols)
+        scales[start:start + g.shape[0]] = s16
+    return q, scales
+
+
+class ExactFloatMethod(QuantMethod):
+    """The embedding and the LM head, float in GPTQ and AWQ checkpoints. Loaded as float, then held
+    as Q8_0 groups where those hold every value exactly (exact_int8_groups), and multiplied by the
+    grouped kernels: SmolLM2's tied LM head, read whole each decode step, is 30 MB instead of
+    113 MB, the same bytes and kernel as the GGUF's, and the same float32 values. Otherwise it
+    stays float, multiplied as UnquantizedLinearMethod does."""
+
+    def __init__(self, tied: dict):
+        self.tied = tied  # shared with the other vocabulary layer's method, so a tied pair converts once
+        self.grouped: GroupedLinearMethod | None = None
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        UnquantizedLinearMethod().create_weights(layer, input_size, output_sizes, dtype)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = layer.weight
+        # Weak references, so that what the first layer let go (its float matrix) is not kept here
+        source = self.tied.get("source", lambda: None)()
+        params = {name: ref() for name, ref in self.tied.get("params", {}).items()}
+        if source is not weight or None in params.values():  # not the LM head tied to a converted embedding
+            found = exact_int8_groups(weight.detach().numpy()) if weight.dtype == torch.float32 else None
+            if found is None:
+                return
+            params = {"qweight": nn.Parameter(torch.from_numpy(found[0]), requires_grad=False),
+                      "scales": nn.Parameter(torch.from_numpy(found[1].view(np.int16)), requires_grad=False)}
+            self.tied.update(source=weakref.ref(weight), params={n: weakref.ref(p) for n, p in params.items()})
+        del layer.weight
+        for name, param in params.items():
+            layer.register_parameter(name, param)
+            layer.param_dims[name] = (0, 1)
+        self.grouped = GroupedLinearMethod(Q8_FORMAT)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.grouped is not None:
+            return self.grouped.apply(layer, x, bias)
+        return F.linear(x, layer.weight, bias)
+
+    def embedding(self, layer: nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.grouped is not None:
+            return self.grouped.embedding(layer, token_ids)
+        return F.embedding(token_ids, layer.weight)
 
 
 def _fields(packed: torch.Tensor, bits: int, axis: int) -> np.ndarray:
