@@ -1,6 +1,9 @@
-"""The soak's cluster: a router and 2 prefill and 2 decode nodes (built-in model, NIXL handover),
-each its own OS process started here, so that any of them, the router included, can be killed,
-stopped and restarted on the same addresses, as `pdserve up` or a container runtime would.
+"""The soak's cluster: a router and 2 prefill and 2 decode nodes (built-in model), handing KV over
+by NIXL or through the store (LMCache tiers over a Redis started here with the command `pdserve
+up --kv-transfer store` gives its own), each its own OS process started here, so that any of
+them, the router and Redis included, can be killed, stopped and restarted on the same addresses,
+as `pdserve up` or a container runtime would. The router runs with a short HTTP keep-alive
+(soak_router), so that an idle fault outlasts it.
 
 A supervisor thread restarts a process that died (after RESTART_DELAY_S), until stop(). Every
 pid ever started is kept, so stop() can say whether any process was left behind.
@@ -18,11 +21,14 @@ from pathlib import Path
 
 import httpx
 import psutil
+import redis
 
 from pdserve.wire.transport import free_port
 
 MODEL = "builtin:tiny"
 RESTART_DELAY_S = 0.5
+KEEP_ALIVE_S = 6.0  # the router's: longer than the clients' 5 s, as the 75 s default is
+TRANSPORTS = ("nixl", "store")
 
 
 @dataclass
@@ -36,36 +42,47 @@ class Proc:
 
 
 class SoakCluster:
-    def __init__(self, workdir: Path, lease_s: float, prefill: int = 2, decode: int = 2):
-        self.workdir = workdir
+    def __init__(self, workdir: Path, lease_s: float, transport: str = "nixl", prefill: int = 2, decode: int = 2):
+        self.workdir, self.transport = workdir, transport
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, Proc] = {}
+        self.redis_port = free_port() if transport == "store" else None
+        if self.redis_port is not None:  # the launcher's command (launcher._store_url)
+            self.procs["redis"] = Proc("redis", ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
+                                                 "--save", "", "--appendonly", "no", "--loglevel", "warning"])
         addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
         for role, count in (("prefill", prefill), ("decode", decode)):
             for i in range(count):
                 bind = f"tcp://127.0.0.1:{free_port()}"
                 addrs[role].append(bind)
-                side = ["--nixl-side-channel", f"tcp://127.0.0.1:{free_port()}", "--lease-s", str(lease_s)]
                 self._add(f"{role}-{i}", [role, "--model", MODEL, "--node-id", f"{role}-{i}", "--bind", bind,
-                                          "--num-kv-blocks", "256", *side, *(["--nixl"] if role == "decode" else [])])
-        self._add("router", ["router", "--model", MODEL, "--port", str(self.port), "--kv-transfer", "nixl",
+                                          "--num-kv-blocks", "256", *self._transfer_flags(role, lease_s)])
+        self._add("router", ["router", "--model", MODEL, "--port", str(self.port), "--kv-transfer", transport,
                              "--local-prefill-threshold", "0", "--prefill-placement", "threshold",
                              *[a for p in addrs["prefill"] for a in ("--prefill", p)],
-                             *[a for d in addrs["decode"] for a in ("--decode", d)]])
+                             *[a for d in addrs["decode"] for a in ("--decode", d)]], module="benchmarks.soak_router")
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
 
-    def _add(self, name: str, args: list[str]) -> None:
-        self.procs[name] = Proc(name, [sys.executable, "-m", "pdserve", "--log-level", "WARNING", *args])
+    def _transfer_flags(self, role: str, lease_s: float) -> list[str]:
+        """A node's flags for its transport, as `pdserve up` gives them."""
+        if self.transport == "store":
+            return ["--store", f"redis://127.0.0.1:{self.redis_port}"]
+        side = ["--nixl-side-channel", f"tcp://127.0.0.1:{free_port()}", "--lease-s", str(lease_s)]
+        return side + (["--nixl"] if role == "decode" else [])
+
+    def _add(self, name: str, args: list[str], module: str = "pdserve") -> None:
+        self.procs[name] = Proc(name, [sys.executable, "-m", module, "--log-level", "WARNING", *args])
 
     @property
     def nodes(self) -> list[str]:
-        return [n for n in self.procs if n != "router"]
+        return [n for n in self.procs if n not in ("router", "redis")]
 
     def _spawn(self, proc: Proc) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
+               "PDSERVE_SOAK_KEEP_ALIVE_S": str(KEEP_ALIVE_S)}
         log = open(self.workdir / f"{proc.name}.log", "a")
         proc.popen = subprocess.Popen(proc.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)
@@ -73,11 +90,12 @@ class SoakCluster:
         proc.pids.append(proc.popen.pid)
         proc.starts += 1
 
-    def start(self, timeout_s: float = 240) -> None:
+    def launch(self) -> None:
+        """Start every process and the supervisor; wait_healthy() says when they serve."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
         for proc in self.procs.values():
             self._spawn(proc)
         self._supervisor.start()
-        self.wait_healthy(timeout_s)
 
     def _supervise(self) -> None:
         while not self._stopping.wait(0.2):
@@ -103,9 +121,18 @@ class SoakCluster:
         except (httpx.HTTPError, ValueError):
             return None
 
+    def redis_up(self) -> bool:
+        if self.redis_port is None:
+            return True
+        try:
+            return bool(redis.Redis(port=self.redis_port, socket_timeout=2, socket_connect_timeout=2).ping())
+        except redis.RedisError:
+            return False
+
     def all_healthy(self) -> bool:
         body = self.health()
-        return bool(body) and len(body["nodes"]) == len(self.nodes) and all(n["healthy"] for n in body["nodes"])
+        nodes_up = bool(body) and len(body["nodes"]) == len(self.nodes) and all(n["healthy"] for n in body["nodes"])
+        return nodes_up and self.redis_up()
 
     def wait_healthy(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -127,7 +154,8 @@ class SoakCluster:
     def stop(self) -> list[str]:
         """Stop every process; returns those still alive afterwards (with their children)."""
         self._stopping.set()
-        self._supervisor.join(timeout=5)
+        if self._supervisor.is_alive():
+            self._supervisor.join(timeout=5)
         for proc in self.procs.values():
             if proc.popen is not None and proc.popen.poll() is None:
                 proc.popen.send_signal(signal.SIGCONT)

@@ -2,7 +2,9 @@
 that their counts stay even: SIGKILL of a prefill node, a decode node or the router (restarted on
 the same addresses by the cluster's supervisor); SIGSTOP then SIGCONT of a node or the router (a
 process that hangs, then wakes); a prefill node killed right after a first token, while the
-decode node pulls its blocks; and traffic held back past the NIXL lease, then resumed. Client
+decode node pulls its blocks; traffic held back past every idle timer (the NIXL lease, the
+router's HTTP keep-alive, the clients' own), then resumed; and on a store cluster, SIGKILL of
+Redis (restarted empty: what it held is recomputed) and SIGSTOP then SIGCONT of Redis. Client
 disconnects at each stage are the clients' own (soak_load)."""
 from __future__ import annotations
 
@@ -12,17 +14,26 @@ import threading
 import time
 
 from benchmarks.soak_cluster import SoakCluster
-from benchmarks.soak_load import Tally
+from benchmarks.soak_load import Gate, Tally
 
 FAULTS = ("kill prefill", "kill decode", "stop node", "kill router", "stop router", "idle",
           "prefill restart during pull")
+STORE_FAULTS = ("kill redis", "stop redis")
 RECOVERY_S = 120.0  # every process back and healthy within this, or the soak counts a violation
+REDIS_STOP_S = (2.0, 5.0)  # a few seconds: the nodes' calls to Redis wait (their socket timeout is 5 s)
+
+
+def kinds(transport: str) -> tuple[str, ...]:
+    return FAULTS + (STORE_FAULTS if transport == "store" else ())
 
 
 class Faults:
-    def __init__(self, cluster: SoakCluster, tally: Tally, rng: random.Random, gate: threading.Event,
-                 idle_s: float):
+    def __init__(self, cluster: SoakCluster, tally: Tally, rng: random.Random, gate: Gate, idle_s: float,
+                 lead: tuple[str, ...] = (), deadline_s: float = 150.0):
         self.cluster, self.tally, self.rng, self.gate, self.idle_s = cluster, tally, rng, gate, idle_s
+        self.kinds = kinds(cluster.transport)
+        self.lead = [k for k in lead if k in self.kinds]  # these land first, in this order
+        self.deadline_s = deadline_s
         self._kill_at_first_token = threading.Event()
 
     def on_first_token(self) -> None:
@@ -33,15 +44,26 @@ class Faults:
             self.tally.add("fault: prefill restart during pull")
 
     def run(self, stop: threading.Event, gap_s: tuple[float, float]) -> None:
-        order: list[str] = []
+        order: list[str] = list(reversed(self.lead))
         while not stop.wait(self.rng.uniform(*gap_s)):
-            if not self.cluster.wait_healthy(RECOVERY_S):
-                self.tally.violate("no recovery", f"not every process healthy {RECOVERY_S:.0f} s after a fault")
+            if not self.recovered(stop):
                 continue
             if not order:
-                order = list(FAULTS)
+                order = list(self.kinds)
                 self.rng.shuffle(order)
             self.inject(order.pop(), stop)
+
+    def recovered(self, stop: threading.Event) -> bool:
+        """Every process healthy again (the slowest recovery is reported); False at the soak's end."""
+        started = time.monotonic()
+        while not self.cluster.all_healthy():
+            if stop.wait(0.5):
+                return False  # settle() waits for the rest
+            if time.monotonic() - started > RECOVERY_S:
+                self.tally.violate("no recovery", f"not every process healthy {RECOVERY_S:.0f} s after a fault")
+                return False
+        self.tally.recovery(time.monotonic() - started)
+        return True
 
     def _node(self, role: str) -> str:
         return self.rng.choice([n for n in self.cluster.nodes if n.startswith(role)])
@@ -52,15 +74,29 @@ class Faults:
             return
         if kind in ("kill prefill", "kill decode"):
             self.cluster.signal(self._node(kind.split()[1]), signal.SIGKILL)
-        elif kind == "kill router":
-            self.cluster.signal("router", signal.SIGKILL)
-        elif kind in ("stop node", "stop router"):
-            name = "router" if kind == "stop router" else self.rng.choice(self.cluster.nodes)
+        elif kind in ("kill router", "kill redis"):
+            self.cluster.signal(kind.split()[1], signal.SIGKILL)
+        elif kind in ("stop node", "stop router", "stop redis"):
+            name = self.rng.choice(self.cluster.nodes) if kind == "stop node" else kind.split()[1]
             self.cluster.signal(name, signal.SIGSTOP)
-            time.sleep(self.rng.uniform(0.5, 3.0))  # past 1.5 s the router counts a node dead
+            # a node or the router: past 1.5 s the router counts a node dead
+            time.sleep(self.rng.uniform(*REDIS_STOP_S) if name == "redis" else self.rng.uniform(0.5, 3.0))
             self.cluster.signal(name, signal.SIGCONT)
         elif kind == "idle":
-            self.gate.clear()
-            stop.wait(self.idle_s)
-            self.gate.set()
+            self.idle(stop)
         self.tally.add(f"fault: {kind}")
+
+    def idle(self, stop: threading.Event) -> None:
+        """No request at all for idle_s, timed from the last one's end; then each client's next
+        request must succeed at once (soak_load.Client), and the next fault waits for them."""
+        if not self.gate.close(self.deadline_s):
+            self.tally.violate("hung", f"requests still running {self.deadline_s:.0f} s after traffic stopped")
+        stop.wait(self.idle_s)
+        self.gate.reopen()
+        deadline = time.monotonic() + self.deadline_s
+        while not self.gate.wait_after_pause(0.5):  # in steps: clients leave at the soak's end without one
+            if stop.is_set():
+                return
+            if time.monotonic() > deadline:
+                self.tally.violate("hung", f"first requests after an idle pause not done in {self.deadline_s:.0f} s")
+                return

@@ -1,24 +1,39 @@
-"""The fault soak (benchmarks/soak.py), short: 45 s of traffic and faults on
-a 2P2D cluster with a fixed seed, failing on any violation (a request lost, a text that differs
-from the offline engine's, a hung request, KV held once idle, RSS past its bound, a process left
-behind). Longer runs and their results: docs/reliability.md."""
+"""The fault soak (benchmarks/soak.py), short: 24 s of traffic and faults on a 2P2D cluster per KV
+transport (NIXL and the store over Redis, side by side) with a fixed seed, failing on any
+violation (a request lost, a text that differs from the offline engine's, a hung request, a
+request that fails after an idle pause, KV held once idle, RSS past its bound, the router's
+included, a process left behind). The new faults lead: Redis SIGKILL and SIGSTOP on the store
+cluster, and traffic held back past the router's keep-alive and the NIXL lease on both (a 5 s
+lease, so that the pause fits: 8 s). Longer runs and their results: docs/reliability.md."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-MINUTES = 0.75
+MINUTES = 0.4  # each cluster's; the two run at once
+LEAD = "kill redis,stop redis,idle"
 
 
 @pytest.mark.timeout(600)
-def test_a_short_soak_finds_no_violation(tmp_path):
+def test_a_short_soak_on_both_transports_finds_no_violation(tmp_path):
     out = tmp_path / "soak.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--minutes", str(MINUTES), "--seed", "7",
-                           "--fault-gap-s", "2", "4", "--out", str(out)], capture_output=True, text=True,
-                          timeout=540)
-    table = proc.stdout[-6000:]
+                           "--transport", "both", "--fault-gap-s", "1", "3", "--lease-s", "5", "--lead", LEAD,
+                           "--out", str(out)], capture_output=True, text=True, timeout=540)
+    table = proc.stdout[-8000:]
     assert proc.returncode == 0, f"{table}\n{proc.stderr[-3000:]}"
-    assert "| lost | 0 |" in proc.stdout and "| text differs | 0 |" in proc.stdout, table
-    assert "| fault: kill " in proc.stdout, table  # faults did land
+    result = json.loads(out.read_text())
+    assert set(result) == {"nixl", "store"}, table
+    for transport, r in result.items():
+        counts = r["counts"]
+        assert not r["violations"], (transport, table)
+        assert counts.get("lost", 0) == counts.get("text differs", 0) == 0, (transport, table)
+        assert counts["completed greedy"] > 0 and counts["completed seeded"] > 0, (transport, table)
+        assert counts.get("fault: idle", 0) >= 1, (transport, table)  # the pause did land
+        assert counts.get("requests after an idle pause", 0) >= 1, (transport, table)
+        assert any(what.startswith("RSS of router") for what, _ in r["rows"]), (transport, table)
+    store = result["store"]["counts"]
+    assert store.get("fault: kill redis", 0) >= 1 and store.get("fault: stop redis", 0) >= 1, table
