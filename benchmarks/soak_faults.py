@@ -82,11 +82,11 @@ class Faults:
             # a node or the router: past 1.5 s the router counts a node dead
             time.sleep(self.rng.uniform(*REDIS_STOP_S) if name == "redis" else self.rng.uniform(0.5, 3.0))
             self.cluster.signal(name, signal.SIGCONT)
-        elif kind == "idle":
-            self.idle(stop)
+        elif kind == "idle" and not self.idle(stop):
+            return  # the soak ended during the pause: no request after it to count
         self.tally.add(f"fault: {kind}")
 
-    def idle(self, stop: threading.Event) -> None:
+    def idle(self, stop: threading.Event) -> bool:
         """No request at all for idle_s, timed from the last one's end; then each client's next
         request must succeed at once (soak_load.Client), and the next fault waits for them."""
         if not self.gate.close(self.deadline_s):
@@ -96,7 +96,8 @@ class Faults:
         deadline = time.monotonic() + self.deadline_s
         while not self.gate.wait_after_pause(0.5):  # in steps: clients leave at the soak's end without one
             if stop.is_set():
-                return
+                return False
             if time.monotonic() > deadline:
                 self.tally.violate("hung", f"first requests after an idle pause not done in {self.deadline_s:.0f} s")
-                return
+                break
+        return True
