@@ -4,15 +4,23 @@ request) as a prefill node's handover always did. The router counts that prefix 
 node's when it decides where the prompt is prefilled, and prices its load."""
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import openai
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.kvstore.factory import make_store
+from pdserve.node.runtime import NodeStats
+from pdserve.node.store_prefix import LOOKUP_TIMEOUT_S, StorePrefix
 from pdserve.protocol.block_keys import block_key_chain
 from pdserve.protocol.tpot_budget import StepCosts
 from pdserve.router.placement.index import STORE_HOLDER, PrefixIndex
 from pdserve.router.placement.pd_decision import Targets
 from pdserve.router.placement.policy import NodeView, Planner
+from pdserve.testing.redis_server import redis_server
 from pdserve.testing.up_cluster import node_stats, running_cluster, wait_for
 
 # 328 + 48 tokens: the two prompts share their first 20 full blocks (320 tokens).
@@ -81,3 +89,51 @@ def test_a_decode_node_prefilling_a_prompt_loads_its_prefix_from_the_store(refer
         assert stats["prefill-0"]["requests_total"] == 1, "the second prompt was prefilled on its decode node"
         assert stats["decode-1"]["prefills_local"] == 1
         assert stats["decode-1"]["cached_tokens_store"] == 320
+
+
+def test_a_prompt_a_decode_node_computed_is_written_to_the_store(reference):
+    """No prefill node: a decode node computes the first prompt and writes its full blocks to
+    Redis (off its steps); round-robin sends the second, which shares 20 of them, to the other
+    decode node, which loads them from Redis instead of computing them (before, nothing wrote
+    them there)."""
+    flags = ("--prefill-nodes", "0", "--decode-nodes", "2", "--kv-transfer", "store", "--num-kv-blocks", "256",
+             "--decode-policy", "round_robin")
+    with running_cluster(*flags) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        first = _complete(client, PROMPTS[0])
+        assert first.choices[0].text == reference[PROMPTS[0]]
+        writer = next(n for n, s in node_stats(url).items() if s["requests_total"] == 1)
+        full_blocks = first.usage.prompt_tokens // 16
+        wait_for(lambda: node_stats(url)[writer]["writeback_blocks"] == full_blocks)
+        second = _complete(client, PROMPTS[1])
+        assert second.choices[0].text == reference[PROMPTS[1]]
+        assert second.usage.prompt_tokens_details.cached_tokens == 320
+        reader = next(n for n in node_stats(url) if n != writer)
+        stats = wait_for(lambda: (s := node_stats(url)) and s[reader]["requests_total"] == 1 and s)
+        assert stats[reader]["cached_tokens_store"] == 320
+        wait_for(lambda: all(s["free_blocks"] == s["total_blocks"] for s in node_stats(url).values()))
+
+
+def test_a_stalled_store_does_not_hold_the_node_past_its_pongs():
+    """The node's loop, which answers the router's pings, asks the store what prefix it holds. With
+    Redis stopped (SIGSTOP) the client would wait out its timeout (5 s here): the node computes
+    the prompt instead after LOOKUP_TIMEOUT_S, skips lookups while that one is stuck, and finds
+    the prefix again once Redis wakes."""
+    llm = LLM("builtin:tiny", num_kv_blocks=64)
+    engine = llm.engine
+    keys = block_key_chain(list(range(100)), 16, b"stalled store")
+    with redis_server() as (url, proc):
+        store = make_store(url.replace("redis://", "direct+redis://"))
+        store.put(keys[:6], engine.kv_cache, list(range(6)), [16] * 6)
+        prefix = StorePrefix(engine, store, NodeStats())
+        assert prefix.stored_tokens(keys, 100) == 96
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert prefix.stored_tokens(keys, 100) == 0
+            assert prefix.stored_tokens(keys, 100) == 0  # the first lookup is still stuck: not queued behind it
+            assert time.monotonic() - started < 3 * LOOKUP_TIMEOUT_S + 0.5
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert wait_for(lambda: prefix.stored_tokens(keys, 100) == 96, timeout_s=15)
+        prefix.close()

@@ -24,6 +24,7 @@ from pdserve.node.pullers import NixlPuller, Puller, StorePuller
 from pdserve.node.runtime import NodeRuntime
 from pdserve.node.step_budget import StepBudget
 from pdserve.node.store_prefix import StorePrefix, request_block_keys
+from pdserve.node.store_writeback import StoreWriteBack
 from pdserve.wire.handover import KVHandover, StoreHandover
 from pdserve.wire.messages import DecodeRequest, Message, Ping, Pong, PrefillRequest, Rejected
 
@@ -68,6 +69,7 @@ class DecodeNode(StepBudget):
             pullers.append(NixlPuller(node_id, engine.kv_cache, self.ctx, engine.salt))
         self.pullers = {p.handover_type: p for p in pullers}
         self.store_prefix = StorePrefix(engine, store, self.stats) if store is not None else None  # by the type of handover each pulls
+        self.writeback = StoreWriteBack(engine, store, self.stats) if store is not None else None
         self.pulls: dict[str, Pull] = {}  # request id -> its pull, until the pull is over
         self.block_nbytes = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
         self.placements = {"prefills_local": 0, "prefills_handed_over": 0}
@@ -109,14 +111,15 @@ class DecodeNode(StepBudget):
     def _stored_prefix(self, msg: DecodeRequest) -> StoreHandover | None:
         """A prompt this node computes itself fetches the leading blocks the store holds and its
         own cache lacks, through its store puller as it fetches a handover (its streams do not
-        wait for the load)."""
+        wait for the load); once computed, the blocks the store lacks are written there."""
         if self.store_prefix is None or msg.first_token_ids:
             return None  # (a stream resumed after a failover recomputes, as it always did)
         keys = request_block_keys(self.engine, msg.prompt_token_ids, msg.cache_salt, msg.adapter, msg.images)
         full = (len(msg.prompt_token_ids) - 1) // self.engine.config.block_size
         if all(self.engine.pool.lookup(key) is not None for key in keys[:full]):
-            return None  # all in this node's cache already
+            return None  # all in this node's cache already (and so written, or handed over, before)
         stored = self.store_prefix.stored_tokens(keys, len(msg.prompt_token_ids))
+        self.writeback.owe(msg.request_id, keys, len(msg.prompt_token_ids), stored)
         return self.store_prefix.handover(keys, stored) if stored else None
 
     def _admit_pull(self, req: Request, handover: KVHandover, store_prefix: bool) -> None:
@@ -183,7 +186,15 @@ class DecodeNode(StepBudget):
         else:
             self._finish_pull(pull.req.request_id, ok, release=pull.handover)
 
+    def on_outputs(self, outputs: list) -> None:
+        if self.writeback is not None and self.writeback.owed:
+            for out in outputs:  # a prompt computed here: its first token is out
+                self.writeback.prompt_done(out.request_id)
+        super().on_outputs(outputs)
+
     def poll_background(self) -> None:
+        if self.writeback is not None:
+            self.writeback.poll()
         if self.pulls:
             self._start_due_pulls()
         for puller in self.pullers.values():
@@ -242,12 +253,18 @@ class DecodeNode(StepBudget):
             self.origin.pop(request_id, None)
             return
         self.pulls.pop(request_id, None)
+        if self.writeback is not None:
+            self.writeback.forget(request_id)
         super().abort(request_id)
 
     def role_idle(self) -> bool:
-        return not self.pulls
+        return not self.pulls and (self.writeback is None or self.writeback.idle())
 
     def close_role(self) -> None:
         self.close_step_budget()
+        if self.store_prefix is not None:
+            self.store_prefix.close()
+        if self.writeback is not None:
+            self.writeback.close()
         for puller in self.pullers.values():
             puller.close()

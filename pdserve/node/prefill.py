@@ -174,5 +174,7 @@ class PrefillNode(StepBudget):
 
     def close_role(self) -> None:
         self.close_step_budget()
+        if self.store_prefix is not None:
+            self.store_prefix.close()
         for producer in self.producers.values():
             producer.close()

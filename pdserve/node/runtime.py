@@ -71,6 +71,7 @@ class NodeStats:
     transfer_us_nixl: int = 0      # microseconds spent in KV transfers (pulls, store puts)
     transfer_us_store: int = 0
     store_load_us: int = 0         # microseconds spent loading prompt blocks from the store
+    writeback_blocks: int = 0      # a decode node's own prefills' blocks it wrote to the store
     embedding_requests: int = 0    # /v1/embeddings requests computed here
     embeddings_loaded: int = 0     # images whose embeddings came from an encoder node (E/P/D)
     embedding_bytes_store: int = 0  # bytes of image embeddings put in or loaded from the store

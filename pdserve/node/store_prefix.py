@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
@@ -17,6 +19,10 @@ from pdserve.protocol.block_keys import block_key_chain
 from pdserve.wire.handover import StoreHandover
 
 log = logging.getLogger(__name__)
+# The lookup runs while the node's loop waits, and that loop answers the router's pings: a store
+# that stalls (a stopped Redis waits out its client's 2-5 s timeouts) must not hold it past a
+# pong or two, or the router takes the node out of rotation. Past this the prompt is computed.
+LOOKUP_TIMEOUT_S = 0.25
 
 
 def request_block_keys(engine, prompt: list[int], cache_salt: str | None, adapter: str | None,
@@ -31,6 +37,8 @@ class StorePrefix:
         self.engine = engine
         self.store = store
         self.stats = stats  # the node's NodeStats: store tokens and load time, for the router's costs
+        self._looker = ThreadPoolExecutor(1, thread_name_prefix="store-lookup")
+        self._lookup: Future | None = None
 
     def stored_tokens(self, keys: list[bytes], prompt_len: int) -> int:
         """Tokens of the leading full blocks the store holds. Only blocks before the last prompt
@@ -38,11 +46,19 @@ class StorePrefix:
         full = keys[:(prompt_len - 1) // self.engine.config.block_size]
         if not full:
             return 0
+        if self._lookup is not None and not self._lookup.done():
+            return 0  # a lookup is still stuck on a stalled store: compute, do not queue behind it
+        self._lookup = self._looker.submit(self.store.lookup_prefix, full)
         try:
-            return self.store.lookup_prefix(full) * self.engine.config.block_size
+            return self._lookup.result(LOOKUP_TIMEOUT_S) * self.engine.config.block_size
+        except FutureTimeout:
+            log.warning("store lookup took over %.2f s, computing the whole prompt", LOOKUP_TIMEOUT_S)
         except KVStoreError as exc:
             log.warning("store lookup failed, computing the whole prompt: %s", exc)
-            return 0
+        return 0
+
+    def close(self) -> None:
+        self._looker.shutdown(wait=False, cancel_futures=True)
 
     def handover(self, keys: list[bytes], stored: int) -> StoreHandover:
         """The stored prefix as a handover the decode node's store puller fetches."""

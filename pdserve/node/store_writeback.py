@@ -1,0 +1,91 @@
+"""A decode node that computes a prompt itself writes the prompt's full blocks the store lacks to
+the shared store, as a prefill node's handover does, so the next turn of the conversation finds
+its history there wherever the router places it (and after this node's LRU has let it go).
+
+The put runs on a thread of its own, off the decode steps: the running streams do not wait for
+it. The blocks it reads hold a reference of their own until it ends, so a request that finishes
+or is aborted meanwhile cannot hand them to another request while they are read."""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from pdserve.kvstore.base import KVStore
+from pdserve.kvstore.errors import KVStoreError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Owed:
+    """A prompt computed here: its block keys, and the first block the store lacks."""
+    keys: list[bytes]
+    first_block: int
+
+
+@dataclass
+class Write:
+    future: Future
+    block_ids: list[int]  # pinned until the put ends
+    started: float
+
+
+class StoreWriteBack:
+    def __init__(self, engine, store: KVStore, stats):
+        self.engine, self.store, self.stats = engine, store, stats
+        self.block_nbytes = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
+        self.owed: dict[str, Owed] = {}  # request id -> what to write once its prompt is computed
+        self.writes: dict[str, Write] = {}
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-writeback")
+
+    def owe(self, rid: str, keys: list[bytes], prompt_len: int, stored_tokens: int) -> None:
+        """The request computes its prompt here: write its full blocks past the stored prefix."""
+        bs = self.engine.config.block_size
+        if prompt_len // bs > stored_tokens // bs:
+            self.owed[rid] = Owed(keys[:prompt_len // bs], stored_tokens // bs)
+
+    def prompt_done(self, rid: str) -> None:
+        """The request's prompt is computed (its first token is out): start the put."""
+        owed = self.owed.pop(rid, None)
+        req = self.engine.scheduler.requests.get(rid)
+        if owed is None or req is None:
+            return
+        first = max(owed.first_block, req.num_slid_blocks)  # blocks out of the window are not held
+        ids = req.block_ids[first:len(owed.keys)]
+        if not ids:
+            return
+        self.engine.pool.touch(ids)
+        bs = self.engine.config.block_size
+        future = self.writer.submit(self._put, owed.keys[first:first + len(ids)], ids, [bs] * len(ids), first)
+        self.writes[rid] = Write(future, ids, time.perf_counter())
+
+    def _put(self, keys: list[bytes], block_ids: list[int], counts: list[int], first: int) -> bool:
+        try:
+            self.store.put(keys, self.engine.kv_cache, block_ids, counts, first_block=first)
+            return True
+        except KVStoreError as exc:  # the store is a cache: the next turn computes instead
+            log.warning("store write-back failed: %s", exc)
+            return False
+
+    def poll(self) -> None:
+        """Unpin the blocks of the puts that ended, and count what they wrote."""
+        for rid in [r for r, w in self.writes.items() if w.future.done()]:
+            write = self.writes.pop(rid)
+            self.engine.pool.free(write.block_ids[::-1])  # tail-first, as requests free
+            if write.future.result():
+                self.stats.writeback_blocks += len(write.block_ids)
+                self.stats.transfer_bytes_store += len(write.block_ids) * self.block_nbytes
+                self.stats.transfer_us_store += int((time.perf_counter() - write.started) * 1e6)
+
+    def forget(self, rid: str) -> None:
+        """Aborted before its prompt was computed: nothing to write (a put in flight ends as it is)."""
+        self.owed.pop(rid, None)
+
+    def idle(self) -> bool:
+        return not self.writes
+
+    def close(self) -> None:
+        self.writer.shutdown(wait=True, cancel_futures=True)
+        self.poll()
