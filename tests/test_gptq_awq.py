@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pdserve import LLM
+from pdserve.layers.quant import gptq_awq
 from pdserve.layers.quant.gptq_awq import GptqAwqConfig, GptqAwqError, PermutedGroupedMethod, exact_int8_groups
 from pdserve.layers.quant.grouped import GroupedLinearMethod
 from pdserve.models.loader import ModelLoadError
@@ -123,7 +124,8 @@ def q8_0_values(rows: int, cols: int, seed: int) -> torch.Tensor:
     return values
 
 
-def test_exact_int8_groups_only_where_exact():
+def test_exact_int8_groups_only_where_exact(monkeypatch):
+    monkeypatch.setattr(gptq_awq, "_VALUES_PER_CHECK", 96 * 7)  # chunks of 7 rows, the last one short
     w = q8_0_values(40, 96, seed=1)
     q, scales = exact_int8_groups(w.numpy())
     assert torch.equal(torch.from_numpy(q).float().reshape(40, 3, 32) * torch.from_numpy(scales).float()[..., None],

@@ -198,7 +198,9 @@ class GptqAwqConfig(QuantConfig):
 
 # GGUF's Q8_0: int8 values, one float16 scale per 32 columns (held as int16 bits, as grouped.py holds them), no min
 Q8_FORMAT = GroupFormat(8, 32, half_scales=True, has_min=False)
-_ROWS_PER_CHECK = 4096  # exact_int8_groups checks this many rows at a time: a few MB of temporaries
+# exact_int8_groups checks this many values at a time: a few MB of temporaries, and a float matrix
+# that does not fit (most: trained embeddings) is usually told apart in the first chunk
+_VALUES_PER_CHECK = 1 << 20
 
 
 def exact_int8_groups(w: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -210,8 +212,9 @@ def exact_int8_groups(w: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     if cols % 32 or w.dtype != np.float32:
         return None
     q, scales = np.empty((rows, cols), dtype=np.int8), np.empty((rows, cols // 32), dtype=np.float16)
-    for start in range(0, rows, _ROWS_PER_CHECK):
-        g = w[start:start + _ROWS_PER_CHECK].reshape(-1, cols // 32, 32)
+    step = max(1, _VALUES_PER_CHECK // cols)
+    for start in range(0, rows, step):
+        g = w[start:start + step].reshape(-1, cols // 32, 32)
         s16 = (np.abs(g).max(axis=2) / np.float32(127)).astype(np.float16)
         s = s16.astype(np.float32)[..., None]
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
