@@ -114,7 +114,12 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise AssertionError("cluster never became healthy")
+    try:
+        nodes = httpx.get(f"{url}/health", timeout=2, verify=False).json().get("nodes")
+    except (httpx.HTTPError, ValueError):
+        nodes = "no answer"
+    raise AssertionError(f"cluster never became healthy; its nodes: {nodes}; its stacks and log:\n"
+                         f"{_stacks_and_log(proc)}")
 
 
 def node_stats(url: str) -> dict[str, dict]:

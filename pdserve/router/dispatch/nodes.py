@@ -240,10 +240,14 @@ class NodePool:
         """Update the node's health from its pong; False when the node is refused."""
         if self._compat_refused(node, msg):
             return False
+        was_healthy = node.healthy
         self._on_pong(node, msg)
+        if node.healthy and not was_healthy:
+            self.faults.answered(node)
         return True
 
-    def _on_pong(self, node: Node, msg: Pong) -> None:
+    @staticmethod
+    def _on_pong(node: Node, msg: Pong) -> None:
         if msg.version != WIRE_VERSION:
             if not node.refused:
                 log.error("%s (%s) speaks wire version %d, this router %d: not routing to it; upgrade "
@@ -253,7 +257,6 @@ class NodePool:
         node.refused = False
         if not node.healthy:
             log.info("%s (%s) is healthy", node.node_id, node.address)
-            self.faults.answered(node)
         node.healthy, node.last_pong, node.disconnected = True, time.monotonic(), False
         node.kv_salt = msg.kv_salt or node.kv_salt
         node.stats = {"requests": msg.num_requests, "free_blocks": msg.free_blocks,
