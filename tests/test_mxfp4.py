@@ -12,8 +12,7 @@ from family_models import check_prompt_logits, make_family_model, random_prompts
 from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
-from pdserve.executor.setup import check_tp_support
-from pdserve.models.loader import ModelLoadError, load_hf_config
+from pdserve.models.loader import ModelLoadError
 from pdserve.models.moe_quant import Mxfp4Experts
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -31,10 +30,8 @@ def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.contiguous(), (exp + 127).to(torch.uint8)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mxfp4")
-    src = make_family_model(root, "gpt_oss", seed=1, hidden_size=64)
+def _mxfp4_checkpoint(root, **shape):
+    src = make_family_model(root, "gpt_oss", seed=1, hidden_size=64, **shape)
     tensors = load_file(str(src / "model.safetensors"))
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = _to_mxfp4(tensors.pop(name))
@@ -44,6 +41,12 @@ def checkpoint(tmp_path_factory):
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (src / "config.json").write_text(json.dumps(config))
     return src
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    # 64 intermediate columns: two groups of 32, one for each of two ranks
+    return _mxfp4_checkpoint(tmp_path_factory.mktemp("mxfp4"), intermediate_size=64)
 
 
 def test_mxfp4_experts_match_transformers_dequantized(checkpoint):
@@ -63,9 +66,40 @@ def test_mxfp4_experts_match_transformers_dequantized(checkpoint):
         assert len(set(want)) > 1
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp-in-experts", "expert-parallel"])
+def test_tp2_keeps_the_experts_packed_and_matches_transformers(checkpoint, expert_parallel):
+    """At TP 2 each rank holds half of every expert's intermediate columns (two codes a byte,
+    a scale per 32) or half of the experts whole, still packed: the greedy tokens are still
+    transformers' on the dequantized checkpoint."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    ref = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager",
+                                               quantization_config=Mxfp4Config(dequantize=True)).eval()
+    ref.generation_config.eos_token_id = None
+    llm = LLM(str(checkpoint), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, num_kv_blocks=32)
+    try:
+        experts = llm.engine.model.layers[0].mlp.experts
+        cfg = ref.config
+        assert isinstance(experts, Mxfp4Experts) and experts.gate_up_proj.dtype == torch.uint8
+        if expert_parallel:
+            assert experts.gate_up_proj.shape[0] == cfg.num_local_experts // 2
+        else:
+            assert experts.down_proj.shape[-1] * 2 == cfg.intermediate_size // 2
+            assert experts.down_scale.shape[-1] * 32 == cfg.intermediate_size // 2
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        for prompt in random_prompts(2, cfg.vocab_size, [5, 23]):
+            want, _ = reference_greedy(ref, prompt, 12)
+            assert llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    finally:
+        llm.close()
+
+
+def test_a_split_inside_a_group_of_32_is_refused(tmp_path):
+    src = _mxfp4_checkpoint(tmp_path, intermediate_size=32)  # 16 columns a rank
+    with pytest.raises(ValueError, match="needs whole groups of 32"):
+        LLM(str(src), tensor_parallel_size=2, num_kv_blocks=8)
+
+
 def test_other_quantization_of_gpt_oss_is_refused(checkpoint, tmp_path):
-    with pytest.raises(ValueError, match="quantized GptOssForCausalLM checkpoints .* tensor_parallel_size 1"):
-        check_tp_support(load_hf_config(checkpoint), 2)
     config = json.loads((checkpoint / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))

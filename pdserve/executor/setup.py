@@ -21,15 +21,26 @@ SHARDED_AFTER_LOAD = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForC
 TP_FAMILIES = LAYER_FAMILIES + SHARDED_AFTER_LOAD
 
 
+# Quantized checkpoints of the families sharded after load that are cut like float ones: MXFP4
+# quantizes only the experts (whole ones under expert parallelism, or each one's intermediate
+# slice in groups of 32), and their attention stays float. FP8 checkpoints quantize attention too.
+SHARDED_QUANT_METHODS = ("mxfp4",)
+
+
+def _quant_method(quant) -> str:
+    return str(quant.get("quant_method", "") if isinstance(quant, dict) else getattr(quant, "quant_method", ""))
+
+
 def check_tp_support(hf_config, size: int, expert_parallel: bool = False) -> None:
     arch = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
     if arch not in TP_FAMILIES:
         kind = "is not converted to tensor parallelism yet" if arch in FAMILY_MODULES else "is not supported"
         raise ValueError(f"tensor_parallel_size={size}: {arch} {kind}; "
                          f"tensor parallelism supports {', '.join(TP_FAMILIES)}")
-    if arch in SHARDED_AFTER_LOAD and getattr(hf_config, "quantization_config", None):
-        raise ValueError(f"tensor_parallel_size={size}: quantized {arch} checkpoints (FP8, MXFP4) run at "
-                         f"tensor_parallel_size 1 only so far")
+    quant = getattr(hf_config, "quantization_config", None)
+    if arch in SHARDED_AFTER_LOAD and quant and _quant_method(quant) not in SHARDED_QUANT_METHODS:
+        raise ValueError(f"tensor_parallel_size={size}: quantized {arch} checkpoints other than "
+                         f"{', '.join(SHARDED_QUANT_METHODS)} (FP8) run at tensor_parallel_size 1 only so far")
     heads = hf_config.num_attention_heads
     if heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the {heads} attention heads")

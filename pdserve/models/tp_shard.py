@@ -10,6 +10,7 @@ its rank's slice.
 - MoE, expert-parallel (enable_expert_parallel): each rank keeps size-th of the experts whole
   and computes only the (token, expert) pairs routed to them; the all-reduce sums the ranks'
   contributions. The shared expert is tensor-parallel as above.
+  MXFP4 experts (gpt-oss) are cut the same way with their scales, on whole groups of 32.
 - Dense MLP layers: gate/up rows and down columns split, one all-reduce.
 - MLA (DeepSeek): the heads split; the latent and its cache replicated (see _shard_mla).
 - Embedding and LM head: vocabulary-parallel (pdserve.layers.vocab).
@@ -30,6 +31,7 @@ from pdserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from pdserve.models.attention import PagedAttention
 from pdserve.models.mla import MLAttention
 from pdserve.models.moe import DenseMLP, Experts, SparseMoE
+from pdserve.models.moe_quant import Mxfp4Experts
 
 
 def shard_decoder_model(model: nn.Module, group: TPGroup, expert_parallel: bool = False) -> nn.Module:
@@ -132,19 +134,36 @@ def _shard_moe(moe: SparseMoE, group: TPGroup, expert_parallel: bool) -> None:
     if expert_parallel:
         local = divide(experts.num_experts, group.size, "experts")
         keep = _rows(group.rank * local, local)
-        for name in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
-            setattr(experts, name, _keep(getattr(experts, name), 0, keep))
+        for name in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias", "gate_up_scale", "down_scale"):
+            if hasattr(experts, name):  # (the scales: quantized experts', pdserve.models.moe_quant)
+                setattr(experts, name, _keep(getattr(experts, name), 0, keep))
         experts.first_expert, experts.num_experts = group.rank * local, local
         experts.forward = types.MethodType(_expert_parallel_forward, experts)
     else:
         rows, cols = _intermediate_slice(experts.intermediate, group)
         experts.gate_up_proj = _keep(experts.gate_up_proj, 1, rows)
         experts.gate_up_bias = _keep(experts.gate_up_bias, 1, rows)
-        experts.down_proj = _keep(experts.down_proj, 2, cols)
+        if isinstance(experts, Mxfp4Experts):
+            _shard_mxfp4_packed(experts, rows, cols)
+        else:
+            experts.down_proj = _keep(experts.down_proj, 2, cols)
         _once(experts.down_bias, group)
         experts.intermediate = cols.numel()
     if moe.shared_expert is not None:
         _shard_dense(moe.shared_expert, group)
+
+
+def _shard_mxfp4_packed(experts: Mxfp4Experts, rows: torch.Tensor, cols: torch.Tensor) -> None:
+    """The rest of MXFP4 experts: gate_up's scales by row; down_proj holds its columns two to a
+    byte and one scale per 32, so a rank's columns must start and end on a group of 32
+    (gpt-oss's 2880 split in two is 45 groups each)."""
+    start, count = int(cols[0]), cols.numel()
+    if start % 32 or count % 32:
+        raise ValueError(f"MXFP4 experts split {count} intermediate columns a rank at column {start}: "
+                         f"tensor parallelism needs whole groups of 32 (use --enable-expert-parallel)")
+    experts.gate_up_scale = _keep(experts.gate_up_scale, 1, rows)
+    experts.down_proj = _keep(experts.down_proj, 2, _rows(start // 2, count // 2))
+    experts.down_scale = _keep(experts.down_scale, 2, _rows(start // 32, count // 32))
 
 
 def _expert_parallel_forward(self: Experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
