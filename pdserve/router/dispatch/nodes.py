@@ -265,25 +265,23 @@ class NodePool:
     def check_registered(self, node: Node, compat: KVCompat) -> None:
         """A node that registered with KV the admitted group's differs from is refused at once,
         before its first pong could put it in the rotation."""
-        self.compat.report(node.node_id, node.role, compat)
-        why = self.compat.refusal(node.node_id)
-        if why is not None:
-            log.error("%s (%s) refused at registration: it computes other KV than the nodes it would pair "
-                      "with (%s); no request is routed to it", node.node_id, node.address, why)
-            node.refused, node.refusal = True, why
+        self._refused(node, compat, " at registration")
 
     def _compat_refused(self, node: Node, msg: Pong) -> bool:
+        return self._refused(node, msg.compat, "")
+
+    def _refused(self, node: Node, compat: KVCompat | None, when: str) -> bool:
         """A node whose KV differs from the admitted group's stays out of the rotation (the
         reason logged once and in /health); requests it holds move elsewhere."""
-        if msg.compat is not None:
-            self.compat.report(node.node_id, node.role, msg.compat)
+        if compat is not None:
+            self.compat.report(node.node_id, node.role, compat)
         why = self.compat.refusal(node.node_id)
         if why is None:
             node.refusal = ""
             return False
         if node.refusal != why:
-            log.error("%s (%s) refused: it computes other KV than the nodes it would pair with (%s); no "
-                      "request is routed to it", node.node_id, node.address, why)
+            log.error("%s (%s) refused%s: it computes other KV than the nodes it would pair with (%s); no "
+                      "request is routed to it", node.node_id, node.address, when, why)
         node.refused, node.refusal = True, why
-        self.mark_dead(node, "was refused", "refused")
+        self.mark_dead(node, "was refused", "refused")  # (a node just registered is not in rotation yet)
         return True
