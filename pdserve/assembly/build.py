@@ -110,15 +110,13 @@ def _parts(config: EngineConfig, t: _Target) -> EngineParts:
                          "torch and numba kernel backends implement so far (kernel_backend='torch'), with a "
                          "bfloat16/float32 KV cache")
     if t.executor is not None:
-        if getattr(t.model, "is_multimodal", False):
-            raise ValueError("vision-language models run at tensor_parallel_size 1 and pipeline_parallel_size 1 "
-                             "so far")
         if t.executor.pp_size > 1:
             runner = PipelineModelRunner(t.model, t.executor, config.block_size, ops, t.device, t.dtype,
                                          lora_batch=lora.batch if lora is not None else None)
         else:
             runner = TPModelRunner(t.model, t.executor, config.block_size, ops, t.device,
-                                   lora_batch=lora.batch if lora is not None else None)
+                                   lora_batch=lora.batch if lora is not None else None,
+                                   multimodal=multimodal_inputs(t.model, config.encoder_cache_tokens))
         if lora is not None:  # the workers load each adapter into the slot the driver does
             lora.on_load = t.executor.load_lora
     else:

@@ -53,6 +53,11 @@ class StepPlan(msgspec.Struct, frozen=True, tag="step"):
     payload_offset: int = 0
     # LoRA: the step's rows as (adapter slot or -1 for the base model, tokens), in row order.
     lora_rows: list[tuple[int, int]] = []
+    # A vision-language model: the arrays end with [3, T] M-RoPE positions (mrope_positions),
+    # then the rows that hold image placeholders (image_rows of them), whose embeddings follow
+    # the arrays as a float broadcast (pdserve.executor.step_channel).
+    mrope_positions: bool = False
+    image_rows: int = 0
 
 
 class LoadLoRA(msgspec.Struct, frozen=True, tag="load_lora"):

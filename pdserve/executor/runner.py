@@ -7,21 +7,25 @@ from __future__ import annotations
 import time
 
 import msgspec
+import numpy as np
 import torch
 
 from pdserve.engine.model_runner import AttentionContext, ModelRunner
+from pdserve.engine.multimodal import ImageRows
 from pdserve.engine.prompt_logprobs import prompt_spans
 from pdserve.engine.request import Request
 from pdserve.engine.step_inputs import build_step_inputs, is_decode_query
 from pdserve.executor.executor import TPExecutor
 from pdserve.executor.kv_shared import kv_head_range, rank_layer_caches
-from pdserve.executor.shard_step import flatten_inputs, make_plan, step_tensors
+from pdserve.executor.shard_step import flatten_inputs, make_plan, multimodal_extras, step_tensors
 from pdserve.executor.step_channel import payload_length
 
 
 class TPModelRunner(ModelRunner):
-    def __init__(self, model, executor: TPExecutor, block_size: int, ops, device: torch.device, lora_batch=None):
-        super().__init__(model, executor.kv_cache, block_size, ops, device, lora_batch=lora_batch)
+    def __init__(self, model, executor: TPExecutor, block_size: int, ops, device: torch.device, lora_batch=None,
+                 multimodal=None):
+        super().__init__(model, executor.kv_cache, block_size, ops, device, lora_batch=lora_batch,
+                         multimodal=multimodal)
         self.executor = executor
         self.steps, self.send_seconds = 0, 0.0  # for the benchmark's per-step figures
         total_heads = executor.kv_cache.shape[4]
@@ -37,7 +41,7 @@ class TPModelRunner(ModelRunner):
         spans = prompt_spans(items)
         inputs = build_step_inputs(items, num_decodes, self.block_size)
         plan = make_plan(inputs, inputs.num_decode_tokens, spans, all_logits, in_shm=False)
-        hidden = self._run_step(plan, inputs)
+        hidden = self._run_step(plan, inputs, items=items)
         if self._hidden_sink is not None:  # a drafting head (EAGLE, MTP) reads rank 0's hidden states
             self._hidden_sink(items, hidden)
         return self._step_logits(hidden, inputs, spans, all_logits)
@@ -46,19 +50,41 @@ class TPModelRunner(ModelRunner):
         """Hidden states only (embeddings): the workers run the same forward pass, with no LM
         head passes, so every collective has all its ranks."""
         plan = make_plan(inputs, num_decodes, [], False, in_shm=False)
-        return self._run_step(msgspec.structs.replace(plan, sample_rows=[]), inputs)
+        return self._run_step(msgspec.structs.replace(plan, sample_rows=[]), inputs, items=items)
 
-    def _run_step(self, plan, inputs, offset: int = 0) -> torch.Tensor:
+    def _run_step(self, plan, inputs, offset: int = 0, items=()) -> torch.Tensor:
         """Send a step to the workers, then run rank 0's shard of its forward pass. offset: where
-        its arrays go in the shared buffer (a pipeline's micro-batches each have their own)."""
-        flat = torch.from_numpy(flatten_inputs(inputs))
+        its arrays go in the shared buffer (a pipeline's micro-batches each have their own);
+        items: the step's (request, tokens) in row order, which a vision-language model's images
+        and positions come from."""
+        flat = flatten_inputs(inputs)
+        images = None
+        if self.multimodal is not None:
+            plan, flat, images = self._with_images(plan, flat, inputs, items)
+        flat = torch.from_numpy(flat)
         if self.lora_batch is not None:  # the workers apply the same adapters to the same rows
             plan = msgspec.structs.replace(plan, lora_rows=self.lora_batch.step_rows)
         if self.executor.channel.fits(offset + payload_length(plan)):
             plan = msgspec.structs.replace(plan, in_shm=True, payload_offset=offset)
         started = time.perf_counter()
         self.executor.send(plan, flat)
+        if images is not None:
+            self.executor.channel.broadcast_embeddings(images.values)
         self.send_seconds += time.perf_counter() - started
         self.steps += 1
         token_ids, positions, meta = step_tensors(flat, plan, self.device)
-        return self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
+        ctx = AttentionContext(self.ops, self.layer_caches, meta)
+        return self.model(token_ids, positions, ctx) if images is None else self.model(token_ids, positions, ctx,
+                                                                                        images=images)
+
+    def _with_images(self, plan, flat, inputs, items):
+        """A vision-language model's step: its [3, T] positions and image rows appended to the
+        arrays (every rank builds the same embedding input)."""
+        mm = self.multimodal
+        positions = mm.positions(items, inputs.ints64[1]) if getattr(self.model, "uses_mrope", True) else None
+        images = mm.image_rows(items, self.device)
+        if images is not None:  # float32 on the wire: exact for any model dtype (merge casts)
+            images = ImageRows(images.rows, images.values.to(torch.float32).contiguous())
+        plan = msgspec.structs.replace(plan, mrope_positions=positions is not None,
+                                       image_rows=0 if images is None else int(images.rows.shape[0]))
+        return plan, np.concatenate([flat, multimodal_extras(positions, images)]), images

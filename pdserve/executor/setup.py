@@ -9,13 +9,15 @@ import torch
 
 from pdserve.executor.executor import TPExecutor
 from pdserve.layers.parallel import set_tp_group
+from pdserve.models import qwen2_5_vl
 from pdserve.models.loader import FAMILY_MODULES, load_model
 from pdserve.models.pipeline import cut_to_stage, pp_layer_range
 from pdserve.models.tp_shard import shard_decoder_model
 
 # Families built from pdserve.layers (sharded as they are built), and families loaded whole
 # and then cut to the rank's slice (pdserve.models.tp_shard); the others refuse TP > 1.
-LAYER_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LAYER_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                  qwen2_5_vl.ARCHITECTURE)
 SHARDED_AFTER_LOAD = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM",
                       "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 TP_FAMILIES = LAYER_FAMILIES + SHARDED_AFTER_LOAD
@@ -56,6 +58,9 @@ def check_tp_support(hf_config, size: int, expert_parallel: bool = False) -> Non
 def check_pp_support(hf_config, size: int) -> None:
     """Pipeline stages run the families tensor parallelism runs, text only, with a layer each."""
     arch = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
+    if getattr(hf_config, "multimodal_config", None) is not None:
+        raise ValueError(f"pipeline_parallel_size={size}: {arch} takes images, which pipeline stages do not "
+                         "pass on yet; run it with tensor_parallel_size instead")
     if arch not in TP_FAMILIES:
         raise ValueError(f"pipeline_parallel_size={size}: {arch} is not split into pipeline stages yet; "
                          f"pipeline parallelism supports {', '.join(TP_FAMILIES)}")
@@ -84,10 +89,11 @@ def start_executor(config, model_path, hf_config, dtype: torch.dtype, device: to
 def load_shard(model_path, hf_config, dtype: torch.dtype, device: torch.device, group, expert_parallel: bool,
                stage: int = 0, num_stages: int = 1):
     """This rank's shard of the model (the driver's and every worker's): its TP slice, cut to its
-    pipeline stage's layers (loaded whole, then the other stages' layers dropped)."""
+    pipeline stage's layers (loaded whole, then the other stages' layers dropped). A
+    vision-language model's tower is rank 0's only: it encodes, and sends the embeddings."""
     set_tp_group(group)
     try:
-        model = load_model(Path(model_path), hf_config, dtype, device)
+        model = load_model(Path(model_path), hf_config, dtype, device, vision_tower=group.rank == 0)
     finally:
         set_tp_group(None)  # another engine in this process builds unsharded unless it sets its own
     if hf_config.architectures[0] in SHARDED_AFTER_LOAD and group.size > 1:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.model_runner import AttentionContext, AttentionMetadata
+from pdserve.engine.multimodal import ImageRows
 from pdserve.engine.prompt_logprobs import pass_rows, span_passes
 from pdserve.engine.step_inputs import StepInputs
 from pdserve.executor.messages import StepPlan
@@ -26,18 +27,37 @@ def flatten_inputs(inputs: StepInputs) -> np.ndarray:
 
 
 def step_tensors(flat: torch.Tensor, plan: StepPlan, device: torch.device):
-    """(token ids, positions, AttentionMetadata) from the flat int64 inputs."""
+    """(token ids, positions, AttentionMetadata) from the flat int64 inputs; positions are
+    [3, T] for a multimodal-RoPE model's step."""
     flat = flat.to(device)
     t = plan.num_tokens
     ints64 = flat[: 3 * t].view(3, t)
     sizes = [int(np.prod(s)) for s in plan.int32_shapes]
-    parts = flat[3 * t:].to(torch.int32).split(sizes)
+    end = 3 * t + sum(sizes)
+    parts = flat[3 * t:end].to(torch.int32).split(sizes)
     ctx, table, cu, pctx, ptable = (p.view(*s) for p, s in zip(parts, plan.int32_shapes))
     meta = AttentionMetadata(slot_mapping=ints64[2], num_decodes=plan.num_decodes,
                              decode_block_tables=table, decode_context_lens=ctx,
                              prefill_cu_seqlens=cu, prefill_context_lens=pctx,
                              prefill_block_tables=ptable)
-    return ints64[0], ints64[1], meta
+    positions = flat[end:end + 3 * t].view(3, t) if plan.mrope_positions else ints64[1]
+    return ints64[0], positions, meta
+
+
+def multimodal_extras(positions: np.ndarray | None, images: ImageRows | None) -> np.ndarray:
+    """What a vision-language model's step adds to the flat arrays: its [3, T] positions, then
+    the rows its image embeddings go to (the embeddings travel beside, as floats)."""
+    parts = [positions.ravel()] if positions is not None else []
+    if images is not None:
+        parts.append(images.rows.cpu().numpy())
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+
+
+def step_images(flat: torch.Tensor, plan: StepPlan, values: torch.Tensor | None) -> ImageRows | None:
+    """The step's image rows (the flat arrays' tail) with their embeddings."""
+    if not plan.image_rows or values is None:
+        return None
+    return ImageRows(flat[flat.shape[0] - plan.image_rows:].to(values.device), values)
 
 
 def result_rows(plan: StepPlan) -> int:
@@ -59,14 +79,16 @@ def step_logits(model, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor:
 
 @torch.inference_mode()
 def run_worker_step(model, ops, layer_caches, device: torch.device, plan: StepPlan, flat: torch.Tensor,
-                    link: StageLink | None = None) -> None:
+                    link: StageLink | None = None, images: ImageRows | None = None) -> None:
     """A worker's share of a step. Without pipeline stages (link None) the logits it helps
     gather are the driver's to use; with them, a stage before the last hands its hidden states
-    on, and the last stage's first rank sends the step's results to the driver."""
+    on, and the last stage's first rank sends the step's results to the driver. images: a
+    vision-language model's embeddings for the step's placeholder rows (TP only)."""
     token_ids, positions, meta = step_tensors(flat, plan, device)
     if link is not None and not link.role.first:
         model.embed_tokens.hidden = link.recv_hidden(plan.num_tokens)
-    hidden = model(token_ids, positions, AttentionContext(ops, layer_caches, meta))
+    ctx = AttentionContext(ops, layer_caches, meta)
+    hidden = model(token_ids, positions, ctx) if images is None else model(token_ids, positions, ctx, images=images)
     if link is not None and not link.role.last:
         link.send_hidden(hidden)
         return

@@ -33,7 +33,8 @@ def use_shared_memory() -> bool:
 
 
 def payload_length(plan: StepPlan) -> int:
-    return 3 * plan.num_tokens + sum(int(np.prod(s)) for s in plan.int32_shapes)
+    mrope = 3 * plan.num_tokens if plan.mrope_positions else 0
+    return 3 * plan.num_tokens + sum(int(np.prod(s)) for s in plan.int32_shapes) + mrope + plan.image_rows
 
 
 class StepChannel:
@@ -63,6 +64,18 @@ class StepChannel:
         flat = torch.empty(n, dtype=torch.int64)
         _broadcast(self.group, flat)
         return flat
+
+
+    def broadcast_embeddings(self, values: torch.Tensor) -> None:
+        """Driver, after the arrays: the step's image embeddings [R, hidden] (floats do not fit
+        the int64 buffer; an image's rows are a few hundred kilobytes at most a step)."""
+        _broadcast(self.group, values.contiguous())
+
+    def receive_embeddings(self, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """Worker, after receive: the step's image embeddings."""
+        values = torch.empty(rows, hidden, dtype=dtype)
+        _broadcast(self.group, values)
+        return values
 
 
 def _broadcast(group: TPGroup, flat: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ from pdserve.executor.group import join_store, make_rank_groups, set_rank_thread
 from pdserve.executor.kv_shared import fd_path, kv_head_range, map_shared, rank_layer_caches
 from pdserve.executor.messages import WorkerSpec
 from pdserve.executor.setup import load_shard
-from pdserve.executor.shard_step import run_worker_step
+from pdserve.executor.shard_step import run_worker_step, step_images
 from pdserve.executor.shm_collectives import ShmCollectives
 from pdserve.executor.stage_link import StageLink, StageRole, send_waits
 from pdserve.executor.step_channel import StepChannel
@@ -81,7 +81,11 @@ class Shard:
         flat = self.channel.receive(plan)
         if self.lora is not None:
             self.lora.set_runs([(None if slot < 0 else slot, n) for slot, n in plan.lora_rows])
-        self._run_step(self.model, self.ops, self.layer_caches, self.device, plan, flat, self.link)
+        values = None
+        if plan.image_rows:  # a vision-language model's embeddings, after the arrays
+            values = self.channel.receive_embeddings(plan.image_rows, self.model.spec.hidden_size, torch.float32)
+        self._run_step(self.model, self.ops, self.layer_caches, self.device, plan, flat, self.link,
+                       step_images(flat, plan, values))
 
 
 def driver_check():

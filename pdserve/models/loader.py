@@ -137,7 +137,9 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def load_model(path: Path, config, dtype: torch.dtype, device: torch.device, vision_tower: bool = True) -> LlamaModel:
+    """vision_tower False: a vision-language model's language model only (a TP worker, which
+    takes its embeddings from rank 0)."""
     if config.architectures[0] in FAMILY_MODULES:
         # A GGUF checkpoint is handed over as its view's marker file, which checkpoint_tensors reads.
         files = [path / VIEW_MARKER] if is_gguf_view(path) else safetensors_files(path)
@@ -164,7 +166,7 @@ def load_model(path: Path, config, dtype: torch.dtype, device: torch.device) -> 
     process_weights_after_loading(model)
     model.rope = rope.to(device)
     model = model.to(device=device, dtype=dtype).eval()
-    if multimodal:
+    if multimodal and vision_tower:
         model.attach_tower(config.multimodal_config, safetensors_files(path), dtype, device)
     return model
 

@@ -32,13 +32,22 @@ def content(before: str, images, after: str) -> list[dict]:
                                                 for p in images), {"type": "text", "text": after}]
 
 
-def offline(llm, before: str, images, after: str, max_tokens: int, ignore_eos: bool = True) -> tuple[list[int], int]:
+def offline_output(llm, before: str, images, after: str, max_tokens: int, ignore_eos: bool = True):
     parts = [{"type": "text", "text": before}, *[{"type": "image"}] * len(images), {"type": "text", "text": after}]
     text = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
                                                    tokenize=False)
-    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}},
-                       SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos), use_tqdm=False)[0]
+    return llm.generate({"prompt": text, "multi_modal_data": {"image": images}},
+                        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos), use_tqdm=False)[0]
+
+
+def offline(llm, before: str, images, after: str, max_tokens: int, ignore_eos: bool = True) -> tuple[list[int], int]:
+    out = offline_output(llm, before, images, after, max_tokens, ignore_eos)
     return out.outputs[0].token_ids, len(out.prompt_token_ids)
+
+
+def offline_prompt(llm, before: str, images, after: str) -> list[int]:
+    """The prompt's token ids as the engine takes them: the image placeholders expanded."""
+    return list(offline_output(llm, before, images, after, 1).prompt_token_ids)
 
 
 def chat(url: str, before: str, images, after: str, max_tokens: int = 8, on_token=None):
