@@ -41,6 +41,9 @@ from pdserve.models.gguf import DEFAULT_MODEL
 
 LAYOUTS = {
     "pd-slo": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1", "--prefill-placement", "slo"),
+    # The same, each step on the idle node's core too (pdserve.node.core_board).
+    "pd-slo-lend": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1",
+                    "--prefill-placement", "slo", "--lend-idle-cores"),
     "mono-2x1": ("--prefill-nodes", "0", "--decode-nodes", "2", "--threads-per-node", "1"),
     "mono-1x2": ("--prefill-nodes", "0", "--decode-nodes", "1", "--threads-per-node", "2"),
     "pd-threshold": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1",

@@ -211,6 +211,9 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
                           "the list's length; null: no speculation on that node)")
     up.add_argument("--threads-per-node", type=int, default=None,
                     help="compute threads per node (default: the machine's cores divided among the nodes)")
+    up.add_argument("--lend-idle-cores", action="store_true",
+                    help="a node runs each step on its own threads plus those of the nodes that are idle "
+                         "then (one-thread-per-rank nodes; see docs/disaggregation.md)")
     add_admission_args(up)
     add_routing_args(up)
     add_planner_args(up)

@@ -27,6 +27,7 @@ from pdserve.entrypoints.ray_launch import run_up_ray
 from pdserve.entrypoints.tp_degrees import node_parallel_flags, node_ranks, pool_ranks
 from pdserve.kvstore.redact import embedding_store_url, redact_url
 from pdserve.models.gguf import find_gguf_file, prepare_view
+from pdserve.node.core_board import BOARD_ENV, SLOT_ENV, SLOTS, create_board
 from pdserve.wire.curve_keys import write_keys
 from pdserve.wire.transport import NodeSocket, free_port
 
@@ -58,6 +59,8 @@ class Cluster:
         self.commands: dict[str, tuple[list[str], dict]] = {}  # name -> how to start it again
         self.restarts: dict[str, list[float]] = {}  # name -> monotonic times it was restarted
         self.curve_dir: str | None = None  # --curve: this cluster's keys, removed when it stops
+        self.core_board: str | None = None  # --lend-idle-cores: the nodes' board, removed when it stops
+        self.board_slots: dict[str, int] = {}
         self.registry: RegistryServer | None = None  # every node registers here; the router watches it
         # NodeOwner state: the nodes this launcher runs, and where the router reaches them.
         self.node_roles: dict[str, str] = {}
@@ -66,15 +69,31 @@ class Cluster:
         self._store: str | None = None
         self.admin: NodeSocket | None = None  # the router's StartNode/StopNode requests arrive here
 
-    def spawn(self, name: str, cmd: list[str], threads: int | None = None) -> None:
+    def spawn(self, name: str, cmd: list[str], threads: int | None = None, lend_cores: bool = False) -> None:
         log.info("starting %s: %s", name, " ".join(map(redact_url, cmd)))  # --store may hold a password
         env = dict(os.environ)
         if threads:
             # Each node gets its share of the cores: nodes that each size their torch and numba
             # pools to every core oversubscribe the machine (measured: 0.3x the throughput).
             env.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
+            slot = self._board_slot(name) if lend_cores else None
+            if slot is not None:  # and borrows idle nodes' cores (pdserve.node.core_board)
+                env.update({BOARD_ENV: self.core_board, SLOT_ENV: str(slot)})
         self.commands[name] = (cmd, env)
         self.procs.append((name, subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
+
+    def _board_slot(self, name: str) -> int | None:
+        """The node's slot on the core board (--lend-idle-cores), made with the board at the
+        first node; None without one, or past its slots."""
+        if not getattr(self.args, "lend_idle_cores", False):
+            return None
+        if self.core_board is None:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            fd, self.core_board = tempfile.mkstemp(prefix="pdserve-cores-", dir=shm)
+            os.close(fd)
+            create_board(self.core_board)
+        slot = self.board_slots.setdefault(name, len(self.board_slots))
+        return slot if slot < SLOTS else None
 
     def threads_per_node(self, ranks: int = 1) -> int:
         """A node's threads: its ranks' share of the cores (a TP or PP node gets one share per
@@ -179,7 +198,8 @@ class Cluster:
 
     def _start(self, role: str, node_id: str, extra: list[str], ranks: int = 1) -> str:
         addr = f"tcp://127.0.0.1:{free_port()}"
-        self.spawn(node_id, self.node_cmd(role, node_id, addr, extra), self.threads_per_node(ranks))
+        self.spawn(node_id, self.node_cmd(role, node_id, addr, extra), self.threads_per_node(ranks),
+                   lend_cores=ranks == 1)  # a TP or PP node's ranks keep their shares
         self.node_roles[node_id], self.node_addresses[node_id] = role, addr
         return node_id
 
@@ -310,6 +330,8 @@ class Cluster:
                 proc.kill()
         if self.curve_dir:
             shutil.rmtree(self.curve_dir, ignore_errors=True)
+        if self.core_board:
+            os.unlink(self.core_board)
         if self.registry is not None:
             self.registry.stop()
         if self.admin is not None:

@@ -10,6 +10,7 @@ from pdserve.kvstore.factory import make_store
 from pdserve.kvstore.redact import embedding_store_url
 from pdserve.kvstore.ucx_devices import pin_ucx_to_host
 from pdserve.node.compute_thread import on_compute_thread
+from pdserve.node.core_board import BOARD_ENV, machine_cores
 from pdserve.wire.curve_keys import NodeKeys
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,10 @@ def _apply_thread_limit() -> None:
     threads = node_thread_share()
     if threads is None:
         return
-    os.environ.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
+    # With cores lent (pdserve.node.core_board), numba's pool is sized to the machine and each
+    # step uses what the board allows; torch's grows and shrinks on request.
+    numba_threads = max(threads, machine_cores()) if os.environ.get(BOARD_ENV) else threads
+    os.environ.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(numba_threads))
     import torch  # deferred: this module is torch-free until a node is served
     torch.set_num_threads(threads)
     log.info("compute threads for this node: %d", threads)

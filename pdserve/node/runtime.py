@@ -30,6 +30,7 @@ from pdserve.engine.footprint import footprint
 from pdserve.kvstore.embedding_store import EmbeddingStore
 from pdserve.node.compat import NodeCompat
 from pdserve.node.compute_thread import compute_executor
+from pdserve.node.core_board import CoreBoard
 from pdserve.node.embedding_intake import EmbeddingIntake
 from pdserve.node.embeddings import EmbeddingQueue
 from pdserve.node.kv_events import KVEventPublisher
@@ -112,6 +113,7 @@ class NodeRuntime:
             self._step_done_r, self._step_done_w = os.pipe()
             self.switches = 0
             self.intake = EmbeddingIntake(node_id, engine, self.ctx, self.embedding_store, self.stats)
+            self.cores = CoreBoard.from_env()  # `pdserve up --lend-idle-cores`: idle nodes' cores per step
         self.poller.register(self.control.sock, zmq.POLLIN)
         self.poller.register(self._step_done_r, zmq.POLLIN)
         self.origin: dict[str, bytes] = {}  # request id -> the router that sent it
@@ -134,7 +136,7 @@ class NodeRuntime:
         self.ctx, self.control, self.stats, self.kv_events = old.ctx, old.control, old.stats, old.kv_events
         self._stepper, self._step_done_r, self._step_done_w = old._stepper, old._step_done_r, old._step_done_w
         self.switches = old.switches + 1
-        self.intake = old.intake
+        self.intake, self.cores = old.intake, old.cores
         self.registration = old.registration
 
     # ---- the loop -------------------------------------------------------------------------
@@ -176,6 +178,8 @@ class NodeRuntime:
                 self.control.send(identity, result)
         if self.engine.has_unfinished_requests():
             self.on_outputs(self._step_answering_pings())
+        if self.cores is not None and not (self.engine.has_unfinished_requests() and self.engine.last_step_tokens > 0):
+            self.cores.mark_idle()  # nothing to compute (or only KV to wait for): its cores are lent
         self.kv_events.flush()
 
     def _step_answering_pings(self) -> list[StepOutput]:
@@ -183,7 +187,7 @@ class NodeRuntime:
 
     def _run_answering_pings(self, work):
         """work() (an engine step, or other work on the model) on the step thread; its result."""
-        step = self._stepper.submit(work)
+        step = self._stepper.submit(work if self.cores is None else lambda: self.cores.run(work))
         # Signalled from a done-callback, which runs after the future is marked done: a byte
         # written from inside the step would wake this loop before done() turns true, and the
         # next poll would then sleep its full second with nothing left to wake it.
@@ -264,6 +268,8 @@ class NodeRuntime:
                      pipeline_parallel_size=engine.config.pipeline_parallel_size,
                      lora_slot_loads=engine.lora.slot_loads if engine.lora is not None else 0,
                      **footprint(self.engine), **spec_stats(engine), **encoder_stats(engine))
+        if self.cores is not None:  # steps run on lent cores (pdserve.node.core_board)
+            stats.update(lent_core_steps=self.cores.lent_steps)
         return Pong(ping.seq, self.node_id, self.role, len(sched.requests),
                     engine.pool.num_free, engine.pool.num_blocks, stats,
                     kv_salt=engine.salt, state=self.state(), compat=self.compat.current(), **lora_pong_fields(engine))
@@ -354,6 +360,8 @@ class NodeRuntime:
         os.close(self._step_done_w)
         self.control.close()
         self.intake.close()
+        if self.cores is not None:
+            self.cores.close()
         store = getattr(self, "store", None)
         if store is not None:
             store.close()

@@ -1,0 +1,87 @@
+"""Cores lent between the nodes of one machine (pdserve.node.core_board): a node's step runs on
+its own share plus the shares of the nodes idle at that moment, never on a busy node's; and
+`pdserve up --lend-idle-cores` serves the same greedy tokens as the offline engine with steps run
+on lent cores, its board file gone once it stops."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pdserve.node.core_board import SLOTS, CoreBoard, create_board
+
+
+@pytest.fixture
+def board_path(tmp_path):
+    path = str(tmp_path / "board")
+    create_board(path)
+    return path
+
+
+def test_a_step_borrows_only_idle_nodes_cores(board_path):
+    prefill, decode = CoreBoard(board_path, 0, 1, 3), CoreBoard(board_path, 1, 1, 3)
+    assert prefill.step_threads() == 1  # the decode node starts busy (a node is busy until it says idle)
+    decode.mark_idle()
+    assert prefill.step_threads() == 2
+    assert decode.step_threads() == 1  # marking itself busy first: the prefill node is busy, nothing lent
+    prefill.mark_idle()
+    assert decode.step_threads() == 2
+    third = CoreBoard(board_path, 2, 2, 3)  # a third node, busy: lends nothing
+    assert decode.step_threads() == 2
+    third.mark_idle()
+    assert decode.step_threads() == 3  # 1 + 1 + 2, capped at the machine's 3 cores
+
+
+def test_a_closed_node_lends_nothing_and_run_sets_the_threads(board_path, monkeypatch):
+    set_to: list[int] = []
+    monkeypatch.setattr("pdserve.node.core_board.set_compute_threads", set_to.append)
+    a, b = CoreBoard(board_path, 0, 1, 2), CoreBoard(board_path, 1, 1, 2)
+    b.close()  # share 0: its slot lends nothing
+    assert a.run(lambda: "step") == "step" and set_to == [1] and a.lent_steps == 0
+    b = CoreBoard(board_path, 1, 1, 2)
+    b.mark_idle()
+    a.run(lambda: None)
+    assert set_to == [1, 2] and a.lent_steps == 1
+    a.run(lambda: None)
+    assert set_to == [1, 2]  # unchanged: not set again
+
+
+def test_from_env_needs_a_board_a_slot_and_a_share(board_path):
+    assert CoreBoard.from_env({}) is None
+    assert CoreBoard.from_env({"PDSERVE_CORE_BOARD": board_path, "PDSERVE_CORE_SLOT": str(SLOTS),
+                               "OMP_NUM_THREADS": "1"}) is None
+    board = CoreBoard.from_env({"PDSERVE_CORE_BOARD": board_path, "PDSERVE_CORE_SLOT": "3", "OMP_NUM_THREADS": "1"})
+    assert (board.slot, board.share) == (3, 1)
+
+
+def test_pdserve_up_lends_idle_cores_and_serves_the_same_tokens():
+    pytest.importorskip("openai")
+    from pdserve.offline.llm import LLM
+    from pdserve.testing.up_cluster import (
+        assert_greedy_matches_offline,
+        node_pids,
+        node_stats,
+        running_cluster,
+        wait_for,
+    )
+
+    llm = LLM("builtin:tiny", num_kv_blocks=512)
+    with running_cluster("--lend-idle-cores", "--threads-per-node", "1", "--kv-transfer", "nixl") as (url, proc):
+        for start in (7, 40, 90):
+            assert_greedy_matches_offline(url, llm, list(range(start, start + 60)), 16)
+        wait_for(lambda: sum(s.get("lent_core_steps", 0) for s in node_stats(url).values()) > 0, timeout_s=10)
+        board = _board_of(node_pids(proc.pid))
+        assert board is not None and os.path.exists(board)
+    assert not os.path.exists(board)
+
+
+def _board_of(pids: dict[str, int]) -> str | None:
+    """The core board named in the nodes' environments (every node names the same one)."""
+    boards = set()
+    for name, pid in pids.items():
+        if not name.startswith(("prefill-", "decode-")):
+            continue
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        boards.add(env.get(b"PDSERVE_CORE_BOARD", b"").decode())
+    return boards.pop() if len(boards) == 1 else None
