@@ -27,7 +27,7 @@ from pdserve.entrypoints.ray_launch import run_up_ray
 from pdserve.entrypoints.tp_degrees import node_parallel_flags, node_ranks, pool_ranks
 from pdserve.kvstore.redact import embedding_store_url, redact_url
 from pdserve.models.gguf import find_gguf_file, prepare_view
-from pdserve.node.core_board import BOARD_ENV, SLOT_ENV, SLOTS, create_board
+from pdserve.node.core_board import BOARD_ENV, SLOT_ENV, SLOTS, create_board, machine_cores
 from pdserve.wire.curve_keys import write_keys
 from pdserve.wire.transport import NodeSocket, free_port
 
@@ -101,7 +101,7 @@ class Cluster:
         a = self.args
         if a.threads_per_node:
             return a.threads_per_node
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = machine_cores()
         all_ranks = (pool_ranks(a, "prefill", a.prefill_nodes) + pool_ranks(a, "decode", a.decode_nodes)
                      + getattr(a, "encode_nodes", 0))
         return ranks * max(1, cores // max(1, all_ranks))

@@ -84,10 +84,6 @@ def machine_cores() -> int:
 
 def set_compute_threads(threads: int) -> None:
     """torch's pool and numba's (this thread's) at `threads`."""
-    import torch  # deferred: heavy, and this module's board logic is torch-free
-    torch.set_num_threads(threads)
-    try:
-        import numba  # optional: the torch kernels run without it
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    except ImportError:
-        pass
+    # deferred: loads torch; this module is imported by the launcher, which stays torch-free
+    from pdserve.executor.group import set_rank_threads
+    set_rank_threads(threads)

@@ -29,8 +29,7 @@ def node_thread_share(env: dict[str, str] | None = None) -> int | None:
         return int(explicit)
     nodes = env.get("PDSERVE_NODES_PER_HOST", "")
     if nodes.isdigit() and int(nodes) > 0:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, cores // int(nodes))
+        return max(1, machine_cores() // int(nodes))
     omp = env.get("OMP_NUM_THREADS", "")
     return int(omp) if omp.isdigit() and int(omp) > 0 else None
 
