@@ -5,10 +5,11 @@ on lent cores, its board file gone once it stops."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
-from pdserve.node.core_board import SLOTS, CoreBoard, create_board
+from pdserve.node.core_board import LEND_AFTER_S, SLOTS, CoreBoard, create_board
 
 
 @pytest.fixture
@@ -18,18 +19,21 @@ def board_path(tmp_path):
     return path
 
 
-def test_a_step_borrows_only_idle_nodes_cores(board_path):
+def test_a_step_borrows_only_the_cores_of_nodes_idle_a_while(board_path):
     prefill, decode = CoreBoard(board_path, 0, 1, 3), CoreBoard(board_path, 1, 1, 3)
-    assert prefill.step_threads() == 1  # the decode node starts busy (a node is busy until it says idle)
-    decode.mark_idle()
-    assert prefill.step_threads() == 2
-    assert decode.step_threads() == 1  # marking itself busy first: the prefill node is busy, nothing lent
-    prefill.mark_idle()
-    assert decode.step_threads() == 2
+    lend_ns = int(LEND_AFTER_S * 1e9)
+    assert prefill.step_threads(now_ns=10**12) == 1  # the decode node starts busy (busy until it says idle)
+    decode.mark_idle(now_ns=10**12)
+    assert prefill.step_threads(now_ns=10**12 + lend_ns // 2) == 1  # idle for a moment: between streams
+    decode.mark_idle(now_ns=10**12 + lend_ns)  # still idle: the time it went idle stays
+    assert prefill.step_threads(now_ns=10**12 + lend_ns) == 2
+    assert decode.step_threads(now_ns=2 * 10**12) == 1  # marking itself busy first: the prefill node is busy
+    assert prefill.step_threads(now_ns=2 * 10**12) == 1  # the decode node is busy again: nothing lent
+    prefill.mark_idle(now_ns=2 * 10**12)
     third = CoreBoard(board_path, 2, 2, 3)  # a third node, busy: lends nothing
-    assert decode.step_threads() == 2
-    third.mark_idle()
-    assert decode.step_threads() == 3  # 1 + 1 + 2, capped at the machine's 3 cores
+    assert decode.step_threads(now_ns=3 * 10**12) == 2
+    third.mark_idle(now_ns=2 * 10**12)
+    assert decode.step_threads(now_ns=3 * 10**12) == 3  # 1 + 1 + 2, capped at the machine's 3 cores
 
 
 def test_a_closed_node_lends_nothing_and_run_sets_the_threads(board_path, monkeypatch):
@@ -39,7 +43,7 @@ def test_a_closed_node_lends_nothing_and_run_sets_the_threads(board_path, monkey
     b.close()  # share 0: its slot lends nothing
     assert a.run(lambda: "step") == "step" and set_to == [1] and a.lent_steps == 0
     b = CoreBoard(board_path, 1, 1, 2)
-    b.mark_idle()
+    b.mark_idle(now_ns=time.monotonic_ns() - int(LEND_AFTER_S * 1e9))
     a.run(lambda: None)
     assert set_to == [1, 2] and a.lent_steps == 1
     a.run(lambda: None)
