@@ -212,8 +212,8 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     up.add_argument("--threads-per-node", type=int, default=None,
                     help="compute threads per node (default: the machine's cores divided among the nodes)")
     up.add_argument("--lend-idle-cores", action="store_true",
-                    help="a node runs each step on its own threads plus those of the nodes that are idle "
-                         "then (one-thread-per-rank nodes; see docs/disaggregation.md)")
+                    help="a node runs each step on its own threads plus those of the nodes idle for 0.25 s "
+                         "(nodes of one rank; see docs/disaggregation.md)")
     add_admission_args(up)
     add_routing_args(up)
     add_planner_args(up)
