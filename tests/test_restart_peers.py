@@ -55,14 +55,22 @@ def _transfers(url: str) -> tuple[int, int]:
     return decode["transfers_ok"], decode["transfers_failed"]
 
 
+def _wait_transfers(url: str, want: tuple[int, int]) -> None:
+    """Counters ride on pongs every 0.2 s, and a pong from before the round's last handover still
+    shows fewer: wait for the round's counts (a failed READ would never reach them)."""
+    try:
+        wait_for(lambda: _transfers(url) == want, timeout_s=10)
+    except AssertionError:
+        raise AssertionError(f"decode-0 transfers (ok, failed): {_transfers(url)}, want {want}") from None
+
+
 def test_a_restarted_prefill_node_is_read_through_its_new_agent(cluster, llm):
     url, proc = cluster
     _round(url, llm, "before")
-    ok, failed = _transfers(url)
-    assert ok == 3 and failed == 0
+    _wait_transfers(url, (3, 0))
     _restart(url, proc, "prefill-0")
     _round(url, llm, "after the prefill restart")
-    assert _transfers(url) == (ok + 3, 0)  # every handover READ from the new agent
+    _wait_transfers(url, (6, 0))  # every handover READ from the new agent
     assert node_stats(url)["prefill-0"]["leases_expired"] == 0
 
 
@@ -70,5 +78,5 @@ def test_a_restarted_decode_node_notifies_the_prefill_node(cluster, llm):
     url, proc = cluster
     _restart(url, proc, "decode-0")
     _round(url, llm, "after the decode restart")
-    assert _transfers(url) == (3, 0)  # the new process's counters
+    _wait_transfers(url, (3, 0))  # the new process's counters
     assert node_stats(url)["prefill-0"]["leases_expired"] == 0
