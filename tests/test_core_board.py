@@ -72,6 +72,9 @@ def test_pdserve_up_lends_idle_cores_and_serves_the_same_tokens():
     llm = LLM("builtin:tiny", num_kv_blocks=512)
     with running_cluster("--lend-idle-cores", "--threads-per-node", "1", "--kv-transfer", "nixl") as (url, proc):
         for start in (7, 40, 90):
+            # Both nodes idle past LEND_AFTER_S first: each prompt's first step then borrows (back
+            # to back, on a loaded machine, no node had been idle that long).
+            time.sleep(2 * LEND_AFTER_S)
             assert_greedy_matches_offline(url, llm, list(range(start, start + 60)), 16)
         wait_for(lambda: sum(s.get("lent_core_steps", 0) for s in node_stats(url).values()) > 0, timeout_s=10)
         board = _board_of(node_pids(proc.pid))
