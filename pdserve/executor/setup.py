@@ -9,6 +9,7 @@ import torch
 
 from pdserve.executor.executor import TPExecutor
 from pdserve.layers.parallel import set_tp_group
+from pdserve.layers.quant.base import quantization_dict
 from pdserve.models import qwen2_5_vl
 from pdserve.models.loader import FAMILY_MODULES, load_model
 from pdserve.models.pipeline import cut_to_stage, pp_layer_range
@@ -29,18 +30,14 @@ TP_FAMILIES = LAYER_FAMILIES + SHARDED_AFTER_LOAD
 SHARDED_QUANT_METHODS = ("mxfp4",)
 
 
-def _quant_method(quant) -> str:
-    return str(quant.get("quant_method", "") if isinstance(quant, dict) else getattr(quant, "quant_method", ""))
-
-
 def check_tp_support(hf_config, size: int, expert_parallel: bool = False) -> None:
     arch = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
     if arch not in TP_FAMILIES:
         kind = "is not converted to tensor parallelism yet" if arch in FAMILY_MODULES else "is not supported"
         raise ValueError(f"tensor_parallel_size={size}: {arch} {kind}; "
                          f"tensor parallelism supports {', '.join(TP_FAMILIES)}")
-    quant = getattr(hf_config, "quantization_config", None)
-    if arch in SHARDED_AFTER_LOAD and quant and _quant_method(quant) not in SHARDED_QUANT_METHODS:
+    quant = quantization_dict(hf_config)
+    if arch in SHARDED_AFTER_LOAD and quant and quant.get("quant_method") not in SHARDED_QUANT_METHODS:
         raise ValueError(f"tensor_parallel_size={size}: quantized {arch} checkpoints other than "
                          f"{', '.join(SHARDED_QUANT_METHODS)} (FP8) run at tensor_parallel_size 1 only so far")
     heads = hf_config.num_attention_heads

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pdserve.layers.quant import mxfp4
+from pdserve.layers.quant.base import quantization_dict
 from pdserve.models.attention import PagedAttention
 from pdserve.models.decoder import DecoderModel, build_and_load
 from pdserve.models.llama import ModelSpec
@@ -53,14 +54,9 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def _quantization(config) -> dict | None:
-    quantization = getattr(config, "quantization_config", None)
-    return (quantization if isinstance(quantization, dict) else quantization.to_dict()) if quantization else None
-
-
 def check_config(config) -> None:
-    if _quantization(config):
-        mxfp4.check_config(_quantization(config))
+    if (quantization := quantization_dict(config)) is not None:
+        mxfp4.check_config(quantization)
     check_fields(config, {"attention_bias": (True, False), "tie_word_embeddings": (False, True)})
     bad = set(config.layer_types) - set(LAYER_TYPES)
     if bad:
@@ -131,7 +127,7 @@ def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.dev
     spec = model_spec(config)
     rope = RotaryEmbedding(config, spec.head_dim, spec.max_position_embeddings)
 
-    quantized = _quantization(config) is not None
+    quantized = quantization_dict(config) is not None
     if quantized and device.type != "cpu":
         raise ValueError("MXFP4 checkpoints run on CPU only so far (no CUDA kernels yet)")
 

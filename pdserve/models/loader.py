@@ -12,6 +12,7 @@ from safetensors import safe_open
 from pdserve.kernels.fp8_kv import is_kv_scale
 from pdserve.layers.loading import load_param, process_weights_after_loading
 from pdserve.layers.quant import fp8_block, gptq_awq
+from pdserve.layers.quant.base import quantization_dict
 from pdserve.layers.quant.compressed_tensors import SUPPORTED, CompressedTensorsConfig, grouped_tensors
 from pdserve.layers.quant.gguf_config import GGUFQuantConfig
 from pdserve.layers.quant.grouped import GroupedWeight
@@ -60,7 +61,7 @@ def load_hf_config(path: Path):
             _family(archs[0]).check_config(config)
         except ValueError as exc:
             raise ModelLoadError(f"{path}: {exc}") from None
-    quantization = getattr(config, "quantization_config", None)
+    quantization = quantization_dict(config)
     if quantization and not (archs[0] in FAMILY_MODULES and getattr(_family(archs[0]), "LOADS_QUANTIZED", False)):
         _checkpoint_quant_config(path, archs[0], quantization)  # refuses what cannot load, now
     return config
@@ -78,10 +79,9 @@ def flatten_multimodal_config(config):
     return text
 
 
-def _checkpoint_quant_config(path: Path, arch: str, quantization):
+def _checkpoint_quant_config(path: Path, arch: str, quantization: dict):
     """The QuantConfig of a checkpoint's quantization_config (Llama family: compressed-tensors, FP8
     blocks, GPTQ, AWQ)."""
-    quantization = quantization if isinstance(quantization, dict) else quantization.to_dict()
     method = quantization.get("quant_method")
     if arch in FAMILY_MODULES or method not in ("compressed-tensors", "fp8", *gptq_awq.METHODS):
         raise ModelLoadError(f"{path}: quantized checkpoints ({method}) load for the Llama family "
@@ -176,7 +176,7 @@ def _quant_config(path: Path, device: torch.device, config):
     weights stay quantized on CPU and on CUDA (whose linear layers take the Triton and
     torch._scaled_mm kernels, pdserve.layers.quant.cuda_kernels; quantized MoE experts are CPU
     only and refuse there). GGUF blocks stay quantized on CPU; on CUDA they are dequantized at load."""
-    quantization = getattr(config, "quantization_config", None)
+    quantization = quantization_dict(config)
     if quantization:
         return _checkpoint_quant_config(path, config.architectures[0], quantization)
     if is_gguf_view(path) and device.type == "cpu":

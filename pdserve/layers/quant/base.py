@@ -19,6 +19,15 @@ import torch
 from torch import nn
 
 
+def quantization_dict(config) -> dict | None:
+    """A model config's quantization_config as a dict (transformers keeps some as objects);
+    None for full-precision weights."""
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return None
+    return quantization if isinstance(quantization, dict) else quantization.to_dict()
+
+
 class QuantMethod(ABC):
     @abstractmethod
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
