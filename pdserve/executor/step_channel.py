@@ -65,7 +65,6 @@ class StepChannel:
         _broadcast(self.group, flat)
         return flat
 
-
     def broadcast_embeddings(self, values: torch.Tensor) -> None:
         """Driver, after the arrays: the step's image embeddings [R, hidden] (floats do not fit
         the int64 buffer; an image's rows are a few hundred kilobytes at most a step)."""

@@ -169,8 +169,7 @@ class NodeRuntime:
     def run_once(self) -> None:
         # Block on the sockets only when the last step did no work (idle, or all requests are
         # waiting for remote KV): otherwise keep stepping.
-        busy = self.engine.has_unfinished_requests() and self.engine.last_step_tokens > 0
-        self._read_messages(0 if busy else IDLE_POLL_MS)
+        self._read_messages(0 if self._computing() else IDLE_POLL_MS)
         self.poll_background()
         self._abort_for_gone_routers()
         if self.embeddings:
@@ -178,9 +177,13 @@ class NodeRuntime:
                 self.control.send(identity, result)
         if self.engine.has_unfinished_requests():
             self.on_outputs(self._step_answering_pings())
-        if self.cores is not None and not (self.engine.has_unfinished_requests() and self.engine.last_step_tokens > 0):
+        if self.cores is not None and not self._computing():
             self.cores.mark_idle()  # nothing to compute (or only KV to wait for): its cores are lent
         self.kv_events.flush()
+
+    def _computing(self) -> bool:
+        """Requests to step, and the last step computed tokens (not only waiting for remote KV)."""
+        return self.engine.has_unfinished_requests() and self.engine.last_step_tokens > 0
 
     def _step_answering_pings(self) -> list[StepOutput]:
         return self._run_answering_pings(self.engine.step)
