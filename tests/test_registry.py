@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 
 import msgspec
 import psutil
@@ -18,9 +19,12 @@ import zmq
 from registry_util import serves, start_decode, stop_process, watch_pool
 
 from pdserve import LLM
+from pdserve.cluster import registry as registry_module
 from pdserve.cluster.registration import NodeRegistration
 from pdserve.cluster.registry import RegistryServer
 from pdserve.cluster.registry_messages import EXPIRE_AFTER_S, NodeRecord, Register, encode
+from pdserve.router.dispatch.nodes import NodePool
+from pdserve.router.scaling.registry_watcher import RegistryWatcher
 from pdserve.testing.up_cluster import node_stats, running_cluster, wait_for
 from pdserve.wire.compat import KVCompat
 from pdserve.wire.transport import free_port
@@ -166,3 +170,53 @@ def test_a_node_that_never_registers_with_a_restarted_registry_leaves_the_pool()
         server.stop()
     assert ["decode-y", "prefill-x"] in samples[:15], samples
     assert samples[-1] == ["prefill-x"], "a node the restarted registry never heard from stayed in the pool"
+
+
+def test_a_record_that_expires_while_its_node_answers_keeps_the_node(tmp_path, monkeypatch):
+    """A loaded host can starve a node's heartbeat thread past the expiry while the node still
+    answers the router's pings (a Ray run under load once lost a stream so: the registry dropped the
+    last decode node's record and the router removed the node). Here the registry expires records
+    after 0.3 s while the node heartbeats every second, so its record comes and goes: the pool
+    keeps the node in rotation throughout, and drops it once the node is killed."""
+    monkeypatch.setattr(registry_module, "EXPIRE_AFTER_S", 0.3)
+    server = RegistryServer(f"tcp://127.0.0.1:{free_port()}").start()
+    node, _ = start_decode(server.address, "decode-x", str(tmp_path / "x.log"))
+
+    def in_rotation(pool) -> bool:
+        return (n := pool.get("decode-x")) is not None and n.healthy
+
+    async def scenario() -> tuple[list[bool], float]:
+        pool = NodePool([], [], lambda node, msg: None, lambda node: None)
+        await pool.start()
+        watcher = RegistryWatcher(server.address, pool)
+        task = asyncio.create_task(watcher.run())
+        try:
+            await _until(lambda: in_rotation(pool), 120)
+            samples = []
+            for _ in range(50):  # 5 s: the record expires about every second
+                await asyncio.sleep(0.1)
+                samples.append(in_rotation(pool))
+            node.kill()
+            return samples, await _until(lambda: pool.get("decode-x") is None, 10)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await pool.stop()
+
+    try:
+        expired_before = server.version
+        samples, gone_after = asyncio.run(scenario())
+        assert server.version - expired_before >= 4, "the record never expired: the test tests nothing"
+    finally:
+        stop_process(node)
+        server.stop()
+    assert all(samples), f"the node left the rotation while it answered pings: {samples}"
+    print(f"killed: out of the pool after {gone_after:.2f} s")
+
+
+async def _until(predicate, timeout_s: float) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, "timed out"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - start

@@ -103,7 +103,8 @@ def test_a_prompt_a_decode_node_computed_is_written_to_the_store(reference):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
         first = _complete(client, PROMPTS[0])
         assert first.choices[0].text == reference[PROMPTS[0]]
-        writer = next(n for n, s in node_stats(url).items() if s["requests_total"] == 1)
+        # Node stats come with pongs (every 0.2 s): wait for one from after the request.
+        writer = wait_for(lambda: next((n for n, s in node_stats(url).items() if s["requests_total"] == 1), None))
         full_blocks = first.usage.prompt_tokens // 16
         wait_for(lambda: node_stats(url)[writer]["writeback_blocks"] == full_blocks)
         second = _complete(client, PROMPTS[1])

@@ -5,7 +5,12 @@ keep-alive) and receives every change as it happens. Each Membership is applied 
   * a node not in the pool is added (it joins the rotation at its first Pong);
   * a node whose address or role changed (restarted elsewhere, switched) is replaced;
   * a node's `draining` flag follows its record's state;
-  * a node the watcher added that left the membership is removed (its requests move on).
+  * a node the watcher added that left the membership is removed (its requests move on), but
+    not while it still answers pings: a record also expires when a loaded host starves the
+    node's heartbeat thread for EXPIRE_AFTER_S, and such a node registers again on its next
+    heartbeat. Removing it would move its requests for nothing, and when it was the last node
+    of its role fail them (a dead node comes back from nowhere). It goes once it falls silent
+    or disconnects, or comes back into the membership.
 A node given on the command line (--prefill/--decode) is left alone until a node registers under
 its id (`pdserve up` gives both, so its router routes at once, before any membership arrives):
 from then on the registry speaks for it. A static node that never registers is never removed.
@@ -51,6 +56,7 @@ class RegistryWatcher:
         self.version = -1
         self.epoch_seen_at = -EXPIRE_AFTER_S  # when a restarted registry was first seen
         self.removals_deferred = False
+        self.unlisted: set[str] = set()  # left the membership while still answering pings: kept
         self.applied = 0  # memberships applied (tests and /health read it)
 
     async def run(self) -> None:
@@ -98,7 +104,7 @@ class RegistryWatcher:
         # An unchanged membership is applied again while removals wait for the grace after a
         # restart to end: else a node that never re-registered would stay in the pool for good.
         if membership.version < self.version or (membership.version == self.version
-                                                 and not self.removals_deferred):
+                                                 and not self.removals_deferred and not self.unlisted):
             return
         self.version = membership.version
         self.applied += 1
@@ -108,9 +114,21 @@ class RegistryWatcher:
         self.removals_deferred = time.monotonic() - self.epoch_seen_at < EXPIRE_AFTER_S
         if self.removals_deferred:
             return  # a fresh registry may not have heard from every node yet
+        self.unlisted &= self.managed - records.keys()
         for node_id in sorted(self.managed - records.keys()):
-            self.managed.discard(node_id)
-            await self.pool.remove_node(node_id)
+            await self._remove_unlisted(node_id)
+
+    async def _remove_unlisted(self, node_id: str) -> None:
+        node = self.pool.get(node_id)
+        if node is not None and node.healthy:  # its record expired, not the node (see above)
+            if node_id not in self.unlisted:
+                log.warning("%s left the membership but still answers: kept until it falls silent, "
+                            "disconnects or registers again", node_id)
+                self.unlisted.add(node_id)
+            return
+        self.unlisted.discard(node_id)
+        self.managed.discard(node_id)
+        await self.pool.remove_node(node_id)
 
     async def _apply_record(self, record: NodeRecord) -> None:
         node = self.pool.get(record.node_id)
