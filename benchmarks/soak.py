@@ -2,7 +2,9 @@
 (NIXL, and the store over Redis; the two clusters side by side, each with its own clients and
 faults) while faults land at random moments (soak_faults), checked as it runs and at the end:
 
-- every request the client kept completes, with the offline engine's text (greedy and seeded);
+- every request the client kept completes, with the offline engine's text (greedy, seeded, under
+  a LoRA adapter and under a regular expression; one decode node speculates, the offline engine
+  does not);
 - no request waits past its deadline without an answer or an error;
 - each client's first request after an idle pause (past every keep-alive and lease) succeeds at
   its first attempt;
@@ -31,7 +33,7 @@ from pathlib import Path
 
 from benchmarks.soak_cluster import KEEP_ALIVE_S, TRANSPORTS, SoakCluster
 from benchmarks.soak_faults import FAULTS, STORE_FAULTS, Faults
-from benchmarks.soak_load import Client, Gate, Tally, Workload
+from benchmarks.soak_load import Client, Gate, Tally, Workload, make_soak_adapter
 from benchmarks.soak_report import RssWatch, report
 
 
@@ -149,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="pdserve-soak-") as tmp:
         logs = args.logs or Path(tmp)
-        clusters = {t: SoakCluster(logs / t, args.lease_s, t) for t in args.transports}
+        adapter = make_soak_adapter(Path(tmp) / "adapter")
+        clusters = {t: SoakCluster(logs / t, args.lease_s, adapter, t) for t in args.transports}
         try:
             for cluster in clusters.values():
                 cluster.launch()
-            work = Workload()  # the offline engine's answers, computed while the clusters start
+            work = Workload(adapter)  # the offline engine's answers, computed while the clusters start
             results = soak_all(args, clusters, work)
         finally:
             for cluster in clusters.values():

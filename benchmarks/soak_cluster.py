@@ -3,7 +3,8 @@ by NIXL or through the store (LMCache tiers over a Redis started here with the c
 up --kv-transfer store` gives its own), each its own OS process started here, so that any of
 them, the router and Redis included, can be killed, stopped and restarted on the same addresses,
 as `pdserve up` or a container runtime would. The router runs with a short HTTP keep-alive
-(soak_router), so that an idle fault outlasts it.
+(soak_router), so that an idle fault outlasts it. Every node and the router serve the soak's LoRA
+adapter; decode-1 speculates (n-gram drafts), decode-0 does not.
 
 A supervisor thread restarts a process that died (after RESTART_DELAY_S), until stop(). Every
 pid ever started is kept, so stop() can say whether any process was left behind.
@@ -23,12 +24,14 @@ import httpx
 import psutil
 import redis
 
+from benchmarks.soak_load import ADAPTER, MODEL
 from pdserve.wire.transport import free_port
 
-MODEL = "builtin:tiny"
 RESTART_DELAY_S = 0.5
 KEEP_ALIVE_S = 6.0  # the router's: longer than the clients' 5 s, as the 75 s default is
 TRANSPORTS = ("nixl", "store")
+SPECULATIVE = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, '
+               '"prompt_lookup_max": 4}')  # min 1: the random model repeats little, a token often
 
 
 @dataclass
@@ -42,8 +45,11 @@ class Proc:
 
 
 class SoakCluster:
-    def __init__(self, workdir: Path, lease_s: float, transport: str = "nixl", prefill: int = 2, decode: int = 2):
+    def __init__(self, workdir: Path, lease_s: float, adapter: Path, transport: str = "nixl", prefill: int = 2,
+                 decode: int = 2):
+        """adapter: a LoRA adapter of MODEL, served by every node and the router as soak_load.ADAPTER."""
         self.workdir, self.transport = workdir, transport
+        lora = ["--lora-modules", f"{ADAPTER}={adapter}"]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, Proc] = {}
@@ -56,9 +62,11 @@ class SoakCluster:
             for i in range(count):
                 bind = f"tcp://127.0.0.1:{free_port()}"
                 addrs[role].append(bind)
+                spec = ["--speculative-config", SPECULATIVE] if (role, i) == ("decode", 1) else []
                 self._add(f"{role}-{i}", [role, "--model", MODEL, "--node-id", f"{role}-{i}", "--bind", bind,
-                                          "--num-kv-blocks", "256", *self._transfer_flags(role, lease_s)])
-        self._add("router", ["router", "--model", MODEL, "--port", str(self.port), "--kv-transfer", transport,
+                                          "--num-kv-blocks", "256", *self._transfer_flags(role, lease_s), *lora,
+                                          *spec])
+        self._add("router", ["router", "--model", MODEL, "--port", str(self.port), "--kv-transfer", transport, *lora,
                              "--local-prefill-threshold", "0", "--prefill-placement", "threshold",
                              *[a for p in addrs["prefill"] for a in ("--prefill", p)],
                              *[a for d in addrs["decode"] for a in ("--decode", d)]], module="benchmarks.soak_router")

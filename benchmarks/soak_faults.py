@@ -3,9 +3,11 @@ that their counts stay even: SIGKILL of a prefill node, a decode node or the rou
 the same addresses by the cluster's supervisor); SIGSTOP then SIGCONT of a node or the router (a
 process that hangs, then wakes); a prefill node killed right after a first token, while the
 decode node pulls its blocks; traffic held back past every idle timer (the NIXL lease, the
-router's HTTP keep-alive, the clients' own), then resumed; and on a store cluster, SIGKILL of
-Redis (restarted empty: what it held is recomputed) and SIGSTOP then SIGCONT of Redis. Client
-disconnects at each stage are the clients' own (soak_load)."""
+router's HTTP keep-alive, the clients' own), then resumed; a decode node drained under load
+(switched to prefill through the router's /admin/switch, its streams moved to the other decode
+node) and switched back a moment later; and on a store cluster, SIGKILL of Redis (restarted
+empty: what it held is recomputed) and SIGSTOP then SIGCONT of Redis. Client disconnects at each
+stage are the clients' own (soak_load)."""
 from __future__ import annotations
 
 import random
@@ -13,11 +15,13 @@ import signal
 import threading
 import time
 
+import httpx
+
 from benchmarks.soak_cluster import SoakCluster
 from benchmarks.soak_load import Gate, Tally
 
 FAULTS = ("kill prefill", "kill decode", "stop node", "kill router", "stop router", "idle",
-          "prefill restart during pull")
+          "prefill restart during pull", "drain decode")
 STORE_FAULTS = ("kill redis", "stop redis")
 RECOVERY_S = 120.0  # every process back and healthy within this, or the soak counts a violation
 REDIS_STOP_S = (2.0, 5.0)  # a few seconds: the nodes' calls to Redis wait (their socket timeout is 5 s)
@@ -84,6 +88,8 @@ class Faults:
             self.cluster.signal(name, signal.SIGCONT)
         elif kind == "idle" and not self.idle(stop):
             return  # the soak ended during the pause: no request after it to count
+        elif kind == "drain decode" and not self.drain(self._node("decode")):
+            return
         self.tally.add(f"fault: {kind}")
 
     def idle(self, stop: threading.Event) -> bool:
@@ -100,4 +106,20 @@ class Faults:
             if time.monotonic() > deadline:
                 self.tally.violate("hung", f"first requests after an idle pause not done in {self.deadline_s:.0f} s")
                 break
+        return True
+
+    def drain(self, node: str) -> bool:
+        """Switch a decode node to prefill (it drains: its streams move on) and back; False, with
+        a violation, when the router refuses either switch."""
+        for role in ("prefill", "decode"):
+            try:
+                reply = httpx.post(f"{self.cluster.url}/admin/switch", json={"node_id": node, "to_role": role},
+                                   timeout=self.deadline_s)
+            except httpx.HTTPError as exc:
+                self.tally.violate("drain failed", f"switching {node} to {role}: {type(exc).__name__}: {exc}")
+                return False
+            if reply.status_code != 200:
+                self.tally.violate("drain failed", f"switching {node} to {role}: {reply.status_code} {reply.text}")
+                return False
+            time.sleep(self.rng.uniform(0.5, 2.0))
         return True

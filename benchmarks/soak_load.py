@@ -1,6 +1,8 @@
-"""The soak's traffic: streaming clients (the official openai client) sending greedy and seeded
-requests whose prompts share prefixes, as multi-turn chat does, and comparing every answer with
-the offline engine's; some clients leave at a chosen stage (queued, prefilling, in the
+"""The soak's traffic: streaming clients (the official openai client) sending requests whose
+prompts share prefixes, as multi-turn chat does: greedy, seeded, greedy under a LoRA adapter
+(every node serves it) and greedy under a regular expression (structured output), and comparing
+every answer with the offline engine's (the cluster's decode-1 speculates, so requests move
+between a node that drafts and one that does not); some clients leave at a chosen stage (queued, prefilling, in the
 handover, decoding) and are not waited for. A Gate holds traffic back for idle faults; each
 client's first request after a pause must succeed at its first attempt.
 
@@ -16,11 +18,16 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import openai
 
 from pdserve import LLM, SamplingParams
+from pdserve.lora.request import LoRARequest
+from pdserve.models.model_path import resolve_model_path
+from pdserve.protocol.sampling_params import StructuredSpec
+from pdserve.testing.lora_adapters import make_adapter
 
 MODEL = "builtin:tiny"
 PREFIXES = [f"System {i}: you are a careful assistant; answer in full sentences. " * (1 + i) for i in range(4)]
@@ -28,6 +35,14 @@ QUESTIONS = [f"Turn {j}: what follows from step {j}? " * (1 + j % 2) for j in ra
 MAX_TOKENS = 32
 SEEDED = {"temperature": 0.9, "top_p": 0.95}
 STAGES = ("queued", "prefilling", "handover", "decoding")
+ADAPTER = "soak-lora"  # the name every node and the router serve it under
+REGEX = r"[a-z]+( [a-z]+)*"  # open-ended: a greedy request runs its MAX_TOKENS under it
+MODES = ("greedy", "seeded", "adapter", "regex")
+
+
+def make_soak_adapter(out: Path) -> Path:
+    """The adapter the soak serves: random PEFT weights on the built-in model."""
+    return make_adapter(resolve_model_path(MODEL), out, seed=5, r=8, alpha=16)
 
 
 @dataclass
@@ -103,23 +118,28 @@ class Gate:
 
 
 class Workload:
-    """The prompts and what the offline engine answers to each, greedy and seeded."""
+    """The prompts and what the offline engine (no speculation) answers to each in every mode."""
 
-    def __init__(self) -> None:
+    def __init__(self, adapter: Path) -> None:
         self.prompts = [p + q for p in PREFIXES for q in QUESTIONS]
-        llm = LLM(MODEL, num_kv_blocks=512)
+        llm = LLM(MODEL, num_kv_blocks=512, enable_lora=True)
         greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-        self.want: dict[tuple[int, str], str] = {}
-        for i, out in enumerate(llm.generate(self.prompts, greedy, use_tqdm=False)):
-            self.want[i, "greedy"] = out.outputs[0].text
         seeded = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, seed=1000 + i, **SEEDED)
                   for i in range(len(self.prompts))]
-        for i, out in enumerate(llm.generate(self.prompts, seeded, use_tqdm=False)):
-            self.want[i, "seeded"] = out.outputs[0].text
+        regex = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                               structured=StructuredSpec("regex", REGEX))
+        runs = {"greedy": (greedy, None), "seeded": (seeded, None), "regex": (regex, None),
+                "adapter": (greedy, LoRARequest(ADAPTER, 1, str(adapter)))}
+        self.want: dict[tuple[int, str], str] = {}
+        for mode, (params, lora) in runs.items():
+            for i, out in enumerate(llm.generate(self.prompts, params, use_tqdm=False, lora_request=lora)):
+                self.want[i, mode] = out.outputs[0].text
 
     def body(self, i: int, mode: str) -> dict:
-        sampling = {"temperature": 0} if mode == "greedy" else {"seed": 1000 + i, **SEEDED}
-        return {"prompt": self.prompts[i], "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}, **sampling}
+        sampling = {"seed": 1000 + i, **SEEDED} if mode == "seeded" else {"temperature": 0}
+        extra = {"ignore_eos": True, **({"guided_regex": REGEX} if mode == "regex" else {})}
+        return {"model": ADAPTER if mode == "adapter" else MODEL, "prompt": self.prompts[i],
+                "max_tokens": MAX_TOKENS, "extra_body": extra, **sampling}
 
 
 class Client:
@@ -140,7 +160,7 @@ class Client:
             if pauses is None:
                 continue
             after_pause, self.pauses_seen = pauses != self.pauses_seen, pauses
-            i, mode = self.rng.randrange(len(self.work.prompts)), self.rng.choice(("greedy", "seeded"))
+            i, mode = self.rng.randrange(len(self.work.prompts)), self.rng.choice(MODES)
             stage = self.rng.choice(STAGES) if self.rng.random() < self.abandon_rate else None
             try:
                 self.request(i, mode, stage, after_pause)
@@ -178,7 +198,7 @@ class Client:
             return
 
     def _attempt(self, i: int, mode: str, leave_at: str | None, timeout_s: float) -> str:
-        stream = self.openai.completions.create(model=MODEL, stream=True, timeout=timeout_s, **self.work.body(i, mode))
+        stream = self.openai.completions.create(stream=True, timeout=timeout_s, **self.work.body(i, mode))
         leave = Leave(stream)
         if leave_at in ("queued", "prefilling"):  # gone before its first token, the second a moment later
             leave.after(0.0 if leave_at == "queued" else self.rng.uniform(0.02, 0.3))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from benchmarks.soak_cluster import SoakCluster
+from benchmarks.soak_load import MODES
 
 # A node's RSS grows for its first minutes of traffic (allocator arenas, NIXL and UCX pools,
 # compiled kernels) to a plateau: the bound holds from WARM_S after a process starts (or a third
@@ -59,6 +60,11 @@ class RssWatch:
         return f"{worst[0] * 100:+.1f}% ({worst[1]})"
 
 
+def _drafts(health: dict) -> str:
+    node = next((n for n in health.get("nodes", []) if "spec_num_drafts" in n), None)
+    return f"{node['spec_num_drafts']} / {node['spec_num_accepted_tokens']}" if node else "-"
+
+
 def rows(args, r: dict) -> list[tuple[str, object]]:
     c, watch, health = r["tally"].counts, r["watch"], r["health"]
     t = r["tally"]
@@ -66,7 +72,9 @@ def rows(args, r: dict) -> list[tuple[str, object]]:
            ("start-up / traffic / settle and stop, s", " / ".join(f"{v:.0f}" for v in t.phases.values())),
            ("slowest recovery before a fault, s", t.slowest_recovery),
            ("requests sent", c["requests"]),
-           ("completed, text identical (greedy / seeded)", f"{c['completed greedy']} / {c['completed seeded']}"),
+           ("completed, text identical (greedy / seeded / adapter / regex)",
+            " / ".join(str(c[f"completed {m}"]) for m in MODES)),
+           ("speculating decode node's drafts / accepted tokens (since its last start)", _drafts(health)),
            ("abandoned by their client", sum(v for k, v in c.items() if k.startswith("fault: client left"))),
            ("retried after an error (router or Redis down)", c["retries"]),
            ("requests after an idle pause / failed", f"{c['requests after an idle pause']} / {c['failed after idle']}"),

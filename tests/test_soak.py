@@ -1,10 +1,11 @@
 """The fault soak (benchmarks/soak.py), short: 24 s of traffic and faults on a 2P2D cluster per KV
-transport (NIXL and the store over Redis, side by side) with a fixed seed, failing on any
+transport (NIXL and the store over Redis, side by side) with a fixed seed, greedy, seeded, LoRA
+and structured-output requests, one decode node speculating, failing on any
 violation (a request lost, a text that differs from the offline engine's, a hung request, a
 request that fails after an idle pause, KV held once idle, RSS past its bound, the router's
 included, a process left behind). The new faults lead: Redis SIGKILL and SIGSTOP on the store
-cluster, and traffic held back past the router's keep-alive and the NIXL lease on both (a 5 s
-lease, so that the pause fits: 8 s). Longer runs and their results: docs/reliability.md."""
+cluster, traffic held back past the router's keep-alive and the NIXL lease on both (a 5 s
+lease, so that the pause fits: 8 s), and a decode node drained under load and switched back. Longer runs and their results: docs/reliability.md."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import sys
 import pytest
 
 MINUTES = 0.4  # each cluster's; the two run at once
-LEAD = "kill redis,stop redis,idle"
+LEAD = "kill redis,stop redis,idle,drain decode"
 
 
 @pytest.mark.timeout(600)
@@ -31,8 +32,10 @@ def test_a_short_soak_on_both_transports_finds_no_violation(tmp_path):
         counts = r["counts"]
         assert not r["violations"], (transport, table)
         assert counts.get("lost", 0) == counts.get("text differs", 0) == 0, (transport, table)
-        assert counts["completed greedy"] > 0 and counts["completed seeded"] > 0, (transport, table)
+        for mode in ("greedy", "seeded", "adapter", "regex"):  # regex: structured output; decode-1 speculates
+            assert counts.get(f"completed {mode}", 0) > 0, (transport, mode, table)
         assert counts.get("fault: idle", 0) >= 1, (transport, table)  # the pause did land
+        assert counts.get("fault: drain decode", 0) >= 1, (transport, table)
         assert counts.get("requests after an idle pause", 0) >= 1, (transport, table)
         assert any(what.startswith("RSS of router") for what, _ in r["rows"]), (transport, table)
     store = result["store"]["counts"]
