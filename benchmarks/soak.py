@@ -1,5 +1,6 @@
 """A fault soak: streaming clients against a 2P2D cluster (built-in model) for each KV transport
-(NIXL, and the store over Redis; the two clusters side by side, each with its own clients and
+(NIXL, the store over Redis through LMCache, or through pdserve's direct Redis client; with
+`--transport both`, NIXL and LMCache's store side by side, each with its own clients and
 faults) while faults land at random moments (soak_faults), checked as it runs and at the end:
 
 - every request the client kept completes, with the offline engine's text (greedy, seeded, under
@@ -41,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10.0, help="how long faults and traffic run")
     p.add_argument("--transport", choices=[*TRANSPORTS, "both"], default="both",
-                   help="the KV transport of the soaked cluster; both: one cluster each, soaked side by side")
+                   help="the KV transport of the soaked cluster (direct-store: direct+redis://); both: nixl "
+                        "and store, one cluster each, soaked side by side")
     p.add_argument("--seed", type=int, default=1, help="the faults', moments' and clients' random seed")
     p.add_argument("--clients", type=int, default=4, help="concurrent streaming clients")
     p.add_argument("--abandon-rate", type=float, default=0.25, help="share of requests whose client leaves")
@@ -56,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     p.add_argument("--logs", type=Path, default=None, help="keep every process's log here (default: discarded)")
     args = p.parse_args(argv)
-    args.transports = list(TRANSPORTS) if args.transport == "both" else [args.transport]
+    args.transports = ["nixl", "store"] if args.transport == "both" else [args.transport]
     args.idle_s = args.idle_s or max(args.lease_s, KEEP_ALIVE_S) + 2
     unknown = [k for k in filter(None, args.lead.split(",")) if k not in FAULTS + STORE_FAULTS]
     if unknown:

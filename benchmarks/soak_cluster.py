@@ -29,7 +29,9 @@ from pdserve.wire.transport import free_port
 
 RESTART_DELAY_S = 0.5
 KEEP_ALIVE_S = 6.0  # the router's: longer than the clients' 5 s, as the 75 s default is
-TRANSPORTS = ("nixl", "store")
+# Through the store: LMCache's tiers over Redis, or pdserve's direct Redis client.
+STORE_SCHEMES = {"store": "redis://", "direct-store": "direct+redis://"}
+TRANSPORTS = ("nixl", *STORE_SCHEMES)
 SPECULATIVE = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, '
                '"prompt_lookup_max": 4}')  # min 1: the random model repeats little, a token often
 
@@ -53,7 +55,7 @@ class SoakCluster:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, Proc] = {}
-        self.redis_port = free_port() if transport == "store" else None
+        self.redis_port = free_port() if transport in STORE_SCHEMES else None
         if self.redis_port is not None:  # the launcher's command (launcher._store_url)
             self.procs["redis"] = Proc("redis", ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
                                                  "--save", "", "--appendonly", "no", "--loglevel", "warning"])
@@ -66,7 +68,8 @@ class SoakCluster:
                 self._add(f"{role}-{i}", [role, "--model", MODEL, "--node-id", f"{role}-{i}", "--bind", bind,
                                           "--num-kv-blocks", "256", *self._transfer_flags(role, lease_s), *lora,
                                           *spec])
-        self._add("router", ["router", "--model", MODEL, "--port", str(self.port), "--kv-transfer", transport, *lora,
+        self._add("router", ["router", "--model", MODEL, "--port", str(self.port), "--kv-transfer",
+                             "store" if self.redis_port else transport, *lora,
                              "--local-prefill-threshold", "0", "--prefill-placement", "threshold",
                              *[a for p in addrs["prefill"] for a in ("--prefill", p)],
                              *[a for d in addrs["decode"] for a in ("--decode", d)]], module="benchmarks.soak_router")
@@ -76,8 +79,8 @@ class SoakCluster:
 
     def _transfer_flags(self, role: str, lease_s: float) -> list[str]:
         """A node's flags for its transport, as `pdserve up` gives them."""
-        if self.transport == "store":
-            return ["--store", f"redis://127.0.0.1:{self.redis_port}"]
+        if self.redis_port is not None:
+            return ["--store", f"{STORE_SCHEMES[self.transport]}127.0.0.1:{self.redis_port}"]
         side = ["--nixl-side-channel", f"tcp://127.0.0.1:{free_port()}", "--lease-s", str(lease_s)]
         return side + (["--nixl"] if role == "decode" else [])
 

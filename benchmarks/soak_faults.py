@@ -27,15 +27,15 @@ RECOVERY_S = 120.0  # every process back and healthy within this, or the soak co
 REDIS_STOP_S = (2.0, 5.0)  # a few seconds: the nodes' calls to Redis wait (their socket timeout is 5 s)
 
 
-def kinds(transport: str) -> tuple[str, ...]:
-    return FAULTS + (STORE_FAULTS if transport == "store" else ())
+def kinds(cluster: SoakCluster) -> tuple[str, ...]:
+    return FAULTS + (STORE_FAULTS if cluster.redis_port is not None else ())
 
 
 class Faults:
     def __init__(self, cluster: SoakCluster, tally: Tally, rng: random.Random, gate: Gate, idle_s: float,
                  lead: tuple[str, ...] = (), deadline_s: float = 150.0):
         self.cluster, self.tally, self.rng, self.gate, self.idle_s = cluster, tally, rng, gate, idle_s
-        self.kinds = kinds(cluster.transport)
+        self.kinds = kinds(cluster)
         self.lead = [k for k in lead if k in self.kinds]  # these land first, in this order
         self.deadline_s = deadline_s
         self._kill_at_first_token = threading.Event()
