@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from benchmarks.soak_cluster import KEEP_ALIVE_S, TRANSPORTS, SoakCluster
-from benchmarks.soak_faults import FAULTS, STORE_FAULTS, Faults
+from benchmarks.soak_faults import ALL_KINDS, Faults
 from benchmarks.soak_load import Client, Gate, Tally, Workload, make_soak_adapter
 from benchmarks.soak_report import RssWatch, report
 
@@ -50,7 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=150.0, help="a kept request's deadline, retries included")
     p.add_argument("--fault-gap-s", type=float, nargs=2, default=(4.0, 10.0), help="seconds between faults")
     p.add_argument("--lead", default="", help="fault kinds that land first, in this order (comma-separated; "
-                   f"kinds: {', '.join(FAULTS + STORE_FAULTS)}); the others follow, shuffled")
+                   f"kinds: {', '.join(ALL_KINDS)}); the others follow, shuffled")
+    p.add_argument("--decode-tp", type=int, default=1, choices=(1, 2),
+                   help="decode-0's tensor-parallel degree; 2 adds the fault 'kill tp worker'")
     p.add_argument("--lease-s", type=float, default=10.0, help="the nodes' NIXL lease")
     p.add_argument("--idle-s", type=float, default=None,
                    help=f"traffic held back this long (default: the longer of the lease and the router's "
@@ -60,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.transports = ["nixl", "store"] if args.transport == "both" else [args.transport]
     args.idle_s = args.idle_s or max(args.lease_s, KEEP_ALIVE_S) + 2
-    unknown = [k for k in filter(None, args.lead.split(",")) if k not in FAULTS + STORE_FAULTS]
+    unknown = [k for k in filter(None, args.lead.split(",")) if k not in ALL_KINDS]
     if unknown:
         p.error(f"--lead: unknown fault kinds {unknown}")
     return args
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pdserve-soak-") as tmp:
         logs = args.logs or Path(tmp)
         adapter = make_soak_adapter(Path(tmp) / "adapter")
-        clusters = {t: SoakCluster(logs / t, args.lease_s, adapter, t) for t in args.transports}
+        clusters = {t: SoakCluster(logs / t, args.lease_s, adapter, t, decode_tp=args.decode_tp) for t in args.transports}
         try:
             for cluster in clusters.values():
                 cluster.launch()

@@ -4,7 +4,7 @@ up --kv-transfer store` gives its own), each its own OS process started here, so
 them, the router and Redis included, can be killed, stopped and restarted on the same addresses,
 as `pdserve up` or a container runtime would. The router runs with a short HTTP keep-alive
 (soak_router), so that an idle fault outlasts it. Every node and the router serve the soak's LoRA
-adapter; decode-1 speculates (n-gram drafts), decode-0 does not.
+adapter; decode-1 speculates (n-gram drafts), decode-0 does not, and runs at TP 2 when asked.
 
 A supervisor thread restarts a process that died (after RESTART_DELAY_S), until stop(). Every
 pid ever started is kept, so stop() can say whether any process was left behind.
@@ -48,9 +48,10 @@ class Proc:
 
 class SoakCluster:
     def __init__(self, workdir: Path, lease_s: float, adapter: Path, transport: str = "nixl", prefill: int = 2,
-                 decode: int = 2):
-        """adapter: a LoRA adapter of MODEL, served by every node and the router as soak_load.ADAPTER."""
-        self.workdir, self.transport = workdir, transport
+                 decode: int = 2, decode_tp: int = 1):
+        """adapter: a LoRA adapter of MODEL, served by every node and the router as soak_load.ADAPTER;
+        decode_tp: decode-0's tensor-parallel degree (its workers are processes a fault can kill)."""
+        self.workdir, self.transport, self.decode_tp = workdir, transport, decode_tp
         lora = ["--lora-modules", f"{ADAPTER}={adapter}"]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -65,6 +66,8 @@ class SoakCluster:
                 bind = f"tcp://127.0.0.1:{free_port()}"
                 addrs[role].append(bind)
                 spec = ["--speculative-config", SPECULATIVE] if (role, i) == ("decode", 1) else []
+                if (role, i) == ("decode", 0) and decode_tp > 1:
+                    spec = ["--tensor-parallel-size", str(decode_tp)]
                 self._add(f"{role}-{i}", [role, "--model", MODEL, "--node-id", f"{role}-{i}", "--bind", bind,
                                           "--num-kv-blocks", "256", *self._transfer_flags(role, lease_s), *lora,
                                           *spec])
@@ -124,6 +127,20 @@ class SoakCluster:
             if proc.popen is not None and proc.popen.poll() is None:
                 proc.popen.send_signal(sig)
                 proc.stopped = sig == signal.SIGSTOP
+
+    def kill_worker(self, name: str) -> bool:
+        """SIGKILL a TP worker of node `name`: the node goes down with it, and the supervisor
+        restarts the node. False when the node has no worker running."""
+        with self._lock:
+            proc = self.procs[name]
+            try:
+                workers = psutil.Process(proc.popen.pid).children() if proc.popen.poll() is None else []
+            except psutil.Error:
+                workers = []
+        if not workers:
+            return False
+        workers[0].send_signal(signal.SIGKILL)
+        return True
 
     def health(self) -> dict | None:
         try:

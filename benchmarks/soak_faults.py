@@ -5,7 +5,8 @@ process that hangs, then wakes); a prefill node killed right after a first token
 decode node pulls its blocks; traffic held back past every idle timer (the NIXL lease, the
 router's HTTP keep-alive, the clients' own), then resumed; a decode node drained under load
 (switched to prefill through the router's /admin/switch, its streams moved to the other decode
-node) and switched back a moment later; and on a store cluster, SIGKILL of Redis (restarted
+node) and switched back a moment later; with a TP 2 decode-0, SIGKILL of its worker process
+(the node goes down with it and is restarted); and on a store cluster, SIGKILL of Redis (restarted
 empty: what it held is recomputed) and SIGSTOP then SIGCONT of Redis. Client disconnects at each
 stage are the clients' own (soak_load)."""
 from __future__ import annotations
@@ -23,12 +24,14 @@ from benchmarks.soak_load import Gate, Tally
 FAULTS = ("kill prefill", "kill decode", "stop node", "kill router", "stop router", "idle",
           "prefill restart during pull", "drain decode")
 STORE_FAULTS = ("kill redis", "stop redis")
+ALL_KINDS = (*FAULTS, "kill tp worker", *STORE_FAULTS)
 RECOVERY_S = 120.0  # every process back and healthy within this, or the soak counts a violation
 REDIS_STOP_S = (2.0, 5.0)  # a few seconds: the nodes' calls to Redis wait (their socket timeout is 5 s)
 
 
 def kinds(cluster: SoakCluster) -> tuple[str, ...]:
-    return FAULTS + (STORE_FAULTS if cluster.redis_port is not None else ())
+    return tuple(k for k in ALL_KINDS if (k != "kill tp worker" or cluster.decode_tp > 1)
+                 and (k not in STORE_FAULTS or cluster.redis_port is not None))
 
 
 class Faults:
@@ -89,6 +92,8 @@ class Faults:
         elif kind == "idle" and not self.idle(stop):
             return  # the soak ended during the pause: no request after it to count
         elif kind == "drain decode" and not self.drain(self._node("decode")):
+            return
+        elif kind == "kill tp worker" and not self.cluster.kill_worker("decode-0"):
             return
         self.tally.add(f"fault: {kind}")
 
