@@ -2,28 +2,45 @@
 the same engine running the layers in Python, offline, on the default model (SmolLM2-135M's Q4_1
 GGUF, kept quantized), in one run.
 
-    .venv/bin/python -m benchmarks.engine.bench_native_decode [--batches 1 8 32] [--threads 2]
+    .venv/bin/python -m benchmarks.engine.bench_native_decode [--batches 1 8 32] [--threads 2] [--lora-rank 8]
 
 For each batch size, requests with 128-token prompts decode --steps steps; the median engine step
 (sampling included) is taken for each mode, the two modes alternating within each of --repeats
 rounds (the machine is shared). Prints the medians over rounds and the ratio Python / compiled.
+With --lora-rank, every request runs under one random PEFT adapter of that rank on every
+projection (both modes add its deltas).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def decode_steps(llm, batch: int, steps: int, seed: int) -> float:
+def random_adapter(base: Path, out: Path, rank: int) -> Path:
+    """A PEFT adapter of the model at base: rank `rank` on every projection, random weights
+    (only its shapes matter here), made on a randomly initialised model of base's config."""
+    import transformers  # heavy: only with --lora-rank
+    from peft import LoraConfig, get_peft_model
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base))
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
+    get_peft_model(model, config).save_pretrained(out)
+    return out
+
+
+def decode_steps(llm, batch: int, steps: int, seed: int, adapter: str | None = None) -> float:
     """The median seconds of an engine step while `batch` requests decode (prefill excluded)."""
     from pdserve import SamplingParams
     engine = llm.engine
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     for i in range(batch):
         start = 1000 + 997 * (seed * batch + i) % 20000
-        engine.add_request(f"r{seed}-{i}", list(range(start, start + 128)), params)
+        engine.add_request(f"r{seed}-{i}", list(range(start, start + 128)), params, lora_name=adapter)
     times = []
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -38,29 +55,38 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--lora-rank", type=int, default=0, help="every request under an adapter of this rank (0: none)")
     args = ap.parse_args()
     os.environ.update(OMP_NUM_THREADS=str(args.threads), NUMBA_NUM_THREADS=str(args.threads))
     import torch
 
     from pdserve import LLM
     from pdserve.models.gguf import DEFAULT_MODEL
+    from pdserve.models.model_path import resolve_model_path
     torch.set_num_threads(args.threads)
-    llm = LLM(DEFAULT_MODEL, num_kv_blocks=1024, enable_prefix_caching=False)
+    lora = dict(enable_lora=True, max_lora_rank=args.lora_rank) if args.lora_rank else {}
+    llm = LLM(DEFAULT_MODEL, num_kv_blocks=1024, enable_prefix_caching=False, **lora)
+    adapter = None
+    if args.lora_rank:
+        with tempfile.TemporaryDirectory() as tmp:  # read whole by add_lora
+            adapter = "bench"
+            llm.engine.add_lora(adapter, str(random_adapter(resolve_model_path(DEFAULT_MODEL), Path(tmp), args.lora_rank)))
     model = llm.engine.model
     native = model.native_decode
     if native is None:
         raise SystemExit("the compiled decode step is off on this machine (see the log line above)")
-    decode_steps(llm, 1, 4, seed=99)  # warm up both paths
+    decode_steps(llm, 1, 4, seed=99, adapter=adapter)  # warm up both paths
     model.native_decode = None
-    decode_steps(llm, 1, 4, seed=98)
-    print(f"SmolLM2-135M Q4_1, {args.threads} threads, {args.steps} decode steps, medians of {args.repeats} rounds")
+    decode_steps(llm, 1, 4, seed=98, adapter=adapter)
+    print(f"SmolLM2-135M Q4_1{f', LoRA rank {args.lora_rank}' if adapter else ''}, {args.threads} threads, "
+          f"{args.steps} decode steps, medians of {args.repeats} rounds")
     print(f"{'batch':>5} {'python layers ms':>17} {'compiled ms':>12} {'python / compiled':>18}")
     for batch in args.batches:
         timings = {"python": [], "compiled": []}
         for r in range(args.repeats):
             for mode in ("compiled", "python") if r % 2 else ("python", "compiled"):
                 model.native_decode = native if mode == "compiled" else None
-                timings[mode].append(decode_steps(llm, batch, args.steps, seed=r))
+                timings[mode].append(decode_steps(llm, batch, args.steps, seed=r, adapter=adapter))
         py, c = (statistics.median(timings[m]) for m in ("python", "compiled"))
         print(f"{batch:>5} {py * 1e3:17.2f} {c * 1e3:12.2f} {py / c:17.2f}x")
     model.native_decode = native

@@ -85,8 +85,8 @@ class ModelRunner:
         self.layer_caches = [tuple(kv_cache[:, i].unbind(1)) for i in range(kv_cache.shape[1])]
         model.fused = get_fused_layer_ops(ops, device.type)
         # One compiled call for a decode step's layers, for a model that declares it can take it.
-        if hasattr(model, "native_decode_weights") and lora_batch is None:
-            model.native_decode = native_decode.plan_for(model, self.layer_caches, device)
+        if hasattr(model, "native_decode_weights"):
+            model.native_decode = native_decode.plan_for(model, self.layer_caches, device, lora_batch)
         self.graphs: DecodeGraphs | None = None
         self.kept_rows: KeptTableRows | None = None
         if (use_cuda_graphs and device.type == "cuda" and getattr(ops, "CUDA_GRAPH_SAFE", False)

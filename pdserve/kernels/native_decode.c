@@ -14,6 +14,7 @@
  *   head of q and k RMS-normed (Qwen3), RoPE on q and k, k and v into the paged cache, paged
  *   attention per (query row, KV head), x += attn @ Wo.T,
  *   h = RMSNorm(x), x += (SiLU(gate) * up) @ Wdown.T, h = the next layer's RMSNorm(x).
+ * With LoRA, each of the four products gets its row's adapter delta (x A^T) B^T added.
  * A query row is one token: a plain decode's, or one of a verify step's k + 1 rows (speculation).
  * Each row carries its own context length, so a verify row sees the rows before it (their keys are
  * in the cache before any row attends) and not those after: causal among the rows.
@@ -34,8 +35,17 @@ typedef struct {
     int32_t nrows, bits, half, has_min, group;
 } pd_matrix;
 
+/* A linear layer's LoRA slots (pdserve.lora.slots.LoRALayerSlots): slot s's A^T is columns
+ * s * width .. of a [in, ld], its scaled B^T rows s * width .. of b [slots * width, out]; columns
+ * past an adapter's rank are zero. a NULL: the layer has no LoRA. */
+typedef struct {
+    const float *a, *b;
+    int32_t width, ld, out;
+} pd_lora;
+
 typedef struct {
     pd_matrix qkv, o, gate_up, down;
+    pd_lora lora_qkv, lora_o, lora_gate_up, lora_down;
     const float *input_norm, *post_norm;
     const float *qkv_bias;        /* added to h @ Wqkv.T (Qwen2), or NULL */
     const float *q_norm, *k_norm; /* per-head RMSNorm weights [head_dim] before RoPE (Qwen3), or NULL */
@@ -54,6 +64,35 @@ typedef struct {
 static int matmul(const pd_matrix *m, const float *x, int tokens, int cols, float *out, int threads) {
     return pd_gemv(x, tokens, cols, m->q, m->nrows, m->bits, m->scales, m->mins, m->half, m->has_min, m->group,
                    out, threads);
+}
+
+/* y[t] += (x[t] A_s^T) B_s^T for each row t whose adapter slot s = row_slots[t] is >= 0 (the
+ * product first, then one add per output, as torch's addmm does); -1 rows are the base model's.
+ * Small: width is the adapter's parts times its rank, so one thread does it. */
+static int lora_add(const pd_lora *L, const float *x, int tokens, int cols, const int32_t *row_slots, float *y) {
+    if (L->a == NULL || row_slots == NULL) return 0;
+    float *h = malloc(sizeof(float) * ((size_t)L->width + L->out)), *delta = h + L->width;
+    if (!h) return -2;
+    for (int t = 0; t < tokens; t++) {
+        int s = row_slots[t];
+        if (s < 0) continue;
+        const float *xr = x + (long)t * cols, *a = L->a + (long)s * L->width;
+        const float *b = L->b + (long)s * L->width * L->out;
+        memset(h, 0, sizeof(float) * ((size_t)L->width + L->out));
+        for (int i = 0; i < cols; i++) {
+            const float xi = xr[i], *ai = a + (long)i * L->ld;
+            for (int j = 0; j < L->width; j++) h[j] += xi * ai[j];
+        }
+        for (int j = 0; j < L->width; j++) {
+            const float hj = h[j], *bj = b + (long)j * L->out;
+            if (hj == 0.0f) continue; /* past the adapter's rank, or a part it leaves alone */
+            for (int o = 0; o < L->out; o++) delta[o] += hj * bj[o];
+        }
+        float *yr = y + (long)t * L->out;
+        for (int o = 0; o < L->out; o++) yr[o] += delta[o];
+    }
+    free(h);
+    return 0;
 }
 
 /* h = w * (x / sqrt(mean(x^2) + eps)) for each of the tokens' rows, after x += delta when delta is given */
@@ -269,11 +308,12 @@ static void silu_mul(const float *gu, int tokens, int inter, float *act) {
 
 /* x [tokens, hidden]: the embedded tokens in, the last residual out; h [tokens, hidden] out: the
  * final RMSNorm's output. cos, sin [tokens, head_dim]; slots [tokens]; tables [tokens, max_blocks];
- * lens [tokens] (each sequence's context, this token included). Returns 0, or < 0 on failure (a
+ * lens [tokens] (each sequence's context, this token included); row_slots [tokens]: each row's LoRA
+ * slot (-1: none), or NULL when no row has an adapter. Returns 0, or < 0 on failure (a
  * shape pd_gemv does not take: the caller checked them; no memory). */
 int pd_decode_layers(const pd_model *m, float *x, int tokens, const float *cos, const float *sin,
-                     const int64_t *slots, const int32_t *tables, int max_blocks, const int32_t *lens, float *h,
-                     int threads) {
+                     const int64_t *slots, const int32_t *tables, int max_blocks, const int32_t *lens,
+                     const int32_t *row_slots, float *h, int threads) {
     int H = m->hidden, D = m->head_dim, qkv_cols = (m->heads + 2 * m->kv_heads) * D, q_cols = m->heads * D;
     size_t per_token = (size_t)qkv_cols + q_cols + H + 2 * m->inter + m->inter;
     float *qkv = malloc(sizeof(float) * per_token * tokens), *attn = qkv + (size_t)tokens * qkv_cols;
@@ -283,14 +323,17 @@ int pd_decode_layers(const pd_model *m, float *x, int tokens, const float *cos, 
     for (int l = 0; rc == 0 && l < m->layers; l++) {
         const pd_layer *L = &m->layer[l];
         rc = matmul(&L->qkv, h, tokens, H, qkv, threads);
-        if (rc) break;
+        if (rc || (rc = lora_add(&L->lora_qkv, h, tokens, H, row_slots, qkv))) break;
         finish_qkv(m, L, qkv, tokens, cos, sin, slots);
         rc = attend(m, L, qkv, tokens, tables, max_blocks, lens, attn, threads);
         if (rc || (rc = matmul(&L->o, attn, tokens, q_cols, o, threads))) break;
+        if ((rc = lora_add(&L->lora_o, attn, tokens, q_cols, row_slots, o))) break;
         add_norm(x, o, L->post_norm, m->eps, tokens, H, h);
         if ((rc = matmul(&L->gate_up, h, tokens, H, gu, threads))) break;
+        if ((rc = lora_add(&L->lora_gate_up, h, tokens, H, row_slots, gu))) break;
         silu_mul(gu, tokens, m->inter, act);
         if ((rc = matmul(&L->down, act, tokens, m->inter, o, threads))) break;
+        if ((rc = lora_add(&L->lora_down, act, tokens, m->inter, row_slots, o))) break;
         add_norm(x, o, l + 1 < m->layers ? m->layer[l + 1].input_norm : m->final_norm, m->eps, tokens, H, h);
     }
     free(qkv);

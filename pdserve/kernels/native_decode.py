@@ -4,11 +4,12 @@
 At one request a SmolLM2 decode step spent about 5 of its 13 ms in Python between the kernels:
 some ten calls a layer over 30 layers. For a step whose rows are all decode rows (at most
 MAX_STEP_TOKENS of them), with quantized weights the compiled gemv takes, a float32 KV cache, and
-no LoRA or tensor parallelism, LlamaModel.forward hands its layers to this one call; anything
+no tensor parallelism, LlamaModel.forward hands its layers to this one call; anything
 else runs the layers in Python as before. A decode row is one token: a plain decode's, or one of
 the k + 1 rows of a speculative verify step (n-gram, draft model, EAGLE, MTP), each with its own
 context length, so the rows of one request are causal among themselves. Qwen2's qkv bias and
-Qwen3's per-head QK norms are part of the compiled layer. The embedding, the LM head and sampling
+Qwen3's per-head QK norms are part of the compiled layer, and so are LoRA adapters: each row's
+adapter delta on the four products (the rows of a step may each have another adapter). The embedding, the LM head and sampling
 stay in Python.
 
 A model declares whether it fits (native_decode_weights: its arrays as a DecodeWeights, or why
@@ -48,8 +49,21 @@ class _Matrix(ctypes.Structure):
         return cls(q, scales, mins, rows, bits, half, has_min, group)
 
 
+class _Lora(ctypes.Structure):
+    _fields_ = [("a", c_void_p), ("b", c_void_p), ("width", c_int32), ("ld", c_int32), ("out", c_int32)]
+
+    @classmethod
+    def of(cls, slots) -> _Lora:
+        """From a layer's LoRALayerSlots (pdserve.lora.slots), or None: no LoRA."""
+        if slots is None:
+            return cls(None, None, 0, 0, 0)
+        a, b = slots.a_stack, slots.b_stack
+        return cls(a.data_ptr(), b.data_ptr(), slots.stride, a.shape[1], b.shape[1])
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix),
+                ("lora_qkv", _Lora), ("lora_o", _Lora), ("lora_gate_up", _Lora), ("lora_down", _Lora),
                 ("input_norm", c_void_p), ("post_norm", c_void_p), ("qkv_bias", c_void_p), ("q_norm", c_void_p),
                 ("k_norm", c_void_p), ("k_cache", c_void_p), ("v_cache", c_void_p), ("window", c_int64)]
 
@@ -76,6 +90,9 @@ class DecodeLayer:
     qkv_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    # Each matrix's LoRA slots (pdserve.lora.slots.LoRALayerSlots, qkv, o, gate_up, down order),
+    # or None: the engine serves no adapters.
+    loras: tuple | None = None
 
     def unfit(self) -> str | None:
         """Why the compiled step cannot read these arrays, or None."""
@@ -83,6 +100,9 @@ class DecodeLayer:
                                                        if t is not None]
         if not all(float32_on_cpu(t) for t in vectors):
             return "the norms' weights or the qkv bias are not float32 on CPU"
+        stacks = [t for slots in self.loras or () if slots is not None for t in (slots.a_stack, slots.b_stack)]
+        if not all(float32_on_cpu(t) for t in stacks):
+            return "the LoRA slots are not float32 on CPU"
         if (self.q_norm is None) != (self.k_norm is None):
             return "only one of q and k is normed"
         return None
@@ -126,8 +146,10 @@ class NativeDecode:
     """The compiled decode step for one model over one KV cache."""
 
     def __init__(self, lib: ctypes.CDLL, weights: DecodeWeights,
-                 layer_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-        self.lib, self.layer_caches = lib, layer_caches
+                 layer_caches: list[tuple[torch.Tensor, torch.Tensor]], lora_batch=None):
+        """lora_batch: the runner's pdserve.lora.slots.LoRABatch (each step's adapter rows), or
+        None when the engine serves no adapters."""
+        self.lib, self.layer_caches, self.lora_batch = lib, layer_caches, lora_batch
         self.weights = weights  # (holds the arrays the C structs point into)
         w = weights
         self._layers = (_Layer * len(w.layers))(*(self._layer(layer, caches)
@@ -141,8 +163,9 @@ class NativeDecode:
     @staticmethod
     def _layer(layer: DecodeLayer, caches: tuple[torch.Tensor, torch.Tensor]) -> _Layer:
         matrices = [_Matrix.of(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        loras = [_Lora.of(slots) for slots in layer.loras or (None,) * 4]
         optional = [t.data_ptr() if t is not None else None for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]
-        return _Layer(*matrices, layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *optional,
+        return _Layer(*matrices, *loras, layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *optional,
                       caches[0].data_ptr(), caches[1].data_ptr(), layer.window)
 
     def takes(self, x: torch.Tensor, ctx) -> bool:
@@ -151,7 +174,15 @@ class NativeDecode:
         meta, tokens = ctx.meta, x.shape[0]
         return (tokens <= MAX_STEP_TOKENS and meta.num_decodes == tokens
                 and meta.decode_context_lens.shape[0] == tokens and x.dtype == torch.float32
-                and ctx.layer_caches is self.layer_caches)
+                and ctx.layer_caches is self.layer_caches
+                and (self.lora_batch is None or sum(n for _, n in self.lora_batch.step_rows) == tokens))
+
+    def _row_slots(self, tokens: int) -> torch.Tensor | None:
+        """Each row's LoRA slot (-1: the base model), or None when no row of the step has one."""
+        rows = self.lora_batch.step_rows if self.lora_batch is not None else []
+        if all(slot < 0 for slot, _ in rows):
+            return None
+        return torch.tensor([slot for slot, n in rows for _ in range(n)], dtype=torch.int32)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
         """The final norm's output [T, hidden] for the embedded tokens x [T, hidden]; cos, sin as
@@ -163,8 +194,10 @@ class NativeDecode:
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         tables = meta.decode_block_tables.to(torch.int32).contiguous()
         lens = meta.decode_context_lens.to(torch.int32).contiguous()
+        row_slots = self._row_slots(tokens)
         rc = self.lib.pd_decode_layers(self._model_ptr, x.data_ptr(), tokens, cos.data_ptr(), sin.data_ptr(),
                                        slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+                                       row_slots.data_ptr() if row_slots is not None else None,
                                        h.data_ptr(), numba.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"native decode step failed ({rc})")
@@ -173,8 +206,8 @@ class NativeDecode:
         return h
 
 
-def plan_for(model: DeclaresNativeDecode, layer_caches: list[tuple[torch.Tensor, ...]], device: torch.device
-             ) -> NativeDecode | None:
+def plan_for(model: DeclaresNativeDecode, layer_caches: list[tuple[torch.Tensor, ...]], device: torch.device,
+             lora_batch=None) -> NativeDecode | None:
     """The compiled decode step for this model and cache, or None (the layers run in Python),
     with one log line saying why when the library is there but the model does not fit it."""
     if device.type != "cpu":
@@ -187,4 +220,4 @@ def plan_for(model: DeclaresNativeDecode, layer_caches: list[tuple[torch.Tensor,
     if reason is not None:
         log.info("compiled decode step off: %s", reason)
         return None
-    return NativeDecode(lib, weights, layer_caches)
+    return NativeDecode(lib, weights, layer_caches, lora_batch)

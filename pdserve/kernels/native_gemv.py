@@ -117,7 +117,7 @@ def library() -> ctypes.CDLL | None:
     fn.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _P, _I]
     fn.restype = _I
     fn = lib.pd_decode_layers
-    fn.argtypes = [_P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I]
+    fn.argtypes = [_P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _I]
     fn.restype = _I
     return lib
 

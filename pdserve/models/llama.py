@@ -190,8 +190,8 @@ class LlamaModel(nn.Module):
 
     def native_decode_weights(self) -> DecodeWeights | str:
         """This model's arrays for the compiled decode step (pdserve.kernels.native_decode), or
-        why it cannot take them: only the Llama layers (with Qwen2's qkv bias and Qwen3's QK
-        norms), every matrix in a layout the compiled gemv takes, float32 norms on CPU."""
+        why it cannot take them: only the Llama layers (with Qwen2's qkv bias, Qwen3's QK norms
+        and LoRA slots), every matrix in a layout the compiled gemv takes, float32 norms on CPU."""
         if type(self) is not LlamaModel:
             return f"{type(self).__name__} is not the plain Llama model"
         if any(type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention
@@ -199,8 +199,7 @@ class LlamaModel(nn.Module):
             return "the layers are not plain Llama layers"
         layers = [_native_layer(layer) for layer in self.layers]
         if any(layer is None for layer in layers):
-            return ("a linear layer is not quantized for the compiled gemv, or has LoRA, TP shards or a bias "
-                    "other than qkv's")
+            return "a linear layer is not quantized for the compiled gemv, or has TP shards or a bias other than qkv's"
         if any(layer.self_attn.q_norm is not None and layer.self_attn.q_norm.eps != self.norm.eps
                for layer in self.layers):
             return "the QK norms' eps differs from the layer norms'"
@@ -215,8 +214,7 @@ class LlamaModel(nn.Module):
 def _native_matrix(linear, bias_ok: bool = False) -> tuple | None:
     """The compiled gemv's arguments for a linear layer, or None where it cannot take it."""
     packed = getattr(linear.quant_method, "packed", None)
-    if (packed is None or (linear.bias is not None and not bias_ok) or linear.lora is not None
-            or linear.tp.size != 1):
+    if packed is None or (linear.bias is not None and not bias_ok) or linear.tp.size != 1:
         return None
     return packed(linear).native
 
@@ -228,5 +226,7 @@ def _native_layer(layer: DecoderLayer) -> DecodeLayer | None:
     if any(m is None for m in matrices):
         return None
     qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    loras = tuple(m.lora for m in linears) if any(m.lora is not None for m in linears) else None
     return DecodeLayer(*matrices, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.window,
-                       attn.qkv_proj.bias, *qk_norms)
+                       attn.qkv_proj.bias, *qk_norms, loras)
