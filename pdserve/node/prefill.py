@@ -21,6 +21,7 @@ from pdserve.node.producers import MISSING, NixlProducer, PendingPrefill, Produc
 from pdserve.node.runtime import NodeRuntime
 from pdserve.node.step_budget import StepBudget
 from pdserve.node.store_prefix import StorePrefix, request_block_keys
+from pdserve.node.store_puts import StorePuts
 from pdserve.protocol.grammar import DEAD_END_FINISH
 from pdserve.protocol.outputs import StepOutput
 from pdserve.wire.handover import NixlMetadataRequest
@@ -54,6 +55,7 @@ class PrefillNode(StepBudget):
             self.nixl = NixlProducer(engine, node_id, self.ctx, nixl_side_channel, advertise_host, lease_s, self.stats)
             self.poller.register(self.nixl.side.sock, zmq.POLLIN)
         producers = [StoreProducer(engine, store, self.stats)] if store is not None else []
+        self.puts = StorePuts(producers[0]) if producers else None  # store handovers, off this loop
         # By the transport a request names.
         self.producers: dict[str, Producer] = {p.transport: p for p in [*producers, self.nixl] if p is not None}
 
@@ -140,6 +142,9 @@ class PrefillNode(StepBudget):
         if not done:
             first.finished, first.finish_reason = False, None
         producer, handover = self.producers[req.transfer], None
+        if not done and producer is not self.nixl:  # the store: the put runs off this loop
+            self.puts.start(producer.prepare(pending), first)
+            return
         try:
             if not done:
                 handover = producer.hand_over(pending)
@@ -149,12 +154,21 @@ class PrefillNode(StepBudget):
             self._release(rid)
         self.control.send(pending.identity, PrefillResult(rid, first=first, handover=handover))
 
+    def _finish_puts(self) -> None:
+        for put, handover in self.puts.finished():
+            self._release(put.request_id)
+            if not put.aborted:
+                self.control.send(put.job.pending.identity, PrefillResult(put.request_id, first=put.first,
+                                                                          handover=handover))
+
     def _reply_error(self, identity: bytes, rid: str, error: str) -> None:
         log.warning("[%s] rejected: %s", rid, error)
         self.control.send(identity, PrefillResult(rid, error=error))
 
     # ---- freeing handed-over blocks -----------------------------------------------------
     def poll_background(self) -> None:
+        if self.puts is not None:
+            self._finish_puts()
         for producer in self.producers.values():
             for rid in producer.freed():
                 self._release(rid)
@@ -167,13 +181,18 @@ class PrefillNode(StepBudget):
         self.pending.pop(request_id, None)
         for producer in self.producers.values():
             producer.forget(request_id)
+        if self.puts is not None and self.puts.abort(request_id):
+            return  # its blocks stay held until its put ends (store_puts)
         super().abort(request_id)
 
     def role_idle(self) -> bool:
-        return not self.pending and all(producer.idle() for producer in self.producers.values())
+        return (not self.pending and (self.puts is None or self.puts.idle())
+                and all(producer.idle() for producer in self.producers.values()))
 
     def close_role(self) -> None:
         self.close_step_budget()
+        if self.puts is not None:
+            self.puts.close()
         if self.store_prefix is not None:
             self.store_prefix.close()
         for producer in self.producers.values():

@@ -2,7 +2,8 @@
 
 Once a prompt is computed, the producer of the transport the request names describes where its
 KV is (pdserve.wire.handover):
-- StoreProducer writes the blocks to the shared KV store; the node frees them at once.
+- StoreProducer writes the blocks to the shared KV store (off the node's loop: node/store_puts.py);
+  the node frees them once the put ends.
 - NixlProducer pins them for the decode node's READ and serves its agent's metadata on a zmq side
   channel; it frees them on the decode node's notification, or when their lease ends.
 """
@@ -34,6 +35,15 @@ class PendingPrefill:
     request: PrefillRequest
     keys: list[bytes]  # the prompt's block-key chain, its trailing partial block included
     store_tokens: int = 0  # prompt tokens the store held at admission
+
+
+@dataclasses.dataclass
+class StoreJob:
+    """A store handover's put: the request, its blocks' ids (held until the put ends) and the
+    first block in the attention window."""
+    pending: PendingPrefill
+    block_ids: list[int]
+    first_block: int
 
 
 class Producer(Protocol):
@@ -75,17 +85,25 @@ class StoreProducer:
         self.engine, self.store, self.stats = engine, store, stats
 
     def hand_over(self, pending: PendingPrefill) -> StoreHandover:
+        return self.write(self.prepare(pending))
+
+    def prepare(self, pending: PendingPrefill) -> StoreJob:
+        """What write() needs of the engine, read on the node's loop (the scheduler is not
+        thread-safe); write() may then run on another thread while the request holds its blocks."""
+        held = self.engine.scheduler.held[pending.request.request_id]
+        return StoreJob(pending, list(held.block_ids[:len(pending.keys)]), held.num_slid_blocks)
+
+    def write(self, job: StoreJob) -> StoreHandover:
+        """Put the prompt's blocks in the store; raises KVStoreError or RuntimeError."""
+        pending, first = job.pending, job.first_block  # the decode node reads only the blocks in the window
         req, keys = pending.request, pending.keys
         prompt, bs = req.prompt_token_ids, self.engine.config.block_size
-        held = self.engine.scheduler.held[req.request_id]
-        first = held.num_slid_blocks  # the decode node reads only the blocks in the window
         t0 = time.perf_counter()
         # A prefix the shared store already holds (a warm prompt) is not written again: on a
         # 2048-token prefix that rewrite was most of the handover, and it sat before the first token.
         start = max(first, self._shared_blocks(pending))
         counts = [min(bs, len(prompt) - i * bs) for i in range(start, len(keys))]
-        self.store.put(keys[start:], self.engine.kv_cache, held.block_ids[start:len(keys)], counts,
-                       first_block=start)
+        self.store.put(keys[start:], self.engine.kv_cache, job.block_ids[start:], counts, first_block=start)
         self.stats.transfer_us_store += int((time.perf_counter() - t0) * 1e6)
         self.stats.transfer_bytes_store += len(counts) * self.engine.kv_cache[0].numel() * self.engine.kv_cache.element_size()
         log.debug("[%s] stored %d blocks (from block %d) in %.1f ms", req.request_id, len(counts), start,
