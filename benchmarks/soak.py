@@ -35,7 +35,7 @@ from pathlib import Path
 from benchmarks.soak_cluster import KEEP_ALIVE_S, TRANSPORTS, SoakCluster
 from benchmarks.soak_faults import ALL_KINDS, Faults
 from benchmarks.soak_load import Client, Gate, Tally, Workload, make_soak_adapter
-from benchmarks.soak_report import RssWatch, report
+from benchmarks.soak_report import DraftCount, RssWatch, report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_traffic(args, cluster: SoakCluster, work: Workload, tally: Tally, watch: RssWatch, minutes: float) -> None:
+def run_traffic(args, cluster: SoakCluster, work: Workload, tally: Tally, watches: list, minutes: float) -> None:
+    """watches: what samples the cluster every 2 s (RSS, the speculating node's counters)."""
     rng = random.Random(args.seed)
     stop, gate = threading.Event(), Gate(args.clients)
     faults = Faults(cluster, tally, random.Random(rng.random()), gate, args.idle_s,
@@ -81,7 +82,8 @@ def run_traffic(args, cluster: SoakCluster, work: Workload, tally: Tally, watch:
         t.start()
     end = time.monotonic() + minutes * 60
     while time.monotonic() < end:
-        watch.sample()
+        for watch in watches:
+            watch.sample()
         time.sleep(2)
     stop.set()
     gate.reopen()
@@ -110,13 +112,13 @@ def settle(cluster: SoakCluster, tally: Tally, lease_s: float) -> dict:
 def soak(args, cluster: SoakCluster, work: Workload, minutes: float) -> dict:
     """One cluster's soak, from its processes' start (launched earlier) to their stop."""
     tally = Tally()
-    watch = RssWatch(cluster, minutes * 20)
+    watch, drafts = RssWatch(cluster, minutes * 20), DraftCount(cluster)
     started, health, left = time.monotonic(), {}, []
     try:
         if not cluster.wait_healthy(240):
             tally.violate("no start", "not every process healthy 240 s after the start")
         tally.phases["start"] = time.monotonic() - started
-        run_traffic(args, cluster, work, tally, watch, minutes)
+        run_traffic(args, cluster, work, tally, [watch, drafts], minutes)
         tally.phases["traffic"] = time.monotonic() - started - tally.phases["start"]
         health = settle(cluster, tally, args.lease_s)
     finally:
@@ -126,7 +128,7 @@ def soak(args, cluster: SoakCluster, work: Workload, minutes: float) -> dict:
         tally.violate("RSS", line)
     for proc in left:
         tally.violate("left behind", proc)
-    return {"tally": tally, "watch": watch, "health": health, "left": left, "seconds": time.monotonic() - started}
+    return {"tally": tally, "watch": watch, "drafts": drafts, "health": health, "left": left, "seconds": time.monotonic() - started}
 
 
 def soak_all(args, clusters: dict[str, SoakCluster], work: Workload) -> dict[str, dict]:

@@ -60,9 +60,26 @@ class RssWatch:
         return f"{worst[0] * 100:+.1f}% ({worst[1]})"
 
 
-def _drafts(health: dict) -> str:
-    node = next((n for n in health.get("nodes", []) if "spec_num_drafts" in n), None)
-    return f"{node['spec_num_drafts']} / {node['spec_num_accepted_tokens']}" if node else "-"
+class DraftCount:
+    """The speculating node's drafts and accepted draft tokens over the whole run. Its counters
+    restart with its process, so each sample adds what they grew by since the last one (all of
+    them after a restart): a lower bound, short of what a node drafted between its last sample
+    and its death."""
+
+    def __init__(self, cluster: SoakCluster):
+        self.cluster = cluster
+        self.last, self.total = (0, 0), [0, 0]
+
+    def sample(self) -> None:
+        body = self.cluster.health() or {}
+        node = next((n for n in body.get("nodes", []) if "spec_num_drafts" in n), None)
+        if node is None:
+            return
+        now = (node["spec_num_drafts"], node["spec_num_accepted_tokens"])
+        restarted = now[0] < self.last[0]
+        for i in (0, 1):
+            self.total[i] += now[i] - (0 if restarted else self.last[i])
+        self.last = now
 
 
 def rows(args, r: dict) -> list[tuple[str, object]]:
@@ -74,7 +91,7 @@ def rows(args, r: dict) -> list[tuple[str, object]]:
            ("requests sent", c["requests"]),
            ("completed, text identical (greedy / seeded / adapter / regex)",
             " / ".join(str(c[f"completed {m}"]) for m in MODES)),
-           ("speculating decode node's drafts / accepted tokens (since its last start)", _drafts(health)),
+           ("speculating decode node's drafts / accepted draft tokens", " / ".join(map(str, r["drafts"].total))),
            ("abandoned by their client", sum(v for k, v in c.items() if k.startswith("fault: client left"))),
            ("retried after an error (router or Redis down)", c["retries"]),
            ("requests after an idle pause / failed", f"{c['requests after an idle pause']} / {c['failed after idle']}"),

@@ -38,5 +38,7 @@ def test_a_short_soak_on_both_transports_finds_no_violation(tmp_path):
         assert counts.get("fault: drain decode", 0) >= 1, (transport, table)
         assert counts.get("requests after an idle pause", 0) >= 1, (transport, table)
         assert any(what.startswith("RSS of router") for what, _ in r["rows"]), (transport, table)
+    drafts = [dict(r["rows"])["speculating decode node's drafts / accepted draft tokens"] for r in result.values()]
+    assert any(int(d.split(" / ")[0]) > 0 for d in drafts), (drafts, table)  # decode-1 did speculate
     store = result["store"]["counts"]
     assert store.get("fault: kill redis", 0) >= 1 and store.get("fault: stop redis", 0) >= 1, table
