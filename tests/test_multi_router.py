@@ -111,11 +111,13 @@ def test_a_killed_replica_costs_only_its_own_streams(cluster, llm):
     want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                          use_tqdm=False)]
     old_pid = _router_pid(up.pid, port_b)
-    started = threading.Event()
+    # Every stream through B has its first tokens before B dies: one that had not reached B yet
+    # would be served by B's restarted process (a loaded host once ran it to the end that way).
+    started = [threading.Event() for _ in prompts]
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(_stream, url_a, p, started) if i % 2 == 0
-                   else pool.submit(_stream, url_b, p, started, LONG_TOKENS) for i, p in enumerate(prompts)]
-        assert started.wait(120)
+        futures = [pool.submit(_stream, url_a, p, started[i]) if i % 2 == 0
+                   else pool.submit(_stream, url_b, p, started[i], LONG_TOKENS) for i, p in enumerate(prompts)]
+        assert all(event.wait(120) for event in started[1::2]), "a stream through B never started"
         os.kill(old_pid, signal.SIGKILL)
         results = [f.exception(timeout=300) or f.result() for f in futures]
     for i in range(0, len(prompts), 2):
