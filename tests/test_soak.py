@@ -1,11 +1,11 @@
-"""The fault soak (benchmarks/soak.py), short: 24 s of traffic and faults on a 2P2D cluster per KV
+"""The fault soak (benchmarks/soak.py), short: 30 s of traffic and faults on a 2P2D cluster per KV
 transport (NIXL and the store over Redis, side by side) with a fixed seed, greedy, seeded, LoRA
 and structured-output requests, one decode node speculating, failing on any
 violation (a request lost, a text that differs from the offline engine's, a hung request, a
 request that fails after an idle pause, KV held once idle, RSS past its bound, the router's
-included, a process left behind). The new faults lead: Redis SIGKILL and SIGSTOP on the store
-cluster, traffic held back past the router's keep-alive and the NIXL lease on both (a 5 s
-lease, so that the pause fits: 8 s), and a decode node drained under load and switched back. Longer runs and their results: docs/reliability.md."""
+included, a process left behind). The newer faults lead: a decode node drained under load and
+switched back, Redis SIGKILL and SIGSTOP on the store cluster, and traffic held back past the
+router's keep-alive and the NIXL lease on both (a 5 s lease, so that the pause fits: 8 s). Longer runs and their results: docs/reliability.md."""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-MINUTES = 0.4  # each cluster's; the two run at once
-LEAD = "kill redis,stop redis,idle,drain decode"
+MINUTES = 0.5  # each cluster's; the two run at once
+LEAD = "drain decode,kill redis,stop redis,idle"
 
 
 @pytest.mark.timeout(600)
