@@ -12,7 +12,11 @@ from pdserve.testing.model_factory import load_reference
 
 def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """PEFT's (or, adapter None, transformers') greedy continuation of each prompt."""
-    model = load_reference(base)
+    return peft_greedy_of(load_reference(base), adapter, prompts, new_tokens)
+
+
+def peft_greedy_of(model, adapter: Path | None, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """peft_greedy on a loaded transformers model (PEFT wraps it in place: pass a copy to keep it)."""
     if adapter is not None:
         from peft import PeftModel
         model = PeftModel.from_pretrained(model, str(adapter)).eval()

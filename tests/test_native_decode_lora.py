@@ -12,15 +12,15 @@ import copy
 
 import gguf
 import pytest
-import torch
+from lora_util import peft_greedy_of
 from test_gguf import reference
 from test_native_decode import _llm, logprobs, pytestmark  # noqa: F401
 
 from pdserve import SamplingParams
 from pdserve.lora.request import LoRARequest
+from pdserve.testing.lora_adapters import adapter_of
 
 Q = gguf.GGMLQuantizationType
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [list(range(3, 3 + n)) for n in (6, 17, 30)]
 NEW_TOKENS = 10
 
@@ -28,30 +28,6 @@ NEW_TOKENS = 10
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-
-
-def _adapter(ref, out, seed: int, r: int):
-    """A PEFT adapter of the dequantized reference, random A and B (B at 0.2: output changes)."""
-    from peft import LoraConfig, get_peft_model  # heavy: only for the adapters
-    torch.manual_seed(seed)
-    model = get_peft_model(copy.deepcopy(ref), LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS,
-                                                          init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(out)
-    return out
-
-
-def _peft_greedy(ref, adapter, prompt: list[int]) -> list[int]:
-    from peft import PeftModel  # heavy: only for the reference
-    model = PeftModel.from_pretrained(copy.deepcopy(ref), str(adapter)).eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def _generate(llm, loras, with_logprobs: bool = False):
@@ -64,7 +40,7 @@ def _generate(llm, loras, with_logprobs: bool = False):
 def test_lora_rows_take_the_compiled_step_and_match_peft(tmp_path):
     llm, path = _llm(tmp_path, "llama", Q.Q8_0, enable_lora=True, max_loras=2, max_lora_rank=8)
     _, ref = reference(path)
-    adapters = [LoRARequest(f"a{i}", i + 1, str(_adapter(ref, tmp_path / f"a{i}", seed=i, r=r)))
+    adapters = [LoRARequest(f"a{i}", i + 1, str(adapter_of(copy.deepcopy(ref), tmp_path / f"a{i}", i, r, 2 * r)))
                 for i, r in enumerate((8, 4))]
     native = llm.engine.model.native_decode
     assert native is not None, "an engine with adapters has no compiled decode step"
@@ -72,8 +48,7 @@ def test_lora_rows_take_the_compiled_step_and_match_peft(tmp_path):
         steps = native.steps
         tokens, _ = _generate(llm, lora)
         assert native.steps > steps
-        for prompt, got in zip(PROMPTS, tokens):
-            assert got == _peft_greedy(ref, lora.lora_path, prompt), lora.lora_name
+        assert tokens == peft_greedy_of(copy.deepcopy(ref), lora.lora_path, PROMPTS, NEW_TOKENS), lora.lora_name
     # One step's rows under a0, a1 and the base model; then the same with the layers in Python.
     mixed = [adapters[0], None, adapters[1]]
     steps = native.steps

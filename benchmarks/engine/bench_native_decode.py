@@ -19,18 +19,15 @@ import tempfile
 import time
 from pathlib import Path
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
 
 def random_adapter(base: Path, out: Path, rank: int) -> Path:
-    """A PEFT adapter of the model at base: rank `rank` on every projection, random weights
-    (only its shapes matter here), made on a randomly initialised model of base's config."""
+    """A PEFT adapter of the model at base, rank `rank` on every projection (only its shapes
+    matter here), made on a randomly initialised model of base's config."""
     import transformers  # heavy: only with --lora-rank
-    from peft import LoraConfig, get_peft_model
+
+    from pdserve.testing.lora_adapters import adapter_of
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base))
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
-    get_peft_model(model, config).save_pretrained(out)
-    return out
+    return adapter_of(model, out, seed=0, r=rank, alpha=2 * rank)
 
 
 def decode_steps(llm, batch: int, steps: int, seed: int, adapter: str | None = None) -> float:

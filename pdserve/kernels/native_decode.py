@@ -179,10 +179,9 @@ class NativeDecode:
 
     def _row_slots(self, tokens: int) -> torch.Tensor | None:
         """Each row's LoRA slot (-1: the base model), or None when no row of the step has one."""
-        rows = self.lora_batch.step_rows if self.lora_batch is not None else []
-        if all(slot < 0 for slot, _ in rows):
+        if self.lora_batch is None or all(slot < 0 for slot, _ in self.lora_batch.step_rows):
             return None
-        return torch.tensor([slot for slot, n in rows for _ in range(n)], dtype=torch.int32)
+        return torch.tensor(self.lora_batch.row_slots(), dtype=torch.int32)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
         """The final norm's output [T, hidden] for the embedded tokens x [T, hidden]; cos, sin as

@@ -63,10 +63,11 @@ class LoRABatch:
         self._masks = {}
         self.token_slots = None
         if len(runs) > 1 and row <= STACKED_MAX_TOKENS:
-            slots = [-1] * row
-            for slot, start, end in runs:
-                slots[start:end] = [slot] * (end - start)
-            self.token_slots = torch.tensor(slots, device=self.device)
+            self.token_slots = torch.tensor(self.row_slots(), device=self.device)
+
+    def row_slots(self) -> list[int]:
+        """The step's slot of each row, in row order (-1: the base model)."""
+        return [slot for slot, n in self.step_rows for _ in range(n)]
 
     def mask(self, width: int, max_loras: int, dtype: torch.dtype) -> torch.Tensor:
         """[T, max_loras * width]: 1 where the column belongs to the token's slot."""
