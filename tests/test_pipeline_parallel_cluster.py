@@ -22,7 +22,7 @@ import pytest
 from test_tp_cluster import SHORT, _alive, _offline, _prompt, _serve, kill_a_worker_under_streams
 
 from pdserve import LLM
-from pdserve.testing.up_cluster import node_pids, node_stats, running_clusters
+from pdserve.testing.up_cluster import node_pids, node_stats, running_clusters, wait_for
 
 PP_POOLS = ("--num-kv-blocks", "256", "--prefill-nodes", "2", "--prefill-pp", "2,1", "--decode-nodes", "2",
             "--decode-pp", "1,2", "--prefill-policy", "round_robin", "--decode-policy", "round_robin")
@@ -61,10 +61,17 @@ def test_handover_across_pp_degrees_equals_offline(clusters, llm, transfer):
         if ACROSS_DEGREES <= served:
             break
     assert ACROSS_DEGREES <= served, f"only these (prefill PP, decode PP) pairs served: {served}"
-    now = node_stats(url)
+    # A node's counters reach the router with its pongs, and a pong can carry the request count
+    # before the transfer count: wait for the pong that has both.
+    now = wait_for(lambda: _pulled_since(url, before, transfer), timeout_s=30)
     assert all(s.get("transfers_failed", 0) == 0 for s in now.values())
-    assert all(now[n]["transfers_ok"] > before[n]["transfers_ok"] for n in ("decode-0", "decode-1"))
-    assert all(now[n][f"transfer_bytes_{transfer}"] > 0 for n in ("decode-0", "decode-1"))
+
+
+def _pulled_since(url: str, before: dict[str, dict], transfer: str) -> dict[str, dict] | None:
+    now = node_stats(url)
+    pulled = all(now[n]["transfers_ok"] > before[n]["transfers_ok"] and now[n][f"transfer_bytes_{transfer}"] > 0
+                 for n in ("decode-0", "decode-1"))
+    return now if pulled else None
 
 
 def test_prefix_hits_across_pp_degrees_through_the_store(clusters, llm):
