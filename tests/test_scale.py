@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import openai
@@ -90,6 +91,17 @@ def _under_load(url: str, prompts: list[str], max_tokens: int, action, min_token
         return [f.result() for f in futures], result  # a failed request raises here
 
 
+def _timed(call, *args):
+    """call(*args) and the monotonic time it returned at."""
+    result = call(*args)
+    return result, time.monotonic()
+
+
+def _draining_or_gone(url: str, node_id: str) -> bool:
+    node = next((n for n in _admin(url, "/admin/nodes").json()["nodes"] if n["id"] == node_id), None)
+    return node is None or node["draining"]
+
+
 def _blocks_back_to_zero(url: str) -> bool:
     return all(s["kv_blocks_in_use"] == 0 and s["requests"] == 0 for s in node_stats(url).values() if s["healthy"])
 
@@ -137,8 +149,18 @@ def test_scale_up_and_down_under_load_loses_no_request(cluster, want):
         return busiest if busiest["in_flight"] > 0 else None
 
     def scale_down_the_busiest():
-        busiest = wait_for(busiest_decode_node, timeout_s=20, interval_s=0.05)
-        return _admin(url, "/admin/scale", {"prefill": 1, "decode": 1, "grace_s": 0, "remove": [busiest["id"]]})
+        busiest = wait_for(busiest_decode_node, timeout_s=20, interval_s=0.05)["id"]
+        with cf.ThreadPoolExecutor(1) as pool:
+            scaling = pool.submit(_timed, _admin, url, "/admin/scale",
+                                  {"prefill": 1, "decode": 1, "grace_s": 0, "remove": [busiest]})
+            # An operator drains the same node while the scale removes it: the switch waits for
+            # the scale, then must find the node gone (not drain a removed node until a timeout).
+            wait_for(lambda: _draining_or_gone(url, busiest), timeout_s=20, interval_s=0.05)
+            switch, switch_at = _timed(_admin, url, "/admin/switch", {"node_id": busiest, "to_role": "prefill"})
+            scale, scale_at = scaling.result()
+        assert switch.status_code == 400 and "no node" in switch.json()["error"]["message"], switch.text
+        assert switch_at - scale_at < 10, f"the switch answered {switch_at - scale_at:.0f} s after the scale"
+        return scale
 
     got, reply = _under_load(url, PROMPTS, LONG, scale_down_the_busiest)
     assert reply.status_code == 200, reply.text

@@ -149,14 +149,10 @@ class Scaler:
     async def switch(self, node_id: str, to_role: str, grace_s: float | None = None) -> dict:
         if to_role not in ROLES:
             raise ScaleError(f"to_role must be one of {list(ROLES)}, not {to_role!r}")
-        node = self.pool.get(node_id)
-        if node is None:
-            raise ScaleError(f"no node {node_id!r}")
-        if node.role == to_role:
-            raise ScaleError(f"{node_id} is a {to_role} node already")
         async with self._lock:
-            if node.role == "decode" and len([n for n in self.active("decode") if n is not node]) == 0:
-                raise ScaleError(f"{node_id} is the last decode node: start another before switching it")
+            # Checked under the lock: a scale that held it may have removed the node (drained it
+            # while this call waited), or a switch before this one may have moved it already.
+            node = self._switchable(node_id, to_role)
             started = time.perf_counter()
             await self.drain(node, to_role, grace_s)
             await self._wait(lambda: self._serving(node_id, to_role), DRAIN_TIMEOUT_S,
@@ -165,6 +161,16 @@ class Scaler:
             await self._tell_owner_role(node_id, to_role)
             return {"node": node_id, "role": to_role, "seconds": round(time.perf_counter() - started, 3),
                     **self.describe()}
+
+    def _switchable(self, node_id: str, to_role: str) -> Node:
+        node = self.pool.get(node_id)
+        if node is None or node.closed:
+            raise ScaleError(f"no node {node_id!r}")
+        if node.role == to_role:
+            raise ScaleError(f"{node_id} is a {to_role} node already")
+        if node.role == "decode" and len([n for n in self.active("decode") if n is not node]) == 0:
+            raise ScaleError(f"{node_id} is the last decode node: start another before switching it")
+        return node
 
     async def _tell_owner_role(self, node_id: str, role: str) -> None:
         """So that the owner restarts the node in its new role should its process die (a node
