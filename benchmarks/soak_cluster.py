@@ -6,6 +6,10 @@ as `pdserve up` or a container runtime would. The router runs with a short HTTP 
 (soak_router), so that an idle fault outlasts it. Every node and the router serve the soak's LoRA
 adapter; decode-1 speculates (n-gram drafts), decode-0 does not, and runs at TP 2 when asked.
 
+The cluster is the router's node owner too (`--owner`, as `pdserve up`'s launcher is): the
+router's /admin/scale starts nodes here and stops the ones it drained, and a role switch is
+recorded, so that a node restarts in its new role.
+
 A supervisor thread restarts a process that died (after RESTART_DELAY_S), until stop(). Every
 pid ever started is kept, so stop() can say whether any process was left behind.
 """
@@ -25,6 +29,8 @@ import psutil
 import redis
 
 from benchmarks.soak_load import ADAPTER, MODEL
+from pdserve.cluster.owner import with_role
+from pdserve.cluster.owner_admin import OwnerAdminServer
 from pdserve.wire.transport import free_port
 
 RESTART_DELAY_S = 0.5
@@ -60,22 +66,24 @@ class SoakCluster:
         if self.redis_port is not None:  # the launcher's command (launcher._store_url)
             self.procs["redis"] = Proc("redis", ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
                                                  "--save", "", "--appendonly", "no", "--loglevel", "warning"])
-        addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
+        self.lease_s, self.lora = lease_s, lora
+        self.addresses: dict[str, str] = {}  # node -> its control endpoint
+        self.roles: dict[str, str] = {}      # node -> its role now (a switch changes it)
+        self.retired: list[Proc] = []        # nodes the owner stopped (scaled down): for _left_behind
+        self._started = {"prefill": 0, "decode": 0}
         for role, count in (("prefill", prefill), ("decode", decode)):
             for i in range(count):
-                bind = f"tcp://127.0.0.1:{free_port()}"
-                addrs[role].append(bind)
                 spec = ["--speculative-config", SPECULATIVE] if (role, i) == ("decode", 1) else []
                 if (role, i) == ("decode", 0) and decode_tp > 1:
                     spec = ["--tensor-parallel-size", str(decode_tp)]
-                self._add(f"{role}-{i}", [role, "--model", MODEL, "--node-id", f"{role}-{i}", "--bind", bind,
-                                          "--num-kv-blocks", "256", *self._transfer_flags(role, lease_s), *lora,
-                                          *spec])
+                self._add_node(role, spec)
+        self.owner_address = f"tcp://127.0.0.1:{free_port()}"  # the router's StartNode/StopNode land here
+        self._admin: OwnerAdminServer | None = None
         self._add("router", ["router", "--model", MODEL, "--port", str(self.port), "--kv-transfer",
-                             "store" if self.redis_port else transport, *lora,
+                             "store" if self.redis_port else transport, *lora, "--owner", self.owner_address,
                              "--local-prefill-threshold", "0", "--prefill-placement", "threshold",
-                             *[a for p in addrs["prefill"] for a in ("--prefill", p)],
-                             *[a for d in addrs["decode"] for a in ("--decode", d)]], module="benchmarks.soak_router")
+                             *[a for n in self.nodes for a in (f"--{self.roles[n]}", self.addresses[n])]],
+                  module="benchmarks.soak_router")
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
@@ -87,12 +95,53 @@ class SoakCluster:
         side = ["--nixl-side-channel", f"tcp://127.0.0.1:{free_port()}", "--lease-s", str(lease_s)]
         return side + (["--nixl"] if role == "decode" else [])
 
+    def _add_node(self, role: str, extra: list[str]) -> str:
+        name = f"{role}-{self._started[role]}"
+        self._started[role] += 1
+        self.addresses[name], self.roles[name] = f"tcp://127.0.0.1:{free_port()}", role
+        self._add(name, [role, "--model", MODEL, "--node-id", name, "--bind", self.addresses[name],
+                         "--num-kv-blocks", "256", *self._transfer_flags(role, self.lease_s), *self.lora, *extra])
+        return name
+
     def _add(self, name: str, args: list[str], module: str = "pdserve") -> None:
         self.procs[name] = Proc(name, [sys.executable, "-m", module, "--log-level", "WARNING", *args])
 
     @property
     def nodes(self) -> list[str]:
-        return [n for n in self.procs if n not in ("router", "redis")]
+        return [n for n in list(self.procs) if n not in ("router", "redis")]  # the owner's thread adds and removes
+
+    # ---- NodeOwner (pdserve.cluster.owner): the router's /admin/scale and switches end here --
+    def start_node(self, role: str) -> str:
+        """A node with the soak's flags (no speculation, TP 1); it joins at its first pong. Like
+        `pdserve up`'s nodes, a decode node has a NIXL side channel too."""
+        with self._lock:
+            name = self._add_node(role, [])
+            self._spawn(self.procs[name])
+        return name
+
+    def stop_node(self, node_id: str) -> None:
+        """SIGTERM a drained node; it is not restarted, and stop() still checks it is gone."""
+        with self._lock:
+            proc = self.procs.pop(node_id)
+            del self.addresses[node_id], self.roles[node_id]
+            self.retired.append(proc)
+        proc.popen.send_signal(signal.SIGCONT)
+        proc.popen.terminate()
+        try:
+            proc.popen.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+            proc.popen.wait()
+
+    def set_role(self, node_id: str, role: str) -> None:
+        """The node switched in place: a restart after it dies starts it in its new role."""
+        with self._lock:
+            self.procs[node_id].cmd = with_role(self.procs[node_id].cmd, role)
+            self.roles[node_id] = role
+
+    def owned_nodes(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self.roles)
 
     def _spawn(self, proc: Proc) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
@@ -107,6 +156,7 @@ class SoakCluster:
     def launch(self) -> None:
         """Start every process and the supervisor; wait_healthy() says when they serve."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self._admin = OwnerAdminServer(self, self.owner_address, self.addresses.__getitem__).start()
         for proc in self.procs.values():
             self._spawn(proc)
         self._supervisor.start()
@@ -118,7 +168,7 @@ class SoakCluster:
             for proc in dead:
                 time.sleep(RESTART_DELAY_S)
                 with self._lock:
-                    if not self._stopping.is_set():
+                    if not self._stopping.is_set() and self.procs.get(proc.name) is proc:  # not scaled away
                         self._spawn(proc)
 
     def signal(self, name: str, sig: int) -> None:
@@ -172,7 +222,7 @@ class SoakCluster:
 
     def rss(self) -> dict[str, int]:
         out = {}
-        for name, proc in self.procs.items():
+        for name, proc in list(self.procs.items()):
             try:
                 out[name] = psutil.Process(proc.popen.pid).memory_info().rss
             except (psutil.Error, AttributeError):
@@ -184,6 +234,9 @@ class SoakCluster:
         self._stopping.set()
         if self._supervisor.is_alive():
             self._supervisor.join(timeout=5)
+        if self._admin is not None:
+            self._admin.stop()
+            self._admin = None
         for proc in self.procs.values():
             if proc.popen is not None and proc.popen.poll() is None:
                 proc.popen.send_signal(signal.SIGCONT)
@@ -201,7 +254,7 @@ class SoakCluster:
 
     def _left_behind(self) -> list[str]:
         """Processes of any group started here (each process led its own): TP workers included."""
-        groups = {pid: proc.name for proc in self.procs.values() for pid in proc.pids}
+        groups = {pid: proc.name for proc in [*self.procs.values(), *self.retired] for pid in proc.pids}
         left = []
         for p in psutil.process_iter():
             try:

@@ -6,7 +6,10 @@ decode node pulls its blocks; traffic held back past every idle timer (the NIXL 
 router's HTTP keep-alive, the clients' own), then resumed; a decode node drained under load
 (switched to prefill through the router's /admin/switch, its streams moved to the other decode
 node) and switched back a moment later; with a TP 2 decode-0, SIGKILL of its worker process
-(the node goes down with it and is restarted); and on a store cluster, SIGKILL of Redis (restarted
+(the node goes down with it and is restarted); the decode pool scaled up by one node (the
+cluster, as the router's node owner, starts it) and down again, removing that node while an
+operator's role switch drains the same node (the switch waits for the scale, then must answer
+that the node is gone, at once); and on a store cluster, SIGKILL of Redis (restarted
 empty: what it held is recomputed) and SIGSTOP then SIGCONT of Redis. Client disconnects at each
 stage are the clients' own (soak_load)."""
 from __future__ import annotations
@@ -15,6 +18,7 @@ import random
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -22,9 +26,11 @@ from benchmarks.soak_cluster import SoakCluster
 from benchmarks.soak_load import Gate, Tally
 
 FAULTS = ("kill prefill", "kill decode", "stop node", "kill router", "stop router", "idle",
-          "prefill restart during pull", "drain decode")
+          "prefill restart during pull", "drain decode", "drain during scale")
 STORE_FAULTS = ("kill redis", "stop redis")
 ALL_KINDS = (*FAULTS, "kill tp worker", *STORE_FAULTS)
+SCALE_TIMEOUT_S = 360.0  # a scale up waits for the new node to load and join
+SWITCH_AFTER_SCALE_S = 10.0  # a switch that waited for a scale answers at most this long after it
 RECOVERY_S = 120.0  # every process back and healthy within this, or the soak counts a violation
 REDIS_STOP_S = (2.0, 5.0)  # a few seconds: the nodes' calls to Redis wait (their socket timeout is 5 s)
 
@@ -95,6 +101,8 @@ class Faults:
             return
         elif kind == "kill tp worker" and not self.cluster.kill_worker("decode-0"):
             return
+        elif kind == "drain during scale" and not self.drain_during_scale():
+            return
         self.tally.add(f"fault: {kind}")
 
     def idle(self, stop: threading.Event) -> bool:
@@ -112,6 +120,51 @@ class Faults:
                 self.tally.violate("hung", f"first requests after an idle pause not done in {self.deadline_s:.0f} s")
                 break
         return True
+
+    def _admin(self, path: str, body: dict) -> httpx.Response | None:
+        """POST to the router's admin route; None, with a violation, on no answer or a 5xx."""
+        try:
+            reply = httpx.post(f"{self.cluster.url}{path}", json=body, timeout=SCALE_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            self.tally.violate("scale failed", f"{path} {body}: {type(exc).__name__}: {exc}")
+            return None
+        if reply.status_code >= 500:
+            self.tally.violate("scale failed", f"{path} {body}: {reply.status_code} {reply.text}")
+            return None
+        return reply
+
+    def drain_during_scale(self) -> bool:
+        """One decode node more (it joins under load), then back to two, removing it, while a
+        switch drains it: the scale answers 200; the switch 400 'no node' no later than a few
+        seconds after the scale (it waited for it), or 200 when it came first (the node is then
+        removed as a prefill node)."""
+        up = self._admin("/admin/scale", {"decode": 3})
+        if up is None or up.status_code != 200 or len(added := up.json()["added"]) != 1:
+            if up is not None:
+                self.tally.violate("scale failed", f"scaling up: {up.status_code} {up.text}")
+            return False
+        with ThreadPoolExecutor(1) as pool:
+            down = pool.submit(self._timed_admin, "/admin/scale", {"decode": 2, "remove": added})
+            time.sleep(self.rng.uniform(0.0, 1.0))
+            switch, switch_at = self._timed_admin("/admin/switch", {"node_id": added[0], "to_role": "prefill"})
+            (down, down_at) = down.result()
+        if switch is not None and switch.status_code != 200 and (
+                "no node" not in switch.text or switch_at - down_at > SWITCH_AFTER_SCALE_S):
+            self.tally.violate("scale failed", f"the switch during the scale: {switch.status_code} {switch.text}, "
+                               f"{switch_at - down_at:.1f} s after the scale")
+        first = switch is not None and switch.status_code == 200
+        self.tally.add("switch during scale: came first" if first else "switch during scale: waited for it")
+        if added[0] in self.cluster.owned_nodes():  # switched first: still running, as a prefill node
+            down = self._admin("/admin/scale", {"prefill": 2, "decode": 2, "remove": added})
+        if down is None or down.status_code != 200 or added[0] in self.cluster.owned_nodes():
+            if down is not None:
+                self.tally.violate("scale failed", f"scaling down: {down.status_code} {down.text[:300]}")
+            return False
+        return True
+
+    def _timed_admin(self, path: str, body: dict) -> tuple[httpx.Response | None, float]:
+        reply = self._admin(path, body)
+        return reply, time.monotonic()
 
     def drain(self, node: str) -> bool:
         """Switch a decode node to prefill (it drains: its streams move on) and back; False, with

@@ -102,6 +102,9 @@ def rows(args, r: dict) -> list[tuple[str, object]]:
            ("processes left behind", len(r["left"]))]
     out += watch.rows()
     out += [(k, v) for k, v in sorted(c.items()) if k.startswith("fault: ")]
+    if c["fault: drain during scale"]:
+        out.append(("the switch during the scale: waited for it, then 'no node' / came first",
+                    f"{c['switch during scale: waited for it']} / {c['switch during scale: came first']}"))
     out += [(f"router: {k}", v) for k, v in sorted(health.get("failover", {}).items())]
     return out
 
