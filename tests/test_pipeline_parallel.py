@@ -185,14 +185,18 @@ def test_stages_die_with_their_driver(models):
     assert_workers_die_with_their_driver(str(models['llama']), pipeline_parallel_size=2)
 
 
-def test_pp2_tp2_greedy_equals_transformers(models):
-    """Four processes: two stages of two TP ranks each (a light batch: they share two cores)."""
-    path = models["llama"]
-    ref = load_reference(path)
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_pp2_tp2_greedy_equals_transformers(models, kind):
+    """Four processes: two stages of two TP ranks each (a light batch: they share two cores); the
+    MoE's experts and MLA's latent attention split across ranks within each stage."""
+    path = models[kind]
+    ref = _reference(models, kind)
     llm = LLM(model=str(path), pipeline_parallel_size=2, tensor_parallel_size=2, num_kv_blocks=32,
               max_num_batched_tokens=32)
     try:
-        assert llm.engine.model.layers[0].self_attn.num_heads == 2
+        attn = llm.engine.model.layers[0].self_attn
+        heads = attn.spec.num_heads if kind == "deepseek_v3" else attn.num_heads  # MLA keeps its in its spec
+        assert heads == ref.config.num_attention_heads // 2
         prompts = random_prompts(8, ref.config.vocab_size, [9, 45])
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
