@@ -1,12 +1,14 @@
 """use_beam_search over `pdserve up` (1 prefill + 1 decode node), over NIXL and over the store,
 through the official openai client: /v1/completions and /v1/chat/completions answer with the
 beams LLM.beam_search finds offline, which are transformers' (tests/test_beam_search.py), the
-best n of best_of; every block goes back to the pools after; what beam search cannot take is a
+best n of best_of; the prompt is handed over once and the beams fork on the decode node; every
+block goes back to the pools after; what beam search cannot take is a
 400."""
 from __future__ import annotations
 
 import concurrent.futures as cf
 import random
+import time
 
 import httpx
 import openai
@@ -66,6 +68,34 @@ def test_completions_beams_equal_offline_and_transformers(setup, transfer):
         hf = reference_beams(ref, PROMPT, best_of, max_tokens, penalty, eos_token_ids=eos)
         assert [w[0] for w in want] == [h[0] for h in hf]
     _assert_blocks_back(urls[transfer])
+
+
+@pytest.mark.parametrize("transfer", list(TRANSFERS))
+def test_the_prompt_is_handed_over_once_and_the_beams_fork_on_the_decode_node(setup, transfer):
+    """One search, alone on the cluster: the prefill node computes the prompt once (the first
+    round), the decode node pulls it once, and every later round runs whole on that decode node."""
+    path, llm, urls = setup
+    url = urls[transfer]
+    prompt = [rng.randrange(3, 256) for _ in range(45)]  # new: no node holds it
+    before, placed = node_stats(url), _placed(url)
+    r = _client(url).completions.create(model=str(path), prompt=prompt, max_tokens=6, n=2, extra_body={
+        "use_beam_search": True, "best_of": 3, "return_token_ids": True})
+    assert _choices(r) == _offline(llm, prompt, 3, 6)[:2]
+
+    def counted():  # the nodes' counters ride their pongs
+        now = node_stats(url)
+        grew = {n: now[n][k] - before[n][k] for n, k in (("prefill-0", "requests_total"), ("decode-0", "transfers_ok"))}
+        return grew if all(grew.values()) else None
+    time.sleep(1.0)  # a second pull or prefill would show by then
+    assert wait_for(counted, timeout_s=30) == {"prefill-0": 1, "decode-0": 1}
+    after = _placed(url)
+    assert after["placed_remote"] - placed["placed_remote"] == 1
+    assert after["placed_local"] > placed["placed_local"]  # the later rounds' beams
+    _assert_blocks_back(url)
+
+
+def _placed(url: str) -> dict[str, int]:
+    return httpx.get(f"{url}/health", timeout=10).json()["failover"]
 
 
 def test_chat_beams_equal_offline(setup):

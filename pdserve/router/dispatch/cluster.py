@@ -40,7 +40,7 @@ from pdserve.router.dispatch.prefill import PrefillDispatch
 from pdserve.router.placement.index import STORE_HOLDER
 from pdserve.router.placement.keys import KVScope
 from pdserve.router.placement.pd_decision import Targets
-from pdserve.router.placement.placement import Placement, PlacementDecision, PlacementRequest
+from pdserve.router.placement.placement import DecodePin, Placement, PlacementDecision, PlacementRequest
 from pdserve.wire.embedding_handover import EmbeddingHandover
 from pdserve.wire.handover import KVHandover, NixlHandover, StoreHandover, handover_path
 from pdserve.wire.messages import Abort, DecodeRequest, EmbedResult
@@ -95,9 +95,11 @@ class ClusterBackend:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        session: str | None = None, targets: Targets | None = None, cache_salt: str | None = None,
-                       adapter: str | None = None, images: tuple[ImageInput, ...] = ()) -> AsyncIterator[StepOutput]:
+                       adapter: str | None = None, images: tuple[ImageInput, ...] = (),
+                       pin: DecodePin | None = None) -> AsyncIterator[StepOutput]:
         """targets: this request's TTFT/ITL targets (the body's ttft_slo_ms/itl_slo_ms), else the router's.
-        images: a vision-language prompt's (pdserve.protocol.multimodal), in its KV scope."""
+        images: a vision-language prompt's (pdserve.protocol.multimodal), in its KV scope.
+        pin: a decode node requests share (placement.DecodePin): set to the node that decodes this one."""
         if not self.adapters.begin(adapter):
             raise BackendError(f"LoRA adapter {adapter!r} was unloaded")
         self.inflight.open_stream(request_id)
@@ -108,7 +110,7 @@ class ClusterBackend:
         stage = "queued"  # where an abort (a client gone) found it, for /metrics
         decision = None
         try:
-            request = PlacementRequest(request_id, prompt_token_ids, params.max_tokens, session, targets, scope)
+            request = PlacementRequest(request_id, prompt_token_ids, params.max_tokens, session, targets, scope, pin)
             decision = await self._place(request)
             stage = "prefill"
             # E/P/D: an encoder node's embeddings, when one is up (over NIXL: where they wait)
@@ -201,6 +203,8 @@ class ClusterBackend:
             if node is None:
                 raise BackendError("no healthy decode node")
             tried.add(node.node_id)
+            if request.pin is not None:  # the node that now holds the prompt's blocks (a resume moves it)
+                request.pin.node_id = node.node_id
             if failures == moves == 0 and not relayed:
                 timer.dispatched()
             self.inflight.assign(rid, node)

@@ -3,13 +3,15 @@
 The search (pdserve.protocol.beam_search, transformers' rules, as LLM.beam_search) advances one
 token per round: each live beam is a backend request of max_tokens 1 with top logprobs, its
 prompt the prompt plus the beam's tokens, so the nodes' prefix caches hold the shared prefix
-once. best_of (default n) is the beam width; the best n beams are the choices. As in vLLM the
+once. Under P/D the first round hands the prompt over to a decode node, and the later rounds
+run whole there (a DecodePin): the beams fork on the decode node. best_of (default n) is the beam width; the best n beams are the choices. As in vLLM the
 answer does not stream, and the knobs that would change the candidates (penalties, biases,
 stops, structured outputs, tools) or that only sampling reads are refused rather than ignored.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -27,6 +29,7 @@ from pdserve.router.openai.errors import bad_request
 from pdserve.router.openai.responses import ChoiceState, response_body
 from pdserve.router.openai.schemas import GenerationRequest
 from pdserve.router.openai.streaming import ClientDisconnected, run_until_disconnect
+from pdserve.router.placement.placement import DecodePin
 
 logger = logging.getLogger(__name__)
 
@@ -71,29 +74,40 @@ class BeamRun:
         # (the client's top logprobs come from the same rounds: ask for the larger count)
         self.round_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                                            logprobs=max(self.search.k, logprobs or 0))
+        # The first round runs one token further, so that its prompt is handed over to a decode
+        # node (a prefill node answers a 1-token request alone); the later rounds run whole on
+        # that node (the pin), where the beams share the prompt's blocks.
+        self.first_round_params = dataclasses.replace(self.round_params, max_tokens=2)
+        self.pin = DecodePin()
 
     async def run(self) -> list[tuple[float, Beam]]:
         rounds = 0
         while not self.search.done:
             beams = self.search.running
-            tops = await asyncio.gather(*(self._one_token(f"{self.base_id}-r{rounds}b{i}", b)
+            params = self.first_round_params if rounds == 0 and self.search.params.max_tokens > 1 else self.round_params
+            tops = await asyncio.gather(*(self._one_token(f"{self.base_id}-r{rounds}b{i}", b, params)
                                           for i, b in enumerate(beams)))
             self.search.advance(list(tops))
             rounds += 1
         return self.search.results()
 
-    async def _one_token(self, rid: str, beam: Beam) -> list[tuple[int, float]]:
-        finished = False
+    async def _one_token(self, rid: str, beam: Beam, params: SamplingParams) -> list[tuple[int, float]]:
+        """The top candidates for the beam's next token (the first token's; a first round's
+        second token is only for its handover)."""
+        finished, top = False, None
         try:
-            stream = self.backend.generate(rid, self.search.prompt + beam.tokens, self.round_params, **self.request_kw)
+            stream = self.backend.generate(rid, self.search.prompt + beam.tokens, params, pin=self.pin,
+                                           **self.request_kw)
             async for out in stream:
                 if out.finish_reason == "error" or out.error:
                     raise BackendError(out.error or "generation failed")
+                if top is None and out.new_logprobs:
+                    top = [(int(t), float(lp)) for t, lp in out.new_logprobs[0].top]
                 if out.finished:
                     finished = True
-                    if not out.new_logprobs:
+                    if top is None:
                         raise BackendError(f"{rid} finished without its logprobs")
-                    return [(int(t), float(lp)) for t, lp in out.new_logprobs[0].top]
+                    return top
             raise BackendError(f"backend stream for {rid} ended before the request finished")
         finally:
             if not finished:  # cancelled (client gone) or failed: the nodes drop it too

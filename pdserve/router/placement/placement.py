@@ -12,6 +12,16 @@ from pdserve.router.placement.policy import Planner, SessionMap
 from pdserve.router.placement.views import NodeView, RoutePlan
 
 
+@dataclass
+class DecodePin:
+    """A decode node that a group of requests shares (a beam search's rounds): the first request
+    runs as any other and records the decode node its prompt was handed over to; the later ones
+    run whole there, on the prompt's blocks that node now holds, so the prompt is handed over once
+    and the beams fork on the decode node. Should that node go, the next request is placed as any
+    other and pins the node it lands on."""
+    node_id: str | None = None
+
+
 @dataclass(frozen=True)
 class PlacementRequest:
     request_id: str
@@ -20,6 +30,7 @@ class PlacementRequest:
     session: str | None = None       # the OpenAI `user`, for session affinity
     targets: Targets | None = None   # this request's TTFT/ITL targets (None: the router's)
     scope: KVScope = NO_SCOPE
+    pin: DecodePin | None = None     # run whole on pin.node_id while it takes requests
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,8 @@ class Placement:
         be empty). The prefill node chosen is recorded in the index at once, so concurrent
         requests sharing the prefix follow it there."""
         keys = self.block_keys(request.prompt, request.scope)
+        if (pinned_plan := self._pinned(request, keys, decode)) is not None:
+            return PlacementDecision(pinned_plan, keys, self._itl_target(request), _where(pinned_plan, prefill))
         session = request.session if self.sessions is not None else None
         pinned = self.sessions.get(session) if session else None
         plan = self.planner.plan(request.request_id, len(request.prompt), keys, decode, prefill, request.max_tokens,
@@ -54,9 +67,22 @@ class Placement:
             self.sessions.put(session, plan.decode)
         if plan.prefill is not None:
             self.planner.index.add(plan.prefill, keys)
+        return PlacementDecision(plan, keys, self._itl_target(request), _where(plan, prefill))
+
+    def _itl_target(self, request: PlacementRequest) -> float:
         targets = request.targets or self.planner.targets
-        itl = targets.itl_s if self.planner.placement == "slo" and targets is not None else 0.0
-        return PlacementDecision(plan, keys, itl, _where(plan, prefill))
+        return targets.itl_s if self.planner.placement == "slo" and targets is not None else 0.0
+
+    def _pinned(self, request: PlacementRequest, keys: list[bytes], decode: list[NodeView]) -> RoutePlan | None:
+        """The request's pinned decode node, prefilling the prompt itself; None when it has no pin
+        or the node no longer takes requests."""
+        node_id = request.pin.node_id if request.pin is not None else None
+        node = next((n for n in decode if n.node_id == node_id), None)
+        if node is None:
+            return None
+        held = {node_id: self.planner.index.held_prefix_blocks(node_id, keys)}
+        return RoutePlan(node_id, None, self.planner.costs.held_tokens(node, held, len(request.prompt)),
+                         {"pinned": True})
 
 
 def _where(plan: RoutePlan, prefill: list[NodeView]) -> str:
