@@ -4,6 +4,7 @@ Qwen3 (round-to-nearest quantization of its linear weights), load kept quantized
 2. generate the greedy tokens of transformers running a float32 model whose linear weights are
    those dequantized values (a dequantizing load);
 3. unsupported variants are refused with the list of what loads;
+   and activation order (desc_act) at TP 2 gives the same greedy tokens as item 2;
 4. a float embedding / LM head whose values are Q8_0's (int8 times a float16 scale per 32 columns,
    as a GGUF's are once dequantized) is held as Q8_0, exactly, and tied when the model ties them.
 
@@ -14,7 +15,6 @@ after GPTQModel's, which cannot be installed here).
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from pdserve import LLM
 from pdserve.layers.quant import gptq_awq
-from pdserve.layers.quant.gptq_awq import GptqAwqConfig, GptqAwqError, PermutedGroupedMethod, exact_int8_groups
+from pdserve.layers.quant.gptq_awq import PermutedGroupedMethod, exact_int8_groups
 from pdserve.layers.quant.grouped import GroupedLinearMethod
 from pdserve.models.loader import ModelLoadError
 from pdserve.testing.gptq_awq_checkpoints import quant_config, quantize, write_checkpoint
@@ -103,13 +103,21 @@ def test_unsupported_variants_are_refused(tmp_path, qconfig, what):
         LLM(str(src), num_kv_blocks=8)
 
 
-def test_desc_act_refused_where_the_input_is_split():
-    config = GptqAwqConfig({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True})
-    row_parallel = SimpleNamespace(split_input=True, tp=SimpleNamespace(size=2), input_size=128)
-    with pytest.raises(GptqAwqError, match="desc_act at tensor_parallel_size 2"):
-        config.linear_method(row_parallel, "layers.0.self_attn.o_proj")
-    column_parallel = SimpleNamespace(split_input=False, tp=SimpleNamespace(size=2), input_size=128)
-    assert isinstance(config.linear_method(column_parallel, "layers.0.mlp.gate_up_proj"), PermutedGroupedMethod)
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case.get("desc_act")])
+def test_desc_act_at_tp2_matches_dequantized_transformers(tmp_path, name):
+    """Activation order at TP 2: a row-parallel layer's sorted columns take their inputs from
+    every rank's shard (it gathers them); greedy tokens equal the dequantizing load's."""
+    case = CASES[name]
+    src = make_model(tmp_path, case["kind"], **case.get("sizes", SIZES))
+    tensors, packed, refs = quantize(src, case)
+    path = write_checkpoint(src, tmp_path / name, tensors, packed, quant_config(case), case.get("zero_biases", False))
+    llm = LLM(str(path), tensor_parallel_size=2, num_kv_blocks=64)
+    try:
+        down = llm.engine.model.layers[0].mlp.down_proj
+        assert isinstance(down.quant_method, PermutedGroupedMethod) and down.input_size * 2 == down.full_input_size
+        assert_matches_reference(llm, dequantized_reference(src, refs), 3, (6, 19, 40), 16, 1e-3, name)
+    finally:
+        llm.close()
 
 
 def q8_0_values(rows: int, cols: int, seed: int) -> torch.Tensor:

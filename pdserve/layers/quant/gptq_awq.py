@@ -116,17 +116,35 @@ def _awq_scheme(qc: dict) -> Scheme:
 
 class PermutedGroupedMethod(GroupedLinearMethod):
     """A desc_act layer: its columns sorted by group (so each group is contiguous, as the kernels
-    need), and `perm` [in], the input column each sorted column came from."""
+    need), and `perm` [full input], the input column each sorted column came from.
+
+    A row-parallel layer at TP > 1 holds its rank's share of the sorted columns (whole groups),
+    whose inputs lie anywhere in the full input, across every rank's shard: it gathers the whole
+    input first (one all-gather), takes its columns, and its partial product joins the layer's
+    all-reduce as any other's. (vLLM keeps act-order shards in checkpoint order with a g_idx
+    lookup in its kernels instead; ours need contiguous groups.)"""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
         super().create_weights(layer, input_size, output_sizes, dtype)
-        layer.register_parameter("perm", nn.Parameter(torch.zeros(input_size, dtype=torch.int64),
-                                                      requires_grad=False))
+        full = layer.full_input_size
+        layer.register_parameter("perm", nn.Parameter(torch.zeros(full, dtype=torch.int64), requires_grad=False))
         layer.param_dims["perm"] = (None, None)
 
+    @staticmethod
+    def _split(layer: nn.Module) -> bool:
+        return getattr(layer, "split_input", False) and layer.tp.size > 1
+
+    def _inputs(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """[tokens, input_size]: the input columns of this rank's sorted columns, in their order."""
+        if not self._split(layer):
+            return x.reshape(-1, x.shape[-1]).index_select(1, layer.perm)
+        whole = layer.tp.all_gather_last(x.reshape(-1, x.shape[-1]))
+        start = layer.tp.rank * layer.input_size
+        return whole.index_select(1, layer.perm[start:start + layer.input_size])
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).index_select(1, layer.perm)
+        flat = self._inputs(layer, x)
         if cuda_kernels.runs_triton(x):
             y = cuda_kernels.grouped_apply(layer, self._parts(layer), self.fmt.bits, self.fmt.group, flat, bias)
             return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -142,6 +160,10 @@ class PermutedGroupedMethod(GroupedLinearMethod):
         return dataclasses.replace(super().packed(layer), native=None)
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
+        """In checkpoint column order (a layer that holds its whole input: a rank's share of a
+        split one has no such order)."""
+        if self._split(layer):
+            raise NotImplementedError("a desc_act shard of a split input has no checkpoint column order")
         sorted_cols = super().dequantized(layer)
         out = torch.empty_like(sorted_cols)
         out[:, layer.perm] = sorted_cols
@@ -188,12 +210,7 @@ class GptqAwqConfig(QuantConfig):
         # gcd: groups of the whole input when per channel (0), split where the columns are not whole groups
         fmt = GroupFormat(s.bits, math.gcd(s.group_size, layer.input_size), half_scales=False,
                           has_min=s.bits == 4 or not s.sym)
-        if not s.desc_act:
-            return GroupedLinearMethod(fmt)
-        if getattr(layer, "split_input", False) and layer.tp.size > 1:
-            raise _refuse("gptq", f"desc_act at tensor_parallel_size {layer.tp.size} ({prefix} splits its "
-                                  f"input columns, and activation order mixes them across ranks; it loads at 1)")
-        return PermutedGroupedMethod(fmt)
+        return PermutedGroupedMethod(fmt) if s.desc_act else GroupedLinearMethod(fmt)
 
 
 # GGUF's Q8_0: int8 values, one float16 scale per 32 columns (held as int16 bits, as grouped.py holds them), no min
