@@ -132,3 +132,18 @@ def check_offline_greedy(path: Path, ref, llm: LLM | None = None) -> None:
         assert a.outputs[0].token_ids == want, path.name
         assert b.outputs[0].token_ids == want, path.name
     assert llm.engine.pool.num_in_use() == 0, "blocks leaked after all requests finished"
+
+
+def cuda_path_logits(path: Path, llm: LLM, prompt: list[int], monkeypatch) -> torch.Tensor:
+    """The prompt's logits through the model's CUDA kernels: on the GPU where there is one (the
+    same checkpoint loaded there in float32), else on CPU with the kernels forced through the
+    Triton interpreter, on llm's own model."""
+    if torch.cuda.is_available():
+        on_gpu = LLM(str(path), num_kv_blocks=64, device="cuda", dtype="float32")
+        try:
+            return on_gpu.engine.prompt_logits(prompt).cpu()
+        finally:
+            on_gpu.close()
+    from pdserve.layers.quant import cuda_kernels  # the layers' switch to the GPU kernels
+    monkeypatch.setattr(cuda_kernels, "runs_triton", lambda t: True)
+    return llm.engine.prompt_logits(prompt)

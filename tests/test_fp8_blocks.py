@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from family_models import cuda_path_logits
 from test_act_quant import _quant_dequant, assert_matches_quantized_reference
 from torch import nn
 
@@ -79,6 +80,30 @@ def test_fp8_blocks_match_plain_torch_reference(checkpoints, caplog):
                    model.layers[0].mlp.gate_up_proj, model.layers[1].mlp.shared_expert.down_proj):
         assert isinstance(linear.quant_method, Fp8LinearMethod) and linear.weight.dtype == torch.uint8
     assert_matches_quantized_reference(llm, ref, "deepseek fp8")
+
+
+def test_the_cuda_path_gives_the_cpu_paths_logits(checkpoints, monkeypatch):
+    """DeepSeek-V3 FP8 through its CUDA kernels (the dense FP8 layers' block GEMM and the routed
+    experts' two grouped GEMMs; forced on CPU under the Triton interpreter where no GPU is)
+    against the CPU kernels."""
+    _, fp8, _ = checkpoints
+    llm = LLM(str(fp8), num_kv_blocks=64)
+    experts = llm.engine.model.layers[1].mlp.experts
+    fused_calls = []
+    monkeypatch.setattr(Fp8Experts, "_fused", _counted(Fp8Experts._fused, fused_calls))
+    prompt = [(7 * i) % 200 + 3 for i in range(21)]
+    cpu = llm.engine.prompt_logits(prompt)
+    assert not fused_calls
+    cuda = cuda_path_logits(fp8, llm, prompt, monkeypatch)
+    assert fused_calls and isinstance(experts, Fp8Experts)
+    assert (cuda - cpu).abs().max().item() < 1e-3 * cpu.abs().max().item()
+
+
+def _counted(method, calls: list):
+    def wrapped(self, *args):
+        calls.append(type(self).__name__)
+        return method(self, *args)
+    return wrapped
 
 
 def test_other_quantization_of_deepseek_is_refused(checkpoints, tmp_path):

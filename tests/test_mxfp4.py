@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from family_models import check_prompt_logits, make_family_model, random_prompts, reference_greedy
+from family_models import check_prompt_logits, cuda_path_logits, make_family_model, random_prompts, reference_greedy
 from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
@@ -64,6 +64,22 @@ def test_mxfp4_experts_match_transformers_dequantized(checkpoint):
         want, _ = reference_greedy(ref, prompt, 12)
         assert llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids == want
         assert len(set(want)) > 1
+
+
+def test_the_cuda_path_gives_the_cpu_paths_logits(checkpoint, monkeypatch):
+    """gpt-oss's MXFP4 experts through their CUDA kernel (two grouped GEMMs that unpack codes and
+    scales in registers; forced on CPU under the Triton interpreter where no GPU is) against the
+    CPU kernel."""
+    llm = LLM(str(checkpoint), num_kv_blocks=64)
+    fused_calls = []
+    original = Mxfp4Experts._fused
+    monkeypatch.setattr(Mxfp4Experts, "_fused", lambda self, *a: fused_calls.append(1) or original(self, *a))
+    prompt = [(5 * i) % 150 + 3 for i in range(19)]
+    cpu = llm.engine.prompt_logits(prompt)
+    assert not fused_calls
+    cuda = cuda_path_logits(checkpoint, llm, prompt, monkeypatch)
+    assert fused_calls
+    assert (cuda - cpu).abs().max().item() < 1e-4 * cpu.abs().max().item()
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp-in-experts", "expert-parallel"])

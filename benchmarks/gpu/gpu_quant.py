@@ -5,7 +5,8 @@ decode step and offline throughput in bf16, FP8 per channel, FP8 blocks and W4A1
     python3 -m benchmarks.gpu.gpu_suite --out DIR --steps quant     # the same, as a suite step
 
 Parts (each writes DIR/quant_<part>.json):
-  kernels  tests/test_triton_quant*.py on CUDA (Triton compiled, torch._scaled_mm row-wise)
+  kernels  tests/test_triton_quant*.py on CUDA (Triton compiled, torch._scaled_mm row-wise), and
+           the quantized MoE models' logits on CUDA against their CPU kernels
   exact    the correctness suite's small Llama in float32, each quantized format: greedy tokens on
            CUDA (the Triton / _scaled_mm path) against pdserve on CPU (the CPU kernels, which CI
            checks against the dequantized model and transformers)
@@ -59,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def part_kernels(args) -> dict:
     tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_triton_quant*.py"))
+    # the quantized MoE models (DeepSeek-V3 FP8, gpt-oss MXFP4) on the GPU against their CPU kernels
+    tests += ["tests/test_fp8_blocks.py::test_the_cuda_path_gives_the_cpu_paths_logits",
+              "tests/test_mxfp4.py::test_the_cuda_path_gives_the_cpu_paths_logits"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     return {"returncode": proc.returncode, "summary": proc.stdout.strip().splitlines()[-1:],

@@ -188,8 +188,6 @@ def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.dev
     with torch.device("meta"):
         model = DeepseekModel(spec, rope)
         if quantization:
-            if device.type != "cpu":
-                raise ValueError("FP8 checkpoints run on CPU only so far (no CUDA kernels yet)")
             block = fp8_block.block_size(quantization if isinstance(quantization, dict) else quantization.to_dict())
             _keep_fp8(model, fp8_block.fp8_modules(files), block)
     model = model.to_empty(device="cpu")

@@ -7,8 +7,9 @@ those k, and each expert is a biased, clamped SwiGLU: gate clamped above at `lim
 [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate).
 
 An MXFP4 checkpoint (quant_method mxfp4, as gpt-oss ships) keeps its experts packed
-(pdserve.layers.quant.mxfp4, CPU only). The checkpoint stores the experts as gate_up_proj [E, H, 2I] with gate and up interleaved
-along the last dim, and down_proj [E, I, H]; they are loaded into the [E, 2I, H] gate-first
+(pdserve.layers.quant.mxfp4; on CUDA a grouped Triton GEMM, pdserve.models.moe_quant). The
+checkpoint stores the experts as gate_up_proj [E, H, 2I] with gate and up interleaved along the
+last dim, and down_proj [E, I, H]; they are loaded into the [E, 2I, H] gate-first
 layout of pdserve.models.moe.Experts.
 """
 from __future__ import annotations
@@ -128,8 +129,6 @@ def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.dev
     rope = RotaryEmbedding(config, spec.head_dim, spec.max_position_embeddings)
 
     quantized = quantization_dict(config) is not None
-    if quantized and device.type != "cpu":
-        raise ValueError("MXFP4 checkpoints run on CPU only so far (no CUDA kernels yet)")
 
     def make() -> DecoderModel:
         layers = [GptOssDecoderLayer(config, spec, i) for i in range(spec.num_layers)]

@@ -6,12 +6,14 @@ Fp8Experts holds each projection as its e4m3 bytes, gate_up_proj [E, 2I, H] and 
 down_scale [E, H, ceil(I / block)] (float32 held as int32). Each expert that has tokens in a step
 multiplies them through pdserve.kernels.fp8_cpu, its input quantized per token in groups of
 `block` columns as every other FP8 layer's is: one FP8 matmul per projection and active expert
-(a loop over experts, never over tokens).
+(a loop over experts, never over tokens). On CUDA every expert runs in two grouped Triton GEMMs
+with the block scales applied per K tile (pdserve.kernels.triton_quant_moe).
 
 Mxfp4Experts holds gpt-oss's packed experts as they are: gate_up_proj [E, 2I, H / 2] and
 down_proj [E, H, I / 2] (two e2m1 codes a byte), gate_up_scale [E, 2I, H / 32] and down_scale
 [E, H, I / 32] (uint8 powers of two), and float biases; its activations stay float (weight-only),
-through pdserve.kernels.mxfp4_cpu.
+through pdserve.kernels.mxfp4_cpu; on CUDA through two grouped Triton GEMMs that unpack the codes
+and scales in registers (pdserve.kernels.triton_quant_mxfp4).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels import fp8_cpu, mxfp4_cpu
+from pdserve.layers.quant import cuda_kernels
 from pdserve.layers.quant.act_quant import fp8_quant_dequant
 from pdserve.models.moe import Experts, silu_mul
 
@@ -31,9 +34,12 @@ class _LoopedExperts(Experts):
     expert with tokens in the step."""
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            raise RuntimeError(f"{type(self).__name__} runs on CPU only so far")
+        if cuda_kernels.runs_triton(x):  # the GPU: every expert in two grouped Triton GEMMs
+            return self._fused(x, ids, weights)
         return super().forward(x, ids, weights)
+
+    def _fused(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def _cpu_grouped_matmul(self, x: torch.Tensor, pairs: int):
         return None
@@ -59,6 +65,12 @@ class Fp8Experts(_LoopedExperts):
     def like(cls, experts: Experts, block: int) -> Fp8Experts:
         hidden = experts.gate_up_proj.shape[2]
         return cls(experts.num_experts, hidden, experts.intermediate, block, experts.activation)
+
+    def _fused(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from pdserve.kernels import triton_quant_moe  # imports triton: heavy, the CUDA path only
+        return triton_quant_moe.fp8_fused_experts(
+            x, ids, weights, self.gate_up_proj, self.gate_up_scale.view(torch.float32), self.down_proj,
+            self.down_scale.view(torch.float32), self.block, self.activation)
 
     def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
         b = self.block
@@ -88,6 +100,12 @@ class Mxfp4Experts(_LoopedExperts):
     def like(cls, experts: Experts) -> Mxfp4Experts:
         return cls(experts.num_experts, experts.gate_up_proj.shape[2], experts.intermediate,
                    experts.gate_up_bias is not None, experts.activation)
+
+    def _fused(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from pdserve.kernels import triton_quant_mxfp4  # imports triton: heavy, the CUDA path only
+        return triton_quant_mxfp4.mxfp4_fused_experts(
+            x, ids, weights, self.gate_up_proj, self.gate_up_scale, self.down_proj, self.down_scale,
+            self.activation, self.gate_up_bias, self.down_bias)
 
     def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
         y = mxfp4_cpu.mxfp4_matmul(h, self.gate_up_proj[e], self.gate_up_scale[e])
