@@ -1,4 +1,4 @@
-"""Speculative decoding at TP 2: the verify step (a request's last token and its drafts as
+"""Speculative decoding at TP 2 (and at PP 2, n-gram and draft-model drafts): the verify step (a request's last token and its drafts as
 decode rows) runs over both ranks like any step, the proposer runs on the driver. Greedy output
 equals transformers' generate in float32 for draft-model, EAGLE-1 and DeepSeek MTP drafts
 (n-gram drafts: tests/test_feature_matrix.py); drafts are both accepted and rejected; an EAGLE head's and an MTP layer's drafts equal
@@ -38,7 +38,8 @@ def llama(tmp_path_factory):
 
 
 def _run(path, spec, prompts, **kw):
-    llm = LLM(str(path), tensor_parallel_size=2, block_size=8, num_kv_blocks=64, speculative_config=spec, **kw)
+    kw = {"tensor_parallel_size": 2, **kw}
+    llm = LLM(str(path), block_size=8, num_kv_blocks=64, speculative_config=spec, **kw)
     seen = record_drafts(llm) if spec["method"] in ("eagle", "mtp") else None
     try:
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -77,3 +78,21 @@ def test_tp2_mtp_equals_transformers(tmp_path):
     assert seen
     for _, tokens, drafts, offset in seen:
         assert drafts == reference.drafts(tokens, len(drafts), offset)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_pp2_speculation_equals_transformers(llama, method):
+    """At PP 2 the verify step's rows (a request's last token and its drafts) pass through both
+    stages as any step's; the proposer runs on the driver. EAGLE and MTP heads read the target's
+    hidden states, which the last stage holds: refused, with the pair named."""
+    target, draft, head, ref = llama
+    spec = {"method": method, "num_speculative_tokens": 3,
+            **({"model": str(draft)} if method == "draft_model" else {"prompt_lookup_min": 1, "prompt_lookup_max": 3})}
+    prompts = _prompts(2, (6, 14, 25))
+    outs, _, stats = _run(target, spec, prompts, tensor_parallel_size=1, pipeline_parallel_size=2)
+    assert_outputs_equal_transformers(ref, prompts, outs, NEW_TOKENS)
+    if method == "draft_model":  # (n-gram drafts on a random model are rarely accepted)
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    with pytest.raises(ValueError, match="eagle: not supported with pipeline_parallel_size"):
+        LLM(str(target), pipeline_parallel_size=2, speculative_config={"method": "eagle", "model": str(head),
+                                                                        "num_speculative_tokens": 3})

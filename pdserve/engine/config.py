@@ -82,8 +82,10 @@ class EngineConfig:
         """What does not run over pipeline stages yet, refused at start with the pair named."""
         if self.pipeline_parallel_size == 1:
             return
-        if self.speculative_config is not None:
-            raise ValueError("speculative decoding: not supported with pipeline_parallel_size > 1 yet")
+        spec = self.speculative_config
+        if spec is not None and spec.method in ("eagle", "mtp"):  # n-gram and draft-model drafts run
+            raise ValueError(f"speculative decoding method {spec.method}: not supported with pipeline_parallel_size "
+                             "> 1 yet (its head reads the target's hidden states, which the last stage holds)")
 
 
 def engine_options(args: Any) -> dict:

@@ -18,7 +18,7 @@ import msgspec
 import torch
 
 from pdserve.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
-from pdserve.engine.step_inputs import build_step_inputs
+from pdserve.engine.step_inputs import build_step_inputs, is_decode_query
 from pdserve.executor.executor import TPExecutor, WorkerLost
 from pdserve.executor.runner import TPModelRunner
 from pdserve.executor.shard_step import make_plan, result_rows
@@ -48,7 +48,8 @@ class PipelineModelRunner(TPModelRunner):
     def execute(self, items, all_logits: bool = False, pending=None) -> tuple[torch.Tensor, list]:
         if pending is not None:
             raise RuntimeError("async scheduling is off at pipeline_parallel_size > 1")
-        items = sorted(items, key=lambda it: (it[1] != 1, self._lora_slot(it[0])))  # one-token queries first
+        # decode-shaped queries (one token, or one plus drafts) first, as ModelRunner orders them
+        items = sorted(items, key=lambda it: (not is_decode_query(*it), self._lora_slot(it[0])))
         parts = [items] if all_logits else split_micro_batches(items, self.micro_batches)
         batches = [self._micro_batch(part, all_logits) for part in parts]
         offsets = _payload_offsets([b.plan for b in batches])
@@ -85,10 +86,11 @@ class PipelineModelRunner(TPModelRunner):
             self.micro_batches = split
 
     def _micro_batch(self, items, all_logits: bool) -> _MicroBatch:
-        num_decodes = sum(1 for _, n in items if n == 1)
+        num_decodes = sum(1 for r, n in items if is_decode_query(r, n))
         spans = prompt_spans(items)
         inputs = build_step_inputs(items, num_decodes, self.block_size)
-        return _MicroBatch(inputs, spans, make_plan(inputs, num_decodes, spans, all_logits, in_shm=False))
+        # the plan counts decode rows (a drafted query is one row per token), as TPModelRunner's
+        return _MicroBatch(inputs, spans, make_plan(inputs, inputs.num_decode_tokens, spans, all_logits, in_shm=False))
 
     def _result_shape(self, plan) -> tuple[tuple[int, ...], torch.dtype]:
         if plan.return_hidden:
