@@ -29,9 +29,9 @@ class RssWatch:
 
     def sample(self) -> None:
         now, rss = time.monotonic(), self.cluster.rss()
-        for name, proc in self.cluster.procs.items():
+        for name, proc in list(self.cluster.procs.items()):  # the owner's thread adds and removes nodes
             pid = proc.popen.pid if proc.popen else None
-            if pid is None or rss.get(name) is None or name in UNMEASURED:
+            if pid is None or not rss.get(name) or name in UNMEASURED:  # 0: exiting (a zombie holds no pages)
                 continue
             started = self.seen.setdefault(pid, now)
             if now - started >= self.warm_s["router" if name == "router" else "node"]:
