@@ -54,8 +54,9 @@ def test_layers_split_as_vllm_does():
 
 
 def test_what_does_not_run_over_stages_is_refused_with_the_pair_named():
-    with pytest.raises(ValueError, match="speculative decoding: not supported with pipeline_parallel_size > 1"):
-        EngineConfig(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="method mtp: not supported with pipeline_parallel_size > 1"):
+        EngineConfig(pipeline_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    EngineConfig(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     from transformers import AutoConfig
     gemma = AutoConfig.for_model("gemma3_text", architectures=["Gemma3ForCausalLM"])
     with pytest.raises(ValueError, match="Gemma3ForCausalLM is not split into pipeline stages yet"):
