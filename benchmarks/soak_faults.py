@@ -110,12 +110,14 @@ class Faults:
         request must succeed at once (soak_load.Client), and the next fault waits for them."""
         if not self.gate.close(self.deadline_s):
             self.tally.violate("hung", f"requests still running {self.deadline_s:.0f} s after traffic stopped")
-        stop.wait(self.idle_s)
+        ended_in_pause = stop.wait(self.idle_s)
         self.gate.reopen()
+        if ended_in_pause:
+            return False
         deadline = time.monotonic() + self.deadline_s
         while not self.gate.wait_after_pause(0.5):  # in steps: clients leave at the soak's end without one
             if stop.is_set():
-                return False
+                return True  # the pause landed; the soak ended before every client's next request did
             if time.monotonic() > deadline:
                 self.tally.violate("hung", f"first requests after an idle pause not done in {self.deadline_s:.0f} s")
                 break
