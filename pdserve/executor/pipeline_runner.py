@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from pdserve.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
-from pdserve.engine.step_inputs import build_step_inputs, is_decode_query
+from pdserve.engine.prompt_logprobs import record_prompt_logprobs
+from pdserve.engine.step_inputs import is_decode_query
 from pdserve.executor.executor import TPExecutor, WorkerLost
 from pdserve.executor.runner import TPModelRunner
 from pdserve.executor.shard_step import make_plan, result_rows
@@ -86,11 +86,7 @@ class PipelineModelRunner(TPModelRunner):
             self.micro_batches = split
 
     def _micro_batch(self, items, all_logits: bool) -> _MicroBatch:
-        num_decodes = sum(1 for r, n in items if is_decode_query(r, n))
-        spans = prompt_spans(items)
-        inputs = build_step_inputs(items, num_decodes, self.block_size)
-        # the plan counts decode rows (a drafted query is one row per token), as TPModelRunner's
-        return _MicroBatch(inputs, spans, make_plan(inputs, inputs.num_decode_tokens, spans, all_logits, in_shm=False))
+        return _MicroBatch(*self._step_plan(items, all_logits))
 
     def _result_shape(self, plan) -> tuple[tuple[int, ...], torch.dtype]:
         if plan.return_hidden:

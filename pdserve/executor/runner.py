@@ -37,14 +37,19 @@ class TPModelRunner(ModelRunner):
         if pending is not None:
             raise RuntimeError("async scheduling is off at tensor_parallel_size > 1")
         items = self._ordered(items)  # decode-shaped queries (drafts too) first; LoRA runs grouped
-        num_decodes = sum(1 for r, n in items if is_decode_query(r, n))
-        spans = prompt_spans(items)
-        inputs = build_step_inputs(items, num_decodes, self.block_size)
-        plan = make_plan(inputs, inputs.num_decode_tokens, spans, all_logits, in_shm=False)
+        inputs, spans, plan = self._step_plan(items, all_logits)
         hidden = self._run_step(plan, inputs, items=items)
         if self._hidden_sink is not None:  # a drafting head (EAGLE, MTP) reads rank 0's hidden states
             self._hidden_sink(items, hidden)
         return self._step_logits(hidden, inputs, spans, all_logits)
+
+    def _step_plan(self, items: list[tuple[Request, int]], all_logits: bool):
+        """(step inputs, prompt-logprob spans, the workers' plan) of ordered items. The plan counts
+        decode rows, not requests: a drafted query is one decode row per token."""
+        num_decodes = sum(1 for r, n in items if is_decode_query(r, n))
+        spans = prompt_spans(items)
+        inputs = build_step_inputs(items, num_decodes, self.block_size)
+        return inputs, spans, make_plan(inputs, inputs.num_decode_tokens, spans, all_logits, in_shm=False)
 
     def _forward_hidden(self, inputs, num_decodes: int, items=()) -> torch.Tensor:
         """Hidden states only (embeddings): the workers run the same forward pass, with no LM
