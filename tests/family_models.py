@@ -147,3 +147,14 @@ def cuda_path_logits(path: Path, llm: LLM, prompt: list[int], monkeypatch) -> to
     from pdserve.layers.quant import cuda_kernels  # the layers' switch to the GPU kernels
     monkeypatch.setattr(cuda_kernels, "runs_triton", lambda t: True)
     return llm.engine.prompt_logits(prompt)
+
+
+def count_fused_calls(experts_cls, monkeypatch) -> list:
+    """A list that grows by one each time experts_cls runs its fused (CUDA) experts path."""
+    calls, fused = [], experts_cls._fused
+
+    def counted(self, *args):
+        calls.append(type(self).__name__)
+        return fused(self, *args)
+    monkeypatch.setattr(experts_cls, "_fused", counted)
+    return calls

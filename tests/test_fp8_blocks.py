@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from family_models import cuda_path_logits
+from family_models import count_fused_calls, cuda_path_logits
 from test_act_quant import _quant_dequant, assert_matches_quantized_reference
 from torch import nn
 
@@ -89,21 +89,13 @@ def test_the_cuda_path_gives_the_cpu_paths_logits(checkpoints, monkeypatch):
     _, fp8, _ = checkpoints
     llm = LLM(str(fp8), num_kv_blocks=64)
     experts = llm.engine.model.layers[1].mlp.experts
-    fused_calls = []
-    monkeypatch.setattr(Fp8Experts, "_fused", _counted(Fp8Experts._fused, fused_calls))
+    fused_calls = count_fused_calls(Fp8Experts, monkeypatch)
     prompt = [(7 * i) % 200 + 3 for i in range(21)]
     cpu = llm.engine.prompt_logits(prompt)
     assert not fused_calls
     cuda = cuda_path_logits(fp8, llm, prompt, monkeypatch)
     assert fused_calls and isinstance(experts, Fp8Experts)
     assert (cuda - cpu).abs().max().item() < 1e-3 * cpu.abs().max().item()
-
-
-def _counted(method, calls: list):
-    def wrapped(self, *args):
-        calls.append(type(self).__name__)
-        return method(self, *args)
-    return wrapped
 
 
 def test_other_quantization_of_deepseek_is_refused(checkpoints, tmp_path):

@@ -8,7 +8,14 @@ import json
 
 import pytest
 import torch
-from family_models import check_prompt_logits, cuda_path_logits, make_family_model, random_prompts, reference_greedy
+from family_models import (
+    check_prompt_logits,
+    count_fused_calls,
+    cuda_path_logits,
+    make_family_model,
+    random_prompts,
+    reference_greedy,
+)
 from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
@@ -71,9 +78,7 @@ def test_the_cuda_path_gives_the_cpu_paths_logits(checkpoint, monkeypatch):
     scales in registers; forced on CPU under the Triton interpreter where no GPU is) against the
     CPU kernel."""
     llm = LLM(str(checkpoint), num_kv_blocks=64)
-    fused_calls = []
-    original = Mxfp4Experts._fused
-    monkeypatch.setattr(Mxfp4Experts, "_fused", lambda self, *a: fused_calls.append(1) or original(self, *a))
+    fused_calls = count_fused_calls(Mxfp4Experts, monkeypatch)
     prompt = [(5 * i) % 150 + 3 for i in range(19)]
     cpu = llm.engine.prompt_logits(prompt)
     assert not fused_calls
