@@ -64,6 +64,16 @@ async def watch_pool(registry: str, seconds: float, probe) -> list:
             samples.append(probe(pool))
     finally:
         watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
-        await pool.stop()
+        await _bounded(asyncio.gather(watcher, return_exceptions=True), "the watcher's cancel")
+        await _bounded(pool.stop(), "the pool's stop")
     return samples
+
+
+async def _bounded(step, what: str, timeout_s: float = 20.0) -> None:
+    """Await a clean-up step; if it hangs, fail with every task's stack (a hang's only trace)."""
+    try:
+        await asyncio.wait_for(step, timeout_s)
+    except TimeoutError:
+        for task in asyncio.all_tasks():
+            task.print_stack(file=sys.stderr)
+        raise AssertionError(f"{what} did not finish in {timeout_s:.0f} s; task stacks above") from None

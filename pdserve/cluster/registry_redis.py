@@ -210,6 +210,10 @@ async def watch_redis(registry_url: str, apply: Callable[[Membership], Awaitable
                 reader.interrupted = True
             else:
                 await apply(membership)
+            if asyncio.current_task().cancelling():
+                # A cancel that redis-py swallowed (or turned into its own TimeoutError, caught
+                # above) as a read timed out: without this check the loop would never stop.
+                raise asyncio.CancelledError
             await asyncio.sleep(HEARTBEAT_S)
     finally:
         await client.aclose()

@@ -11,6 +11,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -361,7 +362,12 @@ def run_up(args) -> int:
     if getattr(args, "ray", None):  # the same nodes and routers, as actors on a Ray cluster
         return run_up_ray(args, cluster)
 
+    stopping = threading.Event()
+
     def on_signal(signum, _frame):
+        # The flag as well as the raise: a signal that lands in logging's at-fork handler (while
+        # a node restarts) has its KeyboardInterrupt swallowed there ("Exception ignored").
+        stopping.set()
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_signal)
@@ -374,9 +380,10 @@ def run_up(args) -> int:
         cluster.wait_ready(url)
         print(f"pdserve {getattr(args, 'command', 'up')}: {url}/v1 serving {args.model} with {args.prefill_nodes} prefill and "
               f"{args.decode_nodes} decode nodes (kv transfer: {args.kv_transfer})", flush=True)
-        while True:
+        while not stopping.is_set():
             cluster.check_alive()
             cluster.serve_admin(200)
+        raise KeyboardInterrupt  # the signal came, but its raise was swallowed
     except KeyboardInterrupt:
         log.info("stopping the cluster")
         return 0
