@@ -68,8 +68,8 @@ def test_fp8_blocks_match_plain_torch_reference(checkpoints, caplog):
     _, fp8, dequantized = checkpoints
     ref, kept = fp8_reference(dequantized, _kept_fp8)
     assert kept == 2 * 4 + 3 + 3  # MLA's four FP8 projections per layer, a dense MLP, the shared experts
-    experts = ref.model.layers[1].mlp.experts
-    experts.forward = types.MethodType(_fp8_experts_forward, experts)
+    for layer in ref.model.layers[1:]:
+        layer.mlp.experts.forward = types.MethodType(_fp8_experts_forward, layer.mlp.experts)
     with caplog.at_level(logging.WARNING, logger="pdserve.quant"):
         llm = LLM(str(fp8), num_kv_blocks=64)
     assert "dequantized to float at load" in caplog.text
@@ -98,10 +98,44 @@ def test_the_cuda_path_gives_the_cpu_paths_logits(checkpoints, monkeypatch):
     assert (cuda - cpu).abs().max().item() < 1e-3 * cpu.abs().max().item()
 
 
+def _reference_with_fp8_experts(dequantized):
+    ref, _ = fp8_reference(dequantized, _kept_fp8)
+    for layer in ref.model.layers[1:]:
+        layer.mlp.experts.forward = types.MethodType(_fp8_experts_forward, layer.mlp.experts)
+    return ref
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp-experts", "ep-experts"])
+def test_tp2_keeps_fp8_and_matches_plain_torch_reference(tmp_path, expert_parallel):
+    """TP 2 splits every FP8 layer on whole blocks of 128 columns (o_proj's 4 heads x 64, the
+    dense MLP's 512 and the experts' 256 intermediate columns; or, with expert parallelism, half
+    of the experts whole), so each rank quantizes its activations in the groups TP 1 does:
+    logits and greedy tokens as the plain torch reference."""
+    src = make_deepseek(tmp_path, "deepseek_v3", num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+                        moe_intermediate_size=256, v_head_dim=64)
+    fp8, dequantized = write_fp8(src, tmp_path)
+    llm = LLM(str(fp8), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, num_kv_blocks=64)
+    try:
+        model = llm.engine.model
+        experts, o_proj = model.layers[1].mlp.experts, model.layers[0].self_attn.o_proj
+        kept_columns = 256 if expert_parallel else 128
+        assert isinstance(experts, Fp8Experts) and experts.gate_up_scale.shape[0] == 8 // (1 + expert_parallel)
+        assert experts.down_proj.shape[2] == kept_columns == experts.down_scale.shape[2] * BLOCK
+        assert o_proj.weight.dtype == torch.uint8 and o_proj.weight.shape[1] == 128 == o_proj.weight_scale.shape[1] * BLOCK
+        assert_matches_quantized_reference(llm, _reference_with_fp8_experts(dequantized), "deepseek fp8 at tp 2")
+    finally:
+        llm.close()
+
+
+def test_a_split_inside_a_block_of_128_is_refused(checkpoints):
+    _, fp8, _ = checkpoints  # 320 intermediate columns: 160 a rank at TP 2
+    check_tp_support(load_hf_config(fp8), 2)
+    with pytest.raises(ValueError, match="needs whole blocks of 128 columns a rank"):
+        LLM(str(fp8), tensor_parallel_size=2, num_kv_blocks=8)
+
+
 def test_other_quantization_of_deepseek_is_refused(checkpoints, tmp_path):
     _, fp8, _ = checkpoints
-    with pytest.raises(ValueError, match="quantized DeepseekV3ForCausalLM checkpoints .* tensor_parallel_size 1"):
-        check_tp_support(load_hf_config(fp8), 2)
     config = json.loads((fp8 / "config.json").read_text())
     config["quantization_config"]["activation_scheme"] = "static"
     (tmp_path / "config.json").write_text(json.dumps(config))

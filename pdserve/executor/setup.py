@@ -25,9 +25,9 @@ TP_FAMILIES = LAYER_FAMILIES + SHARDED_AFTER_LOAD
 
 
 # Quantized checkpoints of the families sharded after load that are cut like float ones: MXFP4
-# quantizes only the experts (whole ones under expert parallelism, or each one's intermediate
-# slice in groups of 32), and their attention stays float. FP8 checkpoints quantize attention too.
-SHARDED_QUANT_METHODS = ("mxfp4",)
+# experts (whole ones under expert parallelism, or each one's intermediate slice in groups of
+# 32), and FP8 blocks (every layer's rows with their scales, columns in whole blocks of 128).
+SHARDED_QUANT_METHODS = ("mxfp4", "fp8")
 
 
 def check_tp_support(hf_config, size: int, expert_parallel: bool = False) -> None:
@@ -39,7 +39,7 @@ def check_tp_support(hf_config, size: int, expert_parallel: bool = False) -> Non
     quant = quantization_dict(hf_config)
     if arch in SHARDED_AFTER_LOAD and quant and quant.get("quant_method") not in SHARDED_QUANT_METHODS:
         raise ValueError(f"tensor_parallel_size={size}: quantized {arch} checkpoints other than "
-                         f"{', '.join(SHARDED_QUANT_METHODS)} (FP8) run at tensor_parallel_size 1 only so far")
+                         f"{' and '.join(SHARDED_QUANT_METHODS)} run at tensor_parallel_size 1 only so far")
     heads = hf_config.num_attention_heads
     if heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the {heads} attention heads")

@@ -11,6 +11,9 @@ its rank's slice.
   and computes only the (token, expert) pairs routed to them; the all-reduce sums the ranks'
   contributions. The shared expert is tensor-parallel as above.
   MXFP4 experts (gpt-oss) are cut the same way with their scales, on whole groups of 32.
+- FP8 block layers and experts (DeepSeek-V3's checkpoints) keep their bytes and per-row scales:
+  a row split keeps the rows' scales, a column split keeps whole blocks of 128 columns (the
+  activations' groups then fall where they fall unsplit, so the result is TP 1's).
 - Dense MLP layers: gate/up rows and down columns split, one all-reduce.
 - MLA (DeepSeek): the heads split; the latent and its cache replicated (see _shard_mla).
 - Embedding and LM head: vocabulary-parallel (pdserve.layers.vocab).
@@ -31,7 +34,7 @@ from pdserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from pdserve.models.attention import PagedAttention
 from pdserve.models.mla import MLAttention
 from pdserve.models.moe import DenseMLP, Experts, SparseMoE
-from pdserve.models.moe_quant import Mxfp4Experts
+from pdserve.models.moe_quant import Fp8Experts, Mxfp4Experts
 
 
 def shard_decoder_model(model: nn.Module, group: TPGroup, expert_parallel: bool = False) -> nn.Module:
@@ -73,6 +76,34 @@ def _rows(start: int, count: int) -> torch.Tensor:
     return torch.arange(start, start + count)
 
 
+def _keep_rows(linear: nn.Module, rows: torch.Tensor) -> None:
+    """Output rows of a float or FP8 linear layer (an FP8 layer's scales are per row)."""
+    linear.weight = _keep(linear.weight, 0, rows)
+    linear.bias = _keep(linear.bias, 0, rows)
+    if getattr(linear, "weight_scale", None) is not None:
+        linear.weight_scale = _keep(linear.weight_scale, 0, rows)
+
+
+def _keep_columns(linear: nn.Module, cols: torch.Tensor) -> None:
+    """Input columns of a float or FP8 linear layer (an FP8 layer's: whole blocks of them)."""
+    if getattr(linear, "weight_scale", None) is not None:
+        blocks = _whole_blocks(cols, linear.act_block, linear.weight.shape[1])
+        linear.weight_scale = _keep(linear.weight_scale, 1, blocks)
+    linear.weight = _keep(linear.weight, 1, cols)
+
+
+def _whole_blocks(cols: torch.Tensor, block: int, width: int) -> torch.Tensor:
+    """The scale columns of a run of FP8 columns, which must start on a block and end on one
+    or at the matrix's last column (of `width`): a rank's activations are then quantized in the
+    groups the unsplit layer uses."""
+    start, end = int(cols[0]), int(cols[-1]) + 1
+    if start % block or (end % block and end != width):
+        raise ValueError(f"FP8 block weights split {end - start} input columns a rank at column {start}: "
+                         f"tensor parallelism needs whole blocks of {block} columns a rank; choose a "
+                         f"tensor_parallel_size that keeps them whole")
+    return _rows(start // block, -(-(end - start) // block))
+
+
 def _shard_attention(attn: PagedAttention, group: TPGroup) -> None:
     d, heads, kv_heads = attn.head_dim, attn.num_heads, attn.num_kv_heads
     local_heads = divide(heads, group.size, "attention heads")
@@ -85,9 +116,8 @@ def _shard_attention(attn: PagedAttention, group: TPGroup) -> None:
     k = _rows(heads * d + kv_start * d, local_kv * d)
     v = k + kv_heads * d
     keep = torch.cat([q, k, v])
-    attn.qkv_proj.weight = _keep(attn.qkv_proj.weight, 0, keep)
-    attn.qkv_proj.bias = _keep(attn.qkv_proj.bias, 0, keep)
-    attn.o_proj.weight = _keep(attn.o_proj.weight, 1, q)
+    _keep_rows(attn.qkv_proj, keep)
+    _keep_columns(attn.o_proj, q)
     _once(attn.o_proj.bias, group)
     if attn.sinks is not None:
         attn.sinks = _keep(attn.sinks, 0, _rows(group.rank * local_heads, local_heads))
@@ -107,9 +137,9 @@ def _shard_mla(attn: MLAttention, group: TPGroup) -> None:
         return (heads[:, None] * per_head + torch.arange(per_head)).reshape(-1)
 
     q = attn.q_proj if s.q_lora_rank is None else attn.q_b_proj
-    q.weight = _keep(q.weight, 0, head_rows(s.qk_head_dim))
-    attn.kv_b_proj.weight = _keep(attn.kv_b_proj.weight, 0, head_rows(s.qk_nope_head_dim + s.v_head_dim))
-    attn.o_proj.weight = _keep(attn.o_proj.weight, 1, head_rows(s.v_head_dim))
+    _keep_rows(q, head_rows(s.qk_head_dim))
+    _keep_rows(attn.kv_b_proj, head_rows(s.qk_nope_head_dim + s.v_head_dim))
+    _keep_columns(attn.o_proj, head_rows(s.v_head_dim))
     _once(attn.o_proj.bias, group)
     attn.spec = dataclasses.replace(s, num_heads=local)
 
@@ -122,10 +152,9 @@ def _intermediate_slice(intermediate: int, group: TPGroup) -> tuple[torch.Tensor
 
 
 def _shard_dense(mlp: DenseMLP, group: TPGroup) -> None:
-    rows, cols = _intermediate_slice(mlp.down_proj.in_features, group)
-    mlp.gate_up_proj.weight = _keep(mlp.gate_up_proj.weight, 0, rows)
-    mlp.gate_up_proj.bias = _keep(mlp.gate_up_proj.bias, 0, rows)
-    mlp.down_proj.weight = _keep(mlp.down_proj.weight, 1, cols)
+    rows, cols = _intermediate_slice(mlp.down_proj.weight.shape[1], group)
+    _keep_rows(mlp.gate_up_proj, rows)
+    _keep_columns(mlp.down_proj, cols)
     _once(mlp.down_proj.bias, group)
 
 
@@ -145,6 +174,10 @@ def _shard_moe(moe: SparseMoE, group: TPGroup, expert_parallel: bool) -> None:
         experts.gate_up_bias = _keep(experts.gate_up_bias, 1, rows)
         if isinstance(experts, Mxfp4Experts):
             _shard_mxfp4_packed(experts, rows, cols)
+        elif isinstance(experts, Fp8Experts):
+            experts.gate_up_scale = _keep(experts.gate_up_scale, 1, rows)
+            experts.down_proj = _keep(experts.down_proj, 2, cols)
+            experts.down_scale = _keep(experts.down_scale, 2, _whole_blocks(cols, experts.block, experts.intermediate))
         else:
             experts.down_proj = _keep(experts.down_proj, 2, cols)
         _once(experts.down_bias, group)
