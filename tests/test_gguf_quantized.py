@@ -10,11 +10,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from family_models import cuda_path_logits
 from gguf_kquants import quantize
 from test_gguf import reference, write_gguf
 
 from pdserve import LLM
 from pdserve.kernels import quant_cpu
+from pdserve.layers.quant import cuda_kernels
 from pdserve.layers.quant.gguf_blocks import KEPT_TYPES, decode
 from pdserve.layers.quant.grouped import GroupedLinearMethod, scales_view
 from pdserve.testing.model_factory import assert_matches_reference
@@ -69,6 +71,23 @@ def test_kept_quantized_matches_transformers(tmp_path, kind):
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert weight_bytes < 0.4 * sum(p.numel() * 4 for p in ref.parameters())
     assert_matches_reference(llm, ref, 1, (5, 17, 40), NEW_TOKENS, 1e-3)
+
+
+def test_the_cuda_path_gives_the_cpu_paths_logits(tmp_path, monkeypatch):
+    """The llama.cpp-style mix (Q4_K, Q6_K's groups of 16, a Q8_0 embedding and tied LM head)
+    through the grouped Triton GEMM and row lookups (on the GPU where there is one, else forced
+    on CPU under the Triton interpreter) against the CPU kernels."""
+    path = write_gguf(tmp_path / "m.mixed.gguf", "llama", _mixed, dims=SIZES, quantize=quantize)
+    llm = LLM(str(path), num_kv_blocks=64)
+    prompt = [(7 * i) % 200 + 3 for i in range(13)]
+    cpu = llm.engine.prompt_logits(prompt)
+    calls = []
+    for name in ("grouped_apply", "grouped_rows"):
+        kernel = getattr(cuda_kernels, name)
+        monkeypatch.setattr(cuda_kernels, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
+    cuda = cuda_path_logits(path, llm, prompt, monkeypatch)
+    assert {"grouped_apply", "grouped_rows"} <= set(calls)
+    assert (cuda - cpu).abs().max().item() < 1e-3 * cpu.abs().max().item()
 
 
 def test_other_types_are_dequantized_with_a_log_line(tmp_path, caplog):

@@ -175,12 +175,12 @@ def _quant_config(path: Path, device: torch.device, config):
     """The checkpoint's quantization scheme; None: full precision. A quantization_config's
     weights stay quantized on CPU and on CUDA (whose linear layers take the Triton and
     torch._scaled_mm kernels, pdserve.layers.quant.cuda_kernels, and whose quantized MoE experts
-    take grouped Triton GEMMs, pdserve.models.moe_quant). GGUF blocks stay quantized on CPU; on
-    CUDA they are dequantized at load."""
+    take grouped Triton GEMMs, pdserve.models.moe_quant). GGUF blocks of the kept types stay
+    quantized on both, in the same grouped format (on CUDA, the Triton grouped GEMM)."""
     quantization = quantization_dict(config)
     if quantization:
         return _checkpoint_quant_config(path, config.architectures[0], quantization)
-    if is_gguf_view(path) and device.type == "cpu":
+    if is_gguf_view(path):
         return GGUFQuantConfig(gguf_tensor_types(path))
     return None
 

@@ -134,7 +134,7 @@ class GroupedLinearMethod(QuantMethod):
 
     def embedding(self, layer: nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
         """Rows token_ids of the matrix, dequantized: only the looked-up rows are ever widened."""
-        if layer.qweight.is_cuda:
+        if cuda_kernels.runs_triton(token_ids):
             rows = cuda_kernels.grouped_rows(self._parts(layer), self.fmt.bits, self.fmt.group, token_ids)
             return rows.reshape(*token_ids.shape, rows.shape[-1])
         q, scales, mins = self._parts(layer)
