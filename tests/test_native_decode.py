@@ -31,6 +31,7 @@ def private_cache(tmp_path, monkeypatch):
 
 
 def _llm(tmp_path, arch: str = "llama", qtype=Q.Q4_1, **engine) -> LLM:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = write_gguf(tmp_path / f"m.{arch}.gguf", arch, qtype, dims=SIZES, quantize=quantize)
     return LLM(str(path), num_kv_blocks=128, enable_prefix_caching=False, **engine), path
 

@@ -81,8 +81,7 @@ class ModelRunner:
         self.multimodal = multimodal  # a vision-language model's images and [3, T] positions
         self.lora_batch = lora_batch  # pdserve.lora.slots.LoRABatch: set to each step's adapter runs
         self._hidden_sink: HiddenSink | None = None  # see set_hidden_sink
-        # Per layer, one view per plane: (K, V), or (latent,) for an MLA cache.
-        self.layer_caches = [tuple(kv_cache[:, i].unbind(1)) for i in range(kv_cache.shape[1])]
+        self.layer_caches = self._layer_caches(kv_cache)
         model.fused = get_fused_layer_ops(ops, device.type)
         # One compiled call for a decode step's layers, for a model that declares it can take it.
         if hasattr(model, "native_decode_weights"):
@@ -96,6 +95,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self._decode_context, device, max_num_seqs, max_blocks)
             self.graphs.capture()
             self.kept_rows = KeptTableRows(2 * max_num_seqs, max_blocks)
+
+    def _layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer, one view per plane: (K, V), or (latent,) for an MLA cache."""
+        return [tuple(kv_cache[:, i].unbind(1)) for i in range(kv_cache.shape[1])]
 
     def set_hidden_sink(self, sink: HiddenSink | None) -> None:
         """sink(items, hidden) gets each eager step's items and final hidden states [T, hidden]

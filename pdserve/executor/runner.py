@@ -24,12 +24,14 @@ from pdserve.executor.step_channel import payload_length
 class TPModelRunner(ModelRunner):
     def __init__(self, model, executor: TPExecutor, block_size: int, ops, device: torch.device, lora_batch=None,
                  multimodal=None):
+        self.executor = executor  # (read by _layer_caches, which ModelRunner's constructor calls)
         super().__init__(model, executor.kv_cache, block_size, ops, device, lora_batch=lora_batch,
                          multimodal=multimodal)
-        self.executor = executor
         self.steps, self.send_seconds = 0, 0.0  # for the benchmark's per-step figures
-        total_heads = executor.kv_cache.shape[4]
-        self.layer_caches = rank_layer_caches(executor.kv_cache, kv_head_range(total_heads, executor.tp_size, 0))
+
+    def _layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Rank 0's KV heads of the node's shared cache (the compiled decode step is planned on them)."""
+        return rank_layer_caches(kv_cache, kv_head_range(kv_cache.shape[4], self.executor.tp_size, 0))
 
     @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]], all_logits: bool = False, pending=None

@@ -21,7 +21,7 @@ from pdserve.executor.shard_step import run_worker_step, step_images
 from pdserve.executor.shm_collectives import ShmCollectives
 from pdserve.executor.stage_link import StageLink, StageRole, send_waits
 from pdserve.executor.step_channel import StepChannel
-from pdserve.kernels import get_fused_layer_ops, get_ops
+from pdserve.kernels import get_fused_layer_ops, get_ops, native_decode
 from pdserve.kernels.fp8_kv import FP8, Fp8KVOps, checkpoint_kv_scales
 from pdserve.lora.manager import fill_slot
 from pdserve.lora.peft_format import read_peft_adapter
@@ -65,6 +65,8 @@ class Shard:
             self.lora = LoRABatch(self.device)
             self.lora_layers = attach_slots(self.model, spec.max_loras, spec.max_lora_rank, self.lora, dtype,
                                             self.device)
+        if hasattr(self.model, "native_decode_weights"):  # the compiled decode step, as the driver plans it
+            self.model.native_decode = native_decode.plan_for(self.model, self.layer_caches, self.device, self.lora)
         store.set(f"ready/{spec.rank}", "1")
 
     def report_waits(self, pipe_seconds: float) -> None:

@@ -15,6 +15,9 @@
  *   attention per (query row, KV head), x += attn @ Wo.T,
  *   h = RMSNorm(x), x += (SiLU(gate) * up) @ Wdown.T, h = the next layer's RMSNorm(x).
  * With LoRA, each of the four products gets its row's adapter delta (x A^T) B^T added.
+ * At tensor_parallel_size > 1 each rank runs its shard (its heads, its intermediate slice): the o
+ * and down products are partial sums, which m->reduce (the rank group's all-reduce, a callback
+ * into Python) sums over ranks before they join the residual, where RowParallelLinear sums them.
  * A query row is one token: a plain decode's, or one of a verify step's k + 1 rows (speculation).
  * Each row carries its own context length, so a verify row sees the rows before it (their keys are
  * in the cache before any row attends) and not those after: causal among the rows.
@@ -53,12 +56,16 @@ typedef struct {
     int64_t window;           /* sliding window in tokens, 0 for full attention */
 } pd_layer;
 
+/* Sums buf[0 .. n) over the tensor-parallel ranks in place; 0, or nonzero on failure. */
+typedef int (*pd_reduce)(float *buf, int64_t n);
+
 typedef struct {
     int32_t layers, hidden, inter, heads, kv_heads, head_dim, block_size;
     float eps, scale;
     int64_t s_block, s_slot, s_head; /* cache strides, in floats */
     const float *final_norm;
     const pd_layer *layer;
+    pd_reduce reduce; /* NULL: one rank */
 } pd_model;
 
 static int matmul(const pd_matrix *m, const float *x, int tokens, int cols, float *out, int threads) {
@@ -310,7 +317,7 @@ static void silu_mul(const float *gu, int tokens, int inter, float *act) {
  * final RMSNorm's output. cos, sin [tokens, head_dim]; slots [tokens]; tables [tokens, max_blocks];
  * lens [tokens] (each sequence's context, this token included); row_slots [tokens]: each row's LoRA
  * slot (-1: none), or NULL when no row has an adapter. Returns 0, or < 0 on failure (a
- * shape pd_gemv does not take: the caller checked them; no memory). */
+ * shape pd_gemv does not take: the caller checked them; no memory), or the reduce's failure. */
 int pd_decode_layers(const pd_model *m, float *x, int tokens, const float *cos, const float *sin,
                      const int64_t *slots, const int32_t *tables, int max_blocks, const int32_t *lens,
                      const int32_t *row_slots, float *h, int threads) {
@@ -328,12 +335,14 @@ int pd_decode_layers(const pd_model *m, float *x, int tokens, const float *cos, 
         rc = attend(m, L, qkv, tokens, tables, max_blocks, lens, attn, threads);
         if (rc || (rc = matmul(&L->o, attn, tokens, q_cols, o, threads))) break;
         if ((rc = lora_add(&L->lora_o, attn, tokens, q_cols, row_slots, o))) break;
+        if (m->reduce && (rc = m->reduce(o, (int64_t)tokens * H))) break;
         add_norm(x, o, L->post_norm, m->eps, tokens, H, h);
         if ((rc = matmul(&L->gate_up, h, tokens, H, gu, threads))) break;
         if ((rc = lora_add(&L->lora_gate_up, h, tokens, H, row_slots, gu))) break;
         silu_mul(gu, tokens, m->inter, act);
         if ((rc = matmul(&L->down, act, tokens, m->inter, o, threads))) break;
         if ((rc = lora_add(&L->lora_down, act, tokens, m->inter, row_slots, o))) break;
+        if (m->reduce && (rc = m->reduce(o, (int64_t)tokens * H))) break;
         add_norm(x, o, l + 1 < m->layers ? m->layer[l + 1].input_norm : m->final_norm, m->eps, tokens, H, h);
     }
     free(qkv);

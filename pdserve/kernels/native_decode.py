@@ -3,9 +3,12 @@
 
 At one request a SmolLM2 decode step spent about 5 of its 13 ms in Python between the kernels:
 some ten calls a layer over 30 layers. For a step whose rows are all decode rows (at most
-MAX_STEP_TOKENS of them), with quantized weights the compiled gemv takes, a float32 KV cache, and
-no tensor parallelism, LlamaModel.forward hands its layers to this one call; anything
-else runs the layers in Python as before. A decode row is one token: a plain decode's, or one of
+MAX_STEP_TOKENS of them), with quantized weights the compiled gemv takes and a float32 KV cache,
+LlamaModel.forward hands its layers to this one call; anything else runs the layers in Python
+as before. At tensor_parallel_size > 1 every rank runs its shard so (the driver's runner and each
+worker plan it alike), and the o and down products' partial sums go through the rank group's
+all-reduce, called back from C, as RowParallelLinear's do: the same collectives in the same
+order, so a rank that ran its layers in Python would still pair with the others. A decode row is one token: a plain decode's, or one of
 the k + 1 rows of a speculative verify step (n-gram, draft model, EAGLE, MTP), each with its own
 context length, so the rows of one request are causal among themselves. Qwen2's qkv bias and
 Qwen3's per-head QK norms are part of the compiled layer, and so are LoRA adapters: each row's
@@ -72,7 +75,11 @@ class _Model(ctypes.Structure):
     _fields_ = [("layers", c_int32), ("hidden", c_int32), ("inter", c_int32), ("heads", c_int32),
                 ("kv_heads", c_int32), ("head_dim", c_int32), ("block_size", c_int32), ("eps", c_float),
                 ("scale", c_float), ("s_block", c_int64), ("s_slot", c_int64), ("s_head", c_int64),
-                ("final_norm", c_void_p), ("layer", POINTER(_Layer))]
+                ("final_norm", c_void_p), ("layer", POINTER(_Layer)), ("reduce", c_void_p)]
+
+
+# int reduce(float *buf, int64_t n): the C step's all-reduce callback (pd_reduce)
+_REDUCE = ctypes.CFUNCTYPE(ctypes.c_int, c_void_p, c_int64)
 
 
 @dataclass
@@ -122,6 +129,8 @@ class DecodeWeights:
     head_dim: int
     eps: float
     scale: float
+    # The rank group (pdserve.layers.parallel.TPGroup: its all_reduce) at TP > 1, else None.
+    tp_group: object = None
 
 
 class DeclaresNativeDecode(Protocol):
@@ -155,10 +164,25 @@ class NativeDecode:
         self._layers = (_Layer * len(w.layers))(*(self._layer(layer, caches)
                                                    for layer, caches in zip(w.layers, layer_caches)))
         k0 = layer_caches[0][0]
+        self._reduce, self._reduce_error = None, None
+        if w.tp_group is not None:  # (the ctypes callback must live as long as the struct)
+            self._reduce = _REDUCE(self._all_reduce)
         self._model = _Model(len(w.layers), w.hidden, w.inter, w.heads, w.kv_heads, w.head_dim, k0.shape[1], w.eps,
-                             w.scale, *k0.stride()[:3], w.final_norm.data_ptr(), self._layers)
+                             w.scale, *k0.stride()[:3], w.final_norm.data_ptr(), self._layers,
+                             ctypes.cast(self._reduce, c_void_p) if self._reduce else None)
         self._model_ptr = ctypes.addressof(self._model)
         self.steps = self.rows = 0  # steps and rows run here (tests check the path is taken)
+
+    def _all_reduce(self, address: int, count: int) -> int:
+        """The C step's callback: the rank group's all-reduce of `count` floats at `address`, in
+        place. A failure (a lost peer) is kept for forward to raise: it cannot cross C."""
+        try:
+            self.weights.tp_group.all_reduce(torch.frombuffer((c_float * count).from_address(address),
+                                                              dtype=torch.float32))
+            return 0
+        except BaseException as exc:  # noqa: BLE001 (re-raised by forward once C has returned)
+            self._reduce_error = exc
+            return -3
 
     @staticmethod
     def _layer(layer: DecodeLayer, caches: tuple[torch.Tensor, torch.Tensor]) -> _Layer:
@@ -198,6 +222,9 @@ class NativeDecode:
                                        slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
                                        row_slots.data_ptr() if row_slots is not None else None,
                                        h.data_ptr(), numba.get_num_threads())
+        if self._reduce_error is not None:
+            error, self._reduce_error = self._reduce_error, None
+            raise error
         if rc != 0:
             raise RuntimeError(f"native decode step failed ({rc})")
         self.steps += 1

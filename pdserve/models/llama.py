@@ -199,7 +199,7 @@ class LlamaModel(nn.Module):
             return "the layers are not plain Llama layers"
         layers = [_native_layer(layer) for layer in self.layers]
         if any(layer is None for layer in layers):
-            return "a linear layer is not quantized for the compiled gemv, or has TP shards or a bias other than qkv's"
+            return "a linear layer is not quantized for the compiled gemv, or has a bias other than qkv's"
         if any(layer.self_attn.q_norm is not None and layer.self_attn.q_norm.eps != self.norm.eps
                for layer in self.layers):
             return "the QK norms' eps differs from the layer norms'"
@@ -207,14 +207,19 @@ class LlamaModel(nn.Module):
         if reason is not None or not float32_on_cpu(self.norm.weight):
             return reason or "the final norm's weight is not float32 on CPU"
         attn = self.layers[0].self_attn
+        group = attn.o_proj.tp  # at TP > 1 the o and down products' partial sums are all-reduced
         return DecodeWeights(layers, self.norm.weight, self.spec.hidden_size, self.layers[0].mlp.intermediate,
-                             attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norm.eps, attn.scale)
+                             attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norm.eps, attn.scale,
+                             group if group.size > 1 else None)
 
 
 def _native_matrix(linear, bias_ok: bool = False) -> tuple | None:
-    """The compiled gemv's arguments for a linear layer, or None where it cannot take it."""
+    """The compiled gemv's arguments for a linear layer (a rank's shard at TP > 1: a row-parallel
+    layer's partial sums are all-reduced by the step), or None where it cannot take it."""
     packed = getattr(linear.quant_method, "packed", None)
-    if packed is None or (linear.bias is not None and not bias_ok) or linear.tp.size != 1:
+    if packed is None or (linear.bias is not None and not bias_ok):
+        return None
+    if linear.tp.size > 1 and getattr(linear, "reduce_results", True) is False:
         return None
     return packed(linear).native
 
