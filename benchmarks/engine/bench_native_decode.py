@@ -3,12 +3,16 @@ the same engine running the layers in Python, offline, on the default model (Smo
 GGUF, kept quantized), in one run.
 
     .venv/bin/python -m benchmarks.engine.bench_native_decode [--batches 1 8 32] [--threads 2] [--lora-rank 8]
+        [--tp 2]
 
 For each batch size, requests with 128-token prompts decode --steps steps; the median engine step
 (sampling included) is taken for each mode, the two modes alternating within each of --repeats
 rounds (the machine is shared). Prints the medians over rounds and the ratio Python / compiled.
 With --lora-rank, every request runs under one random PEFT adapter of that rank on every
-projection (both modes add its deltas).
+projection (both modes add its deltas). With --tp 2 the engine runs two ranks (--threads split
+between them); the Python-layers mode turns the compiled step off on the driver only, whose
+step the worker's then waits for at every all-reduce, so the figure is the driver's Python
+layers (the worker's C step hidden behind them).
 """
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--lora-rank", type=int, default=0, help="every request under an adapter of this rank (0: none)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     args = ap.parse_args()
     os.environ.update(OMP_NUM_THREADS=str(args.threads), NUMBA_NUM_THREADS=str(args.threads))
     import torch
@@ -62,7 +67,7 @@ def main() -> None:
     from pdserve.models.model_path import resolve_model_path
     torch.set_num_threads(args.threads)
     lora = dict(enable_lora=True, max_lora_rank=args.lora_rank) if args.lora_rank else {}
-    llm = LLM(DEFAULT_MODEL, num_kv_blocks=1024, enable_prefix_caching=False, **lora)
+    llm = LLM(DEFAULT_MODEL, num_kv_blocks=1024, enable_prefix_caching=False, tensor_parallel_size=args.tp, **lora)
     adapter = None
     if args.lora_rank:
         with tempfile.TemporaryDirectory() as tmp:  # read whole by add_lora
@@ -75,7 +80,7 @@ def main() -> None:
     decode_steps(llm, 1, 4, seed=99, adapter=adapter)  # warm up both paths
     model.native_decode = None
     decode_steps(llm, 1, 4, seed=98, adapter=adapter)
-    print(f"SmolLM2-135M Q4_1{f', LoRA rank {args.lora_rank}' if adapter else ''}, {args.threads} threads, "
+    print(f"SmolLM2-135M Q4_1{f', LoRA rank {args.lora_rank}' if adapter else ''}, TP {args.tp}, {args.threads} threads, "
           f"{args.steps} decode steps, medians of {args.repeats} rounds")
     print(f"{'batch':>5} {'python layers ms':>17} {'compiled ms':>12} {'python / compiled':>18}")
     for batch in args.batches:
@@ -87,6 +92,7 @@ def main() -> None:
         py, c = (statistics.median(timings[m]) for m in ("python", "compiled"))
         print(f"{batch:>5} {py * 1e3:17.2f} {c * 1e3:12.2f} {py / c:17.2f}x")
     model.native_decode = native
+    llm.close()
 
 
 if __name__ == "__main__":
