@@ -117,9 +117,11 @@ def test_switched_off_falls_back_to_numba(monkeypatch, caplog, fresh_library):
         assert native_gemv.library() is None
     assert "PDSERVE_NATIVE_KERNELS=0" in caplog.text
     rng = np.random.default_rng(2)
-    q, scales, mins = _matrix(rng, 20, 64, 8, 32, False, True)
+    # 4 bits, float32 scales and mins: the numba signature test_matches_the_dequantized_matmul_and_numba
+    # compiles (each new one costs about 25 s on a fresh CI machine)
+    q, scales, mins = _matrix(rng, 20, 64, 4, 32, True, False)
     x = torch.randn(1, 64)
-    y = quant_cpu.packed_matmul(x, quant_cpu.PackedMatrix(8, 32, q, scales, mins, False,
-                                                          native_gemv.matrix_args(8, q, scales, mins, False, 32)))
-    want = x.double() @ _dequantized(q, scales, mins, 8, 32, False).T
+    y = quant_cpu.packed_matmul(x, quant_cpu.PackedMatrix(4, 32, q, scales, mins, True,
+                                                          native_gemv.matrix_args(4, q, scales, mins, True, 32)))
+    want = x.double() @ _dequantized(q, scales, mins, 4, 32, True).T
     assert (y.double() - want).abs().max() <= 1e-5 * want.abs().max()
