@@ -8,12 +8,13 @@ LlamaModel.forward hands its layers to this one call; anything else runs the lay
 as before. At tensor_parallel_size > 1 every rank runs its shard so (the driver's runner and each
 worker plan it alike), and the o and down products' partial sums go through the rank group's
 all-reduce, called back from C, as RowParallelLinear's do: the same collectives in the same
-order, so a rank that ran its layers in Python would still pair with the others. A decode row is one token: a plain decode's, or one of
-the k + 1 rows of a speculative verify step (n-gram, draft model, EAGLE, MTP), each with its own
-context length, so the rows of one request are causal among themselves. Qwen2's qkv bias and
-Qwen3's per-head QK norms are part of the compiled layer, and so are LoRA adapters: each row's
-adapter delta on the four products (the rows of a step may each have another adapter). The embedding, the LM head and sampling
-stay in Python.
+order, so a rank that ran its layers in Python would still pair with the others. A decode row
+is one token: a plain decode's, or one of the k + 1 rows of a speculative verify step (n-gram,
+draft model, EAGLE, MTP), each with its own context length, so the rows of one request are
+causal among themselves. Qwen2's qkv bias and Qwen3's per-head QK norms are part of the
+compiled layer, and so are LoRA adapters: each row's adapter delta on the four products (the
+rows of a step may each have another adapter). The embedding, the LM head and sampling stay in
+Python.
 
 A model declares whether it fits (native_decode_weights: its arrays as a DecodeWeights, or why
 not); this module reads only those arrays. The plan (plan_for) is made once per model runner:

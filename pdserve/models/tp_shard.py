@@ -174,11 +174,11 @@ def _shard_moe(moe: SparseMoE, group: TPGroup, expert_parallel: bool) -> None:
         experts.gate_up_bias = _keep(experts.gate_up_bias, 1, rows)
         if isinstance(experts, Mxfp4Experts):
             _shard_mxfp4_packed(experts, rows, cols)
-        elif isinstance(experts, Fp8Experts):
-            experts.gate_up_scale = _keep(experts.gate_up_scale, 1, rows)
-            experts.down_proj = _keep(experts.down_proj, 2, cols)
-            experts.down_scale = _keep(experts.down_scale, 2, _whole_blocks(cols, experts.block, experts.intermediate))
         else:
+            if isinstance(experts, Fp8Experts):  # per-row scales, and down's in whole blocks
+                experts.gate_up_scale = _keep(experts.gate_up_scale, 1, rows)
+                blocks = _whole_blocks(cols, experts.block, experts.intermediate)
+                experts.down_scale = _keep(experts.down_scale, 2, blocks)
             experts.down_proj = _keep(experts.down_proj, 2, cols)
         _once(experts.down_bias, group)
         experts.intermediate = cols.numel()

@@ -5,8 +5,9 @@ token per round: each live beam is a backend request of max_tokens 1 with top lo
 prompt the prompt plus the beam's tokens, so the nodes' prefix caches hold the shared prefix
 once. Under P/D the first round hands the prompt over to a decode node, and the later rounds
 run whole there (a DecodePin): the beams fork on the decode node. best_of (default n) is the
-beam width; the best n beams are the choices. As in vLLM the answer does not stream, and the knobs that would change the candidates (penalties, biases,
-stops, structured outputs, tools) or that only sampling reads are refused rather than ignored.
+beam width; the best n beams are the choices. As in vLLM the answer does not stream, and the
+knobs that would change the candidates (penalties, biases, stops, structured outputs, tools) or
+that only sampling reads are refused rather than ignored.
 """
 from __future__ import annotations
 
