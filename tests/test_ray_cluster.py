@@ -24,8 +24,6 @@ Needs root for the namespaces (CI runs as root), and ray (the ray extra).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
-import glob
 import os
 import re
 import signal
@@ -97,20 +95,11 @@ class RayUp:
 
 @pytest.fixture(scope="module")
 def ray_up(lab, tmp_path_factory):
-    segments = set(glob.glob(UCX_SEGMENTS))
     runner = RayUp(lab, tmp_path_factory.mktemp("ray"))
     try:
         yield runner
     finally:
         runner.stop()
-        # A node these tests SIGKILL leaves its UCX shared-memory segment (Ray's nodes use named
-        # ones, see pdserve/cluster/ray_actors.py): remove the ones this module's nodes made.
-        for path in set(glob.glob(UCX_SEGMENTS)) - segments:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-
-
-UCX_SEGMENTS = "/dev/shm/ucx_shm_posix_*"
 
 
 @pytest.fixture(scope="module")

@@ -95,10 +95,6 @@ class ProcessActor:
         self.argv = [sys.executable, "-m", "pdserve", *fill_template(template, self.ip, ports)]
         self.ports = ports
         self.env = dict(os.environ) | (env or {})
-        # UCX's shared-memory transport (under NIXL) attaches a peer's segment through
-        # /proc/PID/fd by default; from the processes Ray starts that never completes, and every
-        # NIXL READ ran to its 30 s deadline (the handover then recomputed). Named segments work.
-        self.env.setdefault("UCX_POSIX_USE_PROC_LINK", "n")
         if threads:
             self.env.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
         self.proc: subprocess.Popen | None = None
