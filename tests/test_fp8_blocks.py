@@ -87,7 +87,7 @@ def test_the_cuda_path_gives_the_cpu_paths_logits(checkpoints, monkeypatch):
     experts' two grouped GEMMs; forced on CPU under the Triton interpreter where no GPU is)
     against the CPU kernels."""
     _, fp8, _ = checkpoints
-    llm = LLM(str(fp8), num_kv_blocks=64)
+    llm = LLM(str(fp8), num_kv_blocks=64, device="cpu")  # the CPU kernels, also where a GPU is
     experts = llm.engine.model.layers[1].mlp.experts
     fused_calls = count_fused_calls(Fp8Experts, monkeypatch)
     prompt = [(7 * i) % 200 + 3 for i in range(21)]

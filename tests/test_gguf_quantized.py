@@ -78,7 +78,7 @@ def test_the_cuda_path_gives_the_cpu_paths_logits(tmp_path, monkeypatch):
     through the grouped Triton GEMM and row lookups (on the GPU where there is one, else forced
     on CPU under the Triton interpreter) against the CPU kernels."""
     path = write_gguf(tmp_path / "m.mixed.gguf", "llama", _mixed, dims=SIZES, quantize=quantize)
-    llm = LLM(str(path), num_kv_blocks=64)
+    llm = LLM(str(path), num_kv_blocks=64, device="cpu")  # the CPU kernels, also where a GPU is
     prompt = [(7 * i) % 200 + 3 for i in range(13)]
     cpu = llm.engine.prompt_logits(prompt)
     calls = []

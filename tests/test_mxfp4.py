@@ -77,7 +77,7 @@ def test_the_cuda_path_gives_the_cpu_paths_logits(checkpoint, monkeypatch):
     """gpt-oss's MXFP4 experts through their CUDA kernel (two grouped GEMMs that unpack codes and
     scales in registers; forced on CPU under the Triton interpreter where no GPU is) against the
     CPU kernel."""
-    llm = LLM(str(checkpoint), num_kv_blocks=64)
+    llm = LLM(str(checkpoint), num_kv_blocks=64, device="cpu")  # the CPU kernels, also where a GPU is
     fused_calls = count_fused_calls(Mxfp4Experts, monkeypatch)
     prompt = [(5 * i) % 150 + 3 for i in range(19)]
     cpu = llm.engine.prompt_logits(prompt)

@@ -24,6 +24,15 @@ def _clients(url: str) -> int:
         client.close()
 
 
+def _stored_and_loaded(cluster: str, before: dict) -> dict | None:
+    """The node stats once the prefill node has put blocks in the store and the decode node has
+    read them since `before`; None until then."""
+    stats = node_stats(cluster)
+    grew = all(stats[node]["transfer_bytes_store"] > before[node]["transfer_bytes_store"]
+               for node in ("prefill-0", "decode-0"))
+    return stats if grew else None
+
+
 @pytest.mark.parametrize("scheme", ["redis://", "direct+redis://"])
 def test_handovers_go_through_a_redis_that_closed_the_idle_connections(scheme):
     llm = LLM("builtin:tiny", num_kv_blocks=256)
@@ -36,11 +45,10 @@ def test_handovers_go_through_a_redis_that_closed_the_idle_connections(scheme):
                 before = node_stats(cluster)
                 prompt = [(13 * i + 7 * round_) % 200 + 20 for i in range(70 + round_)]
                 assert_greedy_matches_offline(cluster, llm, prompt, 8)
-                # Node stats come with pongs (every 0.2 s): wait for one from after the request.
-                after = wait_for(lambda b=before: (s := node_stats(cluster))["decode-0"]["requests_total"]
-                                 > b["decode-0"]["requests_total"] and s)
+                # Node stats come with pongs (every 0.2 s), and a pong sent while the request ran
+                # can be the newest one here: wait for one with both ends' store bytes counted.
+                after = wait_for(lambda b=before: _stored_and_loaded(cluster, b), timeout_s=10)
                 for node in ("prefill-0", "decode-0"):
-                    assert after[node]["transfer_bytes_store"] > before[node]["transfer_bytes_store"], (round_, node)
                     assert after[node]["transfers_failed"] == 0, (round_, node, after[node])
                 # Idle past Redis' timeout: it drops every connection the nodes left idle.
                 busy.append(_clients(url))

@@ -62,13 +62,15 @@ def part_kernels(args) -> dict:
     tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_triton_quant*.py"))
     # the quantized MoE models (DeepSeek-V3 FP8, gpt-oss MXFP4) and a GGUF mix of types on the GPU
     # against their CPU kernels
-    tests += ["tests/test_fp8_blocks.py::test_the_cuda_path_gives_the_cpu_paths_logits",
+    tests += ["tests/test_triton_fp8_fused.py",
+              "tests/test_fp8_blocks.py::test_the_cuda_path_gives_the_cpu_paths_logits",
               "tests/test_mxfp4.py::test_the_cuda_path_gives_the_cpu_paths_logits",
               "tests/test_gguf_quantized.py::test_the_cuda_path_gives_the_cpu_paths_logits"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     return {"returncode": proc.returncode, "summary": proc.stdout.strip().splitlines()[-1:],
-            "failures": [ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")][:40]}
+            "failures": [ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED")][:40],
+            "output_tail": proc.stdout[-6000:] if proc.returncode else ""}
 
 
 def _greedy(path: Path, device: str, prompts) -> list[list[int]]:
@@ -92,10 +94,27 @@ def part_exact(args) -> dict:
             continue
         path = checkpoint(src, fmt)
         cpu, cuda = _greedy(path, "cpu", prompts), _greedy(path, "cuda", prompts)
-        results[fmt] = {"exact_vs_cpu": cpu == cuda, "sequences": len(prompts),
-                        "first_divergence": [next((i for i, (a, b) in enumerate(zip(c, g)) if a != b), None)
-                                             for c, g in zip(cpu, cuda)]}
+        firsts = [next((i for i, (a, b) in enumerate(zip(c, g)) if a != b), None) for c, g in zip(cpu, cuda)]
+        results[fmt] = {"exact_vs_cpu": cpu == cuda, "sequences": len(prompts), "first_divergence": firsts,
+                        "top2_gap_at_divergence": _top2_gaps(path, prompts, cpu, firsts)}
     return results
+
+
+def _top2_gaps(path: Path, prompts, tokens, firsts) -> list[float | None]:
+    """Where a sequence diverges, the CPU run's top-2 logit gap there over its largest |logit|:
+    a near tie (activations quantized to FP8 turn float32 rounding into whole FP8 steps) or a
+    real difference."""
+    from pdserve import LLM
+    llm, gaps = LLM(model=str(path), dtype="float32", device="cpu", num_kv_blocks=256), []
+    for prompt, seq, first in zip(prompts, tokens, firsts):
+        if first is None:
+            gaps.append(None)
+            continue
+        logits = llm.engine.prompt_logits(prompt + seq[:first])[-1].float()
+        top = logits.topk(2).values
+        gaps.append(float((top[0] - top[1]) / logits.abs().max()))
+    del llm
+    return gaps
 
 
 def run_worker(args) -> dict:

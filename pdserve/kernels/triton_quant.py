@@ -93,10 +93,18 @@ def fp8_block_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
 
 
 @triton.jit
+def _dot_acc(acc, a, w, IEEE: tl.constexpr):
+    if IEEE:
+        return acc + tl.dot(a.to(tl.float32), w, input_precision="ieee")
+    return acc + tl.dot(a, w.to(a.dtype))
+
+
+@triton.jit
 def _grouped_kernel(x, q, sc, mn, out, m_rows, n_out, k_in, tiles_per_split,
                     s_xm, s_xk, s_qn, s_qk, s_sn, s_sg, s_os, s_om, s_on,
                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_MIN: tl.constexpr, IEEE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    NIBBLE_DOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -104,25 +112,35 @@ def _grouped_kernel(x, q, sc, mn, out, m_rows, n_out, k_in, tiles_per_split,
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     first = split * tiles_per_split
     for kb in range(first, tl.minimum(first + tiles_per_split, tl.cdiv(k_in, BLOCK_K))):
-        k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        a = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=m_ok[:, None], other=0.0)
-        if BITS == 4:
-            # quant_cpu's order: in each run of 32 columns, byte j holds column j (low nibble)
-            # and column j + 16 (high nibble)
-            byte = (k // 32) * 16 + k % 16
-            shift = ((k % 32) // 16) * 4
-            packed = tl.load(q + n[None, :] * s_qn + byte[:, None] * s_qk, mask=n_ok[None, :], other=0)
-            wq = ((packed >> shift[:, None].to(tl.uint8)) & 15).to(tl.float32)
-        else:
-            wq = tl.load(q + n[None, :] * s_qn + k[:, None] * s_qk, mask=n_ok[None, :], other=0).to(tl.float32)
         g = (kb * BLOCK_K) // GROUP  # BLOCK_K divides GROUP: one scale (and min) per row per tile
-        w = wq * tl.load(sc + n * s_sn + g * s_sg, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        scale = tl.load(sc + n * s_sn + g * s_sg, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_MIN:
-            w += tl.load(mn + n * s_sn + g * s_sg, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if IEEE:
-            acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
+            low = tl.load(mn + n * s_sn + g * s_sg, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         else:
-            acc += tl.dot(a, w.to(a.dtype))
+            low = tl.zeros([1, BLOCK_N], tl.float32)
+        if BITS == 4 and NIBBLE_DOTS:
+            # the tile's bytes as stored (contiguous along K, so the loads are wide), each nibble
+            # half dotted with the activation columns it holds: in each run of 32 columns, byte j
+            # holds column j (low nibble) and column j + 16 (high nibble), quant_cpu's order
+            byte = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+            packed = tl.load(q + n[None, :] * s_qn + byte[:, None] * s_qk, mask=n_ok[None, :], other=0)
+            low_col = (byte // 16) * 32 + byte % 16
+            for half in tl.static_range(2):
+                a = tl.load(x + m[:, None] * s_xm + (low_col + 16 * half)[None, :] * s_xk, mask=m_ok[:, None],
+                            other=0.0)
+                acc = _dot_acc(acc, a, ((packed >> (4 * half)) & 15).to(tl.float32) * scale + low, IEEE)
+        else:
+            k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            a = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=m_ok[:, None], other=0.0)
+            if BITS == 4:
+                # quant_cpu's order, gathered per column (each byte loaded twice)
+                byte = (k // 32) * 16 + k % 16
+                shift = ((k % 32) // 16) * 4
+                packed = tl.load(q + n[None, :] * s_qn + byte[:, None] * s_qk, mask=n_ok[None, :], other=0)
+                wq = ((packed >> shift[:, None].to(tl.uint8)) & 15).to(tl.float32)
+            else:
+                wq = tl.load(q + n[None, :] * s_qn + k[:, None] * s_qk, mask=n_ok[None, :], other=0).to(tl.float32)
+            acc = _dot_acc(acc, a, wq * scale + low, IEEE)
     tl.store(out + split * s_os + m[:, None] * s_om + n[None, :] * s_on, acc,
              mask=m_ok[:, None] & n_ok[None, :])
 
@@ -137,9 +155,10 @@ def split_k_for(m_rows: int, n_tiles: int, k_tiles: int, device: torch.device) -
 
 
 def grouped_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                   bits: int, group: int, split_k: int | None = None) -> torch.Tensor:
+                   bits: int, group: int, split_k: int | None = None, nibble_dots: bool = True) -> torch.Tensor:
     """x [M, K] @ w.T for the grouped weight w [N, K] = q * scale + min -> [M, N] in x's dtype.
-    q: uint8 [N, K / 2] (4 bits) or int8 [N, K]; scales, mins: float16/float32 [N, K / group]."""
+    q: uint8 [N, K / 2] (4 bits) or int8 [N, K]; scales, mins: float16/float32 [N, K / group].
+    nibble_dots False: 4-bit tiles gathered column by column (the first kernel, for comparison)."""
     rows, cols = x.shape
     n_out = q.shape[0]
     block_k = math.gcd(group, 64)  # a divisor of the group, so a tile has one scale per row
@@ -153,6 +172,7 @@ def grouped_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins:
     _grouped_kernel[grid](x, q, scales, mins if mins is not None else scales, partial, rows, n_out, cols,
                           tiles_per_split, *x.stride(), *q.stride(), *scales.stride(), *partial.stride(),
                           BITS=bits, GROUP=group, HAS_MIN=mins is not None, IEEE=x.dtype == torch.float32,
+                          NIBBLE_DOTS=nibble_dots and block_k >= 32,  # tl.dot takes K >= 16
                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     y = partial[0] if split == 1 else partial.sum(0)
     return y.to(x.dtype)

@@ -48,6 +48,12 @@ class RMSNorm(nn.Module):
         return (self.weight * x32).to(x.dtype)
 
 
+def swiglu_alpha(config) -> float:
+    """The gate's sigmoid slope: a config field in recent transformers, a constant of gpt-oss's
+    (1.702) in older ones, whose configs lack the field."""
+    return getattr(config, "swiglu_alpha", 1.702)
+
+
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
@@ -81,7 +87,7 @@ class GptOssDecoderLayer(nn.Module):
             spec.hidden_size, config.intermediate_size, config.num_local_experts,
             functools.partial(topk_softmax, top_k=config.num_experts_per_tok),
             router_bias=True, expert_bias=True,
-            activation=functools.partial(clamped_swiglu, alpha=config.swiglu_alpha, limit=config.swiglu_limit))
+            activation=functools.partial(clamped_swiglu, alpha=swiglu_alpha(config), limit=config.swiglu_limit))
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
