@@ -62,8 +62,7 @@ def part_kernels(args) -> dict:
     tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_triton_quant*.py"))
     # the quantized MoE models (DeepSeek-V3 FP8, gpt-oss MXFP4) and a GGUF mix of types on the GPU
     # against their CPU kernels
-    tests += ["tests/test_triton_fp8_fused.py",
-              "tests/test_fp8_blocks.py::test_the_cuda_path_gives_the_cpu_paths_logits",
+    tests += ["tests/test_fp8_blocks.py::test_the_cuda_path_gives_the_cpu_paths_logits",
               "tests/test_mxfp4.py::test_the_cuda_path_gives_the_cpu_paths_logits",
               "tests/test_gguf_quantized.py::test_the_cuda_path_gives_the_cpu_paths_logits"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],

@@ -1,7 +1,8 @@
 """The quantized linear layers' GEMMs alone, on one GPU, at the 1.1B Llama's shapes: bf16
-(torch), FP8 with the activations quantized inside the GEMM (triton_fp8_fused), FP8 quantized
-first in torch (per channel: _scaled_mm; blocks: triton_quant's block GEMM), and W4A16 groups of
-128 with the tile loaded as stored (nibble dots) or gathered column by column.
+(torch), FP8 with the activations quantized first in torch (per channel: _scaled_mm; blocks:
+triton_quant's block GEMM), and W4A16 groups of 128 with the tile loaded as stored (nibble dots)
+or gathered column by column. Each call launches on its own (no CUDA graph), so the times
+include the launches, which the engine's decode graphs remove.
 
     python3 -m benchmarks.gpu.gpu_quant_kernels --out DIR [--rows 1,16,64,256]
 
@@ -36,16 +37,14 @@ def _operands(n: int, k: int) -> dict:
 
 
 def _variants(ops: dict, x: torch.Tensor) -> dict:
-    from pdserve.kernels import triton_fp8_fused, triton_quant, triton_quant_scaled_mm
+    from pdserve.kernels import triton_quant, triton_quant_scaled_mm
     w16 = ops["w"].cuda().bfloat16()
     f8c, ch = ops["fp8_channel"].cuda(), ops["channel"].cuda()
     f8b, bl = ops["fp8_blocks"].cuda(), ops["blocks"].cuda()
     q, sc = ops["q4_packed"].cuda(), ops["q4_scales"].cuda()
     return {
         "bf16": lambda: x @ w16.t(),
-        "fp8_channel_fused": lambda: triton_fp8_fused.fp8_fused_matmul(x, f8c, ch),
         "fp8_channel_scaled_mm": lambda: triton_quant_scaled_mm.fp8_channel_matmul(x, f8c, ch, out_dtype=x.dtype),
-        "fp8_block_fused": lambda: triton_fp8_fused.fp8_fused_matmul(x, f8b, bl),
         "fp8_block_unfused": lambda: triton_quant.fp8_block_matmul(x, f8b, bl, 128, out_dtype=x.dtype),
         "w4a16_nibble_dots": lambda: triton_quant.grouped_matmul(x, q, sc, None, 4, 128),
         "w4a16_gathered": lambda: triton_quant.grouped_matmul(x, q, sc, None, 4, 128, nibble_dots=False),

@@ -2,8 +2,6 @@
 handed to the GPU kernels (pdserve.kernels.triton_quant and triton_quant_scaled_mm). Nothing is
 dequantized at load; the CPU path does not come through here.
 
-- FP8 in decode batches (up to FUSED_MAX_ROWS rows): pdserve.kernels.triton_fp8_fused, the
-  activations quantized inside the GEMM;
 - FP8, one scale per row (per channel, per tensor): torch._scaled_mm, activations per token;
 - FP8 in column blocks (DeepSeek-V3, Qwen3-FP8): the Triton block-scaled GEMM on pdserve's
   per-row scale layout (scale_row_block 1), so fused parts of any row count need nothing special;
@@ -13,11 +11,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
-# Up to this many rows (decode batches) an FP8 layer quantizes its activations inside the GEMM:
-# one launch instead of about ten. Above it that quantization is small beside the GEMM, and
-# cuBLAS (_scaled_mm, per channel) outruns the Triton kernel.
-FUSED_MAX_ROWS = 64
 
 
 def runs_triton(x: torch.Tensor) -> bool:
@@ -32,14 +25,10 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torc
 
 
 def fp8_apply(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # imports triton: heavy, the CUDA path only
-    from pdserve.kernels import triton_fp8_fused, triton_quant, triton_quant_scaled_mm
+    from pdserve.kernels import triton_quant, triton_quant_scaled_mm  # imports triton: heavy, the CUDA path only
     flat = x.reshape(-1, x.shape[-1])
     scale = layer.weight_scale.view(torch.float32)
-    per_channel = scale.shape[1] == 1
-    if flat.shape[0] <= FUSED_MAX_ROWS and (per_channel or layer.act_block == triton_fp8_fused.BLOCK_K):
-        y = triton_fp8_fused.fp8_fused_matmul(flat, layer.weight, scale, out_dtype=x.dtype)
-    elif per_channel:  # or per tensor
+    if scale.shape[1] == 1:  # per channel or per tensor
         y = triton_quant_scaled_mm.fp8_channel_matmul(flat, layer.weight, scale, out_dtype=x.dtype)
     else:
         y = triton_quant.fp8_block_matmul(flat, layer.weight, scale, layer.act_block, scale_row_block=1,
