@@ -3,7 +3,11 @@ the same engine running the layers in Python, offline, on the default model (Smo
 GGUF, kept quantized), in one run.
 
     .venv/bin/python -m benchmarks.engine.bench_native_decode [--batches 1 8 32] [--threads 2] [--lora-rank 8]
-        [--tp 2]
+        [--tp 2] [--family llama|qwen2|qwen3]
+
+--family runs a random-weight float32 checkpoint of that family at a real small model's layer
+shapes instead (llama: SmolLM2-135M's, qwen2: Qwen2.5-0.5B's, qwen3: Qwen3-0.6B's), with the test
+models' byte-level vocabulary, so the LM head (Python in both modes) costs little.
 
 For each batch size, requests with 128-token prompts decode --steps steps; the median engine step
 (sampling included) is taken for each mode, the two modes alternating within each of --repeats
@@ -34,14 +38,37 @@ def random_adapter(base: Path, out: Path, rank: int) -> Path:
     return adapter_of(model, out, seed=0, r=rank, alpha=2 * rank)
 
 
+# the layer shapes of SmolLM2-135M, Qwen2.5-0.5B and Qwen3-0.6B
+FAMILY_SHAPES = {
+    "llama": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                  num_key_value_heads=3),
+    "qwen2": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2),
+    "qwen3": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128),
+}
+
+
+def model_under_test(family: str | None, root: Path) -> tuple[str, str, dict]:
+    """(path, its name in the table, LLM options): the default GGUF, or a float32 family model."""
+    from pdserve.models.gguf import DEFAULT_MODEL
+    if family is None:
+        return DEFAULT_MODEL, "SmolLM2-135M Q4_1", {}
+    from pdserve.testing.model_factory import make_model
+    path = make_model(root, family, max_position_embeddings=4096, **FAMILY_SHAPES[family])
+    return str(path), f"{family} float32 ({FAMILY_SHAPES[family]['num_hidden_layers']} layers)", {"dtype": "float32"}
+
+
 def decode_steps(llm, batch: int, steps: int, seed: int, adapter: str | None = None) -> float:
     """The median seconds of an engine step while `batch` requests decode (prefill excluded)."""
     from pdserve import SamplingParams
     engine = llm.engine
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    vocab = engine.model.spec.vocab_size
     for i in range(batch):
         start = 1000 + 997 * (seed * batch + i) % 20000
-        engine.add_request(f"r{seed}-{i}", list(range(start, start + 128)), params, lora_name=adapter)
+        prompt = [(start + j) % (vocab - 3) + 3 for j in range(128)]  # within the vocabulary (--family: byte-level)
+        engine.add_request(f"r{seed}-{i}", prompt, params, lora_name=adapter)
     times = []
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -58,21 +85,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--lora-rank", type=int, default=0, help="every request under an adapter of this rank (0: none)")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    ap.add_argument("--family", choices=sorted(FAMILY_SHAPES), default=None)
     args = ap.parse_args()
     os.environ.update(OMP_NUM_THREADS=str(args.threads), NUMBA_NUM_THREADS=str(args.threads))
     import torch
 
     from pdserve import LLM
-    from pdserve.models.gguf import DEFAULT_MODEL
     from pdserve.models.model_path import resolve_model_path
     torch.set_num_threads(args.threads)
     lora = dict(enable_lora=True, max_lora_rank=args.lora_rank) if args.lora_rank else {}
-    llm = LLM(DEFAULT_MODEL, num_kv_blocks=1024, enable_prefix_caching=False, tensor_parallel_size=args.tp, **lora)
+    root = tempfile.TemporaryDirectory()
+    path, name, options = model_under_test(args.family, Path(root.name))
+    llm = LLM(path, num_kv_blocks=1024, enable_prefix_caching=False, tensor_parallel_size=args.tp, **lora, **options)
     adapter = None
     if args.lora_rank:
         with tempfile.TemporaryDirectory() as tmp:  # read whole by add_lora
             adapter = "bench"
-            llm.engine.add_lora(adapter, str(random_adapter(resolve_model_path(DEFAULT_MODEL), Path(tmp), args.lora_rank)))
+            llm.engine.add_lora(adapter, str(random_adapter(resolve_model_path(path), Path(tmp), args.lora_rank)))
     model = llm.engine.model
     native = model.native_decode
     if native is None:
@@ -80,7 +109,7 @@ def main() -> None:
     decode_steps(llm, 1, 4, seed=99, adapter=adapter)  # warm up both paths
     model.native_decode = None
     decode_steps(llm, 1, 4, seed=98, adapter=adapter)
-    print(f"SmolLM2-135M Q4_1{f', LoRA rank {args.lora_rank}' if adapter else ''}, TP {args.tp}, {args.threads} threads, "
+    print(f"{name}{f', LoRA rank {args.lora_rank}' if adapter else ''}, TP {args.tp}, {args.threads} threads, "
           f"{args.steps} decode steps, medians of {args.repeats} rounds")
     print(f"{'batch':>5} {'python layers ms':>17} {'compiled ms':>12} {'python / compiled':>18}")
     for batch in args.batches:
@@ -93,6 +122,7 @@ def main() -> None:
         print(f"{batch:>5} {py * 1e3:17.2f} {c * 1e3:12.2f} {py / c:17.2f}x")
     model.native_decode = native
     llm.close()
+    root.cleanup()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
  *   low nibble and column j + 16 in its high one (GGUF's Q4_0/Q4_1 block order);
  * - int8: one value a byte;
  * - scales and mins per group of 16 columns or of a multiple of 32, float32 or float16 bits;
- *   w = q * scale (+ min).
+ *   w = q * scale (+ min);
+ * - float32 (bits 32): an unquantized matrix, its rows read as they are (no scales), so a float
+ *   model's decode step takes the compiled step too.
  * Each block of 32 columns is widened to float32 in vector registers. At one token (groups of a
  * power-of-two multiple of 32) its integers are dotted with x and scaled once; otherwise it is
  * dequantized as q * scale + min and multiply-added into every token's sums: up to 8 tokens (a
@@ -31,6 +33,9 @@ static inline __attribute__((always_inline)) float scale_at(const void *s, int h
     return half ? _cvtsh_ss(((const uint16_t *)s)[idx]) : ((const float *)s)[idx];
 }
 
+/* bytes of a row of cols columns: two values a byte, one, or a float32 each */
+static inline long row_bytes(int bits, int cols) { return (long)cols * bits / 8; }
+
 /* columns 32c .. 32c + 31 of a row as float32 integers, in two vectors of 16 */
 static inline __attribute__((always_inline)) void widen32(const uint8_t *qrow, int bits, int c, __m512 *a, __m512 *b) {
     if (bits == 4) {
@@ -47,6 +52,12 @@ static inline __attribute__((always_inline)) void widen32(const uint8_t *qrow, i
 static inline __attribute__((always_inline)) void decode32(const uint8_t *qrow, int bits, int c, const void *sc,
                                                            const void *mn, int half, int has_min, int group,
                                                            long srow, __m512 *w0, __m512 *w1) {
+    if (bits == 32) {
+        const float *row = (const float *)qrow + c * 32;
+        *w0 = _mm512_loadu_ps(row);
+        *w1 = _mm512_loadu_ps(row + 16);
+        return;
+    }
     __m512 a, b;
     widen32(qrow, bits, c, &a, &b);
     long g0 = srow + (c * 32) / group, g1 = srow + (c * 32 + 16) / group;
@@ -67,14 +78,14 @@ static inline __attribute__((always_inline)) void tile(const float *x, int cols,
                                                        const void *sc, const void *mn, int half, int has_min,
                                                        int group, float *out, int nrows, int n, int t0,
                                                        const int R, const int NT) {
-    long qstride = bits == 4 ? cols / 2 : cols, sstride = cols / group;
+    long qstride = row_bytes(bits, cols), sstride = cols / group;
     __m512 acc[ROWS_PER_PASS][TOKENS_PER_PASS][2];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < NT; t++) acc[r][t][0] = acc[r][t][1] = _mm512_setzero_ps();
     for (int c = 0; c < cols / 32; c++) {
         __m512 w[ROWS_PER_PASS][2];
         for (int r = 0; r < R; r++) {
-            _mm_prefetch((const char *)(q + (n + r) * qstride) + c * (bits == 4 ? 16 : 32) + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(q + (n + r) * qstride) + c * 4 * bits + PREFETCH_BYTES, _MM_HINT_T0);
             decode32(q + (n + r) * qstride, bits, c, sc, mn, half, has_min, group, (n + r) * sstride, &w[r][0], &w[r][1]);
         }
         for (int t = 0; t < NT; t++) {
@@ -195,20 +206,22 @@ static void task_few(const float *x, int tokens, int cols, const uint8_t *q, int
 #undef SINGLE
 }
 
-/* rows [n, end) for more tokens: each pair of rows dequantized once into w (as decode32 gives them),
- * then multiplied into the tokens TOKENS_PER_PASS at a time */
+/* rows [n, end) for more tokens: each pair of rows dequantized once into a buffer (as decode32
+ * gives them; float32 rows are read where they are), then multiplied into the tokens
+ * TOKENS_PER_PASS at a time */
 static void task_many(const float *x, int tokens, int cols, const uint8_t *q, int bits, const void *sc,
                       const void *mn, int half, int has_min, int group, float *out, int nrows, int n, int end) {
-    float w[2 * cols];
-    long qstride = bits == 4 ? cols / 2 : cols, sstride = cols / group;
+    float buffer[bits == 32 ? 1 : 2 * cols];
+    long qstride = row_bytes(bits, cols), sstride = cols / group;
     for (; n < end; n += 2) {
         int rows = end - n >= 2 ? 2 : 1;
-        for (int r = 0; r < rows; r++)
+        const float *w = bits == 32 ? (const float *)(q + n * qstride) : buffer;
+        for (int r = 0; r < rows && bits != 32; r++)
             for (int c = 0; c < cols / 32; c++) {
                 __m512 w0, w1;
                 decode32(q + (n + r) * qstride, bits, c, sc, mn, half, has_min, group, (n + r) * sstride, &w0, &w1);
-                _mm512_storeu_ps(w + (long)r * cols + c * 32, w0);
-                _mm512_storeu_ps(w + (long)r * cols + c * 32 + 16, w1);
+                _mm512_storeu_ps(buffer + (long)r * cols + c * 32, w0);
+                _mm512_storeu_ps(buffer + (long)r * cols + c * 32 + 16, w1);
             }
         for (int t = 0; t < tokens; t += TOKENS_PER_PASS) {
             int nt = tokens - t < TOKENS_PER_PASS ? tokens - t : TOKENS_PER_PASS;
@@ -247,9 +260,9 @@ static void task(const float *x, int tokens, int cols, const uint8_t *q, int bit
  * numba's kernel. */
 int pd_gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
             const void *mins, int half, int has_min, int group, float *out, int threads) {
-    if (cols % 32 || (group != 16 && group % 32) || (bits != 4 && bits != 8)) return -1;
+    if (cols % 32 || (group != 16 && group % 32) || (bits != 4 && bits != 8 && bits != 32)) return -1;
     /* the one-token path finds a block's group by a shift: group / 32 a power of two */
-    int one = tokens == 1 && group % 32 == 0 && ((group / 32) & (group / 32 - 1)) == 0, groups = cols / group;
+    int one = tokens == 1 && bits != 32 && group % 32 == 0 && ((group / 32) & (group / 32 - 1)) == 0, groups = cols / group;
     float xg[one && has_min ? groups : 1]; /* the one-token path's sums of x over each group */
     for (int g = 0; one && has_min && g < groups; g++) {
         xg[g] = 0.f;

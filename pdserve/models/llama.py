@@ -11,8 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels import native_gemv
 from pdserve.kernels.native_decode import DecodeLayer, DecodeWeights, float32_on_cpu
 from pdserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pdserve.layers.quant.unquantized import UnquantizedLinearMethod
 from pdserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from pdserve.models.rope import RotaryEmbedding
 
@@ -199,7 +201,7 @@ class LlamaModel(nn.Module):
             return "the layers are not plain Llama layers"
         layers = [_native_layer(layer) for layer in self.layers]
         if any(layer is None for layer in layers):
-            return "a linear layer is not quantized for the compiled gemv, or has a bias other than qkv's"
+            return "a linear layer is neither quantized for the compiled gemv nor float32 on CPU, or has a bias other than qkv's"
         if any(layer.self_attn.q_norm is not None and layer.self_attn.q_norm.eps != self.norm.eps
                for layer in self.layers):
             return "the QK norms' eps differs from the layer norms'"
@@ -215,13 +217,17 @@ class LlamaModel(nn.Module):
 
 def _native_matrix(linear, bias_ok: bool = False) -> tuple | None:
     """The compiled gemv's arguments for a linear layer (a rank's shard at TP > 1: a row-parallel
-    layer's partial sums are all-reduced by the step), or None where it cannot take it."""
+    layer's partial sums are all-reduced by the step): its packed quantized matrix, or its float32
+    weight as it is; None where the gemv cannot take it."""
+    if (linear.bias is not None and not bias_ok) or (
+            linear.tp.size > 1 and getattr(linear, "reduce_results", True) is False):
+        return None
     packed = getattr(linear.quant_method, "packed", None)
-    if packed is None or (linear.bias is not None and not bias_ok):
-        return None
-    if linear.tp.size > 1 and getattr(linear, "reduce_results", True) is False:
-        return None
-    return packed(linear).native
+    if packed is not None:
+        return packed(linear).native
+    if isinstance(linear.quant_method, UnquantizedLinearMethod):
+        return native_gemv.float_matrix_args(linear.weight)
+    return None
 
 
 def _native_layer(layer: DecoderLayer) -> DecodeLayer | None:

@@ -1,0 +1,43 @@
+"""The compiled decode step (pdserve.kernels.native_decode) on unquantized float32 checkpoints:
+the gemv reads each float32 weight row as it is (bits 32 in native_gemv.c), so Llama, Qwen2 (qkv
+bias) and Qwen3 (QK norms) checkpoints in float32 take the compiled step as quantized ones do.
+Greedy tokens equal transformers' generate on the same weights, and logprobs are within 1e-4 of
+the same engine running the layers in Python, at one request, a few (one pass over the rows) and
+more than 8 (the path that multiplies each row into the tokens 8 at a time)."""
+from __future__ import annotations
+
+import pytest
+from test_native_decode import PROMPTS, compare_with_python_layers
+
+from pdserve import LLM
+from pdserve.kernels import native_gemv
+from pdserve.testing.model_factory import assert_greedy_matches_reference, load_reference, make_model
+
+pytestmark = pytest.mark.skipif(native_gemv.compiler() is None or native_gemv._why_not() is not None,
+                                reason="no C compiler or no AVX-512: the compiled kernels are off")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_float32_checkpoints_take_the_compiled_step(tmp_path, arch):
+    path = make_model(tmp_path, arch)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
+    native = llm.engine.model.native_decode
+    assert native is not None, "a float32 checkpoint should take the compiled decode step"
+    steps = native.steps
+    assert_greedy_matches_reference(llm, load_reference(path), PROMPTS[:3], 16)
+    assert native.steps > steps
+    compare_with_python_layers(llm, [PROMPTS[0]])  # one row a step
+    compare_with_python_layers(llm)  # four rows
+    compare_with_python_layers(llm, PROMPTS * 3)  # twelve rows: past 8, each row multiplied 8 tokens at a time
+
+
+def test_a_bfloat16_model_keeps_the_python_layers(tmp_path):
+    """Only float32 weights are read as they are: a bfloat16 model's weights are refused."""
+    llm = LLM(str(make_model(tmp_path, "llama")), dtype="bfloat16", num_kv_blocks=64)
+    assert llm.engine.model.native_decode is None
+    assert "neither quantized for the compiled gemv nor float32" in llm.engine.model.native_decode_weights()
