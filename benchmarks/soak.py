@@ -1,5 +1,6 @@
 """A fault soak: streaming clients against a 2P2D cluster (built-in model) for each KV transport
-(NIXL, the store over Redis through LMCache, or through pdserve's direct Redis client; with
+(NIXL, the store over Redis through LMCache, through pdserve's direct Redis client, or through
+its Redis Cluster client to 3 masters with a replica each; with
 `--transport both`, NIXL and LMCache's store side by side, each with its own clients and
 faults) while faults land at random moments (soak_faults), checked as it runs and at the end:
 
@@ -42,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10.0, help="how long faults and traffic run")
     p.add_argument("--transport", choices=[*TRANSPORTS, "both"], default="both",
-                   help="the KV transport of the soaked cluster (direct-store: direct+redis://); both: nixl "
+                   help="the KV transport of the soaked cluster (direct-store: direct+redis://; cluster-store: "
+                        "redis-cluster://, a Redis Cluster whose masters the Redis faults hit); both: nixl "
                         "and store, one cluster each, soaked side by side")
     p.add_argument("--seed", type=int, default=1, help="the faults', moments' and clients' random seed")
     p.add_argument("--clients", type=int, default=4, help="concurrent streaming clients")

@@ -26,18 +26,16 @@ from pathlib import Path
 
 import httpx
 import psutil
-import redis
 
 from benchmarks.soak_load import ADAPTER, MODEL
+from benchmarks.soak_store import SCHEMES, SoakRedis
 from pdserve.cluster.owner import with_role
 from pdserve.cluster.owner_admin import OwnerAdminServer
 from pdserve.wire.transport import free_port
 
 RESTART_DELAY_S = 0.5
 KEEP_ALIVE_S = 6.0  # the router's: longer than the clients' 5 s, as the 75 s default is
-# Through the store: LMCache's tiers over Redis, or pdserve's direct Redis client.
-STORE_SCHEMES = {"store": "redis://", "direct-store": "direct+redis://"}
-TRANSPORTS = ("nixl", *STORE_SCHEMES)
+TRANSPORTS = ("nixl", *SCHEMES)  # through the store: soak_store.SCHEMES
 SPECULATIVE = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, '
                '"prompt_lookup_max": 4}')  # min 1: the random model repeats little, a token often
 
@@ -62,10 +60,9 @@ class SoakCluster:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, Proc] = {}
-        self.redis_port = free_port() if transport in STORE_SCHEMES else None
-        if self.redis_port is not None:  # the launcher's command (launcher._store_url)
-            self.procs["redis"] = Proc("redis", ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
-                                                 "--save", "", "--appendonly", "no", "--loglevel", "warning"])
+        self.redis = SoakRedis(transport, workdir) if transport in SCHEMES else None
+        for name, cmd in self.redis.commands().items() if self.redis else ():
+            self.procs[name] = Proc(name, cmd)
         self.lease_s, self.lora = lease_s, lora
         self.addresses: dict[str, str] = {}  # node -> its control endpoint
         self.roles: dict[str, str] = {}      # node -> its role now (a switch changes it)
@@ -80,7 +77,7 @@ class SoakCluster:
         self.owner_address = f"tcp://127.0.0.1:{free_port()}"  # the router's StartNode/StopNode land here
         self._admin: OwnerAdminServer | None = None
         self._add("router", ["router", "--model", MODEL, "--port", str(self.port), "--kv-transfer",
-                             "store" if self.redis_port else transport, *lora, "--owner", self.owner_address,
+                             "store" if self.redis else transport, *lora, "--owner", self.owner_address,
                              "--local-prefill-threshold", "0", "--prefill-placement", "threshold",
                              *[a for n in self.nodes for a in (f"--{self.roles[n]}", self.addresses[n])]],
                   module="benchmarks.soak_router")
@@ -90,8 +87,8 @@ class SoakCluster:
 
     def _transfer_flags(self, role: str, lease_s: float) -> list[str]:
         """A node's flags for its transport, as `pdserve up` gives them."""
-        if self.redis_port is not None:
-            return ["--store", f"{STORE_SCHEMES[self.transport]}127.0.0.1:{self.redis_port}"]
+        if self.redis is not None:
+            return ["--store", self.redis.url]
         side = ["--nixl-side-channel", f"tcp://127.0.0.1:{free_port()}", "--lease-s", str(lease_s)]
         return side + (["--nixl"] if role == "decode" else [])
 
@@ -108,7 +105,8 @@ class SoakCluster:
 
     @property
     def nodes(self) -> list[str]:
-        return [n for n in list(self.procs) if n not in ("router", "redis")]  # the owner's thread adds and removes
+        # (the owner's thread adds and removes them)
+        return [n for n in list(self.procs) if n != "router" and not n.startswith("redis")]
 
     # ---- NodeOwner (pdserve.cluster.owner): the router's /admin/scale and switches end here --
     def start_node(self, role: str) -> str:
@@ -157,8 +155,14 @@ class SoakCluster:
         """Start every process and the supervisor; wait_healthy() says when they serve."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._admin = OwnerAdminServer(self, self.owner_address, self.addresses.__getitem__).start()
-        for proc in self.procs.values():
+        servers = [p for p in self.procs.values() if p.name.startswith("redis")]
+        for proc in servers:  # Redis first: a Redis Cluster is formed before any node connects
             self._spawn(proc)
+        if self.redis is not None:
+            self.redis.form()
+        for proc in self.procs.values():
+            if proc not in servers:
+                self._spawn(proc)
         self._supervisor.start()
 
     def _supervise(self) -> None:
@@ -200,12 +204,7 @@ class SoakCluster:
             return None
 
     def redis_up(self) -> bool:
-        if self.redis_port is None:
-            return True
-        try:
-            return bool(redis.Redis(port=self.redis_port, socket_timeout=2, socket_connect_timeout=2).ping())
-        except redis.RedisError:
-            return False
+        return self.redis is None or self.redis.up()
 
     def all_healthy(self) -> bool:
         body = self.health()

@@ -37,7 +37,7 @@ REDIS_STOP_S = (2.0, 5.0)  # a few seconds: the nodes' calls to Redis wait (thei
 
 def kinds(cluster: SoakCluster) -> tuple[str, ...]:
     return tuple(k for k in ALL_KINDS if (k != "kill tp worker" or cluster.decode_tp > 1)
-                 and (k not in STORE_FAULTS or cluster.redis_port is not None))
+                 and (k not in STORE_FAULTS or cluster.redis is not None))
 
 
 class Faults:
@@ -88,12 +88,12 @@ class Faults:
         if kind in ("kill prefill", "kill decode"):
             self.cluster.signal(self._node(kind.split()[1]), signal.SIGKILL)
         elif kind in ("kill router", "kill redis"):
-            self.cluster.signal(kind.split()[1], signal.SIGKILL)
+            self.cluster.signal(self._target(kind), signal.SIGKILL)
         elif kind in ("stop node", "stop router", "stop redis"):
-            name = self.rng.choice(self.cluster.nodes) if kind == "stop node" else kind.split()[1]
+            name = self.rng.choice(self.cluster.nodes) if kind == "stop node" else self._target(kind)
             self.cluster.signal(name, signal.SIGSTOP)
             # a node or the router: past 1.5 s the router counts a node dead
-            time.sleep(self.rng.uniform(*REDIS_STOP_S) if name == "redis" else self.rng.uniform(0.5, 3.0))
+            time.sleep(self.rng.uniform(*REDIS_STOP_S) if kind == "stop redis" else self.rng.uniform(0.5, 3.0))
             self.cluster.signal(name, signal.SIGCONT)
         elif kind == "idle" and not self.idle(stop):
             return  # the soak ended during the pause: no request after it to count
@@ -104,6 +104,10 @@ class Faults:
         elif kind == "drain during scale" and not self.drain_during_scale():
             return
         self.tally.add(f"fault: {kind}")
+
+    def _target(self, kind: str) -> str:
+        """The process a kill or stop of the router or Redis hits (a Redis Cluster: a master)."""
+        return self.cluster.redis.target(self.rng) if kind.endswith("redis") else "router"
 
     def idle(self, stop: threading.Event) -> bool:
         """No request at all for idle_s, timed from the last one's end; then each client's next

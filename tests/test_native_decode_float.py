@@ -41,3 +41,11 @@ def test_a_bfloat16_model_keeps_the_python_layers(tmp_path):
     llm = LLM(str(make_model(tmp_path, "llama")), dtype="bfloat16", num_kv_blocks=64)
     assert llm.engine.model.native_decode is None
     assert "neither quantized for the compiled gemv nor float32" in llm.engine.model.native_decode_weights()
+
+
+def test_rows_that_are_not_whole_blocks_of_32_keep_the_python_layers(tmp_path):
+    """The gemv reads 32 columns at a time: a hidden size of 48 is refused at plan time, and the
+    model still decodes (through the Python layers)."""
+    llm = LLM(str(make_model(tmp_path, "llama", hidden_size=48)), dtype="float32", num_kv_blocks=64)
+    assert llm.engine.model.native_decode is None
+    assert len(llm.generate([{"prompt_token_ids": [3, 4, 5]}], use_tqdm=False)[0].outputs[0].token_ids) > 0

@@ -3,7 +3,8 @@
 
 At one request a SmolLM2 decode step spent about 5 of its 13 ms in Python between the kernels:
 some ten calls a layer over 30 layers. For a step whose rows are all decode rows (at most
-MAX_STEP_TOKENS of them), with quantized weights the compiled gemv takes and a float32 KV cache,
+MAX_STEP_TOKENS of them), with weights the compiled gemv takes (quantized in its layouts, or
+float32 read as they are) and a float32 KV cache,
 LlamaModel.forward hands its layers to this one call; anything else runs the layers in Python
 as before. At tensor_parallel_size > 1 every rank runs its shard so (the driver's runner and each
 worker plan it alike), and the o and down products' partial sums go through the rank group's

@@ -135,9 +135,10 @@ def matrix_args(bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray, 
 
 def float_matrix_args(weight) -> tuple | None:
     """The kernel's arguments for an unquantized matrix (a float32 torch tensor [N, K], read as it
-    is: bits 32, no scales), or None where it is not contiguous float32 on CPU. The caller keeps
-    the tensor alive."""
-    if str(weight.dtype) != "torch.float32" or weight.device.type != "cpu" or not weight.is_contiguous():
+    is: bits 32, no scales), or None where it is not contiguous float32 on CPU or its rows are
+    not whole blocks of 32 columns (the kernel's unit). The caller keeps the tensor alive."""
+    if (str(weight.dtype) != "torch.float32" or weight.device.type != "cpu" or not weight.is_contiguous()
+            or weight.shape[1] % 32):
         return None
     # the scales pointer is never read at 32 bits; one group spans the row
     return (weight.data_ptr(), weight.shape[0], 32, weight.data_ptr(), None, 0, 0, weight.shape[1])
