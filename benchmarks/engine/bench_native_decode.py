@@ -3,10 +3,11 @@ the same engine running the layers in Python, offline, on the default model (Smo
 GGUF, kept quantized), in one run.
 
     .venv/bin/python -m benchmarks.engine.bench_native_decode [--batches 1 8 32] [--threads 2] [--lora-rank 8]
-        [--tp 2] [--family llama|qwen2|qwen3]
+        [--tp 2] [--family llama|qwen2|qwen3|gemma3]
 
 --family runs a random-weight float32 checkpoint of that family at a real small model's layer
-shapes instead (llama: SmolLM2-135M's, qwen2: Qwen2.5-0.5B's, qwen3: Qwen3-0.6B's), with the test
+shapes instead (llama: SmolLM2-135M's, qwen2: Qwen2.5-0.5B's, qwen3: Qwen3-0.6B's, gemma3: Gemma 3
+270M's), with the test
 models' byte-level vocabulary, so the LM head (Python in both modes) costs little.
 
 For each batch size, requests with 128-token prompts decode --steps steps; the median engine step
@@ -38,7 +39,7 @@ def random_adapter(base: Path, out: Path, rank: int) -> Path:
     return adapter_of(model, out, seed=0, r=rank, alpha=2 * rank)
 
 
-# the layer shapes of SmolLM2-135M, Qwen2.5-0.5B and Qwen3-0.6B
+# the layer shapes of SmolLM2-135M, Qwen2.5-0.5B, Qwen3-0.6B and Gemma 3 270M
 FAMILY_SHAPES = {
     "llama": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                   num_key_value_heads=3),
@@ -46,6 +47,9 @@ FAMILY_SHAPES = {
                   num_key_value_heads=2),
     "qwen3": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128),
+    "gemma3": dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+                   num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+                   layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3),
 }
 
 

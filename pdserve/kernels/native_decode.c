@@ -14,6 +14,9 @@
  *   head of q and k RMS-normed (Qwen3), RoPE on q and k, k and v into the paged cache, paged
  *   attention per (query row, KV head), x += attn @ Wo.T,
  *   h = RMSNorm(x), x += (SiLU(gate) * up) @ Wdown.T, h = the next layer's RMSNorm(x).
+ * Gemma 3's layers differ in three ways the model declares: the attention and MLP outputs are
+ * RMS-normed before they join x, the gate is GELU (tanh), and each layer takes the RoPE table of
+ * its kind (sliding or full). Its (1 + w) norm weights come in already added.
  * With LoRA, each of the four products gets its row's adapter delta (x A^T) B^T added.
  * At tensor_parallel_size > 1 each rank runs its shard (its heads, its intermediate slice): the o
  * and down products are partial sums, which m->reduce (the rank group's all-reduce, a callback
@@ -54,6 +57,9 @@ typedef struct {
     const float *q_norm, *k_norm; /* per-head RMSNorm weights [head_dim] before RoPE (Qwen3), or NULL */
     float *k_cache, *v_cache; /* this layer's planes: [blocks, block_size, kv_heads, head_dim] at the strides below */
     int64_t window;           /* sliding window in tokens, 0 for full attention */
+    /* Gemma 3's norms of the attention and MLP outputs before they join the residual, or NULL */
+    const float *attn_out_norm, *mlp_out_norm;
+    int32_t rope; /* which of the step's RoPE tables this layer takes (Gemma 3: sliding or full) */
 } pd_layer;
 
 /* Sums buf[0 .. n) over the tensor-parallel ranks in place; 0, or nonzero on failure. */
@@ -66,6 +72,7 @@ typedef struct {
     const float *final_norm;
     const pd_layer *layer;
     pd_reduce reduce; /* NULL: one rank */
+    int32_t act;      /* the MLP's gate: 0 SiLU, 1 GELU (tanh approximation: Gemma 3) */
 } pd_model;
 
 static int matmul(const pd_matrix *m, const float *x, int tokens, int cols, float *out, int threads) {
@@ -136,6 +143,8 @@ static inline long cache_row(const pd_model *m, const int32_t *table, long t, in
 static void finish_qkv(const pd_model *m, const pd_layer *L, float *qkv, int tokens, const float *cos,
                        const float *sin, const int64_t *slots) {
     int D = m->head_dim, cols = (m->heads + 2 * m->kv_heads) * D;
+    cos += (long)L->rope * tokens * D; /* the layer's table: tables [rope tables, tokens, head_dim] */
+    sin += (long)L->rope * tokens * D;
     for (int t = 0; t < tokens; t++) {
         float *q = qkv + (long)t * cols, *k = q + m->heads * D, *v = k + m->kv_heads * D;
         if (L->qkv_bias)
@@ -313,8 +322,34 @@ static void silu_mul(const float *gu, int tokens, int inter, float *act) {
     }
 }
 
+/* GELU(gate) * up, as torch's gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))),
+ * tanh(u) as sign(u) (1 - e^-2|u|) / (1 + e^-2|u|) (no overflow at any u) */
+static void gelu_tanh_mul(const float *gu, int tokens, int inter, float *act) {
+    const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
+    const __m512 beta = _mm512_set1_ps(0.7978845608028654f), kappa = _mm512_set1_ps(0.044715f);
+    for (int t = 0; t < tokens; t++) {
+        const float *gate = gu + (long)t * 2 * inter, *up = gate + inter;
+        float *a = act + (long)t * inter;
+        int i = 0;
+        for (; i + 16 <= inter; i += 16) {
+            __m512 g = _mm512_loadu_ps(gate + i);
+            __m512 u = _mm512_mul_ps(beta, _mm512_fmadd_ps(kappa, _mm512_mul_ps(_mm512_mul_ps(g, g), g), g));
+            __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_abs_ps(u)));
+            __m512 th = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+            th = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(th), _mm512_and_si512(
+                _mm512_castps_si512(u), _mm512_set1_epi32((int)0x80000000))));
+            _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(half, g), _mm512_add_ps(one, th)),
+                                                  _mm512_loadu_ps(up + i)));
+        }
+        for (; i < inter; i++) {
+            float g = gate[i], u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+            a[i] = 0.5f * g * (1.0f + tanhf(u)) * up[i];
+        }
+    }
+}
+
 /* x [tokens, hidden]: the embedded tokens in, the last residual out; h [tokens, hidden] out: the
- * final RMSNorm's output. cos, sin [tokens, head_dim]; slots [tokens]; tables [tokens, max_blocks];
+ * final RMSNorm's output. cos, sin [rope tables, tokens, head_dim]; slots [tokens]; tables [tokens, max_blocks];
  * lens [tokens] (each sequence's context, this token included); row_slots [tokens]: each row's LoRA
  * slot (-1: none), or NULL when no row has an adapter. Returns 0, or < 0 on failure (a
  * shape pd_gemv does not take: the caller checked them; no memory), or the reduce's failure. */
@@ -336,13 +371,16 @@ int pd_decode_layers(const pd_model *m, float *x, int tokens, const float *cos, 
         if (rc || (rc = matmul(&L->o, attn, tokens, q_cols, o, threads))) break;
         if ((rc = lora_add(&L->lora_o, attn, tokens, q_cols, row_slots, o))) break;
         if (m->reduce && (rc = m->reduce(o, (int64_t)tokens * H))) break;
+        if (L->attn_out_norm) add_norm(o, NULL, L->attn_out_norm, m->eps, tokens, H, o);
         add_norm(x, o, L->post_norm, m->eps, tokens, H, h);
         if ((rc = matmul(&L->gate_up, h, tokens, H, gu, threads))) break;
         if ((rc = lora_add(&L->lora_gate_up, h, tokens, H, row_slots, gu))) break;
-        silu_mul(gu, tokens, m->inter, act);
+        if (m->act) gelu_tanh_mul(gu, tokens, m->inter, act);
+        else silu_mul(gu, tokens, m->inter, act);
         if ((rc = matmul(&L->down, act, tokens, m->inter, o, threads))) break;
         if ((rc = lora_add(&L->lora_down, act, tokens, m->inter, row_slots, o))) break;
         if (m->reduce && (rc = m->reduce(o, (int64_t)tokens * H))) break;
+        if (L->mlp_out_norm) add_norm(o, NULL, L->mlp_out_norm, m->eps, tokens, H, o);
         add_norm(x, o, l + 1 < m->layers ? m->layer[l + 1].input_norm : m->final_norm, m->eps, tokens, H, h);
     }
     free(qkv);

@@ -70,14 +70,18 @@ class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix),
                 ("lora_qkv", _Lora), ("lora_o", _Lora), ("lora_gate_up", _Lora), ("lora_down", _Lora),
                 ("input_norm", c_void_p), ("post_norm", c_void_p), ("qkv_bias", c_void_p), ("q_norm", c_void_p),
-                ("k_norm", c_void_p), ("k_cache", c_void_p), ("v_cache", c_void_p), ("window", c_int64)]
+                ("k_norm", c_void_p), ("k_cache", c_void_p), ("v_cache", c_void_p), ("window", c_int64),
+                ("attn_out_norm", c_void_p), ("mlp_out_norm", c_void_p), ("rope", c_int32)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("layers", c_int32), ("hidden", c_int32), ("inter", c_int32), ("heads", c_int32),
                 ("kv_heads", c_int32), ("head_dim", c_int32), ("block_size", c_int32), ("eps", c_float),
                 ("scale", c_float), ("s_block", c_int64), ("s_slot", c_int64), ("s_head", c_int64),
-                ("final_norm", c_void_p), ("layer", POINTER(_Layer)), ("reduce", c_void_p)]
+                ("final_norm", c_void_p), ("layer", POINTER(_Layer)), ("reduce", c_void_p), ("act", c_int32)]
+
+# the MLP gates the C step computes (pd_model.act)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 # int reduce(float *buf, int64_t n): the C step's all-reduce callback (pd_reduce)
@@ -102,13 +106,20 @@ class DecodeLayer:
     # Each matrix's LoRA slots (pdserve.lora.slots.LoRALayerSlots, qkv, o, gate_up, down order),
     # or None: the engine serves no adapters.
     loras: tuple | None = None
+    # Gemma 3: the norms of the attention and MLP outputs (float32), and which of the step's RoPE
+    # tables the layer takes
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    rope: int = 0
 
     def unfit(self) -> str | None:
         """Why the compiled step cannot read these arrays, or None."""
-        vectors = [self.input_norm, self.post_norm] + [t for t in (self.qkv_bias, self.q_norm, self.k_norm)
-                                                       if t is not None]
+        optional = (self.qkv_bias, self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_out_norm)
+        vectors = [self.input_norm, self.post_norm] + [t for t in optional if t is not None]
         if not all(float32_on_cpu(t) for t in vectors):
             return "the norms' weights or the qkv bias are not float32 on CPU"
+        if (self.attn_out_norm is None) != (self.mlp_out_norm is None):
+            return "only one of the attention and MLP outputs is normed"
         stacks = [t for slots in self.loras or () if slots is not None for t in (slots.a_stack, slots.b_stack)]
         if not all(float32_on_cpu(t) for t in stacks):
             return "the LoRA slots are not float32 on CPU"
@@ -133,6 +144,7 @@ class DecodeWeights:
     scale: float
     # The rank group (pdserve.layers.parallel.TPGroup: its all_reduce) at TP > 1, else None.
     tp_group: object = None
+    activation: str = "silu"  # the MLP's gate: a key of ACTIVATIONS
 
 
 class DeclaresNativeDecode(Protocol):
@@ -171,7 +183,9 @@ class NativeDecode:
             self._reduce = _REDUCE(self._all_reduce)
         self._model = _Model(len(w.layers), w.hidden, w.inter, w.heads, w.kv_heads, w.head_dim, k0.shape[1], w.eps,
                              w.scale, *k0.stride()[:3], w.final_norm.data_ptr(), self._layers,
-                             ctypes.cast(self._reduce, c_void_p) if self._reduce else None)
+                             ctypes.cast(self._reduce, c_void_p) if self._reduce else None,
+                             ACTIVATIONS[w.activation])
+        self.rope_tables = 1 + max(layer.rope for layer in w.layers)
         self._model_ptr = ctypes.addressof(self._model)
         self.steps = self.rows = 0  # steps and rows run here (tests check the path is taken)
 
@@ -190,9 +204,12 @@ class NativeDecode:
     def _layer(layer: DecodeLayer, caches: tuple[torch.Tensor, torch.Tensor]) -> _Layer:
         matrices = [_Matrix.of(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         loras = [_Lora.of(slots) for slots in layer.loras or (None,) * 4]
-        optional = [t.data_ptr() if t is not None else None for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]
+        def pointer(t):
+            return t.data_ptr() if t is not None else None
+        optional = [pointer(t) for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]
         return _Layer(*matrices, *loras, layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *optional,
-                      caches[0].data_ptr(), caches[1].data_ptr(), layer.window)
+                      caches[0].data_ptr(), caches[1].data_ptr(), layer.window, pointer(layer.attn_out_norm),
+                      pointer(layer.mlp_out_norm), layer.rope)
 
     def takes(self, x: torch.Tensor, ctx) -> bool:
         """A step of decode rows only (one-token queries, verify rows), not too many, over this
@@ -211,11 +228,13 @@ class NativeDecode:
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
         """The final norm's output [T, hidden] for the embedded tokens x [T, hidden]; cos, sin as
-        RotaryEmbedding.cos_sin gives them. The step's K and V go into the cache."""
+        RotaryEmbedding.cos_sin gives them, or [tables, T, ...] stacked where the layers take
+        several tables (DecodeLayer.rope). The step's K and V go into the cache."""
         meta, tokens = ctx.meta, x.shape[0]
         x = x.contiguous()
         h = torch.empty_like(x)
-        cos, sin = cos.reshape(tokens, -1).contiguous(), sin.reshape(tokens, -1).contiguous()
+        shape = (self.rope_tables, tokens, self.weights.head_dim)
+        cos, sin = cos.reshape(shape).contiguous(), sin.reshape(shape).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         tables = meta.decode_block_tables.to(torch.int32).contiguous()
         lens = meta.decode_context_lens.to(torch.int32).contiguous()

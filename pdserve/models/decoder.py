@@ -21,6 +21,10 @@ class DecoderModel(nn.Module):
 
     # The engine serves the model's own sliding windows rather than capping prompts at them.
     handles_sliding_window = True
+    # pdserve.kernels.native_decode.NativeDecode on CPU, for a family whose model declares its
+    # arrays (native_decode_weights; set by the model runner): a decode step's layers in one
+    # compiled call. None: the layers run in Python.
+    native_decode = None
 
     def __init__(self, spec: ModelSpec, layers: list[nn.Module], norm: nn.Module,
                  ropes: dict[str, RotaryEmbedding], layer_rope: list[str], *,
@@ -51,6 +55,10 @@ class DecoderModel(nn.Module):
         if images is not None:  # after the scale, as transformers (image rows are not scaled)
             x = images.merge(x)
         tables = {name: rope.cos_sin(positions, x.dtype) for name, rope in self.ropes.items()}
+        if images is None and self.native_decode is not None and self.native_decode.takes(x, ctx):
+            names = sorted(self.ropes)  # the tables in the order the plan numbered them
+            return self.native_decode.forward(x, torch.stack([tables[n][0] for n in names]),
+                                              torch.stack([tables[n][1] for n in names]), ctx)
         for layer, rope in zip(self.layers, self.layer_rope):
             x = layer(x, *tables[rope], ctx)
         return self.norm(x)

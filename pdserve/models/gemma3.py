@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels.native_decode import DecodeLayer, DecodeWeights, float32_on_cpu
+from pdserve.kernels.native_gemv import float_matrix_args
 from pdserve.models.attention import PagedAttention, RopeTable
 from pdserve.models.decoder import DecoderModel, build_and_load
 from pdserve.models.llama import ModelSpec
@@ -95,6 +97,48 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
+class Gemma3Model(DecoderModel):
+    """Gemma 3's decoder, whose float32 decode steps on CPU take the compiled step."""
+
+    def native_decode_weights(self) -> DecodeWeights | str:
+        """The arrays of the compiled decode step (pdserve.kernels.native_decode), or why it cannot
+        take them: float32 weights on CPU without biases, the norms' (1 + w) added here."""
+        names = sorted(self.ropes)
+        layers = [_native_layer(layer, names.index(rope)) for layer, rope in zip(self.layers, self.layer_rope)]
+        reason = next((r for r in layers if isinstance(r, str)), None)
+        if reason is None:
+            reason = next(filter(None, (layer.unfit() for layer in layers)), None)
+        if reason is not None:
+            return reason
+        attn, mlp, norm = self.layers[0].self_attn, self.layers[0].mlp, self.norm
+        return DecodeWeights(layers, _plus_one(norm), self.spec.hidden_size, mlp.down_proj.in_features,
+                             attn.num_heads, attn.num_kv_heads, attn.head_dim, norm.eps, attn.scale,
+                             activation="gelu_tanh")
+
+
+def _plus_one(norm: GemmaRMSNorm) -> torch.Tensor:
+    """The weight GemmaRMSNorm multiplies by, 1 + w, in float32 as it computes it."""
+    return (1.0 + norm.weight.float()).contiguous()
+
+
+def _native_layer(layer: Gemma3DecoderLayer, rope: int) -> DecodeLayer | str:
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if attn.sinks is not None or any(m.bias is not None for m in linears[1:]):
+        return "a bias past qkv's, or attention sinks"
+    if attn.qkv_proj.bias is not None and not float32_on_cpu(attn.qkv_proj.bias):
+        return "the qkv bias is not float32 on CPU"
+    matrices = [float_matrix_args(m.weight) for m in linears]
+    if any(m is None for m in matrices):
+        return "a weight is not float32 on CPU, or its rows are not whole blocks of 32 columns"
+    if len({n.eps for n in (layer.input_layernorm, attn.q_norm, layer.post_feedforward_layernorm)}) > 1:
+        return "the norms' eps differ"
+    return DecodeLayer(*matrices, _plus_one(layer.input_layernorm), _plus_one(layer.pre_feedforward_layernorm),
+                       attn.window, attn.qkv_proj.bias, _plus_one(attn.q_norm), _plus_one(attn.k_norm),
+                       attn_out_norm=_plus_one(layer.post_attention_layernorm),
+                       mlp_out_norm=_plus_one(layer.post_feedforward_layernorm), rope=rope)
+
+
 def model_spec(config) -> ModelSpec:
     bias = bool(config.attention_bias)
     return ModelSpec(
@@ -108,7 +152,7 @@ def model_spec(config) -> ModelSpec:
 
 
 def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.device, *,
-                model_class: type[DecoderModel] = DecoderModel,
+                model_class: type[DecoderModel] = Gemma3Model,
                 rename: Callable[[str], str | None] | None = None) -> DecoderModel:
     """model_class and rename: a vision-language checkpoint's language model (gemma3_vl), whose
     tensors carry a prefix, beside the tower's (rename gives None for those: skipped)."""

@@ -27,6 +27,9 @@ ARCHS = {
     "mistral": ("MistralForCausalLM", dict(sliding_window=None)),
     "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+    # (1 + w) norms: the N(1, 0.2) norm weights below scale by about 2 (benchmarks; the tests'
+    # Gemma 3 checkpoints come from tests/family_models.py)
+    "gemma3": ("Gemma3ForCausalLM", dict(head_dim=32, query_pre_attn_scalar=32, tie_word_embeddings=False)),
 }
 
 
@@ -35,8 +38,8 @@ def make_model(root: Path, kind: str, seed: int = 0, max_shard_size: str | None 
     from transformers import AutoConfig, AutoModelForCausalLM
     arch, extra = ARCHS[kind]
     tokenizer = build_byte_tokenizer()
-    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[arch]
+    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                  "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}[arch]
     config = AutoConfig.for_model(model_type, **{**BASE, **extra, **overrides}, vocab_size=len(tokenizer),
                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                   architectures=[arch])
