@@ -305,46 +305,41 @@ static int attend(const pd_model *m, const pd_layer *L, const float *qkv, int to
     return 0;
 }
 
-/* SiLU(gate) * up for each token's [gate | up] row of gu [tokens, 2 * inter] -> act [tokens, inter],
- * as torch's silu: g / (1 + e^-g) */
-static void silu_mul(const float *gu, int tokens, int inter, float *act) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (int t = 0; t < tokens; t++) {
-        const float *gate = gu + (long)t * 2 * inter, *up = gate + inter;
-        float *a = act + (long)t * inter;
-        int i = 0;
-        for (; i + 16 <= inter; i += 16) {
-            __m512 g = _mm512_loadu_ps(gate + i);
-            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
-        }
-        for (; i < inter; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-    }
+/* SiLU as torch's: g / (1 + e^-g) */
+static inline __m512 silu16(__m512 g) {
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
 }
 
-/* GELU(gate) * up, as torch's gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))),
+/* GELU as torch's gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), with
  * tanh(u) as sign(u) (1 - e^-2|u|) / (1 + e^-2|u|) (no overflow at any u) */
-static void gelu_tanh_mul(const float *gu, int tokens, int inter, float *act) {
-    const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
-    const __m512 beta = _mm512_set1_ps(0.7978845608028654f), kappa = _mm512_set1_ps(0.044715f);
+static inline __m512 gelu_tanh16(__m512 g) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                             _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(_mm512_mul_ps(g, g), g), g));
+    __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_abs_ps(u)));
+    __m512 th = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    th = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(th), _mm512_and_si512(
+        _mm512_castps_si512(u), _mm512_set1_epi32((int)0x80000000))));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, th));
+}
+
+static inline float gate1(float g, int gelu) {
+    return gelu ? 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)))
+                : g / (1.0f + expf(-g));
+}
+
+/* f(gate) * up for each token's [gate | up] row of gu [tokens, 2 * inter] -> act [tokens, inter],
+ * f SiLU, or GELU (tanh) where gelu is set (Gemma 3) */
+static void gate_mul(const float *gu, int tokens, int inter, int gelu, float *act) {
     for (int t = 0; t < tokens; t++) {
         const float *gate = gu + (long)t * 2 * inter, *up = gate + inter;
         float *a = act + (long)t * inter;
         int i = 0;
         for (; i + 16 <= inter; i += 16) {
             __m512 g = _mm512_loadu_ps(gate + i);
-            __m512 u = _mm512_mul_ps(beta, _mm512_fmadd_ps(kappa, _mm512_mul_ps(_mm512_mul_ps(g, g), g), g));
-            __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_abs_ps(u)));
-            __m512 th = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
-            th = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(th), _mm512_and_si512(
-                _mm512_castps_si512(u), _mm512_set1_epi32((int)0x80000000))));
-            _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(half, g), _mm512_add_ps(one, th)),
-                                                  _mm512_loadu_ps(up + i)));
+            _mm512_storeu_ps(a + i, _mm512_mul_ps(gelu ? gelu_tanh16(g) : silu16(g), _mm512_loadu_ps(up + i)));
         }
-        for (; i < inter; i++) {
-            float g = gate[i], u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-            a[i] = 0.5f * g * (1.0f + tanhf(u)) * up[i];
-        }
+        for (; i < inter; i++) a[i] = gate1(gate[i], gelu) * up[i];
     }
 }
 
@@ -375,8 +370,7 @@ int pd_decode_layers(const pd_model *m, float *x, int tokens, const float *cos, 
         add_norm(x, o, L->post_norm, m->eps, tokens, H, h);
         if ((rc = matmul(&L->gate_up, h, tokens, H, gu, threads))) break;
         if ((rc = lora_add(&L->lora_gate_up, h, tokens, H, row_slots, gu))) break;
-        if (m->act) gelu_tanh_mul(gu, tokens, m->inter, act);
-        else silu_mul(gu, tokens, m->inter, act);
+        gate_mul(gu, tokens, m->inter, m->act, act);
         if ((rc = matmul(&L->down, act, tokens, m->inter, o, threads))) break;
         if ((rc = lora_add(&L->lora_down, act, tokens, m->inter, row_slots, o))) break;
         if (m->reduce && (rc = m->reduce(o, (int64_t)tokens * H))) break;
