@@ -53,6 +53,18 @@ def _complete(client: openai.OpenAI, model: str, prompt: list[int], max_tokens: 
     return r.choices[0].model_extra["token_ids"][:NEW_TOKENS]
 
 
+def _streamed(client: openai.OpenAI, model: str, prompt: list[int], max_tokens: int, started: threading.Event) -> list[int]:
+    """_complete's tokens, streamed: `started` is set at the first chunk, when the router holds the
+    request in flight (an unload sent after it must wait for it)."""
+    ids: list[int] = []
+    for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True, "return_token_ids": True}):
+        started.set()
+        for choice in chunk.choices:
+            ids += choice.model_extra.get("token_ids") or []
+    return ids[:NEW_TOKENS]
+
+
 def _admin(url: str, route: str, body: dict, key: str | None = KEY) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.post(f"{url}/v1/{route}", json=body, headers=headers, timeout=120)
@@ -106,16 +118,19 @@ def test_load_and_unload_at_run_time_under_load_lose_no_request(setup):
     with cf.ThreadPoolExecutor(6) as pool:
         busy = [pool.submit(_keep_busy, client, cases[k:] + cases[:k], {**want, "prompts": prompts}, stop)
                 for k in range(3)]
-        r = _admin(url, "load_lora_adapter", late)
-        assert r.status_code == 200, r.text
-        assert [_complete(client, "late", p) for p in prompts] == want["late"]
-        running = pool.submit(_complete, client, "late", prompts[1], 200)  # still decoding at the unload
-        wait_for(lambda: any(n.get("running") for n in node_stats(url).values() if n["role"] == "decode"))
-        unload = _admin(url, "unload_lora_adapter", {"lora_name": "late"})
-        assert unload.status_code == 200, unload.text
-        assert running.done()  # the unload waited for the adapter's request in flight ...
-        assert running.result() == want["late"][1]  # ... which finished whole
-        stop.set()
+        try:  # (a failure must stop the busy clients, or the pool's exit waits for them forever)
+            r = _admin(url, "load_lora_adapter", late)
+            assert r.status_code == 200, r.text
+            assert [_complete(client, "late", p) for p in prompts] == want["late"]
+            started = threading.Event()
+            running = pool.submit(_streamed, client, "late", prompts[1], 200, started)  # in flight at the unload
+            assert started.wait(60)
+            unload = _admin(url, "unload_lora_adapter", {"lora_name": "late"})
+            assert unload.status_code == 200, unload.text
+            assert running.done()  # the unload waited for the adapter's request in flight ...
+            assert running.result() == want["late"][1]  # ... which finished whole
+        finally:
+            stop.set()
         assert all(f.result() > 0 for f in busy)  # every request under load came back exact
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="late", prompt=prompts[0], max_tokens=2)
