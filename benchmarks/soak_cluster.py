@@ -106,7 +106,7 @@ class SoakCluster:
     @property
     def nodes(self) -> list[str]:
         # (the owner's thread adds and removes them)
-        return [n for n in list(self.procs) if n != "router" and not n.startswith("redis")]
+        return [n for n in list(self.procs) if n != "router" and not (self.redis and n in self.redis.ports)]
 
     # ---- NodeOwner (pdserve.cluster.owner): the router's /admin/scale and switches end here --
     def start_node(self, role: str) -> str:
@@ -155,7 +155,7 @@ class SoakCluster:
         """Start every process and the supervisor; wait_healthy() says when they serve."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._admin = OwnerAdminServer(self, self.owner_address, self.addresses.__getitem__).start()
-        servers = [p for p in self.procs.values() if p.name.startswith("redis")]
+        servers = [self.procs[name] for name in self.redis.ports] if self.redis else []
         for proc in servers:  # Redis first: a Redis Cluster is formed before any node connects
             self._spawn(proc)
         if self.redis is not None:

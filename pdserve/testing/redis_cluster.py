@@ -35,7 +35,8 @@ def _port_pair_free(port: int) -> bool:
     return True
 
 
-def _ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
+    """count ports whose cluster-bus ports (port + 10000) are free too."""
     ports: list[int] = []
     while len(ports) < count:
         port = random.randrange(20000, 45000)
@@ -44,16 +45,48 @@ def _ports(count: int) -> list[int]:
     return ports
 
 
-def _cli(port: int, *args: str, timeout: float = 10) -> str:
+def cli(port: int, *args: str, timeout: float = 10) -> str:
     return subprocess.run([REDIS_CLI, "-p", str(port), *args], capture_output=True, text=True,
                           timeout=timeout).stdout
+
+
+def server_command(port: int, directory: str) -> list[str]:
+    """A cluster server's command line: loopback, persistence off, its node file in directory
+    (a server restarted with it rejoins as the node it was)."""
+    return [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--cluster-enabled", "yes", "--cluster-config-file", f"{directory}/nodes-{port}.conf",
+            "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-replica-validity-factor", "0",
+            "--dir", directory, "--loglevel", "warning"]
+
+
+def create_cluster(ports, replicas: int) -> None:
+    """redis-cli --cluster create over servers that answer; RuntimeError with its output if it fails."""
+    out = subprocess.run([REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
+                          "--cluster-replicas", str(replicas), "--cluster-yes"],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"redis-cli --cluster create failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+
+
+def cluster_ok(port: int, timeout: float = 10) -> bool:
+    return "cluster_state:ok" in cli(port, "cluster", "info", timeout=timeout)
+
+
+def masters_seen_by(port: int, timeout: float = 10) -> list[int]:
+    """Ports of the live masters that serve slots, as the server at port sees them now."""
+    masters = []
+    for line in cli(port, "cluster", "nodes", timeout=timeout).splitlines():
+        fields = line.split()
+        if "master" in fields[2] and "fail" not in fields[2] and len(fields) > 8:
+            masters.append(int(fields[1].split("@")[0].rsplit(":", 1)[1]))
+    return sorted(masters)
 
 
 class RedisCluster:
     def __init__(self, masters: int, replicas: int):
         self.dir = tempfile.mkdtemp(prefix="pdrc-")
         self.procs: dict[int, subprocess.Popen] = {}
-        for port in _ports(masters * (1 + replicas)):
+        for port in free_ports(masters * (1 + replicas)):
             self._start(port)
         self.replicas = replicas
 
@@ -62,19 +95,15 @@ class RedisCluster:
         return "redis-cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.procs)
 
     def _start(self, port: int) -> None:
-        self.procs[port] = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--cluster-enabled", "yes", "--cluster-config-file", f"{self.dir}/nodes-{port}.conf",
-             "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-replica-validity-factor", "0",
-             "--dir", self.dir, "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs[port] = subprocess.Popen(server_command(port, self.dir), stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL)
 
     def _wait_started(self, deadline: float) -> None:
-        while not all(_cli(p, "ping").strip() == "PONG" for p in self.procs):
+        while not all(cli(p, "ping").strip() == "PONG" for p in self.procs):
             for port in [p for p, proc in self.procs.items() if proc.poll() is not None]:
                 # Another process took its port (or bus port) after _ports checked it: move on.
                 del self.procs[port]
-                self._start(next(p for p in _ports(len(self.procs) + 1) if p not in self.procs))
+                self._start(next(p for p in free_ports(len(self.procs) + 1) if p not in self.procs))
             if time.monotonic() > deadline:
                 raise RuntimeError("redis-server nodes did not start")
             time.sleep(0.05)
@@ -82,11 +111,7 @@ class RedisCluster:
     def create(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
         self._wait_started(deadline)
-        out = subprocess.run([REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.procs),
-                              "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-                             capture_output=True, text=True, timeout=60)
-        if out.returncode != 0:
-            raise RuntimeError(f"redis-cli --cluster create failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+        create_cluster(self.procs, self.replicas)
         self.wait_ok(deadline - time.monotonic())
 
     def wait_ok(self, timeout_s: float = 30) -> None:
@@ -94,7 +119,7 @@ class RedisCluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             live = [p for p, proc in self.procs.items() if proc.poll() is None]
-            if all("cluster_state:ok" in _cli(p, "cluster", "info") for p in live):
+            if all(cluster_ok(p) for p in live):
                 return
             time.sleep(0.1)
         raise RuntimeError("the cluster did not reach cluster_state:ok")
@@ -102,15 +127,10 @@ class RedisCluster:
     def masters(self) -> list[int]:
         """Ports of the live masters that serve slots, as a live node sees them now."""
         live = [p for p, proc in self.procs.items() if proc.poll() is None]
-        masters = []
-        for line in _cli(live[0], "cluster", "nodes").splitlines():
-            fields = line.split()
-            if "master" in fields[2] and "fail" not in fields[2] and len(fields) > 8:
-                masters.append(int(fields[1].split("@")[0].rsplit(":", 1)[1]))
-        return sorted(masters)
+        return masters_seen_by(live[0])
 
     def keys_per_master(self) -> dict[int, int]:
-        return {p: int(_cli(p, "dbsize").strip() or 0) for p in self.masters()}
+        return {p: int(cli(p, "dbsize").strip() or 0) for p in self.masters()}
 
     def kill(self, port: int) -> None:
         self.procs[port].kill()
