@@ -156,6 +156,17 @@ def float32_on_cpu(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
+def float_matrix(weight: torch.Tensor) -> tuple | None:
+    """The gemv's arguments for an unquantized matrix (float32 [N, K], its rows read as they are:
+    bits 32, no scales), as native_gemv.matrix_args gives them for a quantized one; None where it is
+    not contiguous float32 on CPU or its rows are not whole blocks of 32 columns (the gemv's unit).
+    The caller keeps the tensor alive."""
+    if not float32_on_cpu(weight) or weight.shape[1] % 32:
+        return None
+    # the scales pointer is never read at 32 bits; one group spans the row
+    return (weight.data_ptr(), weight.shape[0], 32, weight.data_ptr(), None, 0, 0, weight.shape[1])
+
+
 def _cache_unfit(layer_caches) -> str | None:
     k0 = layer_caches[0][0]
     if any(len(planes) != 2 or not all(p.dtype == torch.float32 and p.device.type == "cpu" and p.dim() == 4

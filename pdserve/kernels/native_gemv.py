@@ -133,17 +133,6 @@ def matrix_args(bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray, 
             int(scales.dtype == np.uint16), int(has_min), group)
 
 
-def float_matrix_args(weight) -> tuple | None:
-    """The kernel's arguments for an unquantized matrix (a float32 torch tensor [N, K], read as it
-    is: bits 32, no scales), or None where it is not contiguous float32 on CPU or its rows are
-    not whole blocks of 32 columns (the kernel's unit). The caller keeps the tensor alive."""
-    if (str(weight.dtype) != "torch.float32" or weight.device.type != "cpu" or not weight.is_contiguous()
-            or weight.shape[1] % 32):
-        return None
-    # the scales pointer is never read at 32 bits; one group spans the row
-    return (weight.data_ptr(), weight.shape[0], 32, weight.data_ptr(), None, 0, 0, weight.shape[1])
-
-
 def run(x_ptr: int, tokens: int, cols: int, matrix: tuple, out_ptr: int) -> bool:
     """out[:tokens, :N] = x[:tokens, :cols] @ w.T for contiguous float32 buffers at x_ptr and out_ptr.
     False when the library is unavailable or does not take this shape (nothing is written then)."""

@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.native_decode import DecodeLayer, DecodeWeights, float32_on_cpu
-from pdserve.kernels.native_gemv import float_matrix_args
+from pdserve.kernels.native_decode import DecodeLayer, DecodeWeights, float_matrix
 from pdserve.models.attention import PagedAttention, RopeTable
 from pdserve.models.decoder import DecoderModel, build_and_load
 from pdserve.models.llama import ModelSpec
@@ -126,9 +125,7 @@ def _native_layer(layer: Gemma3DecoderLayer, rope: int) -> DecodeLayer | str:
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if attn.sinks is not None or any(m.bias is not None for m in linears[1:]):
         return "a bias past qkv's, or attention sinks"
-    if attn.qkv_proj.bias is not None and not float32_on_cpu(attn.qkv_proj.bias):
-        return "the qkv bias is not float32 on CPU"
-    matrices = [float_matrix_args(m.weight) for m in linears]
+    matrices = [float_matrix(m.weight) for m in linears]  # (DecodeLayer.unfit checks the qkv bias)
     if any(m is None for m in matrices):
         return "a weight is not float32 on CPU, or its rows are not whole blocks of 32 columns"
     if len({n.eps for n in (layer.input_layernorm, attn.q_norm, layer.post_feedforward_layernorm)}) > 1:

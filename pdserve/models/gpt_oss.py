@@ -48,10 +48,10 @@ class RMSNorm(nn.Module):
         return (self.weight * x32).to(x.dtype)
 
 
-def swiglu_alpha(config) -> float:
-    """The gate's sigmoid slope: a config field in recent transformers, a constant of gpt-oss's
-    (1.702) in older ones, whose configs lack the field (5.17 lacks swiglu_limit too: 7.0)."""
-    return getattr(config, "swiglu_alpha", 1.702)
+def swiglu_params(config) -> dict[str, float]:
+    """clamped_swiglu's alpha (the gate's sigmoid slope) and limit: config fields in recent
+    transformers, gpt-oss's constants (1.702, 7.0) in older ones, whose configs lack them (5.17)."""
+    return {"alpha": getattr(config, "swiglu_alpha", 1.702), "limit": getattr(config, "swiglu_limit", 7.0)}
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -87,7 +87,7 @@ class GptOssDecoderLayer(nn.Module):
             spec.hidden_size, config.intermediate_size, config.num_local_experts,
             functools.partial(topk_softmax, top_k=config.num_experts_per_tok),
             router_bias=True, expert_bias=True,
-            activation=functools.partial(clamped_swiglu, alpha=swiglu_alpha(config), limit=getattr(config, "swiglu_limit", 7.0)))
+            activation=functools.partial(clamped_swiglu, **swiglu_params(config)))
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 

@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import native_gemv
-from pdserve.kernels.native_decode import DecodeLayer, DecodeWeights, float32_on_cpu
+from pdserve.kernels.native_decode import DecodeLayer, DecodeWeights, float32_on_cpu, float_matrix
 from pdserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pdserve.layers.quant.unquantized import UnquantizedLinearMethod
 from pdserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -226,7 +225,7 @@ def _native_matrix(linear, bias_ok: bool = False) -> tuple | None:
     if packed is not None:
         return packed(linear).native
     if isinstance(linear.quant_method, UnquantizedLinearMethod):
-        return native_gemv.float_matrix_args(linear.weight)
+        return float_matrix(linear.weight)
     return None
 
 
