@@ -172,7 +172,9 @@ class RegistryServer:
         stale = [nid for nid, seen in self.last_seen.items() if now - seen > EXPIRE_AFTER_S]
         for nid in stale:
             self._drop(nid, f"sent no heartbeat for {now - self.last_seen[nid]:.1f} s")
-        for identity in [i for i, seen in self.subscribers.items() if now - seen > EXPIRE_AFTER_S]:
+        # A router asks every HEARTBEAT_S: kept for three asks, apart from the records' expiry (a
+        # shorter expiry would drop it between asks, and it would miss the pushes in between).
+        for identity in [i for i, seen in self.subscribers.items() if now - seen > 3 * HEARTBEAT_S]:
             del self.subscribers[identity]  # a router that stopped asking is gone
         return bool(stale)
 

@@ -124,6 +124,14 @@ class Cluster:
         cmd += ["--seed", str(self.args.seed)] if getattr(self.args, "seed", None) is not None else []
         return cmd + extra + self._curve_flags() + self._registry_flags()
 
+    def _loopback(self) -> str:
+        """A free loopback address that no router replica will take: the routers bind --port and up
+        after the nodes, so an ephemeral port picked for a node could otherwise be theirs."""
+        routers = range(self.args.port, self.args.port + max(1, getattr(self.args, "routers", 1)))
+        while (port := free_port()) in routers:
+            pass
+        return f"tcp://127.0.0.1:{port}"
+
     def _registry_flags(self) -> list[str]:
         return ["--registry", self.registry.address] if self.registry is not None else []
 
@@ -142,7 +150,7 @@ class Cluster:
         prefill = [self.node_addresses[self.start_node("prefill")] for _ in range(a.prefill_nodes)]
         decode = [self.node_addresses[self.start_node("decode")] for _ in range(a.decode_nodes)]
         encode = [self.node_addresses[self.start_node("encode")] for _ in range(self._encode_nodes())]
-        admin_addr = f"tcp://127.0.0.1:{free_port()}"
+        admin_addr = self._loopback()
         self.admin = NodeSocket(zmq.Context.instance(), admin_addr)
         router = [sys.executable, "-m", "pdserve", "--log-level", a.log_level, "router", "--model", a.model,
                   "--host", a.host, "--port", str(a.port), "--kv-transfer", a.kv_transfer,
@@ -188,7 +196,7 @@ class Cluster:
             return self._start(role, node_id, self._encode_flags() + ["--num-kv-blocks", "16"])
         extra = ["--lease-s", str(a.lease_s)] + self._store_flags(self._store)
         if a.kv_transfer == "nixl":
-            extra += ["--nixl-side-channel", f"tcp://127.0.0.1:{free_port()}"]
+            extra += ["--nixl-side-channel", self._loopback()]
         if role == "decode":
             extra += ["--nixl"] if a.kv_transfer == "nixl" else []
             extra += ["--on-transfer-failure", a.on_transfer_failure, "--pull-delay-s", str(a.decode_pull_delay_s)]
@@ -198,7 +206,7 @@ class Cluster:
         return self._start(role, node_id, extra, node_ranks(a, role, index))
 
     def _start(self, role: str, node_id: str, extra: list[str], ranks: int = 1) -> str:
-        addr = f"tcp://127.0.0.1:{free_port()}"
+        addr = self._loopback()
         self.spawn(node_id, self.node_cmd(role, node_id, addr, extra), self.threads_per_node(ranks),
                    lend_cores=ranks == 1)  # a TP or PP node's ranks keep their shares
         self.node_roles[node_id], self.node_addresses[node_id] = role, addr
@@ -216,7 +224,7 @@ class Cluster:
     def _encode_flags(self) -> list[str]:
         """An encoder node's path for its embeddings: NIXL when the KV goes by NIXL, else the store."""
         if self.args.kv_transfer == "nixl":
-            return ["--nixl-side-channel", f"tcp://127.0.0.1:{free_port()}", "--lease-s", str(self.args.lease_s)]
+            return ["--nixl-side-channel", self._loopback(), "--lease-s", str(self.args.lease_s)]
         return self._store_flags(self._store)
 
     def stop_node(self, node_id: str) -> None:
@@ -278,7 +286,7 @@ class Cluster:
         # A scheme with no host ("redis://", "direct+redis://"): start a Redis for the cluster.
         if not shutil.which("redis-server"):
             raise ValueError("--kv-transfer store needs redis-server on PATH, or --store redis://host:port")
-        port = free_port()
+        port = int(self._loopback().rpartition(":")[2])
         self.spawn("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--loglevel", "warning"])
         return f"{scheme}://127.0.0.1:{port}"

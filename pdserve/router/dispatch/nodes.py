@@ -55,6 +55,11 @@ class Node:
     closed: bool = False  # removed from the pool: its socket is closed
     refused: bool = False  # its pongs speak another WIRE_VERSION or its KV differs: out of the rotation
     refusal: str = ""  # why it is refused, for /health
+    added_at: float = field(default_factory=time.monotonic)
+
+    def awaiting_first_pong(self) -> bool:
+        """Added less than a dead node's silence ago and not heard from yet: neither dead nor healthy."""
+        return not self.last_pong and time.monotonic() - self.added_at < DEAD_AFTER_S
 
 
 @dataclass

@@ -120,6 +120,11 @@ class RegistryWatcher:
 
     async def _remove_unlisted(self, node_id: str) -> None:
         node = self.pool.get(node_id)
+        # A record can expire before the node's first pong on a loaded host: without this wait a
+        # node whose heartbeat lags its record's expiry would be added and removed forever.
+        if node is not None and node.awaiting_first_pong():
+            self.unlisted.add(node_id)
+            return
         if node is not None and node.healthy:  # its record expired, not the node (see above)
             if node_id not in self.unlisted:
                 log.warning("%s left the membership but still answers: kept until it falls silent, "
