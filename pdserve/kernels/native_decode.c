@@ -18,6 +18,7 @@
  * RMS-normed before they join x, the gate is GELU (tanh), and each layer takes the RoPE table of
  * its kind (sliding or full). Its (1 + w) norm weights come in already added.
  * With LoRA, each of the four products gets its row's adapter delta (x A^T) B^T added.
+ * A MoE layer (L->moe) runs its router and experts in place of gate_up and down (native_moe.c).
  * At tensor_parallel_size > 1 each rank runs its shard (its heads, its intermediate slice): the o
  * and down products are partial sums, which m->reduce (the rank group's all-reduce, a callback
  * into Python) sums over ranks before they join the residual, where RowParallelLinear sums them.
@@ -27,53 +28,10 @@
  */
 #include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-int pd_gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
-            const void *mins, int half, int has_min, int group, float *out, int threads);
-
-/* One quantized matrix, as native_gemv.matrix_args describes it (native_decode.py mirrors these). */
-typedef struct {
-    const uint8_t *q;
-    const void *scales, *mins;
-    int32_t nrows, bits, half, has_min, group;
-} pd_matrix;
-
-/* A linear layer's LoRA slots (pdserve.lora.slots.LoRALayerSlots): slot s's A^T is columns
- * s * width .. of a [in, ld], its scaled B^T rows s * width .. of b [slots * width, out]; columns
- * past an adapter's rank are zero. a NULL: the layer has no LoRA. */
-typedef struct {
-    const float *a, *b;
-    int32_t width, ld, out;
-} pd_lora;
-
-typedef struct {
-    pd_matrix qkv, o, gate_up, down;
-    pd_lora lora_qkv, lora_o, lora_gate_up, lora_down;
-    const float *input_norm, *post_norm;
-    const float *qkv_bias;        /* added to h @ Wqkv.T (Qwen2), or NULL */
-    const float *q_norm, *k_norm; /* per-head RMSNorm weights [head_dim] before RoPE (Qwen3), or NULL */
-    float *k_cache, *v_cache; /* this layer's planes: [blocks, block_size, kv_heads, head_dim] at the strides below */
-    int64_t window;           /* sliding window in tokens, 0 for full attention */
-    /* Gemma 3's norms of the attention and MLP outputs before they join the residual, or NULL */
-    const float *attn_out_norm, *mlp_out_norm;
-    int32_t rope; /* which of the step's RoPE tables this layer takes (Gemma 3: sliding or full) */
-} pd_layer;
-
-/* Sums buf[0 .. n) over the tensor-parallel ranks in place; 0, or nonzero on failure. */
-typedef int (*pd_reduce)(float *buf, int64_t n);
-
-typedef struct {
-    int32_t layers, hidden, inter, heads, kv_heads, head_dim, block_size;
-    float eps, scale;
-    int64_t s_block, s_slot, s_head; /* cache strides, in floats */
-    const float *final_norm;
-    const pd_layer *layer;
-    pd_reduce reduce; /* NULL: one rank */
-    int32_t act;      /* the MLP's gate: 0 SiLU, 1 GELU (tanh approximation: Gemma 3) */
-} pd_model;
+#include "native_decode.h"
 
 static int matmul(const pd_matrix *m, const float *x, int tokens, int cols, float *out, int threads) {
     return pd_gemv(x, tokens, cols, m->q, m->nrows, m->bits, m->scales, m->mins, m->half, m->has_min, m->group,
@@ -328,9 +286,8 @@ static inline float gate1(float g, int gelu) {
                 : g / (1.0f + expf(-g));
 }
 
-/* f(gate) * up for each token's [gate | up] row of gu [tokens, 2 * inter] -> act [tokens, inter],
- * f SiLU, or GELU (tanh) where gelu is set (Gemma 3) */
-static void gate_mul(const float *gu, int tokens, int inter, int gelu, float *act) {
+/* (native_decode.h) GELU where gelu is set: Gemma 3 */
+void pd_gate_mul(const float *gu, int tokens, int inter, int gelu, float *act) {
     for (int t = 0; t < tokens; t++) {
         const float *gate = gu + (long)t * 2 * inter, *up = gate + inter;
         float *a = act + (long)t * inter;
@@ -341,6 +298,16 @@ static void gate_mul(const float *gu, int tokens, int inter, int gelu, float *ac
         }
         for (; i < inter; i++) a[i] = gate1(gate[i], gelu) * up[i];
     }
+}
+
+/* o = the layer's MLP of h (with its LoRA deltas); gu and act are its scratch rows */
+static int dense_mlp(const pd_model *m, const pd_layer *L, const float *h, int tokens, const int32_t *row_slots,
+                     float *gu, float *act, float *o, int threads) {
+    int rc = matmul(&L->gate_up, h, tokens, m->hidden, gu, threads);
+    if (rc || (rc = lora_add(&L->lora_gate_up, h, tokens, m->hidden, row_slots, gu))) return rc;
+    pd_gate_mul(gu, tokens, m->inter, m->act, act);
+    if ((rc = matmul(&L->down, act, tokens, m->inter, o, threads))) return rc;
+    return lora_add(&L->lora_down, act, tokens, m->inter, row_slots, o);
 }
 
 /* x [tokens, hidden]: the embedded tokens in, the last residual out; h [tokens, hidden] out: the
@@ -368,11 +335,9 @@ int pd_decode_layers(const pd_model *m, float *x, int tokens, const float *cos, 
         if (m->reduce && (rc = m->reduce(o, (int64_t)tokens * H))) break;
         if (L->attn_out_norm) add_norm(o, NULL, L->attn_out_norm, m->eps, tokens, H, o);
         add_norm(x, o, L->post_norm, m->eps, tokens, H, h);
-        if ((rc = matmul(&L->gate_up, h, tokens, H, gu, threads))) break;
-        if ((rc = lora_add(&L->lora_gate_up, h, tokens, H, row_slots, gu))) break;
-        gate_mul(gu, tokens, m->inter, m->act, act);
-        if ((rc = matmul(&L->down, act, tokens, m->inter, o, threads))) break;
-        if ((rc = lora_add(&L->lora_down, act, tokens, m->inter, row_slots, o))) break;
+        rc = L->moe ? pd_moe_mlp(L->moe, h, tokens, H, o, threads)
+                    : dense_mlp(m, L, h, tokens, row_slots, gu, act, o, threads);
+        if (rc) break;
         if (m->reduce && (rc = m->reduce(o, (int64_t)tokens * H))) break;
         if (L->mlp_out_norm) add_norm(o, NULL, L->mlp_out_norm, m->eps, tokens, H, o);
         add_norm(x, o, l + 1 < m->layers ? m->layer[l + 1].input_norm : m->final_norm, m->eps, tokens, H, h);

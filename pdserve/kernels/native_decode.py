@@ -14,8 +14,9 @@ is one token: a plain decode's, or one of the k + 1 rows of a speculative verify
 draft model, EAGLE, MTP), each with its own context length, so the rows of one request are
 causal among themselves. Qwen2's qkv bias and Qwen3's per-head QK norms are part of the
 compiled layer, and so are LoRA adapters: each row's adapter delta on the four products (the
-rows of a step may each have another adapter). The embedding, the LM head and sampling stay in
-Python.
+rows of a step may each have another adapter). A MoE layer (Qwen2/3-MoE, Mixtral: DecodeMoE)
+routes each row in C and runs its experts' matrices there (native_moe.c). The embedding, the LM
+head and sampling stay in Python.
 
 A model declares whether it fits (native_decode_weights: its arrays as a DecodeWeights, or why
 not); this module reads only those arrays. The plan (plan_for) is made once per model runner:
@@ -66,12 +67,20 @@ class _Lora(ctypes.Structure):
         return cls(a.data_ptr(), b.data_ptr(), slots.stride, a.shape[1], b.shape[1])
 
 
+class _Moe(ctypes.Structure):
+    _fields_ = [("router", _Matrix), ("gate_up", POINTER(_Matrix)), ("down", POINTER(_Matrix)),
+                ("experts", c_int32), ("top_k", c_int32), ("inter", c_int32), ("renormalize", c_int32),
+                ("shared_gate_up", _Matrix), ("shared_down", _Matrix), ("shared_inter", c_int32),
+                ("shared_gate", c_void_p)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix),
                 ("lora_qkv", _Lora), ("lora_o", _Lora), ("lora_gate_up", _Lora), ("lora_down", _Lora),
                 ("input_norm", c_void_p), ("post_norm", c_void_p), ("qkv_bias", c_void_p), ("q_norm", c_void_p),
                 ("k_norm", c_void_p), ("k_cache", c_void_p), ("v_cache", c_void_p), ("window", c_int64),
-                ("attn_out_norm", c_void_p), ("mlp_out_norm", c_void_p), ("rope", c_int32)]
+                ("attn_out_norm", c_void_p), ("mlp_out_norm", c_void_p), ("rope", c_int32),
+                ("moe", POINTER(_Moe))]
 
 
 class _Model(ctypes.Structure):
@@ -86,6 +95,33 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 # int reduce(float *buf, int64_t n): the C step's all-reduce callback (pd_reduce)
 _REDUCE = ctypes.CFUNCTYPE(ctypes.c_int, c_void_p, c_int64)
+
+
+@dataclass
+class DecodeMoE:
+    """A layer's experts (pdserve.models.moe's SparseMoE routed by softmax_topk): the router's and
+    each expert's matrices as native_gemv.matrix_args gives them, and where the layer has one, the
+    shared expert's and its gate's float32 weight [hidden] (Qwen2-MoE)."""
+    router: tuple
+    gate_up: list[tuple]
+    down: list[tuple]
+    top_k: int
+    inter: int
+    renormalize: bool
+    shared_gate_up: tuple | None = None
+    shared_down: tuple | None = None
+    shared_inter: int = 0
+    shared_gate: torch.Tensor | None = None
+
+    def struct(self) -> tuple[_Moe, tuple]:
+        """The C struct, and the arrays it points into (the caller keeps them)."""
+        gate_up = (_Matrix * len(self.gate_up))(*map(_Matrix.of, self.gate_up))
+        down = (_Matrix * len(self.down))(*map(_Matrix.of, self.down))
+        shared = [_Matrix.of(m) if m is not None else _Matrix() for m in (self.shared_gate_up, self.shared_down)]
+        gate = self.shared_gate.data_ptr() if self.shared_gate is not None else None
+        moe = _Moe(_Matrix.of(self.router), gate_up, down, len(self.gate_up), self.top_k, self.inter,
+                   int(self.renormalize), *shared, self.shared_inter, gate)
+        return moe, (gate_up, down)
 
 
 @dataclass
@@ -111,6 +147,7 @@ class DecodeLayer:
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
     rope: int = 0
+    moe: DecodeMoE | None = None  # the layer's experts; gate_up and down are then None
 
     def unfit(self) -> str | None:
         """Why the compiled step cannot read these arrays, or None."""
@@ -125,6 +162,10 @@ class DecodeLayer:
             return "the LoRA slots are not float32 on CPU"
         if (self.q_norm is None) != (self.k_norm is None):
             return "only one of q and k is normed"
+        if self.moe is not None and self.loras is not None:
+            return "a layer with experts serves no LoRA here"
+        if self.moe is not None and self.moe.shared_gate is not None and not float32_on_cpu(self.moe.shared_gate):
+            return "the shared expert's gate is not float32 on CPU"
         return None
 
 
@@ -186,6 +227,7 @@ class NativeDecode:
         self.lib, self.layer_caches, self.lora_batch = lib, layer_caches, lora_batch
         self.weights = weights  # (holds the arrays the C structs point into)
         w = weights
+        self._keep: list = []  # the MoE structs and expert arrays the layer structs point into
         self._layers = (_Layer * len(w.layers))(*(self._layer(layer, caches)
                                                    for layer, caches in zip(w.layers, layer_caches)))
         k0 = layer_caches[0][0]
@@ -211,16 +253,19 @@ class NativeDecode:
             self._reduce_error = exc
             return -3
 
-    @staticmethod
-    def _layer(layer: DecodeLayer, caches: tuple[torch.Tensor, torch.Tensor]) -> _Layer:
-        matrices = [_Matrix.of(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    def _layer(self, layer: DecodeLayer, caches: tuple[torch.Tensor, torch.Tensor]) -> _Layer:
+        matrices = [_Matrix.of(m) if m is not None else _Matrix() for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         loras = [_Lora.of(slots) for slots in layer.loras or (None,) * 4]
         def pointer(t):
             return t.data_ptr() if t is not None else None
         optional = [pointer(t) for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]
+        moe = None
+        if layer.moe is not None:
+            moe, arrays = layer.moe.struct()
+            self._keep.append((moe, arrays))  # the layer struct points into them
         return _Layer(*matrices, *loras, layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *optional,
                       caches[0].data_ptr(), caches[1].data_ptr(), layer.window, pointer(layer.attn_out_norm),
-                      pointer(layer.mlp_out_norm), layer.rope)
+                      pointer(layer.mlp_out_norm), layer.rope, ctypes.pointer(moe) if moe is not None else None)
 
     def takes(self, x: torch.Tensor, ctx) -> bool:
         """A step of decode rows only (one-token queries, verify rows), not too many, over this

@@ -36,8 +36,10 @@ from pdserve.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 
-# native_decode.c (a decode step through every layer) is built into the same library: it calls pd_gemv.
-SOURCES = (Path(__file__).with_name("native_gemv.c"), Path(__file__).with_name("native_decode.c"))
+# native_decode.c (a decode step through every layer) and native_moe.c (its MoE layers' MLP) are
+# built into the same library: they call pd_gemv. Their header is hashed with them.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_gemv.c", "native_decode.c", "native_moe.c"))
+HEADERS = (Path(__file__).with_name("native_decode.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int
 MAX_TOKENS = 32  # above this, dequantized tiles through BLAS win (bench_native_gemv.py)
@@ -59,7 +61,7 @@ def _cpu_flags() -> str:
 
 def _build_key(compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS))
     for part in (*FLAGS, version, _cpu_flags(), platform.machine()):
         h.update(part.encode())
     return h.hexdigest()[:16]
@@ -84,7 +86,7 @@ def _why_not() -> str | None:
         return "PDSERVE_NATIVE_KERNELS=0"
     if platform.machine() not in ("x86_64", "AMD64") or "avx512bw" not in _cpu_flags():
         return "the CPU has no AVX-512"
-    missing = [source.name for source in SOURCES if not source.exists()]
+    missing = [source.name for source in SOURCES + HEADERS if not source.exists()]
     if missing:
         return f"{', '.join(missing)} is not installed"
     return None

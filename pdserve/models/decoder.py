@@ -43,6 +43,11 @@ class DecoderModel(nn.Module):
         self._graph_safe = cuda_graph_safe
         self.fused = None  # set by the model runner; these families run their ops in torch
 
+    def tp_sharded(self) -> bool:
+        """Whether the layers are a rank's shards (pdserve.models.tp_shard): their outputs are
+        summed over the ranks by forward hooks, which the compiled decode step would skip."""
+        return any(m._forward_hooks for layer in self.layers for m in (layer.self_attn, layer.mlp))
+
     @property
     def cuda_graph_safe(self) -> bool:
         return self._graph_safe() if callable(self._graph_safe) else self._graph_safe

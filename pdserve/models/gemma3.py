@@ -102,6 +102,8 @@ class Gemma3Model(DecoderModel):
     def native_decode_weights(self) -> DecodeWeights | str:
         """The arrays of the compiled decode step (pdserve.kernels.native_decode), or why it cannot
         take them: float32 weights on CPU without biases, the norms' (1 + w) added here."""
+        if self.tp_sharded():
+            return "the layers are tensor-parallel shards (the compiled step does not sum them)"
         names = sorted(self.ropes)
         layers = [_native_layer(layer, names.index(rope)) for layer, rope in zip(self.layers, self.layer_rope)]
         reason = next((r for r in layers if isinstance(r, str)), None)
