@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from pdserve.kernels.triton_moe import BLOCK_M, fused_experts, tile_layout
-from pdserve.models.gpt_oss import clamped_swiglu
-from pdserve.models.moe import Experts, silu_mul
+from pdserve.models.moe import Experts, clamped_swiglu, silu_mul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

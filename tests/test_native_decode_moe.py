@@ -1,6 +1,8 @@
 """The compiled decode step (pdserve.kernels.native_decode, native_moe.c) on the MoE families in
 float32: Qwen3-MoE (QK norms, renormalized top-k weights), Qwen2-MoE (qkv bias, unrenormalized
-weights, a dense layer between MoE layers, the shared expert and its sigmoid gate) and Mixtral.
+weights, a dense layer between MoE layers, the shared expert and its sigmoid gate), Mixtral and
+gpt-oss (attention sinks, the o bias, a biased router, top k then softmax, biased experts with the
+clamped SwiGLU, sliding and full layers).
 Greedy tokens equal transformers' generate on the same weights, and logprobs are within 1e-4 of
 the same engine running the layers in Python at 1, 4 and 12 rows a step."""
 from __future__ import annotations
@@ -16,8 +18,9 @@ from pdserve.testing.model_factory import assert_greedy_matches_reference
 pytestmark = pytest.mark.skipif(native_gemv.compiler() is None or native_gemv._why_not() is not None,
                                 reason="no C compiler or no AVX-512: the compiled kernels are off")
 
-# the compiled gemv takes rows of whole 32-column blocks: the shared expert's 48 would be refused
-OVERRIDES = {"qwen2_moe": {"shared_expert_intermediate_size": 64}}
+# the compiled gemv takes rows of whole 32-column blocks: the shared expert's 48 would be refused;
+# gpt-oss's clamp at 0.5 binds on these weights (at its 7.0 no value reaches it)
+OVERRIDES = {"qwen2_moe": {"shared_expert_intermediate_size": 64}, "gpt_oss": {"swiglu_limit": 0.5}}
 
 
 @pytest.fixture(autouse=True)
@@ -25,7 +28,7 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
 def test_moe_families_take_the_compiled_step_and_match_transformers(tmp_path, family):
     path = make_family_model(tmp_path, family, **OVERRIDES.get(family, {}))
     llm = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)

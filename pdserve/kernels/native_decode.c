@@ -140,10 +140,12 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* s[i] = e^(s[i] - peak) / sum over i, for i < length */
-static void softmax(float *s, long length) {
+/* s[i] = e^(s[i] - peak) / sum over i, for i < length; a sink (non-NULL) is one more logit in
+ * the peak and the sum, whose share goes to no value (gpt-oss, as numba_ops) */
+static void softmax(float *s, long length, const float *sink) {
     float peak = s[0], total = 0.f;
     for (long i = 1; i < length; i++) peak = s[i] > peak ? s[i] : peak;
+    if (sink) peak = *sink > peak ? *sink : peak;
     long i = 0;
     for (; i + 16 <= length; i += 16) {
         __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(peak)));
@@ -154,6 +156,7 @@ static void softmax(float *s, long length) {
         s[i] = expf(s[i] - peak);
         total += s[i];
     }
+    if (sink) total += expf(*sink - peak);
     for (i = 0; i < length; i++) s[i] /= total;
 }
 
@@ -165,7 +168,7 @@ static void softmax(float *s, long length) {
  * constants once inlined, so the queries and the sums stay in registers: each key and value row
  * is loaded once for the NG heads. scores holds NG x max_len floats. */
 static inline __attribute__((always_inline)) void attend_regs(const pd_model *m, const pd_layer *L,
-                                                              const float *q, int kh, const int32_t *table,
+                                                              const float *q, const float *sinks, int kh, const int32_t *table,
                                                               long first, long length, float *scores,
                                                               int max_len, float *out, const int NG,
                                                               const int D16) {
@@ -185,7 +188,7 @@ static inline __attribute__((always_inline)) void attend_regs(const pd_model *m,
             scores[g * max_len + i] = _mm512_reduce_add_ps(dot);
         }
     }
-    for (int g = 0; g < NG; g++) softmax(scores + (long)g * max_len, length);
+    for (int g = 0; g < NG; g++) softmax(scores + (long)g * max_len, length, sinks ? sinks + g : NULL);
     for (long i = 0; i < length; i++) {
         const float *value = L->v_cache + cache_row(m, table, first + i, kh);
         for (int c = 0; c < D16; c++) {
@@ -199,7 +202,7 @@ static inline __attribute__((always_inline)) void attend_regs(const pd_model *m,
 }
 
 /* The same for any head_dim and group, with the queries and sums in memory. */
-static void attend_any(const pd_model *m, const pd_layer *L, const float *q, int kh, int ng, const int32_t *table,
+static void attend_any(const pd_model *m, const pd_layer *L, const float *q, const float *sinks, int kh, int ng, const int32_t *table,
                        long first, long length, float *scores, int max_len, float *out) {
     int D = m->head_dim;
     float qs[ng * D], acc[ng * D];
@@ -213,7 +216,7 @@ static void attend_any(const pd_model *m, const pd_layer *L, const float *q, int
             scores[g * max_len + i] = dot;
         }
     }
-    for (int g = 0; g < ng; g++) softmax(scores + (long)g * max_len, length);
+    for (int g = 0; g < ng; g++) softmax(scores + (long)g * max_len, length, sinks ? sinks + g : NULL);
     memset(acc, 0, sizeof(acc));
     for (long i = 0; i < length; i++) {
         const float *value = L->v_cache + cache_row(m, table, first + i, kh);
@@ -226,7 +229,7 @@ static void attend_any(const pd_model *m, const pd_layer *L, const float *q, int
     memcpy(out, acc, sizeof(acc));
 }
 
-#define ATTEND_REGS(NG, D16) attend_regs(m, L, q, kh, table, first, length, scores, max_len, o, NG, D16)
+#define ATTEND_REGS(NG, D16) attend_regs(m, L, q, sinks, kh, table, first, length, scores, max_len, o, NG, D16)
 
 /* Query heads g0 .. g0 + ng - 1 of KV head kh's group, of sequence b (a window's keys only) */
 static void attend_one(const pd_model *m, const pd_layer *L, const float *qkv, int b, int kh, int g0, int ng,
@@ -235,12 +238,13 @@ static void attend_one(const pd_model *m, const pd_layer *L, const float *qkv, i
     long first = L->window > 0 && end > L->window ? end - L->window : 0, length = end - first;
     const float *q = qkv + (long)b * cols + ((long)kh * group + g0) * D;
     float *o = out + (long)b * m->heads * D + ((long)kh * group + g0) * D;
+    const float *sinks = L->sinks ? L->sinks + (long)kh * group + g0 : NULL;
     if (D == 64 && ng == 1) ATTEND_REGS(1, 4);
     else if (D == 64 && ng == 3) ATTEND_REGS(3, 4);
     else if (D == 64 && ng == 4) ATTEND_REGS(4, 4);
     else if (D == 128 && ng == 1) ATTEND_REGS(1, 8);
     else if (D == 128 && ng == 2) ATTEND_REGS(2, 8);
-    else attend_any(m, L, q, kh, ng, table, first, length, scores, max_len, o);
+    else attend_any(m, L, q, sinks, kh, ng, table, first, length, scores, max_len, o);
 }
 
 /* every sequence's attention, in parallel over (sequence, KV head), or over (sequence, query head)
@@ -332,6 +336,8 @@ int pd_decode_layers(const pd_model *m, float *x, int tokens, const float *cos, 
         rc = attend(m, L, qkv, tokens, tables, max_blocks, lens, attn, threads);
         if (rc || (rc = matmul(&L->o, attn, tokens, q_cols, o, threads))) break;
         if ((rc = lora_add(&L->lora_o, attn, tokens, q_cols, row_slots, o))) break;
+        for (int t = 0; L->o_bias && t < tokens; t++)
+            for (int c = 0; c < H; c++) o[(long)t * H + c] += L->o_bias[c];
         if (m->reduce && (rc = m->reduce(o, (int64_t)tokens * H))) break;
         if (L->attn_out_norm) add_norm(o, NULL, L->attn_out_norm, m->eps, tokens, H, o);
         add_norm(x, o, L->post_norm, m->eps, tokens, H, h);

@@ -21,13 +21,17 @@ typedef struct {
     int32_t width, ld, out;
 } pd_lora;
 
-/* A mixture-of-experts MLP (Qwen2/3-MoE, Mixtral): a softmax over the router's logits picks each
- * row's top_k experts (their weights renormalized to sum 1 where renormalize is set), each a SiLU
- * MLP; Qwen2-MoE adds a shared expert whose output sigmoid(h . shared_gate) scales. */
+/* A mixture-of-experts MLP (Qwen2/3-MoE, Mixtral, gpt-oss): each row's top_k experts, by a softmax
+ * over the router's logits then the top k (their weights renormalized to sum 1 where renormalize
+ * is set), or where topk_first is set by the top k logits then a softmax over those (gpt-oss).
+ * Each expert is a SiLU MLP, or where limit > 0 gpt-oss's clamped SwiGLU; Qwen2-MoE adds a shared
+ * expert whose output sigmoid(h . shared_gate) scales. */
 typedef struct pd_moe {
     pd_matrix router;                /* [experts, hidden] */
     const pd_matrix *gate_up, *down; /* expert e's [2 inter, hidden] and [hidden, inter] */
-    int32_t experts, top_k, inter, renormalize;
+    int32_t experts, top_k, inter, renormalize, topk_first;
+    const float *router_bias, *gate_up_bias, *down_bias; /* [experts], [experts, 2 inter], [experts, hidden], or NULL */
+    float alpha, limit; /* the clamped SwiGLU's (limit 0: SiLU) */
     pd_matrix shared_gate_up, shared_down; /* read where shared_inter > 0 */
     int32_t shared_inter;
     const float *shared_gate; /* [hidden], or NULL: the shared expert's output is not gated */
@@ -45,6 +49,8 @@ typedef struct {
     const float *attn_out_norm, *mlp_out_norm;
     int32_t rope; /* which of the step's RoPE tables this layer takes (Gemma 3: sliding or full) */
     const struct pd_moe *moe; /* the layer's experts in place of gate_up and down, or NULL */
+    const float *o_bias;      /* added to attn @ Wo.T (gpt-oss), or NULL */
+    const float *sinks;       /* [heads]: each head's sink logit in its softmax's denominator (gpt-oss), or NULL */
 } pd_layer;
 
 /* Sums buf[0 .. n) over the tensor-parallel ranks in place; 0, or nonzero on failure. */

@@ -70,7 +70,8 @@ class _Lora(ctypes.Structure):
 class _Moe(ctypes.Structure):
     _fields_ = [("router", _Matrix), ("gate_up", POINTER(_Matrix)), ("down", POINTER(_Matrix)),
                 ("experts", c_int32), ("top_k", c_int32), ("inter", c_int32), ("renormalize", c_int32),
-                ("shared_gate_up", _Matrix), ("shared_down", _Matrix), ("shared_inter", c_int32),
+                ("topk_first", c_int32), ("router_bias", c_void_p), ("gate_up_bias", c_void_p),
+                ("down_bias", c_void_p), ("alpha", c_float), ("limit", c_float), ("shared_gate_up", _Matrix), ("shared_down", _Matrix), ("shared_inter", c_int32),
                 ("shared_gate", c_void_p)]
 
 
@@ -80,7 +81,7 @@ class _Layer(ctypes.Structure):
                 ("input_norm", c_void_p), ("post_norm", c_void_p), ("qkv_bias", c_void_p), ("q_norm", c_void_p),
                 ("k_norm", c_void_p), ("k_cache", c_void_p), ("v_cache", c_void_p), ("window", c_int64),
                 ("attn_out_norm", c_void_p), ("mlp_out_norm", c_void_p), ("rope", c_int32),
-                ("moe", POINTER(_Moe))]
+                ("moe", POINTER(_Moe)), ("o_bias", c_void_p), ("sinks", c_void_p)]
 
 
 class _Model(ctypes.Structure):
@@ -99,28 +100,40 @@ _REDUCE = ctypes.CFUNCTYPE(ctypes.c_int, c_void_p, c_int64)
 
 @dataclass
 class DecodeMoE:
-    """A layer's experts (pdserve.models.moe's SparseMoE routed by softmax_topk): the router's and
-    each expert's matrices as native_gemv.matrix_args gives them, and where the layer has one, the
-    shared expert's and its gate's float32 weight [hidden] (Qwen2-MoE)."""
+    """A layer's experts (pdserve.models.moe's SparseMoE routed by softmax_topk, or topk_softmax
+    where topk_first is set): the router's and each expert's matrices as native_gemv.matrix_args
+    gives them, the router's and the experts' float32 biases where they have them (gpt-oss, whose
+    experts' clamped SwiGLU takes alpha and limit; limit 0: SiLU), and where the layer has one, the
+    shared expert's matrices and its gate's weight [hidden] (Qwen2-MoE)."""
     router: tuple
     gate_up: list[tuple]
     down: list[tuple]
     top_k: int
     inter: int
     renormalize: bool
+    topk_first: bool = False
+    router_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    alpha: float = 0.0
+    limit: float = 0.0
     shared_gate_up: tuple | None = None
     shared_down: tuple | None = None
     shared_inter: int = 0
     shared_gate: torch.Tensor | None = None
+
+    def vectors(self) -> list[torch.Tensor]:
+        return [t for t in (self.router_bias, self.gate_up_bias, self.down_bias, self.shared_gate) if t is not None]
 
     def struct(self) -> tuple[_Moe, tuple]:
         """The C struct, and the arrays it points into (the caller keeps them)."""
         gate_up = (_Matrix * len(self.gate_up))(*map(_Matrix.of, self.gate_up))
         down = (_Matrix * len(self.down))(*map(_Matrix.of, self.down))
         shared = [_Matrix.of(m) if m is not None else _Matrix() for m in (self.shared_gate_up, self.shared_down)]
-        gate = self.shared_gate.data_ptr() if self.shared_gate is not None else None
+        biases = [_pointer(t) for t in (self.router_bias, self.gate_up_bias, self.down_bias)]
         moe = _Moe(_Matrix.of(self.router), gate_up, down, len(self.gate_up), self.top_k, self.inter,
-                   int(self.renormalize), *shared, self.shared_inter, gate)
+                   int(self.renormalize), int(self.topk_first), *biases, self.alpha, self.limit, *shared,
+                   self.shared_inter, _pointer(self.shared_gate))
         return moe, (gate_up, down)
 
 
@@ -148,13 +161,16 @@ class DecodeLayer:
     mlp_out_norm: torch.Tensor | None = None
     rope: int = 0
     moe: DecodeMoE | None = None  # the layer's experts; gate_up and down are then None
+    o_bias: torch.Tensor | None = None  # gpt-oss: the o projection's bias, and its heads' sinks [heads]
+    sinks: torch.Tensor | None = None
 
     def unfit(self) -> str | None:
         """Why the compiled step cannot read these arrays, or None."""
-        optional = (self.qkv_bias, self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_out_norm)
+        optional = (self.qkv_bias, self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_out_norm, self.o_bias,
+                    self.sinks, *(self.moe.vectors() if self.moe is not None else ()))
         vectors = [self.input_norm, self.post_norm] + [t for t in optional if t is not None]
         if not all(float32_on_cpu(t) for t in vectors):
-            return "the norms' weights or the qkv bias are not float32 on CPU"
+            return "a norm's weight, a bias or the sinks are not float32 on CPU"
         if (self.attn_out_norm is None) != (self.mlp_out_norm is None):
             return "only one of the attention and MLP outputs is normed"
         stacks = [t for slots in self.loras or () if slots is not None for t in (slots.a_stack, slots.b_stack)]
@@ -164,8 +180,6 @@ class DecodeLayer:
             return "only one of q and k is normed"
         if self.moe is not None and self.loras is not None:
             return "a layer with experts serves no LoRA here"
-        if self.moe is not None and self.moe.shared_gate is not None and not float32_on_cpu(self.moe.shared_gate):
-            return "the shared expert's gate is not float32 on CPU"
         return None
 
 
@@ -191,6 +205,10 @@ class DecodeWeights:
 class DeclaresNativeDecode(Protocol):
     def native_decode_weights(self) -> DecodeWeights | str:
         """The model's arrays for the compiled step, or why it cannot take it."""
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
 
 
 def float32_on_cpu(t: torch.Tensor) -> bool:
@@ -256,16 +274,15 @@ class NativeDecode:
     def _layer(self, layer: DecodeLayer, caches: tuple[torch.Tensor, torch.Tensor]) -> _Layer:
         matrices = [_Matrix.of(m) if m is not None else _Matrix() for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         loras = [_Lora.of(slots) for slots in layer.loras or (None,) * 4]
-        def pointer(t):
-            return t.data_ptr() if t is not None else None
-        optional = [pointer(t) for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]
+        optional = [_pointer(t) for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]
         moe = None
         if layer.moe is not None:
             moe, arrays = layer.moe.struct()
             self._keep.append((moe, arrays))  # the layer struct points into them
         return _Layer(*matrices, *loras, layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *optional,
-                      caches[0].data_ptr(), caches[1].data_ptr(), layer.window, pointer(layer.attn_out_norm),
-                      pointer(layer.mlp_out_norm), layer.rope, ctypes.pointer(moe) if moe is not None else None)
+                      caches[0].data_ptr(), caches[1].data_ptr(), layer.window, _pointer(layer.attn_out_norm),
+                      _pointer(layer.mlp_out_norm), layer.rope, ctypes.pointer(moe) if moe is not None else None,
+                      _pointer(layer.o_bias), _pointer(layer.sinks))
 
     def takes(self, x: torch.Tensor, ctx) -> bool:
         """A step of decode rows only (one-token queries, verify rows), not too many, over this

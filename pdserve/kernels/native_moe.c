@@ -1,5 +1,5 @@
 /* The MoE MLP of a compiled decode step (native_decode.c calls it for a layer with experts), as
- * pdserve.models.moe computes it on CPU: softmax_topk routing, then each expert's SiLU MLP over
+ * pdserve.models.moe computes it on CPU: softmax_topk or topk_softmax routing, then each expert's SiLU MLP over
  * the rows that chose it, experts in ascending order, and each row's weighted outputs summed in
  * that order from zero (Experts.forward's index_add); then the shared expert's (gated) output. */
 #include <math.h>
@@ -13,25 +13,59 @@ static int matmul(const pd_matrix *m, const float *x, int tokens, int cols, floa
                    out, threads);
 }
 
-/* One row's routing: softmax over its logits [experts], the top_k largest (descending, the lower
- * index first on a tie, as topk), renormalized where asked -> ids [top_k], weights [top_k] */
-static void route(const pd_moe *e, float *logits, int32_t *ids, float *weights) {
-    float peak = logits[0], total = 0.f;
-    for (int i = 1; i < e->experts; i++) peak = logits[i] > peak ? logits[i] : peak;
-    for (int i = 0; i < e->experts; i++) total += (logits[i] = expf(logits[i] - peak));
-    for (int i = 0; i < e->experts; i++) logits[i] /= total;
-    float chosen = 0.f;
-    for (int k = 0; k < e->top_k; k++) {
-        int best = -1;
-        for (int i = 0; i < e->experts; i++)
-            if (logits[i] >= 0.f && (best < 0 || logits[i] > logits[best])) best = i;
-        ids[k] = best;
-        weights[k] = logits[best];
-        chosen += logits[best];
-        logits[best] = -1.f; /* taken */
+/* x[i] = e^(x[i] - max) / sum, i < n */
+static void softmax(float *x, int n) {
+    float peak = x[0], total = 0.f;
+    for (int i = 1; i < n; i++) peak = x[i] > peak ? x[i] : peak;
+    for (int i = 0; i < n; i++) total += (x[i] = expf(x[i] - peak));
+    for (int i = 0; i < n; i++) x[i] /= total;
+}
+
+/* ids [top_k] of the top_k largest of x [n] (descending, the lower index first on a tie, as
+ * topk), and their values; x's chosen entries become -inf */
+static void top_k(float *x, int n, int k, int32_t *ids, float *values) {
+    for (int j = 0; j < k; j++) {
+        int best = 0;
+        for (int i = 1; i < n; i++) best = x[i] > x[best] ? i : best;
+        ids[j] = best;
+        values[j] = x[best];
+        x[best] = -INFINITY;
     }
+}
+
+/* One row's routing (see pd_moe) of its logits [experts] -> ids [top_k], weights [top_k] */
+static void route(const pd_moe *e, float *logits, int32_t *ids, float *weights) {
+    if (e->router_bias)
+        for (int i = 0; i < e->experts; i++) logits[i] += e->router_bias[i];
+    if (e->topk_first) {
+        top_k(logits, e->experts, e->top_k, ids, weights);
+        softmax(weights, e->top_k);
+        return;
+    }
+    softmax(logits, e->experts);
+    top_k(logits, e->experts, e->top_k, ids, weights);
+    float chosen = 0.f;
+    for (int k = 0; k < e->top_k; k++) chosen += weights[k];
     if (e->renormalize)
         for (int k = 0; k < e->top_k; k++) weights[k] /= chosen;
+}
+
+/* gpt-oss's clamped SwiGLU of each row's [gate | up]: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g),
+ * g = min(gate, limit) */
+static void clamped_swiglu(const pd_moe *e, const float *gu, int rows, float *act) {
+    int inter = e->inter;
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < inter; i++) {
+            float g = fminf(gu[(size_t)r * 2 * inter + i], e->limit);
+            float u = fmaxf(fminf(gu[(size_t)r * 2 * inter + inter + i], e->limit), -e->limit);
+            act[(size_t)r * inter + i] = (u + 1.f) * (g * (1.f / (1.f + expf(-(g * e->alpha)))));
+        }
+}
+
+/* rows [n, width] += bias [width] */
+static void add_bias(float *rows, int n, int width, const float *bias) {
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < width; c++) rows[(size_t)r * width + c] += bias[c];
 }
 
 /* out += weight * (one expert's MLP) for the n rows of h that chose it (rows: their indices) */
@@ -41,8 +75,11 @@ static int expert_rows(const pd_moe *e, int ex, const float *h, int hidden, cons
     for (int j = 0; j < n; j++) memcpy(x + (size_t)j * hidden, h + (size_t)rows[j] * hidden, sizeof(float) * hidden);
     int rc = matmul(&e->gate_up[ex], x, n, hidden, gu, threads);
     if (rc) return rc;
-    pd_gate_mul(gu, n, e->inter, 0, act);
+    if (e->gate_up_bias) add_bias(gu, n, 2 * e->inter, e->gate_up_bias + (size_t)ex * 2 * e->inter);
+    if (e->limit > 0.f) clamped_swiglu(e, gu, n, act);
+    else pd_gate_mul(gu, n, e->inter, 0, act);
     if ((rc = matmul(&e->down[ex], act, n, e->inter, y, threads))) return rc;
+    if (e->down_bias) add_bias(y, n, hidden, e->down_bias + (size_t)ex * hidden);
     for (int j = 0; j < n; j++) {
         float *o = out + (size_t)rows[j] * hidden;
         const float *yr = y + (size_t)j * hidden;

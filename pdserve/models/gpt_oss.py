@@ -25,7 +25,8 @@ from pdserve.layers.quant.base import quantization_dict
 from pdserve.models.attention import PagedAttention
 from pdserve.models.decoder import DecoderModel, build_and_load
 from pdserve.models.llama import ModelSpec
-from pdserve.models.moe import SparseMoE, experts_graph_safe, topk_softmax
+from pdserve.models.moe import SparseMoE, clamped_swiglu, experts_graph_safe, topk_softmax
+from pdserve.models.moe_decoder import MoeDecoderModel
 from pdserve.models.moe_quant import Mxfp4Experts
 from pdserve.models.rope import RotaryEmbedding, rope_type_of
 from pdserve.models.weights import WeightLoader, check_fields
@@ -52,13 +53,6 @@ def swiglu_params(config) -> dict[str, float]:
     """clamped_swiglu's alpha (the gate's sigmoid slope) and limit: config fields in recent
     transformers, gpt-oss's constants (1.702, 7.0) in older ones, whose configs lack them (5.17)."""
     return {"alpha": getattr(config, "swiglu_alpha", 1.702), "limit": getattr(config, "swiglu_limit", 7.0)}
-
-
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def check_config(config) -> None:
@@ -140,7 +134,7 @@ def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.dev
         layers = [GptOssDecoderLayer(config, spec, i) for i in range(spec.num_layers)]
         for layer in layers if quantized else ():
             layer.mlp.experts = Mxfp4Experts.like(layer.mlp.experts)
-        return DecoderModel(spec, layers, RMSNorm(spec.hidden_size, spec.rms_norm_eps), {"rope": rope},
+        return MoeDecoderModel(spec, layers, RMSNorm(spec.hidden_size, spec.rms_norm_eps), {"rope": rope},
                             ["rope"] * spec.num_layers, cuda_graph_safe=experts_graph_safe)
 
     return build_and_load(make, files, _place, dtype, device)

@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pdserve.kernels.native_decode import DecodeLayer, DecodeMoE, DecodeWeights, float_matrix
 from pdserve.models.attention import PagedAttention
 from pdserve.models.decoder import DecoderModel, build_and_load
 from pdserve.models.llama import ModelSpec, RMSNorm, layer_windows
-from pdserve.models.moe import DenseMLP, Experts, SparseMoE, experts_graph_safe, silu_mul, softmax_topk
+from pdserve.models.moe import DenseMLP, SparseMoE, experts_graph_safe, softmax_topk
+from pdserve.models.moe_decoder import MoeDecoderModel
 from pdserve.models.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, rope_type_of
 from pdserve.models.weights import WeightLoader, check_fields
 
@@ -80,69 +80,6 @@ class MoeDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class MoeModel(DecoderModel):
-    """The MoE families' decoder, whose float32 decode steps on CPU take the compiled step."""
-
-    def native_decode_weights(self) -> DecodeWeights | str:
-        """The arrays of the compiled decode step (pdserve.kernels.native_decode), or why it cannot
-        take them: float32 weights on CPU, the experts unquantized and routed by softmax_topk."""
-        if self.tp_sharded():
-            return "the layers are tensor-parallel shards (the compiled step does not sum them)"
-        layers = [_native_layer(layer) for layer in self.layers]
-        reason = next((r for r in layers if isinstance(r, str)), None)
-        if reason is None:
-            reason = next(filter(None, (layer.unfit() for layer in layers)), None)
-        if reason is not None:
-            return reason
-        attn, norm = self.layers[0].self_attn, self.norm
-        return DecodeWeights(layers, norm.weight, self.spec.hidden_size, self.spec.intermediate_size,
-                             attn.num_heads, attn.num_kv_heads, attn.head_dim, norm.eps, attn.scale)
-
-
-def _native_layer(layer: MoeDecoderLayer) -> DecodeLayer | str:
-    attn, mlp = layer.self_attn, layer.mlp
-    if attn.sinks is not None or attn.o_proj.bias is not None:
-        return "the o projection has a bias, or the attention has sinks"
-    norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([attn.q_norm] if attn.q_norm else [])
-    if len({n.eps for n in norms}) > 1:
-        return "the norms' eps differ"
-    moe = _native_moe(mlp) if isinstance(mlp, SparseMoE) else None
-    if isinstance(moe, str):
-        return moe
-    dense = (mlp.gate_up_proj, mlp.down_proj) if moe is None else ()
-    if any(m.bias is not None for m in dense):
-        return "the dense MLP has biases"
-    matrices = [float_matrix(m.weight) for m in (attn.qkv_proj, attn.o_proj, *dense)]
-    if any(m is None for m in matrices):
-        return "a weight is not float32 on CPU, or its rows are not whole blocks of 32 columns"
-    qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
-    gate_up, down = matrices[2:] or (None, None)
-    return DecodeLayer(matrices[0], matrices[1], gate_up, down, layer.input_layernorm.weight,
-                       layer.post_attention_layernorm.weight, attn.window, attn.qkv_proj.bias, *qk_norms, moe=moe)
-
-
-def _native_moe(mlp: SparseMoE) -> DecodeMoE | str:
-    """A SparseMoE's arrays for the compiled step, or why not."""
-    route, experts = mlp.route, mlp.experts
-    if not (isinstance(route, functools.partial) and route.func is softmax_topk) or mlp.router_fp32:
-        return "the experts are not routed by a softmax over all of them"
-    if type(experts) is not Experts or experts.gate_up_bias is not None or experts.activation is not silu_mul:
-        return "the experts are quantized, biased or not SiLU MLPs"
-    if mlp.gate.bias is not None or mlp.e_score_correction_bias is not None:
-        return "the router has a bias"
-    gate_up = [float_matrix(experts.gate_up_proj[e]) for e in range(experts.num_experts)]
-    down = [float_matrix(experts.down_proj[e]) for e in range(experts.num_experts)]
-    router = float_matrix(mlp.gate.weight)
-    shared = mlp.shared_expert
-    shared_args = ([float_matrix(shared.gate_up_proj.weight), float_matrix(shared.down_proj.weight),
-                    shared.down_proj.in_features] if shared is not None else [None, None, 0])
-    if any(m is None for m in [router, *gate_up, *down] + (shared_args[:2] if shared is not None else [])):
-        return "a weight is not float32 on CPU, or its rows are not whole blocks of 32 columns"
-    gate = mlp.shared_expert_gate.weight[0] if mlp.shared_expert_gate is not None else None
-    return DecodeMoE(router, gate_up, down, route.keywords["top_k"], experts.intermediate,
-                     route.keywords["renormalize"], *shared_args, gate)
-
-
 def model_spec(config) -> ModelSpec:
     arch = config.architectures[0]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -164,7 +101,7 @@ def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.dev
 
     def make() -> DecoderModel:
         layers = [MoeDecoderLayer(config, spec, i) for i in range(spec.num_layers)]
-        return MoeModel(spec, layers, RMSNorm(spec.hidden_size, spec.rms_norm_eps),
+        return MoeDecoderModel(spec, layers, RMSNorm(spec.hidden_size, spec.rms_norm_eps),
                             {"rope": rope}, ["rope"] * spec.num_layers, cuda_graph_safe=experts_graph_safe)
 
     mixtral = config.architectures[0] == MIXTRAL
