@@ -13,7 +13,8 @@ from test_native_decode import PROMPTS, compare_with_python_layers
 
 from pdserve import LLM
 from pdserve.kernels import native_gemv
-from pdserve.testing.model_factory import assert_greedy_matches_reference
+from pdserve.testing.model_factory import assert_greedy_matches_reference, make_deepseek
+from pdserve.testing.model_factory import load_reference as load_deepseek_reference
 
 pytestmark = pytest.mark.skipif(native_gemv.compiler() is None or native_gemv._why_not() is not None,
                                 reason="no C compiler or no AVX-512: the compiled kernels are off")
@@ -40,3 +41,21 @@ def test_moe_families_take_the_compiled_step_and_match_transformers(tmp_path, fa
     compare_with_python_layers(llm, [PROMPTS[2]])  # one row a step
     compare_with_python_layers(llm)  # four rows
     compare_with_python_layers(llm, PROMPTS * 3)  # twelve rows: most experts get several
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2"])
+def test_deepseek_takes_the_compiled_step_and_matches_transformers(tmp_path, kind):
+    """Latent attention (V3: q LoRA, yarn's softmax scale; V2: q whole), interleaved RoPE, the
+    dense first layer, and grouped routing (V3: sigmoid scores and a correction bias, two of four
+    groups by their best two; V2: softmax, one of two groups by its best), with shared experts."""
+    # q LoRA 64: the compiled gemv takes rows of whole 32-column blocks (DEEPSEEK_BASE's 48 are not)
+    path = make_deepseek(tmp_path, kind, **({"q_lora_rank": 64} if kind == "deepseek_v3" else {}))
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
+    native = llm.engine.model.native_decode
+    assert native is not None, f"a float32 {kind} should take the compiled decode step"
+    steps = native.steps
+    assert_greedy_matches_reference(llm, load_deepseek_reference(path), PROMPTS[:3], 16)
+    assert native.steps > steps
+    compare_with_python_layers(llm, [PROMPTS[2]])
+    compare_with_python_layers(llm)
+    compare_with_python_layers(llm, PROMPTS * 3)

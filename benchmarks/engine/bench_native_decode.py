@@ -3,11 +3,12 @@ the same engine running the layers in Python, offline, on the default model (Smo
 GGUF, kept quantized), in one run.
 
     .venv/bin/python -m benchmarks.engine.bench_native_decode [--batches 1 8 32] [--threads 2] [--lora-rank 8]
-        [--tp 2] [--family llama|qwen2|qwen3|gemma3|qwen3_moe]
+        [--tp 2] [--family llama|qwen2|qwen3|gemma3|qwen3_moe|gpt_oss]
 
 --family runs a random-weight float32 checkpoint of that family at a real small model's layer
 shapes instead (llama: SmolLM2-135M's, qwen2: Qwen2.5-0.5B's, qwen3: Qwen3-0.6B's, gemma3: Gemma 3
-270M's, qwen3_moe: bench_moe_offline.py's Qwen3-MoE of 32 experts, top 4), with the test
+270M's, qwen3_moe: bench_moe_offline.py's Qwen3-MoE of 32 experts, top 4, gpt_oss: gpt-oss-20b's
+proportions scaled down alike), with the test
 models' byte-level vocabulary, so the LM head (Python in both modes) costs little.
 
 For each batch size, requests with 128-token prompts decode --steps steps; the median engine step
@@ -39,7 +40,7 @@ def random_adapter(base: Path, out: Path, rank: int) -> Path:
     return adapter_of(model, out, seed=0, r=rank, alpha=2 * rank)
 
 
-# the layer shapes of SmolLM2-135M, Qwen2.5-0.5B, Qwen3-0.6B, Gemma 3 270M and a scaled-down Qwen3-MoE
+# the layer shapes of SmolLM2-135M, Qwen2.5-0.5B, Qwen3-0.6B, Gemma 3 270M, and scaled-down MoE models
 FAMILY_SHAPES = {
     "llama": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                   num_key_value_heads=3),
@@ -54,6 +55,10 @@ FAMILY_SHAPES = {
     "qwen3_moe": dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_experts=32,
                       num_experts_per_tok=4, num_hidden_layers=7, num_attention_heads=8, num_key_value_heads=4,
                       head_dim=64),
+    # gpt-oss-20b's proportions, scaled down as the Qwen3-MoE above (its 64 heads to 8, 32 experts)
+    "gpt_oss": dict(hidden_size=512, intermediate_size=256, num_local_experts=32, num_experts_per_tok=4,
+                    num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, head_dim=64, sliding_window=128,
+                    layer_types=["sliding_attention", "full_attention"] * 3),
 }
 
 

@@ -68,7 +68,7 @@ static int lora_add(const pd_lora *L, const float *x, int tokens, int cols, cons
 }
 
 /* h = w * (x / sqrt(mean(x^2) + eps)) for each of the tokens' rows, after x += delta when delta is given */
-static void add_norm(float *x, const float *delta, const float *w, float eps, int tokens, int cols, float *h) {
+void pd_add_norm(float *x, const float *delta, const float *w, float eps, int tokens, int cols, float *h) {
     for (int t = 0; t < tokens; t++) {
         float *xr = x + (long)t * cols, *hr = h + (long)t * cols, ss = 0.f;
         if (delta)
@@ -80,7 +80,7 @@ static void add_norm(float *x, const float *delta, const float *w, float eps, in
 }
 
 /* rotate_half RoPE in place on `heads` heads of one token; cos, sin that token's [head_dim] */
-static void rope(float *x, int heads, int dim, const float *cos, const float *sin) {
+void pd_rope(float *x, int heads, int dim, const float *cos, const float *sin) {
     int half = dim / 2;
     for (int h = 0; h < heads; h++) {
         float *xh = x + (long)h * dim;
@@ -108,11 +108,11 @@ static void finish_qkv(const pd_model *m, const pd_layer *L, float *qkv, int tok
         if (L->qkv_bias)
             for (int c = 0; c < cols; c++) q[c] += L->qkv_bias[c];
         if (L->q_norm) {
-            add_norm(q, NULL, L->q_norm, m->eps, m->heads, D, q);
-            add_norm(k, NULL, L->k_norm, m->eps, m->kv_heads, D, k);
+            pd_add_norm(q, NULL, L->q_norm, m->eps, m->heads, D, q);
+            pd_add_norm(k, NULL, L->k_norm, m->eps, m->kv_heads, D, k);
         }
-        rope(q, m->heads, D, cos + (long)t * D, sin + (long)t * D);
-        rope(k, m->kv_heads, D, cos + (long)t * D, sin + (long)t * D);
+        pd_rope(q, m->heads, D, cos + (long)t * D, sin + (long)t * D);
+        pd_rope(k, m->kv_heads, D, cos + (long)t * D, sin + (long)t * D);
         if (slots[t] < 0) continue;
         long base = (slots[t] / m->block_size) * m->s_block + (slots[t] % m->block_size) * m->s_slot;
         for (int h = 0; h < m->kv_heads; h++) {
@@ -142,7 +142,7 @@ static inline __m512 exp16(__m512 x) {
 
 /* s[i] = e^(s[i] - peak) / sum over i, for i < length; a sink (non-NULL) is one more logit in
  * the peak and the sum, whose share goes to no value (gpt-oss, as numba_ops) */
-static void softmax(float *s, long length, const float *sink) {
+void pd_softmax(float *s, long length, const float *sink) {
     float peak = s[0], total = 0.f;
     for (long i = 1; i < length; i++) peak = s[i] > peak ? s[i] : peak;
     if (sink) peak = *sink > peak ? *sink : peak;
@@ -188,7 +188,7 @@ static inline __attribute__((always_inline)) void attend_regs(const pd_model *m,
             scores[g * max_len + i] = _mm512_reduce_add_ps(dot);
         }
     }
-    for (int g = 0; g < NG; g++) softmax(scores + (long)g * max_len, length, sinks ? sinks + g : NULL);
+    for (int g = 0; g < NG; g++) pd_softmax(scores + (long)g * max_len, length, sinks ? sinks + g : NULL);
     for (long i = 0; i < length; i++) {
         const float *value = L->v_cache + cache_row(m, table, first + i, kh);
         for (int c = 0; c < D16; c++) {
@@ -216,7 +216,7 @@ static void attend_any(const pd_model *m, const pd_layer *L, const float *q, con
             scores[g * max_len + i] = dot;
         }
     }
-    for (int g = 0; g < ng; g++) softmax(scores + (long)g * max_len, length, sinks ? sinks + g : NULL);
+    for (int g = 0; g < ng; g++) pd_softmax(scores + (long)g * max_len, length, sinks ? sinks + g : NULL);
     memset(acc, 0, sizeof(acc));
     for (long i = 0; i < length; i++) {
         const float *value = L->v_cache + cache_row(m, table, first + i, kh);
@@ -304,6 +304,17 @@ void pd_gate_mul(const float *gu, int tokens, int inter, int gelu, float *act) {
     }
 }
 
+/* attn [tokens, heads * head_dim] = the layer's attention of h, its K and V into the cache; qkv
+ * is its scratch rows */
+static int attention(const pd_model *m, const pd_layer *L, const float *h, int tokens, const float *cos,
+                     const float *sin, const int64_t *slots, const int32_t *tables, int max_blocks,
+                     const int32_t *lens, const int32_t *row_slots, float *qkv, float *attn, int threads) {
+    int rc = matmul(&L->qkv, h, tokens, m->hidden, qkv, threads);
+    if (rc || (rc = lora_add(&L->lora_qkv, h, tokens, m->hidden, row_slots, qkv))) return rc;
+    finish_qkv(m, L, qkv, tokens, cos, sin, slots);
+    return attend(m, L, qkv, tokens, tables, max_blocks, lens, attn, threads);
+}
+
 /* o = the layer's MLP of h (with its LoRA deltas); gu and act are its scratch rows */
 static int dense_mlp(const pd_model *m, const pd_layer *L, const float *h, int tokens, const int32_t *row_slots,
                      float *gu, float *act, float *o, int threads) {
@@ -327,26 +338,25 @@ int pd_decode_layers(const pd_model *m, float *x, int tokens, const float *cos, 
     float *qkv = malloc(sizeof(float) * per_token * tokens), *attn = qkv + (size_t)tokens * qkv_cols;
     float *o = attn + (size_t)tokens * q_cols, *gu = o + (size_t)tokens * H, *act = gu + (size_t)tokens * 2 * m->inter;
     int rc = qkv ? 0 : -2;
-    add_norm(x, NULL, m->layer[0].input_norm, m->eps, tokens, H, h);
+    pd_add_norm(x, NULL, m->layer[0].input_norm, m->eps, tokens, H, h);
     for (int l = 0; rc == 0 && l < m->layers; l++) {
         const pd_layer *L = &m->layer[l];
-        rc = matmul(&L->qkv, h, tokens, H, qkv, threads);
-        if (rc || (rc = lora_add(&L->lora_qkv, h, tokens, H, row_slots, qkv))) break;
-        finish_qkv(m, L, qkv, tokens, cos, sin, slots);
-        rc = attend(m, L, qkv, tokens, tables, max_blocks, lens, attn, threads);
+        rc = L->mla ? pd_mla_attention(m, L, h, tokens, cos, sin, slots, tables, max_blocks, lens, attn, threads)
+                    : attention(m, L, h, tokens, cos, sin, slots, tables, max_blocks, lens, row_slots, qkv, attn,
+                                threads);
         if (rc || (rc = matmul(&L->o, attn, tokens, q_cols, o, threads))) break;
         if ((rc = lora_add(&L->lora_o, attn, tokens, q_cols, row_slots, o))) break;
         for (int t = 0; L->o_bias && t < tokens; t++)
             for (int c = 0; c < H; c++) o[(long)t * H + c] += L->o_bias[c];
         if (m->reduce && (rc = m->reduce(o, (int64_t)tokens * H))) break;
-        if (L->attn_out_norm) add_norm(o, NULL, L->attn_out_norm, m->eps, tokens, H, o);
-        add_norm(x, o, L->post_norm, m->eps, tokens, H, h);
+        if (L->attn_out_norm) pd_add_norm(o, NULL, L->attn_out_norm, m->eps, tokens, H, o);
+        pd_add_norm(x, o, L->post_norm, m->eps, tokens, H, h);
         rc = L->moe ? pd_moe_mlp(L->moe, h, tokens, H, o, threads)
                     : dense_mlp(m, L, h, tokens, row_slots, gu, act, o, threads);
         if (rc) break;
         if (m->reduce && (rc = m->reduce(o, (int64_t)tokens * H))) break;
-        if (L->mlp_out_norm) add_norm(o, NULL, L->mlp_out_norm, m->eps, tokens, H, o);
-        add_norm(x, o, l + 1 < m->layers ? m->layer[l + 1].input_norm : m->final_norm, m->eps, tokens, H, h);
+        if (L->mlp_out_norm) pd_add_norm(o, NULL, L->mlp_out_norm, m->eps, tokens, H, o);
+        pd_add_norm(x, o, l + 1 < m->layers ? m->layer[l + 1].input_norm : m->final_norm, m->eps, tokens, H, h);
     }
     free(qkv);
     return rc;

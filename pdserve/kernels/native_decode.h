@@ -32,10 +32,31 @@ typedef struct pd_moe {
     int32_t experts, top_k, inter, renormalize, topk_first;
     const float *router_bias, *gate_up_bias, *down_bias; /* [experts], [experts, 2 inter], [experts, hidden], or NULL */
     float alpha, limit; /* the clamped SwiGLU's (limit 0: SiLU) */
+    /* DeepSeek's grouped routing where grouped is set (pdserve.models.moe.grouped_topk): scores by
+     * a sigmoid (else a softmax), chosen by score + correction_bias within the topk_group best of
+     * n_group groups (a group scored by its best two where group_top2, else its best), weighted by
+     * the scores (renormalized where asked), times scaling */
+    int32_t grouped, sigmoid, n_group, topk_group, group_top2;
+    const float *correction_bias;
+    float scaling;
     pd_matrix shared_gate_up, shared_down; /* read where shared_inter > 0 */
     int32_t shared_inter;
     const float *shared_gate; /* [hidden], or NULL: the shared expert's output is not gated */
 } pd_moe;
+
+/* Multi-head latent attention (DeepSeek-V2/V3; pdserve.models.mla), absorbed as its decode runs:
+ * queries q_b(RMSNorm(q_a h)) (or q h where q_lora is 0), [nope | rope] per head; the latent
+ * kv_a h = [kv_lora | rope], its first part RMS-normed and its rope part rotated, is the token's
+ * one cache row (the layer's k_cache plane, at the model's strides). Each head attends over the
+ * latents with [q_nope W_UK | q_pe], and its output is W_UV times the weighted latents; kv_b
+ * [heads, nope + v, kv_lora] holds W_UK's rows, then W_UV's, for each head. */
+typedef struct pd_mla {
+    pd_matrix q_a, q_b, q, kv_a;
+    const float *q_a_bias, *kv_a_bias; /* or NULL */
+    const float *q_a_norm, *kv_a_norm, *kv_b;
+    int32_t q_lora, kv_lora, nope, rope, v_dim, interleave; /* interleave: RoPE on (even, odd) pairs */
+    float latent_eps, scale;
+} pd_mla;
 
 typedef struct {
     pd_matrix qkv, o, gate_up, down;
@@ -51,6 +72,7 @@ typedef struct {
     const struct pd_moe *moe; /* the layer's experts in place of gate_up and down, or NULL */
     const float *o_bias;      /* added to attn @ Wo.T (gpt-oss), or NULL */
     const float *sinks;       /* [heads]: each head's sink logit in its softmax's denominator (gpt-oss), or NULL */
+    const struct pd_mla *mla; /* multi-head latent attention in place of qkv (DeepSeek), or NULL */
 } pd_layer;
 
 /* Sums buf[0 .. n) over the tensor-parallel ranks in place; 0, or nonzero on failure. */
@@ -72,3 +94,14 @@ void pd_gate_mul(const float *gu, int tokens, int inter, int gelu, float *act);
 
 /* out [tokens, hidden] = the MoE MLP of h [tokens, hidden]; 0, or < 0 (no memory, a bad shape) */
 int pd_moe_mlp(const pd_moe *e, const float *h, int tokens, int hidden, float *out, int threads);
+
+/* (native_decode.c) h = w * x / rms(x) per row, after x += delta where delta is given; rotate_half
+ * RoPE on `heads` heads of one row; a softmax with an optional sink logit */
+void pd_add_norm(float *x, const float *delta, const float *w, float eps, int tokens, int cols, float *h);
+void pd_rope(float *x, int heads, int dim, const float *cos, const float *sin);
+void pd_softmax(float *s, long length, const float *sink);
+
+/* (native_mla.c) out [tokens, heads * v_dim] = the MLA layer's attention of h; the latents into the cache */
+int pd_mla_attention(const pd_model *m, const pd_layer *L, const float *h, int tokens, const float *cos,
+                     const float *sin, const int64_t *slots, const int32_t *tables, int max_blocks, const int32_t *lens,
+                     float *out, int threads);

@@ -71,8 +71,17 @@ class _Moe(ctypes.Structure):
     _fields_ = [("router", _Matrix), ("gate_up", POINTER(_Matrix)), ("down", POINTER(_Matrix)),
                 ("experts", c_int32), ("top_k", c_int32), ("inter", c_int32), ("renormalize", c_int32),
                 ("topk_first", c_int32), ("router_bias", c_void_p), ("gate_up_bias", c_void_p),
-                ("down_bias", c_void_p), ("alpha", c_float), ("limit", c_float), ("shared_gate_up", _Matrix), ("shared_down", _Matrix), ("shared_inter", c_int32),
+                ("down_bias", c_void_p), ("alpha", c_float), ("limit", c_float), ("grouped", c_int32),
+                ("sigmoid", c_int32), ("n_group", c_int32), ("topk_group", c_int32), ("group_top2", c_int32),
+                ("correction_bias", c_void_p), ("scaling", c_float), ("shared_gate_up", _Matrix), ("shared_down", _Matrix), ("shared_inter", c_int32),
                 ("shared_gate", c_void_p)]
+
+
+class _Mla(ctypes.Structure):
+    _fields_ = [("q_a", _Matrix), ("q_b", _Matrix), ("q", _Matrix), ("kv_a", _Matrix), ("q_a_bias", c_void_p),
+                ("kv_a_bias", c_void_p), ("q_a_norm", c_void_p), ("kv_a_norm", c_void_p), ("kv_b", c_void_p),
+                ("q_lora", c_int32), ("kv_lora", c_int32), ("nope", c_int32), ("rope", c_int32), ("v_dim", c_int32),
+                ("interleave", c_int32), ("latent_eps", c_float), ("scale", c_float)]
 
 
 class _Layer(ctypes.Structure):
@@ -81,7 +90,7 @@ class _Layer(ctypes.Structure):
                 ("input_norm", c_void_p), ("post_norm", c_void_p), ("qkv_bias", c_void_p), ("q_norm", c_void_p),
                 ("k_norm", c_void_p), ("k_cache", c_void_p), ("v_cache", c_void_p), ("window", c_int64),
                 ("attn_out_norm", c_void_p), ("mlp_out_norm", c_void_p), ("rope", c_int32),
-                ("moe", POINTER(_Moe)), ("o_bias", c_void_p), ("sinks", c_void_p)]
+                ("moe", POINTER(_Moe)), ("o_bias", c_void_p), ("sinks", c_void_p), ("mla", POINTER(_Mla))]
 
 
 class _Model(ctypes.Structure):
@@ -117,13 +126,22 @@ class DecodeMoE:
     down_bias: torch.Tensor | None = None
     alpha: float = 0.0
     limit: float = 0.0
+    # DeepSeek's routing (pdserve.models.moe.grouped_topk) where grouped is set, with its arguments
+    grouped: bool = False
+    sigmoid: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    group_top2: bool = False
+    correction_bias: torch.Tensor | None = None
+    scaling: float = 1.0
     shared_gate_up: tuple | None = None
     shared_down: tuple | None = None
     shared_inter: int = 0
     shared_gate: torch.Tensor | None = None
 
     def vectors(self) -> list[torch.Tensor]:
-        return [t for t in (self.router_bias, self.gate_up_bias, self.down_bias, self.shared_gate) if t is not None]
+        return [t for t in (self.router_bias, self.gate_up_bias, self.down_bias, self.shared_gate,
+                            self.correction_bias) if t is not None]
 
     def struct(self) -> tuple[_Moe, tuple]:
         """The C struct, and the arrays it points into (the caller keeps them)."""
@@ -132,9 +150,43 @@ class DecodeMoE:
         shared = [_Matrix.of(m) if m is not None else _Matrix() for m in (self.shared_gate_up, self.shared_down)]
         biases = [_pointer(t) for t in (self.router_bias, self.gate_up_bias, self.down_bias)]
         moe = _Moe(_Matrix.of(self.router), gate_up, down, len(self.gate_up), self.top_k, self.inter,
-                   int(self.renormalize), int(self.topk_first), *biases, self.alpha, self.limit, *shared,
-                   self.shared_inter, _pointer(self.shared_gate))
+                   int(self.renormalize), int(self.topk_first), *biases, self.alpha, self.limit, int(self.grouped),
+                   int(self.sigmoid), self.n_group, self.topk_group, int(self.group_top2),
+                   _pointer(self.correction_bias), self.scaling, *shared, self.shared_inter, _pointer(self.shared_gate))
         return moe, (gate_up, down)
+
+
+@dataclass
+class DecodeMLA:
+    """A DeepSeek layer's latent attention (pdserve.models.mla.MLAttention): its matrices as
+    native_gemv.matrix_args gives them (q_a and q_b, or q where q_lora is 0; kv_a), and float32:
+    the biases where it has them, the two latent norms' weights and kv_b_proj's weight whole."""
+    q_a: tuple | None
+    q_b: tuple | None
+    q: tuple | None
+    kv_a: tuple
+    q_a_bias: torch.Tensor | None
+    kv_a_bias: torch.Tensor | None
+    q_a_norm: torch.Tensor | None
+    kv_a_norm: torch.Tensor
+    kv_b: torch.Tensor
+    q_lora: int
+    kv_lora: int
+    nope: int
+    rope: int
+    v_dim: int
+    interleave: bool
+    latent_eps: float
+    scale: float
+
+    def vectors(self) -> list[torch.Tensor]:
+        return [t for t in (self.q_a_bias, self.kv_a_bias, self.q_a_norm, self.kv_a_norm, self.kv_b) if t is not None]
+
+    def struct(self) -> _Mla:
+        matrices = [_Matrix.of(m) if m is not None else _Matrix() for m in (self.q_a, self.q_b, self.q, self.kv_a)]
+        vectors = [_pointer(t) for t in (self.q_a_bias, self.kv_a_bias, self.q_a_norm, self.kv_a_norm, self.kv_b)]
+        return _Mla(*matrices, *vectors, self.q_lora, self.kv_lora, self.nope, self.rope, self.v_dim,
+                    int(self.interleave), self.latent_eps, self.scale)
 
 
 @dataclass
@@ -163,11 +215,13 @@ class DecodeLayer:
     moe: DecodeMoE | None = None  # the layer's experts; gate_up and down are then None
     o_bias: torch.Tensor | None = None  # gpt-oss: the o projection's bias, and its heads' sinks [heads]
     sinks: torch.Tensor | None = None
+    mla: DecodeMLA | None = None  # DeepSeek's latent attention; qkv is then None
 
     def unfit(self) -> str | None:
         """Why the compiled step cannot read these arrays, or None."""
         optional = (self.qkv_bias, self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_out_norm, self.o_bias,
-                    self.sinks, *(self.moe.vectors() if self.moe is not None else ()))
+                    self.sinks, *(self.moe.vectors() if self.moe is not None else ()),
+                    *(self.mla.vectors() if self.mla is not None else ()))
         vectors = [self.input_norm, self.post_norm] + [t for t in optional if t is not None]
         if not all(float32_on_cpu(t) for t in vectors):
             return "a norm's weight, a bias or the sinks are not float32 on CPU"
@@ -200,6 +254,7 @@ class DecodeWeights:
     # The rank group (pdserve.layers.parallel.TPGroup: its all_reduce) at TP > 1, else None.
     tp_group: object = None
     activation: str = "silu"  # the MLP's gate: a key of ACTIVATIONS
+    rope_dim: int = 0  # the RoPE tables' width where it is not head_dim (MLA's qk_rope_head_dim)
 
 
 class DeclaresNativeDecode(Protocol):
@@ -226,12 +281,12 @@ def float_matrix(weight: torch.Tensor) -> tuple | None:
     return (weight.data_ptr(), weight.shape[0], 32, weight.data_ptr(), None, 0, 0, weight.shape[1])
 
 
-def _cache_unfit(layer_caches) -> str | None:
+def _cache_unfit(layer_caches, planes_per_layer: int) -> str | None:
     k0 = layer_caches[0][0]
-    if any(len(planes) != 2 or not all(p.dtype == torch.float32 and p.device.type == "cpu" and p.dim() == 4
+    if any(len(planes) != planes_per_layer or not all(p.dtype == torch.float32 and p.device.type == "cpu" and p.dim() == 4
                                        and p.stride() == k0.stride() and p.stride(-1) == 1 for p in planes)
            for planes in layer_caches):
-        return "the KV cache is not a float32 K and V per layer on CPU"
+        return "the KV cache is not a float32 K and V (or MLA's latent) per layer on CPU"
     return None
 
 
@@ -275,14 +330,17 @@ class NativeDecode:
         matrices = [_Matrix.of(m) if m is not None else _Matrix() for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         loras = [_Lora.of(slots) for slots in layer.loras or (None,) * 4]
         optional = [_pointer(t) for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]
-        moe = None
+        moe = mla = None
         if layer.moe is not None:
             moe, arrays = layer.moe.struct()
             self._keep.append((moe, arrays))  # the layer struct points into them
+        if layer.mla is not None:
+            mla = layer.mla.struct()
+            self._keep.append(mla)
         return _Layer(*matrices, *loras, layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *optional,
-                      caches[0].data_ptr(), caches[1].data_ptr(), layer.window, _pointer(layer.attn_out_norm),
+                      caches[0].data_ptr(), caches[-1].data_ptr(), layer.window, _pointer(layer.attn_out_norm),
                       _pointer(layer.mlp_out_norm), layer.rope, ctypes.pointer(moe) if moe is not None else None,
-                      _pointer(layer.o_bias), _pointer(layer.sinks))
+                      _pointer(layer.o_bias), _pointer(layer.sinks), ctypes.pointer(mla) if mla is not None else None)
 
     def takes(self, x: torch.Tensor, ctx) -> bool:
         """A step of decode rows only (one-token queries, verify rows), not too many, over this
@@ -306,7 +364,7 @@ class NativeDecode:
         meta, tokens = ctx.meta, x.shape[0]
         x = x.contiguous()
         h = torch.empty_like(x)
-        shape = (self.rope_tables, tokens, self.weights.head_dim)
+        shape = (self.rope_tables, tokens, self.weights.rope_dim or self.weights.head_dim)
         cos, sin = cos.reshape(shape).contiguous(), sin.reshape(shape).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         tables = meta.decode_block_tables.to(torch.int32).contiguous()
@@ -336,7 +394,7 @@ def plan_for(model: DeclaresNativeDecode, layer_caches: list[tuple[torch.Tensor,
     if lib is None:
         return None
     weights = model.native_decode_weights()
-    reason = weights if isinstance(weights, str) else _cache_unfit(layer_caches)
+    reason = weights if isinstance(weights, str) else _cache_unfit(layer_caches, 1 if weights.layers[0].mla else 2)
     if reason is not None:
         log.info("compiled decode step off: %s", reason)
         return None

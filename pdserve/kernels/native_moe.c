@@ -33,8 +33,45 @@ static void top_k(float *x, int n, int k, int32_t *ids, float *values) {
     }
 }
 
+/* Drop all but the topk_group best of the n_group groups of choice [experts] (set to `dropped`) */
+static void keep_groups(const pd_moe *e, float *choice, float dropped) {
+    int per = e->experts / e->n_group;
+    float score[e->n_group], best[2];
+    int32_t kept[e->topk_group], ids[2];
+    for (int g = 0; g < e->n_group; g++) {
+        float group[per];
+        memcpy(group, choice + g * per, sizeof(group));
+        top_k(group, per, e->group_top2 ? 2 : 1, ids, best);
+        score[g] = e->group_top2 ? best[0] + best[1] : best[0];
+    }
+    float kept_scores[e->topk_group];
+    top_k(score, e->n_group, e->topk_group, kept, kept_scores);
+    for (int g = 0; g < e->n_group; g++) {
+        int keep = 0;
+        for (int j = 0; j < e->topk_group; j++) keep |= kept[j] == g;
+        for (int i = 0; !keep && i < per; i++) choice[g * per + i] = dropped;
+    }
+}
+
+/* DeepSeek's routing (see pd_moe) of one row's logits [experts] -> ids [top_k], weights [top_k] */
+static void route_grouped(const pd_moe *e, float *logits, int32_t *ids, float *weights) {
+    int E = e->experts;
+    float scores[E], choice[E], chosen[e->top_k], total = 0.f;
+    for (int i = 0; i < E; i++) scores[i] = e->sigmoid ? 1.f / (1.f + expf(-logits[i])) : logits[i];
+    if (!e->sigmoid) softmax(scores, E);
+    for (int i = 0; i < E; i++) choice[i] = scores[i] + (e->correction_bias ? e->correction_bias[i] : 0.f);
+    if (e->n_group > 1) keep_groups(e, choice, e->sigmoid ? -INFINITY : 0.f);
+    top_k(choice, E, e->top_k, ids, chosen);
+    for (int k = 0; k < e->top_k; k++) total += (weights[k] = scores[ids[k]]);
+    for (int k = 0; k < e->top_k; k++) weights[k] = (e->renormalize ? weights[k] / (total + 1e-20f) : weights[k]) * e->scaling;
+}
+
 /* One row's routing (see pd_moe) of its logits [experts] -> ids [top_k], weights [top_k] */
 static void route(const pd_moe *e, float *logits, int32_t *ids, float *weights) {
+    if (e->grouped) {
+        route_grouped(e, logits, ids, weights);
+        return;
+    }
     if (e->router_bias)
         for (int i = 0; i < e->experts; i++) logits[i] += e->router_bias[i];
     if (e->topk_first) {

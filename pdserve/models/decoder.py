@@ -14,6 +14,12 @@ from pdserve.models.rope import RotaryEmbedding
 from pdserve.models.weights import WeightLoader, checkpoint_tensors
 
 
+def tp_sharded(layers) -> bool:
+    """Whether the layers are a rank's shards (pdserve.models.tp_shard): their outputs are summed
+    over the ranks by forward hooks, which the compiled decode step would skip."""
+    return any(m._forward_hooks for layer in layers for m in (layer.self_attn, layer.mlp))
+
+
 class DecoderModel(nn.Module):
     """forward(token_ids [T], positions [T], ctx) -> final hidden states [T, hidden].
 
@@ -42,11 +48,6 @@ class DecoderModel(nn.Module):
         # CUDA model runner reads it).
         self._graph_safe = cuda_graph_safe
         self.fused = None  # set by the model runner; these families run their ops in torch
-
-    def tp_sharded(self) -> bool:
-        """Whether the layers are a rank's shards (pdserve.models.tp_shard): their outputs are
-        summed over the ranks by forward hooks, which the compiled decode step would skip."""
-        return any(m._forward_hooks for layer in self.layers for m in (layer.self_attn, layer.mlp))
 
     @property
     def cuda_graph_safe(self) -> bool:

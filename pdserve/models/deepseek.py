@@ -24,10 +24,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pdserve.kernels.native_decode import DecodeWeights
 from pdserve.layers.quant import fp8_block
 from pdserve.models.llama import RMSNorm
 from pdserve.models.mla import MLASpec, MLAttention, mla_softmax_scale
 from pdserve.models.moe import DenseMLP, SparseMoE, grouped_topk
+from pdserve.models.moe_decoder import decode_weights
 from pdserve.models.moe_quant import Fp8Experts
 from pdserve.models.rope import RotaryEmbedding
 
@@ -157,6 +159,9 @@ class DeepseekModel(nn.Module):
 
     # The MLA ops read context lengths on the host: not capturable in a CUDA graph.
     cuda_graph_safe = False
+    # pdserve.kernels.native_decode.NativeDecode on CPU where the layers fit it (set by the model
+    # runner from native_decode_weights): a float32 decode step's layers in one compiled call.
+    native_decode = None
 
     def __init__(self, spec: DeepseekSpec, rope: RotaryEmbedding):
         super().__init__()
@@ -172,12 +177,18 @@ class DeepseekModel(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         x = self.embed_tokens(token_ids)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
+        if self.native_decode is not None and self.native_decode.takes(x, ctx):
+            return self.native_decode.forward(x, cos, sin, ctx)
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def native_decode_weights(self) -> DecodeWeights | str:
+        """The arrays of the compiled decode step (latent attention, grouped routing), or why not."""
+        return decode_weights(self)
 
 
 def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.device) -> DeepseekModel:

@@ -32,6 +32,8 @@ ARCHS = {
     "gemma3": ("Gemma3ForCausalLM", dict(head_dim=32, query_pre_attn_scalar=32, tie_word_embeddings=False)),
     "qwen3_moe": ("Qwen3MoeForCausalLM", dict(head_dim=32, moe_intermediate_size=64, num_experts=8,
                                               num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False)),
+    "gpt_oss": ("GptOssForCausalLM", dict(head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=64,
+                                          tie_word_embeddings=False)),
 }
 
 
@@ -42,7 +44,7 @@ def make_model(root: Path, kind: str, seed: int = 0, max_shard_size: str | None 
     tokenizer = build_byte_tokenizer()
     model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                   "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text",
-                  "Qwen3MoeForCausalLM": "qwen3_moe"}[arch]
+                  "Qwen3MoeForCausalLM": "qwen3_moe", "GptOssForCausalLM": "gpt_oss"}[arch]
     config = AutoConfig.for_model(model_type, **{**BASE, **extra, **overrides}, vocab_size=len(tokenizer),
                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                   architectures=[arch])
