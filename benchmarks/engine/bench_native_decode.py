@@ -3,12 +3,12 @@ the same engine running the layers in Python, offline, on the default model (Smo
 GGUF, kept quantized), in one run.
 
     .venv/bin/python -m benchmarks.engine.bench_native_decode [--batches 1 8 32] [--threads 2] [--lora-rank 8]
-        [--tp 2] [--family llama|qwen2|qwen3|gemma3|qwen3_moe|gpt_oss]
+        [--tp 2] [--family llama|qwen2|qwen3|gemma3|qwen3_moe|gpt_oss|deepseek_v3]
 
 --family runs a random-weight float32 checkpoint of that family at a real small model's layer
 shapes instead (llama: SmolLM2-135M's, qwen2: Qwen2.5-0.5B's, qwen3: Qwen3-0.6B's, gemma3: Gemma 3
 270M's, qwen3_moe: bench_moe_offline.py's Qwen3-MoE of 32 experts, top 4, gpt_oss: gpt-oss-20b's
-proportions scaled down alike), with the test
+proportions scaled down alike, deepseek_v3: bench_mla_offline.py's), with the test
 models' byte-level vocabulary, so the LM head (Python in both modes) costs little.
 
 For each batch size, requests with 128-token prompts decode --steps steps; the median engine step
@@ -55,6 +55,11 @@ FAMILY_SHAPES = {
     "qwen3_moe": dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_experts=32,
                       num_experts_per_tok=4, num_hidden_layers=7, num_attention_heads=8, num_key_value_heads=4,
                       head_dim=64),
+    # benchmarks/engine/bench_mla_offline.py's DeepSeek-V3: latent attention, 32 experts in 4 groups
+    "deepseek_v3": dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, n_routed_experts=32,
+                        num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                        num_hidden_layers=7, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=192,
+                        kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64),
     # gpt-oss-20b's proportions, scaled down as the Qwen3-MoE above (its 64 heads to 8, 32 experts)
     "gpt_oss": dict(hidden_size=512, intermediate_size=256, num_local_experts=32, num_experts_per_tok=4,
                     num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, head_dim=64, sliding_window=128,
@@ -67,8 +72,9 @@ def model_under_test(family: str | None, root: Path) -> tuple[str, str, dict]:
     from pdserve.models.gguf import DEFAULT_MODEL
     if family is None:
         return DEFAULT_MODEL, "SmolLM2-135M Q4_1", {}
-    from pdserve.testing.model_factory import make_model
-    path = make_model(root, family, max_position_embeddings=4096, **FAMILY_SHAPES[family])
+    from pdserve.testing.model_factory import make_deepseek, make_model
+    make = make_deepseek if family.startswith("deepseek") else make_model
+    path = make(root, family, max_position_embeddings=4096, **FAMILY_SHAPES[family])
     return str(path), f"{family} float32 ({FAMILY_SHAPES[family]['num_hidden_layers']} layers)", {"dtype": "float32"}
 
 
