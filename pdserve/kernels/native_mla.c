@@ -78,6 +78,7 @@ static void attend_head(const pd_model *m, const pd_layer *L, const float *q, in
     for (int i = 0; i < length; i++) {
         const float *key = L->k_cache + table[i / m->block_size] * m->s_block + (i % m->block_size) * m->s_slot;
         float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
         for (int c = 0; c < latent; c++) dot += query[c] * key[c];
         scores[i] = dot * a->scale;
     }
@@ -89,6 +90,7 @@ static void attend_head(const pd_model *m, const pd_layer *L, const float *q, in
     }
     for (int j = 0; j < a->v_dim; j++) {
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int c = 0; c < C; c++) sum += acc[c] * w_uv[(size_t)j * C + c];
         out[j] = sum;
     }
