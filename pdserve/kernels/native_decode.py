@@ -4,9 +4,8 @@
 At one request a SmolLM2 decode step spent about 5 of its 13 ms in Python between the kernels:
 some ten calls a layer over 30 layers. For a step whose rows are all decode rows (at most
 MAX_STEP_TOKENS of them), with weights the compiled gemv takes (quantized in its layouts, or
-float32 read as they are) and a float32 KV cache,
-LlamaModel.forward hands its layers to this one call; anything else runs the layers in Python
-as before. At tensor_parallel_size > 1 every rank runs its shard so (the driver's runner and each
+float32 read as they are) and a float32 KV cache, the model hands its layers to this one call;
+anything else runs the layers in Python as before. At tensor_parallel_size > 1 every rank runs its shard so (the driver's runner and each
 worker plan it alike), and the o and down products' partial sums go through the rank group's
 all-reduce, called back from C, as RowParallelLinear's do: the same collectives in the same
 order, so a rank that ran its layers in Python would still pair with the others. A decode row
@@ -14,9 +13,10 @@ is one token: a plain decode's, or one of the k + 1 rows of a speculative verify
 draft model, EAGLE, MTP), each with its own context length, so the rows of one request are
 causal among themselves. Qwen2's qkv bias and Qwen3's per-head QK norms are part of the
 compiled layer, and so are LoRA adapters: each row's adapter delta on the four products (the
-rows of a step may each have another adapter). A MoE layer (Qwen2/3-MoE, Mixtral: DecodeMoE)
-routes each row in C and runs its experts' matrices there (native_moe.c). The embedding, the LM
-head and sampling stay in Python.
+rows of a step may each have another adapter). A MoE layer (DecodeMoE: Qwen2/3-MoE, Mixtral,
+gpt-oss, DeepSeek) routes each row and runs its experts in C (native_moe.c), and DeepSeek's
+latent attention (DecodeMLA) runs there too (native_mla.c). The embedding, the LM head and
+sampling stay in Python.
 
 A model declares whether it fits (native_decode_weights: its arrays as a DecodeWeights, or why
 not); this module reads only those arrays. The plan (plan_for) is made once per model runner:

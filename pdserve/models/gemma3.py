@@ -19,7 +19,7 @@ from torch import nn
 
 from pdserve.kernels.native_decode import DecodeLayer, DecodeWeights, float_matrix
 from pdserve.models.attention import PagedAttention, RopeTable
-from pdserve.models.decoder import DecoderModel, build_and_load, tp_sharded
+from pdserve.models.decoder import DecoderModel, build_and_load, sharded_or_staged
 from pdserve.models.llama import ModelSpec
 from pdserve.models.moe import DenseMLP
 from pdserve.models.rope import SUPPORTED_ROPE_TYPES
@@ -102,8 +102,8 @@ class Gemma3Model(DecoderModel):
     def native_decode_weights(self) -> DecodeWeights | str:
         """The arrays of the compiled decode step (pdserve.kernels.native_decode), or why it cannot
         take them: float32 weights on CPU without biases, the norms' (1 + w) added here."""
-        if tp_sharded(self.layers):
-            return "the layers are tensor-parallel shards (the compiled step does not sum them)"
+        if (reason := sharded_or_staged(self)) is not None:
+            return reason
         names = sorted(self.ropes)
         layers = [_native_layer(layer, names.index(rope)) for layer, rope in zip(self.layers, self.layer_rope)]
         reason = next((r for r in layers if isinstance(r, str)), None)

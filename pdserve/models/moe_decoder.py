@@ -12,7 +12,7 @@ import functools
 from torch import nn
 
 from pdserve.kernels.native_decode import DecodeLayer, DecodeMLA, DecodeMoE, DecodeWeights, float_matrix
-from pdserve.models.decoder import DecoderModel, tp_sharded
+from pdserve.models.decoder import DecoderModel, sharded_or_staged
 from pdserve.models.mla import MLAttention
 from pdserve.models.moe import (
     DenseMLP,
@@ -38,8 +38,8 @@ class MoeDecoderModel(DecoderModel):
 
 def decode_weights(model) -> DecodeWeights | str:
     """A decoder's arrays for the compiled step (its layers, norm and spec), or why not."""
-    if tp_sharded(model.layers):
-        return "the layers are tensor-parallel shards (the compiled step does not sum them)"
+    if (reason := sharded_or_staged(model)) is not None:
+        return reason
     layers = [native_layer(layer) for layer in model.layers]
     reason = next((r for r in layers if isinstance(r, str)), None)
     if reason is None:

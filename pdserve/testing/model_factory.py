@@ -30,6 +30,10 @@ ARCHS = {
     # (1 + w) norms: the N(1, 0.2) norm weights below scale by about 2 (benchmarks; the tests'
     # Gemma 3 checkpoints come from tests/family_models.py)
     "gemma3": ("Gemma3ForCausalLM", dict(head_dim=32, query_pre_attn_scalar=32, tie_word_embeddings=False)),
+}
+# The MoE kinds the benchmarks make with make_model (benchmarks/engine/bench_native_decode.py); the
+# tests' MoE checkpoints come from tests/family_models.py, and their dense ones iterate ARCHS.
+BENCH_ARCHS = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", dict(head_dim=32, moe_intermediate_size=64, num_experts=8,
                                               num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False)),
     "gpt_oss": ("GptOssForCausalLM", dict(head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=64,
@@ -40,7 +44,7 @@ ARCHS = {
 def make_model(root: Path, kind: str, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
     # deferred: transformers takes ~1 s to import, and tests import this module at collection
     from transformers import AutoConfig, AutoModelForCausalLM
-    arch, extra = ARCHS[kind]
+    arch, extra = {**ARCHS, **BENCH_ARCHS}[kind]
     tokenizer = build_byte_tokenizer()
     model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                   "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text",
