@@ -124,13 +124,16 @@ class Cluster:
         cmd += ["--seed", str(self.args.seed)] if getattr(self.args, "seed", None) is not None else []
         return cmd + extra + self._curve_flags() + self._registry_flags()
 
-    def _loopback(self) -> str:
-        """A free loopback address that no router replica will take: the routers bind --port and up
+    def _free_port(self) -> int:
+        """A free loopback port that no router replica will take: the routers bind --port and up
         after the nodes, so an ephemeral port picked for a node could otherwise be theirs."""
         routers = range(self.args.port, self.args.port + max(1, getattr(self.args, "routers", 1)))
         while (port := free_port()) in routers:
             pass
-        return f"tcp://127.0.0.1:{port}"
+        return port
+
+    def _loopback(self) -> str:
+        return f"tcp://127.0.0.1:{self._free_port()}"
 
     def _registry_flags(self) -> list[str]:
         return ["--registry", self.registry.address] if self.registry is not None else []
@@ -286,7 +289,7 @@ class Cluster:
         # A scheme with no host ("redis://", "direct+redis://"): start a Redis for the cluster.
         if not shutil.which("redis-server"):
             raise ValueError("--kv-transfer store needs redis-server on PATH, or --store redis://host:port")
-        port = int(self._loopback().rpartition(":")[2])
+        port = self._free_port()
         self.spawn("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--loglevel", "warning"])
         return f"{scheme}://127.0.0.1:{port}"

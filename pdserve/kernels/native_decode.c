@@ -33,11 +33,6 @@
 
 #include "native_decode.h"
 
-static int matmul(const pd_matrix *m, const float *x, int tokens, int cols, float *out, int threads) {
-    return pd_gemv(x, tokens, cols, m->q, m->nrows, m->bits, m->scales, m->mins, m->half, m->has_min, m->group,
-                   out, threads);
-}
-
 /* y[t] += (x[t] A_s^T) B_s^T for one row t with adapter slot s (the product first, then one add
  * per output, as torch's addmm does); h holds width + out floats */
 static void lora_row(const pd_lora *L, const float *xr, int cols, int s, float *h, float *yr) {
@@ -97,10 +92,6 @@ void pd_rope(float *x, int heads, int dim, const float *cos, const float *sin) {
     }
 }
 
-static inline long cache_row(const pd_model *m, const int32_t *table, long t, int kh) {
-    return table[t / m->block_size] * m->s_block + (t % m->block_size) * m->s_slot + kh * m->s_head;
-}
-
 /* Each token's qkv row: its bias added, q's and k's heads normed, RoPE on them, then its k and v
  * into the cache slot slots[t] (skipped when < 0) */
 static void finish_qkv(const pd_model *m, const pd_layer *L, float *qkv, int tokens, const float *cos,
@@ -119,7 +110,7 @@ static void finish_qkv(const pd_model *m, const pd_layer *L, float *qkv, int tok
         pd_rope(q, m->heads, D, cos + (long)t * D, sin + (long)t * D);
         pd_rope(k, m->kv_heads, D, cos + (long)t * D, sin + (long)t * D);
         if (slots[t] < 0) continue;
-        long base = (slots[t] / m->block_size) * m->s_block + (slots[t] % m->block_size) * m->s_slot;
+        long base = pd_slot_row(m, slots[t]);
         for (int h = 0; h < m->kv_heads; h++) {
             memcpy(L->k_cache + base + h * m->s_head, k + (long)h * D, D * sizeof(float));
             memcpy(L->v_cache + base + h * m->s_head, v + (long)h * D, D * sizeof(float));
@@ -184,7 +175,7 @@ static inline __attribute__((always_inline)) void attend_regs(const pd_model *m,
             acc[g][c] = _mm512_setzero_ps();
         }
     for (long i = 0; i < length; i++) {
-        const float *key = L->k_cache + cache_row(m, table, first + i, kh);
+        const float *key = L->k_cache + pd_cache_row(m, table, first + i, kh);
         __m512 k[MAX_D16];
         for (int c = 0; c < D16; c++) k[c] = _mm512_loadu_ps(key + c * 16);
         for (int g = 0; g < NG; g++) {
@@ -195,7 +186,7 @@ static inline __attribute__((always_inline)) void attend_regs(const pd_model *m,
     }
     for (int g = 0; g < NG; g++) pd_softmax(scores + (long)g * max_len, length, sinks ? sinks + g : NULL);
     for (long i = 0; i < length; i++) {
-        const float *value = L->v_cache + cache_row(m, table, first + i, kh);
+        const float *value = L->v_cache + pd_cache_row(m, table, first + i, kh);
         for (int c = 0; c < D16; c++) {
             __m512 v = _mm512_loadu_ps(value + c * 16);
             for (int g = 0; g < NG; g++)
@@ -213,7 +204,7 @@ static void attend_any(const pd_model *m, const pd_layer *L, const float *q, con
     float qs[ng * D], acc[ng * D];
     for (int i = 0; i < ng * D; i++) qs[i] = q[i] * m->scale;
     for (long i = 0; i < length; i++) {
-        const float *key = L->k_cache + cache_row(m, table, first + i, kh);
+        const float *key = L->k_cache + pd_cache_row(m, table, first + i, kh);
         for (int g = 0; g < ng; g++) {
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -224,7 +215,7 @@ static void attend_any(const pd_model *m, const pd_layer *L, const float *q, con
     for (int g = 0; g < ng; g++) pd_softmax(scores + (long)g * max_len, length, sinks ? sinks + g : NULL);
     memset(acc, 0, sizeof(acc));
     for (long i = 0; i < length; i++) {
-        const float *value = L->v_cache + cache_row(m, table, first + i, kh);
+        const float *value = L->v_cache + pd_cache_row(m, table, first + i, kh);
         for (int g = 0; g < ng; g++) {
             float w = scores[(long)g * max_len + i];
 #pragma omp simd
@@ -314,7 +305,7 @@ void pd_gate_mul(const float *gu, int tokens, int inter, int gelu, float *act) {
 static int attention(const pd_model *m, const pd_layer *L, const float *h, int tokens, const float *cos,
                      const float *sin, const int64_t *slots, const int32_t *tables, int max_blocks,
                      const int32_t *lens, const int32_t *row_slots, float *qkv, float *attn, int threads) {
-    int rc = matmul(&L->qkv, h, tokens, m->hidden, qkv, threads);
+    int rc = pd_matmul(&L->qkv, h, tokens, m->hidden, qkv, threads);
     if (rc || (rc = lora_add(&L->lora_qkv, h, tokens, m->hidden, row_slots, qkv, threads))) return rc;
     finish_qkv(m, L, qkv, tokens, cos, sin, slots);
     return attend(m, L, qkv, tokens, tables, max_blocks, lens, attn, threads);
@@ -323,10 +314,10 @@ static int attention(const pd_model *m, const pd_layer *L, const float *h, int t
 /* o = the layer's MLP of h (with its LoRA deltas); gu and act are its scratch rows */
 static int dense_mlp(const pd_model *m, const pd_layer *L, const float *h, int tokens, const int32_t *row_slots,
                      float *gu, float *act, float *o, int threads) {
-    int rc = matmul(&L->gate_up, h, tokens, m->hidden, gu, threads);
+    int rc = pd_matmul(&L->gate_up, h, tokens, m->hidden, gu, threads);
     if (rc || (rc = lora_add(&L->lora_gate_up, h, tokens, m->hidden, row_slots, gu, threads))) return rc;
     pd_gate_mul(gu, tokens, m->inter, m->act, act);
-    if ((rc = matmul(&L->down, act, tokens, m->inter, o, threads))) return rc;
+    if ((rc = pd_matmul(&L->down, act, tokens, m->inter, o, threads))) return rc;
     return lora_add(&L->lora_down, act, tokens, m->inter, row_slots, o, threads);
 }
 
@@ -349,10 +340,9 @@ int pd_decode_layers(const pd_model *m, float *x, int tokens, const float *cos, 
         rc = L->mla ? pd_mla_attention(m, L, h, tokens, cos, sin, slots, tables, max_blocks, lens, attn, threads)
                     : attention(m, L, h, tokens, cos, sin, slots, tables, max_blocks, lens, row_slots, qkv, attn,
                                 threads);
-        if (rc || (rc = matmul(&L->o, attn, tokens, q_cols, o, threads))) break;
+        if (rc || (rc = pd_matmul(&L->o, attn, tokens, q_cols, o, threads))) break;
         if ((rc = lora_add(&L->lora_o, attn, tokens, q_cols, row_slots, o, threads))) break;
-        for (int t = 0; L->o_bias && t < tokens; t++)
-            for (int c = 0; c < H; c++) o[(long)t * H + c] += L->o_bias[c];
+        pd_add_bias(o, tokens, H, L->o_bias);
         if (m->reduce && (rc = m->reduce(o, (int64_t)tokens * H))) break;
         if (L->attn_out_norm) pd_add_norm(o, NULL, L->attn_out_norm, m->eps, tokens, H, o);
         pd_add_norm(x, o, L->post_norm, m->eps, tokens, H, h);

@@ -105,3 +105,28 @@ void pd_softmax(float *s, long length, const float *sink);
 int pd_mla_attention(const pd_model *m, const pd_layer *L, const float *h, int tokens, const float *cos,
                      const float *sin, const int64_t *slots, const int32_t *tables, int max_blocks, const int32_t *lens,
                      float *out, int threads);
+
+/* The helpers every file of the step shares, inline here. */
+
+/* out [tokens, nrows] = x [tokens, cols] @ m.T (pd_gemv); 0, or < 0 for a shape it does not take */
+static inline int pd_matmul(const pd_matrix *m, const float *x, int tokens, int cols, float *out, int threads) {
+    return pd_gemv(x, tokens, cols, m->q, m->nrows, m->bits, m->scales, m->mins, m->half, m->has_min, m->group,
+                   out, threads);
+}
+
+/* rows [n, width] += bias [width]; nothing where bias is NULL */
+static inline void pd_add_bias(float *rows, int n, int width, const float *bias) {
+    for (int r = 0; bias && r < n; r++)
+        for (int c = 0; c < width; c++) rows[(long)r * width + c] += bias[c];
+}
+
+/* The offset, in floats, of cache slot `slot` (block slot / block_size, row slot % block_size) */
+static inline long pd_slot_row(const pd_model *m, int64_t slot) {
+    return (slot / m->block_size) * m->s_block + (slot % m->block_size) * m->s_slot;
+}
+
+/* The offset of KV head kh of a sequence's token t, through its block table */
+static inline long pd_cache_row(const pd_model *m, const int32_t *table, long t, int kh) {
+    return table[t / m->block_size] * m->s_block + (t % m->block_size) * m->s_slot + kh * m->s_head;
+}
+

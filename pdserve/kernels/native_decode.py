@@ -5,9 +5,9 @@ At one request a SmolLM2 decode step spent about 5 of its 13 ms in Python betwee
 some ten calls a layer over 30 layers. For a step whose rows are all decode rows (at most
 MAX_STEP_TOKENS of them), with weights the compiled gemv takes (quantized in its layouts, or
 float32 read as they are) and a float32 KV cache, the model hands its layers to this one call;
-anything else runs the layers in Python as before. At tensor_parallel_size > 1 every rank runs its shard so (the driver's runner and each
-worker plan it alike), and the o and down products' partial sums go through the rank group's
-all-reduce, called back from C, as RowParallelLinear's do: the same collectives in the same
+anything else runs the layers in Python as before. At tensor_parallel_size > 1 every rank runs
+its shard so (the driver's runner and each worker plan it alike), and the o and down products'
+partial sums go through the rank group's all-reduce, called back from C, as RowParallelLinear's do: the same collectives in the same
 order, so a rank that ran its layers in Python would still pair with the others. A decode row
 is one token: a plain decode's, or one of the k + 1 rows of a speculative verify step (n-gram,
 draft model, EAGLE, MTP), each with its own context length, so the rows of one request are
@@ -49,8 +49,11 @@ class _Matrix(ctypes.Structure):
                 ("half", c_int32), ("has_min", c_int32), ("group", c_int32)]
 
     @classmethod
-    def of(cls, args: tuple) -> _Matrix:
-        """From native_gemv.matrix_args: (q, rows, bits, scales, mins, half, has_min, group)."""
+    def of(cls, args: tuple | None) -> _Matrix:
+        """From native_gemv.matrix_args: (q, rows, bits, scales, mins, half, has_min, group); None:
+        a matrix the layer does not have (all zeros, never read)."""
+        if args is None:
+            return cls()
         q, rows, bits, scales, mins, half, has_min, group = args
         return cls(q, scales, mins, rows, bits, half, has_min, group)
 
@@ -73,8 +76,8 @@ class _Moe(ctypes.Structure):
                 ("topk_first", c_int32), ("router_bias", c_void_p), ("gate_up_bias", c_void_p),
                 ("down_bias", c_void_p), ("alpha", c_float), ("limit", c_float), ("grouped", c_int32),
                 ("sigmoid", c_int32), ("n_group", c_int32), ("topk_group", c_int32), ("group_top2", c_int32),
-                ("correction_bias", c_void_p), ("scaling", c_float), ("shared_gate_up", _Matrix), ("shared_down", _Matrix), ("shared_inter", c_int32),
-                ("shared_gate", c_void_p)]
+                ("correction_bias", c_void_p), ("scaling", c_float), ("shared_gate_up", _Matrix),
+                ("shared_down", _Matrix), ("shared_inter", c_int32), ("shared_gate", c_void_p)]
 
 
 class _Mla(ctypes.Structure):
@@ -147,7 +150,7 @@ class DecodeMoE:
         """The C struct, and the arrays it points into (the caller keeps them)."""
         gate_up = (_Matrix * len(self.gate_up))(*map(_Matrix.of, self.gate_up))
         down = (_Matrix * len(self.down))(*map(_Matrix.of, self.down))
-        shared = [_Matrix.of(m) if m is not None else _Matrix() for m in (self.shared_gate_up, self.shared_down)]
+        shared = [_Matrix.of(m) for m in (self.shared_gate_up, self.shared_down)]
         biases = [_pointer(t) for t in (self.router_bias, self.gate_up_bias, self.down_bias)]
         moe = _Moe(_Matrix.of(self.router), gate_up, down, len(self.gate_up), self.top_k, self.inter,
                    int(self.renormalize), int(self.topk_first), *biases, self.alpha, self.limit, int(self.grouped),
@@ -183,7 +186,7 @@ class DecodeMLA:
         return [t for t in (self.q_a_bias, self.kv_a_bias, self.q_a_norm, self.kv_a_norm, self.kv_b) if t is not None]
 
     def struct(self) -> _Mla:
-        matrices = [_Matrix.of(m) if m is not None else _Matrix() for m in (self.q_a, self.q_b, self.q, self.kv_a)]
+        matrices = [_Matrix.of(m) for m in (self.q_a, self.q_b, self.q, self.kv_a)]
         vectors = [_pointer(t) for t in (self.q_a_bias, self.kv_a_bias, self.q_a_norm, self.kv_a_norm, self.kv_b)]
         return _Mla(*matrices, *vectors, self.q_lora, self.kv_lora, self.nope, self.rope, self.v_dim,
                     int(self.interleave), self.latent_eps, self.scale)
@@ -327,7 +330,7 @@ class NativeDecode:
             return -3
 
     def _layer(self, layer: DecodeLayer, caches: tuple[torch.Tensor, torch.Tensor]) -> _Layer:
-        matrices = [_Matrix.of(m) if m is not None else _Matrix() for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        matrices = [_Matrix.of(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         loras = [_Lora.of(slots) for slots in layer.loras or (None,) * 4]
         optional = [_pointer(t) for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]
         moe = mla = None

@@ -8,16 +8,6 @@
 
 #include "native_decode.h"
 
-static int matmul(const pd_matrix *m, const float *x, int tokens, int cols, float *out, int threads) {
-    return pd_gemv(x, tokens, cols, m->q, m->nrows, m->bits, m->scales, m->mins, m->half, m->has_min, m->group,
-                   out, threads);
-}
-
-static void add_bias(float *rows, int n, int width, const float *bias) {
-    for (int r = 0; bias && r < n; r++)
-        for (int c = 0; c < width; c++) rows[(size_t)r * width + c] += bias[c];
-}
-
 /* RoPE on one vector of dim values: interleaved pairs (x0, x1), (x2, x3) ... written back
  * de-interleaved (all first halves, then the second), as mla.rope_interleaved; else rotate_half */
 static void rope(const pd_mla *a, float *x, const float *cos, const float *sin) {
@@ -42,15 +32,15 @@ static int project(const pd_model *m, const pd_layer *L, const float *h, int tok
     const pd_mla *a = L->mla;
     int H = m->hidden, qk = a->nope + a->rope, latent = a->kv_lora + a->rope, rc;
     if (a->q_lora) {
-        if ((rc = matmul(&a->q_a, h, tokens, H, qa, threads))) return rc;
-        add_bias(qa, tokens, a->q_lora, a->q_a_bias);
+        if ((rc = pd_matmul(&a->q_a, h, tokens, H, qa, threads))) return rc;
+        pd_add_bias(qa, tokens, a->q_lora, a->q_a_bias);
         pd_add_norm(qa, NULL, a->q_a_norm, a->latent_eps, tokens, a->q_lora, qa);
-        rc = matmul(&a->q_b, qa, tokens, a->q_lora, q, threads);
+        rc = pd_matmul(&a->q_b, qa, tokens, a->q_lora, q, threads);
     } else {
-        rc = matmul(&a->q, h, tokens, H, q, threads);
+        rc = pd_matmul(&a->q, h, tokens, H, q, threads);
     }
-    if (rc || (rc = matmul(&a->kv_a, h, tokens, H, kv, threads))) return rc;
-    add_bias(kv, tokens, latent, a->kv_a_bias);
+    if (rc || (rc = pd_matmul(&a->kv_a, h, tokens, H, kv, threads))) return rc;
+    pd_add_bias(kv, tokens, latent, a->kv_a_bias);
     for (int t = 0; t < tokens; t++) {
         float *row = kv + (size_t)t * latent;
         const float *c = cos + (size_t)t * a->rope, *s = sin + (size_t)t * a->rope;
@@ -58,8 +48,7 @@ static int project(const pd_model *m, const pd_layer *L, const float *h, int tok
         rope(a, row + a->kv_lora, c, s);
         for (int hd = 0; hd < m->heads; hd++) rope(a, q + ((size_t)t * m->heads + hd) * qk + a->nope, c, s);
         if (slots[t] < 0) continue;
-        memcpy(L->k_cache + (slots[t] / m->block_size) * m->s_block + (slots[t] % m->block_size) * m->s_slot, row,
-               sizeof(float) * latent);
+        memcpy(L->k_cache + pd_slot_row(m, slots[t]), row, sizeof(float) * latent);
     }
     return 0;
 }
@@ -76,7 +65,7 @@ static void attend_head(const pd_model *m, const pd_layer *L, const float *q, in
         for (int c = 0; c < C; c++) query[c] += q[n] * w_uk[(size_t)n * C + c];
     for (int r = 0; r < a->rope; r++) query[C + r] = q[a->nope + r];
     for (int i = 0; i < length; i++) {
-        const float *key = L->k_cache + table[i / m->block_size] * m->s_block + (i % m->block_size) * m->s_slot;
+        const float *key = L->k_cache + pd_cache_row(m, table, i, 0);
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int c = 0; c < latent; c++) dot += query[c] * key[c];
@@ -85,7 +74,7 @@ static void attend_head(const pd_model *m, const pd_layer *L, const float *q, in
     pd_softmax(scores, length, NULL);
     memset(acc, 0, sizeof(acc));
     for (int i = 0; i < length; i++) {
-        const float *key = L->k_cache + table[i / m->block_size] * m->s_block + (i % m->block_size) * m->s_slot;
+        const float *key = L->k_cache + pd_cache_row(m, table, i, 0);
         for (int c = 0; c < C; c++) acc[c] += scores[i] * key[c];
     }
     for (int j = 0; j < a->v_dim; j++) {

@@ -8,19 +8,6 @@
 
 #include "native_decode.h"
 
-static int matmul(const pd_matrix *m, const float *x, int tokens, int cols, float *out, int threads) {
-    return pd_gemv(x, tokens, cols, m->q, m->nrows, m->bits, m->scales, m->mins, m->half, m->has_min, m->group,
-                   out, threads);
-}
-
-/* x[i] = e^(x[i] - max) / sum, i < n */
-static void softmax(float *x, int n) {
-    float peak = x[0], total = 0.f;
-    for (int i = 1; i < n; i++) peak = x[i] > peak ? x[i] : peak;
-    for (int i = 0; i < n; i++) total += (x[i] = expf(x[i] - peak));
-    for (int i = 0; i < n; i++) x[i] /= total;
-}
-
 /* ids [top_k] of the top_k largest of x [n] (descending, the lower index first on a tie, as
  * topk), and their values; x's chosen entries become -inf */
 static void top_k(float *x, int n, int k, int32_t *ids, float *values) {
@@ -58,7 +45,7 @@ static void route_grouped(const pd_moe *e, float *logits, int32_t *ids, float *w
     int E = e->experts;
     float scores[E], choice[E], chosen[e->top_k], total = 0.f;
     for (int i = 0; i < E; i++) scores[i] = e->sigmoid ? 1.f / (1.f + expf(-logits[i])) : logits[i];
-    if (!e->sigmoid) softmax(scores, E);
+    if (!e->sigmoid) pd_softmax(scores, E, NULL);
     for (int i = 0; i < E; i++) choice[i] = scores[i] + (e->correction_bias ? e->correction_bias[i] : 0.f);
     if (e->n_group > 1) keep_groups(e, choice, e->sigmoid ? -INFINITY : 0.f);
     top_k(choice, E, e->top_k, ids, chosen);
@@ -72,19 +59,18 @@ static void route(const pd_moe *e, float *logits, int32_t *ids, float *weights) 
         route_grouped(e, logits, ids, weights);
         return;
     }
-    if (e->router_bias)
-        for (int i = 0; i < e->experts; i++) logits[i] += e->router_bias[i];
+    pd_add_bias(logits, 1, e->experts, e->router_bias);
     if (e->topk_first) {
         top_k(logits, e->experts, e->top_k, ids, weights);
-        softmax(weights, e->top_k);
+        pd_softmax(weights, e->top_k, NULL);
         return;
     }
-    softmax(logits, e->experts);
+    pd_softmax(logits, e->experts, NULL);
     top_k(logits, e->experts, e->top_k, ids, weights);
+    if (!e->renormalize) return;
     float chosen = 0.f;
     for (int k = 0; k < e->top_k; k++) chosen += weights[k];
-    if (e->renormalize)
-        for (int k = 0; k < e->top_k; k++) weights[k] /= chosen;
+    for (int k = 0; k < e->top_k; k++) weights[k] /= chosen;
 }
 
 /* gpt-oss's clamped SwiGLU of each row's [gate | up]: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g),
@@ -99,24 +85,18 @@ static void clamped_swiglu(const pd_moe *e, const float *gu, int rows, float *ac
         }
 }
 
-/* rows [n, width] += bias [width] */
-static void add_bias(float *rows, int n, int width, const float *bias) {
-    for (int r = 0; r < n; r++)
-        for (int c = 0; c < width; c++) rows[(size_t)r * width + c] += bias[c];
-}
-
 /* out += weight * (one expert's MLP) for the n rows of h that chose it (rows: their indices) */
 static int expert_rows(const pd_moe *e, int ex, const float *h, int hidden, const int32_t *rows, const float *w,
                        int n, float *scratch, float *out, int threads) {
     float *x = scratch, *gu = x + (size_t)n * hidden, *act = gu + (size_t)n * 2 * e->inter, *y = act + (size_t)n * e->inter;
     for (int j = 0; j < n; j++) memcpy(x + (size_t)j * hidden, h + (size_t)rows[j] * hidden, sizeof(float) * hidden);
-    int rc = matmul(&e->gate_up[ex], x, n, hidden, gu, threads);
+    int rc = pd_matmul(&e->gate_up[ex], x, n, hidden, gu, threads);
     if (rc) return rc;
-    if (e->gate_up_bias) add_bias(gu, n, 2 * e->inter, e->gate_up_bias + (size_t)ex * 2 * e->inter);
+    if (e->gate_up_bias) pd_add_bias(gu, n, 2 * e->inter, e->gate_up_bias + (size_t)ex * 2 * e->inter);
     if (e->limit > 0.f) clamped_swiglu(e, gu, n, act);
     else pd_gate_mul(gu, n, e->inter, 0, act);
-    if ((rc = matmul(&e->down[ex], act, n, e->inter, y, threads))) return rc;
-    if (e->down_bias) add_bias(y, n, hidden, e->down_bias + (size_t)ex * hidden);
+    if ((rc = pd_matmul(&e->down[ex], act, n, e->inter, y, threads))) return rc;
+    if (e->down_bias) pd_add_bias(y, n, hidden, e->down_bias + (size_t)ex * hidden);
     for (int j = 0; j < n; j++) {
         float *o = out + (size_t)rows[j] * hidden;
         const float *yr = y + (size_t)j * hidden;
@@ -129,10 +109,10 @@ static int expert_rows(const pd_moe *e, int ex, const float *h, int hidden, cons
 static int shared_expert(const pd_moe *e, const float *h, int tokens, int hidden, float *scratch, float *out,
                          int threads) {
     float *gu = scratch, *act = gu + (size_t)tokens * 2 * e->shared_inter, *y = act + (size_t)tokens * e->shared_inter;
-    int rc = matmul(&e->shared_gate_up, h, tokens, hidden, gu, threads);
+    int rc = pd_matmul(&e->shared_gate_up, h, tokens, hidden, gu, threads);
     if (rc) return rc;
     pd_gate_mul(gu, tokens, e->shared_inter, 0, act);
-    if ((rc = matmul(&e->shared_down, act, tokens, e->shared_inter, y, threads))) return rc;
+    if ((rc = pd_matmul(&e->shared_down, act, tokens, e->shared_inter, y, threads))) return rc;
     for (int t = 0; t < tokens; t++) {
         const float *ht = h + (size_t)t * hidden, *yt = y + (size_t)t * hidden;
         float g = 1.f;
@@ -168,7 +148,7 @@ int pd_moe_mlp(const pd_moe *e, const float *h, int tokens, int hidden, float *o
     if (!logits) return -2;
     float *weights = logits + (size_t)tokens * e->experts, *scratch = weights + (size_t)tokens * e->top_k;
     int32_t *ids = (int32_t *)(logits + per_row * tokens);
-    int rc = matmul(&e->router, h, tokens, hidden, logits, threads);
+    int rc = pd_matmul(&e->router, h, tokens, hidden, logits, threads);
     for (int t = 0; rc == 0 && t < tokens; t++)
         route(e, logits + (size_t)t * e->experts, ids + (size_t)t * e->top_k, weights + (size_t)t * e->top_k);
     memset(out, 0, sizeof(float) * (size_t)tokens * hidden);

@@ -93,13 +93,13 @@ def _native_mla(attn: MLAttention) -> dict | str:
     matrices = [_float(m) for m in (*projections, attn.kv_a_proj_with_mqa, attn.o_proj)]
     if any(m is None for m in matrices) or type(attn.kv_b_proj) is not nn.Linear or attn.kv_b_proj.bias is not None:
         return UNFIT_MATRIX
+    if lora and attn.q_a_layernorm.eps != attn.kv_a_layernorm.eps:
+        return "the latent norms' eps differ"
     q_a, q_b, q = (matrices[0], matrices[1], None) if lora else (None, None, matrices[0])
     mla = DecodeMLA(q_a, q_b, q, matrices[-2], attn.q_a_proj.bias if lora else None, attn.kv_a_proj_with_mqa.bias,
                     attn.q_a_layernorm.weight if lora else None, attn.kv_a_layernorm.weight, attn.kv_b_proj.weight,
                     lora, s.kv_lora_rank, s.qk_nope_head_dim, s.qk_rope_head_dim, s.v_head_dim, s.rope_interleave,
                     attn.kv_a_layernorm.eps, s.softmax_scale)
-    if lora and attn.q_a_layernorm.eps != attn.kv_a_layernorm.eps:
-        return "the latent norms' eps differ"
     return {"qkv": None, "o": matrices[-1], "window": 0, "o_bias": attn.o_proj.bias, "mla": mla}
 
 
@@ -155,19 +155,18 @@ def _native_moe(mlp: SparseMoE) -> DecodeMoE | str:
         return routing if isinstance(routing, str) else activation
     gate_up = [float_matrix(experts.gate_up_proj[e]) for e in range(experts.num_experts)]
     down = [float_matrix(experts.down_proj[e]) for e in range(experts.num_experts)]
-    router, shared = float_matrix(mlp.gate.weight), mlp.shared_expert
-    shared_args = {}
+    matrices, shared, shared_args = [float_matrix(mlp.gate.weight), *gate_up, *down], mlp.shared_expert, {}
     if shared is not None:
+        if shared.gate_up_proj.bias is not None or shared.down_proj.bias is not None:
+            return "the shared expert has biases"
         shared_args = {"shared_gate_up": float_matrix(shared.gate_up_proj.weight),
                        "shared_down": float_matrix(shared.down_proj.weight),
                        "shared_inter": shared.down_proj.in_features}
-        if shared.gate_up_proj.bias is not None or shared.down_proj.bias is not None:
-            return "the shared expert has biases"
-    if any(m is None for m in [router, *gate_up, *down, shared_args.get("shared_gate_up", ()),
-                               shared_args.get("shared_down", ())]):
+        matrices += [shared_args["shared_gate_up"], shared_args["shared_down"]]
+    if any(m is None for m in matrices):
         return UNFIT_MATRIX
     data = {"router_bias": mlp.gate.bias, "gate_up_bias": experts.gate_up_bias, "down_bias": experts.down_bias,
             "shared_gate": mlp.shared_expert_gate.weight[0] if mlp.shared_expert_gate is not None else None,
             "correction_bias": mlp.e_score_correction_bias}
     data = {name: t.data for name, t in data.items() if t is not None}  # (parameters: their plain tensors)
-    return DecodeMoE(router, gate_up, down, inter=experts.intermediate, **routing, **activation, **shared_args, **data)
+    return DecodeMoE(matrices[0], gate_up, down, inter=experts.intermediate, **routing, **activation, **shared_args, **data)
