@@ -126,17 +126,25 @@ def llama_pp1(models):
 
 
 def test_pp2_sampling_and_prompt_logprobs_equal_pp1(llama_pp1, llama_pp2):
+    """Two steps in flight by default (the first stage computes the next while the last computes
+    the one before); one at a time, and a step in two micro-batches, draw the same tokens."""
     prompts = [{"prompt_token_ids": p} for p in random_prompts(7, 250, [5, 30, 61])]
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True, prompt_logprobs=2)
     want = llama_pp1.generate(prompts, params, use_tqdm=False)
-    runner = llama_pp2.engine.runner
-    steps = runner.steps
+    engine, runner = llama_pp2.engine, llama_pp2.engine.runner
+    runner.peak_in_flight = 0
     got = llama_pp2.generate(prompts, params, use_tqdm=False)
-    assert runner.steps - steps >= 2 * 11, "each decode step of 7 requests should go as 2 micro-batches"
-    runner.micro_batches = 1  # one step in flight at a time: the same tokens
-    assert [o.outputs[0].token_ids for o in llama_pp2.generate(prompts, params, use_tqdm=False)] == \
-        [o.outputs[0].token_ids for o in want]
-    runner.micro_batches = 2
+    assert runner.peak_in_flight == 2, "a step should be launched before the step before it came back"
+    for steps, micro_batches in ((1, 1), (1, 2)):
+        runner.steps_in_flight = engine.scheduler.steps_in_flight = steps
+        runner.micro_batches, runner.peak_in_flight = micro_batches, 0
+        try:
+            again = llama_pp2.generate(prompts, params, use_tqdm=False)
+        finally:
+            runner.steps_in_flight = engine.scheduler.steps_in_flight = 2
+            runner.micro_batches = 1
+        assert runner.peak_in_flight == 1
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]
     for a, b in zip(want, got):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
@@ -145,6 +153,31 @@ def test_pp2_sampling_and_prompt_logprobs_equal_pp1(llama_pp1, llama_pp2):
     prompt = prompts[2]["prompt_token_ids"]
     assert torch.allclose(llama_pp1.engine.prompt_logits(prompt), llama_pp2.engine.prompt_logits(prompt), atol=1e-4)
     assert llama_pp2.engine.pool.num_in_use() == 0
+
+
+def test_a_request_aborted_while_its_step_is_in_flight_ends_alone(llama_pp1, llama_pp2):
+    """Its blocks are freed at once and its row dropped when the step comes back; the others'
+    tokens are PP 1's and every block returns."""
+    prompts = random_prompts(9, 250, [20, 33, 47, 18])
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llama_pp1.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                                use_tqdm=False)]
+    engine = llama_pp2.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"abort-{i}", prompt, params)
+    got: dict[str, list[int]] = {f"abort-{i}": [] for i in range(len(prompts))}
+    while not engine.launched or engine.launched[0].batch.items[0][0].num_output_tokens < 3:
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    victim = engine.launched[0].batch.items[0][0].request_id
+    engine.abort_request(victim)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id != victim
+            got[out.request_id] += out.new_token_ids
+    assert len(got.pop(victim)) == 3
+    assert got == {f"abort-{i}": w for i, w in enumerate(want) if f"abort-{i}" != victim}
+    assert engine.pool.num_in_use() == 0
 
 
 def test_pp2_embeddings_equal_pp1(llama_pp1, llama_pp2):

@@ -3,6 +3,7 @@ offline LLM run on this; it imports no server code."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from pdserve.engine.logits_processors import apply_logits_processors
 from pdserve.engine.overlap import InFlightStep, overlapped_step
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.pipelined import LaunchedBatch, pipelined_step
 from pdserve.engine.prompt_logprobs import take_prompt_logprobs
 from pdserve.engine.request import RemoteKV, Request, RequestStatus
 from pdserve.engine.sampler import sample
@@ -46,6 +48,10 @@ class LLMEngine:
         self.cached_prompt_tokens = 0    # prompt tokens of requests sampled here that were not computed
         self.computed_prompt_tokens = 0  # ... and that were
         self.in_flight: InFlightStep | None = None  # with async scheduling: the step launched last
+        # With pipeline stages: the steps launched and not yet collected (pdserve.engine.pipelined)
+        self.launched: deque[LaunchedBatch] = deque()
+        self.last_collected_at = 0.0
+        self.scheduler.steps_in_flight = getattr(self.runner, "steps_in_flight", 1)
 
     def attach_speculator(self, speculator: Speculation) -> None:
         """Speculative decoding (pdserve.assembly attaches it before the first request). It needs
@@ -53,6 +59,7 @@ class LLMEngine:
         if self.async_scheduling:
             raise ValueError("speculative decoding runs without async scheduling")
         self.speculator = speculator
+        self.scheduler.steps_in_flight = 1  # (and so one pipeline step at a time: drafts need the tokens)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when this process ends)."""
@@ -193,7 +200,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.in_flight is not None
+        return self.scheduler.has_unfinished() or self.in_flight is not None or bool(self.launched)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id)
@@ -216,6 +223,8 @@ class LLMEngine:
         a pure decode step come out of the next call, while the step after it computes."""
         if self.async_scheduling:
             return overlapped_step(self)
+        if self.scheduler.steps_in_flight > 1:
+            return pipelined_step(self)
         batch = self.scheduler.schedule()
         self.last_step_tokens = batch.num_tokens
         return self.run_batch(batch)
@@ -228,15 +237,24 @@ class LLMEngine:
             self.speculator.add_drafts(batch)
         t0 = time.perf_counter()
         logits, to_sample = self.runner.execute(batch.items)
+        return self.finish_batch(batch, logits, to_sample, t0)
+
+    def finish_batch(self, batch, logits: torch.Tensor, to_sample: list[Request], started: float
+                     ) -> list[StepOutput]:
+        """A batch's logits are in: its cost, its committed blocks, its tokens drawn. A request
+        that ended while its step was in flight (pipelined steps) is passed over."""
         if batch.num_tokens >= COST_SAMPLE_MIN_TOKENS:
             if self.device.type == "cuda":  # kernels run asynchronously: time them, not their launch
                 torch.cuda.synchronize(self.device)
-            self._record_step_cost(time.perf_counter() - t0, batch.num_tokens)
+            self._record_step_cost(time.perf_counter() - started, batch.num_tokens)
         drafted = self.speculator.take_drafts(batch) if self.speculator is not None else {}
         for req, n in batch.items:
-            if req.request_id not in drafted:  # (a drafted request commits what it accepted)
+            if req.request_id not in drafted and not req.status.is_finished:  # (drafted: commits what it accepted)
                 req.num_computed_tokens += n
                 self.kv.commit(req)
+        if any(r.status.is_finished for r in to_sample):
+            keep = [i for i, r in enumerate(to_sample) if not r.status.is_finished]
+            logits, to_sample = logits[keep], [to_sample[i] for i in keep]
         if not to_sample:
             return []
         if drafted:

@@ -63,6 +63,7 @@ class Request:
     hold_blocks: bool = False  # on finish, keep the blocks (for a KV handover) until released
     matcher: Any = None  # structured output: the xgrammar matcher, past every output token
     awaiting_last_token: bool = False  # its pending token ends it (async scheduling): skip it
+    in_pipeline: bool = False  # in a launched step whose results are to come (pipeline stages): skip it
     # sampling_params.prompt_logprobs: filled position by position as the prompt is computed
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # Speculative decoding: tokens drafted for this step, appended to all_token_ids while the

@@ -51,6 +51,10 @@ class Scheduler:
         # image is encoded in a step that starts with it rather than on top of a full one.
         self.uncached_images: Callable[[Request, int, int], list] | None = None
         self.step_encoder_tokens = 0  # the last step's embeddings to encode
+        # Steps in flight at once (pipeline stages: pdserve.engine.pipelined). A step then takes
+        # at most its share of the running requests, so the steps in flight stay about even,
+        # and skips those in flight, whose next token is still to come.
+        self.steps_in_flight = 1
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -88,10 +92,11 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
+        i, share = 0, -(-len(self.running) // self.steps_in_flight)
+        in_flight = any(r.in_pipeline for r in self.running)
+        while i < len(self.running) and budget > 0 and len(batch.items) < share:
             req = self.running[i]
-            if req.awaiting_last_token:
+            if req.awaiting_last_token or req.in_pipeline:
                 i += 1
                 continue
             n = self._take_prefill(req, req.num_computed_tokens, budget)
@@ -99,6 +104,8 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate(req, n):
+                if in_flight:  # no preempting a request in flight: wait for the steps to come back
+                    return 0
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)

@@ -2,12 +2,14 @@
 rank 0 runs its share of the first stage, hands the hidden states on to the next stage, and
 takes the step's logit rows from the last stage, from which it samples as at PP 1.
 
-A step's requests are split into micro-batches (as many as there are stages, by default), sent
-one after the other: while a later stage computes micro-batch k, the first computes k + 1, so
-the stages do not idle in turn through the whole step. The receives of every micro-batch's
-results are posted before the first is computed, and the driver's hidden-state sends are waited
-on only at the end of the step: a gloo send completes only once its receive is posted, and the
-last stage sends micro-batch k's results before it takes k + 1's hidden states.
+Steps go one after the other without waiting: launch() runs the first stage's share of a step
+and hands it on, collect() takes its results later. The engine keeps one step in flight per
+stage (pdserve.engine.pipelined), each over requests the others do not hold, so while the last
+stage computes step k the first computes step k + 1. The receives of a step's results are posted
+before its first stage runs, and its hidden-state sends are waited on only once the results are
+back: a gloo send completes only once its receive is posted, and the last stage sends step k's
+results before it takes k + 1's hidden states. A step may also be split into micro-batches
+(micro_batches), each handed on as soon as it is computed.
 """
 from __future__ import annotations
 
@@ -35,6 +37,15 @@ class _MicroBatch:
     plan: object
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose hidden states went on to the next stage: its results are still to come."""
+    batches: list[_MicroBatch]
+    posted: list        # the results' receives (PostedResult), one per micro-batch
+    sends: list         # the hidden states' sends (PendingSend), done once the results are back
+    all_logits: bool
+
+
 class PipelineModelRunner(TPModelRunner):
     def __init__(self, model, executor: TPExecutor, block_size: int, ops, device: torch.device, dtype: torch.dtype,
                  lora_batch=None):
@@ -42,48 +53,74 @@ class PipelineModelRunner(TPModelRunner):
         role = StageRole(0, executor.tp_size, executor.pp_size)
         self.link = StageLink(executor.node_group.group, role, model.spec.hidden_size, dtype)
         self.vocab_size = model.spec.vocab_size
-        self.micro_batches = executor.pp_size  # per step, at most (1: one step in flight at a time)
+        # Steps in flight at once (the engine's batch queue, pdserve.engine.pipelined): one per
+        # stage, so each stage computes one step while the others compute theirs.
+        self.steps_in_flight = executor.pp_size
+        self.micro_batches = 1  # per step (a step split in turn; 1: whole)
+        # The shared step buffer in one region per step that may be in flight, plus one for a
+        # step run at once (embeddings, prompt logits) while others are in flight: a region is
+        # written again only after its step's results came back, so no stage still reads it.
+        self._next_region = 0
+        self.in_flight = self.peak_in_flight = 0  # steps launched and not collected (and the most at once)
 
     @torch.inference_mode()
     def execute(self, items, all_logits: bool = False, pending=None) -> tuple[torch.Tensor, list]:
         if pending is not None:
             raise RuntimeError("async scheduling is off at pipeline_parallel_size > 1")
+        return self.collect(self.launch(items, all_logits))
+
+    @torch.inference_mode()
+    def launch(self, items, all_logits: bool = False) -> LaunchedStep:
+        """Runs the first stage's share of a step and hands it on; collect() gives its logits."""
         # decode-shaped queries (one token, or one plus drafts) first, as ModelRunner orders them
         items = sorted(items, key=lambda it: (not is_decode_query(*it), self._lora_slot(it[0])))
         parts = [items] if all_logits else split_micro_batches(items, self.micro_batches)
         batches = [self._micro_batch(part, all_logits) for part in parts]
-        offsets = _payload_offsets([b.plan for b in batches])
-        if len(batches) > 1 and not self.executor.channel.fits(offsets[-1]):
-            return self._one_batch(items)
+        start, end = self._region()
+        offsets = _payload_offsets([b.plan for b in batches], start)
+        if len(batches) > 1 and offsets[-1] > end:  # the micro-batches do not fit side by side: unsplit
+            parts, batches = [items], [self._micro_batch(items, all_logits)]
         try:
             posted = [self.link.post_result(*self._result_shape(b.plan)) for b in batches]
+            sends = []
             for part, batch, offset in zip(parts, batches, offsets):
                 if self.lora_batch is not None:  # this micro-batch's adapter runs (its plan carries them)
                     self.lora_batch.set_runs([(r.lora_slot, n) for r, n in part])
-                hidden = self._run_step(batch.plan, batch.inputs, offset)
-                self.link.send_hidden(hidden, wait=False)
-            results = [p.wait() for p in posted]
-            self.link.flush_sends()
+                hidden = self._run_step(batch.plan, batch.inputs, offset, end=end)
+                sends.append(self.link.send_hidden(hidden, wait=False))
         except RuntimeError as exc:  # gloo: a peer's socket closed, or the group timed out
             raise self._lost(exc) from None
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        return LaunchedStep(batches, posted, sends, all_logits)
+
+    @torch.inference_mode()
+    def collect(self, step: LaunchedStep) -> tuple[torch.Tensor, list]:
+        """Waits for a launched step's results: (logit rows, the requests they sample)."""
+        try:
+            results = [p.wait() for p in step.posted]
+            for send in step.sends:
+                send.wait()
+        except RuntimeError as exc:
+            raise self._lost(exc) from None
+        self.in_flight -= 1
         logits, to_sample = [], []
-        for batch, result in zip(batches, results):
-            rows, sampled = self._logits(batch, result, all_logits)
+        for batch, result in zip(step.batches, results):
+            rows, sampled = self._logits(batch, result, step.all_logits)
             logits.append(rows)
             to_sample += sampled
-        return (torch.cat(logits) if to_sample or all_logits else torch.empty(0)), to_sample
+        return (torch.cat(logits) if to_sample or step.all_logits else torch.empty(0)), to_sample
+
+    def _region(self) -> tuple[int, int]:
+        """The next region of the shared step buffer: (start, end) in int64 elements."""
+        regions = self.steps_in_flight + 1
+        size = self.executor.channel.capacity // regions
+        index, self._next_region = self._next_region % regions, (self._next_region + 1) % regions
+        return index * size, (index + 1) * size
 
     def _lora_slot(self, req) -> int:
         """LoRA: a step's requests grouped by adapter slot, so each adapter's products run once."""
         return -1 if self.lora_batch is None or req.lora_slot is None else req.lora_slot
-
-    def _one_batch(self, items) -> tuple[torch.Tensor, list]:
-        """A step whose micro-batches do not fit the shared buffer side by side: unsplit."""
-        split, self.micro_batches = self.micro_batches, 1
-        try:
-            return self.execute(items)
-        finally:
-            self.micro_batches = split
 
     def _micro_batch(self, items, all_logits: bool) -> _MicroBatch:
         return _MicroBatch(*self._step_plan(items, all_logits))
@@ -110,9 +147,10 @@ class PipelineModelRunner(TPModelRunner):
         """The final hidden states (embeddings): the last stage sends them back instead of logits."""
         plan = make_plan(inputs, num_decodes, [], False, in_shm=False)
         plan = msgspec.structs.replace(plan, sample_rows=[], return_hidden=True)
+        start, end = self._region()
         try:
             posted = self.link.post_result(*self._result_shape(plan))
-            self.link.send_hidden(self._run_step(plan, inputs))
+            self.link.send_hidden(self._run_step(plan, inputs, start, end=end))
             return posted.wait()
         except RuntimeError as exc:
             raise self._lost(exc) from None
@@ -141,9 +179,9 @@ def split_micro_batches(items: list, count: int) -> list[list]:
     return parts + ([current] if current else [])
 
 
-def _payload_offsets(plans) -> list[int]:
+def _payload_offsets(plans, start: int) -> list[int]:
     """Where each micro-batch's arrays start in the shared buffer, and (last) where they end."""
-    offsets = [0]
+    offsets = [start]
     for plan in plans:
         offsets.append(offsets[-1] + payload_length(plan))
     return offsets

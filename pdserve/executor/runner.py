@@ -59,9 +59,10 @@ class TPModelRunner(ModelRunner):
         plan = make_plan(inputs, num_decodes, [], False, in_shm=False)
         return self._run_step(msgspec.structs.replace(plan, sample_rows=[]), inputs, items=items)
 
-    def _run_step(self, plan, inputs, offset: int = 0, items=()) -> torch.Tensor:
-        """Send a step to the workers, then run rank 0's shard of its forward pass. offset: where
-        its arrays go in the shared buffer (a pipeline's micro-batches each have their own);
+    def _run_step(self, plan, inputs, offset: int = 0, items=(), end: int | None = None) -> torch.Tensor:
+        """Send a step to the workers, then run rank 0's shard of its forward pass. offset, end:
+        where its arrays may go in the shared buffer (pipeline steps in flight each have a
+        region of their own; arrays that do not fit are broadcast);
         items: the step's (request, tokens) in row order, which a vision-language model's images
         and positions come from."""
         flat = flatten_inputs(inputs)
@@ -71,7 +72,8 @@ class TPModelRunner(ModelRunner):
         flat = torch.from_numpy(flat)
         if self.lora_batch is not None:  # the workers apply the same adapters to the same rows
             plan = msgspec.structs.replace(plan, lora_rows=self.lora_batch.step_rows)
-        if self.executor.channel.fits(offset + payload_length(plan)):
+        length = payload_length(plan)
+        if self.executor.channel.fits(offset + length) and (end is None or offset + length <= end):
             plan = msgspec.structs.replace(plan, in_shm=True, payload_offset=offset)
         started = time.perf_counter()
         self.executor.send(plan, flat)

@@ -56,23 +56,17 @@ class StageLink:
         self.group, self.role = group, role
         self.hidden_size, self.dtype = hidden_size, dtype  # of the hidden states between stages
         self.wait_seconds = 0.0
-        self._sends: list[tuple[object, torch.Tensor]] = []  # (work, tensor kept alive until done)
 
-    def send_hidden(self, hidden: torch.Tensor, wait: bool = True) -> None:
-        """wait=False: returns at once; flush_sends() waits. A gloo send completes only once
-        the peer posts its receive, so a driver with several micro-batches in flight must not
-        wait on one before it has posted the receives of the results."""
+    def send_hidden(self, hidden: torch.Tensor, wait: bool = True) -> PendingSend | None:
+        """wait=False: returns the send at once, to be waited on later. A gloo send completes
+        only once the peer posts its receive, so a driver with several micro-batches in flight
+        must not wait on one before it has posted the receives of the results."""
         hidden = hidden.contiguous()
         work = self.group.send([hidden], self.role.rank + self.role.tp_size, HIDDEN_TAG)
         if wait:
             work.wait()
-        else:
-            self._sends.append((work, hidden))
-
-    def flush_sends(self) -> None:
-        sends, self._sends = self._sends, []
-        for work, _ in sends:
-            work.wait()
+            return None
+        return PendingSend(work, hidden)
 
     def recv_hidden(self, num_tokens: int) -> torch.Tensor:
         return self._recv((num_tokens, self.hidden_size), self.dtype, self.role.rank - self.role.tp_size, HIDDEN_TAG)
@@ -95,6 +89,15 @@ class StageLink:
         self.group.recv([out], src, tag).wait()
         self.wait_seconds += time.perf_counter() - started
         return out
+
+
+@dataclasses.dataclass
+class PendingSend:
+    work: object
+    tensor: torch.Tensor  # kept alive until the send is done
+
+    def wait(self) -> None:
+        self.work.wait()
 
 
 @dataclasses.dataclass
