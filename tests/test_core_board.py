@@ -36,6 +36,15 @@ def test_a_step_borrows_only_the_cores_of_nodes_idle_a_while(board_path):
     assert decode.step_threads(now_ns=3 * 10**12) == 3  # 1 + 1 + 2, capped at the machine's 3 cores
 
 
+def test_a_step_with_little_prompt_to_compute_borrows_nothing(board_path):
+    prefill, decode = CoreBoard(board_path, 0, 1, 2, min_prefill_tokens=512), CoreBoard(board_path, 1, 1, 2)
+    decode.mark_idle(now_ns=10**12)
+    later = 10**12 + int(LEND_AFTER_S * 1e9)
+    assert prefill.step_threads(now_ns=later, prefill_tokens=511) == 1
+    assert prefill.step_threads(now_ns=later, prefill_tokens=512) == 2
+    assert prefill.step_threads(now_ns=later) == 2  # (work that is not a step: whatever is idle)
+
+
 def test_a_closed_node_lends_nothing_and_run_sets_the_threads(board_path, monkeypatch):
     set_to: list[int] = []
     monkeypatch.setattr("pdserve.node.core_board.set_compute_threads", set_to.append)
@@ -70,12 +79,15 @@ def test_pdserve_up_lends_idle_cores_and_serves_the_same_tokens():
     )
 
     llm = LLM("builtin:tiny", num_kv_blocks=512)
-    with running_cluster("--lend-idle-cores", "--threads-per-node", "1", "--kv-transfer", "nixl") as (url, proc):
-        for start in (7, 40, 90):
+    flags = ("--lend-idle-cores", "--lend-min-prompt-tokens", "100", "--threads-per-node", "1", "--kv-transfer", "nixl")
+    with running_cluster(*flags) as (url, proc):
+        for length in (60, 120, 120):  # under the threshold of prompt tokens, then over it
             # Both nodes idle past LEND_AFTER_S first: each prompt's first step then borrows (back
             # to back, on a loaded machine, no node had been idle that long).
             time.sleep(2 * LEND_AFTER_S)
-            assert_greedy_matches_offline(url, llm, list(range(start, start + 60)), 16)
+            assert_greedy_matches_offline(url, llm, list(range(length, 2 * length)), 16)
+            if length == 60:
+                assert sum(s.get("lent_core_steps", 0) for s in node_stats(url).values()) == 0
         wait_for(lambda: sum(s.get("lent_core_steps", 0) for s in node_stats(url).values()) > 0, timeout_s=10)
         board = _board_of(node_pids(proc.pid))
         assert board is not None and os.path.exists(board)

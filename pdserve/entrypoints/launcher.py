@@ -28,7 +28,7 @@ from pdserve.entrypoints.ray_launch import run_up_ray
 from pdserve.entrypoints.tp_degrees import node_parallel_flags, node_ranks, pool_ranks
 from pdserve.kvstore.redact import embedding_store_url, redact_url
 from pdserve.models.gguf import find_gguf_file, prepare_view
-from pdserve.node.core_board import BOARD_ENV, SLOT_ENV, SLOTS, create_board, machine_cores
+from pdserve.node.core_board import BOARD_ENV, MIN_TOKENS_ENV, SLOT_ENV, SLOTS, create_board, machine_cores
 from pdserve.wire.curve_keys import write_keys
 from pdserve.wire.transport import NodeSocket, free_port
 
@@ -77,24 +77,25 @@ class Cluster:
             # Each node gets its share of the cores: nodes that each size their torch and numba
             # pools to every core oversubscribe the machine (measured: 0.3x the throughput).
             env.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
-            slot = self._board_slot(name) if lend_cores else None
-            if slot is not None:  # and borrows idle nodes' cores (pdserve.node.core_board)
-                env.update({BOARD_ENV: self.core_board, SLOT_ENV: str(slot)})
+            if lend_cores:  # and borrows idle nodes' cores (pdserve.node.core_board)
+                env.update(self._board_env(name))
         self.commands[name] = (cmd, env)
         self.procs.append((name, subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
 
-    def _board_slot(self, name: str) -> int | None:
+    def _board_env(self, name: str) -> dict[str, str]:
         """The node's slot on the core board (--lend-idle-cores), made with the board at the
-        first node; None without one, or past its slots."""
+        first node, as environment variables; none without a board, or past its slots."""
         if not getattr(self.args, "lend_idle_cores", False):
-            return None
+            return {}
         if self.core_board is None:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             fd, self.core_board = tempfile.mkstemp(prefix="pdserve-cores-", dir=shm)
             os.close(fd)
             create_board(self.core_board)
         slot = self.board_slots.setdefault(name, len(self.board_slots))
-        return slot if slot < SLOTS else None
+        min_tokens = getattr(self.args, "lend_min_prompt_tokens", None)
+        return ({} if slot >= SLOTS else {BOARD_ENV: self.core_board, SLOT_ENV: str(slot)}
+                | ({MIN_TOKENS_ENV: str(min_tokens)} if min_tokens is not None else {}))
 
     def threads_per_node(self, ranks: int = 1) -> int:
         """A node's threads: its ranks' share of the cores (a TP or PP node gets one share per

@@ -20,6 +20,12 @@ two cores, whose OpenMP barriers spin (measured: a 1,280-token prefill at two th
 busy core took 5.8 s against 2.9 s at one thread; 64-256-token prompts at 4 req/s went from 81%
 to 38% of requests within their targets with immediate lending).
 
+And only a step with enough prompt to compute borrows (LEND_MIN_PREFILL_TOKENS queued or
+running, by default): a short prompt meets its TTFT on one core (a 256-token prefill takes 0.6
+s at one thread), so a second core saves it little, while a borrowed core that its node wants
+back mid-step slows both nodes. A long prompt is where one core misses the target (1,280
+tokens: 2.69 s) and two meet it.
+
 Thread counts change between steps only: torch's intra-op pool (process-wide) and numba's
 (per calling thread, so on the compute thread that runs the steps; the compiled kernels take
 numba's count per call).
@@ -36,7 +42,8 @@ import numpy as np
 T = TypeVar("T")
 SLOTS = 64  # nodes a board holds; a node past them runs on its own share
 LEND_AFTER_S = 0.25  # a node lends its cores once idle this long
-BOARD_ENV, SLOT_ENV = "PDSERVE_CORE_BOARD", "PDSERVE_CORE_SLOT"
+LEND_MIN_PREFILL_TOKENS = 512  # a step borrows only with this many prompt tokens to compute
+BOARD_ENV, SLOT_ENV, MIN_TOKENS_ENV = "PDSERVE_CORE_BOARD", "PDSERVE_CORE_SLOT", "PDSERVE_CORE_BORROW_MIN_TOKENS"
 
 
 def create_board(path: str) -> None:
@@ -45,9 +52,11 @@ def create_board(path: str) -> None:
 
 
 class CoreBoard:
-    def __init__(self, path: str, slot: int, share: int, cores: int):
+    def __init__(self, path: str, slot: int, share: int, cores: int,
+                 min_prefill_tokens: int = LEND_MIN_PREFILL_TOKENS):
         self.table = np.memmap(path, dtype=np.int64, mode="r+", shape=(SLOTS, 2))
         self.slot, self.share, self.cores = slot, share, cores
+        self.min_prefill_tokens = min_prefill_tokens
         self.table[slot] = (share, 0)
         self.threads = 0  # what the pools are set to now (0: not set by the board yet)
         self.lent_steps = 0  # steps run on more than the node's share (in its stats)
@@ -59,13 +68,18 @@ class CoreBoard:
         path, slot, share = env.get(BOARD_ENV), env.get(SLOT_ENV, ""), env.get("OMP_NUM_THREADS", "")
         if not path or not slot.isdigit() or int(slot) >= SLOTS or not share.isdigit() or int(share) < 1:
             return None
-        return cls(path, int(slot), int(share), max(machine_cores(), int(share)))
+        min_tokens = env.get(MIN_TOKENS_ENV, "")
+        return cls(path, int(slot), int(share), max(machine_cores(), int(share)),
+                   int(min_tokens) if min_tokens.isdigit() else LEND_MIN_PREFILL_TOKENS)
 
-    def step_threads(self, now_ns: int | None = None) -> int:
+    def step_threads(self, now_ns: int | None = None, prefill_tokens: int | None = None) -> int:
         """Mark this node busy, then its share plus the shares of the nodes idle for
-        LEND_AFTER_S, up to the machine's cores. (CLOCK_MONOTONIC is the machine's: every
-        node's clock.)"""
+        LEND_AFTER_S, up to the machine's cores; only its share when the step has fewer than
+        min_prefill_tokens prompt tokens to compute (None: not known, borrow). (CLOCK_MONOTONIC
+        is the machine's: every node's clock.)"""
         self.table[self.slot, 1] = 0
+        if prefill_tokens is not None and prefill_tokens < self.min_prefill_tokens:
+            return self.share
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         others = np.delete(np.asarray(self.table), self.slot, axis=0)
         idle = (others[:, 1] > 0) & (others[:, 1] <= now_ns - int(LEND_AFTER_S * 1e9))
@@ -76,9 +90,10 @@ class CoreBoard:
         if self.table[self.slot, 1] == 0:
             self.table[self.slot, 1] = time.monotonic_ns() if now_ns is None else now_ns
 
-    def run(self, work: Callable[[], T]) -> T:
-        """work() (a step, on the compute thread) with this step's threads."""
-        threads = self.step_threads()
+    def run(self, work: Callable[[], T], prefill_tokens: int | None = None) -> T:
+        """work() (a step, on the compute thread) with this step's threads; prefill_tokens: the
+        prompt tokens it has to compute (None: borrow whatever is idle)."""
+        threads = self.step_threads(prefill_tokens=prefill_tokens)
         if threads != self.threads:
             set_compute_threads(threads)
             self.threads = threads
