@@ -48,6 +48,9 @@ def cells(ranges: dict, outputs: tuple[int, ...]) -> list[Cell]:
     return [Cell(lo, hi, out, rate) for (lo, hi), rates in ranges.items() for out in outputs for rate in rates]
 
 
+FULL_GRID = cells(PROMPT_RANGES, OUTPUT_LENS)
+
+
 def cell_config(url: str, cell: Cell, args, index: int) -> BenchConfig:
     # Each cell its own seed: a cell repeating an earlier cell's prompts would be served from cache.
     return BenchConfig(base_url=url, workload="random", input_len_min=cell.prompt_min, input_len_max=cell.prompt_max,
@@ -77,9 +80,9 @@ def run_layout(name: str, grid: list[Cell], args) -> dict[str, dict]:
     with local_cluster(*flags, log_path=os.path.join(args.log_dir, f"grid-{name}.log")) as c:
         warm = dataclasses.replace(cell_config(c.url, grid[0], args, 10_000), num_prompts=2, request_rate=math.inf)
         asyncio.run(run_benchmark(warm))  # untimed: first steps, the nodes' first cost measurements
-        for i, cell in enumerate(grid):
+        for cell in grid:
             before = placements(c)
-            row = measure_cell(c.url, cell, args, i)
+            row = measure_cell(c.url, cell, args, FULL_GRID.index(cell))  # (its seed: as in the whole grid)
             after = placements(c)
             row.update({k: after[k] - before[k] for k in after})
             out[cell.name] = row
@@ -118,6 +121,17 @@ def table(results: dict[str, dict[str, dict]], grid: list[Cell]) -> str:
     return "\n".join(lines)
 
 
+def _only(ranges: dict, wanted: str | None) -> dict:
+    if wanted is None:
+        return ranges
+    keep = {tuple(int(x) for x in r.split("-")) for r in wanted.split(",")}
+    return {r: rates for r, rates in ranges.items() if r in keep}
+
+
+def _only_outputs(wanted: str | None) -> tuple[int, ...]:
+    return OUTPUT_LENS if wanted is None else tuple(int(x) for x in wanted.split(","))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -128,8 +142,10 @@ def main() -> int:
     p.add_argument("--itl-slo-ms", type=float, default=100.0)
     p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--json", default=None)
+    p.add_argument("--prompt-ranges", default=None, help="only these, as 64-256,512-2048 (default: all three)")
+    p.add_argument("--outputs", default=None, help="only these output lengths, as 16,128 (default: both)")
     args = p.parse_args()
-    grid = cells(PROMPT_RANGES, OUTPUT_LENS)
+    grid = cells(_only(PROMPT_RANGES, args.prompt_ranges), _only_outputs(args.outputs))
     results: dict[str, dict[str, dict]] = {}
     for name in args.layouts.split(","):
         results[name] = run_layout(name, grid, args)
