@@ -112,7 +112,7 @@ def table(results: dict[str, dict[str, dict]], grid: list[Cell]) -> str:
             if r and n.startswith("pd") and best_mono is not None and r["attainment"] < best_mono:
                 txt += " (below)"
             cells_txt.append(txt)
-        pd = next((r for n, r in zip(names, row) if r and n == "pd-slo"), None)
+        pd = next((r for n, r in zip(names, row) if r and n.startswith("pd")), None)  # the first P/D layout
         share = "-"
         if pd and pd["prefills_local"] + pd["prefills_handed_over"]:
             share = f"{pd['prefills_local'] / (pd['prefills_local'] + pd['prefills_handed_over']):.0%}"

@@ -80,11 +80,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def prompt_tokens_to_compute(self) -> int:
-        """Prompt tokens the running and waiting requests have yet to compute (a request waiting
-        for remote KV counts none; cached prefixes are found only when scheduled)."""
+    def longest_prompt_to_compute(self) -> int:
+        """The most prompt tokens one running or waiting request has yet to compute (a request
+        waiting for remote KV counts none; cached prefixes are found only when scheduled)."""
         ready = [r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS]
-        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*self.running, *ready))
+        return max((r.num_prompt_tokens - r.num_computed_tokens for r in (*self.running, *ready)), default=0)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()

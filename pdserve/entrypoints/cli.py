@@ -215,8 +215,8 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
                     help="a node runs each step on its own threads plus those of the nodes idle for 0.25 s "
                          "(nodes of one rank; see docs/disaggregation.md)")
     up.add_argument("--lend-min-prompt-tokens", type=int, default=None,
-                    help="--lend-idle-cores: a step borrows cores only with at least this many prompt tokens "
-                         "to compute (default 512)")
+                    help="--lend-idle-cores: a step borrows cores only for a prompt with at least this many "
+                         "tokens left to compute (default 512)")
     add_admission_args(up)
     add_routing_args(up)
     add_planner_args(up)

@@ -20,11 +20,14 @@ two cores, whose OpenMP barriers spin (measured: a 1,280-token prefill at two th
 busy core took 5.8 s against 2.9 s at one thread; 64-256-token prompts at 4 req/s went from 81%
 to 38% of requests within their targets with immediate lending).
 
-And only a step with enough prompt to compute borrows (LEND_MIN_PREFILL_TOKENS queued or
-running, by default): a short prompt meets its TTFT on one core (a 256-token prefill takes 0.6
-s at one thread), so a second core saves it little, while a borrowed core that its node wants
-back mid-step slows both nodes. A long prompt is where one core misses the target (1,280
-tokens: 2.69 s) and two meet it.
+And only a step with a long prompt to compute borrows (one request with LEND_MIN_PREFILL_TOKENS
+of its prompt left, by default): a short prompt meets its TTFT on one core (a 256-token prefill
+takes 0.6 s at one thread), so a second core saves it little, while a borrowed core that its
+node wants back mid-step slows both nodes. A long prompt is where one core misses the target
+(1,280 tokens: 2.69 s) and two meet it. A queue of short prompts does not borrow either: it
+builds under load, when the node that lends is about to want its core back (measured: with the
+rule counting queued tokens instead, 64-256-token prompts at 2 req/s and 128 out went from 100%
+to 62% of requests within their targets).
 
 Thread counts change between steps only: torch's intra-op pool (process-wide) and numba's
 (per calling thread, so on the compute thread that runs the steps; the compiled kernels take
@@ -42,7 +45,7 @@ import numpy as np
 T = TypeVar("T")
 SLOTS = 64  # nodes a board holds; a node past them runs on its own share
 LEND_AFTER_S = 0.25  # a node lends its cores once idle this long
-LEND_MIN_PREFILL_TOKENS = 512  # a step borrows only with this many prompt tokens to compute
+LEND_MIN_PREFILL_TOKENS = 512  # a step borrows only for a prompt with this many tokens left to compute
 BOARD_ENV, SLOT_ENV, MIN_TOKENS_ENV = "PDSERVE_CORE_BOARD", "PDSERVE_CORE_SLOT", "PDSERVE_CORE_BORROW_MIN_TOKENS"
 
 
@@ -74,9 +77,9 @@ class CoreBoard:
 
     def step_threads(self, now_ns: int | None = None, prefill_tokens: int | None = None) -> int:
         """Mark this node busy, then its share plus the shares of the nodes idle for
-        LEND_AFTER_S, up to the machine's cores; only its share when the step has fewer than
-        min_prefill_tokens prompt tokens to compute (None: not known, borrow). (CLOCK_MONOTONIC
-        is the machine's: every node's clock.)"""
+        LEND_AFTER_S, up to the machine's cores; only its share when no prompt it has to compute
+        has min_prefill_tokens left (prefill_tokens: the longest's; None: not known, borrow).
+        (CLOCK_MONOTONIC is the machine's: every node's clock.)"""
         self.table[self.slot, 1] = 0
         if prefill_tokens is not None and prefill_tokens < self.min_prefill_tokens:
             return self.share
@@ -92,7 +95,7 @@ class CoreBoard:
 
     def run(self, work: Callable[[], T], prefill_tokens: int | None = None) -> T:
         """work() (a step, on the compute thread) with this step's threads; prefill_tokens: the
-        prompt tokens it has to compute (None: borrow whatever is idle)."""
+        longest prompt it has to compute, in tokens (None: borrow whatever is idle)."""
         threads = self.step_threads(prefill_tokens=prefill_tokens)
         if threads != self.threads:
             set_compute_threads(threads)

@@ -186,13 +186,13 @@ class NodeRuntime:
         return self.engine.has_unfinished_requests() and self.engine.last_step_tokens > 0
 
     def _step_answering_pings(self) -> list[StepOutput]:
-        # (a step borrows idle nodes' cores only for enough prompt to compute: core_board)
-        tokens = self.engine.scheduler.prompt_tokens_to_compute() if self.cores is not None else None
+        # (a step borrows idle nodes' cores only for a long prompt to compute: core_board)
+        tokens = self.engine.scheduler.longest_prompt_to_compute() if self.cores is not None else None
         return self._run_answering_pings(self.engine.step, tokens)
 
     def _run_answering_pings(self, work, prefill_tokens: int | None = None):
         """work() (an engine step, or other work on the model) on the step thread; its result.
-        prefill_tokens: the prompt tokens a step has to compute (None: not a step's)."""
+        prefill_tokens: the longest prompt a step has to compute (None: not a step's)."""
         step = self._stepper.submit(work if self.cores is None else lambda: self.cores.run(work, prefill_tokens))
         # Signalled from a done-callback, which runs after the future is marked done: a byte
         # written from inside the step would wake this loop before done() turns true, and the
