@@ -28,7 +28,8 @@ class LaunchedBatch:
 def pipelined_step(engine) -> list[StepOutput]:
     """One engine call: launch a step if one more may be in flight and there is work for it;
     collect the oldest step once as many are in flight as may be, or when nothing new ran."""
-    queue, depth = engine.launched, engine.runner.steps_in_flight
+    # (the scheduler's count, which step() dispatches on; the runner sizes its buffer regions for it)
+    queue, depth = engine.launched, engine.scheduler.steps_in_flight
     launched = False
     if len(queue) < depth:
         batch = engine.scheduler.schedule()
