@@ -91,6 +91,55 @@ def test_disk_tier_holds_what_the_cpu_tier_evicted(make: Callable[..., KVStore],
     assert read_back(store, keys, src) == (N if disk else 0)
 
 
+def test_a_cpu_tier_of_two_chunks_puts_every_chunk_to_disk(redis_url: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put of 16 chunks of 2 MiB through a CPU tier of 2, onto a slow disk (each write 20 ms
+    late, as under a busy machine's I/O): each chunk holds its CPU memory until the disk tier has
+    written it, so the store waits for those writes between parts; without the wait LMCache finds
+    no room and drops the later chunks (they never reach disk or Redis)."""
+    from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend  # optional dependency: lmcache
+    save = LocalDiskBackend.async_save_bytes_to_disk
+
+    def slow_save(self, *args, **kwargs):
+        time.sleep(0.02)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocalDiskBackend, "async_save_bytes_to_disk", slow_save)
+    layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, block_size=16, model_name="test-disk-wait")
+    chunk_tokens, n = 256, 256  # blocks: 16 chunks, 32 MiB
+    keys = [bytes([6, i]) * 8 for i in range(n)]
+    src = torch.randn(n, *layout.block_shape())
+    chunk_gb = layout.block_nbytes(chunk_tokens) / (1 << 30)
+    store = make_store(redis_url, layout=layout, chunk_tokens=chunk_tokens, local_cpu_gb=2 * chunk_gb,
+                       local_disk=str(tmp_path / "tier"), local_disk_gb=0.1)
+    fresh = make_store(redis_url, layout=layout, chunk_tokens=chunk_tokens, local_cpu_gb=2 * chunk_gb)
+    try:
+        store.put(keys, src, list(range(n)), [16] * n)
+        assert fresh.lookup_prefix(keys) == n, "every chunk reached Redis"
+        redis.Redis.from_url(redis_url).flushall()
+        deadline = time.monotonic() + 10  # the last part's disk writes end in the background
+        while store.lookup_prefix(keys) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dst = torch.zeros_like(src)
+        assert store.get(keys, dst, list(range(n)), [16] * n) == n
+        assert torch.equal(dst, src)
+    finally:
+        store.close()
+        fresh.close()
+
+
+def test_a_cpu_tier_of_one_chunk_still_writes_through_to_redis(make: Callable[..., KVStore]) -> None:
+    """LMCache stages every chunk in its CPU tier: one chunk of room is enough for every chunk to
+    reach Redis (a fresh store reads them all back), and less than one is refused at start, since
+    such a store would store nothing and miss on every get."""
+    chunk_gb = LAYOUT.block_nbytes(CHUNK_TOKENS) / (1 << 30)
+    keys, src = blocks(4)
+    make(local_cpu_gb=chunk_gb).put(keys, src, list(range(N)), [16] * N)
+    assert read_back(make(local_cpu_gb=chunk_gb), keys, src) == N
+    with pytest.raises(ValueError, match="holds no chunk"):
+        make(local_cpu_gb=chunk_gb * 0.9)
+
+
 def write_config(path: Path, **values: object) -> str:
     path.write_text("".join(f"{k}: {v}\n" for k, v in values.items()))
     return str(path)

@@ -1,16 +1,18 @@
 """Warm / cold TTFT at a long shared prefix served from each tier of the default store alone.
 
     .venv/bin/python -m benchmarks.kv_transfer.bench_store_tiers_ttft [--prefix-len 2048] [--trials 3]
+        [--model SmolLM2-135M-Instruct]  # any model pdserve serves, instead of the bench model
+        [--tiers Redis]                  # only these rows
 
 1 prefill + 1 decode node over the default store (LMCache, 256-token chunks, its own Redis), the
-~32M bench model served (support/bench_model.py). Each trial: cold = prefix + question A (nothing cached
+~32M bench model served (support/bench_model.py) unless --model names another. Each trial: cold = prefix + question A (nothing cached
 anywhere); then a filler prompt of the same length, which evicts the prefix from the prefill
 node's paged cache (--num-kv-blocks holds one such prompt) so the warm request gets no local
 hit; warm = prefix + question B. Where the warm prefix comes from is set by an LMCache config
 file per row:
   CPU tier    max_local_cpu_size 1 GB: the prefill node's own CPU tier still holds the chunks
-  disk tier   an 8 MiB CPU tier (the filler evicts the prefix from it) and a 1 GB disk tier
-  Redis       an 8 MiB CPU tier, no disk: the chunks come back from Redis
+  disk tier   a 24 MiB CPU tier (the filler evicts the prefix from it) and a 1 GB disk tier
+  Redis       a 24 MiB CPU tier, no disk: the chunks come back from Redis
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ import httpx
 from benchmarks.support.bench_model import build_served_model
 from benchmarks.support.cluster import local_cluster, ttft_ms
 
-SMALL_CPU_GB = 8 / 1024
+# Small enough that the filler evicts the prefix from it, big enough for two chunks of SmolLM2's
+# float32 KV (11.8 MB each): LMCache stages every chunk in the CPU tier, and stores nothing without room.
+SMALL_CPU_GB = 24 / 1024
 
 
 def tier_configs(root: Path) -> dict[str, str]:
@@ -43,7 +47,7 @@ def tier_configs(root: Path) -> dict[str, str]:
     return paths
 
 
-def run_tier(model: Path, config: str, args) -> list[tuple[float, float]]:
+def run_tier(model: Path | str, config: str, args) -> list[tuple[float, float]]:
     blocks = (args.prefix_len + args.question_len) // 16 + 8  # one prompt's blocks, a little spare
     flags = ["--model", str(model), "--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store",
              "--num-kv-blocks", str(blocks), "--lmcache-config", config, "--local-prefill-threshold", "0"]
@@ -51,7 +55,7 @@ def run_tier(model: Path, config: str, args) -> list[tuple[float, float]]:
     with local_cluster(*flags) as c, httpx.Client() as client:
         model_id = client.get(f"{c.url}/v1/models", timeout=10).json()["data"][0]["id"]
         rng = random.Random(0)
-        draw = lambda n: [rng.randrange(3, 258) for _ in range(n)]  # noqa: E731
+        draw = lambda n: [rng.randrange(3, 258) for _ in range(n)]  # noqa: E731  (ids every tokenizer has)
         ttft_ms(client, c.url, model_id, draw(args.question_len) * 4)  # warm-up: connections, kernels
         for _ in range(args.trials):
             prefix = draw(args.prefix_len)
@@ -68,15 +72,21 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=2048)
     ap.add_argument("--question-len", type=int, default=64)
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--model", default=None,
+                    help="a model pdserve serves (e.g. SmolLM2-135M-Instruct, the default GGUF); default: the ~32M bench model")
+    ap.add_argument("--tiers", default="CPU tier,disk tier,Redis", help="comma-separated rows to run")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp())
-    model = build_served_model(root / "llama-32m")
+    model = args.model or build_served_model(root / "llama-32m")
+    wanted = args.tiers.split(",")
     rows = {}
     for name, config in tier_configs(root).items():
+        if name not in wanted:
+            continue
         print(f"{name}:", flush=True)
         pairs = run_tier(model, config, args)
         rows[name] = (statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs))
-    print(f"\n{args.prefix_len}-token shared prefix + {args.question_len}-token question, 1P1D over the "
+    print(f"\n{Path(str(model)).name}, {args.prefix_len}-token shared prefix + {args.question_len}-token question, 1P1D over the "
           f"default store, no local hit, medians of {args.trials} trials\n")
     print("| warm prefix from | cold TTFT ms | warm TTFT ms | warm / cold |")
     print("|---|---:|---:|---:|")

@@ -98,6 +98,16 @@ def remote_backends(engine: Any) -> list[RemoteBackend]:
     return [b for b in manager.storage_backends.values() if isinstance(b, RemoteBackend)]
 
 
+def disk_write_queues(engine: Any) -> list[tuple[Any, list]]:
+    """(lock, keys still being written) of each local disk tier: a chunk waiting for its disk
+    write holds its CPU-tier memory, which a small CPU tier then cannot give to the next chunk."""
+    manager = engine.storage_manager
+    if manager is None:
+        return []
+    workers = [getattr(b, "disk_worker", None) for b in manager.storage_backends.values()]
+    return [(w.put_lock, w.put_tasks) for w in workers if w is not None and hasattr(w, "put_tasks")]
+
+
 def leading_keys_present(backend: RemoteBackend, keys: list, timeout_s: float = 5.0) -> int:
     """How many leading keys the remote tier holds, every key asked at once. LMCache's lookup
     asks its Redis and Redis Cluster connectors one key per round trip: on a Redis Cluster that

@@ -61,6 +61,7 @@ def check_config(config: LMCacheEngineConfig, layout: KVLayout) -> None:
     if chunk <= 0 or chunk % layout.block_size:
         raise ValueError(f"LMCache chunk_size {chunk} must be a positive multiple of the block size "
                          f"{layout.block_size}: one chunk holds whole blocks")
+    check_cpu_tier_holds_a_chunk(config, layout)
     if config.save_unfull_chunk:
         # Partial chunks never reach LMCache (they go through the direct tail path), and
         # resp:// refuses the flag outright.
@@ -69,3 +70,17 @@ def check_config(config: LMCacheEngineConfig, layout: KVLayout) -> None:
                                                                                "redis-cluster://")):
         raise ValueError(f"LMCache remote_url must be resp://, redis:// or redis-cluster:// for pdserve "
                          f"(its digests and partial chunks live in the same Redis), got {config.remote_url!r}")
+
+
+def check_cpu_tier_holds_a_chunk(config: LMCacheEngineConfig, layout: KVLayout) -> None:
+    """LMCache stages every chunk it stores or loads in its CPU tier, whatever tier it goes to
+    next: a tier smaller than one chunk stores nothing anywhere (it logs 'Local cpu memory under
+    pressure' and drops the chunk), so a store on it would silently miss every time."""
+    chunk_bytes = layout.block_nbytes(int(config.chunk_size))
+    tier_bytes = float(config.max_local_cpu_size or 0) * (1 << 30)
+    if tier_bytes < chunk_bytes:
+        need_gb = chunk_bytes / (1 << 30)
+        raise ValueError(f"LMCache max_local_cpu_size {config.max_local_cpu_size} GB holds no chunk of "
+                         f"{int(config.chunk_size)} tokens ({chunk_bytes / 1e6:.1f} MB for this model): LMCache "
+                         f"stages every chunk in its CPU tier, even for disk and Redis, so nothing would be "
+                         f"stored. Raise it to at least {need_gb:.3f} GB or lower chunk_size")

@@ -44,6 +44,7 @@ from pdserve.kvstore.lmcache_compat import (
     LMCacheEngineConfig,
     LMCacheMetadata,
     close_in_daemon,
+    disk_write_queues,
     keep_start_method,
     leading_keys_present,
     quiet_lmcache_logs,
@@ -166,9 +167,15 @@ class LMCacheKVStore(KVStore):
         """keys/block_ids: whole chunks, aligned, every block full."""
         C, bs = self.chunk_blocks, self.layout.block_size
         step = self.chunks_per_call * C
+        previous: set[int] = set()
         for lo in range(0, len(keys), step):
             part_keys, part_ids = keys[lo:lo + step], list(block_ids[lo:lo + step])
             hashes = [chunk_hash(part_keys[j]) for j in range(C - 1, len(part_keys), C)]
+            # A CPU tier too small for the whole put: the last part's chunks hold their memory
+            # until the disk tier has them, and LMCache drops (never stores) a chunk it cannot
+            # allocate. Wait for those writes, not for the last part's (the first token waits).
+            self._wait_written(previous, disk_write_queues(self.engine), "disk")
+            previous = set(hashes)
             # Digests first: written after the chunks, the small MSET queues behind megabytes of
             # chunk SETs in single-threaded Redis (measured: most of a put's time).
             reachable = self._digests is None or self._digests.put(part_keys, kv_cache, part_ids,
@@ -177,18 +184,22 @@ class LMCacheKVStore(KVStore):
                 self.engine.store(hashes=hashes, offsets=[C * bs] * len(hashes),
                                   kv_cache=kv_cache, slot_mapping=part_ids)
             if reachable:  # else Redis is down: the writes fail in the background, do not wait
-                self._wait_remote(set(hashes))
+                queues = [(b.lock, b.put_tasks) for b in remote_backends(self.engine)]
+                self._wait_written(set(hashes), queues, "remote")
 
-    def _wait_remote(self, hashes: set[int]) -> None:
+    def _wait_written(self, hashes: set[int], queues: list[tuple[Any, list]], tier: str) -> None:
+        """Until no queue (a tier's lock and the keys it is still writing) holds these chunks."""
+        if not hashes:
+            return
         deadline = time.monotonic() + self.wait_remote_s
-        for backend in remote_backends(self.engine):
+        for lock, tasks in queues:
             while True:
-                with backend.lock:
-                    pending = any(k.chunk_hash in hashes for k in backend.put_tasks)
+                with lock:
+                    pending = any(k.chunk_hash in hashes for k in tasks)
                 if not pending:
                     break
                 if time.monotonic() > deadline:
-                    logger.warning("LMCache remote writes still pending after %.1fs", self.wait_remote_s)
+                    logger.warning("LMCache %s writes still pending after %.1fs", tier, self.wait_remote_s)
                     return
                 time.sleep(0.0005)
 
