@@ -33,40 +33,6 @@
 
 #include "native_decode.h"
 
-/* y[t] += (x[t] A_s^T) B_s^T for one row t with adapter slot s (the product first, then one add
- * per output, as torch's addmm does); h holds width + out floats */
-static void lora_row(const pd_lora *L, const float *xr, int cols, int s, float *h, float *yr) {
-    const float *a = L->a + (long)s * L->width, *b = L->b + (long)s * L->width * L->out;
-    float *delta = h + L->width;
-    memset(h, 0, sizeof(float) * ((size_t)L->width + L->out));
-    for (int i = 0; i < cols; i++) {
-        const float xi = xr[i], *ai = a + (long)i * L->ld;
-        for (int j = 0; j < L->width; j++) h[j] += xi * ai[j];
-    }
-    for (int j = 0; j < L->width; j++) {
-        const float hj = h[j], *bj = b + (long)j * L->out;
-        if (hj == 0.0f) continue; /* past the adapter's rank, or a part it leaves alone */
-        for (int o = 0; o < L->out; o++) delta[o] += hj * bj[o];
-    }
-    for (int o = 0; o < L->out; o++) yr[o] += delta[o];
-}
-
-/* y[t] += its adapter's delta for each row t whose slot row_slots[t] is >= 0; -1 rows are the
- * base model's. The rows in parallel, each thread with its own scratch. */
-static int lora_add(const pd_lora *L, const float *x, int tokens, int cols, const int32_t *row_slots, float *y,
-                    int threads) {
-    if (L->a == NULL || row_slots == NULL) return 0;
-    size_t per = (size_t)L->width + L->out;
-    float *scratch = malloc(sizeof(float) * per * tokens);
-    if (!scratch) return -2;
-#pragma omp parallel for schedule(static) num_threads(threads) if (tokens > 1)
-    for (int t = 0; t < tokens; t++)
-        if (row_slots[t] >= 0)
-            lora_row(L, x + (long)t * cols, cols, row_slots[t], scratch + per * t, y + (long)t * L->out);
-    free(scratch);
-    return 0;
-}
-
 /* h = w * (x / sqrt(mean(x^2) + eps)) for each of the tokens' rows, after x += delta when delta is given */
 void pd_add_norm(float *x, const float *delta, const float *w, float eps, int tokens, int cols, float *h) {
     for (int t = 0; t < tokens; t++) {
@@ -306,7 +272,7 @@ static int attention(const pd_model *m, const pd_layer *L, const float *h, int t
                      const float *sin, const int64_t *slots, const int32_t *tables, int max_blocks,
                      const int32_t *lens, const int32_t *row_slots, float *qkv, float *attn, int threads) {
     int rc = pd_matmul(&L->qkv, h, tokens, m->hidden, qkv, threads);
-    if (rc || (rc = lora_add(&L->lora_qkv, h, tokens, m->hidden, row_slots, qkv, threads))) return rc;
+    if (rc || (rc = pd_lora_add(&L->lora_qkv, h, tokens, m->hidden, row_slots, qkv, threads))) return rc;
     finish_qkv(m, L, qkv, tokens, cos, sin, slots);
     return attend(m, L, qkv, tokens, tables, max_blocks, lens, attn, threads);
 }
@@ -315,10 +281,10 @@ static int attention(const pd_model *m, const pd_layer *L, const float *h, int t
 static int dense_mlp(const pd_model *m, const pd_layer *L, const float *h, int tokens, const int32_t *row_slots,
                      float *gu, float *act, float *o, int threads) {
     int rc = pd_matmul(&L->gate_up, h, tokens, m->hidden, gu, threads);
-    if (rc || (rc = lora_add(&L->lora_gate_up, h, tokens, m->hidden, row_slots, gu, threads))) return rc;
+    if (rc || (rc = pd_lora_add(&L->lora_gate_up, h, tokens, m->hidden, row_slots, gu, threads))) return rc;
     pd_gate_mul(gu, tokens, m->inter, m->act, act);
     if ((rc = pd_matmul(&L->down, act, tokens, m->inter, o, threads))) return rc;
-    return lora_add(&L->lora_down, act, tokens, m->inter, row_slots, o, threads);
+    return pd_lora_add(&L->lora_down, act, tokens, m->inter, row_slots, o, threads);
 }
 
 /* x [tokens, hidden]: the embedded tokens in, the last residual out; h [tokens, hidden] out: the
@@ -341,7 +307,7 @@ int pd_decode_layers(const pd_model *m, float *x, int tokens, const float *cos, 
                     : attention(m, L, h, tokens, cos, sin, slots, tables, max_blocks, lens, row_slots, qkv, attn,
                                 threads);
         if (rc || (rc = pd_matmul(&L->o, attn, tokens, q_cols, o, threads))) break;
-        if ((rc = lora_add(&L->lora_o, attn, tokens, q_cols, row_slots, o, threads))) break;
+        if ((rc = pd_lora_add(&L->lora_o, attn, tokens, q_cols, row_slots, o, threads))) break;
         pd_add_bias(o, tokens, H, L->o_bias);
         if (m->reduce && (rc = m->reduce(o, (int64_t)tokens * H))) break;
         if (L->attn_out_norm) pd_add_norm(o, NULL, L->attn_out_norm, m->eps, tokens, H, o);

@@ -21,6 +21,11 @@ typedef struct {
     int32_t width, ld, out;
 } pd_lora;
 
+/* y[t] += (x[t] A_s^T) B_s^T for each row t with an adapter slot s = row_slots[t] >= 0 (native_lora.c);
+ * 0, or -2 when out of memory */
+int pd_lora_add(const pd_lora *L, const float *x, int tokens, int cols, const int32_t *row_slots, float *y,
+                int threads);
+
 /* A mixture-of-experts MLP (Qwen2/3-MoE, Mixtral, gpt-oss): each row's top_k experts, by a softmax
  * over the router's logits then the top k (their weights renormalized to sum 1 where renormalize
  * is set), or where topk_first is set by the top k logits then a softmax over those (gpt-oss).

@@ -36,9 +36,11 @@ from pdserve.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 
-# native_decode.c (a decode step through every layer), native_moe.c (its MoE layers' MLP) and
-# native_mla.c (its latent attention layers) are built into the same library: they call pd_gemv. Their header is hashed with them.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_gemv.c", "native_decode.c", "native_moe.c", "native_mla.c"))
+# native_decode.c (a decode step through every layer), native_lora.c (its adapter deltas),
+# native_moe.c (its MoE layers' MLP) and native_mla.c (its latent attention layers) are built into
+# the same library: they call pd_gemv. Their header is hashed with them.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_gemv.c", "native_decode.c", "native_lora.c", "native_moe.c",
+                                                              "native_mla.c"))
 HEADERS = (Path(__file__).with_name("native_decode.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int
