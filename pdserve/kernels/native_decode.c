@@ -193,7 +193,10 @@ static void attend_any(const pd_model *m, const pd_layer *L, const float *q, con
 
 #define ATTEND_REGS(NG, D16) attend_regs(m, L, q, sinks, kh, table, first, length, scores, max_len, o, NG, D16)
 
-/* Query heads g0 .. g0 + ng - 1 of KV head kh's group, of sequence b (a window's keys only) */
+/* Query heads g0 .. g0 + ng - 1 of KV head kh's group, of sequence b (a window's keys only). Head
+ * sizes 64 and 128 take the group in register-sized parts (4 or 3 heads of 64, 2 of 128), each
+ * part loading the keys and values once for its heads: a group of 2 (Qwen3-MoE's shape) or 8
+ * (Qwen3-30B-A3B's) ran through attend_any, at a few times the cost. */
 static void attend_one(const pd_model *m, const pd_layer *L, const float *qkv, int b, int kh, int g0, int ng,
                        const int32_t *table, int32_t end, float *scores, int max_len, float *out) {
     int D = m->head_dim, group = m->heads / m->kv_heads, cols = (m->heads + 2 * m->kv_heads) * D;
@@ -201,12 +204,21 @@ static void attend_one(const pd_model *m, const pd_layer *L, const float *qkv, i
     const float *q = qkv + (long)b * cols + ((long)kh * group + g0) * D;
     float *o = out + (long)b * m->heads * D + ((long)kh * group + g0) * D;
     const float *sinks = L->sinks ? L->sinks + (long)kh * group + g0 : NULL;
-    if (D == 64 && ng == 1) ATTEND_REGS(1, 4);
-    else if (D == 64 && ng == 3) ATTEND_REGS(3, 4);
-    else if (D == 64 && ng == 4) ATTEND_REGS(4, 4);
-    else if (D == 128 && ng == 1) ATTEND_REGS(1, 8);
-    else if (D == 128 && ng == 2) ATTEND_REGS(2, 8);
-    else attend_any(m, L, q, sinks, kh, ng, table, first, length, scores, max_len, o);
+    int part = D == 64 ? (ng % 4 == 0 || ng > 4 ? 4 : ng) : D == 128 ? (ng > 1 ? 2 : 1) : 0;
+    if (part == 0) {
+        attend_any(m, L, q, sinks, kh, ng, table, first, length, scores, max_len, o);
+        return;
+    }
+    for (int g = 0; g < ng; g += part, q += part * D, o += part * D, scores += (long)part * max_len,
+             sinks = sinks ? sinks + part : NULL) {
+        int n = ng - g < part ? ng - g : part;
+        if (D == 64 && n == 1) ATTEND_REGS(1, 4);
+        else if (D == 64 && n == 2) ATTEND_REGS(2, 4);
+        else if (D == 64 && n == 3) ATTEND_REGS(3, 4);
+        else if (D == 64) ATTEND_REGS(4, 4);
+        else if (n == 1) ATTEND_REGS(1, 8);
+        else ATTEND_REGS(2, 8);
+    }
 }
 
 /* every sequence's attention, in parallel over (sequence, KV head), or over (sequence, query head)

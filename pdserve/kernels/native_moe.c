@@ -3,6 +3,7 @@
  * the rows that chose it, experts in ascending order, and each row's weighted outputs summed in
  * that order from zero (Experts.forward's index_add); then the shared expert's (gated) output. */
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -85,23 +86,20 @@ static void clamped_swiglu(const pd_moe *e, const float *gu, int rows, float *ac
         }
 }
 
-/* out += weight * (one expert's MLP) for the n rows of h that chose it (rows: their indices) */
-static int expert_rows(const pd_moe *e, int ex, const float *h, int hidden, const int32_t *rows, const float *w,
-                       int n, float *scratch, float *out, int threads) {
+/* One expert's MLP over the n rows of h that chose it (rows: their indices), each row's output
+ * to ys at its (row, choice) slot (slots: those indices); one thread */
+static int expert_rows(const pd_moe *e, int ex, const float *h, int hidden, const int32_t *rows, const int32_t *slots,
+                       int n, float *scratch, float *ys) {
     float *x = scratch, *gu = x + (size_t)n * hidden, *act = gu + (size_t)n * 2 * e->inter, *y = act + (size_t)n * e->inter;
     for (int j = 0; j < n; j++) memcpy(x + (size_t)j * hidden, h + (size_t)rows[j] * hidden, sizeof(float) * hidden);
-    int rc = pd_matmul(&e->gate_up[ex], x, n, hidden, gu, threads);
+    int rc = pd_matmul(&e->gate_up[ex], x, n, hidden, gu, 1);
     if (rc) return rc;
     if (e->gate_up_bias) pd_add_bias(gu, n, 2 * e->inter, e->gate_up_bias + (size_t)ex * 2 * e->inter);
     if (e->limit > 0.f) clamped_swiglu(e, gu, n, act);
     else pd_gate_mul(gu, n, e->inter, 0, act);
-    if ((rc = pd_matmul(&e->down[ex], act, n, e->inter, y, threads))) return rc;
+    if ((rc = pd_matmul(&e->down[ex], act, n, e->inter, y, 1))) return rc;
     if (e->down_bias) pd_add_bias(y, n, hidden, e->down_bias + (size_t)ex * hidden);
-    for (int j = 0; j < n; j++) {
-        float *o = out + (size_t)rows[j] * hidden;
-        const float *yr = y + (size_t)j * hidden;
-        for (int c = 0; c < hidden; c++) o[c] += w[j] * yr[c];
-    }
+    for (int j = 0; j < n; j++) memcpy(ys + (size_t)slots[j] * hidden, y + (size_t)j * hidden, sizeof(float) * hidden);
     return 0;
 }
 
@@ -126,19 +124,50 @@ static int shared_expert(const pd_moe *e, const float *h, int tokens, int hidden
     return 0;
 }
 
-/* Each expert's rows of this step (the (row, slot) pairs that chose it, in row order), then the MLPs */
+/* Each expert's rows of this step (the (row, choice) slots that chose it, in row order), the
+ * experts in parallel, one thread each: at a few rows an expert's matrices are too small to split
+ * between threads (each split cost a barrier, 448 a step at 32 rows of the benchmark's model),
+ * while whole experts stream their weights side by side. Then each row sums its outputs in
+ * ascending expert order from zero, as the experts one after another added them. */
 static int run_experts(const pd_moe *e, const float *h, int tokens, int hidden, const int32_t *ids,
-                       const float *weights, float *scratch, float *out, int threads) {
-    int32_t rows[tokens];
-    float w[tokens];
-    for (int ex = 0, rc; ex < e->experts; ex++) {
-        int n = 0;
-        for (int t = 0; t < tokens; t++)
-            for (int k = 0; k < e->top_k; k++)
-                if (ids[t * e->top_k + k] == ex) rows[n] = t, w[n++] = weights[t * e->top_k + k];
-        if (n && (rc = expert_rows(e, ex, h, hidden, rows, w, n, scratch, out, threads))) return rc;
+                       const float *weights, float *out, int threads) {
+    int K = e->top_k, E = e->experts, inter = e->inter, pairs = tokens * K;
+    size_t per_thread = (size_t)tokens * (2 * hidden + 3 * (size_t)inter);
+    int32_t *first = malloc(sizeof(int32_t) * ((size_t)E + 1 + 2 * (size_t)pairs));
+    float *ys = malloc(sizeof(float) * ((size_t)pairs * hidden + per_thread * threads));
+    if (!first || !ys) {
+        free(first);
+        free(ys);
+        return -2;
     }
-    return 0;
+    int32_t *rows = first + E + 1, *slots = rows + pairs;
+    first[0] = 0;
+    for (int ex = 0, n = 0; ex < E; first[++ex] = n) /* each expert's pairs, in row order */
+        for (int p = 0; p < pairs; p++)
+            if (ids[p] == ex) rows[n] = p / K, slots[n++] = p;
+    int rc = 0;
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (pairs > 1)
+    for (int ex = 0; ex < E; ex++) {
+        int n = first[ex + 1] - first[ex], err;
+        float *scratch = ys + (size_t)pairs * hidden + per_thread * (size_t)omp_get_thread_num();
+        if (n && (err = expert_rows(e, ex, h, hidden, rows + first[ex], slots + first[ex], n, scratch, ys))) {
+#pragma omp atomic write
+            rc = err;
+        }
+    }
+    for (int t = 0; rc == 0 && t < tokens; t++)
+        for (int done = 0, last = -1; done < K; done++) { /* the row's choices by ascending expert */
+            int next = -1;
+            for (int k = 0; k < K; k++)
+                if (ids[t * K + k] > last && (next < 0 || ids[t * K + k] < ids[t * K + next])) next = k;
+            last = ids[t * K + next];
+            const float w = weights[t * K + next], *y = ys + (size_t)(t * K + next) * hidden;
+            float *o = out + (size_t)t * hidden;
+            for (int c = 0; c < hidden; c++) o[c] += w * y[c];
+        }
+    free(first);
+    free(ys);
+    return rc;
 }
 
 int pd_moe_mlp(const pd_moe *e, const float *h, int tokens, int hidden, float *out, int threads) {
@@ -152,7 +181,7 @@ int pd_moe_mlp(const pd_moe *e, const float *h, int tokens, int hidden, float *o
     for (int t = 0; rc == 0 && t < tokens; t++)
         route(e, logits + (size_t)t * e->experts, ids + (size_t)t * e->top_k, weights + (size_t)t * e->top_k);
     memset(out, 0, sizeof(float) * (size_t)tokens * hidden);
-    if (rc == 0) rc = run_experts(e, h, tokens, hidden, ids, weights, scratch, out, threads);
+    if (rc == 0) rc = run_experts(e, h, tokens, hidden, ids, weights, out, threads);
     if (rc == 0 && e->shared_inter > 0) rc = shared_expert(e, h, tokens, hidden, scratch, out, threads);
     free(logits);
     return rc;
