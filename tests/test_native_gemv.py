@@ -73,6 +73,21 @@ def test_matches_the_dequantized_matmul_and_numba(bits, group, has_min, half):
 
 
 @needs_native
+def test_float32_rows_match_the_matmul():
+    """Unquantized float32 rows (bits 32), read where they lie: past 8 tokens four rows at a time
+    times up to 6 tokens (37 rows: 9 fours and a single; 13 and 40 tokens: passes of 6 and the
+    rest), at or under 8 tokens through the pair and single tiles."""
+    rng = np.random.default_rng(32)
+    w = rng.standard_normal((37, 576)).astype(np.float32)
+    q, dummy = w.view(np.uint8), np.zeros(1, np.float32)
+    for tokens in (1, 3, 8, 13, 40):
+        x = rng.standard_normal((tokens, 576)).astype(np.float32)
+        got = native_gemv.gemv(x, 32, q, dummy, dummy, False, 32)
+        want = (torch.from_numpy(x).double() @ torch.from_numpy(w).double().T).numpy()
+        assert got is not None and np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), tokens
+
+
+@needs_native
 def test_rows_too_wide_for_the_decoded_buffer():
     """Past 8192 columns the rows are decoded again for each pass of 8 tokens, not buffered."""
     rng = np.random.default_rng(7)
