@@ -51,10 +51,11 @@ def test_rows_that_are_not_whole_blocks_of_32_keep_the_python_layers(tmp_path):
     assert len(llm.generate([{"prompt_token_ids": [3, 4, 5]}], use_tqdm=False)[0].outputs[0].token_ids) > 0
 
 
-@pytest.mark.parametrize("hidden,heads,head_dim", [(256, 16, 64), (448, 14, 64), (384, 6, 128)])
+@pytest.mark.parametrize("hidden,heads,head_dim", [(256, 16, 64), (448, 14, 64), (384, 6, 128), (256, 4, 256)])
 def test_query_groups_taken_in_register_sized_parts(tmp_path, hidden, heads, head_dim):
-    """Attention holds up to 4 query heads of 64 (2 of 128) in registers: groups of 8, 7 (4 + 3)
-    and 3 heads of 128 (2 + 1) run in parts, each part its own queries, scores and outputs. Twelve
+    """Attention holds up to 4 query heads of 64 (2 of 128, 1 of 256) in registers: groups of 8,
+    7 (4 + 3), 3 heads of 128 (2 + 1) and 2 of 256 run in parts, each part its own queries, scores
+    and outputs. Twelve
     rows over 2 KV heads make the step parallel over whole groups (sequence, KV head)."""
     path = make_model(tmp_path, "llama", hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=2,
                       head_dim=head_dim)

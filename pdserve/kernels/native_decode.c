@@ -123,7 +123,7 @@ void pd_softmax(float *s, long length, const float *sink) {
 }
 
 #define MAX_NG 4  /* query heads an item holds in registers */
-#define MAX_D16 8 /* head_dim / 16 held in registers: up to 128 */
+#define MAX_D16 16 /* head_dim / 16 held in registers: up to 256 (one head at a time there) */
 
 /* Query heads g0 .. g0 + NG - 1 of KV head kh's group, of sequence b, over its context:
  * softmax(q k^T * scale) v, as numba_ops._decode_kernel, with head_dim = 16 * D16. NG and D16 are
@@ -194,7 +194,7 @@ static void attend_any(const pd_model *m, const pd_layer *L, const float *q, con
 #define ATTEND_REGS(NG, D16) attend_regs(m, L, q, sinks, kh, table, first, length, scores, max_len, o, NG, D16)
 
 /* Query heads g0 .. g0 + ng - 1 of KV head kh's group, of sequence b (a window's keys only). Head
- * sizes 64 and 128 take the group in register-sized parts (4 or 3 heads of 64, 2 of 128), each
+ * sizes 64, 128 and 256 take the group in register-sized parts (4 or 3 heads of 64, 2 of 128, 1 of 256), each
  * part loading the keys and values once for its heads: a group of 2 (Qwen3-MoE's shape) or 8
  * (Qwen3-30B-A3B's) ran through attend_any, at a few times the cost. */
 static void attend_one(const pd_model *m, const pd_layer *L, const float *qkv, int b, int kh, int g0, int ng,
@@ -204,7 +204,7 @@ static void attend_one(const pd_model *m, const pd_layer *L, const float *qkv, i
     const float *q = qkv + (long)b * cols + ((long)kh * group + g0) * D;
     float *o = out + (long)b * m->heads * D + ((long)kh * group + g0) * D;
     const float *sinks = L->sinks ? L->sinks + (long)kh * group + g0 : NULL;
-    int part = D == 64 ? (ng % 4 == 0 || ng > 4 ? 4 : ng) : D == 128 ? (ng > 1 ? 2 : 1) : 0;
+    int part = D == 64 ? (ng % 4 == 0 || ng > 4 ? 4 : ng) : D == 128 ? (ng > 1 ? 2 : 1) : D == 256 ? 1 : 0;
     if (part == 0) {
         attend_any(m, L, q, sinks, kh, ng, table, first, length, scores, max_len, o);
         return;
@@ -216,6 +216,7 @@ static void attend_one(const pd_model *m, const pd_layer *L, const float *qkv, i
         else if (D == 64 && n == 2) ATTEND_REGS(2, 4);
         else if (D == 64 && n == 3) ATTEND_REGS(3, 4);
         else if (D == 64) ATTEND_REGS(4, 4);
+        else if (D == 256) ATTEND_REGS(1, 16);
         else if (n == 1) ATTEND_REGS(1, 8);
         else ATTEND_REGS(2, 8);
     }
