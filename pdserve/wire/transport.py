@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import socket
 
 import msgspec
@@ -13,8 +14,37 @@ from pdserve.wire.messages import Message, decode, encode
 log = logging.getLogger(__name__)
 
 
+PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_ports = random.Random()  # seeded from os.urandom, whatever a caller seeds the global one with
+_handed_out: set[tuple[str, int]] = set()
+
+
+def _ephemeral_floor() -> int:
+    try:
+        with open(PORT_RANGE_FILE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port free on host now, for a server that binds it later. Drawn below the kernel's
+    ephemeral range: a port from bind(host, 0) is an ephemeral one, which any outgoing connection
+    may take as its source port before the server binds it (seen in CI: a node that imported torch
+    for seconds, then failed with 'Address already in use'). Never the same port twice a process."""
+    floor = _ephemeral_floor()
+    for _ in range(64 if floor > 11024 else 0):
+        port = _ports.randrange(10000, floor)
+        if (host, port) in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add((host, port))
+        return port
+    with socket.socket() as s:  # a narrow range below the ephemeral ports: the kernel's pick
         s.bind((host, 0))
         return s.getsockname()[1]
 
