@@ -72,15 +72,22 @@ def check_config(config: LMCacheEngineConfig, layout: KVLayout) -> None:
                          f"(its digests and partial chunks live in the same Redis), got {config.remote_url!r}")
 
 
+def cpu_tier_bytes(config: LMCacheEngineConfig) -> int:
+    return int(float(config.max_local_cpu_size or 0) * (1 << 30))
+
+
+def chunk_bytes(config: LMCacheEngineConfig, layout: KVLayout) -> int:
+    """One chunk's KV bytes, all layers: what LMCache allocates in its CPU tier for it."""
+    return layout.block_nbytes(int(config.chunk_size))
+
+
 def check_cpu_tier_holds_a_chunk(config: LMCacheEngineConfig, layout: KVLayout) -> None:
     """LMCache stages every chunk it stores or loads in its CPU tier, whatever tier it goes to
     next: a tier smaller than one chunk stores nothing anywhere (it logs 'Local cpu memory under
     pressure' and drops the chunk), so a store on it would silently miss every time."""
-    chunk_bytes = layout.block_nbytes(int(config.chunk_size))
-    tier_bytes = float(config.max_local_cpu_size or 0) * (1 << 30)
-    if tier_bytes < chunk_bytes:
-        need_gb = chunk_bytes / (1 << 30)
+    chunk = chunk_bytes(config, layout)
+    if cpu_tier_bytes(config) < chunk:
         raise ValueError(f"LMCache max_local_cpu_size {config.max_local_cpu_size} GB holds no chunk of "
-                         f"{int(config.chunk_size)} tokens ({chunk_bytes / 1e6:.1f} MB for this model): LMCache "
+                         f"{int(config.chunk_size)} tokens ({chunk / 1e6:.1f} MB for this model): LMCache "
                          f"stages every chunk in its CPU tier, even for disk and Redis, so nothing would be "
-                         f"stored. Raise it to at least {need_gb:.3f} GB or lower chunk_size")
+                         f"stored. Raise it to at least {chunk / (1 << 30):.3f} GB or lower chunk_size")

@@ -54,6 +54,7 @@ from pdserve.kvstore.lmcache_compat import (
     shutdown_engine,
     track_batched_puts,
 )
+from pdserve.kvstore.lmcache_config import chunk_bytes, cpu_tier_bytes
 from pdserve.kvstore.lmcache_connector import PagedChunkConnector
 from pdserve.kvstore.redis_cluster import initialize_lmcache_cluster
 
@@ -135,9 +136,7 @@ class LMCacheKVStore(KVStore):
         self._engine: LMCacheEngine | None = build_engine(layout, self._connector, self.config, self.instance_id)
         # LMCache's engine expects one caller at a time (vLLM drives it from one worker thread).
         self._lock = threading.Lock()
-        tier_bytes = int(float(self.config.max_local_cpu_size) * (1 << 30))
-        chunk_bytes = layout.block_nbytes() * self.chunk_blocks
-        self.chunks_per_call = max(1, tier_bytes // 4 // chunk_bytes)
+        self.chunks_per_call = max(1, cpu_tier_bytes(config) // 4 // chunk_bytes(config, layout))
         self._digests = DigestLedger(ledger_url) if ledger_url else None
 
     @property
