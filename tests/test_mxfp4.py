@@ -16,44 +16,21 @@ from family_models import (
     random_prompts,
     reference_greedy,
 )
-from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
 from pdserve.models.loader import ModelLoadError
 from pdserve.models.moe_quant import Mxfp4Experts
-
-FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-
-
-def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An expert tensor in the unquantized layout [E, cols, rows] -> (blocks, scales)."""
-    rows_first = w.transpose(1, 2)  # [E, rows, cols]
-    groups = rows_first.reshape(*rows_first.shape[:2], -1, 32)
-    exp = torch.floor(torch.log2(groups.abs().amax(-1).clamp(min=2.0 ** -100))) - 2  # 6 = 1.5 * 2^2
-    scaled = groups / torch.exp2(exp).unsqueeze(-1)  # exact: exp is a whole number
-    index = (scaled.abs().unsqueeze(-1) - FP4).abs().argmin(-1) + 8 * (scaled < 0)
-    codes = index.to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks.contiguous(), (exp + 127).to(torch.uint8)
+from pdserve.testing.quant_checkpoints import write_mxfp4
 
 
-def _mxfp4_checkpoint(root, **shape):
-    src = make_family_model(root, "gpt_oss", seed=1, hidden_size=64, **shape)
-    tensors = load_file(str(src / "model.safetensors"))
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = _to_mxfp4(tensors.pop(name))
-    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (src / "config.json").write_text(json.dumps(config))
-    return src
+def mxfp4_checkpoint(root, **shape):
+    return write_mxfp4(make_family_model(root, "gpt_oss", seed=1, hidden_size=64, **shape))
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     # 64 intermediate columns: two groups of 32, one for each of two ranks
-    return _mxfp4_checkpoint(tmp_path_factory.mktemp("mxfp4"), intermediate_size=64)
+    return mxfp4_checkpoint(tmp_path_factory.mktemp("mxfp4"), intermediate_size=64)
 
 
 def test_mxfp4_experts_match_transformers_dequantized(checkpoint):
@@ -115,7 +92,7 @@ def test_tp2_keeps_the_experts_packed_and_matches_transformers(checkpoint, exper
 
 
 def test_a_split_inside_a_group_of_32_is_refused(tmp_path):
-    src = _mxfp4_checkpoint(tmp_path, intermediate_size=32)  # 16 columns a rank
+    src = mxfp4_checkpoint(tmp_path, intermediate_size=32)  # 16 columns a rank
     with pytest.raises(ValueError, match="needs whole groups of 32"):
         LLM(str(src), tensor_parallel_size=2, num_kv_blocks=8)
 

@@ -57,3 +57,19 @@ def test_deepseek_takes_the_compiled_step_and_matches_transformers(tmp_path, kin
     # q LoRA 64: the compiled gemv takes rows of whole 32-column blocks (DEEPSEEK_BASE's 48 are not)
     path = make_deepseek(tmp_path, kind, **({"q_lora_rank": 64} if kind == "deepseek_v3" else {}))
     check_compiled_step(path, load_deepseek_reference(path))
+
+
+def test_gpt_oss_mxfp4_experts_take_the_compiled_step(tmp_path):
+    """gpt-oss's MXFP4 experts as held (two e2m1 codes a byte, a power of two per 32 columns):
+    the compiled gemv looks each code up in a register and reads x in the codes' order. Greedy
+    tokens equal transformers' on the checkpoint it dequantizes itself, and logprobs the Python
+    layers' (pdserve.kernels.mxfp4_cpu) at 1, 4 and 12 rows a step."""
+    import torch
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from pdserve.testing.quant_checkpoints import write_mxfp4
+    path = write_mxfp4(make_family_model(tmp_path, "gpt_oss", **OVERRIDES["gpt_oss"]))
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager",
+                                               quantization_config=Mxfp4Config(dequantize=True)).eval()
+    ref.generation_config.eos_token_id = None
+    check_compiled_step(path, ref)

@@ -3,13 +3,14 @@ the same engine running the layers in Python, offline, on the default model (Smo
 GGUF, kept quantized), in one run.
 
     .venv/bin/python -m benchmarks.engine.bench_native_decode [--batches 1 8 32] [--threads 2] [--lora-rank 8]
-        [--tp 2] [--family llama|qwen2|qwen3|gemma3|qwen3_moe|gpt_oss|deepseek_v3]
+        [--tp 2] [--family llama|qwen2|qwen3|gemma3|qwen3_moe|gpt_oss|deepseek_v3] [--mxfp4]
 
 --family runs a random-weight float32 checkpoint of that family at a real small model's layer
 shapes instead (llama: SmolLM2-135M's, qwen2: Qwen2.5-0.5B's, qwen3: Qwen3-0.6B's, gemma3: Gemma 3
 270M's, qwen3_moe: bench_moe_offline.py's Qwen3-MoE of 32 experts, top 4, gpt_oss: gpt-oss-20b's
 proportions scaled down alike, deepseek_v3: bench_mla_offline.py's), with the test
-models' byte-level vocabulary, so the LM head (Python in both modes) costs little.
+models' byte-level vocabulary, so the LM head (Python in both modes) costs little. With --mxfp4
+(gpt_oss only) the experts are written as gpt-oss ships them, MXFP4, and both modes keep them so.
 
 For each batch size, requests with 128-token prompts decode --steps steps; the median engine step
 (sampling included) is taken for each mode, the two modes alternating within each of --repeats
@@ -67,15 +68,20 @@ FAMILY_SHAPES = {
 }
 
 
-def model_under_test(family: str | None, root: Path) -> tuple[str, str, dict]:
-    """(path, its name in the table, LLM options): the default GGUF, or a float32 family model."""
+def model_under_test(family: str | None, root: Path, mxfp4: bool = False) -> tuple[str, str, dict]:
+    """(path, its name in the table, LLM options): the default GGUF, or a float32 family model
+    (with MXFP4 experts: gpt_oss with mxfp4)."""
     from pdserve.models.gguf import DEFAULT_MODEL
     if family is None:
         return DEFAULT_MODEL, "SmolLM2-135M Q4_1", {}
     from pdserve.testing.model_factory import make_deepseek, make_model
     make = make_deepseek if family.startswith("deepseek") else make_model
     path = make(root, family, max_position_embeddings=4096, **FAMILY_SHAPES[family])
-    return str(path), f"{family} float32 ({FAMILY_SHAPES[family]['num_hidden_layers']} layers)", {"dtype": "float32"}
+    name = f"{family} float32 ({FAMILY_SHAPES[family]['num_hidden_layers']} layers)"
+    if mxfp4:
+        from pdserve.testing.quant_checkpoints import write_mxfp4
+        path, name = write_mxfp4(path), name.replace("float32", "float32, MXFP4 experts")
+    return str(path), name, {"dtype": "float32"}
 
 
 def decode_steps(llm, batch: int, steps: int, seed: int, adapter: str | None = None) -> float:
@@ -105,7 +111,10 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=0, help="every request under an adapter of this rank (0: none)")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     ap.add_argument("--family", choices=sorted(FAMILY_SHAPES), default=None)
+    ap.add_argument("--mxfp4", action="store_true", help="gpt_oss: its experts in MXFP4, as gpt-oss ships them")
     args = ap.parse_args()
+    if args.mxfp4 and args.family != "gpt_oss":
+        raise SystemExit("--mxfp4 goes with --family gpt_oss")
     os.environ.update(OMP_NUM_THREADS=str(args.threads), NUMBA_NUM_THREADS=str(args.threads))
     import torch
 
@@ -114,7 +123,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     lora = dict(enable_lora=True, max_lora_rank=args.lora_rank) if args.lora_rank else {}
     root = tempfile.TemporaryDirectory()
-    path, name, options = model_under_test(args.family, Path(root.name))
+    path, name, options = model_under_test(args.family, Path(root.name), args.mxfp4)
     llm = LLM(path, num_kv_blocks=1024, enable_prefix_caching=False, tensor_parallel_size=args.tp, **lora, **options)
     adapter = None
     if args.lora_rank:

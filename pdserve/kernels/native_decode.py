@@ -284,6 +284,17 @@ def float_matrix(weight: torch.Tensor) -> tuple | None:
     return (weight.data_ptr(), weight.shape[0], 32, weight.data_ptr(), None, 0, 0, weight.shape[1])
 
 
+def fp4_matrix(codes: torch.Tensor, scales: torch.Tensor) -> tuple | None:
+    """The gemv's arguments for an MXFP4 matrix as pdserve.kernels.mxfp4_cpu holds it (codes uint8
+    [N, K / 2], E8M0 scales uint8 [N, K / 32]); None where either is not contiguous on CPU or the
+    rows are not whole blocks of 32 columns. The caller keeps the tensors alive."""
+    if not all(t.device.type == "cpu" and t.dtype == torch.uint8 and t.is_contiguous() for t in (codes, scales)):
+        return None
+    if scales.shape != (codes.shape[0], codes.shape[1] // 16) or codes.shape[1] % 16:
+        return None
+    return (codes.data_ptr(), codes.shape[0], native_gemv.BITS_FP4, scales.data_ptr(), None, 2, 0, 32)
+
+
 def _cache_unfit(layer_caches, planes_per_layer: int) -> str | None:
     k0 = layer_caches[0][0]
     if any(len(planes) != planes_per_layer or not all(p.dtype == torch.float32 and p.device.type == "cpu" and p.dim() == 4

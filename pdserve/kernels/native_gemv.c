@@ -6,7 +6,12 @@
  * - scales and mins per group of 16 columns or of a multiple of 32, float32 or float16 bits;
  *   w = q * scale (+ min);
  * - float32 (bits 32): an unquantized matrix, its rows read as they are (no scales), so a float
- *   model's decode step takes the compiled step too.
+ *   model's decode step takes the compiled step too;
+ * - MXFP4 (bits BITS_FP4, gpt-oss's experts as pdserve.kernels.mxfp4_cpu holds them): two e2m1
+ *   codes a byte, byte j holding column 2j in its low nibble and 2j + 1 in its high one, and one
+ *   E8M0 power of two a group of 32 (half 2); w = fp4(code) * 2^(e - 127). A code becomes its
+ *   value by a 16-entry table lookup in a register; pd_gemv orders x's columns alike (each block's
+ *   even columns, then its odd ones), so every path below runs on it as on GGUF's nibble order.
  * Each block of 32 columns is widened to float32 in vector registers. At one token (groups of a
  * power-of-two multiple of 32) its integers are dotted with x and scaled once; otherwise it is
  * dequantized as q * scale + min and multiply-added into every token's sums: up to 8 tokens (a
@@ -18,6 +23,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define ROWS_PER_TASK 16
 #define ROWS_PER_PASS 4   /* one token: rows sharing each load of x, eight independent multiply-add chains */
@@ -28,20 +34,42 @@
 /* task_many keeps two dequantized rows on the stack, 64 KiB at most: within L2, and well within a
  * thread's stack */
 #define MAX_DECODED_COLS 8192
+#define BITS_FP4 3 /* MXFP4 codes (see above): 4 bits a column, looked up rather than widened */
 
+/* e2m1's 16 values by code: sign bit 8, then 0, 0.5, 1, 1.5, 2, 3, 4, 6 */
+static const float FP4_VALUES[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                     -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+/* 2^(e - 127) from an E8M0 byte, as mxfp4_cpu's table gives it (2^-127 a subnormal, 255 NaN) */
+static inline float e8m0(uint8_t e) {
+    union { uint32_t u; float f; } v = {e == 255 ? 0x7fc00000u : e ? (uint32_t)e << 23 : 0x00400000u};
+    return v.f;
+}
+
+/* a group's scale: float32 (half 0), float16 bits (half 1) or an E8M0 byte (half 2) */
 static inline __attribute__((always_inline)) float scale_at(const void *s, int half, long idx) {
+    if (half == 2) return e8m0(((const uint8_t *)s)[idx]);
     return half ? _cvtsh_ss(((const uint16_t *)s)[idx]) : ((const float *)s)[idx];
 }
 
-/* bytes of a row of cols columns: two values a byte, one, or a float32 each */
-static inline long row_bytes(int bits, int cols) { return (long)cols * bits / 8; }
+/* bytes of a block of 32 columns, and of a row of cols columns: two values a byte, one, or a
+ * float32 each */
+static inline int block_bytes(int bits) { return bits == BITS_FP4 ? 16 : 4 * bits; }
+static inline long row_bytes(int bits, int cols) { return (long)cols / 32 * block_bytes(bits); }
 
 /* columns 32c .. 32c + 31 of a row as float32 integers, in two vectors of 16 */
 static inline __attribute__((always_inline)) void widen32(const uint8_t *qrow, int bits, int c, __m512 *a, __m512 *b) {
-    if (bits == 4) {
+    if (bits == 4 || bits == BITS_FP4) {
         __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 16)));
-        *a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-        *b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(v, 4);
+        if (bits == BITS_FP4) {
+            __m512 table = _mm512_loadu_ps(FP4_VALUES);
+            *a = _mm512_permutexvar_ps(lo, table);
+            *b = _mm512_permutexvar_ps(hi, table);
+        } else {
+            *a = _mm512_cvtepi32_ps(lo);
+            *b = _mm512_cvtepi32_ps(hi);
+        }
     } else {
         *a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 32))));
         *b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 32 + 16))));
@@ -85,7 +113,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int cols,
     for (int c = 0; c < cols / 32; c++) {
         __m512 w[ROWS_PER_PASS][2];
         for (int r = 0; r < R; r++) {
-            _mm_prefetch((const char *)(q + (n + r) * qstride) + c * 4 * bits + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(q + (n + r) * qstride) + c * block_bytes(bits) + PREFETCH_BYTES, _MM_HINT_T0);
             decode32(q + (n + r) * qstride, bits, c, sc, mn, half, has_min, group, (n + r) * sstride, &w[r][0], &w[r][1]);
         }
         for (int t = 0; t < NT; t++) {
@@ -115,7 +143,7 @@ static inline __attribute__((always_inline)) void rows_one(const float *x, const
                                                            const uint8_t *q, const void *sc, const void *mn,
                                                            int has_min, int group, float *out, int n,
                                                            const int R, const int HALF, const int BITS) {
-    long qstride = BITS == 4 ? cols / 2 : cols, groups = cols / group;
+    long qstride = row_bytes(BITS, cols), groups = cols / group;
     int shift = __builtin_ctz(group / 32);
     __m512 acc[ROWS_PER_PASS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -123,7 +151,7 @@ static inline __attribute__((always_inline)) void rows_one(const float *x, const
         __m512 x0 = _mm512_loadu_ps(x + c * 32), x1 = _mm512_loadu_ps(x + c * 32 + 16);
         for (int r = 0; r < R; r++) {
             const uint8_t *qrow = q + (n + r) * qstride;
-            _mm_prefetch((const char *)qrow + c * (BITS == 4 ? 16 : 32) + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)qrow + c * block_bytes(BITS) + PREFETCH_BYTES, _MM_HINT_T0);
             __m512 a, b;
             widen32(qrow, BITS, c, &a, &b);
             __m512 dot = _mm512_fmadd_ps(b, x1, _mm512_mul_ps(a, x0));
@@ -149,7 +177,8 @@ static inline __attribute__((always_inline)) void rows_one(const float *x, const
 /* rows [n, end) of one token, a group a power-of-two multiple of 32 */
 static void task_one(const float *x, const float *xg, int cols, const uint8_t *q, int bits, const void *sc,
                      const void *mn, int half, int has_min, int group, float *out, int n, int end) {
-    if (half && bits == 4) ROWS_ONE(1, 4);
+    if (bits == BITS_FP4) ROWS_ONE(2, BITS_FP4);
+    else if (half && bits == 4) ROWS_ONE(1, 4);
     else if (half) ROWS_ONE(1, 8);
     else if (bits == 4) ROWS_ONE(0, 4);
     else ROWS_ONE(0, 8);
@@ -300,9 +329,34 @@ static void task(const float *x, int tokens, int cols, const uint8_t *q, int bit
 /* x [tokens, cols] float32 @ w.T -> out [tokens, nrows]. Returns 0, or -1 for a shape it does not take
  * (columns not a multiple of 32, a group neither 16 nor a multiple of 32): the caller then uses
  * numba's kernel. */
+static int gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
+                const void *mins, int half, int has_min, int group, float *out, int threads);
+
+/* x's columns in MXFP4's nibble order: each block of 32 as its 16 even columns, then its 16 odd ones */
+static void fp4_order(const float *x, long values, float *xo) {
+    for (long c = 0; c < values; c += 32)
+        for (int j = 0; j < 16; j++) {
+            xo[c + j] = x[c + 2 * j];
+            xo[c + 16 + j] = x[c + 2 * j + 1];
+        }
+}
+
 int pd_gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
             const void *mins, int half, int has_min, int group, float *out, int threads) {
-    if (cols % 32 || (group != 16 && group % 32) || (bits != 4 && bits != 8 && bits != 32)) return -1;
+    if (cols % 32 || (group != 16 && group % 32) || (bits != 4 && bits != 8 && bits != 32 && bits != BITS_FP4))
+        return -1;
+    if ((bits == BITS_FP4) != (half == 2) || (bits == BITS_FP4 && (group != 32 || has_min))) return -1;
+    if (bits != BITS_FP4) return gemv(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads);
+    float *xo = malloc(sizeof(float) * tokens * cols);
+    if (!xo) return -2;
+    fp4_order(x, (long)tokens * cols, xo);
+    int rc = gemv(xo, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads);
+    free(xo);
+    return rc;
+}
+
+static int gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
+                const void *mins, int half, int has_min, int group, float *out, int threads) {
     /* the one-token path finds a block's group by a shift: group / 32 a power of two */
     int one = tokens == 1 && bits != 32 && group % 32 == 0 && ((group / 32) & (group / 32 - 1)) == 0, groups = cols / group;
     float xg[one && has_min ? groups : 1]; /* the one-token path's sums of x over each group */

@@ -3,15 +3,22 @@ hands the compiled decode step (pdserve.kernels.native_decode): each layer's att
 gpt-oss's o bias and sinks, or DeepSeek's latent attention) and its MLP, dense or a SparseMoE
 whose routing and experts the C step knows (softmax then top k, top k then softmax, or DeepSeek's
 grouped top k; SiLU or gpt-oss's clamped SwiGLU experts, biased or not; a shared expert, gated
-or not). Anything else (quantized weights or experts, TP shards) keeps its layers in Python, with
-the reason in the log."""
+or not), the experts float32 or gpt-oss's MXFP4 as held. Anything else (other quantized weights or
+experts, TP shards) keeps its layers in Python, with the reason in the log."""
 from __future__ import annotations
 
 import functools
 
 from torch import nn
 
-from pdserve.kernels.native_decode import DecodeLayer, DecodeMLA, DecodeMoE, DecodeWeights, float_matrix
+from pdserve.kernels.native_decode import (
+    DecodeLayer,
+    DecodeMLA,
+    DecodeMoE,
+    DecodeWeights,
+    float_matrix,
+    fp4_matrix,
+)
 from pdserve.models.decoder import DecoderModel, sharded_or_staged
 from pdserve.models.mla import MLAttention
 from pdserve.models.moe import (
@@ -24,6 +31,7 @@ from pdserve.models.moe import (
     softmax_topk,
     topk_softmax,
 )
+from pdserve.models.moe_quant import Mxfp4Experts
 
 UNFIT_MATRIX = "a weight is not float32 on CPU, or its rows are not whole blocks of 32 columns"
 
@@ -145,16 +153,26 @@ def _activation(experts: Experts) -> dict | str:
     return "the experts' gate is neither SiLU nor the clamped SwiGLU"
 
 
+def _expert_matrices(experts: Experts) -> tuple[list, list] | str:
+    """Each expert's gate_up and down as the compiled gemv takes them: float32, or MXFP4 as held."""
+    every = range(experts.num_experts)
+    if type(experts) is Experts:
+        return ([float_matrix(experts.gate_up_proj[e]) for e in every],
+                [float_matrix(experts.down_proj[e]) for e in every])
+    if type(experts) is Mxfp4Experts:
+        return ([fp4_matrix(experts.gate_up_proj[e], experts.gate_up_scale[e]) for e in every],
+                [fp4_matrix(experts.down_proj[e], experts.down_scale[e]) for e in every])
+    return f"the experts are {type(experts).__name__}"
+
+
 def _native_moe(mlp: SparseMoE) -> DecodeMoE | str:
     """A SparseMoE's arrays for the compiled step, or why not."""
     experts = mlp.experts
-    if type(experts) is not Experts:
-        return f"the experts are {type(experts).__name__}"
-    routing, activation = _routing(mlp), _activation(experts)
-    if isinstance(routing, str) or isinstance(activation, str):
-        return routing if isinstance(routing, str) else activation
-    gate_up = [float_matrix(experts.gate_up_proj[e]) for e in range(experts.num_experts)]
-    down = [float_matrix(experts.down_proj[e]) for e in range(experts.num_experts)]
+    routing, activation, matrices = _routing(mlp), _activation(experts), _expert_matrices(experts)
+    for why in (routing, activation, matrices):
+        if isinstance(why, str):
+            return why
+    gate_up, down = matrices
     matrices, shared, shared_args = [float_matrix(mlp.gate.weight), *gate_up, *down], mlp.shared_expert, {}
     if shared is not None:
         if shared.gate_up_proj.bias is not None or shared.down_proj.bias is not None:

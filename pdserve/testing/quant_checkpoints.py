@@ -1,6 +1,7 @@
 """Quantized checkpoints written from a float32 one, for tests and benchmarks: compressed-tensors
-checkpoints that quantize activations (FP8 per channel or in 128x128 blocks, W8A8 int8), and FP8
-block checkpoints as DeepSeek-V3 and Qwen3 ship them (quant_method fp8, weight_scale_inv)."""
+checkpoints that quantize activations (FP8 per channel or in 128x128 blocks, W8A8 int8), FP8
+block checkpoints as DeepSeek-V3 and Qwen3 ship them (quant_method fp8, weight_scale_inv), and
+gpt-oss's MXFP4 experts (quant_method mxfp4)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.testing.model_factory import save_compressed
 
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 PRESETS = {"FP8_DYNAMIC": "float-quantized", "FP8_BLOCK": "float-quantized", "W8A8": "int-quantized"}
 BLOCK = 128
 
@@ -94,3 +96,31 @@ def write_fp8(src, root):
                                      "weight_block_size": [BLOCK, BLOCK]}
     (fp8 / "config.json").write_text(json.dumps(config))
     return fp8, dequantized
+
+
+def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gpt-oss expert tensor in the unquantized layout [E, cols, rows] -> (blocks, scales):
+    two e2m1 codes a byte (the low nibble first) and a power of two per 32 columns, rounded to
+    the nearest code."""
+    rows_first = w.transpose(1, 2)  # [E, rows, cols]
+    groups = rows_first.reshape(*rows_first.shape[:2], -1, 32)
+    exp = torch.floor(torch.log2(groups.abs().amax(-1).clamp(min=2.0 ** -100))) - 2  # 6 = 1.5 * 2^2
+    scaled = groups / torch.exp2(exp).unsqueeze(-1)  # exact: exp is a whole number
+    index = (scaled.abs().unsqueeze(-1) - FP4).abs().argmin(-1) + 8 * (scaled < 0)
+    codes = index.to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8)
+
+
+def write_mxfp4(src):
+    """Rewrite the float gpt-oss checkpoint at src (one safetensors file) with MXFP4 experts, as
+    gpt-oss ships them: `*_blocks` and `*_scales`, everything else left float."""
+    tensors = load_file(str(src / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = to_mxfp4(tensors.pop(name))
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (src / "config.json").write_text(json.dumps(config))
+    return src
