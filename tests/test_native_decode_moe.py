@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from family_models import load_reference, make_family_model
-from test_native_decode import PROMPTS, compare_with_python_layers
+from test_native_decode import PROMPTS, compare_with_python_layers, logprobs
 
 from pdserve import LLM
 from pdserve.kernels import native_gemv
@@ -64,12 +64,64 @@ def test_gpt_oss_mxfp4_experts_take_the_compiled_step(tmp_path):
     the compiled gemv looks each code up in a register and reads x in the codes' order. Greedy
     tokens equal transformers' on the checkpoint it dequantizes itself, and logprobs the Python
     layers' (pdserve.kernels.mxfp4_cpu) at 1, 4 and 12 rows a step."""
+    check_compiled_step(*_mxfp4_gpt_oss(tmp_path))
+
+
+def _mxfp4_gpt_oss(tmp_path):
+    """A gpt-oss checkpoint with MXFP4 experts, and transformers' model of it dequantized."""
     import torch
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     from pdserve.testing.quant_checkpoints import write_mxfp4
-    path = write_mxfp4(make_family_model(tmp_path, "gpt_oss", **OVERRIDES["gpt_oss"]))
+    # 64 intermediate columns: two groups of 32, one for each of two ranks
+    path = write_mxfp4(make_family_model(tmp_path, "gpt_oss", **OVERRIDES["gpt_oss"], intermediate_size=64))
     ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager",
                                                quantization_config=Mxfp4Config(dequantize=True)).eval()
     ref.generation_config.eos_token_id = None
-    check_compiled_step(path, ref)
+    return path, ref
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "deepseek_v3"])
+def test_tp2_ranks_run_their_expert_shards_in_the_compiled_step(tmp_path, family):
+    """At TP 2 each rank's compiled step runs its heads and its half of every expert's columns
+    (and of the shared expert, the dense layers), adds the biases that rank 0 keeps, and sums the
+    attention and MLP outputs through the rank group's all-reduce where the shard's hooks would.
+    Greedy tokens equal transformers', and logprobs are within 1e-4 of one process running the
+    layers in Python."""
+    if family == "deepseek_v3":
+        path, ref = _deepseek(tmp_path)
+    else:
+        path, ref = _family(tmp_path, family)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False, tensor_parallel_size=2)
+    try:
+        native = llm.engine.model.native_decode
+        assert native is not None and native.weights.tp_group is not None
+        steps = native.steps
+        assert_greedy_matches_reference(llm, ref, PROMPTS[:3], 12)
+        assert native.steps > steps
+        tokens, values = logprobs(llm, PROMPTS)
+    finally:
+        llm.close()
+    one = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
+    one.engine.model.native_decode = None  # one process, the layers in Python
+    want_tokens, want_values = logprobs(one, PROMPTS)
+    assert tokens == want_tokens
+    assert max(abs(a - b) for va, vb in zip(values, want_values) for a, b in zip(va, vb)) < 1e-4
+
+
+# sizes whose every rank's half is whole blocks of 32 columns (the compiled gemv's unit)
+TP2_SIZES = {"qwen2_moe": dict(intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64),
+             "gpt_oss": dict(intermediate_size=64)}
+
+
+def _family(tmp_path, family):
+    if family != "gpt_oss_mxfp4":
+        path = make_family_model(tmp_path, family, **{**OVERRIDES.get(family, {}), **TP2_SIZES[family]})
+        return path, load_reference(path)
+    return _mxfp4_gpt_oss(tmp_path)
+
+
+def _deepseek(tmp_path):
+    path = make_deepseek(tmp_path, "deepseek_v3", q_lora_rank=64, intermediate_size=128, moe_intermediate_size=64,
+                         v_head_dim=16)
+    return path, load_deepseek_reference(path)

@@ -26,6 +26,23 @@ def sharded_or_staged(model: nn.Module) -> str | None:
     return None
 
 
+def summing_group(model: nn.Module):
+    """The rank group whose all-reduce sums each layer's attention and MLP outputs where the
+    model is a tensor-parallel shard (pdserve.models.tp_shard's one hook on each), which the
+    compiled decode step then calls at the same two points; None for a whole model; or why the
+    compiled step cannot take the layers (a pipeline stage, other hooks)."""
+    if getattr(model, "pp_layers", None) is not None:
+        return "the model is a pipeline stage"
+    modules = [m for layer in model.layers for m in (layer.self_attn, layer.mlp)]
+    if not any(m._forward_hooks for m in modules):
+        return None
+    group = getattr(modules[0], "tp_sum_group", None)
+    if group is None or any(len(m._forward_hooks) != 1 or getattr(m, "tp_sum_group", None) is not group
+                            for m in modules):
+        return "the layers have forward hooks other than a tensor-parallel rank group's sum"
+    return group
+
+
 class DecoderModel(nn.Module):
     """forward(token_ids [T], positions [T], ctx) -> final hidden states [T, hidden].
 

@@ -3,8 +3,10 @@ hands the compiled decode step (pdserve.kernels.native_decode): each layer's att
 gpt-oss's o bias and sinks, or DeepSeek's latent attention) and its MLP, dense or a SparseMoE
 whose routing and experts the C step knows (softmax then top k, top k then softmax, or DeepSeek's
 grouped top k; SiLU or gpt-oss's clamped SwiGLU experts, biased or not; a shared expert, gated
-or not), the experts float32 or gpt-oss's MXFP4 as held. Anything else (other quantized weights or
-experts, TP shards) keeps its layers in Python, with the reason in the log."""
+or not), the experts float32 or gpt-oss's MXFP4 as held. A tensor-parallel rank runs its shard
+(its heads, its slice of every expert) and sums the attention and MLP outputs through the rank
+group's all-reduce, as the shard's hooks do. Anything else (other quantized weights or experts,
+expert parallelism) keeps its layers in Python, with the reason in the log."""
 from __future__ import annotations
 
 import functools
@@ -19,7 +21,7 @@ from pdserve.kernels.native_decode import (
     float_matrix,
     fp4_matrix,
 )
-from pdserve.models.decoder import DecoderModel, sharded_or_staged
+from pdserve.models.decoder import DecoderModel, summing_group
 from pdserve.models.mla import MLAttention
 from pdserve.models.moe import (
     DenseMLP,
@@ -46,21 +48,25 @@ class MoeDecoderModel(DecoderModel):
 
 def decode_weights(model) -> DecodeWeights | str:
     """A decoder's arrays for the compiled step (its layers, norm and spec), or why not."""
-    if (reason := sharded_or_staged(model)) is not None:
-        return reason
+    group = summing_group(model)
+    if isinstance(group, str):
+        return group
     layers = [native_layer(layer) for layer in model.layers]
     reason = next((r for r in layers if isinstance(r, str)), None)
     if reason is None:
         reason = next(filter(None, (layer.unfit() for layer in layers)), None)
     if reason is not None:
         return reason
-    attn, norm, hidden, inter = model.layers[0].self_attn, model.norm, model.spec.hidden_size, model.spec.intermediate_size
+    attn, norm, hidden = model.layers[0].self_attn, model.norm, model.spec.hidden_size
+    # the dense layers' width (a rank's slice at TP > 1); the experts carry their own
+    inter = next((layer.mlp.down_proj.weight.shape[1] for layer in model.layers if isinstance(layer.mlp, DenseMLP)),
+                 model.spec.intermediate_size)
     if isinstance(attn, MLAttention):  # one latent "KV head" per head; the o product reads heads * v_head_dim
         s = attn.spec
         return DecodeWeights(layers, norm.weight, hidden, inter, s.num_heads, s.num_heads, s.v_head_dim, norm.eps,
-                             s.softmax_scale, rope_dim=s.qk_rope_head_dim)
+                             s.softmax_scale, tp_group=group, rope_dim=s.qk_rope_head_dim)
     return DecodeWeights(layers, norm.weight, hidden, inter, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                         norm.eps, attn.scale)
+                         norm.eps, attn.scale, tp_group=group)
 
 
 def native_layer(layer) -> DecodeLayer | str:
@@ -155,6 +161,8 @@ def _activation(experts: Experts) -> dict | str:
 
 def _expert_matrices(experts: Experts) -> tuple[list, list] | str:
     """Each expert's gate_up and down as the compiled gemv takes them: float32, or MXFP4 as held."""
+    if "forward" in vars(experts):  # pdserve.models.tp_shard's expert-parallel forward: a rank's experts only
+        return "the experts are split by expert (expert parallel)"
     every = range(experts.num_experts)
     if type(experts) is Experts:
         return ([float_matrix(experts.gate_up_proj[e]) for e in every],
@@ -179,7 +187,7 @@ def _native_moe(mlp: SparseMoE) -> DecodeMoE | str:
             return "the shared expert has biases"
         shared_args = {"shared_gate_up": float_matrix(shared.gate_up_proj.weight),
                        "shared_down": float_matrix(shared.down_proj.weight),
-                       "shared_inter": shared.down_proj.in_features}
+                       "shared_inter": shared.down_proj.weight.shape[1]}  # (a rank's slice at TP > 1)
         matrices += [shared_args["shared_gate_up"], shared_args["shared_down"]]
     if any(m is None for m in matrices):
         return UNFIT_MATRIX

@@ -58,6 +58,7 @@ def shard_decoder_model(model: nn.Module, group: TPGroup, expert_parallel: bool 
 
 def _sum_output(module: nn.Module, group: TPGroup) -> None:
     module.register_forward_hook(lambda _m, _inputs, out: group.all_reduce(out))
+    module.tp_sum_group = group  # the compiled decode step sums there too (decoder.summing_group)
 
 
 def _keep(param: torch.Tensor | None, dim: int, index: torch.Tensor) -> nn.Parameter | None:
