@@ -37,11 +37,13 @@ def models(tmp_path_factory):
     # the norm and the LM head).
     return {"llama": make_model(root, "llama", num_hidden_layers=3),
             "qwen3_moe": make_family_model(root, "qwen3_moe", num_hidden_layers=3),
+            # sliding layers (a 21-token window) and a full one, each with its RoPE table;
+            "gemma3_text": make_family_model(root, "gemma3_text"),  # four layers: 0-1, 2-3
             "deepseek_v3": make_deepseek(root, "deepseek_v3")}
 
 
 def _reference(models, kind):
-    return (load_family_reference if kind == "qwen3_moe" else load_reference)(models[kind])
+    return (load_family_reference if kind in ("qwen3_moe", "gemma3_text") else load_reference)(models[kind])
 
 
 def test_layers_split_as_vllm_does():
@@ -58,8 +60,8 @@ def test_what_does_not_run_over_stages_is_refused_with_the_pair_named():
         EngineConfig(pipeline_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     EngineConfig(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     from transformers import AutoConfig
-    gemma = AutoConfig.for_model("gemma3_text", architectures=["Gemma3ForCausalLM"])
-    with pytest.raises(ValueError, match="Gemma3ForCausalLM is not split into pipeline stages yet"):
+    gemma = AutoConfig.for_model("gemma3", architectures=["Gemma3ForConditionalGeneration"])
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration is not split into pipeline stages yet"):
         check_pp_support(gemma, 2)
     llama = AutoConfig.for_model("llama", num_hidden_layers=2, architectures=["LlamaForCausalLM"])
     with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
@@ -91,7 +93,7 @@ def test_a_step_splits_into_micro_batches_of_about_equal_tokens():
     assert split_micro_batches(items[:1], 2) == [items[:1]]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3", "gemma3_text"])
 def test_pp2_greedy_equals_transformers(models, kind):
     path = models[kind]
     llm = LLM(model=str(path), pipeline_parallel_size=2, num_kv_blocks=9, max_num_batched_tokens=32)

@@ -150,8 +150,8 @@ def test_workers_die_with_their_driver(models):
 
 def test_unconverted_family_is_refused_clearly():
     from transformers import AutoConfig
-    config = AutoConfig.for_model("gemma3_text", architectures=["Gemma3ForCausalLM"])
-    with pytest.raises(ValueError, match="Gemma3ForCausalLM is not converted to tensor parallelism yet"):
+    config = AutoConfig.for_model("gemma3", architectures=["Gemma3ForConditionalGeneration"])
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration is not converted to tensor parallelism yet"):
         check_tp_support(config, 2)
     config = AutoConfig.for_model("llama", hidden_size=48, num_attention_heads=6, architectures=["LlamaForCausalLM"])
     with pytest.raises(ValueError, match="does not divide the 6 attention heads"):

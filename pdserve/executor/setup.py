@@ -20,7 +20,7 @@ from pdserve.models.tp_shard import shard_decoder_model
 LAYER_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                   qwen2_5_vl.ARCHITECTURE)
 SHARDED_AFTER_LOAD = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM",
-                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM")
 TP_FAMILIES = LAYER_FAMILIES + SHARDED_AFTER_LOAD
 
 

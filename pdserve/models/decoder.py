@@ -14,18 +14,6 @@ from pdserve.models.rope import RotaryEmbedding
 from pdserve.models.weights import WeightLoader, checkpoint_tensors
 
 
-def sharded_or_staged(model: nn.Module) -> str | None:
-    """Why a model's layers cannot go to the compiled decode step as they stand, or None: a
-    pipeline stage's (pdserve.models.pipeline: the other stages' layers are placeholders), or a
-    tensor-parallel rank's (pdserve.models.tp_shard: forward hooks sum their outputs over the
-    ranks, which the compiled step would skip)."""
-    if getattr(model, "pp_layers", None) is not None:
-        return "the model is a pipeline stage"
-    if any(m._forward_hooks for layer in model.layers for m in (layer.self_attn, layer.mlp)):
-        return "the layers are tensor-parallel shards (the compiled step does not sum them)"
-    return None
-
-
 def summing_group(model: nn.Module):
     """The rank group whose all-reduce sums each layer's attention and MLP outputs where the
     model is a tensor-parallel shard (pdserve.models.tp_shard's one hook on each), which the

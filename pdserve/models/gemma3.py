@@ -19,7 +19,7 @@ from torch import nn
 
 from pdserve.kernels.native_decode import DecodeLayer, DecodeWeights, float_matrix
 from pdserve.models.attention import PagedAttention, RopeTable
-from pdserve.models.decoder import DecoderModel, build_and_load, sharded_or_staged
+from pdserve.models.decoder import DecoderModel, build_and_load, summing_group
 from pdserve.models.llama import ModelSpec
 from pdserve.models.moe import DenseMLP
 from pdserve.models.rope import SUPPORTED_ROPE_TYPES
@@ -102,8 +102,9 @@ class Gemma3Model(DecoderModel):
     def native_decode_weights(self) -> DecodeWeights | str:
         """The arrays of the compiled decode step (pdserve.kernels.native_decode), or why it cannot
         take them: float32 weights on CPU without biases, the norms' (1 + w) added here."""
-        if (reason := sharded_or_staged(self)) is not None:
-            return reason
+        group = summing_group(self)  # at TP > 1, the rank group the C step sums the outputs with
+        if isinstance(group, str):
+            return group
         names = sorted(self.ropes)
         layers = [_native_layer(layer, names.index(rope)) for layer, rope in zip(self.layers, self.layer_rope)]
         reason = next((r for r in layers if isinstance(r, str)), None)
@@ -112,9 +113,9 @@ class Gemma3Model(DecoderModel):
         if reason is not None:
             return reason
         attn, mlp, norm = self.layers[0].self_attn, self.layers[0].mlp, self.norm
-        return DecodeWeights(layers, _plus_one(norm), self.spec.hidden_size, mlp.down_proj.in_features,
+        return DecodeWeights(layers, _plus_one(norm), self.spec.hidden_size, mlp.down_proj.weight.shape[1],
                              attn.num_heads, attn.num_kv_heads, attn.head_dim, norm.eps, attn.scale,
-                             activation="gelu_tanh")
+                             tp_group=group, activation="gelu_tanh")
 
 
 def _plus_one(norm: GemmaRMSNorm) -> torch.Tensor:
