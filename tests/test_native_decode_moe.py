@@ -81,18 +81,22 @@ def _mxfp4_gpt_oss(tmp_path):
     return path, ref
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "deepseek_v3"])
-def test_tp2_ranks_run_their_expert_shards_in_the_compiled_step(tmp_path, family):
+@pytest.mark.parametrize("family,expert_parallel", [
+    ("qwen2_moe", False), ("gpt_oss", False), ("gpt_oss_mxfp4", False), ("deepseek_v3", False),
+    ("qwen2_moe", True), ("gpt_oss_mxfp4", True), ("deepseek_v3", True)])
+def test_tp2_ranks_run_their_expert_shards_in_the_compiled_step(tmp_path, family, expert_parallel):
     """At TP 2 each rank's compiled step runs its heads and its half of every expert's columns
     (and of the shared expert, the dense layers), adds the biases that rank 0 keeps, and sums the
-    attention and MLP outputs through the rank group's all-reduce where the shard's hooks would.
-    Greedy tokens equal transformers', and logprobs are within 1e-4 of one process running the
-    layers in Python."""
+    attention and MLP outputs through the rank group's all-reduce where the shard's hooks would;
+    with expert parallelism, its half of the experts whole, each row's choices of the other
+    rank's experts adding nothing here. Greedy tokens equal transformers', and logprobs are
+    within 1e-4 of one process running the layers in Python."""
     if family == "deepseek_v3":
         path, ref = _deepseek(tmp_path)
     else:
         path, ref = _family(tmp_path, family)
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False, tensor_parallel_size=2)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False, tensor_parallel_size=2,
+              enable_expert_parallel=expert_parallel)
     try:
         native = llm.engine.model.native_decode
         assert native is not None and native.weights.tp_group is not None

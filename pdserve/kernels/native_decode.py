@@ -77,7 +77,8 @@ class _Moe(ctypes.Structure):
                 ("down_bias", c_void_p), ("alpha", c_float), ("limit", c_float), ("grouped", c_int32),
                 ("sigmoid", c_int32), ("n_group", c_int32), ("topk_group", c_int32), ("group_top2", c_int32),
                 ("correction_bias", c_void_p), ("scaling", c_float), ("shared_gate_up", _Matrix),
-                ("shared_down", _Matrix), ("shared_inter", c_int32), ("shared_gate", c_void_p)]
+                ("shared_down", _Matrix), ("shared_inter", c_int32), ("shared_gate", c_void_p),
+                ("first_expert", c_int32), ("local_experts", c_int32)]
 
 
 class _Mla(ctypes.Structure):
@@ -141,6 +142,10 @@ class DecodeMoE:
     shared_down: tuple | None = None
     shared_inter: int = 0
     shared_gate: torch.Tensor | None = None
+    # expert parallelism: this rank's experts, [first_expert, first_expert + len(gate_up)) of the
+    # router's `experts` (0: the router's rows); gate_up, down and the experts' biases are theirs
+    experts: int = 0
+    first_expert: int = 0
 
     def vectors(self) -> list[torch.Tensor]:
         return [t for t in (self.router_bias, self.gate_up_bias, self.down_bias, self.shared_gate,
@@ -152,10 +157,12 @@ class DecodeMoE:
         down = (_Matrix * len(self.down))(*map(_Matrix.of, self.down))
         shared = [_Matrix.of(m) for m in (self.shared_gate_up, self.shared_down)]
         biases = [_pointer(t) for t in (self.router_bias, self.gate_up_bias, self.down_bias)]
-        moe = _Moe(_Matrix.of(self.router), gate_up, down, len(self.gate_up), self.top_k, self.inter,
+        experts = self.experts or len(self.gate_up)
+        moe = _Moe(_Matrix.of(self.router), gate_up, down, experts, self.top_k, self.inter,
                    int(self.renormalize), int(self.topk_first), *biases, self.alpha, self.limit, int(self.grouped),
                    int(self.sigmoid), self.n_group, self.topk_group, int(self.group_top2),
-                   _pointer(self.correction_bias), self.scaling, *shared, self.shared_inter, _pointer(self.shared_gate))
+                   _pointer(self.correction_bias), self.scaling, *shared, self.shared_inter, _pointer(self.shared_gate),
+                   self.first_expert, len(self.gate_up) if experts != len(self.gate_up) else 0)
         return moe, (gate_up, down)
 
 

@@ -131,7 +131,8 @@ static int shared_expert(const pd_moe *e, const float *h, int tokens, int hidden
  * ascending expert order from zero, as the experts one after another added them. */
 static int run_experts(const pd_moe *e, const float *h, int tokens, int hidden, const int32_t *ids,
                        const float *weights, float *out, int threads) {
-    int K = e->top_k, E = e->experts, inter = e->inter, pairs = tokens * K;
+    int K = e->top_k, E = e->local_experts ? e->local_experts : e->experts, E0 = e->first_expert;
+    int inter = e->inter, pairs = tokens * K;
     size_t per_thread = (size_t)tokens * (2 * hidden + 3 * (size_t)inter);
     int32_t *first = malloc(sizeof(int32_t) * ((size_t)E + 1 + 2 * (size_t)pairs));
     float *ys = malloc(sizeof(float) * ((size_t)pairs * hidden + per_thread * threads));
@@ -144,7 +145,7 @@ static int run_experts(const pd_moe *e, const float *h, int tokens, int hidden, 
     first[0] = 0;
     for (int ex = 0, n = 0; ex < E; first[++ex] = n) /* each expert's pairs, in row order */
         for (int p = 0; p < pairs; p++)
-            if (ids[p] == ex) rows[n] = p / K, slots[n++] = p;
+            if (ids[p] == E0 + ex) rows[n] = p / K, slots[n++] = p;
     int rc = 0;
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (pairs > 1)
     for (int ex = 0; ex < E; ex++) {
@@ -161,6 +162,7 @@ static int run_experts(const pd_moe *e, const float *h, int tokens, int hidden, 
             for (int k = 0; k < K; k++)
                 if (ids[t * K + k] > last && (next < 0 || ids[t * K + k] < ids[t * K + next])) next = k;
             last = ids[t * K + next];
+            if (last < E0 || last >= E0 + E) continue; /* another rank's expert (expert parallelism) */
             const float w = weights[t * K + next], *y = ys + (size_t)(t * K + next) * hidden;
             float *o = out + (size_t)t * hidden;
             for (int c = 0; c < hidden; c++) o[c] += w * y[c];

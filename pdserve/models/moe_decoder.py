@@ -5,8 +5,8 @@ whose routing and experts the C step knows (softmax then top k, top k then softm
 grouped top k; SiLU or gpt-oss's clamped SwiGLU experts, biased or not; a shared expert, gated
 or not), the experts float32 or gpt-oss's MXFP4 as held. A tensor-parallel rank runs its shard
 (its heads, its slice of every expert) and sums the attention and MLP outputs through the rank
-group's all-reduce, as the shard's hooks do. Anything else (other quantized weights or experts,
-expert parallelism) keeps its layers in Python, with the reason in the log."""
+group's all-reduce, as the shard's hooks do (under expert parallelism, its experts whole). Anything
+else (other quantized weights or experts) keeps its layers in Python, with the reason in the log."""
 from __future__ import annotations
 
 import functools
@@ -161,9 +161,7 @@ def _activation(experts: Experts) -> dict | str:
 
 def _expert_matrices(experts: Experts) -> tuple[list, list] | str:
     """Each expert's gate_up and down as the compiled gemv takes them: float32, or MXFP4 as held."""
-    if "forward" in vars(experts):  # pdserve.models.tp_shard's expert-parallel forward: a rank's experts only
-        return "the experts are split by expert (expert parallel)"
-    every = range(experts.num_experts)
+    every = range(experts.num_experts)  # (a rank's experts under expert parallelism)
     if type(experts) is Experts:
         return ([float_matrix(experts.gate_up_proj[e]) for e in every],
                 [float_matrix(experts.down_proj[e]) for e in every])
@@ -195,4 +193,7 @@ def _native_moe(mlp: SparseMoE) -> DecodeMoE | str:
             "shared_gate": mlp.shared_expert_gate.weight[0] if mlp.shared_expert_gate is not None else None,
             "correction_bias": mlp.e_score_correction_bias}
     data = {name: t.data for name, t in data.items() if t is not None}  # (parameters: their plain tensors)
-    return DecodeMoE(matrices[0], gate_up, down, inter=experts.intermediate, **routing, **activation, **shared_args, **data)
+    # expert parallelism (pdserve.models.tp_shard): this rank's experts of the router's
+    parallel = {"experts": mlp.gate.weight.shape[0], "first_expert": getattr(experts, "first_expert", 0)}
+    return DecodeMoE(matrices[0], gate_up, down, inter=experts.intermediate, **routing, **activation, **shared_args,
+                     **data, **parallel)
