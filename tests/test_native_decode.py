@@ -64,6 +64,28 @@ def compare_with_python_layers(llm: LLM, prompts: list[list[int]] = PROMPTS) -> 
     assert len({t for row in tokens for t in row}) > 4  # varied output: the comparison means something
 
 
+def check_tp2_compiled_step(path, reference, **engine) -> None:
+    """The checkpoint at path at TP 2 (float32): every rank takes the compiled step over its
+    shard, greedy tokens equal the reference's, and logprobs are within 1e-4 of one process
+    running the layers in Python."""
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False, tensor_parallel_size=2,
+              **engine)
+    try:
+        native = llm.engine.model.native_decode
+        assert native is not None and native.weights.tp_group is not None
+        steps = native.steps
+        assert_greedy_matches_reference(llm, reference, PROMPTS[:3], 12)
+        assert native.steps > steps
+        tokens, values = logprobs(llm, PROMPTS)
+    finally:
+        llm.close()
+    one = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
+    one.engine.model.native_decode = None  # one process, the layers in Python
+    want_tokens, want_values = logprobs(one, PROMPTS)
+    assert tokens == want_tokens
+    assert max(abs(a - b) for va, vb in zip(values, want_values) for a, b in zip(va, vb)) < 1e-4
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
 def test_compiled_decode_matches_transformers_and_the_python_layers(tmp_path, qtype):
     llm, path = _llm(tmp_path, qtype=qtype)

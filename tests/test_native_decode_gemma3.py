@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from family_models import load_reference, make_family_model
-from test_native_decode import PROMPTS, compare_with_python_layers
+from test_native_decode import PROMPTS, check_tp2_compiled_step, compare_with_python_layers
 
 from pdserve import LLM
 from pdserve.kernels import native_gemv
@@ -41,20 +41,5 @@ def test_gemma3_tp2_ranks_take_the_compiled_step(tmp_path):
     """At TP 2 each rank's C step runs its heads and its half of the MLP, and sums the attention
     and MLP outputs through the rank group's all-reduce before their output norms, as the shard's
     hooks do. Greedy tokens equal transformers', logprobs one process's Python layers'."""
-    from test_native_decode import logprobs
     path = make_family_model(tmp_path, "gemma3_text", intermediate_size=128)  # 64 columns a rank
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False, tensor_parallel_size=2)
-    try:
-        native = llm.engine.model.native_decode
-        assert native is not None and native.weights.tp_group is not None
-        steps = native.steps
-        assert_greedy_matches_reference(llm, load_reference(path), PROMPTS[:3], 12)
-        assert native.steps > steps
-        tokens, values = logprobs(llm, PROMPTS)
-    finally:
-        llm.close()
-    one = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
-    one.engine.model.native_decode = None  # one process, the layers in Python
-    want_tokens, want_values = logprobs(one, PROMPTS)
-    assert tokens == want_tokens
-    assert max(abs(a - b) for va, vb in zip(values, want_values) for a, b in zip(va, vb)) < 1e-4
+    check_tp2_compiled_step(path, load_reference(path))

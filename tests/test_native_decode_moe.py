@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from family_models import load_reference, make_family_model
-from test_native_decode import PROMPTS, compare_with_python_layers, logprobs
+from test_native_decode import PROMPTS, check_tp2_compiled_step, compare_with_python_layers
 
 from pdserve import LLM
 from pdserve.kernels import native_gemv
@@ -95,22 +95,7 @@ def test_tp2_ranks_run_their_expert_shards_in_the_compiled_step(tmp_path, family
         path, ref = _deepseek(tmp_path)
     else:
         path, ref = _family(tmp_path, family)
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False, tensor_parallel_size=2,
-              enable_expert_parallel=expert_parallel)
-    try:
-        native = llm.engine.model.native_decode
-        assert native is not None and native.weights.tp_group is not None
-        steps = native.steps
-        assert_greedy_matches_reference(llm, ref, PROMPTS[:3], 12)
-        assert native.steps > steps
-        tokens, values = logprobs(llm, PROMPTS)
-    finally:
-        llm.close()
-    one = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
-    one.engine.model.native_decode = None  # one process, the layers in Python
-    want_tokens, want_values = logprobs(one, PROMPTS)
-    assert tokens == want_tokens
-    assert max(abs(a - b) for va, vb in zip(values, want_values) for a, b in zip(va, vb)) < 1e-4
+    check_tp2_compiled_step(path, ref, enable_expert_parallel=expert_parallel)
 
 
 # sizes whose every rank's half is whole blocks of 32 columns (the compiled gemv's unit)

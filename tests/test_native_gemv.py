@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pdserve.kernels import mxfp4_cpu, native_gemv, quant_cpu, quant_gemv
+from pdserve.kernels.native_matrices import fp4_matrix
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -97,7 +98,7 @@ def test_mxfp4_rows_match_the_dequantized_matmul():
     codes = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
     scales = rng.integers(120, 132, (rows, cols // 32), dtype=np.uint8)
     w = mxfp4_cpu.dequantize(torch.from_numpy(codes), torch.from_numpy(scales)).double()
-    matrix = native_gemv.fp4_matrix_args(codes, scales)
+    matrix = fp4_matrix(torch.from_numpy(codes), torch.from_numpy(scales))
     for tokens in (1, 3, 8, 13, 40):
         x = rng.standard_normal((tokens, cols)).astype(np.float32)
         got = np.empty((tokens, rows), dtype=np.float32)

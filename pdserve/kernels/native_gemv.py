@@ -137,16 +137,7 @@ def matrix_args(bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray, 
             int(scales.dtype == np.uint16), int(has_min), group)
 
 
-BITS_FP4 = 3  # native_gemv.c's MXFP4 codes
-
-
-def fp4_matrix_args(codes: np.ndarray, scales: np.ndarray) -> tuple | None:
-    """The kernel's arguments for an MXFP4 matrix as pdserve.kernels.mxfp4_cpu holds it: codes
-    uint8 [N, K / 2] (two e2m1 codes a byte, the low nibble first), scales uint8 [N, K / 32]
-    (E8M0 powers of two; half 2 in the kernel). None when the arrays are not contiguous."""
-    if not (codes.flags.c_contiguous and scales.flags.c_contiguous):
-        return None
-    return (codes.ctypes.data, codes.shape[0], BITS_FP4, scales.ctypes.data, None, 2, 0, 32)
+BITS_FP4 = 3  # native_gemv.c's MXFP4 codes (pdserve.kernels.native_matrices.fp4_matrix)
 
 
 def run(x_ptr: int, tokens: int, cols: int, matrix: tuple, out_ptr: int) -> bool:

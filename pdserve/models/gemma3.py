@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.native_decode import DecodeLayer, DecodeWeights, float_matrix
+from pdserve.kernels.native_decode import DecodeLayer, DecodeWeights
+from pdserve.kernels.native_matrices import float_matrix
 from pdserve.models.attention import PagedAttention, RopeTable
 from pdserve.models.decoder import DecoderModel, build_and_load, summing_group
 from pdserve.models.llama import ModelSpec

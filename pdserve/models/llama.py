@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.native_decode import DecodeLayer, DecodeWeights, float32_on_cpu, float_matrix
+from pdserve.kernels.native_decode import DecodeLayer, DecodeWeights
+from pdserve.kernels.native_matrices import float32_on_cpu, float_matrix
 from pdserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pdserve.layers.quant.unquantized import UnquantizedLinearMethod
 from pdserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding

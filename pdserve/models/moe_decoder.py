@@ -13,14 +13,8 @@ import functools
 
 from torch import nn
 
-from pdserve.kernels.native_decode import (
-    DecodeLayer,
-    DecodeMLA,
-    DecodeMoE,
-    DecodeWeights,
-    float_matrix,
-    fp4_matrix,
-)
+from pdserve.kernels.native_decode import DecodeLayer, DecodeMLA, DecodeMoE, DecodeWeights
+from pdserve.kernels.native_matrices import float_matrix, fp4_matrix
 from pdserve.models.decoder import DecoderModel, summing_group
 from pdserve.models.mla import MLAttention
 from pdserve.models.moe import (
