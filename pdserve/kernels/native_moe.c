@@ -161,6 +161,7 @@ static int run_experts(const pd_moe *e, const float *h, int tokens, int hidden, 
             int next = -1;
             for (int k = 0; k < K; k++)
                 if (ids[t * K + k] > last && (next < 0 || ids[t * K + k] < ids[t * K + next])) next = k;
+            if (next < 0) break; /* repeated ids (NaN logits can give them): never read before the row */
             last = ids[t * K + next];
             if (last < E0 || last >= E0 + E) continue; /* another rank's expert (expert parallelism) */
             const float w = weights[t * K + next], *y = ys + (size_t)(t * K + next) * hidden;
