@@ -47,9 +47,9 @@ typedef struct pd_moe {
     pd_matrix shared_gate_up, shared_down; /* read where shared_inter > 0 */
     int32_t shared_inter;
     const float *shared_gate; /* [hidden], or NULL: the shared expert's output is not gated */
-    /* expert parallelism: this rank holds experts [first_expert, first_expert + local_experts) of
-     * the router's `experts` (gate_up, down and the experts' biases index them from 0), and the
-     * rows' choices of other ranks' experts add nothing here; local_experts 0: every expert */
+    /* this rank's experts, [first_expert, first_expert + local_experts) of the router's `experts`
+     * (gate_up, down and the experts' biases index them from 0): every expert but under expert
+     * parallelism, where the rows' choices of other ranks' experts add nothing here */
     int32_t first_expert, local_experts;
 } pd_moe;
 

@@ -143,9 +143,8 @@ class DecodeMoE:
     shared_down: tuple | None = None
     shared_inter: int = 0
     shared_gate: torch.Tensor | None = None
-    # expert parallelism: this rank's experts, [first_expert, first_expert + len(gate_up)) of the
-    # router's `experts` (0: the router's rows); gate_up, down and the experts' biases are theirs
-    experts: int = 0
+    # this rank's experts are [first_expert, first_expert + len(gate_up)) of the router's rows
+    # (expert parallelism; else all of them); gate_up, down and the experts' biases are theirs
     first_expert: int = 0
 
     def vectors(self) -> list[torch.Tensor]:
@@ -158,12 +157,11 @@ class DecodeMoE:
         down = (_Matrix * len(self.down))(*map(_Matrix.of, self.down))
         shared = [_Matrix.of(m) for m in (self.shared_gate_up, self.shared_down)]
         biases = [_pointer(t) for t in (self.router_bias, self.gate_up_bias, self.down_bias)]
-        experts = self.experts or len(self.gate_up)
-        moe = _Moe(_Matrix.of(self.router), gate_up, down, experts, self.top_k, self.inter,
+        moe = _Moe(_Matrix.of(self.router), gate_up, down, self.router[1], self.top_k, self.inter,
                    int(self.renormalize), int(self.topk_first), *biases, self.alpha, self.limit, int(self.grouped),
                    int(self.sigmoid), self.n_group, self.topk_group, int(self.group_top2),
                    _pointer(self.correction_bias), self.scaling, *shared, self.shared_inter, _pointer(self.shared_gate),
-                   self.first_expert, len(self.gate_up) if experts != len(self.gate_up) else 0)
+                   self.first_expert, len(self.gate_up))
         return moe, (gate_up, down)
 
 

@@ -131,7 +131,7 @@ static int shared_expert(const pd_moe *e, const float *h, int tokens, int hidden
  * ascending expert order from zero, as the experts one after another added them. */
 static int run_experts(const pd_moe *e, const float *h, int tokens, int hidden, const int32_t *ids,
                        const float *weights, float *out, int threads) {
-    int K = e->top_k, E = e->local_experts ? e->local_experts : e->experts, E0 = e->first_expert;
+    int K = e->top_k, E = e->local_experts, E0 = e->first_expert;
     int inter = e->inter, pairs = tokens * K;
     size_t per_thread = (size_t)tokens * (2 * hidden + 3 * (size_t)inter);
     int32_t *first = malloc(sizeof(int32_t) * ((size_t)E + 1 + 2 * (size_t)pairs));

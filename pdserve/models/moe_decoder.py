@@ -187,7 +187,6 @@ def _native_moe(mlp: SparseMoE) -> DecodeMoE | str:
             "shared_gate": mlp.shared_expert_gate.weight[0] if mlp.shared_expert_gate is not None else None,
             "correction_bias": mlp.e_score_correction_bias}
     data = {name: t.data for name, t in data.items() if t is not None}  # (parameters: their plain tensors)
-    # expert parallelism (pdserve.models.tp_shard): this rank's experts of the router's
-    parallel = {"experts": mlp.gate.weight.shape[0], "first_expert": getattr(experts, "first_expert", 0)}
+    first = getattr(experts, "first_expert", 0)  # expert parallelism (pdserve.models.tp_shard): a rank's share
     return DecodeMoE(matrices[0], gate_up, down, inter=experts.intermediate, **routing, **activation, **shared_args,
-                     **data, **parallel)
+                     **data, first_expert=first)
