@@ -22,6 +22,11 @@ from pathlib import Path
 
 RAY = str(Path(sys.executable).with_name("ray"))
 TAG = f"{os.getpid() % 10000:04d}"
+# The lab's machines share one kernel, so UCX would reach across their namespaces by shared
+# memory and cross-memory attach, which separate machines cannot, and which left about half the
+# runs' NIXL READs between namespaces unanswered until their deadline (the decode node then
+# recomputed, 30 s a request). TCP, as docs/deployment-hosts.md sets for hosts without RDMA.
+LAB_UCX_TLS = "tcp,self"
 SUBNET = f"10.{150 + os.getpid() % 50}.{os.getpid() % 250}"
 # Fast failure detection for the head's GCS: a lost machine's actors restart within seconds.
 HEAD_SYSTEM_CONFIG = '{"health_check_period_ms":500,"health_check_failure_threshold":4,"health_check_timeout_ms":1000}'
@@ -130,7 +135,7 @@ class Lab:
                     f"--system-config={HEAD_SYSTEM_CONFIG}"]
         else:
             cmd += ["--address", f"{self.addr(head)}:{port}"]
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", UCX_TLS=LAB_UCX_TLS)
         proc = subprocess.Popen(["ip", "netns", "exec", self.ns(name), *cmd], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=env)
         proc.host = name

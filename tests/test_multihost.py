@@ -18,6 +18,7 @@ import time
 import httpx
 import openai
 import pytest
+from ray_util import LAB_UCX_TLS
 
 from pdserve import LLM, SamplingParams
 
@@ -89,7 +90,8 @@ def lab():
 
 
 def spawn(name: str, *args: str, log_dir) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    # UCX over TCP, as between separate machines: shared memory would bypass the link the test cuts
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", UCX_TLS=LAB_UCX_TLS)
     log = open(log_dir / f"{name}.log", "w")
     return subprocess.Popen(["ip", "netns", "exec", ns(name), sys.executable, "-m", "pdserve", "--log-level",
                              "WARNING", *args, "--model", "builtin:tiny"], stdout=log, stderr=subprocess.STDOUT,

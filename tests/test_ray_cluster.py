@@ -40,7 +40,7 @@ from ray_util import listening_sockets, machine_addresses, net_namespace, netns_
 
 from pdserve import LLM, SamplingParams
 from pdserve.testing.redis_server import REDIS_SERVER
-from pdserve.testing.up_cluster import assert_greedy_matches_offline
+from pdserve.testing.up_cluster import assert_greedy_matches_offline, router_counter
 
 pytest.importorskip("ray", reason="the ray extra is not installed")
 pytestmark = pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))
@@ -227,6 +227,15 @@ def assert_addresses_stay_in_the_lab(lab, urls: list[str], log_path: str) -> Non
     assert not escaped, escaped
 
 
+def assert_the_kv_crossed(urls: list[str], path: str) -> None:
+    """The decode nodes took the prompts' KV over `path`, and no pull failed: a failed pull is
+    recomputed, which gives the same tokens (after the pull's deadline), so equal output alone
+    would not show a broken handover. The counters come with the nodes' reports."""
+    moved = lambda: sum(router_counter(url, "pdserve_kv_transfer_bytes", path=path) for url in urls)  # noqa: E731
+    _wait(lambda: moved() > 0, 30, f"KV bytes moved over {path}")
+    assert sum(router_counter(url, "pdserve_kv_transfer_failures", reason="pull_failed") for url in urls) == 0
+
+
 def _nodes(url: str) -> dict[str, dict]:
     return {n["id"]: n for n in httpx.get(f"{url}/health", timeout=5).json()["nodes"]}
 
@@ -311,6 +320,7 @@ def test_nodes_on_both_workers_and_greedy_matches_offline(up, ray_up, lab, llm):
             assert_greedy_matches_offline(url, llm, prompt, 16)
     metrics = httpx.get(f"{urls[0]}/metrics", timeout=5).text
     assert re.search(r'pdserve_kv_handovers_total\{path="nixl"\} [1-9]', metrics), "no handover over NIXL"
+    assert_the_kv_crossed(urls, "nixl")
     # Scaling goes through the controller (the routers' --owner): a second prefill node.
     reply = httpx.post(f"{urls[1]}/admin/scale", json={"prefill": 2}, timeout=180)
     assert reply.status_code == 200, reply.text
@@ -388,5 +398,6 @@ def test_greedy_over_the_store_matches_offline(ray_up, lab, llm, redis_on_head):
     metrics = "".join(httpx.get(f"{url}/metrics", timeout=5).text for url in urls)
     assert re.search(r'pdserve_kv_handovers_total\{path="store"\} [1-9]', metrics), "no handover through the store"
     assert not re.search(r'pdserve_kv_handovers_total\{path="nixl"\} [1-9]', metrics)
+    assert_the_kv_crossed(urls, "store")
     host, port = _host(redis_on_head), int(redis_on_head.rsplit(":", 1)[1])
     assert _redis_keys(host, port) > 0, "no KV block reached the redis-server on the head"
