@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(native_gemv.compiler() is None or native_gemv._w
 
 
 @pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+def _private_cache(private_cache):
+    """conftest's: a private PDSERVE_CACHE_DIR sharing the compiled kernels"""
 
 
 def test_gemma3_takes_the_compiled_step_and_matches_transformers(tmp_path):

@@ -25,8 +25,8 @@ OVERRIDES = {"qwen2_moe": {"shared_expert_intermediate_size": 64}, "gpt_oss": {"
 
 
 @pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+def _private_cache(private_cache):
+    """conftest's: a private PDSERVE_CACHE_DIR sharing the compiled kernels"""
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])

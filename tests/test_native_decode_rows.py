@@ -23,8 +23,8 @@ Q = gguf.GGMLQuantizationType
 
 
 @pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+def _private_cache(private_cache):
+    """conftest's: a private PDSERVE_CACHE_DIR sharing the compiled kernels"""
 
 
 def _repeating(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
