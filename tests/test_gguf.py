@@ -152,8 +152,8 @@ def reference(path):
 
 
 @pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+def _private_cache(private_cache):
+    """conftest's: a private PDSERVE_CACHE_DIR sharing the compiled kernels"""
 
 
 @pytest.mark.parametrize("arch,qtype", [("llama", Q.Q8_0), ("qwen2", Q.Q4_1), ("qwen3", Q.F16),

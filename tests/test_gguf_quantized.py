@@ -28,8 +28,8 @@ NEW_TOKENS = 16
 
 
 @pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+def _private_cache(private_cache):
+    """conftest's: a private PDSERVE_CACHE_DIR sharing the compiled kernels"""
 
 
 @pytest.mark.parametrize("kind", KEPT_TYPES)

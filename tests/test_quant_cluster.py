@@ -15,6 +15,7 @@ from test_gguf import write_gguf
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.footprint import weight_bytes
+from pdserve.testing.private_cache import private_cache_dir
 from pdserve.testing.up_cluster import running_cluster
 
 SIZES = dict(hidden_size=256, intermediate_size=512)
@@ -25,7 +26,7 @@ PROMPTS = ["the thin tin", "a hat in the hat"]
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant")
     saved = os.environ.get("PDSERVE_CACHE_DIR")
-    os.environ["PDSERVE_CACHE_DIR"] = str(root / "cache")
+    os.environ["PDSERVE_CACHE_DIR"] = str(private_cache_dir(root))  # the nodes find the kernels built
     try:
         path = write_gguf(root / "m.Q4_1.gguf", "llama", gguf.GGMLQuantizationType.Q4_1, dims=SIZES)
         with running_cluster("--model", str(path), "--prefill-nodes", "1", "--decode-nodes", "1",
