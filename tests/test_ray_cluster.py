@@ -231,8 +231,9 @@ def assert_the_kv_crossed(urls: list[str], path: str) -> None:
     """The decode nodes took the prompts' KV over `path`, and no pull failed: a failed pull is
     recomputed, which gives the same tokens (after the pull's deadline), so equal output alone
     would not show a broken handover. The counters come with the nodes' reports."""
-    moved = lambda: sum(router_counter(url, "pdserve_kv_transfer_bytes", path=path) for url in urls)  # noqa: E731
-    _wait(lambda: moved() > 0, 30, f"KV bytes moved over {path}")
+    def moved() -> bool:
+        return sum(router_counter(url, "pdserve_kv_transfer_bytes", path=path) for url in urls) > 0
+    _wait(moved, 30, f"KV bytes moved over {path}")
     assert sum(router_counter(url, "pdserve_kv_transfer_failures", reason="pull_failed") for url in urls) == 0
 
 
