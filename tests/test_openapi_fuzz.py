@@ -59,12 +59,15 @@ def before_call(context, case, kwargs):
 """
 
 ERROR_REF = "#/components/schemas/ErrorResponse"
+ANTHROPIC_ERROR_REF = "#/components/schemas/AnthropicErrorResponse"  # the Messages routes' errors
 GENERATION = {"200", "400", "401", "404", "413", "429", "500", "503"}
 EXPECTED = {
     ("post", "/v1/completions"): GENERATION,
     ("post", "/v1/chat/completions"): GENERATION,
     ("post", "/v1/responses"): GENERATION,
     ("post", "/v1/embeddings"): GENERATION,
+    ("post", "/v1/messages"): GENERATION,
+    ("post", "/v1/messages/count_tokens"): GENERATION - {"503"},
     ("get", "/v1/responses/{response_id}"): {"200", "401", "404", "500"},
     ("delete", "/v1/responses/{response_id}"): {"200", "401", "404", "500"},
     ("get", "/v1/models"): {"200", "401", "500"},
@@ -96,9 +99,10 @@ def test_openapi_declares_each_status_with_the_error_schema(cluster):
     for key, op in operations.items():
         assert set(op["responses"]) == EXPECTED[key], key
         for status, response in op["responses"].items():
-            if status != "200":  # every error is OpenAI's shape, in JSON
-                assert ERROR_REF in _refs(response["content"]["application/json"]["schema"]), (key, status)
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+            if status != "200":  # every error is OpenAI's shape (Anthropic's under /v1/messages), in JSON
+                ref = ANTHROPIC_ERROR_REF if key[1].startswith("/v1/messages") else ERROR_REF
+                assert ref in _refs(response["content"]["application/json"]["schema"]), (key, status)
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"):
         assert "text/event-stream" in doc["paths"][path]["post"]["responses"]["200"]["content"]
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     schemas = doc["components"]["schemas"]

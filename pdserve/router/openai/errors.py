@@ -6,6 +6,7 @@ included) get a parseable body and never a bare 500 with a traceback.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,6 +23,10 @@ INVALID_REQUEST = "invalid_request_error"
 NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
+
+# Another API's error body for the paths under a prefix (the Anthropic Messages API's):
+# (status, message, type, param, code) -> body. Registered with add_error_shape.
+ErrorShape = Callable[[int, str, str, str | None, str | None], dict[str, Any]]
 
 
 class APIError(Exception):
@@ -138,35 +143,46 @@ def _log_refusal(request: Request, status: int, message: str) -> None:
         logger.info("%s %s -> %d: %s", request.method, request.url.path, status, message)
 
 
+def _respond(request: Request, err: APIError) -> JSONResponse:
+    """The error in the shape of the API the request's path belongs to (OpenAI's by default)."""
+    shapes: dict[str, ErrorShape] = getattr(request.app.state, "error_shapes", {})
+    shape = next((f for prefix, f in shapes.items() if request.url.path.startswith(prefix)), None)
+    body = shape(err.status, err.message, err.type, err.param, err.code) if shape else err.body()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
 async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     _log_refusal(request, exc.status, exc.message)
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return _respond(request, exc)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     message, param = _validation_message(exc)
     _log_refusal(request, 400, message)
-    return JSONResponse(error_body(message, INVALID_REQUEST, param), status_code=400)
+    return _respond(request, APIError(400, message, INVALID_REQUEST, param))
 
 
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     _log_refusal(request, exc.status_code, str(exc.detail))
     kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
-    return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
+    return _respond(request, APIError(exc.status_code, str(exc.detail), kind,
+                                      headers=getattr(exc, "headers", None)))
 
 
-async def _on_backend_error(_: Request, exc: Exception) -> JSONResponse:
-    err = backend_unavailable(exc)
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+async def _on_backend_error(request: Request, exc: Exception) -> JSONResponse:
+    return _respond(request, backend_unavailable(exc))
 
 
-async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-    err = as_api_error(exc)
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    return _respond(request, as_api_error(exc))
+
+
+def add_error_shape(app: FastAPI, prefix: str, shape: ErrorShape) -> None:
+    """Errors of the routes under `prefix` answer in `shape` (its status stays the error's)."""
+    app.state.error_shapes = {**getattr(app.state, "error_shapes", {}), prefix: shape}
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -3,7 +3,8 @@
     app = create_app(backend, tokenizer, model_name="m", max_model_len=4096)
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not), POST
-/v1/responses with GET/DELETE /v1/responses/{id} (responses_route.py), POST /v1/embeddings
+/v1/responses with GET/DELETE /v1/responses/{id} (responses_route.py), POST /v1/messages and
+/v1/messages/count_tokens (Anthropic's Messages API, anthropic_routes.py), POST /v1/embeddings
 (embedding_routes.py), GET /v1/models[/{model}] and /version (model_routes.py), GET /health,
 GET /metrics; /openapi.json declares every status each answers.
 The router tokenizes (and renders chat templates); nodes receive token ids and send back
@@ -60,6 +61,7 @@ from pdserve.router.openai.structured_request import GrammarCheck
 from pdserve.router.openai.tool_parsers import parser_for
 from pdserve.router.routes.admin_routes import add_admin_routes
 from pdserve.router.routes.admission import AdmissionMiddleware
+from pdserve.router.routes.anthropic_routes import add_anthropic_routes
 from pdserve.router.routes.embedding_routes import EmbeddingOptions, add_embedding_routes
 from pdserve.router.routes.lora_routes import add_lora_routes
 from pdserve.router.routes.model_routes import ServedModel, add_model_routes
@@ -313,6 +315,7 @@ def create_app(backend: GenerationBackend, tokenizer: Any, model_name: str,
     router = _Router(backend, tokenizer, served, tool_call_parser, media, image_prompts, eos_token_ids)
     _add_openai_routes(app, router)
     add_responses_routes(app, router)
+    add_anthropic_routes(app, router)
     add_model_routes(app, served)
     _add_info_routes(app, router)
     add_tokenize_routes(app, router)
