@@ -14,6 +14,7 @@ import subprocess
 import sys
 from typing import Literal
 
+import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -118,6 +119,38 @@ def test_tool_choice_required_named_and_auto(served):
     assert "".join(d.content or "" for d in deltas) == "Checking. "
     streamed = [tc for d in deltas for tc in d.tool_calls or []]
     assert len(streamed) == 1 and streamed[0].function.arguments == message.tool_calls[0].function.arguments
+
+
+class Address(BaseModel):
+    city: Literal["Paris", "Rome"]
+    floor: Literal[1, 2]
+
+
+class Resident(BaseModel):
+    name: Literal["ada", "bob"]
+    home: Address
+
+
+def test_nested_pydantic_tools_under_each_tool_choice(served):
+    """openai.pydantic_function_tool writes a nested model as $defs and $refs (strict): every
+    tool_choice answers, and each call is valid against the tool's schema. (Under "required" the
+    grammar nests each tool's schema in one of all the calls, where its $refs must still resolve;
+    test_tool_choice.py has two tools' definitions side by side, and a recursive one: a random
+    model recurses until the context runs out, so none here.)"""
+    model, _, client, _ = served
+    messages = [{"role": "user", "content": "Who lives in Rome?"}]
+    resident = openai.pydantic_function_tool(Resident)
+    cases = [([resident], "required"), ([resident], {"type": "function", "function": {"name": "Resident"}}),
+             ([resident], "auto")]
+    for tools, choice in cases:
+        schema = tools[0]["function"]["parameters"]
+        assert "$defs" in schema and schema["additionalProperties"] is False
+        answer = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice=choice,
+                                                temperature=0)  # max_tokens: the rest of the context
+        calls = answer.choices[0].message.tool_calls or []
+        assert calls or choice == "auto", (choice, answer.choices[0])
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
 def test_grammar_dead_end_on_either_node(served):

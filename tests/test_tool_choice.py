@@ -51,6 +51,34 @@ def test_required_grammar_accepts_exactly_calls_of_the_tools():
     assert required_calls('[{"name": "get_time", "parameters": {"zo') == []  # cut off by max_tokens
 
 
+# What openai.pydantic_function_tool writes for nested pydantic models: refs into the tool's $defs
+# (Address, a "Ship" defined under a name another tool uses too), and a tree that refers to its root.
+_ADDRESS = {"type": "object", "properties": {"street": {"type": "string"}}, "required": ["street"]}
+PERSON = {"type": "function", "function": {"name": "person", "parameters": {
+    "$defs": {"Address": _ADDRESS, "Ship": {"type": "integer"}}, "type": "object",
+    "properties": {"home": {"$ref": "#/$defs/Address"}, "ship": {"$ref": "#/$defs/Ship"}}, "required": ["home"]}}}
+FLEET = {"type": "function", "function": {"name": "fleet", "parameters": {
+    "definitions": {"Ship": {"type": "string", "enum": ["ark"]}}, "type": "object",
+    "properties": {"ship": {"$ref": "#/definitions/Ship"}, "escort": {"$ref": "#"}}, "required": ["ship"]}}}
+
+
+def test_required_grammar_keeps_each_tools_definitions():
+    """Under "required" each tool's parameters sit inside one schema of all the calls: their $defs
+    (and definitions, and a root "#") must still resolve, each tool's to its own."""
+    from pdserve.router.openai.structured_request import checked_spec
+    kind, text = tool_plan([PERSON, FLEET], "required").grammar()
+    checked_spec(kind, text)  # xgrammar builds it
+    schema = json.loads(text)
+    good = [{"name": "person", "parameters": {"home": {"street": "Rue"}, "ship": 3}},
+            {"name": "fleet", "parameters": {"ship": "ark", "escort": {"ship": "ark"}}}]
+    jsonschema.validate(good, schema)
+    for bad in ([{"name": "person", "parameters": {"home": {"street": 1}}}],
+                [{"name": "person", "parameters": {"home": {"street": "Rue"}, "ship": "ark"}}],
+                [{"name": "fleet", "parameters": {"ship": "ark", "escort": {"ship": "raft"}}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
 @pytest.mark.parametrize("parser,text,content,calls", [
     (HermesParser(), 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
      "Let me check.", [("get_weather", {"city": "Rome"})]),

@@ -104,11 +104,73 @@ class ToolPlan:
             return "json", self.parameters(self.name)
         if self.mode != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                   "parameters": json.loads(self.parameters(t["function"]["name"]))},
-                  "required": ["name", "parameters"]} for t in self.tools]
+        defs: dict[str, Any] = {}
+        calls = [{"type": "object", "properties": {
+                      "name": {"const": t["function"]["name"]},
+                      "parameters": hoist_defs(json.loads(self.parameters(t["function"]["name"])), f"tool{i}", defs)},
+                  "required": ["name", "parameters"]} for i, t in enumerate(self.tools)]
         array = {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
+        if defs:
+            array["$defs"] = defs
         return "json", json.dumps(array, ensure_ascii=False)
+
+
+_DEF_KEYS = ("$defs", "definitions")
+
+
+def _pointer_segment(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def _moved_ref(ref: str, prefix: str) -> str:
+    """A ref of the tool's schema, as it reads once the schema's definitions are under the
+    combined schema's $defs as prefix.NAME, and the schema's root (a recursive "#") as prefix."""
+    for key in _DEF_KEYS:
+        head = f"#/{key}/"
+        if ref.startswith(head):
+            segment, slash, tail = ref[len(head):].partition("/")
+            return f"#/$defs/{_pointer_segment(prefix + '.')}{segment}{slash}{tail}"
+    if ref == "#" or ref.startswith("#/"):
+        return f"#/$defs/{_pointer_segment(prefix)}{ref[1:]}"
+    return ref  # a URL or an $id's anchor: not this schema's to move
+
+
+def _rewrite_refs(value: Any, prefix: str) -> Any:
+    if isinstance(value, dict):
+        return {k: (_moved_ref(v, prefix) if k == "$ref" and isinstance(v, str) else _rewrite_refs(v, prefix))
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rewrite_refs(v, prefix) for v in value]
+    return value
+
+
+def _refers_to_root(value: Any) -> bool:
+    if isinstance(value, dict):
+        ref = value.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or (ref.startswith("#/") and not ref.startswith(("#/$defs/",
+                                                                                               "#/definitions/")))):
+            return True
+        return any(_refers_to_root(v) for v in value.values())
+    return isinstance(value, list) and any(_refers_to_root(v) for v in value)
+
+
+def hoist_defs(schema: Any, prefix: str, defs: dict[str, Any]) -> Any:
+    """A tool's parameters, to be nested in a schema of several tools (tool_choice "required"):
+    its `$defs`/`definitions` (what pydantic writes for nested models) move into `defs`, the
+    combined schema's $defs, as prefix.NAME, so no two tools' names clash, and its refs are
+    rewritten to match. A schema that refers to its own root (recursive through "#") moves whole
+    into `defs` as prefix and is referred to from where it stood."""
+    if not isinstance(schema, dict):
+        return schema
+    root_refs = _refers_to_root(schema)
+    body = _rewrite_refs({k: v for k, v in schema.items() if k not in _DEF_KEYS}, prefix)
+    for key in _DEF_KEYS:
+        for name, definition in (schema.get(key) or {}).items():
+            defs[f"{prefix}.{name}"] = _rewrite_refs(definition, prefix)
+    if not root_refs:
+        return body
+    defs[prefix] = body
+    return {"$ref": f"#/$defs/{_pointer_segment(prefix)}"}
 
 
 class ToolsError(ValueError):
