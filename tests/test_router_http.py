@@ -395,10 +395,12 @@ def test_tokenize_bad_input_is_an_openai_error(ctx, path, payload):
 
 
 BAD_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}},
-             {"type": "function", "function": {"name": "f", "parameters": '{"type": "object"}'}}]
+             {"type": "function", "function": {"name": "f", "parameters": '{"type": "object"}'}},
+             {"type": "function", "function": {"name": "f", "parameters": {
+                 "type": "object", "properties": {"unit": {"type": "string", "enum": []}}}}}]
 
 
-@pytest.mark.parametrize("tool", BAD_TOOLS, ids=["bad-schema", "string"])
+@pytest.mark.parametrize("tool", BAD_TOOLS, ids=["bad-schema", "string", "empty-enum"])
 @pytest.mark.parametrize("choice", [None, "auto", "none", "required", {"type": "function", "function": {"name": "f"}}])
 def test_invalid_tool_schema_is_a_400_under_any_tool_choice(ctx, tool, choice):
     client = ctx[3]
@@ -425,3 +427,22 @@ def test_empty_stop_string_and_empty_responses_input_are_400s(ctx, stop):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model=MODEL, input="", max_output_tokens=2)
     assert info.value.param == "input"
+
+
+# Valid JSON Schema that no grammar can be built from: a regex feature xgrammar lacks, an empty range.
+UNBUILDABLE = [({"type": "string", "pattern": "(?<=a)b"}, "Lookbehind"),
+               ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum greater than maximum")]
+
+
+@pytest.mark.parametrize("schema,why", UNBUILDABLE, ids=["lookbehind", "empty-range"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "g"}}])
+def test_unbuildable_tool_schema_names_tools_and_says_why(ctx, schema, why, choice):
+    client = ctx[3]
+    fine = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    bad = {"type": "function", "function": {"name": "g", "strict": True, "parameters": {
+        "type": "object", "properties": {"x": schema}, "required": ["x"], "additionalProperties": False}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       tools=[fine, bad], tool_choice=choice)
+    assert info.value.param == "tools", info.value.message
+    assert "tools[1] ('g')" in info.value.message and why in info.value.message

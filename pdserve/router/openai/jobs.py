@@ -63,13 +63,14 @@ async def completion_job(router: Any, body: CompletionRequest) -> GenerationJob:
     return GenerationJob(choice_prompts, params, flavor, sum(len(ids) for ids in ids_list))
 
 
-async def _check_satisfiable(router: Any, params: list[SamplingParams]) -> None:
+async def _check_satisfiable(router: Any, params: list[SamplingParams], param: str | None = None) -> None:
+    """param: the field the constraint comes from ("tools" for tool_choice's grammar)."""
     spec = params[0].structured if params else None
     if spec is not None:
         try:
             await router.grammars.check(spec)
         except ValueError as exc:
-            raise bad_request(str(exc)) from exc
+            raise bad_request(str(exc), param) from exc
 
 
 def _with_echo_logprobs(params: SamplingParams, body: CompletionRequest) -> SamplingParams:
@@ -115,8 +116,10 @@ async def chat_job(router: Any, body: ChatCompletionRequest) -> GenerationJob:
     plan, ids, images = await chat_prompt(router, body)
     max_tokens = router.resolve_max_tokens(body.requested_max_tokens(), len(ids), "max_tokens")
     logprobs = body.engine_logprobs()
-    params = _with_tool_call_tag(router, plan, router.build_params(body, max_tokens, logprobs))
-    await _check_satisfiable(router, params)
+    built = router.build_params(body, max_tokens, logprobs)
+    params = _with_tool_call_tag(router, plan, built)
+    from_tools = plan is not None and (plan.mode in ("named", "required") or params is not built)
+    await _check_satisfiable(router, params, "tools" if from_tools else None)
     want = logprobs is not None
     if plan is None:
         flavor: Flavor = ChatFlavor(router.texts, want, body.return_token_ids)

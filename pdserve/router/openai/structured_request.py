@@ -20,6 +20,7 @@ import jsonschema
 
 from pdserve.protocol.grammar import check_spec
 from pdserve.protocol.sampling_params import StructuredSpec
+from pdserve.router.openai.tool_schemas import ToolsError, empty_enum_at, hoist_defs
 
 # json_object: any JSON object (compact, see structured_output.ANY_WHITESPACE).
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -114,67 +115,18 @@ class ToolPlan:
             array["$defs"] = defs
         return "json", json.dumps(array, ensure_ascii=False)
 
-
-_DEF_KEYS = ("$defs", "definitions")
-
-
-def _pointer_segment(name: str) -> str:
-    return name.replace("~", "~0").replace("/", "~1")
-
-
-def _moved_ref(ref: str, prefix: str) -> str:
-    """A ref of the tool's schema, as it reads once the schema's definitions are under the
-    combined schema's $defs as prefix.NAME, and the schema's root (a recursive "#") as prefix."""
-    for key in _DEF_KEYS:
-        head = f"#/{key}/"
-        if ref.startswith(head):
-            segment, slash, tail = ref[len(head):].partition("/")
-            return f"#/$defs/{_pointer_segment(prefix + '.')}{segment}{slash}{tail}"
-    if ref == "#" or ref.startswith("#/"):
-        return f"#/$defs/{_pointer_segment(prefix)}{ref[1:]}"
-    return ref  # a URL or an $id's anchor: not this schema's to move
-
-
-def _rewrite_refs(value: Any, prefix: str) -> Any:
-    if isinstance(value, dict):
-        return {k: (_moved_ref(v, prefix) if k == "$ref" and isinstance(v, str) else _rewrite_refs(v, prefix))
-                for k, v in value.items()}
-    if isinstance(value, list):
-        return [_rewrite_refs(v, prefix) for v in value]
-    return value
-
-
-def _refers_to_root(value: Any) -> bool:
-    if isinstance(value, dict):
-        ref = value.get("$ref")
-        if isinstance(ref, str) and (ref == "#" or (ref.startswith("#/") and not ref.startswith(("#/$defs/",
-                                                                                               "#/definitions/")))):
-            return True
-        return any(_refers_to_root(v) for v in value.values())
-    return isinstance(value, list) and any(_refers_to_root(v) for v in value)
-
-
-def hoist_defs(schema: Any, prefix: str, defs: dict[str, Any]) -> Any:
-    """A tool's parameters, to be nested in a schema of several tools (tool_choice "required"):
-    its `$defs`/`definitions` (what pydantic writes for nested models) move into `defs`, the
-    combined schema's $defs, as prefix.NAME, so no two tools' names clash, and its refs are
-    rewritten to match. A schema that refers to its own root (recursive through "#") moves whole
-    into `defs` as prefix and is referred to from where it stood."""
-    if not isinstance(schema, dict):
-        return schema
-    root_refs = _refers_to_root(schema)
-    body = _rewrite_refs({k: v for k, v in schema.items() if k not in _DEF_KEYS}, prefix)
-    for key in _DEF_KEYS:
-        for name, definition in (schema.get(key) or {}).items():
-            defs[f"{prefix}.{name}"] = _rewrite_refs(definition, prefix)
-    if not root_refs:
-        return body
-    defs[prefix] = body
-    return {"$ref": f"#/$defs/{_pointer_segment(prefix)}"}
-
-
-class ToolsError(ValueError):
-    """A malformed entry of `tools` (its 400 names `tools`, not `tool_choice`)."""
+    def grammar_error(self, exc: ValueError) -> ToolsError:
+        """Why the grammar() of these tools cannot be built, naming the first tool whose own
+        parameters cannot be (else the combination)."""
+        for i, tool in enumerate(self.tools):
+            name = tool["function"]["name"]
+            if self.mode == "named" and name != self.name:
+                continue
+            try:
+                checked_spec("json", self.parameters(name))
+            except ValueError as own:
+                return ToolsError(f"tools[{i}] ({name!r}): its parameters cannot be built into a grammar: {own}")
+        return ToolsError(f"the tools' parameters cannot be built into one grammar: {exc}")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -199,6 +151,9 @@ def _check_parameters(parameters: Any, where: str) -> None:
         raise ToolsError(f"{where}: parameters is not a valid JSON schema: {exc.message} (at {exc.json_path})") from None
     except RecursionError:  # nesting deeper than the interpreter's stack: not a schema anyone means
         raise ToolsError(f"{where}: parameters is nested too deeply") from None
+    empty = empty_enum_at(parameters)
+    if empty is not None:  # valid JSON Schema, but no value matches it (and templates choke on it)
+        raise ToolsError(f"{where}: parameters has an empty enum at {empty}: no value can match it")
 
 
 def _function_tools(tools: list[dict] | None) -> list[dict[str, Any]]:
@@ -248,7 +203,14 @@ def structured_spec(response_format: Any, structured: Any, guided: dict[str, Any
     if len(found) > 1:
         raise ValueError("ask for one structured output at a time (response_format, structured_outputs, "
                          "guided_*, or tool_choice 'required' or named)")
-    return checked_spec(*found[0]) if found else None
+    if not found:
+        return None
+    try:
+        return checked_spec(*found[0])
+    except ValueError as exc:
+        if tools is None or found[0] is not from_tools:
+            raise
+        raise tools.grammar_error(exc) from None
 
 
 class GrammarCheck:

@@ -167,8 +167,8 @@ class _Router:
             structured = body.structured()
             return [body.sampling_params(max_tokens, logprobs, i, bad_words, structured)
                     for i in range(body.num_choices)]
-        except ValueError as exc:
-            raise bad_request(str(exc)) from exc
+        except ValueError as exc:  # a ToolsError (tool_choice's grammar) names `tools`
+            raise bad_request(str(exc), getattr(exc, "param", None)) from exc
 
     def check_sampling_extras(self, body: GenerationRequest, max_tokens: int) -> None:
         bad = next((k for k in body.logit_bias or {} if int(k) >= self.vocab_size), None)
