@@ -196,3 +196,21 @@ def test_errors_are_anthropic_shaped_400s(served):
     assert caught.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError):
         client.messages.count_tokens(model=model, messages=[{"role": "user", "content": [{"type": "video"}]}])
+
+
+def test_a_prompt_over_the_context_is_a_400_on_every_route_streamed_or_not(served):
+    """OpenAI's context_length_exceeded (Anthropic's invalid_request_error above), never a 5xx."""
+    _, client, chat, model = served
+    long = "x " * 2000  # 4000 tokens of the byte tokenizer, past the model's 1024
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as caught:
+            chat.chat.completions.create(model=model, messages=[{"role": "user", "content": long}], max_tokens=4,
+                                         stream=stream)
+        assert caught.value.code == "context_length_exceeded" and "1024" in caught.value.message
+        with pytest.raises(openai.BadRequestError) as caught:
+            chat.completions.create(model=model, prompt=long, max_tokens=4, stream=stream)
+        assert caught.value.code == "context_length_exceeded"
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            client.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": long}],
+                                   stream=stream)
+        assert "maximum context length is 1024" in caught.value.body["error"]["message"]

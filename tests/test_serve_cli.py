@@ -39,7 +39,7 @@ def serve_args(*flags: str, model: str = "builtin:tiny"):
 REFUSED = [
     (["-q", "fp8"], "builtin:tiny holds unquantized weights, and pdserve does not quantize as it loads"),
     (["--tokenizer", "/nonexistent"], "pdserve reads the tokenizer from the model's own directory"),
-    (["--revision", "main"], "pdserve serves a local directory and never downloads"),
+    (["--revision", "main"], "builtin:tiny is not a Hub id (ORG/NAME): a local directory has one revision"),
     (["--trust-remote-code"], "pdserve runs no code from a checkpoint"),
     (["--reasoning-parser", "deepseek_r1"], "pdserve has no reasoning parsers"),
     (["--generation-config", "auto"], "only --generation-config vllm"),

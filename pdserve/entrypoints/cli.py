@@ -14,9 +14,8 @@ from pdserve.cluster.registry_client import registry_url
 from pdserve.engine.config import engine_options
 from pdserve.entrypoints.engine_flags import add_engine_args, add_lora_module_arg
 from pdserve.entrypoints.http_flags import add_http_args
-from pdserve.entrypoints.launcher import run_up
 from pdserve.entrypoints.router_flags import add_admission_args, add_chat_args, add_routing_args, add_served_name_args
-from pdserve.entrypoints.serve_cli import run_serve
+from pdserve.entrypoints.serve_cli import check_model, run_checked_up, run_serve
 from pdserve.entrypoints.tp_degrees import parse_degrees
 from pdserve.entrypoints.vllm_flags import add_serve_args, add_up_hints, brief_errors
 from pdserve.models.gguf import DEFAULT_MODEL
@@ -103,6 +102,7 @@ def _run_router(args: argparse.Namespace) -> int:
     # deferred: the router's FastAPI app, its node pool and numpy, loaded by the router process only,
     # not by `pdserve --help` or the nodes
     from pdserve.router.main import run_router
+    check_model(args)  # a model that does not resolve, or a --max-model-len beyond it: exit 2, not a crash
     return run_router(args)
 
 
@@ -164,7 +164,7 @@ def _add_cluster_parsers(sub) -> None:
     add_up_args(up)
     add_up_hints(up)  # vLLM's flags it does not take answer with their equivalent
     brief_errors(up)
-    up.set_defaults(func=run_up)
+    up.set_defaults(func=run_checked_up)
     serve = sub.add_parser("serve", help="`vllm serve` for pdserve: `pdserve up` with MODEL first and vLLM's flags "
                                          "(docs/from-vllm.md)")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (as --model)")

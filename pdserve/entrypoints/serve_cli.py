@@ -12,6 +12,7 @@ import argparse
 from pdserve.entrypoints.http_flags import check_tls
 from pdserve.entrypoints.launcher import run_up
 from pdserve.entrypoints.vllm_flags import apply_vllm_flags
+from pdserve.models.model_path import context_limit, read_model_config, resolve_model_path
 
 
 def serve_settings(args: argparse.Namespace) -> argparse.Namespace:
@@ -19,9 +20,34 @@ def serve_settings(args: argparse.Namespace) -> argparse.Namespace:
     if args.model_tag:
         args.model = args.model_tag
     check_tls(args)
-    apply_vllm_flags(args)
+    apply_vllm_flags(args)  # --revision first: it names the snapshot check_model resolves
+    check_model(args)
     return args
+
+
+def check_model(args: argparse.Namespace) -> None:
+    """Before any process starts (ValueError: `pdserve` exits with code 2 and this one message):
+    the model resolves (a directory, an installed GGUF, or a Hub id in the local Hugging Face
+    cache), and --max-model-len is within what its config allows. As vLLM refuses a longer one
+    unless told to allow it, so does pdserve, which has no override: its engine runs no
+    position past the model's, so a longer context would be advertised and never served."""
+    path = resolve_model_path(args.model)
+    wanted = getattr(args, "max_model_len", None)
+    if wanted is not None and wanted < 1:
+        raise ValueError(f"--max-model-len must be at least 1, got {wanted}")
+    limit = context_limit(read_model_config(path))
+    if wanted is not None and limit is not None and wanted > limit:
+        raise ValueError(f"--max-model-len {wanted} is more than {args.model} allows: its config.json's "
+                         f"max_position_embeddings is {limit}, and pdserve runs no position past it (vLLM refuses "
+                         f"this too, unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set). Leave --max-model-len out to "
+                         f"serve the model's {limit}, or give a value up to it")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     return run_up(serve_settings(args))
+
+
+def run_checked_up(args: argparse.Namespace) -> int:
+    """`pdserve up`: the model checked first (check_model), then the cluster."""
+    check_model(args)
+    return run_up(args)

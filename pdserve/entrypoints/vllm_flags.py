@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pdserve.entrypoints.kv_pool import kv_pool_from_utilization
 from pdserve.models.gguf import find_gguf_file
-from pdserve.models.model_path import read_model_config, resolve_model_path
+from pdserve.models.model_path import HUB_ID, cached_snapshot, read_model_config, resolve_model_path
 
 Check = Callable[[argparse.Namespace, Any], None]
 QUANTIZATION_DOC = "docs/quantization.md"
@@ -104,6 +105,16 @@ def _tokenizer(args: argparse.Namespace, value: str) -> None:
                      f"tokenize alike): copy {value}'s tokenizer files into {args.model}")
 
 
+def _revision(args: argparse.Namespace, value: str) -> None:
+    """The cached snapshot of that revision becomes the model, still served under its id."""
+    if not HUB_ID.fullmatch(args.model) or Path(args.model).expanduser().exists():
+        raise ValueError(f"{args.model} is not a Hub id (ORG/NAME): a local directory has one revision, and "
+                         "pdserve never downloads")
+    if not args.served_model_name:
+        args.served_model_name = [args.model]
+    args.model = str(cached_snapshot(args.model, value))
+
+
 VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("-tp", "--tensor-parallel-size"),
              "tensor-parallel size of every node, prefill and decode (--prefill-tp and --decode-tp)",
@@ -122,9 +133,10 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
              "give requests their own `seed`", dict(type=int), _accept),
     VllmFlag(("--tokenizer",), "accepted when it names the model itself: pdserve reads the tokenizer "
              "from the model's directory", "pdserve reads the tokenizer from --model's directory", {}, _tokenizer),
-    VllmFlag(("--revision",), "refused: pdserve serves a local directory and never downloads",
-             "pdserve serves a local directory and never downloads: download the revision "
-             "(huggingface-cli download REPO --revision REV --local-dir DIR) and serve DIR", {}),
+    VllmFlag(("--revision",), "a Hub id's revision (a branch, tag or commit), from the local Hugging Face cache: "
+             "pdserve never downloads",
+             "--model ORG/NAME serves the local Hugging Face cache's refs/main; `pdserve serve ORG/NAME --revision "
+             "REV` another revision the cache holds (pdserve never downloads)", {}, _revision),
     VllmFlag(("--trust-remote-code",), "refused: pdserve runs no code from a checkpoint",
              "pdserve runs no code from a checkpoint: it serves the architectures it implements (docs/models.md)",
              dict(action="store_true")),

@@ -1,9 +1,11 @@
 """Where a model named on the command line lives: a builtin model, an installed GGUF (as its
-Hugging Face view) or a local Hugging Face directory. No torch: the router resolves the model
-to find its tokenizer and chat template."""
+Hugging Face view), a local Hugging Face directory, or a Hub id (ORG/NAME) already in the local
+Hugging Face cache (HF_HOME, HF_HUB_CACHE; its refs/main snapshot). Nothing is downloaded. No
+torch: the router resolves the model to find its tokenizer and chat template."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,12 +24,42 @@ def resolve_model_path(model: str) -> Path:
     if gguf_file is not None:
         return prepare_view(gguf_file)
     path = Path(model).expanduser()
-    if not path.is_dir():
+    if not path.is_dir() and HUB_ID.fullmatch(model):
+        path = cached_snapshot(model)
+    elif not path.is_dir():
         raise ModelLoadError(f"model directory {model!r} does not exist (pdserve loads local Hugging Face "
-                             f"directories or builtin:tiny; it never downloads)")
+                             f"directories, Hub ids already in the local Hugging Face cache, and builtin:tiny; "
+                             f"it never downloads)")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json")
     return path
+
+
+# A Hub repository id as huggingface_hub takes it: ORG/NAME, neither part a path's "." or "..".
+HUB_ID = re.compile(r"(?!\.\.?/)[A-Za-z0-9][\w.-]{0,95}/(?!\.\.?$)[\w.-]{1,96}")
+
+
+def cached_snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """The snapshot of repo_id that the local Hugging Face cache holds (refs/main unless a revision
+    is given), found without any network access; ModelLoadError when it holds none."""
+    from huggingface_hub import constants, snapshot_download  # deferred: only Hub ids need it
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError) as exc:
+        at = f" at revision {revision!r}" if revision else ""
+        raise ModelLoadError(
+            f"{repo_id!r} is not a local directory, and the Hugging Face cache ({constants.HF_HUB_CACHE}) holds "
+            f"no snapshot of it{at}: pdserve never downloads. Fetch it first (huggingface-cli download {repo_id}), "
+            f"or point HF_HOME or HF_HUB_CACHE at the cache that holds it ({type(exc).__name__})") from None
+
+
+def context_limit(hf_config) -> int | None:
+    """The longest sequence the model's config allows (None: it names none): the smallest of the
+    keys vLLM reads for it (max_position_embeddings and the older names)."""
+    keys = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+    found = [v for v in (getattr(hf_config, k, None) for k in keys) if isinstance(v, int) and v > 0]
+    return min(found) if found else None
 
 
 # Tokenizer classes that are transformers' generic fast tokenizer over tokenizer.json: when a
