@@ -3,10 +3,12 @@ model in this process, or sharded over tensor-parallel workers: pdserve.executor
 runner that goes with it, LoRA, structured outputs and speculation (pdserve.spec_decode)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdserve.assembly.setup import (
@@ -37,6 +39,7 @@ from pdserve.executor.executor import TPExecutor
 from pdserve.executor.pipeline_runner import PipelineModelRunner
 from pdserve.executor.runner import TPModelRunner
 from pdserve.executor.setup import load_driver_shard, start_executor
+from pdserve.kernels.dequant_tiles import resolve_gemm_dtype, set_tile_dtype
 from pdserve.kernels.fp8_kv import kv_cache_torch_dtype
 from pdserve.kvstore.layout import KVLayout
 from pdserve.models.gguf import checkpoint_name
@@ -67,6 +70,7 @@ class _Target:
 
 def _load_target(config: EngineConfig) -> _Target:
     device = pick_device(config)
+    set_tile_dtype(resolve_gemm_dtype(config.cpu_gemm_dtype))  # this process's tiles (and its TP workers')
     model_path = resolve_model_path(config.model)
     hf_config = load_hf_config(model_path)
     dtype = default_dtype(config.dtype, device)
@@ -79,14 +83,31 @@ def _load_target(config: EngineConfig) -> _Target:
     if kv_dtype != dtype:
         check_fp8_kv_supported(config, layout)
     if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        blocks = num_kv_blocks(config, layout, max_positions(hf_config))
         executor = start_executor(config, model_path, hf_config, dtype, device,
-                                  (num_kv_blocks(config, layout), *layout.block_shape()), layout.dtype)
+                                  (blocks, *layout.block_shape()), layout.dtype)
         model = load_driver_shard(executor, model_path, hf_config, dtype, device)
         return _Target(device, model_path, hf_config, dtype, layout, model, executor.kv_cache, executor)
     model = load_model(model_path, hf_config, dtype, device)
-    shape = (num_kv_blocks(config, layout), *layout.block_shape())
-    kv_cache = torch.zeros(shape, dtype=layout.dtype, device=device)
+    shape = (num_kv_blocks(config, layout, max_positions(hf_config)), *layout.block_shape())
+    kv_cache = zeroed_pool(shape, layout.dtype, device)
     return _Target(device, model_path, hf_config, dtype, layout, model, kv_cache, None)
+
+
+def max_positions(hf_config) -> int:
+    """The model's position limit (a vision-language model's text config holds it)."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    return int(getattr(text, "max_position_embeddings", None) or getattr(hf_config, "max_position_embeddings", 8192))
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV pool. On CPU, fresh anonymous pages (numpy's calloc takes them from mmap for a
+    large array), which the kernel zeroes as they are first written: a pool sized to the machine's
+    memory costs only the blocks used, where torch.zeros would write every page at start."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def multimodal_inputs(model, encoder_cache_tokens: int) -> MultiModalInputs | None:

@@ -9,6 +9,7 @@ import logging
 import torch
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_pool_size import default_num_blocks
 from pdserve.kernels import get_ops
 from pdserve.kernels.fp8_kv import Fp8KVOps, checkpoint_kv_scales
 from pdserve.kvstore.layout import KVLayout
@@ -25,9 +26,16 @@ def pick_device(config: EngineConfig) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def num_kv_blocks(config: EngineConfig, layout: KVLayout) -> int:
+def num_kv_blocks(config: EngineConfig, layout: KVLayout, max_positions: int) -> int:
+    """config's block count, else its memory budget's, else the default pool (engine.kv_pool_size)."""
     bytes_per_block = layout.block_nbytes()
-    n = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // bytes_per_block)
+    if config.num_kv_blocks:
+        n = config.num_kv_blocks
+    elif config.kv_cache_memory_gb is not None:
+        n = int(config.kv_cache_memory_gb * 2**30 // bytes_per_block)
+    else:
+        n = default_num_blocks(bytes_per_block, config.block_size, config.max_num_seqs,
+                               config.max_model_len or max_positions)
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, config.block_size, n * bytes_per_block / 2**20)
     return n
 

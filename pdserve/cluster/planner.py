@@ -27,6 +27,8 @@ LOW_PRESSURE = 0.5  # below this fraction of its SLO, a pool could lose a node
 TARGET_PRESSURE = 0.7  # a pool giving nodes away keeps enough to stay at this fraction of its SLO
 TARGET_UTILIZATION = 0.7  # prefill work per prefill node, as a share of its time
 MAX_STEP = 2  # nodes added to a role per decision
+DEFAULT_TTFT_SLO_MS = 1000.0  # the planner's targets when the operator sets none
+DEFAULT_ITL_SLO_MS = 100.0
 KV_LOW_FREE = 0.05  # decode nodes with less than this fraction of their KV blocks free are full
 
 
@@ -185,10 +187,13 @@ class SlaPlanner:
 def add_planner_args(p) -> None:
     p.add_argument("--planner", choices=["none", "sla"], default="none",
                    help="sla: resize the pools and switch roles to hold the TTFT/ITL targets")
-    p.add_argument("--ttft-slo-ms", type=float, default=1000.0,
-                   help="the TTFT target (p90) of the planner and of --prefill-placement slo")
-    p.add_argument("--itl-slo-ms", type=float, default=100.0,
-                   help="the inter-token latency target (p90) of the planner and of --prefill-placement slo")
+    p.add_argument("--ttft-slo-ms", type=float, default=None,
+                   help="the TTFT target (p90) of the planner and of --prefill-placement slo, for requests that "
+                        f"set none (unset: no target; the planner then uses {DEFAULT_TTFT_SLO_MS:.0f})")
+    p.add_argument("--itl-slo-ms", type=float, default=None,
+                   help="the inter-token latency target (p90) of the planner and of --prefill-placement slo, "
+                        "for requests that set none; decode nodes cap their prefill chunks to hold it (unset: "
+                        f"no target, no cap; the planner then uses {DEFAULT_ITL_SLO_MS:.0f})")
     p.add_argument("--min-nodes", type=int, default=2, help="the planner keeps at least this many nodes")
     p.add_argument("--max-nodes", type=int, default=8, help="... and at most this many")
     p.add_argument("--min-prefill-nodes", type=int, default=1,
@@ -197,11 +202,27 @@ def add_planner_args(p) -> None:
     p.add_argument("--planner-interval-s", type=float, default=5.0, help="seconds between decisions")
 
 
+def planner_targets_ms(args) -> tuple[float, float]:
+    """The SLA planner's TTFT and ITL targets: the operator's, else the defaults."""
+    ttft, itl = getattr(args, "ttft_slo_ms", None), getattr(args, "itl_slo_ms", None)
+    return (DEFAULT_TTFT_SLO_MS if ttft is None else ttft, DEFAULT_ITL_SLO_MS if itl is None else itl)
+
+
+def target_flags(args) -> list[str]:
+    """--ttft-slo-ms/--itl-slo-ms as the operator set them (none when unset)."""
+    flags = []
+    for flag, value in (("--ttft-slo-ms", getattr(args, "ttft_slo_ms", None)),
+                        ("--itl-slo-ms", getattr(args, "itl_slo_ms", None))):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
 def placement_flags(args) -> list[str]:
     """--prefill-placement and, when the planner does not pass them already, the targets."""
     flags = ["--prefill-placement", getattr(args, "prefill_placement", "threshold")]
     if getattr(args, "planner", "none") != "sla":
-        flags += ["--ttft-slo-ms", str(args.ttft_slo_ms), "--itl-slo-ms", str(args.itl_slo_ms)]
+        flags += target_flags(args)
     return flags
 
 
@@ -209,7 +230,7 @@ def planner_flags(args) -> list[str]:
     """The planner flags as `pdserve up` passes them on to its router."""
     if getattr(args, "planner", "none") != "sla":
         return []
-    return ["--planner", "sla", "--ttft-slo-ms", str(args.ttft_slo_ms), "--itl-slo-ms", str(args.itl_slo_ms),
+    return ["--planner", "sla", *target_flags(args),
             "--min-nodes", str(args.min_nodes), "--max-nodes", str(args.max_nodes),
             "--min-prefill-nodes", str(args.min_prefill_nodes), "--min-decode-nodes", str(args.min_decode_nodes),
             "--planner-interval-s", str(args.planner_interval_s)]

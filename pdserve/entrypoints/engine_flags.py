@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from pdserve.engine.kv_pool_size import KV_MEMORY_SHARE, KV_POOL_CAP_GB, KV_POOL_FLOOR_GB
 from pdserve.models.gguf import DEFAULT_MODEL
 
 MODEL_HELP = (f"a local Hugging Face directory, a GGUF file (or a directory holding one), {DEFAULT_MODEL} "
@@ -22,9 +23,16 @@ def add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) ->
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks to allocate (wins over --kv-cache-memory-gb)")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=0.5, help="memory for the paged KV cache")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help=f"memory for the paged KV cache (default: {KV_MEMORY_SHARE * 100:.0f}%% of the memory available at "
+                        f"start, shared by the nodes `pdserve up` runs, at least {KV_POOL_FLOOR_GB} and at most "
+                        f"{KV_POOL_CAP_GB:.0f} GB a node)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (prefill chunks)")
     p.add_argument("--max-num-seqs", type=int, default=128, help="requests in one running batch")
+    p.add_argument("--cpu-gemm-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="quantized weights' many-row products on CPU (prefill, large batches): float32 (exact "
+                        "against a float32 reference) or bfloat16 (CPUs with AMX or AVX-512 BF16: several times "
+                        "faster prefill; greedy text may differ where two tokens nearly tie)")
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "numba", "triton"],
                    help="attention kernels; auto: numba on CPU, triton on CUDA")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

@@ -22,6 +22,7 @@ from pdserve.cluster.owner_admin import answer_owner_request
 from pdserve.cluster.planner import placement_flags, planner_flags
 from pdserve.cluster.registry import RegistryServer
 from pdserve.engine.config import lora_flags
+from pdserve.engine.kv_pool_size import HOST_NODES_ENV
 from pdserve.entrypoints.http_flags import check_tls, http_flags, url_scheme
 from pdserve.entrypoints.node_speculation import check_speculative_configs, node_speculative_config
 from pdserve.entrypoints.ray_launch import run_up_ray
@@ -36,7 +37,8 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300
 MAX_RESTARTS_PER_MIN = 5
 FORWARDED_ENGINE_FLAGS = ("model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
-                          "max_num_batched_tokens", "max_num_seqs", "kernel_backend", "encoder_cache_tokens")
+                          "max_num_batched_tokens", "max_num_seqs", "kernel_backend", "encoder_cache_tokens",
+                          "cpu_gemm_dtype")
 
 
 def _die_with_parent() -> None:
@@ -72,7 +74,7 @@ class Cluster:
 
     def spawn(self, name: str, cmd: list[str], threads: int | None = None, lend_cores: bool = False) -> None:
         log.info("starting %s: %s", name, " ".join(map(redact_url, cmd)))  # --store may hold a password
-        env = dict(os.environ)
+        env = dict(os.environ, **{HOST_NODES_ENV: str(self.host_nodes())})  # default KV pools share memory
         if threads:
             # Each node gets its share of the cores: nodes that each size their torch and numba
             # pools to every core oversubscribe the machine (measured: 0.3x the throughput).
@@ -96,6 +98,10 @@ class Cluster:
         min_tokens = getattr(self.args, "lend_min_prompt_tokens", None)
         return ({} if slot >= SLOTS else {BOARD_ENV: self.core_board, SLOT_ENV: str(slot)}
                 | ({MIN_TOKENS_ENV: str(min_tokens)} if min_tokens is not None else {}))
+
+    def host_nodes(self) -> int:
+        """The nodes at start whose KV pools share this machine's memory (engine.kv_pool_size)."""
+        return max(1, self.args.prefill_nodes + self.args.decode_nodes)
 
     def threads_per_node(self, ranks: int = 1) -> int:
         """A node's threads: its ranks' share of the cores (a TP or PP node gets one share per

@@ -50,7 +50,8 @@ class TPExecutor:
     def __init__(self, tp_size: int, model_path: str, dtype: torch.dtype, device: torch.device,
                  kernel_backend: str, kv_shape: tuple[int, ...], threads: int,
                  timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False, pp_size: int = 1,
-                 lora_slots: tuple[int, int] = (0, 0), kv_dtype: torch.dtype | None = None):
+                 lora_slots: tuple[int, int] = (0, 0), kv_dtype: torch.dtype | None = None,
+                 gemm_dtype: str = "float32"):
         if device.type != "cpu":
             raise ValueError("tensor_parallel_size > 1 and pipeline_parallel_size > 1 run on CPU for now (the "
                              "shared KV cache is host memory); see docs/tensor-parallelism.md")
@@ -75,7 +76,7 @@ class TPExecutor:
                     threads=threads, kv_fd=self._kv_fd, kv_shape=list(kv_shape), payload_fd=self._payload_fd,
                     payload_capacity=DEFAULT_CAPACITY, timeout_s=timeout_s, expert_parallel=expert_parallel,
                     pp_size=pp_size, max_loras=lora_slots[0], max_lora_rank=lora_slots[1],
-                    kv_dtype=str(kv_dtype).removeprefix("torch."))
+                    kv_dtype=str(kv_dtype).removeprefix("torch."), gemm_dtype=gemm_dtype)
         self.workers = [self._start_watched(WorkerSpec(rank=r, collectives_fd=self._stage_coll_fd(r), **spec))
                         for r in range(1, self.size)]
         self._finalizer = weakref.finalize(self, _close_workers, list(self.workers), self.closing)

@@ -33,6 +33,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     max_loras: int = 0             # LoRA slots per layer (0: adapters off), as the driver's
     max_lora_rank: int = 0
     kv_dtype: str = ""             # the KV cache's torch dtype name ("": the model's)
+    gemm_dtype: str = "float32"    # the quantized tiles' product dtype (kernels.dequant_tiles)
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="step"):

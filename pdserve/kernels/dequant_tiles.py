@@ -1,26 +1,71 @@
 """The matmul of every quantized CPU kernel above its gemv's token count: dequantize a tile of
-weight rows into a reused float32 buffer (about 1 MB, so it stays in cache) and multiply it with
-BLAS. Each kernel passes the function that fills a tile from its own format."""
+weight rows into a reused buffer (about 1 MB, so it stays in cache) and multiply it with BLAS.
+Each kernel passes the function that fills a tile (float32) from its own format.
+
+The tile's product runs in float32, or in bfloat16 (float32 accumulation) where the CPU has
+native bf16 dot products: AMX tiles (Sapphire Rapids and later) or AVX-512 BF16 (Zen 4, Cooper
+Lake). oneDNN, under torch's bf16 matmul, takes those: a [455, 576] x [576, 512] tile product
+ran at 193 GFLOP/s in float32 and 765 in bf16 on a 2-core Zen 4 (AVX-512 BF16, no AMX). bf16
+rounds the activations, the dequantized weights and each product to 8 significant bits, as vLLM's
+CPU backend does (llama.cpp rounds activations to 8 bits), so greedy text can differ from the
+float32 reference where two tokens' logits nearly tie: float32, the default, keeps every product
+in float32 (the engine's `cpu_gemm_dtype`; set here per process with set_tile_dtype).
+The tiles serve prefill and any step past the compiled decode step's rows; decode steps within
+them stay in float32 (native_gemv.c)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 
 import numpy as np
 import torch
 
 TILE_BYTES = 1 << 20
-_tiles: dict[int, np.ndarray] = {}  # columns -> the reused tile buffer
+_tiles: dict[int, np.ndarray] = {}  # columns -> the reused float32 tile buffer
+_tile_dtype = torch.float32
+
+
+@cache
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX or AVX-512 BF16): /proc/cpuinfo's flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_gemm_dtype(name: str) -> torch.dtype:
+    """The dtype named (float32 or bfloat16); bfloat16 on a CPU without native bf16 dot products
+    is refused: oneDNN would emulate it, slower than float32."""
+    if name == "bfloat16" and not native_bf16():
+        raise ValueError("cpu_gemm_dtype bfloat16 needs a CPU with AMX or AVX-512 BF16 (/proc/cpuinfo's "
+                         "amx_bf16 or avx512_bf16); this one has neither: use float32")
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def set_tile_dtype(dtype: torch.dtype) -> None:
+    """The dtype the tile products run in, for this process (set as an engine is built)."""
+    global _tile_dtype
+    _tile_dtype = dtype
+
+
+def tile_dtype() -> torch.dtype:
+    return _tile_dtype
 
 
 def matmul_by_tiles(x: torch.Tensor, rows: int, fill_tile: Callable[[int, int, np.ndarray], None],
-                 min_rows: int = 16) -> torch.Tensor:
-    """x [tokens, K] float32 @ w.T -> [tokens, rows]; fill_tile(start, end, tile) writes rows
-    start..end of w, dequantized, into tile [end - start, K]."""
+                    min_rows: int = 16) -> torch.Tensor:
+    """x [tokens, K] float32 @ w.T -> [tokens, rows] float32; fill_tile(start, end, tile) writes
+    rows start..end of w, dequantized, into tile [end - start, K] (float32)."""
     cols = x.shape[1]
     tile_rows = max(min_rows, TILE_BYTES // (4 * cols))
     buffer = _tiles.get(cols)
     if buffer is None or buffer.shape[0] < tile_rows:
         buffer = _tiles[cols] = np.empty((tile_rows, cols), dtype=np.float32)
+    if _tile_dtype != torch.float32:
+        return _low_precision_tiles(x, rows, fill_tile, buffer, tile_rows)
     out_t = torch.empty(rows, x.shape[0])  # [N, tokens]: each tile's product is a contiguous slice
     for start in range(0, rows, tile_rows):
         end = min(rows, start + tile_rows)
@@ -28,3 +73,17 @@ def matmul_by_tiles(x: torch.Tensor, rows: int, fill_tile: Callable[[int, int, n
         fill_tile(start, end, tile)
         torch.mm(torch.from_numpy(tile), x.T, out=out_t[start:end])
     return out_t.T.contiguous()
+
+
+def _low_precision_tiles(x: torch.Tensor, rows: int, fill_tile: Callable[[int, int, np.ndarray], None],
+                         buffer: np.ndarray, tile_rows: int) -> torch.Tensor:
+    """matmul_by_tiles in _tile_dtype: each tile's [tokens, tile rows] product (float32 sums,
+    rounded to _tile_dtype by torch's matmul) widened straight into its columns of the output."""
+    out = torch.empty(x.shape[0], rows)
+    x_low = x.to(_tile_dtype)
+    for start in range(0, rows, tile_rows):
+        end = min(rows, start + tile_rows)
+        tile = buffer[:end - start]
+        fill_tile(start, end, tile)
+        out[:, start:end] = torch.mm(x_low, torch.from_numpy(tile).to(_tile_dtype).T)
+    return out

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from starlette.middleware.cors import CORSMiddleware
 
-from pdserve.cluster.planner import PlannerConfig, SlaPlanner
+from pdserve.cluster.planner import PlannerConfig, SlaPlanner, planner_targets_ms
 from pdserve.kvstore.redact import redact_url
 from pdserve.models.gguf import checkpoint_name
 from pdserve.models.image_prompts import ImagePrompts
@@ -193,9 +193,19 @@ def planner_config(args) -> PlannerConfig | None:
     """The SLA planner's config when --planner sla."""
     if getattr(args, "planner", "none") != "sla":
         return None
-    return PlannerConfig(ttft_slo_s=args.ttft_slo_ms / 1e3, itl_slo_s=args.itl_slo_ms / 1e3,
+    ttft_ms, itl_ms = planner_targets_ms(args)
+    return PlannerConfig(ttft_slo_s=ttft_ms / 1e3, itl_slo_s=itl_ms / 1e3,
                          min_nodes=args.min_nodes, max_nodes=args.max_nodes,
                          min_prefill=args.min_prefill_nodes, min_decode=args.min_decode_nodes)
+
+
+def operator_targets(args) -> Targets | None:
+    """The operator's --ttft-slo-ms/--itl-slo-ms; None when neither is set (requests that set no
+    target of their own then have none: no node throttles them)."""
+    ttft, itl = getattr(args, "ttft_slo_ms", None), getattr(args, "itl_slo_ms", None)
+    if ttft is None and itl is None:
+        return None
+    return Targets(None if ttft is None else ttft / 1e3, None if itl is None else itl / 1e3)
 
 
 def media_options(args, max_body_bytes: int) -> MediaOptions:
@@ -219,7 +229,7 @@ def run_router(args) -> int:
                     _kv_dtype_name(args), args.max_model_len, admission,
                     dict(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                          local_prefill_threshold=args.local_prefill_threshold,
-                         placement=args.prefill_placement, targets=Targets(args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3),
+                         placement=args.prefill_placement, targets=operator_targets(args),
                          session_affinity=args.session_affinity, owner=args.owner,
                          encode_addrs=args.encode or []), args.curve_dir, args.registry,
                     chat=dict(chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,

@@ -88,6 +88,10 @@ def _test_defaults(flags: tuple[str, ...]) -> tuple[str, ...]:
         # The same reason: the default (slo) may prefill a prompt on the decode node when that is
         # faster; tests of the handover need it to go to the prefill node every time.
         flags = ("--prefill-placement", "threshold", *flags)
+    if "--kv-cache-memory-gb" not in flags and "--num-kv-blocks" not in flags:
+        # The pool the tests were written for; the default (a share of the machine's memory,
+        # pdserve.engine.kv_pool_size) is tested on its own.
+        flags = ("--kv-cache-memory-gb", "0.5", *flags)
     if "--model" not in flags:  # the built-in test model unless a test names one (the CLI's default is SmolLM2)
         flags = ("--model", "builtin:tiny", *flags)
     return flags

