@@ -203,6 +203,22 @@ def test_serve_honours_api_key_cors_and_root_path(served):
     assert http.get(f"{url}/openapi.json").json()["servers"] == [{"url": "/api"}]
 
 
+def test_the_anthropic_sdk_authenticates_with_x_api_key(served):
+    """Anthropic's clients send the key as x-api-key: --api-key takes it, and a wrong one is a 401
+    in Anthropic's shape."""
+    import anthropic  # only this test drives the Messages API here
+    url, _, _ = served
+    http = anthropic.DefaultHttpxClient(verify=False)  # the SDK's own httpx; the certificate is self-signed
+    client = anthropic.Anthropic(base_url=url, api_key="sk-serve", http_client=http, max_retries=0)
+    message = client.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    assert message.usage.output_tokens == 3 and message.stop_reason == "max_tokens"
+    wrong = anthropic.Anthropic(base_url=url, api_key="sk-wrong", http_client=http, max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        wrong.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.body == {"type": "error", "error": {"type": "authentication_error",
+                                                           "message": "Incorrect API key provided."}}
+
+
 def test_ray_routers_get_the_http_flags_and_tls_is_refused(tmp_path):
     args = build_parser().parse_args(["up", "--max-model-len", "512", "--root-path", "/api"])
     assert router_template(args)[-4:] == ["--max-model-len", "512", "--root-path", "/api"]

@@ -146,7 +146,9 @@ def _log_refusal(request: Request, status: int, message: str) -> None:
 def _respond(request: Request, err: APIError) -> JSONResponse:
     """The error in the shape of the API the request's path belongs to (OpenAI's by default)."""
     shapes: dict[str, ErrorShape] = getattr(request.app.state, "error_shapes", {})
-    shape = next((f for prefix, f in shapes.items() if request.url.path.startswith(prefix)), None)
+    path, root = request.scope["path"], request.scope.get("root_path", "")
+    path = path[len(root):] if root and path.startswith(root) else path  # behind --root-path
+    shape = next((f for prefix, f in shapes.items() if path.startswith(prefix)), None)
     body = shape(err.status, err.message, err.type, err.param, err.code) if shape else err.body()
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 

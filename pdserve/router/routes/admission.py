@@ -1,6 +1,7 @@
 """Admission at the router's door, before any parsing: API key, body size, and a bound on the
-generation requests in flight. Every refusal is an OpenAI-shaped error: 401, 413, or 429 with
-Retry-After (the client may come back), so overload sheds load instead of queueing without end.
+generation requests in flight. Every refusal is an OpenAI-shaped error (Anthropic's under
+/v1/messages): 401, 413, or 429 with Retry-After (the client may come back), so overload sheds
+load instead of queueing without end. The key comes as a bearer token, or as Anthropic's x-api-key.
 
 A plain ASGI middleware (not a FastAPI dependency) so a streamed response counts as in flight
 until its last byte, and a refused request costs no JSON parsing.
@@ -12,6 +13,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.router.anthropic.errors import anthropic_error
 from pdserve.router.openai.errors import INVALID_REQUEST, SERVER_ERROR, APIError, error_body
 from pdserve.router.routes.tenants import SCOPE_TENANT, parse_api_keys
 
@@ -37,7 +39,7 @@ class AdmissionMiddleware:
             return await self.app(scope, receive, send)
         refusal = self._refusal(scope)
         if refusal is not None:
-            return await _send_error(send, *refusal)
+            return await _send_error(send, app_path(scope).startswith("/v1/messages"), *refusal)
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         self.in_flight += 1
@@ -48,11 +50,12 @@ class AdmissionMiddleware:
 
     def _refusal(self, scope: Scope) -> tuple | None:
         headers = dict(scope.get("headers") or [])
-        path, root = scope["path"], scope.get("root_path", "")
-        path = path[len(root):] if root and path.startswith(root) else path  # uvicorn --root-path prefixes it
+        path = app_path(scope)
         protected = path.startswith(("/v1/", "/admin/")) or (self.protect_metrics and path in ("/metrics", "/health"))
         if self.api_keys and protected:
-            known, tenant = self._key_tenant(headers.get(b"authorization", b""))
+            # Anthropic's clients send the key as x-api-key; OpenAI's as a bearer token.
+            key = headers.get(b"x-api-key")
+            known, tenant = self._key_tenant(headers.get(b"authorization") or (b"Bearer " + key if key else b""))
             if not known:
                 self._count("unauthorized")
                 return 401, "Incorrect API key provided.", INVALID_REQUEST, "invalid_api_key", {}
@@ -104,8 +107,17 @@ class AdmissionMiddleware:
             self.metrics.errors.labels(kind).inc()
 
 
-async def _send_error(send: Send, status: int, message: str, type_: str, code: str, headers: dict) -> None:
-    body = json.dumps(error_body(message, type_, None, code)).encode()
+def app_path(scope: Scope) -> str:
+    """The request's path within the app (uvicorn's --root-path prefixes scope["path"] with it)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+async def _send_error(send: Send, anthropic: bool, status: int, message: str, type_: str, code: str,
+                      headers: dict) -> None:
+    """anthropic: the refusal of an Anthropic Messages route, in Anthropic's error shape."""
+    shaped = anthropic_error(status, message) if anthropic else error_body(message, type_, None, code)
+    body = json.dumps(shaped).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.encode(), v.encode()) for k, v in headers.items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
