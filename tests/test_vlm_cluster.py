@@ -114,3 +114,24 @@ def test_clients_with_images_and_the_encoder_metrics(clusters, llm, pictures):
     wait_for(lambda: next(s for s in node_stats(url).values() if s["role"] == "prefill").get("encoder_cache_hits"),
              timeout_s=10)
     assert "pdserve_encoder_cache_hits_total" in httpx.get(f"{url}/metrics", timeout=10).text
+
+
+def test_the_anthropic_sdk_sends_an_image_block(clusters, llm, pictures):
+    """/v1/messages with a base64 image block: greedy text equal to the offline engine's, and the
+    image's tokens counted in the usage (and in count_tokens) as the chat route counts them."""
+    anthropic = pytest.importorskip("anthropic")
+    url, _ = clusters["nixl"]
+    _, prompt_tokens = offline(llm, "Look: ", [pictures[1]], " what is it?", 8)
+    want = llm.get_tokenizer().decode(offline(llm, "Look: ", [pictures[1]], " what is it?", 8, ignore_eos=False)[0],
+                                      skip_special_tokens=True)
+    picture = data_url(pictures[1]).removeprefix("data:image/png;base64,")
+    turn = [{"role": "user", "content": [
+        {"type": "text", "text": "Look: "},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": picture}},
+        {"type": "text", "text": " what is it?"}]}]
+    client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
+    message = client.messages.create(model="vlm", max_tokens=8, messages=turn, extra_body={"temperature": 0})
+    assert message.content[0].text == want
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == prompt_tokens
+    assert client.messages.count_tokens(model="vlm", messages=turn).input_tokens == prompt_tokens
