@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from pdserve.models.gguf import find_gguf_file, prepare_view
+from pdserve.models.tokenizer_class import GENERIC_TOKENIZERS, auto_tokenizer_class
 
 
 class ModelLoadError(ValueError):
@@ -62,21 +63,19 @@ def context_limit(hf_config) -> int | None:
     return min(found) if found else None
 
 
-# Tokenizer classes that are transformers' generic fast tokenizer over tokenizer.json: when a
-# checkpoint names one of these, AutoTokenizer loads that same class.
-_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
 def load_tokenizer(path: Path):
-    """The checkpoint's tokenizer, as AutoTokenizer loads it. A checkpoint whose tokenizer_config
-    names the generic fast tokenizer is loaded by that class directly, which keeps torch out of
-    the router process (AutoTokenizer's resolution imports transformers' config module, and so
-    torch); the router and the nodes both load through here, so they always tokenize alike."""
+    """The checkpoint's tokenizer, of the class AutoTokenizer loads. A checkpoint whose
+    tokenizer_config names the generic fast tokenizer is loaded by the class AutoTokenizer would
+    pick (tokenizer_class.py: the generic one, or its model type's own for the model types
+    transformers lists) without AutoTokenizer's resolution, which imports transformers' config
+    module, and so torch, which the router must not load; the router and the nodes both load
+    through here, so they always tokenize alike."""
     config = _read_json(path / "tokenizer_config.json")
-    if (config.get("tokenizer_class") in _GENERIC_TOKENIZERS and "auto_map" not in config
+    if (config.get("tokenizer_class") in GENERIC_TOKENIZERS[:2] and "auto_map" not in config
             and (path / "tokenizer.json").is_file()):
-        from transformers import PreTrainedTokenizerFast  # heavy (transformers), deferred on purpose
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
+        import transformers  # heavy (transformers), deferred on purpose; its tokenizer classes load no torch
+        name = auto_tokenizer_class(_read_json(path / "config.json"), config) or "PreTrainedTokenizerFast"
+        return getattr(transformers, name).from_pretrained(str(path))
     from transformers import AutoTokenizer  # a specialised tokenizer class: transformers' own resolution
     return AutoTokenizer.from_pretrained(str(path))
 
