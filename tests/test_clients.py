@@ -133,7 +133,8 @@ class Resident(BaseModel):
 
 def test_nested_pydantic_tools_under_each_tool_choice(served):
     """openai.pydantic_function_tool writes a nested model as $defs and $refs (strict): every
-    tool_choice answers, and each call is valid against the tool's schema. (Under "required" the
+    tool_choice answers, in chat and in the Responses API, and each call is valid against the tool's
+    schema. (Under "required" the
     grammar nests each tool's schema in one of all the calls, where its $refs must still resolve;
     test_tool_choice.py has two tools' definitions side by side, and a recursive one: a random
     model recurses until the context runs out, so none here.)"""
@@ -151,6 +152,14 @@ def test_nested_pydantic_tools_under_each_tool_choice(served):
         assert calls or choice == "auto", (choice, answer.choices[0])
         for call in calls:
             jsonschema.validate(json.loads(call.function.arguments), schema)
+    # The Responses API, whose flat tools take the same schema.
+    flat = {"type": "function", **resident["function"]}
+    response = client.responses.create(model=model, input=messages, tools=[flat], tool_choice="required",
+                                       temperature=0)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and all(c.name == "Resident" for c in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), flat["parameters"])
 
 
 def test_grammar_dead_end_on_either_node(served):
