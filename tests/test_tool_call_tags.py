@@ -97,6 +97,24 @@ def test_structural_tag_frees_text_and_holds_calls(tokenizer):
     assert tool_call_spec(tool_plan([WEATHER], None), "mistral", {"[TOOL_CALLS]"}, checked_spec) is None
 
 
+def test_strict_false_keeps_the_schema_it_can_and_any_object_where_it_cannot(tokenizer):
+    """`strict: false` (or absent): the schema still holds a call where xgrammar builds it; where it
+    cannot (a lookbehind), the call is any JSON object instead of a 400, which `strict: true` is."""
+    from pdserve.engine.structured_output import StructuredOutputs  # heavy: torch and xgrammar
+    outputs = StructuredOutputs(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    loose_time = {"type": "function", "function": {**TIME["function"], "strict": False}}
+    odd = {"type": "object", "properties": {"code": {"type": "string", "pattern": "(?<=a)b"}}, "required": ["code"]}
+    odd_tool = {"type": "function", "function": {"name": "lookup", "strict": False, "parameters": odd}}
+    spec = tool_call_spec(tool_plan([loose_time, odd_tool], None), "hermes", set(), checked_spec)
+    call = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'
+    assert _accepts(outputs.new_matcher(spec, ()), tokenizer, call.format("get_time", '{"zone": "UTC"}'))
+    assert not _accepts(outputs.new_matcher(spec, ()), tokenizer, call.format("get_time", '{"zone": "EST"}'))
+    assert _accepts(outputs.new_matcher(spec, ()), tokenizer, call.format("lookup", '{"anything": [1, 2]}'))
+    strict_odd = {"type": "function", "function": {**odd_tool["function"], "strict": True}}
+    with pytest.raises(ValueError, match="Lookbehind"):
+        tool_call_spec(tool_plan([strict_odd], None), "hermes", set(), checked_spec)
+
+
 @pytest.fixture(scope="module")
 def client():
     with running_cluster(as_given=True) as (url, _):  # `pdserve up` with no flags: the default model

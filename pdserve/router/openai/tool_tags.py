@@ -4,7 +4,7 @@ The output stays free text until the model writes its template's tool-call marke
 trigger: Hermes `<tool_call>`, Llama 3's `{"name": "`, Mistral's `[TOOL_CALLS]`). From there the
 grammar holds it to a call of a declared tool: the name is one of theirs, the arguments match
 that tool's `parameters` schema (exactly under `strict: true`; a tool without it falls back to
-any JSON object when xgrammar cannot build its schema). After the call's closing marker only
+any JSON object when xgrammar cannot build its schema, the other tools keeping theirs). After the call's closing marker only
 the stop token is allowed (stop_after_first), so a call ends the turn: one call per turn,
 whatever parallel_tool_calls says (allowed to go on, a small model repeats its call until
 max_tokens cuts it; "required" is the way to several calls at once). Before the trigger every
@@ -82,6 +82,16 @@ def tool_call_spec(plan: Any, parser_name: str, special_tokens: set[str], check:
     except ValueError:
         if all(_strict(t) for t in plan.tools):
             raise
-    # A schema xgrammar cannot build: tools without `strict` still get a well-formed JSON object.
-    loose = [(name, schema if _strict(t) else _ANY_OBJECT) for (name, schema), t in zip(tools, plan.tools)]
+    # A schema xgrammar cannot build: that tool, unless `strict`, gets a well-formed JSON object;
+    # the others keep their schemas.
+    loose = [(name, schema if _strict(t) or _builds(check, schema) else _ANY_OBJECT)
+             for (name, schema), t in zip(tools, plan.tools)]
     return check("structural_tag", tool_call_tag(fmt, loose))
+
+
+def _builds(check: Any, schema: Any) -> bool:
+    try:
+        check("json", json.dumps(schema, ensure_ascii=False))
+    except ValueError:
+        return False
+    return True
