@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 from test_gguf import reference, write_gguf
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels import dequant_tiles
+from pdserve.kernels import dequant_tiles, native_gemv, quant_cpu
 from pdserve.testing.model_factory import assert_greedy_matches_reference
 
 needs_bf16 = pytest.mark.skipif(not dequant_tiles.native_bf16(), reason="no AVX-512 BF16 or AMX on this CPU")
@@ -47,6 +47,47 @@ def test_bf16_tiles_equal_a_float64_product_of_bf16_operands(tile_dtype, tokens)
     full = _tiles_product(x, w)
     assert torch.allclose(full.double(), x.double() @ torch.from_numpy(w).double().T, rtol=1e-5, atol=1e-3)
     assert not torch.equal(full.to(torch.bfloat16).float(), full)
+
+
+@needs_bf16
+@pytest.mark.skipif(native_gemv.library() is None, reason="no compiled gemv on this machine")
+@pytest.mark.parametrize("bits,tokens", [(4, 9), (4, 40), (8, 33)])
+def test_compiled_bf16_rows_equal_a_float64_product_of_bf16_operands(tile_dtype, bits, tokens):
+    """Past 8 tokens the compiled gemv's integer layouts run bf16 products (native_gemv.c's
+    task_many_bf16): w dequantized then rounded to bf16, x rounded to bf16, float32 sums; up to 8
+    tokens, and with float32 set, every product stays float32."""
+    rng = np.random.default_rng(bits + tokens)
+    rows, cols, group = 70, 192, 32
+    q = rng.integers(0, 16 if bits == 4 else 127, (rows, cols)).astype(np.uint8 if bits == 4 else np.int8)
+    scales = (rng.random((rows, cols // group)) * 0.1 + 0.01).astype(np.float32)
+    mins = (rng.random((rows, cols // group)) * -0.5).astype(np.float32)
+    w = q.astype(np.float64) * np.repeat(scales, group, 1) + np.repeat(mins, group, 1)
+    packed = quant_cpu.PackedMatrix.of(bits, torch.from_numpy(_pack(q, bits)), torch.from_numpy(scales),
+                                       torch.from_numpy(mins), group)
+    x = torch.from_numpy(rng.standard_normal((tokens, cols)).astype(np.float32))
+    bf16 = torch.from_numpy(w).float().to(torch.bfloat16).double()
+    exact = x.to(torch.bfloat16).double() @ bf16.T
+    full = x.double() @ torch.from_numpy(w).T
+    tile_dtype(torch.bfloat16)
+    got = _compiled(x, packed)
+    assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-4)  # float32 sums of the bf16 products
+    assert not torch.allclose(got.double(), full, rtol=1e-5, atol=1e-4)  # (not float32's products)
+    assert torch.allclose(_compiled(x[:8], packed).double(), full[:8], rtol=1e-5, atol=1e-4)
+    tile_dtype(torch.float32)
+    assert torch.allclose(_compiled(x, packed).double(), full, rtol=1e-5, atol=1e-4)
+
+
+def _pack(q: np.ndarray, bits: int) -> np.ndarray:
+    if bits == 8:
+        return q
+    runs = q.reshape(q.shape[0], -1, 2, 16)  # quant_cpu's order: column j low nibble, j + 16 high
+    return np.ascontiguousarray((runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(q.shape[0], -1))
+
+
+def _compiled(x: torch.Tensor, packed) -> torch.Tensor:
+    out = torch.empty(x.shape[0], packed.q.shape[0])
+    assert native_gemv.run(x.data_ptr(), x.shape[0], x.shape[1], packed.native, out.data_ptr())
+    return out
 
 
 def test_bf16_is_refused_without_native_dot_products(monkeypatch):

@@ -68,9 +68,9 @@ def vllm_server(args, model_dir: Path, log_path: Path):
     port = free_port()
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-num-seqs", str(args.max_num_seqs),
-           "--max-model-len", "4096", "--disable-log-requests", "--served-model-name", "smollm2"]
+           "--max-model-len", "4096", "--served-model-name", "smollm2"]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-               VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gb), VLLM_USE_V1="1", HF_HUB_OFFLINE="1")
+               VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gb), HF_HUB_OFFLINE="1")
     with peer_server("vllm", cmd, port, log_path, args.startup_timeout_s, env=env) as (url, pid):
         yield url, pid, " ".join(cmd)
 
@@ -131,7 +131,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-token-id", type=int, default=49152, help="SmolLM2's vocabulary")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--max-num-seqs", type=int, default=128, help="vLLM's batch")
-    p.add_argument("--vllm-kv-gb", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--vllm-kv-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--bf16-dir", default=os.path.expanduser("~/.cache/pdserve/smollm2-135m-bf16"))
     p.add_argument("--pdserve-flag", action="append", default=[], help="extra flag for `pdserve up`")
     p.add_argument("--request-timeout-s", type=float, default=1800.0)

@@ -20,6 +20,8 @@ from functools import cache
 import numpy as np
 import torch
 
+from pdserve.kernels import native_gemv
+
 TILE_BYTES = 1 << 20
 _tiles: dict[int, np.ndarray] = {}  # columns -> the reused float32 tile buffer
 _tile_dtype = torch.float32
@@ -49,6 +51,8 @@ def set_tile_dtype(dtype: torch.dtype) -> None:
     """The dtype the tile products run in, for this process (set as an engine is built)."""
     global _tile_dtype
     _tile_dtype = dtype
+    if dtype != torch.float32 or native_gemv.library.cache_info().currsize:  # (float32: load it only if loaded)
+        native_gemv.set_bf16(dtype == torch.bfloat16)
 
 
 def tile_dtype() -> torch.dtype:

@@ -120,10 +120,20 @@ def library() -> ctypes.CDLL | None:
     fn = lib.pd_gemv
     fn.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _P, _I]
     fn.restype = _I
+    lib.pd_set_bf16.argtypes = [_I]
+    lib.pd_set_bf16.restype = None
     fn = lib.pd_decode_layers
     fn.argtypes = [_P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _I]
     fn.restype = _I
     return lib
+
+
+def set_bf16(on: bool) -> None:
+    """Past TOKENS_PER_PASS tokens, integer layouts' products in bf16 (native_gemv.c's
+    task_many_bf16) or float32; for this process (pdserve.kernels.dequant_tiles.set_tile_dtype)."""
+    lib = library()
+    if lib is not None:
+        lib.pd_set_bf16(int(on))
 
 
 def matrix_args(bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray, has_min: bool,
