@@ -111,6 +111,27 @@ def test_streamed_events_add_up_to_the_message(served):
     assert final.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_a_last_assistant_turn_is_a_prefill_the_answer_continues(served):
+    """The reference: /v1/completions on the rendered conversation's tokens (vLLM's /tokenize) and
+    then the prefill's."""
+    url, client, chat, model = served
+    prefill = "The weather in Rome is"
+    conversation = [{"role": "system", "content": SYSTEM}, *TURNS]
+    rendered = httpx.post(f"{url}/tokenize", json={"model": model, "messages": conversation}, timeout=30).json()
+    continued = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": prefill, "add_special_tokens": False},
+                           timeout=30).json()
+    want = chat.completions.create(model=model, prompt=rendered["tokens"] + continued["tokens"], max_tokens=12,
+                                   **GREEDY)
+    message = client.messages.create(model=model, max_tokens=12, system=SYSTEM,
+                                     messages=[*TURNS, {"role": "assistant", "content": prefill}], extra_body=GREEDY)
+    assert _text(message) == want.choices[0].text
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == rendered["count"] + continued["count"]
+    counted = client.messages.count_tokens(model=model, system=SYSTEM,
+                                           messages=[*TURNS, {"role": "assistant", "content": prefill}])
+    assert counted.input_tokens == rendered["count"] + continued["count"]
+
+
 def test_stop_sequences_end_the_message_as_chat_stop_does(served):
     _, client, chat, model = served
     text = _chat(chat, model, TURNS, 24).choices[0].message.content

@@ -3,7 +3,8 @@
 The Messages API is served by the chat-completions path (chat template, tools, structured
 outputs, the P/D backend), so its request is translated here:
   * `system` (a string or text blocks): a system turn first;
-  * `messages`: user and assistant turns whose `content` is a string or content blocks:
+  * `messages`: user and assistant turns whose `content` is a string or content blocks (a last
+    assistant turn is a prefill: the answer continues its text, after the rendered prompt):
     `text`; `image` (a base64 or URL source, which becomes a chat `image_url` part); in an
     assistant turn `tool_use` (a tool call: its `input` becomes the call's arguments) and
     `thinking` (dropped: the served model does not reason); in a user turn `tool_result` (a
@@ -76,9 +77,20 @@ class ConversationRequest(UnicodeCheckedRequest):
             else:
                 out += _user_turns(message.content, where)
         if self.messages[-1].role == "assistant":
-            raise ValueError("messages: the last turn must be the user's (continuing an assistant turn, "
-                             "'prefill', is not supported)")
+            out.pop()  # the prefill: the answer continues it (prefill())
         return out
+
+    def prefill(self) -> str:
+        """The text of a last assistant turn, which the answer continues ("" without one)."""
+        last = self.messages[-1]
+        if last.role != "assistant":
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        if any(_block_kind(b, "messages[-1].content") != "text" for b in last.content):
+            raise ValueError(f"messages[{len(self.messages) - 1}].content: a last assistant turn (a prefill the "
+                             "answer continues) takes text blocks only")
+        return "".join(block["text"] for block in last.content)
 
     def chat_fields(self) -> dict[str, Any]:
         """The chat request (ValueError when malformed)."""

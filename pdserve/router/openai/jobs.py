@@ -100,20 +100,23 @@ def _with_tool_call_tag(router: Any, plan: ToolPlan | None, params: list[Samplin
     return params if spec is None else [dataclasses.replace(p, structured=spec) for p in params]
 
 
-async def chat_prompt(router: Any, body: ChatCompletionRequest) -> tuple[ToolPlan | None, list[int], tuple]:
+async def chat_prompt(router: Any, body: ChatCompletionRequest,
+                      continuation: str = "") -> tuple[ToolPlan | None, list[int], tuple]:
     """The request's tool plan, its prompt's token ids (the template rendered with the tools it
-    shows) and its images (a vision-language model's ImageInputs)."""
+    shows, then `continuation`: the start of the answer, which the model continues) and its
+    images (a vision-language model's ImageInputs)."""
     plan = _tools_plan(body)
     tools = plan.tools if plan is not None else None
     checked = await router.media.check(body.image_refs(), body.model or router.model_name)  # or a 400
     text, add_special = render_chat_prompt(router.tokenizer, body.plain_messages(bool(checked)), tools)
-    ids, images = await router.media.expand(await router.encode(text, add_special), checked)
+    ids, images = await router.media.expand(await router.encode(text + continuation, add_special), checked)
     router.check_token_ids(ids, "messages")
     return plan, ids, images
 
 
-async def chat_job(router: Any, body: ChatCompletionRequest) -> GenerationJob:
-    plan, ids, images = await chat_prompt(router, body)
+async def chat_job(router: Any, body: ChatCompletionRequest, continuation: str = "") -> GenerationJob:
+    """continuation: the start of the answer, put after the rendered prompt (chat_prompt)."""
+    plan, ids, images = await chat_prompt(router, body, continuation)
     max_tokens = router.resolve_max_tokens(body.requested_max_tokens(), len(ids), "max_tokens")
     logprobs = body.engine_logprobs()
     built = router.build_params(body, max_tokens, logprobs)

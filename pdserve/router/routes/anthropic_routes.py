@@ -124,7 +124,7 @@ async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
 async def _job(router: Any, body: MessagesRequest) -> tuple[ChatCompletionRequest, GenerationJob]:
     chat = _chat_request(body)
     try:
-        return chat, await chat_job(router, chat)
+        return chat, await chat_job(router, chat, _prefill(body))
     except APIError as exc:  # the chat path names its own fields; the client sent these
         exc.param = _CHAT_PARAMS.get(exc.param, exc.param)  # type: ignore[arg-type]
         raise
@@ -159,8 +159,15 @@ async def create_message(router: Any, request: Request, body: MessagesRequest) -
 async def count_tokens(router: Any, body: ConversationRequest) -> dict[str, Any]:
     """The prompt's tokens as /v1/messages would count them (the template rendered with the tools)."""
     router.check_model(body.model)
-    _, ids, _ = await chat_prompt(router, _chat_request(body))
+    _, ids, _ = await chat_prompt(router, _chat_request(body), _prefill(body))
     return {"input_tokens": len(ids)}
+
+
+def _prefill(body: ConversationRequest) -> str:
+    try:
+        return body.prefill()
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from exc
 
 
 def add_anthropic_routes(app: FastAPI, router: Any) -> None:
