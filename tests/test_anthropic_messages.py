@@ -77,6 +77,7 @@ def test_text_system_and_turns_equal_chat_completions(served):
     message = client.messages.create(model=model, max_tokens=20, system=SYSTEM, messages=TURNS, extra_body=GREEDY)
     completion = _chat(chat, model, [{"role": "system", "content": SYSTEM}, *TURNS], 20)
     assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert message._request_id == message.id
     assert _text(message) == completion.choices[0].message.content and _text(message)
     assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[completion.choices[0].finish_reason]
     _assert_usage(message, completion)

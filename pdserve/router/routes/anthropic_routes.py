@@ -141,7 +141,7 @@ async def create_message(router: Any, request: Request, body: MessagesRequest) -
                             adapter=router.served.adapter_for(body.model), images=job.images)
     run = _Run(router, job, MessageEvents({"id": message_id, "model": router.served.resolve(body.model)}),
                body.stop_sequences or [])
-    headers = {"X-Request-Id": message_id}
+    headers = {"X-Request-Id": message_id, "request-id": message_id}  # the anthropic SDK's _request_id
     if body.ignored_fields:
         headers["X-Ignored-Fields"] = ",".join(body.ignored_fields)[:1024]
     if body.stream:
