@@ -3,12 +3,13 @@ model in this process, or sharded over tensor-parallel workers: pdserve.executor
 runner that goes with it, LoRA, structured outputs and speculation (pdserve.spec_decode)."""
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from pdserve.assembly.setup import (
@@ -41,6 +42,7 @@ from pdserve.executor.runner import TPModelRunner
 from pdserve.executor.setup import load_driver_shard, start_executor
 from pdserve.kernels.dequant_tiles import resolve_gemm_dtype, set_tile_dtype
 from pdserve.kernels.fp8_kv import kv_cache_torch_dtype
+from pdserve.kernels.host_memory import keep_large_allocations
 from pdserve.kvstore.layout import KVLayout
 from pdserve.models.gguf import checkpoint_name
 from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
@@ -71,6 +73,8 @@ class _Target:
 def _load_target(config: EngineConfig) -> _Target:
     device = pick_device(config)
     set_tile_dtype(resolve_gemm_dtype(config.cpu_gemm_dtype))  # this process's tiles (and its TP workers')
+    if device.type == "cpu":
+        keep_large_allocations()
     model_path = resolve_model_path(config.model)
     hf_config = load_hf_config(model_path)
     dtype = default_dtype(config.dtype, device)
@@ -101,13 +105,21 @@ def max_positions(hf_config) -> int:
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed KV pool. On CPU, fresh anonymous pages (numpy's calloc takes them from mmap for a
-    large array), which the kernel zeroes as they are first written: a pool sized to the machine's
-    memory costs only the blocks used, where torch.zeros would write every page at start."""
+    """A zeroed KV pool. On CPU, a fresh anonymous mapping, which the kernel zeroes as its pages
+    are first written: a pool sized to the machine's memory costs only the blocks used, where
+    torch.zeros would write every page at start. Transparent huge pages where the kernel offers
+    them (madvise): first writes into 4 KiB pages took 17x a warm write of a prompt's KV here
+    (67 against 3.8 ms for 480 tokens of SmolLM2), into 2 MiB pages 3x."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            pages.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps `pages`
 
 
 def multimodal_inputs(model, encoder_cache_tokens: int) -> MultiModalInputs | None:

@@ -24,6 +24,7 @@ from pdserve.executor.step_channel import StepChannel
 from pdserve.kernels import get_fused_layer_ops, get_ops, native_decode
 from pdserve.kernels.dequant_tiles import set_tile_dtype
 from pdserve.kernels.fp8_kv import FP8, Fp8KVOps, checkpoint_kv_scales
+from pdserve.kernels.host_memory import keep_large_allocations
 from pdserve.lora.manager import fill_slot
 from pdserve.lora.peft_format import read_peft_adapter
 from pdserve.lora.slots import LoRABatch, attach_slots
@@ -54,6 +55,8 @@ class Shard:
         heads = kv_head_range(spec.kv_shape[4], role.tp_size, role.tp_rank)
         self.layer_caches = rank_layer_caches(kv_cache, heads)
         set_tile_dtype(getattr(torch, spec.gemm_dtype))  # as the driver's (the engine's cpu_gemm_dtype)
+        if self.device.type == "cpu":
+            keep_large_allocations()
         self.ops = get_ops(spec.kernel_backend, self.device.type)
         if hasattr(self.ops, "warm_up"):
             self.ops.warm_up()
