@@ -52,7 +52,10 @@ def served(tmp_path_factory):
     path = make_model(root, "llama", seed=11)
     template = root / "tools.jinja"
     template.write_text(TEMPLATE)
-    with running_cluster("--model", str(path), "--kv-transfer", "nixl", "--chat-template", str(template)) as (url, _):
+    # 40 blocks of 16 tokens a node: a context of 640 tokens on the nodes, under the model's 1024 the
+    # router checks (test_a_prompt_over_the_context_...)
+    with running_cluster("--model", str(path), "--kv-transfer", "nixl", "--chat-template", str(template),
+                         "--num-kv-blocks", "40") as (url, _):
         chat = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
         yield url, client, chat, chat.models.list().data[0].id
@@ -221,8 +224,19 @@ def test_errors_are_anthropic_shaped_400s(served):
 
 
 def test_a_prompt_over_the_context_is_a_400_on_every_route_streamed_or_not(served):
-    """OpenAI's context_length_exceeded (Anthropic's invalid_request_error above), never a 5xx."""
+    """OpenAI's context_length_exceeded (Anthropic's invalid_request_error above), never a 5xx:
+    over the model's context the router refuses it; over the nodes' (their KV cache), the node."""
     _, client, chat, model = served
+    for nodes_only in ("y " * 400, [{"role": "user", "content": "y " * 400}]):  # 800 tokens: 640 < 800 < 1024
+        with pytest.raises(openai.BadRequestError) as caught:
+            if isinstance(nodes_only, str):
+                chat.completions.create(model=model, prompt=nodes_only, max_tokens=4)
+            else:
+                chat.chat.completions.create(model=model, messages=nodes_only, max_tokens=4)
+        assert caught.value.code == "context_length_exceeded" and "640 tokens" in caught.value.message
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": "y " * 400}])
+    assert "maximum context length is 640" in caught.value.body["error"]["message"]
     long = "x " * 2000  # 4000 tokens of the byte tokenizer, past the model's 1024
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as caught:

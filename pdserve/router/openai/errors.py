@@ -6,6 +6,7 @@ included) get a parseable body and never a bare 500 with a traceback.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -109,11 +110,22 @@ def backend_unavailable(exc: BaseException) -> APIError:
                     "service_unavailable", {"Retry-After": "1"})
 
 
+# A node's engine refuses a prompt longer than its own context (engine/engine.py). The router
+# refuses those longer than its --max-model-len itself; a node's context can be shorter still
+# (its KV cache holds fewer tokens), and that refusal is the client's 400 too, not a 503.
+_NODE_TOO_LONG = re.compile(r"the prompt has (\d+) tokens; this model accepts at most (\d+)")
+
+
 def as_api_error(exc: BaseException) -> APIError:
     """Maps anything a generation can raise to the error a client should see."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, BackendError):
+        too_long = _NODE_TOO_LONG.search(str(exc))
+        if too_long is not None:
+            return APIError(400, f"This model's maximum context length is {int(too_long[2]) + 1} tokens on the "
+                            f"nodes serving it (their KV cache holds no more). However, your prompt has "
+                            f"{too_long[1]} tokens.", code="context_length_exceeded")
         return backend_unavailable(exc)
     # Internal bug: log the traceback here, show the client only that it failed.
     logger.error("internal error", exc_info=exc)
@@ -175,7 +187,7 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _on_backend_error(request: Request, exc: Exception) -> JSONResponse:
-    return _respond(request, backend_unavailable(exc))
+    return _respond(request, as_api_error(exc))
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
