@@ -123,3 +123,27 @@ def test_bf16_engine_stays_near_the_float32_engine(tmp_path, tile_dtype):
                 (_, first), (_, second) = sorted(full.outputs[0].logprobs[step].top, key=lambda t: -t[1])[:2]
                 assert first - second < 4 * diff
                 break
+
+
+@needs_bf16
+def test_float32_weights_take_bf16_products_past_16_rows(tile_dtype):
+    """Unquantized layers (a bf16 checkpoint served in float32): bf16 products past 16 rows in the
+    Python layers (oneDNN) and past 8 in the compiled gemv (float32 rows rounded as read)."""
+    from pdserve.kernels.native_matrices import float_matrix
+    from pdserve.layers.quant.unquantized import UnquantizedLinearMethod
+
+    gen = torch.Generator().manual_seed(3)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(96, 128, generator=gen), requires_grad=False)
+    x = torch.randn(40, 128, generator=gen)
+    exact = x.to(torch.bfloat16).double() @ layer.weight.to(torch.bfloat16).double().T
+    full = x.double() @ layer.weight.double().T
+    tile_dtype(torch.bfloat16)
+    got = UnquantizedLinearMethod().apply(layer, x, None)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-3).all()
+    assert not torch.allclose(got.double(), full, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(UnquantizedLinearMethod().apply(layer, x[:16], None).double(), full[:16], atol=1e-4)
+    if native_gemv.library() is not None:
+        out = torch.empty(40, 96)
+        assert native_gemv.run(x.data_ptr(), 40, 128, float_matrix(layer.weight), out.data_ptr())
+        assert torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-4)

@@ -306,7 +306,8 @@ static inline __attribute__((always_inline)) void task_many(const float *x, int 
 }
 
 /* bf16 products for more than TOKENS_PER_PASS tokens (pd_set_bf16, the engine's cpu_gemm_dtype
- * bfloat16): each pair of rows is dequantized once as in task_many, rounded to bf16 (nearest even),
+ * bfloat16), integer layouts and float32 rows: each pair of rows is dequantized (or read) once as
+ * in task_many, rounded to bf16 (nearest even),
  * and dotted with x rounded likewise, 32 columns an instruction (vdpbf16ps: float32 sums of bf16
  * products), twice task_many's columns per multiply-add and half its loads of x. */
 static int bf16_many = 0;
@@ -368,7 +369,8 @@ static void task_many_bf16(const uint16_t *xb, int tokens, int cols, const uint8
 /* gemv's tasks in bf16, when pd_set_bf16 is on and the shape takes them; returns 1 if it ran */
 static int gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
                      const void *mins, int half, int has_min, int group, float *out, int threads) {
-    if (!bf16_many || tokens <= TOKENS_PER_PASS || (bits != 4 && bits != 8) || cols > MAX_DECODED_COLS) return 0;
+    if (!bf16_many || tokens <= TOKENS_PER_PASS || (bits != 4 && bits != 8 && bits != 32) || cols > MAX_DECODED_COLS)
+        return 0;
     uint16_t *xb = malloc(sizeof(uint16_t) * tokens * cols);
     if (!xb) return 0;
     x_to_bf16(x, (long)tokens * cols, xb);
