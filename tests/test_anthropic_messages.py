@@ -2,13 +2,16 @@
 `anthropic` SDK, against one real 1P1D cluster (`pdserve up` over NIXL, a random Llama served
 with a chat template that lists tools).
 
+The model is served by a Hub id from a local Hugging Face cache laid out in a temporary directory.
 The reference is the chat-completions route on the same conversation: greedy, a message must have
 the same text (and the same calls, under tool_choice "any" or a named tool) and the same token
 counts as the chat completion, streamed or not, so no text is hard-coded. Errors must be 400s in
 Anthropic's shape."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 
 import anthropic
 import httpx
@@ -46,19 +49,40 @@ CHAT_WEATHER = {"type": "function", "function": {"name": WEATHER["name"], "descr
 GREEDY = {"temperature": 0}
 
 
+HUB_ID, COMMIT = "acme/tiny-llama", "c" * 40
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
+    """The model is served by its Hub id from a local Hugging Face cache (HF_HUB_CACHE, as
+    huggingface_hub lays it out), which the launcher, the router and the nodes each resolve."""
     root = tmp_path_factory.mktemp("anthropic")
-    path = make_model(root, "llama", seed=11)
+    repo = root / "hub" / f"models--{HUB_ID.replace('/', '--')}"
+    (repo / "snapshots").mkdir(parents=True)
+    make_model(root, "llama", seed=11).rename(repo / "snapshots" / COMMIT)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
     template = root / "tools.jinja"
     template.write_text(TEMPLATE)
     # 40 blocks of 16 tokens a node: a context of 640 tokens on the nodes, under the model's 1024 the
     # router checks (test_a_prompt_over_the_context_...)
-    with running_cluster("--model", str(path), "--kv-transfer", "nixl", "--chat-template", str(template),
-                         "--num-kv-blocks", "40") as (url, _):
+    flags = ("--model", HUB_ID, "--kv-transfer", "nixl", "--chat-template", str(template), "--num-kv-blocks", "40")
+    with _environ(HF_HUB_CACHE=str(root / "hub"), HF_HUB_OFFLINE="1"), running_cluster(*flags) as (url, _):
         chat = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
-        yield url, client, chat, chat.models.list().data[0].id
+        assert chat.models.list().data[0].id == HUB_ID
+        yield url, client, chat, HUB_ID
 
 
 def _chat(chat, model, messages, max_tokens, **kwargs):
