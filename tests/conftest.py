@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from pdserve.testing.private_cache import private_cache_dir
+from pdserve.testing.shared_clusters import SharedClusters, group_modules
 
 # Triton reads TRITON_INTERPRET when it is imported, so this must run before any test module
 # imports it: without a GPU the Triton kernels run on the CPU interpreter.
@@ -16,6 +17,42 @@ def private_cache(tmp_path, monkeypatch):
     """PDSERVE_CACHE_DIR in the test's own directory, sharing the compiled kernels (see
     pdserve.testing.private_cache)."""
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(private_cache_dir(tmp_path)))
+
+
+# ---- clusters that several modules share (pdserve.testing.shared_clusters, docs/testing.md) ---
+_shared = SharedClusters(("plain_cluster", "default_model_cluster"))
+
+
+@pytest.fixture(scope="module")
+def plain_cluster():
+    """The built-in test model, one prefill and one decode node, KV over NIXL (running_cluster's
+    test defaults): test_bench_plot, test_dashboard, test_detokenize, test_no_server_errors and
+    test_openapi_fuzz send it requests and change nothing else in it."""
+    return _shared.url("plain_cluster", "--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl")
+
+
+@pytest.fixture(scope="module")
+def default_model_cluster(request):
+    """`pdserve up` with no flags but its port: the default model (SmolLM2), one prefill and one
+    decode node, KV over NIXL. test_agents_sdk, test_default_model_tools, test_responses_api and
+    test_smollm2 share it. The module that starts it gives its start-up timeout (START_TIMEOUT_S)."""
+    timeout_s = getattr(request.module, "START_TIMEOUT_S", 240.0)
+    return _shared.url("default_model_cluster", as_given=True, timeout_s=timeout_s)
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection: count only the tests that will run
+def pytest_collection_modifyitems(items):
+    items[:] = group_modules(items, _shared.names)
+    _shared.count_users(items)
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down
+def pytest_runtest_teardown(item):
+    _shared.finished(item)
+
+
+def pytest_sessionfinish():
+    _shared.stop_all()  # a run stopped early (-x, Ctrl-C) leaves none running
 
 
 # ---- the suite's time per file, printed at the end of the run (docs/testing.md) -------------

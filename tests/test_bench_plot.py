@@ -16,7 +16,6 @@ from pdserve.loadgen import plot as bench_plot
 from pdserve.loadgen.bench import BenchConfig, RequestResult
 from pdserve.loadgen.cli import main as bench_main
 from pdserve.loadgen.metrics import compute_metrics, latency_samples
-from pdserve.testing.up_cluster import running_cluster
 
 WORKLOAD = ["--workload", "shared-prefix", "--num-groups", "2", "--prompts-per-group", "3", "--prefix-len", "64",
             "--question-len", "8", "--output-len", "6", "--max-token-id", "250", "--num-warmup", "0",
@@ -24,9 +23,9 @@ WORKLOAD = ["--workload", "shared-prefix", "--num-groups", "2", "--prompts-per-g
 
 
 @pytest.fixture(scope="module")
-def url():
-    with running_cluster("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl") as (url, _):
-        yield url
+def url(plain_cluster):
+    """One prefill and one decode node over NIXL: conftest's cluster, shared with other modules."""
+    return plain_cluster
 
 
 def test_sweep_writes_reports_table_and_plot(url, tmp_path, capsys):

@@ -12,8 +12,6 @@ import httpx
 import openai
 import pytest
 
-from pdserve.testing.up_cluster import running_cluster
-
 DASHBOARD = Path(__file__).resolve().parent.parent / "monitoring" / "grafana" / "pdserve-dashboard.json"
 METRIC_NAME = re.compile(r"\bpdserve_[a-zA-Z0-9_]+")
 SAMPLE_SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
@@ -54,11 +52,12 @@ def test_dashboard_has_the_panels_the_issue_asks_for():
 
 
 @pytest.fixture(scope="module")
-def metrics_text():
-    with running_cluster("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl") as (url, _):
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        client.completions.create(model="builtin:tiny", prompt=list(range(20, 120)), max_tokens=8, temperature=0)
-        yield httpx.get(f"{url}/metrics", timeout=10).text
+def metrics_text(plain_cluster):
+    """/metrics after a completion, from one prefill and one decode node over NIXL (conftest's
+    cluster, shared with other modules)."""
+    client = openai.OpenAI(base_url=f"{plain_cluster}/v1", api_key="none", max_retries=0, timeout=120)
+    client.completions.create(model="builtin:tiny", prompt=list(range(20, 120)), max_tokens=8, temperature=0)
+    return httpx.get(f"{plain_cluster}/metrics", timeout=10).text
 
 
 def test_every_dashboard_query_names_an_exported_metric(metrics_text):

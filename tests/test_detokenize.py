@@ -20,7 +20,6 @@ from transformers import PreTrainedTokenizerFast
 from pdserve import LLM, SamplingParams
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.models.builtin import build_byte_tokenizer
-from pdserve.testing.up_cluster import running_cluster
 
 SPECIALS = ["<s>", "</s>", "<unk>", "<sep>"]
 
@@ -99,9 +98,10 @@ def test_eos_is_hidden_and_a_held_utf8_tail_is_flushed():
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_served_text_with_special_tokens_equals_hf_decode(stream):
+def test_served_text_with_special_tokens_equals_hf_decode(stream, plain_cluster):
     """Seeded sampling at the highest temperature OpenAI allows (2) makes the built-in model emit
-    special tokens; the served text (P/D over NIXL) must be HF's decode of the offline engine's ids."""
+    special tokens; the served text (P/D over NIXL, conftest's shared cluster) must be HF's decode
+    of the offline engine's ids."""
     llm = LLM("builtin:tiny")
     tok = llm.engine.tokenizer
     special = set(tok.all_special_ids) - {tok.eos_token_id}
@@ -111,15 +111,14 @@ def test_served_text_with_special_tokens_equals_hf_decode(stream):
                         use_tqdm=False)
     ids = [o.outputs[0].token_ids for o in outs]
     assert sum(t in special for seq in ids for t in seq) >= 3, "the model must emit special tokens"
-    with running_cluster("--kv-transfer", "nixl") as (url, _proc):
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        for prompt, expected_ids in zip(prompts, ids):
-            kw = dict(model="builtin:tiny", prompt=prompt, extra_body={"ignore_eos": True}, **params)
-            if stream:
-                text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
-            else:
-                text = client.completions.create(**kw).choices[0].text
-            assert text == tok.decode(expected_ids, skip_special_tokens=True)
+    client = openai.OpenAI(base_url=f"{plain_cluster}/v1", api_key="unused", max_retries=0)
+    for prompt, expected_ids in zip(prompts, ids):
+        kw = dict(model="builtin:tiny", prompt=prompt, extra_body={"ignore_eos": True}, **params)
+        if stream:
+            text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+        else:
+            text = client.completions.create(**kw).choices[0].text
+        assert text == tok.decode(expected_ids, skip_special_tokens=True)
 
 
 def _handover_text(processor: OutputProcessor, ids: list[int], params: SamplingParams) -> str:

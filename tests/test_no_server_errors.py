@@ -21,7 +21,6 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.protocol.sampling_params import StructuredSpec
-from pdserve.testing.up_cluster import running_cluster
 
 FLOOR = -9999.0
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
@@ -30,9 +29,10 @@ MESSAGES = [{"role": "user", "content": "Give me a JSON object."}]
 
 
 @pytest.fixture(scope="module")
-def url():
-    with running_cluster("--prefill-nodes", "1", "--decode-nodes", "1") as (base, _):
-        yield base
+def url(plain_cluster):
+    """One prefill and one decode node, KV over NIXL (up's default): conftest's cluster, shared
+    with other modules."""
+    return plain_cluster
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,6 @@ import sys
 import httpx
 import pytest
 
-from pdserve.testing.up_cluster import running_cluster
-
 pytest.importorskip("schemathesis")
 
 # Per operation; the GETs take little input, so nearly all cases go to the three generation routes.
@@ -83,9 +81,10 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with running_cluster("--prefill-nodes", "1", "--decode-nodes", "1") as (url, _):
-        yield url
+def cluster(plain_cluster):
+    """One prefill and one decode node, KV over NIXL (up's default): conftest's cluster, shared
+    with other modules."""
+    return plain_cluster
 
 
 def _refs(schema: dict) -> set[str]:
