@@ -24,16 +24,15 @@ import pytest
 from openai import AsyncOpenAI
 
 from pdserve.models.gguf import DEFAULT_MODEL
-from pdserve.testing.up_cluster import running_cluster
 
 PROMPT = "What is the weather in Paris?"
 JS_DIR = Path(__file__).parent / "js"
 
 
 @pytest.fixture(scope="module")
-def url():
-    with running_cluster(as_given=True) as (url, _):  # `pdserve up` with no flags: the default model
-        yield url
+def url(default_model_cluster):
+    """`pdserve up` with no flags, the default model: conftest's cluster, shared with other modules."""
+    return default_model_cluster
 
 
 async def _run_agent(url: str, model_class: str, streamed: bool) -> tuple[list[str], object, list[str]]:

@@ -17,7 +17,6 @@ from pdserve.models.gguf import DEFAULT_MODEL
 from pdserve.models.loader import resolve_model_path
 from pdserve.router.openai.chat_prompt import template_drops_tools
 from pdserve.router.openai.chat_templates import builtin_chat_template
-from pdserve.testing.up_cluster import running_cluster
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],
@@ -46,9 +45,10 @@ def test_template_keeps_smollm2_format_and_lists_tools(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def served():
-    with running_cluster(as_given=True) as (url, _):  # `pdserve up` with no flags: the default model
-        yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+def served(default_model_cluster):
+    """`pdserve up` with no flags, the default model: conftest's cluster, shared with other modules."""
+    url = default_model_cluster
+    return url, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
 
 
 @pytest.mark.parametrize(("prompt", "city"), [("What is the weather in Paris?", "Paris"),

@@ -17,8 +17,6 @@ import pytest
 from openai.types.responses import Response
 from pydantic import BaseModel
 
-from pdserve.testing.up_cluster import running_cluster
-
 QUESTION = "What is the capital of France? Answer in one sentence."
 INSTRUCTIONS = "You are a terse geography assistant."
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -29,11 +27,15 @@ CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items(
 GREEDY = {"temperature": 0}
 
 
+START_TIMEOUT_S = 420  # the shared cluster's start, when this module is the first to ask for it
+
+
 @pytest.fixture(scope="module")
-def served():
-    with running_cluster(as_given=True, timeout_s=420) as (url, _):
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        yield url, client, client.models.list().data[0].id
+def served(default_model_cluster):
+    """`pdserve up` with no flags, the default model: conftest's cluster, shared with other modules."""
+    url = default_model_cluster
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    return url, client, client.models.list().data[0].id
 
 
 def _chat(client, model, messages, max_tokens, **kwargs):

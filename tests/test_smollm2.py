@@ -79,13 +79,16 @@ def _greedy_through(url: str, reference, prompts: list[list[int]]) -> list[list[
         return [f.result() for f in futures]
 
 
+START_TIMEOUT_S = 420  # the shared cluster's start, when this module is the first to ask for it
+
+
 @pytest.fixture(scope="module")
-def newcomer_cluster():
+def newcomer_cluster(default_model_cluster):
     """`pdserve up`, no model and no other flag but a free port: the default model, 1 prefill and
-    1 decode node, KV over NIXL."""
-    with running_cluster(as_given=True, timeout_s=420) as (url, _):
-        assert httpx.get(f"{url}/health", timeout=5).json()["transfer"] == "nixl"
-        yield url
+    1 decode node, KV over NIXL (conftest's cluster, shared with other modules)."""
+    url = default_model_cluster
+    assert httpx.get(f"{url}/health", timeout=5).json()["transfer"] == "nixl"
+    return url
 
 
 def test_newcomer_asks_the_capital_of_france(newcomer_cluster):
