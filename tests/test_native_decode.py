@@ -114,7 +114,8 @@ def test_steps_it_does_not_take_and_models_it_does_not_fit(tmp_path, monkeypatch
     llm, _ = _llm(tmp_path)
     native = llm.engine.model.native_decode
     before = native.steps
-    # 70 requests decode in steps of more than 64 rows: those run in Python.
+    # 70 requests decode in steps of more rows than the compiled step takes (here 64): those run in Python.
+    monkeypatch.setattr("pdserve.kernels.native_decode.MAX_STEP_TOKENS", 64)
     logprobs(llm, [list(range(3, 9))] * 70, new_tokens=2)
     assert native.steps == before
     llm.engine.model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(SIZES["hidden_size"]))

@@ -17,7 +17,10 @@ each concurrency, each server), so drift in the machine's load hits all of them:
                 VLLM_CPU_KVCACHE_SPACE GiB of KV cache
   pdserve-gguf  `pdserve up --prefill-nodes 0 --decode-nodes 1` on the default model (the GGUF,
                 weights kept quantized), default flags otherwise
-  pdserve-bf16  the same on the bfloat16 directory vLLM serves
+  pdserve-bf16  the same on the bfloat16 directory vLLM serves (held in float32, pdserve's CPU dtype)
+  NAME+bf16     the same with --cpu-gemm-dtype bfloat16 (bf16 products past 8-16 rows)
+  llama-server  (--servers ... llama-server, once benchmarks/peers/build_llama_server.sh has built
+                it) on the GGUF, as benchmarks/peers/bench_vs_llamacpp.py runs it
 
 Workload, the same client for all (pdserve.loadgen, streamed /v1/completions): prompts of
 --prompt-len random token ids (a different seed per repeat, so no prompt is cached), --output-len
@@ -36,12 +39,13 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.peers.bench_vs_llamacpp import load_average, run_cells
+from benchmarks.peers.bench_vs_llamacpp import DEFAULT_LLAMA, llama_server, load_average, run_cells
 from benchmarks.support.cluster import local_cluster, peer_server, source_info
 from pdserve.models.gguf import DEFAULT_MODEL, embedded_model_file
 from pdserve.wire.transport import free_port
 
-SERVERS = ("vllm", "pdserve-gguf", "pdserve-bf16")
+SERVERS = ("vllm", "pdserve-gguf", "pdserve-gguf+bf16", "pdserve-bf16", "pdserve-bf16+bf16", "llama-server")
+BF16_PRODUCTS = ("--cpu-gemm-dtype", "bfloat16")
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 
 
@@ -85,9 +89,14 @@ def start_servers(stack: contextlib.ExitStack, args, bf16_dir: Path, log_dir: Pa
     if "vllm" in args.servers:
         url, pid, cmd = stack.enter_context(vllm_server(args, bf16_dir, log_dir / "vllm.log"))
         up["vllm"] = {"url": url, "pid": pid, "cmd": cmd}
-    for name, model in (("pdserve-gguf", DEFAULT_MODEL), ("pdserve-bf16", str(bf16_dir))):
+    if "llama-server" in args.servers:  # benchmarks/peers/build_llama_server.sh builds it (AVX-512, no AMX)
+        url, pid, cmd = stack.enter_context(llama_server(args.llama_server, embedded_model_file(DEFAULT_MODEL), args,
+                                                         log_dir / "llama-server.log"))
+        up["llama-server"] = {"url": url, "pid": pid, "cmd": " ".join(cmd)}
+    for name, model in (("pdserve-gguf", DEFAULT_MODEL), ("pdserve-gguf+bf16", DEFAULT_MODEL),
+                        ("pdserve-bf16", str(bf16_dir)), ("pdserve-bf16+bf16", str(bf16_dir))):
         if name in args.servers:
-            flags = pdserve_flags(args, model)
+            flags = pdserve_flags(args, model) + (list(BF16_PRODUCTS) if name.endswith("+bf16") else [])
             cluster = stack.enter_context(local_cluster(*flags, log_path=str(log_dir / f"{name}.log"),
                                                         startup_timeout_s=args.startup_timeout_s))
             up[name] = {"url": cluster.url, "pid": cluster.proc.pid, "cmd": "pdserve up " + " ".join(flags)}
@@ -122,7 +131,9 @@ def table(cells: list[dict], concurrency: list[int], servers: list[str]) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", DEFAULT_VLLM_PYTHON))
-    p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS[:5]))
+    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", DEFAULT_LLAMA))
+    p.add_argument("--slot-ctx", type=int, default=1024, help="llama-server context per slot")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--concurrency", default="1,8,32,128", type=lambda s: [int(c) for c in s.split(",")])
     p.add_argument("--rounds", type=int, default=2, help="requests per cell = rounds x concurrency")

@@ -41,8 +41,10 @@ log = logging.getLogger(__name__)
 
 # Rows a compiled step takes: a verify step of 8 requests with k = 4 has 40. Past 8 rows the gemv
 # dequantizes each pair of weight rows once for all of them (native_gemv.c), so it keeps ahead of
-# the Python layers' dequantized tiles through BLAS up to here (bench_native_decode.py).
-MAX_STEP_TOKENS = 64
+# the Python layers' dequantized tiles through BLAS up to here: SmolLM2 Q4_1 at 128 requests took
+# 345 ms a step compiled against 530 in the Python layers in float32, 230 against 386 with bf16
+# products (benchmarks/engine/step_profile.py; it was 64 rows, measured before the bf16 products).
+MAX_STEP_TOKENS = 256
 
 
 class _Matrix(ctypes.Structure):

@@ -1,0 +1,67 @@
+"""The decode step and the prefill rate at 1, 8, 32 and 128 requests, float32 against bf16 products
+(--cpu-gemm-dtype), on the default model in one process per dtype, the batch sizes interleaved
+over --repeats rounds (medians).
+
+    .venv/bin/python -m benchmarks.engine.step_profile [--model M] [--repeats 3] [--batches 1,8,32,128]
+
+Each cell: --prompt-len random token ids per request, prefilled (tokens/s over the prefill steps),
+then --steps decode steps of all requests (median step time, and requests / step time)."""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from pdserve import LLM, SamplingParams
+from pdserve.models.gguf import DEFAULT_MODEL
+
+
+def measure(llm: LLM, batch: int, prompt_len: int, steps: int, seed: int) -> tuple[float, float]:
+    eng, rng = llm.engine, random.Random(seed)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    rids = [f"s{seed}-{i}" for i in range(batch)]
+    for rid in rids:
+        eng.add_request(rid, [rng.randrange(100, 49000) for _ in range(prompt_len)], params)
+    t0, tokens = time.perf_counter(), 0
+    while eng.last_step_tokens != batch or eng.scheduler.step_prefill_tokens:
+        eng.step()
+        tokens += eng.last_step_tokens
+    prefill = tokens / (time.perf_counter() - t0)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    for rid in rids:
+        eng.abort_request(rid)
+    eng.step()
+    return prefill, statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batches", default="1,8,32,128", type=lambda s: [int(b) for b in s.split(",")])
+    p.add_argument("--prompt-len", type=int, default=160)
+    p.add_argument("--steps", type=int, default=24)
+    args = p.parse_args()
+    cells: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(args.model, max_num_seqs=max(args.batches), kv_cache_memory_gb=4, cpu_gemm_dtype=dtype)
+        for r in range(args.repeats):
+            for batch in args.batches:
+                cells.setdefault((dtype, batch), []).append(measure(llm, batch, args.prompt_len, args.steps, r))
+        del llm
+    print("| requests | dtype | prefill tok/s | decode step ms | decode tok/s |\n|---:|---|---:|---:|---:|")
+    for batch in args.batches:
+        for dtype in ("float32", "bfloat16"):
+            runs = cells[(dtype, batch)]
+            prefill = statistics.median(r[0] for r in runs)
+            step = statistics.median(r[1] for r in runs)
+            print(f"| {batch} | {dtype} | {prefill:.0f} | {step * 1e3:.1f} | {batch / step:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
