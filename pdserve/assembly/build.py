@@ -115,7 +115,7 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    pages = mmap.mmap(-1, nbytes)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (shared would be shmem: no THP)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):
             pages.madvise(mmap.MADV_HUGEPAGE)
