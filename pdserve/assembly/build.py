@@ -46,6 +46,7 @@ from pdserve.kernels.host_memory import keep_large_allocations
 from pdserve.kvstore.layout import KVLayout
 from pdserve.models.gguf import checkpoint_name
 from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
+from pdserve.models.model_path import context_limit
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -56,6 +57,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         engine.attach_speculator(make_speculator(config.speculative_config, engine))
     return engine
 
+
+DEFAULT_CONTEXT = 8192  # the longest request, for a config that names none (bounds the default KV pool)
 
 @dataclass
 class _Target:
@@ -86,22 +89,17 @@ def _load_target(config: EngineConfig) -> _Target:
     layout = KVLayout.for_model(hf_config, config.block_size, kv_dtype, checkpoint_name(config.model, model_path))
     if kv_dtype != dtype:
         check_fp8_kv_supported(config, layout)
+    # the longest request bounds the default pool (a vision-language model's text config has it)
+    blocks = num_kv_blocks(config, layout, context_limit(getattr(hf_config, "text_config", None) or hf_config)
+                           or DEFAULT_CONTEXT)
     if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
-        blocks = num_kv_blocks(config, layout, max_positions(hf_config))
         executor = start_executor(config, model_path, hf_config, dtype, device,
                                   (blocks, *layout.block_shape()), layout.dtype)
         model = load_driver_shard(executor, model_path, hf_config, dtype, device)
         return _Target(device, model_path, hf_config, dtype, layout, model, executor.kv_cache, executor)
     model = load_model(model_path, hf_config, dtype, device)
-    shape = (num_kv_blocks(config, layout, max_positions(hf_config)), *layout.block_shape())
-    kv_cache = zeroed_pool(shape, layout.dtype, device)
+    kv_cache = zeroed_pool((blocks, *layout.block_shape()), layout.dtype, device)
     return _Target(device, model_path, hf_config, dtype, layout, model, kv_cache, None)
-
-
-def max_positions(hf_config) -> int:
-    """The model's position limit (a vision-language model's text config holds it)."""
-    text = getattr(hf_config, "text_config", None) or hf_config
-    return int(getattr(text, "max_position_embeddings", None) or getattr(hf_config, "max_position_embeddings", 8192))
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
