@@ -101,7 +101,8 @@ class Cluster:
 
     def host_nodes(self) -> int:
         """The nodes at start whose KV pools share this machine's memory (engine.kv_pool_size)."""
-        return max(1, self.args.prefill_nodes + self.args.decode_nodes)
+        nodes = getattr(self.args, "prefill_nodes", 0) + getattr(self.args, "decode_nodes", 0)
+        return max(1, nodes)  # args is None for a bare Cluster (a test's, or a tool's)
 
     def threads_per_node(self, ranks: int = 1) -> int:
         """A node's threads: its ranks' share of the cores (a TP or PP node gets one share per
