@@ -14,6 +14,7 @@ import torch
 
 from pdserve.assembly.setup import (
     check_fp8_kv_supported,
+    check_hybrid_supported,
     drafts_from_hidden,
     eos_ids,
     kernel_ops,
@@ -23,6 +24,7 @@ from pdserve.assembly.setup import (
     num_kv_blocks,
     pick_device,
     start_lora,
+    state_pool,
     use_async_scheduling,
 )
 from pdserve.assembly.speculation import make_speculator
@@ -35,6 +37,7 @@ from pdserve.engine.multimodal import EncoderCache, MultiModalInputs
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.state_pool import StatePool
 from pdserve.engine.structured_output import StructuredOutputs
 from pdserve.executor.executor import TPExecutor
 from pdserve.executor.pipeline_runner import PipelineModelRunner
@@ -45,6 +48,7 @@ from pdserve.kernels.fp8_kv import kv_cache_torch_dtype
 from pdserve.kernels.host_memory import keep_large_allocations
 from pdserve.kvstore.layout import KVLayout
 from pdserve.models.gguf import checkpoint_name
+from pdserve.models.hybrid import is_hybrid_config
 from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
 from pdserve.models.model_path import context_limit
 
@@ -71,6 +75,7 @@ class _Target:
     model: torch.nn.Module
     kv_cache: torch.Tensor
     executor: TPExecutor | None
+    states: StatePool | None = None  # a hybrid model's recurrent-state slots
 
 
 def _load_target(config: EngineConfig) -> _Target:
@@ -80,6 +85,9 @@ def _load_target(config: EngineConfig) -> _Target:
         keep_large_allocations()
     model_path = resolve_model_path(config.model)
     hf_config = load_hf_config(model_path)
+    hybrid = is_hybrid_config(hf_config)
+    if hybrid:
+        check_hybrid_supported(config, hf_config)
     dtype = default_dtype(config.dtype, device)
     # K/V per head, or one latent per token for MLA: sizes the cache and salts its block keys
     # (the same at every TP degree: the cache holds every KV head, see pdserve.executor).
@@ -98,8 +106,11 @@ def _load_target(config: EngineConfig) -> _Target:
         model = load_driver_shard(executor, model_path, hf_config, dtype, device)
         return _Target(device, model_path, hf_config, dtype, layout, model, executor.kv_cache, executor)
     model = load_model(model_path, hf_config, dtype, device)
+    states = None
+    if hybrid:
+        states, blocks = state_pool(config, model, layout, blocks, device)
     kv_cache = zeroed_pool((blocks, *layout.block_shape()), layout.dtype, device)
-    return _Target(device, model_path, hf_config, dtype, layout, model, kv_cache, None)
+    return _Target(device, model_path, hf_config, dtype, layout, model, kv_cache, None, states)
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -133,7 +144,7 @@ def _parts(config: EngineConfig, t: _Target) -> EngineParts:
     salt = t.kv_layout.salt()
     pool = BlockPool(t.kv_cache.shape[0], config.enable_prefix_caching)
     whole_images = bool(getattr(t.model, "bidirectional_images", False))
-    kv = KVCacheManager(pool, config.block_size, salt, kv_window(t.model), whole_images)
+    kv = KVCacheManager(pool, config.block_size, salt, kv_window(t.model), whole_images, t.states)
     lora = start_lora(config, t.model, t.dtype, t.device)
     ops = kernel_ops(config, t.device, t.kv_cache, t.model_path, t.kv_layout.num_layers)
     if whole_images and not getattr(ops, "PREFILL_KEY_ENDS", False):
@@ -156,7 +167,8 @@ def _parts(config: EngineConfig, t: _Target) -> EngineParts:
                              use_cuda_graphs=(not config.enforce_eager and lora is None
                                               and not drafts_from_hidden(config)),
                              lora_batch=lora.batch if lora is not None else None,
-                             multimodal=multimodal_inputs(t.model, config.encoder_cache_tokens))
+                             multimodal=multimodal_inputs(t.model, config.encoder_cache_tokens),
+                             states=t.states)
     scheduler = Scheduler(config, kv, lora)
     if runner.multimodal is not None:  # encoding counts against the step's prefill
         scheduler.uncached_images = runner.multimodal.uncached_images

@@ -5,15 +5,18 @@ ids."""
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_pool_size import default_num_blocks
+from pdserve.engine.state_pool import StatePool, slot_nbytes
 from pdserve.kernels import get_ops
 from pdserve.kernels.fp8_kv import Fp8KVOps, checkpoint_kv_scales
 from pdserve.kvstore.layout import KVLayout
 from pdserve.lora.manager import LoRAManager
+from pdserve.models.hybrid import unsupported_for_hybrid
 from pdserve.models.model_path import eos_token_ids
 from pdserve.models.model_path import load_tokenizer as load_checkpoint_tokenizer
 
@@ -38,6 +41,33 @@ def num_kv_blocks(config: EngineConfig, layout: KVLayout, max_positions: int) ->
                                config.max_model_len or max_positions)
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, config.block_size, n * bytes_per_block / 2**20)
     return n
+
+
+def check_hybrid_supported(config: EngineConfig, hf_config) -> None:
+    """Refuse, before anything loads, the settings not implemented for a hybrid model."""
+    refused = unsupported_for_hybrid(config)
+    if refused:
+        arch = (getattr(hf_config, "architectures", None) or ["this model"])[0]
+        raise ValueError(f"{arch} is a hybrid model (linear-attention or Mamba layers with a recurrent state); "
+                         "pdserve does not support these with it yet: " + "; ".join(refused))
+
+
+def state_pool(config: EngineConfig, model, layout: KVLayout, blocks: int, device: torch.device
+               ) -> tuple[StatePool, int]:
+    """A hybrid model's state pool, one slot per request that may run at once (max_num_seqs),
+    and the KV block count left beside it: a memory budget (kv_cache_memory_gb, or the default
+    pool's) holds both, an explicit num_kv_blocks is kept as given."""
+    spec = model.state_spec()
+    state_bytes = config.max_num_seqs * slot_nbytes(spec)
+    if not config.num_kv_blocks:
+        budget_blocks = blocks
+        blocks -= math.ceil(state_bytes / layout.block_nbytes())
+        if blocks < 1:
+            raise ValueError(f"the KV memory budget ({budget_blocks} blocks) cannot hold the recurrent-state pool "
+                             f"({config.max_num_seqs} slots of {len(spec)} layers, {state_bytes / 2**20:.1f} MiB) "
+                             "and one KV block: raise kv_cache_memory_gb or lower max_num_seqs")
+    log.info("state pool: %d slots of %d layers (%.1f MiB)", config.max_num_seqs, len(spec), state_bytes / 2**20)
+    return StatePool(spec, config.max_num_seqs, device), blocks
 
 
 def max_model_len(config: EngineConfig, hf_config, model, num_blocks: int) -> int:

@@ -98,6 +98,8 @@ class LLMEngine:
         self.outputs.add(request_id, params, req.output_token_ids, continues_elsewhere)
         if lora_name is not None:
             self.lora.ref(lora_name)  # (checked above: cannot fail)
+        if self.kv.states is not None:
+            remote_kv_tokens = 0  # a hybrid model's state is not handed over (yet): it computes the prompt
         if remote_kv_tokens > 0 and (params.prompt_logprobs is None or req.output_token_ids):
             # (A request still owing prompt logprobs computes its prompt: they need its logits.)
             remote = RemoteKV(min(remote_kv_tokens, req.num_tokens - 1),

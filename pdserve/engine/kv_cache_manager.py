@@ -4,11 +4,16 @@ For a model whose every attention layer slides (window W: the query at position 
 i-W+1..i), a block whose tokens all lie before the next query's window is read by no layer
 again: slide() returns it to the pool (with its prefix-cache key, like any freed block) and
 puts SLID_OUT in its place in the request's block table, which no kernel reads.
+
+For a hybrid model (linear-attention or Mamba layers beside attention), each request also holds
+one slot of the state pool (pdserve.engine.state_pool) with its blocks: taken by its first
+allocation, given back whenever its blocks are freed (finish, abort, preemption).
 """
 from __future__ import annotations
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import PENDING_TOKEN, Request
+from pdserve.engine.state_pool import StatePool
 from pdserve.protocol.block_keys import ROOT_KEY, block_key
 from pdserve.protocol.multimodal import block_extra
 
@@ -16,8 +21,10 @@ SLID_OUT = -1  # a block-table entry whose block left every layer's window and w
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, salt: bytes, window: int = 0, whole_images: bool = False):
+    def __init__(self, pool: BlockPool, block_size: int, salt: bytes, window: int = 0, whole_images: bool = False,
+                 states: StatePool | None = None):
         self.pool = pool
+        self.states = states  # a hybrid model's state slots; None for attention-only models
         self.block_size = block_size
         self.salt = salt
         # > 0: every layer slides and none looks further back than this (0: some layer is full).
@@ -64,7 +71,7 @@ class KVCacheManager:
         needed = -(-total // self.block_size) - len(req.block_ids) - len(cached)
         # Touching a hit that sits in the free queue takes it out of the free count.
         reclaimed = sum(1 for b in cached if self.pool.blocks[b].ref_cnt == 0)
-        if needed > self.pool.num_free - reclaimed:
+        if needed > self.pool.num_free - reclaimed or not self._take_state_slot(req):
             return False
         self.pool.touch(list(cached))
         req.block_ids.extend(cached)
@@ -73,6 +80,13 @@ class KVCacheManager:
         if needed > 0:
             req.block_ids.extend(self.pool.allocate(needed))
         return True
+
+    def _take_state_slot(self, req: Request) -> bool:
+        """A hybrid model's request holds a state slot before it computes; False: none free."""
+        if self.states is None or req.state_slot is not None:
+            return True
+        req.state_slot = self.states.allocate()
+        return req.state_slot is not None
 
     def allocate_landing(self, req: Request, num_tokens: int, cached: list[int], horizon: int) -> bool:
         """Blocks for the first num_tokens tokens of a request (holding none yet) whose KV lands
@@ -126,6 +140,9 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         self.pool.free([b for b in req.block_ids[::-1] if b != SLID_OUT])
+        if req.state_slot is not None:
+            self.states.free(req.state_slot)
+            req.state_slot = None
         req.block_ids = []
         req.num_registered_blocks = 0
         req.num_slid_blocks = 0

@@ -14,6 +14,7 @@ from pdserve.engine.multimodal import MultiModalInputs
 from pdserve.engine.overlap import pending_sources, take_pending
 from pdserve.engine.prompt_logprobs import prompt_spans, record_prompt_logprobs
 from pdserve.engine.request import Request
+from pdserve.engine.state_pool import StatePool, StateRows, step_rows
 from pdserve.engine.step_inputs import KeptTableRows, build_step_inputs, fill_decode_rows, is_decode_query
 from pdserve.kernels import get_fused_layer_ops, native_decode
 
@@ -37,8 +38,10 @@ class AttentionMetadata:
 class AttentionContext:
     """Handed to the model for one forward pass: each layer's attention goes through here."""
 
-    def __init__(self, ops, layer_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata):
+    def __init__(self, ops, layer_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                 states: StateRows | None = None):
         self.ops, self.layer_caches, self.meta = ops, layer_caches, meta
+        self.states = states  # a hybrid model's state slots for this step's rows (engine.state_pool)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,7 +79,8 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, ops, device: torch.device,
                  max_num_seqs: int = 0, max_model_len: int = 0, use_cuda_graphs: bool = False, lora_batch=None,
-                 multimodal: MultiModalInputs | None = None):
+                 multimodal: MultiModalInputs | None = None, states: StatePool | None = None):
+        self.states = states  # a hybrid model's recurrent-state pool; None for attention-only models
         self.model, self.kv_cache, self.block_size, self.ops, self.device = model, kv_cache, block_size, ops, device
         self.multimodal = multimodal  # a vision-language model's images and [3, T] positions
         self.lora_batch = lora_batch  # pdserve.lora.slots.LoRABatch: set to each step's adapter runs
@@ -142,7 +146,8 @@ class ModelRunner:
         (bidirectional images)."""
         mm = self.multimodal
         if mm is None:
-            return self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta))
+            states = None if self.states is None else step_rows(self.states, items, meta.num_decodes, self.device)
+            return self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta, states))
         if getattr(self.model, "uses_mrope", True):
             positions = torch.from_numpy(mm.positions(items, inputs.ints64[1])).to(self.device)
         if getattr(self.model, "bidirectional_images", False):

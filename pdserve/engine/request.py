@@ -60,6 +60,7 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)  # keys of full blocks, grown lazily
     num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
     num_slid_blocks: int = 0  # leading blocks freed as out of every layer's window (KVCacheManager.slide)
+    state_slot: int | None = None  # a hybrid model's recurrent-state slot while held (engine.state_pool)
     hold_blocks: bool = False  # on finish, keep the blocks (for a KV handover) until released
     matcher: Any = None  # structured output: the xgrammar matcher, past every output token
     awaiting_last_token: bool = False  # its pending token ends it (async scheduling): skip it

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.protocol.block_keys import kv_entry_dims, kv_layout_salt
+from pdserve.protocol.block_keys import kv_entry_dims, kv_layer_count, kv_layout_salt
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,10 @@ class KVLayout:
 
     @classmethod
     def for_model(cls, hf_config, block_size: int, dtype: torch.dtype, model_name: str) -> KVLayout:
-        """The layout an engine allocates for a transformers config."""
+        """The layout an engine allocates for a transformers config (a hybrid model's attention
+        layers only: kv_layer_count)."""
         planes, heads, dim = kv_entry_dims(hf_config)
-        return cls(hf_config.num_hidden_layers, heads, dim, block_size, dtype, model_name, planes)
+        return cls(kv_layer_count(hf_config), heads, dim, block_size, dtype, model_name, planes)
 
     @classmethod
     def from_cache(cls, kv_cache: torch.Tensor, model_name: str = "pdserve") -> KVLayout:

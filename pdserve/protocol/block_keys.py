@@ -57,6 +57,23 @@ def kv_entry_dims(hf_config) -> tuple[int, int, int]:
     return 2, getattr(hf_config, "num_key_value_heads", None) or heads, head_dim
 
 
+# Layer types that keep no per-token KV: linear attention and Mamba layers keep a per-request
+# state instead (pdserve.engine.state_pool); MLP and MoE layers keep nothing.
+STATE_LAYER_TYPES = ("linear_attention", "mamba")
+NO_CACHE_LAYER_TYPES = ("mlp", "moe")
+
+
+def kv_layer_count(hf_config) -> int:
+    """The layers that hold paged KV: every layer, but for a hybrid model (its layer_types name
+    linear-attention, Mamba, MLP or MoE layers) only its attention layers (at least one, so the
+    pool's blocks have a size)."""
+    types = getattr(hf_config, "layer_types", None) or getattr(hf_config, "layers_block_type", None) or ()
+    kv = [t for t in types if t not in STATE_LAYER_TYPES + NO_CACHE_LAYER_TYPES]
+    if not types or len(kv) == len(types):
+        return hf_config.num_hidden_layers
+    return max(len(kv), 1)
+
+
 def block_key(parent: bytes, token_ids: Sequence[int], salt: bytes, extra: bytes = b"") -> bytes:
     """extra: the keys of the images whose tokens the block holds (multimodal.block_extra); the
     placeholder token ids are the same for every image, so without it two prompts with the same

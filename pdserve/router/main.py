@@ -20,7 +20,7 @@ from pdserve.kvstore.redact import redact_url
 from pdserve.models.gguf import checkpoint_name
 from pdserve.models.image_prompts import ImagePrompts
 from pdserve.models.model_path import eos_token_ids, load_tokenizer, read_model_config, resolve_model_path
-from pdserve.protocol.block_keys import kv_entry_dims, kv_layout_salt
+from pdserve.protocol.block_keys import kv_entry_dims, kv_layer_count, kv_layout_salt
 from pdserve.router.dispatch.adapters import RouterAdapters
 from pdserve.router.dispatch.cluster import ClusterBackend, Dispatchers
 from pdserve.router.dispatch.drain import DrainTracker
@@ -62,7 +62,7 @@ KEEP_ALIVE_S = 75
 def layout_salt(model: str, hf_config, dtype: str, block_size: int) -> bytes:
     """The nodes' block-key salt, from the model config alone (no torch, no weights)."""
     planes, heads, dim = kv_entry_dims(hf_config)
-    return kv_layout_salt(model, hf_config.num_hidden_layers, heads, dim, dtype, block_size, planes)
+    return kv_layout_salt(model, kv_layer_count(hf_config), heads, dim, dtype, block_size, planes)
 
 
 def build_backend(prefill_addrs: list[str], decode_addrs: list[str], transfer: str = "nixl",

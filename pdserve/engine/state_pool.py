@@ -1,0 +1,83 @@
+"""Per-request recurrent state for hybrid models (Gated DeltaNet, Mamba2 layers): a pool of
+slots beside the paged KV pool.
+
+A linear-attention or Mamba layer keeps no per-token cache: it keeps, per request, a short
+window of its convolution's last inputs and a fixed-size recurrent state. Each request holds one
+slot from the time it is first scheduled until it finishes, is aborted or preempted; a slot
+holds that request's window and state for every such layer. Slots are handed out and freed like
+blocks (KVCacheManager takes and returns them with the request's blocks), and a slot is zeroed
+when a request starts computing from its first token, so a recompute after preemption starts
+from the same state as the first run.
+
+The model declares what it needs (`state_spec()`: per stateful layer, the window's and the
+state's shapes and dtypes); the model runner hands each step a `StateRows` naming every row
+group's slot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.models.state_layers import LayerStateSpec
+
+
+def slot_nbytes(spec: list[LayerStateSpec]) -> int:
+    """One request's state over every stateful layer, in bytes."""
+    return sum(layer.nbytes() for layer in spec)
+
+
+class StatePool:
+    def __init__(self, spec: list[LayerStateSpec], num_slots: int, device: torch.device):
+        if num_slots < 1:
+            raise ValueError("the state pool needs at least one slot")
+        self.spec = spec
+        self.conv = [torch.zeros((num_slots, *s.conv_shape), dtype=s.conv_dtype, device=device) for s in spec]
+        self.state = [torch.zeros((num_slots, *s.state_shape), dtype=s.state_dtype, device=device) for s in spec]
+        self.free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self.num_slots = num_slots
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_slots)
+
+    def allocate(self) -> int | None:
+        return self.free_slots.pop() if self.free_slots else None
+
+    def free(self, slot: int) -> None:
+        assert slot not in self.free_slots, f"state slot {slot} freed twice"
+        self.free_slots.append(slot)
+
+    def num_in_use(self) -> int:
+        return self.num_slots - len(self.free_slots)
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Zero the slots of requests that start from their first token."""
+        for tensors in (self.conv, self.state):
+            for t in tensors:
+                t[slots] = 0
+
+
+@dataclass
+class StateRows:
+    """A step's view of the pool, in the order of the step's rows: the first num_decodes rows
+    are one-token queries (slots[:num_decodes], one each); then each prefill chunk's rows
+    (spans: (slot, first row, end row))."""
+    pool: StatePool
+    slots: torch.Tensor  # [num_decodes] int64
+    num_decodes: int
+    spans: list[tuple[int, int, int]]
+
+
+def step_rows(pool: StatePool, items, num_decode_rows: int, device: torch.device) -> StateRows:
+    """items: (request, new tokens) in row order, the num_decode_rows one-token queries first.
+    Zeroes the slots of requests computing their first token this step."""
+    fresh = [r.state_slot for r, _ in items if r.num_computed_tokens == 0]
+    if fresh:
+        pool.reset(torch.tensor(fresh, dtype=torch.int64, device=device))
+    decodes = [r.state_slot for r, _ in items[:num_decode_rows]]
+    spans, row = [], num_decode_rows
+    for req, n in items[num_decode_rows:]:
+        spans.append((req.state_slot, row, row + n))
+        row += n
+    return StateRows(pool, torch.tensor(decodes, dtype=torch.int64, device=device), num_decode_rows, spans)

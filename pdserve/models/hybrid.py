@@ -1,0 +1,70 @@
+"""What the hybrid families (Qwen3.5, Nemotron-H) share: a decoder whose layers mix tokens by
+attention over the paged KV cache or by a recurrent state (linear attention, Mamba2) kept in a
+per-request slot, and the refusals of what pdserve does not yet do for them.
+
+The engine reads `state_spec()` to size the state pool; attention layers are numbered among
+themselves (`kv_index`), since only they have a plane in the KV cache
+(pdserve.protocol.block_keys.kv_layer_count).
+"""
+from __future__ import annotations
+
+import torch
+
+from pdserve.models.decoder import DecoderModel
+from pdserve.models.state_layers import LayerStateSpec
+from pdserve.protocol.block_keys import STATE_LAYER_TYPES
+
+
+def is_hybrid_config(hf_config) -> bool:
+    """The config names layers that keep a recurrent state (linear attention, Mamba)."""
+    types = getattr(hf_config, "layer_types", None) or getattr(hf_config, "layers_block_type", None) or ()
+    return any(t in STATE_LAYER_TYPES for t in types)
+
+
+class HybridDecoderModel(DecoderModel):
+    """A DecoderModel with stateful layers: each layer's token mixer (`mixer`) may declare
+    `state_spec(dtype, state_dtype)`. Runs its layers in Python (no compiled decode step, no
+    CUDA graphs: the state update is not captured)."""
+
+    is_hybrid = True
+
+    def __init__(self, *args, state_dtype: torch.dtype = torch.float32, **kwargs):
+        super().__init__(*args, cuda_graph_safe=False, **kwargs)
+        self.state_dtype = state_dtype
+
+    def state_spec(self) -> list[LayerStateSpec]:
+        """Per stateful layer, in state_index order: its window's and its state's shapes and dtypes."""
+        dtype = self.embed_tokens.weight.dtype
+        return [layer.mixer.state_spec(dtype, self.state_dtype) for layer in self.layers
+                if hasattr(layer.mixer, "state_spec")]
+
+
+def kv_indices(layer_types: list[str], attention: tuple[str, ...]) -> list[int | None]:
+    """Each layer's plane in the KV cache (attention layers, numbered in order) or None."""
+    out, n = [], 0
+    for t in layer_types:
+        out.append(n if t in attention else None)
+        n += t in attention
+    return out
+
+
+def state_indices(layer_types: list[str], stateful: tuple[str, ...]) -> list[int | None]:
+    """Each layer's slot in a request's state (stateful layers, numbered in order) or None."""
+    return kv_indices(layer_types, stateful)
+
+
+def unsupported_for_hybrid(config) -> list[str]:
+    """The engine settings pdserve does not implement for hybrid models yet, each with why; empty:
+    the config can run. (Checked at start-up by pdserve.assembly.)"""
+    refused = []
+    if config.enable_prefix_caching:
+        refused.append("prefix caching (enable_prefix_caching; --no-enable-prefix-caching): a cached prefix "
+                       "would need the recurrent state at the block boundary, which is not kept yet")
+    if config.speculative_config is not None:
+        refused.append("speculative decoding (speculative_config): rejected drafts would need the recurrent "
+                       "state rolled back")
+    if config.enable_lora:
+        refused.append("LoRA adapters (enable_lora, lora_modules): the linear-attention and Mamba layers take none")
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        refused.append("tensor or pipeline parallelism (tensor_parallel_size, pipeline_parallel_size)")
+    return refused

@@ -1,0 +1,61 @@
+"""Random-weight checkpoints of the hybrid families (Qwen3.5 text, Nemotron-H), built offline
+with transformers exactly as save_pretrained writes them, at small shapes: hidden 64, a few
+heads, each layer kind at least once.
+
+Weights use std 0.2 (as pdserve.testing.model_factory, for clear greedy winners); norms are
+randomised too so each is exercised (Qwen3.5's scale by 1 + w: drawn around 0). The decays
+(A_log, dt_bias) keep transformers' own initialisation.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pdserve.models.builtin import build_byte_tokenizer
+
+HYBRIDS = {
+    "qwen3_5_text": ("Qwen3_5ForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_hidden_layers=4, max_position_embeddings=512, rms_norm_eps=1e-6)),
+    "nemotron_h": ("NemotronHForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"],
+        ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, conv_kernel=4, expand=2,
+        chunk_size=32, max_position_embeddings=512, layer_norm_epsilon=1e-5)),
+}
+
+
+def make_hybrid_model(root: Path, kind: str, seed: int = 0, **overrides) -> Path:
+    # deferred: transformers takes ~1 s to import, and tests import this module at collection
+    from transformers import AutoConfig, AutoModelForCausalLM
+    arch, extra = HYBRIDS[kind]
+    tokenizer = build_byte_tokenizer()
+    config = AutoConfig.for_model(kind, **{**extra, **overrides}, vocab_size=len(tokenizer), initializer_range=0.2,
+                                  tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=0, architectures=[arch])
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    zero_centred = kind == "qwen3_5_text"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and not name.endswith("linear_attn.norm.weight"):
+                p.normal_(0.0 if zero_centred else 1.0, 0.2)
+            elif name.endswith("linear_attn.norm.weight") or name.endswith("mixer.norm.weight"):
+                p.normal_(1.0, 0.2)  # the gated norms scale by w
+            elif name.endswith("bias") and "dt_bias" not in name:
+                p.normal_(0.0, 0.2)
+    path = root / kind
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def load_reference(path: Path):
+    # deferred: transformers takes ~1 s to import, and tests import this module at collection
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # compare with ignore_eos: never stop early
+    return model

@@ -1,0 +1,107 @@
+"""Hybrid families (Qwen3.5's Gated DeltaNet beside gated attention; Nemotron-H's Mamba2, attention
+and MLP blocks) against transformers in float32, offline: prompt logits, and greedy tokens
+through chunked prefill, batched decode of different lengths, slot reuse and preemption by
+recompute. The recurrent state lives in a pool of slots beside the KV blocks: none may leak
+after finishing, aborting or preempting.
+
+Prompts are longer than the delta rule's chunk (64) and Mamba2's chunk_size (32 here), and the
+steps (32 tokens) cut them across chunks, so every path must carry the state exactly.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from family_models import assert_meaningful, random_prompts, reference_greedy
+
+from pdserve import LLM, SamplingParams
+from pdserve.models.loader import ModelLoadError, load_hf_config
+from pdserve.testing.hybrid_checkpoints import load_reference, make_hybrid_model
+
+KINDS = ["qwen3_5_text"]
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def checkpoint(request, tmp_path_factory):
+    path = make_hybrid_model(tmp_path_factory.mktemp("hybrid"), request.param)
+    return path, load_reference(path)
+
+
+def test_prompt_logits_match(checkpoint):
+    path, ref = checkpoint
+    llm = LLM(model=str(path), num_kv_blocks=32, enable_prefix_caching=False)
+    for prompt in random_prompts(1, ref.config.vocab_size, (1, 9, 150)):
+        with torch.no_grad():
+            theirs = ref(torch.tensor([prompt])).logits[0]
+        diff = (llm.engine.prompt_logits(prompt) - theirs).abs().max().item()
+        assert diff < 1e-4, f"{path.name}: max |logit diff| {diff:.2e} for a {len(prompt)}-token prompt"
+
+
+def test_greedy_chunked_batched_preempted_match_generate(checkpoint):
+    """Three slots for six requests (slots reused), 32-token steps (prompts of 70 and 100 split
+    across steps and chunks), and a cache small enough to preempt."""
+    path, ref = checkpoint
+    prompts = random_prompts(2, ref.config.vocab_size, (70, 100, 3, 17, 1, 45))
+    llm = LLM(model=str(path), num_kv_blocks=10, max_num_batched_tokens=32, max_num_seqs=3,
+              enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0, "the small cache should have forced a preemption"
+    for prompt, out in zip(prompts, outs):
+        want, gaps = reference_greedy(ref, prompt, NEW_TOKENS)
+        assert_meaningful(want, gaps)
+        assert out.outputs[0].token_ids == want, f"{path.name}: a {len(prompt)}-token prompt"
+    assert llm.engine.pool.num_in_use() == 0, "blocks leaked"
+    assert llm.engine.kv.states.num_in_use() == 0, "state slots leaked"
+
+
+def test_abort_and_preemption_free_state_slots(checkpoint):
+    path, ref = checkpoint
+    llm = LLM(model=str(path), num_kv_blocks=32, max_num_seqs=2, enable_prefix_caching=False)
+    engine, states = llm.engine, llm.engine.kv.states
+    assert states.state[0].dtype == torch.float32, "the recurrent state is float32 by default"
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(3, ref.config.vocab_size, (40, 5, 9))):
+        engine.add_request(f"r{i}", prompt, params)
+    engine.step()
+    assert states.num_in_use() == 2, "two running requests, two slots (max_num_seqs)"
+    victim = engine.scheduler.running[-1]
+    engine.scheduler.running.remove(victim)
+    engine.scheduler._preempt(victim)
+    assert victim.state_slot is None and states.num_in_use() == 1
+    for rid in ("r0", "r1", "r2"):
+        engine.abort_request(rid)
+    assert states.num_in_use() == 0 and engine.pool.num_in_use() == 0
+
+
+@pytest.mark.parametrize("setting, field", [
+    (dict(), "enable_prefix_caching"),
+    (dict(enable_prefix_caching=False, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "speculative_config"),
+    (dict(enable_prefix_caching=False, enable_lora=True), "enable_lora"),
+])
+def test_unsupported_features_are_refused_at_start(checkpoint, setting, field):
+    path, _ = checkpoint
+    with pytest.raises(ValueError, match=field):
+        LLM(model=str(path), num_kv_blocks=32, **setting)
+
+
+def test_state_pool_counts_in_the_memory_budget(checkpoint):
+    path, _ = checkpoint
+    with pytest.raises(ValueError, match="state pool"):
+        LLM(model=str(path), kv_cache_memory_gb=1e-4, max_num_seqs=64, enable_prefix_caching=False)
+    budget = LLM(model=str(path), kv_cache_memory_gb=0.01, max_num_seqs=64, enable_prefix_caching=False).engine
+    state_bytes = 64 * sum(t[0].numel() * t.element_size() for t in (*budget.kv.states.conv, *budget.kv.states.state))
+    block_bytes = budget.kv_layout.block_nbytes()
+    assert budget.pool.num_blocks * block_bytes + state_bytes <= 0.01 * 2**30
+    assert (budget.pool.num_blocks + 1) * block_bytes + state_bytes > 0.01 * 2**30 - block_bytes
+
+
+@pytest.mark.parametrize("kind, field, value", [
+    ("qwen3_5_text", "hidden_act", "gelu"),
+    ("qwen3_5_text", "layer_types", ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+])
+def test_unsupported_variant_is_refused(tmp_path, kind, field, value):
+    path = make_hybrid_model(tmp_path, kind, **{field: value})
+    with pytest.raises(ModelLoadError, match=field if field != "layer_types" else "sliding_attention"):
+        load_hf_config(path)
