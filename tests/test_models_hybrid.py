@@ -17,7 +17,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.models.loader import ModelLoadError, load_hf_config
 from pdserve.testing.hybrid_checkpoints import load_reference, make_hybrid_model
 
-KINDS = ["qwen3_5_text"]
+KINDS = ["qwen3_5_text", "nemotron_h"]
 NEW_TOKENS = 8
 
 
@@ -100,8 +100,17 @@ def test_state_pool_counts_in_the_memory_budget(checkpoint):
 @pytest.mark.parametrize("kind, field, value", [
     ("qwen3_5_text", "hidden_act", "gelu"),
     ("qwen3_5_text", "layer_types", ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+    ("nemotron_h", "layers_block_type", ["linear_attention", "moe", "full_attention"]),
+    ("nemotron_h", "mlp_hidden_act", "silu"),
 ])
 def test_unsupported_variant_is_refused(tmp_path, kind, field, value):
     path = make_hybrid_model(tmp_path, kind, **{field: value})
     with pytest.raises(ModelLoadError, match=field if field != "layer_types" else "sliding_attention"):
         load_hf_config(path)
+
+
+def test_state_dtype_follows_mamba_ssm_cache_dtype(tmp_path):
+    path = make_hybrid_model(tmp_path, "nemotron_h", mamba_ssm_cache_dtype="bfloat16")
+    states = LLM(model=str(path), num_kv_blocks=8, max_num_seqs=2, enable_prefix_caching=False).engine.kv.states
+    assert {t.dtype for t in states.state} == {torch.bfloat16}
+    assert {t.dtype for t in states.conv} == {torch.float32}, "the window keeps the model's dtype"

@@ -1,5 +1,4 @@
-"""The gated delta rule (Gated DeltaNet, Qwen3.5's and Qwen3-Next's linear attention) in torch,
-and the short causal convolution in front of it.
+"""The gated delta rule (Gated DeltaNet, Qwen3.5's and Qwen3-Next's linear attention) in torch.
 
 Per value head, a state S [k_dim, v_dim] is decayed by exp(g_t) each token, then corrected
 towards the token's value along its key (the delta rule), and read by the query:
@@ -82,24 +81,3 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     delta = (v - remembered) * beta[..., None]
     state = state + k[..., None] * delta[..., None, :]
     return (state * q[..., None]).sum(dim=-2).to(dtype), state
-
-
-def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A depthwise causal convolution over one request's span, continuing from its window of
-    earlier inputs: x [T, C], window [C, K-1], weight [C, K]. Returns the output [T, C] (no
-    activation) and the new window (the last K-1 inputs)."""
-    full = torch.cat([window.to(x.dtype), x.transpose(0, 1)], dim=-1)
-    out = F.conv1d(full[None], weight[:, None, :], bias, groups=weight.shape[0])[0]
-    return out.transpose(0, 1), full[:, full.shape[1] - window.shape[1]:]
-
-
-def causal_conv_step(x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token each of B requests: x [B, C], windows [B, C, K-1]. Returns [B, C] and the new
-    windows."""
-    full = torch.cat([windows.to(x.dtype), x[:, :, None]], dim=-1)
-    out = (full * weight).sum(dim=-1)
-    if bias is not None:
-        out = out + bias
-    return out, full[:, :, 1:]

@@ -77,7 +77,7 @@ class DecoderModel(nn.Module):
             return self.native_decode.forward(x, torch.stack([tables[n][0] for n in names]),
                                               torch.stack([tables[n][1] for n in names]), ctx)
         for layer, rope in zip(self.layers, self.layer_rope):
-            x = layer(x, *tables[rope], ctx)
+            x = layer(x, *tables.get(rope, (None, None)), ctx)  # (None: a layer without RoPE)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import gated_delta
+from pdserve.kernels import causal_conv, gated_delta
 from pdserve.models.state_layers import LayerStateSpec
 
 
@@ -79,10 +79,10 @@ class GatedDeltaNet(nn.Module):
         windows, weight, d = states.pool.conv[self.state_index], self.conv1d.weight[:, 0], states.num_decodes
         pieces = []
         if d:
-            out, windows[states.slots] = gated_delta.causal_conv_step(mixed[:d], windows[states.slots], weight, None)
+            out, windows[states.slots] = causal_conv.causal_conv_step(mixed[:d], windows[states.slots], weight, None)
             pieces.append(out)
         for slot, start, end in states.spans:
-            out, windows[slot] = gated_delta.causal_conv(mixed[start:end], windows[slot], weight, None)
+            out, windows[slot] = causal_conv.causal_conv(mixed[start:end], windows[slot], weight, None)
             pieces.append(out)
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 

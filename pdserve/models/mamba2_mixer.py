@@ -1,0 +1,98 @@
+"""The Mamba2 token mixer (Nemotron-H's Mamba layers) over per-request state slots.
+
+One projection gives the output gate z, the convolved part (x, B, C) and dt per head. The short
+causal convolution (with bias, then SiLU) continues the request's window; the selective scan
+(pdserve.kernels.mamba2) continues its state. The output is gated by SiLU(z), RMS-normalised
+in n_groups groups, and projected back.
+
+Rows come in the model runner's order (one-token queries first, batched; then each prefill
+chunk), each request's window and state in its slot (ctx.states), as the Gated DeltaNet's
+(pdserve.models.gated_deltanet).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.kernels import causal_conv, mamba2
+from pdserve.models.state_layers import LayerStateSpec
+
+
+class GroupRMSNormGated(nn.Module):
+    """x * SiLU(gate), RMS-normalised within each of `groups` equal groups, times w."""
+
+    def __init__(self, dim: int, groups: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.groups, self.eps = groups, eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float() * F.silu(gate.float())
+        grouped = h.view(*h.shape[:-1], self.groups, -1)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.view(h.shape).to(dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, config, state_index: int):
+        super().__init__()
+        self.state_index = state_index
+        self.heads, self.head_dim = config.mamba_num_heads, config.mamba_head_dim
+        self.groups, self.state_size = config.n_groups, config.ssm_state_size
+        self.inner = self.heads * self.head_dim
+        self.conv_size = self.inner + 2 * self.groups * self.state_size
+        self.kernel, self.chunk = config.conv_kernel, config.chunk_size
+        self.dt_min = config.time_step_min  # the reference's lower clamp of dt in its chunked scan
+        self.in_proj = nn.Linear(config.hidden_size, self.inner + self.conv_size + self.heads, bias=config.use_bias)
+        self.conv1d = nn.Conv1d(self.conv_size, self.conv_size, self.kernel, groups=self.conv_size,
+                                bias=config.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(self.heads))
+        self.A_log = nn.Parameter(torch.zeros(self.heads))
+        self.D = nn.Parameter(torch.ones(self.heads))
+        self.norm = GroupRMSNormGated(self.inner, self.groups, config.layer_norm_epsilon)
+        self.out_proj = nn.Linear(self.inner, config.hidden_size, bias=config.use_bias)
+
+    def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> LayerStateSpec:
+        return LayerStateSpec((self.conv_size, self.kernel - 1), dtype,
+                              (self.heads, self.head_dim, self.state_size), state_dtype)
+
+    def forward(self, x: torch.Tensor, cos, sin, ctx) -> torch.Tensor:
+        tokens = x.shape[0]
+        gate, xbc, dt = self.in_proj(x).split([self.inner, self.conv_size, self.heads], dim=-1)
+        xbc = F.silu(self._convolve(xbc, ctx.states))
+        xs, B, C = xbc.split([self.inner, self.groups * self.state_size, self.groups * self.state_size], dim=-1)
+        xs = xs.view(tokens, self.heads, self.head_dim)
+        B = B.view(tokens, self.groups, self.state_size)
+        C = C.view(tokens, self.groups, self.state_size)
+        dt = F.softplus(dt + self.dt_bias)
+        y = self._scan(xs, dt, B, C, ctx.states)
+        return self.out_proj(self.norm(y.reshape(tokens, self.inner), gate).to(x.dtype))
+
+    def _convolve(self, xbc: torch.Tensor, states) -> torch.Tensor:
+        windows, weight, bias = states.pool.conv[self.state_index], self.conv1d.weight[:, 0], self.conv1d.bias
+        pieces, d = [], states.num_decodes
+        if d:
+            out, windows[states.slots] = causal_conv.causal_conv_step(xbc[:d], windows[states.slots], weight, bias)
+            pieces.append(out)
+        for slot, start, end in states.spans:
+            out, windows[slot] = causal_conv.causal_conv(xbc[start:end], windows[slot], weight, bias)
+            pieces.append(out)
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    def _scan(self, xs, dt, B, C, states) -> torch.Tensor:
+        pool, d = states.pool.state[self.state_index], states.num_decodes
+        A = -torch.exp(self.A_log.float())
+        pieces = []
+        if d:
+            y, new = mamba2.recurrent_step(xs[:d], dt[:d], A, B[:d], C[:d], self.D, pool[states.slots].float())
+            pool[states.slots] = new.to(pool.dtype)
+            pieces.append(y)
+        for slot, start, end in states.spans:
+            rows = slice(start, end)
+            y, new = mamba2.chunked(xs[rows], dt[rows].clamp(min=self.dt_min), A, B[rows], C[rows], self.D,
+                                    pool[slot], self.chunk)
+            pool[slot] = new.to(pool.dtype)
+            pieces.append(y.to(xs.dtype))
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

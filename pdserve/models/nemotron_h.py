@@ -1,0 +1,144 @@
+"""Nemotron-H (NemotronHForCausalLM, model_type nemotron_h): a stack of single-mixer blocks, each
+a pre-norm and a residual around one of Mamba2 (layers_block_type "linear_attention"), attention
+("full_attention", without positional embedding: the Mamba layers carry position), or an MLP
+("mlp", up and down projections with a squared-ReLU between). MoE blocks are not implemented yet
+and are refused.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.models.decoder import build_and_load
+from pdserve.models.hybrid import HybridDecoderModel, kv_indices, state_indices
+from pdserve.models.llama import ModelSpec
+from pdserve.models.mamba2_mixer import Mamba2Mixer
+from pdserve.models.state_layers import state_dtype
+from pdserve.models.weights import WeightLoader, check_fields
+
+MAMBA, ATTENTION, MLP = "linear_attention", "full_attention", "mlp"
+SUPPORTED_BLOCKS = (MAMBA, ATTENTION, MLP)
+
+
+def check_config(config) -> None:
+    check_fields(config, {"mlp_hidden_act": ("relu2",), "mamba_hidden_act": ("silu",), "sliding_window": (None,),
+                          "attention_bias": (False,), "num_nextn_predict_layers": (0,)})
+    bad = set(config.layers_block_type) - set(SUPPORTED_BLOCKS)
+    if bad:
+        raise ValueError(f"layers_block_type {sorted(bad)} are not supported; supported: {', '.join(SUPPORTED_BLOCKS)}")
+    if config.mamba_num_heads % config.n_groups:
+        raise ValueError("mamba_num_heads must be a multiple of n_groups")
+    state_dtype(config)  # refuses an unknown mamba_ssm_cache_dtype
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm whose weight multiplies in float32 (Nemotron-H's), cast back after."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal attention over the paged KV cache, no RoPE."""
+
+    def __init__(self, spec: ModelSpec, kv_index: int):
+        super().__init__()
+        self.kv_index = kv_index
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.scale = spec.head_dim ** -0.5
+
+    def shard_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(self, x: torch.Tensor, cos, sin, ctx) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        out = ctx.attention(self.kv_index, q.reshape(tokens, self.num_heads, self.head_dim),
+                            k.reshape(tokens, self.num_kv_heads, self.head_dim),
+                            v.reshape(tokens, self.num_kv_heads, self.head_dim), self.scale)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class SquaredReluMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool):
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor, cos=None, sin=None, ctx=None) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, norm: nn.Module, mixer: nn.Module):
+        super().__init__()
+        self.norm, self.mixer = norm, mixer
+
+    def forward(self, x: torch.Tensor, cos, sin, ctx) -> torch.Tensor:
+        return x + self.mixer(self.norm(x), cos, sin, ctx)
+
+
+def model_spec(config) -> ModelSpec:
+    return ModelSpec(
+        architecture=config.architectures[0], vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+        rms_norm_eps=config.layer_norm_epsilon, qkv_bias=False, o_bias=False, qk_norm=False,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        max_position_embeddings=config.max_position_embeddings, hidden_act=config.mlp_hidden_act)
+
+
+def _mixer(config, spec: ModelSpec, kind: str, kv_index: int | None, state_index: int | None) -> nn.Module:
+    if kind == MAMBA:
+        return Mamba2Mixer(config, state_index)
+    if kind == ATTENTION:
+        return Attention(spec, kv_index)
+    return SquaredReluMLP(spec.hidden_size, spec.intermediate_size, config.mlp_bias)
+
+
+def checkpoint_name(name: str) -> str | None:
+    """The module's parameter name for a checkpoint tensor's (without 'model.'; NVIDIA's and
+    transformers' own checkpoints name the stack 'backbone.'); None: skipped (multi-token-prediction
+    layers)."""
+    name = name.removeprefix("backbone.")
+    if name.startswith("mtp."):
+        return None
+    if name.startswith("embeddings."):
+        return "embed_tokens." + name.removeprefix("embeddings.")
+    return "norm." + name.removeprefix("norm_f.") if name.startswith("norm_f.") else name
+
+
+def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.device) -> HybridDecoderModel:
+    spec = model_spec(config)
+    kinds = list(config.layers_block_type)
+    kv, states = kv_indices(kinds, (ATTENTION,)), state_indices(kinds, (MAMBA,))
+
+    def make() -> HybridDecoderModel:
+        layers = [NemotronHBlock(RMSNorm(spec.hidden_size, spec.rms_norm_eps), _mixer(config, spec, kind, kv[i], states[i]))
+                  for i, kind in enumerate(kinds)]
+        return HybridDecoderModel(spec, layers, RMSNorm(spec.hidden_size, spec.rms_norm_eps), {}, [None] * len(kinds),
+                                  state_dtype=state_dtype(config))
+
+    def place(name: str, tensor: torch.Tensor, loader: WeightLoader) -> None:
+        name = checkpoint_name(name)
+        if name is None:
+            return
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            loader.copy_standard(name, tensor)  # into the fused qkv_proj
+        else:
+            loader.copy(name, tensor)  # (an MLP's up_proj is not a gate/up pair)
+
+    return build_and_load(make, files, place, dtype, device)
