@@ -14,7 +14,9 @@ import torch
 from family_models import assert_meaningful, random_prompts, reference_greedy
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.request import RequestStatus
 from pdserve.models.loader import ModelLoadError, load_hf_config
+from pdserve.node.hybrid_roles import check_hybrid_role
 from pdserve.testing.hybrid_checkpoints import load_reference, make_hybrid_model
 
 KINDS = ["qwen3_5_text", "nemotron_h"]
@@ -72,6 +74,20 @@ def test_abort_and_preemption_free_state_slots(checkpoint):
     for rid in ("r0", "r1", "r2"):
         engine.abort_request(rid)
     assert states.num_in_use() == 0 and engine.pool.num_in_use() == 0
+
+
+def test_no_handover_in_or_out(checkpoint):
+    """The state does not travel yet: a prefill node is refused at start, and a decode node
+    computes a handed-over prompt itself rather than pull KV without its state."""
+    path, ref = checkpoint
+    engine = LLM(model=str(path), num_kv_blocks=32, enable_prefix_caching=False).engine
+    with pytest.raises(ValueError, match="--prefill-nodes 0"):
+        check_hybrid_role("prefill", engine)
+    check_hybrid_role("decode", engine)
+    prompt = random_prompts(4, ref.config.vocab_size, (20,))[0]
+    req = engine.add_request("handed", prompt, SamplingParams(max_tokens=2), output_token_ids=[5],
+                             remote_kv_tokens=len(prompt))
+    assert req.status == RequestStatus.WAITING and req.remote_kv is None
 
 
 @pytest.mark.parametrize("setting, field", [
