@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hybrid_refusals import hybrid_section
 from lora_util import make_adapter, peft_greedy
 from test_compressed_tensors import write_checkpoint
 
@@ -295,7 +296,8 @@ def render(rows: list[list[str]]) -> str:
                 value = "✗"
             shown.append(value)
         table.append(f"| {row} | " + " | ".join(shown) + " |")
-    return HEADER + "\n".join(table) + "\n\n" + REFUSALS + "\n".join(refusals or ["- none"]) + "\n"
+    return (HEADER + "\n".join(table) + "\n\n" + REFUSALS + "\n".join(refusals or ["- none"]) + "\n\n"
+            + hybrid_section())
 
 
 HEADER = """# Feature matrix

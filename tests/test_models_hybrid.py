@@ -9,9 +9,12 @@ steps (32 tokens) cut them across chunks, so every path must carry the state exa
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from family_models import assert_meaningful, random_prompts, reference_greedy
+from hybrid_refusals import DOC, FEATURES, hybrid_section, refusal
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.request import RequestStatus
@@ -90,16 +93,13 @@ def test_no_handover_in_or_out(checkpoint):
     assert req.status == RequestStatus.WAITING and req.remote_kv is None
 
 
-@pytest.mark.parametrize("setting, field", [
-    (dict(), "enable_prefix_caching"),
-    (dict(enable_prefix_caching=False, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-     "speculative_config"),
-    (dict(enable_prefix_caching=False, enable_lora=True), "enable_lora"),
-])
-def test_unsupported_features_are_refused_at_start(checkpoint, setting, field):
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_unsupported_features_are_refused_at_start(checkpoint, feature):
+    """Each refusal the feature-matrix page lists (hybrid_refusals) is what the engine says."""
     path, _ = checkpoint
-    with pytest.raises(ValueError, match=field):
-        LLM(model=str(path), num_kv_blocks=32, **setting)
+    with pytest.raises(ValueError, match=re.escape(refusal(feature))):
+        LLM(model=str(path), num_kv_blocks=32, **{"enable_prefix_caching": False, **FEATURES[feature]})
+    assert hybrid_section() in DOC.read_text(), "docs/feature-matrix.md: regenerate its hybrid section"
 
 
 def test_state_pool_counts_in_the_memory_budget(checkpoint):

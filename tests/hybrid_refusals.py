@@ -1,0 +1,50 @@
+"""The hybrid-model section of docs/feature-matrix.md, built from the refusals themselves: what
+`unsupported_for_hybrid` says for each feature an engine config can turn on, and what a node of
+each role says (pdserve.node.hybrid_roles). tests/test_feature_matrix.py appends it to the page
+it writes; tests/test_models_hybrid.py checks the engine refuses each with that message."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from pdserve.engine.config import EngineConfig
+from pdserve.models.hybrid import unsupported_for_hybrid
+from pdserve.node.hybrid_roles import check_hybrid_role
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "feature-matrix.md"
+# feature -> the engine settings that turn it on (prefix caching is on by default)
+FEATURES = {
+    "prefix caching": dict(enable_prefix_caching=True),
+    "speculation": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+    "LoRA": dict(enable_lora=True),
+    "TP 2": dict(tensor_parallel_size=2),
+    "PP 2": dict(pipeline_parallel_size=2),
+}
+
+
+def refusal(feature: str) -> str:
+    config = EngineConfig(**{"enable_prefix_caching": False, **FEATURES[feature]})
+    (reason,) = unsupported_for_hybrid(config)
+    return reason
+
+
+def handover_refusal() -> str:
+    engine = SimpleNamespace(kv=SimpleNamespace(states=object()),
+                             hf_config=SimpleNamespace(architectures=["Qwen3_5ForCausalLM"]))
+    try:
+        check_hybrid_role("prefill", engine)
+    except ValueError as exc:
+        return str(exc).removeprefix("Qwen3_5ForCausalLM is a hybrid model: ")
+    raise AssertionError("a hybrid prefill node was not refused")
+
+
+def hybrid_section() -> str:
+    lines = ["## Hybrid models", "",
+             "Qwen3.5 and Nemotron-H ([models](models.md#hybrid-models-qwen35-nemotron-h)) keep a recurrent state per "
+             "request beside the KV blocks. `tests/test_models_hybrid.py` checks each refusal below at start; "
+             "offline greedy decoding, chunked prefill, batched decode and preemption match transformers.", "",
+             "| feature | hybrid model |", "|---|---|"]
+    lines += [f"| {name} | ✗ |" for name in ("P/D handover", *FEATURES)]
+    lines += ["", f"- **P/D handover:** {handover_refusal()}"]
+    lines += [f"- **{name}:** {refusal(name)}" for name in FEATURES]
+    return "\n".join(lines) + "\n"
