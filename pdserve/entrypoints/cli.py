@@ -15,6 +15,7 @@ from pdserve.engine.config import engine_options
 from pdserve.entrypoints.engine_flags import add_engine_args, add_lora_module_arg
 from pdserve.entrypoints.http_flags import add_http_args
 from pdserve.entrypoints.router_flags import add_admission_args, add_chat_args, add_routing_args, add_served_name_args
+from pdserve.entrypoints.scale_cli import add_scale_args, run_scale
 from pdserve.entrypoints.serve_cli import check_model, run_checked_up, run_serve
 from pdserve.entrypoints.tp_degrees import parse_degrees
 from pdserve.entrypoints.vllm_flags import add_serve_args, add_up_hints, brief_errors
@@ -257,9 +258,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.set_defaults(func=cmd_generate)
     _add_cluster_parsers(sub)
-    # deferred: the router's FastAPI app (fastapi, starlette, through pdserve.router.routes), which
-    # `pdserve bench` and `bench-plot` never load
-    from pdserve.entrypoints.scale_cli import add_scale_args, run_scale
     scale = sub.add_parser("scale", help="resize a running cluster or switch a node's role (router admin API)")
     add_scale_args(scale)
     scale.set_defaults(func=run_scale)

@@ -6,6 +6,7 @@ import argparse
 
 from pdserve.router.openai.tool_parsers import PARSERS
 from pdserve.router.placement.policy import PLACEMENTS, POLICIES
+from pdserve.router.routes.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS
 
 # Up to this many missing prompt tokens the decode node prefills them itself instead of taking a
 # prefill node's round trip and a KV handover. Measured on the 2-core CI machine
@@ -15,8 +16,6 @@ from pdserve.router.placement.policy import PLACEMENTS, POLICIES
 DEFAULT_LOCAL_PREFILL_THRESHOLD = 32
 
 def add_admission_args(p: argparse.ArgumentParser) -> None:
-    # deferred: the router's FastAPI app (fastapi, starlette), which `pdserve bench` and `bench-plot` never load
-    from pdserve.router.routes.admission import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
                    "(default: $PDSERVE_API_KEY; none: open). Several keys: KEY1,KEY2; KEY:TENANT names the "
                    "key's tenant, whose cached KV no other tenant shares (docs/adapters-and-tenants.md)")

@@ -13,8 +13,6 @@ import sys
 import urllib.error
 import urllib.request
 
-from pdserve.router.routes.tenants import parse_api_keys
-
 TIMEOUT_S = 600.0  # a scale answers once new nodes have loaded and removed ones have drained
 
 
@@ -52,6 +50,8 @@ def run_scale(args) -> int:
         raise ValueError("give either --switch/--to or --prefill/--decode, not both")
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
     if api_key:  # the router's $PDSERVE_API_KEY may list several keys (KEY[:TENANT],...): send the first
+        # deferred: pdserve.router.routes loads FastAPI, which every process's flag parser would load
+        from pdserve.router.routes.tenants import parse_api_keys
         api_key = next(iter(parse_api_keys(api_key)), b"").decode() or None
     if args.switch is not None:
         body = {"node_id": args.switch, "to_role": args.to, "grace_s": args.grace_s}

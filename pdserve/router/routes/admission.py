@@ -15,10 +15,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.router.anthropic.errors import anthropic_error
 from pdserve.router.openai.errors import INVALID_REQUEST, SERVER_ERROR, APIError, error_body
+from pdserve.router.routes.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS
 from pdserve.router.routes.tenants import SCOPE_TENANT, parse_api_keys
-
-DEFAULT_MAX_BODY_BYTES = 32 * 2**20
-DEFAULT_MAX_QUEUED_REQUESTS = 1024
 
 
 class AdmissionMiddleware:
