@@ -160,3 +160,44 @@ def test_switched_off_falls_back_to_numba(monkeypatch, caplog, fresh_library):
                                                           native_gemv.matrix_args(4, q, scales, mins, True, 32)))
     want = x.double() @ _dequantized(q, scales, mins, 4, 32, True).T
     assert (y.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@needs_native
+@pytest.mark.parametrize("bits,group,has_min,half",
+                         list(itertools.product((4, 8), (16, 32, 96), (False, True), (False, True))))
+def test_tiles_dequantize_as_numba_bit_for_bit(bits, group, has_min, half):
+    """native_tiles.c's tiles (prefill's products) hold the values numba's dequantization gives,
+    bit for bit (q * scale, then + min, as transformers rounds them), and their bf16 rounding."""
+    rng = np.random.default_rng(bits * 100 + group + 10 * has_min + half)
+    rows, cols, start, end = 45, 576, 3, 41
+    q, scales, mins = _matrix(rng, rows, cols, bits, group, has_min, half)
+    matrix = native_gemv.matrix_args(bits, q, scales, mins, has_min, group)
+    reference = _dequantized(q, scales, mins, bits, group, has_min).float()[start:end]
+    tile = torch.full((end - start, cols), float("nan"))
+    assert native_gemv.dequant_rows(matrix, cols, start, end, tile.data_ptr(), False)
+    assert torch.equal(tile, reference)
+    if "avx512_bf16" in native_gemv._cpu_flags().split():
+        low = torch.zeros(end - start, cols, dtype=torch.bfloat16)
+        assert native_gemv.dequant_rows(matrix, cols, start, end, low.data_ptr(), True)
+        assert torch.equal(low, reference.to(torch.bfloat16))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_products_take_the_native_tiles_and_agree_with_numbas(dtype, monkeypatch):
+    """quant_cpu's many-token product dequantizes through native_tiles.c (its numba fill never
+    runs), with the same result as numba's tiles."""
+    from pdserve.kernels import dequant_tiles
+    if dtype == torch.bfloat16 and not dequant_tiles.native_bf16():
+        pytest.skip("no AVX-512 BF16 or AMX on this CPU")
+    rng = np.random.default_rng(7)
+    q, scales, mins = _matrix(rng, 300, 576, 4, 32, True, True)
+    m = quant_cpu.PackedMatrix(4, 32, q, scales, mins, True, native_gemv.matrix_args(4, q, scales, mins, True, 32))
+    x = torch.from_numpy(rng.standard_normal((70, 576)).astype(np.float32))
+    dequant_tiles.set_tile_dtype(dtype)
+    try:
+        numba_tiles = quant_cpu._tiled(x, quant_cpu.PackedMatrix(4, 32, q, scales, mins, True, None))
+        monkeypatch.setattr(quant_cpu, "_dequantize", None)  # the numba fill would raise if called
+        assert torch.equal(quant_cpu._tiled(x, m), numba_tiles)
+    finally:
+        dequant_tiles.set_tile_dtype(torch.float32)

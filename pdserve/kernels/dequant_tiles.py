@@ -60,11 +60,17 @@ def tile_dtype() -> torch.dtype:
 
 
 def matmul_by_tiles(x: torch.Tensor, rows: int, fill_tile: Callable[[int, int, np.ndarray], None],
-                    min_rows: int = 16) -> torch.Tensor:
+                    min_rows: int = 16, native: tuple | None = None) -> torch.Tensor:
     """x [tokens, K] float32 @ w.T -> [tokens, rows] float32; fill_tile(start, end, tile) writes
-    rows start..end of w, dequantized, into tile [end - start, K] (float32)."""
+    rows start..end of w, dequantized, into tile [end - start, K] (float32). native: the matrix's
+    native_gemv.matrix_args, whose tiles the compiled library dequantizes instead where it takes
+    them (native_tiles.c: in torch's thread pool, not numba's)."""
     cols = x.shape[1]
     tile_rows = max(min_rows, TILE_BYTES // (4 * cols))
+    if native is not None and native_gemv.library() is not None and x.is_contiguous():
+        out = _native_tiles(x, rows, native, tile_rows)
+        if out is not None:
+            return out
     buffer = _tiles.get(cols)
     if buffer is None or buffer.shape[0] < tile_rows:
         buffer = _tiles[cols] = np.empty((tile_rows, cols), dtype=np.float32)
@@ -77,6 +83,26 @@ def matmul_by_tiles(x: torch.Tensor, rows: int, fill_tile: Callable[[int, int, n
         fill_tile(start, end, tile)
         torch.mm(torch.from_numpy(tile), x.T, out=out_t[start:end])
     return out_t.T.contiguous()
+
+
+def _native_tiles(x: torch.Tensor, rows: int, native: tuple, tile_rows: int) -> torch.Tensor | None:
+    """matmul_by_tiles with the compiled library's tiles, float32 or bf16 (_tile_dtype) as they
+    are multiplied; None when it does not take the matrix's layout (nothing is computed then)."""
+    cols, bf16 = x.shape[1], _tile_dtype == torch.bfloat16
+    tile = torch.empty(tile_rows, cols, dtype=_tile_dtype)
+    if bf16:
+        out, x_low = torch.empty(x.shape[0], rows), x.to(torch.bfloat16)
+    else:
+        out_t = torch.empty(rows, x.shape[0])  # [N, tokens]: each tile's product is a contiguous slice
+    for start in range(0, rows, tile_rows):
+        end = min(rows, start + tile_rows)
+        if not native_gemv.dequant_rows(native, cols, start, end, tile.data_ptr(), bf16):
+            return None
+        if bf16:
+            out[:, start:end] = torch.mm(x_low, tile[:end - start].T)
+        else:
+            torch.mm(tile[:end - start], x.T, out=out_t[start:end])
+    return out if bf16 else out_t.T.contiguous()
 
 
 def _low_precision_tiles(x: torch.Tensor, rows: int, fill_tile: Callable[[int, int, np.ndarray], None],

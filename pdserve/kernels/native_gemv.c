@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "native_quant_blocks.h"
+
 #define ROWS_PER_TASK 16
 #define ROWS_PER_PASS 4   /* one token: rows sharing each load of x, eight independent multiply-add chains */
 #define TOKENS_PER_PASS 8 /* more tokens: 2 rows x 8 tokens, 16 sums in registers */
@@ -34,70 +36,6 @@
 /* task_many keeps two dequantized rows on the stack, 64 KiB at most: within L2, and well within a
  * thread's stack */
 #define MAX_DECODED_COLS 8192
-#define BITS_FP4 3 /* MXFP4 codes (see above): 4 bits a column, looked up rather than widened */
-
-/* e2m1's 16 values by code: sign bit 8, then 0, 0.5, 1, 1.5, 2, 3, 4, 6 */
-static const float FP4_VALUES[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
-                                     -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-
-/* 2^(e - 127) from an E8M0 byte, as mxfp4_cpu's table gives it (2^-127 a subnormal, 255 NaN) */
-static inline float e8m0(uint8_t e) {
-    union { uint32_t u; float f; } v = {e == 255 ? 0x7fc00000u : e ? (uint32_t)e << 23 : 0x00400000u};
-    return v.f;
-}
-
-/* a group's scale: float32 (half 0), float16 bits (half 1) or an E8M0 byte (half 2) */
-static inline __attribute__((always_inline)) float scale_at(const void *s, int half, long idx) {
-    if (half == 2) return e8m0(((const uint8_t *)s)[idx]);
-    return half ? _cvtsh_ss(((const uint16_t *)s)[idx]) : ((const float *)s)[idx];
-}
-
-/* bytes of a block of 32 columns, and of a row of cols columns: two values a byte, one, or a
- * float32 each */
-static inline int block_bytes(int bits) { return bits == BITS_FP4 ? 16 : 4 * bits; }
-static inline long row_bytes(int bits, int cols) { return (long)cols / 32 * block_bytes(bits); }
-
-/* columns 32c .. 32c + 31 of a row as float32 integers, in two vectors of 16 */
-static inline __attribute__((always_inline)) void widen32(const uint8_t *qrow, int bits, int c, __m512 *a, __m512 *b) {
-    if (bits == 4 || bits == BITS_FP4) {
-        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 16)));
-        __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(v, 4);
-        if (bits == BITS_FP4) {
-            __m512 table = _mm512_loadu_ps(FP4_VALUES);
-            *a = _mm512_permutexvar_ps(lo, table);
-            *b = _mm512_permutexvar_ps(hi, table);
-        } else {
-            *a = _mm512_cvtepi32_ps(lo);
-            *b = _mm512_cvtepi32_ps(hi);
-        }
-    } else {
-        *a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 32))));
-        *b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qrow + c * 32 + 16))));
-    }
-}
-
-/* columns 32c .. 32c + 31 of a row, dequantized into two vectors of 16 */
-static inline __attribute__((always_inline)) void decode32(const uint8_t *qrow, int bits, int c, const void *sc,
-                                                           const void *mn, int half, int has_min, int group,
-                                                           long srow, __m512 *w0, __m512 *w1) {
-    if (bits == 32) {
-        const float *row = (const float *)qrow + c * 32;
-        *w0 = _mm512_loadu_ps(row);
-        *w1 = _mm512_loadu_ps(row + 16);
-        return;
-    }
-    __m512 a, b;
-    widen32(qrow, bits, c, &a, &b);
-    long g0 = srow + (c * 32) / group, g1 = srow + (c * 32 + 16) / group;
-    __m512 s0 = _mm512_set1_ps(scale_at(sc, half, g0)), s1 = _mm512_set1_ps(scale_at(sc, half, g1));
-    if (has_min) {
-        *w0 = _mm512_fmadd_ps(a, s0, _mm512_set1_ps(scale_at(mn, half, g0)));
-        *w1 = _mm512_fmadd_ps(b, s1, _mm512_set1_ps(scale_at(mn, half, g1)));
-    } else {
-        *w0 = _mm512_mul_ps(a, s0);
-        *w1 = _mm512_mul_ps(b, s1);
-    }
-}
 
 /* R rows from n times NT tokens from t0 (R, NT constants once inlined); x holds rows of cols floats,
  * out rows of nrows. Each block's decoded rows feed every token: at NT tokens the decoding is paid

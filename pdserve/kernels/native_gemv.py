@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 # native_moe.c (its MoE layers' MLP) and native_mla.c (its latent attention layers) are built into
 # the same library: they call pd_gemv. Their header is hashed with them.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_gemv.c", "native_decode.c", "native_lora.c", "native_moe.c",
-                                                              "native_mla.c"))
-HEADERS = (Path(__file__).with_name("native_decode.h"),)
+                                                              "native_mla.c", "native_tiles.c"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_decode.h", "native_quant_blocks.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int
 MAX_TOKENS = 32  # above this, dequantized tiles through BLAS win (bench_native_gemv.py)
@@ -120,6 +120,8 @@ def library() -> ctypes.CDLL | None:
     fn = lib.pd_gemv
     fn.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _P, _I]
     fn.restype = _I
+    lib.pd_dequant_rows.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I]
+    lib.pd_dequant_rows.restype = _I
     lib.pd_set_bf16.argtypes = [_I]
     lib.pd_set_bf16.restype = None
     fn = lib.pd_decode_layers
@@ -145,6 +147,17 @@ def matrix_args(bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray, 
         return None
     return (q.ctypes.data, q.shape[0], bits, scales.ctypes.data, mins.ctypes.data if has_min else None,
             int(scales.dtype == np.uint16), int(has_min), group)
+
+
+def dequant_rows(matrix: tuple, cols: int, start: int, end: int, out_ptr: int, bf16: bool) -> bool:
+    """Rows [start, end) of the matrix (matrix_args) dequantized into the contiguous buffer at
+    out_ptr, float32 or bf16 (native_tiles.c); False where the library or the layout is not there."""
+    lib = library()
+    if lib is None:
+        return False
+    q, _, bits, scales, mins, half, has_min, group = matrix
+    return lib.pd_dequant_rows(q, cols, bits, scales, mins, half, has_min, group, start, end, out_ptr, int(bf16),
+                               numba.get_num_threads()) == 0
 
 
 BITS_FP4 = 3  # native_gemv.c's MXFP4 codes (pdserve.kernels.native_matrices.fp4_matrix)

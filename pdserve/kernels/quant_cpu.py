@@ -156,4 +156,4 @@ def _tiled(x: torch.Tensor, m: PackedMatrix) -> torch.Tensor:
     def fill(start: int, end: int, tile: np.ndarray) -> None:
         _dequantize(m.q, m.scales, m.mins, m.has_min, m.group, HALF_TO_FLOAT, m.bits,
                     np.arange(start, end, dtype=np.int64), tile)
-    return matmul_by_tiles(x, m.q.shape[0], fill, ROWS_PER_TASK)
+    return matmul_by_tiles(x, m.q.shape[0], fill, ROWS_PER_TASK, m.native)
