@@ -10,6 +10,7 @@ steps (32 tokens) cut them across chunks, so every path must carry the state exa
 from __future__ import annotations
 
 import re
+from argparse import Namespace
 
 import pytest
 import torch
@@ -18,7 +19,9 @@ from hybrid_refusals import DOC, FEATURES, hybrid_section, refusal
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.request import RequestStatus
+from pdserve.entrypoints.serve_cli import check_hybrid_layout
 from pdserve.models.loader import ModelLoadError, load_hf_config
+from pdserve.models.model_path import read_model_config
 from pdserve.node.hybrid_roles import check_hybrid_role
 from pdserve.testing.hybrid_checkpoints import load_reference, make_hybrid_model
 
@@ -91,6 +94,16 @@ def test_no_handover_in_or_out(checkpoint):
     req = engine.add_request("handed", prompt, SamplingParams(max_tokens=2), output_token_ids=[5],
                              remote_kv_tokens=len(prompt))
     assert req.status == RequestStatus.WAITING and req.remote_kv is None
+
+
+def test_up_refuses_prefill_nodes_and_prefix_caching_before_starting(checkpoint):
+    """`pdserve up` / `serve` check the config.json (no torch) before any process starts."""
+    config = read_model_config(checkpoint[0])
+    with pytest.raises(ValueError, match="--prefill-nodes 0"):
+        check_hybrid_layout(Namespace(prefill_nodes=1, enable_prefix_caching=False), config)
+    with pytest.raises(ValueError, match="--no-enable-prefix-caching"):
+        check_hybrid_layout(Namespace(prefill_nodes=0, enable_prefix_caching=True), config)
+    check_hybrid_layout(Namespace(prefill_nodes=0, enable_prefix_caching=False), config)
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))

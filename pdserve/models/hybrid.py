@@ -12,13 +12,12 @@ import torch
 
 from pdserve.models.decoder import DecoderModel
 from pdserve.models.state_layers import LayerStateSpec
-from pdserve.protocol.block_keys import STATE_LAYER_TYPES
+from pdserve.protocol.block_keys import has_state_layers
 
 
 def is_hybrid_config(hf_config) -> bool:
     """The config names layers that keep a recurrent state (linear attention, Mamba)."""
-    types = getattr(hf_config, "layer_types", None) or getattr(hf_config, "layers_block_type", None) or ()
-    return any(t in STATE_LAYER_TYPES for t in types)
+    return has_state_layers(hf_config)
 
 
 class HybridDecoderModel(DecoderModel):

@@ -63,6 +63,13 @@ STATE_LAYER_TYPES = ("linear_attention", "mamba")
 NO_CACHE_LAYER_TYPES = ("mlp", "moe")
 
 
+def has_state_layers(hf_config) -> bool:
+    """A hybrid model: its layer_types (Nemotron-H: layers_block_type) name layers that keep a
+    recurrent state (linear attention, Mamba) instead of KV."""
+    types = getattr(hf_config, "layer_types", None) or getattr(hf_config, "layers_block_type", None) or ()
+    return any(t in STATE_LAYER_TYPES for t in types)
+
+
 def kv_layer_count(hf_config) -> int:
     """The layers that hold paged KV: every layer, but for a hybrid model (its layer_types name
     linear-attention, Mamba, MLP or MoE layers) only its attention layers (at least one, so the
