@@ -129,7 +129,7 @@ def test_state_pool_counts_in_the_memory_budget(checkpoint):
 @pytest.mark.parametrize("kind, field, value", [
     ("qwen3_5_text", "hidden_act", "gelu"),
     ("qwen3_5_text", "layer_types", ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
-    ("nemotron_h", "layers_block_type", ["linear_attention", "moe", "full_attention"]),
+    ("nemotron_h", "moe_latent_size", 16),
     ("nemotron_h", "mlp_hidden_act", "silu"),
 ])
 def test_unsupported_variant_is_refused(tmp_path, kind, field, value):

@@ -145,6 +145,8 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
 class Experts(nn.Module):
     """E expert MLPs, stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I] (+ biases)."""
 
+    gated = True  # the fused CUDA experts (triton_moe) compute gated MLPs only
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int, bias: bool = False,
                  activation: Callable[[torch.Tensor], torch.Tensor] = silu_mul):
         super().__init__()
@@ -157,7 +159,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; ids, weights [T, K]: each token's experts and their weights -> [T, H]."""
-        if x.is_cuda and _triton_moe() is not None:
+        if x.is_cuda and self.gated and _triton_moe() is not None:
             return _triton_moe().fused_experts(x, ids, weights, self.gate_up_proj, self.down_proj,
                                                self.activation, self.gate_up_bias, self.down_bias)
         tokens, top_k = ids.shape

@@ -1,8 +1,8 @@
 """Nemotron-H (NemotronHForCausalLM, model_type nemotron_h): a stack of single-mixer blocks, each
 a pre-norm and a residual around one of Mamba2 (layers_block_type "linear_attention"), attention
 ("full_attention", without positional embedding: the Mamba layers carry position), or an MLP
-("mlp", up and down projections with a squared-ReLU between). MoE blocks are not implemented yet
-and are refused.
+("mlp", up and down projections with a squared-ReLU between), or a mixture of such MLPs ("moe",
+pdserve.models.nemotron_h_moe).
 """
 from __future__ import annotations
 
@@ -16,16 +16,17 @@ from pdserve.models.decoder import build_and_load
 from pdserve.models.hybrid import HybridDecoderModel, kv_indices, state_indices
 from pdserve.models.llama import ModelSpec
 from pdserve.models.mamba2_mixer import Mamba2Mixer
+from pdserve.models.nemotron_h_moe import NemotronHMoE, checkpoint_target
 from pdserve.models.state_layers import state_dtype
 from pdserve.models.weights import WeightLoader, check_fields
 
-MAMBA, ATTENTION, MLP = "linear_attention", "full_attention", "mlp"
-SUPPORTED_BLOCKS = (MAMBA, ATTENTION, MLP)
+MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
+SUPPORTED_BLOCKS = (MAMBA, ATTENTION, MLP, MOE)
 
 
 def check_config(config) -> None:
     check_fields(config, {"mlp_hidden_act": ("relu2",), "mamba_hidden_act": ("silu",), "sliding_window": (None,),
-                          "attention_bias": (False,), "num_nextn_predict_layers": (0,)})
+                          "attention_bias": (False,), "num_nextn_predict_layers": (0,), "moe_latent_size": (None,)})
     bad = set(config.layers_block_type) - set(SUPPORTED_BLOCKS)
     if bad:
         raise ValueError(f"layers_block_type {sorted(bad)} are not supported; supported: {', '.join(SUPPORTED_BLOCKS)}")
@@ -106,6 +107,9 @@ def _mixer(config, spec: ModelSpec, kind: str, kv_index: int | None, state_index
         return Mamba2Mixer(config, state_index)
     if kind == ATTENTION:
         return Attention(spec, kv_index)
+    if kind == MOE:
+        return NemotronHMoE(config, SquaredReluMLP(spec.hidden_size, config.moe_shared_expert_intermediate_size,
+                                                   config.mlp_bias))
     return SquaredReluMLP(spec.hidden_size, spec.intermediate_size, config.mlp_bias)
 
 
@@ -139,6 +143,7 @@ def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.dev
         if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
             loader.copy_standard(name, tensor)  # into the fused qkv_proj
         else:
-            loader.copy(name, tensor)  # (an MLP's up_proj is not a gate/up pair)
+            target, index = checkpoint_target(name)  # (an MLP's up_proj has no gate to fuse with)
+            loader.copy(target, tensor, index)
 
     return build_and_load(make, files, place, dtype, device)

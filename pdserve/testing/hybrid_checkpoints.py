@@ -22,9 +22,11 @@ HYBRIDS = {
         num_hidden_layers=4, max_position_embeddings=512, rms_norm_eps=1e-6)),
     "nemotron_h": ("NemotronHForCausalLM", dict(
         hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"],
+        layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
         ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, conv_kernel=4, expand=2,
-        chunk_size=32, max_position_embeddings=512, layer_norm_epsilon=1e-5)),
+        chunk_size=32, max_position_embeddings=512, layer_norm_epsilon=1e-5,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+        n_group=2, topk_group=1)),
 }
 
 
@@ -47,6 +49,9 @@ def make_hybrid_model(root: Path, kind: str, seed: int = 0, **overrides) -> Path
                 p.normal_(1.0, 0.2)  # the gated norms scale by w
             elif name.endswith("bias") and "dt_bias" not in name:
                 p.normal_(0.0, 0.2)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # the MoE routing bias (Nemotron-H)
+                buf.normal_(0.0, 0.05)
     path = root / kind
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
