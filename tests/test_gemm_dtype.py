@@ -51,7 +51,7 @@ def test_bf16_tiles_equal_a_float64_product_of_bf16_operands(tile_dtype, tokens)
 
 @needs_bf16
 @pytest.mark.skipif(native_gemv.library() is None, reason="no compiled gemv on this machine")
-@pytest.mark.parametrize("bits,tokens", [(4, 9), (4, 40), (8, 33)])
+@pytest.mark.parametrize("bits,tokens", [(4, 9), (4, 40), (8, 33), (8, 130)])
 def test_compiled_bf16_rows_equal_a_float64_product_of_bf16_operands(tile_dtype, bits, tokens):
     """Past 8 tokens the compiled gemv's integer layouts run bf16 products (native_gemv.c's
     task_many_bf16): w dequantized then rounded to bf16, x rounded to bf16, float32 sums; up to 8

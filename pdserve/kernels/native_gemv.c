@@ -243,91 +243,6 @@ static inline __attribute__((always_inline)) void task_many(const float *x, int 
     }
 }
 
-/* bf16 products for more than TOKENS_PER_PASS tokens (pd_set_bf16, the engine's cpu_gemm_dtype
- * bfloat16), integer layouts and float32 rows: each pair of rows is dequantized (or read) once as
- * in task_many, rounded to bf16 (nearest even),
- * and dotted with x rounded likewise, 32 columns an instruction (vdpbf16ps: float32 sums of bf16
- * products), twice task_many's columns per multiply-add and half its loads of x. */
-static int bf16_many = 0;
-
-void pd_set_bf16(int on) { bf16_many = on; }
-
-#ifdef __AVX512BF16__
-/* columns [32c, 32c + 32) of two float32 vectors as 32 bf16, in the order x_bf16 uses too */
-static inline __attribute__((always_inline)) __m512i to_bf16(__m512 lo, __m512 hi) {
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-
-static void x_to_bf16(const float *x, long values, uint16_t *xb) {
-    for (long c = 0; c < values; c += 32)
-        _mm512_storeu_si512(xb + c, to_bf16(_mm512_loadu_ps(x + c), _mm512_loadu_ps(x + c + 16)));
-}
-
-static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *w, const uint16_t *xb, int cols, float *out,
-                                                            int nrows, int n, int t0, const int R, const int NT) {
-    __m512 acc[2][TOKENS_PER_PASS];
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
-    for (int c = 0; c < cols; c += 32) {
-        __m512bh wr[2];
-        for (int r = 0; r < R; r++) wr[r] = (__m512bh)_mm512_loadu_si512(w + (long)r * cols + c);
-        for (int t = 0; t < NT; t++) {
-            __m512bh xt = (__m512bh)_mm512_loadu_si512(xb + (long)(t0 + t) * cols + c);
-            for (int r = 0; r < R; r++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wr[r], xt);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < NT; t++) out[(long)(t0 + t) * nrows + n + r] = _mm512_reduce_add_ps(acc[r][t]);
-}
-
-/* task_many's rows [n, end) in bf16; xb is x in bf16 (x_to_bf16) */
-static void task_many_bf16(const uint16_t *xb, int tokens, int cols, const uint8_t *q, int bits, const void *sc,
-                           const void *mn, int half, int has_min, int group, float *out, int nrows, int n, int end) {
-    uint16_t buffer[2 * cols];
-    long qstride = row_bytes(bits, cols), sstride = cols / group;
-    for (; n < end; n += 2) {
-        int rows = end - n >= 2 ? 2 : 1;
-        for (int r = 0; r < rows; r++)
-            for (int c = 0; c < cols / 32; c++) {
-                __m512 w0, w1;
-                decode32(q + (n + r) * qstride, bits, c, sc, mn, half, has_min, group, (n + r) * sstride, &w0, &w1);
-                _mm512_storeu_si512(buffer + (long)r * cols + c * 32, to_bf16(w0, w1));
-            }
-        for (int t = 0; t < tokens; t += TOKENS_PER_PASS) {
-            int nt = tokens - t < TOKENS_PER_PASS ? tokens - t : TOKENS_PER_PASS;
-#define PAIR(NT) tile_bf16(buffer, xb, cols, out, nrows, n, t, 2, NT)
-#define SINGLE(NT) tile_bf16(buffer, xb, cols, out, nrows, n, t, 1, NT)
-            if (rows == 2) BY_TOKENS(PAIR, nt) else BY_TOKENS(SINGLE, nt)
-#undef PAIR
-#undef SINGLE
-        }
-    }
-}
-
-/* gemv's tasks in bf16, when pd_set_bf16 is on and the shape takes them; returns 1 if it ran */
-static int gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
-                     const void *mins, int half, int has_min, int group, float *out, int threads) {
-    if (!bf16_many || tokens <= TOKENS_PER_PASS || (bits != 4 && bits != 8 && bits != 32) || cols > MAX_DECODED_COLS)
-        return 0;
-    uint16_t *xb = malloc(sizeof(uint16_t) * tokens * cols);
-    if (!xb) return 0;
-    x_to_bf16(x, (long)tokens * cols, xb);
-    int tasks = (nrows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int t = 0; t < tasks; t++) {
-        int n = t * ROWS_PER_TASK, end = n + ROWS_PER_TASK < nrows ? n + ROWS_PER_TASK : nrows;
-        task_many_bf16(xb, tokens, cols, q, bits, scales, mins, half, has_min, group, out, nrows, n, end);
-    }
-    free(xb);
-    return 1;
-}
-#else
-static int gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
-                     const void *mins, int half, int has_min, int group, float *out, int threads) {
-    return 0; /* no AVX-512 BF16 in this build: float32 */
-}
-#endif
-
 /* rows [n, end) for every token; inlined into task and task_fp4, below */
 static inline __attribute__((always_inline)) void task_any(const float *x, int tokens, int cols, const uint8_t *q, int bits, const void *sc, const void *mn,
                  int half, int has_min, int group, float *out, int nrows, int n, int end) {
@@ -394,7 +309,7 @@ int pd_gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, i
 
 static int gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
                 const void *mins, int half, int has_min, int group, float *out, int threads) {
-    if (gemv_bf16(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads)) return 0;
+    if (pd_gemv_bf16(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads)) return 0;
     /* the one-token path finds a block's group by a shift: group / 32 a power of two */
     int one = tokens == 1 && bits != 32 && group % 32 == 0 && ((group / 32) & (group / 32 - 1)) == 0, groups = cols / group;
     float xg[one && has_min ? groups : 1]; /* the one-token path's sums of x over each group */

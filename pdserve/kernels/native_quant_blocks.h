@@ -71,4 +71,9 @@ static inline __attribute__((always_inline)) void decode32(const uint8_t *qrow, 
     }
 }
 
+/* native_gemv_bf16.c: x @ w.T in bf16 products past 8 tokens when pd_set_bf16 is on; returns 1
+ * if it ran, 0 if the shape or the setting leaves it to the float32 kernels */
+int pd_gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
+                 const void *mins, int half, int has_min, int group, float *out, int threads);
+
 #endif

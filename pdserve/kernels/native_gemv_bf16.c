@@ -1,0 +1,140 @@
+/* bf16 products for more than 8 tokens (pd_set_bf16: the engine's cpu_gemm_dtype bfloat16), for
+ * the integer layouts and float32 rows of native_gemv.c: the decode steps of 9 to 256 requests.
+ *
+ * Each task's 16 weight rows are dequantized (or read) once, rounded to bf16 (nearest even) into a
+ * row-major buffer. x is laid out once per call as bf16 pairs by token: word [p][t] holds x[t][2p]
+ * and x[t][2p + 1], so one vector holds a column pair of 16 tokens. vdpbf16ps then multiplies a
+ * weight row's pair, broadcast, into 16 tokens' float32 sums at once: 8 rows x up to 3 vectors of
+ * tokens stay in registers, each x vector loaded once for 8 rows and each weight pair for 48
+ * tokens, with no horizontal sums.
+ * The values multiplied are those of torch's bf16 matmul over the same operands; the float32 sums
+ * run over the columns in order, pair by pair.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "native_quant_blocks.h"
+
+#define BF16_ROWS 16     /* rows dequantized a task */
+#define BF16_PASS_ROWS 8 /* rows a register pass holds */
+#define BF16_MAX_BLOCKS 3 /* vectors of 16 tokens a pass holds: 8 x 3 sums, 3 x, 1 broadcast */
+
+static int bf16_many = 0;
+
+void pd_set_bf16(int on) { bf16_many = on; }
+
+#ifdef __AVX512BF16__
+/* x [tokens, cols] float32 -> xp [cols / 2][padded] 32-bit words, each a pair of bf16: token t's
+ * columns 2p and 2p + 1 (tokens past `tokens` are zero) */
+static void x_pairs(const float *x, int tokens, int cols, int padded, uint32_t *xp) {
+    for (int t = 0; t < padded; t++) {
+        if (t >= tokens) {
+            for (int p = 0; p < cols / 2; p++) xp[(long)p * padded + t] = 0;
+            continue;
+        }
+        const float *row = x + (long)t * cols;
+        for (int c = 0; c < cols; c += 32) {
+            uint32_t words[16];
+            _mm512_storeu_si512(words, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + c + 16), _mm512_loadu_ps(row + c)));
+            for (int j = 0; j < 16; j++) xp[(long)(c / 2 + j) * padded + t] = words[j];
+        }
+    }
+}
+
+/* sums of R rows (w's first R) by NB vectors of 16 tokens from t0, into sums[t][r0 + r] (R and NB
+ * constants once inlined) */
+static inline __attribute__((always_inline)) void pass_bf16(const uint32_t *w, const uint32_t *xp, int cols, int padded,
+                                                            int t0, float (*sums)[BF16_ROWS], int r0, const int R,
+                                                            const int NB) {
+    __m512 acc[BF16_PASS_ROWS][BF16_MAX_BLOCKS];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
+    long half = cols / 2;
+    for (long p = 0; p < half; p++) {
+        __m512bh xv[BF16_MAX_BLOCKS];
+        for (int b = 0; b < NB; b++) xv[b] = (__m512bh)_mm512_loadu_si512(xp + p * padded + t0 + 16 * b);
+        for (int r = 0; r < R; r++) {
+            __m512bh wp = (__m512bh)_mm512_set1_epi32((int)w[r * half + p]);
+            for (int b = 0; b < NB; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], wp, xv[b]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) {
+            float lanes[16];
+            _mm512_storeu_ps(lanes, acc[r][b]);
+            for (int i = 0; i < 16; i++) sums[t0 + 16 * b + i][r0 + r] = lanes[i];
+        }
+}
+
+#define PASS(R, NB) pass_bf16(w, xp, cols, padded, t0, sums, r, R, NB)
+#define BY_BLOCKS(R)                 \
+    switch (nb) {                    \
+    case 1: PASS(R, 1); break;       \
+    case 2: PASS(R, 2); break;       \
+    default: PASS(R, 3);             \
+    }
+
+/* rows first_row .. first_row + rows - 1 (dequantized in rows_w) into every token. The sums gather
+ * in a task-local [tokens][16] block and go out a token's 16 columns (one cache line) at a time:
+ * stored lane by lane into out's rows, a matrix whose row length is a multiple of 4 KiB (SmolLM2's
+ * gate_up and LM head) put every token's line in the same cache set, and the step ran slower. */
+static void rows_bf16(const uint32_t *rows_w, int rows, const uint32_t *xp, int cols, int padded, int tokens,
+                      float *out, int nrows, int first_row) {
+    float (*sums)[BF16_ROWS] = __builtin_alloca(sizeof(float) * BF16_ROWS * padded);
+    for (int t0 = 0; t0 < tokens; t0 += 16 * BF16_MAX_BLOCKS) {
+        int left = (tokens - t0 + 15) / 16, nb = left < BF16_MAX_BLOCKS ? left : BF16_MAX_BLOCKS;
+        for (int r = 0; r < rows; r += BF16_PASS_ROWS) {
+            const uint32_t *w = rows_w + (long)r * cols / 2;
+            switch (rows - r < BF16_PASS_ROWS ? rows - r : BF16_PASS_ROWS) {
+            case 1: BY_BLOCKS(1) break;
+            case 2: BY_BLOCKS(2) break;
+            case 3: BY_BLOCKS(3) break;
+            case 4: BY_BLOCKS(4) break;
+            case 5: BY_BLOCKS(5) break;
+            case 6: BY_BLOCKS(6) break;
+            case 7: BY_BLOCKS(7) break;
+            default: BY_BLOCKS(8)
+            }
+        }
+    }
+    for (int t = 0; t < tokens; t++)
+        for (int r = 0; r < rows; r++) out[(long)t * nrows + first_row + r] = sums[t][r];
+}
+
+/* rows [n, end) of the matrix, dequantized to bf16 into buffer (row-major), then into every token */
+static void task_bf16(const uint32_t *xp, int tokens, int padded, int cols, const uint8_t *q, int bits, const void *sc,
+                      const void *mn, int half, int has_min, int group, float *out, int nrows, int n, int end) {
+    uint16_t buffer[BF16_ROWS * cols];
+    long qstride = row_bytes(bits, cols), sstride = cols / group;
+    for (int r = 0; r < end - n; r++)
+        for (int c = 0; c < cols / 32; c++) {
+            __m512 w0, w1;
+            decode32(q + (n + r) * qstride, bits, c, sc, mn, half, has_min, group, (n + r) * sstride, &w0, &w1);
+            _mm512_storeu_si512(buffer + (long)r * cols + c * 32, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+        }
+    rows_bf16((const uint32_t *)buffer, end - n, xp, cols, padded, tokens, out, nrows, n);
+}
+
+int pd_gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
+                 const void *mins, int half, int has_min, int group, float *out, int threads) {
+    if (!bf16_many || tokens <= 8 || (bits != 4 && bits != 8 && bits != 32) || cols > 8192) return 0;
+    int padded = (tokens + 15) / 16 * 16;
+    uint32_t *xp = malloc(sizeof(uint32_t) * (size_t)(cols / 2) * padded);
+    if (!xp) return 0;
+    x_pairs(x, tokens, cols, padded, xp);
+    int tasks = (nrows + BF16_ROWS - 1) / BF16_ROWS;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < tasks; t++) {
+        int n = t * BF16_ROWS, end = n + BF16_ROWS < nrows ? n + BF16_ROWS : nrows;
+        task_bf16(xp, tokens, padded, cols, q, bits, scales, mins, half, has_min, group, out, nrows, n, end);
+    }
+    free(xp);
+    return 1;
+}
+#else
+int pd_gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
+                 const void *mins, int half, int has_min, int group, float *out, int threads) {
+    return 0; /* no AVX-512 BF16 in this build: float32 */
+}
+#endif
