@@ -13,8 +13,10 @@ second process loads it without compiling. Where there is no compiler, no AVX-51
 (`PDSERVE_NATIVE_KERNELS=0` too), `library()` is None, one log line says why, and numba's kernel
 runs instead.
 
-OpenMP: the library links the same libgomp as numba's threading layer, so the compute thread keeps
-one thread pool for both (see pdserve/node/compute_thread.py).
+OpenMP: the library's libgomp.so.1 binds the copy torch loaded first (the same soname), so its
+parallel regions and torch's share one pool. numba's threading layer asks for libgomp.so.1.0.0 by
+that name and gets the system's, a second pool: the many-token paths keep numba out of their
+loops for that reason (native_tiles.c).
 """
 from __future__ import annotations
 
