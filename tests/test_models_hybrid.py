@@ -1,8 +1,8 @@
-"""Hybrid families (Qwen3.5's Gated DeltaNet beside gated attention; Nemotron-H's Mamba2, attention
-and MLP blocks) against transformers in float32, offline: prompt logits, and greedy tokens
-through chunked prefill, batched decode of different lengths, slot reuse and preemption by
-recompute. The recurrent state lives in a pool of slots beside the KV blocks: none may leak
-after finishing, aborting or preempting.
+"""Hybrid families (Qwen3.5's Gated DeltaNet beside gated attention; Qwen3-Next's, with MoE;
+Nemotron-H's Mamba2, attention, MLP and MoE blocks) against transformers in float32, offline:
+prompt logits, and greedy tokens through chunked prefill, batched decode of different lengths,
+slot reuse and preemption by recompute. The recurrent state lives in a pool of slots beside the
+KV blocks: none may leak after finishing, aborting or preempting.
 
 Prompts are longer than the delta rule's chunk (64) and Mamba2's chunk_size (32 here), and the
 steps (32 tokens) cut them across chunks, so every path must carry the state exactly.
@@ -25,13 +25,14 @@ from pdserve.models.model_path import read_model_config
 from pdserve.node.hybrid_roles import check_hybrid_role
 from pdserve.testing.hybrid_checkpoints import load_reference, make_hybrid_model
 
-KINDS = ["qwen3_5_text", "nemotron_h"]
+KINDS = ["qwen3_5_text", "qwen3_next", "nemotron_h"]
+SEEDS = {"qwen3_next": 1}  # (seed 0's reference greedy has a near tie on a prompt below: a top-2 gap of 5e-4)
 NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module", params=KINDS)
 def checkpoint(request, tmp_path_factory):
-    path = make_hybrid_model(tmp_path_factory.mktemp("hybrid"), request.param)
+    path = make_hybrid_model(tmp_path_factory.mktemp("hybrid"), request.param, seed=SEEDS.get(request.param, 0))
     return path, load_reference(path)
 
 

@@ -60,18 +60,21 @@ class GatedDeltaNet(nn.Module):
         return LayerStateSpec((self.conv_size, self.kernel - 1), dtype,
                               (self.num_v_heads, self.k_dim, self.v_dim), state_dtype)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The convolution's input [T, q | k | v], the gate z [T, Hv * dv], b and a [T, Hv]."""
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
         tokens = x.shape[0]
-        mixed = self._convolve(self.in_proj_qkv(x), ctx.states)
+        mixed, z, b, a = self.project(x)
+        mixed = self._convolve(mixed, ctx.states)
         q, k, v = F.silu(mixed).split([self.key_size, self.key_size, self.value_size], dim=-1)
         q = q.view(tokens, self.num_k_heads, self.k_dim)
         k = k.view(tokens, self.num_k_heads, self.k_dim)
         v = v.view(tokens, self.num_v_heads, self.v_dim)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        out = self._mix(q, k, v, g, beta, ctx.states)
-        z = self.in_proj_z(x).view(tokens * self.num_v_heads, self.v_dim)
-        out = self.norm(out.reshape(tokens * self.num_v_heads, self.v_dim), z)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = self._mix(q, k, v, g, b.sigmoid(), ctx.states)
+        out = self.norm(out.reshape(tokens * self.num_v_heads, self.v_dim), z.reshape(tokens * self.num_v_heads, self.v_dim))
         return self.out_proj(out.view(tokens, self.value_size))
 
     def _convolve(self, mixed: torch.Tensor, states) -> torch.Tensor:
@@ -100,3 +103,24 @@ class GatedDeltaNet(nn.Module):
             pool[slot] = new.to(pool.dtype)
             pieces.append(out)
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+class GroupedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's layout of the same layer: two projections, each grouped by key head.
+    in_proj_qkvz gives, per key head, its q, its k, then the v and z of its value heads;
+    in_proj_ba gives, per key head, the b then the a of its value heads."""
+
+    def __init__(self, config, state_index: int):
+        super().__init__(config, state_index)
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+        hidden = config.hidden_size
+        self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_size + 2 * self.value_size, bias=False)
+        self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        tokens, groups, per = x.shape[0], self.num_k_heads, self.num_v_heads // self.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(tokens, groups, -1)
+        q, k, v, z = qkvz.split([self.k_dim, self.k_dim, per * self.v_dim, per * self.v_dim], dim=-1)
+        b, a = self.in_proj_ba(x).view(tokens, groups, 2 * per).split([per, per], dim=-1)
+        mixed = torch.cat([t.reshape(tokens, -1) for t in (q, k, v)], dim=-1)
+        return mixed, z.reshape(tokens, -1), b.reshape(tokens, -1), a.reshape(tokens, -1)

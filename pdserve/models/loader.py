@@ -38,6 +38,7 @@ FAMILY_MODULES = {
     "Gemma3ForConditionalGeneration": "pdserve.models.gemma3_vl",
     "GptOssForCausalLM": "pdserve.models.gpt_oss",
     "Qwen3_5ForCausalLM": "pdserve.models.qwen3_5",
+    "Qwen3NextForCausalLM": "pdserve.models.qwen3_next",
     "NemotronHForCausalLM": "pdserve.models.nemotron_h",
 }
 # Vision-language models: the config's text_config is what the engine reads

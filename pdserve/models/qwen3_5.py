@@ -73,10 +73,10 @@ class GatedAttention(nn.Module):
 
 
 class Qwen35DecoderLayer(nn.Module):
-    def __init__(self, config, spec: ModelSpec, mixer: nn.Module):
+    def __init__(self, config, spec: ModelSpec, mixer: nn.Module, mlp: nn.Module | None = None):
         super().__init__()
         self.mixer = mixer  # GatedDeltaNet (checkpoint: linear_attn) or GatedAttention (self_attn)
-        self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size)
+        self.mlp = mlp if mlp is not None else DenseMLP(spec.hidden_size, spec.intermediate_size)
         self.input_layernorm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 

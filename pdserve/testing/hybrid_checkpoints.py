@@ -20,6 +20,12 @@ HYBRIDS = {
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
         num_hidden_layers=4, max_position_embeddings=512, rms_norm_eps=1e-6)),
+    "qwen3_next": ("Qwen3NextForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_hidden_layers=4, max_position_embeddings=512, rms_norm_eps=1e-6, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[2])),
     "nemotron_h": ("NemotronHForCausalLM", dict(
         hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
@@ -40,7 +46,7 @@ def make_hybrid_model(root: Path, kind: str, seed: int = 0, **overrides) -> Path
                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=0, architectures=[arch])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    zero_centred = kind == "qwen3_5_text"
+    zero_centred = kind in ("qwen3_5_text", "qwen3_next")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and not name.endswith("linear_attn.norm.weight"):
