@@ -1,8 +1,9 @@
 """Hybrid families (Qwen3.5's Gated DeltaNet beside gated attention; Qwen3-Next's, with MoE;
-Nemotron-H's Mamba2, attention, MLP and MoE blocks) against transformers in float32, offline:
-prompt logits, and greedy tokens through chunked prefill, batched decode of different lengths,
-slot reuse and preemption by recompute. The recurrent state lives in a pool of slots beside the
-KV blocks: none may leak after finishing, aborting or preempting.
+Nemotron-H's Mamba2, attention, MLP and MoE blocks; Granite 4.0-H's, with its multipliers)
+against transformers in float32, offline: prompt logits, and greedy tokens through chunked
+prefill, batched decode of different lengths, slot reuse and preemption by recompute. The
+recurrent state lives in a pool of slots beside the KV blocks: none may leak after finishing,
+aborting or preempting.
 
 Prompts are longer than the delta rule's chunk (64) and Mamba2's chunk_size (32 here), and the
 steps (32 tokens) cut them across chunks, so every path must carry the state exactly.
@@ -25,8 +26,9 @@ from pdserve.models.model_path import read_model_config
 from pdserve.node.hybrid_roles import check_hybrid_role
 from pdserve.testing.hybrid_checkpoints import load_reference, make_hybrid_model
 
-KINDS = ["qwen3_5_text", "qwen3_next", "nemotron_h"]
-SEEDS = {"qwen3_next": 1}  # (seed 0's reference greedy has a near tie on a prompt below: a top-2 gap of 5e-4)
+KINDS = ["qwen3_5_text", "qwen3_next", "nemotron_h", "granitemoehybrid"]
+# (seed 0's reference greedy has a near tie on a prompt below: a top-2 gap of 5e-4)
+SEEDS = {"qwen3_next": 1, "granitemoehybrid": 3}
 NEW_TOKENS = 8
 
 
@@ -132,6 +134,7 @@ def test_state_pool_counts_in_the_memory_budget(checkpoint):
     ("qwen3_5_text", "layer_types", ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
     ("nemotron_h", "moe_latent_size", 16),
     ("nemotron_h", "mlp_hidden_act", "silu"),
+    ("granitemoehybrid", "hidden_act", "gelu"),
 ])
 def test_unsupported_variant_is_refused(tmp_path, kind, field, value):
     path = make_hybrid_model(tmp_path, kind, **{field: value})

@@ -9,8 +9,11 @@ themselves (`kv_index`), since only they have a plane in the KV cache
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from pdserve.models.decoder import DecoderModel
+from pdserve.models.llama import ModelSpec
+from pdserve.models.rope import RotaryEmbedding
 from pdserve.models.state_layers import LayerStateSpec
 from pdserve.protocol.block_keys import has_state_layers
 
@@ -36,6 +39,34 @@ class HybridDecoderModel(DecoderModel):
         dtype = self.embed_tokens.weight.dtype
         return [layer.mixer.state_spec(dtype, self.state_dtype) for layer in self.layers
                 if hasattr(layer.mixer, "state_spec")]
+
+
+class HybridAttention(nn.Module):
+    """Plain causal attention over the paged KV cache beside the stateful layers (Nemotron-H,
+    Granite 4.0-H): fused q/k/v, RoPE only where the model has it (cos None: none; the Mamba
+    layers carry position), a given score scale."""
+
+    def __init__(self, spec: ModelSpec, kv_index: int, scale: float | None = None, bias: bool = False):
+        super().__init__()
+        self.kv_index = kv_index
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=bias)
+        self.scale = spec.head_dim ** -0.5 if scale is None else scale
+
+    def shard_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(self, x: torch.Tensor, cos, sin, ctx) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        if cos is not None:
+            q, k = RotaryEmbedding.apply(q, k, cos, sin)
+        out = ctx.attention(self.kv_index, q, k, v.reshape(tokens, self.num_kv_heads, self.head_dim), self.scale)
+        return self.o_proj(out.reshape(tokens, self.q_size))
 
 
 def kv_indices(layer_types: list[str], attention: tuple[str, ...]) -> list[int | None]:

@@ -11,6 +11,8 @@ chunk), each request's window and state in its slot (ctx.states), as the Gated D
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,24 +37,39 @@ class GroupRMSNormGated(nn.Module):
         return self.weight * grouped.view(h.shape).to(dtype)
 
 
+@dataclass(frozen=True)
+class Mamba2Shape:
+    """A Mamba2 layer's sizes and settings, as each family's config names them."""
+    hidden: int
+    heads: int
+    head_dim: int
+    groups: int
+    state_size: int
+    kernel: int
+    chunk: int
+    dt_min: float  # the reference's lower clamp of dt in its chunked scan
+    conv_bias: bool
+    proj_bias: bool
+    eps: float
+
+
 class Mamba2Mixer(nn.Module):
-    def __init__(self, config, state_index: int):
+    def __init__(self, shape: Mamba2Shape, state_index: int):
         super().__init__()
         self.state_index = state_index
-        self.heads, self.head_dim = config.mamba_num_heads, config.mamba_head_dim
-        self.groups, self.state_size = config.n_groups, config.ssm_state_size
+        self.heads, self.head_dim = shape.heads, shape.head_dim
+        self.groups, self.state_size = shape.groups, shape.state_size
         self.inner = self.heads * self.head_dim
         self.conv_size = self.inner + 2 * self.groups * self.state_size
-        self.kernel, self.chunk = config.conv_kernel, config.chunk_size
-        self.dt_min = config.time_step_min  # the reference's lower clamp of dt in its chunked scan
-        self.in_proj = nn.Linear(config.hidden_size, self.inner + self.conv_size + self.heads, bias=config.use_bias)
+        self.kernel, self.chunk, self.dt_min = shape.kernel, shape.chunk, shape.dt_min
+        self.in_proj = nn.Linear(shape.hidden, self.inner + self.conv_size + self.heads, bias=shape.proj_bias)
         self.conv1d = nn.Conv1d(self.conv_size, self.conv_size, self.kernel, groups=self.conv_size,
-                                bias=config.use_conv_bias)
+                                bias=shape.conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(self.heads))
         self.A_log = nn.Parameter(torch.zeros(self.heads))
         self.D = nn.Parameter(torch.ones(self.heads))
-        self.norm = GroupRMSNormGated(self.inner, self.groups, config.layer_norm_epsilon)
-        self.out_proj = nn.Linear(self.inner, config.hidden_size, bias=config.use_bias)
+        self.norm = GroupRMSNormGated(self.inner, self.groups, shape.eps)
+        self.out_proj = nn.Linear(self.inner, shape.hidden, bias=shape.proj_bias)
 
     def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> LayerStateSpec:
         return LayerStateSpec((self.conv_size, self.kernel - 1), dtype,

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.models.decoder import build_and_load
-from pdserve.models.hybrid import HybridDecoderModel, kv_indices, state_indices
+from pdserve.models.hybrid import HybridAttention, HybridDecoderModel, kv_indices, state_indices
 from pdserve.models.llama import ModelSpec
-from pdserve.models.mamba2_mixer import Mamba2Mixer
+from pdserve.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape
 from pdserve.models.nemotron_h_moe import NemotronHMoE, checkpoint_target
 from pdserve.models.state_layers import state_dtype
 from pdserve.models.weights import WeightLoader, check_fields
@@ -49,30 +49,6 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * x32).to(x.dtype)
 
 
-class Attention(nn.Module):
-    """Causal attention over the paged KV cache, no RoPE."""
-
-    def __init__(self, spec: ModelSpec, kv_index: int):
-        super().__init__()
-        self.kv_index = kv_index
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
-        self.scale = spec.head_dim ** -0.5
-
-    def shard_sizes(self) -> list[int]:
-        return [self.q_size, self.kv_size, self.kv_size]
-
-    def forward(self, x: torch.Tensor, cos, sin, ctx) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        out = ctx.attention(self.kv_index, q.reshape(tokens, self.num_heads, self.head_dim),
-                            k.reshape(tokens, self.num_kv_heads, self.head_dim),
-                            v.reshape(tokens, self.num_kv_heads, self.head_dim), self.scale)
-        return self.o_proj(out.reshape(tokens, self.q_size))
-
-
 class SquaredReluMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool):
         super().__init__()
@@ -102,11 +78,17 @@ def model_spec(config) -> ModelSpec:
         max_position_embeddings=config.max_position_embeddings, hidden_act=config.mlp_hidden_act)
 
 
+def mamba_shape(config) -> Mamba2Shape:
+    return Mamba2Shape(config.hidden_size, config.mamba_num_heads, config.mamba_head_dim, config.n_groups,
+                       config.ssm_state_size, config.conv_kernel, config.chunk_size, config.time_step_min,
+                       config.use_conv_bias, config.use_bias, config.layer_norm_epsilon)
+
+
 def _mixer(config, spec: ModelSpec, kind: str, kv_index: int | None, state_index: int | None) -> nn.Module:
     if kind == MAMBA:
-        return Mamba2Mixer(config, state_index)
+        return Mamba2Mixer(mamba_shape(config), state_index)
     if kind == ATTENTION:
-        return Attention(spec, kv_index)
+        return HybridAttention(spec, kv_index)
     if kind == MOE:
         return NemotronHMoE(config, SquaredReluMLP(spec.hidden_size, config.moe_shared_expert_intermediate_size,
                                                    config.mlp_bias))

@@ -26,6 +26,13 @@ HYBRIDS = {
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
         num_hidden_layers=4, max_position_embeddings=512, rms_norm_eps=1e-6, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[2])),
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", dict(
+        hidden_size=64, intermediate_size=32, shared_intermediate_size=48, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["mamba", "attention", "mamba", "attention"], num_hidden_layers=4,
+        num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+        mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=32, position_embedding_type="rope",
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=1.5,
+        max_position_embeddings=512)),
     "nemotron_h": ("NemotronHForCausalLM", dict(
         hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
