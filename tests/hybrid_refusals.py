@@ -40,7 +40,7 @@ def handover_refusal() -> str:
 
 def hybrid_section() -> str:
     lines = ["## Hybrid models", "",
-             "Qwen3.5, Qwen3-Next and Nemotron-H ([models](models.md#hybrid-models-qwen35-nemotron-h)) keep a recurrent state per "
+             "Qwen3.5, Qwen3-Next, Nemotron-H and Granite 4.0-H ([models](models.md#hybrid-models-qwen35-nemotron-h)) keep a recurrent state per "
              "request beside the KV blocks. `tests/test_models_hybrid.py` checks each refusal below at start; "
              "offline greedy decoding, chunked prefill, batched decode and preemption match transformers.", "",
              "| feature | hybrid model |", "|---|---|"]
