@@ -12,8 +12,9 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_pool_size import default_num_blocks
 from pdserve.engine.state_pool import StatePool, slot_nbytes
+from pdserve.engine.state_snapshots import StateSnapshots
 from pdserve.kernels import get_ops
-from pdserve.kernels.fp8_kv import Fp8KVOps, checkpoint_kv_scales
+from pdserve.kernels.fp8_kv import NarrowKVOps, checkpoint_kv_scales
 from pdserve.kvstore.layout import KVLayout
 from pdserve.lora.manager import LoRAManager
 from pdserve.models.hybrid import unsupported_for_hybrid
@@ -53,21 +54,25 @@ def check_hybrid_supported(config: EngineConfig, hf_config) -> None:
 
 
 def state_pool(config: EngineConfig, model, layout: KVLayout, blocks: int, device: torch.device
-               ) -> tuple[StatePool, int]:
-    """A hybrid model's state pool, one slot per request that may run at once (max_num_seqs),
-    and the KV block count left beside it: a memory budget (kv_cache_memory_gb, or the default
-    pool's) holds both, an explicit num_kv_blocks is kept as given."""
+               ) -> tuple[StatePool, StateSnapshots | None, int]:
+    """A hybrid model's state pool, one slot per request that may run at once (max_num_seqs);
+    with prefix caching, as many snapshots of states at block boundaries (state_snapshots); and
+    the KV block count left beside them: a memory budget (kv_cache_memory_gb, or the default
+    pool's) holds them all, an explicit num_kv_blocks is kept as given."""
     spec = model.state_spec()
-    state_bytes = config.max_num_seqs * slot_nbytes(spec)
+    copies = config.max_num_seqs * (2 if config.enable_prefix_caching else 1)
+    state_bytes = copies * slot_nbytes(spec)
     if not config.num_kv_blocks:
         budget_blocks = blocks
         blocks -= math.ceil(state_bytes / layout.block_nbytes())
         if blocks < 1:
             raise ValueError(f"the KV memory budget ({budget_blocks} blocks) cannot hold the recurrent-state pool "
-                             f"({config.max_num_seqs} slots of {len(spec)} layers, {state_bytes / 2**20:.1f} MiB) "
+                             f"({copies} slots of {len(spec)} layers, {state_bytes / 2**20:.1f} MiB) "
                              "and one KV block: raise kv_cache_memory_gb or lower max_num_seqs")
-    log.info("state pool: %d slots of %d layers (%.1f MiB)", config.max_num_seqs, len(spec), state_bytes / 2**20)
-    return StatePool(spec, config.max_num_seqs, device), blocks
+    log.info("state pool: %d slots of %d layers, with snapshots (%.1f MiB)", copies, len(spec), state_bytes / 2**20)
+    pool = StatePool(spec, config.max_num_seqs, device)
+    snapshots = StateSnapshots(pool, config.max_num_seqs, device) if config.enable_prefix_caching else None
+    return pool, snapshots, blocks
 
 
 def max_model_len(config: EngineConfig, hf_config, model, num_blocks: int) -> int:
@@ -82,13 +87,17 @@ def max_model_len(config: EngineConfig, hf_config, model, num_blocks: int) -> in
     return min(config.max_model_len or limit, limit)
 
 
-def kernel_ops(config: EngineConfig, device: torch.device, kv_cache: torch.Tensor, model_path, num_layers: int):
-    """The attention kernels (warmed up), wrapped for an FP8 cache with the checkpoint's scales."""
+def kernel_ops(config: EngineConfig, device: torch.device, kv_cache: torch.Tensor, model_path, num_layers: int,
+               model_dtype: torch.dtype = torch.float32):
+    """The attention kernels (warmed up), wrapped for an FP8 cache with the checkpoint's scales,
+    or a bf16 cache under a float32 model."""
     ops = get_ops(config.kernel_backend, device.type)
     if hasattr(ops, "warm_up"):
         ops.warm_up()
     if config.kv_cache_dtype == "fp8":
-        ops = Fp8KVOps(ops, kv_cache, checkpoint_kv_scales(model_path, num_layers))
+        ops = NarrowKVOps(ops, kv_cache, checkpoint_kv_scales(model_path, num_layers))
+    elif config.kv_cache_dtype == "bfloat16" and model_dtype != torch.bfloat16:
+        ops = NarrowKVOps(ops, kv_cache, [(1.0, 1.0)] * num_layers)
     return ops
 
 
@@ -103,10 +112,10 @@ def start_lora(config: EngineConfig, model, dtype: torch.dtype, device: torch.de
 
 
 def check_fp8_kv_supported(config: EngineConfig, layout: KVLayout) -> None:
-    """The FP8 cache wraps the K/V attention ops (of the driver and of each TP worker): MLA's
-    latent cache does not go through them."""
+    """The FP8 or bf16 cache wraps the K/V attention ops (of the driver and of each TP worker):
+    MLA's latent cache does not go through them."""
     if layout.planes != 2:
-        raise ValueError("kv_cache_dtype fp8 is not supported for MLA models (their latent cache)")
+        raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} is not supported for MLA models (their latent cache)")
 
 
 def kv_window(model) -> int:

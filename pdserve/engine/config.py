@@ -74,8 +74,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be auto, fp8 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.cpu_gemm_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"cpu_gemm_dtype must be float32 or bfloat16, got {self.cpu_gemm_dtype!r}")
         if self.kernel_backend not in ("auto", "torch", "numba", "triton"):

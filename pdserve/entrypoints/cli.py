@@ -151,7 +151,7 @@ def _add_cluster_parsers(sub) -> None:
                     help="how prefill nodes hand KV to decode nodes")
     rt.add_argument("--block-size", type=int, default=16, help="the nodes' --block-size (for block keys)")
     rt.add_argument("--dtype", default="auto", help="the nodes' --dtype")
-    rt.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the nodes' --kv-cache-dtype")
+    rt.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "bfloat16"], help="the nodes' --kv-cache-dtype")
     add_http_args(rt)
     add_lora_module_arg(rt)
     _add_curve_args(rt)

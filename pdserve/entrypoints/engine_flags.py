@@ -17,9 +17,10 @@ def add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) ->
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache; auto: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "bfloat16"],
                    help="KV cache elements; auto: --dtype's; fp8: float8_e4m3fn with per-layer scales "
-                        "(the checkpoint's k_scale/v_scale, else 1.0)")
+                        "(the checkpoint's k_scale/v_scale, else 1.0); bfloat16: half float32's bytes "
+                        "(rounded, not exact)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks to allocate (wins over --kv-cache-memory-gb)")

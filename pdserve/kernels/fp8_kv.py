@@ -1,4 +1,5 @@
-"""An FP8 (e4m3) KV cache over any kernel module: `--kv-cache-dtype fp8`.
+"""A KV cache narrower than the model's float32 over any kernel module: `--kv-cache-dtype fp8`
+(e4m3, with per-layer scales) or `--kv-cache-dtype bfloat16` (rounded to nearest even, no scales).
 
 The cache holds float8_e4m3fn values x / scale, with one K scale and one V scale per layer.
 The scales come from the checkpoint (`...self_attn.k_scale` / `v_scale`, as llm-compressor
@@ -6,7 +7,8 @@ writes them) and are 1.0 where it has none, as vLLM does by default. Every node 
 from the same files, never from the data it happens to see, so a block quantized on a prefill
 node means the same on a decode node, and its bytes can be handed over as they are.
 
-The attention ops dequantize as they load: each call gathers the blocks its block tables name
+A bf16 cache takes the same path in the Python layers (its scales are all 1.0); the compiled
+decode step reads it directly (native_decode.c). The attention ops dequantize as they load: each call gathers the blocks its block tables name
 (decode: the batch's blocks; prefill: the prefix blocks), widens them to the query's dtype in a
 small compact cache, renumbers the tables into it, and runs the wrapped module's own kernel
 (torch or numba) on that. The new tokens' K/V in a prefill pass through the same rounding, so
@@ -29,13 +31,17 @@ FP8_MAX = torch.finfo(FP8).max  # 448: casts beyond it give NaN, so values satur
 _SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
 
 
+KV_CACHE_DTYPES = {"fp8": FP8, "bfloat16": torch.bfloat16}  # --kv-cache-dtype's narrow choices
+
+
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache's element type: "auto" keeps the model's dtype, "fp8" is float8_e4m3fn."""
+    """The cache's element type: "auto" keeps the model's dtype, "fp8" is float8_e4m3fn,
+    "bfloat16" bfloat16."""
     if kv_cache_dtype == "auto":
         return model_dtype
-    if kv_cache_dtype == "fp8":
-        return FP8
-    raise ValueError(f"kv_cache_dtype must be auto or fp8, got {kv_cache_dtype!r}")
+    if kv_cache_dtype in KV_CACHE_DTYPES:
+        return KV_CACHE_DTYPES[kv_cache_dtype]
+    raise ValueError(f"kv_cache_dtype must be auto, fp8 or bfloat16, got {kv_cache_dtype!r}")
 
 
 def is_kv_scale(name: str) -> bool:
@@ -43,7 +49,9 @@ def is_kv_scale(name: str) -> bool:
     return _SCALE_NAME.search(name) is not None
 
 
-def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+def quantize(x: torch.Tensor, scale: float, cache_dtype: torch.dtype = FP8) -> torch.Tensor:
+    if cache_dtype != FP8:
+        return x.to(cache_dtype)  # bf16: no scale (every scale is 1.0)
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
@@ -83,14 +91,14 @@ def _compact_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: 
     return k, v, local
 
 
-class Fp8KVOps:
-    """A kernel module's store_kv / paged_decode_attention / prefill_attention over an FP8 cache.
+class NarrowKVOps:
+    """A kernel module's store_kv / paged_decode_attention / prefill_attention over an FP8 or bf16 cache.
     The ops are called with one layer's cache views; the layer (and so its scales) is found by
     the K view's address, which is distinct for every layer of the block-major cache."""
 
     def __init__(self, base, kv_cache: torch.Tensor, scales: list[tuple[float, float]],
                  k_views: list[torch.Tensor] | None = None):
-        self.base, self.scales = base, scales
+        self.base, self.scales, self.cache_dtype = base, scales, kv_cache.dtype
         self.__name__ = base.__name__  # the fused norm/RoPE kernels that go with it do not touch KV
         # k_views: each layer's K view as the ops get it (a TP rank's starts at its first head).
         k_views = k_views or [kv_cache[:, i, 0] for i in range(kv_cache.shape[1])]
@@ -101,7 +109,8 @@ class Fp8KVOps:
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         ks, vs = self._scales(k_cache)
-        torch_ops.store_kv(quantize(key, ks), quantize(value, vs), k_cache, v_cache, slot_mapping)
+        torch_ops.store_kv(quantize(key, ks, self.cache_dtype), quantize(value, vs, self.cache_dtype), k_cache,
+                           v_cache, slot_mapping)
 
     def paged_decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale, **extra):
         k, v, tables = _compact_blocks(k_cache, v_cache, block_tables, self._scales(k_cache), q.dtype)
@@ -111,7 +120,7 @@ class Fp8KVOps:
                           block_tables, scale, **extra):
         ks, vs = self._scales(k_cache)
         k, v, tables = _compact_blocks(k_cache, v_cache, block_tables, (ks, vs), q.dtype)
-        k_new = dequantize(quantize(k_new, ks), ks, q.dtype)
-        v_new = dequantize(quantize(v_new, vs), vs, q.dtype)
+        k_new = dequantize(quantize(k_new, ks, self.cache_dtype), ks, q.dtype)
+        v_new = dequantize(quantize(v_new, vs, self.cache_dtype), vs, q.dtype)
         return self.base.prefill_attention(q, k_new, v_new, k, v, cu_seqlens_q, context_lens, tables,
                                            scale, **extra)

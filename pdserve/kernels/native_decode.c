@@ -58,6 +58,40 @@ void pd_rope(float *x, int heads, int dim, const float *cos, const float *sin) {
     }
 }
 
+/* A bf16 KV cache (m->kv_bf16: --kv-cache-dtype bfloat16) holds each element's upper 16 bits,
+ * rounded to nearest even as torch's float-to-bf16 conversion rounds (NaN kept a NaN); offsets
+ * are in elements either way. Half the bytes attention reads at many requests. */
+static inline uint16_t to_bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float kv_at(const pd_model *m, const float *plane, long at) {
+    if (!m->kv_bf16) return plane[at];
+    uint32_t u = (uint32_t)((const uint16_t *)plane)[at] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* 16 elements of a cache row from element `at`, as float32 (BF: the cache holds bf16) */
+static inline __attribute__((always_inline)) __m512 kv16(const float *plane, long at, const int BF) {
+    if (!BF) return _mm512_loadu_ps(plane + at);
+    __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)plane + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+static void store_kv_row(const pd_model *m, float *plane, long at, const float *row, int D) {
+    if (!m->kv_bf16) {
+        memcpy(plane + at, row, D * sizeof(float));
+        return;
+    }
+    uint16_t *out = (uint16_t *)plane + at;
+    for (int d = 0; d < D; d++) out[d] = to_bf16_bits(row[d]);
+}
+
 /* Each token's qkv row: its bias added, q's and k's heads normed, RoPE on them, then its k and v
  * into the cache slot slots[t] (skipped when < 0) */
 static void finish_qkv(const pd_model *m, const pd_layer *L, float *qkv, int tokens, const float *cos,
@@ -78,8 +112,8 @@ static void finish_qkv(const pd_model *m, const pd_layer *L, float *qkv, int tok
         if (slots[t] < 0) continue;
         long base = pd_slot_row(m, slots[t]);
         for (int h = 0; h < m->kv_heads; h++) {
-            memcpy(L->k_cache + base + h * m->s_head, k + (long)h * D, D * sizeof(float));
-            memcpy(L->v_cache + base + h * m->s_head, v + (long)h * D, D * sizeof(float));
+            store_kv_row(m, L->k_cache, base + h * m->s_head, k + (long)h * D, D);
+            store_kv_row(m, L->v_cache, base + h * m->s_head, v + (long)h * D, D);
         }
     }
 }
@@ -133,7 +167,7 @@ static inline __attribute__((always_inline)) void attend_regs(const pd_model *m,
                                                               const float *q, const float *sinks, int kh, const int32_t *table,
                                                               long first, long length, float *scores,
                                                               int max_len, float *out, const int NG,
-                                                              const int D16) {
+                                                              const int D16, const int BF) {
     __m512 qs[MAX_NG][MAX_D16], acc[MAX_NG][MAX_D16];
     for (int g = 0; g < NG; g++)
         for (int c = 0; c < D16; c++) {
@@ -141,9 +175,9 @@ static inline __attribute__((always_inline)) void attend_regs(const pd_model *m,
             acc[g][c] = _mm512_setzero_ps();
         }
     for (long i = 0; i < length; i++) {
-        const float *key = L->k_cache + pd_cache_row(m, table, first + i, kh);
+        long key = pd_cache_row(m, table, first + i, kh);
         __m512 k[MAX_D16];
-        for (int c = 0; c < D16; c++) k[c] = _mm512_loadu_ps(key + c * 16);
+        for (int c = 0; c < D16; c++) k[c] = kv16(L->k_cache, key + c * 16, BF);
         for (int g = 0; g < NG; g++) {
             __m512 dot = _mm512_mul_ps(qs[g][0], k[0]);
             for (int c = 1; c < D16; c++) dot = _mm512_fmadd_ps(qs[g][c], k[c], dot);
@@ -152,9 +186,9 @@ static inline __attribute__((always_inline)) void attend_regs(const pd_model *m,
     }
     for (int g = 0; g < NG; g++) pd_softmax(scores + (long)g * max_len, length, sinks ? sinks + g : NULL);
     for (long i = 0; i < length; i++) {
-        const float *value = L->v_cache + pd_cache_row(m, table, first + i, kh);
+        long value = pd_cache_row(m, table, first + i, kh);
         for (int c = 0; c < D16; c++) {
-            __m512 v = _mm512_loadu_ps(value + c * 16);
+            __m512 v = kv16(L->v_cache, value + c * 16, BF);
             for (int g = 0; g < NG; g++)
                 acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * max_len + i]), v, acc[g][c]);
         }
@@ -170,28 +204,38 @@ static void attend_any(const pd_model *m, const pd_layer *L, const float *q, con
     float qs[ng * D], acc[ng * D];
     for (int i = 0; i < ng * D; i++) qs[i] = q[i] * m->scale;
     for (long i = 0; i < length; i++) {
-        const float *key = L->k_cache + pd_cache_row(m, table, first + i, kh);
+        long key = pd_cache_row(m, table, first + i, kh);
         for (int g = 0; g < ng; g++) {
             float dot = 0.f;
+            if (m->kv_bf16)
+                for (int d = 0; d < D; d++) dot += qs[g * D + d] * kv_at(m, L->k_cache, key + d);
+            else {
 #pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < D; d++) dot += qs[g * D + d] * key[d];
+                for (int d = 0; d < D; d++) dot += qs[g * D + d] * L->k_cache[key + d];
+            }
             scores[g * max_len + i] = dot;
         }
     }
     for (int g = 0; g < ng; g++) pd_softmax(scores + (long)g * max_len, length, sinks ? sinks + g : NULL);
     memset(acc, 0, sizeof(acc));
     for (long i = 0; i < length; i++) {
-        const float *value = L->v_cache + pd_cache_row(m, table, first + i, kh);
+        long value = pd_cache_row(m, table, first + i, kh);
         for (int g = 0; g < ng; g++) {
             float w = scores[(long)g * max_len + i];
+            if (m->kv_bf16)
+                for (int d = 0; d < D; d++) acc[g * D + d] += w * kv_at(m, L->v_cache, value + d);
+            else {
 #pragma omp simd
-            for (int d = 0; d < D; d++) acc[g * D + d] += w * value[d];
+                for (int d = 0; d < D; d++) acc[g * D + d] += w * L->v_cache[value + d];
+            }
         }
     }
     memcpy(out, acc, sizeof(acc));
 }
 
-#define ATTEND_REGS(NG, D16) attend_regs(m, L, q, sinks, kh, table, first, length, scores, max_len, o, NG, D16)
+#define ATTEND_REGS(NG, D16)                                                                          \
+    (m->kv_bf16 ? attend_regs(m, L, q, sinks, kh, table, first, length, scores, max_len, o, NG, D16, 1) \
+                : attend_regs(m, L, q, sinks, kh, table, first, length, scores, max_len, o, NG, D16, 0))
 
 /* Query heads g0 .. g0 + ng - 1 of KV head kh's group, of sequence b (a window's keys only). Head
  * sizes 64, 128 and 256 take the group in register-sized parts (4 or 3 heads of 64, 2 of 128, 1 of 256), each

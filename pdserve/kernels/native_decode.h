@@ -95,6 +95,7 @@ typedef struct {
     const pd_layer *layer;
     pd_reduce reduce; /* NULL: one rank */
     int32_t act;      /* the MLP's gate: 0 SiLU, 1 GELU (tanh approximation: Gemma 3) */
+    int32_t kv_bf16;  /* the KV planes hold bf16 (native_decode.c's kv16), not float32 */
 } pd_model;
 
 /* f(gate) * up for each row's [gate | up] of gu [tokens, 2 * inter] -> act [tokens, inter]: f SiLU,

@@ -104,7 +104,8 @@ class _Model(ctypes.Structure):
     _fields_ = [("layers", c_int32), ("hidden", c_int32), ("inter", c_int32), ("heads", c_int32),
                 ("kv_heads", c_int32), ("head_dim", c_int32), ("block_size", c_int32), ("eps", c_float),
                 ("scale", c_float), ("s_block", c_int64), ("s_slot", c_int64), ("s_head", c_int64),
-                ("final_norm", c_void_p), ("layer", POINTER(_Layer)), ("reduce", c_void_p), ("act", c_int32)]
+                ("final_norm", c_void_p), ("layer", POINTER(_Layer)), ("reduce", c_void_p), ("act", c_int32),
+                ("kv_bf16", c_int32)]
 
 # the MLP gates the C step computes (pd_model.act)
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -279,10 +280,12 @@ def _pointer(t: torch.Tensor | None) -> int | None:
 
 def _cache_unfit(layer_caches, planes_per_layer: int) -> str | None:
     k0 = layer_caches[0][0]
-    if any(len(planes) != planes_per_layer or not all(p.dtype == torch.float32 and p.device.type == "cpu" and p.dim() == 4
+    # bf16 planes (--kv-cache-dtype bfloat16) for K and V; MLA's latent stays float32
+    dtypes = (torch.float32, torch.bfloat16) if planes_per_layer == 2 else (torch.float32,)
+    if any(len(planes) != planes_per_layer or not all(p.dtype == k0.dtype and p.device.type == "cpu" and p.dim() == 4
                                        and p.stride() == k0.stride() and p.stride(-1) == 1 for p in planes)
-           for planes in layer_caches):
-        return "the KV cache is not a float32 K and V (or MLA's latent) per layer on CPU"
+           for planes in layer_caches) or k0.dtype not in dtypes:
+        return "the KV cache is not a float32 (or bf16) K and V, or MLA's float32 latent, per layer on CPU"
     return None
 
 
@@ -306,7 +309,7 @@ class NativeDecode:
         self._model = _Model(len(w.layers), w.hidden, w.inter, w.heads, w.kv_heads, w.head_dim, k0.shape[1], w.eps,
                              w.scale, *k0.stride()[:3], w.final_norm.data_ptr(), self._layers,
                              ctypes.cast(self._reduce, c_void_p) if self._reduce else None,
-                             ACTIVATIONS[w.activation])
+                             ACTIVATIONS[w.activation], int(k0.dtype == torch.bfloat16))
         self.rope_tables = 1 + max(layer.rope for layer in w.layers)
         self._model_ptr = ctypes.addressof(self._model)
         self.steps = self.rows = 0  # steps and rows run here (tests check the path is taken)

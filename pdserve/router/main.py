@@ -153,8 +153,9 @@ def build_app(model: str, prefill: list[str], decode: list[str], transfer: str, 
 
 def _kv_dtype_name(args) -> str:
     """The nodes' KV dtype as their block-key salt names it (until their pongs report the salt)."""
-    if getattr(args, "kv_cache_dtype", "auto") == "fp8":
-        return "float8_e4m3fn"
+    kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
+    if kv_cache_dtype != "auto":
+        return {"fp8": "float8_e4m3fn"}.get(kv_cache_dtype, kv_cache_dtype)
     return "float32" if args.dtype == "auto" else args.dtype
 
 
