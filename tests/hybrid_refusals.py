@@ -12,9 +12,8 @@ from pdserve.models.hybrid import unsupported_for_hybrid
 from pdserve.node.hybrid_roles import check_hybrid_role
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "feature-matrix.md"
-# feature -> the engine settings that turn it on (prefix caching is on by default)
+# feature -> the engine settings that turn it on
 FEATURES = {
-    "prefix caching": dict(enable_prefix_caching=True),
     "speculation": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
     "LoRA": dict(enable_lora=True),
     "TP 2": dict(tensor_parallel_size=2),
@@ -23,7 +22,7 @@ FEATURES = {
 
 
 def refusal(feature: str) -> str:
-    config = EngineConfig(**{"enable_prefix_caching": False, **FEATURES[feature]})
+    config = EngineConfig(**FEATURES[feature])
     (reason,) = unsupported_for_hybrid(config)
     return reason
 
@@ -42,7 +41,8 @@ def hybrid_section() -> str:
     lines = ["## Hybrid models", "",
              "Qwen3.5, Qwen3-Next, Nemotron-H and Granite 4.0-H ([models](models.md#hybrid-models-qwen35-nemotron-h)) keep a recurrent state per "
              "request beside the KV blocks. `tests/test_models_hybrid.py` checks each refusal below at start; "
-             "offline greedy decoding, chunked prefill, batched decode and preemption match transformers.", "",
+             "offline greedy decoding, chunked prefill, batched decode, preemption and prefix caching (with "
+             "the state snapshotted at block boundaries) match transformers.", "",
              "| feature | hybrid model |", "|---|---|"]
     lines += [f"| {name} | ✗ |" for name in ("P/D handover", *FEATURES)]
     lines += ["", f"- **P/D handover:** {handover_refusal()}"]

@@ -69,6 +69,26 @@ def test_greedy_chunked_batched_preempted_match_generate(checkpoint):
 
 
 @ONE_OF_EACH
+def test_prefix_cache_takes_kv_and_the_state_snapshot(checkpoint):
+    """A prompt that shares a block-aligned prefix with an earlier one takes its KV blocks and the
+    state snapshotted at the boundary (32-token steps end on block boundaries): the same tokens
+    as transformers, and cached_tokens says so."""
+    path, ref = checkpoint
+    base = random_prompts(5, ref.config.vocab_size, (40,))[0]
+    # the second computes only 4 tokens past the cached 32: its tokens hang on the restored state
+    prompts = [base + tail for tail in random_prompts(6, ref.config.vocab_size, (7,))] + [base[:36]]
+    llm = LLM(model=str(path), num_kv_blocks=32, max_num_batched_tokens=32, max_num_seqs=2)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+    assert outs[1].num_cached_tokens == 32, "the second prompt should take the first's two shared blocks"
+    for prompt, out in zip(prompts, outs):
+        want, gaps = reference_greedy(ref, prompt, NEW_TOKENS)
+        assert_meaningful(want, gaps)
+        assert out.outputs[0].token_ids == want, f"{path.name}: a {len(prompt)}-token prompt"
+    assert llm.engine.kv.states.num_in_use() == 0, "state slots leaked"
+
+
+@ONE_OF_EACH
 def test_abort_and_preemption_free_state_slots(checkpoint):
     path, ref = checkpoint
     llm = LLM(model=str(path), num_kv_blocks=32, max_num_seqs=2, enable_prefix_caching=False)
@@ -104,14 +124,12 @@ def test_no_handover_in_or_out(checkpoint):
 
 
 @ONE_OF_EACH
-def test_up_refuses_prefill_nodes_and_prefix_caching_before_starting(checkpoint):
+def test_up_refuses_prefill_nodes_before_starting(checkpoint):
     """`pdserve up` / `serve` check the config.json (no torch) before any process starts."""
     config = read_model_config(checkpoint[0])
     with pytest.raises(ValueError, match="--prefill-nodes 0"):
-        check_hybrid_layout(Namespace(prefill_nodes=1, enable_prefix_caching=False), config)
-    with pytest.raises(ValueError, match="--no-enable-prefix-caching"):
-        check_hybrid_layout(Namespace(prefill_nodes=0, enable_prefix_caching=True), config)
-    check_hybrid_layout(Namespace(prefill_nodes=0, enable_prefix_caching=False), config)
+        check_hybrid_layout(Namespace(prefill_nodes=1), config)
+    check_hybrid_layout(Namespace(prefill_nodes=0), config)
 
 
 @ONE_OF_EACH
@@ -120,7 +138,7 @@ def test_unsupported_features_are_refused_at_start(checkpoint, feature):
     """Each refusal the feature-matrix page lists (hybrid_refusals) is what the engine says."""
     path, _ = checkpoint
     with pytest.raises(ValueError, match=re.escape(refusal(feature))):
-        LLM(model=str(path), num_kv_blocks=32, **{"enable_prefix_caching": False, **FEATURES[feature]})
+        LLM(model=str(path), num_kv_blocks=32, **FEATURES[feature])
     assert hybrid_section() in DOC.read_text(), "docs/feature-matrix.md: regenerate its hybrid section"
 
 

@@ -38,6 +38,7 @@ from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.state_pool import StatePool
+from pdserve.engine.state_snapshots import StateSnapshots
 from pdserve.engine.structured_output import StructuredOutputs
 from pdserve.executor.executor import TPExecutor
 from pdserve.executor.pipeline_runner import PipelineModelRunner
@@ -76,6 +77,7 @@ class _Target:
     kv_cache: torch.Tensor
     executor: TPExecutor | None
     states: StatePool | None = None  # a hybrid model's recurrent-state slots
+    snapshots: StateSnapshots | None = None  # ... and their copies at block boundaries (prefix caching)
 
 
 def _load_target(config: EngineConfig) -> _Target:
@@ -106,11 +108,11 @@ def _load_target(config: EngineConfig) -> _Target:
         model = load_driver_shard(executor, model_path, hf_config, dtype, device)
         return _Target(device, model_path, hf_config, dtype, layout, model, executor.kv_cache, executor)
     model = load_model(model_path, hf_config, dtype, device)
-    states = None
+    states = snapshots = None
     if hybrid:
-        states, blocks = state_pool(config, model, layout, blocks, device)
+        states, snapshots, blocks = state_pool(config, model, layout, blocks, device)
     kv_cache = zeroed_pool((blocks, *layout.block_shape()), layout.dtype, device)
-    return _Target(device, model_path, hf_config, dtype, layout, model, kv_cache, None, states)
+    return _Target(device, model_path, hf_config, dtype, layout, model, kv_cache, None, states, snapshots)
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -144,7 +146,7 @@ def _parts(config: EngineConfig, t: _Target) -> EngineParts:
     salt = t.kv_layout.salt()
     pool = BlockPool(t.kv_cache.shape[0], config.enable_prefix_caching)
     whole_images = bool(getattr(t.model, "bidirectional_images", False))
-    kv = KVCacheManager(pool, config.block_size, salt, kv_window(t.model), whole_images, t.states)
+    kv = KVCacheManager(pool, config.block_size, salt, kv_window(t.model), whole_images, t.states, t.snapshots)
     lora = start_lora(config, t.model, t.dtype, t.device)
     ops = kernel_ops(config, t.device, t.kv_cache, t.model_path, t.kv_layout.num_layers, t.dtype)
     if whole_images and not getattr(ops, "PREFILL_KEY_ENDS", False):

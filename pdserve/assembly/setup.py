@@ -12,6 +12,7 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_pool_size import default_num_blocks
 from pdserve.engine.state_pool import StatePool, slot_nbytes
+from pdserve.engine.state_snapshots import StateSnapshots
 from pdserve.kernels import get_ops
 from pdserve.kernels.fp8_kv import NarrowKVOps, checkpoint_kv_scales
 from pdserve.kvstore.layout import KVLayout
@@ -53,21 +54,25 @@ def check_hybrid_supported(config: EngineConfig, hf_config) -> None:
 
 
 def state_pool(config: EngineConfig, model, layout: KVLayout, blocks: int, device: torch.device
-               ) -> tuple[StatePool, int]:
-    """A hybrid model's state pool, one slot per request that may run at once (max_num_seqs),
-    and the KV block count left beside it: a memory budget (kv_cache_memory_gb, or the default
-    pool's) holds both, an explicit num_kv_blocks is kept as given."""
+               ) -> tuple[StatePool, StateSnapshots | None, int]:
+    """A hybrid model's state pool, one slot per request that may run at once (max_num_seqs);
+    with prefix caching, as many snapshots of states at block boundaries (state_snapshots); and
+    the KV block count left beside them: a memory budget (kv_cache_memory_gb, or the default
+    pool's) holds them all, an explicit num_kv_blocks is kept as given."""
     spec = model.state_spec()
-    state_bytes = config.max_num_seqs * slot_nbytes(spec)
+    copies = config.max_num_seqs * (2 if config.enable_prefix_caching else 1)
+    state_bytes = copies * slot_nbytes(spec)
     if not config.num_kv_blocks:
         budget_blocks = blocks
         blocks -= math.ceil(state_bytes / layout.block_nbytes())
         if blocks < 1:
             raise ValueError(f"the KV memory budget ({budget_blocks} blocks) cannot hold the recurrent-state pool "
-                             f"({config.max_num_seqs} slots of {len(spec)} layers, {state_bytes / 2**20:.1f} MiB) "
+                             f"({copies} slots of {len(spec)} layers, {state_bytes / 2**20:.1f} MiB) "
                              "and one KV block: raise kv_cache_memory_gb or lower max_num_seqs")
-    log.info("state pool: %d slots of %d layers (%.1f MiB)", config.max_num_seqs, len(spec), state_bytes / 2**20)
-    return StatePool(spec, config.max_num_seqs, device), blocks
+    log.info("state pool: %d slots of %d layers, with snapshots (%.1f MiB)", copies, len(spec), state_bytes / 2**20)
+    pool = StatePool(spec, config.max_num_seqs, device)
+    snapshots = StateSnapshots(pool, config.max_num_seqs, device) if config.enable_prefix_caching else None
+    return pool, snapshots, blocks
 
 
 def max_model_len(config: EngineConfig, hf_config, model, num_blocks: int) -> int:

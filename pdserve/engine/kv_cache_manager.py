@@ -7,13 +7,16 @@ puts SLID_OUT in its place in the request's block table, which no kernel reads.
 
 For a hybrid model (linear-attention or Mamba layers beside attention), each request also holds
 one slot of the state pool (pdserve.engine.state_pool) with its blocks: taken by its first
-allocation, given back whenever its blocks are freed (finish, abort, preemption).
+allocation, given back whenever its blocks are freed (finish, abort, preemption). With prefix
+caching, a cached prefix is taken only as far as a snapshot of the state after its last block
+exists (pdserve.engine.state_snapshots), which restores the request's slot.
 """
 from __future__ import annotations
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import PENDING_TOKEN, Request
 from pdserve.engine.state_pool import StatePool
+from pdserve.engine.state_snapshots import StateSnapshots
 from pdserve.protocol.block_keys import ROOT_KEY, block_key
 from pdserve.protocol.multimodal import block_extra
 
@@ -22,9 +25,10 @@ SLID_OUT = -1  # a block-table entry whose block left every layer's window and w
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, salt: bytes, window: int = 0, whole_images: bool = False,
-                 states: StatePool | None = None):
+                 states: StatePool | None = None, snapshots: StateSnapshots | None = None):
         self.pool = pool
         self.states = states  # a hybrid model's state slots; None for attention-only models
+        self.snapshots = snapshots  # ... and their copies at block boundaries, with prefix caching
         self.block_size = block_size
         self.salt = salt
         # > 0: every layer slides and none looks further back than this (0: some layer is full).
@@ -63,6 +67,10 @@ class KVCacheManager:
             hits.append(block_id)
         while hits and self.whole_images and inside_image(req, len(hits) * self.block_size):
             hits.pop()
+        if self.states is not None:  # a hybrid model also needs the state after the last hit
+            keys = req.block_keys
+            while hits and (self.snapshots is None or keys[len(hits) - 1] not in self.snapshots):
+                hits.pop()
         return hits
 
     def allocate(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
@@ -77,6 +85,8 @@ class KVCacheManager:
         req.block_ids.extend(cached)
         if cached:  # hits are in the prefix cache already; blocks allocated earlier may not be yet
             req.num_registered_blocks = max(req.num_registered_blocks, len(req.block_ids))
+            if self.snapshots is not None:  # (find_cached_prefix took hits only as far as a snapshot)
+                self.snapshots.restore(self.block_keys(req)[len(req.block_ids) - 1], req.state_slot)
         if needed > 0:
             req.block_ids.extend(self.pool.allocate(needed))
         return True
@@ -116,6 +126,8 @@ class KVCacheManager:
                 if req.block_ids[i] != SLID_OUT:  # (a handover skipped it: never held here)
                     self.pool.cache_block(req.block_ids[i], keys[i])
             req.num_registered_blocks = full
+            if self.snapshots is not None and req.num_computed_tokens == full * self.block_size:
+                self.snapshots.save(req.state_slot, keys[full - 1])  # the state exactly at the boundary
         self.slide(req)
 
     def num_dead_blocks(self, num_tokens: int) -> int:

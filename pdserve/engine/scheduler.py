@@ -172,9 +172,17 @@ class Scheduler:
                 n = self._whole_images(req, start, n)
             if self.uncached_images is not None and req.images and n > 0:
                 n = self._encoder_room(req, start, n)
+            if self.kv.snapshots is not None and start + n < req.num_tokens:
+                n = self._to_block_boundary(start, n)
             self._prefill_left -= n
             self.step_prefill_tokens += n
         return n
+
+    def _to_block_boundary(self, start: int, n: int) -> int:
+        """A hybrid model's prefill chunk cut back to end on a block boundary where it can, so the
+        state after it is snapshotted for prefix caching (pdserve.engine.state_snapshots)."""
+        end = (start + n) // self.kv.block_size * self.kv.block_size
+        return end - start if end > start else n
 
     def _encoder_room(self, req: Request, start: int, n: int) -> int:
         """n, or cut back to the first image that needs encoding when the chunk and the encoding

@@ -47,18 +47,15 @@ def check_model(args: argparse.Namespace) -> None:
 
 
 def check_hybrid_layout(args: argparse.Namespace, config) -> None:
-    """A hybrid model (linear-attention or Mamba layers) runs whole on decode nodes, without prefix
-    caching, until its recurrent state is handed over and cached (pdserve.node.hybrid_roles):
-    refused here, before its prefill nodes would fail at start one after another."""
+    """A hybrid model (linear-attention or Mamba layers) runs whole on decode nodes until its
+    recurrent state is handed over (pdserve.node.hybrid_roles): refused here, before its prefill
+    nodes would fail at start one after another."""
     if not has_state_layers(config):
         return
     arch = (getattr(config, "architectures", None) or ["the model"])[0]
     if getattr(args, "prefill_nodes", 0):
         raise ValueError(f"{arch} is a hybrid model: its recurrent state is not handed over between nodes yet; "
                          "serve it whole on decode nodes with --prefill-nodes 0")
-    if getattr(args, "enable_prefix_caching", False):
-        raise ValueError(f"{arch} is a hybrid model: prefix caching would need its recurrent state at block "
-                         "boundaries, which is not kept yet; add --no-enable-prefix-caching")
 
 
 def run_serve(args: argparse.Namespace) -> int:

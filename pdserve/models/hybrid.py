@@ -87,9 +87,6 @@ def unsupported_for_hybrid(config) -> list[str]:
     """The engine settings pdserve does not implement for hybrid models yet, each with why; empty:
     the config can run. (Checked at start-up by pdserve.assembly.)"""
     refused = []
-    if config.enable_prefix_caching:
-        refused.append("prefix caching (enable_prefix_caching; --no-enable-prefix-caching): a cached prefix "
-                       "would need the recurrent state at the block boundary, which is not kept yet")
     if config.speculative_config is not None:
         refused.append("speculative decoding (speculative_config): rejected drafts would need the recurrent "
                        "state rolled back")
