@@ -44,6 +44,7 @@ def hybrid_section() -> str:
              "offline greedy decoding, chunked prefill, batched decode, preemption and prefix caching (with "
              "the state snapshotted at block boundaries) match transformers.", "",
              "| feature | hybrid model |", "|---|---|"]
+    lines += ["| prefix caching | ✓ (the state snapshotted at block boundaries) |"]
     lines += [f"| {name} | ✗ |" for name in ("P/D handover", *FEATURES)]
     lines += ["", f"- **P/D handover:** {handover_refusal()}"]
     lines += [f"- **{name}:** {refusal(name)}" for name in FEATURES]
