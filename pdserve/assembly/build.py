@@ -176,8 +176,10 @@ def _parts(config: EngineConfig, t: _Target) -> EngineParts:
         scheduler.uncached_images = runner.multimodal.uncached_images
     outputs = OutputProcessor(tokenizer, eos_ids(t.hf_config, tokenizer), max_len)
     structured = StructuredOutputs(tokenizer, t.model.spec.vocab_size, outputs.eos_token_ids)
-    # (Speculation needs each step's tokens on the host to draft the next: no overlap.)
-    async_scheduling = (t.executor is None and config.speculative_config is None
+    # (Speculation needs each step's tokens on the host to draft the next: no overlap. A hybrid
+    # model's state snapshot is taken as its step is collected, which must come before the next
+    # step updates the slot: no overlap either.)
+    async_scheduling = (t.executor is None and config.speculative_config is None and t.states is None
                         and use_async_scheduling(config.async_scheduling, t.device))
     return EngineParts(config, t.device, t.model_path, t.hf_config, t.dtype, t.kv_layout, salt, t.model, t.kv_cache,
                        tokenizer, max_len, pool, kv, lora, scheduler, runner, outputs, structured,
