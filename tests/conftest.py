@@ -26,8 +26,8 @@ _shared = SharedClusters(("plain_cluster", "default_model_cluster"))
 @pytest.fixture(scope="module")
 def plain_cluster():
     """The built-in test model, one prefill and one decode node, KV over NIXL (running_cluster's
-    test defaults): test_bench_plot, test_dashboard, test_detokenize, test_no_server_errors and
-    test_openapi_fuzz send it requests and change nothing else in it."""
+    test defaults): test_bench_plot, test_dashboard, test_detokenize, test_no_server_errors,
+    test_openapi_fuzz and test_penalties (over NIXL) send it requests and change nothing else in it."""
     return _shared.url("plain_cluster", "--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl")
 
 

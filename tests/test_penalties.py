@@ -195,7 +195,12 @@ PENALISED = dict(presence_penalty=1.2, frequency_penalty=0.6, logit_bias={"65": 
 
 
 @pytest.fixture(scope="module", params=["nixl", "store"])
-def cluster(request):
+def cluster(request, plain_cluster):
+    """Over NIXL: conftest's plain_cluster, whose flags are exactly `--kv-transfer nixl` with the
+    test defaults (these tests only send requests); over the store, a cluster of its own."""
+    if request.param == "nixl":
+        yield request.param, plain_cluster
+        return
     with running_cluster("--kv-transfer", request.param) as (url, _):
         yield request.param, url
 
