@@ -71,8 +71,8 @@ def test_greedy_chunked_batched_preempted_match_generate(checkpoint):
 @ONE_OF_EACH
 def test_prefix_cache_takes_kv_and_the_state_snapshot(checkpoint):
     """A prompt that shares a block-aligned prefix with an earlier one takes its KV blocks and the
-    state snapshotted at the boundary (32-token steps end on block boundaries): the same tokens
-    as transformers, and cached_tokens says so."""
+    state snapshotted at the boundary (32-token steps end on block boundaries; decode passes one
+    every 16 tokens): the same tokens as transformers, and cached_tokens says so."""
     path, ref = checkpoint
     base = random_prompts(5, ref.config.vocab_size, (40,))[0]
     # the second computes only 4 tokens past the cached 32: its tokens hang on the restored state
@@ -81,6 +81,10 @@ def test_prefix_cache_takes_kv_and_the_state_snapshot(checkpoint):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
     assert outs[1].num_cached_tokens == 32, "the second prompt should take the first's two shared blocks"
+    # a conversation's next turn: the first prompt, its reply (decode left a snapshot at 48), more
+    prompts.append(prompts[0] + outs[0].outputs[0].token_ids + [5, 6, 7])
+    outs.append(llm.generate([{"prompt_token_ids": prompts[-1]}], params, use_tqdm=False)[0])
+    assert outs[2].num_cached_tokens == 48, "the next turn should take the blocks up to the reply's boundary"
     for prompt, out in zip(prompts, outs):
         want, gaps = reference_greedy(ref, prompt, NEW_TOKENS)
         assert_meaningful(want, gaps)
