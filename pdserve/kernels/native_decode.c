@@ -156,6 +156,16 @@ void pd_softmax(float *s, long length, const float *sink) {
     for (i = 0; i < length; i++) s[i] /= total;
 }
 
+/* Rows this many keys ahead are prefetched: each block of 16 tokens lies wherever the pool put it,
+ * so the hardware prefetcher loses the stream at every block boundary (perf: the step's attention
+ * time sat on its K and V loads) */
+#define KV_PREFETCH 6
+
+static inline __attribute__((always_inline)) void kv_prefetch(const float *plane, long at, const int D16, const int BF) {
+    const char *row = BF ? (const char *)((const uint16_t *)plane + at) : (const char *)(plane + at);
+    for (int line = 0; line < D16 * (BF ? 32 : 64); line += 64) _mm_prefetch(row + line, _MM_HINT_T0);
+}
+
 #define MAX_NG 4  /* query heads an item holds in registers */
 #define MAX_D16 16 /* head_dim / 16 held in registers: up to 256 (one head at a time there) */
 
@@ -176,6 +186,7 @@ static inline __attribute__((always_inline)) void attend_regs(const pd_model *m,
         }
     for (long i = 0; i < length; i++) {
         long key = pd_cache_row(m, table, first + i, kh);
+        if (i + KV_PREFETCH < length) kv_prefetch(L->k_cache, pd_cache_row(m, table, first + i + KV_PREFETCH, kh), D16, BF);
         __m512 k[MAX_D16];
         for (int c = 0; c < D16; c++) k[c] = kv16(L->k_cache, key + c * 16, BF);
         for (int g = 0; g < NG; g++) {
@@ -187,6 +198,7 @@ static inline __attribute__((always_inline)) void attend_regs(const pd_model *m,
     for (int g = 0; g < NG; g++) pd_softmax(scores + (long)g * max_len, length, sinks ? sinks + g : NULL);
     for (long i = 0; i < length; i++) {
         long value = pd_cache_row(m, table, first + i, kh);
+        if (i + KV_PREFETCH < length) kv_prefetch(L->v_cache, pd_cache_row(m, table, first + i + KV_PREFETCH, kh), D16, BF);
         for (int c = 0; c < D16; c++) {
             __m512 v = kv16(L->v_cache, value + c * 16, BF);
             for (int g = 0; g < NG; g++)
