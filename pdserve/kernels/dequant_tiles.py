@@ -64,56 +64,45 @@ def matmul_by_tiles(x: torch.Tensor, rows: int, fill_tile: Callable[[int, int, n
     """x [tokens, K] float32 @ w.T -> [tokens, rows] float32; fill_tile(start, end, tile) writes
     rows start..end of w, dequantized, into tile [end - start, K] (float32). native: the matrix's
     native_gemv.matrix_args, whose tiles the compiled library dequantizes instead where it takes
-    them (native_tiles.c: in torch's thread pool, not numba's)."""
+    them (native_tiles.c: in torch's thread pool, not numba's, and straight into bf16)."""
     cols = x.shape[1]
     tile_rows = max(min_rows, TILE_BYTES // (4 * cols))
     if native is not None and native_gemv.library() is not None and x.is_contiguous():
-        out = _native_tiles(x, rows, native, tile_rows)
+        tile = torch.empty(tile_rows, cols, dtype=_tile_dtype)
+        bf16 = _tile_dtype == torch.bfloat16
+        out = _tile_products(x, rows, tile, lambda start, end: native_gemv.dequant_rows(
+            native, cols, start, end, tile.data_ptr(), bf16))
         if out is not None:
             return out
     buffer = _tiles.get(cols)
     if buffer is None or buffer.shape[0] < tile_rows:
         buffer = _tiles[cols] = np.empty((tile_rows, cols), dtype=np.float32)
-    if _tile_dtype != torch.float32:
-        return _low_precision_tiles(x, rows, fill_tile, buffer, tile_rows)
-    out_t = torch.empty(rows, x.shape[0])  # [N, tokens]: each tile's product is a contiguous slice
-    for start in range(0, rows, tile_rows):
-        end = min(rows, start + tile_rows)
-        tile = buffer[:end - start]
-        fill_tile(start, end, tile)
-        torch.mm(torch.from_numpy(tile), x.T, out=out_t[start:end])
-    return out_t.T.contiguous()
+    buffer = buffer[:tile_rows]
+
+    def fill(start: int, end: int) -> bool:
+        fill_tile(start, end, buffer[:end - start])
+        return True
+    return _tile_products(x, rows, torch.from_numpy(buffer), fill)
 
 
-def _native_tiles(x: torch.Tensor, rows: int, native: tuple, tile_rows: int) -> torch.Tensor | None:
-    """matmul_by_tiles with the compiled library's tiles, float32 or bf16 (_tile_dtype) as they
-    are multiplied; None when it does not take the matrix's layout (nothing is computed then)."""
-    cols, bf16 = x.shape[1], _tile_dtype == torch.bfloat16
-    tile = torch.empty(tile_rows, cols, dtype=_tile_dtype)
-    if bf16:
-        out, x_low = torch.empty(x.shape[0], rows), x.to(torch.bfloat16)
+def _tile_products(x: torch.Tensor, rows: int, tile: torch.Tensor,
+                   fill: Callable[[int, int], bool]) -> torch.Tensor | None:
+    """x @ w.T, w's rows filled tile by tile into `tile` by fill(start, end) (False: it does not
+    take this matrix, and the result is None). In float32 each tile's product is a contiguous
+    slice of the [N, tokens] output; in _tile_dtype (float32 sums rounded by torch's matmul) it is
+    widened straight into its columns of the output."""
+    tile_rows, low = tile.shape[0], _tile_dtype != torch.float32
+    if low:
+        out, x_low = torch.empty(x.shape[0], rows), x.to(_tile_dtype)
     else:
-        out_t = torch.empty(rows, x.shape[0])  # [N, tokens]: each tile's product is a contiguous slice
+        out_t = torch.empty(rows, x.shape[0])
     for start in range(0, rows, tile_rows):
         end = min(rows, start + tile_rows)
-        if not native_gemv.dequant_rows(native, cols, start, end, tile.data_ptr(), bf16):
+        if not fill(start, end):
             return None
-        if bf16:
-            out[:, start:end] = torch.mm(x_low, tile[:end - start].T)
+        filled = tile[:end - start]
+        if low:
+            out[:, start:end] = torch.mm(x_low, filled.to(_tile_dtype).T)
         else:
-            torch.mm(tile[:end - start], x.T, out=out_t[start:end])
-    return out if bf16 else out_t.T.contiguous()
-
-
-def _low_precision_tiles(x: torch.Tensor, rows: int, fill_tile: Callable[[int, int, np.ndarray], None],
-                         buffer: np.ndarray, tile_rows: int) -> torch.Tensor:
-    """matmul_by_tiles in _tile_dtype: each tile's [tokens, tile rows] product (float32 sums,
-    rounded to _tile_dtype by torch's matmul) widened straight into its columns of the output."""
-    out = torch.empty(x.shape[0], rows)
-    x_low = x.to(_tile_dtype)
-    for start in range(0, rows, tile_rows):
-        end = min(rows, start + tile_rows)
-        tile = buffer[:end - start]
-        fill_tile(start, end, tile)
-        out[:, start:end] = torch.mm(x_low, torch.from_numpy(tile).to(_tile_dtype).T)
-    return out
+            torch.mm(filled, x.T, out=out_t[start:end])
+    return out if low else out_t.T.contiguous()
