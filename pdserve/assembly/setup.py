@@ -14,7 +14,7 @@ from pdserve.engine.kv_pool_size import default_num_blocks
 from pdserve.engine.state_pool import StatePool, slot_nbytes
 from pdserve.engine.state_snapshots import StateSnapshots
 from pdserve.kernels import get_ops
-from pdserve.kernels.fp8_kv import NarrowKVOps, checkpoint_kv_scales
+from pdserve.kernels.fp8_kv import narrow_kv_ops
 from pdserve.kvstore.layout import KVLayout
 from pdserve.lora.manager import LoRAManager
 from pdserve.models.hybrid import unsupported_for_hybrid
@@ -94,11 +94,7 @@ def kernel_ops(config: EngineConfig, device: torch.device, kv_cache: torch.Tenso
     ops = get_ops(config.kernel_backend, device.type)
     if hasattr(ops, "warm_up"):
         ops.warm_up()
-    if config.kv_cache_dtype == "fp8":
-        ops = NarrowKVOps(ops, kv_cache, checkpoint_kv_scales(model_path, num_layers))
-    elif config.kv_cache_dtype == "bfloat16" and model_dtype != torch.bfloat16:
-        ops = NarrowKVOps(ops, kv_cache, [(1.0, 1.0)] * num_layers)
-    return ops
+    return narrow_kv_ops(ops, kv_cache, model_dtype, model_path, num_layers)
 
 
 def start_lora(config: EngineConfig, model, dtype: torch.dtype, device: torch.device):

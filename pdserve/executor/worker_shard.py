@@ -23,7 +23,7 @@ from pdserve.executor.stage_link import StageLink, StageRole, send_waits
 from pdserve.executor.step_channel import StepChannel
 from pdserve.kernels import get_fused_layer_ops, get_ops, native_decode
 from pdserve.kernels.dequant_tiles import set_tile_dtype
-from pdserve.kernels.fp8_kv import FP8, NarrowKVOps, checkpoint_kv_scales
+from pdserve.kernels.fp8_kv import narrow_kv_ops
 from pdserve.kernels.host_memory import keep_large_allocations
 from pdserve.lora.manager import fill_slot
 from pdserve.lora.peft_format import read_peft_adapter
@@ -60,12 +60,9 @@ class Shard:
         self.ops = get_ops(spec.kernel_backend, self.device.type)
         if hasattr(self.ops, "warm_up"):
             self.ops.warm_up()
-        if kv_dtype == FP8:  # the driver's scales: from the same checkpoint files
-            scales = checkpoint_kv_scales(Path(spec.model_path), spec.kv_shape[1])
-            self.ops = NarrowKVOps(self.ops, kv_cache, scales, [k for k, *_ in self.layer_caches])
-        elif kv_dtype == torch.bfloat16 and self.device.type == "cpu":  # (on CPU the model runs float32)
-            self.ops = NarrowKVOps(self.ops, kv_cache, [(1.0, 1.0)] * spec.kv_shape[1],
-                                   [k for k, *_ in self.layer_caches])
+        # an FP8 cache: the driver's scales, from the same checkpoint files
+        self.ops = narrow_kv_ops(self.ops, kv_cache, dtype, Path(spec.model_path), spec.kv_shape[1],
+                                 [k for k, *_ in self.layer_caches])
         self.model.fused = get_fused_layer_ops(self.ops, self.device.type)
         self._run_step = run_worker_step
         self.lora = None  # LoRA slots like the driver's, when adapters are on

@@ -124,3 +124,15 @@ class NarrowKVOps:
         v_new = dequantize(quantize(v_new, vs, self.cache_dtype), vs, q.dtype)
         return self.base.prefill_attention(q, k_new, v_new, k, v, cu_seqlens_q, context_lens, tables,
                                            scale, **extra)
+
+
+def narrow_kv_ops(ops, kv_cache: torch.Tensor, model_dtype: torch.dtype, model_path: Path, num_layers: int,
+                  k_views: list[torch.Tensor] | None = None):
+    """ops over a cache narrower than the model (the driver's and each TP/PP worker's): FP8 with
+    the checkpoint's scales, another dtype than the model's (bf16 under a float32 model) with
+    scales 1.0; ops itself for a cache in the model's dtype."""
+    if kv_cache.dtype == FP8:
+        return NarrowKVOps(ops, kv_cache, checkpoint_kv_scales(model_path, num_layers), k_views)
+    if kv_cache.dtype != model_dtype:
+        return NarrowKVOps(ops, kv_cache, [(1.0, 1.0)] * num_layers, k_views)
+    return ops
