@@ -24,7 +24,7 @@ from pdserve.layers.quant import mxfp4
 from pdserve.layers.quant.base import quantization_dict
 from pdserve.models.attention import PagedAttention
 from pdserve.models.decoder import DecoderModel, build_and_load
-from pdserve.models.llama import ModelSpec
+from pdserve.models.llama import Float32ScaleRMSNorm, ModelSpec
 from pdserve.models.moe import SparseMoE, clamped_swiglu, experts_graph_safe, topk_softmax
 from pdserve.models.moe_decoder import MoeDecoderModel
 from pdserve.models.moe_quant import Mxfp4Experts
@@ -33,20 +33,6 @@ from pdserve.models.weights import WeightLoader, check_fields
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 LOADS_QUANTIZED = True  # check_config vets the quantization_config (pdserve.models.loader)
-
-
-class RMSNorm(nn.Module):
-    """gpt-oss's RMSNorm: scales in float32, then casts (Llama's casts, then scales)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x32).to(x.dtype)
 
 
 def swiglu_params(config) -> dict[str, float]:
@@ -82,8 +68,8 @@ class GptOssDecoderLayer(nn.Module):
             functools.partial(topk_softmax, top_k=config.num_experts_per_tok),
             router_bias=True, expert_bias=True,
             activation=functools.partial(clamped_swiglu, **swiglu_params(config)))
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm = Float32ScaleRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = Float32ScaleRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
@@ -134,7 +120,7 @@ def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.dev
         layers = [GptOssDecoderLayer(config, spec, i) for i in range(spec.num_layers)]
         for layer in layers if quantized else ():
             layer.mlp.experts = Mxfp4Experts.like(layer.mlp.experts)
-        return MoeDecoderModel(spec, layers, RMSNorm(spec.hidden_size, spec.rms_norm_eps), {"rope": rope},
+        return MoeDecoderModel(spec, layers, Float32ScaleRMSNorm(spec.hidden_size, spec.rms_norm_eps), {"rope": rope},
                             ["rope"] * spec.num_layers, cuda_graph_safe=experts_graph_safe)
 
     return build_and_load(make, files, _place, dtype, device)

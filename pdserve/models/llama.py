@@ -67,6 +67,16 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class Float32ScaleRMSNorm(RMSNorm):
+    """RMSNorm that scales in float32, then casts (gpt-oss's and Nemotron-H's; Llama's casts, then
+    scales)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(x.dtype)
+
+
 class Attention(nn.Module):
     """Heads split over the TP group: each rank attends its own query heads and KV heads."""
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from pdserve.models.decoder import build_and_load
 from pdserve.models.hybrid import HybridAttention, HybridDecoderModel, kv_indices, state_indices
-from pdserve.models.llama import ModelSpec
+from pdserve.models.llama import Float32ScaleRMSNorm, ModelSpec
 from pdserve.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape
 from pdserve.models.nemotron_h_moe import NemotronHMoE, checkpoint_target
 from pdserve.models.state_layers import state_dtype
@@ -33,20 +33,6 @@ def check_config(config) -> None:
     if config.mamba_num_heads % config.n_groups:
         raise ValueError("mamba_num_heads must be a multiple of n_groups")
     state_dtype(config)  # refuses an unknown mamba_ssm_cache_dtype
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm whose weight multiplies in float32 (Nemotron-H's), cast back after."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x32).to(x.dtype)
 
 
 class SquaredReluMLP(nn.Module):
@@ -113,9 +99,9 @@ def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.dev
     kv, states = kv_indices(kinds, (ATTENTION,)), state_indices(kinds, (MAMBA,))
 
     def make() -> HybridDecoderModel:
-        layers = [NemotronHBlock(RMSNorm(spec.hidden_size, spec.rms_norm_eps), _mixer(config, spec, kind, kv[i], states[i]))
+        layers = [NemotronHBlock(Float32ScaleRMSNorm(spec.hidden_size, spec.rms_norm_eps), _mixer(config, spec, kind, kv[i], states[i]))
                   for i, kind in enumerate(kinds)]
-        return HybridDecoderModel(spec, layers, RMSNorm(spec.hidden_size, spec.rms_norm_eps), {}, [None] * len(kinds),
+        return HybridDecoderModel(spec, layers, Float32ScaleRMSNorm(spec.hidden_size, spec.rms_norm_eps), {}, [None] * len(kinds),
                                   state_dtype=state_dtype(config))
 
     def place(name: str, tensor: torch.Tensor, loader: WeightLoader) -> None:
