@@ -11,7 +11,6 @@ steps (32 tokens) cut them across chunks, so every path must carry the state exa
 from __future__ import annotations
 
 import re
-from argparse import Namespace
 
 import pytest
 import torch
@@ -20,10 +19,7 @@ from hybrid_refusals import DOC, FEATURES, hybrid_section, refusal
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.request import RequestStatus
-from pdserve.entrypoints.serve_cli import check_hybrid_layout
 from pdserve.models.loader import ModelLoadError, load_hf_config
-from pdserve.models.model_path import read_model_config
-from pdserve.node.hybrid_roles import check_hybrid_role
 from pdserve.testing.hybrid_checkpoints import load_reference, make_hybrid_model
 
 KINDS = ["qwen3_5_text", "qwen3_next", "nemotron_h", "granitemoehybrid"]
@@ -112,28 +108,77 @@ def test_abort_and_preemption_free_state_slots(checkpoint):
     assert states.num_in_use() == 0 and engine.pool.num_in_use() == 0
 
 
+def _run(engine, rid: str) -> list[int]:
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() if out.request_id == rid for t in out.new_token_ids]
+    return tokens
+
+
+def _hand_over(prefill, decode, prompt: list[int], cached: list[int] = (), with_state: bool = True) -> list[int]:
+    """What a P/D pair does, with the transport left out: the prefill engine computes the prompt
+    and holds its blocks and state slot; the decode engine takes the prompt (its own prefix cache
+    first) into landing blocks and a slot, the rest is copied in, and it decodes."""
+    first = _run_held(prefill, prompt)
+    held = prefill.scheduler.held["r"]
+    req = decode.add_request("r", prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+                             output_token_ids=first, remote_kv_tokens=len(prompt))
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req.state_slot is not None
+    assert req.num_computed_tokens == len(cached) * decode.config.block_size
+    for i in range(len(cached), -(-len(prompt) // decode.config.block_size)):
+        decode.kv_cache[req.block_ids[i]] = prefill.kv_cache[held.block_ids[i]]
+    if with_state:
+        decode.kv.states.arena[req.state_slot] = prefill.kv.states.arena[held.state_slot]
+    decode.report_remote_kv("r", True)
+    prefill.release_blocks("r")
+    return first + _run(decode, "r")
+
+
+def _run_held(prefill, prompt: list[int]) -> list[int]:
+    prefill.add_request("r", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), hold_blocks=True)
+    return _run(prefill, "r")
+
+
 @ONE_OF_EACH
-def test_no_handover_in_or_out(checkpoint):
-    """The state does not travel yet: a prefill node is refused at start, and a decode node
-    computes a handed-over prompt itself rather than pull KV without its state."""
+def test_handover_takes_blocks_and_state_into_another_engine(checkpoint):
+    """A decode engine continues a prompt another engine computed from its blocks and its state
+    slot landed in its own (what NIXL and the store move between nodes): transformers' tokens.
+    Without the state, or with the decode engine's own cached prefix and snapshot under the
+    landed rest, the same; with the state left out, not."""
     path, ref = checkpoint
-    engine = LLM(model=str(path), num_kv_blocks=32, enable_prefix_caching=False).engine
-    with pytest.raises(ValueError, match="--prefill-nodes 0"):
-        check_hybrid_role("prefill", engine)
-    check_hybrid_role("decode", engine)
-    prompt = random_prompts(4, ref.config.vocab_size, (20,))[0]
-    req = engine.add_request("handed", prompt, SamplingParams(max_tokens=2), output_token_ids=[5],
-                             remote_kv_tokens=len(prompt))
-    assert req.status == RequestStatus.WAITING and req.remote_kv is None
+    prompt = random_prompts(4, ref.config.vocab_size, (37,))[0]
+    want, gaps = reference_greedy(ref, prompt, NEW_TOKENS)
+    assert_meaningful(want, gaps)
+    prefill, decode = (LLM(model=str(path), num_kv_blocks=32, max_num_seqs=2, max_num_batched_tokens=32).engine
+                       for _ in range(2))
+    assert _hand_over(prefill, decode, prompt) == want
+    assert _hand_over(prefill, decode, prompt, with_state=False) != want, "the state should matter"
+    # the decode engine's cache holds the first 32 tokens (two blocks and the snapshot after them)
+    warm = LLM(model=str(path), num_kv_blocks=32, max_num_seqs=2, max_num_batched_tokens=32).engine
+    warm.add_request("w", prompt[:33], SamplingParams(max_tokens=1, ignore_eos=True))
+    _run(warm, "w")
+    assert _hand_over(prefill, warm, prompt, cached=[0, 1]) == want
+    for engine in (prefill, decode, warm):
+        assert engine.kv.states.num_in_use() == 0 and engine.pool.num_in_use() == 0, "slots or blocks leaked"
 
 
 @ONE_OF_EACH
-def test_up_refuses_prefill_nodes_before_starting(checkpoint):
-    """`pdserve up` / `serve` check the config.json (no torch) before any process starts."""
-    config = read_model_config(checkpoint[0])
-    with pytest.raises(ValueError, match="--prefill-nodes 0"):
-        check_hybrid_layout(Namespace(prefill_nodes=1), config)
-    check_hybrid_layout(Namespace(prefill_nodes=0), config)
+def test_failed_handover_recomputes_from_the_cached_snapshot(checkpoint):
+    """A landing that fails (its state never came) recomputes past the decode engine's own cached
+    prefix from that prefix's snapshot: transformers' tokens."""
+    path, ref = checkpoint
+    prompt = random_prompts(4, ref.config.vocab_size, (37,))[0]
+    want, _ = reference_greedy(ref, prompt, NEW_TOKENS)
+    decode = LLM(model=str(path), num_kv_blocks=32, max_num_seqs=2, max_num_batched_tokens=32).engine
+    decode.add_request("w", prompt[:33], SamplingParams(max_tokens=1, ignore_eos=True))
+    _run(decode, "w")
+    req = decode.add_request("r", prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+                             output_token_ids=want[:1], remote_kv_tokens=len(prompt))
+    assert req.num_computed_tokens == 32
+    decode.kv.states.arena[req.state_slot] = 7  # a READ that wrote part of the slot, then failed
+    decode.report_remote_kv("r", False)
+    assert want[:1] + _run(decode, "r") == want
+    assert decode.kv.states.num_in_use() == 0
 
 
 @ONE_OF_EACH

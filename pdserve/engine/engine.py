@@ -98,8 +98,6 @@ class LLMEngine:
         self.outputs.add(request_id, params, req.output_token_ids, continues_elsewhere)
         if lora_name is not None:
             self.lora.ref(lora_name)  # (checked above: cannot fail)
-        if self.kv.states is not None:
-            remote_kv_tokens = 0  # a hybrid model's state is not handed over (yet): it computes the prompt
         if remote_kv_tokens > 0 and (params.prompt_logprobs is None or req.output_token_ids):
             # (A request still owing prompt logprobs computes its prompt: they need its logits.)
             remote = RemoteKV(min(remote_kv_tokens, req.num_tokens - 1),
@@ -178,7 +176,9 @@ class LLMEngine:
             return
         full = req.remote_kv.num_tokens // self.config.block_size * self.config.block_size
         req.num_computed_tokens = max(req.num_computed_tokens, full)
-        self.kv.commit(req)
+        # A hybrid model's landed state is the state after all remote tokens: a snapshot of the
+        # last full block only where they end on it.
+        self.kv.commit(req, snapshot=full == req.remote_kv.num_tokens)
 
     def mark_remote_transfer(self, request_id: str) -> None:
         """A transfer into the request's blocks has started: hold it past its deadline until

@@ -9,7 +9,8 @@ For a hybrid model (linear-attention or Mamba layers beside attention), each req
 one slot of the state pool (pdserve.engine.state_pool) with its blocks: taken by its first
 allocation, given back whenever its blocks are freed (finish, abort, preemption). With prefix
 caching, a cached prefix is taken only as far as a snapshot of the state after its last block
-exists (pdserve.engine.state_snapshots), which restores the request's slot.
+exists (pdserve.engine.state_snapshots), which restores the request's slot. A request whose KV
+lands from elsewhere takes its slot with its landing blocks: the state lands in it with them.
 """
 from __future__ import annotations
 
@@ -108,17 +109,33 @@ class KVCacheManager:
         hits = list(cached[dead:])
         needed = num_blocks - max(dead, len(cached))
         reclaimed = sum(1 for b in hits if self.pool.blocks[b].ref_cnt == 0)
-        if needed > self.pool.num_free - reclaimed:
+        if needed > self.pool.num_free - reclaimed or not self._take_state_slot(req):
             return False
         self.pool.touch(hits)
         req.block_ids = [SLID_OUT] * dead + hits + self.pool.allocate(max(needed, 0))
         req.num_slid_blocks = dead
         req.num_registered_blocks = len(cached)  # hits are cached already; SLID_OUT is skipped
+        if cached and self.snapshots is not None:  # the state after the hits, until more lands
+            self.snapshots.restore(self.block_keys(req)[len(cached) - 1], req.state_slot)
         return True
 
-    def commit(self, req: Request) -> None:
+    def restore_state(self, req: Request) -> bool:
+        """A hybrid request's slot made to match its computed tokens again (its state landing from
+        elsewhere failed): zeroed at its next step when none are, else the snapshot after its
+        cached prefix; False when that snapshot is gone (the request must start over)."""
+        if self.states is None or req.num_computed_tokens == 0:
+            return True
+        full = req.num_computed_tokens // self.block_size
+        key = self.block_keys(req)[full - 1]
+        if self.snapshots is None or req.num_computed_tokens != full * self.block_size or key not in self.snapshots:
+            return False
+        self.snapshots.restore(key, req.state_slot)
+        return True
+
+    def commit(self, req: Request, snapshot: bool = True) -> None:
         """Enter the request's newly computed full blocks into the prefix cache, then free the
-        blocks that slid out of the window (a sliding-window model)."""
+        blocks that slid out of the window (a sliding-window model). snapshot=False: the slot
+        does not hold the state at the request's computed tokens (KV landed ahead of it)."""
         full = req.num_computed_tokens // self.block_size
         if full > req.num_registered_blocks:
             keys = self.block_keys(req)
@@ -126,7 +143,7 @@ class KVCacheManager:
                 if req.block_ids[i] != SLID_OUT:  # (a handover skipped it: never held here)
                     self.pool.cache_block(req.block_ids[i], keys[i])
             req.num_registered_blocks = full
-            if self.snapshots is not None and req.num_computed_tokens == full * self.block_size:
+            if snapshot and self.snapshots is not None and req.num_computed_tokens == full * self.block_size:
                 self.snapshots.save(req.state_slot, keys[full - 1])  # the state exactly at the boundary
         self.slide(req)
 

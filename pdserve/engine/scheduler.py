@@ -249,7 +249,7 @@ class Scheduler:
         # On failure or timeout the request recomputes into the blocks it already holds; one
         # whose leading blocks slid out (never landed) starts again from its prefix cache.
         req.remote_kv = None
-        if req.num_slid_blocks:
+        if req.num_slid_blocks or not (remote.landed or self.kv.restore_state(req)):
             self.kv.free(req)
             req.num_computed_tokens = req.num_cached_tokens = 0
         req.status = RequestStatus.WAITING

@@ -12,19 +12,57 @@ from the same state as the first run.
 The model declares what it needs (`state_spec()`: per stateful layer, the window's and the
 state's shapes and dtypes); the model runner hands each step a `StateRows` naming every row
 group's slot.
+
+The pool is one byte arena, slot-major: arena[slot] holds every layer's window and state, each
+a view at a fixed offset. So one slot is one contiguous byte range, as one KV block is: one NIXL
+region and one store value when a prefill node hands a request's state over with its blocks
+(pdserve.node.producers), and one row copy for a prefix-cache snapshot.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from pdserve.models.state_layers import LayerStateSpec
 
+ALIGN = 64  # each tensor in a slot starts on a cache line (and any dtype's alignment)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def slot_offsets(spec: list[LayerStateSpec]) -> tuple[int, list[tuple[int, int]]]:
+    """One slot's bytes, and each layer's (window, state) byte offsets in it."""
+    offsets, at = [], 0
+    for layer in spec:
+        conv = at
+        at += -(-math.prod(layer.conv_shape) * _itemsize(layer.conv_dtype) // ALIGN) * ALIGN
+        offsets.append((conv, at))
+        at += -(-math.prod(layer.state_shape) * _itemsize(layer.state_dtype) // ALIGN) * ALIGN
+    return max(at, ALIGN), offsets
+
 
 def slot_nbytes(spec: list[LayerStateSpec]) -> int:
-    """One request's state over every stateful layer, in bytes."""
-    return sum(layer.nbytes() for layer in spec)
+    """One request's state over every stateful layer, in bytes (as the arena lays it out)."""
+    return slot_offsets(spec)[0]
+
+
+def state_layout(spec: list[LayerStateSpec]) -> str:
+    """Names the bytes of a slot (every layer's shapes, dtypes and offsets): two nodes hand a
+    state over only when theirs are equal (the handshake, KVCompat), and it salts the state's
+    store keys (pdserve.protocol.block_keys.state_key)."""
+    parts = [f"{s.conv_shape}{s.conv_dtype}{s.state_shape}{s.state_dtype}" for s in spec]
+    described = f"pdserve-state-v1|{slot_offsets(spec)}|" + "|".join(parts)
+    return f"state-v1-{len(spec)}-{xxhash.xxh3_64_hexdigest(described.encode())}"
+
+
+def _view(arena: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    nbytes = math.prod(shape) * _itemsize(dtype)
+    return arena[:, offset:offset + nbytes].view(dtype).unflatten(1, shape)
 
 
 class StatePool:
@@ -32,8 +70,11 @@ class StatePool:
         if num_slots < 1:
             raise ValueError("the state pool needs at least one slot")
         self.spec = spec
-        self.conv = [torch.zeros((num_slots, *s.conv_shape), dtype=s.conv_dtype, device=device) for s in spec]
-        self.state = [torch.zeros((num_slots, *s.state_shape), dtype=s.state_dtype, device=device) for s in spec]
+        self.slot_nbytes, offsets = slot_offsets(spec)
+        self.layout = state_layout(spec)
+        self.arena = torch.zeros((num_slots, self.slot_nbytes), dtype=torch.uint8, device=device)
+        self.conv = [_view(self.arena, c, s.conv_shape, s.conv_dtype) for s, (c, _) in zip(spec, offsets)]
+        self.state = [_view(self.arena, o, s.state_shape, s.state_dtype) for s, (_, o) in zip(spec, offsets)]
         self.free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.num_slots = num_slots
 
@@ -53,9 +94,7 @@ class StatePool:
 
     def reset(self, slots: torch.Tensor) -> None:
         """Zero the slots of requests that start from their first token."""
-        for tensors in (self.conv, self.state):
-            for t in tensors:
-                t[slots] = 0
+        self.arena[slots] = 0
 
 
 @dataclass

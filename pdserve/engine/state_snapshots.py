@@ -26,8 +26,7 @@ class StateSnapshots:
         if num_snapshots < 1:
             raise ValueError("prefix caching for a hybrid model needs at least one state snapshot")
         self.pool = pool
-        self.conv = [torch.zeros((num_snapshots, *t.shape[1:]), dtype=t.dtype, device=device) for t in pool.conv]
-        self.state = [torch.zeros((num_snapshots, *t.shape[1:]), dtype=t.dtype, device=device) for t in pool.state]
+        self.arena = torch.zeros((num_snapshots, pool.slot_nbytes), dtype=torch.uint8, device=device)  # as the pool's
         self.by_key: OrderedDict[bytes, int] = OrderedDict()  # oldest use first
         self.free = list(range(num_snapshots))
 
@@ -40,18 +39,16 @@ class StateSnapshots:
             self.by_key.move_to_end(key)
             return
         index = self.free.pop() if self.free else self.by_key.popitem(last=False)[1]
-        self._copy(self.pool.conv, slot, self.conv, index)
-        self._copy(self.pool.state, slot, self.state, index)
+        self.arena[index].copy_(self.pool.arena[slot])
         self.by_key[key] = index
 
     def restore(self, key: bytes, slot: int) -> None:
         """Copy the snapshot saved under key into a request's state slot."""
         index = self.by_key[key]
         self.by_key.move_to_end(key)
-        self._copy(self.conv, index, self.pool.conv, slot)
-        self._copy(self.state, index, self.pool.state, slot)
+        self.pool.arena[slot].copy_(self.arena[index])
 
-    @staticmethod
-    def _copy(source: list[torch.Tensor], i: int, target: list[torch.Tensor], j: int) -> None:
-        for src, dst in zip(source, target):
-            dst[j].copy_(src[i])
+    def get(self, key: bytes) -> torch.Tensor | None:
+        """A copy of the snapshot under key (a store write reads it off the node's loop), or None."""
+        index = self.by_key.get(key)
+        return None if index is None else self.arena[index].clone()

@@ -13,7 +13,6 @@ from pdserve.entrypoints.http_flags import check_tls
 from pdserve.entrypoints.launcher import run_up
 from pdserve.entrypoints.vllm_flags import apply_vllm_flags
 from pdserve.models.model_path import context_limit, read_model_config, resolve_model_path
-from pdserve.protocol.block_keys import has_state_layers
 
 
 def serve_settings(args: argparse.Namespace) -> argparse.Namespace:
@@ -37,25 +36,12 @@ def check_model(args: argparse.Namespace) -> None:
     if wanted is not None and wanted < 1:
         raise ValueError(f"--max-model-len must be at least 1, got {wanted}")
     config = read_model_config(path)
-    check_hybrid_layout(args, config)
     limit = context_limit(config)
     if wanted is not None and limit is not None and wanted > limit:
         raise ValueError(f"--max-model-len {wanted} is more than {args.model} allows: its config.json's "
                          f"max_position_embeddings is {limit}, and pdserve runs no position past it (vLLM refuses "
                          f"this too, unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set). Leave --max-model-len out to "
                          f"serve the model's {limit}, or give a value up to it")
-
-
-def check_hybrid_layout(args: argparse.Namespace, config) -> None:
-    """A hybrid model (linear-attention or Mamba layers) runs whole on decode nodes until its
-    recurrent state is handed over (pdserve.node.hybrid_roles): refused here, before its prefill
-    nodes would fail at start one after another."""
-    if not has_state_layers(config):
-        return
-    arch = (getattr(config, "architectures", None) or ["the model"])[0]
-    if getattr(args, "prefill_nodes", 0):
-        raise ValueError(f"{arch} is a hybrid model: its recurrent state is not handed over between nodes yet; "
-                         "serve it whole on decode nodes with --prefill-nodes 0")
 
 
 def run_serve(args: argparse.Namespace) -> int:

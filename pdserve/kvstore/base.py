@@ -43,5 +43,26 @@ class KVStore(ABC):
         everything; a store answers more only where rewriting a present block changes nothing."""
         return 0
 
+    def put_state(self, key: bytes, arena: torch.Tensor, slot: int) -> None:
+        """Store a hybrid model's recurrent-state slot arena[slot] (a byte row,
+        pdserve.engine.state_pool) under key (pdserve.protocol.block_keys.state_key). A slot is
+        stored as a block of one token of its bytes, so it takes the block path's header,
+        checksum and shape checks."""
+        self.put([key], as_blocks(arena), [slot], [1])
+
+    def get_state(self, key: bytes, arena: torch.Tensor, slot: int) -> bool:
+        """Load the state stored under key into arena[slot]; False when it is missing or damaged."""
+        return self.get([key], as_blocks(arena), [slot], [1]) == 1
+
+    def has_states(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which of these state keys the store holds."""
+        return [self.lookup_prefix([key]) == 1 for key in keys]
+
     def close(self) -> None:  # noqa: B027 - optional hook: stores without connections keep it
         """Release connections and memory."""
+
+
+def as_blocks(arena: torch.Tensor) -> torch.Tensor:
+    """A state arena [slots, bytes] seen as a block-major cache of one-token blocks
+    [slots, 1 layer, 1 plane, 1 token, 1 head, bytes], the shape the block stores take."""
+    return arena.view(arena.shape[0], 1, 1, 1, 1, arena.shape[1])

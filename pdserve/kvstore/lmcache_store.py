@@ -289,6 +289,16 @@ class LMCacheKVStore(KVStore):
             hashes=hashes, offsets=[1] * len(hashes))]
         return leading_keys_present(backends[0], chunk_keys) * C
 
+    # A state slot is no chunk of tokens: it goes through the tail store's one value per key.
+    def put_state(self, key: bytes, arena: torch.Tensor, slot: int) -> None:
+        self.tail.put_state(key, arena, slot)
+
+    def get_state(self, key: bytes, arena: torch.Tensor, slot: int) -> bool:
+        return self.tail.get_state(key, arena, slot)
+
+    def has_states(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.tail.has_states(keys)
+
     @property
     def integrity_failures(self) -> int:
         own = self._digests.failures if self._digests is not None else 0

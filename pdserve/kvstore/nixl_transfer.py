@@ -153,11 +153,14 @@ class NixlKVAgent:
     """A NIXL agent over one kv_cache tensor: CPU memory registers as DRAM, CUDA memory as VRAM.
 
     Both sides of a READ must use the same memory kind (regions carry the device id only).
+    A hybrid model's state arena (pdserve.engine.state_pool: one contiguous slot per request)
+    registers with it: a request's slot is READ with its blocks, in the same transfer.
     """
 
     def __init__(self, name: str, kv_cache: torch.Tensor, *,
                  error_handling: Literal["none", "peer"] = "none",
-                 progress_thread: bool = False, num_threads: int = 0) -> None:
+                 progress_thread: bool = False, num_threads: int = 0,
+                 state_arena: torch.Tensor | None = None) -> None:
         if kv_cache.device.type not in ("cpu", "cuda") or not kv_cache.is_contiguous():
             raise ValueError("kv_cache must be a contiguous CPU or CUDA tensor")
         self.mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
@@ -172,7 +175,10 @@ class NixlKVAgent:
         self._unreleased: list[NixlReadHandle] = []  # handles whose abort failed; retried later
         t0 = time.perf_counter()
         self._agent: Any = _create_agent(name, error_handling, progress_thread, num_threads)
-        self._reg = self._agent.register_memory(kv_cache, self.mem_type)
+        self.state_arena = state_arena
+        self.slot_nbytes = 0 if state_arena is None else int(state_arena.shape[1])
+        self._reg = self._agent.register_memory(kv_cache if state_arena is None else [kv_cache, state_arena],
+                                                self.mem_type)
         logger.info("NIXL agent %s up in %.2fs: %d blocks of %d bytes", name,
                     time.perf_counter() - t0, self.num_blocks, self.block_nbytes)
 
@@ -240,20 +246,32 @@ class NixlKVAgent:
             out.append((self._base + b * self.block_nbytes, self.block_nbytes, self.dev_id))
         return out
 
+    def slot_region(self, slot: int) -> Region:
+        """(addr, nbytes, dev_id) of one state slot of the registered arena."""
+        if self.state_arena is None or not 0 <= slot < self.state_arena.shape[0]:
+            raise IndexError(f"no state slot {slot} registered")
+        return (self.state_arena.data_ptr() + slot * self.slot_nbytes, self.slot_nbytes, self.dev_id)
+
     # ---- transfers -----------------------------------------------------------------------
 
     def start_read(self, peer: str, remote_regions: Sequence[Region],
                    local_block_ids: Sequence[int], notif: bytes = b"",
-                   timeout_s: float = 30.0) -> NixlReadHandle:
+                   timeout_s: float = 30.0, state: tuple[Region, int] | None = None) -> NixlReadHandle:
         """READ remote_regions[i] into local block local_block_ids[i]; one batched xfer.
+        state: (remote slot region, local slot), READ in the same xfer (blocks may then be none).
 
         The peer gets `notif` once the whole READ has completed. Raises NixlTransferError
         if the request cannot be posted (unknown or dead peer, unregistered addresses).
         Over cma the copy itself runs inside this call (~13 ms per 64 MiB here) with the GIL
         released, so a caller that must not stall can post from a worker thread.
         """
-        local = self._check_pairs(remote_regions, local_block_ids)
-        loc, rem = coalesce_pairs(local, [tuple(map(int, r)) for r in remote_regions])
+        local = self._check_pairs(remote_regions, local_block_ids, state is not None)
+        remote = [tuple(map(int, r)) for r in remote_regions]
+        if state is not None:
+            if int(state[0][1]) != self.slot_nbytes:  # another state layout would scramble the slot
+                raise ValueError(f"remote state slot of {state[0][1]} bytes, local slots are {self.slot_nbytes}")
+            local, remote = [*local, self.slot_region(state[1])], [*remote, tuple(map(int, state[0]))]
+        loc, rem = coalesce_pairs(local, remote)
         now = time.monotonic()
         with self._lock:
             xfer = None
@@ -266,8 +284,7 @@ class NixlKVAgent:
                 if xfer is not None:
                     self._release(NixlReadHandle(xfer, peer, 0, 0, now, now))
                 raise NixlTransferError(f"READ from {peer} failed to post: {exc!r}") from exc
-        handle = NixlReadHandle(xfer, peer, len(local) * self.block_nbytes, len(loc),
-                                now, now + timeout_s)
+        handle = NixlReadHandle(xfer, peer, sum(n for _, n, _ in local), len(loc), now, now + timeout_s)
         if state == "ERR":
             self._finish(handle, "ERR", "transfer() returned ERR")
             raise NixlTransferError(f"READ from {peer} failed to post: ERR")
@@ -276,11 +293,11 @@ class NixlKVAgent:
         return handle
 
     def _check_pairs(self, remote_regions: Sequence[Region],
-                     local_block_ids: Sequence[int]) -> list[Region]:
+                     local_block_ids: Sequence[int], with_state: bool = False) -> list[Region]:
         if len(remote_regions) != len(local_block_ids):
             raise ValueError(f"{len(remote_regions)} remote regions for "
                              f"{len(local_block_ids)} local blocks")
-        if not remote_regions:
+        if not remote_regions and not with_state:
             raise ValueError("empty READ")
         if len(set(local_block_ids)) != len(local_block_ids):
             raise ValueError("duplicate local block ids")

@@ -83,7 +83,8 @@ class NodeCompat:
                         layout.dtype_name, layout.block_size, layout.planes, layout.num_layers,
                         layout.num_kv_heads, layout.head_dim, WHOLE_BLOCK_MAJOR,
                         config.tensor_parallel_size, getattr(config, "pipeline_parallel_size", 1),
-                        _speculative(config), loras)
+                        _speculative(config), loras,
+                        engine.kv.states.layout if engine.kv.states is not None else "")
 
     def current(self) -> KVCompat:
         lora = self.engine.lora

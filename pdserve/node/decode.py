@@ -64,9 +64,9 @@ class DecodeNode(StepBudget):
         self.pull_delay_s = pull_delay_s  # fault injection for tests: wait before pulling
         pullers: list[Puller] = []
         if store is not None:
-            pullers.append(StorePuller(store, engine.kv_cache, engine.config.block_size))
+            pullers.append(StorePuller(store, engine.kv_cache, engine.config.block_size, engine.kv.states))
         if use_nixl:
-            pullers.append(NixlPuller(node_id, engine.kv_cache, self.ctx, engine.salt))
+            pullers.append(NixlPuller(node_id, engine.kv_cache, self.ctx, engine.salt, engine.kv.states))
         self.pullers = {p.handover_type: p for p in pullers}
         self.store_prefix = StorePrefix(engine, store, self.stats) if store is not None else None  # by the type of handover each pulls
         self.writeback = StoreWriteBack(engine, store, self.stats) if store is not None else None
@@ -166,12 +166,15 @@ class DecodeNode(StepBudget):
         # Skip the blocks the local prefix cache already had and those out of the window.
         first = max(req.num_computed_tokens // bs, req.num_slid_blocks)
         n_blocks = -(-handover.num_tokens // bs)
-        if first >= n_blocks:
+        # A hybrid model's state is pulled with the blocks, unless the local prefix cache reached
+        # as far (its snapshot restored the slot).
+        if first >= n_blocks and (req.state_slot is None or req.num_computed_tokens >= handover.num_tokens):
             return self._end_unstarted(pull, True)
         puller = self.pullers.get(type(handover))
         started = time.perf_counter()
         if puller is None or not puller.start(req.request_id, handover, req.block_ids[:n_blocks], first,
-                                              pull.received_at, req.remote_kv.deadline - time.monotonic()):
+                                              pull.received_at, req.remote_kv.deadline - time.monotonic(),
+                                              req.state_slot):
             return self._end_unstarted(pull, False)
         self.engine.mark_remote_transfer(req.request_id)
         pull.state, pull.path, pull.started = PullState.PULLING, puller.path, started

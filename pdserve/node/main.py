@@ -14,7 +14,6 @@ from pdserve.kvstore.redact import embedding_store_url
 from pdserve.kvstore.ucx_devices import pin_ucx_to_host
 from pdserve.node.compute_thread import on_compute_thread
 from pdserve.node.core_board import BOARD_ENV, machine_cores
-from pdserve.node.hybrid_roles import check_hybrid_role
 from pdserve.wire.curve_keys import NodeKeys
 
 log = logging.getLogger(__name__)
@@ -99,7 +98,6 @@ def _build_node(role: str, args, engine, bind, store):
     channel pulls over NIXL once it decodes; a decode node given --nixl-side-channel serves NIXL
     READs once it prefills."""
     nixl_side_channel = getattr(args, "nixl_side_channel", None)
-    check_hybrid_role(role, engine)  # a hybrid model's state does not travel yet
     if role == "encode":
         from pdserve.node.encode import EncodeNode  # heavy: torch and the engine, for node processes only
         return EncodeNode(engine, bind, args.node_id, nixl_side_channel=nixl_side_channel,

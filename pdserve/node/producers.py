@@ -6,6 +6,10 @@ KV is (pdserve.wire.handover):
   the node frees them once the put ends.
 - NixlProducer pins them for the decode node's READ and serves its agent's metadata on a zmq side
   channel; it frees them on the decode node's notification, or when their lease ends.
+A hybrid model's request also holds a state slot (pdserve.engine.state_pool) with the recurrent
+state after its prompt: it travels with the blocks, held with them and freed with them: stored
+under the state key of the prompt's last block (with the snapshots this node took at the
+prompt's block boundaries, for other nodes' prefix hits), or pinned and READ with the blocks.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import logging
 import time
 from typing import Protocol
 
+import torch
 import zmq
 
 from pdserve.engine.engine import LLMEngine
@@ -22,6 +27,7 @@ from pdserve.kvstore.errors import KVStoreError
 from pdserve.kvstore.nixl_transfer import NixlKVAgent, block_digest
 from pdserve.node.pullers import agent_instance_name
 from pdserve.node.runtime import NodeStats
+from pdserve.protocol.block_keys import state_key
 from pdserve.wire.handover import KVHandover, NixlHandover, NixlMetadata, StoreHandover, Transport
 from pdserve.wire.messages import PrefillRequest
 from pdserve.wire.transport import NodeSocket
@@ -44,6 +50,9 @@ class StoreJob:
     pending: PendingPrefill
     block_ids: list[int]
     first_block: int
+    state_slot: int | None = None  # a hybrid model's: the state after the prompt
+    # (chain position, copy of the state) at the prompt's block boundaries this node snapshotted
+    snapshots: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 class Producer(Protocol):
@@ -91,7 +100,9 @@ class StoreProducer:
         """What write() needs of the engine, read on the node's loop (the scheduler is not
         thread-safe); write() may then run on another thread while the request holds its blocks."""
         held = self.engine.scheduler.held[pending.request.request_id]
-        return StoreJob(pending, list(held.block_ids[:len(pending.keys)]), held.num_slid_blocks)
+        snaps, full = self.engine.kv.snapshots, len(pending.request.prompt_token_ids) // self.engine.config.block_size
+        taken = [] if snaps is None else [(i, snaps.get(k)) for i, k in enumerate(pending.keys[:full]) if k in snaps]
+        return StoreJob(pending, list(held.block_ids[:len(pending.keys)]), held.num_slid_blocks, held.state_slot, taken)
 
     def write(self, job: StoreJob) -> StoreHandover:
         """Put the prompt's blocks in the store; raises KVStoreError or RuntimeError."""
@@ -104,11 +115,25 @@ class StoreProducer:
         start = max(first, self._shared_blocks(pending))
         counts = [min(bs, len(prompt) - i * bs) for i in range(start, len(keys))]
         self.store.put(keys[start:], self.engine.kv_cache, job.block_ids[start:], counts, first_block=start)
+        key = self._put_states(job, start)
         self.stats.transfer_us_store += int((time.perf_counter() - t0) * 1e6)
         self.stats.transfer_bytes_store += len(counts) * self.engine.kv_cache[0].numel() * self.engine.kv_cache.element_size()
         log.debug("[%s] stored %d blocks (from block %d) in %.1f ms", req.request_id, len(counts), start,
                   (time.perf_counter() - t0) * 1e3)
-        return StoreHandover(len(prompt), keys, first_block=first)
+        return StoreHandover(len(prompt), keys, first_block=first, state_key=key)
+
+    def _put_states(self, job: StoreJob, start: int) -> bytes:
+        """A hybrid model's state after the prompt, and the snapshots at its boundaries past the
+        shared prefix, each under the state key of its block; the handover's state key."""
+        states = self.engine.kv.states
+        if states is None:
+            return b""
+        for i, row in job.snapshots:
+            if i >= start:
+                self.store.put_state(state_key(job.pending.keys[i], states.layout), row.view(1, -1), 0)
+        key = state_key(job.pending.keys[-1], states.layout)
+        self.store.put_state(key, states.arena, job.state_slot)
+        return key
 
     def _shared_blocks(self, pending: PendingPrefill) -> int:
         """Leading blocks of the prompt every decode node can read from the store already. Asked
@@ -141,7 +166,9 @@ class NixlProducer:
     def __init__(self, engine: LLMEngine, node_id: str, ctx: zmq.Context, side_channel: str,
                  advertise_host: str | None, lease_s: float, stats: NodeStats):
         self.engine, self.lease_s, self.stats = engine, lease_s, stats
-        self.agent = NixlKVAgent(agent_instance_name(node_id), engine.kv_cache)  # new each process
+        states = engine.kv.states  # a hybrid model's state slots are READ with the blocks
+        self.agent = NixlKVAgent(agent_instance_name(node_id), engine.kv_cache,  # new each process
+                                 state_arena=None if states is None else states.arena)
         self.side = NodeSocket(ctx, side_channel)
         # Bound on e.g. tcp://0.0.0.0:5701; decode nodes must dial a name they can reach.
         self.side_channel = advertised(side_channel, advertise_host)
@@ -149,8 +176,9 @@ class NixlProducer:
 
     def metadata(self) -> NixlMetadata:
         """The handshake's answer: the agent, and what a reader checks before it READs."""
+        states = self.engine.kv.states
         return NixlMetadata(self.agent.name, self.agent.metadata(), kv_salt=self.engine.salt,
-                            block_nbytes=self.agent.block_nbytes)
+                            block_nbytes=self.agent.block_nbytes, state_layout=states.layout if states else "")
 
     def hand_over(self, pending: PendingPrefill) -> NixlHandover:
         req = pending.request
@@ -159,8 +187,12 @@ class NixlProducer:
         first = held.num_slid_blocks  # the decode node reads only the blocks in the window
         ids = held.block_ids[first:-(-len(prompt) // bs)]
         self.leases[req.request_id] = time.monotonic() + self.lease_s
+        state = {}
+        if (states := self.engine.kv.states) is not None:  # pinned with the blocks, under their lease
+            state = dict(state_region=self.agent.slot_region(held.state_slot),
+                         state_digest=block_digest(states.arena, [held.state_slot])[0])
         return NixlHandover(len(prompt), self.agent.name, self.side_channel, self.agent.block_regions(ids),
-                            block_digest(self.engine.kv_cache, ids), self.lease_s, first_block=first)
+                            block_digest(self.engine.kv_cache, ids), self.lease_s, first_block=first, **state)
 
     def freed(self) -> list[str]:
         done = []

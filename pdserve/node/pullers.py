@@ -6,6 +6,9 @@ what it was handed. The decode node picks the puller once, by the handover's typ
 - StorePuller: fetches the blocks from the shared KV store on a worker thread.
 - NixlPuller: fetches the prefill agent's metadata over its zmq side channel once (refusing a
   peer whose handshake does not match), READs the blocks, then checks lease and digests.
+For a hybrid model each pull also lands the recurrent state after the handed-over tokens in the
+request's state slot (pdserve.engine.state_pool): from the store under its state key, or in the
+same READ as the blocks, with its own digest. A pull whose state does not arrive has failed.
 
 A node restarted on the same addresses is a new peer: each process names its NIXL agent anew
 (agent_instance_name), so a handover from the new process names another agent than the one a
@@ -26,9 +29,17 @@ from typing import Protocol
 import torch
 import zmq
 
+from pdserve.engine.state_pool import StatePool
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
-from pdserve.kvstore.nixl_transfer import NixlKVAgent, NixlReadHandle, NixlTransferError, mismatched_blocks
+from pdserve.kvstore.nixl_transfer import (
+    NixlKVAgent,
+    NixlReadHandle,
+    NixlTransferError,
+    block_digest,
+    mismatched_blocks,
+)
+from pdserve.protocol.block_keys import state_key
 from pdserve.wire.handover import (
     KVHandover,
     NixlHandover,
@@ -52,9 +63,10 @@ class Puller(Protocol):
     path: str  # the transport, naming its transfer_bytes_<path> / transfer_us_<path> counters
 
     def start(self, rid: str, handover: KVHandover, local_ids: list[int], first: int,
-              received_at: float, timeout_s: float) -> bool:
+              received_at: float, timeout_s: float, slot: int | None = None) -> bool:
         """Start pulling blocks [first:] of the prompt into local_ids[first:] (local_ids: the
-        prompt's local blocks); False if the pull cannot start."""
+        prompt's local blocks), and a hybrid model's state into state slot `slot`; False if the
+        pull cannot start."""
 
     def poll(self) -> list[tuple[str, bool]]:
         """(request id, arrived whole) for each pull that ended since the last call."""
@@ -69,23 +81,32 @@ class StorePuller:
     handover_type = StoreHandover
     path = "store"
 
-    def __init__(self, store: KVStore, kv_cache: torch.Tensor, block_size: int):
+    def __init__(self, store: KVStore, kv_cache: torch.Tensor, block_size: int, states: StatePool | None = None):
         self.store = store
         self.kv_cache = kv_cache
         self.block_size = block_size
+        self.states = states
         self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-fetch")
         self.fetches: dict[str, Future] = {}
 
     def start(self, rid: str, handover: StoreHandover, local_ids: list[int], first: int,
-              received_at: float, timeout_s: float) -> bool:
+              received_at: float, timeout_s: float, slot: int | None = None) -> bool:
         bs, n = self.block_size, len(local_ids)
+        if self.states is not None and handover.state_key != state_key(handover.keys[-1], self.states.layout):
+            log.warning("[%s] the handover's recurrent state is not this node's layout (or absent)", rid)
+            return False  # (hashes are the contract: another layout keys its state elsewhere)
         counts = [min(bs, handover.num_tokens - i * bs) for i in range(first, n)]
-        self.fetches[rid] = self.fetcher.submit(self._fetch, handover.keys[first:n], local_ids[first:], counts, first)
+        state = None if self.states is None else (handover.state_key, slot)
+        self.fetches[rid] = self.fetcher.submit(self._fetch, handover.keys[first:n], local_ids[first:], counts, first,
+                                                state)
         return True
 
-    def _fetch(self, keys: list[bytes], block_ids: list[int], counts: list[int], first: int) -> bool:
+    def _fetch(self, keys: list[bytes], block_ids: list[int], counts: list[int], first: int,
+               state: tuple[bytes, int] | None) -> bool:
         try:
-            return self.store.get(keys, self.kv_cache, block_ids, counts, first_block=first) == len(keys)
+            if keys and self.store.get(keys, self.kv_cache, block_ids, counts, first_block=first) != len(keys):
+                return False
+            return state is None or self.store.get_state(state[0], self.states.arena, state[1])
         except KVStoreError as exc:
             log.warning("store fetch failed: %s", exc)
             return False
@@ -107,10 +128,11 @@ class Read:
     local_ids: list[int]
     first: int
     lease_end: float
+    slot: int | None = None  # a hybrid model's state slot, READ with the blocks
 
 
 def fetch_peer_metadata(ctx: zmq.Context, side_channel: str, kv_salt: bytes = b"",
-                        block_nbytes: int = 0) -> NixlMetadata:
+                        block_nbytes: int = 0, state_layout: str = "") -> NixlMetadata:
     """The handshake: ask a prefill node's side channel for its agent's metadata, and refuse a
     peer whose version or KV layout differs from ours (NixlTransferError)."""
     sock = ctx.socket(zmq.DEALER)
@@ -125,7 +147,7 @@ def fetch_peer_metadata(ctx: zmq.Context, side_channel: str, kv_salt: bytes = b"
         sock.close(0)
     if not isinstance(reply, NixlMetadata):
         raise NixlTransferError(f"unexpected side-channel reply {type(reply).__name__}")
-    if (why := peer_mismatch(reply, kv_salt, block_nbytes)) is not None:
+    if (why := peer_mismatch(reply, kv_salt, block_nbytes, state_layout)) is not None:
         raise NixlTransferError(why)
     return reply
 
@@ -139,8 +161,10 @@ class NixlPuller:
     handover_type = NixlHandover
     path = "nixl"
 
-    def __init__(self, name: str, kv_cache: torch.Tensor, ctx: zmq.Context, kv_salt: bytes = b""):
-        self.agent = NixlKVAgent(agent_instance_name(name), kv_cache)
+    def __init__(self, name: str, kv_cache: torch.Tensor, ctx: zmq.Context, kv_salt: bytes = b"",
+                 states: StatePool | None = None):
+        self.states = states
+        self.agent = NixlKVAgent(agent_instance_name(name), kv_cache, state_arena=states.arena if states else None)
         self.kv_cache = kv_cache
         self.ctx = ctx
         self.kv_salt = kv_salt
@@ -155,7 +179,8 @@ class NixlPuller:
             log.info("NIXL peer at %s is a new process (%s): dropping its old agent", side_channel, agent_name)
             self.forget_peer(side_channel)
         if side_channel not in self.peers:
-            reply = fetch_peer_metadata(self.ctx, side_channel, self.kv_salt, self.agent.block_nbytes)
+            reply = fetch_peer_metadata(self.ctx, side_channel, self.kv_salt, self.agent.block_nbytes,
+                                        self.states.layout if self.states is not None else "")
             if reply.agent_name != agent_name:  # the handover's process is gone; another serves there
                 raise NixlTransferError(f"agent {agent_name} no longer serves {side_channel}")
             name = self.agent.add_peer(reply.metadata, agent_name)
@@ -170,25 +195,30 @@ class NixlPuller:
             self.agent.remove_peer(name)
 
     def start(self, rid: str, handover: NixlHandover, local_ids: list[int], first: int,
-              received_at: float, timeout_s: float) -> bool:
-        """Post the READ (the handover's regions start at its first_block)."""
+              received_at: float, timeout_s: float, slot: int | None = None) -> bool:
+        """Post the READ (the handover's regions start at its first_block; a hybrid model's
+        state slot in the same READ)."""
         # The lease runs from when we received the handover (our clock, so no skew between
         # machines); it started a little earlier on the prefill node, which the margin covers.
         lease_end = received_at + handover.lease_s
         if time.monotonic() > lease_end - LEASE_MARGIN_S:
             log.warning("[%s] the lease has expired before the READ: recomputing", rid)
             return False
+        if (self.states is None) != (handover.state_region is None):
+            log.warning("[%s] the handover's recurrent state does not match this model: recomputing", rid)
+            return False
         try:
             peer = self._peer(handover.side_channel, handover.agent_name)
             regions = handover.regions[first - handover.first_block:]
+            state = None if handover.state_region is None else (handover.state_region, slot)
             handle = self.agent.start_read(peer, regions, local_ids[first:], notif=rid.encode(),
                                            timeout_s=max(min(lease_end - LEASE_MARGIN_S - time.monotonic(),
-                                                             timeout_s), 0.1))
+                                                             timeout_s), 0.1), state=state)
         except (NixlTransferError, ValueError, IndexError) as exc:
             log.warning("[%s] NIXL READ not started: %s", rid, exc)
             self.forget_peer(handover.side_channel)
             return False
-        self.reads[rid] = Read(handle, handover, local_ids, first, lease_end)
+        self.reads[rid] = Read(handle, handover, local_ids, first, lease_end, slot)
         return True
 
     def poll(self) -> list[tuple[str, bool]]:
@@ -212,6 +242,8 @@ class NixlPuller:
             self._corrupt_left -= 1
             self.kv_cache[ids[0]].view(-1).view(torch.uint8)[7] ^= 0x10
         bad = mismatched_blocks(self.kv_cache, ids, read.handover.digests[read.first - read.handover.first_block:])
+        if read.slot is not None and block_digest(self.states.arena, [read.slot]) != [read.handover.state_digest]:
+            bad.append(-1)  # the state slot
         if bad:
             self.integrity_failures += 1
             log.warning("[%s] %d blocks failed their digest check", rid, len(bad))

@@ -269,7 +269,8 @@ class NodeRuntime:
                      cached_tokens_local=max(engine.cached_prompt_tokens - self.stats.cached_tokens_store, 0),
                      cached_blocks=len(engine.pool.cached), kv_event_seq=self.kv_events.seq,
                      prefill_ns_per_token=int(engine.prefill_s_per_token * 1e9),
-                     integrity_failures=self.integrity_failures())
+                     integrity_failures=self.integrity_failures(),
+                     state_slots_in_use=engine.kv.states.num_in_use() if engine.kv.states is not None else 0)
         stats.update(role_switches=self.switches, tensor_parallel_size=engine.config.tensor_parallel_size,
                      pipeline_parallel_size=engine.config.pipeline_parallel_size,
                      lora_slot_loads=engine.lora.slot_loads if engine.lora is not None else 0,

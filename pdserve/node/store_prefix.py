@@ -5,7 +5,11 @@ decode node's own prefills. A conversation turn whose history has left every nod
 
 The prefill node loads on its own thread at admission (StorePrefix.load); the decode node, whose
 streams must not wait for a load, fetches through its store puller as it pulls a handover
-(StorePrefix.handover names the blocks)."""
+(StorePrefix.handover names the blocks).
+
+A hybrid model's prefix is of use only with the recurrent state after it: a stored prefix counts
+only as far as the last block whose state the store holds too (under the block's state key,
+pdserve.protocol.block_keys.state_key), and that state loads with the blocks."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
-from pdserve.protocol.block_keys import block_key_chain
+from pdserve.protocol.block_keys import block_key_chain, state_key
 from pdserve.wire.handover import StoreHandover
 
 log = logging.getLogger(__name__)
@@ -48,7 +52,7 @@ class StorePrefix:
             return 0
         if self._lookup is not None and not self._lookup.done():
             return 0  # a lookup is still stuck on a stalled store: compute, do not queue behind it
-        self._lookup = self._looker.submit(self.store.lookup_prefix, full)
+        self._lookup = self._looker.submit(self._stored_blocks, full)
         try:
             return self._lookup.result(LOOKUP_TIMEOUT_S) * self.engine.config.block_size
         except FutureTimeout:
@@ -57,12 +61,28 @@ class StorePrefix:
             log.warning("store lookup failed, computing the whole prompt: %s", exc)
         return 0
 
+    def _stored_blocks(self, keys: list[bytes]) -> int:
+        """Leading blocks the store holds, for a hybrid model up to the last with its state."""
+        found = self.store.lookup_prefix(keys)
+        states = self.engine.kv.states
+        if states is None or not found:
+            return found
+        held = self.store.has_states([state_key(k, states.layout) for k in keys[:found]])
+        return max((i + 1 for i, h in enumerate(held) if h), default=0)
+
+    def state_key(self, keys: list[bytes], stored: int) -> bytes:
+        """The state key of a hybrid model's stored prefix of `stored` tokens; b"": none."""
+        states = self.engine.kv.states
+        return b"" if states is None or not stored else state_key(keys[stored // self.engine.config.block_size - 1],
+                                                                   states.layout)
+
     def close(self) -> None:
         self._looker.shutdown(wait=False, cancel_futures=True)
 
     def handover(self, keys: list[bytes], stored: int) -> StoreHandover:
         """The stored prefix as a handover the decode node's store puller fetches."""
-        return StoreHandover(stored, keys[:stored // self.engine.config.block_size])
+        return StoreHandover(stored, keys[:stored // self.engine.config.block_size],
+                             state_key=self.state_key(keys, stored))
 
     def load(self, req, keys: list[bytes], stored: int) -> bool:
         """Fetch the stored prefix into the request's blocks now (the request waits in
@@ -77,6 +97,9 @@ class StorePrefix:
         t0 = time.perf_counter()
         try:
             loaded = self.store.get(wanted, self.engine.kv_cache, ids, [bs] * len(wanted), first_block=first)
+            if loaded == len(wanted) and stored > local and req.state_slot is not None:
+                loaded -= not self.store.get_state(self.state_key(keys, stored), self.engine.kv.states.arena,
+                                                   req.state_slot)
         except KVStoreError as exc:
             log.warning("[%s] store fetch failed: %s", req.request_id, exc)
             loaded = -1

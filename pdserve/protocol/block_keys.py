@@ -89,6 +89,14 @@ def block_key(parent: bytes, token_ids: Sequence[int], salt: bytes, extra: bytes
     return xxhash.xxh3_128_digest(parent + salt + packed + extra)
 
 
+def state_key(block_key: bytes, state_layout: str) -> bytes:
+    """The key of a hybrid model's recurrent state after the tokens whose chain ends in
+    block_key (a full block's, or a prompt's trailing partial block's): in the blocks' own chain,
+    so a state is found exactly where its prefix's KV is, and salted with the state's layout
+    (pdserve.engine.state_pool.state_layout), so a node whose state bytes differ never reads it."""
+    return xxhash.xxh3_128_digest(b"pdserve-state-v1|" + block_key + state_layout.encode())
+
+
 def block_key_chain(token_ids: Sequence[int], block_size: int, salt: bytes,
                     include_partial: bool = False, images: Sequence[ImageInput] = ()) -> list[bytes]:
     """Keys of each full block of `token_ids`, chained from the root; optionally the trailing

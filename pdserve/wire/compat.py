@@ -2,7 +2,8 @@
 
 A prefill node's blocks are only correct on a decode node that would have computed the same
 bytes: the same weights, compute dtype, KV dtype, block size and cache layout, and the same KV
-shape (layers, KV heads, head dim, or an MLA latent). A handover between nodes that differ in
+shape (layers, KV heads, head dim, or an MLA latent); for a hybrid model, also the same
+recurrent-state slot (layers, shapes, dtypes), which travels with the blocks. A handover between nodes that differ in
 any of these could stream wrong text with no error, so the router refuses to pair them
 (pdserve.router.dispatch.compat_gate).
 
@@ -38,11 +39,12 @@ class KVCompat(msgspec.Struct, frozen=True):
     pipeline_parallel_size: int = 1  # reported, bridged
     speculative: str = ""            # reported, bridged ("": none)
     loras: dict[str, str] = {}       # adapter name -> digest of its files
+    state_layout: str = ""           # a hybrid model's recurrent-state slot (handed over with the blocks); "": none
 
     def kv_key(self) -> tuple:
         """What must be equal for two nodes' KV to be the same bytes."""
         return (self.model_digest, self.dtype, self.kv_dtype, self.block_size, self.kv_planes,
-                self.num_layers, self.num_kv_heads, self.head_dim, self.cache_layout)
+                self.num_layers, self.num_kv_heads, self.head_dim, self.cache_layout, self.state_layout)
 
     def describe(self) -> str:
         shape = (f"MLA latent {self.head_dim}" if self.kv_planes == 1
@@ -54,7 +56,7 @@ class KVCompat(msgspec.Struct, frozen=True):
 _KV_FIELDS = (("model_digest", "model weights"), ("dtype", "dtype"), ("kv_dtype", "KV cache dtype"),
               ("block_size", "block size"), ("kv_planes", "KV planes (K/V or MLA latent)"),
               ("num_layers", "layers"), ("num_kv_heads", "KV heads"), ("head_dim", "head dim"),
-              ("cache_layout", "cache layout"))
+              ("cache_layout", "cache layout"), ("state_layout", "recurrent-state layout"))
 
 
 def compat_mismatch(ours: KVCompat, theirs: KVCompat) -> str | None:

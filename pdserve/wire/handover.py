@@ -32,6 +32,9 @@ class StoreHandover(msgspec.Struct, frozen=True, tag="store"):
     # Blocks before this one are not handed over: they slid out of every layer's window (a
     # model whose layers all slide). The keys stay the whole chain.
     first_block: int = 0
+    # A hybrid model's recurrent state after the num_tokens tokens, stored beside the blocks
+    # under block_keys.state_key(keys[-1], its layout); empty: the model has none.
+    state_key: bytes = b""
 
 
 class NixlHandover(msgspec.Struct, frozen=True, tag="nixl"):
@@ -44,6 +47,10 @@ class NixlHandover(msgspec.Struct, frozen=True, tag="nixl"):
     digests: list[int]             # xxh3-64 of each region's bytes, checked after the READ
     lease_s: float                 # seconds the prefill node keeps the blocks pinned
     first_block: int = 0           # as StoreHandover's; regions and digests start at it
+    # A hybrid model's recurrent state after the num_tokens tokens: its pinned state slot, read
+    # in the same READ as the blocks under the same lease, and its xxh3-64; None: none.
+    state_region: Region | None = None
+    state_digest: int = 0
 
     def __post_init__(self) -> None:
         # A digest per block is the contract; catching a mismatch here beats a bad READ later.
@@ -73,9 +80,11 @@ class NixlMetadata(msgspec.Struct, tag=True):
     version: int = HANDSHAKE_VERSION
     kv_salt: bytes = b""
     block_nbytes: int = 0
+    state_layout: str = ""  # a hybrid model's state slot (engine.state_pool.state_layout); "": none
 
 
-def peer_mismatch(peer: NixlMetadata, kv_salt: bytes = b"", block_nbytes: int = 0) -> str | None:
+def peer_mismatch(peer: NixlMetadata, kv_salt: bytes = b"", block_nbytes: int = 0,
+                  state_layout: str = "") -> str | None:
     """Why this node must not READ from `peer`, or None when their handshakes agree."""
     if peer.version != HANDSHAKE_VERSION:
         return (f"NIXL peer {peer.agent_name!r} speaks handshake version {peer.version}, this node "
@@ -85,4 +94,7 @@ def peer_mismatch(peer: NixlMetadata, kv_salt: bytes = b"", block_nbytes: int = 
                 "differ): its blocks cannot be read here")
     if block_nbytes and peer.block_nbytes and block_nbytes != peer.block_nbytes:
         return f"NIXL peer {peer.agent_name!r} has {peer.block_nbytes}-byte blocks, this node {block_nbytes}"
+    if peer.state_layout != state_layout:  # (both empty for attention-only models)
+        return (f"NIXL peer {peer.agent_name!r} has another recurrent-state layout ({peer.state_layout or 'none'}, "
+                f"this node {state_layout or 'none'}): its state cannot be read here")
     return None

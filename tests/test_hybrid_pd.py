@@ -1,0 +1,175 @@
+"""Hybrid models (a recurrent state per request beside the attention KV) across P/D, through real
+`pdserve up` clusters: the state after the prompt travels with the blocks, and the decode node
+continues exactly where the prefill node stopped.
+
+- Qwen3.5 (Gated DeltaNet) over NIXL, 1 prefill and 2 decode nodes: the state slot is READ in the
+  same transfer as the blocks, under their lease, with its own digest; a decode node killed
+  mid-stream is resumed by the other with the same tokens.
+- Nemotron-H (Mamba2) through the store (LMCache + Redis), 2 prefill nodes taking turns and one
+  decode node: the state is stored under its state key, in the blocks' chain; a prompt extending
+  an earlier one on the other prefill node loads that prompt's blocks and state from the store.
+
+Greedy tokens equal transformers' `generate` in float32 on the same random weights. Each
+request's KV and state must arrive over the path under test (the decode node's recompute
+fallback would hide a broken handover behind correct tokens), and no block or state slot stays
+in use. The handshake's refusal of another state layout is checked without sockets.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import openai
+import pytest
+import torch
+from family_models import assert_meaningful, random_prompts, reference_greedy
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.state_pool import state_layout
+from pdserve.kvstore.memory_store import MemoryKVStore
+from pdserve.models.state_layers import LayerStateSpec
+from pdserve.node.pullers import StorePuller
+from pdserve.protocol.block_keys import state_key
+from pdserve.testing.hybrid_checkpoints import load_reference, make_hybrid_model
+from pdserve.testing.up_cluster import DecodeNodeKiller, node_pids, node_stats, running_clusters, wait_for
+from pdserve.wire.compat import KVCompat, compat_mismatch
+from pdserve.wire.handover import NixlMetadata, StoreHandover, peer_mismatch
+
+NEW_TOKENS = 10
+LONG = 160  # a stream long enough that a kill after token 20 lands mid-stream
+COMMON = ("--num-kv-blocks", "96", "--max-num-seqs", "8")
+CLUSTERS = {
+    "nixl": ("qwen3_5_text", ("--kv-transfer", "nixl", "--decode-nodes", "2")),
+    "store": ("nemotron_h", ("--kv-transfer", "store", "--store-chunk-tokens", "32", "--prefill-nodes", "2",
+                             "--prefill-policy", "round_robin")),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid_pd")
+    return {transfer: make_hybrid_model(root, kind) for transfer, (kind, _) in CLUSTERS.items()}
+
+
+@pytest.fixture(scope="module")
+def clusters(checkpoints):
+    flag_sets = [("--model", str(checkpoints[t]), *flags, *COMMON) for t, (_, flags) in CLUSTERS.items()]
+    with running_clusters(*flag_sets) as started:
+        yield dict(zip(CLUSTERS, started))
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _complete(url: str, model: str, prompt: list[int], max_tokens: int = NEW_TOKENS) -> tuple[list[int], int]:
+    r = _client(url).completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+    return r.choices[0].model_extra["token_ids"], r.usage.prompt_tokens_details.cached_tokens
+
+
+def _greedy(path, prompts: list[list[int]]) -> list[list[int]]:
+    ref = load_reference(path)
+    out = []
+    for prompt in prompts:
+        tokens, gaps = reference_greedy(ref, prompt, NEW_TOKENS)
+        assert_meaningful(tokens, gaps)
+        out.append(tokens)
+    return out
+
+
+def _decode_stats_after(url: str, pulls: int) -> list[dict] | None:
+    """The decode nodes' stats once they have finished `pulls` pulls between them."""
+    nodes = [s for s in node_stats(url).values() if s["role"] == "decode"]
+    return nodes if sum(s["transfers_ok"] + s["transfers_failed"] for s in nodes) >= pulls else None
+
+
+def _all_returned(url: str) -> bool:
+    """Every block and state slot back in its pool on every node."""
+    return all(s["free_blocks"] == s["total_blocks"] and s["state_slots_in_use"] == 0
+               for s in node_stats(url).values() if s["healthy"])
+
+
+@pytest.mark.parametrize("transfer", list(CLUSTERS))
+def test_pd_greedy_matches_transformers(transfer, clusters, checkpoints):
+    """Prompts of 3 to 100 tokens (across the delta rule's and Mamba2's chunks, block boundaries
+    and not), one alone, then the rest batched on the decode nodes."""
+    (url, _), path = clusters[transfer], checkpoints[transfer]
+    prompts = random_prompts(11, 250, (37, 3, 16, 70, 100))
+    want = _greedy(path, prompts)
+    before = sum(s["transfers_ok"] for s in node_stats(url).values() if s["role"] == "decode")
+    got = [_complete(url, str(path), prompts[0])[0]]
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        got += [ids for ids, _ in pool.map(lambda p: _complete(url, str(path), p), prompts[1:])]
+    assert got == want, f"{transfer}: greedy differs from transformers"
+    decode = wait_for(lambda: _decode_stats_after(url, before + len(prompts)))
+    assert sum(s["transfers_failed"] for s in decode) == 0, f"{transfer}: a pull failed and was recomputed"
+    assert sum(s[f"transfer_bytes_{transfer}"] for s in decode) > 0
+    wait_for(lambda: _all_returned(url))
+
+
+def test_store_prefix_and_state_cross_prefill_nodes(clusters, checkpoints):
+    """A 32-token prompt's blocks and its state (stored under the state key of its last block)
+    serve a longer prompt on the other prefill node: it computes only the 9 tokens past them."""
+    (url, _), path = clusters["store"], checkpoints["store"]
+    base, tail = random_prompts(12, 250, (32, 9))
+    want = _greedy(path, [base, base + tail])
+    loaded = sum(s.get("cached_tokens_store", 0) for s in node_stats(url).values() if s["role"] == "prefill")
+    assert _complete(url, str(path), base) == (want[0], 0)
+    assert _complete(url, str(path), base + tail) == (want[1], 32)
+    wait_for(lambda: sum(s.get("cached_tokens_store", 0) for s in node_stats(url).values()
+                         if s["role"] == "prefill") >= loaded + 32)
+    wait_for(lambda: _all_returned(url))
+
+
+def test_decode_node_killed_mid_stream_resumes_identically(clusters, checkpoints):
+    """The other decode node takes the stream over from prompt + every relayed token (it computes
+    them, state included): no repeated, missing or different token."""
+    (url, proc), path = clusters["nixl"], checkpoints["nixl"]
+    prompt = random_prompts(13, 250, (40,))[0]
+    llm = LLM(model=str(path), num_kv_blocks=64, enable_prefix_caching=False)
+    want = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    killer = DecodeNodeKiller(url, proc.pid)
+    old = node_pids(proc.pid)
+    ids: list[int] = []
+    stream = _client(url).completions.create(model=str(path), prompt=prompt, max_tokens=LONG, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+    for chunk in stream:
+        if chunk.choices:
+            ids += chunk.choices[0].model_extra.get("token_ids") or []
+            killer(len(ids))
+    assert killer.killed, "the stream ended before a decode node could be killed"
+    assert ids == want
+    name = killer.killed[0]
+    wait_for(lambda: node_pids(proc.pid).get(name, old[name]) != old[name], timeout_s=30)
+    wait_for(lambda: node_stats(url).get(name, {}).get("healthy"), timeout_s=120)
+    wait_for(lambda: _all_returned(url), timeout_s=30)
+
+
+# ---- the handshake: what a pair whose state layout differs is told (no sockets) ---------------
+
+def _spec(state_dtype: torch.dtype) -> list[LayerStateSpec]:
+    return [LayerStateSpec((96, 3), torch.float32, (8, 16, 16), state_dtype)] * 2
+
+
+def test_another_state_layout_is_refused():
+    """A Mamba2 state in bfloat16 (mamba_ssm_cache_dtype) against float32: the NIXL handshake,
+    the router's compatibility gate and the store's state key all keep the pair apart."""
+    ours, theirs = state_layout(_spec(torch.float32)), state_layout(_spec(torch.bfloat16))
+    assert ours != theirs
+    why = peer_mismatch(NixlMetadata("prefill", b"", state_layout=theirs), state_layout=ours)
+    assert why is not None and "recurrent-state layout" in why
+    assert peer_mismatch(NixlMetadata("prefill", b"", state_layout=ours), state_layout=ours) is None
+    assert peer_mismatch(NixlMetadata("prefill", b""), state_layout=ours) is not None, "a peer with no state"
+    compat = KVCompat("digest", "float32", "float32", 16, 2, 1, 2, 16, state_layout=ours)
+    why = compat_mismatch(compat, KVCompat("digest", "float32", "float32", 16, 2, 1, 2, 16, state_layout=theirs))
+    assert why is not None and why.startswith("recurrent-state layout")
+    # the store: a handover keyed under another layout is not pulled (the prompt is recomputed)
+    pool = type("Pool", (), {"layout": ours, "arena": torch.zeros(2, 64, dtype=torch.uint8)})()
+    puller = StorePuller(MemoryKVStore(), torch.zeros(4, 1, 2, 16, 2, 16), 16, pool)
+    key = b"k" * 16
+    try:
+        assert not puller.start("r", StoreHandover(16, [key], state_key=state_key(key, theirs)), [0], 0, 0.0, 1.0, 0)
+        assert not puller.start("r", StoreHandover(16, [key]), [0], 0, 0.0, 1.0, 0), "a handover with no state"
+    finally:
+        puller.close()
