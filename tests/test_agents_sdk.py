@@ -6,7 +6,9 @@ with Runner.run and Runner.run_streamed: the model calls the tool with the city 
 the tool's result goes back, and the run ends on a text answer. The SDK sends its tools with
 `strict: true` and fails a run whose call names an undeclared tool (ModelBehaviorError), so a
 completed run also checks that the server held the call to the declared tool
-(pdserve/router/openai/tool_tags.py).
+(pdserve/router/openai/tool_tags.py). A tool whose argument is a nested pydantic model (its schema
+holds $defs and $refs) is called with valid arguments under tool_choice "required", named and
+"auto", through both model classes.
 
 The Vercel AI SDK's generateText with a tool, over the chat and the Responses API, runs the
 script tests/js/weather.mjs under node; it skips where node or tests/js/node_modules (installed
@@ -19,9 +21,11 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Literal
 
 import pytest
 from openai import AsyncOpenAI
+from pydantic import BaseModel
 
 from pdserve.models.gguf import DEFAULT_MODEL
 
@@ -84,6 +88,61 @@ def test_agents_sdk_calls_the_tool_and_answers(url, model_class, streamed):
     assert isinstance(result.final_output, str) and result.final_output.strip(), result.final_output
     if streamed:
         assert "tool_called" in events and "tool_output" in events, events
+
+
+class Address(BaseModel):
+    city: Literal["Paris", "Rome"]
+    floor: Literal[1, 2]
+
+
+class Resident(BaseModel):
+    name: Literal["ada", "bob"]
+    home: Address
+
+
+async def _register(url: str, model_class: str, tool_choice: str | None) -> tuple[dict, list[Resident], object]:
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    calls: list[Resident] = []
+
+    @function_tool
+    def register(resident: Resident) -> str:
+        """Register a resident at their home address."""
+        calls.append(resident)
+        return f"registered {resident.name}"
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+    model_type = OpenAIResponsesModel if model_class == "responses" else OpenAIChatCompletionsModel
+    # stop_on_first_tool: the run ends with the tool's result. What the 135M model says after a
+    # result is not under test here (it calls the tool again, having nothing else to say).
+    agent = Agent(name="registrar", instructions="You are a helpful assistant.", tools=[register],
+                  tool_use_behavior="stop_on_first_tool",
+                  model=model_type(model=DEFAULT_MODEL, openai_client=client),
+                  model_settings=ModelSettings(temperature=0, max_tokens=64, tool_choice=tool_choice))
+    result = await Runner.run(agent, "Register ada, who lives in Rome on floor 2.", max_turns=2)
+    await client.close()
+    return register.params_json_schema, calls, result
+
+
+@pytest.mark.parametrize("model_class", ["responses", "chat_completions"])
+def test_agents_sdk_nested_pydantic_tool_under_each_tool_choice(url, model_class):
+    """The SDK sends the nested model as $defs/$ref with strict: true. A schema the server could
+    not build a grammar from was a 400 under "required" (issue 63); a call the SDK cannot
+    validate into a Resident fails the run (ModelBehaviorError)."""
+    for tool_choice in ("required", "register", None):
+        schema, calls, result = asyncio.run(_register(url, model_class, tool_choice))
+        assert "$defs" in schema and "$ref" in json.dumps(schema["properties"]), schema
+        assert calls == [Resident(name="ada", home=Address(city="Rome", floor=2))], (tool_choice, calls)
+        assert result.final_output == "registered ada", (tool_choice, result.final_output)
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])

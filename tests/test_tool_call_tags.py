@@ -1,10 +1,12 @@
 """Tool calls valid by construction under tool_choice "auto" (pdserve/router/openai/tool_tags.py).
 
 Without a cluster: the structural tag, compiled against the default model's vocabulary, leaves
-free text alone, holds an opened call to a declared name and its schema, and allows only the
-stop token after the call. On `pdserve up` with no flags (SmolLM2-135M, the official openai
-client): across 50 prompts and tool sets every returned call names a declared tool and its
-arguments validate against the tool's schema (jsonschema), a call ends the turn; and a chat
+free text alone, holds an opened call to a declared name and its schema (nested and recursive
+pydantic models too), allows several calls in the family's format with parallel_tool_calls (up to
+MAX_PARALLEL_CALLS, one without it), and only the stop token after the calls. On `pdserve up`
+with no flags (SmolLM2-135M, the official openai client): across 50 prompts and tool sets every
+returned call names a declared tool and its arguments validate against the tool's schema
+(jsonschema), the calls end the turn; and a chat
 with tools whose answer opens no call is token for token the unconstrained completion of the
 same prompt.
 """
@@ -12,17 +14,20 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel
 
 from pdserve.models.gguf import DEFAULT_MODEL
 from pdserve.models.model_path import load_tokenizer, resolve_model_path
 from pdserve.router.openai.chat_prompt import render_chat_prompt
 from pdserve.router.openai.chat_templates import builtin_chat_template
 from pdserve.router.openai.structured_request import checked_spec, tool_plan
-from pdserve.router.openai.tool_tags import tool_call_spec
+from pdserve.router.openai.tool_parsers import HermesParser, Llama3JsonParser, MistralParser
+from pdserve.router.openai.tool_tags import MAX_PARALLEL_CALLS, tool_call_spec
 from pdserve.testing.up_cluster import running_cluster
 
 
@@ -86,8 +91,9 @@ def test_structural_tag_frees_text_and_holds_calls(tokenizer):
     assert allowed == len(tokenizer) - len(specials)  # before a call: every token but the special ones
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}\n</tool_call>'
     assert _accepts(matcher, tokenizer, call)
-    assert not matcher.accept_token(tokenizer.encode("\n", add_special_tokens=False)[0])  # one call ends the turn
     assert matcher.accept_token(tokenizer.eos_token_id)
+    # The calls end the turn: after one, another call or the stop token, never more text.
+    assert not _accepts(outputs.new_matcher(spec, ()), tokenizer, call + "\nSure, it is sunny.")
     for bad in ('<tool_call>\n{"name": "Paris", ', '<tool_call>\n{"name": "get_time", "arguments": {"zone": "EST"',
                 '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}'):
         assert not _accepts(outputs.new_matcher(spec, ()), tokenizer, bad), bad
@@ -115,6 +121,94 @@ def test_strict_false_keeps_the_schema_it_can_and_any_object_where_it_cannot(tok
         tool_call_spec(tool_plan([strict_odd], None), "hermes", set(), checked_spec)
 
 
+def _outputs(tokenizer):
+    from pdserve.engine.structured_output import StructuredOutputs  # heavy: torch and xgrammar
+    return StructuredOutputs(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+
+
+PARALLEL = {  # two calls in one turn as each family writes them, and its parser
+    "hermes": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>', HermesParser()),
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Rome", "unit": "celsius"}}; '
+                    '{"name": "get_time", "parameters": {"zone": "CET"}}', Llama3JsonParser()),
+    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}, '
+                '{"name": "get_time", "arguments": {"zone": "CET"}}]', MistralParser()),
+}
+
+
+@pytest.mark.parametrize("family", sorted(PARALLEL))
+def test_parallel_tool_calls_each_held_to_a_tool(tokenizer, family):
+    """parallel_tool_calls true (OpenAI's default): one turn may make several calls, each of a
+    declared tool with valid arguments, joined as the family's parser reads them; false: the turn
+    ends after its first call."""
+    outputs = _outputs(tokenizer)
+    text, parser = PARALLEL[family]
+    spec = tool_call_spec(tool_plan([WEATHER, TIME], None), family, set(), checked_spec)
+    matcher = outputs.new_matcher(spec, ())
+    assert _accepts(matcher, tokenizer, text) and matcher.accept_token(tokenizer.eos_token_id)
+    assert [(c.name, json.loads(c.arguments)) for c in parser.extract(text)[1]] == [
+        ("get_weather", {"city": "Rome", "unit": "celsius"}), ("get_time", {"zone": "CET"})]
+    second_bad = text.replace('"zone": "CET"', '"zone": "EST"')
+    assert not _accepts(outputs.new_matcher(spec, ()), tokenizer, second_bad)
+    one = tool_call_spec(tool_plan([WEATHER, TIME], None, parallel=False), family, set(), checked_spec)
+    assert not _accepts(outputs.new_matcher(one, ()), tokenizer, text)
+    # At most MAX_PARALLEL_CALLS: a small model that repeats its call stops there, its calls whole.
+    first = parser.extract(text)[1][0]
+    many = tool_call_spec(tool_plan([WEATHER], None), family, set(), checked_spec)
+    matcher = outputs.new_matcher(many, ())
+    repeated = _repeat_call(family, first.arguments, MAX_PARALLEL_CALLS)
+    assert _accepts(matcher, tokenizer, repeated) and matcher.accept_token(tokenizer.eos_token_id)
+    assert not _accepts(outputs.new_matcher(many, ()), tokenizer, _repeat_call(family, first.arguments,
+                                                                                 MAX_PARALLEL_CALLS + 1))
+
+
+def _repeat_call(family: str, arguments: str, n: int) -> str:
+    if family == "hermes":
+        block = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+        return "\n".join([block] * n)
+    if family == "llama3_json":
+        return "; ".join([f'{{"name": "get_weather", "parameters": {arguments}}}'] * n)
+    return "[TOOL_CALLS][" + ", ".join([f'{{"name": "get_weather", "arguments": {arguments}}}'] * n) + "]"
+
+
+class Address(BaseModel):
+    city: Literal["Paris", "Rome"]
+    floor: Literal[1, 2]
+
+
+class Resident(BaseModel):
+    name: Literal["ada", "bob"]
+    home: Address
+
+
+class Node(BaseModel):
+    label: Literal["a", "b"]
+    child: Node | None = None  # a model that refers to itself
+
+
+def test_nested_and_recursive_pydantic_tools_under_auto_and_named(tokenizer):
+    """What openai.pydantic_function_tool writes for nested models ($defs, $ref) and a model that
+    refers to itself: under "auto" an opened call and under a named tool_choice the arguments
+    follow the definitions, at any depth (tool_choice "required": test_tool_choice.py)."""
+    outputs = _outputs(tokenizer)
+    resident, node = openai.pydantic_function_tool(Resident), openai.pydantic_function_tool(Node)
+    assert "$defs" in resident["function"]["parameters"] and "$ref" in json.dumps(node["function"]["parameters"])
+    cases = [(resident, '{"name": "ada", "home": {"city": "Rome", "floor": 2}}',
+              '{"name": "ada", "home": {"city": "Rome", "floor": 3}}'),
+             (node, '{"label": "a", "child": {"label": "b", "child": {"label": "a", "child": null}}}',
+              '{"label": "a", "child": {"label": "b", "child": {"label": "c", "child": null}}}')]
+    auto = tool_call_spec(tool_plan([resident, node], None), "hermes", set(), checked_spec)
+    for tool, good, bad in cases:
+        name = tool["function"]["name"]
+        jsonschema.validate(json.loads(good), tool["function"]["parameters"])
+        call = '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>'
+        assert _accepts(outputs.new_matcher(auto, ()), tokenizer, call % (name, good))
+        assert not _accepts(outputs.new_matcher(auto, ()), tokenizer, call % (name, bad))
+        named = checked_spec(*tool_plan([resident, node], {"type": "function", "function": {"name": name}}).grammar())
+        assert _accepts(outputs.new_matcher(named, ()), tokenizer, good)
+        assert not _accepts(outputs.new_matcher(named, ()), tokenizer, bad)
+
+
 @pytest.fixture(scope="module")
 def client():
     with running_cluster(as_given=True) as (url, _):  # `pdserve up` with no flags: the default model
@@ -137,7 +231,8 @@ def test_every_call_names_a_declared_tool_with_valid_arguments(client):
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
         if choice.message.tool_calls:
             called += 1
-            assert choice.finish_reason == "tool_calls", (prompt, choice)
+            # "length": max_tokens cut off a later call of several (parallel_tool_calls)
+            assert choice.finish_reason in ("tool_calls", "length"), (prompt, choice)
         else:
             assert "<tool_call>" not in (choice.message.content or ""), (prompt, choice)  # no unparsed call
     assert called >= len(CASES) // 2, f"only {called} of {len(CASES)} answers called a tool"

@@ -184,6 +184,26 @@ def test_required_array_cut_short_keeps_its_whole_calls():
     assert body["finish_reason"] == "length" and [c["function"]["name"] for c in body["message"]["tool_calls"]] == ["get_time"]
 
 
+@pytest.mark.parametrize(("parser", "text"), [
+    (HermesParser(), '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+                     '<tool_call>\n{"name": "b", "arguments": {"x": 2}}\n</tool_call>\n<tool_call>\n{"name": "a", "argu'),
+    (Llama3JsonParser(), '{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {"x": 2}}; {"name": "a", "pa'),
+    (MistralParser(), '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {"x": 2}}, {"na'),
+])
+def test_auto_calls_cut_short_keep_their_whole_calls(parser, text):
+    """Under "auto" with parallel_tool_calls a turn may hold several calls (tool_tags.py); when
+    max_tokens cuts the last one off, the whole ones before it are returned, as under "required",
+    with finish_reason "length"; a lone call cut off stays text, as before."""
+    content, calls = parser.extract(text)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {"x": 2})]
+    state = ChoiceState(0)
+    state.add(StepOutput("r", [1], text, True, "length"))
+    body = ParsedToolCallChatFlavor(None, False, False, parser).choice(state)
+    assert body["finish_reason"] == "length" and len(body["message"]["tool_calls"]) == 2
+    lone = text[:text.index("}}") - 3]
+    assert parser.extract(lone) == (lone, [])
+
+
 def test_hermes_block_with_a_list_of_calls():
     text = '<tool_call>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]</tool_call>'
     content, calls = HermesParser().extract(text)

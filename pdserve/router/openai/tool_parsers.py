@@ -63,14 +63,17 @@ class ToolCallParser:
 class HermesParser(ToolCallParser):
     name = "hermes"
     marker = "<tool_call>"
-    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(</tool_call>|$)", re.DOTALL)
 
     def extract(self, text: str) -> tuple[str, list[ToolCall]]:
         calls: list[ToolCall | None] = []
-        for body in self._CALL.findall(text):
+        blocks = self._CALL.findall(text)
+        for i, (body, closed) in enumerate(blocks):
             try:
                 found = json.loads(body)
             except ValueError:
+                if calls and not closed and i == len(blocks) - 1:
+                    break  # the last of several calls, cut off by max_tokens: the whole ones stand
                 return text, []  # a malformed call: the client gets the text as it is
             # One call per block, or a list of them (SmolLM2's and APIGen's format).
             calls += [_call(obj, ("arguments", "parameters")) for obj in (found if isinstance(found, list) else [found])]
@@ -89,10 +92,13 @@ class MistralParser(ToolCallParser):
         at = text.find(self.marker)
         if at < 0:
             return text, []
+        body = text[at + len(self.marker):].strip()
         try:
-            found = json.loads(text[at + len(self.marker):].strip())
+            found = json.loads(body)
         except ValueError:
-            return text, []
+            found = _array_items(body)  # several calls cut off by max_tokens: the whole ones
+            if not found:
+                return text, []
         calls = [_call(obj, ("arguments", "parameters")) for obj in (found if isinstance(found, list) else [found])]
         if not calls or None in calls:
             return text, []
@@ -112,10 +118,13 @@ class Llama3JsonParser(ToolCallParser):
     def extract(self, text: str) -> tuple[str, list[ToolCall]]:
         body = text.strip().removeprefix(self.marker).strip()
         calls = []
-        for part in body.split(";"):
+        parts = body.split(";")
+        for i, part in enumerate(parts):
             try:
                 call = _call(json.loads(part), ("parameters", "arguments"))
             except ValueError:
+                if calls and i == len(parts) - 1:
+                    break  # the last of several calls, cut off by max_tokens: the whole ones stand
                 call = None
             if call is None:
                 return text, []
