@@ -30,10 +30,11 @@ def hybrid_section() -> str:
              "Qwen3.5, Qwen3-Next, Nemotron-H and Granite 4.0-H ([models](models.md#hybrid-models-qwen35-nemotron-h)) keep a recurrent state per "
              "request beside the KV blocks. `tests/test_models_hybrid.py` checks each refusal below at start; "
              "offline greedy decoding, chunked prefill, batched decode, preemption and prefix caching (with "
-             "the state snapshotted at block boundaries) match transformers.", "",
+             "the state snapshotted at block boundaries) match transformers; so does P/D over NIXL and through the "
+             "store, the state handed over with the blocks (`tests/test_hybrid_pd.py`).", "",
              "| feature | hybrid model |", "|---|---|"]
     lines += ["| prefix caching | ✓ (the state snapshotted at block boundaries; across nodes through the store) |",
-              "| P/D handover | ✓ (the state travels with the blocks: NIXL and the store; `tests/test_hybrid_pd.py`) |"]
+              "| P/D handover | ✓ (the state travels with the blocks, over NIXL and through the store) |"]
     lines += [f"| {name} | ✗ |" for name in FEATURES]
     lines += [""]
     lines += [f"- **{name}:** {refusal(name)}" for name in FEATURES]
