@@ -25,20 +25,50 @@ static int bf16_many = 0;
 void pd_set_bf16(int on) { bf16_many = on; }
 
 #ifdef __AVX512BF16__
+/* r[i] (row i of a 16 x 16 matrix of 32-bit words) -> r[j] (column j), in registers: pairs of
+ * rows interleaved by words, then by word pairs, then the 128-bit lanes of four rows' results */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], c[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* c[4k + g], lane L: column 4L + k of rows 4g .. 4g + 3 */
+    for (int g = 0; g < 4; g++) {
+        __m512i lo01 = t[4 * g], hi01 = t[4 * g + 1], lo23 = t[4 * g + 2], hi23 = t[4 * g + 3];
+        c[g] = _mm512_unpacklo_epi64(lo01, lo23);
+        c[4 + g] = _mm512_unpackhi_epi64(lo01, lo23);
+        c[8 + g] = _mm512_unpacklo_epi64(hi01, hi23);
+        c[12 + g] = _mm512_unpackhi_epi64(hi01, hi23);
+    }
+    for (int k = 0; k < 4; k++) {
+        __m512i *q = c + 4 * k;
+        __m512i u0 = _mm512_shuffle_i32x4(q[0], q[1], 0x44), u1 = _mm512_shuffle_i32x4(q[0], q[1], 0xEE);
+        __m512i u2 = _mm512_shuffle_i32x4(q[2], q[3], 0x44), u3 = _mm512_shuffle_i32x4(q[2], q[3], 0xEE);
+        r[k] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+        r[4 + k] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+        r[8 + k] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+        r[12 + k] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+    }
+}
+
 /* x [tokens, cols] float32 -> xp [cols / 2][padded] 32-bit words, each a pair of bf16: token t's
- * columns 2p and 2p + 1 (tokens past `tokens` are zero) */
+ * columns 2p and 2p + 1 (tokens past `tokens` are zero). Item i is 16 tokens by 16 column pairs,
+ * rounded as rows and turned into columns in registers (word by word, the stores were a sixth of
+ * a 128-request step, on one thread while the other waited). Called inside a parallel region. */
 static void x_pairs(const float *x, int tokens, int cols, int padded, uint32_t *xp) {
-    for (int t = 0; t < padded; t++) {
-        if (t >= tokens) {
-            for (int p = 0; p < cols / 2; p++) xp[(long)p * padded + t] = 0;
-            continue;
+    int pair_groups = cols / 32, items = padded / 16 * pair_groups;
+#pragma omp for schedule(static)
+    for (int i = 0; i < items; i++) {
+        int t0 = i / pair_groups * 16, c = i % pair_groups * 32;
+        __m512i r[16];
+        for (int j = 0; j < 16; j++) {
+            const float *row = x + (long)(t0 + j) * cols + c;
+            r[j] = t0 + j < tokens ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row))
+                                   : _mm512_setzero_si512();
         }
-        const float *row = x + (long)t * cols;
-        for (int c = 0; c < cols; c += 32) {
-            uint32_t words[16];
-            _mm512_storeu_si512(words, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + c + 16), _mm512_loadu_ps(row + c)));
-            for (int j = 0; j < 16; j++) xp[(long)(c / 2 + j) * padded + t] = words[j];
-        }
+        transpose16(r);
+        for (int j = 0; j < 16; j++) _mm512_storeu_si512(xp + (long)(c / 2 + j) * padded + t0, r[j]);
     }
 }
 
@@ -122,12 +152,15 @@ int pd_gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nro
     int padded = (tokens + 15) / 16 * 16;
     uint32_t *xp = malloc(sizeof(uint32_t) * (size_t)(cols / 2) * padded);
     if (!xp) return 0;
-    x_pairs(x, tokens, cols, padded, xp);
     int tasks = (nrows + BF16_ROWS - 1) / BF16_ROWS;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int t = 0; t < tasks; t++) {
-        int n = t * BF16_ROWS, end = n + BF16_ROWS < nrows ? n + BF16_ROWS : nrows;
-        task_bf16(xp, tokens, padded, cols, q, bits, scales, mins, half, has_min, group, out, nrows, n, end);
+#pragma omp parallel num_threads(threads)
+    {
+        x_pairs(x, tokens, cols, padded, xp); /* its loop's end is the barrier before the products */
+#pragma omp for schedule(static)
+        for (int t = 0; t < tasks; t++) {
+            int n = t * BF16_ROWS, end = n + BF16_ROWS < nrows ? n + BF16_ROWS : nrows;
+            task_bf16(xp, tokens, padded, cols, q, bits, scales, mins, half, has_min, group, out, nrows, n, end);
+        }
     }
     free(xp);
     return 1;
