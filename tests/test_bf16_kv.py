@@ -92,3 +92,18 @@ def test_salts_differ_and_the_routers_follows_the_flag(llama):
     for kv, engine in (("bfloat16", half.engine), ("auto", full.engine)):
         name = _kv_dtype_name(Namespace(dtype="auto", kv_cache_dtype=kv))
         assert layout_salt(checkpoint_name(str(llama), llama), config, name, 16) == engine.salt
+
+
+def test_a_prefix_read_back_from_the_bf16_cache_gives_what_computing_it_gave(llama):
+    """The second run of a prompt takes its whole blocks from the bf16 cache (the prefill's
+    attention then reads them back, widened); the first computed them and attended to its own
+    K/V rounded the same way. Same tokens, same logprobs."""
+    prompt = " ".join(PROMPTS)  # several whole 16-token blocks
+    llm = LLM(str(llama), num_kv_blocks=64, kv_cache_dtype="bfloat16")
+    sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    cold = llm.generate([prompt], sampling, use_tqdm=False)[0]
+    warm = llm.generate([prompt], sampling, use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens >= 16
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    for a, b in zip(warm.outputs[0].logprobs, cold.outputs[0].logprobs):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)

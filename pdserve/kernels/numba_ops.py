@@ -23,15 +23,23 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write key/value [T, kv_heads, head_dim] into the cache slots named by slot_mapping [T]
     (slots < 0 are skipped), as torch_ops.store_kv."""
-    usable = (key.dtype == value.dtype == k_cache.dtype == torch.float32 and k_cache.device.type == "cpu"
-              and k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride())
+    usable = (key.dtype == value.dtype == k_cache.dtype and k_cache.dtype in _STORABLE
+              and k_cache.device.type == "cpu" and k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride())
     if not usable:
         torch_ops.store_kv(key, value, k_cache, v_cache, slot_mapping)
         return
     k_flat, k_offset, strides = _views(k_cache)
     v_flat, v_offset, _ = _views(v_cache)
-    _store_kernel(key.numpy(), value.numpy(), k_flat, k_offset, v_flat, v_offset, strides[0], strides[1],
+    _store_kernel(_as_numpy(key), _as_numpy(value), k_flat, k_offset, v_flat, v_offset, strides[0], strides[1],
                   strides[2], k_cache.shape[1], slot_mapping.numpy())
+
+
+# numpy has no bfloat16: a bf16 cache and its rows are copied as the int16 words they are
+_STORABLE = (torch.float32, torch.bfloat16)
+
+
+def _as_numpy(x: torch.Tensor) -> np.ndarray:
+    return (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).numpy()
 
 
 @njit(cache=True, nogil=True)
@@ -75,7 +83,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def _flat(cache: torch.Tensor) -> np.ndarray:
-    return torch.empty(0, dtype=cache.dtype).set_(cache.untyped_storage()).numpy()
+    dtype = torch.int16 if cache.dtype == torch.bfloat16 else cache.dtype
+    return torch.empty(0, dtype=dtype).set_(cache.untyped_storage()).numpy()
 
 
 _VIEWS: dict[int, tuple[weakref.ref, tuple[np.ndarray, int, np.ndarray]]] = {}
