@@ -18,7 +18,8 @@ each concurrency, each server), so drift in the machine's load hits all of them:
   pdserve-gguf  `pdserve up --prefill-nodes 0 --decode-nodes 1` on the default model (the GGUF,
                 weights kept quantized), default flags otherwise
   pdserve-bf16  the same on the bfloat16 directory vLLM serves (held in float32, pdserve's CPU dtype)
-  NAME+bf16     the same with --cpu-gemm-dtype bfloat16 (bf16 products past 8-16 rows)
+  NAME+bf16     the same with --cpu-gemm-dtype bfloat16 --kv-cache-dtype bfloat16 (bf16 products
+                past 8-16 rows and a bf16 KV cache: what vLLM runs in bfloat16)
   llama-server  (--servers ... llama-server, once benchmarks/peers/build_llama_server.sh has built
                 it) on the GGUF, as benchmarks/peers/bench_vs_llamacpp.py runs it
 
@@ -45,7 +46,7 @@ from pdserve.models.gguf import DEFAULT_MODEL, embedded_model_file
 from pdserve.wire.transport import free_port
 
 SERVERS = ("vllm", "pdserve-gguf", "pdserve-gguf+bf16", "pdserve-bf16", "pdserve-bf16+bf16", "llama-server")
-BF16_PRODUCTS = ("--cpu-gemm-dtype", "bfloat16")
+BF16_PRODUCTS = ("--cpu-gemm-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16")
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 
 
