@@ -10,13 +10,14 @@ import torch
 from safetensors import safe_open
 
 from pdserve.kernels.fp8_kv import is_kv_scale
-from pdserve.layers.loading import load_param, process_weights_after_loading
+from pdserve.layers.loading import load_param, materialize, process_weights_after_loading
 from pdserve.layers.quant import fp8_block, gptq_awq
 from pdserve.layers.quant.base import quantization_dict
 from pdserve.layers.quant.compressed_tensors import SUPPORTED, CompressedTensorsConfig, grouped_tensors
 from pdserve.layers.quant.gguf_config import GGUFQuantConfig
 from pdserve.layers.quant.grouped import GroupedWeight
 from pdserve.models import qwen2_5_vl
+from pdserve.models.config_snapshot import load_snapshot, save_snapshot
 from pdserve.models.gguf import VIEW_MARKER, gguf_tensor_types, gguf_tensors, is_gguf_view
 from pdserve.models.llama import LlamaModel, ModelSpec, layer_windows
 
@@ -51,9 +52,14 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 
 
 def load_hf_config(path: Path):
-    # deferred: transformers takes ~1 s to import, and not every importer reads a config (eagle, mtp)
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(str(path))
+    # A plain config transformers resolved before is read back without its config classes
+    # (about 1 s of CPU a process: pdserve.models.config_snapshot).
+    config = load_snapshot(path)
+    if config is None:
+        # deferred: transformers takes seconds to import, and not every importer reads a config (eagle, mtp)
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(str(path))
+        save_snapshot(path, config)
     archs = getattr(config, "architectures", None) or []
     if archs and archs[0] in MULTIMODAL_ARCHITECTURES:
         config = flatten_multimodal_config(config)
@@ -157,7 +163,7 @@ def load_model(path: Path, config, dtype: torch.dtype, device: torch.device, vis
             model = qwen2_5_vl.Qwen2_5_VLModel(spec, rope, config.multimodal_config, quant_config)
         else:
             model = LlamaModel(spec, rope, quant_config)
-    model = model.to_empty(device="cpu")
+    model = materialize(model)
     if spec.tie_word_embeddings:
         model.lm_head.tie_to(model.embed_tokens)
     if is_gguf_view(path):
