@@ -4,7 +4,8 @@ Its own chat template drops `tools`; pdserve serves it with a tool-capable one
 (pdserve/router/openai/chat_templates.py) that renders every conversation without tools exactly as the
 GGUF's template does. Checked here: that equality, that the router can tell a template that drops
 tools, LangChain's bind_tools loop with tool_choice at its default (the model calls the tool, gets
-the result, answers in text), and /v1/embeddings ranking a paraphrase above an unrelated sentence.
+the result, answers in text), a string argument taken from the question rather than copied from
+the template's example, and /v1/embeddings ranking a paraphrase above an unrelated sentence.
 """
 from __future__ import annotations
 
@@ -78,6 +79,36 @@ def test_langchain_bind_tools_loop_calls_and_finishes(served, prompt, city):
             messages.append(ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"]))
     assert [c["name"] for c in calls] == ["get_weather"] and calls[0]["args"]["city"] == city
     assert not messages[-1].tool_calls and messages[-1].content, messages[-1]
+
+
+STOCK = {"type": "function", "function": {"name": "get_stock_price", "description": "Get the latest price of a stock.",
+                                          "parameters": {"type": "object", "properties": {"ticker": {"type": "string"}},
+                                                         "required": ["ticker"]}}}
+
+
+def test_example_call_shows_no_parameter_name_as_a_value(tokenizer):
+    """The template's example call fills a string parameter with "...", not the parameter's
+    name, which the 135M model copied as the value ({"ticker": "ticker"}, issue 63)."""
+    tokenizer.chat_template = builtin_chat_template(DEFAULT_MODEL)
+    tools = [STOCK, {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer"}, "on": {"type": "boolean"}, "unit": {"enum": ["c", "f"]}}}}}]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
+    assert '{"name": "get_stock_price", "arguments": {"ticker": "..."}}' in text
+    tools.reverse()
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
+    assert '{"name": "f", "arguments": {"n": 1, "on": true, "unit": "c"}}' in text
+
+
+@pytest.mark.parametrize(("prompt", "ticker"), [("What's the stock price of AAPL?", "AAPL"),
+                                              ("Price of MSFT shares?", "MSFT")])
+def test_a_string_argument_comes_from_the_question(served, prompt, ticker):
+    _, client = served
+    choice = client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": prompt}],
+                                            tools=[STOCK], temperature=0, max_tokens=48).choices[0]
+    calls = choice.message.tool_calls or []
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_stock_price", f'{{"ticker": "{ticker}"}}')]
 
 
 def test_embeddings_rank_a_paraphrase_first(served):

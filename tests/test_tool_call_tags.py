@@ -233,7 +233,7 @@ def test_every_call_names_a_declared_tool_with_valid_arguments(client):
             called += 1
             # "length": max_tokens cut off a later call of several (parallel_tool_calls)
             assert choice.finish_reason in ("tool_calls", "length"), (prompt, choice)
-        else:
+        elif choice.finish_reason != "length":  # (a call max_tokens cut off stays text)
             assert "<tool_call>" not in (choice.message.content or ""), (prompt, choice)  # no unparsed call
     assert called >= len(CASES) // 2, f"only {called} of {len(CASES)} answers called a tool"
 
