@@ -20,6 +20,7 @@ from hybrid_refusals import DOC, FEATURES, hybrid_section, refusal
 from pdserve import LLM, SamplingParams
 from pdserve.engine.request import RequestStatus
 from pdserve.models.loader import ModelLoadError, load_hf_config
+from pdserve.protocol.block_keys import block_key_chain
 from pdserve.testing.hybrid_checkpoints import load_reference, make_hybrid_model
 
 KINDS = ["qwen3_5_text", "qwen3_next", "nemotron_h", "granitemoehybrid"]
@@ -153,6 +154,9 @@ def test_handover_takes_blocks_and_state_into_another_engine(checkpoint):
                        for _ in range(2))
     assert _hand_over(prefill, decode, prompt) == want
     assert _hand_over(prefill, decode, prompt, with_state=False) != want, "the state should matter"
+    landed = _hand_over(prefill, decode, prompt[:32])  # block-aligned: the landed state is snapshotted
+    assert block_key_chain(prompt[:32], 16, decode.salt)[-1] in decode.kv.snapshots
+    assert landed == reference_greedy(ref, prompt[:32], NEW_TOKENS)[0]
     # the decode engine's cache holds the first 32 tokens (two blocks and the snapshot after them)
     warm = LLM(model=str(path), num_kv_blocks=32, max_num_seqs=2, max_num_batched_tokens=32).engine
     warm.add_request("w", prompt[:33], SamplingParams(max_tokens=1, ignore_eos=True))

@@ -244,6 +244,8 @@ class Scheduler:
         if remote.landed:
             # Keep one token to compute so there are logits to sample from.
             req.num_computed_tokens = max(req.num_computed_tokens, min(remote.num_tokens, req.num_tokens - 1))
+            if self.kv.snapshots is not None and req.num_computed_tokens == remote.num_tokens:
+                self.kv.commit(req)  # a hybrid's landed state, snapshotted if it ends on a boundary
         elif remote.in_flight or (not remote.failed and time.monotonic() < remote.deadline):
             return False
         # On failure or timeout the request recomputes into the blocks it already holds; one

@@ -177,6 +177,13 @@ class RedisKVStore(KVStore):
                 found += 1
         return found
 
+    def has_states(self, keys: Sequence[bytes]) -> list[bool]:
+        """One pipelined EXISTS per state key (a prefix's states are looked up together)."""
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self.name(key))
+        return [bool(hit) for hit in self._call(pipe.execute)] if keys else []
+
     def close(self) -> None:
         try:
             self._client.close()
