@@ -28,6 +28,9 @@ from pdserve.engine.state_pool import state_layout
 from pdserve.kvstore.memory_store import MemoryKVStore
 from pdserve.models.state_layers import LayerStateSpec
 from pdserve.node.pullers import StorePuller
+from pdserve.node.runtime import NodeStats
+from pdserve.node.store_prefix import StorePrefix, request_block_keys
+from pdserve.node.store_writeback import StoreWriteBack
 from pdserve.protocol.block_keys import state_key
 from pdserve.testing.hybrid_checkpoints import load_reference, make_hybrid_model
 from pdserve.testing.up_cluster import DecodeNodeKiller, node_pids, node_stats, running_clusters, wait_for
@@ -144,6 +147,37 @@ def test_decode_node_killed_mid_stream_resumes_identically(clusters, checkpoints
     wait_for(lambda: node_pids(proc.pid).get(name, old[name]) != old[name], timeout_s=30)
     wait_for(lambda: node_stats(url).get(name, {}).get("healthy"), timeout_s=120)
     wait_for(lambda: _all_returned(url), timeout_s=30)
+
+
+def test_write_back_stores_states_another_node_takes(checkpoints):
+    """A node that computed a prompt itself writes its blocks and the states it snapshotted at
+    their boundaries to the store (node/store_writeback.py); another node takes the prefix and
+    its state from there (node/store_prefix.py) and continues with transformers' tokens."""
+    path = checkpoints["store"]
+    prompt = random_prompts(14, 250, (40,))[0]
+    engines = [LLM(model=str(path), num_kv_blocks=32, max_num_seqs=2, max_num_batched_tokens=32).engine
+               for _ in range(2)]
+    store, stats = MemoryKVStore(), NodeStats()
+    keys = request_block_keys(engines[0], prompt, None, None)
+    writeback = StoreWriteBack(engines[0], store, stats)
+    engines[0].add_request("r", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    writeback.owe("r", keys, len(prompt), 0)
+    engines[0].step()  # a 32-token chunk: its state snapshotted after block 2
+    engines[0].step()
+    writeback.prompt_done("r")
+    writeback.close()
+    assert state_key(keys[1], engines[0].kv.states.layout) in store
+    prefix = StorePrefix(engines[1], store, stats)
+    assert prefix.stored_tokens(keys, len(prompt)) == 32
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    req = engines[1].add_request("s", prompt, params, remote_kv_tokens=32)
+    assert prefix.load(req, keys, 32)
+    tokens = []
+    while engines[1].has_unfinished_requests():
+        tokens += [t for out in engines[1].step() for t in out.new_token_ids]
+    assert tokens == _greedy(path, [prompt])[0]
+    assert req.num_cached_tokens == 32
+    prefix.close()
 
 
 # ---- the handshake: what a pair whose state layout differs is told (no sockets) ---------------

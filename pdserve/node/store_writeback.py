@@ -4,7 +4,11 @@ its history there wherever the router places it (and after this node's LRU has l
 
 The put runs on a thread of its own, off the decode steps: the running streams do not wait for
 it. The blocks it reads hold a reference of their own until it ends, so a request that finishes
-or is aborted meanwhile cannot hand them to another request while they are read."""
+or is aborted meanwhile cannot hand them to another request while they are read.
+
+A hybrid model's prompt is of use to other nodes only with its recurrent state: the snapshots
+this node took at the prompt's block boundaries (copied on the node's loop, as a snapshot may be
+evicted) go to the store too, under their blocks' state keys."""
 from __future__ import annotations
 
 import logging
@@ -12,8 +16,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
+from pdserve.protocol.block_keys import state_key
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +65,23 @@ class StoreWriteBack:
             return
         self.engine.pool.touch(ids)
         bs = self.engine.config.block_size
-        future = self.writer.submit(self._put, owed.keys[first:first + len(ids)], ids, [bs] * len(ids), first)
+        keys = owed.keys[first:first + len(ids)]
+        future = self.writer.submit(self._put, keys, ids, [bs] * len(ids), first, self._states(keys))
         self.writes[rid] = Write(future, ids, time.perf_counter())
 
-    def _put(self, keys: list[bytes], block_ids: list[int], counts: list[int], first: int) -> bool:
+    def _states(self, keys: list[bytes]) -> list[tuple[bytes, torch.Tensor]]:
+        """A hybrid model's snapshots after these blocks, copied, under their state keys."""
+        snaps, states = self.engine.kv.snapshots, self.engine.kv.states
+        if snaps is None:
+            return []
+        return [(state_key(k, states.layout), snaps.get(k)) for k in keys if k in snaps]
+
+    def _put(self, keys: list[bytes], block_ids: list[int], counts: list[int], first: int,
+             states: list[tuple[bytes, torch.Tensor]] = ()) -> bool:
         try:
             self.store.put(keys, self.engine.kv_cache, block_ids, counts, first_block=first)
+            for key, row in states:
+                self.store.put_state(key, row.view(1, -1), 0)
             return True
         except KVStoreError as exc:  # the store is a cache: the next turn computes instead
             log.warning("store write-back failed: %s", exc)
