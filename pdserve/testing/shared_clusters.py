@@ -4,6 +4,11 @@ A cluster takes 10-40 s to start and a few seconds to stop on 2 cores, and an id
 costs about 7% of a core (pings, the nodes' loops), so a shared cluster starts at the first test
 that asks for it and stops right after the last collected test that uses it; the modules that
 share one run one after the other (`group_modules`), so it never idles through other modules.
+
+A test uses a shared cluster by naming its fixture, or, where only some parameters of a
+parametrized fixture take the shared one (the fixture asks for it with getfixturevalue), by
+carrying the mark `shared_cluster(name)` on those parameters: the mark is how the count and the
+grouping see a use that the fixture names alone do not show.
 """
 from __future__ import annotations
 
@@ -28,13 +33,13 @@ class SharedClusters:
         return self._open[name][0]
 
     def count_users(self, items) -> None:
-        self.users = Counter(name for item in items for name in self.names if name in item.fixturenames)
+        self.users = Counter(name for item in items for name in self.names if uses(item, name))
 
     def finished(self, item) -> None:
         """After a test's teardown: stop the clusters no test left to run uses (running_cluster's
         checks that every process stopped fail this test's teardown)."""
         for name in self.names:
-            if name in item.fixturenames:
+            if uses(item, name):
                 self.users[name] -= 1
                 if self.users[name] <= 0:
                     self.stop(name)
@@ -49,6 +54,11 @@ class SharedClusters:
             self.stop(name)
 
 
+def uses(item, name: str) -> bool:
+    """Whether the test `item` uses the shared cluster `name` (see the module's docstring)."""
+    return name in item.fixturenames or any(name in mark.args for mark in item.iter_markers("shared_cluster"))
+
+
 def group_modules(items: list, names: tuple[str, ...]) -> list:
     """The same tests, with the modules that share a cluster moved up to run right after the
     first of them (each module's own order kept, and the rest of the run's)."""
@@ -57,7 +67,7 @@ def group_modules(items: list, names: tuple[str, ...]) -> list:
 
     group: dict[str, str] = {}  # module -> the shared cluster it uses (its first, if several)
     for item in items:
-        used = [name for name in names if name in item.fixturenames]
+        used = [name for name in names if uses(item, name)]
         if used:
             group.setdefault(module(item), used[0])
     ordered, placed = [], set()

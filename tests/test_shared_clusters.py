@@ -1,0 +1,50 @@
+"""How conftest decides which tests use a shared cluster (pdserve.testing.shared_clusters): by
+the fixture's name, or by the shared_cluster mark on a parameter that asks for it at run time;
+the modules that use one run together, and the cluster stops after its last user."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from pdserve.testing.shared_clusters import SharedClusters, group_modules, uses
+
+
+@dataclass
+class Item:
+    nodeid: str
+    fixturenames: list[str] = field(default_factory=list)
+    marks: list[pytest.Mark] = field(default_factory=list)
+
+    def iter_markers(self, name: str):
+        return (m for m in self.marks if m.name == name)
+
+
+def _marked(nodeid: str, name: str) -> Item:
+    return Item(nodeid, ["cluster"], [pytest.mark.shared_cluster(name).mark])
+
+
+def test_a_use_is_a_fixture_name_or_a_parameters_mark():
+    assert uses(Item("a.py::t", ["plain_cluster"]), "plain_cluster")
+    assert uses(_marked("a.py::t[nixl]", "plain_cluster"), "plain_cluster")
+    assert not uses(Item("a.py::t[store]", ["cluster"]), "plain_cluster")
+    assert not uses(_marked("a.py::t[nixl]", "default_model_cluster"), "plain_cluster")
+
+
+def test_marked_modules_run_with_the_clusters_other_users():
+    items = [Item("a.py::t", ["plain_cluster"]), Item("b.py::t"), Item("c.py::t[store]", ["cluster"]),
+             _marked("c.py::t[nixl]", "plain_cluster"), Item("d.py::t", ["plain_cluster"])]
+    order = [i.nodeid for i in group_modules(items, ("plain_cluster",))]
+    assert order == ["a.py::t", "c.py::t[store]", "c.py::t[nixl]", "d.py::t", "b.py::t"]
+
+
+def test_the_cluster_stops_after_its_last_marked_user(monkeypatch):
+    shared = SharedClusters(("plain_cluster",))
+    stopped = []
+    monkeypatch.setattr(shared, "stop", stopped.append)
+    items = [Item("a.py::t", ["plain_cluster"]), _marked("c.py::t[nixl]", "plain_cluster"), Item("c.py::t[store]")]
+    shared.count_users(items)
+    shared.finished(items[0])
+    assert stopped == []
+    shared.finished(items[1])
+    assert stopped == ["plain_cluster"]
