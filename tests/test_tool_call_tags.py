@@ -100,7 +100,30 @@ def test_structural_tag_frees_text_and_holds_calls(tokenizer):
     llama = tool_call_spec(tool_plan([WEATHER, TIME], None), "llama3_json", set(), checked_spec)
     assert _accepts(outputs.new_matcher(llama, ()), tokenizer, 'Ok. {"name": "get_time", "parameters": {"zone": "UTC"}}')
     assert not _accepts(outputs.new_matcher(llama, ()), tokenizer, '{"name": "get_time", "parameters": {"zone": 1')
-    assert tool_call_spec(tool_plan([WEATHER], None), "mistral", {"[TOOL_CALLS]"}, checked_spec) is None
+    # A special token inside a format's markers that is no known marker: the call could never open.
+    assert tool_call_spec(tool_plan([WEATHER], None), "mistral", {"TOOL"}, checked_spec) is None
+
+
+def test_a_marker_that_is_a_special_token_opens_a_held_call():
+    """Mistral's [TOOL_CALLS] is a special token, which every grammar's vocabulary leaves out (the
+    text drops special tokens): the tool-call tag is compiled with it kept, so the model can open a
+    call with it and the call is held to the tools; the router keeps it in the text, where the
+    parser reads it. Other grammars still never allow it."""
+    tok = load_tokenizer(resolve_model_path(DEFAULT_MODEL))
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    marker = tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    outputs = _outputs(tok)
+    spec = tool_call_spec(tool_plan([WEATHER, TIME], None), "mistral", {"[TOOL_CALLS]"}, checked_spec)
+    call = tok.encode('[{"name": "get_time", "arguments": {"zone": "UTC"}}]', add_special_tokens=False)
+    ids = tok.encode("Let me check. ", add_special_tokens=False) + [marker] + call
+    matcher = outputs.new_matcher(spec, ())
+    assert all(matcher.accept_token(t) for t in ids) and matcher.accept_token(tok.eos_token_id)
+    content, calls = MistralParser().extract(tok.decode(ids, skip_special_tokens=False))
+    assert content == "Let me check." and [(c.name, c.arguments) for c in calls] == [("get_time", '{"zone": "UTC"}')]
+    matcher = outputs.new_matcher(spec, ())
+    assert matcher.accept_token(marker) and not _accepts(matcher, tok, '[{"name": "Paris"')
+    string = outputs.new_matcher(checked_spec("json", '{"type": "string"}'), ())
+    assert string.accept_token(tok.encode('"', add_special_tokens=False)[0]) and not string.accept_token(marker)
 
 
 def test_strict_false_keeps_the_schema_it_can_and_any_object_where_it_cannot(tokenizer):

@@ -16,6 +16,7 @@ import torch
 
 from pdserve.protocol.grammar import (
     DEAD_END_FINISH,
+    TOOL_CALL_MARKERS,
     choice_grammar,
     error_first_line,
     parse_choices,
@@ -41,6 +42,22 @@ class StructuredOutputs:
 
     @functools.cached_property
     def compiler(self):
+        return self._new_compiler({})
+
+    @functools.cached_property
+    def tag_compiler(self):
+        """For tool-call structural tags: a call marker that is a special token of this tokenizer
+        (TOOL_CALL_MARKERS) stays in the vocabulary as its text, so the tag's trigger opens on
+        it (the router keeps such a marker in the output text, where the parser reads it). The
+        plain compiler where the tokenizer has no such token."""
+        kept = {i: t.content.encode() for i, t in self._added_tokens().items()
+                if t.special and t.content in TOOL_CALL_MARKERS}
+        return self._new_compiler(kept) if kept else self.compiler
+
+    def _added_tokens(self) -> dict[int, Any]:
+        return getattr(self.tokenizer, "added_tokens_decoder", {})
+
+    def _new_compiler(self, kept: dict[int, bytes]):
         import xgrammar as xgr  # heavy: loaded once a request names a grammar
         if self.tokenizer is None:
             raise ValueError("structured outputs need the model's tokenizer, and this model has none")
@@ -50,9 +67,8 @@ class StructuredOutputs:
         # must never allow them: an empty entry is what xgrammar treats as special. Rebuilt from
         # the decoded bytes (RAW), which also holds strings to JSON's rules on this byte-level
         # vocabulary (from_huggingface's BYTE_LEVEL info let raw control bytes into strings).
-        special = {i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items()
-                   if t.special and i not in self.stop_token_ids}
-        vocab = [b"" if i in special else piece for i, piece in enumerate(info.decoded_vocab)]
+        special = {i for i, t in self._added_tokens().items() if t.special and i not in self.stop_token_ids}
+        vocab = [kept.get(i, b"") if i in special else piece for i, piece in enumerate(info.decoded_vocab)]
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=stops,
                                  add_prefix_space=info.add_prefix_space)
         return xgr.GrammarCompiler(info, cache_enabled=True)
@@ -66,8 +82,8 @@ class StructuredOutputs:
                 return compiler.compile_regex(spec)
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(parse_choices(spec)))
-            if kind == "structural_tag":
-                return compiler.compile_grammar(structural_tag_grammar(spec))
+            if kind == "structural_tag":  # only tool calls build them (router.openai.tool_tags)
+                return self.tag_compiler.compile_grammar(structural_tag_grammar(spec))
             return compiler.compile_grammar(spec)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"invalid {kind} for structured output: {error_first_line(exc)}") from None

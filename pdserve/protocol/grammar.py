@@ -13,6 +13,12 @@ DEAD_END_FINISH = "grammar_dead_end"
 DEAD_END_MESSAGE = ("the structured-output constraint could not be continued: no token of this model's "
                     "vocabulary that the other sampling settings allow fits the grammar here")
 
+# Tool-call markers a chat template may write as special tokens (Mistral's [TOOL_CALLS]; some
+# Hermes fine-tunes' <tool_call>). A tool-call structural tag is compiled with these kept in the
+# vocabulary as their text, so its trigger can open on the token (engine.structured_output);
+# every other grammar leaves all special tokens out.
+TOOL_CALL_MARKERS = ("[TOOL_CALLS]", "<tool_call>", "</tool_call>")
+
 # Compact JSON (no free whitespace): a grammar that allows any whitespace lets a weak model
 # pad forever instead of closing the object.
 ANY_WHITESPACE = False

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.protocol.grammar import TOOL_CALL_MARKERS
 from pdserve.protocol.sampling_params import StructuredSpec
 
 # One whitespace at most between JSON tokens: a weak model allowed any pads forever instead of
@@ -83,11 +84,15 @@ def tool_call_tag(fmt: CallFormat, tools: list[tuple[str, Any]], max_calls: int 
 
 def tool_call_spec(plan: Any, parser_name: str, special_tokens: set[str], check: Any) -> StructuredSpec | None:
     """The constraint for a ToolPlan in mode "auto" written in this parser's format; None when
-    the format's marker is a special token (the grammar's vocabulary leaves those out, so the
-    call could never open: such calls stay parsed from free text) or the format is unknown.
+    the format is unknown, or its markers hold a special token other than TOOL_CALL_MARKERS (the
+    grammar's vocabulary leaves those out, so the call could never open or close: such calls stay
+    parsed from free text). A marker that is one of TOOL_CALL_MARKERS (Mistral's [TOOL_CALLS]) the
+    nodes compile into the tag's vocabulary (structured_output.tag_compiler).
     check: structured_request's cached check (ValueError when xgrammar cannot build it)."""
     fmt = FORMATS.get(parser_name)
-    if plan.mode != "auto" or fmt is None or any(s and s in fmt.begin for s in special_tokens):
+    markers = fmt.begin + fmt.end + fmt.separator if fmt is not None else ""
+    if plan.mode != "auto" or fmt is None or any(
+            s and s in markers and s not in TOOL_CALL_MARKERS for s in special_tokens):
         return None
     tools = [(t["function"]["name"], json.loads(plan.parameters(t["function"]["name"]))) for t in plan.tools]
     max_calls = MAX_PARALLEL_CALLS if plan.parallel else 1
