@@ -6,7 +6,9 @@ request; a decode node started later gets the run-time adapters from the router.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import random
+import signal
 import threading
 
 import httpx
@@ -15,7 +17,7 @@ import pytest
 from lora_util import make_adapter, peft_greedy
 
 from pdserve.testing.model_factory import make_model
-from pdserve.testing.up_cluster import node_stats, running_cluster, wait_for
+from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, wait_for
 
 NEW_TOKENS = 8
 KEY = "lora-test-key"
@@ -38,8 +40,8 @@ def setup(tmp_path_factory):
     flags = ("--model", str(base), "--kv-transfer", "nixl", "--num-kv-blocks", "128", "--api-key", KEY,
              "--lora-modules", f"full={adapters['full']}", f"rslora={adapters['rslora']}",
              "--max-loras", "2", "--max-lora-rank", "16")
-    with running_cluster(*flags) as (url, _):
-        yield url, str(base), adapters, prompts, want
+    with running_cluster(*flags) as (url, proc):
+        yield url, str(base), adapters, prompts, want, proc.pid
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -65,13 +67,25 @@ def _streamed(client: openai.OpenAI, model: str, prompt: list[int], max_tokens: 
     return ids[:NEW_TOKENS]
 
 
+def _ends_with_router_paused(stream: cf.Future, up_pid: int, timeout_s: float = 30.0) -> list[int]:
+    """The stream's result, read with the router stopped (SIGSTOP): only what it had sent."""
+    router = node_pids(up_pid)["router"]
+    os.kill(router, signal.SIGSTOP)
+    try:
+        return stream.result(timeout=timeout_s)
+    except cf.TimeoutError:
+        raise AssertionError("the unload answered before the adapter's request in flight ended") from None
+    finally:
+        os.kill(router, signal.SIGCONT)
+
+
 def _admin(url: str, route: str, body: dict, key: str | None = KEY) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.post(f"{url}/v1/{route}", json=body, headers=headers, timeout=120)
 
 
 def test_models_list_adapters_and_unknown_names_are_404(setup):
-    url, base, adapters, _, _ = setup
+    url, base, adapters, _, _, _ = setup
     client = _client(url)
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) == {base, "full", "rslora"}
@@ -83,7 +97,7 @@ def test_models_list_adapters_and_unknown_names_are_404(setup):
 
 
 def test_each_adapter_matches_peft_across_prefill_and_decode(setup):
-    url, base, _, prompts, want = setup
+    url, base, _, prompts, want, _ = setup
     client = _client(url)
     cases = [(model, i) for i in range(len(prompts)) for model in (base, "full", "rslora")]
     for _ in range(2):  # the second round hits each adapter's own cached prefix
@@ -109,7 +123,7 @@ def _keep_busy(client, cases, want, stop: threading.Event) -> int:
 
 
 def test_load_and_unload_at_run_time_under_load_lose_no_request(setup):
-    url, base, adapters, prompts, want = setup
+    url, base, adapters, prompts, want, up_pid = setup
     client = _client(url)
     late = {"lora_name": "late", "lora_path": str(adapters["late"])}
     assert _admin(url, "load_lora_adapter", late, key=None).status_code == 401
@@ -123,12 +137,17 @@ def test_load_and_unload_at_run_time_under_load_lose_no_request(setup):
             assert r.status_code == 200, r.text
             assert [_complete(client, "late", p) for p in prompts] == want["late"]
             started = threading.Event()
-            running = pool.submit(_streamed, client, "late", prompts[1], 200, started)  # in flight at the unload
+            # in flight at the unload: 600 tokens outlast the unload's round trip, so a router
+            # that answered without waiting is caught (200 had often ended by then)
+            running = pool.submit(_streamed, client, "late", prompts[1], 600, started)
             assert started.wait(60)
             unload = _admin(url, "unload_lora_adapter", {"lora_name": "late"})
             assert unload.status_code == 200, unload.text
-            assert running.done()  # the unload waited for the adapter's request in flight ...
-            assert running.result() == want["late"][1]  # ... which finished whole
+            # The unload waited for the adapter's request in flight: the router had sent all of
+            # it before answering, so the stream ends whole with the router paused from now on.
+            # (Asking running.done() at once raced the client's thread, which may still be reading
+            # chunks already sent: it failed so on a loaded machine.)
+            assert _ends_with_router_paused(running, up_pid) == want["late"][1]
         finally:
             stop.set()
         assert all(f.result() > 0 for f in busy)  # every request under load came back exact
@@ -143,7 +162,7 @@ def test_load_and_unload_at_run_time_under_load_lose_no_request(setup):
 
 
 def test_a_node_started_later_gets_the_run_time_adapters(setup):
-    url, base, adapters, prompts, want = setup
+    url, base, adapters, prompts, want, _ = setup
     assert _admin(url, "load_lora_adapter", {"lora_name": "late", "lora_path": str(adapters["late"])}).status_code == 200
     scaled = httpx.post(f"{url}/admin/scale", json={"decode": 2}, headers={"Authorization": f"Bearer {KEY}"},
                         timeout=240)
