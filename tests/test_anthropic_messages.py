@@ -248,8 +248,9 @@ def test_errors_are_anthropic_shaped_400s(served):
 
 
 def test_a_prompt_over_the_context_is_a_400_on_every_route_streamed_or_not(served):
-    """OpenAI's context_length_exceeded (Anthropic's invalid_request_error above), never a 5xx:
-    over the model's context the router refuses it; over the nodes' (their KV cache), the node."""
+    """OpenAI's context_length_exceeded on chat, completions and Responses (Anthropic's
+    invalid_request_error on messages), never a 5xx, streamed or not: over the model's context the
+    router refuses it; over the nodes' (their KV cache), the node."""
     _, client, chat, model = served
     for nodes_only in ("y " * 400, [{"role": "user", "content": "y " * 400}]):  # 800 tokens: 640 < 800 < 1024
         with pytest.raises(openai.BadRequestError) as caught:
@@ -274,3 +275,9 @@ def test_a_prompt_over_the_context_is_a_400_on_every_route_streamed_or_not(serve
             client.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": long}],
                                    stream=stream)
         assert "maximum context length is 1024" in caught.value.body["error"]["message"]
+        with pytest.raises(openai.BadRequestError) as caught:  # the Responses API, on the chat path too
+            chat.responses.create(model=model, input=long, max_output_tokens=4, stream=stream)
+        assert caught.value.code == "context_length_exceeded" and "1024" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:  # over the nodes' 640 only
+        chat.responses.create(model=model, input="y " * 400, max_output_tokens=4)
+    assert caught.value.code == "context_length_exceeded" and "640 tokens" in caught.value.message
