@@ -12,22 +12,26 @@ continues exactly where the prefill node stopped.
 Greedy tokens equal transformers' `generate` in float32 on the same random weights. Each
 request's KV and state must arrive over the path under test (the decode node's recompute
 fallback would hide a broken handover behind correct tokens), and no block or state slot stays
-in use. The handshake's refusal of another state layout is checked without sockets.
+in use. The handshake's refusal of another state layout, and the state's digest check, are checked
+without sockets.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 
 import openai
 import pytest
 import torch
+import zmq
 from family_models import assert_meaningful, random_prompts, reference_greedy
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.state_pool import state_layout
+from pdserve.engine.state_pool import StatePool, state_layout
 from pdserve.kvstore.memory_store import MemoryKVStore
+from pdserve.kvstore.nixl_transfer import block_digest, nixl_import_error
 from pdserve.models.state_layers import LayerStateSpec
-from pdserve.node.pullers import StorePuller
+from pdserve.node.pullers import NixlPuller, Read, StorePuller
 from pdserve.node.runtime import NodeStats
 from pdserve.node.store_prefix import StorePrefix, request_block_keys
 from pdserve.node.store_writeback import StoreWriteBack
@@ -35,7 +39,7 @@ from pdserve.protocol.block_keys import state_key
 from pdserve.testing.hybrid_checkpoints import load_reference, make_hybrid_model
 from pdserve.testing.up_cluster import DecodeNodeKiller, node_pids, node_stats, running_clusters, wait_for
 from pdserve.wire.compat import KVCompat, compat_mismatch
-from pdserve.wire.handover import NixlMetadata, StoreHandover, peer_mismatch
+from pdserve.wire.handover import NixlHandover, NixlMetadata, StoreHandover, peer_mismatch
 
 NEW_TOKENS = 10
 LONG = 160  # a stream long enough that a kill after token 20 lands mid-stream
@@ -205,5 +209,25 @@ def test_another_state_layout_is_refused():
     try:
         assert not puller.start("r", StoreHandover(16, [key], state_key=state_key(key, theirs)), [0], 0, 0.0, 1.0, 0)
         assert not puller.start("r", StoreHandover(16, [key]), [0], 0, 0.0, 1.0, 0), "a handover with no state"
+    finally:
+        puller.close()
+
+
+def test_a_state_that_fails_its_digest_is_not_trusted():
+    """After the READ, the state slot's bytes are checked against the prefill node's digest with
+    the blocks': one flipped bit fails the pull (the prompt is recomputed)."""
+    if nixl_import_error() is not None:
+        pytest.skip(nixl_import_error())
+    kv = torch.randn(4, 1, 2, 16, 2, 16)
+    pool = StatePool(_spec(torch.float32), 2, torch.device("cpu"))
+    pool.arena[1] = torch.randint(0, 255, (pool.slot_nbytes,), dtype=torch.uint8)
+    handover = NixlHandover(16, "prefill", "tcp://127.0.0.1:1", [(0, kv[0].nbytes, 0)], block_digest(kv, [0]), 30.0,
+                            state_region=(0, pool.slot_nbytes, 0), state_digest=block_digest(pool.arena, [1])[0])
+    puller = NixlPuller("decode", kv, zmq.Context.instance(), states=pool)
+    try:
+        read = Read(None, handover, [0], 0, time.monotonic() + 30, slot=1)
+        assert puller._trusted("r", read)
+        pool.arena[1, 7] ^= 1
+        assert not puller._trusted("r", read) and puller.integrity_failures == 1
     finally:
         puller.close()
