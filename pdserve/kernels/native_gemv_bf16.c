@@ -132,15 +132,38 @@ static void rows_bf16(const uint32_t *rows_w, int rows, const uint32_t *xp, int 
         for (int r = 0; r < rows; r++) out[(long)t * nrows + first_row + r] = sums[t][r];
 }
 
+/* 32 columns of a 4-bit row whose 32 share one scale (and min): the block's 16 possible values
+ * dequantized as decode32 does each column (q * scale [+ min], then rounded to bf16), then each
+ * column's nibble picks its value (vpermw). Bit for bit decode32's columns, in about half the
+ * instructions: the widening and per-column arithmetic were a third of a 32-request step's
+ * products. */
+static inline void lut32_bf16(const uint8_t *qrow, int c, const void *sc, const void *mn, int half, int has_min,
+                              long g, uint16_t *dst) {
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 s = _mm512_set1_ps(scale_at(sc, half, g));
+    __m512 values = has_min ? _mm512_fmadd_ps(codes, s, _mm512_set1_ps(scale_at(mn, half, g))) : _mm512_mul_ps(codes, s);
+    __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+    __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qrow + c * 16)));
+    __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi16(15)), hi = _mm256_srli_epi16(bytes, 4);
+    __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, table));
+}
+
 /* rows [n, end) of the matrix, dequantized to bf16 into buffer (row-major), then into every token */
 static void task_bf16(const uint32_t *xp, int tokens, int padded, int cols, const uint8_t *q, int bits, const void *sc,
                       const void *mn, int half, int has_min, int group, float *out, int nrows, int n, int end) {
     uint16_t buffer[BF16_ROWS * cols];
     long qstride = row_bytes(bits, cols), sstride = cols / group;
+    int by_table = bits == 4 && group % 32 == 0;
     for (int r = 0; r < end - n; r++)
         for (int c = 0; c < cols / 32; c++) {
+            const uint8_t *qrow = q + (n + r) * qstride;
+            if (by_table) {
+                lut32_bf16(qrow, c, sc, mn, half, has_min, (n + r) * sstride + c * 32 / group, buffer + (long)r * cols + c * 32);
+                continue;
+            }
             __m512 w0, w1;
-            decode32(q + (n + r) * qstride, bits, c, sc, mn, half, has_min, group, (n + r) * sstride, &w0, &w1);
+            decode32(qrow, bits, c, sc, mn, half, has_min, group, (n + r) * sstride, &w0, &w1);
             _mm512_storeu_si512(buffer + (long)r * cols + c * 32, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
         }
     rows_bf16((const uint32_t *)buffer, end - n, xp, cols, padded, tokens, out, nrows, n);
