@@ -1,6 +1,6 @@
-"""The decode step and the prefill rate at 1, 8, 32 and 128 requests, float32 against bf16 products
-(--cpu-gemm-dtype), on the default model in one process per dtype, the batch sizes interleaved
-over --repeats rounds (medians).
+"""The decode step and the prefill rate at 1, 8, 32 and 128 requests: float32 against bf16 products
+(--cpu-gemm-dtype), and bf16 products over a bf16 KV cache (--kv-cache-dtype), on the default
+model in one process per setting, the batch sizes interleaved over --repeats rounds (medians).
 
     .venv/bin/python -m benchmarks.engine.step_profile [--model M] [--repeats 3] [--batches 1,8,32,128]
 
@@ -15,6 +15,9 @@ import time
 
 from pdserve import LLM, SamplingParams
 from pdserve.models.gguf import DEFAULT_MODEL
+
+SETTINGS = {"float32": {}, "bfloat16": {"cpu_gemm_dtype": "bfloat16"},
+            "bfloat16 + bf16 KV": {"cpu_gemm_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}}
 
 
 def measure(llm: LLM, batch: int, prompt_len: int, steps: int, seed: int) -> tuple[float, float]:
@@ -48,15 +51,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24)
     args = p.parse_args()
     cells: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    for dtype in ("float32", "bfloat16"):
-        llm = LLM(args.model, max_num_seqs=max(args.batches), kv_cache_memory_gb=4, cpu_gemm_dtype=dtype)
+    for dtype, flags in SETTINGS.items():
+        llm = LLM(args.model, max_num_seqs=max(args.batches), kv_cache_memory_gb=4, **flags)
         for r in range(args.repeats):
             for batch in args.batches:
                 cells.setdefault((dtype, batch), []).append(measure(llm, batch, args.prompt_len, args.steps, r))
         del llm
-    print("| requests | dtype | prefill tok/s | decode step ms | decode tok/s |\n|---:|---|---:|---:|---:|")
+    print("| requests | products | prefill tok/s | decode step ms | decode tok/s |\n|---:|---|---:|---:|---:|")
     for batch in args.batches:
-        for dtype in ("float32", "bfloat16"):
+        for dtype in SETTINGS:
             runs = cells[(dtype, batch)]
             prefill = statistics.median(r[0] for r in runs)
             step = statistics.median(r[1] for r in runs)
