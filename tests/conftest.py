@@ -20,7 +20,7 @@ def private_cache(tmp_path, monkeypatch):
 
 
 # ---- clusters that several modules share (pdserve.testing.shared_clusters, docs/testing.md) ---
-_shared = SharedClusters(("plain_cluster", "default_model_cluster"))
+_shared = SharedClusters(("plain_cluster", "store_cluster", "default_model_cluster"))
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,14 @@ def plain_cluster():
     test defaults): test_bench_plot, test_dashboard, test_detokenize, test_no_server_errors,
     test_openapi_fuzz and test_penalties (over NIXL) send it requests and change nothing else in it."""
     return _shared.url("plain_cluster", "--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl")
+
+
+@pytest.fixture(scope="module")
+def store_cluster():
+    """plain_cluster's, with the KV through the store (pdserve up's own redis-server):
+    test_penalties (its store half) and test_trace_replay send it requests and change nothing
+    else in it."""
+    return _shared.url("store_cluster", "--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store")
 
 
 @pytest.fixture(scope="module")

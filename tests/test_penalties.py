@@ -24,7 +24,6 @@ from transformers import (
 from pdserve import LLM, SamplingParams
 from pdserve.engine.logits_processors import apply_logits_processors
 from pdserve.testing.model_factory import load_reference, make_model
-from pdserve.testing.up_cluster import running_cluster
 
 VOCAB = 97
 EOS = 3
@@ -194,15 +193,12 @@ PENALISED = dict(presence_penalty=1.2, frequency_penalty=0.6, logit_bias={"65": 
                              "ignore_eos": True, "return_token_ids": True})
 
 
-@pytest.fixture(scope="module", params=["nixl", "store"])
-def cluster(request, plain_cluster):
-    """Over NIXL: conftest's plain_cluster, whose flags are exactly `--kv-transfer nixl` with the
-    test defaults (these tests only send requests); over the store, a cluster of its own."""
-    if request.param == "nixl":
-        yield request.param, plain_cluster
-        return
-    with running_cluster("--kv-transfer", request.param) as (url, _):
-        yield request.param, url
+@pytest.fixture(scope="module", params=[pytest.param("nixl", marks=pytest.mark.shared_cluster("plain_cluster")),
+                                        pytest.param("store", marks=pytest.mark.shared_cluster("store_cluster"))])
+def cluster(request):
+    """conftest's plain_cluster and store_cluster, whose flags are exactly `--kv-transfer nixl`
+    and `--kv-transfer store` with the test defaults (these tests only send requests)."""
+    return request.param, request.getfixturevalue({"nixl": "plain_cluster", "store": "store_cluster"}[request.param])
 
 
 def test_cluster_greedy_with_penalties_matches_offline(cluster):

@@ -48,3 +48,10 @@ def test_the_cluster_stops_after_its_last_marked_user(monkeypatch):
     assert stopped == []
     shared.finished(items[1])
     assert stopped == ["plain_cluster"]
+
+
+def test_clusters_a_module_uses_together_group_their_modules():
+    items = [Item("a.py::t", ["plain_cluster"]), Item("b.py::t"), _marked("c.py::t[nixl]", "plain_cluster"),
+             _marked("c.py::t[store]", "store_cluster"), Item("d.py::t"), Item("e.py::t", ["store_cluster"])]
+    order = [i.nodeid for i in group_modules(items, ("plain_cluster", "store_cluster"))]
+    assert order == ["a.py::t", "c.py::t[nixl]", "c.py::t[store]", "e.py::t", "b.py::t", "d.py::t"]

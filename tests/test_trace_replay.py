@@ -16,7 +16,6 @@ from pdserve.loadgen.cache_bound import BlockRequest, infinite_cache_share, opti
 from pdserve.loadgen.cli import main as bench_main
 from pdserve.loadgen.trace import TraceRequest, TraceScale, conversations, full_block_keys, prompt_token_ids, read_trace
 from pdserve.loadgen.trace_replay import plan_replay
-from pdserve.testing.up_cluster import running_cluster
 
 TRACES = Path(__file__).resolve().parent.parent / "benchmarks" / "traces"
 CONVERSATION = TRACES / "mooncake_conversation_300.jsonl"
@@ -126,13 +125,12 @@ def test_the_optimal_bound_grows_with_capacity_up_to_the_infinite_one():
     assert shares[-1] == pytest.approx(plan.cache_bounds(None)["cache_bound_infinite"]) and shares[-1] > 0.05
 
 
-def test_replay_against_pdserve_up(tmp_path, capsys):
+def test_replay_against_pdserve_up(tmp_path, capsys, store_cluster):
     out = tmp_path / "trace.json"
-    with running_cluster("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store") as (url, _):
-        code = bench_main(["--base-url", url, "--trace", str(CONVERSATION), "--trace-length-divisor", "32",
-                           "--trace-output-cap", "4", "--trace-max-requests", "16", "--trace-time-scale", "0.02",
-                           "--max-token-id", "250", "--cache-capacity-tokens", "4096", "--num-warmup", "0",
-                           "--disable-tqdm", "--output-json", str(out)])
+    code = bench_main(["--base-url", store_cluster, "--trace", str(CONVERSATION), "--trace-length-divisor", "32",
+                       "--trace-output-cap", "4", "--trace-max-requests", "16", "--trace-time-scale", "0.02",
+                       "--max-token-id", "250", "--cache-capacity-tokens", "4096", "--num-warmup", "0",
+                       "--disable-tqdm", "--output-json", str(out)])
     report = json.loads(out.read_text())
     assert code == 0 and report["completed"] == 16 and report["failed"] == 0
     assert report["config"]["workload"] == "trace" and report["trace_block_tokens"] == 16

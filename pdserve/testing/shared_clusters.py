@@ -61,15 +61,27 @@ def uses(item, name: str) -> bool:
 
 def group_modules(items: list, names: tuple[str, ...]) -> list:
     """The same tests, with the modules that share a cluster moved up to run right after the
-    first of them (each module's own order kept, and the rest of the run's)."""
+    first of them (each module's own order kept, and the rest of the run's). Clusters that one
+    module uses together form one group, so each of them lives only through that group."""
     def module(item) -> str:
         return item.nodeid.split("::", 1)[0]
 
-    group: dict[str, str] = {}  # module -> the shared cluster it uses (its first, if several)
+    used: dict[str, list[str]] = {}  # module -> the shared clusters it uses, in order of first use
     for item in items:
-        used = [name for name in names if uses(item, name)]
-        if used:
-            group.setdefault(module(item), used[0])
+        for name in names:
+            if uses(item, name) and name not in used.setdefault(module(item), []):
+                used[module(item)].append(name)
+    root = {name: name for name in names}  # cluster -> its group's first cluster (union-find)
+
+    def find(name: str) -> str:
+        while root[name] != name:
+            name = root[name]
+        return name
+
+    for clusters in used.values():
+        for other in clusters[1:]:
+            root[find(other)] = find(clusters[0])
+    group = {m: find(clusters[0]) for m, clusters in used.items() if clusters}
     ordered, placed = [], set()
     for item in items:
         name = group.get(module(item))
