@@ -21,13 +21,12 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Literal
 
 import pytest
 from openai import AsyncOpenAI
-from pydantic import BaseModel
 
 from pdserve.models.gguf import DEFAULT_MODEL
+from pdserve.testing.nested_tools import Address, Resident
 
 PROMPT = "What is the weather in Paris?"
 JS_DIR = Path(__file__).parent / "js"
@@ -39,19 +38,24 @@ def url(default_model_cluster):
     return default_model_cluster
 
 
-async def _run_agent(url: str, model_class: str, streamed: bool) -> tuple[list[str], object, list[str]]:
+def _agent(url: str, model_class: str, name: str, tools: list, tool_choice: str | None = None, **kwargs):
+    """(an Agent on the default model through model_class's API, its client: close it after the run)."""
     # The SDK is imported here: importing it pulls in mcp and its web stack, wanted by this module only.
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, set_tracing_disabled
 
     set_tracing_disabled(True)  # tracing would upload spans to OpenAI's platform
+    # One client per run: an AsyncOpenAI client is bound to the event loop it first ran on.
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+    model_type = OpenAIResponsesModel if model_class == "responses" else OpenAIChatCompletionsModel
+    agent = Agent(name=name, instructions="You are a helpful assistant.", tools=tools,
+                  model=model_type(model=DEFAULT_MODEL, openai_client=client),
+                  model_settings=ModelSettings(temperature=0, max_tokens=64, tool_choice=tool_choice), **kwargs)
+    return agent, client
+
+
+async def _run_agent(url: str, model_class: str, streamed: bool) -> tuple[list[str], object, list[str]]:
+    from agents import Runner, function_tool  # (the SDK: see _agent)
+
     calls: list[str] = []
 
     @function_tool
@@ -60,12 +64,7 @@ async def _run_agent(url: str, model_class: str, streamed: bool) -> tuple[list[s
         calls.append(city)
         return f"sunny, 21 C in {city}"
 
-    # One client per run: an AsyncOpenAI client is bound to the event loop it first ran on.
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
-    model_type = OpenAIResponsesModel if model_class == "responses" else OpenAIChatCompletionsModel
-    agent = Agent(name="weather", instructions="You are a helpful assistant.", tools=[get_weather],
-                  model=model_type(model=DEFAULT_MODEL, openai_client=client),
-                  model_settings=ModelSettings(temperature=0, max_tokens=64))  # tool_choice: the default
+    agent, client = _agent(url, model_class, "weather", [get_weather])  # tool_choice: the default
     events: list[str] = []
     if streamed:
         result = Runner.run_streamed(agent, PROMPT, max_turns=4)
@@ -90,28 +89,9 @@ def test_agents_sdk_calls_the_tool_and_answers(url, model_class, streamed):
         assert "tool_called" in events and "tool_output" in events, events
 
 
-class Address(BaseModel):
-    city: Literal["Paris", "Rome"]
-    floor: Literal[1, 2]
-
-
-class Resident(BaseModel):
-    name: Literal["ada", "bob"]
-    home: Address
-
-
 async def _register(url: str, model_class: str, tool_choice: str | None) -> tuple[dict, list[Resident], object]:
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
+    from agents import Runner, function_tool  # (the SDK: see _agent)
 
-    set_tracing_disabled(True)
     calls: list[Resident] = []
 
     @function_tool
@@ -120,14 +100,10 @@ async def _register(url: str, model_class: str, tool_choice: str | None) -> tupl
         calls.append(resident)
         return f"registered {resident.name}"
 
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
-    model_type = OpenAIResponsesModel if model_class == "responses" else OpenAIChatCompletionsModel
     # stop_on_first_tool: the run ends with the tool's result. What the 135M model says after a
     # result is not under test here (it calls the tool again, having nothing else to say).
-    agent = Agent(name="registrar", instructions="You are a helpful assistant.", tools=[register],
-                  tool_use_behavior="stop_on_first_tool",
-                  model=model_type(model=DEFAULT_MODEL, openai_client=client),
-                  model_settings=ModelSettings(temperature=0, max_tokens=64, tool_choice=tool_choice))
+    agent, client = _agent(url, model_class, "registrar", [register], tool_choice,
+                           tool_use_behavior="stop_on_first_tool")
     result = await Runner.run(agent, "Register ada, who lives in Rome on floor 2.", max_turns=2)
     await client.close()
     return register.params_json_schema, calls, result

@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 
 from pdserve import LLM, SamplingParams
 from pdserve.testing.model_factory import make_model
+from pdserve.testing.nested_tools import Resident
 from pdserve.testing.up_cluster import running_cluster
 
 TOOLS_TEMPLATE = """{%- if tools %}<|system|>Call a tool by writing <tool_call>{"name": NAME, "arguments": {...}}\
@@ -119,16 +120,6 @@ def test_tool_choice_required_named_and_auto(served):
     assert "".join(d.content or "" for d in deltas) == "Checking. "
     streamed = [tc for d in deltas for tc in d.tool_calls or []]
     assert len(streamed) == 1 and streamed[0].function.arguments == message.tool_calls[0].function.arguments
-
-
-class Address(BaseModel):
-    city: Literal["Paris", "Rome"]
-    floor: Literal[1, 2]
-
-
-class Resident(BaseModel):
-    name: Literal["ada", "bob"]
-    home: Address
 
 
 def test_nested_pydantic_tools_under_each_tool_choice(served):

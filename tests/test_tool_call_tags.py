@@ -28,6 +28,7 @@ from pdserve.router.openai.chat_templates import builtin_chat_template
 from pdserve.router.openai.structured_request import checked_spec, tool_plan
 from pdserve.router.openai.tool_parsers import HermesParser, Llama3JsonParser, MistralParser
 from pdserve.router.openai.tool_tags import MAX_PARALLEL_CALLS, tool_call_spec
+from pdserve.testing.nested_tools import Resident
 from pdserve.testing.up_cluster import running_cluster
 
 
@@ -192,16 +193,6 @@ def _repeat_call(family: str, arguments: str, n: int) -> str:
     if family == "llama3_json":
         return "; ".join([f'{{"name": "get_weather", "parameters": {arguments}}}'] * n)
     return "[TOOL_CALLS][" + ", ".join([f'{{"name": "get_weather", "arguments": {arguments}}}'] * n) + "]"
-
-
-class Address(BaseModel):
-    city: Literal["Paris", "Rome"]
-    floor: Literal[1, 2]
-
-
-class Resident(BaseModel):
-    name: Literal["ada", "bob"]
-    home: Address
 
 
 class Node(BaseModel):
