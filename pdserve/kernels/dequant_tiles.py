@@ -72,10 +72,10 @@ def matmul_by_tiles(x: torch.Tensor, rows: int, fill_tile: Callable[[int, int, n
     cols = x.shape[1]
     tile_rows = max(min_rows, TILE_BYTES // (4 * cols))
     if native is not None and native_gemv.library() is not None and x.is_contiguous():
-        if _tile_dtype == torch.bfloat16:
+        bf16 = _tile_dtype == torch.bfloat16
+        if bf16:
             tile_rows = min(rows, max(tile_rows, BF16_TILE_BYTES // (2 * cols)))
         tile = torch.empty(tile_rows, cols, dtype=_tile_dtype)
-        bf16 = _tile_dtype == torch.bfloat16
         out = _tile_products(x, rows, tile, lambda start, end: native_gemv.dequant_rows(
             native, cols, start, end, tile.data_ptr(), bf16))
         if out is not None:

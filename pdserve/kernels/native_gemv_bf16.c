@@ -155,9 +155,9 @@ static void task_bf16(const uint32_t *xp, int tokens, int padded, int cols, cons
     uint16_t buffer[BF16_ROWS * cols];
     long qstride = row_bytes(bits, cols), sstride = cols / group;
     int by_table = bits == 4 && group % 32 == 0;
-    for (int r = 0; r < end - n; r++)
+    for (int r = 0; r < end - n; r++) {
+        const uint8_t *qrow = q + (n + r) * qstride;
         for (int c = 0; c < cols / 32; c++) {
-            const uint8_t *qrow = q + (n + r) * qstride;
             if (by_table) {
                 lut32_bf16(qrow, c, sc, mn, half, has_min, (n + r) * sstride + c * 32 / group, buffer + (long)r * cols + c * 32);
                 continue;
@@ -166,6 +166,7 @@ static void task_bf16(const uint32_t *xp, int tokens, int padded, int cols, cons
             decode32(qrow, bits, c, sc, mn, half, has_min, group, (n + r) * sstride, &w0, &w1);
             _mm512_storeu_si512(buffer + (long)r * cols + c * 32, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
         }
+    }
     rows_bf16((const uint32_t *)buffer, end - n, xp, cols, padded, tokens, out, nrows, n);
 }
 
