@@ -176,6 +176,40 @@ def test_prefill_attention(backend, case, dtype):
     assert_close(out, ref, dtype)
 
 
+COMPILED_PREFILL_CASES = {
+    # head_dim a multiple of 64: native_prefill.c takes the fresh prompts (context == new tokens)
+    "gqa-64": (9, 3, 64, 16, [(40, 40), (50, 10), (1, 1), (100, 100), (17, 17)]),
+    "mha-128": (4, 4, 128, 16, [(70, 70), (20, 5), (33, 33)]),
+}
+
+
+@pytest.mark.parametrize("case", COMPILED_PREFILL_CASES)
+def test_compiled_prefill_takes_the_fresh_prompts(case, monkeypatch):
+    """The numba backend's prefill runs every prompt without a cached prefix in one compiled call
+    (native_prefill.c) and the rest (a prefix) through torch's path: all against float64."""
+    from pdserve.kernels import native_gemv, torch_ops
+    if DEVICE != "cpu" or native_gemv.library() is None:
+        pytest.skip("no compiled library here (no C compiler, no AVX-512, or a GPU run)")
+    skipped: list[set[int]] = []
+    attend_each = torch_ops.attend_each
+
+    def spy(*args, skip=frozenset(), **kwargs):
+        skipped.append(set(skip))
+        attend_each(*args, skip=skip, **kwargs)
+    monkeypatch.setattr(torch_ops, "attend_each", spy)
+    spec = COMPILED_PREFILL_CASES[case]
+    x = prefill_inputs(spec, 40, torch.float32, torch.Generator().manual_seed(3))
+    q, cu, ks, vs = x["q"], x["cu"], x["ks"], x["vs"]
+    scale = 0.7 / math.sqrt(spec[2])
+    out = get_ops("numba").prefill_attention(
+        q, x["k_new"], x["v_new"], x["k_cache"], x["v_cache"], torch.tensor(cu, dtype=torch.int32),
+        torch.tensor(x["ctx_lens"], dtype=torch.int32), x["tables"], scale)
+    ref = torch.cat([reference_attention(q[cu[i]:cu[i + 1]], ks[i], vs[i], scale) for i in range(len(ks))])
+    assert_close(out, ref, torch.float32)
+    fresh = {i for i, (ctx, new) in enumerate(spec[4]) if ctx == new}
+    assert skipped == [fresh]  # the compiled call took exactly the fresh prompts
+
+
 # ----------------------------------------------------------------------------- all together
 
 @pytest.mark.parametrize("backend", BACKENDS)

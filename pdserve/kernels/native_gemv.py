@@ -42,8 +42,10 @@ log = logging.getLogger(__name__)
 # native_moe.c (its MoE layers' MLP) and native_mla.c (its latent attention layers) are built into
 # the same library: they call pd_gemv. Their header is hashed with them.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_gemv.c", "native_decode.c", "native_lora.c", "native_moe.c",
-                                                              "native_mla.c", "native_tiles.c", "native_gemv_bf16.c"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_decode.h", "native_quant_blocks.h"))
+                                                              "native_mla.c", "native_tiles.c", "native_gemv_bf16.c",
+                                                              "native_gemv_amx.c", "native_prefill.c"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_decode.h", "native_quant_blocks.h", "native_exp.h",
+                                                            "native_bf16.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int
 MAX_TOKENS = 32  # above this, dequantized tiles through BLAS win (bench_native_gemv.py)

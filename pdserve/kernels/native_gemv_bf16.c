@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "native_bf16.h"
 #include "native_quant_blocks.h"
 
 #define BF16_ROWS 16     /* rows dequantized a task */
@@ -22,36 +23,12 @@
 
 static int bf16_many = 0;
 
-void pd_set_bf16(int on) { bf16_many = on; }
-
-#ifdef __AVX512BF16__
-/* r[i] (row i of a 16 x 16 matrix of 32-bit words) -> r[j] (column j), in registers: pairs of
- * rows interleaved by words, then by word pairs, then the 128-bit lanes of four rows' results */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16], c[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    /* c[4k + g], lane L: column 4L + k of rows 4g .. 4g + 3 */
-    for (int g = 0; g < 4; g++) {
-        __m512i lo01 = t[4 * g], hi01 = t[4 * g + 1], lo23 = t[4 * g + 2], hi23 = t[4 * g + 3];
-        c[g] = _mm512_unpacklo_epi64(lo01, lo23);
-        c[4 + g] = _mm512_unpackhi_epi64(lo01, lo23);
-        c[8 + g] = _mm512_unpacklo_epi64(hi01, hi23);
-        c[12 + g] = _mm512_unpackhi_epi64(hi01, hi23);
-    }
-    for (int k = 0; k < 4; k++) {
-        __m512i *q = c + 4 * k;
-        __m512i u0 = _mm512_shuffle_i32x4(q[0], q[1], 0x44), u1 = _mm512_shuffle_i32x4(q[0], q[1], 0xEE);
-        __m512i u2 = _mm512_shuffle_i32x4(q[2], q[3], 0x44), u3 = _mm512_shuffle_i32x4(q[2], q[3], 0xEE);
-        r[k] = _mm512_shuffle_i32x4(u0, u2, 0x88);
-        r[4 + k] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
-        r[8 + k] = _mm512_shuffle_i32x4(u1, u3, 0x88);
-        r[12 + k] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
-    }
+void pd_set_bf16(int on) {
+    bf16_many = on;
+    if (on) pd_amx_request();
 }
 
+#ifdef __AVX512BF16__
 /* x [tokens, cols] float32 -> xp [cols / 2][padded] 32-bit words, each a pair of bf16: token t's
  * columns 2p and 2p + 1 (tokens past `tokens` are zero). Item i is 16 tokens by 16 column pairs,
  * rounded as rows and turned into columns in registers (word by word, the stores were a sixth of
@@ -149,10 +126,9 @@ static inline void lut32_bf16(const uint8_t *qrow, int c, const void *sc, const 
     _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, table));
 }
 
-/* rows [n, end) of the matrix, dequantized to bf16 into buffer (row-major), then into every token */
-static void task_bf16(const uint32_t *xp, int tokens, int padded, int cols, const uint8_t *q, int bits, const void *sc,
-                      const void *mn, int half, int has_min, int group, float *out, int nrows, int n, int end) {
-    uint16_t buffer[BF16_ROWS * cols];
+/* rows [n, end) of the matrix, dequantized and rounded to bf16, into buffer [end - n][cols] */
+void pd_dequant_bf16(int cols, const uint8_t *q, int bits, const void *sc, const void *mn, int half, int has_min,
+                         int group, int n, int end, uint16_t *buffer) {
     long qstride = row_bytes(bits, cols), sstride = cols / group;
     int by_table = bits == 4 && group % 32 == 0;
     for (int r = 0; r < end - n; r++) {
@@ -167,12 +143,20 @@ static void task_bf16(const uint32_t *xp, int tokens, int padded, int cols, cons
             _mm512_storeu_si512(buffer + (long)r * cols + c * 32, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
         }
     }
+}
+
+/* rows [n, end) of the matrix, dequantized to bf16 into buffer (row-major), then into every token */
+static void task_bf16(const uint32_t *xp, int tokens, int padded, int cols, const uint8_t *q, int bits, const void *sc,
+                      const void *mn, int half, int has_min, int group, float *out, int nrows, int n, int end) {
+    uint16_t buffer[BF16_ROWS * cols];
+    pd_dequant_bf16(cols, q, bits, sc, mn, half, has_min, group, n, end, buffer);
     rows_bf16((const uint32_t *)buffer, end - n, xp, cols, padded, tokens, out, nrows, n);
 }
 
 int pd_gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
                  const void *mins, int half, int has_min, int group, float *out, int threads) {
     if (!bf16_many || tokens <= 8 || (bits != 4 && bits != 8 && bits != 32) || cols > 8192) return 0;
+    if (pd_gemv_amx(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads)) return 1;
     int padded = (tokens + 15) / 16 * 16;
     uint32_t *xp = malloc(sizeof(uint32_t) * (size_t)(cols / 2) * padded);
     if (!xp) return 0;

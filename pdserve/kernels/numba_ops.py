@@ -4,7 +4,7 @@ Decode attention in plain torch must first gather every sequence's blocks into a
 contiguous tensor, which copies the whole KV context each step and dominates decode time on
 CPU. This kernel reads K and V straight through the block table, once, in parallel over
 (sequence, KV head). store_kv is one compiled call too (the torch one is about eight small ops,
-per layer and step); prefill_attention is the plain torch one.
+per layer and step); prefill_attention is native_prefill's (fresh prompts compiled, the rest torch's).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from numba import njit, prange
 
 from pdserve.kernels import numba_threads, torch_ops  # noqa: F401  (numba_threads: before the first parallel call)
-from pdserve.kernels.torch_ops import PREFILL_KEY_ENDS, prefill_attention  # noqa: F401  (same contract)
+from pdserve.kernels.native_prefill import PREFILL_KEY_ENDS, prefill_attention  # noqa: F401  (same contract)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

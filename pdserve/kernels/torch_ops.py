@@ -107,11 +107,20 @@ def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     the query's own position.
     """
     out = torch.empty_like(q)
-    cu = cu_seqlens_q.tolist()
-    for i, ctx in enumerate(context_lens.tolist()):
+    attend_each(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q.tolist(), context_lens.tolist(), block_tables,
+                scale, window, sinks, key_ends, out)
+    return out
+
+
+def attend_each(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, cu: list[int], contexts: list[int], block_tables: torch.Tensor,
+                scale: float, window: int, sinks: torch.Tensor | None, key_ends: torch.Tensor | None,
+                out: torch.Tensor, skip: set[int] = frozenset()) -> None:
+    """prefill_attention's rows of each sequence but those in skip (computed elsewhere), into out."""
+    for i, ctx in enumerate(contexts):
         rows = slice(cu[i], cu[i + 1])
         q_len = rows.stop - rows.start
-        if q_len == 0:
+        if q_len == 0 or i in skip:
             continue
         ends = _reaching_ends(key_ends, rows, ctx)
         if (window and window < ctx) or ends is not None:  # some query's keys are not a causal prefix
@@ -125,7 +134,6 @@ def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         else:
             out[rows] = _masked_prefill(q[rows], k_new[rows], v_new[rows], k_cache, v_cache,
                                         block_tables[i], ctx, scale, 0, sinks)
-    return out
 
 
 def _reaching_ends(key_ends: torch.Tensor | None, rows: slice, ctx: int) -> torch.Tensor | None:
