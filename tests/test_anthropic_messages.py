@@ -10,6 +10,7 @@ Anthropic's shape."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 
@@ -18,6 +19,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 
 from pdserve.testing.model_factory import make_model
 from pdserve.testing.up_cluster import running_cluster
@@ -50,6 +52,7 @@ GREEDY = {"temperature": 0}
 
 
 HUB_ID, COMMIT = "acme/tiny-llama", "c" * 40
+CONFIG_POSITIONS = 512  # the config's max_position_embeddings, which the cluster serves past
 
 
 @contextlib.contextmanager
@@ -64,21 +67,29 @@ def _environ(**values: str):
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """The model is served by its Hub id from a local Hugging Face cache (HF_HUB_CACHE, as
-    huggingface_hub lays it out), which the launcher, the router and the nodes each resolve."""
+def hub(tmp_path_factory):
+    """A local Hugging Face cache (HF_HUB_CACHE, as huggingface_hub lays it out) holding the model
+    under its Hub id, whose config allows 512 positions; yields the cache and the snapshot."""
     root = tmp_path_factory.mktemp("anthropic")
     repo = root / "hub" / f"models--{HUB_ID.replace('/', '--')}"
     (repo / "snapshots").mkdir(parents=True)
-    make_model(root, "llama", seed=11).rename(repo / "snapshots" / COMMIT)
+    make_model(root, "llama", seed=11, max_position_embeddings=CONFIG_POSITIONS).rename(repo / "snapshots" / COMMIT)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
-    template = root / "tools.jinja"
+    return root / "hub", repo / "snapshots" / COMMIT
+
+
+@pytest.fixture(scope="module")
+def served(hub, tmp_path_factory):
+    """The model is served by its Hub id, which the launcher, the router and the nodes each
+    resolve in the cache, past its config's 512 positions: --max-model-len 1024 with
+    --allow-long-max-model-len (the router's limit), and 40 blocks of 16 tokens a node (the nodes'
+    640). test_a_prompt_over_the_context_... and test_past_the_configs_positions_... use the three."""
+    template = tmp_path_factory.mktemp("template") / "tools.jinja"
     template.write_text(TEMPLATE)
-    # 40 blocks of 16 tokens a node: a context of 640 tokens on the nodes, under the model's 1024 the
-    # router checks (test_a_prompt_over_the_context_...)
-    flags = ("--model", HUB_ID, "--kv-transfer", "nixl", "--chat-template", str(template), "--num-kv-blocks", "40")
-    with _environ(HF_HUB_CACHE=str(root / "hub"), HF_HUB_OFFLINE="1"), running_cluster(*flags) as (url, _):
+    flags = ("--model", HUB_ID, "--kv-transfer", "nixl", "--chat-template", str(template), "--num-kv-blocks", "40",
+             "--max-model-len", "1024", "--allow-long-max-model-len")
+    with _environ(HF_HUB_CACHE=str(hub[0]), HF_HUB_OFFLINE="1"), running_cluster(*flags) as (url, _):
         chat = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
         assert chat.models.list().data[0].id == HUB_ID
@@ -252,16 +263,18 @@ def test_a_prompt_over_the_context_is_a_400_on_every_route_streamed_or_not(serve
     invalid_request_error on messages), never a 5xx, streamed or not: over the model's context the
     router refuses it; over the nodes' (their KV cache), the node."""
     _, client, chat, model = served
-    for nodes_only in ("y " * 400, [{"role": "user", "content": "y " * 400}]):  # 800 tokens: 640 < 800 < 1024
+    for nodes_only, stream in itertools.product(("y " * 400, [{"role": "user", "content": "y " * 400}]),
+                                                (False, True)):  # 800 tokens: 640 < 800 < 1024
         with pytest.raises(openai.BadRequestError) as caught:
             if isinstance(nodes_only, str):
-                chat.completions.create(model=model, prompt=nodes_only, max_tokens=4)
+                chat.completions.create(model=model, prompt=nodes_only, max_tokens=4, stream=stream)
             else:
-                chat.chat.completions.create(model=model, messages=nodes_only, max_tokens=4)
+                chat.chat.completions.create(model=model, messages=nodes_only, max_tokens=4, stream=stream)
         assert caught.value.code == "context_length_exceeded" and "640 tokens" in caught.value.message
-    with pytest.raises(anthropic.BadRequestError) as caught:
-        client.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": "y " * 400}])
-    assert "maximum context length is 640" in caught.value.body["error"]["message"]
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            client.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": "y " * 400}],
+                                   stream=stream)
+        assert "maximum context length is 640" in caught.value.body["error"]["message"]
     long = "x " * 2000  # 4000 tokens of the byte tokenizer, past the model's 1024
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as caught:
@@ -278,6 +291,32 @@ def test_a_prompt_over_the_context_is_a_400_on_every_route_streamed_or_not(serve
         with pytest.raises(openai.BadRequestError) as caught:  # the Responses API, on the chat path too
             chat.responses.create(model=model, input=long, max_output_tokens=4, stream=stream)
         assert caught.value.code == "context_length_exceeded" and "1024" in caught.value.message
-    with pytest.raises(openai.BadRequestError) as caught:  # over the nodes' 640 only
-        chat.responses.create(model=model, input="y " * 400, max_output_tokens=4)
-    assert caught.value.code == "context_length_exceeded" and "640 tokens" in caught.value.message
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as caught:  # over the nodes' 640 only
+            chat.responses.create(model=model, input="y " * 400, max_output_tokens=4, stream=stream)
+        assert caught.value.code == "context_length_exceeded" and "640 tokens" in caught.value.message
+
+
+def test_past_the_configs_positions_with_the_override_equals_transformers(served, hub):
+    """--allow-long-max-model-len: a prompt of 600 tokens, past the config's 512 positions, runs
+    through P/D (the router accepts it, the prefill node computes it, NIXL hands it over, the
+    decode node continues it) with transformers' greedy tokens on the same weights, streamed or
+    not; /v1/messages takes one as long."""
+    _, client, chat, model = served
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: this test's reference only
+    tokenizer = AutoTokenizer.from_pretrained(hub[1])
+    ids = tokenizer(" ".join(f"{SYSTEM} ({i})" for i in range(20)), add_special_tokens=False)["input_ids"][:600]
+    assert len(ids) == 600 > CONFIG_POSITIONS
+    reference = AutoModelForCausalLM.from_pretrained(hub[1], torch_dtype="float32")
+    out = reference.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):]
+    want = tokenizer.decode(out, skip_special_tokens=True)
+    completion = chat.completions.create(model=model, prompt=ids, max_tokens=8, **GREEDY)
+    assert completion.choices[0].text == want and completion.usage.prompt_tokens == 600
+    streamed = chat.completions.create(model=model, prompt=ids, max_tokens=8, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want
+    text = tokenizer.decode(ids[:560])
+    message = client.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": text}],
+                                     extra_body=GREEDY)
+    completion = _chat(chat, model, [{"role": "user", "content": text}], 4)
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens > CONFIG_POSITIONS
+    assert _text(message) == completion.choices[0].message.content

@@ -57,6 +57,7 @@ def test_a_cached_hub_id_resolves_to_its_main_snapshot(hub):
     (["serve", "acme/tiny", "--max-model-len", "100000"],
      "--max-model-len 100000 is more than acme/tiny allows: its config.json's max_position_embeddings is 1024"),
     (["up", "--model", "acme/tiny", "--max-model-len", "1025"], "max_position_embeddings is 1024"),
+    (["router", "--model", "acme/tiny", "--max-model-len", "2048"], "or add --allow-long-max-model-len to serve 2048"),
 ])
 def test_what_cannot_be_served_is_refused_before_any_process(hub, capsys, argv, message):
     assert main(argv) == 2
@@ -89,3 +90,32 @@ def test_revision_picks_a_cached_snapshot_served_under_the_id(hub):
         serve_settings(build_parser().parse_args(["serve", "acme/tiny", "--revision", OLD, "--max-model-len", "1000"]))
     with pytest.raises(ValueError, match="at revision 'v9'"):
         serve_settings(build_parser().parse_args(["serve", "acme/tiny", "--revision", "v9"]))
+
+
+def test_allow_long_max_model_len_passes_the_limit_to_the_router_and_every_node(hub):
+    """The override: the start goes on, and `pdserve up` hands --max-model-len with the override to
+    the router (its limit) and to each node (whose engine then runs RoPE past the config's
+    positions; test_anthropic_messages serves past them end to end)."""
+    from pdserve.entrypoints.cli import build_parser
+    from pdserve.entrypoints.http_flags import http_flags
+    from pdserve.entrypoints.launcher import Cluster
+    from pdserve.entrypoints.serve_cli import serve_settings
+    args = serve_settings(build_parser().parse_args(["serve", "acme/tiny", "--max-model-len", "4096",
+                                                     "--allow-long-max-model-len"]))
+    wanted = ["--max-model-len", "4096", "--allow-long-max-model-len"]
+    assert http_flags(args)[:3] == wanted
+    node = Cluster(args).node_cmd("prefill", "prefill-0", "tcp://127.0.0.1:1", [])
+    assert node[node.index("--max-model-len"):][:3] == wanted
+    parsed = build_parser().parse_args(["prefill", *node[node.index("prefill") + 1:]])
+    assert (parsed.max_model_len, parsed.allow_long_max_model_len) == (4096, True)
+
+
+def test_an_engine_refuses_a_longer_context_unless_allowed(capsys):
+    """A node or `pdserve generate` started by hand: its engine refuses a --max-model-len past the
+    config's positions (builtin:tiny's 4096) with the flag that allows it, and runs it with the flag."""
+    assert main(["generate", "--model", "builtin:tiny", "--max-model-len", "5000", "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "max_model_len 5000 is more than the model's max_position_embeddings 4096" in err
+    assert "--allow-long-max-model-len" in err
+    assert main(["generate", "--model", "builtin:tiny", "--max-model-len", "5000", "--allow-long-max-model-len",
+                 "--max-tokens", "1", "--num-kv-blocks", "8"]) == 0

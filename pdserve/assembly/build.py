@@ -52,6 +52,7 @@ from pdserve.models.gguf import checkpoint_name
 from pdserve.models.hybrid import is_hybrid_config
 from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
 from pdserve.models.model_path import context_limit
+from pdserve.models.rope import cover_positions
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -143,6 +144,7 @@ def multimodal_inputs(model, encoder_cache_tokens: int) -> MultiModalInputs | No
 def _parts(config: EngineConfig, t: _Target) -> EngineParts:
     tokenizer = load_tokenizer(t.model_path)
     max_len = max_model_len(config, t.hf_config, t.model, t.kv_cache.shape[0])
+    cover_positions(t.model, max_len)  # past max_position_embeddings only when allowed (model_positions)
     salt = t.kv_layout.salt()
     pool = BlockPool(t.kv_cache.shape[0], config.enable_prefix_caching)
     whole_images = bool(getattr(t.model, "bidirectional_images", False))

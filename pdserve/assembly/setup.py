@@ -76,15 +76,31 @@ def state_pool(config: EngineConfig, model, layout: KVLayout, blocks: int, devic
 
 
 def max_model_len(config: EngineConfig, hf_config, model, num_blocks: int) -> int:
-    """The longest request: the model's positions, the cache, and a sliding window the model's
-    attention does not apply itself."""
-    limit = min(model.spec.max_position_embeddings, num_blocks * config.block_size)
+    """The longest request: the model's positions (or max_model_len past them, when allowed), the
+    cache, and a sliding window the model's attention does not apply itself."""
+    limit = min(model_positions(config, model), num_blocks * config.block_size)
     window = getattr(hf_config, "sliding_window", None)
     if getattr(model, "handles_sliding_window", False):
         window = None  # the model's attention applies its windows itself
     if window and getattr(hf_config, "use_sliding_window", True):
         limit = min(limit, window)  # sliding-window attention is not implemented: stay inside it
     return min(config.max_model_len or limit, limit)
+
+
+def model_positions(config: EngineConfig, model) -> int:
+    """The positions the engine runs: the config's max_position_embeddings, or a longer
+    max_model_len under allow_long_max_model_len (refused without it, as vLLM refuses it)."""
+    positions, wanted = model.spec.max_position_embeddings, config.max_model_len
+    if not wanted or wanted <= positions:
+        return positions
+    if not config.allow_long_max_model_len:
+        raise ValueError(f"max_model_len {wanted} is more than the model's max_position_embeddings {positions}; "
+                         "allow_long_max_model_len (--allow-long-max-model-len) serves it anyway, with RoPE past "
+                         "the positions the model was trained on")
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1 or config.speculative_config:
+        raise ValueError("allow_long_max_model_len: not supported with tensor or pipeline parallelism or "
+                         "speculative decoding yet (their models' RoPE tables stop at max_position_embeddings)")
+    return wanted
 
 
 def kernel_ops(config: EngineConfig, device: torch.device, kv_cache: torch.Tensor, model_path, num_layers: int,

@@ -24,6 +24,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None
+    # max_model_len past the config's max_position_embeddings (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN):
+    # refused unless set; then RoPE runs past the positions the model was trained on.
+    allow_long_max_model_len: bool = False
     enable_prefix_caching: bool = True
     # Seconds a request may wait in WAITING_FOR_REMOTE_KVS before it is computed locally.
     remote_kv_timeout_s: float = 30.0
@@ -108,6 +111,8 @@ def engine_options(args: Any) -> dict:
                 enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
                 speculative_config=getattr(args, "speculative_config", None),
                 encoder_cache_tokens=getattr(args, "encoder_cache_tokens", 16384),
+                max_model_len=getattr(args, "max_model_len", None),
+                allow_long_max_model_len=getattr(args, "allow_long_max_model_len", False),
                 **lora_options(args))
 
 

@@ -12,7 +12,7 @@ from pdserve.cluster.planner import add_planner_args
 from pdserve.cluster.registry import run_registry
 from pdserve.cluster.registry_client import registry_url
 from pdserve.engine.config import engine_options
-from pdserve.entrypoints.engine_flags import add_engine_args, add_lora_module_arg
+from pdserve.entrypoints.engine_flags import add_context_args, add_engine_args, add_lora_module_arg
 from pdserve.entrypoints.http_flags import add_http_args
 from pdserve.entrypoints.router_flags import add_admission_args, add_chat_args, add_routing_args, add_served_name_args
 from pdserve.entrypoints.scale_cli import add_scale_args, run_scale
@@ -40,6 +40,7 @@ def _default_transfer() -> str:
 
 def _add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     add_engine_args(p)
+    add_context_args(p)
     p.add_argument("--node-id", default=f"{role}-0", help="the name the router, logs and metrics use")
     p.add_argument("--bind", default="tcp://127.0.0.1:5600", help="zmq endpoint for the router")
     p.add_argument("--store", default=None,
@@ -251,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline generation, printed to stdout")
     add_engine_args(gen)
+    add_context_args(gen)
     _add_speculative_args(gen)
     gen.add_argument("prompts", nargs="*", help="prompts to complete (default: one example prompt)")
     gen.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt")

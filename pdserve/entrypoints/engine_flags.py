@@ -57,6 +57,15 @@ def add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) ->
                         "instead of a slice of every expert")
 
 
+def add_context_args(p: argparse.ArgumentParser) -> None:
+    """--max-model-len and its override: the router's limit, and a node's (`pdserve up` passes both)."""
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    p.add_argument("--allow-long-max-model-len", action="store_true",
+                   help="accept a --max-model-len above the model's config (max_position_embeddings), which is "
+                        "refused without it, as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: RoPE then runs past the "
+                        "positions the model was trained on, and its output there may be poor")
+
+
 def lora_module(value: str) -> tuple[str, str]:
     """One --lora-modules entry: name=DIR, or vLLM's JSON form {"name": ..., "path": ...}."""
     if value.lstrip().startswith("{"):

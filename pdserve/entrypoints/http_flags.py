@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 
+from pdserve.entrypoints.engine_flags import add_context_args
 from pdserve.router.openai.media_options import (
     DEFAULT_FETCH_TIMEOUT_S,
     DEFAULT_IMAGES_PER_PROMPT,
@@ -70,7 +71,7 @@ def _add_media_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    add_context_args(p)
     p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM; with --ssl-certfile)")
     p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain (PEM)")
     p.add_argument("--allowed-origins", type=origins, default=None, metavar="ORIGINS",
@@ -95,7 +96,7 @@ def check_tls(args: argparse.Namespace) -> None:
 
 def http_flags(args: argparse.Namespace) -> list[str]:
     """The flags above as `pdserve up` passes them to a router (files as absolute paths)."""
-    flags = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    flags = context_flags(args)
     if args.ssl_keyfile:
         flags += ["--ssl-keyfile", os.path.abspath(args.ssl_keyfile), "--ssl-certfile", os.path.abspath(args.ssl_certfile)]
     if args.allowed_origins is not None:
@@ -104,6 +105,13 @@ def http_flags(args: argparse.Namespace) -> list[str]:
     flags += ["--uvicorn-log-level", args.uvicorn_log_level] if args.uvicorn_log_level != "warning" else []
     flags += ["--disable-log-requests"] if args.disable_log_requests else []
     return flags + _media_flags(args)
+
+
+def context_flags(args: argparse.Namespace) -> list[str]:
+    """--max-model-len and --allow-long-max-model-len as `pdserve up` passes them to the router and nodes."""
+    wanted = getattr(args, "max_model_len", None)
+    flags = ["--max-model-len", str(wanted)] if wanted else []
+    return flags + (["--allow-long-max-model-len"] if getattr(args, "allow_long_max_model_len", False) else [])
 
 
 def _media_flags(args: argparse.Namespace) -> list[str]:

@@ -23,7 +23,7 @@ from pdserve.cluster.planner import placement_flags, planner_flags
 from pdserve.cluster.registry import RegistryServer
 from pdserve.engine.config import lora_flags
 from pdserve.engine.kv_pool_size import HOST_NODES_ENV
-from pdserve.entrypoints.http_flags import check_tls, http_flags, url_scheme
+from pdserve.entrypoints.http_flags import check_tls, context_flags, http_flags, url_scheme
 from pdserve.entrypoints.node_speculation import check_speculative_configs, node_speculative_config
 from pdserve.entrypoints.ray_launch import run_up_ray
 from pdserve.entrypoints.tp_degrees import node_parallel_flags, node_ranks, pool_ranks
@@ -129,6 +129,7 @@ class Cluster:
         if getattr(self.args, "kv_cache_dtype", "auto") != "auto":
             cmd += ["--kv-cache-dtype", self.args.kv_cache_dtype]
         cmd += lora_flags(self.args)
+        cmd += context_flags(self.args)  # a node past the config's positions needs both to run them
         cmd += ["--seed", str(self.args.seed)] if getattr(self.args, "seed", None) is not None else []
         return cmd + extra + self._curve_flags() + self._registry_flags()
 

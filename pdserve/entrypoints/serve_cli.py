@@ -29,19 +29,21 @@ def check_model(args: argparse.Namespace) -> None:
     """Before any process starts (ValueError: `pdserve` exits with code 2 and this one message):
     the model resolves (a directory, an installed GGUF, or a Hub id in the local Hugging Face
     cache), and --max-model-len is within what its config allows. As vLLM refuses a longer one
-    unless told to allow it, so does pdserve, which has no override: its engine runs no
-    position past the model's, so a longer context would be advertised and never served."""
+    unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set, pdserve refuses it unless
+    --allow-long-max-model-len is given: the nodes then extend RoPE past the config's positions."""
     path = resolve_model_path(args.model)
     wanted = getattr(args, "max_model_len", None)
     if wanted is not None and wanted < 1:
         raise ValueError(f"--max-model-len must be at least 1, got {wanted}")
     config = read_model_config(path)
     limit = context_limit(config)
-    if wanted is not None and limit is not None and wanted > limit:
-        raise ValueError(f"--max-model-len {wanted} is more than {args.model} allows: its config.json's "
-                         f"max_position_embeddings is {limit}, and pdserve runs no position past it (vLLM refuses "
-                         f"this too, unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set). Leave --max-model-len out to "
-                         f"serve the model's {limit}, or give a value up to it")
+    if wanted is None or limit is None or wanted <= limit or getattr(args, "allow_long_max_model_len", False):
+        return
+    raise ValueError(f"--max-model-len {wanted} is more than {args.model} allows: its config.json's "
+                     f"max_position_embeddings is {limit}. Leave --max-model-len out to serve the model's {limit}, "
+                     f"give a value up to it, or add --allow-long-max-model-len to serve {wanted} anyway (vLLM's "
+                     f"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1): positions past {limit} are ones the model was not trained "
+                     "on, and its output there may be poor")
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -30,9 +30,18 @@ class RotaryEmbedding:
         self._table = self._build_table(max_positions)
 
     def _build_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        # on the CPU, where __init__ builds it: an extended table (cover) repeats its rows bit for bit
+        freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq.cpu()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.scaling, emb.sin() * self.scaling
+
+    def cover(self, positions: int) -> None:
+        """The table extended to `positions` rows, with the same frequencies: an engine serving
+        past the config's max_position_embeddings (--allow-long-max-model-len). Before any CUDA
+        graph is captured: a graph keeps the old table's address."""
+        cos = self._table[0]
+        if positions > cos.shape[0]:
+            self._table = tuple(t.to(cos.device) for t in self._build_table(positions))
 
     def to(self, device: torch.device) -> RotaryEmbedding:
         self.inv_freq = self.inv_freq.to(device)
@@ -51,3 +60,15 @@ class RotaryEmbedding:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def cover_positions(model: torch.nn.Module, positions: int) -> None:
+    """Every RoPE table the model's modules hold (an attribute, or in a dict or list of them, as
+    the per-layer-type models keep theirs) extended to `positions` rows (RotaryEmbedding.cover)."""
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, dict):
+                value = list(value.values())
+            for rope in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(rope, RotaryEmbedding):
+                    rope.cover(positions)

@@ -116,6 +116,14 @@ def backend_unavailable(exc: BaseException) -> APIError:
 _NODE_TOO_LONG = re.compile(r"the prompt has (\d+) tokens; this model accepts at most (\d+)")
 
 
+def nodes_context_exceeded(limit: int, prompt_tokens: int) -> APIError:
+    """A prompt of `prompt_tokens` where the nodes' KV caches hold fewer than `limit` + 1 tokens:
+    the router's refusal (app._Router.check_nodes_context) and the node's (as_api_error) alike."""
+    return APIError(400, f"This model's maximum context length is {limit} tokens on the nodes serving it (their "
+                    f"KV cache holds no more). However, your prompt has {prompt_tokens} tokens.",
+                    code="context_length_exceeded")
+
+
 def as_api_error(exc: BaseException) -> APIError:
     """Maps anything a generation can raise to the error a client should see."""
     if isinstance(exc, APIError):
@@ -123,9 +131,7 @@ def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, BackendError):
         too_long = _NODE_TOO_LONG.search(str(exc))
         if too_long is not None:
-            return APIError(400, f"This model's maximum context length is {int(too_long[2]) + 1} tokens on the "
-                            f"nodes serving it (their KV cache holds no more). However, your prompt has "
-                            f"{too_long[1]} tokens.", code="context_length_exceeded")
+            return nodes_context_exceeded(int(too_long[2]) + 1, int(too_long[1]))
         return backend_unavailable(exc)
     # Internal bug: log the traceback here, show the client only that it failed.
     logger.error("internal error", exc_info=exc)

@@ -36,6 +36,7 @@ from pdserve.router.openai.errors import (
     error_body,
     error_responses,
     install_error_handlers,
+    nodes_context_exceeded,
 )
 from pdserve.router.openai.jobs import GenerationJob, chat_job, completion_job
 from pdserve.router.openai.media import MediaInputs
@@ -157,7 +158,23 @@ class _Router:
                            f"tokens. However, you requested {prompt_len + max_tokens} tokens "
                            f"({prompt_len} in the prompt, {max_tokens} in the completion).",
                            param=param, code="context_length_exceeded")
+        limit = self.nodes_context()
+        if limit is not None and prompt_len >= limit:
+            raise nodes_context_exceeded(limit, prompt_len)
         return max_tokens
+
+    def nodes_context(self) -> int | None:
+        """The tokens the smallest healthy prefill or decode node's KV cache holds, from their
+        pongs (None before any): a node refuses a prompt of that many. Refused here, before a
+        stream's 200 goes out, the prompt is a 400 streamed or not (the node's own refusal would
+        come as an error event inside the stream)."""
+        pool, keys = getattr(self.backend, "pool", None), getattr(self.backend, "block_keys", None)
+        block_size = getattr(keys, "block_size", None)
+        if pool is None or not block_size:
+            return None  # a backend without nodes (tests' fakes)
+        totals = [n.stats.get("total_blocks", 0) for n in pool.nodes if n.healthy and n.role in ("prefill", "decode")]
+        totals = [t for t in totals if t > 0]
+        return min(totals) * block_size if totals else None
 
     def build_params(self, body: GenerationRequest, max_tokens: int,
                      logprobs: int | None) -> list[SamplingParams]:
