@@ -133,13 +133,14 @@ def _prefill_bytes_put(url: str, requests: int, before: int) -> int:
 def test_two_by_two_cluster_with_redis_shares_prefixes_across_prefill_nodes(reference):
     with running_cluster("--prefill-nodes", "2", "--decode-nodes", "2", "--kv-transfer", "store") as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
-        # A prompt the store holds already: its handover writes only the blocks after the stored
-        # whole chunk (the warm request's first token waited on rewriting all of them).
+        # A prompt whose prefix the decode node holds: its handover writes only the blocks that
+        # node lacks, here the 4 after the 20 whole blocks the prompts share (the warm request's
+        # first token waited on rewriting all of them).
         put = []
         for i, prompt in enumerate(STORED_PROMPTS):
             assert _complete(client, prompt)[0] == reference[prompt].token_ids
             put.append(_prefill_bytes_put(url, i + 1, sum(put)) - sum(put))
-        assert put[0] > 0 and put[1] * 3 == put[0], f"24 blocks, then only the 8 after the chunk: {put}"
+        assert put[0] > 0 and put[1] * 6 == put[0], f"24 blocks, then only the 4 the decode node lacks: {put}"
         prompt = PROMPTS[1]  # 135 tokens: 8 full blocks
         usages = []
         for _ in range(2):  # round-robin: the second request goes to the other prefill node

@@ -34,6 +34,7 @@ import httpx
 from tqdm.asyncio import tqdm
 
 from pdserve.loadgen.metrics import RequestResult, compute_metrics, latency_samples
+from pdserve.loadgen.stages import scrape_stages, stage_breakdown
 from pdserve.loadgen.trace import TraceScale
 from pdserve.loadgen.trace_replay import replay_trace
 
@@ -350,9 +351,11 @@ async def run_benchmark(config: BenchConfig | dict[str, Any]) -> dict[str, Any]:
         if cfg.num_warmup:
             await _warm_up(client, cfg)
         run = _replay if cfg.trace is not None else _run_workload
+        before = await scrape_stages(client)  # a pdserve router's TTFT breakdown, read around the run
         results, duration, extra = await run(client, cfg)
+        stages = stage_breakdown(before, await scrape_stages(client))
     report = {"config": asdict(cfg), **compute_metrics(results, duration, cfg), **extra,
-              "samples_s": latency_samples(results)}
+              "ttft_breakdown": stages, "samples_s": latency_samples(results)}
     if cfg.output_json:
         with open(cfg.output_json, "w") as f:
             json.dump(report, f, indent=2, default=str)

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pdserve.loadgen.stages import format_breakdown
+
 
 class GoodputTargets(Protocol):
     """What goodput is judged by (bench.BenchConfig has both): None counts every request."""
@@ -95,9 +97,11 @@ def latency_samples(results: list[RequestResult]) -> dict[str, list[float]]:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    keys = [k for k in report if k not in ("config", "errors", "samples_s")]
+    keys = [k for k in report if k not in ("config", "errors", "samples_s", "ttft_breakdown")]
     lines = [f"{k:>26}: {report[k]:.3f}" if isinstance(report[k], float)
              else f"{k:>26}: {report[k]}" for k in keys]
+    if report.get("ttft_breakdown"):
+        lines.append(format_breakdown(report["ttft_breakdown"]))
     if report.get("errors"):
         lines.append(f"{'first error':>26}: {report['errors'][0]}")
     return "\n".join(lines)

@@ -71,6 +71,7 @@ class DecodeNode(StepBudget):
         self.store_prefix = StorePrefix(engine, store, self.stats) if store is not None else None  # by the type of handover each pulls
         self.writeback = StoreWriteBack(engine, store, self.stats) if store is not None else None
         self.pulls: dict[str, Pull] = {}  # request id -> its pull, until the pull is over
+        self.streams: dict[str, Request] = {}  # with a store: the streams whose answers it is sent
         self.block_nbytes = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
         self.placements = {"prefills_local": 0, "prefills_handed_over": 0}
         self.init_step_budget()
@@ -101,6 +102,9 @@ class DecodeNode(StepBudget):
         except ValueError as exc:
             return self.fail(identity, rid, str(exc))
         self.origin[rid] = identity
+        self.ttft_clocks.admit(req)
+        if self.writeback is not None:
+            self.streams[rid] = req  # its answer's blocks go to the store when it ends
         self.stats.requests_total += 1
         self.hold_itl_target(rid, msg.itl_slo_s)
         if handed_over or not msg.first_token_ids:  # (a stream resumed here after a failover is neither)
@@ -193,7 +197,21 @@ class DecodeNode(StepBudget):
         if self.writeback is not None and self.writeback.owed:
             for out in outputs:  # a prompt computed here: its first token is out
                 self.writeback.prompt_done(out.request_id)
+        if self.streams:
+            for out in outputs:
+                if out.finished:
+                    self._write_answer(out)
         super().on_outputs(outputs)
+
+    def _write_answer(self, out) -> None:
+        """Its answer's full blocks (the last token's KV was never computed) go to the store."""
+        req = self.streams.pop(out.request_id, None)
+        if req is None or out.finish_reason not in ("stop", "length"):
+            return
+        tokens = req.prompt_token_ids + req.output_token_ids[:-1]
+        keys = request_block_keys(self.engine, tokens, req.cache_salt, req.lora_name, req.images)
+        bs = self.engine.config.block_size
+        self.writeback.answer_done(req.request_id, keys[:len(tokens) // bs], len(req.prompt_token_ids) // bs)
 
     def poll_background(self) -> None:
         if self.writeback is not None:
@@ -220,6 +238,7 @@ class DecodeNode(StepBudget):
             return self._finish_store_prefix(pull, ok)
         if ok:
             self.stats.transfers_ok += 1
+            self.ttft_clocks.landed(rid)
             if pull is not None:
                 self._count_transfer(pull)
         else:
@@ -236,6 +255,7 @@ class DecodeNode(StepBudget):
     def _finish_store_prefix(self, pull: Pull, ok: bool) -> None:
         """A stored prefix that did not land is computed here: it was never owed by a peer."""
         if ok:
+            self.ttft_clocks.landed(pull.req.request_id)
             pull.req.num_cached_tokens = max(pull.req.num_cached_tokens, pull.handover.num_tokens)
             self.store_prefix.count_loaded(pull.nbytes // self.block_nbytes * self.engine.config.block_size)
             self.stats.store_load_us += int((time.perf_counter() - pull.started) * 1e6)
@@ -249,6 +269,7 @@ class DecodeNode(StepBudget):
         setattr(self.stats, us_name, getattr(self.stats, us_name) + int((time.perf_counter() - pull.started) * 1e6))
 
     def abort(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
         pull = self.pulls.get(request_id)
         if pull is not None and pull.state is not PullState.DELAYED:
             # A pull in flight writes into the request's blocks: free them only once it ends.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import zmq
 
@@ -93,9 +94,11 @@ class PrefillNode(StepBudget):
                                                  images=req.images)
         except ValueError as exc:
             return self._reply_error(identity, rid, str(exc))
+        self.ttft_clocks.admit(engine_req)
         if stored and engine_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             # (When the cache had no room for the stored blocks the request just computes.)
             prefix.load(engine_req, keys, stored)
+            self.ttft_clocks.landed(rid)
         self.pending[rid] = PendingPrefill(identity, req, keys, stored)
         # Until its blocks are free: a router that goes silent takes its prefills and leases with it.
         self.origin[rid] = identity
@@ -114,8 +117,10 @@ class PrefillNode(StepBudget):
                                           images=msg.images)
         except ValueError as exc:
             return self.fail(identity, rid, str(exc))
+        self.ttft_clocks.admit(req)
         if stored and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             prefix.load(req, keys, stored)  # a turn whose history left this node: from the store
+            self.ttft_clocks.landed(rid)
         self.origin[rid] = identity
         self.stats.requests_total += 1
         self.whole_requests += 1
@@ -141,9 +146,10 @@ class PrefillNode(StepBudget):
         done = first.finish_reason in ("stop", DEAD_END_FINISH) or req.params.max_tokens == 1
         if not done:
             first.finished, first.finish_reason = False, None
+        first.timing, made = self.ttft_clocks.first_token(rid), time.perf_counter()
         producer, handover = self.producers[req.transfer], None
         if not done and producer is not self.nixl:  # the store: the put runs off this loop
-            self.puts.start(producer.prepare(pending), first)
+            self.puts.start(producer.prepare(pending), first, made)
             return
         try:
             if not done:
@@ -152,12 +158,14 @@ class PrefillNode(StepBudget):
             log.warning("[%s] handover failed, the decode node will recompute: %s", rid, exc)
         if handover is None or not producer.pins_blocks:
             self._release(rid)
+        _handover_time(first, made)
         self.control.send(pending.identity, PrefillResult(rid, first=first, handover=handover))
 
     def _finish_puts(self) -> None:
         for put, handover in self.puts.finished():
             self._release(put.request_id)
             if not put.aborted:
+                _handover_time(put.first, put.made)
                 self.control.send(put.job.pending.identity, PrefillResult(put.request_id, first=put.first,
                                                                           handover=handover))
 
@@ -197,3 +205,9 @@ class PrefillNode(StepBudget):
             self.store_prefix.close()
         for producer in self.producers.values():
             producer.close()
+
+
+def _handover_time(first: StepOutput, made: float) -> None:
+    """The first token waited from `made` until its handover was ready (a store put, NIXL pins)."""
+    if first.timing is not None:
+        first.timing.handover_s = time.perf_counter() - made

@@ -43,16 +43,27 @@ class PendingPrefill:
     store_tokens: int = 0  # prompt tokens the store held at admission
 
 
+def decode_held_blocks(engine: LLMEngine, request: PrefillRequest) -> int:
+    """Leading whole blocks of the prompt the decode node holds already (the router says how
+    many tokens: an earlier turn of the conversation). A store handover does not write them
+    again: that node reads none of them, and any other finds them in the store, where the
+    earlier turn put them. A hybrid model's are all written (its state snapshots go with them)."""
+    if engine.kv.states is not None:
+        return 0
+    return min(request.decode_holds_tokens, len(request.prompt_token_ids) - 1) // engine.config.block_size
+
+
 @dataclasses.dataclass
 class StoreJob:
-    """A store handover's put: the request, its blocks' ids (held until the put ends) and the
-    first block in the attention window."""
+    """A store handover's put: the request, its blocks' ids (held until the put ends), the
+    first block in the attention window and the blocks the decode node holds (decode_held_blocks)."""
     pending: PendingPrefill
     block_ids: list[int]
     first_block: int
     state_slot: int | None = None  # a hybrid model's: the state after the prompt
     # (chain position, copy of the state) at the prompt's block boundaries this node snapshotted
     snapshots: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
+    decode_held: int = 0  # leading blocks the decode node holds: not written again
 
 
 class Producer(Protocol):
@@ -102,7 +113,8 @@ class StoreProducer:
         held = self.engine.scheduler.held[pending.request.request_id]
         snaps, full = self.engine.kv.snapshots, len(pending.request.prompt_token_ids) // self.engine.config.block_size
         taken = [] if snaps is None else [(i, snaps.get(k)) for i, k in enumerate(pending.keys[:full]) if k in snaps]
-        return StoreJob(pending, list(held.block_ids[:len(pending.keys)]), held.num_slid_blocks, held.state_slot, taken)
+        return StoreJob(pending, list(held.block_ids[:len(pending.keys)]), held.num_slid_blocks, held.state_slot,
+                        taken, decode_held_blocks(self.engine, pending.request))
 
     def write(self, job: StoreJob) -> StoreHandover:
         """Put the prompt's blocks in the store; raises KVStoreError or RuntimeError."""
@@ -112,7 +124,8 @@ class StoreProducer:
         t0 = time.perf_counter()
         # A prefix the shared store already holds (a warm prompt) is not written again: on a
         # 2048-token prefix that rewrite was most of the handover, and it sat before the first token.
-        start = max(first, self._shared_blocks(pending))
+        # Nor is what the decode node holds (a conversation's earlier turns).
+        start = max(first, job.decode_held, self._shared_blocks(pending))
         counts = [min(bs, len(prompt) - i * bs) for i in range(start, len(keys))]
         self.store.put(keys[start:], self.engine.kv_cache, job.block_ids[start:], counts, first_block=start)
         key = self._put_states(job, start)

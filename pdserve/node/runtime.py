@@ -33,6 +33,7 @@ from pdserve.node.compute_thread import compute_executor
 from pdserve.node.core_board import CoreBoard
 from pdserve.node.embedding_intake import EmbeddingIntake
 from pdserve.node.embeddings import EmbeddingQueue
+from pdserve.node.first_token_clock import FirstTokenClocks
 from pdserve.node.kv_events import KVEventPublisher
 from pdserve.node.lora_control import apply_lora_message, lora_pong_fields
 from pdserve.protocol.outputs import StepOutput
@@ -117,6 +118,7 @@ class NodeRuntime:
         self.poller.register(self.control.sock, zmq.POLLIN)
         self.poller.register(self._step_done_r, zmq.POLLIN)
         self.origin: dict[str, bytes] = {}  # request id -> the router that sent it
+        self.ttft_clocks = FirstTokenClocks()  # each request's way to its first token here (TTFT breakdown)
         self.embeddings = EmbeddingQueue()  # /v1/embeddings work, computed between steps
         self.routers_seen = RouterLiveness()  # a router that stops pinging died: its requests end
         self._stop = False
@@ -176,7 +178,10 @@ class NodeRuntime:
             for identity, result in self._run_answering_pings(lambda: self.embeddings.advance(self.engine)):
                 self.control.send(identity, result)
         if self.engine.has_unfinished_requests():
-            self.on_outputs(self._step_answering_pings())
+            began = time.perf_counter()
+            outputs = self._step_answering_pings()
+            self.ttft_clocks.stepped(began)
+            self.on_outputs(outputs)
         if self.cores is not None and not self._computing():
             self.cores.mark_idle()  # nothing to compute (or only KV to wait for): its cores are lent
         self.kv_events.flush()
@@ -337,6 +342,7 @@ class NodeRuntime:
         self.embeddings.abort(request_id)
         self.engine.abort_request(request_id)
         self.origin.pop(request_id, None)
+        self.ttft_clocks.forget(request_id)
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
@@ -344,6 +350,8 @@ class NodeRuntime:
 
     def reply_delta(self, out: StepOutput) -> None:
         identity = self.origin.get(out.request_id)
+        if out.timing is None:  # its first output from here: where its time went
+            out.timing = self.ttft_clocks.first_token(out.request_id)
         if identity is not None:
             self.control.send(identity, TokenDelta(out))
         if out.finished:
@@ -353,6 +361,7 @@ class NodeRuntime:
         log.warning("[%s] failed: %s", request_id, error)
         self.control.send(identity, TokenDelta(StepOutput(request_id, [], "", True, "error", error=error)))
         self.origin.pop(request_id, None)
+        self.ttft_clocks.forget(request_id)
 
     def close_role(self) -> None:
         """Close what belongs to this role alone (its transfer agents and sockets), not what a

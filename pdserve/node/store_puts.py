@@ -26,6 +26,7 @@ class StorePut:
     job: StoreJob
     first: StepOutput  # the first token, sent with the handover
     future: Future
+    made: float = 0.0  # perf_counter when the first token came out (the put's wait, for the TTFT breakdown)
     aborted: bool = False
 
     @property
@@ -40,8 +41,8 @@ class StorePuts:
         # One thread: puts keep their order, and a stalled store holds one thread, not many.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="store-put")
 
-    def start(self, job: StoreJob, first: StepOutput) -> None:
-        put = StorePut(job, first, self._pool.submit(self.producer.write, job))
+    def start(self, job: StoreJob, first: StepOutput, made: float = 0.0) -> None:
+        put = StorePut(job, first, self._pool.submit(self.producer.write, job), made)
         self.inflight[put.request_id] = put
 
     def abort(self, request_id: str) -> bool:

@@ -69,6 +69,25 @@ class StoreWriteBack:
         future = self.writer.submit(self._put, keys, ids, [bs] * len(ids), first, self._states(keys))
         self.writes[rid] = Write(future, ids, time.perf_counter())
 
+    def answer_done(self, rid: str, keys: list[bytes], first: int) -> None:
+        """A stream that ended here: the full blocks of what it generated (keys[first:], still in
+        this node's prefix cache) go to the store too, so the conversation's next turn is
+        prefilled from its whole history there, not by recomputing the answer."""
+        rid = f"{rid}/answer"  # beside its prompt's write, which may still run
+        if rid in self.writes or self.engine.kv.states is not None:  # (a hybrid's state is not kept per block here)
+            return
+        ids = []
+        for key in keys[first:]:
+            if (block_id := self.engine.pool.lookup(key)) is None:
+                break
+            ids.append(block_id)
+        if not ids:
+            return
+        self.engine.pool.touch(ids)  # a reference of its own until the put ends
+        bs = self.engine.config.block_size
+        future = self.writer.submit(self._put, keys[first:first + len(ids)], ids, [bs] * len(ids), first)
+        self.writes[rid] = Write(future, ids, time.perf_counter())
+
     def _states(self, keys: list[bytes]) -> list[tuple[bytes, torch.Tensor]]:
         """A hybrid model's snapshots after these blocks, copied, under their state keys."""
         snaps, states = self.engine.kv.snapshots, self.engine.kv.states

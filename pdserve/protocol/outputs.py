@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.protocol.timing import NodeTiming
+
 
 @dataclass
 class TokenLogprob:
@@ -28,6 +30,8 @@ class StepOutput:
     # With the first token, when prompt logprobs were asked for: one entry per prompt token,
     # the first None (nothing predicts it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With a request's first output from a node: where its time went there (protocol.timing).
+    timing: NodeTiming | None = None
 
 
 @dataclass

@@ -80,6 +80,10 @@ class PrefillRequest(msgspec.Struct, tag=True):
     images: list[ImageInput] = []
     # E/P/D over NIXL: images an encoder node encoded, read from its arena instead of encoded here.
     embeddings: list[EmbeddingHandover] = []
+    # Leading prompt tokens the decode node that will take the handover holds already (the
+    # router's prefix index: an earlier turn of the conversation): the node hands over only the
+    # blocks after them. 0: every block (an older router).
+    decode_holds_tokens: int = 0
 
 
 class PrefillResult(msgspec.Struct, tag=True):

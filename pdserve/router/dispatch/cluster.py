@@ -127,7 +127,7 @@ class ClusterBackend:
                 params = dataclasses.replace(params, prompt_logprobs=None)
             async for out in self._decode_with_resume(request, params, relayed, handover, timer, decision):
                 self._unqueue_local(decision.plan.decode, request_id)
-                timer.tokens(len(out.new_token_ids), out.num_cached_tokens)
+                timer.tokens(len(out.new_token_ids), out.num_cached_tokens, out.timing)
                 reason = out.finish_reason if out.finished else reason
                 stage = "decode"
                 yield out
@@ -177,11 +177,11 @@ class ClusterBackend:
                 queue_local(node, rid, len(request.prompt) - plan.decode_cached_tokens)
             return None, None
         first, handover = await self.dispatch.prefill.prefill(rid, request.prompt, params, timer, plan.prefill,
-                                                              request.scope, embeddings)
+                                                              request.scope, embeddings, plan.decode_cached_tokens)
         if isinstance(handover, StoreHandover):
             self.index.add(STORE_HOLDER, handover.keys)  # any prefill node can load these now
         if first is not None:
-            timer.tokens(len(first.new_token_ids), first.num_cached_tokens)
+            timer.tokens(len(first.new_token_ids), first.num_cached_tokens, first.timing)
             self.metrics.handovers.labels(handover_path(handover)).inc()
         return first, handover
 
@@ -219,8 +219,9 @@ class ClusterBackend:
                     relayed += out.new_token_ids
                     yield out
                 # The node now also holds the generated tokens' blocks: a follow-up turn that
-                # resends this conversation finds its whole history there.
-                self.index.add(node.node_id, self.block_keys(request.prompt + relayed, scope))
+                # resends this conversation finds its whole history there (all but the last
+                # token's, which no step computed: a block it ends is not cached).
+                self.index.add(node.node_id, self.block_keys(request.prompt + relayed[:-1], scope))
                 return
             except NodeLost as exc:
                 await self.pool.send(node, Abort(rid))  # a hung node that comes back drops it

@@ -11,7 +11,10 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdserve.protocol.timing import NodeTiming
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5)
 
 # Pong stat -> (metric, kind, extra labels); counters are monotonic per node process.
@@ -29,6 +32,7 @@ NODE_COUNTERS = {
     "cached_tokens_local": ("pdserve_prefix_cache_hit_tokens", "prompt tokens served from a cache",
                             {"source": "local"}),
     "cached_tokens_store": ("pdserve_prefix_cache_hit_tokens", "", {"source": "store"}),
+    "computed_tokens": ("pdserve_prompt_tokens_computed", "prompt tokens a node computed (found in no cache)", {}),
     "transfer_bytes_nixl": ("pdserve_kv_transfer_bytes", "KV bytes moved", {"path": "nixl"}),
     "transfer_bytes_store": ("pdserve_kv_transfer_bytes", "", {"path": "store"}),
     "transfer_us_nixl": ("pdserve_kv_transfer_seconds", "seconds spent moving KV", {"path": "nixl"}),
@@ -112,6 +116,8 @@ class RouterMetrics:
                              registry=r)
         self.queue = Histogram("pdserve_request_queue_time_seconds", "arrival to dispatch to a node",
                                buckets=LATENCY_BUCKETS, registry=r)
+        self.stages = Histogram("pdserve_request_stage_seconds", "where a request's time went, by stage (STAGES)",
+                                ["stage"], buckets=STAGE_BUCKETS, registry=r)
         self.finished = Counter("pdserve_requests", "finished requests", ["finish_reason"], registry=r)
         self.errors = Counter("pdserve_request_errors", "failed requests", ["kind"], registry=r)
         self.retries = Counter("pdserve_request_retries", "phases retried on another node", ["role"], registry=r)
@@ -130,32 +136,60 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
 
+# The TTFT breakdown (pdserve_request_stage_seconds{stage}). The first token's stages add up to
+# its TTFT: the router's, then on the node that computed the prompt (the prefill node, or the
+# decode node placed to prefill it) its queue, its KV load (a stored prefix) and its compute, a
+# prefill node's handover (store put, NIXL pins), and the rest: messages between router and
+# node ("wire"). A handed-over request's decode node adds the pull of its KV ("transfer") and its
+# first decode step, which the second token waits for (pull mode: the first comes from prefill).
+STAGES = ("router", "queue", "load", "compute", "handover", "wire", "transfer", "first_decode_step")
+
+
 class RequestTimer:
-    """Times one backend request's stream: TTFT, inter-token gaps, end to end."""
+    """Times one backend request's stream: TTFT and its stages, inter-token gaps, end to end."""
 
     def __init__(self, metrics: RouterMetrics | None, num_prompt_tokens: int):
         self.metrics = metrics
         self.start = self.last = time.perf_counter()
         self.first = True
+        self.router_s: float | None = None  # arrival -> the prompt's first dispatch to a node
+        self.decode_timed = False  # the decode node's first step is in the breakdown
         if metrics is not None:
             metrics.prompt_tokens.inc(num_prompt_tokens)
 
     def dispatched(self) -> None:
-        if self.metrics is not None:
-            self.metrics.queue.observe(time.perf_counter() - self.start)
+        if self.metrics is not None and self.router_s is None:
+            self.router_s = time.perf_counter() - self.start
+            self.metrics.queue.observe(self.router_s)
 
-    def tokens(self, n: int, cached_tokens: int = 0) -> None:
+    def tokens(self, n: int, cached_tokens: int = 0, timing: NodeTiming | None = None) -> None:
+        """n tokens arrived; timing: the node's (protocol.timing) with its first output."""
         if self.metrics is None or n == 0:
             return
         now = time.perf_counter()
         if self.first:
             self.metrics.ttft.observe(now - self.start)
+            self._first_token_stages(now - self.start, timing)
             self.metrics.cached_tokens.inc(cached_tokens)
             self.first = False
         else:
+            if timing is not None and not self.decode_timed:
+                self.metrics.stages.labels("transfer").observe(timing.load_s)
+                self.metrics.stages.labels("first_decode_step").observe(timing.queue_s + timing.compute_s)
+                self.decode_timed = True
             self.metrics.itl.observe((now - self.last) / n)
         self.last = now
         self.metrics.generation_tokens.inc(n)
+
+    def _first_token_stages(self, ttft_s: float, timing: NodeTiming | None) -> None:
+        if timing is None:  # a node that does not say
+            return
+        router_s = self.router_s or 0.0
+        parts = {"router": router_s, "queue": timing.queue_s, "load": timing.load_s,
+                 "compute": timing.compute_s, "handover": timing.handover_s}
+        parts["wire"] = max(ttft_s - sum(parts.values()), 0.0)
+        for stage, seconds in parts.items():
+            self.metrics.stages.labels(stage).observe(seconds)
 
     def finished(self, reason: str | None) -> None:
         if self.metrics is not None:

@@ -37,10 +37,11 @@ class PrefillDispatch:
 
     async def prefill(self, rid: str, prompt: list[int], params: SamplingParams, timer: RequestTimer,
                       preferred: str | None = None, scope: KVScope = NO_SCOPE,
-                      embeddings: list[EmbeddingHandover] | None = None
+                      embeddings: list[EmbeddingHandover] | None = None, decode_holds: int = 0
                       ) -> tuple[StepOutput | None, KVHandover | None]:
         """The first token and the handover; (None, None) when no prefill node can do it, so the
-        decode node prefills the prompt itself. embeddings: where an encoder node's NIXL READs wait."""
+        decode node prefills the prompt itself. embeddings: where an encoder node's NIXL READs wait.
+        decode_holds: leading prompt tokens the decode node holds (their blocks are not handed over)."""
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
             node = self.picker.preferred(preferred, tried) or self.picker.pick("prefill", tried)
@@ -50,7 +51,7 @@ class PrefillDispatch:
             if attempt == 0:
                 timer.dispatched()
             try:
-                return await self._prefill_on(node, rid, prompt, params, scope, embeddings or [])
+                return await self._prefill_on(node, rid, prompt, params, scope, embeddings or [], decode_holds)
             except (NodeLost, BackendError) as exc:
                 await self.pool.send(node, Abort(rid))  # a hung node that comes back drops it
                 self.counters["prefill_retries"] += 1
@@ -64,8 +65,8 @@ class PrefillDispatch:
         return None, None
 
     async def _prefill_on(self, node: Node, rid: str, prompt: list[int], params: SamplingParams,
-                          scope: KVScope = NO_SCOPE, embeddings: list[EmbeddingHandover] | None = None
-                          ) -> tuple[StepOutput, KVHandover | None]:
+                          scope: KVScope = NO_SCOPE, embeddings: list[EmbeddingHandover] | None = None,
+                          decode_holds: int = 0) -> tuple[StepOutput, KVHandover | None]:
         fut = self.inflight.expect_reply(rid, node)
         node.requests.add(rid)
         node.queued_tokens[rid] = len(prompt)
@@ -74,7 +75,8 @@ class PrefillDispatch:
             await self.adapters.send_ahead(node, scope.adapter)
             await self.pool.send(node, PrefillRequest(rid, prompt, params, self.transfer,
                                                       cache_salt=scope.cache_salt, adapter=scope.adapter,
-                                                      images=list(scope.images), embeddings=embeddings or []))
+                                                      images=list(scope.images), embeddings=embeddings or [],
+                                                      decode_holds_tokens=decode_holds))
             result = await asyncio.wait_for(fut, PREFILL_TIMEOUT_S)
         except asyncio.TimeoutError:
             self.pool.mark_dead(node, f"did not answer a prefill in {PREFILL_TIMEOUT_S:.0f} s", "silent")
