@@ -101,3 +101,15 @@ def test_logit_bias_and_penalties_shape_random_draws(llm):
                                repetition_penalty=2.0, ignore_eos=True)
     a, b = (_tokens(llm, penalised).token_ids for _ in range(2))
     assert a == b and len(set(a)) == len(a), "strong penalties on a seeded draw: reproducible, no repeats"
+
+
+def test_greedy_tokens_are_argmax_ties_included():
+    """The sampler's greedy pick (max's indices on CPU, faster than argmax) is argmax's token:
+    the first of tied maxima, on rows with ties at the ends and everywhere."""
+    from pdserve.engine.sampler import greedy_tokens
+    logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0)).round(decimals=1)
+    logits[0] = 3.0
+    logits[1, [7, 49151]] = 100.0
+    logits[2, [0, 49151]] = 100.0
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert greedy_tokens(logits)[:3].tolist() == [0, 7, 0]

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.request import PENDING_TOKEN, Request
+from pdserve.engine.sampler import greedy_tokens
 from pdserve.protocol.outputs import StepOutput
 
 
@@ -52,7 +53,7 @@ def launch(engine, items: list[tuple[Request, int]], prev: InFlightStep | None) 
     to the host asynchronously."""
     pending = (prev.tokens_device, prev.rows) if prev is not None else None
     logits, to_sample = engine.runner.execute(items, pending=pending)
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy_tokens(logits)
     on_cuda = tokens.device.type == "cuda"
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=on_cuda)
     host.copy_(tokens, non_blocking=on_cuda)

@@ -18,7 +18,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
            ) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits [B, vocab] float32; positions[i]: index of the output token being drawn."""
     greedy = [p.greedy for p in params]
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy_tokens(logits)
     if not all(greedy):
         random_rows = [i for i, g in enumerate(greedy) if not g]
         probs = _filtered_probs(logits[random_rows], [params[i] for i in random_rows])
@@ -26,6 +26,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         tokens[random_rows] = drawn
     token_list = tokens.tolist()
     return token_list, _logprobs(logits, token_list, params)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest logit: argmax's tokens. On CPU max's indices, which torch documents
+    as the first of tied maxima too: its argmax over the last dim took 4.8 ms for 128 x 49,152
+    logits and max 1.6, 3% of a 128-request decode step. (On CUDA max does not promise the first.)"""
+    if logits.device.type == "cpu":
+        return logits.max(dim=-1).indices
+    return logits.argmax(dim=-1)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -7,11 +7,12 @@
  * (75 against 73 ms). One TDPBF16PS multiplies 16 x 32 by 32 x 16 in about 16 cycles: 32 times
  * the pairs of a vdpbf16ps.
  *
- * Each task dequantizes 16 weight rows to bf16 (pd_dequant_bf16, the same values as the AVX-512
- * kernel) and lays them out as B tiles: per 32 columns, 16 rows of 16 words, word [p][n] holding
- * columns 2p and 2p + 1 of weight row n (a 16 x 16 transpose of words). x is rounded to bf16 once
- * a call, row-major, so each A tile (16 tokens x 32 columns) loads straight from it. Four C tiles
- * hold 64 tokens x 16 rows of float32 sums over all columns, then go to out.
+ * Each task dequantizes 32 weight rows to bf16 (pd_dequant_bf16, the same values as the AVX-512
+ * kernel) and lays them out as two B tiles per 32 columns: 16 rows of 16 words, word [p][n]
+ * holding columns 2p and 2p + 1 of weight row n (a 16 x 16 transpose of words). x is rounded to
+ * bf16 once a call, row-major, so each A tile (16 tokens x 32 columns) loads straight from it.
+ * Four C tiles hold 32 tokens x 32 rows of float32 sums over all columns, then go to out: each
+ * tile loaded serves two products.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -26,8 +27,8 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#define AMX_ROWS 16    /* weight rows a task: one B tile's columns */
-#define AMX_TOKENS 64  /* tokens a pass: four C tiles */
+#define AMX_ROWS 32    /* weight rows a task: two B tiles' columns */
+#define AMX_TOKENS 32  /* tokens a pass: two A tiles' rows */
 
 static int amx_granted = 0;
 
@@ -35,7 +36,7 @@ void pd_amx_request(void) {
     if (!amx_granted) amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-/* palette 1; tiles 0-3: C (16 x 16 float32), 4: B, 5-7: A (16 rows of 64 bytes each) */
+/* palette 1; tiles 0-3: C (16 x 16 float32), 4-5: A, 6-7: B (16 rows of 64 bytes each) */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -53,46 +54,54 @@ static void configure_tiles(void) {
     _tile_loadconfig(&config);
 }
 
-/* buffer [16][cols] bf16 (row-major) -> b [cols / 32][16 pairs][16 rows] words */
+/* buffer [32][cols] bf16 (row-major) -> b [cols / 32][2 tiles][16 pairs][16 rows] words: tile j
+ * holds rows 16j .. 16j + 15 */
 static void to_b_tiles(const uint16_t *buffer, int cols, uint32_t *b) {
-    for (int c = 0; c < cols / 32; c++) {
-        __m512i r[16];
-        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(buffer + (long)i * cols + 32 * c);
-        transpose16(r);
-        for (int j = 0; j < 16; j++) _mm512_storeu_si512(b + (long)c * 256 + 16 * j, r[j]);
-    }
+    for (int c = 0; c < cols / 32; c++)
+        for (int j = 0; j < 2; j++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(buffer + (long)(16 * j + i) * cols + 32 * c);
+            transpose16(r);
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512(b + (long)c * 512 + 256 * j + 16 * p, r[p]);
+        }
 }
 
-#define A_TIMES_B(i, a)                                                                         \
-    do {                                                                                        \
-        _tile_loadd(a, xb + (long)(t0 + 16 * (i)) * cols + 32 * c, cols * 2);                  \
-        _tile_dpbf16ps(i, a, 4);                                                                \
-    } while (0)
-
-/* out[t][n .. n + rows) for every token, from the B tiles b (sums staged a pass at a time) */
+/* out[t][n .. n + rows) for every token, from the B tiles b: per pass, C tile 2i + j holds tokens
+ * 16i .. 16i + 15 of the pass by rows 16j .. 16j + 15 (each A tile loaded once for both B tiles) */
 static void tiles_into_out(const uint16_t *xb, int cols, const uint32_t *b, int tokens, int padded, float *out,
                            int nrows, int n, int rows) {
-    float sums[AMX_TOKENS][16] __attribute__((aligned(64)));
+    float sums[AMX_TOKENS][AMX_ROWS] __attribute__((aligned(64)));
+    const long stride = (long)cols * 2;
     for (int t0 = 0; t0 < padded; t0 += AMX_TOKENS) {
-        int nt = (padded - t0) / 16 < 4 ? (padded - t0) / 16 : 4;
+        int two = padded - t0 >= 32;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int c = 0; c < cols / 32; c++) {
-            _tile_loadd(4, b + (long)c * 256, 64);
-            A_TIMES_B(0, 5);
-            if (nt > 1) A_TIMES_B(1, 6);
-            if (nt > 2) A_TIMES_B(2, 7);
-            if (nt > 3) A_TIMES_B(3, 5);
+            _tile_loadd(6, b + (long)c * 512, 64);
+            _tile_loadd(7, b + (long)c * 512 + 256, 64);
+            _tile_loadd(4, xb + (long)t0 * cols + 32 * c, stride);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+                _tile_loadd(5, xb + (long)(t0 + 16) * cols + 32 * c, stride);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
         }
-        _tile_stored(0, sums[0], 64);
-        if (nt > 1) _tile_stored(1, sums[16], 64);
-        if (nt > 2) _tile_stored(2, sums[32], 64);
-        if (nt > 3) _tile_stored(3, sums[48], 64);
-        __mmask16 keep = (__mmask16)((1u << rows) - 1);
-        for (int t = t0; t < t0 + 16 * nt && t < tokens; t++)
-            _mm512_mask_storeu_ps(out + (long)t * nrows + n, keep, _mm512_load_ps(sums[t - t0]));
+        _tile_stored(0, &sums[0][0], sizeof(float) * AMX_ROWS);
+        _tile_stored(1, &sums[0][16], sizeof(float) * AMX_ROWS);
+        if (two) {
+            _tile_stored(2, &sums[16][0], sizeof(float) * AMX_ROWS);
+            _tile_stored(3, &sums[16][16], sizeof(float) * AMX_ROWS);
+        }
+        __mmask16 low = (__mmask16)((1u << (rows < 16 ? rows : 16)) - 1);
+        __mmask16 high = (__mmask16)(rows > 16 ? (1u << (rows - 16)) - 1 : 0);
+        for (int t = t0; t < t0 + (two ? 32 : 16) && t < tokens; t++) {
+            _mm512_mask_storeu_ps(out + (long)t * nrows + n, low, _mm512_load_ps(&sums[t - t0][0]));
+            if (high) _mm512_mask_storeu_ps(out + (long)t * nrows + n + 16, high, _mm512_load_ps(&sums[t - t0][16]));
+        }
     }
 }
 
