@@ -261,8 +261,11 @@ def test_errors_are_anthropic_shaped_400s(served):
 def test_a_prompt_over_the_context_is_a_400_on_every_route_streamed_or_not(served):
     """OpenAI's context_length_exceeded on chat, completions and Responses (Anthropic's
     invalid_request_error on messages), never a 5xx, streamed or not: over the model's context the
-    router refuses it; over the nodes' (their KV cache), the node."""
-    _, client, chat, model = served
+    router refuses it; over the nodes' (their KV cache), the router too, from the longest request
+    each node's pongs say it takes, so that a stream is refused before its 200."""
+    url, client, chat, model = served
+    nodes = httpx.get(f"{url}/health", timeout=30).json()["nodes"]
+    assert [n["max_model_len"] for n in nodes] == [640, 640], nodes
     for nodes_only, stream in itertools.product(("y " * 400, [{"role": "user", "content": "y " * 400}]),
                                                 (False, True)):  # 800 tokens: 640 < 800 < 1024
         with pytest.raises(openai.BadRequestError) as caught:

@@ -1,7 +1,8 @@
 """What a node holds in memory: its weights' bytes (as stored: a quantized layer counts its
 packed weights and scales, a tied LM head counts once), its KV cache's bytes per token, and the
-process's resident memory. Nodes log them at start and report them in their pongs, which the
-router exports in /metrics."""
+process's resident memory; and the longest request its engine takes (max_model_len). Nodes log
+them at start and report them in their pongs, which the router exports in /metrics (and checks
+prompts against max_model_len)."""
 from __future__ import annotations
 
 import os
@@ -34,6 +35,9 @@ def footprint(engine) -> dict[str, int]:
     # pong asks for them several times a second).
     fixed = getattr(engine, "_fixed_footprint", None)
     if fixed is None:
+        # max_model_len: the longest request the engine takes; the router refuses a longer
+        # prompt itself, before a stream's 200 goes out
         fixed = engine._fixed_footprint = {"weight_bytes": weight_bytes(engine.model),
-                                           "kv_bytes_per_token": engine.kv_layout.block_nbytes(1)}
+                                           "kv_bytes_per_token": engine.kv_layout.block_nbytes(1),
+                                           "max_model_len": engine.max_model_len}
     return {**fixed, "resident_bytes": resident_bytes()}

@@ -120,7 +120,7 @@ def nodes_context_exceeded(limit: int, prompt_tokens: int) -> APIError:
     """A prompt of `prompt_tokens` where the nodes' KV caches hold fewer than `limit` + 1 tokens:
     the router's refusal (app._Router.check_nodes_context) and the node's (as_api_error) alike."""
     return APIError(400, f"This model's maximum context length is {limit} tokens on the nodes serving it (their "
-                    f"KV cache holds no more). However, your prompt has {prompt_tokens} tokens.",
+                    f"KV cache or attention window holds no more). However, your prompt has {prompt_tokens} tokens.",
                     code="context_length_exceeded")
 
 

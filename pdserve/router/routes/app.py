@@ -164,17 +164,18 @@ class _Router:
         return max_tokens
 
     def nodes_context(self) -> int | None:
-        """The tokens the smallest healthy prefill or decode node's KV cache holds, from their
-        pongs (None before any): a node refuses a prompt of that many. Refused here, before a
-        stream's 200 goes out, the prompt is a 400 streamed or not (the node's own refusal would
-        come as an error event inside the stream)."""
-        pool, keys = getattr(self.backend, "pool", None), getattr(self.backend, "block_keys", None)
-        block_size = getattr(keys, "block_size", None)
-        if pool is None or not block_size:
+        """The longest request the healthy prefill and decode nodes all take, from their pongs
+        (max_model_len, else what their KV cache holds; None before any): a node refuses a prompt
+        of that many tokens. Refused here, before a stream's 200 goes out, the prompt is a 400
+        streamed or not (the node's own refusal would come as an error event inside the stream)."""
+        pool = getattr(self.backend, "pool", None)
+        if pool is None:
             return None  # a backend without nodes (tests' fakes)
-        totals = [n.stats.get("total_blocks", 0) for n in pool.nodes if n.healthy and n.role in ("prefill", "decode")]
-        totals = [t for t in totals if t > 0]
-        return min(totals) * block_size if totals else None
+        block_size = getattr(getattr(self.backend, "block_keys", None), "block_size", 0)
+        limits = [n.stats.get("max_model_len") or n.stats.get("total_blocks", 0) * block_size
+                  for n in pool.nodes if n.healthy and n.role in ("prefill", "decode")]
+        limits = [limit for limit in limits if limit > 0]
+        return min(limits) if limits else None
 
     def build_params(self, body: GenerationRequest, max_tokens: int,
                      logprobs: int | None) -> list[SamplingParams]:
