@@ -42,8 +42,8 @@ def store_cluster():
 @pytest.fixture(scope="module")
 def default_model_cluster(request):
     """`pdserve up` with no flags but its port: the default model (SmolLM2), one prefill and one
-    decode node, KV over NIXL. test_agents_sdk, test_default_model_tools, test_responses_api and
-    test_smollm2 share it. The module that starts it gives its start-up timeout (START_TIMEOUT_S)."""
+    decode node, KV over NIXL. test_agents_sdk, test_default_model_tools, test_responses_api,
+    test_smollm2 and test_tool_call_tags share it. The module that starts it gives its start-up timeout (START_TIMEOUT_S)."""
     timeout_s = getattr(request.module, "START_TIMEOUT_S", 240.0)
     return _shared.url("default_model_cluster", as_given=True, timeout_s=timeout_s)
 

@@ -29,7 +29,6 @@ from pdserve.router.openai.structured_request import checked_spec, tool_plan
 from pdserve.router.openai.tool_parsers import HermesParser, Llama3JsonParser, MistralParser
 from pdserve.router.openai.tool_tags import MAX_PARALLEL_CALLS, tool_call_spec
 from pdserve.testing.nested_tools import Resident
-from pdserve.testing.up_cluster import running_cluster
 
 
 def _tool(name: str, description: str, properties: dict) -> dict:
@@ -224,9 +223,10 @@ def test_nested_and_recursive_pydantic_tools_under_auto_and_named(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def client():
-    with running_cluster(as_given=True) as (url, _):  # `pdserve up` with no flags: the default model
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+def client(default_model_cluster):
+    """`pdserve up` with no flags, the default model: conftest's cluster, shared with the other
+    modules that only send it requests (these tests send only chat and completion requests)."""
+    return openai.OpenAI(base_url=f"{default_model_cluster}/v1", api_key="none", max_retries=0, timeout=300)
 
 
 def _ask(client, prompt: str, tools: list[dict]):
