@@ -147,3 +147,17 @@ def test_float32_weights_take_bf16_products_past_16_rows(tile_dtype):
         out = torch.empty(40, 96)
         assert native_gemv.run(x.data_ptr(), 40, 128, float_matrix(layer.weight), out.data_ptr())
         assert torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-4)
+
+
+@needs_bf16
+def test_tile_conversions_are_torchs():
+    """The bf16 tile product's own conversions (native_tiles.c): x rounded as x.to(bfloat16)
+    rounds it (normal values; a ragged tail past the last 32), the bf16 result widened exactly
+    into strided columns of the float32 output, its neighbours untouched."""
+    x = torch.randn(67, 45, generator=torch.Generator().manual_seed(5)) * 100
+    assert torch.equal(native_gemv.round_bf16(x).view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+    src = (torch.randn(67, 45) * 100).to(torch.bfloat16)
+    out = torch.full((67, 60), 7.0)
+    native_gemv.widen_bf16_into(src, out[:, 5:50])
+    assert torch.equal(out[:, 5:50], src.float())
+    assert bool((out[:, :5] == 7.0).all()) and bool((out[:, 50:] == 7.0).all())

@@ -99,7 +99,8 @@ def _tile_products(x: torch.Tensor, rows: int, tile: torch.Tensor,
     widened straight into its columns of the output."""
     tile_rows, low = tile.shape[0], _tile_dtype != torch.float32
     if low:
-        out, x_low = torch.empty(x.shape[0], rows), x.to(_tile_dtype)
+        out = torch.empty(x.shape[0], rows)
+        x_low = native_gemv.round_bf16(x) if _tile_dtype == torch.bfloat16 else x.to(_tile_dtype)
     else:
         out_t = torch.empty(rows, x.shape[0])
     for start in range(0, rows, tile_rows):
@@ -108,7 +109,7 @@ def _tile_products(x: torch.Tensor, rows: int, tile: torch.Tensor,
             return None
         filled = tile[:end - start]
         if low:
-            out[:, start:end] = torch.mm(x_low, filled.to(_tile_dtype).T)
+            native_gemv.widen_bf16_into(torch.mm(x_low, filled.to(_tile_dtype).T), out[:, start:end])
         else:
             torch.mm(filled, x.T, out=out_t[start:end])
     return out if low else out_t.T.contiguous()
