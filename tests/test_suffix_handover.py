@@ -9,12 +9,24 @@ token for token."""
 from __future__ import annotations
 
 import random
+import time
 
 import openai
 import pytest
+import zmq
+from node_thread import serving_in_thread
 
 from pdserve import LLM, SamplingParams
+from pdserve.assembly.build import build_engine
+from pdserve.engine.config import EngineConfig
+from pdserve.kvstore.factory import make_store
+from pdserve.kvstore.layout import KVLayout
+from pdserve.node.decode import DecodeNode
+from pdserve.testing.redis_server import redis_server
 from pdserve.testing.up_cluster import node_stats, wait_for
+from pdserve.wire.handover import StoreHandover
+from pdserve.wire.messages import DecodeRequest, TokenDelta, decode, encode
+from pdserve.wire.transport import free_port
 
 BS = 16  # the cluster's block size (pdserve up's default)
 FIRST, ANSWER, QUESTION = 64, 24, 20  # turn 2: 108 tokens; the decode node holds 80 (5 blocks)
@@ -77,3 +89,70 @@ def test_next_turn_hands_over_and_computes_only_the_missing_suffix(url):
     # Pulled: the same two; the rest is the decode node writing its answers back
     pulled = after["decode_bytes"] - before["decode_bytes"] - (after["written"] - before["written"]) * block
     assert pulled == 2 * block
+
+
+# ---- a decode node that lost what it was said to hold (in-process node, real Redis) ----------
+
+PROMPT = [(i * 37) % 250 + 3 for i in range(100)]  # 6 full blocks of 16 and a partial one
+
+
+def _engine():
+    return build_engine(EngineConfig(model="builtin:tiny", num_kv_blocks=64))
+
+
+def _store(url: str, engine):
+    return make_store(url, layout=KVLayout.from_cache(engine.kv_cache, "builtin:tiny"))
+
+
+def _put_from(url: str, skip: int) -> tuple[list[bytes], int]:
+    """The prompt computed on another engine, its blocks from `skip` on put in Redis (a handover
+    to a decode node said to hold the first `skip`); the keys and the first token."""
+    engine = _engine()
+    engine.add_request("p", PROMPT, SamplingParams(max_tokens=1, temperature=0), hold_blocks=True)
+    first = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first = out.new_token_ids[0]
+    held, bs = engine.scheduler.held["p"], engine.config.block_size
+    keys = engine.kv.block_keys(held)[:len(PROMPT) // bs]
+    store = _store(url, engine)
+    try:
+        store.put(keys[skip:], engine.kv_cache, held.block_ids[skip:len(keys)], [bs] * (len(keys) - skip),
+                  first_block=skip)
+    finally:
+        store.close()
+    return keys, first
+
+
+@pytest.mark.parametrize("said_to_hold", [True, False])
+def test_a_decode_node_lacking_the_unsent_prefix_computes_it_whatever_its_failure_setting(said_to_hold):
+    """--on-transfer-failure fail fails a request whose handover cannot be pulled; but blocks the
+    prefill node did not put because the router said the decode node held them (put_from) are
+    no peer's failure: a node that lost them (evicted) and cannot find them in the store computes
+    the prompt, and decodes what an engine that computed it all decodes."""
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with redis_server() as (url, _proc):
+        keys, first = _put_from(url, 3)
+        engine, port = _engine(), free_port()
+        node = DecodeNode(engine, f"tcp://127.0.0.1:{port}", "decode-0", store=_store(url, engine),
+                          on_transfer_failure="fail")
+        with serving_in_thread(node):
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            handover = StoreHandover(len(keys) * 16, keys, put_from=3 if said_to_hold else 0)
+            sock.send(encode(DecodeRequest("a", PROMPT, greedy, [first], handover)))
+            tokens, error, deadline = [], None, time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if sock.poll(200) and isinstance(msg := decode(sock.recv()), TokenDelta):
+                    tokens += msg.output.new_token_ids
+                    error = msg.output.error
+                    if msg.output.finished:
+                        break
+            sock.close()
+    reference = LLM("builtin:tiny", num_kv_blocks=64).generate({"prompt_token_ids": PROMPT}, greedy, use_tqdm=False)
+    if said_to_hold:
+        assert error is None and [first, *tokens] == reference[0].outputs[0].token_ids[:1 + len(tokens)]
+        assert len(tokens) == 7 and node.stats.transfers_failed == 1
+    else:  # a handover that said it put every block, and did not: the setting holds
+        assert error == "the prompt's KV could not be transferred"

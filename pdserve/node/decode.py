@@ -51,6 +51,7 @@ class Pull:
     # was up); it is admitted once the aborted pull ends.
     resume: tuple[bytes, DecodeRequest] | None = None
     store_prefix: bool = False      # the leading blocks of a prompt computed here, from the store
+    unowed: bool = False            # it reads blocks the sender did not put (StoreHandover.put_from)
 
 
 class DecodeNode(StepBudget):
@@ -183,6 +184,7 @@ class DecodeNode(StepBudget):
         self.engine.mark_remote_transfer(req.request_id)
         pull.state, pull.path, pull.started = PullState.PULLING, puller.path, started
         pull.nbytes = (n_blocks - first) * self.block_nbytes
+        pull.unowed = first < getattr(handover, "put_from", 0)
         self.pulls[req.request_id] = pull
 
     def _end_unstarted(self, pull: Pull, ok: bool) -> None:
@@ -244,7 +246,7 @@ class DecodeNode(StepBudget):
         else:
             self.stats.transfers_failed += 1
             log.warning("[%s] KV pull failed: %s", rid, self.on_transfer_failure)
-            if self.on_transfer_failure == "fail":
+            if self.on_transfer_failure == "fail" and not (pull is not None and pull.unowed):
                 identity = self.origin.get(rid)
                 super().abort(rid)
                 if identity is not None:

@@ -133,7 +133,7 @@ class StoreProducer:
         self.stats.transfer_bytes_store += len(counts) * self.engine.kv_cache[0].numel() * self.engine.kv_cache.element_size()
         log.debug("[%s] stored %d blocks (from block %d) in %.1f ms", req.request_id, len(counts), start,
                   (time.perf_counter() - t0) * 1e3)
-        return StoreHandover(len(prompt), keys, first_block=first, state_key=key)
+        return StoreHandover(len(prompt), keys, first_block=first, state_key=key, put_from=job.decode_held)
 
     def _put_states(self, job: StoreJob, start: int) -> bytes:
         """A hybrid model's state after the prompt, and the snapshots at its boundaries past the

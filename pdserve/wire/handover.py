@@ -35,6 +35,10 @@ class StoreHandover(msgspec.Struct, frozen=True, tag="store"):
     # A hybrid model's recurrent state after the num_tokens tokens, stored beside the blocks
     # under block_keys.state_key(keys[-1], its layout); empty: the model has none.
     state_key: bytes = b""
+    # Blocks before this one were not put by this handover: the decode node was said to hold
+    # them (an earlier turn put them in the store). A decode node that lacks them fetches them
+    # from the store; if they are gone it computes the prompt, whatever it does on a failed pull.
+    put_from: int = 0
 
 
 class NixlHandover(msgspec.Struct, frozen=True, tag="nixl"):

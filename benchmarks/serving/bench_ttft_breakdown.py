@@ -1,0 +1,60 @@
+"""Where a request's first token goes, by stage (pdserve_request_stage_seconds, as `pdserve
+bench` prints it), on 1P1D over NIXL, 1P1D over the store and one monolithic node, side by side:
+the three clusters run at once and their runs alternate; medians over --repeats runs.
+
+    python -m benchmarks.serving.bench_ttft_breakdown --repeats 3
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+
+from benchmarks.support.cluster import local_cluster
+from pdserve.loadgen.bench import BenchConfig, run_benchmark
+from pdserve.router.dispatch.metrics import STAGES
+
+PD = ("--local-prefill-threshold", "0", "--prefill-placement", "threshold", "--kv-cache-memory-gb", "0.5")
+CONFIGS = {
+    "pd-nixl": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl", *PD),
+    "pd-store": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store", *PD),
+    "monolithic": ("--prefill-nodes", "0", "--decode-nodes", "1", "--kv-cache-memory-gb", "0.5"),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="builtin:tiny")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--max-token-id", type=int, default=250)
+    args = p.parse_args()
+    runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(local_cluster(*flags, "--model", args.model)).url
+                for name, flags in CONFIGS.items()}
+        for rep in range(args.repeats):
+            for name, url in urls.items():  # alternate: a noisy minute hits every config
+                cfg = BenchConfig(base_url=url, workload="random", num_prompts=args.num_prompts,
+                                  input_len_min=args.input_len, input_len_max=args.input_len,
+                                  output_len=args.output_len, concurrency=args.concurrency,
+                                  max_token_id=args.max_token_id, num_warmup=2, seed=rep, disable_tqdm=True)
+                runs[name].append(asyncio.run(run_benchmark(cfg)))
+    print(f"| stage (mean ms, median of {args.repeats}) | " + " | ".join(CONFIGS) + " |")
+    print("|" + " --- |" * (len(CONFIGS) + 1))
+    for stage in (*STAGES, "TTFT (client)"):
+        cells = []
+        for name in CONFIGS:
+            values = [r["mean_ttft_ms"] if stage == "TTFT (client)" else
+                      (r["ttft_breakdown"] or {}).get(stage, {}).get("mean_ms") for r in runs[name]]
+            values = [v for v in values if v is not None]
+            cells.append(f"{statistics.median(values):.1f}" if values else "-")
+        print(f"| {stage} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
