@@ -24,14 +24,17 @@ PARTS = [  # (module, class, method, label); indented labels are inside the line
 ]
 
 
-def cpu_shares(path: Path, prompts: list[list[int]], new_tokens: int) -> list[tuple[str, float]]:
-    """Run the offline engine once (after a warm-up) with every part timed; return each part's
-    CPU seconds, the engine step first."""
+def cpu_shares(path: Path, prompts: list[list[int]], new_tokens: int,
+               parts: list[tuple[str, str, str, str]] | None = None) -> list[tuple[str, float]]:
+    """Run the offline engine once (after a warm-up) with every part timed (PARTS, or the engine
+    step and model forward followed by `parts`); return each part's CPU seconds, the engine step
+    first."""
+    parts = PARTS if parts is None else PARTS[:2] + parts
     import importlib
 
     from pdserve import LLM, SamplingParams
     spent: collections.Counter = collections.Counter()
-    for module, cls, method, label in PARTS:
+    for module, cls, method, label in parts:
         owner = getattr(importlib.import_module(module), cls)
         setattr(owner, method, _timed(getattr(owner, method), label, spent))
     llm = LLM(model=str(path), num_kv_blocks=1024, max_num_batched_tokens=2048)
@@ -40,7 +43,7 @@ def cpu_shares(path: Path, prompts: list[list[int]], new_tokens: int) -> list[tu
     spent.clear()
     with torch.no_grad():
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [(label, spent[label]) for *_, label in PARTS]
+    return [(label, spent[label]) for *_, label in parts]
 
 
 def _timed(fn, label: str, spent: collections.Counter):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import causal_conv, gated_delta
+from pdserve.kernels import causal_conv, gated_delta, recurrent_cpu
 from pdserve.models.state_layers import LayerStateSpec
 
 
@@ -81,7 +81,9 @@ class GatedDeltaNet(nn.Module):
         """The causal convolution of every row, continuing each request's window (updated)."""
         windows, weight, d = states.pool.conv[self.state_index], self.conv1d.weight[:, 0], states.num_decodes
         pieces = []
-        if d:
+        if d and recurrent_cpu.usable(windows):  # compiled, the windows updated in place
+            pieces.append(recurrent_cpu.conv_step(mixed[:d], windows, states.slots, weight, None))
+        elif d:
             out, windows[states.slots] = causal_conv.causal_conv_step(mixed[:d], windows[states.slots], weight, None)
             pieces.append(out)
         for slot, start, end in states.spans:
@@ -93,7 +95,9 @@ class GatedDeltaNet(nn.Module):
         """The delta rule over every row, from and into each request's recurrent state."""
         pool, d = states.pool.state[self.state_index], states.num_decodes
         pieces = []
-        if d:
+        if d and recurrent_cpu.usable(pool):  # compiled, the states updated in place
+            pieces.append(recurrent_cpu.gated_delta_step(q[:d], k[:d], v[:d], g[:d], beta[:d], pool, states.slots))
+        elif d:
             out, new = gated_delta.recurrent_step(q[:d], k[:d], v[:d], g[:d], beta[:d], pool[states.slots])
             pool[states.slots] = new.to(pool.dtype)
             pieces.append(out)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import causal_conv, mamba2
+from pdserve.kernels import causal_conv, mamba2, recurrent_cpu
 from pdserve.models.state_layers import LayerStateSpec
 
 
@@ -90,7 +90,9 @@ class Mamba2Mixer(nn.Module):
     def _convolve(self, xbc: torch.Tensor, states) -> torch.Tensor:
         windows, weight, bias = states.pool.conv[self.state_index], self.conv1d.weight[:, 0], self.conv1d.bias
         pieces, d = [], states.num_decodes
-        if d:
+        if d and recurrent_cpu.usable(windows):  # compiled, the windows updated in place
+            pieces.append(recurrent_cpu.conv_step(xbc[:d], windows, states.slots, weight, bias))
+        elif d:
             out, windows[states.slots] = causal_conv.causal_conv_step(xbc[:d], windows[states.slots], weight, bias)
             pieces.append(out)
         for slot, start, end in states.spans:
@@ -102,7 +104,9 @@ class Mamba2Mixer(nn.Module):
         pool, d = states.pool.state[self.state_index], states.num_decodes
         A = -torch.exp(self.A_log.float())
         pieces = []
-        if d:
+        if d and recurrent_cpu.usable(pool):  # compiled, the states updated in place
+            pieces.append(recurrent_cpu.mamba2_step(xs[:d], dt[:d], A, B[:d], C[:d], self.D, pool, states.slots))
+        elif d:
             y, new = mamba2.recurrent_step(xs[:d], dt[:d], A, B[:d], C[:d], self.D, pool[states.slots].float())
             pool[states.slots] = new.to(pool.dtype)
             pieces.append(y)

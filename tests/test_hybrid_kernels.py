@@ -1,0 +1,114 @@
+"""The compiled CPU decode steps of the recurrent layers (pdserve.kernels.recurrent_cpu) against
+the torch steps they replace, on a real StatePool arena: the same outputs, the named slots'
+windows and states updated in place, every other slot left as it was. And the engine's decode
+takes them (the family tests against transformers then cover them end to end).
+
+Also the Mamba2 chunked scan against its one-token recurrence, over spans cut across chunks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.state_pool import StatePool
+from pdserve.kernels import causal_conv, gated_delta, mamba2, recurrent_cpu
+from pdserve.models.state_layers import LayerStateSpec
+from pdserve.testing.hybrid_checkpoints import make_hybrid_model
+
+ROWS, SLOTS = 5, 9
+HEADS, HEAD_DIM, GROUPS, SIZE = 4, 8, 2, 16  # Mamba2
+K_HEADS, V_HEADS, K_DIM, V_DIM = 2, 4, 16, 8  # Gated DeltaNet
+CHANNELS = 40
+
+
+@pytest.fixture
+def pool():
+    torch.manual_seed(0)
+    spec = [LayerStateSpec((CHANNELS, 3), torch.float32, (HEADS, HEAD_DIM, SIZE), torch.float32),
+            LayerStateSpec((CHANNELS, 3), torch.float32, (V_HEADS, K_DIM, V_DIM), torch.float32)]
+    pool = StatePool(spec, SLOTS, torch.device("cpu"))
+    for t in pool.conv + pool.state:
+        t.copy_(torch.randn(t.shape) * 0.5)
+    assert recurrent_cpu.usable(*pool.conv, *pool.state)
+    return pool
+
+
+SLOTS_USED = torch.tensor([7, 0, 3, 8, 2])
+
+
+def check_in_place(view: torch.Tensor, before: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.allclose(view[SLOTS_USED], want, atol=1e-5, rtol=1e-5)
+    others = torch.ones(SLOTS, dtype=torch.bool)
+    others[SLOTS_USED] = False
+    assert torch.equal(view[others], before[others]), "a slot outside the step changed"
+
+
+def test_gated_delta_step_matches_torch(pool):
+    view, before = pool.state[1], pool.state[1].clone()
+    q, k = torch.randn(ROWS, K_HEADS, K_DIM), torch.randn(ROWS, K_HEADS, K_DIM)
+    v, g, beta = torch.randn(ROWS, V_HEADS, V_DIM), -torch.rand(ROWS, V_HEADS), torch.rand(ROWS, V_HEADS)
+    want, want_state = gated_delta.recurrent_step(q, k, v, g, beta, view[SLOTS_USED])
+    got = recurrent_cpu.gated_delta_step(q, k, v, g, beta, view, SLOTS_USED)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    check_in_place(view, before, want_state)
+
+
+def test_mamba2_step_matches_torch(pool):
+    view, before = pool.state[0], pool.state[0].clone()
+    x, dt = torch.randn(ROWS, HEADS, HEAD_DIM), torch.rand(ROWS, HEADS)
+    B, C = torch.randn(ROWS, GROUPS, SIZE), torch.randn(ROWS, GROUPS, SIZE)
+    A, D = -torch.rand(HEADS) * 2, torch.randn(HEADS)
+    want, want_state = mamba2.recurrent_step(x, dt, A, B, C, D, view[SLOTS_USED])
+    got = recurrent_cpu.mamba2_step(x, dt, A, B, C, D, view, SLOTS_USED)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-5)
+    check_in_place(view, before, want_state)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_step_matches_torch(pool, bias):
+    view, before = pool.conv[0], pool.conv[0].clone()
+    x, weight = torch.randn(ROWS, CHANNELS), torch.randn(CHANNELS, 4)
+    b = torch.randn(CHANNELS) if bias else None
+    want, want_windows = causal_conv.causal_conv_step(x, view[SLOTS_USED], weight, b)
+    got = recurrent_cpu.conv_step(x, view, SLOTS_USED, weight, b)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    check_in_place(view, before, want_windows)
+
+
+def test_other_dtypes_take_the_torch_steps():
+    assert not recurrent_cpu.usable(torch.zeros(2, 3, 4, dtype=torch.bfloat16))
+    assert not recurrent_cpu.usable(torch.zeros(2, 3, 4)[:, :, :2])  # a slot's part not contiguous
+
+
+@pytest.mark.parametrize("length", [1, 7, 32, 45, 100])
+def test_mamba2_chunked_matches_the_recurrence(length):
+    """Spans shorter than a chunk, one chunk, and several with a partial last one (chunk 32),
+    from a non-zero state: the chunked form gives the token-by-token recurrence's outputs and
+    final state."""
+    torch.manual_seed(length)
+    x, dt = torch.randn(length, HEADS, HEAD_DIM), torch.rand(length, HEADS) * 0.5
+    B, C = torch.randn(length, GROUPS, SIZE), torch.randn(length, GROUPS, SIZE)
+    A, D, state = -torch.rand(HEADS) * 2, torch.randn(HEADS), torch.randn(HEADS, HEAD_DIM, SIZE)
+    y, final = mamba2.chunked(x, dt, A, B, C, D, state, chunk=32)
+    current, ys = state[None], []
+    for t in range(length):
+        out, current = mamba2.recurrent_step(x[t:t + 1], dt[t:t + 1], A, B[t:t + 1], C[t:t + 1], D, current)
+        ys.append(out)
+    assert torch.allclose(y, torch.cat(ys), atol=1e-4, rtol=1e-4)
+    assert torch.allclose(final, current[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_text", "nemotron_h"])
+def test_engine_decodes_with_the_compiled_steps(kind, tmp_path, monkeypatch):
+    """A float32 model's decode steps never reach the torch steps."""
+    path = make_hybrid_model(tmp_path, kind)
+    llm = LLM(model=str(path), num_kv_blocks=16, enable_prefix_caching=False)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a decode step took the torch path")
+    for module in (gated_delta, mamba2):
+        monkeypatch.setattr(module, "recurrent_step", refused)
+    monkeypatch.setattr(causal_conv, "causal_conv_step", refused)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9] * 11}], params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
