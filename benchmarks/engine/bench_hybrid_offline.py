@@ -2,20 +2,26 @@
 `generate` on the same checkpoint, in one run.
 
 Two shapes, each a scaled-down copy of its family's proportions:
-- Qwen3.5 (`qwen3_5_text`, 36M): hidden 512, 8 layers (three Gated DeltaNet layers before each
+- Qwen3.5 (`qwen3_5_text`, 35M): hidden 512, 8 layers (three Gated DeltaNet layers before each
   gated full-attention layer), linear attention with 4 key and 8 value heads of 64, attention
   with 8 heads of 64 (2 KV heads, a quarter of each rotary), MLP 1536, vocab 8192.
-- Nemotron-H (`nemotron_h`, 31M): hidden 512, 8 blocks (Mamba2, MLP, Mamba2, MLP, attention,
+- Nemotron-H (`nemotron_h`, 20M): hidden 512, 8 blocks (Mamba2, MLP, Mamba2, MLP, attention,
   MLP, Mamba2, MLP), Mamba2 with 16 heads of 64, state 64, 2 groups, chunk 128; squared-ReLU
   MLP 1536, vocab 8192.
 
 Workload: 32 requests of 32-256 prompt tokens, 32 new tokens each, ignore_eos, float32 on CPU.
-transformers runs one left-padded `generate` over all requests (its continuous batching,
-`generate_batch`, keeps no recurrent state), with its torch paths for the linear layers (the
-chunked delta rule and SSD scan for the prompt, the one-token update after).
+transformers runs one left-padded `generate` over all requests, with its torch paths for the
+linear layers (the chunked delta rule and SSD scan for the prompt, the one-token update after;
+flash-linear-attention, causal-conv1d and mamba-ssm are CUDA packages). Greedy outputs are
+compared request by request.
 
+Each run reports output tokens per wall-clock second and per second of the process's CPU time:
+on a shared machine whose other jobs stop or starve this one, the second is the steadier figure,
+and one thread (`--threads 1`, `NUMBA_NUM_THREADS=1`) keeps spinning threads out of it.
+
+    NUMBA_NUM_THREADS=1 .venv/bin/python -m benchmarks.engine.bench_hybrid_offline --repeats 3 --threads 1
     .venv/bin/python -m benchmarks.engine.bench_hybrid_offline --repeats 3
-    .venv/bin/python -m benchmarks.engine.bench_hybrid_offline --family nemotron_h --profile
+    NUMBA_NUM_THREADS=1 .venv/bin/python -m benchmarks.engine.bench_hybrid_offline --family nemotron_h --profile --threads 1
 """
 from __future__ import annotations
 
