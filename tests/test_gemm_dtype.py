@@ -161,3 +161,29 @@ def test_tile_conversions_are_torchs():
     native_gemv.widen_bf16_into(src, out[:, 5:50])
     assert torch.equal(out[:, 5:50], src.float())
     assert bool((out[:, :5] == 7.0).all()) and bool((out[:, 50:] == 7.0).all())
+
+
+@needs_bf16
+def test_many_row_norms_and_rope_run_compiled_under_bf16(tile_dtype, monkeypatch):
+    """Past numba_fused.PARALLEL_ROWS, under bf16 products, the residual add + RMSNorm and RoPE
+    run in native_rows.c on every thread (numba's one-thread kernels never called), with numba's
+    values up to the order of the sums; float32 keeps numba's kernels."""
+    from pdserve.kernels import numba_fused
+    gen = torch.Generator().manual_seed(11)
+    rows = numba_fused.PARALLEL_ROWS + 5
+    x, delta, w = (torch.randn(rows, 576, generator=gen), torch.randn(rows, 576, generator=gen),
+                   torch.randn(576, generator=gen))
+    qkv = torch.randn(rows, 15 * 64, generator=gen)
+    cos, sin = torch.randn(rows, 1, 64, generator=gen), torch.randn(rows, 1, 64, generator=gen)
+    tile_dtype(torch.float32)
+    want_sum, want_norm = numba_fused.rms_norm(x, w, 1e-5, delta)
+    want_qkv = qkv.clone()
+    numba_fused.rope_(want_qkv[:, :576].view(rows, 9, 64), want_qkv[:, 576:768].view(rows, 3, 64), cos, sin)
+    tile_dtype(torch.bfloat16)
+    monkeypatch.setattr(numba_fused, "_rms_norm", None)  # a call would fail: the compiled rows must run
+    monkeypatch.setattr(numba_fused, "_rope", None)
+    got_sum, got_norm = numba_fused.rms_norm(x, w, 1e-5, delta)
+    numba_fused.rope_(qkv[:, :576].view(rows, 9, 64), qkv[:, 576:768].view(rows, 3, 64), cos, sin)
+    assert torch.equal(got_sum, want_sum)
+    torch.testing.assert_close(got_norm, want_norm, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(qkv, want_qkv, rtol=1e-6, atol=1e-6)

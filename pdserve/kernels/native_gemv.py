@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 # the same library: they call pd_gemv. Their header is hashed with them.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_gemv.c", "native_decode.c", "native_lora.c", "native_moe.c",
                                                               "native_mla.c", "native_tiles.c", "native_gemv_bf16.c",
-                                                              "native_gemv_amx.c", "native_prefill.c"))
+                                                              "native_gemv_amx.c", "native_prefill.c",
+                                                              "native_rows.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_decode.h", "native_quant_blocks.h", "native_exp.h",
                                                             "native_bf16.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -133,6 +134,10 @@ def library() -> ctypes.CDLL | None:
     lib.pd_round_bf16.restype = _I
     lib.pd_widen_bf16.argtypes = [_P, ctypes.c_long, ctypes.c_long, _P, ctypes.c_long, _I]
     lib.pd_widen_bf16.restype = None
+    lib.pd_norm_rows.argtypes = [_P, _P, _P, _P, ctypes.c_float, _I, _I, _P, _I]
+    lib.pd_norm_rows.restype = None
+    lib.pd_rope_rows.argtypes = [_P, ctypes.c_long, _I, _P, ctypes.c_long, _I, _I, _P, _P, _I, _I]
+    lib.pd_rope_rows.restype = None
     fn = lib.pd_decode_layers
     fn.argtypes = [_P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _I]
     fn.restype = _I

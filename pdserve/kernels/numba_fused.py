@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from numba import njit
 
+from pdserve.kernels import dequant_tiles, native_gemv
+
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "nsz"})
 def _rms_norm(x, delta, has_delta, w, eps, summed, out):  # pragma: no cover
@@ -61,6 +63,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return summed, weight * normed.to(summed.dtype)
     out = torch.empty_like(x)
     summed = torch.empty_like(x) if delta is not None else x
+    lib = _rows_library(x, weight, *(() if delta is None else (delta,)))
+    if lib is not None:
+        lib.pd_norm_rows(x.data_ptr(), None if delta is None else delta.data_ptr(), summed.data_ptr(),
+                         weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+        return summed, out
     _rms_norm(x.numpy(), (delta if delta is not None else x).numpy(), delta is not None,
               weight.detach().numpy(), np.float32(eps), summed.numpy(), out.numpy())
     return summed, out
@@ -75,9 +82,30 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             x.copy_(x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
         return
     tokens, dim = q.shape[0], q.shape[-1]
-    c, s = cos.reshape(tokens, dim).numpy(), sin.reshape(tokens, dim).numpy()
-    _rope(q.numpy(), c, s)
-    _rope(k.numpy(), c, s)
+    c, s = cos.reshape(tokens, dim), sin.reshape(tokens, dim)
+    lib = _rows_library(q, k, c, s) if q.stride(1) == k.stride(1) == dim else None
+    if lib is not None and c.is_contiguous() and s.is_contiguous():
+        lib.pd_rope_rows(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1], dim,
+                         c.data_ptr(), s.data_ptr(), tokens, torch.get_num_threads())
+        return
+    _rope(q.numpy(), c.numpy(), s.numpy())
+    _rope(k.numpy(), c.numpy(), s.numpy())
+
+
+# Past this many rows, under bf16 products, the norms and RoPE run on every thread of torch's pool
+# (native_rows.c; their sums in another order than the kernels above, so not under float32, whose
+# values stay these kernels'): on one thread a 2,048-token prefill's two norms and RoPE took about
+# 4 ms a layer while torch's second thread waited.
+PARALLEL_ROWS = 256
+
+
+def _rows_library(x: torch.Tensor, *others: torch.Tensor):
+    """The compiled library where the many-row ops take these tensors (contiguous rows), else None."""
+    if x.shape[0] < PARALLEL_ROWS or dequant_tiles.tile_dtype() != torch.bfloat16:
+        return None
+    if not all(t.stride(-1) == 1 and (t.dim() != 2 or t.stride(0) == t.shape[1]) for t in (x, *others)):
+        return None
+    return native_gemv.library()
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,38 @@
+/* The Python layers' per-row ops over many rows (a prefill step's), on every thread of torch's
+ * pool: the residual add + RMSNorm and rotate-half RoPE of numba_fused.py, which run on one thread
+ * (about 4 ms a layer for 2,048 tokens of SmolLM2, an eighth of a bf16 prefill, while torch's
+ * second thread waited). Each row as pd_add_norm and pd_rope compute it (native_decode.c: sums in
+ * another order than numba's), so numba_fused takes them only under bf16 products (not exact by
+ * design); float32 keeps numba's values. */
+#include <math.h>
+#include <stdint.h>
+
+#include "native_decode.h"
+
+/* summed = x + delta (where delta is given; else summed is x), out = w * RMSNorm(summed), per row */
+void pd_norm_rows(const float *x, const float *delta, float *summed, const float *w, float eps, int tokens,
+                  int cols, float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < tokens; t++) {
+        const float *xr = x + (long)t * cols;
+        float *sr = summed + (long)t * cols, *o = out + (long)t * cols, ss = 0.f;
+        for (int c = 0; c < cols; c++) {
+            float v = delta ? xr[c] + delta[(long)t * cols + c] : xr[c];
+            sr[c] = v;
+            ss += v * v;
+        }
+        float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+        for (int c = 0; c < cols; c++) o[c] = w[c] * (sr[c] * inv);
+    }
+}
+
+/* RoPE in place on q [tokens, q_heads, dim] and k [tokens, k_heads, dim] (token strides q_stride,
+ * k_stride floats; heads contiguous), cos and sin [tokens, dim] */
+void pd_rope_rows(float *q, long q_stride, int q_heads, float *k, long k_stride, int k_heads, int dim,
+                  const float *cos, const float *sin, int tokens, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < tokens; t++) {
+        pd_rope(q + t * q_stride, q_heads, dim, cos + (long)t * dim, sin + (long)t * dim);
+        pd_rope(k + t * k_stride, k_heads, dim, cos + (long)t * dim, sin + (long)t * dim);
+    }
+}
