@@ -145,6 +145,9 @@ def main() -> None:
     ap.add_argument("--ngram-max", type=int, default=4, help="prompt_lookup_max (min is 2)")
     ap.add_argument("--workload", choices=["passage", "code"], default="passage")
     ap.add_argument("--no-draft", action="store_true", help="skip the draft-model (self-drafting) rows")
+    ap.add_argument("--always-k", action="store_true",
+                    help="add an n-gram engine without the step-down (every request drafts k each step)")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None, help="the n-gram engine's key")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     args = ap.parse_args()
     os.environ.update(OMP_NUM_THREADS=str(args.threads), NUMBA_NUM_THREADS=str(args.threads))
@@ -156,11 +159,16 @@ def main() -> None:
     common = dict(num_kv_blocks=1024, enable_prefix_caching=False)
     configs = {"off": None,
                "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
-                         "prompt_lookup_max": args.ngram_max}}
+                         "prompt_lookup_max": args.ngram_max,
+                         "disable_by_batch_size": args.disable_by_batch_size}}
+    if args.always_k:  # (its step-down is switched off below, once the engine is built)
+        configs["ngram (always k)"] = configs["ngram"]
     if not args.no_draft:
         configs["draft_model (self)"] = {"method": "draft_model", "model": DEFAULT_MODEL,
                                          "num_speculative_tokens": args.k}
     engines = {name: LLM(DEFAULT_MODEL, speculative_config=spec, **common) for name, spec in configs.items()}
+    if args.always_k:
+        engines["ngram (always k)"].engine.speculator.step_down.fixed_rows = float("inf")
     tokenizer = engines["off"].get_tokenizer()
     for llm in engines.values():
         run(llm, workload(tokenizer, 2, args.workload), 8)  # warm up

@@ -21,11 +21,16 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None
+    # vLLM's key: no drafts in a step with at least this many decoding requests (None: never
+    # turned off outright; the per-request step-down in pdserve.spec_decode.step_down still runs).
+    disable_by_batch_size: int | None = None
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:
         if not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(f"num_speculative_tokens must be in [1, 32], got {self.num_speculative_tokens}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}")
         if self.method == "ngram":
             if self.model is not None:
                 raise ValueError("method ngram takes no model")

@@ -16,6 +16,7 @@ from pdserve.engine.speculation import SpeculationHost
 from pdserve.engine.speculative_config import SpeculativeConfig
 from pdserve.protocol.outputs import StepOutput
 from pdserve.spec_decode.eligible import may_speculate
+from pdserve.spec_decode.step_down import StepDown
 from pdserve.spec_decode.verify import accepted_length
 
 
@@ -76,18 +77,27 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.proposer = proposer
         self.stats = SpecStats()
+        self.step_down = StepDown(self.k, config.disable_by_batch_size)
 
     def add_drafts(self, batch) -> None:
         """Draft for the batch's decoding requests, within the step's token budget and the free
-        KV blocks (a request that gets none decodes one token as usual)."""
+        KV blocks (a request that gets none decodes one token as usual); how many each gets steps
+        down with the batch and the request's acceptance (pdserve.spec_decode.step_down)."""
         host = self.host
         budget = host.config.max_num_batched_tokens - batch.num_tokens
+        if self.step_down.step_disabled(sum(1 for _, n in batch.items if n == 1)):
+            return
         wanted = []
         for i, (req, n) in enumerate(batch.items):
-            k = min(self.k, req.sampling_params.max_tokens - req.num_output_tokens - 1,
-                    host.max_model_len - req.num_tokens - 1)
-            if n == 1 and k > 0 and can_speculate(req):
+            if n != 1 or not can_speculate(req):
+                continue
+            cap = min(req.sampling_params.max_tokens - req.num_output_tokens - 1,
+                      host.max_model_len - req.num_tokens - 1)
+            k = self.step_down.draft_len(req.request_id, batch.num_tokens, cap)
+            if k > 0:
                 wanted.append((i, req, k))
+        if not wanted:
+            return
         drafts = self.proposer.propose_batch([(req, k) for _, req, k in wanted])
         for (i, req, _), draft in zip(wanted, drafts):
             draft = draft[:max(budget, 0)]
@@ -113,6 +123,7 @@ class Speculator:
         its last token and at each draft), stopping where a stop condition ends it."""
         keep = accepted_length(drafts, tokens) + 1
         self.stats.record(len(drafts), keep - 1)
+        self.step_down.record(req.request_id, len(drafts), keep - 1)
         host, computed = self.host, req.num_computed_tokens
         outs = []
         for token, logprob in zip(tokens[:keep], logprobs[:keep]):
@@ -124,7 +135,8 @@ class Speculator:
         return merge_outputs(outs)
 
     def release(self, request_id: str) -> None:
-        """A request ended: drop whatever the proposer keeps for it."""
+        """A request ended: drop whatever the proposer (and the step-down) keeps for it."""
+        self.step_down.release(request_id)
         if hasattr(self.proposer, "release"):
             self.proposer.release(request_id)
 
