@@ -8,15 +8,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import zmq
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.embedding_nixl import EmbeddingFetcher, block_nbytes
-from pdserve.kvstore.embedding_store import EmbeddingStore
 from pdserve.node.pullers import fetch_peer_metadata
 from pdserve.protocol.multimodal import ImageInput
 from pdserve.wire.embedding_handover import EmbeddingHandover
+
+if TYPE_CHECKING:  # an annotation only: redis-py, which a node without a store never imports (0.1 s of CPU)
+    from pdserve.kvstore.embedding_store import EmbeddingStore
 
 log = logging.getLogger(__name__)
 READ_TIMEOUT_S = 2.0  # an image's READ takes a millisecond; past this the node encodes it

@@ -9,7 +9,6 @@ import time
 from typing import NoReturn
 
 from pdserve.engine.config import EngineConfig, engine_options
-from pdserve.kvstore.factory import make_store
 from pdserve.kvstore.redact import embedding_store_url
 from pdserve.kvstore.ucx_devices import pin_ucx_to_host
 from pdserve.node.compute_thread import on_compute_thread
@@ -69,9 +68,9 @@ def _use_curve(args) -> None:
     NodeRuntime.curve = NodeKeys.load(args.curve_dir) if args.curve_dir else None
     NodeRuntime.registry = getattr(args, "registry", None)
     NodeRuntime.advertise_host = getattr(args, "advertise_host", None)
-    # deferred: loads torch; torch-free until a node is served
-    from pdserve.kvstore.embedding_store import EmbeddingStore
     if (url := embedding_store_url(getattr(args, "store", None))) is not None:
+        # deferred: torch and redis-py, which a node without a store never imports (0.1 s of CPU)
+        from pdserve.kvstore.embedding_store import EmbeddingStore
         NodeRuntime.embedding_store = EmbeddingStore(url)  # image embeddings from encoder nodes
 
 
@@ -85,6 +84,7 @@ def _pin_ucx(bind: str) -> None:
 def _store(args, engine):
     if not args.store:
         return None
+    from pdserve.kvstore.factory import make_store  # deferred: redis-py, which a node without a store never imports
     from pdserve.kvstore.layout import KVLayout  # deferred: loads torch; torch-free until a node is served
     options = {"chunk_tokens": args.store_chunk_tokens, "lmcache_config": args.lmcache_config}
     return make_store(args.store, layout=KVLayout.from_cache(engine.kv_cache, args.model),

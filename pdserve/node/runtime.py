@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -27,7 +28,6 @@ from pdserve.cluster.registry_messages import ACTIVE, DRAINING
 from pdserve.cluster.router_liveness import RouterLiveness
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.footprint import footprint
-from pdserve.kvstore.embedding_store import EmbeddingStore
 from pdserve.node.compat import NodeCompat
 from pdserve.node.compute_thread import compute_executor
 from pdserve.node.core_board import CoreBoard
@@ -53,6 +53,9 @@ from pdserve.wire.messages import (
     UnloadLoRA,
 )
 from pdserve.wire.transport import NodeSocket
+
+if TYPE_CHECKING:  # an annotation only: redis-py, which a node without a store never imports (0.1 s of CPU)
+    from pdserve.kvstore.embedding_store import EmbeddingStore
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 5
