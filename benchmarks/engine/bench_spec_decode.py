@@ -7,7 +7,9 @@ speculation for its one-token steps, the engines with it for their verify steps 
 request); the last column counts the steps that took it. Runs alternate between the engines so a
 change in the machine's load hits each alike; medians of --repeats runs. Per concurrency
 (requests decoded together): output tokens/s, TPOT p50 (per request: (last token - first token)
-/ (tokens - 1)), and the acceptance rate. The draft-model row is SmolLM2 drafting for itself:
+/ (tokens - 1)), and the acceptance rate; the last two columns count output tokens per CPU second of
+the process (with one thread, what the run takes alone on a core: a loaded machine, or one that
+stops the benchmark a while, inflates wall time but hardly this). The draft-model row is SmolLM2 drafting for itself:
 acceptance 1.0, the method's ceiling here, which shows what verification costs. --threads 1 is
 what the decode node of a 1P1D cluster gets on a 2-core machine (`pdserve up` shares the cores
 out). Run:
@@ -117,7 +119,7 @@ def run(llm, prompts: list[list[int]], new_tokens: int) -> dict:
     first, last, count = {}, {}, {}
     spec = engine.speculator
     before = (spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens) if spec else (0, 0)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}-{start}", prompt, params)
     while engine.has_unfinished_requests():
@@ -127,12 +129,12 @@ def run(llm, prompts: list[list[int]], new_tokens: int) -> dict:
             first.setdefault(out.request_id, now)
             last[out.request_id] = now
             count[out.request_id] = count.get(out.request_id, 0) + len(out.new_token_ids)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     tpots = [(last[r] - first[r]) / (count[r] - 1) for r in first]
     drafted = (spec.stats.num_draft_tokens - before[0]) if spec else 0
     accepted = (spec.stats.num_accepted_tokens - before[1]) if spec else 0
     compiled = (native.steps - native_before) if native is not None else 0
-    return {"tok_s": sum(count.values()) / wall, "tpot_ms": 1e3 * statistics.median(tpots),
+    return {"tok_s": sum(count.values()) / wall, "cpu_tok_s": sum(count.values()) / cpu, "tpot_ms": 1e3 * statistics.median(tpots),
             "acceptance": accepted / drafted if drafted else None, "compiled": f"{compiled}/{steps}"}
 
 
@@ -176,8 +178,8 @@ def main() -> None:
     print(json.dumps({"workload": args.workload, "k": args.k, "ngram": [2, args.ngram_max],
                       "new_tokens": args.new_tokens, "threads": args.threads}))
     print("| concurrency | engine | output tok/s | TPOT p50 (ms) | acceptance | speed-up | runs (tok/s) "
-          "| compiled steps |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| compiled steps | tok per CPU s | speed-up (CPU) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         prompts = workload(tokenizer, concurrency, args.workload)
         results: dict[str, list[dict]] = {name: [] for name in engines}
@@ -186,14 +188,16 @@ def main() -> None:
                 results[name].append(run(llm, prompts, args.new_tokens))
                 print(f"# concurrency {concurrency} {name}: {results[name][-1]}", flush=True)  # progress
         base = statistics.median(r["tok_s"] for r in results["off"])
+        cpu_base = statistics.median(r["cpu_tok_s"] for r in results["off"])
         for name, runs in results.items():
             tok_s = statistics.median(r["tok_s"] for r in runs)
             tpot = statistics.median(r["tpot_ms"] for r in runs)
             acc = [r["acceptance"] for r in runs if r["acceptance"] is not None]
             acc_s = f"{statistics.median(acc):.2f}" if acc else "-"
             each = ", ".join(f"{r['tok_s']:.1f}" for r in runs)
+            cpu_tok_s = statistics.median(r["cpu_tok_s"] for r in runs)
             print(f"| {concurrency} | {name} | {tok_s:.1f} | {tpot:.1f} | {acc_s} | {tok_s / base:.2f}x | {each} "
-                  f"| {runs[-1]['compiled']} |", flush=True)
+                  f"| {runs[-1]['compiled']} | {cpu_tok_s:.1f} | {cpu_tok_s / cpu_base:.2f}x |", flush=True)
     print(f"uptime: {os.popen('uptime').read().strip()}")
 
 
