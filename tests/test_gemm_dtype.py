@@ -187,3 +187,24 @@ def test_many_row_norms_and_rope_run_compiled_under_bf16(tile_dtype, monkeypatch
     assert torch.equal(got_sum, want_sum)
     torch.testing.assert_close(got_norm, want_norm, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(qkv, want_qkv, rtol=1e-6, atol=1e-6)
+
+
+@needs_bf16
+def test_bf16_mlp_keeps_gate_up_in_bf16(tmp_path, tile_dtype, monkeypatch):
+    """Under bf16 products a many-row MLP step goes gate_up -> SiLU * up -> down in bf16
+    (layers/bf16_mlp.py): the layers' values (gate_up widened, torch's SiLU and multiply, rounded
+    again for down) up to SiLU's exponential; few rows and float32 never take it."""
+    from pdserve.layers import bf16_mlp
+    llm = LLM(str(write_gguf(tmp_path / "llama.Q4_1.gguf", "llama", Q.Q4_1)), num_kv_blocks=64,
+              cpu_gemm_dtype="bfloat16")
+    mlp = next(m for m in llm.engine.runner.model.modules() if type(m).__name__ == "MLP")
+    x = torch.randn(bf16_mlp.MIN_ROWS + 7, mlp.gate_up_proj.input_size, generator=torch.Generator().manual_seed(4))
+    assert bf16_mlp.gate_up_silu_down(mlp.gate_up_proj, mlp.down_proj, x) is not None
+    assert bf16_mlp.gate_up_silu_down(mlp.gate_up_proj, mlp.down_proj, x[:bf16_mlp.MIN_ROWS - 1]) is None
+    got = mlp(x)
+    monkeypatch.setattr(bf16_mlp, "MIN_ROWS", 1 << 30)
+    want = mlp(x)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    tile_dtype(torch.float32)
+    monkeypatch.undo()
+    assert bf16_mlp.gate_up_silu_down(mlp.gate_up_proj, mlp.down_proj, x) is None

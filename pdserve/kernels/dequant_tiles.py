@@ -91,6 +91,26 @@ def matmul_by_tiles(x: torch.Tensor, rows: int, fill_tile: Callable[[int, int, n
     return _tile_products(x, rows, torch.from_numpy(buffer), fill)
 
 
+def bf16_product(x: torch.Tensor, native: tuple, rows: int, keep_bf16: bool) -> torch.Tensor | None:
+    """x [tokens, K] (float32, or bf16 already) @ w.T under bf16 tiles, w the quantized matrix
+    (native_gemv.matrix_args) dequantized whole to bf16: [tokens, rows], bf16 where keep_bf16 (no
+    widening: the MLP's gate_up result goes to SiLU * up as it is), else float32. None where the
+    library or the matrix's size (past BF16_TILE_BYTES) does not allow one tile."""
+    cols = x.shape[1]
+    if _tile_dtype != torch.bfloat16 or native_gemv.library() is None or rows * cols * 2 > BF16_TILE_BYTES:
+        return None
+    tile = torch.empty(rows, cols, dtype=torch.bfloat16)
+    if not native_gemv.dequant_rows(native, cols, 0, rows, tile.data_ptr(), True):
+        return None
+    x_low = x if x.dtype == torch.bfloat16 else native_gemv.round_bf16(x.contiguous())
+    product = torch.mm(x_low, tile.T)
+    if keep_bf16:
+        return product
+    out = torch.empty(x.shape[0], rows)
+    native_gemv.widen_bf16_into(product, out)
+    return out
+
+
 def _tile_products(x: torch.Tensor, rows: int, tile: torch.Tensor,
                    fill: Callable[[int, int], bool]) -> torch.Tensor | None:
     """x @ w.T, w's rows filled tile by tile into `tile` by fill(start, end) (False: it does not

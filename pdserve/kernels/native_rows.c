@@ -4,10 +4,12 @@
  * second thread waited). Each row as pd_add_norm and pd_rope compute it (native_decode.c: sums in
  * another order than numba's), so numba_fused takes them only under bf16 products (not exact by
  * design); float32 keeps numba's values. */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
 #include "native_decode.h"
+#include "native_exp.h"
 
 /* summed = x + delta (where delta is given; else summed is x), out = w * RMSNorm(summed), per row */
 void pd_norm_rows(const float *x, const float *delta, float *summed, const float *w, float eps, int tokens,
@@ -35,4 +37,33 @@ void pd_rope_rows(float *q, long q_stride, int q_heads, float *k, long k_stride,
         pd_rope(q + t * q_stride, q_heads, dim, cos + (long)t * dim, sin + (long)t * dim);
         pd_rope(k + t * k_stride, k_heads, dim, cos + (long)t * dim, sin + (long)t * dim);
     }
+}
+
+#ifdef __AVX512BF16__
+static inline __m512 widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
+/* act [tokens, inter] bf16 = SiLU(gate) * up, gate_up [tokens, 2 inter] bf16 (gate first): the MLP
+ * between its bf16 products with no float32 pass over [tokens, inter] (layers/bf16_mlp.py); inter a
+ * multiple of 16. SiLU as pd_gate_mul's, rounded to bf16 as the down product's input would be.
+ * Returns -1 without AVX-512 BF16. */
+int pd_silu_mul_bf16(const uint16_t *gate_up, int tokens, int inter, uint16_t *act, int threads) {
+#ifdef __AVX512BF16__
+    if (inter % 16) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < tokens; t++) {
+        const uint16_t *gate = gate_up + (long)t * 2 * inter, *up = gate + inter;
+        uint16_t *a = act + (long)t * inter;
+        for (int i = 0; i < inter; i += 16) {
+            __m512 g = widen16(gate + i);
+            __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            _mm256_storeu_si256((__m256i *)(a + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, widen16(up + i))));
+        }
+    }
+    return 0;
+#else
+    return -1;
+#endif
 }

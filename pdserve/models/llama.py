@@ -13,6 +13,7 @@ from torch import nn
 
 from pdserve.kernels.native_decode import DecodeLayer, DecodeWeights
 from pdserve.kernels.native_matrices import float32_on_cpu, float_matrix
+from pdserve.layers.bf16_mlp import gate_up_silu_down
 from pdserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pdserve.layers.quant.unquantized import UnquantizedLinearMethod
 from pdserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -126,8 +127,17 @@ class MLP(nn.Module):
                                            quant_config=quant_config, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.forward_with(x, self._silu_mul)
+
+    def forward_with(self, x: torch.Tensor, silu_mul) -> torch.Tensor:
+        """down(silu_mul(gate_up(x))), or under bf16 products at many rows bf16 from gate_up to
+        down in one pass (layers/bf16_mlp.py)."""
+        out = gate_up_silu_down(self.gate_up_proj, self.down_proj, x)
+        return out if out is not None else self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -193,7 +203,7 @@ class LlamaModel(nn.Module):
             attn = layer.self_attn(h, cos, sin, ctx, fused=f)
             post = layer.post_attention_layernorm
             x, h = f.rms_norm(x, post.weight, post.eps, delta=attn)
-            mlp = layer.mlp.down_proj(f.silu_mul(layer.mlp.gate_up_proj(h)))
+            mlp = layer.mlp.forward_with(h, f.silu_mul)
             x, h = f.rms_norm(x, next_norm.weight, next_norm.eps, delta=mlp)
         return h
 
