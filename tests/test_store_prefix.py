@@ -105,8 +105,9 @@ def test_a_prompt_a_decode_node_computed_is_written_to_the_store(reference):
         assert first.choices[0].text == reference[PROMPTS[0]]
         # Node stats come with pongs (every 0.2 s): wait for one from after the request.
         writer = wait_for(lambda: next((n for n, s in node_stats(url).items() if s["requests_total"] == 1), None))
-        full_blocks = first.usage.prompt_tokens // 16
-        wait_for(lambda: node_stats(url)[writer]["writeback_blocks"] == full_blocks)
+        # The prompt's full blocks, then its answer's (all but the last token's, never computed)
+        history_blocks = (first.usage.prompt_tokens + first.usage.completion_tokens - 1) // 16
+        wait_for(lambda: node_stats(url)[writer]["writeback_blocks"] == history_blocks)
         second = _complete(client, PROMPTS[1])
         assert second.choices[0].text == reference[PROMPTS[1]]
         assert second.usage.prompt_tokens_details.cached_tokens == 320
