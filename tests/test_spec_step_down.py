@@ -10,7 +10,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.speculative_config import parse_speculative_config
-from pdserve.spec_decode.step_down import PROBE_EVERY, StepDown
+from pdserve.spec_decode.step_down import StepDown, probe_interval
 from pdserve.testing.model_factory import make_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -87,7 +87,7 @@ def test_default_step_down_keeps_greedy_output(target):
 
 def test_rule_steps_down_with_rejections_and_step_size():
     """A trusted request drafts k; rejections cut its drafts, more in a step of many rows; a
-    request cut to none still probes every PROBE_EVERY steps; an accepted run brings it back."""
+    request cut to none still probes now and then, more rarely in a large step; an accepted run brings it back."""
     rule = StepDown(k=4)
     assert rule.draft_len("r", rows=1, cap=10) == 4
     assert rule.draft_len("r", rows=1, cap=2) == 2  # (its own limit: max_tokens, model length)
@@ -99,8 +99,10 @@ def test_rule_steps_down_with_rejections_and_step_size():
     assert small > large
     for _ in range(10):
         rule.record("r", num_drafted=4, num_accepted=0)
-    drafts = [rule.draft_len("r", rows=64, cap=10) for _ in range(2 * PROBE_EVERY)]
-    assert drafts.count(1) == 2 and set(drafts) == {0, 1}
+    for rows in (1, 64):
+        drafts = [rule.draft_len("r", rows=rows, cap=10) for _ in range(2 * probe_interval(rows))]
+        assert drafts.count(1) == 2 and set(drafts) == {0, 1}
+    assert probe_interval(64) > 10 * probe_interval(1)  # (a probe's row costs more in a large step)
     for _ in range(10):
         rule.record("r", num_drafted=4, num_accepted=4)
     assert rule.draft_len("r", rows=1, cap=10) == 4

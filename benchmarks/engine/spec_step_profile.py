@@ -1,5 +1,6 @@
 """Where one speculative step's time goes, at one request on the default model (SmolLM2 Q4_1, the
-compiled decode step), beside the same engine without speculation (issue 66, item 1).
+compiled decode step), beside the same engine without speculation (issue 66, item 1); with
+--concurrency, the decode throughput of a batch in tokens per CPU second (item 4).
 
 Each phase is timed exclusively (a phase inside another is taken out of it), in CPU seconds of
 the process (one thread: the time a step takes alone on a core, which a loaded machine does not
@@ -22,6 +23,7 @@ bookkeeping (async scheduling; speculation runs without it), so its parts are th
 overlapped step.
 
     .venv/bin/python -m benchmarks.engine.spec_step_profile [--repeats 3] [--new-tokens 128]
+        [--concurrency 1] [--always-k]
 """
 from __future__ import annotations
 
@@ -75,14 +77,16 @@ def instrument(llm, timers: Timers) -> None:
         setattr(module, name, timers.wrap("sample", getattr(module, "_unprofiled_" + name)))
 
 
-def profile(llm, timers: Timers, prompt: list[int], new_tokens: int) -> dict:
-    """One request's decode steps: ms of CPU per step by phase, tokens per step, acceptance."""
+def profile(llm, timers: Timers, prompts: list[list[int]], new_tokens: int) -> dict:
+    """The prompts' decode steps: ms of CPU per step by phase, tokens per step, acceptance."""
     from pdserve import SamplingParams
     eng, spec = llm.engine, llm.engine.speculator
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"p{i}-{time.perf_counter()}", prompt, params)
+    while eng.last_step_tokens != len(prompts) or eng.scheduler.step_prefill_tokens:
+        eng.step()  # the prefill steps (a prefix hit after the first run), and the first tokens
     before = (spec.stats.num_drafts, spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens) if spec else None
-    eng.add_request(f"p{time.perf_counter()}", prompt, SamplingParams(max_tokens=new_tokens, temperature=0,
-                                                                      ignore_eos=True))
-    eng.step()  # the prefill step, and the first token
     timers.total.clear()
     steps = tokens = 0
     while eng.has_unfinished_requests():
@@ -90,6 +94,7 @@ def profile(llm, timers: Timers, prompt: list[int], new_tokens: int) -> dict:
         steps += 1
     row = {name: 1e3 * timers.total[name] / steps for name in PHASES}
     row.update(step=sum(row[name] for name in PHASES), tokens_per_step=tokens / steps)
+    row["tok_per_cpu_s"] = 1e3 * row["tokens_per_step"] / row["step"]
     if spec is not None:
         drafts = spec.stats.num_drafts - before[0]
         drafted, accepted = spec.stats.num_draft_tokens - before[1], spec.stats.num_accepted_tokens - before[2]
@@ -103,6 +108,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests decoded together")
+    ap.add_argument("--always-k", action="store_true", help="the n-gram engine without the step-down")
     args = ap.parse_args()
     os.environ.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     import torch
@@ -112,21 +119,25 @@ def main() -> None:
     from pdserve.models.gguf import DEFAULT_MODEL
     torch.set_num_threads(1)
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    common = dict(num_kv_blocks=256, enable_prefix_caching=False)
+    # Prefix caching: the runs after the first skip the prompts' prefill (which is not profiled).
+    common = dict(num_kv_blocks=64 + 48 * args.concurrency)
     engines = {"off": LLM(DEFAULT_MODEL, **common), "ngram": LLM(DEFAULT_MODEL, speculative_config=ngram, **common)}
-    prompt = workload(engines["off"].get_tokenizer(), 1)[0]
+    if args.always_k:
+        engines["ngram"].engine.speculator.step_down.fixed_rows = float("inf")
+    prompts = workload(engines["off"].get_tokenizer(), args.concurrency)
     timers = {name: Timers() for name in engines}
     for name, llm in engines.items():
         instrument(llm, timers[name])
-        profile(llm, timers[name], prompt, 8)  # warm up
+        profile(llm, timers[name], prompts, 8)  # warm up
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     for _ in range(args.repeats):
         for name, llm in engines.items():
-            runs[name].append(profile(llm, timers[name], prompt, args.new_tokens))
+            runs[name].append(profile(llm, timers[name], prompts, args.new_tokens))
             print(f"# {name}: {runs[name][-1]}", flush=True)
     med = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
+    print(f"concurrency {args.concurrency}, k {args.k}, always k: {args.always_k}, new tokens {args.new_tokens}")
     print("| phase | off (ms CPU / step) | ngram (ms CPU / step) |\n|---|---|---|")
-    for key in PHASES + ["step", "tokens_per_step"]:
+    for key in PHASES + ["step", "tokens_per_step", "tok_per_cpu_s"]:
         print(f"| {key} | {med['off'][key]:.2f} | {med['ngram'][key]:.2f} |")
     off_ms, ngram_ms = (med[n]["step"] / med[n]["tokens_per_step"] for n in ("off", "ngram"))
     print(f"| ms CPU per token | {off_ms:.2f} | {ngram_ms:.2f} |")
