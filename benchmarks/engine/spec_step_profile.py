@@ -1,6 +1,6 @@
 """Where one speculative step's time goes, at one request on the default model (SmolLM2 Q4_1, the
-compiled decode step), beside the same engine without speculation (issue 66, item 1); with
---concurrency, the decode throughput of a batch in tokens per CPU second (item 4).
+compiled decode step), beside the same engine without speculation; with
+--concurrency, the decode throughput of a batch in tokens per CPU second.
 
 Each phase is timed exclusively (a phase inside another is taken out of it), in CPU seconds of
 the process (one thread: the time a step takes alone on a core, which a loaded machine does not
