@@ -82,9 +82,10 @@ def profile(llm, timers: Timers, prompts: list[list[int]], new_tokens: int) -> d
     from pdserve import SamplingParams
     eng, spec = llm.engine, llm.engine.speculator
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        eng.add_request(f"p{i}-{time.perf_counter()}", prompt, params)
-    while eng.last_step_tokens != len(prompts) or eng.scheduler.step_prefill_tokens:
+    rids = [f"p{i}-{time.perf_counter()}" for i in range(len(prompts))]
+    for rid, prompt in zip(rids, prompts):
+        eng.add_request(rid, prompt, params)
+    while any(eng.get_request(rid).num_output_tokens == 0 for rid in rids):
         eng.step()  # the prefill steps (a prefix hit after the first run), and the first tokens
     before = (spec.stats.num_drafts, spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens) if spec else None
     timers.total.clear()
