@@ -85,8 +85,9 @@ def profile(llm, timers: Timers, prompts: list[list[int]], new_tokens: int) -> d
     rids = [f"p{i}-{time.perf_counter()}" for i in range(len(prompts))]
     for rid, prompt in zip(rids, prompts):
         eng.add_request(rid, prompt, params)
-    while any(eng.get_request(rid).num_output_tokens == 0 for rid in rids):
-        eng.step()  # the prefill steps (a prefix hit after the first run), and the first tokens
+    started: set[str] = set()
+    while not started.issuperset(rids):  # the prefill steps (prefix hits after the first run)
+        started.update(out.request_id for out in eng.step() if out.new_token_ids)
     before = (spec.stats.num_drafts, spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens) if spec else None
     timers.total.clear()
     steps = tokens = 0
