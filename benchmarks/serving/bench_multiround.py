@@ -52,7 +52,7 @@ def node_counters(url: str, block_size: int) -> tuple[dict[str, int], int]:
         else:
             written = get("writeback_blocks") * block_size * per_token
             out["written"] += written
-            out["pulled"] += get("transfer_bytes_store") + get("transfer_bytes_nixl") - written
+            out["pulled"] += get("transfer_bytes_store") + get("transfer_bytes_nixl")  # (write-backs apart)
     return out, per_token
 
 

@@ -112,9 +112,9 @@ class StoreWriteBack:
             write = self.writes.pop(rid)
             self.engine.pool.free(write.block_ids[::-1])  # tail-first, as requests free
             if write.future.result():
+                # counted apart from transfer_bytes_store, which stays the handover's bytes (what
+                # the decode node loaded): tests and benchmarks read it as such
                 self.stats.writeback_blocks += len(write.block_ids)
-                self.stats.transfer_bytes_store += len(write.block_ids) * self.block_nbytes
-                self.stats.transfer_us_store += int((time.perf_counter() - write.started) * 1e6)
 
     def forget(self, rid: str) -> None:
         """Aborted before its prompt was computed: nothing to write (a put in flight ends as it is)."""
