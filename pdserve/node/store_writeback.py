@@ -12,7 +12,6 @@ evicted) go to the store too, under their blocks' state keys."""
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -36,13 +35,11 @@ class Owed:
 class Write:
     future: Future
     block_ids: list[int]  # pinned until the put ends
-    started: float
 
 
 class StoreWriteBack:
     def __init__(self, engine, store: KVStore, stats):
         self.engine, self.store, self.stats = engine, store, stats
-        self.block_nbytes = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
         self.owed: dict[str, Owed] = {}  # request id -> what to write once its prompt is computed
         self.writes: dict[str, Write] = {}
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-writeback")
@@ -67,7 +64,7 @@ class StoreWriteBack:
         bs = self.engine.config.block_size
         keys = owed.keys[first:first + len(ids)]
         future = self.writer.submit(self._put, keys, ids, [bs] * len(ids), first, self._states(keys))
-        self.writes[rid] = Write(future, ids, time.perf_counter())
+        self.writes[rid] = Write(future, ids)
 
     def answer_done(self, rid: str, keys: list[bytes], first: int) -> None:
         """A stream that ended here: the full blocks of what it generated (keys[first:], still in
@@ -86,7 +83,7 @@ class StoreWriteBack:
         self.engine.pool.touch(ids)  # a reference of its own until the put ends
         bs = self.engine.config.block_size
         future = self.writer.submit(self._put, keys[first:first + len(ids)], ids, [bs] * len(ids), first)
-        self.writes[rid] = Write(future, ids, time.perf_counter())
+        self.writes[rid] = Write(future, ids)
 
     def _states(self, keys: list[bytes]) -> list[tuple[bytes, torch.Tensor]]:
         """A hybrid model's snapshots after these blocks, copied, under their state keys."""
