@@ -9,6 +9,7 @@ from pdserve.spec_decode.eagle import eagle_proposer
 from pdserve.spec_decode.mtp import mtp_proposer
 from pdserve.spec_decode.ngram import NgramProposer
 from pdserve.spec_decode.speculator import Speculator
+from pdserve.spec_decode.suffix import SuffixProposer
 
 
 def make_speculator(config: SpeculativeConfig, host: SpeculationHost) -> Speculator:
@@ -19,6 +20,9 @@ def make_proposer(config: SpeculativeConfig, host: SpeculationHost):
     """The method's proposer: propose_batch([(request, k)]) -> drafts (and release(request id))."""
     if config.method == "ngram":
         return NgramProposer(*config.lookup_range)
+    if config.method == "suffix":
+        return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                              config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
     if config.method == "draft_model":
         return DraftModelProposer(config, host)
     if config.method == "eagle":

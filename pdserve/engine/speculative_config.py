@@ -7,16 +7,20 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-METHODS = ("ngram", "draft_model", "eagle", "mtp")
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "mtp")
+# vLLM's defaults for suffix decoding (its speculative config's suffix_decoding_* keys).
+SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
+                   "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
 
 
 class SpeculativeConfig(BaseModel):
     """{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
     or {"method": "draft_model" | "eagle", "model": DIR, "num_speculative_tokens": k}
-    or {"method": "mtp", "num_speculative_tokens": k} (model: the target's own directory by default)."""
+    or {"method": "mtp", "num_speculative_tokens": k} (model: the target's own directory by default)
+    or {"method": "suffix", "num_speculative_tokens": k (default: the tree's depth), "suffix_decoding_*": ...}."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["ngram", "draft_model", "eagle", "mtp"]
+    method: Literal["ngram", "suffix", "draft_model", "eagle", "mtp"]
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
@@ -24,6 +28,21 @@ class SpeculativeConfig(BaseModel):
     # vLLM's key: no drafts in a step with at least this many decoding requests (None: never
     # turned off outright; the per-request step-down in pdserve.spec_decode.step_down still runs).
     disable_by_batch_size: int | None = None
+    # Suffix decoding (pdserve.spec_decode.suffix): the trees' depth (the longest pattern plus
+    # draft), the outputs the global tree keeps, drafts up to factor x the matched length, and
+    # the probability below which a draft stops.
+    suffix_decoding_max_tree_depth: int = SUFFIX_DEFAULTS["suffix_decoding_max_tree_depth"]
+    suffix_decoding_max_cached_requests: int = SUFFIX_DEFAULTS["suffix_decoding_max_cached_requests"]
+    suffix_decoding_max_spec_factor: float = SUFFIX_DEFAULTS["suffix_decoding_max_spec_factor"]
+    suffix_decoding_min_token_prob: float = SUFFIX_DEFAULTS["suffix_decoding_min_token_prob"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _suffix_k(cls, data):
+        """vLLM's default k for suffix decoding: the tree's depth."""
+        if isinstance(data, dict) and data.get("method") == "suffix" and "num_speculative_tokens" not in data:
+            data = {**data, "num_speculative_tokens": min(data.get("suffix_decoding_max_tree_depth", 24), 32)}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:
@@ -37,9 +56,27 @@ class SpeculativeConfig(BaseModel):
             lo, hi = self.lookup_range
             if not 1 <= lo <= hi:
                 raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
+        elif self.method == "suffix":
+            self._check_suffix()
         elif self.model is None and self.method != "mtp":
             raise ValueError(f"method {self.method} needs a model (a directory or builtin: name)")
+        if self.method != "suffix":
+            given = [key for key, value in SUFFIX_DEFAULTS.items() if getattr(self, key) != value]
+            if given:
+                raise ValueError(f"{', '.join(given)}: keys of method suffix, not {self.method}")
         return self
+
+    def _check_suffix(self) -> None:
+        if self.model is not None:
+            raise ValueError("method suffix takes no model")
+        if not 2 <= self.suffix_decoding_max_tree_depth <= 64:
+            raise ValueError(f"suffix_decoding_max_tree_depth must be in [2, 64], got {self.suffix_decoding_max_tree_depth}")
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_cached_requests must be at least 0 (0: no global tree)")
+        if self.suffix_decoding_max_spec_factor <= 0:
+            raise ValueError("suffix_decoding_max_spec_factor must be positive")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("suffix_decoding_min_token_prob must be in [0, 1]")
 
     @property
     def lookup_range(self) -> tuple[int, int]:
