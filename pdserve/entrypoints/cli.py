@@ -76,7 +76,8 @@ def _add_speculative_args(p: argparse.ArgumentParser, where: str = "", per_node:
                    help="speculative decoding" + where + ", vLLM's keys: "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
                         "or '{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 4}'; "
-                        "method eagle takes an EAGLE-1 head's DIR, mtp a DeepSeek-V3 checkpoint's own MTP layer"
+                        "method eagle takes an EAGLE-1 head's DIR, mtp a DeepSeek-V3 checkpoint's own MTP layer, "
+                        "suffix (suffix decoding) the suffix_decoding_* keys"
                         + per_node + " (docs/speculative-decoding.md)")
 
 
