@@ -55,10 +55,12 @@ from pdserve.models.model_path import context_limit
 from pdserve.models.rope import cover_positions
 
 
-def build_engine(config: EngineConfig) -> LLMEngine:
-    """The engine for config: the model loaded, its cache allocated, speculation attached."""
+def build_engine(config: EngineConfig, role: str | None = None) -> LLMEngine:
+    """The engine for config: the model loaded, its cache allocated, speculation attached. role:
+    the node it serves (None: the offline LLM). A node only decodes text (the router tokenizes),
+    and a prefill or encode node runs no decode step until it switches roles."""
     target = _load_target(config)
-    engine = LLMEngine(_parts(config, target))
+    engine = LLMEngine(_parts(config, target, role))
     if config.speculative_config is not None:
         engine.attach_speculator(make_speculator(config.speculative_config, engine))
     return engine
@@ -141,8 +143,8 @@ def multimodal_inputs(model, encoder_cache_tokens: int) -> MultiModalInputs | No
     return MultiModalInputs(model, EncoderCache(encoder_cache_tokens))
 
 
-def _parts(config: EngineConfig, t: _Target) -> EngineParts:
-    tokenizer = load_tokenizer(t.model_path)
+def _parts(config: EngineConfig, t: _Target, role: str | None = None) -> EngineParts:
+    tokenizer = load_tokenizer(t.model_path, decode_only=role is not None)
     max_len = max_model_len(config, t.hf_config, t.model, t.kv_cache.shape[0])
     cover_positions(t.model, max_len)  # past max_position_embeddings only when allowed (model_positions)
     salt = t.kv_layout.salt()
@@ -150,7 +152,8 @@ def _parts(config: EngineConfig, t: _Target) -> EngineParts:
     whole_images = bool(getattr(t.model, "bidirectional_images", False))
     kv = KVCacheManager(pool, config.block_size, salt, kv_window(t.model), whole_images, t.states, t.snapshots)
     lora = start_lora(config, t.model, t.dtype, t.device)
-    ops = kernel_ops(config, t.device, t.kv_cache, t.model_path, t.kv_layout.num_layers, t.dtype)
+    ops = kernel_ops(config, t.device, t.kv_cache, t.model_path, t.kv_layout.num_layers, t.dtype,
+                     warm_up=role not in ("prefill", "encode"))
     if whole_images and not getattr(ops, "PREFILL_KEY_ENDS", False):
         raise ValueError(f"{t.hf_config.architectures[0]}'s image tokens attend bidirectionally, which only the "
                          "torch and numba kernel backends implement so far (kernel_backend='torch'), with a "

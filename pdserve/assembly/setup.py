@@ -18,7 +18,7 @@ from pdserve.kernels.fp8_kv import narrow_kv_ops
 from pdserve.kvstore.layout import KVLayout
 from pdserve.lora.manager import LoRAManager
 from pdserve.models.hybrid import unsupported_for_hybrid
-from pdserve.models.model_path import eos_token_ids
+from pdserve.models.model_path import eos_token_ids, load_decode_tokenizer
 from pdserve.models.model_path import load_tokenizer as load_checkpoint_tokenizer
 
 log = logging.getLogger(__name__)
@@ -104,11 +104,12 @@ def model_positions(config: EngineConfig, model) -> int:
 
 
 def kernel_ops(config: EngineConfig, device: torch.device, kv_cache: torch.Tensor, model_path, num_layers: int,
-               model_dtype: torch.dtype = torch.float32):
-    """The attention kernels (warmed up), wrapped for an FP8 cache with the checkpoint's scales,
-    or a bf16 cache under a float32 model."""
+               model_dtype: torch.dtype = torch.float32, warm_up: bool = True):
+    """The attention kernels (warmed up, unless warm_up is False: a node that decodes nothing
+    until it switches roles loads the decode kernel at its first decode step instead), wrapped for
+    an FP8 cache with the checkpoint's scales, or a bf16 cache under a float32 model."""
     ops = get_ops(config.kernel_backend, device.type)
-    if hasattr(ops, "warm_up"):
+    if warm_up and hasattr(ops, "warm_up"):
         ops.warm_up()
     return narrow_kv_ops(ops, kv_cache, model_dtype, model_path, num_layers)
 
@@ -150,8 +151,12 @@ def use_async_scheduling(setting, device: torch.device) -> bool:
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
-def load_tokenizer(path):
+def load_tokenizer(path, decode_only: bool = False):
+    """The checkpoint's tokenizer; decode_only (a node, which never tokenizes): its snapshot when
+    an earlier load left one, which decodes alike without importing transformers."""
     try:
+        if decode_only:
+            return load_decode_tokenizer(path)
         return load_checkpoint_tokenizer(path)  # the router's loader too: both tokenize alike
     except (OSError, ValueError) as exc:
         log.warning("no tokenizer in %s (%s): text prompts and output text are unavailable", path, exc)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pdserve.models.tokenizer_snapshot import SnapshotTokenizer
 from pdserve.protocol.grammar import (
     DEAD_END_FINISH,
     TOOL_CALL_MARKERS,
@@ -62,7 +63,9 @@ class StructuredOutputs:
         if self.tokenizer is None:
             raise ValueError("structured outputs need the model's tokenizer, and this model has none")
         stops = self.stop_token_ids or None
-        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=stops)
+        # xgrammar reads transformers' class: a node's tokenizer snapshot loads it now
+        hf = self.tokenizer.full() if isinstance(self.tokenizer, SnapshotTokenizer) else self.tokenizer
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size, stop_token_ids=stops)
         # Special tokens are dropped from the output text (skip_special_tokens), so the grammar
         # must never allow them: an empty entry is what xgrammar treats as special. Rebuilt from
         # the decoded bytes (RAW), which also holds strings to JSON's rules on this byte-level

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 from pdserve.models.gguf import find_gguf_file, prepare_view
 from pdserve.models.tokenizer_class import GENERIC_TOKENIZERS, auto_tokenizer_class
+from pdserve.models.tokenizer_snapshot import load_snapshot, save_snapshot
 
 
 class ModelLoadError(ValueError):
@@ -75,9 +76,18 @@ def load_tokenizer(path: Path):
             and (path / "tokenizer.json").is_file()):
         import transformers  # heavy (transformers), deferred on purpose; its tokenizer classes load no torch
         name = auto_tokenizer_class(_read_json(path / "config.json"), config) or "PreTrainedTokenizerFast"
-        return getattr(transformers, name).from_pretrained(str(path))
-    from transformers import AutoTokenizer  # a specialised tokenizer class: transformers' own resolution
-    return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = getattr(transformers, name).from_pretrained(str(path))
+    else:
+        from transformers import AutoTokenizer  # a specialised tokenizer class: transformers' own resolution
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    save_snapshot(path, tokenizer)  # for the nodes' next start (load_decode_tokenizer)
+    return tokenizer
+
+
+def load_decode_tokenizer(path: Path):
+    """What a node decodes with: the tokenizer's snapshot (pdserve.models.tokenizer_snapshot),
+    which needs no transformers, when an earlier load left one; else transformers' (load_tokenizer)."""
+    return load_snapshot(path) or load_tokenizer(path)
 
 
 def read_model_config(path: Path) -> SimpleNamespace:

@@ -53,13 +53,14 @@ def _apply_thread_limit() -> None:
     log.info("compute threads for this node: %d", threads)
 
 
-def _engine(args):
+def _engine(args, role: str):
     _apply_thread_limit()
     if getattr(args, "tensor_parallel_size", 1) > 1 or getattr(args, "pipeline_parallel_size", 1) > 1:
         from pdserve.executor import executor  # deferred: loads torch; torch-free until a node is served
         executor.EXIT_ON_WORKER_DEATH = True  # a lost worker takes the node down; its owner restarts it
     from pdserve.assembly.build import build_engine  # deferred: loads torch; torch-free until a node is served
-    return build_engine(EngineConfig(model=args.model, remote_kv_timeout_s=args.kv_timeout_s, **engine_options(args)))
+    return build_engine(EngineConfig(model=args.model, remote_kv_timeout_s=args.kv_timeout_s, **engine_options(args)),
+                        role=role)
 
 
 def _use_curve(args) -> None:
@@ -118,7 +119,7 @@ def serve_node(role: str, args) -> NoReturn:
     store client and control socket, without reloading weights."""
     _use_curve(args)
     _pin_ucx(args.bind)
-    engine = on_compute_thread(_engine, args)  # one OpenMP pool: see node.compute_thread
+    engine = on_compute_thread(_engine, args, role)  # one OpenMP pool: see node.compute_thread
     store = _store(args, engine)
     node = _build_node(role, args, engine, args.bind, store)
     while (to_role := node.serve_forever()) is not None:
