@@ -145,15 +145,15 @@ class ModelRunner:
         step's image embeddings, and its [3, T] positions (M-RoPE) or its image tokens' key ends
         (bidirectional images)."""
         mm = self.multimodal
+        states = None if self.states is None else step_rows(self.states, items, meta.num_decodes, self.device)
         if mm is None:
-            states = None if self.states is None else step_rows(self.states, items, meta.num_decodes, self.device)
             return self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta, states))
         if getattr(self.model, "uses_mrope", True):
             positions = torch.from_numpy(mm.positions(items, inputs.ints64[1])).to(self.device)
         if getattr(self.model, "bidirectional_images", False):
             ends = image_key_ends(items, inputs.ints64[1], meta.num_decodes)
             meta.prefill_key_ends = torch.from_numpy(ends).to(self.device) if ends is not None else None
-        ctx = AttentionContext(self.ops, self.layer_caches, meta)
+        ctx = AttentionContext(self.ops, self.layer_caches, meta, states)  # states: a hybrid's (Qwen3.5)
         return self.model(token_ids, positions, ctx, images=mm.image_rows(items, self.device))
 
     def _ordered(self, items: list[tuple[Request, int]]) -> list[tuple[Request, int]]:

@@ -18,8 +18,9 @@ from pdserve.models.model_path import load_tokenizer
 from pdserve.protocol.multimodal import ImageInput, make_image_input
 
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
+QWEN3_5 = "Qwen3_5ForConditionalGeneration"  # Qwen2.5-VL's image processor and placeholders
 GEMMA3 = "Gemma3ForConditionalGeneration"
-MULTIMODAL_ARCHITECTURES = (QWEN2_5_VL, GEMMA3)
+MULTIMODAL_ARCHITECTURES = (QWEN2_5_VL, QWEN3_5, GEMMA3)
 
 
 class ImagePrompts:

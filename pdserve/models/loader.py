@@ -39,14 +39,16 @@ FAMILY_MODULES = {
     "Gemma3ForConditionalGeneration": "pdserve.models.gemma3_vl",
     "GptOssForCausalLM": "pdserve.models.gpt_oss",
     "Qwen3_5ForCausalLM": "pdserve.models.qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "pdserve.models.qwen3_5_vl",
     "Qwen3NextForCausalLM": "pdserve.models.qwen3_next",
     "NemotronHForCausalLM": "pdserve.models.nemotron_h",
     "GraniteMoeHybridForCausalLM": "pdserve.models.granite_hybrid",
 }
 # Vision-language models: the config's text_config is what the engine reads
 # (flatten_multimodal_config). Qwen2.5-VL's language model loads as a Llama-family model, the
-# tower attached after; Gemma 3's has a family module (above) that loads its tower itself.
-MULTIMODAL_ARCHITECTURES = (qwen2_5_vl.ARCHITECTURE, "Gemma3ForConditionalGeneration")
+# tower attached after; Gemma 3's and Qwen3.5's have family modules (above) that load their towers.
+MULTIMODAL_ARCHITECTURES = (qwen2_5_vl.ARCHITECTURE, "Gemma3ForConditionalGeneration",
+                            "Qwen3_5ForConditionalGeneration")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            *MULTIMODAL_ARCHITECTURES, *FAMILY_MODULES)
 

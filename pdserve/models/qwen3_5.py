@@ -104,24 +104,34 @@ def _mixer(config, spec: ModelSpec, kv_index: int | None, state_index: int | Non
 
 def checkpoint_name(name: str) -> str | None:
     """The module's parameter name for a checkpoint tensor's (without 'model.'); None: not ours
-    (the multi-token-prediction head, a vision tower)."""
+    (the multi-token-prediction head, a vision tower). The image-text model keeps its language
+    model under language_model.*."""
     if name.startswith(("mtp.", "visual.")):
         return None
+    name = name.removeprefix("language_model.")
     return name.replace(".linear_attn.", ".mixer.").replace(".self_attn.", ".mixer.")
 
 
-def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.device) -> HybridDecoderModel:
-    spec = model_spec(config)
+def rotary_dim(config) -> int:
+    """The rotated part of each attention head (partial_rotary_factor of head_dim)."""
     partial = (config.rope_parameters or {}).get("partial_rotary_factor", 1.0)
-    rotary_dim = int(spec.head_dim * partial)
-    rope = RotaryEmbedding(config, rotary_dim, spec.max_position_embeddings)
+    return int(config.head_dim * partial)
+
+
+def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.device, *,
+                model_class: type[HybridDecoderModel] = HybridDecoderModel,
+                rope: RotaryEmbedding | None = None) -> HybridDecoderModel:
+    """model_class and rope: the image-text model's (qwen3_5_vl: positions on three axes)."""
+    spec = model_spec(config)
+    rotary = rotary_dim(config)
+    rope = rope or RotaryEmbedding(config, rotary, spec.max_position_embeddings)
     kv = kv_indices(config.layer_types, (FULL,))
     states = state_indices(config.layer_types, (LINEAR,))
 
     def make() -> HybridDecoderModel:
-        layers = [Qwen35DecoderLayer(config, spec, _mixer(config, spec, kv[i], states[i], rotary_dim))
+        layers = [Qwen35DecoderLayer(config, spec, _mixer(config, spec, kv[i], states[i], rotary))
                   for i in range(spec.num_layers)]
-        return HybridDecoderModel(spec, layers, GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps),
+        return model_class(spec, layers, GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps),
                                   {"rope": rope}, ["rope"] * spec.num_layers)
 
     def place(name: str, tensor: torch.Tensor, loader: WeightLoader) -> None:

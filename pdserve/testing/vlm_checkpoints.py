@@ -65,6 +65,54 @@ def load_qwen2_5_vl_reference(path: Path):
 
 
 
+def make_qwen3_5_vl(root: Path, seed: int = 0) -> Path:
+    """Qwen3.5 with images: the hybrid text model of pdserve.testing.hybrid_checkpoints (Gated
+    DeltaNet and gated attention layers, partial RoPE) under a 2-block tower with a 4x4 learned
+    position grid. So that a wrong position shows in the tokens: mrope_section [4, 2, 2] over
+    the 8 rotary frequencies with rope_theta 10 (every frequency turns within an image's few
+    rows), and the patch embedding's weights small enough (std 0.005 over 1,176 inputs) that
+    the learned positions added to it count."""
+    # deferred: transformers takes seconds to import, and tests import this module at collection
+    import transformers
+    tokenizer = build_byte_tokenizer(QWEN_VISION_TOKENS, QWEN_CHAT_TEMPLATE)
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_VISION_TOKENS}
+    config = transformers.Qwen3_5Config(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=16, linear_value_head_dim=16, num_hidden_layers=4,
+                         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                         rope_parameters={"rope_type": "default", "rope_theta": 10.0,
+                                          "partial_rotary_factor": 0.25, "mrope_section": [4, 2, 2]},
+                         max_position_embeddings=2048, rms_norm_eps=1e-6,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=0),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "A_log" in name or "dt_bias" in name:
+                continue  # the decays keep transformers' initialisation (hybrid_checkpoints)
+            # the text model's norms scale by 1 + w (drawn around 0), except the gated one's
+            centred = "norm" in name and ("visual" in name or name.endswith("linear_attn.norm.weight"))
+            param.normal_(1.0 if centred else 0.0, 0.005 if name.endswith("patch_embed.proj.weight") else 0.2)
+    path = root / "qwen3_5_vl"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    transformers.Qwen2VLImageProcessorPil(**QWEN_PROCESSOR).save_pretrained(path)
+    return path
+
+
+def load_qwen3_5_vl_reference(path: Path):
+    # deferred: transformers, for the reference model only
+    import transformers
+    return transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
+        str(path), torch_dtype=torch.float32, attn_implementation="eager").eval()
+
+
 GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
                        "eoi_token": "<end_of_image>"}
 # Content parts: text as is, each image as Gemma's <start_of_image> (the processor expands it).
