@@ -78,11 +78,6 @@ class Speculator:
         self.proposer = proposer
         self.stats = SpecStats()
         self.step_down = StepDown(self.k, config.disable_by_batch_size)
-        if getattr(proposer, "keeps_draft_kv", False):
-            # A proposer that keeps state per request (draft model, EAGLE, MTP) drafts k every step:
-            # under the acceptance rule a TP-2 / PP-2 draft model's drafts were never accepted
-            # (tests/test_tp_spec.py), a cause not yet found. The batch-size cut-off still applies.
-            self.step_down.fixed_rows = float("inf")
 
     def add_drafts(self, batch) -> None:
         """Draft for the batch's decoding requests, within the step's token budget and the free
