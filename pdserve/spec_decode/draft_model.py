@@ -19,8 +19,6 @@ DRAFT_SALT = b"pdserve-draft"  # the draft pool caches nothing; its keys are nev
 
 
 class DraftModelProposer:
-    keeps_draft_kv = True  # (the speculator keeps it drafting k every step)
-
     def __init__(self, config, host: SpeculationHost):
         path = resolve_model_path(config.model)
         hf_config = load_hf_config(path)

@@ -33,7 +33,6 @@ HEAD_SALT = b"pdserve-spec-head"  # the head's pool caches nothing; its keys are
 
 class HeadProposer:
     """head: forward(token_ids, positions, ctx) reading head.hidden_in [T, hidden]; logits(out)."""
-    keeps_draft_kv = True  # (the speculator keeps it drafting k every step)
 
     def __init__(self, head, head_config, host: SpeculationHost, pre_norm: bool):
         self.head, self.host = head, host
