@@ -1,14 +1,12 @@
 """`pdserve up`: a whole local cluster, one OS process per node, stopped together."""
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
 import shutil
 import signal
 import ssl
-import subprocess
 import sys
 import tempfile
 import threading
@@ -19,14 +17,14 @@ import zmq
 
 from pdserve.cluster.owner import with_role
 from pdserve.cluster.owner_admin import answer_owner_request
-from pdserve.cluster.planner import placement_flags, planner_flags
 from pdserve.cluster.registry import RegistryServer
-from pdserve.engine.config import lora_flags
 from pdserve.engine.kv_pool_size import HOST_NODES_ENV
-from pdserve.entrypoints.http_flags import check_tls, context_flags, http_flags, url_scheme
+from pdserve.entrypoints.http_flags import check_tls, url_scheme
 from pdserve.entrypoints.node_speculation import check_speculative_configs, node_speculative_config
+from pdserve.entrypoints.processes import ProcessSupervisor
 from pdserve.entrypoints.ray_launch import run_up_ray
 from pdserve.entrypoints.tp_degrees import node_parallel_flags, node_ranks, pool_ranks
+from pdserve.entrypoints.up_commands import node_engine_flags, router_command, store_flags
 from pdserve.kvstore.redact import embedding_store_url, redact_url
 from pdserve.models.gguf import find_gguf_file, prepare_view
 from pdserve.node.core_board import BOARD_ENV, MIN_TOKENS_ENV, SLOT_ENV, SLOTS, create_board, machine_cores
@@ -35,18 +33,6 @@ from pdserve.wire.transport import NodeSocket, free_port
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300
-MAX_RESTARTS_PER_MIN = 5
-FORWARDED_ENGINE_FLAGS = ("model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb",
-                          "max_num_batched_tokens", "max_num_seqs", "kernel_backend", "encoder_cache_tokens",
-                          "cpu_gemm_dtype")
-
-
-def _die_with_parent() -> None:
-    # Linux: a node gets SIGTERM if `pdserve up` dies without cleaning up.
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _on_port(cmd: list[str], port: int) -> list[str]:
@@ -55,12 +41,14 @@ def _on_port(cmd: list[str], port: int) -> list[str]:
     return cmd
 
 
-class Cluster:
+class Cluster(ProcessSupervisor):
+    """The processes of one `pdserve up` (pdserve.entrypoints.processes keeps them running), their
+    command lines (pdserve.entrypoints.up_commands), and the router's requests to start, stop or
+    switch nodes (pdserve.cluster.owner)."""
+
     def __init__(self, args):
+        super().__init__()
         self.args = args
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.commands: dict[str, tuple[list[str], dict]] = {}  # name -> how to start it again
-        self.restarts: dict[str, list[float]] = {}  # name -> monotonic times it was restarted
         self.curve_dir: str | None = None  # --curve: this cluster's keys, removed when it stops
         self.core_board: str | None = None  # --lend-idle-cores: the nodes' board, removed when it stops
         self.board_slots: dict[str, int] = {}
@@ -81,8 +69,7 @@ class Cluster:
             env.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
             if lend_cores:  # and borrows idle nodes' cores (pdserve.node.core_board)
                 env.update(self._board_env(name))
-        self.commands[name] = (cmd, env)
-        self.procs.append((name, subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
+        self.launch(name, cmd, env)
 
     def _board_env(self, name: str) -> dict[str, str]:
         """The node's slot on the core board (--lend-idle-cores), made with the board at the
@@ -118,20 +105,7 @@ class Cluster:
     def node_cmd(self, role: str, node_id: str, bind: str, extra: list[str]) -> list[str]:
         cmd = [sys.executable, "-m", "pdserve", "--log-level", self.args.log_level, role,
                "--node-id", node_id, "--bind", bind]
-        for flag in FORWARDED_ENGINE_FLAGS:
-            value = getattr(self.args, flag)
-            if value is not None:
-                cmd += [f"--{flag.replace('_', '-')}", str(value)]
-        if not self.args.enable_prefix_caching:
-            cmd.append("--no-enable-prefix-caching")
-        if getattr(self.args, "enforce_eager", False):
-            cmd.append("--enforce-eager")
-        if getattr(self.args, "kv_cache_dtype", "auto") != "auto":
-            cmd += ["--kv-cache-dtype", self.args.kv_cache_dtype]
-        cmd += lora_flags(self.args)
-        cmd += context_flags(self.args)  # a node past the config's positions needs both to run them
-        cmd += ["--seed", str(self.args.seed)] if getattr(self.args, "seed", None) is not None else []
-        return cmd + extra + self._curve_flags() + self._registry_flags()
+        return cmd + node_engine_flags(self.args) + extra + self._curve_flags() + self._registry_flags()
 
     def _free_port(self) -> int:
         """A free loopback port that no router replica will take: the routers bind --port and up
@@ -164,26 +138,9 @@ class Cluster:
         encode = [self.node_addresses[self.start_node("encode")] for _ in range(self._encode_nodes())]
         admin_addr = self._loopback()
         self.admin = NodeSocket(zmq.Context.instance(), admin_addr)
-        router = [sys.executable, "-m", "pdserve", "--log-level", a.log_level, "router", "--model", a.model,
-                  "--host", a.host, "--port", str(a.port), "--kv-transfer", a.kv_transfer,
-                  "--block-size", str(a.block_size), "--dtype", a.dtype]
-        router += ["--kv-cache-dtype", a.kv_cache_dtype] if getattr(a, "kv_cache_dtype", "auto") != "auto" else []
-        router += ["--max-queued-requests", str(a.max_queued_requests), "--max-body-bytes", str(a.max_body_bytes)]
-        router += ["--prefill-policy", a.prefill_policy, "--decode-policy", a.decode_policy,
-                   "--local-prefill-threshold", str(a.local_prefill_threshold)]
-        router += placement_flags(a)
-        router += ["--session-affinity"] if a.session_affinity else []
-        router += planner_flags(a)
-        router += ["--chat-template", os.path.abspath(a.chat_template)] if a.chat_template else []
-        router += ["--tool-call-parser", a.tool_call_parser] if a.tool_call_parser else []
-        router += ["--served-model-name", *a.served_model_name] if a.served_model_name else []
-        router += ["--pooling", a.pooling] if getattr(a, "pooling", None) else []
-        router += lora_flags(a, router=True)
-        router += http_flags(a)
         if a.api_key:  # through the environment: a command line is visible to every local user
             os.environ["PDSERVE_API_KEY"] = a.api_key
-        router += ["--protect-metrics"] if a.protect_metrics else []
-        router += ["--owner", admin_addr] + self._curve_flags() + self._registry_flags()
+        router = router_command(a, admin_addr) + self._curve_flags() + self._registry_flags()
         # A router at start also gets the nodes' addresses, so it routes before any membership
         # arrives; a restarted one takes them all from the registry (the nodes may have changed).
         nodes = [x for addr in prefill for x in ("--prefill", addr)] + [x for addr in decode for x in ("--decode", addr)]
@@ -244,15 +201,7 @@ class Cluster:
         if node_id not in self.node_roles:
             raise ValueError(f"no node {node_id!r}")
         del self.node_roles[node_id], self.node_addresses[node_id]
-        self.commands.pop(node_id, None)
-        for name, proc in [p for p in self.procs if p[0] == node_id]:
-            self.procs.remove((name, proc))
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        self.stop_process(node_id)
 
     def owned_nodes(self) -> dict[str, str]:
         return dict(self.node_roles)
@@ -274,16 +223,7 @@ class Cluster:
             self.admin.send(identity, answer_owner_request(self, msg, self.node_addresses.__getitem__))
 
     def _store_flags(self, store: str | None) -> list[str]:
-        """--store and the LMCache store's options, as every node gets them."""
-        if not store:
-            return []
-        a = self.args
-        flags = ["--store", store]
-        if a.store_chunk_tokens is not None:
-            flags += ["--store-chunk-tokens", str(a.store_chunk_tokens)]
-        if a.lmcache_config:
-            flags += ["--lmcache-config", os.path.abspath(a.lmcache_config)]
-        return flags
+        return store_flags(self.args, store)
 
     def _store_url(self) -> str | None:
         a = self.args
@@ -317,38 +257,8 @@ class Cluster:
             time.sleep(0.5)
         raise TimeoutError(f"the cluster was not healthy within {READY_TIMEOUT_S} s")
 
-    def check_alive(self) -> None:
-        """A node, Redis or the router that dies is restarted with the same command and ports (the
-        router routes around a dead node meanwhile, and it rejoins on its first pong; a restarted
-        router finds the nodes in the registry); one that keeps dying is restarted at most
-        MAX_RESTARTS_PER_MIN times a minute, and a router that keeps dying stops the cluster."""
-        for i, (name, proc) in enumerate(self.procs):
-            if proc.poll() is None:
-                continue
-            now = time.monotonic()
-            recent = [t for t in self.restarts.get(name, []) if now - t < 60]
-            if len(recent) >= MAX_RESTARTS_PER_MIN:
-                if name.startswith("router"):
-                    raise RuntimeError(f"{name} exited with code {proc.returncode}, "
-                                       f"{len(recent)} times within a minute")
-                continue
-            log.error("%s exited with code %s: restarting it (restart %d)", name, proc.returncode,
-                      len(self.restarts.get(name, [])) + 1)
-            cmd, env = self.commands[name]
-            self.procs[i] = (name, subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
-            self.restarts[name] = recent + [now]
-
     def stop(self) -> None:
-        for _, proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 10
-        for name, proc in self.procs:
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop: killing it", name)
-                proc.kill()
+        self.stop_processes()
         if self.curve_dir:
             shutil.rmtree(self.curve_dir, ignore_errors=True)
         if self.core_board:
