@@ -219,8 +219,9 @@ def target_flags(args) -> list[str]:
 
 
 def placement_flags(args) -> list[str]:
-    """--prefill-placement and, when the planner does not pass them already, the targets."""
-    flags = ["--prefill-placement", getattr(args, "prefill_placement", "threshold")]
+    """--prefill-placement, --handover and, when the planner does not pass them already, the targets."""
+    flags = ["--prefill-placement", getattr(args, "prefill_placement", "threshold"),
+             "--handover", getattr(args, "handover", "pull")]
     if getattr(args, "planner", "none") != "sla":
         flags += target_flags(args)
     return flags

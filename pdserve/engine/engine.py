@@ -2,6 +2,7 @@
 offline LLM run on this; it imports no server code."""
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -71,7 +72,7 @@ class LLMEngine:
                     output_token_ids: list[int] | None = None, remote_kv_tokens: int = 0,
                     hold_blocks: bool = False, continues_elsewhere: bool = False,
                     cache_salt: str | None = None, lora_name: str | None = None,
-                    images: Sequence[ImageInput] = ()) -> Request:
+                    images: Sequence[ImageInput] = (), first_token_pending: bool = False) -> Request:
         """Queue a request. output_token_ids continues a generation (tokens drawn elsewhere);
         remote_kv_tokens > 0 admits it in WAITING_FOR_REMOTE_KVS with blocks for that many
         tokens allocated (see Request.block_ids), until report_remote_kv is called.
@@ -81,7 +82,10 @@ class LLMEngine:
         blocks only with requests that name the same ones. lora_name: the LoRA adapter that
         computes it (one registered with add_lora or lora_modules).
         images: a vision-language model's images, their placeholders already in the prompt
-        (pdserve.protocol.multimodal); their keys enter the block keys."""
+        (pdserve.protocol.multimodal); their keys enter the block keys.
+        first_token_pending: the request's first token is drawn elsewhere, with the KV (a push
+        handover): blocks for every prompt token are allocated now, and it waits, past any
+        deadline, until continue_remote brings the token."""
         self._validate(request_id, prompt_token_ids, params)
         for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
             if value is not None and not (isinstance(value, str) and value):
@@ -100,8 +104,9 @@ class LLMEngine:
             self.lora.ref(lora_name)  # (checked above: cannot fail)
         if remote_kv_tokens > 0 and (params.prompt_logprobs is None or req.output_token_ids):
             # (A request still owing prompt logprobs computes its prompt: they need its logits.)
-            remote = RemoteKV(min(remote_kv_tokens, req.num_tokens - 1),
-                              time.monotonic() + self.config.remote_kv_timeout_s)
+            remote = (RemoteKV(min(remote_kv_tokens, req.num_tokens), math.inf) if first_token_pending else
+                      RemoteKV(min(remote_kv_tokens, req.num_tokens - 1),
+                               time.monotonic() + self.config.remote_kv_timeout_s))
             self.scheduler.add_remote(req, remote)
         else:
             self.scheduler.add(req)
@@ -166,6 +171,20 @@ class LLMEngine:
         if req is None or req.remote_kv is None:
             return
         req.remote_kv.landed, req.remote_kv.failed, req.remote_kv.in_flight = ok, not ok, False
+
+    def continue_remote(self, request_id: str, output_token_ids: list[int]) -> Request | None:
+        """A first_token_pending request's first token(s), drawn elsewhere: replayed as
+        add_request replays them; its KV deadline starts now. None if it is gone."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return None
+        for token in output_token_ids:
+            req.append_output(token)
+        self.outputs.replay(request_id, req.sampling_params, output_token_ids)
+        if req.remote_kv is not None:
+            req.remote_kv.num_tokens = min(req.remote_kv.num_tokens, req.num_tokens - 1)
+            req.remote_kv.deadline = time.monotonic() + self.config.remote_kv_timeout_s
+        return req
 
     def cache_landed_kv(self, request_id: str) -> None:
         """The remote KV of a request about to be aborted landed whole: enter its full blocks

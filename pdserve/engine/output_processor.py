@@ -35,7 +35,13 @@ class OutputProcessor:
                                                  params.spaces_between_special_tokens)
         state = DetokenizerState(detokenizer, continues_elsewhere=continues_elsewhere)
         self.states[request_id] = state
-        for token in output_token_ids if detokenizer is not None else ():
+        self.replay(request_id, params, output_token_ids)
+
+    def replay(self, request_id: str, params, output_token_ids: list[int]) -> None:
+        """Tokens drawn elsewhere whose text was sent from there: replayed to know how much the
+        client has."""
+        state = self.states[request_id]
+        for token in output_token_ids if state.detokenizer is not None else ():
             self._emit(state, token, params, finished=False)
 
     def remove(self, request_id: str) -> None:

@@ -54,5 +54,10 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                         "request's own; decode nodes then cap their prefill chunks to hold the ITL target) or "
                         "threshold (on a prefill node unless --local-prefill-threshold says otherwise, however "
                         "long its queue)")
+    p.add_argument("--handover", choices=["pull", "push"], default="pull",
+                   help="when a request prefilled remotely reaches its decode node: pull (once the prefill node "
+                        "has computed the prompt; the decode node then pulls its KV) or push (at once, beside the "
+                        "prompt, so the decode node allocates its blocks and waits in WAITING_FOR_REMOTE_KVS while "
+                        "the prompt computes; the first token and the handover follow it there)")
     p.add_argument("--session-affinity", action="store_true",
                    help="keep requests with the same OpenAI `user` on the decode node that served the last one")

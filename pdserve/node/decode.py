@@ -21,12 +21,13 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.kvstore.base import KVStore
 from pdserve.node.pullers import NixlPuller, Puller, StorePuller
+from pdserve.node.push_intake import PushIntake
 from pdserve.node.runtime import NodeRuntime
 from pdserve.node.step_budget import StepBudget
 from pdserve.node.store_prefix import StorePrefix, request_block_keys
 from pdserve.node.store_writeback import StoreWriteBack
 from pdserve.wire.handover import KVHandover, StoreHandover
-from pdserve.wire.messages import DecodeRequest, Message, Ping, Pong, PrefillRequest, Rejected
+from pdserve.wire.messages import DecodeRequest, KVReady, Message, Ping, Pong, PrefillRequest, Rejected
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ class Pull:
     due: float = 0.0                # DELAYED: when the pull may start
     path: str = ""                  # PULLING: the puller's transport, and what it moves
     started: float = 0.0
-    nbytes: int = 0
+    nbytes: int = 0                 # the blocks' bytes
+    state_nbytes: int = 0           # a hybrid model's state slot, moved with them
     # ABANDONED: the router resumed the request here under the same id (no other decode node
     # was up); it is admitted once the aborted pull ends.
     resume: tuple[bytes, DecodeRequest] | None = None
@@ -74,7 +76,9 @@ class DecodeNode(StepBudget):
         self.pulls: dict[str, Pull] = {}  # request id -> its pull, until the pull is over
         self.streams: dict[str, Request] = {}  # with a store: the streams whose answers it is sent
         self.block_nbytes = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
-        self.placements = {"prefills_local": 0, "prefills_handed_over": 0}
+        # prefills_pushed: requests admitted before their prompt was computed (push mode)
+        self.placements = {"prefills_local": 0, "prefills_handed_over": 0, "prefills_pushed": 0}
+        self.push = PushIntake(self)  # push-mode requests waiting for their first token and handover
         self.init_step_budget()
 
     def pull_state(self, request_id: str) -> PullState | None:
@@ -85,6 +89,8 @@ class DecodeNode(StepBudget):
         if isinstance(msg, PrefillRequest):  # sent before the router saw this node switch roles
             self.control.send(identity, Rejected(msg.request_id, "this node serves decode now"))
             return
+        if isinstance(msg, KVReady):
+            return self.push.ready(msg)
         if not isinstance(msg, DecodeRequest):
             log.warning("decode node ignores %s", type(msg).__name__)
             return
@@ -92,6 +98,8 @@ class DecodeNode(StepBudget):
         if self.pull_state(rid) is PullState.ABANDONED:
             self.pulls[rid].resume = (identity, msg)
             return
+        if msg.push:
+            return self.push.admit(identity, msg)
         handed_over = msg.pulls_kv()
         handover = msg.handover if handed_over else self._stored_prefix(msg)
         if not handed_over:
@@ -113,6 +121,26 @@ class DecodeNode(StepBudget):
         if handover is not None:
             self._admit_pull(req, handover, store_prefix=not handed_over)
 
+    def admit_pushed(self, identity: bytes, msg: DecodeRequest, ready: KVReady) -> None:
+        """A push-mode request's first token and handover came (node.push_intake): its blocks
+        are allocated already, so its pull starts now; with no handover it computes its prompt."""
+        rid, handover = msg.request_id, ready.handover
+        req = self.engine.continue_remote(rid, ready.first_token_ids)
+        if req is None:
+            if handover is not None:
+                self.release_sender(handover, rid)
+            return
+        self.ttft_clocks.admit(req)  # its wait for the KV starts now
+        if self.writeback is not None:
+            self.streams[rid] = req
+        self.stats.requests_total += 1
+        self.hold_itl_target(rid, msg.itl_slo_s)
+        if handover is None or handover.num_tokens == 0 or not ready.first_token_ids:
+            self.placements["prefills_local"] += not ready.first_token_ids
+            return self.engine.report_remote_kv(rid, False)  # computed here, into its blocks
+        self.placements["prefills_handed_over"] += 1
+        self._admit_pull(req, handover, store_prefix=False)
+
     def _stored_prefix(self, msg: DecodeRequest) -> StoreHandover | None:
         """A prompt this node computes itself fetches the leading blocks the store holds and its
         own cache lacks, through its store puller as it fetches a handover (its streams do not
@@ -130,7 +158,7 @@ class DecodeNode(StepBudget):
     def _admit_pull(self, req: Request, handover: KVHandover, store_prefix: bool) -> None:
         if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             if not store_prefix:  # no room for the handed-over blocks: computed here; free the sender's now
-                self._release_sender(handover, req.request_id)
+                self.release_sender(handover, req.request_id)
             return
         now = time.monotonic()
         self.pulls[req.request_id] = Pull(PullState.DELAYED, req, handover, now, due=now + self.pull_delay_s,
@@ -145,7 +173,7 @@ class DecodeNode(StepBudget):
     def kv_readers(self) -> list[object]:
         return list(self.pullers.values())
 
-    def _release_sender(self, handover: KVHandover, rid: str) -> None:
+    def release_sender(self, handover: KVHandover, rid: str) -> None:
         if (puller := self.pullers.get(type(handover))) is not None:
             puller.release(handover, rid)
 
@@ -158,7 +186,7 @@ class DecodeNode(StepBudget):
             if rid not in self.engine.scheduler.requests:
                 continue
             if pull.req.remote_kv is None:  # its deadline passed meanwhile: the engine recomputes it
-                self._release_sender(pull.handover, rid)
+                self.release_sender(pull.handover, rid)
             else:
                 self._start_pull(pull)
 
@@ -184,6 +212,7 @@ class DecodeNode(StepBudget):
         self.engine.mark_remote_transfer(req.request_id)
         pull.state, pull.path, pull.started = PullState.PULLING, puller.path, started
         pull.nbytes = (n_blocks - first) * self.block_nbytes
+        pull.state_nbytes = 0 if req.state_slot is None else self.engine.kv.states.slot_nbytes
         pull.unowed = first < getattr(handover, "put_from", 0)
         self.pulls[req.request_id] = pull
 
@@ -216,6 +245,8 @@ class DecodeNode(StepBudget):
         self.writeback.answer_done(req.request_id, keys[:len(tokens) // bs], len(req.prompt_token_ids) // bs)
 
     def poll_background(self) -> None:
+        if self.push.waits:
+            self.push.expire()
         if self.writeback is not None:
             self.writeback.poll()
         if self.pulls:
@@ -227,7 +258,7 @@ class DecodeNode(StepBudget):
     def _finish_pull(self, rid: str, ok: bool, release: KVHandover | None = None) -> None:
         """The pull ended (or never started: then `release` lets the sender free the blocks)."""
         if release is not None:
-            self._release_sender(release, rid)
+            self.release_sender(release, rid)
         pull = self.pulls.pop(rid, None)
         if pull is not None and pull.state is PullState.ABANDONED:
             if ok:  # its client left while the prompt's KV was landing: keep it for the next one
@@ -267,10 +298,11 @@ class DecodeNode(StepBudget):
 
     def _count_transfer(self, pull: Pull) -> None:
         bytes_name, us_name = f"transfer_bytes_{pull.path}", f"transfer_us_{pull.path}"
-        setattr(self.stats, bytes_name, getattr(self.stats, bytes_name) + pull.nbytes)
+        setattr(self.stats, bytes_name, getattr(self.stats, bytes_name) + pull.nbytes + pull.state_nbytes)
         setattr(self.stats, us_name, getattr(self.stats, us_name) + int((time.perf_counter() - pull.started) * 1e6))
 
     def abort(self, request_id: str) -> None:
+        self.push.forget(request_id)
         self.streams.pop(request_id, None)
         pull = self.pulls.get(request_id)
         if pull is not None and pull.state is not PullState.DELAYED:
@@ -284,7 +316,7 @@ class DecodeNode(StepBudget):
         super().abort(request_id)
 
     def role_idle(self) -> bool:
-        return not self.pulls and (self.writeback is None or self.writeback.idle())
+        return not self.pulls and not self.push.waits and (self.writeback is None or self.writeback.idle())
 
     def close_role(self) -> None:
         self.close_step_budget()

@@ -70,13 +70,14 @@ def build_backend(prefill_addrs: list[str], decode_addrs: list[str], transfer: s
                   decode_policy: str = "cache_aware", local_prefill_threshold: int = 0,
                   session_affinity: bool = False, registry: str | None = None, placement: str = "threshold",
                   targets: Targets | None = None, lora_modules: dict[str, str] | None = None,
-                  curve: RouterKeys | None = None, encode_addrs: list[str] = ()) -> ClusterBackend:
+                  curve: RouterKeys | None = None, encode_addrs: list[str] = (), handover: str = "pull") -> ClusterBackend:
     """The cluster backend over these nodes (prefill_addrs may be empty: then each request runs
     whole on a decode node, the monolithic mode). salt: the nodes' block-key salt as the router
     guesses it, used until a node reports its own. registry: where the nodes are found instead
     (the watcher that follows it is build_scaling's). lora_modules: LoRA adapters served at
     start, name -> directory (pdserve.router.dispatch.adapters). encode_addrs: encoder nodes
-    (E/P/D, pdserve.router.dispatch.encode)."""
+    (E/P/D, pdserve.router.dispatch.encode). handover: "pull" (the decode node is sent the
+    request once its prompt is computed) or "push" (at once, beside the prefill node)."""
     if not decode_addrs and registry is None:
         raise ValueError("the cluster needs at least one decode node, or a registry to find them in")
     pool = NodePool(prefill_addrs, decode_addrs, curve=curve, encode_addrs=encode_addrs)
@@ -91,7 +92,7 @@ def build_backend(prefill_addrs: list[str], decode_addrs: list[str], transfer: s
     dispatch = Dispatchers(pool, inflight, picker, PrefillDispatch(pool, inflight, picker, adapters, metrics, transfer),
                            EmbeddingDispatch(pool, inflight, picker), EncodeDispatch(pool, inflight), drains,
                            HealthReport(pool, index, kv_tracker, drains, adapters, transfer))
-    return ClusterBackend(dispatch, placer, adapters, metrics)
+    return ClusterBackend(dispatch, placer, adapters, metrics, handover)
 
 
 @dataclass
@@ -232,14 +233,14 @@ def run_router(args) -> int:
                          local_prefill_threshold=args.local_prefill_threshold,
                          placement=args.prefill_placement, targets=operator_targets(args),
                          session_affinity=args.session_affinity, owner=args.owner,
-                         encode_addrs=args.encode or []), args.curve_dir, args.registry,
+                         encode_addrs=args.encode or [], handover=args.handover), args.curve_dir, args.registry,
                     chat=dict(chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
                               pooling=args.pooling),
                     served_model_names=args.served_model_name, lora_modules=dict(args.lora_modules or []),
                     planner=planner_config(args), planner_interval_s=getattr(args, "planner_interval_s", 5.0),
                     media=media_options(args, args.max_body_bytes))
-    log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s%s%s", args.host, args.port,
-             len(args.prefill or []), len(args.decode or []), args.kv_transfer, ", CURVE" if args.curve_dir else "",
+    log.info("router on http://%s:%d: %d prefill, %d decode nodes, transfer=%s (%s)%s%s", args.host, args.port,
+             len(args.prefill or []), len(args.decode or []), args.kv_transfer, args.handover, ", CURVE" if args.curve_dir else "",
              f", nodes from the registry at {redact_url(args.registry)}" if args.registry else "")
     # uvloop and httptools when installed (the [standard] extra): the router's per-request cost is
     # mostly event-loop and HTTP parsing work.

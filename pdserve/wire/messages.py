@@ -107,10 +107,23 @@ class DecodeRequest(msgspec.Struct, tag=True):
     # As PrefillRequest's: a decode node needs them for the block keys and M-RoPE positions,
     # and to compute the prompt itself if its KV never lands.
     images: list[ImageInput] = []
+    # Push mode: sent beside the PrefillRequest, before any token is drawn. The node allocates
+    # the prompt's blocks and waits in WAITING_FOR_REMOTE_KVS for a KVReady with the first
+    # token and the handover (handover and first_token_ids are empty here).
+    push: bool = False
 
     def pulls_kv(self) -> bool:
         """The receiver pulls the prompt's KV (store fetch or NIXL READ), rather than computing it."""
         return self.handover is not None and self.handover.num_tokens > 0
+
+
+class KVReady(msgspec.Struct, tag=True):
+    """Router -> the decode node a push-mode DecodeRequest went to: the prefill node's first
+    token and handover. No first token: no prefill node could compute the prompt, so the decode
+    node does (as it does with no handover)."""
+    request_id: str
+    first_token_ids: list[int] = []
+    handover: KVHandover | None = None
 
 
 class EncodeRequest(msgspec.Struct, tag=True):
@@ -214,7 +227,7 @@ class OwnerReply(msgspec.Struct, tag=True):
     nodes: dict[str, str] = {}       # node id -> role, every node the owner runs
 
 
-Message = (Ping | Pong | PrefillRequest | PrefillResult | DecodeRequest | TokenDelta | Abort
+Message = (Ping | Pong | PrefillRequest | PrefillResult | DecodeRequest | KVReady | TokenDelta | Abort
            | EncodeRequest | EncodeResult | EmbedRequest | EmbedResult | LoadLoRA | UnloadLoRA | LoRAReply
            | NixlMetadataRequest | NixlMetadata | KVEvents | KVSnapshotRequest | Drain | Rejected
            | StartNode | StopNode | ListNodes | SetNodeRole | OwnerReply)
@@ -232,6 +245,6 @@ def decode(data: bytes) -> Message:
 
 
 __all__ = ["KVEvents", "KVSnapshotRequest", "Ping", "Pong", "PrefillRequest", "PrefillResult",
-           "DecodeRequest", "EncodeRequest", "EncodeResult", "EmbedRequest", "EmbedResult", "LoadLoRA", "UnloadLoRA", "LoRAReply", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
+           "DecodeRequest", "KVReady", "EncodeRequest", "EncodeResult", "EmbedRequest", "EmbedResult", "LoadLoRA", "UnloadLoRA", "LoRAReply", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
            "OwnerReply", "NixlMetadataRequest", "NixlMetadata", "Message", "encode", "decode", "WIRE_VERSION", "StepOutput",
            "TokenLogprob"]

@@ -34,7 +34,7 @@ from pdserve.router.dispatch.health_report import HealthReport
 from pdserve.router.dispatch.inflight import Inflight, Lost
 from pdserve.router.dispatch.metrics import RequestTimer, RouterMetrics
 from pdserve.router.dispatch.node_view import end_whole, node_view, queue_local, unqueue_local
-from pdserve.router.dispatch.nodes import NodePool
+from pdserve.router.dispatch.nodes import Node, NodePool
 from pdserve.router.dispatch.picker import NodePicker
 from pdserve.router.dispatch.prefill import PrefillDispatch
 from pdserve.router.placement.index import STORE_HOLDER
@@ -43,7 +43,7 @@ from pdserve.router.placement.pd_decision import Targets
 from pdserve.router.placement.placement import DecodePin, Placement, PlacementDecision, PlacementRequest
 from pdserve.wire.embedding_handover import EmbeddingHandover
 from pdserve.wire.handover import KVHandover, NixlHandover, StoreHandover, handover_path
-from pdserve.wire.messages import Abort, DecodeRequest, EmbedResult
+from pdserve.wire.messages import Abort, DecodeRequest, EmbedResult, KVReady
 
 log = logging.getLogger(__name__)
 TOKEN_TIMEOUT_S = 300.0  # a healthy node that sends nothing for this long still fails the request
@@ -67,8 +67,12 @@ class ClusterBackend:
     """GenerationBackend over prefill and decode nodes (with no prefill node, each request runs
     whole on a decode node, the monolithic mode)."""
 
-    def __init__(self, dispatch: Dispatchers, placement: Placement, adapters: RouterAdapters, metrics: RouterMetrics):
+    def __init__(self, dispatch: Dispatchers, placement: Placement, adapters: RouterAdapters, metrics: RouterMetrics,
+                 handover: str = "pull"):
         self.dispatch = dispatch
+        # "push": a request prefilled remotely goes to its decode node at once, beside the prompt
+        # to its prefill node, so that node allocates and waits while the prompt computes
+        self.handover_mode = handover
         self.pool = dispatch.pool
         self.nodes = dispatch.pool.nodes  # the pool's live list
         self.inflight = dispatch.inflight
@@ -115,17 +119,20 @@ class ClusterBackend:
             stage = "prefill"
             # E/P/D: an encoder node's embeddings, when one is up (over NIXL: where they wait)
             embeddings = await self.dispatch.encode.encode(request_id, scope.images) if scope.images else []
+            pushed = await self._push(request, params, decision) if self._pushes(request, params, decision) else None
             first, handover = await self._prefill(request, params, timer, decision, embeddings)
             if first is not None:
                 reason = first.finish_reason if first.finished else reason
                 stage = "handover"
+                if first.finished and pushed is not None:  # (before the yield: the consumer may stop at it)
+                    await self._drop_push(pushed, request_id)
                 yield first
                 relayed += first.new_token_ids
                 if first.finished:
                     return
                 # The prompt logprobs came with the first token: the decode node owes none.
                 params = dataclasses.replace(params, prompt_logprobs=None)
-            async for out in self._decode_with_resume(request, params, relayed, handover, timer, decision):
+            async for out in self._decode_with_resume(request, params, relayed, handover, timer, decision, pushed):
                 self._unqueue_local(decision.plan.decode, request_id)
                 timer.tokens(len(out.new_token_ids), out.num_cached_tokens, out.timing)
                 reason = out.finish_reason if out.finished else reason
@@ -185,6 +192,34 @@ class ClusterBackend:
             self.metrics.handovers.labels(handover_path(handover)).inc()
         return first, handover
 
+    def _pushes(self, request: PlacementRequest, params: SamplingParams, decision: PlacementDecision) -> bool:
+        """Push mode for this request: prefilled remotely, and nothing its decode node would need
+        the first token or the prompt's logits for before the KV lands (prompt logprobs, a
+        grammar to replay, images)."""
+        return (self.handover_mode == "push" and decision.plan.prefill is not None and not request.scope.images
+                and params.prompt_logprobs is None and params.structured is None)
+
+    async def _push(self, request: PlacementRequest, params: SamplingParams,
+                    decision: PlacementDecision) -> Node | None:
+        """Send the decode node the request now, to wait for its KV while the prompt computes;
+        None when its node is not up (the request then goes there, or elsewhere, in pull mode)."""
+        rid, scope = request.request_id, request.scope
+        node = self.dispatch.picker.preferred(decision.plan.decode, set())
+        if node is None:
+            return None
+        if request.pin is not None:
+            request.pin.node_id = node.node_id
+        self.inflight.assign(rid, node)
+        await self.adapters.send_ahead(node, scope.adapter)
+        await self.pool.send(node, DecodeRequest(rid, request.prompt, params, itl_slo_s=decision.itl_target_s,
+                                                 cache_salt=scope.cache_salt, adapter=scope.adapter, push=True))
+        return node
+
+    async def _drop_push(self, node: Node, rid: str) -> None:
+        """The first token ended the request: its decode node waits for a token it will not get."""
+        await self.pool.send(node, Abort(rid))
+        node.requests.discard(rid)
+
     def _unqueue_local(self, node_id: str, rid: str) -> None:
         node = self.pool.get(node_id)
         if node is not None:
@@ -192,27 +227,25 @@ class ClusterBackend:
 
     async def _decode_with_resume(self, request: PlacementRequest, params: SamplingParams, relayed: list[int],
                                   handover: KVHandover | None, timer: RequestTimer,
-                                  decision: PlacementDecision) -> AsyncIterator[StepOutput]:
+                                  decision: PlacementDecision, pushed: Node | None = None
+                                  ) -> AsyncIterator[StepOutput]:
+        """pushed: the decode node a push-mode request waits on (_push), sent its first token and
+        handover first; lost meanwhile, the request goes to another node in pull mode."""
         rid, scope = request.request_id, request.scope
         queue = self.inflight.streams[rid]
         tried: set[str] = set()
         failures = moves = 0  # planned moves off draining nodes are bounded apart from failures
         while failures < MAX_ATTEMPTS:
-            node = (self.dispatch.picker.preferred(decision.plan.decode, tried)
-                    or await self.dispatch.picker.await_node("decode", tried))
-            if node is None:
-                raise BackendError("no healthy decode node")
-            tried.add(node.node_id)
-            if request.pin is not None:  # the node that now holds the prompt's blocks (a resume moves it)
-                request.pin.node_id = node.node_id
-            if failures == moves == 0 and not relayed:
-                timer.dispatched()
-            self.inflight.assign(rid, node)
-            await self.adapters.send_ahead(node, scope.adapter)
-            await self.pool.send(node, DecodeRequest(rid, request.prompt, params, list(relayed), handover,
-                                                     itl_slo_s=decision.itl_target_s,
-                                                     cache_salt=scope.cache_salt, adapter=scope.adapter,
-                                                     images=list(scope.images)))
+            if pushed is not None:
+                node, pushed = pushed, None
+                tried.add(node.node_id)
+                if self.inflight.owner.get(rid) != node.node_id:  # lost (or rejected) while the prompt computed
+                    _drain(queue)
+                    continue
+                await self.pool.send(node, KVReady(rid, list(relayed), handover))
+            else:
+                node = await self._send_decode(request, params, relayed, handover, timer, decision, tried,
+                                               first_dispatch=failures == moves == 0)
             self.index.add(node.node_id, decision.keys)  # concurrent requests sharing the prefix follow it here
             try:
                 async for out in self._relay(queue, rid):
@@ -232,6 +265,27 @@ class ClusterBackend:
                 handover = None
                 failures, moves = self._count_move(rid, exc, len(relayed), failures, moves)
         raise BackendError(f"request {rid} failed on {MAX_ATTEMPTS} decode nodes")
+
+    async def _send_decode(self, request: PlacementRequest, params: SamplingParams, relayed: list[int],
+                           handover: KVHandover | None, timer: RequestTimer, decision: PlacementDecision,
+                           tried: set[str], first_dispatch: bool) -> Node:
+        """Send the request (pull mode) to the decode node placement chose, else another one."""
+        rid, scope = request.request_id, request.scope
+        node = (self.dispatch.picker.preferred(decision.plan.decode, tried)
+                or await self.dispatch.picker.await_node("decode", tried))
+        if node is None:
+            raise BackendError("no healthy decode node")
+        tried.add(node.node_id)
+        if request.pin is not None:  # the node that now holds the prompt's blocks (a resume moves it)
+            request.pin.node_id = node.node_id
+        if first_dispatch and not relayed:
+            timer.dispatched()
+        self.inflight.assign(rid, node)
+        await self.adapters.send_ahead(node, scope.adapter)
+        await self.pool.send(node, DecodeRequest(rid, request.prompt, params, list(relayed), handover,
+                                                 itl_slo_s=decision.itl_target_s, cache_salt=scope.cache_salt,
+                                                 adapter=scope.adapter, images=list(scope.images)))
+        return node
 
     def _count_move(self, rid: str, exc: NodeLost, relayed: int, failures: int, moves: int) -> tuple[int, int]:
         """A stream moved off its node: a planned move (a drain) within MAX_PLANNED_MOVES, else a failure."""
@@ -274,3 +328,9 @@ class ClusterBackend:
     async def health(self) -> dict:
         return self.dispatch.report.render({**self.dispatch.prefill.counters, **self.dispatch.encode.counters,
                                             **self.counters})
+
+
+def _drain(queue: asyncio.Queue) -> None:
+    """Drop what a lost node left in a stream's queue (its Lost marker) before another node serves it."""
+    while not queue.empty():
+        queue.get_nowait()

@@ -76,7 +76,7 @@ class DrainTracker:
                 for rid in node.requests:
                     seen.setdefault(rid, now)
                 grace = self.grace_s.get(node.node_id, DECODE_GRACE_S)
-                prefilling = {r for r in node.requests if self.inflight.awaits_reply(r)}
+                prefilling = {r for r in node.requests if self.inflight.awaits_reply(r, node.node_id)}
                 streams = [r for r in node.requests if r not in prefilling and now - seen[r] >= grace]
                 prefills = [r for r in node.requests if r in prefilling and now - seen[r] >= PREFILL_GRACE_S]
                 self.counters["streams_moved"] += self.inflight.move(node, streams, planned=True)

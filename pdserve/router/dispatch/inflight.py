@@ -1,7 +1,8 @@
 """The requests this router has on nodes, and where each node's replies for them go.
 
 Each request has an owner: the node whose replies count (a reply from any other node, such as
-one the request was moved off, is stale). A decode stream's tokens go to its queue; a request
+one the request was moved off, is stale); its awaited reply and its stream have one each, since
+in push mode a prefill node and a decode node serve it at once. A decode stream's tokens go to its queue; a request
 that waits for one reply (a prefill, an embedding) waits on a future. Moving a request off a
 node (the node died, drains, or rejected it) fails that future, or puts a Lost marker in the
 stream's queue, so the path serving it retries elsewhere."""
@@ -27,7 +28,8 @@ class Inflight:
     def __init__(self) -> None:
         self.streams: dict[str, asyncio.Queue] = {}
         self.replies: dict[str, asyncio.Future] = {}  # request id -> its one reply (prefill, embedding)
-        self.owner: dict[str, str | None] = {}  # request id -> the node whose replies count
+        self.owner: dict[str, str | None] = {}  # request id -> the node whose stream tokens count
+        self.reply_owner: dict[str, str | None] = {}  # request id -> the node whose awaited reply counts
 
     def open_stream(self, rid: str) -> asyncio.Queue:
         self.streams[rid] = asyncio.Queue()
@@ -36,6 +38,7 @@ class Inflight:
     def close_stream(self, rid: str) -> None:
         self.streams.pop(rid, None)
         self.owner.pop(rid, None)
+        self.reply_owner.pop(rid, None)
 
     def assign(self, rid: str, node: Node) -> None:
         """The node serves the request now: its replies count, and it counts the request."""
@@ -46,21 +49,22 @@ class Inflight:
         """The future the node's one reply for `rid` resolves; the node owns the request now."""
         fut = asyncio.get_running_loop().create_future()
         self.replies[rid] = fut
-        self.owner[rid] = node.node_id
+        self.reply_owner[rid] = node.node_id
         return fut
 
-    def awaits_reply(self, rid: str) -> bool:
-        return rid in self.replies
+    def awaits_reply(self, rid: str, node_id: str | None = None) -> bool:
+        """A reply for `rid` is awaited (from node_id, when given)."""
+        return rid in self.replies and (node_id is None or self.reply_owner.get(rid) == node_id)
 
     def drop_reply(self, rid: str, release: bool = False) -> None:
         """release: the request ends with this reply (an embedding), no node owns it now."""
         self.replies.pop(rid, None)
         if release:
-            self.owner.pop(rid, None)
+            self.reply_owner.pop(rid, None)
 
     def on_reply(self, node: Node, msg: PrefillResult | EmbedResult | EncodeResult) -> None:
         fut = self.replies.get(msg.request_id)
-        if fut is not None and not fut.done() and self.owner.get(msg.request_id) == node.node_id:
+        if fut is not None and not fut.done() and self.reply_owner.get(msg.request_id) == node.node_id:
             fut.set_result(msg)
 
     def on_output(self, node: Node, out: StepOutput) -> None:
@@ -74,15 +78,19 @@ class Inflight:
         drains, so the move does not count against a stream's failure budget. Returns how many moved."""
         moved = 0
         for rid in request_ids:
-            if self.owner.get(rid) != node.node_id:
+            replying, streaming = (self.reply_owner.get(rid) == node.node_id, self.owner.get(rid) == node.node_id)
+            if not (replying or streaming):
                 continue
-            self.owner[rid] = None  # whatever the node still sends for it is stale
             node.requests.discard(rid)
             moved += 1
-            fut = self.replies.get(rid)
-            if fut is not None and not fut.done():
-                fut.set_exception(NodeLost(node.node_id, planned))
-            queue = self.streams.get(rid)
-            if queue is not None and fut is None:
-                queue.put_nowait(Lost(node.node_id, planned))
+            if replying:
+                self.reply_owner[rid] = None  # whatever the node still sends for it is stale
+                fut = self.replies.get(rid)
+                if fut is not None and not fut.done():
+                    fut.set_exception(NodeLost(node.node_id, planned))
+            if streaming:
+                self.owner[rid] = None
+                queue = self.streams.get(rid)
+                if queue is not None:
+                    queue.put_nowait(Lost(node.node_id, planned))
         return moved
