@@ -9,7 +9,11 @@ change in the machine's load hits each alike; medians of --repeats runs. Per con
 (requests decoded together): output tokens/s, TPOT p50 (per request: (last token - first token)
 / (tokens - 1)), and the acceptance rate; the last two columns count output tokens per CPU second of
 the process (with one thread, what the run takes alone on a core: a loaded machine, or one that
-stops the benchmark a while, inflates wall time but hardly this). The draft-model row is SmolLM2 drafting for itself:
+stops the benchmark a while, inflates wall time but hardly this). The suffix rows are suffix
+decoding (each run starts with an empty global tree; --suffix-k adds one with another k);
+--workload agent runs multi-turn tool-calling conversations (spec_agent_workload.py), each
+turn's prompt holding the earlier answers. Each engine's greedy outputs are checked equal to
+speculation off's. The draft-model row is SmolLM2 drafting for itself:
 acceptance 1.0, the method's ceiling here, which shows what verification costs. --threads 1 is
 what the decode node of a 1P1D cluster gets on a 2-core machine (`pdserve up` shares the cores
 out). Run:
@@ -23,6 +27,8 @@ import json
 import os
 import statistics
 import time
+
+from benchmarks.engine.spec_agent_workload import run_agent
 
 # ~300 tokens: SmolLM2 copies it faithfully past 256 tokens (a 150-token passage ends the answer
 # early, and it loses its way in most longer ones it was tried on).
@@ -116,12 +122,13 @@ def run(llm, prompts: list[list[int]], new_tokens: int) -> dict:
     native_before = native.steps if native is not None else 0
     steps = 0
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    first, last, count = {}, {}, {}
+    first, last, count, ids = {}, {}, {}, {}
     spec = engine.speculator
     before = (spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens) if spec else (0, 0)
     start, cpu = time.perf_counter(), time.process_time()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}-{start}", prompt, params)
+    names = [f"r{i}-{start}" for i in range(len(prompts))]
+    for name, prompt in zip(names, prompts):
+        engine.add_request(name, prompt, params)
     while engine.has_unfinished_requests():
         steps += 1
         for out in engine.step():
@@ -129,13 +136,17 @@ def run(llm, prompts: list[list[int]], new_tokens: int) -> dict:
             first.setdefault(out.request_id, now)
             last[out.request_id] = now
             count[out.request_id] = count.get(out.request_id, 0) + len(out.new_token_ids)
+            ids.setdefault(out.request_id, []).extend(out.new_token_ids)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     tpots = [(last[r] - first[r]) / (count[r] - 1) for r in first]
     drafted = (spec.stats.num_draft_tokens - before[0]) if spec else 0
     accepted = (spec.stats.num_accepted_tokens - before[1]) if spec else 0
     compiled = (native.steps - native_before) if native is not None else 0
-    return {"tok_s": sum(count.values()) / wall, "cpu_tok_s": sum(count.values()) / cpu, "tpot_ms": 1e3 * statistics.median(tpots),
-            "acceptance": accepted / drafted if drafted else None, "compiled": f"{compiled}/{steps}"}
+    tokens = sum(count.values())
+    return {"tok_s": tokens / wall, "cpu_tok_s": tokens / cpu, "tpot_ms": 1e3 * statistics.median(tpots),
+            "acceptance": accepted / drafted if drafted else None, "compiled": f"{compiled}/{steps}",
+            "tokens": tokens, "wall": wall, "cpu": cpu, "drafted": drafted, "accepted": accepted,
+            "ids": [ids[n] for n in names]}
 
 
 def main() -> None:
@@ -145,7 +156,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--ngram-max", type=int, default=4, help="prompt_lookup_max (min is 2)")
-    ap.add_argument("--workload", choices=["passage", "code"], default="passage")
+    ap.add_argument("--workload", choices=["passage", "code", "agent"], default="passage",
+                    help="agent: multi-turn tool-calling conversations (benchmarks/engine/spec_agent_workload.py)")
+    ap.add_argument("--no-suffix", action="store_true", help="skip the suffix-decoding rows")
+    ap.add_argument("--suffix-k", type=int, default=None, help="add a suffix engine with this k")
     ap.add_argument("--no-draft", action="store_true", help="skip the draft-model (self-drafting) rows")
     ap.add_argument("--always-k", action="store_true",
                     help="add an n-gram engine without the step-down (every request drafts k each step)")
@@ -163,6 +177,11 @@ def main() -> None:
                "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
                          "prompt_lookup_max": args.ngram_max,
                          "disable_by_batch_size": args.disable_by_batch_size}}
+    if not args.no_suffix:
+        configs["suffix"] = {"method": "suffix", "num_speculative_tokens": args.k,
+                             "disable_by_batch_size": args.disable_by_batch_size}
+        if args.suffix_k:
+            configs[f"suffix (k {args.suffix_k})"] = {**configs["suffix"], "num_speculative_tokens": args.suffix_k}
     if args.always_k:  # (its step-down is switched off below, once the engine is built)
         configs["ngram (always k)"] = configs["ngram"]
     if not args.no_draft:
@@ -173,7 +192,7 @@ def main() -> None:
         engines["ngram (always k)"].engine.speculator.step_down.fixed_rows = float("inf")
     tokenizer = engines["off"].get_tokenizer()
     for llm in engines.values():
-        run(llm, workload(tokenizer, 2, args.workload), 8)  # warm up
+        run(llm, workload(tokenizer, 2, "passage"), 8)  # warm up
     print(f"uptime: {os.popen('uptime').read().strip()}")
     print(json.dumps({"workload": args.workload, "k": args.k, "ngram": [2, args.ngram_max],
                       "new_tokens": args.new_tokens, "threads": args.threads}))
@@ -181,12 +200,21 @@ def main() -> None:
           "| compiled steps | tok per CPU s | speed-up (CPU) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for concurrency in (int(c) for c in args.concurrency.split(",")):
-        prompts = workload(tokenizer, concurrency, args.workload)
+        prompts = workload(tokenizer, concurrency, args.workload) if args.workload != "agent" else None
         results: dict[str, list[dict]] = {name: [] for name in engines}
         for _ in range(args.repeats):
             for name, llm in engines.items():
-                results[name].append(run(llm, prompts, args.new_tokens))
-                print(f"# concurrency {concurrency} {name}: {results[name][-1]}", flush=True)  # progress
+                spec = llm.engine.speculator
+                if spec is not None and hasattr(spec.proposer, "clear"):
+                    spec.proposer.clear()  # each run starts cold: no earlier run's outputs in the global tree
+                if prompts is None:
+                    results[name].append(run_agent(llm, tokenizer, concurrency, args.new_tokens, run))
+                else:
+                    results[name].append(run(llm, prompts, args.new_tokens))
+                shown = {k: v for k, v in results[name][-1].items() if k != "ids"}
+                print(f"# concurrency {concurrency} {name}: {shown}", flush=True)  # progress
+        same = {name: all(r["ids"] == results["off"][0]["ids"] for r in runs) for name, runs in results.items()}
+        print(f"# greedy outputs identical to off in every run: {same}", flush=True)
         base = statistics.median(r["tok_s"] for r in results["off"])
         cpu_base = statistics.median(r["cpu_tok_s"] for r in results["off"])
         for name, runs in results.items():

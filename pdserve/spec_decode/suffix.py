@@ -71,6 +71,10 @@ class SuffixProposer:
         local.indexed = len(tokens)
         return local
 
+    def clear(self) -> None:
+        """Forget every cached output (a benchmark's runs each start with an empty global tree)."""
+        self.global_tree, self.cached, self.cached_tokens = SuffixTree(self.depth), deque(), 0
+
     def release(self, request_id: str) -> None:
         """A request ended: its tree goes, its output joins the global tree."""
         local = self.local.pop(request_id, None)
