@@ -1,8 +1,10 @@
 """Where a request's first token goes, by stage (pdserve_request_stage_seconds, as `pdserve
-bench` prints it), on 1P1D over NIXL, 1P1D over the store and one monolithic node, side by side:
-the three clusters run at once and their runs alternate; medians over --repeats runs.
+bench` prints it), on 1P1D over NIXL and over the store, each in pull and push mode
+(--handover), and one monolithic node, side by side: the clusters run at once and their runs
+alternate; medians over --repeats runs.
 
     python -m benchmarks.serving.bench_ttft_breakdown --repeats 3
+    python -m benchmarks.serving.bench_ttft_breakdown --configs pd-nixl pd-nixl-push
 """
 from __future__ import annotations
 
@@ -18,9 +20,13 @@ from pdserve.router.dispatch.metrics import STAGES
 PD = ("--local-prefill-threshold", "0", "--prefill-placement", "threshold", "--kv-cache-memory-gb", "0.5")
 CONFIGS = {
     "pd-nixl": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl", *PD),
+    "pd-nixl-push": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl", "--handover", "push", *PD),
     "pd-store": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store", *PD),
+    "pd-store-push": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store", "--handover", "push",
+                      *PD),
     "monolithic": ("--prefill-nodes", "0", "--decode-nodes", "1", "--kv-cache-memory-gb", "0.5"),
 }
+TOTALS = {"TTFT (client)": "mean_ttft_ms", "TTFT p50 (client)": "p50_ttft_ms", "end to end p50": "p50_e2e_ms"}
 
 
 def main() -> None:
@@ -32,11 +38,12 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--max-token-id", type=int, default=250)
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     args = p.parse_args()
-    runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    runs: dict[str, list[dict]] = {name: [] for name in args.configs}
     with contextlib.ExitStack() as stack:
-        urls = {name: stack.enter_context(local_cluster(*flags, "--model", args.model)).url
-                for name, flags in CONFIGS.items()}
+        urls = {name: stack.enter_context(local_cluster(*CONFIGS[name], "--model", args.model)).url
+                for name in args.configs}
         for rep in range(args.repeats):
             for name, url in urls.items():  # alternate: a noisy minute hits every config
                 cfg = BenchConfig(base_url=url, workload="random", num_prompts=args.num_prompts,
@@ -44,12 +51,12 @@ def main() -> None:
                                   output_len=args.output_len, concurrency=args.concurrency,
                                   max_token_id=args.max_token_id, num_warmup=2, seed=rep, disable_tqdm=True)
                 runs[name].append(asyncio.run(run_benchmark(cfg)))
-    print(f"| stage (mean ms, median of {args.repeats}) | " + " | ".join(CONFIGS) + " |")
-    print("|" + " --- |" * (len(CONFIGS) + 1))
-    for stage in (*STAGES, "TTFT (client)"):
+    print(f"| stage (mean ms, median of {args.repeats}) | " + " | ".join(runs) + " |")
+    print("|" + " --- |" * (len(runs) + 1))
+    for stage in (*STAGES, *TOTALS):
         cells = []
-        for name in CONFIGS:
-            values = [r["mean_ttft_ms"] if stage == "TTFT (client)" else
+        for name in runs:
+            values = [r[TOTALS[stage]] if stage in TOTALS else
                       (r["ttft_breakdown"] or {}).get(stage, {}).get("mean_ms") for r in runs[name]]
             values = [v for v in values if v is not None]
             cells.append(f"{statistics.median(values):.1f}" if values else "-")

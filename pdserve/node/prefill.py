@@ -28,6 +28,7 @@ from pdserve.protocol.outputs import StepOutput
 from pdserve.wire.handover import NixlMetadataRequest
 from pdserve.wire.messages import (
     DecodeRequest,
+    HandoverMade,
     Message,
     Ping,
     Pong,
@@ -149,6 +150,9 @@ class PrefillNode(StepBudget):
         first.timing, made = self.ttft_clocks.first_token(rid), time.perf_counter()
         producer, handover = self.producers[req.transfer], None
         if not done and producer is not self.nixl:  # the store: the put runs off this loop
+            if req.push:  # its decode node waits already: the first token need not wait for the put
+                _handover_time(first, made)
+                self.control.send(pending.identity, PrefillResult(rid, first=first, handover_follows=True))
             self.puts.start(producer.prepare(pending), first, made)
             return
         try:
@@ -164,7 +168,9 @@ class PrefillNode(StepBudget):
     def _finish_puts(self) -> None:
         for put, handover in self.puts.finished():
             self._release(put.request_id)
-            if not put.aborted:
+            if not put.aborted and put.job.pending.request.push:
+                self.control.send(put.job.pending.identity, HandoverMade(put.request_id, handover))
+            elif not put.aborted:
                 _handover_time(put.first, put.made)
                 self.control.send(put.job.pending.identity, PrefillResult(put.request_id, first=put.first,
                                                                           handover=handover))

@@ -84,6 +84,9 @@ class PrefillRequest(msgspec.Struct, tag=True):
     # router's prefix index: an earlier turn of the conversation): the node hands over only the
     # blocks after them. 0: every block (an older router).
     decode_holds_tokens: int = 0
+    # Push mode: its decode node waits already, so a store handover's first token goes out
+    # before the put (PrefillResult.handover_follows), and the handover after it (HandoverMade).
+    push: bool = False
 
 
 class PrefillResult(msgspec.Struct, tag=True):
@@ -91,6 +94,14 @@ class PrefillResult(msgspec.Struct, tag=True):
     first: StepOutput | None = None  # the first token, as the client will see it
     handover: KVHandover | None = None
     error: str | None = None
+    handover_follows: bool = False  # the handover comes in a HandoverMade (PrefillRequest.push)
+
+
+class HandoverMade(msgspec.Struct, tag=True):
+    """Prefill node -> router: a push-mode request's handover, made after its first token went
+    out (None: it failed, the decode node computes the prompt)."""
+    request_id: str
+    handover: KVHandover | None = None
 
 
 class DecodeRequest(msgspec.Struct, tag=True):
@@ -227,7 +238,7 @@ class OwnerReply(msgspec.Struct, tag=True):
     nodes: dict[str, str] = {}       # node id -> role, every node the owner runs
 
 
-Message = (Ping | Pong | PrefillRequest | PrefillResult | DecodeRequest | KVReady | TokenDelta | Abort
+Message = (Ping | Pong | PrefillRequest | PrefillResult | HandoverMade | DecodeRequest | KVReady | TokenDelta | Abort
            | EncodeRequest | EncodeResult | EmbedRequest | EmbedResult | LoadLoRA | UnloadLoRA | LoRAReply
            | NixlMetadataRequest | NixlMetadata | KVEvents | KVSnapshotRequest | Drain | Rejected
            | StartNode | StopNode | ListNodes | SetNodeRole | OwnerReply)
@@ -245,6 +256,6 @@ def decode(data: bytes) -> Message:
 
 
 __all__ = ["KVEvents", "KVSnapshotRequest", "Ping", "Pong", "PrefillRequest", "PrefillResult",
-           "DecodeRequest", "KVReady", "EncodeRequest", "EncodeResult", "EmbedRequest", "EmbedResult", "LoadLoRA", "UnloadLoRA", "LoRAReply", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
+           "HandoverMade", "DecodeRequest", "KVReady", "EncodeRequest", "EncodeResult", "EmbedRequest", "EmbedResult", "LoadLoRA", "UnloadLoRA", "LoRAReply", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
            "OwnerReply", "NixlMetadataRequest", "NixlMetadata", "Message", "encode", "decode", "WIRE_VERSION", "StepOutput",
            "TokenLogprob"]

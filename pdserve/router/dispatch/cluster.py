@@ -120,7 +120,7 @@ class ClusterBackend:
             # E/P/D: an encoder node's embeddings, when one is up (over NIXL: where they wait)
             embeddings = await self.dispatch.encode.encode(request_id, scope.images) if scope.images else []
             pushed = await self._push(request, params, decision) if self._pushes(request, params, decision) else None
-            first, handover = await self._prefill(request, params, timer, decision, embeddings)
+            first, handover = await self._prefill(request, params, timer, decision, embeddings, pushed is not None)
             if first is not None:
                 reason = first.finish_reason if first.finished else reason
                 stage = "handover"
@@ -130,6 +130,8 @@ class ClusterBackend:
                 relayed += first.new_token_ids
                 if first.finished:
                     return
+                if pushed is not None and handover is None:  # a store handover follows its first token
+                    handover = self._handed_over(await self.dispatch.prefill.follow(request_id))
                 # The prompt logprobs came with the first token: the decode node owes none.
                 params = dataclasses.replace(params, prompt_logprobs=None)
             async for out in self._decode_with_resume(request, params, relayed, handover, timer, decision, pushed):
@@ -151,6 +153,7 @@ class ClusterBackend:
              adapter: str | None) -> None:
         timer.finished(reason)
         self.inflight.close_stream(rid)
+        self.dispatch.prefill.forget(rid)
         if decision is not None:
             node = self.pool.get(decision.plan.decode)
             if node is not None:
@@ -172,8 +175,8 @@ class ClusterBackend:
         return decision
 
     async def _prefill(self, request: PlacementRequest, params: SamplingParams, timer: RequestTimer,
-                       decision: PlacementDecision, embeddings: list[EmbeddingHandover] | None = None
-                       ) -> tuple[StepOutput | None, KVHandover | None]:
+                       decision: PlacementDecision, embeddings: list[EmbeddingHandover] | None = None,
+                       pushed: bool = False) -> tuple[StepOutput | None, KVHandover | None]:
         """The first token and the handover from the prefill node placement chose; (None, None)
         when the decode node prefills the prompt (placed there, or no prefill node could)."""
         rid, plan = request.request_id, decision.plan
@@ -184,13 +187,19 @@ class ClusterBackend:
                 queue_local(node, rid, len(request.prompt) - plan.decode_cached_tokens)
             return None, None
         first, handover = await self.dispatch.prefill.prefill(rid, request.prompt, params, timer, plan.prefill,
-                                                              request.scope, embeddings, plan.decode_cached_tokens)
-        if isinstance(handover, StoreHandover):
-            self.index.add(STORE_HOLDER, handover.keys)  # any prefill node can load these now
+                                                              request.scope, embeddings, plan.decode_cached_tokens,
+                                                              push=pushed)
         if first is not None:
             timer.tokens(len(first.new_token_ids), first.num_cached_tokens, first.timing)
-            self.metrics.handovers.labels(handover_path(handover)).inc()
+            if handover is not None or not pushed:  # (else it follows: counted then)
+                self._handed_over(handover)
         return first, handover
+
+    def _handed_over(self, handover: KVHandover | None) -> KVHandover | None:
+        if isinstance(handover, StoreHandover):
+            self.index.add(STORE_HOLDER, handover.keys)  # any prefill node can load these now
+        self.metrics.handovers.labels(handover_path(handover)).inc()
+        return handover
 
     def _pushes(self, request: PlacementRequest, params: SamplingParams, decision: PlacementDecision) -> bool:
         """Push mode for this request: prefilled remotely, and nothing its decode node would need

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 PREFILL_TIMEOUT_S = 300.0  # a node that answers a prefill (or an embedding) no sooner counts as dead
+# A push-mode store handover that follows its first token no later than this (the put's own
+# stalls are bounded by the store's timeouts) is waited for; later, the decode node computes.
+HANDOVER_TIMEOUT_S = 60.0
 MAX_ATTEMPTS = 3  # per phase (prefill, decode, embedding) of one request
 
 

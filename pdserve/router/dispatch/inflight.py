@@ -13,7 +13,7 @@ import asyncio
 from pdserve.protocol.outputs import StepOutput
 from pdserve.router.dispatch.failover import NodeLost
 from pdserve.router.dispatch.nodes import Node
-from pdserve.wire.messages import EmbedResult, EncodeResult, PrefillResult
+from pdserve.wire.messages import EmbedResult, EncodeResult, HandoverMade, PrefillResult
 
 
 class Lost:
@@ -30,6 +30,9 @@ class Inflight:
         self.replies: dict[str, asyncio.Future] = {}  # request id -> its one reply (prefill, embedding)
         self.owner: dict[str, str | None] = {}  # request id -> the node whose stream tokens count
         self.reply_owner: dict[str, str | None] = {}  # request id -> the node whose awaited reply counts
+        # A push-mode store handover that follows its first token (HandoverMade), and its node
+        self.handovers: dict[str, asyncio.Future] = {}
+        self.handover_owner: dict[str, str | None] = {}
 
     def open_stream(self, rid: str) -> asyncio.Queue:
         self.streams[rid] = asyncio.Queue()
@@ -39,6 +42,7 @@ class Inflight:
         self.streams.pop(rid, None)
         self.owner.pop(rid, None)
         self.reply_owner.pop(rid, None)
+        self.drop_handover(rid)
 
     def assign(self, rid: str, node: Node) -> None:
         """The node serves the request now: its replies count, and it counts the request."""
@@ -67,6 +71,26 @@ class Inflight:
         if fut is not None and not fut.done() and self.reply_owner.get(msg.request_id) == node.node_id:
             fut.set_result(msg)
 
+    def expect_handover(self, rid: str, node: Node) -> asyncio.Future:
+        """The future the node's HandoverMade for `rid` resolves; registered before the prompt is
+        sent, so a HandoverMade that comes right after its first token is not missed."""
+        fut = asyncio.get_running_loop().create_future()
+        self.handovers[rid] = fut
+        self.handover_owner[rid] = node.node_id
+        return fut
+
+    def awaits_handover(self, rid: str, node_id: str) -> bool:
+        return rid in self.handovers and self.handover_owner.get(rid) == node_id
+
+    def drop_handover(self, rid: str) -> None:
+        self.handovers.pop(rid, None)
+        self.handover_owner.pop(rid, None)
+
+    def on_handover(self, node: Node, msg: HandoverMade) -> None:
+        fut = self.handovers.get(msg.request_id)
+        if fut is not None and not fut.done() and self.handover_owner.get(msg.request_id) == node.node_id:
+            fut.set_result(msg.handover)
+
     def on_output(self, node: Node, out: StepOutput) -> None:
         queue = self.streams.get(out.request_id)
         if queue is not None and self.owner.get(out.request_id) == node.node_id:
@@ -79,18 +103,25 @@ class Inflight:
         moved = 0
         for rid in request_ids:
             replying, streaming = (self.reply_owner.get(rid) == node.node_id, self.owner.get(rid) == node.node_id)
-            if not (replying or streaming):
+            handing = self.handover_owner.get(rid) == node.node_id
+            if not (replying or streaming or handing):
                 continue
             node.requests.discard(rid)
             moved += 1
+            if handing:
+                self.handover_owner[rid] = None
+                self._fail(self.handovers.get(rid), NodeLost(node.node_id, planned))
             if replying:
                 self.reply_owner[rid] = None  # whatever the node still sends for it is stale
-                fut = self.replies.get(rid)
-                if fut is not None and not fut.done():
-                    fut.set_exception(NodeLost(node.node_id, planned))
+                self._fail(self.replies.get(rid), NodeLost(node.node_id, planned))
             if streaming:
                 self.owner[rid] = None
                 queue = self.streams.get(rid)
                 if queue is not None:
                     queue.put_nowait(Lost(node.node_id, planned))
         return moved
+
+    @staticmethod
+    def _fail(fut: asyncio.Future | None, exc: Exception) -> None:
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)

@@ -16,6 +16,7 @@ from pdserve.router.placement.kv_events import KVEventTracker
 from pdserve.wire.messages import (
     EmbedResult,
     EncodeResult,
+    HandoverMade,
     KVEvents,
     KVSnapshotRequest,
     LoRAReply,
@@ -64,8 +65,12 @@ class NodeEvents:
                          msg.epoch, msg.seq)
                 self._send_later(node, KVSnapshotRequest())
         elif isinstance(msg, (PrefillResult, EmbedResult, EncodeResult)):  # one reply per request, awaited
-            node.requests.discard(msg.request_id)
+            if not self.inflight.awaits_handover(msg.request_id, node.node_id):  # (a handover to follow: still on it)
+                node.requests.discard(msg.request_id)
             self.inflight.on_reply(node, msg)
+        elif isinstance(msg, HandoverMade):
+            node.requests.discard(msg.request_id)
+            self.inflight.on_handover(node, msg)
         elif isinstance(msg, TokenDelta):
             if msg.output.finished:
                 node.requests.discard(msg.output.request_id)

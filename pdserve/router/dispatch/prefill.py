@@ -11,7 +11,7 @@ from pdserve.protocol.outputs import StepOutput
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router.dispatch.adapters import RouterAdapters
 from pdserve.router.dispatch.backend import BackendError
-from pdserve.router.dispatch.failover import MAX_ATTEMPTS, PREFILL_TIMEOUT_S, NodeLost
+from pdserve.router.dispatch.failover import HANDOVER_TIMEOUT_S, MAX_ATTEMPTS, PREFILL_TIMEOUT_S, NodeLost
 from pdserve.router.dispatch.inflight import Inflight
 from pdserve.router.dispatch.metrics import RequestTimer, RouterMetrics
 from pdserve.router.dispatch.nodes import Node, NodePool
@@ -34,14 +34,17 @@ class PrefillDispatch:
     transfer: str  # how handovers travel: the router's --kv-transfer ("nixl" or "store")
     # local_prefills: prompts the decode node prefilled after every prefill node failed them
     counters: dict[str, int] = field(default_factory=lambda: {"prefill_retries": 0, "local_prefills": 0})
+    following: dict[str, Node] = field(default_factory=dict)  # push mode: handovers after their first token
 
     async def prefill(self, rid: str, prompt: list[int], params: SamplingParams, timer: RequestTimer,
                       preferred: str | None = None, scope: KVScope = NO_SCOPE,
-                      embeddings: list[EmbeddingHandover] | None = None, decode_holds: int = 0
-                      ) -> tuple[StepOutput | None, KVHandover | None]:
+                      embeddings: list[EmbeddingHandover] | None = None, decode_holds: int = 0,
+                      push: bool = False) -> tuple[StepOutput | None, KVHandover | None]:
         """The first token and the handover; (None, None) when no prefill node can do it, so the
         decode node prefills the prompt itself. embeddings: where an encoder node's NIXL READs wait.
-        decode_holds: leading prompt tokens the decode node holds (their blocks are not handed over)."""
+        decode_holds: leading prompt tokens the decode node holds (their blocks are not handed over).
+        push: its decode node waits already; a store handover then comes after the first token
+        (handover None here; follow() waits for it)."""
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
             node = self.picker.preferred(preferred, tried) or self.picker.pick("prefill", tried)
@@ -51,7 +54,7 @@ class PrefillDispatch:
             if attempt == 0:
                 timer.dispatched()
             try:
-                return await self._prefill_on(node, rid, prompt, params, scope, embeddings or [], decode_holds)
+                return await self._prefill_on(node, rid, prompt, params, scope, embeddings or [], decode_holds, push)
             except (NodeLost, BackendError) as exc:
                 await self.pool.send(node, Abort(rid))  # a hung node that comes back drops it
                 self.counters["prefill_retries"] += 1
@@ -66,8 +69,11 @@ class PrefillDispatch:
 
     async def _prefill_on(self, node: Node, rid: str, prompt: list[int], params: SamplingParams,
                           scope: KVScope = NO_SCOPE, embeddings: list[EmbeddingHandover] | None = None,
-                          decode_holds: int = 0) -> tuple[StepOutput, KVHandover | None]:
+                          decode_holds: int = 0, push: bool = False) -> tuple[StepOutput, KVHandover | None]:
         fut = self.inflight.expect_reply(rid, node)
+        follows = push and self.transfer == "store"
+        if follows:  # registered before the prompt goes: its HandoverMade may come right after the token
+            self.inflight.expect_handover(rid, node)
         node.requests.add(rid)
         node.queued_tokens[rid] = len(prompt)
         log.debug("[%s] %d tokens, prefill on %s", rid, len(prompt), node.node_id)
@@ -76,15 +82,44 @@ class PrefillDispatch:
             await self.pool.send(node, PrefillRequest(rid, prompt, params, self.transfer,
                                                       cache_salt=scope.cache_salt, adapter=scope.adapter,
                                                       images=list(scope.images), embeddings=embeddings or [],
-                                                      decode_holds_tokens=decode_holds))
+                                                      decode_holds_tokens=decode_holds, push=follows))
             result = await asyncio.wait_for(fut, PREFILL_TIMEOUT_S)
         except asyncio.TimeoutError:
             self.pool.mark_dead(node, f"did not answer a prefill in {PREFILL_TIMEOUT_S:.0f} s", "silent")
             raise NodeLost(node.node_id) from None
         finally:
             self.inflight.drop_reply(rid)
-            node.requests.discard(rid)
             node.queued_tokens.pop(rid, None)
+            result = fut.result() if fut.done() and not fut.cancelled() and fut.exception() is None else None
+            if result is not None and result.handover_follows and result.first is not None:
+                self.following[rid] = node  # still on the node until its handover comes
+            else:
+                self.inflight.drop_handover(rid)
+                node.requests.discard(rid)
         if result.error is not None or result.first is None:
             raise BackendError(f"prefill failed: {result.error}")
         return result.first, result.handover
+
+    def forget(self, rid: str) -> None:
+        """The request ended without waiting for its handover to follow (its client left)."""
+        node = self.following.pop(rid, None)
+        if node is not None:
+            node.requests.discard(rid)
+
+    async def follow(self, rid: str) -> KVHandover | None:
+        """A push-mode handover made after its first token (prefill(push=True)); None when there
+        is none to wait for, or its node was lost or stayed silent (the decode node then computes
+        the prompt)."""
+        node = self.following.pop(rid, None)
+        fut = self.inflight.handovers.get(rid)
+        if node is None or fut is None:
+            return None
+        try:
+            return await asyncio.wait_for(fut, HANDOVER_TIMEOUT_S)
+        except (NodeLost, asyncio.TimeoutError) as exc:
+            log.warning("[%s] no handover from %s (%s): its decode node computes the prompt", rid, node.node_id,
+                        type(exc).__name__)
+            return None
+        finally:
+            self.inflight.drop_handover(rid)
+            node.requests.discard(rid)
