@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pdserve.kernels import torch_ops
+from pdserve.kernels import native_paged, torch_ops
 
 log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
@@ -127,6 +127,12 @@ class NarrowKVOps:
               slot_mapping)
 
     def paged_decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale, **extra):
+        if self.cache_dtype == torch.bfloat16 and self._scales(k_cache) == (1.0, 1.0):
+            # the compiled kernel reads the bf16 blocks as they are (CPU; None elsewhere)
+            out = native_paged.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                      **extra)
+            if out is not None:
+                return out
         k, v, tables = _compact_blocks(k_cache, v_cache, block_tables, self._scales(k_cache), q.dtype)
         return self.base.paged_decode_attention(q, k, v, tables, context_lens, scale, **extra)
 

@@ -258,9 +258,9 @@ static void attend_any(const pd_model *m, const pd_layer *L, const float *q, con
  * sizes 64, 128 and 256 take the group in register-sized parts (4 or 3 heads of 64, 2 of 128, 1 of 256), each
  * part loading the keys and values once for its heads: a group of 2 (Qwen3-MoE's shape) or 8
  * (Qwen3-30B-A3B's) ran through attend_any, at a few times the cost. */
-static void attend_one(const pd_model *m, const pd_layer *L, const float *qkv, int b, int kh, int g0, int ng,
-                       const int32_t *table, int32_t end, float *scores, int max_len, float *out) {
-    int D = m->head_dim, group = m->heads / m->kv_heads, cols = (m->heads + 2 * m->kv_heads) * D;
+static void attend_one(const pd_model *m, const pd_layer *L, const float *qkv, long cols, int b, int kh, int g0,
+                       int ng, const int32_t *table, int32_t end, float *scores, int max_len, float *out) {
+    int D = m->head_dim, group = m->heads / m->kv_heads;
     long first = L->window > 0 && end > L->window ? end - L->window : 0, length = end - first;
     const float *q = qkv + (long)b * cols + ((long)kh * group + g0) * D;
     float *o = out + (long)b * m->heads * D + ((long)kh * group + g0) * D;
@@ -286,8 +286,8 @@ static void attend_one(const pd_model *m, const pd_layer *L, const float *qkv, i
 /* every sequence's attention, in parallel over (sequence, KV head), or over (sequence, query head)
  * when those are too few to keep the threads busy (one request: SmolLM2 has 3 KV heads, 9 query
  * heads); out [tokens, heads * head_dim] */
-static int attend(const pd_model *m, const pd_layer *L, const float *qkv, int tokens, const int32_t *tables,
-                  int max_blocks, const int32_t *lens, float *out, int threads) {
+int pd_attend(const pd_model *m, const pd_layer *L, const float *qkv, long cols, int tokens, const int32_t *tables,
+              int max_blocks, const int32_t *lens, float *out, int threads) {
     int max_len = 1, group = m->heads / m->kv_heads;
     int per = tokens * m->kv_heads >= 4 * threads ? group : 1, items = tokens * m->heads / per;
     for (int b = 0; b < tokens; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
@@ -296,7 +296,7 @@ static int attend(const pd_model *m, const pd_layer *L, const float *qkv, int to
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int item = 0; item < items; item++) {
         int b = item / (m->heads / per), head = item % (m->heads / per) * per;
-        attend_one(m, L, qkv, b, head / group, head % group, per, tables + (long)b * max_blocks, lens[b],
+        attend_one(m, L, qkv, cols, b, head / group, head % group, per, tables + (long)b * max_blocks, lens[b],
                    scores + (size_t)item * per * max_len, max_len, out);
     }
     free(scores);
@@ -348,7 +348,8 @@ static int attention(const pd_model *m, const pd_layer *L, const float *h, int t
     int rc = pd_matmul(&L->qkv, h, tokens, m->hidden, qkv, threads);
     if (rc || (rc = pd_lora_add(&L->lora_qkv, h, tokens, m->hidden, row_slots, qkv, threads))) return rc;
     finish_qkv(m, L, qkv, tokens, cos, sin, slots, threads);
-    return attend(m, L, qkv, tokens, tables, max_blocks, lens, attn, threads);
+    return pd_attend(m, L, qkv, (long)(m->heads + 2 * m->kv_heads) * m->head_dim, tokens, tables, max_blocks, lens,
+                     attn, threads);
 }
 
 /* o = the layer's MLP of h (with its LoRA deltas); gu and act are its scratch rows */

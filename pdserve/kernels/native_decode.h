@@ -111,6 +111,12 @@ void pd_add_norm(float *x, const float *delta, const float *w, float eps, int to
 void pd_rope(float *x, int heads, int dim, const float *cos, const float *sin);
 void pd_softmax(float *s, long length, const float *sink);
 
+/* (native_decode.c) each row's attention over its paged context: row b's query heads start at
+ * q + b * cols, its context is lens[b] tokens through tables[b]; out [tokens, heads * head_dim].
+ * 0, or -2 when out of memory */
+int pd_attend(const pd_model *m, const pd_layer *L, const float *q, long cols, int tokens, const int32_t *tables,
+              int max_blocks, const int32_t *lens, float *out, int threads);
+
 /* (native_mla.c) out [tokens, heads * v_dim] = the MLA layer's attention of h; the latents into the cache */
 int pd_mla_attention(const pd_model *m, const pd_layer *L, const float *h, int tokens, const float *cos,
                      const float *sin, const int64_t *slots, const int32_t *tables, int max_blocks, const int32_t *lens,

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 # the same library: they call pd_gemv. Their header is hashed with them.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_gemv.c", "native_decode.c", "native_lora.c", "native_moe.c",
                                                               "native_mla.c", "native_tiles.c", "native_gemv_bf16.c",
-                                                              "native_gemv_amx.c", "native_prefill.c",
+                                                              "native_gemv_amx.c", "native_prefill.c", "native_paged.c",
                                                               "native_rows.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_decode.h", "native_quant_blocks.h", "native_exp.h",
                                                             "native_bf16.h"))

@@ -5,6 +5,8 @@ contiguous tensor, which copies the whole KV context each step and dominates dec
 CPU. This kernel reads K and V straight through the block table, once, in parallel over
 (sequence, KV head). store_kv is one compiled call too (the torch one is about eight small ops,
 per layer and step); prefill_attention is native_prefill's (fresh prompts compiled, the rest torch's).
+Where the compiled library is built, decode attention goes through the compiled step's kernel
+(native_paged) and this one stays the fallback.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from pdserve.kernels import numba_threads, torch_ops  # noqa: F401  (numba_threads: before the first parallel call)
+from pdserve.kernels import native_paged, numba_threads, torch_ops  # noqa: F401  (numba_threads: before the first parallel call)
 from pdserve.kernels.native_prefill import PREFILL_KEY_ENDS, prefill_attention  # noqa: F401  (same contract)
 
 
@@ -63,7 +65,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """window > 0: only the last `window` tokens are seen; sinks [heads]: attention sinks (see
-    torch_ops)."""
+    torch_ops). The compiled step's kernel where it takes the rows (native_paged), else numba's."""
+    out = native_paged.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window, sinks)
+    if out is not None:
+        return out
+    return numba_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window, sinks)
+
+
+def numba_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_decode_attention through numba's kernel (float32 queries and cache on CPU; else torch's)."""
     usable = (q.dtype == torch.float32 and q.device.type == "cpu" and k_cache.stride(-1) == 1
               and v_cache.stride() == k_cache.stride())
     if not usable:
@@ -159,5 +171,5 @@ def warm_up() -> None:
     """Compile once at engine start rather than inside the first request."""
     q = torch.zeros(1, 2, 8)
     cache = torch.zeros(2, 4, 1, 8)
-    paged_decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
-                           torch.ones(1, dtype=torch.int32), 1.0)
+    numba_decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                           torch.ones(1, dtype=torch.int32), 1.0)  # the fallback: compiled (or cached) now
