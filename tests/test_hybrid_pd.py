@@ -103,14 +103,25 @@ def test_pd_greedy_matches_transformers(transfer, clusters, checkpoints):
     (url, _), path = clusters[transfer], checkpoints[transfer]
     prompts = random_prompts(11, 250, (37, 3, 16, 70, 100))
     want = _greedy(path, prompts)
-    before = sum(s["transfers_ok"] for s in node_stats(url).values() if s["role"] == "decode")
+    stats = node_stats(url).values()
+    before, moved = (sum(s[k] for s in stats if s["role"] == "decode")
+                     for k in ("transfers_ok", f"transfer_bytes_{transfer}"))
+    put = sum(s["transfer_bytes_store"] for s in stats if s["role"] == "prefill")
     got = [_complete(url, str(path), prompts[0])[0]]
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         got += [ids for ids, _ in pool.map(lambda p: _complete(url, str(path), p), prompts[1:])]
     assert got == want, f"{transfer}: greedy differs from transformers"
     decode = wait_for(lambda: _decode_stats_after(url, before + len(prompts)))
     assert sum(s["transfers_failed"] for s in decode) == 0, f"{transfer}: a pull failed and was recomputed"
-    assert sum(s[f"transfer_bytes_{transfer}"] for s in decode) > 0
+    # the bytes moved: each prompt's blocks and its state slot (the node's own layout)
+    engine = LLM(model=str(path), num_kv_blocks=8, max_num_seqs=1).engine
+    blocks = sum(-(-len(p) // 16) for p in prompts)
+    want_bytes = blocks * engine.kv_cache[0].numel() * engine.kv_cache.element_size()
+    want_bytes += len(prompts) * engine.kv.states.slot_nbytes
+    assert sum(s[f"transfer_bytes_{transfer}"] for s in decode) - moved == want_bytes
+    if transfer == "store":  # and what the prefill nodes put (prefilled in one step: no snapshots)
+        wait_for(lambda: sum(s["transfer_bytes_store"] for s in node_stats(url).values()
+                             if s["role"] == "prefill") - put == want_bytes, timeout_s=10)
     wait_for(lambda: _all_returned(url))
 
 

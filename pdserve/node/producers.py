@@ -141,11 +141,15 @@ class StoreProducer:
         states = self.engine.kv.states
         if states is None:
             return b""
+        puts, last = 1, len(job.pending.keys) - 1
         for i, row in job.snapshots:
-            if i >= start:
+            # (a prompt ending on a boundary has a snapshot under its last key: the state put below)
+            if start <= i < last:
                 self.store.put_state(state_key(job.pending.keys[i], states.layout), row.view(1, -1), 0)
+                puts += 1
         key = state_key(job.pending.keys[-1], states.layout)
         self.store.put_state(key, states.arena, job.state_slot)
+        self.stats.transfer_bytes_store += puts * states.slot_nbytes  # each a whole slot, as the blocks' bytes
         return key
 
     def _shared_blocks(self, pending: PendingPrefill) -> int:
