@@ -20,6 +20,7 @@ import importlib.metadata
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ class SnapshotTokenizer:
         self.added_tokens_decoder = {int(i): AddedToken(content, special=special)
                                      for i, content, special in fields["added"]}
         self._full = None
+        self._loading = threading.Lock()  # a node loads it on a thread while a request may ask for it
 
     def __len__(self) -> int:
         return self._length
@@ -57,9 +59,10 @@ class SnapshotTokenizer:
 
     def full(self):
         """transformers' tokenizer of the same checkpoint, loaded on first use."""
-        if self._full is None:
-            from pdserve.models.model_path import load_tokenizer  # deferred: the loader imports this module
-            self._full = load_tokenizer(self.path)
+        with self._loading:
+            if self._full is None:
+                from pdserve.models.model_path import load_tokenizer  # deferred: the loader imports this module
+                self._full = load_tokenizer(self.path)
         return self._full
 
 

@@ -5,6 +5,7 @@ import atexit
 import logging
 import os
 import sys
+import threading
 import time
 from typing import NoReturn
 
@@ -122,12 +123,24 @@ def serve_node(role: str, args) -> NoReturn:
     engine = on_compute_thread(_engine, args, role)  # one OpenMP pool: see node.compute_thread
     store = _store(args, engine)
     node = _build_node(role, args, engine, args.bind, store)
+    _load_full_tokenizer_beside(engine)
     while (to_role := node.serve_forever()) is not None:
         started = time.perf_counter()
         node = _build_node(to_role, args, engine, node, store)
         log.info("%s is a %s node now (%.3f s to switch)", args.node_id, to_role, time.perf_counter() - started)
     engine.close()  # a TP or PP node's workers stop now, not at the interpreter's exit
     _exit_now(0)
+
+
+def _load_full_tokenizer_beside(engine) -> None:
+    """A node decodes with its tokenizer's snapshot (pdserve.models.tokenizer_snapshot), which
+    keeps transformers off its start; a structured-output request needs transformers' class, and
+    loading it inside the first one took 0.75 s of CPU on the loop thread that answers the routers'
+    pings (a node silent for 1.5 s is taken for dead). It loads on a thread of its own once the
+    node serves, as the first requests arrive."""
+    full = getattr(engine.tokenizer, "full", None)
+    if full is not None:
+        threading.Thread(target=full, name="full-tokenizer", daemon=True).start()
 
 
 def _exit_now(code: int) -> NoReturn:
