@@ -144,3 +144,31 @@ def test_prefill_node_dead_while_the_decode_node_waits_costs_no_request():
 def _client_health(url: str) -> dict:
     import httpx
     return httpx.get(f"{url}/health", timeout=5).json()["failover"]
+
+
+def test_a_lost_node_fails_only_the_phase_it_serves():
+    """A push-mode request is on two nodes at once (Inflight): losing its prefill node fails the
+    awaited reply and the handover to follow, not the stream its decode node serves; losing the
+    decode node puts a Lost marker in the stream and leaves the prefill's reply waiting."""
+    import asyncio
+
+    from pdserve.router.dispatch.failover import NodeLost
+    from pdserve.router.dispatch.inflight import Inflight, Lost
+    from pdserve.router.dispatch.nodes import Node
+
+    async def run():
+        inflight = Inflight()
+        prefill, decode = Node("prefill-0", "prefill", "", None), Node("decode-0", "decode", "", None)
+        queue = inflight.open_stream("r")
+        inflight.assign("r", decode)
+        reply, handover = inflight.expect_reply("r", prefill), inflight.expect_handover("r", prefill)
+        prefill.requests.add("r")
+        assert inflight.move(decode, ["r"]) == 1
+        assert isinstance(queue.get_nowait(), Lost) and not reply.done() and not handover.done()
+        assert inflight.move(prefill, ["r"]) == 1
+        for fut in (reply, handover):
+            with pytest.raises(NodeLost):
+                fut.result()
+        assert queue.empty()
+
+    asyncio.run(run())
