@@ -100,34 +100,33 @@ def bf16_product(x: torch.Tensor, native: tuple, rows: int, keep_bf16: bool) -> 
     if _tile_dtype != torch.bfloat16 or native_gemv.library() is None or rows * cols * 2 > BF16_TILE_BYTES:
         return None
     tile = torch.empty(rows, cols, dtype=torch.bfloat16)
-    if not native_gemv.dequant_rows(native, cols, 0, rows, tile.data_ptr(), True):
-        return None
-    x_low = x if x.dtype == torch.bfloat16 else native_gemv.round_bf16(x.contiguous())
-    product = torch.mm(x_low, tile.T)
-    if keep_bf16:
-        return product
-    out = torch.empty(x.shape[0], rows)
-    native_gemv.widen_bf16_into(product, out)
-    return out
+    return _tile_products(x.contiguous(), rows, tile, lambda start, end: native_gemv.dequant_rows(
+        native, cols, start, end, tile.data_ptr(), True), keep_low=keep_bf16)
 
 
-def _tile_products(x: torch.Tensor, rows: int, tile: torch.Tensor,
-                   fill: Callable[[int, int], bool]) -> torch.Tensor | None:
+def _tile_products(x: torch.Tensor, rows: int, tile: torch.Tensor, fill: Callable[[int, int], bool],
+                   keep_low: bool = False) -> torch.Tensor | None:
     """x @ w.T, w's rows filled tile by tile into `tile` by fill(start, end) (False: it does not
     take this matrix, and the result is None). In float32 each tile's product is a contiguous
-    slice of the [N, tokens] output; in _tile_dtype (float32 sums rounded by torch's matmul) it is
-    widened straight into its columns of the output."""
+    slice of the [N, tokens] output; in _tile_dtype (float32 sums rounded by torch's matmul; x
+    float32, or in _tile_dtype already) it is widened straight into its columns of the output, or
+    where keep_low (one tile for all of w) returned as it is."""
     tile_rows, low = tile.shape[0], _tile_dtype != torch.float32
     if low:
-        out = torch.empty(x.shape[0], rows)
-        x_low = native_gemv.round_bf16(x) if _tile_dtype == torch.bfloat16 else x.to(_tile_dtype)
+        out = None if keep_low else torch.empty(x.shape[0], rows)
+        x_low = (x if x.dtype == _tile_dtype else
+                 native_gemv.round_bf16(x) if _tile_dtype == torch.bfloat16 else x.to(_tile_dtype))
     else:
         out_t = torch.empty(rows, x.shape[0])
+    if keep_low and (not low or tile_rows < rows):
+        return None
     for start in range(0, rows, tile_rows):
         end = min(rows, start + tile_rows)
         if not fill(start, end):
             return None
         filled = tile[:end - start]
+        if keep_low:
+            return torch.mm(x_low, filled.to(_tile_dtype).T)
         if low:
             native_gemv.widen_bf16_into(torch.mm(x_low, filled.to(_tile_dtype).T), out[:, start:end])
         else:
