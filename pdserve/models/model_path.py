@@ -87,7 +87,7 @@ def load_tokenizer(path: Path):
 def load_decode_tokenizer(path: Path):
     """What a node decodes with: the tokenizer's snapshot (pdserve.models.tokenizer_snapshot),
     which needs no transformers, when an earlier load left one; else transformers' (load_tokenizer)."""
-    return load_snapshot(path) or load_tokenizer(path)
+    return load_snapshot(path, load_tokenizer) or load_tokenizer(path)
 
 
 def read_model_config(path: Path) -> SimpleNamespace:

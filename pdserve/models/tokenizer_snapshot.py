@@ -21,6 +21,7 @@ import json
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,11 @@ _DECODERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # whose _decode is
 class SnapshotTokenizer:
     """What a node's engine reads of a tokenizer, from its snapshot; `full()` is transformers'."""
 
-    def __init__(self, path: Path, fields: dict[str, Any]):
+    def __init__(self, path: Path, fields: dict[str, Any], load_full: Callable[[Path], Any] | None = None):
+        """load_full(path): transformers' tokenizer of the checkpoint (model_path.load_tokenizer), for
+        full(); None: a snapshot that only decodes (the save's check)."""
         from tokenizers import AddedToken, Tokenizer  # deferred: this module imports nothing heavy
-        self.path = Path(path)
+        self.path, self._load_full = Path(path), load_full
         self.backend_tokenizer = Tokenizer.from_str(fields["backend"])
         self.eos_token_id = fields["eos_token_id"]
         self._length = int(fields["length"])
@@ -61,8 +64,9 @@ class SnapshotTokenizer:
         """transformers' tokenizer of the same checkpoint, loaded on first use."""
         with self._loading:
             if self._full is None:
-                from pdserve.models.model_path import load_tokenizer  # deferred: the loader imports this module
-                self._full = load_tokenizer(self.path)
+                if self._load_full is None:
+                    raise RuntimeError("this snapshot was made without a loader for transformers' tokenizer")
+                self._full = self._load_full(self.path)
         return self._full
 
 
@@ -83,11 +87,12 @@ def snapshot_file(path: Path) -> Path | None:
     return cache_root() / "tokenizers" / f"{key.hexdigest()}.json"
 
 
-def load_snapshot(path: Path) -> SnapshotTokenizer | None:
+def load_snapshot(path: Path, load_full: Callable[[Path], Any] | None = None) -> SnapshotTokenizer | None:
+    """path's snapshot, or None; load_full: see SnapshotTokenizer."""
     file = snapshot_file(path)
     try:
         fields = json.loads(file.read_text(encoding="utf-8")) if file is not None else None
-        return SnapshotTokenizer(path, fields) if isinstance(fields, dict) else None
+        return SnapshotTokenizer(path, fields, load_full) if isinstance(fields, dict) else None
     except Exception:  # unreadable, or a JSON the library refuses (its own error type): transformers' load instead
         return None
 
