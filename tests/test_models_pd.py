@@ -47,6 +47,7 @@ COVERED_ELSEWHERE = {
     # vision-language models: their images cross P/D with the prompt
     "Qwen2_5_VLForConditionalGeneration": "test_vlm_cluster.py",
     "Gemma3ForConditionalGeneration": "test_vlm_epd_cluster.py",
+    "Qwen3_5ForConditionalGeneration": "test_qwen3_5_vl_cluster.py",  # images and recurrent state
     # hybrid models: the recurrent state crosses with the blocks. Qwen3.5 (Gated DeltaNet) over
     # NIXL, Nemotron-H (Mamba2) through the store; Qwen3-Next keeps Qwen3.5's state and Granite
     # 4.0-H Nemotron-H's (models/gated_deltanet.py, models/mamba2_mixer.py): what P/D moves
