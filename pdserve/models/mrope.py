@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.models.rope import RotaryEmbedding
+from pdserve.protocol.multimodal import ImageInput
 
 
 def image_spans(input_ids: Sequence[int], image_token_id: int, tokens_per_image: Sequence[int]) -> list[tuple[int, int]]:
@@ -111,3 +112,29 @@ class MRotaryEmbedding(RotaryEmbedding):
             per_axis = table[positions]  # [3, T, head_dim]
             out.append(per_axis[self._axis[None, :], tokens, cols].to(dtype)[:, None, :])
         return out[0], out[1]
+
+
+class MRopeImages:
+    """What Qwen's vision-language models (Qwen2.5-VL, Qwen3.5) do with an image, over their own
+    tower (`visual`), placeholder id (`image_token_id`) and merge size (`spatial_merge_size`): its
+    embeddings, one per placeholder, and the prompt's [3, P] M-RoPE positions."""
+
+    visual: torch.nn.Module
+    image_token_id: int
+    spatial_merge_size: int
+
+    def encode_image(self, image: ImageInput) -> torch.Tensor:
+        """[image.length, hidden]: the image's embeddings, one per placeholder token."""
+        weight = self.visual.patch_embed.proj.weight
+        pixels = torch.tensor(image.pixels(), dtype=weight.dtype, device=weight.device)  # a copy: the bytes are read-only
+        out = self.visual(pixels, torch.tensor([image.grid_thw]))
+        if out.shape[0] != image.length:
+            raise ValueError(f"the image's grid {image.grid_thw} gives {out.shape[0]} embeddings for "
+                             f"{image.length} placeholder tokens")
+        return out
+
+    def prompt_positions(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]
+                         ) -> tuple[torch.Tensor, int]:
+        """([3, P] M-RoPE positions of the prompt, delta of every later token)."""
+        grids = torch.tensor([im.grid_thw for im in images]) if images else None
+        return mrope_positions(prompt_token_ids, self.image_token_id, grids, self.spatial_merge_size)

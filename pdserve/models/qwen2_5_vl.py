@@ -7,15 +7,13 @@ loads any Llama-family checkpoint, skipping the tower, and attaches the tower af
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from pdserve.models.llama import LlamaModel, ModelSpec
-from pdserve.models.mrope import MRotaryEmbedding, mrope_positions
+from pdserve.models.mrope import MRopeImages, MRotaryEmbedding
 from pdserve.models.qwen2_5_vl_vision import CHECKPOINT_PREFIXES, load_vision_tower
-from pdserve.protocol.multimodal import ImageInput
 
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 
@@ -24,7 +22,7 @@ def is_tower_weight(name: str) -> bool:
     return name.startswith(CHECKPOINT_PREFIXES)
 
 
-class Qwen2_5_VLModel(LlamaModel):
+class Qwen2_5_VLModel(MRopeImages, LlamaModel):
     """LlamaModel whose positions are [3, T] (M-RoPE) and whose image placeholders take the
     tower's embeddings (forward's images: pdserve.engine.multimodal.ImageRows)."""
 
@@ -40,21 +38,6 @@ class Qwen2_5_VLModel(LlamaModel):
     def attach_tower(self, multimodal_config, files: list[Path], dtype: torch.dtype, device: torch.device) -> None:
         self.visual = load_vision_tower(multimodal_config, files, dtype, device)
 
-    def encode_image(self, image: ImageInput) -> torch.Tensor:
-        """[image.length, hidden]: the image's embeddings, one per placeholder token."""
-        weight = self.visual.patch_embed.proj.weight
-        pixels = torch.tensor(image.pixels(), dtype=weight.dtype, device=weight.device)  # a copy: the bytes are read-only
-        out = self.visual(pixels, torch.tensor([image.grid_thw]))
-        if out.shape[0] != image.length:
-            raise ValueError(f"the image's grid {image.grid_thw} gives {out.shape[0]} embeddings for "
-                             f"{image.length} placeholder tokens")
-        return out
-
-    def prompt_positions(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]
-                         ) -> tuple[torch.Tensor, int]:
-        """([3, P] M-RoPE positions of the prompt, delta of every later token)."""
-        grids = torch.tensor([im.grid_thw for im in images]) if images else None
-        return mrope_positions(prompt_token_ids, self.image_token_id, grids, self.spatial_merge_size)
 
     def native_decode_weights(self) -> str:
         return "the compiled decode step does not take a multimodal model's positions yet"

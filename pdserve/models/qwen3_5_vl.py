@@ -16,17 +16,15 @@ model, model.visual.* for the tower. Only images: videos are refused by the imag
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from pdserve.models import qwen3_5
 from pdserve.models.hybrid import HybridDecoderModel
-from pdserve.models.mrope import MRotaryEmbedding, mrope_positions
+from pdserve.models.mrope import MRopeImages, MRotaryEmbedding
 from pdserve.models.qwen3_5_vision import load_vision_tower, vision_spec
 from pdserve.models.rope import RotaryEmbedding
-from pdserve.protocol.multimodal import ImageInput
 
 ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 DEFAULT_MROPE_SECTION = (11, 11, 10)  # transformers' default when rope_parameters names none
@@ -58,27 +56,12 @@ class InterleavedMRotaryEmbedding(MRotaryEmbedding):
         self._axis = torch.cat([axis, axis])  # the rotate-half layout repeats the frequencies
 
 
-class Qwen35VLModel(HybridDecoderModel):
+class Qwen35VLModel(MRopeImages, HybridDecoderModel):
     """The hybrid decoder whose positions are [3, T] and whose image placeholders take the
     tower's embeddings (forward's images: pdserve.engine.multimodal.ImageRows)."""
 
     is_multimodal = True
 
-    def encode_image(self, image: ImageInput) -> torch.Tensor:
-        """[image.length, hidden]: the image's embeddings, one per placeholder token."""
-        weight = self.visual.patch_embed.proj.weight
-        pixels = torch.tensor(image.pixels(), dtype=weight.dtype, device=weight.device)  # a copy: read-only bytes
-        out = self.visual(pixels, torch.tensor([image.grid_thw]))
-        if out.shape[0] != image.length:
-            raise ValueError(f"the image's grid {image.grid_thw} gives {out.shape[0]} embeddings for "
-                             f"{image.length} placeholder tokens")
-        return out
-
-    def prompt_positions(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]
-                         ) -> tuple[torch.Tensor, int]:
-        """([3, P] M-RoPE positions of the prompt, delta of every later token)."""
-        grids = torch.tensor([im.grid_thw for im in images]) if images else None
-        return mrope_positions(prompt_token_ids, self.image_token_id, grids, self.spatial_merge_size)
 
 
 def build_model(config, files: list[Path], dtype: torch.dtype, device: torch.device) -> Qwen35VLModel:
