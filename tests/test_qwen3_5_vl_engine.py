@@ -8,7 +8,6 @@ state snapshot, taken only by a prompt with the same image.
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,9 +16,9 @@ Image = pytest.importorskip("PIL.Image")
 
 from pdserve.offline.llm import LLM  # noqa: E402
 from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
+from pdserve.testing.vlm_chat import random_pictures  # noqa: E402
 from pdserve.testing.vlm_checkpoints import load_qwen3_5_vl_reference, make_qwen3_5_vl  # noqa: E402
 
-SIZES = [(112, 140), (196, 84), (84, 112)]  # (height, width): 20, 21 and 12 image tokens
 NEW_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 CASES = [("Look: ", [0], " what is it?"), ("Two pictures ", [0, 1], " compared, in many words please."),
@@ -38,8 +37,7 @@ def reference(checkpoint):
 
 @pytest.fixture(scope="module")
 def pictures():
-    rng = np.random.RandomState(0)
-    return [Image.fromarray(rng.randint(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in SIZES]
+    return random_pictures(seed=0)
 
 
 def chat(tokenizer, before: str, images: int, after: str) -> str:

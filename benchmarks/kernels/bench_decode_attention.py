@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from benchmarks.kernels.bench_cpu_layer_ops import median_us
 from pdserve.assembly.build import zeroed_pool
 from pdserve.kernels import native_paged, numba_ops
 from pdserve.kernels.fp8_kv import _compact_blocks
@@ -39,13 +39,7 @@ def _cache(requests: int, context: int, layers: int, dtype: torch.dtype, seed: i
 
 
 def _median_s(fn, calls: int) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_us(fn, calls) / 1e6
 
 
 def _memory_gbs(buffer: torch.Tensor) -> float:
