@@ -11,6 +11,12 @@ from pdserve.testing.shared_clusters import SharedClusters, group_modules
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# cpu_gemm_dtype auto (the default) is bf16 products on a CPU that has them. The suite compares
+# greedy output with float32 references (transformers, the offline engine), so auto means float32
+# here, in this process and every node it starts; the bf16 products are tested where a test asks
+# for them (test_gemm_dtype) and auto's choice in test_gemm_dtype too.
+os.environ.setdefault("PDSERVE_CPU_GEMM_DTYPE", "float32")
+
 
 @pytest.fixture
 def private_cache(tmp_path, monkeypatch):

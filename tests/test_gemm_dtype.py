@@ -97,6 +97,37 @@ def test_bf16_is_refused_without_native_dot_products(monkeypatch):
     assert dequant_tiles.resolve_gemm_dtype("float32") == torch.float32
 
 
+@pytest.mark.parametrize("native, env, want", [
+    (True, None, torch.bfloat16), (False, None, torch.float32),
+    (True, "float32", torch.float32), (True, "bfloat16", torch.bfloat16)])
+def test_auto_is_bf16_where_the_cpu_has_it_unless_the_environment_says(monkeypatch, native, env, want):
+    """auto (the default): bf16 products on a CPU with native bf16 dot products, float32 elsewhere;
+    $PDSERVE_CPU_GEMM_DTYPE, where set, decides (the suite pins float32 there, see conftest)."""
+    monkeypatch.setattr(dequant_tiles, "native_bf16", lambda: native)
+    if env is None:
+        monkeypatch.delenv(dequant_tiles.GEMM_DTYPE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(dequant_tiles.GEMM_DTYPE_ENV, env)
+    assert dequant_tiles.resolve_gemm_dtype("auto") == want
+    assert dequant_tiles.resolve_gemm_dtype("float32") == torch.float32  # a flag always wins
+
+
+@needs_bf16
+def test_default_engine_takes_bf16_products_without_the_suites_pin(monkeypatch, tile_dtype):
+    """A default engine (no cpu_gemm_dtype given) on this bf16 CPU, with the suite's pin removed,
+    runs its tiles in bf16: its greedy tokens equal an engine given bfloat16 outright."""
+    monkeypatch.delenv(dequant_tiles.GEMM_DTYPE_ENV)
+    prompts = [[(5 * i + 11) % 200 + 3 for i in range(n)] for n in (40, 70)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    runs = {}
+    for name in ("auto", "bfloat16"):
+        llm = LLM("builtin:tiny", num_kv_blocks=64, **({} if name == "auto" else {"cpu_gemm_dtype": name}))
+        assert dequant_tiles.tile_dtype() == torch.bfloat16
+        runs[name] = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert runs["auto"] == runs["bfloat16"]
+
+
 @needs_bf16
 def test_bf16_engine_stays_near_the_float32_engine(tmp_path, tile_dtype):
     """Prompts long enough for the tiles (past the gemv's 16 tokens), a Q4_1 Llama: float32 greedy

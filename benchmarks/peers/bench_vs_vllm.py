@@ -16,10 +16,13 @@ each concurrency, each server), so drift in the machine's load hits all of them:
                 bound to its engine (by default it reserves one for the server), and
                 VLLM_CPU_KVCACHE_SPACE GiB of KV cache
   pdserve-gguf  `pdserve up --prefill-nodes 0 --decode-nodes 1` on the default model (the GGUF,
-                weights kept quantized), default flags otherwise
+                weights kept quantized), default flags otherwise (--cpu-gemm-dtype auto: bf16
+                products past 8-16 rows where the CPU has them; a float32 KV cache)
   pdserve-bf16  the same on the bfloat16 directory vLLM serves (held in float32, pdserve's CPU dtype)
   NAME+bf16     the same with --cpu-gemm-dtype bfloat16 --kv-cache-dtype bfloat16 (bf16 products
-                past 8-16 rows and a bf16 KV cache: what vLLM runs in bfloat16)
+                and a bf16 KV cache: what vLLM runs in bfloat16)
+  NAME+f32      the same with --cpu-gemm-dtype float32 (every product in float32: greedy output
+                exact against a float32 reference)
   llama-server  (--servers ... llama-server, once benchmarks/peers/build_llama_server.sh has built
                 it) on the GGUF, as benchmarks/peers/bench_vs_llamacpp.py runs it
 
@@ -45,8 +48,10 @@ from benchmarks.support.cluster import local_cluster, peer_server, source_info
 from pdserve.models.gguf import DEFAULT_MODEL, embedded_model_file
 from pdserve.wire.transport import free_port
 
-SERVERS = ("vllm", "pdserve-gguf", "pdserve-gguf+bf16", "pdserve-bf16", "pdserve-bf16+bf16", "llama-server")
-BF16_PRODUCTS = ("--cpu-gemm-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16")
+SERVERS = ("vllm", "pdserve-gguf", "pdserve-gguf+bf16", "pdserve-bf16", "pdserve-bf16+bf16", "llama-server",
+           "pdserve-gguf+f32", "pdserve-bf16+f32")
+VARIANT_FLAGS = {"bf16": ("--cpu-gemm-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"),
+                 "f32": ("--cpu-gemm-dtype", "float32")}
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 
 
@@ -94,13 +99,13 @@ def start_servers(stack: contextlib.ExitStack, args, bf16_dir: Path, log_dir: Pa
         url, pid, cmd = stack.enter_context(llama_server(args.llama_server, embedded_model_file(DEFAULT_MODEL), args,
                                                          log_dir / "llama-server.log"))
         up["llama-server"] = {"url": url, "pid": pid, "cmd": " ".join(cmd)}
-    for name, model in (("pdserve-gguf", DEFAULT_MODEL), ("pdserve-gguf+bf16", DEFAULT_MODEL),
-                        ("pdserve-bf16", str(bf16_dir)), ("pdserve-bf16+bf16", str(bf16_dir))):
-        if name in args.servers:
-            flags = pdserve_flags(args, model) + (list(BF16_PRODUCTS) if name.endswith("+bf16") else [])
-            cluster = stack.enter_context(local_cluster(*flags, log_path=str(log_dir / f"{name}.log"),
-                                                        startup_timeout_s=args.startup_timeout_s))
-            up[name] = {"url": cluster.url, "pid": cluster.proc.pid, "cmd": "pdserve up " + " ".join(flags)}
+    for name in (s for s in SERVERS if s.startswith("pdserve-") and s in args.servers):
+        base, _, variant = name.partition("+")
+        model = DEFAULT_MODEL if base == "pdserve-gguf" else str(bf16_dir)
+        flags = pdserve_flags(args, model) + list(VARIANT_FLAGS.get(variant, ()))
+        cluster = stack.enter_context(local_cluster(*flags, log_path=str(log_dir / f"{name}.log"),
+                                                    startup_timeout_s=args.startup_timeout_s))
+        up[name] = {"url": cluster.url, "pid": cluster.proc.pid, "cmd": "pdserve up " + " ".join(flags)}
     return up
 
 

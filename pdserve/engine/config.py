@@ -33,8 +33,9 @@ class EngineConfig:
     kernel_backend: str = "auto"  # auto | torch | numba | triton
     # The dtype of quantized weights' many-row products on CPU (prefill; decode steps past the
     # compiled step's rows): float32 (exact against a float32 reference) or bfloat16 (on CPUs with
-    # AMX or AVX-512 BF16: 2.7-4.7x faster tiles; see pdserve.kernels.dequant_tiles).
-    cpu_gemm_dtype: str = "float32"
+    # AMX or AVX-512 BF16: 2.7-4.7x faster tiles; see pdserve.kernels.dequant_tiles). auto:
+    # bfloat16 where the CPU has it, else float32 ($PDSERVE_CPU_GEMM_DTYPE, where set, decides).
+    cpu_gemm_dtype: str = "auto"
     # True: no CUDA graphs, every step launched op by op (vLLM's --enforce-eager). CUDA only.
     enforce_eager: bool = False
     # Overlap a decode step's host work with the GPU's (vLLM's async scheduling): "auto" (on
@@ -79,8 +80,8 @@ class EngineConfig:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         if self.kv_cache_dtype not in ("auto", "fp8", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be auto, fp8 or bfloat16, got {self.kv_cache_dtype!r}")
-        if self.cpu_gemm_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"cpu_gemm_dtype must be float32 or bfloat16, got {self.cpu_gemm_dtype!r}")
+        if self.cpu_gemm_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"cpu_gemm_dtype must be auto, float32 or bfloat16, got {self.cpu_gemm_dtype!r}")
         if self.kernel_backend not in ("auto", "torch", "numba", "triton"):
             raise ValueError(f"kernel_backend must be auto, torch, numba or triton, got {self.kernel_backend!r}")
         self.speculative_config = parse_speculative_config(self.speculative_config)
@@ -104,7 +105,7 @@ def engine_options(args: Any) -> dict:
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, kernel_backend=args.kernel_backend,
-                cpu_gemm_dtype=getattr(args, "cpu_gemm_dtype", "float32"),
+                cpu_gemm_dtype=getattr(args, "cpu_gemm_dtype", "auto"),
                 enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                 pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),

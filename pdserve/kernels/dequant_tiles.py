@@ -8,12 +8,14 @@ Lake). oneDNN, under torch's bf16 matmul, takes those: a [455, 576] x [576, 512]
 ran at 193 GFLOP/s in float32 and 765 in bf16 on a 2-core Zen 4 (AVX-512 BF16, no AMX). bf16
 rounds the activations, the dequantized weights and each product to 8 significant bits, as vLLM's
 CPU backend does (llama.cpp rounds activations to 8 bits), so greedy text can differ from the
-float32 reference where two tokens' logits nearly tie: float32, the default, keeps every product
-in float32 (the engine's `cpu_gemm_dtype`; set here per process with set_tile_dtype).
+float32 reference where two tokens' logits nearly tie: float32 keeps every product in float32
+(the engine's `cpu_gemm_dtype`, auto by default: bf16 where the CPU has it; set here per process
+with set_tile_dtype).
 The tiles serve prefill and any step past the compiled decode step's rows; decode steps within
 them stay in float32 (native_gemv.c)."""
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from functools import cache
 
@@ -29,6 +31,7 @@ TILE_BYTES = 1 << 20
 BF16_TILE_BYTES = 8 << 20
 _tiles: dict[int, np.ndarray] = {}  # columns -> the reused float32 tile buffer
 _tile_dtype = torch.float32
+GEMM_DTYPE_ENV = "PDSERVE_CPU_GEMM_DTYPE"  # what cpu_gemm_dtype auto means, where set
 
 
 @cache
@@ -43,8 +46,12 @@ def native_bf16() -> bool:
 
 
 def resolve_gemm_dtype(name: str) -> torch.dtype:
-    """The dtype named (float32 or bfloat16); bfloat16 on a CPU without native bf16 dot products
-    is refused: oneDNN would emulate it, slower than float32."""
+    """The dtype named (auto, float32 or bfloat16); bfloat16 on a CPU without native bf16 dot
+    products is refused: oneDNN would emulate it, slower than float32. auto: $PDSERVE_CPU_GEMM_DTYPE
+    where set (the test suite pins float32 there, for its float32 references), else bfloat16 where
+    the CPU multiplies it natively, as vLLM's CPU backend runs, and float32 elsewhere."""
+    if name == "auto":
+        name = os.environ.get(GEMM_DTYPE_ENV) or ("bfloat16" if native_bf16() else "float32")
     if name == "bfloat16" and not native_bf16():
         raise ValueError("cpu_gemm_dtype bfloat16 needs a CPU with AMX or AVX-512 BF16 (/proc/cpuinfo's "
                          "amx_bf16 or avx512_bf16); this one has neither: use float32")
