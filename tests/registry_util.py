@@ -10,7 +10,7 @@ import sys
 
 from pdserve.router.dispatch.nodes import NodePool
 from pdserve.router.scaling.registry_watcher import RegistryWatcher
-from pdserve.testing.up_cluster import assert_greedy_matches_offline, node_stats
+from pdserve.testing.up_cluster import assert_greedy_matches_offline, node_stats, wait_for
 from pdserve.wire.transport import free_port
 
 PROMPT = list(range(3, 60))
@@ -34,7 +34,8 @@ def serves(url: str, llm, node_id: str) -> None:
     before = node_stats(url)[node_id].get("requests_total", 0)
     for i in range(6):
         assert_greedy_matches_offline(url, llm, PROMPT[i:], 12)
-    assert node_stats(url)[node_id]["requests_total"] > before
+    # The count rides on the node's pongs (every 0.2 s): wait for one sent after its requests.
+    wait_for(lambda: node_stats(url)[node_id]["requests_total"] > before, timeout_s=10)
 
 
 def stop_process(proc: subprocess.Popen) -> None:

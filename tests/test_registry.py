@@ -9,6 +9,7 @@ registry restart keeps every router's nodes while the nodes register again.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import signal
 import time
 
@@ -78,25 +79,21 @@ def test_node_started_later_joins_then_rejoins_from_a_new_address(cluster, llm, 
         stop_process(late)
 
 
-def test_a_silent_node_expires_from_the_pool():
+def _silent_node_samples() -> list:
     server = RegistryServer("tcp://127.0.0.1:0").start()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(server.address)
         sock.send(encode(Register(NodeRecord("decode-x", "decode", "tcp://127.0.0.1:1", incarnation=1))))
-        samples = asyncio.run(watch_pool(server.address, EXPIRE_AFTER_S + 2.5,
-                                         lambda pool: [n.node_id for n in pool.nodes]))
+        return asyncio.run(watch_pool(server.address, EXPIRE_AFTER_S + 2.5,
+                                      lambda pool: [n.node_id for n in pool.nodes]))
     finally:
         sock.close()
         server.stop()
-    assert ["decode-x"] in samples, "the registered node never reached the pool"
-    assert samples[-1] == [], "a node with no heartbeat stayed in the pool"
 
 
-def test_a_node_whose_kv_differs_is_refused_at_registration():
-    """The records carry each node's KVCompat: a router refuses the odd node as it adds it, before
-    any pong (these addresses answer none), and routes to the one that agrees."""
+def _kv_differs_samples() -> list:
     agreed = KVCompat("a" * 32, "float32", "float32", 16, 2, 4, 2, 32)
     server = RegistryServer("tcp://127.0.0.1:0").start()
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -108,18 +105,15 @@ def test_a_node_whose_kv_differs_is_refused_at_registration():
         sock.connect(server.address)
         for record in records:
             sock.send(encode(Register(record)))
-        samples = asyncio.run(watch_pool(server.address, 1.5, lambda pool: {
+        return asyncio.run(watch_pool(server.address, 1.5, lambda pool: {
             n.node_id: (n.refused, n.refusal) for n in pool.nodes}))
     finally:
         sock.close()
         server.stop()
-    last = samples[-1]
-    assert set(last) == {"decode-x", "prefill-y"}
-    assert last["decode-x"] == (False, "")
-    assert last["prefill-y"][0] and "block size: 32" in last["prefill-y"][1]
 
 
-def test_a_registry_restart_keeps_the_routers_nodes():
+def _registry_restart() -> tuple[list, list[str], int]:
+    """The pool's samples, the new registry's members and the node's registrations."""
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     server = RegistryServer(address).start()
@@ -136,17 +130,13 @@ def test_a_registry_restart_keeps_the_routers_nodes():
 
     try:
         samples = asyncio.run(scenario())
-        assert server.members() and server.members()[0].node_id == "prefill-x"
+        return samples, [m.node_id for m in server.members()], reg.registrations
     finally:
         reg.close()
         server.stop()
-    assert samples[8:] and all(s == ["prefill-x"] for s in samples[8:]), samples
-    assert reg.registrations >= 2, "the node did not register again with the new registry"
 
 
-def test_a_node_that_never_registers_with_a_restarted_registry_leaves_the_pool():
-    """The new registry re-sends an unchanged membership once the grace after its restart ends:
-    the node it never heard from must still be removed then, not kept for good."""
+def _never_registers_samples() -> list:
     address = f"tcp://127.0.0.1:{free_port()}"
     server = RegistryServer(address).start()
     live = NodeRegistration(address, NodeRecord("prefill-x", "prefill", "tcp://127.0.0.1:1", incarnation=5)).start()
@@ -164,20 +154,67 @@ def test_a_node_that_never_registers_with_a_restarted_registry_leaves_the_pool()
         return await task
 
     try:
-        samples = asyncio.run(scenario())
+        return asyncio.run(scenario())
     finally:
         live.close()
         server.stop()
+
+
+# test name -> its in-process scenario (a registry, registrations and a router's pool and watcher)
+SCENARIOS = {"test_a_silent_node_expires_from_the_pool": _silent_node_samples,
+             "test_a_node_whose_kv_differs_is_refused_at_registration": _kv_differs_samples,
+             "test_a_registry_restart_keeps_the_routers_nodes": _registry_restart,
+             "test_a_node_that_never_registers_with_a_restarted_registry_leaves_the_pool": _never_registers_samples}
+
+
+@pytest.fixture(scope="module")
+def scenarios(request):
+    """The selected tests' scenarios, started together at the first of them: each spends its
+    seconds in fixed windows (heartbeats, expiries, a registry down) on threads that barely use
+    the CPU, so side by side they take the longest one's time, not their sum (each has its own
+    registry on its own port). Each test asserts on its own scenario's result."""
+    selected = {item.name for item in request.session.items}
+    with cf.ThreadPoolExecutor(len(SCENARIOS)) as pool:
+        yield {name: pool.submit(run) for name, run in SCENARIOS.items() if name in selected}
+
+
+def test_a_silent_node_expires_from_the_pool(scenarios):
+    samples = scenarios["test_a_silent_node_expires_from_the_pool"].result()
+    assert ["decode-x"] in samples, "the registered node never reached the pool"
+    assert samples[-1] == [], "a node with no heartbeat stayed in the pool"
+
+
+def test_a_node_whose_kv_differs_is_refused_at_registration(scenarios):
+    """The records carry each node's KVCompat: a router refuses the odd node as it adds it, before
+    any pong (these addresses answer none), and routes to the one that agrees."""
+    last = scenarios["test_a_node_whose_kv_differs_is_refused_at_registration"].result()[-1]
+    assert set(last) == {"decode-x", "prefill-y"}
+    assert last["decode-x"] == (False, "")
+    assert last["prefill-y"][0] and "block size: 32" in last["prefill-y"][1]
+
+
+def test_a_registry_restart_keeps_the_routers_nodes(scenarios):
+    samples, members, registrations = scenarios["test_a_registry_restart_keeps_the_routers_nodes"].result()
+    assert members and members[0] == "prefill-x"
+    assert samples[8:] and all(s == ["prefill-x"] for s in samples[8:]), samples
+    assert registrations >= 2, "the node did not register again with the new registry"
+
+
+def test_a_node_that_never_registers_with_a_restarted_registry_leaves_the_pool(scenarios):
+    """The new registry re-sends an unchanged membership once the grace after its restart ends:
+    the node it never heard from must still be removed then, not kept for good."""
+    samples = scenarios["test_a_node_that_never_registers_with_a_restarted_registry_leaves_the_pool"].result()
     assert ["decode-y", "prefill-x"] in samples[:15], samples
     assert samples[-1] == ["prefill-x"], "a node the restarted registry never heard from stayed in the pool"
 
 
-def test_a_record_that_expires_while_its_node_answers_keeps_the_node(tmp_path, monkeypatch):
+def test_a_record_that_expires_while_its_node_answers_keeps_the_node(scenarios, tmp_path, monkeypatch):
     """A loaded host can starve a node's heartbeat thread past the expiry while the node still
     answers the router's pings (a Ray run under load once lost a stream so: the registry dropped the
     last decode node's record and the router removed the node). Here the registry expires records
     after 0.3 s while the node heartbeats every second, so its record comes and goes: the pool
     keeps the node in rotation throughout, and drops it once the node is killed."""
+    cf.wait(scenarios.values())  # the expiry below is the module's: theirs must have ended
     monkeypatch.setattr(registry_module, "EXPIRE_AFTER_S", 0.3)
     server = RegistryServer(f"tcp://127.0.0.1:{free_port()}").start()
     node, _ = start_decode(server.address, "decode-x", str(tmp_path / "x.log"))
