@@ -27,7 +27,7 @@ def refusal(feature: str) -> str:
 
 def hybrid_section() -> str:
     lines = ["## Hybrid models", "",
-             "Qwen3.5 (text, and with images), Qwen3-Next, Nemotron-H and Granite 4.0-H ([models](models.md#hybrid-models-qwen35-nemotron-h)) keep a recurrent state per "
+             "Qwen3.5 (text, and with images), Qwen3-Next, Nemotron-H, Granite 4.0-H and Falcon-H1 ([models](models.md#hybrid-models-qwen35-nemotron-h)) keep a recurrent state per "
              "request beside the KV blocks. `tests/test_models_hybrid.py` checks each refusal below at start; "
              "offline greedy decoding, chunked prefill, batched decode, preemption and prefix caching (with "
              "the state snapshotted at block boundaries) match transformers; so does P/D over NIXL and through the "

@@ -1,5 +1,6 @@
 """Hybrid families (Qwen3.5's Gated DeltaNet beside gated attention; Qwen3-Next's, with MoE;
-Nemotron-H's Mamba2, attention, MLP and MoE blocks; Granite 4.0-H's, with its multipliers)
+Nemotron-H's Mamba2, attention, MLP and MoE blocks; Granite 4.0-H's, with its multipliers;
+Falcon-H1's Mamba2 and attention side by side in every layer, with its muP multipliers)
 against transformers in float32, offline: prompt logits, and greedy tokens through chunked
 prefill, batched decode of different lengths, slot reuse and preemption by recompute. The
 recurrent state lives in a pool of slots beside the KV blocks: none may leak after finishing,
@@ -23,9 +24,11 @@ from pdserve.models.loader import ModelLoadError, load_hf_config
 from pdserve.protocol.block_keys import block_key_chain
 from pdserve.testing.hybrid_checkpoints import load_reference, make_hybrid_model
 
-KINDS = ["qwen3_5_text", "qwen3_next", "nemotron_h", "granitemoehybrid"]
-# The checks of the pool and the refusals do not depend on the family: one of each state kind.
-ONE_OF_EACH = pytest.mark.parametrize("checkpoint", ["qwen3_5_text", "nemotron_h"], indirect=True)
+KINDS = ["qwen3_5_text", "qwen3_next", "nemotron_h", "granitemoehybrid", "falcon_h1"]
+# The checks of the pool and the refusals do not depend on the family: one of each state kind
+# (the delta rule's, Mamba2's) and of each place for it (instead of a layer's KV, or beside it in
+# the same layer: Falcon-H1).
+ONE_OF_EACH = pytest.mark.parametrize("checkpoint", ["qwen3_5_text", "nemotron_h", "falcon_h1"], indirect=True)
 # (seed 0's reference greedy has a near tie on a prompt below: a top-2 gap of 5e-4)
 SEEDS = {"qwen3_next": 1, "granitemoehybrid": 3}
 NEW_TOKENS = 8
@@ -45,6 +48,19 @@ def test_prompt_logits_match(checkpoint):
             theirs = ref(torch.tensor([prompt])).logits[0]
         diff = (llm.engine.prompt_logits(prompt) - theirs).abs().max().item()
         assert diff < 1e-4, f"{path.name}: max |logit diff| {diff:.2e} for a {len(prompt)}-token prompt"
+
+
+@pytest.mark.parametrize("norm", [dict(mamba_rms_norm=False), dict(mamba_norm_before_gate=True)])
+def test_falcon_h1_mamba_output_variants_match(tmp_path, norm):
+    """Falcon-H1's Mamba output gated without the norm, and normed before the gate (the
+    checkpoint above gates, then norms)."""
+    path = make_hybrid_model(tmp_path, "falcon_h1", **norm)
+    ref = load_reference(path)
+    llm = LLM(model=str(path), num_kv_blocks=32, enable_prefix_caching=False)
+    prompt = random_prompts(1, ref.config.vocab_size, (70,))[0]
+    with torch.no_grad():
+        theirs = ref(torch.tensor([prompt])).logits[0]
+    assert (llm.engine.prompt_logits(prompt) - theirs).abs().max().item() < 1e-4
 
 
 def test_greedy_chunked_batched_preempted_match_generate(checkpoint):
@@ -213,6 +229,8 @@ def test_state_pool_counts_in_the_memory_budget(checkpoint):
     ("nemotron_h", "moe_latent_size", 16),
     ("nemotron_h", "mlp_hidden_act", "silu"),
     ("granitemoehybrid", "hidden_act", "gelu"),
+    ("falcon_h1", "projectors_bias", True),
+    ("falcon_h1", "time_step_limit", (0.0, 1.0)),
 ])
 def test_unsupported_variant_is_refused(tmp_path, kind, field, value):
     path = make_hybrid_model(tmp_path, kind, **{field: value})

@@ -56,6 +56,7 @@ COVERED_ELSEWHERE = {
     "Qwen3NextForCausalLM": "test_hybrid_pd.py",
     "NemotronHForCausalLM": "test_hybrid_pd.py",
     "GraniteMoeHybridForCausalLM": "test_hybrid_pd.py",
+    "FalconH1ForCausalLM": "test_hybrid_pd.py",
 }
 
 

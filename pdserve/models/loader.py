@@ -43,6 +43,7 @@ FAMILY_MODULES = {
     "Qwen3NextForCausalLM": "pdserve.models.qwen3_next",
     "NemotronHForCausalLM": "pdserve.models.nemotron_h",
     "GraniteMoeHybridForCausalLM": "pdserve.models.granite_hybrid",
+    "FalconH1ForCausalLM": "pdserve.models.falcon_h1",
 }
 # Vision-language models: the config's text_config is what the engine reads
 # (flatten_multimodal_config). Qwen2.5-VL's language model loads as a Llama-family model, the

@@ -61,13 +61,15 @@ def kv_entry_dims(hf_config) -> tuple[int, int, int]:
 # state instead (pdserve.engine.state_pool); MLP and MoE layers keep nothing.
 STATE_LAYER_TYPES = ("linear_attention", "mamba")
 NO_CACHE_LAYER_TYPES = ("mlp", "moe")
+# Layers that keep both: Falcon-H1's "hybrid" layers run Mamba2 and attention side by side.
+KV_AND_STATE_LAYER_TYPES = ("hybrid",)
 
 
 def has_state_layers(hf_config) -> bool:
     """A hybrid model: its layer_types (Nemotron-H: layers_block_type) name layers that keep a
-    recurrent state (linear attention, Mamba) instead of KV."""
+    recurrent state (linear attention, Mamba), instead of KV or (Falcon-H1) beside it."""
     types = getattr(hf_config, "layer_types", None) or getattr(hf_config, "layers_block_type", None) or ()
-    return any(t in STATE_LAYER_TYPES for t in types)
+    return any(t in STATE_LAYER_TYPES + KV_AND_STATE_LAYER_TYPES for t in types)
 
 
 def kv_layer_count(hf_config) -> int:

@@ -40,6 +40,16 @@ HYBRIDS = {
         chunk_size=32, max_position_embeddings=512, layer_norm_epsilon=1e-5,
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
         n_group=2, topk_group=1)),
+    # every multiplier away from 1 (each one wrong or missing changes the tokens), RoPE with a
+    # small base, the Mamba output through the grouped norm
+    "falcon_h1": ("FalconH1ForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+        mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+        mamba_chunk_size=32, mamba_rms_norm=True, mamba_norm_before_gate=False, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0}, embedding_multiplier=1.5,
+        lm_head_multiplier=0.8, mlp_multipliers=[1.2, 0.7], key_multiplier=0.6, attention_in_multiplier=1.3,
+        attention_out_multiplier=0.9, ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.4], ssm_in_multiplier=0.7,
+        ssm_out_multiplier=1.25)),
 }
 
 
