@@ -1,13 +1,16 @@
 """Offline throughput on hybrid models (random weights): pdserve beside transformers' own
 `generate` on the same checkpoint, in one run.
 
-Two shapes, each a scaled-down copy of its family's proportions:
+Three shapes, each a scaled-down copy of its family's proportions:
 - Qwen3.5 (`qwen3_5_text`, 35M): hidden 512, 8 layers (three Gated DeltaNet layers before each
   gated full-attention layer), linear attention with 4 key and 8 value heads of 64, attention
   with 8 heads of 64 (2 KV heads, a quarter of each rotary), MLP 1536, vocab 8192.
 - Nemotron-H (`nemotron_h`, 20M): hidden 512, 8 blocks (Mamba2, MLP, Mamba2, MLP, attention,
   MLP, Mamba2, MLP), Mamba2 with 16 heads of 64, state 64, 2 groups, chunk 128; squared-ReLU
   MLP 1536, vocab 8192.
+- Falcon-H1 (`falcon_h1`): hidden 512, 8 layers, each Mamba2 (16 heads of 64, state 64, 2 groups,
+  chunk 128) beside attention (as above, full rotary), then a SwiGLU MLP 1536, vocab 8192; the
+  muP multipliers left at 1 (they cost the same at any value).
 
 Workload: 32 requests of 32-256 prompt tokens, 32 new tokens each, ignore_eos, float32 on CPU.
 transformers runs one left-padded `generate` over all requests, with its torch paths for the
@@ -48,6 +51,9 @@ FAMILIES = {
         _ATTENTION, layers_block_type=["linear_attention", "mlp", "linear_attention", "mlp", "full_attention",
                                        "mlp", "linear_attention", "mlp"],
         mamba_num_heads=16, mamba_head_dim=64, ssm_state_size=64, n_groups=2, chunk_size=128, conv_kernel=4)),
+    "falcon_h1": ("FalconH1ForCausalLM", dict(
+        _ATTENTION, num_hidden_layers=8, mamba_d_ssm=1024, mamba_n_heads=16, mamba_d_head=64, mamba_n_groups=2,
+        mamba_d_state=64, mamba_chunk_size=128, mamba_d_conv=4)),
 }
 # What --profile times, beside the engine step and model forward (offline_cpu_shares.py)
 HYBRID_PARTS = [
