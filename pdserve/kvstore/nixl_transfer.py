@@ -182,7 +182,6 @@ class NixlKVAgent:
         logger.info("NIXL agent %s up in %.2fs: %d blocks of %d bytes", name,
                     time.perf_counter() - t0, self.num_blocks, self.block_nbytes)
 
-    # ---- peers ---------------------------------------------------------------------------
 
     def metadata(self) -> bytes:
         """This agent's metadata; send it to each peer once (in a wire.handover.NixlMetadata)."""
@@ -234,7 +233,6 @@ class NixlKVAgent:
             except Exception as exc:  # already gone is fine: we only want it unusable
                 logger.debug("remove_remote_agent(%s): %r", peer, exc)
 
-    # ---- regions -------------------------------------------------------------------------
 
     def block_regions(self, block_ids: Iterable[int]) -> list[Region]:
         """(addr, nbytes, dev_id) of each block, as plain ints for a side-channel message."""
@@ -252,7 +250,6 @@ class NixlKVAgent:
             raise IndexError(f"no state slot {slot} registered")
         return (self.state_arena.data_ptr() + slot * self.slot_nbytes, self.slot_nbytes, self.dev_id)
 
-    # ---- transfers -----------------------------------------------------------------------
 
     def start_read(self, peer: str, remote_regions: Sequence[Region],
                    local_block_ids: Sequence[int], notif: bytes = b"",
@@ -260,10 +257,9 @@ class NixlKVAgent:
         """READ remote_regions[i] into local block local_block_ids[i]; one batched xfer.
         state: (remote slot region, local slot), READ in the same xfer (blocks may then be none).
 
-        The peer gets `notif` once the whole READ has completed. Raises NixlTransferError
-        if the request cannot be posted (unknown or dead peer, unregistered addresses).
-        Over cma the copy itself runs inside this call (~13 ms per 64 MiB here) with the GIL
-        released, so a caller that must not stall can post from a worker thread.
+        The peer gets `notif` once the whole READ has completed. Raises NixlTransferError if it
+        cannot be posted (unknown or dead peer, unregistered addresses). Over cma the copy runs
+        inside this call (~13 ms per 64 MiB here) with the GIL released.
         """
         local = self._check_pairs(remote_regions, local_block_ids, state is not None)
         remote = [tuple(map(int, r)) for r in remote_regions]
@@ -271,6 +267,17 @@ class NixlKVAgent:
             if int(state[0][1]) != self.slot_nbytes:  # another state layout would scramble the slot
                 raise ValueError(f"remote state slot of {state[0][1]} bytes, local slots are {self.slot_nbytes}")
             local, remote = [*local, self.slot_region(state[1])], [*remote, tuple(map(int, state[0]))]
+        return self._post("READ", peer, local, remote, notif, timeout_s)
+
+    def start_write(self, peer: str, local_block_ids: Sequence[int], remote_regions: Sequence[Region],
+                    notif: bytes = b"", timeout_s: float = 30.0) -> NixlReadHandle:
+        """WRITE local block local_block_ids[i] into the peer's remote_regions[i] (push mode: the
+        decode node's blocks waiting for this prompt); polled and waited on as a READ is."""
+        local = self._check_pairs(remote_regions, local_block_ids)
+        return self._post("WRITE", peer, local, [tuple(map(int, r)) for r in remote_regions], notif, timeout_s)
+
+    def _post(self, op: str, peer: str, local: list[Region], remote: list[Region], notif: bytes,
+              timeout_s: float) -> NixlReadHandle:
         loc, rem = coalesce_pairs(local, remote)
         now = time.monotonic()
         with self._lock:
@@ -278,16 +285,16 @@ class NixlKVAgent:
             try:
                 loc_d = self._agent.get_xfer_descs(loc, self.mem_type)
                 rem_d = self._agent.get_xfer_descs(rem, self.mem_type)
-                xfer = self._agent.initialize_xfer("READ", loc_d, rem_d, peer, notif)
+                xfer = self._agent.initialize_xfer(op, loc_d, rem_d, peer, notif)
                 state = self._agent.transfer(xfer)
             except Exception as exc:
                 if xfer is not None:
                     self._release(NixlReadHandle(xfer, peer, 0, 0, now, now))
-                raise NixlTransferError(f"READ from {peer} failed to post: {exc!r}") from exc
+                raise NixlTransferError(f"{op} with {peer} failed to post: {exc!r}") from exc
         handle = NixlReadHandle(xfer, peer, sum(n for _, n, _ in local), len(loc), now, now + timeout_s)
         if state == "ERR":
             self._finish(handle, "ERR", "transfer() returned ERR")
-            raise NixlTransferError(f"READ from {peer} failed to post: ERR")
+            raise NixlTransferError(f"{op} with {peer} failed to post: ERR")
         if state == "DONE":
             self._finish(handle, "DONE")
         return handle
@@ -331,14 +338,14 @@ class NixlKVAgent:
             time.sleep(poll_interval_s)
         if handle.state == "ERR":
             kind = NixlTimeoutError if handle.error == "deadline passed" else NixlTransferError
-            raise kind(f"READ from {handle.peer}: {handle.error}")
+            raise kind(f"transfer with {handle.peer}: {handle.error}")
         return time.monotonic() - handle.started_at
 
     def _finish(self, handle: NixlReadHandle, state: XferState, error: str = "") -> None:
         handle.state = state
         handle.error = error
         if state == "ERR":
-            logger.warning("NIXL READ from %s (%d bytes) failed: %s",
+            logger.warning("NIXL transfer with %s (%d bytes) failed: %s",
                            handle.peer, handle.nbytes, error)
         self._release(handle)
 
@@ -361,7 +368,6 @@ class NixlKVAgent:
             self._release(handle)
         return len(self._unreleased)
 
-    # ---- notifications -------------------------------------------------------------------
 
     def get_notifications(self) -> list[tuple[str, bytes]]:
         """New notifications as (sender agent name, message), in arrival order per sender."""
@@ -377,7 +383,6 @@ class NixlKVAgent:
             except Exception as exc:
                 raise NixlTransferError(f"send_notif to {peer} failed: {exc!r}") from exc
 
-    # ---- teardown ------------------------------------------------------------------------
 
     def close(self) -> None:
         """Release handles, forget peers, deregister memory and drop the agent. Idempotent."""

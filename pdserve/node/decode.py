@@ -26,8 +26,8 @@ from pdserve.node.runtime import NodeRuntime
 from pdserve.node.step_budget import StepBudget
 from pdserve.node.store_prefix import StorePrefix, request_block_keys
 from pdserve.node.store_writeback import StoreWriteBack
-from pdserve.wire.handover import KVHandover, StoreHandover
-from pdserve.wire.messages import DecodeRequest, KVReady, Message, Ping, Pong, PrefillRequest, Rejected
+from pdserve.wire.handover import KVHandover, NixlHandover, StoreHandover
+from pdserve.wire.messages import DecodeRequest, KVReady, Message, Ping, Pong, PrefillRequest, Rejected, WriteTarget
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class Pull:
     path: str = ""                  # PULLING: the puller's transport, and what it moves
     started: float = 0.0
     nbytes: int = 0                 # the blocks' bytes
+    written: bool = False           # push mode: the prefill node WROTE them here (nothing READ)
     state_nbytes: int = 0           # a hybrid model's state slot, moved with them
     # ABANDONED: the router resumed the request here under the same id (no other decode node
     # was up); it is admitted once the aborted pull ends.
@@ -141,6 +142,17 @@ class DecodeNode(StepBudget):
         self.placements["prefills_handed_over"] += 1
         self._admit_pull(req, handover, store_prefix=False)
 
+    def write_target(self, rid: str, req: Request | None, lease_s: float) -> WriteTarget | None:
+        """Where a prefill node may WRITE the blocks a push-mode request waits with (req: None when
+        it has none); no regions: nothing to write (none lacking, no room, a hybrid model's state),
+        said so that its handover need not wait for this. None: this node has no NIXL agent."""
+        puller, bs = self.pullers.get(NixlHandover), self.engine.config.block_size
+        if not isinstance(puller, NixlPuller):
+            return None
+        n_blocks = 0 if req is None or req.state_slot is not None else -(-len(req.prompt_token_ids) // bs)
+        first = 0 if req is None else max(req.num_computed_tokens // bs, req.num_slid_blocks)
+        return puller.write_target(rid, req.block_ids[:n_blocks] if req else [], min(first, n_blocks), lease_s)
+
     def _stored_prefix(self, msg: DecodeRequest) -> StoreHandover | None:
         """A prompt this node computes itself fetches the leading blocks the store holds and its
         own cache lacks, through its store puller as it fetches a handover (its streams do not
@@ -212,6 +224,7 @@ class DecodeNode(StepBudget):
         self.engine.mark_remote_transfer(req.request_id)
         pull.state, pull.path, pull.started = PullState.PULLING, puller.path, started
         pull.nbytes = (n_blocks - first) * self.block_nbytes
+        pull.written = req.request_id in getattr(puller, "written", ())
         pull.state_nbytes = 0 if req.state_slot is None else self.engine.kv.states.slot_nbytes
         pull.unowed = first < getattr(handover, "put_from", 0)
         self.pulls[req.request_id] = pull
@@ -245,8 +258,10 @@ class DecodeNode(StepBudget):
         self.writeback.answer_done(req.request_id, keys[:len(tokens) // bs], len(req.prompt_token_ids) // bs)
 
     def poll_background(self) -> None:
-        if self.push.waits:
+        if self.push.waits or self.push.granted:
             self.push.expire()
+            if isinstance(nixl := self.pullers.get(NixlHandover), NixlPuller):
+                self.push.writes_done(nixl.writes_done())
         if self.writeback is not None:
             self.writeback.poll()
         if self.pulls:
@@ -298,11 +313,15 @@ class DecodeNode(StepBudget):
 
     def _count_transfer(self, pull: Pull) -> None:
         bytes_name, us_name = f"transfer_bytes_{pull.path}", f"transfer_us_{pull.path}"
+        if pull.written:  # landed by the prefill node's WRITEs (push mode): nothing was READ
+            bytes_name = "transfer_bytes_nixl_written"
+            self.pullers[NixlHandover].written.discard(pull.req.request_id)
         setattr(self.stats, bytes_name, getattr(self.stats, bytes_name) + pull.nbytes + pull.state_nbytes)
         setattr(self.stats, us_name, getattr(self.stats, us_name) + int((time.perf_counter() - pull.started) * 1e6))
 
     def abort(self, request_id: str) -> None:
-        self.push.forget(request_id)
+        if self.push.forget(request_id):
+            return  # its blocks wait for the writes to end (push_intake: fenced)
         self.streams.pop(request_id, None)
         pull = self.pulls.get(request_id)
         if pull is not None and pull.state is not PullState.DELAYED:
@@ -316,7 +335,7 @@ class DecodeNode(StepBudget):
         super().abort(request_id)
 
     def role_idle(self) -> bool:
-        return not self.pulls and not self.push.waits and (self.writeback is None or self.writeback.idle())
+        return not self.pulls and not self.push.waits and not self.push.fenced and (self.writeback is None or self.writeback.idle())
 
     def close_role(self) -> None:
         self.close_step_budget()

@@ -19,13 +19,14 @@ from pdserve.engine.request import RequestStatus
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
 from pdserve.node.producers import MISSING, NixlProducer, PendingPrefill, Producer, StoreProducer
+from pdserve.node.push_writes import PushWriter
 from pdserve.node.runtime import NodeRuntime
 from pdserve.node.step_budget import StepBudget
 from pdserve.node.store_prefix import StorePrefix, request_block_keys
 from pdserve.node.store_puts import StorePuts
 from pdserve.protocol.grammar import DEAD_END_FINISH
 from pdserve.protocol.outputs import StepOutput
-from pdserve.wire.handover import NixlMetadataRequest
+from pdserve.wire.handover import KVHandover, NixlMetadataRequest
 from pdserve.wire.messages import (
     DecodeRequest,
     HandoverMade,
@@ -35,10 +36,12 @@ from pdserve.wire.messages import (
     PrefillRequest,
     PrefillResult,
     Rejected,
+    WriteTarget,
 )
 from pdserve.wire.transport import NodeSocket
 
 log = logging.getLogger(__name__)
+TARGET_WAIT_S = 1.0  # push mode: how long a made handover waits for its decode node's WriteTarget
 
 
 class PrefillNode(StepBudget):
@@ -50,12 +53,16 @@ class PrefillNode(StepBudget):
         self.store = store
         self.store_prefix = StorePrefix(engine, store, self.stats) if store is not None else None
         self.pending: dict[str, PendingPrefill] = {}
+        # push mode over NIXL: first token out, the handover waiting for its WriteTarget (since when)
+        self.awaiting: dict[str, tuple[PendingPrefill, float]] = {}
         self.whole_requests = 0  # requests prefilled and decoded here (the router's fallback)
         self.init_step_budget()
         self.nixl: NixlProducer | None = None
+        self.writer: PushWriter | None = None  # push mode: WRITEs into the decode node's blocks
         if nixl_side_channel:
             self.nixl = NixlProducer(engine, node_id, self.ctx, nixl_side_channel, advertise_host, lease_s, self.stats)
             self.poller.register(self.nixl.side.sock, zmq.POLLIN)
+            self.writer = PushWriter(engine, self.nixl.agent, self.stats)
         producers = [StoreProducer(engine, store, self.stats)] if store is not None else []
         self.puts = StorePuts(producers[0]) if producers else None  # store handovers, off this loop
         # By the transport a request names.
@@ -70,6 +77,8 @@ class PrefillNode(StepBudget):
             self.nixl.side.send(identity, self.nixl.metadata())
         elif isinstance(msg, PrefillRequest):
             self._admit(identity, msg)
+        elif isinstance(msg, WriteTarget):
+            self._take_target(msg)
         elif isinstance(msg, DecodeRequest) and not msg.pulls_kv():
             self._admit_whole(identity, msg)
         elif isinstance(msg, DecodeRequest):  # sent before the router saw this node switch roles
@@ -138,7 +147,9 @@ class PrefillNode(StepBudget):
     def pong(self, ping: Ping) -> Pong:
         pong = super().pong(ping)
         pong.stats.update(**self.budget_stats(), whole_requests=self.whole_requests, serves_whole=1,
-                          reads_store=int(self.store_prefix is not None))
+                          reads_store=int(self.store_prefix is not None),
+                          push_writes=self.writer.writes if self.writer is not None else 0,
+                          push_write_failures=self.writer.failures if self.writer is not None else 0)
         return pong
 
     def _hand_over(self, pending: PendingPrefill, first: StepOutput) -> None:
@@ -148,22 +159,57 @@ class PrefillNode(StepBudget):
         if not done:
             first.finished, first.finish_reason = False, None
         first.timing, made = self.ttft_clocks.first_token(rid), time.perf_counter()
-        producer, handover = self.producers[req.transfer], None
+        producer = self.producers[req.transfer]
         if not done and producer is not self.nixl:  # the store: the put runs off this loop
             if req.push:  # its decode node waits already: the first token need not wait for the put
                 _handover_time(first, made)
                 self.control.send(pending.identity, PrefillResult(rid, first=first, handover_follows=True))
             self.puts.start(producer.prepare(pending), first, made)
             return
-        try:
-            if not done:
-                handover = producer.hand_over(pending)
-        except (KVStoreError, RuntimeError) as exc:
-            log.warning("[%s] handover failed, the decode node will recompute: %s", rid, exc)
-        if handover is None or not producer.pins_blocks:
+        if not done and req.push and self.writer is not None and not self.writer.has(rid):
+            # Its decode node's WriteTarget has not come: the first token goes now, the handover
+            # (with the blocks written) once the target comes (_take_target), or without them.
+            _handover_time(first, made)
+            self.control.send(pending.identity, PrefillResult(rid, first=first, handover_follows=True))
+            self.awaiting[rid] = (pending, time.monotonic())
+            return
+        handover = None if done else self._made(pending, producer)
+        if done:  # no handover: nothing to write, nothing to pin
+            if self.writer is not None:
+                self.writer.forget(rid)
             self._release(rid)
         _handover_time(first, made)
         self.control.send(pending.identity, PrefillResult(rid, first=first, handover=handover))
+
+    def _made(self, pending: PendingPrefill, producer: Producer) -> KVHandover | None:
+        """The handover (a NIXL one with push mode's WRITEs done); None: it failed (recompute)."""
+        rid, handover = pending.request.request_id, None
+        try:
+            handover = producer.hand_over(pending)
+            if self.writer is not None and producer is self.nixl:
+                handover = self.writer.finish(rid, handover)
+        except (KVStoreError, RuntimeError) as exc:
+            log.warning("[%s] handover failed, the decode node will recompute: %s", rid, exc)
+        if self.writer is not None:
+            self.writer.forget(rid)
+        if handover is None or not producer.pins_blocks:
+            self._release(rid)
+        return handover
+
+    def _take_target(self, msg: WriteTarget) -> None:
+        rid = msg.request_id
+        pending = self.pending.get(rid) or self.awaiting.get(rid, (None,))[0]
+        if self.writer is None:
+            return
+        if pending is None or pending.request.transfer != "nixl":
+            return self.writer.decline(msg)
+        self.writer.take(msg)
+        if rid in self.awaiting:
+            self._hand_over_awaited(rid)
+
+    def _hand_over_awaited(self, rid: str) -> None:
+        pending, _ = self.awaiting.pop(rid)
+        self.control.send(pending.identity, HandoverMade(rid, self._made(pending, self.nixl)))
 
     def _finish_puts(self) -> None:
         for put, handover in self.puts.finished():
@@ -181,6 +227,11 @@ class PrefillNode(StepBudget):
 
     # ---- freeing handed-over blocks -----------------------------------------------------
     def poll_background(self) -> None:
+        if self.writer is not None and self.writer.targets:
+            self.writer.advance()  # the whole blocks the last step computed, into their decode node's
+        now = time.monotonic()
+        for rid in [r for r, (_, since) in self.awaiting.items() if now - since > TARGET_WAIT_S]:
+            self._hand_over_awaited(rid)  # its decode node is gone or slow: pull mode's handover
         if self.puts is not None:
             self._finish_puts()
         for producer in self.producers.values():
@@ -193,14 +244,17 @@ class PrefillNode(StepBudget):
 
     def abort(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
+        self.awaiting.pop(request_id, None)
         for producer in self.producers.values():
             producer.forget(request_id)
+        if self.writer is not None:
+            self.writer.forget(request_id)
         if self.puts is not None and self.puts.abort(request_id):
             return  # its blocks stay held until its put ends (store_puts)
         super().abort(request_id)
 
     def role_idle(self) -> bool:
-        return (not self.pending and (self.puts is None or self.puts.idle())
+        return (not self.pending and not self.awaiting and (self.puts is None or self.puts.idle())
                 and all(producer.idle() for producer in self.producers.values()))
 
     def close_role(self) -> None:
@@ -209,6 +263,8 @@ class PrefillNode(StepBudget):
             self.puts.close()
         if self.store_prefix is not None:
             self.store_prefix.close()
+        if self.writer is not None:
+            self.writer.close()
         for producer in self.producers.values():
             producer.close()
 

@@ -41,6 +41,7 @@ from pdserve.kvstore.nixl_transfer import (
 )
 from pdserve.protocol.block_keys import state_key
 from pdserve.wire.handover import (
+    WRITES_DONE_PREFIX,
     KVHandover,
     NixlHandover,
     NixlMetadata,
@@ -48,7 +49,7 @@ from pdserve.wire.handover import (
     StoreHandover,
     peer_mismatch,
 )
-from pdserve.wire.messages import decode, encode
+from pdserve.wire.messages import WriteTarget, decode, encode
 
 log = logging.getLogger(__name__)
 METADATA_TIMEOUT_MS = 3000
@@ -172,6 +173,39 @@ class NixlPuller:
         self.reads: dict[str, Read] = {}
         self.integrity_failures = 0  # pulls whose blocks failed their digest check
         self._corrupt_left = int(os.environ.get(CORRUPT_PULLS_ENV, "0") or 0)
+        self.written: set[str] = set()  # push mode: pulls whose blocks a prefill node WROTE (nothing READ)
+        self._landed: list[str] = []  # ... reported by the next poll()
+        self._metadata: NixlMetadata | None = None
+
+    def write_target(self, rid: str, block_ids: list[int], first: int, lease_s: float) -> WriteTarget:
+        """Where a push-mode request's prefill node may WRITE blocks [first:] of its prompt
+        (block_ids: the prompt's local blocks), with this agent's handshake."""
+        if self._metadata is None:
+            self._metadata = NixlMetadata(self.agent.name, self.agent.metadata(), kv_salt=self.kv_salt,
+                                          block_nbytes=self.agent.block_nbytes)
+        return WriteTarget(rid, self._metadata, first, self.agent.block_regions(block_ids[first:]), lease_s)
+
+    def writes_done(self) -> list[str]:
+        """Requests whose prefill nodes said they write no more into their blocks."""
+        notes = self.agent.get_notifications()
+        done = len(WRITES_DONE_PREFIX)
+        return [note[done:].decode(errors="replace") for _, note in notes if note.startswith(WRITES_DONE_PREFIX)]
+
+    def _landed_by_write(self, rid: str, handover: NixlHandover, local_ids: list[int], first: int) -> bool:
+        """The prefill node WROTE blocks [first:] here (push mode) and they hash to its digests."""
+        if handover.written_to != self.agent.name or handover.state_region is not None:
+            return False
+        if not handover.written_from <= first or handover.written_from + handover.written < len(local_ids):
+            return False
+        ids = local_ids[first:]
+        if self._corrupt_left > 0 and ids:
+            self._corrupt_left -= 1
+            self.kv_cache[ids[0]].view(-1).view(torch.uint8)[7] ^= 0x10
+        if mismatched_blocks(self.kv_cache, ids, handover.digests[first - handover.first_block:]):
+            self.integrity_failures += 1
+            log.warning("[%s] written blocks failed their digest check: READing them", rid)
+            return False
+        return True
 
     def _peer(self, side_channel: str, agent_name: str) -> str:
         """The loaded agent serving `side_channel`, which must be the handover's `agent_name`."""
@@ -207,6 +241,11 @@ class NixlPuller:
         if (self.states is None) != (handover.state_region is None):
             log.warning("[%s] the handover's recurrent state does not match this model: recomputing", rid)
             return False
+        if self._landed_by_write(rid, handover, local_ids, first):
+            self.written.add(rid)
+            self._landed.append(rid)
+            self.release(handover, rid)  # the prefill node may free its pinned blocks
+            return True
         try:
             peer = self._peer(handover.side_channel, handover.agent_name)
             regions = handover.regions[first - handover.first_block:]
@@ -222,7 +261,8 @@ class NixlPuller:
         return True
 
     def poll(self) -> list[tuple[str, bool]]:
-        done = []
+        done = [(rid, True) for rid in self._landed]
+        self._landed.clear()
         for rid, read in list(self.reads.items()):
             state = self.agent.poll(read.handle)
             if state == "PROC":

@@ -72,6 +72,7 @@ class NodeStats:
     leases_expired: int = 0
     cached_tokens_store: int = 0   # prompt tokens loaded from the KV store instead of computed
     transfer_bytes_nixl: int = 0
+    transfer_bytes_nixl_written: int = 0  # push mode: a prefill node's WRITEs; a decode node's blocks they landed
     transfer_bytes_store: int = 0
     transfer_us_nixl: int = 0      # microseconds spent in KV transfers (pulls, store puts)
     transfer_us_store: int = 0

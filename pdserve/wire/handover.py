@@ -55,6 +55,12 @@ class NixlHandover(msgspec.Struct, frozen=True, tag="nixl"):
     # in the same READ as the blocks under the same lease, and its xxh3-64; None: none.
     state_region: Region | None = None
     state_digest: int = 0
+    # Push mode: blocks [written_from, written_from + written) were WRITTEN already into the
+    # blocks the decode node whose agent is written_to holds for this request (WriteTarget). That
+    # node checks their digests and READs nothing; any other node READs as usual.
+    written_to: str = ""
+    written_from: int = 0
+    written: int = 0
 
     def __post_init__(self) -> None:
         # A digest per block is the contract; catching a mismatch here beats a bad READ later.
@@ -63,6 +69,9 @@ class NixlHandover(msgspec.Struct, frozen=True, tag="nixl"):
 
 
 KVHandover = StoreHandover | NixlHandover
+# Push mode: the NIXL notification (this prefix, then the request id) by which a prefill node
+# tells a decode node it WRITEs no more into that request's blocks (pdserve.node.push_writes).
+WRITES_DONE_PREFIX = b"written:"
 
 
 def handover_path(handover: KVHandover | None) -> str:

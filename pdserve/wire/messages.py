@@ -12,7 +12,7 @@ from pdserve.protocol.outputs import StepOutput, TokenLogprob
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.wire.compat import KVCompat
 from pdserve.wire.embedding_handover import EmbeddingHandover
-from pdserve.wire.handover import KVHandover, NixlMetadata, NixlMetadataRequest, Transport
+from pdserve.wire.handover import KVHandover, NixlMetadata, NixlMetadataRequest, Region, Transport
 
 # Bump when routers and nodes can no longer read each other's messages: a router keeps a node whose
 # pongs say another version out of its rotation, with one clear error, instead of mis-serving it.
@@ -85,7 +85,8 @@ class PrefillRequest(msgspec.Struct, tag=True):
     # blocks after them. 0: every block (an older router).
     decode_holds_tokens: int = 0
     # Push mode: its decode node waits already, so a store handover's first token goes out
-    # before the put (PrefillResult.handover_follows), and the handover after it (HandoverMade).
+    # before the put (PrefillResult.handover_follows), and the handover after it (HandoverMade);
+    # so does a NIXL one's when the decode node's WriteTarget has not come by the first token.
     push: bool = False
 
 
@@ -135,6 +136,18 @@ class KVReady(msgspec.Struct, tag=True):
     request_id: str
     first_token_ids: list[int] = []
     handover: KVHandover | None = None
+
+
+class WriteTarget(msgspec.Struct, tag=True):
+    """Decode node -> router -> the prefill node computing a push-mode request over NIXL: where to
+    WRITE the prompt's blocks as its chunks complete (the blocks the request waits with). The
+    prefill node writes no block after lease_s from receiving it; the decode node frees the blocks
+    of a request aborted meanwhile only once the writer says it is done, or after the lease."""
+    request_id: str
+    peer: NixlMetadata  # the decode node's agent, checked as a READ's handshake is
+    first_block: int    # the first prompt block the decode node lacks; regions start at it
+    regions: list[Region]
+    lease_s: float
 
 
 class EncodeRequest(msgspec.Struct, tag=True):
@@ -238,7 +251,8 @@ class OwnerReply(msgspec.Struct, tag=True):
     nodes: dict[str, str] = {}       # node id -> role, every node the owner runs
 
 
-Message = (Ping | Pong | PrefillRequest | PrefillResult | HandoverMade | DecodeRequest | KVReady | TokenDelta | Abort
+Message = (Ping | Pong | PrefillRequest | PrefillResult | HandoverMade | DecodeRequest | KVReady | WriteTarget
+           | TokenDelta | Abort
            | EncodeRequest | EncodeResult | EmbedRequest | EmbedResult | LoadLoRA | UnloadLoRA | LoRAReply
            | NixlMetadataRequest | NixlMetadata | KVEvents | KVSnapshotRequest | Drain | Rejected
            | StartNode | StopNode | ListNodes | SetNodeRole | OwnerReply)
@@ -256,6 +270,6 @@ def decode(data: bytes) -> Message:
 
 
 __all__ = ["KVEvents", "KVSnapshotRequest", "Ping", "Pong", "PrefillRequest", "PrefillResult",
-           "HandoverMade", "DecodeRequest", "KVReady", "EncodeRequest", "EncodeResult", "EmbedRequest", "EmbedResult", "LoadLoRA", "UnloadLoRA", "LoRAReply", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
+           "HandoverMade", "DecodeRequest", "KVReady", "WriteTarget", "EncodeRequest", "EncodeResult", "EmbedRequest", "EmbedResult", "LoadLoRA", "UnloadLoRA", "LoRAReply", "TokenDelta", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
            "OwnerReply", "NixlMetadataRequest", "NixlMetadata", "Message", "encode", "decode", "WIRE_VERSION", "StepOutput",
            "TokenLogprob"]

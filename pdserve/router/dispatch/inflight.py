@@ -13,7 +13,7 @@ import asyncio
 from pdserve.protocol.outputs import StepOutput
 from pdserve.router.dispatch.failover import NodeLost
 from pdserve.router.dispatch.nodes import Node
-from pdserve.wire.messages import EmbedResult, EncodeResult, HandoverMade, PrefillResult
+from pdserve.wire.messages import EmbedResult, EncodeResult, HandoverMade, PrefillResult, WriteTarget
 
 
 class Lost:
@@ -33,6 +33,10 @@ class Inflight:
         # A push-mode store handover that follows its first token (HandoverMade), and its node
         self.handovers: dict[str, asyncio.Future] = {}
         self.handover_owner: dict[str, str | None] = {}
+        # Push mode over NIXL: where the decode node lets the prefill node WRITE the prompt's
+        # blocks, for each prefill node the prompt goes to (a retry's too)
+        self.write_targets: dict[str, WriteTarget] = {}
+        self.prefilling: dict[str, str] = {}  # request id -> the node its last PrefillRequest went to
 
     def open_stream(self, rid: str) -> asyncio.Queue:
         self.streams[rid] = asyncio.Queue()
@@ -42,6 +46,8 @@ class Inflight:
         self.streams.pop(rid, None)
         self.owner.pop(rid, None)
         self.reply_owner.pop(rid, None)
+        self.write_targets.pop(rid, None)
+        self.prefilling.pop(rid, None)
         self.drop_handover(rid)
 
     def assign(self, rid: str, node: Node) -> None:
@@ -90,6 +96,14 @@ class Inflight:
         fut = self.handovers.get(msg.request_id)
         if fut is not None and not fut.done() and self.handover_owner.get(msg.request_id) == node.node_id:
             fut.set_result(msg.handover)
+
+    def on_write_target(self, node: Node, msg: WriteTarget) -> str | None:
+        """Kept for the prompt's prefill nodes; the one computing it now (its node id), if any.
+        (Only once its PrefillRequest went: a target before it would be declined there.)"""
+        if self.owner.get(msg.request_id) != node.node_id:
+            return None  # (stale: the request left that decode node)
+        self.write_targets[msg.request_id] = msg
+        return self.prefilling.get(msg.request_id)
 
     def on_output(self, node: Node, out: StepOutput) -> None:
         queue = self.streams.get(out.request_id)

@@ -35,6 +35,8 @@ NODE_COUNTERS = {
     "computed_tokens": ("pdserve_prompt_tokens_computed", "prompt tokens a node computed (found in no cache)", {}),
     "transfer_bytes_nixl": ("pdserve_kv_transfer_bytes", "KV bytes moved", {"path": "nixl"}),
     "transfer_bytes_store": ("pdserve_kv_transfer_bytes", "", {"path": "store"}),
+    # push mode: a prefill node's NIXL WRITEs, and on a decode node the bytes they landed
+    "transfer_bytes_nixl_written": ("pdserve_kv_transfer_bytes", "", {"path": "nixl_write"}),
     "transfer_us_nixl": ("pdserve_kv_transfer_seconds", "seconds spent moving KV", {"path": "nixl"}),
     "transfer_us_store": ("pdserve_kv_transfer_seconds", "", {"path": "store"}),
     "transfers_failed": ("pdserve_kv_transfer_failures", "KV transfers that failed", {"reason": "pull_failed"}),

@@ -25,6 +25,7 @@ from pdserve.wire.messages import (
     PrefillResult,
     Rejected,
     TokenDelta,
+    WriteTarget,
 )
 
 log = logging.getLogger("pdserve.router.dispatch.cluster")
@@ -68,6 +69,10 @@ class NodeEvents:
             if not self.inflight.awaits_handover(msg.request_id, node.node_id):  # (a handover to follow: still on it)
                 node.requests.discard(msg.request_id)
             self.inflight.on_reply(node, msg)
+        elif isinstance(msg, WriteTarget):  # push mode: the decode node's blocks, for the prefill node
+            prefill = self.pool.get(self.inflight.on_write_target(node, msg) or "")
+            if prefill is not None:
+                self._send_later(prefill, msg)
         elif isinstance(msg, HandoverMade):
             node.requests.discard(msg.request_id)
             self.inflight.on_handover(node, msg)

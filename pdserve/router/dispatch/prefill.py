@@ -43,7 +43,8 @@ class PrefillDispatch:
         """The first token and the handover; (None, None) when no prefill node can do it, so the
         decode node prefills the prompt itself. embeddings: where an encoder node's NIXL READs wait.
         decode_holds: leading prompt tokens the decode node holds (their blocks are not handed over).
-        push: its decode node waits already; a store handover then comes after the first token
+        push: its decode node waits already; a store handover (or a NIXL one whose WriteTarget had
+        not come) then comes after the first token
         (handover None here; follow() waits for it)."""
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
@@ -71,7 +72,7 @@ class PrefillDispatch:
                           scope: KVScope = NO_SCOPE, embeddings: list[EmbeddingHandover] | None = None,
                           decode_holds: int = 0, push: bool = False) -> tuple[StepOutput, KVHandover | None]:
         fut = self.inflight.expect_reply(rid, node)
-        follows = push and self.transfer == "store"
+        follows = push
         if follows:  # registered before the prompt goes: its HandoverMade may come right after the token
             self.inflight.expect_handover(rid, node)
         node.requests.add(rid)
@@ -83,6 +84,11 @@ class PrefillDispatch:
                                                       cache_salt=scope.cache_salt, adapter=scope.adapter,
                                                       images=list(scope.images), embeddings=embeddings or [],
                                                       decode_holds_tokens=decode_holds, push=follows))
+            # A WriteTarget that comes from now on is forwarded there, also after the first token (a
+            # node that computes the prompt no more declines it: the decode node frees its blocks).
+            self.inflight.prefilling[rid] = node.node_id
+            if (target := self.inflight.write_targets.get(rid)) is not None:
+                await self.pool.send(node, target)
             result = await asyncio.wait_for(fut, PREFILL_TIMEOUT_S)
         except asyncio.TimeoutError:
             self.pool.mark_dead(node, f"did not answer a prefill in {PREFILL_TIMEOUT_S:.0f} s", "silent")

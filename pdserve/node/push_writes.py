@@ -1,0 +1,159 @@
+"""A prefill node's push-mode WRITEs (`--handover push` over NIXL): the prompt's blocks go into the
+decode node's blocks as the chunks that compute them complete, not pulled after the first token.
+
+The decode node admits a push-mode request with its blocks allocated and names them in a
+WriteTarget, which the router forwards here. Between engine steps, every whole block the request
+has computed since the last step is WRITTEN into its block there; the rest (the trailing blocks,
+the partial one included) go when the first token is out, before the handover is sent. The
+handover is pull mode's (pinned blocks, digests, lease) plus what was written
+(NixlHandover.written_to/written_from/written): the decode node checks the written blocks'
+digests and READs nothing, and a decode node that fails meanwhile leaves the handover to another
+node, which READs as in pull mode.
+
+No WRITE is posted once the target's lease has passed since it came (the decode node holds an
+aborted request's blocks until then, or until the "done" notification sent here when this node
+stops writing for the request), and a WRITE that fails stops the writes to that target.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.kvstore.nixl_transfer import NixlKVAgent, NixlTransferError
+from pdserve.wire.handover import WRITES_DONE_PREFIX, NixlHandover, Region, peer_mismatch
+from pdserve.wire.messages import WriteTarget
+
+if TYPE_CHECKING:  # (the node runtime imports the pullers, which import this module's peer)
+    from pdserve.node.runtime import NodeStats
+
+log = logging.getLogger(__name__)
+WRITE_TIMEOUT_S = 0.5  # a WRITE runs on the node's loop thread (over cma: inside the post itself)
+
+
+@dataclasses.dataclass
+class Target:
+    peer: str               # the decode node's agent, loaded
+    first_block: int        # regions[i] is prompt block first_block + i
+    regions: list[Region]
+    lease_end: float        # no WRITE is posted after this (monotonic, this node's clock)
+    upto: int               # blocks [first_block, upto) are written
+    broken: bool = False    # a WRITE failed or the lease passed: nothing more is written
+
+
+def done_notification(request_id: str) -> bytes:
+    return WRITES_DONE_PREFIX + request_id.encode()
+
+
+class PushWriter:
+    def __init__(self, engine: LLMEngine, agent: NixlKVAgent, stats: NodeStats):
+        self.engine, self.agent, self.stats = engine, agent, stats
+        self.targets: dict[str, Target] = {}
+        self.connected: set[str] = set()
+        self.writes = 0  # WRITEs posted and done (one per step that completed blocks, one at the end)
+        self.failures = 0  # WRITEs that failed (a decode node gone): its requests' blocks are READ
+
+    def has(self, rid: str) -> bool:
+        return rid in self.targets
+
+    def take(self, msg: WriteTarget) -> None:
+        """A decode node's blocks for a request this node computes (a target already taken, for a
+        router that forwarded it twice, stays). One with no regions, or this node cannot use,
+        is kept broken: the request's handover need not wait for it any more."""
+        if msg.request_id in self.targets:
+            return
+        target = Target("", msg.first_block, list(msg.regions), time.monotonic() + msg.lease_s, msg.first_block)
+        self.targets[msg.request_id] = target
+        if not msg.regions or self.engine.kv.states is not None:
+            target.broken = True  # (a hybrid model's state slot is READ with the blocks: not pushed)
+        elif (why := peer_mismatch(msg.peer, self.engine.salt, self.agent.block_nbytes)) is not None:
+            log.warning("[%s] not writing into %s: %s", msg.request_id, msg.peer.agent_name, why)
+            target.broken = True
+        if target.broken:
+            return
+        try:
+            target.peer = self.agent.add_peer(msg.peer.metadata, msg.peer.agent_name)
+            if target.peer not in self.connected:
+                self.agent.make_connection(target.peer)
+                self.connected.add(target.peer)
+        except NixlTransferError as exc:
+            log.warning("[%s] cannot reach %s to write: %s", msg.request_id, msg.peer.agent_name, exc)
+            target.broken = True
+
+    def decline(self, msg: WriteTarget) -> None:
+        """A target for a request this node no longer computes (it ended, or came late): tell
+        the decode node no WRITE will come, so that an aborted request's blocks are freed now."""
+        if not msg.regions:
+            return  # (nothing was granted there)
+        try:
+            peer = self.agent.add_peer(msg.peer.metadata, msg.peer.agent_name)
+            self.agent.send_notification(peer, done_notification(msg.request_id))
+        except NixlTransferError as exc:
+            log.debug("[%s] could not decline %s's target (its lease frees them): %s", msg.request_id,
+                      msg.peer.agent_name, exc)
+
+    def advance(self) -> None:
+        """Write the whole blocks computed since the last call (between engine steps)."""
+        bs = self.engine.config.block_size
+        for rid, target in self.targets.items():
+            req = self.engine.scheduler.requests.get(rid)
+            if req is not None and not target.broken:
+                self._write(rid, target, req.block_ids, req.num_slid_blocks, req.num_computed_tokens // bs)
+
+    def finish(self, rid: str, handover: NixlHandover) -> NixlHandover:
+        """The prompt is computed: write what is left, stop writing, and say in the handover what
+        landed on the target."""
+        target = self.targets.get(rid)
+        if target is None:
+            return handover
+        held = self.engine.scheduler.held[rid]
+        n_blocks = handover.first_block + len(handover.regions)
+        if not target.broken:
+            self._write(rid, target, held.block_ids, held.num_slid_blocks, n_blocks)
+        self.forget(rid)
+        if target.upto < n_blocks:
+            return handover  # (not all of it: the decode node READs it all, as in pull mode)
+        return msgspec.structs.replace(handover, written_to=target.peer, written_from=target.first_block,
+                                       written=target.upto - target.first_block)
+
+    def forget(self, rid: str) -> None:
+        """No more writes for the request (handed over, aborted): the decode node may free its blocks."""
+        target = self.targets.pop(rid, None)
+        if target is None or not target.peer:
+            return
+        try:
+            self.agent.send_notification(target.peer, done_notification(rid))
+        except NixlTransferError as exc:
+            log.debug("[%s] could not tell %s the writes ended (its lease frees them): %s", rid, target.peer, exc)
+
+    def _write(self, rid: str, target: Target, block_ids: list[int], slid: int, upto: int) -> None:
+        upto = min(upto, target.first_block + len(target.regions))
+        if upto <= target.upto:
+            return
+        if target.upto < slid or time.monotonic() > target.lease_end:
+            target.broken = True  # blocks slid away here, or the decode node may have freed them
+            return
+        start = target.upto - target.first_block
+        try:
+            handle = self.agent.start_write(target.peer, block_ids[target.upto:upto],
+                                            target.regions[start:upto - target.first_block],
+                                            timeout_s=WRITE_TIMEOUT_S)
+            self.agent.wait(handle)
+        except (NixlTransferError, ValueError, IndexError) as exc:
+            log.warning("[%s] WRITE into %s failed (the decode node will READ): %s", rid, target.peer, exc)
+            self.failures += 1
+            for other in self.targets.values():  # a peer gone fails them all: one timeout, not one each
+                other.broken = other.broken or other.peer == target.peer
+            target.broken = True
+            return
+        self.stats.transfer_bytes_nixl_written += handle.nbytes
+        self.writes += 1
+        target.upto = upto
+
+    def close(self) -> None:
+        for rid in list(self.targets):
+            self.forget(rid)

@@ -1,0 +1,155 @@
+"""Push mode over NIXL WRITEs (`--handover push --kv-transfer nixl`), through a real `pdserve up`
+cluster (separate processes, NIXL agents in each, the official openai client).
+
+The decode node admits each request with its blocks allocated and names them (WriteTarget); the
+prefill node WRITEs each whole block into them as the step that computes it ends, the rest with
+the first token. Checked: greedy output equals transformers'; the decode nodes READ nothing and
+landed by WRITE exactly the prompts' blocks, which the prefill node wrote in more WRITEs than
+requests (per chunk, not once at the end); no block stays allocated. A decode node killed while
+its request's prompt waits to be computed costs no request: the WRITEs to it fail, and the other
+decode node serves the request.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import os
+import random
+import signal
+
+import httpx
+import openai
+import pytest
+
+from pdserve.testing.model_factory import load_reference, make_model
+from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, wait_for
+
+rng = random.Random(651)
+BLOCK = 16
+# Around block boundaries, and one long enough to take many 32-token chunks.
+PROMPTS = [[rng.randrange(3, 256) for _ in range(n)] for n in (17, 40, 95, 300)]
+ONE_BLOCK_AND_A_TOKEN = [rng.randrange(3, 256) for _ in range(17)]
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    path = make_model(tmp_path_factory.mktemp("push_writes"), "llama")
+    with running_cluster("--model", str(path), "--kv-transfer", "nixl", "--handover", "push",
+                         "--prefill-nodes", "1", "--decode-nodes", "2", "--num-kv-blocks", "128",
+                         "--max-num-batched-tokens", "32") as (url, proc):
+        yield path, url, proc
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _ids(url: str, model: str, prompt: list[int]) -> list[int]:
+    ids: list[int] = []
+    for chunk in _client(url).completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True,
+                                                                          "return_token_ids": True}):
+        if chunk.choices:
+            ids += chunk.choices[0].model_extra.get("token_ids") or []
+    return ids
+
+
+def _transformers(path, prompts: list[list[int]]) -> list[list[int]]:
+    import torch
+    ref = load_reference(path)
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            gen = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+        out.append(gen[0, len(prompt):].tolist())
+    return out
+
+
+def _sum(url: str, role: str, name: str) -> int:
+    return sum(s.get(name, 0) for s in node_stats(url).values() if s["role"] == role and s["healthy"])
+
+
+def _counters(url: str) -> dict[str, int]:
+    return {"read": _sum(url, "decode", "transfer_bytes_nixl"),
+            "landed": _sum(url, "decode", "transfer_bytes_nixl_written"),
+            "pushed": _sum(url, "decode", "prefills_pushed"),
+            "written": _sum(url, "prefill", "transfer_bytes_nixl_written"),
+            "writes": _sum(url, "prefill", "push_writes")}
+
+
+def _delta(url: str, before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before[k] for k, v in _counters(url).items()}
+
+
+def _blocks_free(url: str) -> bool:
+    return all(s["free_blocks"] == s["total_blocks"] and s["requests"] == 0
+               for s in node_stats(url).values() if s["healthy"])
+
+
+def test_blocks_are_written_per_chunk_and_nothing_is_read(cluster):
+    path, url, _ = cluster
+    *want, want_one = _transformers(path, [*PROMPTS, ONE_BLOCK_AND_A_TOKEN])
+    assert all(len(set(w)) > 1 for w in want)  # greedy text that varies: the comparison means something
+    # A prompt of one whole block and one token: two blocks' bytes, to know a block's size.
+    before = _counters(url)
+    assert _ids(url, str(path), ONE_BLOCK_AND_A_TOKEN) == want_one
+    wait_for(lambda: _delta(url, before)["landed"] > 0)  # (node stats ride on pongs)
+    block_nbytes = _delta(url, before)["landed"] // 2
+    before = _counters(url)
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:  # at once: several wait on the decode nodes together
+        got = list(pool.map(lambda p: _ids(url, str(path), p), PROMPTS))
+    assert got == want
+    blocks = sum(-(-len(p) // BLOCK) for p in PROMPTS)
+    wait_for(lambda: _delta(url, before)["landed"] >= blocks * block_nbytes, timeout_s=10)
+    moved = _delta(url, before)
+    assert moved["landed"] == blocks * block_nbytes, moved
+    assert moved["pushed"] == len(PROMPTS)
+    assert moved["read"] == 0, moved  # pull mode (or writes that did not land) READs them
+    assert moved["written"] == blocks * block_nbytes, moved
+    # The 300-token prompt alone takes ten 32-token chunks: written as they completed.
+    assert moved["writes"] >= len(PROMPTS) + 4, moved
+    wait_for(lambda: _blocks_free(url), timeout_s=30)
+
+
+def _pushed(url: str) -> dict[str, int]:
+    return {n: s["prefills_pushed"] for n, s in node_stats(url).items() if s["role"] == "decode"}
+
+
+def test_a_decode_node_lost_before_its_blocks_are_written_costs_no_request(cluster):
+    """A conversation's next turn goes to the decode node holding its history (the router's prefix
+    index). With the prefill node stopped (SIGSTOP, under the router's 1.5 s of silence), the turn
+    is admitted there and its WriteTarget sent; that decode node is killed and the prefill node
+    resumed. Its WRITE to the dead node fails (counted), and the request completes on the other
+    decode node with the output unchanged: it READs the handover, or computes the prompt when
+    the router learned of the death only after sending it (pull mode's rule)."""
+    path, url, proc = cluster
+    history = [rng.randrange(3, 256) for _ in range(64)]
+    turn = history + [rng.randrange(3, 256) for _ in range(70)]
+    want_history, want = _transformers(path, [history, turn])
+    before = _pushed(url)
+    assert _ids(url, str(path), history) == want_history
+    wait_for(lambda: sum(_pushed(url).values()) > sum(before.values()))
+    pushed = _pushed(url)
+    victim = next(n for n, count in pushed.items() if count > before[n])  # it holds the history
+    failures = _sum(url, "prefill", "push_write_failures")
+    pids = node_pids(proc.pid)
+    os.kill(pids["prefill-0"], signal.SIGSTOP)
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(_ids, url, str(path), turn)
+            with contextlib.suppress(AssertionError):  # (the pongs lag: kill it within the second anyway)
+                wait_for(lambda: node_stats(url)[victim]["prefills_pushed"] > pushed[victim], timeout_s=1.0,
+                         interval_s=0.05)
+            os.kill(pids[victim], signal.SIGKILL)
+            os.kill(pids["prefill-0"], signal.SIGCONT)
+            got = future.result(timeout=120)
+    finally:
+        os.kill(pids["prefill-0"], signal.SIGCONT)
+    assert got == want
+    health = httpx.get(f"{url}/health", timeout=5).json()["failover"]
+    assert health["decode_resumes"] >= 1 and health["prefill_retries"] == 0, health
+    wait_for(lambda: _sum(url, "prefill", "push_write_failures") > failures, timeout_s=10)
+    wait_for(lambda: _blocks_free(url), timeout_s=60)
