@@ -185,7 +185,9 @@ def test_decode_node_killed_mid_speculating_stream_resumes_identically(clusters,
     assert got == want  # no repeated, missing or different token, drafts or not
     assert _failover(url)["decode_resumes"] == resumes + killed[0]
     if victim == "decode-0":  # the resumed greedy stream drafted on decode-1, every draft right
-        decode1 = node_stats(url)["decode-1"]
+        # Its counters ride on its pongs: wait for the pong sent after both streams ended.
+        decode1 = wait_for(lambda: (s := node_stats(url)["decode-1"])["routed_requests"] == 0
+                           and s["running"] == 0 and s["spec_num_draft_tokens"] > drafted and s)
         assert decode1["spec_num_accepted_tokens"] == decode1["spec_num_draft_tokens"] > drafted
     wait_for(lambda: node_pids(proc.pid).get(victim, old[victim]) != old[victim], timeout_s=30)
     wait_for(lambda: node_stats(url).get(victim, {}).get("healthy"), timeout_s=120)
