@@ -179,7 +179,8 @@ class Client:
             try:
                 text = self._attempt(i, mode, leave_at, left)
             except openai.APITimeoutError:
-                self.tally.violate("hung", f"prompt {i} {mode}: nothing for {self.deadline_s:.0f} s")
+                sent = time.strftime("%H:%M:%S", time.localtime(time.time() - (time.monotonic() - deadline + self.deadline_s)))
+                self.tally.violate("hung", f"prompt {i} {mode}: nothing for {self.deadline_s:.0f} s (sent {sent})")
                 return
             except (openai.APIError, httpx.HTTPError, OSError) as exc:
                 if after_pause:  # nothing was killed or stopped: the pause alone failed it

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,14 +19,25 @@ MINUTES = 3  # each cluster's; the two run at once (the lead faults land in the 
 LEAD = "drain decode,kill redis,stop redis,idle"
 
 
+def warnings_logged(logs: Path, per_file: int = 12) -> str:
+    """The last warnings and errors of each process's log: what a failure (a hung request, say)
+    is diagnosed from when CI shows only this test's output."""
+    out = []
+    for log in sorted(logs.rglob("*.log")):
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if "WARNING" in ln or "ERROR" in ln]
+        out += [f"--- {log.relative_to(logs)}", *(ln[:300] for ln in lines[-per_file:])]
+    return "\n".join(out)
+
+
 @pytest.mark.timeout(1200)
 def test_a_short_soak_on_both_transports_finds_no_violation(tmp_path):
     out = tmp_path / "soak.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--minutes", str(MINUTES), "--seed", "7",
                            "--transport", "both", "--fault-gap-s", "1", "3", "--lease-s", "5", "--lead", LEAD,
-                           "--out", str(out)], capture_output=True, text=True, timeout=1080)
+                           "--out", str(out), "--logs", str(tmp_path / "logs")],
+                          capture_output=True, text=True, timeout=1080)
     table = proc.stdout[-8000:]
-    assert proc.returncode == 0, f"{table}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{table}\n{proc.stderr[-3000:]}\n{warnings_logged(tmp_path / 'logs')}"
     result = json.loads(out.read_text())
     assert set(result) == {"nixl", "store"}, table
     for transport, r in result.items():
