@@ -23,6 +23,10 @@ each concurrency, each server), so drift in the machine's load hits all of them:
                 and a bf16 KV cache: what vLLM runs in bfloat16)
   NAME+f32      the same with --cpu-gemm-dtype float32 (every product in float32: greedy output
                 exact against a float32 reference)
+  NAME+lazy     the same with --no-kv-cache-prefault: the pool's pages written on first use, not at
+                start (with --kv-cache-memory-gb given, pdserve writes them at start, as vLLM does)
+  pdserve-pd    `pdserve up --prefill-nodes 1 --decode-nodes 1` on the default GGUF: 1P1D over the
+                default transport, the cores divided between the two nodes (one each here)
   llama-server  (--servers ... llama-server, once benchmarks/peers/build_llama_server.sh has built
                 it) on the GGUF, as benchmarks/peers/bench_vs_llamacpp.py runs it
 
@@ -49,9 +53,11 @@ from pdserve.models.gguf import DEFAULT_MODEL, embedded_model_file
 from pdserve.wire.transport import free_port
 
 SERVERS = ("vllm", "pdserve-gguf", "pdserve-gguf+bf16", "pdserve-bf16", "pdserve-bf16+bf16", "llama-server",
-           "pdserve-gguf+f32", "pdserve-bf16+f32")
+           "pdserve-gguf+f32", "pdserve-bf16+f32", "pdserve-pd", "pdserve-pd+bf16",
+           "pdserve-gguf+lazy")
 VARIANT_FLAGS = {"bf16": ("--cpu-gemm-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"),
-                 "f32": ("--cpu-gemm-dtype", "float32")}
+                 "f32": ("--cpu-gemm-dtype", "float32"),
+                 "lazy": ("--no-kv-cache-prefault",)}
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 
 
@@ -85,7 +91,9 @@ def vllm_server(args, model_dir: Path, log_path: Path):
         yield url, pid, " ".join(cmd)
 
 
-def pdserve_flags(args, model: str) -> list[str]:
+def pdserve_flags(args, base: str, model: str) -> list[str]:
+    if base == "pdserve-pd":  # the cores divided between the two nodes (`pdserve up`'s default)
+        return ["--model", model, "--prefill-nodes", "1", "--decode-nodes", "1", *args.pdserve_flag]
     return ["--model", model, "--prefill-nodes", "0", "--decode-nodes", "1",
             "--threads-per-node", str(args.threads), *args.pdserve_flag]
 
@@ -101,8 +109,8 @@ def start_servers(stack: contextlib.ExitStack, args, bf16_dir: Path, log_dir: Pa
         up["llama-server"] = {"url": url, "pid": pid, "cmd": " ".join(cmd)}
     for name in (s for s in SERVERS if s.startswith("pdserve-") and s in args.servers):
         base, _, variant = name.partition("+")
-        model = DEFAULT_MODEL if base == "pdserve-gguf" else str(bf16_dir)
-        flags = pdserve_flags(args, model) + list(VARIANT_FLAGS.get(variant, ()))
+        model = str(bf16_dir) if base == "pdserve-bf16" else DEFAULT_MODEL
+        flags = pdserve_flags(args, base, model) + list(VARIANT_FLAGS.get(variant, ()))
         cluster = stack.enter_context(local_cluster(*flags, log_path=str(log_dir / f"{name}.log"),
                                                     startup_timeout_s=args.startup_timeout_s))
         up[name] = {"url": cluster.url, "pid": cluster.proc.pid, "cmd": "pdserve up " + " ".join(flags)}

@@ -4,8 +4,10 @@ runner that goes with it, LoRA, structured outputs and speculation (pdserve.spec
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import mmap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,8 @@ from pdserve.models.hybrid import is_hybrid_config
 from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
 from pdserve.models.model_path import context_limit
 from pdserve.models.rope import cover_positions
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(config: EngineConfig, role: str | None = None) -> LLMEngine:
@@ -114,16 +118,18 @@ def _load_target(config: EngineConfig) -> _Target:
     states = snapshots = None
     if hybrid:
         states, snapshots, blocks = state_pool(config, model, layout, blocks, device)
-    kv_cache = zeroed_pool((blocks, *layout.block_shape()), layout.dtype, device)
+    kv_cache = zeroed_pool((blocks, *layout.block_shape()), layout.dtype, device, config.kv_cache_prefault)
     return _Target(device, model_path, hf_config, dtype, layout, model, kv_cache, None, states, snapshots)
 
 
-def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                prefault: bool = False) -> torch.Tensor:
     """A zeroed KV pool. On CPU, a fresh anonymous mapping, which the kernel zeroes as its pages
     are first written: a pool sized to the machine's memory costs only the blocks used, where
     torch.zeros would write every page at start. Transparent huge pages where the kernel offers
     them (madvise): first writes into 4 KiB pages took 17x a warm write of a prompt's KV here
-    (67 against 3.8 ms for 480 tokens of SmolLM2), into 2 MiB pages 3x."""
+    (67 against 3.8 ms for 480 tokens of SmolLM2), into 2 MiB pages 3x. `prefault`: every page
+    written now (prefault_pages), as vLLM allocates its cache, so no step pays a first write."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -133,7 +139,26 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):
             pages.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps `pages`
+    pool = torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps `pages`
+    if prefault:
+        prefault_pages(pages, nbytes)
+    return pool
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14; Python's mmap module names it from 3.13 on
+
+
+def prefault_pages(pages: mmap.mmap, nbytes: int) -> None:
+    """Write every page of the pool now. A prefill writing KV into fresh pages paid the kernel's
+    zeroing and, in a VM, the hypervisor backing the page, inside the step (with a 4 GiB pool on
+    the 2-core Zen 4 VM: 23% of a prefill's samples in clear_page, served tokens/s at 32 streams
+    about 210 -> 250). The kernel populates it in one call where it can; else torch writes zeros."""
+    start = time.perf_counter()
+    try:
+        pages.madvise(MADV_POPULATE_WRITE, 0, nbytes)
+    except OSError:  # an older kernel: EINVAL
+        torch.frombuffer(pages, dtype=torch.uint8).zero_()
+    log.info("KV pool: %.2f GiB written at start in %.1f s", nbytes / 2**30, time.perf_counter() - start)
 
 
 def multimodal_inputs(model, encoder_cache_tokens: int) -> MultiModalInputs | None:

@@ -21,6 +21,10 @@ class EngineConfig:
     # machine's available memory (pdserve.engine.kv_pool_size).
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = 0.5
+    # Write the CPU pool's pages at start (as vLLM allocates its cache) instead of on first use, so
+    # no step pays the first write (pdserve.assembly.build.prefault_pages). The flag's default:
+    # on where the operator gave the pool's size (prefault_default).
+    kv_cache_prefault: bool = False
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None
@@ -103,7 +107,8 @@ def engine_options(args: Any) -> dict:
     """EngineConfig keywords from the parsed engine flags (pdserve.entrypoints.cli's --dtype, --block-size, ...)."""
     return dict(dtype=args.dtype, kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_batched_tokens=args.max_num_batched_tokens,
+                kv_cache_memory_gb=args.kv_cache_memory_gb, kv_cache_prefault=prefault_default(args),
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, kernel_backend=args.kernel_backend,
                 cpu_gemm_dtype=getattr(args, "cpu_gemm_dtype", "auto"),
                 enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
@@ -115,6 +120,17 @@ def engine_options(args: Any) -> dict:
                 max_model_len=getattr(args, "max_model_len", None),
                 allow_long_max_model_len=getattr(args, "allow_long_max_model_len", False),
                 **lora_options(args))
+
+
+def prefault_default(args: Any) -> bool:
+    """--kv-cache-prefault where given; else on where the pool's size was given (the operator
+    reserved that memory, as vLLM's VLLM_CPU_KVCACHE_SPACE does), and off for the default pool: a
+    share of the machine's memory, split among the nodes on it, which it would hold from the start
+    on every node of `docker compose up` whether used or not."""
+    given = getattr(args, "kv_cache_prefault", None)
+    if given is not None:
+        return given
+    return args.num_kv_blocks is not None or args.kv_cache_memory_gb is not None
 
 
 def lora_options(args: Any) -> dict:

@@ -28,6 +28,10 @@ def add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) ->
                    help=f"memory for the paged KV cache (default: {KV_MEMORY_SHARE * 100:.0f}%% of the memory available at "
                         f"start, shared by the nodes `pdserve up` runs, at least {KV_POOL_FLOOR_GB} and at most "
                         f"{KV_POOL_CAP_GB:.0f} GB a node)")
+    p.add_argument("--kv-cache-prefault", action=argparse.BooleanOptionalAction, default=None,
+                   help="write the KV pool's pages at start, as vLLM allocates its cache, so no step pays a "
+                        "first write into fresh memory (CPU); default: on where --kv-cache-memory-gb or "
+                        "--num-kv-blocks gives the pool's size, off for the default pool")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (prefill chunks)")
     p.add_argument("--max-num-seqs", type=int, default=128, help="requests in one running batch")
     p.add_argument("--cpu-gemm-dtype", default="auto", choices=["auto", "float32", "bfloat16"],

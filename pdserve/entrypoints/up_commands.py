@@ -26,6 +26,8 @@ def node_engine_flags(args) -> list[str]:
         flags.append("--no-enable-prefix-caching")
     if getattr(args, "enforce_eager", False):
         flags.append("--enforce-eager")
+    if getattr(args, "kv_cache_prefault", None) is not None:
+        flags.append("--kv-cache-prefault" if args.kv_cache_prefault else "--no-kv-cache-prefault")
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
         flags += ["--kv-cache-dtype", args.kv_cache_dtype]
     flags += lora_flags(args)

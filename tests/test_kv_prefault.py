@@ -1,0 +1,61 @@
+"""The CPU KV pool written at start (--kv-cache-prefault, issue 61): on where the operator gave the
+pool's size, off for the default pool; the pool's pages are resident once built, and the output is
+the lazily faulted pool's."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.config import prefault_default
+from pdserve.entrypoints.cli import build_parser
+from pdserve.entrypoints.up_commands import node_engine_flags
+
+POOL_GB = 0.0625
+
+
+@pytest.mark.parametrize(("flags", "prefault"), [
+    ([], False),                                     # the default pool: a share of the machine
+    (["--kv-cache-memory-gb", "1"], True),           # a size the operator gave: reserved now
+    (["--num-kv-blocks", "64"], True),
+    (["--kv-cache-memory-gb", "1", "--no-kv-cache-prefault"], False),
+    (["--kv-cache-prefault"], True),
+])
+def test_prefault_is_on_where_the_pool_size_is_given(flags, prefault):
+    for command in ("serve", "up"):
+        assert prefault_default(build_parser().parse_args([command, *flags])) is prefault
+
+
+def test_up_forwards_the_choice_to_its_nodes():
+    parser = build_parser()
+    assert "--no-kv-cache-prefault" in node_engine_flags(parser.parse_args(["up", "--no-kv-cache-prefault"]))
+    assert "--kv-cache-prefault" in node_engine_flags(parser.parse_args(["up", "--kv-cache-prefault"]))
+    assert not any("prefault" in f for f in node_engine_flags(parser.parse_args(["up"])))
+
+
+def resident_bytes(address: int) -> int:
+    """Rss of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_prefaulted_pool_is_resident_and_serves_the_same_tokens():
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * k) % 200 + 10 for k in range(40 + 9 * i)]} for i in range(4)]
+    outputs, resident = {}, {}
+    for prefault in (False, True):
+        llm = LLM("builtin:tiny", kv_cache_memory_gb=POOL_GB, kv_cache_prefault=prefault)
+        pool = llm.engine.runner.kv_cache
+        resident[prefault] = resident_bytes(pool.data_ptr()) / (pool.numel() * pool.element_size())
+        outputs[prefault] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    assert resident[True] >= 0.99, resident   # every page written at start
+    assert resident[False] < 0.5, resident    # the lazy pool: only what was written
+    assert outputs[True] == outputs[False]
