@@ -136,23 +136,24 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (shared would be shmem: no THP)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):
-            pages.madvise(mmap.MADV_HUGEPAGE)
-    pool = torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps `pages`
     if prefault:
         prefault_pages(pages, nbytes)
-    return pool
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # after a prefault: khugepaged may merge its pages later
+        with contextlib.suppress(OSError):
+            pages.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps `pages`
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14; Python's mmap module names it from 3.13 on
 
 
 def prefault_pages(pages: mmap.mmap, nbytes: int) -> None:
-    """Write every page of the pool now. A prefill writing KV into fresh pages paid the kernel's
-    zeroing and, in a VM, the hypervisor backing the page, inside the step (with a 4 GiB pool on
-    the 2-core Zen 4 VM: 23% of a prefill's samples in clear_page, served tokens/s at 32 streams
-    about 210 -> 250). The kernel populates it in one call where it can; else torch writes zeros."""
+    """Write every page of the pool now, in 4 KiB pages. A prefill writing KV into fresh pages
+    paid the kernel's zeroing and, in a VM, the hypervisor backing them, inside the step (with a
+    4 GiB pool on the 2-core Zen 4 VM: 23% of a prefill's samples in clear_page; served tokens/s
+    at 32 streams about 210 -> 250). Not as huge pages: with the machine's memory fragmented, the
+    kernel compacts memory for each one (4 GiB populated in 21-36 s there, against 2.2 s in 4 KiB
+    pages). The kernel populates the range in one call where it can; else torch writes zeros."""
     start = time.perf_counter()
     try:
         pages.madvise(MADV_POPULATE_WRITE, 0, nbytes)

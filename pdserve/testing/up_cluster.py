@@ -90,8 +90,11 @@ def _test_defaults(flags: tuple[str, ...]) -> tuple[str, ...]:
         flags = ("--prefill-placement", "threshold", *flags)
     if "--kv-cache-memory-gb" not in flags and "--num-kv-blocks" not in flags:
         # The pool the tests were written for; the default (a share of the machine's memory,
-        # pdserve.engine.kv_pool_size) is tested on its own.
+        # pdserve.engine.kv_pool_size) is tested on its own. Faulted in as used, as the default
+        # pool is: written at start, each node of each cluster would pay 0.5 GB of first writes.
         flags = ("--kv-cache-memory-gb", "0.5", *flags)
+        if "--kv-cache-prefault" not in flags:
+            flags = ("--no-kv-cache-prefault", *flags)
     if "--model" not in flags:  # the built-in test model unless a test names one (the CLI's default is SmolLM2)
         flags = ("--model", "builtin:tiny", *flags)
     return flags
