@@ -1,10 +1,13 @@
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from pdserve.testing.private_cache import private_cache_dir
-from pdserve.testing.shared_clusters import SharedClusters, group_modules
+from pdserve.testing.shared_clusters import SharedClusters, file_seconds, group_modules, longest_first, xdist_groups
+from pdserve.wire.transport import PORT_RANGE_ENV, port_range
 
 # Triton reads TRITON_INTERPRET when it is imported, so this must run before any test module
 # imports it: without a GPU the Triton kernels run on the CPU interpreter.
@@ -16,6 +19,26 @@ if not torch.cuda.is_available():
 # here, in this process and every node it starts; the bf16 products are tested where a test asks
 # for them (test_gemm_dtype) and auto's choice in test_gemm_dtype too.
 os.environ.setdefault("PDSERVE_CPU_GEMM_DTYPE", "float32")
+
+# ---- pytest-xdist workers (`-n`, docs/testing.md) -------------------------------------------------
+# Each worker draws its ports from its own slice of free_port's range, and so does every process it
+# starts (the variable is inherited): clusters on two workers never draw the same port.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    _index, _count = int(os.environ["PYTEST_XDIST_WORKER"][2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    _lo, _hi = port_range()
+    _step = (_hi - _lo) // _count
+    os.environ[PORT_RANGE_ENV] = f"{_lo + _index * _step}-{_lo + (_index + 1) * _step}"
+
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")  # a whole run's seconds per file
+FILE_SECONDS_OUT_ENV = "PDSERVE_FILE_SECONDS_OUT"  # where this run writes its own, where set
+WORKERS_ENV = "PDSERVE_TEST_WORKERS"  # what `-n auto` means; 2 by default (see pytest_xdist_auto_num_workers)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: two workers, or $PDSERVE_TEST_WORKERS. Two on the 2-core CI machine cut the run by
+    about a quarter (a cluster's start waits on sockets and processes; the other worker fills the
+    gap). More are untried: each worker's clusters hold their own memory and cores."""
+    return int(os.environ.get(WORKERS_ENV, "2"))
 
 
 @pytest.fixture
@@ -54,9 +77,22 @@ def default_model_cluster(request):
     return _shared.url("default_model_cluster", as_given=True, timeout_s=timeout_s)
 
 
+class _GroupMarks:
+    """A plugin of its own: a module holds one implementation of a hook, and this one must run
+    first, before xdist's reads the marks into the tests' ids (the one below runs last)."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, items):
+        xdist_groups(items, _shared.names)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_GroupMarks(), "pdserve-xdist-groups")
+
+
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection: count only the tests that will run
 def pytest_collection_modifyitems(items):
-    items[:] = group_modules(items, _shared.names)
+    items[:] = longest_first(group_modules(items, _shared.names), _shared.names, file_seconds(FILE_SECONDS))
     _shared.count_users(items)
 
 
@@ -88,3 +124,5 @@ def pytest_terminal_summary(terminalreporter):
     for path, seconds in sorted(_seconds_per_file.items(), key=lambda item: -item[1]):
         terminalreporter.write_line(f"{seconds:9.1f} s  {100 * seconds / total:5.1f}%  {path}")
     terminalreporter.write_line(f"{total:9.1f} s  in {len(_seconds_per_file)} files")
+    if out := os.environ.get(FILE_SECONDS_OUT_ENV):  # a whole run's, to refresh FILE_SECONDS with
+        Path(out).write_text(json.dumps({p: round(s, 1) for p, s in sorted(_seconds_per_file.items())}, indent=0) + "\n")

@@ -26,3 +26,12 @@ def test_a_port_in_use_is_passed_over(monkeypatch):
         monkeypatch.setattr(transport, "_ephemeral_floor", lambda: 65536)
         monkeypatch.setattr(transport._ports, "randrange", lambda lo, hi: next(draws))
         assert transport.free_port() != taken
+
+
+def test_the_port_range_variable_narrows_the_draw(monkeypatch):
+    """$PDSERVE_PORT_RANGE: the test suite's xdist workers each draw from their own slice (conftest),
+    and so do the clusters they start, which inherit it."""
+    monkeypatch.setenv(transport.PORT_RANGE_ENV, "20000-22000")
+    assert transport.port_range() == (20000, min(22000, transport._ephemeral_floor()))
+    ports = [transport.free_port() for _ in range(100)]
+    assert all(20000 <= p < 22000 for p in ports), sorted(ports)

@@ -1,13 +1,14 @@
 """How conftest decides which tests use a shared cluster (pdserve.testing.shared_clusters): by
 the fixture's name, or by the shared_cluster mark on a parameter that asks for it at run time;
-the modules that use one run together, and the cluster stops after its last user."""
+the modules that use one run together, and the cluster stops after its last user. Under
+pytest-xdist a worker takes a module, or the modules sharing a cluster, whole, the longest first."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import pytest
 
-from pdserve.testing.shared_clusters import SharedClusters, group_modules, uses
+from pdserve.testing.shared_clusters import SharedClusters, group_modules, longest_first, uses, xdist_groups
 
 
 @dataclass
@@ -18,6 +19,9 @@ class Item:
 
     def iter_markers(self, name: str):
         return (m for m in self.marks if m.name == name)
+
+    def add_marker(self, mark) -> None:
+        self.marks.append(mark.mark)
 
 
 def _marked(nodeid: str, name: str) -> Item:
@@ -55,3 +59,20 @@ def test_clusters_a_module_uses_together_group_their_modules():
              _marked("c.py::t[store]", "store_cluster"), Item("d.py::t"), Item("e.py::t", ["store_cluster"])]
     order = [i.nodeid for i in group_modules(items, ("plain_cluster", "store_cluster"))]
     assert order == ["a.py::t", "c.py::t[nixl]", "c.py::t[store]", "e.py::t", "b.py::t", "d.py::t"]
+
+
+def test_a_worker_takes_a_module_or_a_clusters_users_whole():
+    items = [Item("a.py::t", ["plain_cluster"]), Item("b.py::t1"), Item("b.py::t2"),
+             _marked("c.py::t[nixl]", "plain_cluster"), Item("c.py::t[store]")]
+    xdist_groups(items, ("plain_cluster",))
+    group = {i.nodeid: next(i.iter_markers("xdist_group")).args[0] for i in items}
+    assert group == {"a.py::t": "plain_cluster", "b.py::t1": "b.py", "b.py::t2": "b.py",
+                     "c.py::t[nixl]": "plain_cluster", "c.py::t[store]": "plain_cluster"}
+
+
+def test_groups_go_out_longest_first_each_whole():
+    items = [Item("a.py::t", ["plain_cluster"]), Item("b.py::t1"), Item("c.py::t"), Item("b.py::t2"),
+             Item("d.py::t", ["plain_cluster"]), Item("e.py::t")]
+    seconds = {"a.py": 10.0, "b.py": 30.0, "c.py": 1.0, "d.py": 25.0}  # e.py unlisted: 5 s
+    order = [i.nodeid for i in longest_first(items, ("plain_cluster",), seconds)]
+    assert order == ["a.py::t", "d.py::t", "b.py::t1", "b.py::t2", "e.py::t", "c.py::t"]

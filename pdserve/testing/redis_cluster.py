@@ -6,7 +6,7 @@
         cluster.kill(port)     # SIGKILL one server (its replica takes over)
 
 Every server binds 127.0.0.1 with persistence off; its cluster bus listens on port + 10000, so
-ports are picked below 55535 with both free. A short node timeout makes a failover take about
+both ports are picked below the kernel's ephemeral range, within free_port's range. A short node timeout makes a failover take about
 a second.
 """
 from __future__ import annotations
@@ -20,13 +20,16 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+from pdserve.wire.transport import port_range
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 NODE_TIMEOUT_MS = 1000
+BUS_OFFSET = 10000  # Redis's: a server's cluster bus listens on its port + 10000
 
 
 def _port_pair_free(port: int) -> bool:
-    for p in (port, port + 10000):
+    for p in (port, port + BUS_OFFSET):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", p))
@@ -36,10 +39,14 @@ def _port_pair_free(port: int) -> bool:
 
 
 def free_ports(count: int) -> list[int]:
-    """count ports whose cluster-bus ports (port + 10000) are free too."""
+    """count ports whose cluster-bus ports (port + 10000) are free too, both within free_port's
+    range ($PDSERVE_PORT_RANGE: the test suite's workers draw apart)."""
+    lo, hi = port_range()
+    if hi - lo < BUS_OFFSET + 256:
+        raise RuntimeError(f"ports {lo}-{hi} leave no room for a cluster bus {BUS_OFFSET} above each port")
     ports: list[int] = []
     while len(ports) < count:
-        port = random.randrange(20000, 45000)
+        port = random.randrange(lo, hi - BUS_OFFSET)
         if port not in ports and _port_pair_free(port):
             ports.append(port)
     return ports

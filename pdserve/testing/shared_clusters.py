@@ -9,11 +9,18 @@ A test uses a shared cluster by naming its fixture, or, where only some paramete
 parametrized fixture take the shared one (the fixture asks for it with getfixturevalue), by
 carrying the mark `shared_cluster(name)` on those parameters: the mark is how the count and the
 grouping see a use that the fixture names alone do not show.
+
+Under pytest-xdist (`-n`, `--dist loadgroup`) each worker runs whole groups (`xdist_groups`): a
+module alone, or the modules that share a cluster together, so a module's own clusters and a shared
+one start once, on one worker. The groups go out longest first (`longest_first`, by the seconds
+per file of tests/file_seconds.json), so the last group to finish is a short one.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 from collections import Counter
+from pathlib import Path
 
 from pdserve.testing.up_cluster import running_cluster
 
@@ -59,13 +66,13 @@ def uses(item, name: str) -> bool:
     return name in item.fixturenames or any(name in mark.args for mark in item.iter_markers("shared_cluster"))
 
 
-def group_modules(items: list, names: tuple[str, ...]) -> list:
-    """The same tests, with the modules that share a cluster moved up to run right after the
-    first of them (each module's own order kept, and the rest of the run's). Clusters that one
-    module uses together form one group, so each of them lives only through that group."""
-    def module(item) -> str:
-        return item.nodeid.split("::", 1)[0]
+def module(item) -> str:
+    return item.nodeid.split("::", 1)[0]
 
+
+def module_groups(items: list, names: tuple[str, ...]) -> dict[str, str]:
+    """module -> its group's name, for the modules that use a shared cluster: clusters that one
+    module uses together join one group, named by its first cluster."""
     used: dict[str, list[str]] = {}  # module -> the shared clusters it uses, in order of first use
     for item in items:
         for name in names:
@@ -81,7 +88,14 @@ def group_modules(items: list, names: tuple[str, ...]) -> list:
     for clusters in used.values():
         for other in clusters[1:]:
             root[find(other)] = find(clusters[0])
-    group = {m: find(clusters[0]) for m, clusters in used.items() if clusters}
+    return {m: find(clusters[0]) for m, clusters in used.items() if clusters}
+
+
+def group_modules(items: list, names: tuple[str, ...]) -> list:
+    """The same tests, with the modules that share a cluster moved up to run right after the
+    first of them (each module's own order kept, and the rest of the run's). Clusters that one
+    module uses together form one group, so each of them lives only through that group."""
+    group = module_groups(items, names)
     ordered, placed = [], set()
     for item in items:
         name = group.get(module(item))
@@ -91,3 +105,41 @@ def group_modules(items: list, names: tuple[str, ...]) -> list:
             placed.add(name)
             ordered.extend(i for i in items if group.get(module(i)) == name)
     return ordered
+
+
+def group_of(item, groups: dict[str, str]) -> str:
+    """The xdist group of a test: its module's shared-cluster group, else its module."""
+    return groups.get(module(item)) or module(item)
+
+
+def xdist_groups(items: list, names: tuple[str, ...]) -> None:
+    """Mark each test `xdist_group(group_of)`: under `--dist loadgroup` a worker runs a group whole."""
+    import pytest  # the test runner's: this module is imported by tests/conftest.py only
+
+    groups = module_groups(items, names)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group_of(item, groups)))
+
+
+def file_seconds(path: Path) -> dict[str, float]:
+    """The seconds per test file of an earlier run (conftest writes them), or none."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def longest_first(items: list, names: tuple[str, ...], seconds: dict[str, float], default_s: float = 5.0) -> list:
+    """The same tests, whole groups at a time, the groups in falling order of their files' seconds
+    (a file not listed counts default_s): xdist hands out groups in this order, and starting the
+    longest first keeps one worker from finishing a long group alone at the end."""
+    groups = module_groups(items, names)
+    by_group: dict[str, list] = {}
+    for item in items:
+        by_group.setdefault(group_of(item, groups), []).append(item)
+
+    def weight(tests: list) -> float:
+        return sum(seconds.get(m, default_s) for m in dict.fromkeys(module(t) for t in tests))
+
+    ordered = sorted(by_group.values(), key=weight, reverse=True)  # stable: ties keep the run's order
+    return [item for tests in ordered for item in tests]

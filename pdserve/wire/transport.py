@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import socket
 
@@ -15,6 +16,11 @@ log = logging.getLogger(__name__)
 
 
 PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+# "LO-HI" (HI exclusive): the ports free_port draws from, inherited by the processes a launcher
+# starts. Runs side by side on one machine (the test suite's workers) each take their own slice:
+# a port drawn by one is bound seconds later, after its node's imports, and another run drawing
+# in the meantime would find it free.
+PORT_RANGE_ENV = "PDSERVE_PORT_RANGE"
 _ports = random.Random()  # seeded from os.urandom, whatever a caller seeds the global one with
 _handed_out: set[tuple[str, int]] = set()
 
@@ -27,14 +33,24 @@ def _ephemeral_floor() -> int:
         return 32768  # Linux's default
 
 
+def port_range() -> tuple[int, int]:
+    """[lo, hi) where free_port draws: 10000 up to the kernel's ephemeral range, narrowed by
+    $PDSERVE_PORT_RANGE where set."""
+    lo, hi = 10000, _ephemeral_floor()
+    if spec := os.environ.get(PORT_RANGE_ENV):
+        first, last = (int(part) for part in spec.split("-", 1))
+        lo, hi = max(lo, first), min(hi, last)
+    return lo, hi
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on host now, for a server that binds it later. Drawn below the kernel's
     ephemeral range: a port from bind(host, 0) is an ephemeral one, which any outgoing connection
     may take as its source port before the server binds it (seen in CI: a node that imported torch
     for seconds, then failed with 'Address already in use'). Never the same port twice a process."""
-    floor = _ephemeral_floor()
-    for _ in range(64 if floor > 11024 else 0):
-        port = _ports.randrange(10000, floor)
+    lo, hi = port_range()
+    for _ in range(64 if hi - lo > 1024 else 0):
+        port = _ports.randrange(lo, hi)
         if (host, port) in _handed_out:
             continue
         with socket.socket() as s:
