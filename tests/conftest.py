@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdserve.testing.private_cache import private_cache_dir
-from pdserve.testing.shared_clusters import SharedClusters, file_seconds, group_modules, longest_first, xdist_groups
+from pdserve.testing.shared_clusters import SharedClusters, file_seconds, group_map, group_modules, longest_first
 from pdserve.wire.transport import PORT_RANGE_ENV, port_range
 
 # Triton reads TRITON_INTERPRET when it is imported, so this must run before any test module
@@ -77,23 +77,31 @@ def default_model_cluster(request):
     return _shared.url("default_model_cluster", as_given=True, timeout_s=timeout_s)
 
 
-class _GroupMarks:
-    """A plugin of its own: a module holds one implementation of a hook, and this one must run
-    first, before xdist's reads the marks into the tests' ids (the one below runs last)."""
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_modifyitems(self, items):
-        xdist_groups(items, _shared.names)
-
-
 def pytest_configure(config):
-    config.pluginmanager.register(_GroupMarks(), "pdserve-xdist-groups")
+    if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        from pdserve.testing.xdist_groups import share_groups_file  # pytest-xdist: only under -n
+
+        share_groups_file()
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under `-n` (`--dist loadgroup`, pyproject's addopts): whole groups to a worker
+    (pdserve.testing.xdist_groups), in collection order. Another --dist keeps xdist's own."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from pdserve.testing.xdist_groups import GroupScheduling  # pytest-xdist: only under -n
+
+    return GroupScheduling(config, log)
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection: count only the tests that will run
 def pytest_collection_modifyitems(items):
     items[:] = longest_first(group_modules(items, _shared.names), _shared.names, file_seconds(FILE_SECONDS))
     _shared.count_users(items)
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        from pdserve.testing.xdist_groups import write_groups  # pytest-xdist: only under -n
+
+        write_groups(group_map(items, _shared.names))
 
 
 @pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down

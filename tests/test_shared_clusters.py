@@ -4,11 +4,15 @@ the modules that use one run together, and the cluster stops after its last user
 pytest-xdist a worker takes a module, or the modules sharing a cluster, whole, the longest first."""
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
-from pdserve.testing.shared_clusters import SharedClusters, group_modules, longest_first, uses, xdist_groups
+from pdserve.testing.shared_clusters import SharedClusters, group_map, group_modules, longest_first, uses
 
 
 @dataclass
@@ -19,9 +23,6 @@ class Item:
 
     def iter_markers(self, name: str):
         return (m for m in self.marks if m.name == name)
-
-    def add_marker(self, mark) -> None:
-        self.marks.append(mark.mark)
 
 
 def _marked(nodeid: str, name: str) -> Item:
@@ -64,10 +65,22 @@ def test_clusters_a_module_uses_together_group_their_modules():
 def test_a_worker_takes_a_module_or_a_clusters_users_whole():
     items = [Item("a.py::t", ["plain_cluster"]), Item("b.py::t1"), Item("b.py::t2"),
              _marked("c.py::t[nixl]", "plain_cluster"), Item("c.py::t[store]")]
-    xdist_groups(items, ("plain_cluster",))
-    group = {i.nodeid: next(i.iter_markers("xdist_group")).args[0] for i in items}
-    assert group == {"a.py::t": "plain_cluster", "b.py::t1": "b.py", "b.py::t2": "b.py",
-                     "c.py::t[nixl]": "plain_cluster", "c.py::t[store]": "plain_cluster"}
+    assert group_map(items, ("plain_cluster",)) == {"a.py": "plain_cluster", "b.py": "b.py", "c.py": "plain_cluster"}
+
+
+def test_two_xdist_workers_each_run_whole_modules():
+    """The scheduling itself, through pytest and pytest-xdist as installed (xdist's own loadgroup
+    split every module across workers under pytest 9.2): each module's tests on one worker."""
+    files = ["tests/test_free_port.py", "tests/test_shared_clusters.py", "tests/test_handshake.py"]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "-v",
+                          "-k", "not two_xdist_workers", *files],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stdout[-3000:]
+    workers: dict[str, set[str]] = {}
+    for worker, module in re.findall(r"\[(gw\d+)\] \[\s*\d+%\] PASSED (tests/\S+?\.py)::", run.stdout):
+        workers.setdefault(module, set()).add(worker)
+    assert set(workers) == set(files), run.stdout[-3000:]
+    assert all(len(w) == 1 for w in workers.values()), workers
 
 
 def test_groups_go_out_longest_first_each_whole():

@@ -10,10 +10,10 @@ parametrized fixture take the shared one (the fixture asks for it with getfixtur
 carrying the mark `shared_cluster(name)` on those parameters: the mark is how the count and the
 grouping see a use that the fixture names alone do not show.
 
-Under pytest-xdist (`-n`, `--dist loadgroup`) each worker runs whole groups (`xdist_groups`): a
-module alone, or the modules that share a cluster together, so a module's own clusters and a shared
-one start once, on one worker. The groups go out longest first (`longest_first`, by the seconds
-per file of tests/file_seconds.json), so the last group to finish is a short one.
+Under pytest-xdist (`-n`) each worker runs whole groups (`group_map`, pdserve.testing.xdist_groups):
+a module alone, or the modules that share a cluster together, so a module's own clusters and a
+shared one start once, on one worker. The groups go out longest first (`longest_first`, by the
+seconds per file of tests/file_seconds.json), so the last group to finish is a short one.
 """
 from __future__ import annotations
 
@@ -108,17 +108,14 @@ def group_modules(items: list, names: tuple[str, ...]) -> list:
 
 
 def group_of(item, groups: dict[str, str]) -> str:
-    """The xdist group of a test: its module's shared-cluster group, else its module."""
+    """The group of a test under xdist: its module's shared-cluster group, else its module."""
     return groups.get(module(item)) or module(item)
 
 
-def xdist_groups(items: list, names: tuple[str, ...]) -> None:
-    """Mark each test `xdist_group(group_of)`: under `--dist loadgroup` a worker runs a group whole."""
-    import pytest  # the test runner's: this module is imported by tests/conftest.py only
-
+def group_map(items: list, names: tuple[str, ...]) -> dict[str, str]:
+    """module -> its group, for every module of the run."""
     groups = module_groups(items, names)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group_of(item, groups)))
+    return {module(item): group_of(item, groups) for item in items}
 
 
 def file_seconds(path: Path) -> dict[str, float]:

@@ -21,6 +21,7 @@ def running_cluster(*flags: str, timeout_s: float = 240.0, as_given: bool = Fals
     """as_given: `pdserve up` with exactly these flags (and --port), none of the test defaults below.
     command: serve runs `pdserve serve` instead (give MODEL among the flags); with --ssl-certfile
     the URL is https (health polled without verifying the certificate)."""
+    wait_for_memory()
     port = free_port()
     if not as_given:
         flags = _test_defaults(flags)
@@ -77,6 +78,21 @@ def running_clusters(*flag_sets: tuple[str, ...], timeout_s: float = 240.0):
             stops = [pool.submit(m.__exit__, None, None, None) for m in started]
             for f in stops:
                 f.result()
+
+
+MIN_AVAILABLE_GB = 5.0  # what a cluster start waits for (the suite's heaviest take 3-4 GB)
+MEMORY_WAIT_S = 180.0
+
+
+def wait_for_memory(min_gb: float = MIN_AVAILABLE_GB, wait_s: float = MEMORY_WAIT_S) -> None:
+    """Wait, up to wait_s, until the machine has min_gb available: with the suite on two workers
+    (pytest-xdist) the other worker's clusters may hold most of it, and a start into too little
+    memory has the kernel kill a worker. Past wait_s the start goes ahead."""
+    import psutil  # the test extra's: this module runs under the tests and benchmarks only
+
+    deadline = time.monotonic() + wait_s
+    while psutil.virtual_memory().available < min_gb * 2**30 and time.monotonic() < deadline:
+        time.sleep(1.0)
 
 
 def _test_defaults(flags: tuple[str, ...]) -> tuple[str, ...]:
