@@ -3,6 +3,8 @@ pool's size, off for the default pool; the pool's pages are resident once built,
 the lazily faulted pool's."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pdserve import LLM, SamplingParams
@@ -58,4 +60,24 @@ def test_a_prefaulted_pool_is_resident_and_serves_the_same_tokens():
         del llm
     assert resident[True] >= 0.99, resident   # every page written at start
     assert resident[False] < 0.5, resident    # the lazy pool: only what was written
+    assert outputs[True] == outputs[False]
+
+
+def test_tensor_parallel_pool_is_allocated_at_start_where_asked():
+    """At TP 2 the pool is one shared file that every rank maps (pdserve.executor.kv_shared):
+    allocated whole at start where the prefault is on, as used where it is off; the same tokens."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [(5 * i + 2 * k) % 200 + 10 for k in range(30 + 7 * i)]} for i in range(3)]
+    outputs, allocated = {}, {}
+    for prefault in (False, True):
+        llm = LLM("builtin:tiny", kv_cache_memory_gb=POOL_GB, kv_cache_prefault=prefault, tensor_parallel_size=2)
+        try:
+            executor = llm.engine.runner.executor
+            pool_bytes = executor.kv_cache.numel() * executor.kv_cache.element_size()
+            allocated[prefault] = os.fstat(executor._kv_fd).st_blocks * 512 / pool_bytes
+            outputs[prefault] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.close()
+    assert allocated[True] >= 0.99, allocated
+    assert allocated[False] < 0.5, allocated
     assert outputs[True] == outputs[False]

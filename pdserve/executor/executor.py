@@ -22,7 +22,7 @@ import msgspec
 import torch
 
 from pdserve.executor.group import DEFAULT_TIMEOUT_S, make_rank_groups, open_store, set_rank_threads
-from pdserve.executor.kv_shared import create_shared_file, fd_path, map_shared
+from pdserve.executor.kv_shared import allocate_shared_file, create_shared_file, fd_path, map_shared
 from pdserve.executor.messages import LoadLoRA, ReportWaits, Shutdown, StepPlan, WorkerSpec, write_message
 from pdserve.executor.shm_collectives import ShmCollectives, buffer_bytes
 from pdserve.executor.stage_link import recv_waits
@@ -51,7 +51,7 @@ class TPExecutor:
                  kernel_backend: str, kv_shape: tuple[int, ...], threads: int,
                  timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False, pp_size: int = 1,
                  lora_slots: tuple[int, int] = (0, 0), kv_dtype: torch.dtype | None = None,
-                 gemm_dtype: str = "float32"):
+                 gemm_dtype: str = "float32", kv_prefault: bool = False):
         if device.type != "cpu":
             raise ValueError("tensor_parallel_size > 1 and pipeline_parallel_size > 1 run on CPU for now (the "
                              "shared KV cache is host memory); see docs/tensor-parallelism.md")
@@ -65,6 +65,8 @@ class TPExecutor:
         for d in kv_shape:
             nbytes *= d
         self._kv_fd = create_shared_file(nbytes, "kv")
+        if kv_prefault:
+            allocate_shared_file(self._kv_fd, nbytes)
         self._payload_fd = create_shared_file(DEFAULT_CAPACITY * 8, "steps")
         # One shared-memory collectives buffer per stage, for its TP ranks (none without TP).
         self._coll_fds = [create_shared_file(buffer_bytes(tp_size), "collectives") for _ in range(pp_size)

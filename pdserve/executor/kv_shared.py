@@ -10,10 +10,14 @@ written by each replica with identical bytes (same inputs, same weights, same ke
 """
 from __future__ import annotations
 
+import logging
 import os
+import time
 import uuid
 
 import torch
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
@@ -32,6 +36,16 @@ def create_shared_file(nbytes: int, prefix: str) -> int:
         os.unlink(path)
     os.ftruncate(fd, max(nbytes, 1))
     return fd
+
+
+def allocate_shared_file(fd: int, nbytes: int) -> None:
+    """Every page of the file allocated now (--kv-cache-prefault at TP or PP > 1): the kernel
+    zeroes a shared-memory page once, for whichever rank writes it first, so a pool allocated here
+    costs no step a first write; the ranks' mappings then take only the page-table entries."""
+    start = time.perf_counter()
+    os.posix_fallocate(fd, 0, nbytes)
+    log.info("KV pool: %.2f GiB allocated at start in %.1f s (shared by the ranks)", nbytes / 2**30,
+             time.perf_counter() - start)
 
 
 def fd_path(fd: int, pid: int | None = None) -> str:

@@ -81,7 +81,8 @@ def start_executor(config, model_path, hf_config, dtype: torch.dtype, device: to
     return TPExecutor(size, os.fspath(model_path), dtype, device, config.kernel_backend, kv_shape,
                       rank_threads(config), expert_parallel=config.enable_expert_parallel, pp_size=stages,
                       lora_slots=(config.max_loras, config.max_lora_rank) if config.enable_lora else (0, 0),
-                      kv_dtype=kv_dtype, gemm_dtype=str(tile_dtype()).removeprefix("torch."))
+                      kv_dtype=kv_dtype, gemm_dtype=str(tile_dtype()).removeprefix("torch."),
+                      kv_prefault=config.kv_cache_prefault)
 
 
 def load_shard(model_path, hf_config, dtype: torch.dtype, device: torch.device, group, expert_parallel: bool,
