@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdserve.testing.private_cache import private_cache_dir
-from pdserve.testing.shared_clusters import SharedClusters, file_seconds, group_map, group_modules, longest_first
+from pdserve.testing.shared_clusters import SharedClusters, file_seconds, group_map, longest_first
 from pdserve.wire.transport import PORT_RANGE_ENV, port_range
 
 # Triton reads TRITON_INTERPRET when it is imported, so this must run before any test module
@@ -96,7 +96,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection: count only the tests that will run
 def pytest_collection_modifyitems(items):
-    items[:] = longest_first(group_modules(items, _shared.names), _shared.names, file_seconds(FILE_SECONDS))
+    items[:] = longest_first(items, _shared.names, file_seconds(FILE_SECONDS))
     _shared.count_users(items)
     if "PYTEST_XDIST_WORKER" in os.environ:
         from pdserve.testing.xdist_groups import write_groups  # pytest-xdist: only under -n

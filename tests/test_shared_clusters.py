@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.testing.shared_clusters import SharedClusters, group_map, group_modules, longest_first, uses
+from pdserve.testing.shared_clusters import SharedClusters, group_map, longest_first, uses
 
 
 @dataclass
@@ -39,7 +39,7 @@ def test_a_use_is_a_fixture_name_or_a_parameters_mark():
 def test_marked_modules_run_with_the_clusters_other_users():
     items = [Item("a.py::t", ["plain_cluster"]), Item("b.py::t"), Item("c.py::t[store]", ["cluster"]),
              _marked("c.py::t[nixl]", "plain_cluster"), Item("d.py::t", ["plain_cluster"])]
-    order = [i.nodeid for i in group_modules(items, ("plain_cluster",))]
+    order = [i.nodeid for i in longest_first(items, ("plain_cluster",), {})]
     assert order == ["a.py::t", "c.py::t[store]", "c.py::t[nixl]", "d.py::t", "b.py::t"]
 
 
@@ -58,7 +58,7 @@ def test_the_cluster_stops_after_its_last_marked_user(monkeypatch):
 def test_clusters_a_module_uses_together_group_their_modules():
     items = [Item("a.py::t", ["plain_cluster"]), Item("b.py::t"), _marked("c.py::t[nixl]", "plain_cluster"),
              _marked("c.py::t[store]", "store_cluster"), Item("d.py::t"), Item("e.py::t", ["store_cluster"])]
-    order = [i.nodeid for i in group_modules(items, ("plain_cluster", "store_cluster"))]
+    order = [i.nodeid for i in longest_first(items, ("plain_cluster", "store_cluster"), {})]
     assert order == ["a.py::t", "c.py::t[nixl]", "c.py::t[store]", "e.py::t", "b.py::t", "d.py::t"]
 
 

@@ -6,8 +6,8 @@
         cluster.kill(port)     # SIGKILL one server (its replica takes over)
 
 Every server binds 127.0.0.1 with persistence off; its cluster bus listens on port + 10000, so
-both ports are picked below the kernel's ephemeral range, within free_port's range. A short node timeout makes a failover take about
-a second.
+both ports are picked below the kernel's ephemeral range, within free_port's range. A short node
+timeout makes a failover take about a second.
 """
 from __future__ import annotations
 

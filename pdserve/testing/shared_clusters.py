@@ -3,7 +3,7 @@
 A cluster takes 10-40 s to start and a few seconds to stop on 2 cores, and an idle one still
 costs about 7% of a core (pings, the nodes' loops), so a shared cluster starts at the first test
 that asks for it and stops right after the last collected test that uses it; the modules that
-share one run one after the other (`group_modules`), so it never idles through other modules.
+share one run one after the other (`longest_first`), so it never idles through other modules.
 
 A test uses a shared cluster by naming its fixture, or, where only some parameters of a
 parametrized fixture take the shared one (the fixture asks for it with getfixturevalue), by
@@ -91,22 +91,6 @@ def module_groups(items: list, names: tuple[str, ...]) -> dict[str, str]:
     return {m: find(clusters[0]) for m, clusters in used.items() if clusters}
 
 
-def group_modules(items: list, names: tuple[str, ...]) -> list:
-    """The same tests, with the modules that share a cluster moved up to run right after the
-    first of them (each module's own order kept, and the rest of the run's). Clusters that one
-    module uses together form one group, so each of them lives only through that group."""
-    group = module_groups(items, names)
-    ordered, placed = [], set()
-    for item in items:
-        name = group.get(module(item))
-        if name is None:
-            ordered.append(item)
-        elif name not in placed:
-            placed.add(name)
-            ordered.extend(i for i in items if group.get(module(i)) == name)
-    return ordered
-
-
 def group_of(item, groups: dict[str, str]) -> str:
     """The group of a test under xdist: its module's shared-cluster group, else its module."""
     return groups.get(module(item)) or module(item)
@@ -127,9 +111,11 @@ def file_seconds(path: Path) -> dict[str, float]:
 
 
 def longest_first(items: list, names: tuple[str, ...], seconds: dict[str, float], default_s: float = 5.0) -> list:
-    """The same tests, whole groups at a time, the groups in falling order of their files' seconds
-    (a file not listed counts default_s): xdist hands out groups in this order, and starting the
-    longest first keeps one worker from finishing a long group alone at the end."""
+    """The same tests, whole groups at a time (the modules that share a cluster one after the
+    other, each module's own order kept), the groups in falling order of their files' seconds (a
+    file not listed counts default_s; ties keep the run's order): xdist hands out groups in this
+    order, and starting the longest first keeps one worker from finishing a long group alone at
+    the end. In one process it still keeps each shared cluster's life to its group's run."""
     groups = module_groups(items, names)
     by_group: dict[str, list] = {}
     for item in items:
@@ -138,5 +124,5 @@ def longest_first(items: list, names: tuple[str, ...], seconds: dict[str, float]
     def weight(tests: list) -> float:
         return sum(seconds.get(m, default_s) for m in dict.fromkeys(module(t) for t in tests))
 
-    ordered = sorted(by_group.values(), key=weight, reverse=True)  # stable: ties keep the run's order
+    ordered = sorted(by_group.values(), key=weight, reverse=True)  # stable
     return [item for tests in ordered for item in tests]
