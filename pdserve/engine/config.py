@@ -39,6 +39,8 @@ class EngineConfig:
     # compiled step's rows): float32 (exact against a float32 reference) or bfloat16 (on CPUs with
     # AMX or AVX-512 BF16: 2.7-4.7x faster tiles; see pdserve.kernels.dequant_tiles). auto:
     # bfloat16 where the CPU has it, else float32 ($PDSERVE_CPU_GEMM_DTYPE, where set, decides).
+    # int8: 4- and 8-bit matrices (GGUF's Q4_0/Q4_1/Q8_0...) multiply int8-quantized activations
+    # with AVX-512 VNNI at every row count, as llama.cpp does; the rest as bfloat16.
     cpu_gemm_dtype: str = "auto"
     # True: no CUDA graphs, every step launched op by op (vLLM's --enforce-eager). CUDA only.
     enforce_eager: bool = False
@@ -84,8 +86,8 @@ class EngineConfig:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         if self.kv_cache_dtype not in ("auto", "fp8", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be auto, fp8 or bfloat16, got {self.kv_cache_dtype!r}")
-        if self.cpu_gemm_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"cpu_gemm_dtype must be auto, float32 or bfloat16, got {self.cpu_gemm_dtype!r}")
+        if self.cpu_gemm_dtype not in ("auto", "float32", "bfloat16", "int8"):
+            raise ValueError(f"cpu_gemm_dtype must be auto, float32, bfloat16 or int8, got {self.cpu_gemm_dtype!r}")
         if self.kernel_backend not in ("auto", "torch", "numba", "triton"):
             raise ValueError(f"kernel_backend must be auto, torch, numba or triton, got {self.kernel_backend!r}")
         self.speculative_config = parse_speculative_config(self.speculative_config)

@@ -34,11 +34,13 @@ def add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) ->
                         "--num-kv-blocks gives the pool's size, off for the default pool")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (prefill chunks)")
     p.add_argument("--max-num-seqs", type=int, default=128, help="requests in one running batch")
-    p.add_argument("--cpu-gemm-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--cpu-gemm-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
                    help="many-row products on CPU (prefill, large batches): float32 (exact against a float32 "
                         "reference) or bfloat16 (CPUs with AMX or AVX-512 BF16: several times faster prefill and "
                         "large batches; greedy text may differ where two tokens nearly tie); auto: bfloat16 "
-                        "where the CPU has it, else float32 ($PDSERVE_CPU_GEMM_DTYPE, where set, decides)")
+                        "where the CPU has it, else float32 ($PDSERVE_CPU_GEMM_DTYPE, where set, decides); int8: "
+                        "4- and 8-bit weights (GGUF Q4_0/Q4_1/Q8_0) multiply int8-quantized activations with "
+                        "AVX-512 VNNI at any row count, as llama.cpp does, the rest bfloat16")
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "numba", "triton"],
                    help="attention kernels; auto: numba on CPU, triton on CUDA")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from pdserve.executor.executor import TPExecutor
-from pdserve.kernels.dequant_tiles import tile_dtype
+from pdserve.kernels.dequant_tiles import gemm_dtype
 from pdserve.layers.parallel import set_tp_group
 from pdserve.layers.quant.base import quantization_dict
 from pdserve.models import qwen2_5_vl
@@ -81,7 +81,7 @@ def start_executor(config, model_path, hf_config, dtype: torch.dtype, device: to
     return TPExecutor(size, os.fspath(model_path), dtype, device, config.kernel_backend, kv_shape,
                       rank_threads(config), expert_parallel=config.enable_expert_parallel, pp_size=stages,
                       lora_slots=(config.max_loras, config.max_lora_rank) if config.enable_lora else (0, 0),
-                      kv_dtype=kv_dtype, gemm_dtype=str(tile_dtype()).removeprefix("torch."),
+                      kv_dtype=kv_dtype, gemm_dtype=str(gemm_dtype()).removeprefix("torch."),
                       kv_prefault=config.kv_cache_prefault)
 
 

@@ -12,7 +12,11 @@ float32 reference where two tokens' logits nearly tie: float32 keeps every produ
 (the engine's `cpu_gemm_dtype`, auto by default: bf16 where the CPU has it; set here per process
 with set_tile_dtype).
 The tiles serve prefill and any step past the compiled decode step's rows; decode steps within
-them stay in float32 (native_gemv.c)."""
+them stay in float32 (native_gemv.c).
+
+int8 (`cpu_gemm_dtype int8`, CPUs with AVX-512 VNNI): 4- and 8-bit matrices skip the tiles at
+every row count and multiply int8-rounded activations in the compiled kernel
+(native_gemv_int8.c, llama.cpp's arithmetic); the other matrices' tiles run bf16."""
 from __future__ import annotations
 
 import os
@@ -31,6 +35,7 @@ TILE_BYTES = 1 << 20
 BF16_TILE_BYTES = 8 << 20
 _tiles: dict[int, np.ndarray] = {}  # columns -> the reused float32 tile buffer
 _tile_dtype = torch.float32
+_int8 = False  # cpu_gemm_dtype int8: 4- and 8-bit matrices' products in int8 (native_gemv_int8.c)
 GEMM_DTYPE_ENV = "PDSERVE_CPU_GEMM_DTYPE"  # what cpu_gemm_dtype auto means, where set
 
 
@@ -45,6 +50,17 @@ def native_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+@cache
+def native_int8() -> bool:
+    """Whether this CPU has AVX-512 VNNI's int8 dot products (vpdpbusd): /proc/cpuinfo's flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags
+
+
 def resolve_gemm_dtype(name: str) -> torch.dtype:
     """The dtype named (auto, float32 or bfloat16); bfloat16 on a CPU without native bf16 dot
     products is refused: oneDNN would emulate it, slower than float32. auto: $PDSERVE_CPU_GEMM_DTYPE
@@ -55,19 +71,36 @@ def resolve_gemm_dtype(name: str) -> torch.dtype:
     if name == "bfloat16" and not native_bf16():
         raise ValueError("cpu_gemm_dtype bfloat16 needs a CPU with AMX or AVX-512 BF16 (/proc/cpuinfo's "
                          "amx_bf16 or avx512_bf16); this one has neither: use float32")
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    if name == "int8" and not native_int8():
+        raise ValueError("cpu_gemm_dtype int8 needs a CPU with AVX-512 VNNI (/proc/cpuinfo's avx512_vnni); "
+                         "this one has none: use bfloat16 or float32")
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[name]
 
 
 def set_tile_dtype(dtype: torch.dtype) -> None:
-    """The dtype the tile products run in, for this process (set as an engine is built)."""
-    global _tile_dtype
-    _tile_dtype = dtype
-    if dtype != torch.float32 or native_gemv.library.cache_info().currsize:  # (float32: load it only if loaded)
-        native_gemv.set_bf16(dtype == torch.bfloat16)
+    """The dtype the products run in, for this process (set as an engine is built). int8: the 4-
+    and 8-bit matrices' products in int8, every other product in bf16 where the CPU has it."""
+    global _tile_dtype, _int8
+    _int8 = dtype == torch.int8
+    _tile_dtype = (torch.bfloat16 if native_bf16() else torch.float32) if _int8 else dtype
+    if _tile_dtype != torch.float32 or _int8 or native_gemv.library.cache_info().currsize:  # (float32: load it only if loaded)
+        native_gemv.set_bf16(_tile_dtype == torch.bfloat16)
+        native_gemv.set_int8(_int8)
 
 
 def tile_dtype() -> torch.dtype:
+    """The dtype of the tiles' products (bf16 or float32; bf16 under int8 where the CPU has it)."""
     return _tile_dtype
+
+
+def gemm_dtype() -> torch.dtype:
+    """The dtype set_tile_dtype was given: what a TP worker is told to run."""
+    return torch.int8 if _int8 else _tile_dtype
+
+
+def int8_products() -> bool:
+    """Whether 4- and 8-bit matrices multiply in int8 (the compiled kernel, at any token count)."""
+    return _int8
 
 
 def matmul_by_tiles(x: torch.Tensor, rows: int, fill_tile: Callable[[int, int, np.ndarray], None],

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 # the same library: they call pd_gemv. Their header is hashed with them.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_gemv.c", "native_decode.c", "native_lora.c", "native_moe.c",
                                                               "native_mla.c", "native_tiles.c", "native_gemv_bf16.c",
-                                                              "native_gemv_amx.c", "native_prefill.c", "native_paged.c",
+                                                              "native_gemv_amx.c", "native_gemv_int8.c", "native_prefill.c", "native_paged.c",
                                                               "native_rows.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_decode.h", "native_quant_blocks.h", "native_exp.h",
                                                             "native_bf16.h"))
@@ -130,6 +130,8 @@ def library() -> ctypes.CDLL | None:
     lib.pd_dequant_rows.restype = _I
     lib.pd_set_bf16.argtypes = [_I]
     lib.pd_set_bf16.restype = None
+    lib.pd_set_int8.argtypes = [_I]
+    lib.pd_set_int8.restype = None
     lib.pd_round_bf16.argtypes = [_P, ctypes.c_long, ctypes.c_long, _P, _I]
     lib.pd_round_bf16.restype = _I
     lib.pd_widen_bf16.argtypes = [_P, ctypes.c_long, ctypes.c_long, _P, ctypes.c_long, _I]
@@ -152,6 +154,16 @@ def set_bf16(on: bool) -> None:
     lib = library()
     if lib is not None:
         lib.pd_set_bf16(int(on))
+
+
+def set_int8(on: bool, min_tokens: int | None = None) -> None:
+    """From min_tokens tokens (the library's default where None), 4- and 8-bit layouts' products
+    in int8 with VNNI (native_gemv_int8.c), for this process (dequant_tiles.set_tile_dtype)."""
+    lib = library()
+    if lib is not None:
+        lib.pd_set_int8(int(on))
+        if min_tokens is not None:
+            ctypes.c_int.in_dll(lib, "pd_int8_min_tokens").value = min_tokens
 
 
 def matrix_args(bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray, has_min: bool,

@@ -76,4 +76,9 @@ static inline __attribute__((always_inline)) void decode32(const uint8_t *qrow, 
 int pd_gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
                  const void *mins, int half, int has_min, int group, float *out, int threads);
 
+/* native_gemv_int8.c: the same in int8 products (VNNI) for 4- and 8-bit codes from
+ * pd_int8_min_tokens tokens when pd_set_int8 is on; 1 if it ran, else 0 */
+int pd_gemv_int8(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
+                 const void *mins, int half, int has_min, int group, float *out, int threads);
+
 #endif

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from pdserve.kernels import native_gemv, numba_threads, quant_gemv  # noqa: F401  (numba_threads: before the first parallel call)
+from pdserve.kernels import dequant_tiles, native_gemv, numba_threads, quant_gemv  # noqa: F401  (numba_threads: before the first parallel call)
 from pdserve.kernels.dequant_tiles import matmul_by_tiles
 from pdserve.kernels.quant_scales import HALF_TO_FLOAT, scale_value
 
@@ -131,11 +131,17 @@ def quant_matmul(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tens
 def packed_matmul(x: torch.Tensor, m: PackedMatrix) -> torch.Tensor:
     """quant_matmul over a PackedMatrix."""
     x = x.float().contiguous()
-    if x.shape[0] <= native_gemv.MAX_TOKENS and m.native is not None:  # decode steps: the compiled kernel
+    if m.native is not None and (x.shape[0] <= native_gemv.MAX_TOKENS or int8_native(m)):  # the compiled kernel
         out = torch.empty(x.shape[0], m.q.shape[0])
         if native_gemv.run(x.data_ptr(), x.shape[0], x.shape[1], m.native, out.data_ptr()):
             return out
     return _tiled(x, m) if x.shape[0] > QUANT_GEMV_MAX_TOKENS else _gemv(x, m)
+
+
+def int8_native(m: PackedMatrix) -> bool:
+    """Whether the compiled kernel takes m's products at every token count: int8 products of 4-
+    and 8-bit codes in groups of 32 (dequant_tiles.int8_products), faster than bf16 tiles."""
+    return dequant_tiles.int8_products() and m.bits in (4, 8) and m.group % 32 == 0
 
 
 def gemv(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,

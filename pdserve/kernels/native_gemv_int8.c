@@ -1,0 +1,266 @@
+/* int8 products for the integer layouts (pd_set_int8: the engine's cpu_gemm_dtype int8), with
+ * AVX-512 VNNI: a decode step of several requests, and a prefill's products.
+ *
+ * bf16's dot product (vdpbf16ps) multiplies 32 pairs an instruction; VNNI's vpdpbusd multiplies
+ * 64 bytes, and the 4-bit codes go in as they are instead of dequantized to bf16 first. As
+ * llama.cpp multiplies its Q4/Q8 blocks, x is quantized to int8 per token and block of 32 columns
+ * (Q8_0's rule: dx = max|x| / 127, codes c = round(x / dx)); each block's integer dot of the weight
+ * codes q with c is exact, and the block adds
+ *     d * dx * sum(q * c) + min * dx * sum(c)      (w = d * q + min)
+ * to the token's float32 sum: the product of the weights with x rounded to 8 bits a block (the
+ * error of Q8_1 activations, llama.cpp's for Q4_1). The min's term takes the rounded sum, not x's
+ * own: with the exact sum the rounding errors met d * q, which does not center on zero as w
+ * does, and a random Q4_1 model's logits erred ten times as far as with Q8_0 weights.
+ *
+ * vpdpbusd multiplies unsigned bytes by signed ones: the weights go in unsigned (4-bit codes as
+ * they are; 8-bit codes + 128, with -128 * sum(c) a token's start to take the offset out), x's
+ * codes signed. Layout: x's codes by groups of 16 tokens, then block, then column quad: word
+ * [g][blk][p][j] holds token 16g + j's columns 4p .. 4p + 3, so one vector holds a quad of 16
+ * tokens and a pass reads each group's codes as one stream. A weight row's quad is broadcast into
+ * a register; R rows x NB vectors of 16 tokens stay in registers for a block's 8 quads.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "native_quant_blocks.h"
+
+#define I8_TOKENS 8    /* tokens a pass holds: 8 int and 8 float sums of 16 rows */
+#define I8_CHUNK 192   /* tokens a sweep over the rows takes: their codes (192 x cols bytes) stay in L2 */
+
+static int int8_many = 0;
+
+void pd_set_int8(int on) { int8_many = on; }
+
+int pd_int8_min_tokens = 2; /* below this the float32 kernels run (one token: a memory-bound gemv) */
+
+#ifdef __AVX512VNNI__
+/* x's side of the products, by token: codes [tokens][cols] (signed bytes); dx, xs (the sum of the
+ * block's rounded values, dx * sum(c)) and xc (-128 * sum(c), for 8-bit weights) [tokens][blocks] */
+typedef struct {
+    int8_t *codes;
+    float *dx, *xs;
+    int32_t *xc;
+    int blocks;
+} x_side;
+
+/* token t's codes, scales and sums (Q8_0's rule) */
+static void quantize_token(const float *x, int cols, int t, const x_side *xq) {
+    for (int blk = 0; blk < xq->blocks; blk++) {
+        const float *row = x + (long)t * cols + blk * 32;
+        long at = (long)t * xq->blocks + blk;
+        __m512 a = _mm512_loadu_ps(row), b = _mm512_loadu_ps(row + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
+        _mm_storeu_si128((__m128i *)(xq->codes + (long)t * cols + blk * 32), _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(xq->codes + (long)t * cols + blk * 32 + 16), _mm512_cvtepi32_epi8(qb));
+        int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        xq->dx[at] = amax / 127.f;
+        xq->xs[at] = xq->dx[at] * (float)sum;
+        xq->xc[at] = -128 * sum;
+    }
+}
+
+/* Lane i of a task's vectors holds row 4 (i % 4) + i / 4 of its 16: the order a 4 x 4 transpose
+ * of dwords leaves them in (transpose16x4). The order is its own inverse: un-permuting the sums
+ * uses the same indices. */
+static inline __m512i lane_rows(void) { return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15); }
+
+/* 4 vectors of 4 rows each (128-bit lane l of a[k]: row 4k + l's 16 bytes) as 4 vectors of dwords:
+ * vector p lane i = dword p of row 4 (i % 4) + i / 4 */
+static inline void transpose16x4(const __m512i a[4], __m512i v[4]) {
+    __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
+    __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
+    v[0] = _mm512_unpacklo_epi64(t0, t2), v[1] = _mm512_unpackhi_epi64(t0, t2);
+    v[2] = _mm512_unpacklo_epi64(t1, t3), v[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* a task's 16 rows: codes [blocks][8] vectors, and the blocks' scales and mins [blocks][16] in
+ * lane order (rows past nrows: zero codes and scales); quads: scratch of 8 vectors a block */
+typedef struct {
+    __m512i *w, *quads;
+    float *d, *mn;
+} rows16;
+
+/* the 16 rows' bytes gathered four rows to a vector (quads[(blk * halves + h) * 4 + k], rows
+ * 4k .. 4k + 3), a quartet at a time: four row pointers live, not sixteen */
+static void gather_quartets(const uint8_t *q, long qstride, int bits, int blocks, int n, int nrows, const uint8_t *zeros,
+                            __m512i *quads) {
+    int halves = bits == 8 ? 2 : 1, bb = bits == 8 ? 32 : 16;
+    for (int k = 0; k < 4; k++) {
+        const uint8_t *r[4];
+        for (int l = 0; l < 4; l++) r[l] = n + 4 * k + l < nrows ? q + (long)(n + 4 * k + l) * qstride : zeros;
+        for (int blk = 0; blk < blocks; blk++)
+            for (int h = 0; h < halves; h++) {
+                long at = (long)blk * bb + 16 * h;
+                __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(r[0] + at)));
+                z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(r[1] + at)), 1);
+                z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(r[2] + at)), 2);
+                quads[((long)blk * halves + h) * 4 + k] = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(r[3] + at)), 3);
+            }
+    }
+}
+
+/* r[i] lane j -> r[j] lane i */
+static inline void transpose16x16(__m512 *r) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 4) {
+        __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+        __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c)), r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d)), r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88), t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88), r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
+/* the blocks' scales (or mins) of the 16 rows in lane order, 16 blocks at a time: each row's 16
+ * read as a vector (rows in lane order), then transposed (groups of 32 columns; other groups and
+ * rows past nrows one at a time) */
+static void lane_scales(const void *s, int half, int group, long sstride, int blocks, int n, int nrows, float *dst) {
+    int blk = 0;
+    if (group == 32 && n + 16 <= nrows)
+        for (; blk < blocks; blk += 16) {
+            __mmask16 take = blocks - blk >= 16 ? 0xffff : (__mmask16)((1u << (blocks - blk)) - 1);
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) {
+                long at = (long)(n + 4 * (i % 4) + i / 4) * sstride + blk;
+                r[i] = half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(take, (const uint16_t *)s + at))
+                            : _mm512_maskz_loadu_ps(take, (const float *)s + at);
+            }
+            transpose16x16(r);
+            for (int j = 0; j < 16 && blk + j < blocks; j++) _mm512_storeu_ps(dst + (blk + j) * 16, r[j]);
+        }
+    for (; blk < blocks; blk++)
+        for (int i = 0; i < 16; i++) {
+            int r = 4 * (i % 4) + i / 4;
+            dst[blk * 16 + i] = n + r < nrows ? scale_at(s, half, (long)(n + r) * sstride + blk * 32 / group) : 0.f;
+        }
+}
+
+static void unpack_task(int cols, const uint8_t *q, int bits, const void *sc, const void *mins, int half, int has_min,
+                        int group, int n, int nrows, const uint8_t *zeros, rows16 *out) {
+    int blocks = cols / 32;
+    long qstride = row_bytes(bits, cols), sstride = cols / group;
+    gather_quartets(q, qstride, bits, blocks, n, nrows, zeros, out->quads);
+    const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    for (int blk = 0; blk < blocks; blk++) {
+        __m512i *w = out->w + (long)blk * 8;
+        if (bits == 4) {
+            __m512i v[4];
+            transpose16x4(out->quads + (long)blk * 4, v);
+            for (int p = 0; p < 4; p++) { /* byte j: column j in the low nibble, j + 16 in the high one */
+                w[p] = _mm512_and_si512(v[p], low);
+                w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v[p], 4), low);
+            }
+        } else {
+            transpose16x4(out->quads + (long)blk * 8, w);
+            transpose16x4(out->quads + (long)blk * 8 + 4, w + 4);
+            for (int p = 0; p < 8; p++) w[p] = _mm512_xor_si512(w[p], flip);
+        }
+    }
+    lane_scales(sc, half, group, sstride, blocks, n, nrows, out->d);
+    if (has_min)
+        lane_scales(mins, half, group, sstride, blocks, n, nrows, out->mn);
+    else
+        for (int i = 0; i < 16 * blocks; i++) out->mn[i] = 0.f;
+}
+
+/* NT tokens from t0 times the task's 16 rows, into out[t][n .. n + 15] (NT and EIGHT constants
+ * once inlined): a block's 8 codes vectors, each token's quad broadcast into vpdpbusd */
+static inline __attribute__((always_inline)) void tokens_int8(const rows16 *rw, const x_side *xq, int cols, int t0,
+                                                              float *out, int nrows, int n, const int NT,
+                                                              const int EIGHT) {
+    int blocks = xq->blocks;
+    __m512 acc[I8_TOKENS];
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+    for (int blk = 0; blk < blocks; blk++) {
+        const __m512i *w = rw->w + (long)blk * 8;
+        __m512i ai[I8_TOKENS];
+        for (int t = 0; t < NT; t++)
+            ai[t] = EIGHT ? _mm512_set1_epi32(xq->xc[(long)(t0 + t) * blocks + blk]) : _mm512_setzero_si512();
+        for (int p = 0; p < 8; p++) {
+            __m512i wv = _mm512_load_si512(w + p);
+            for (int t = 0; t < NT; t++)
+                ai[t] = _mm512_dpbusd_epi32(ai[t], wv, _mm512_set1_epi32(*(const int32_t *)(xq->codes + (long)(t0 + t) * cols + blk * 32 + 4 * p)));
+        }
+        __m512 dv = _mm512_loadu_ps(rw->d + blk * 16), mv = _mm512_loadu_ps(rw->mn + blk * 16);
+        for (int t = 0; t < NT; t++) {
+            long at = (long)(t0 + t) * blocks + blk;
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[t]), _mm512_mul_ps(dv, _mm512_set1_ps(xq->dx[at])), acc[t]);
+            acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xq->xs[at]), acc[t]);
+        }
+    }
+    __mmask16 keep = nrows - n >= 16 ? 0xffff : (__mmask16)((1u << (nrows - n)) - 1);
+    for (int t = 0; t < NT; t++)
+        _mm512_mask_storeu_ps(out + (long)(t0 + t) * nrows + n, keep, _mm512_permutexvar_ps(lane_rows(), acc[t]));
+}
+
+#define TOKENS(NT) (eight ? tokens_int8(rw, xq, cols, t0, out, nrows, n, NT, 1) : tokens_int8(rw, xq, cols, t0, out, nrows, n, NT, 0))
+
+/* the task's rows times tokens [c0, c1), I8_TOKENS at a time */
+static void task_tokens(const rows16 *rw, const x_side *xq, int cols, int eight, int c0, int c1, float *out, int nrows,
+                        int n) {
+    for (int t0 = c0; t0 < c1; t0 += I8_TOKENS) {
+        switch (c1 - t0 < I8_TOKENS ? c1 - t0 : I8_TOKENS) {
+        case 1: TOKENS(1); break;
+        case 2: TOKENS(2); break;
+        case 3: TOKENS(3); break;
+        case 4: TOKENS(4); break;
+        case 5: TOKENS(5); break;
+        case 6: TOKENS(6); break;
+        case 7: TOKENS(7); break;
+        default: TOKENS(8);
+        }
+    }
+}
+
+int pd_gemv_int8(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
+                 const void *mins, int half, int has_min, int group, float *out, int threads) {
+    if (!int8_many || tokens < pd_int8_min_tokens || (bits != 4 && bits != 8) || group % 32 || half > 1 || cols > 8192)
+        return 0;
+    int blocks = cols / 32;
+    long per_block = (long)tokens * blocks;
+    x_side xq = {malloc((size_t)tokens * cols), malloc(sizeof(float) * per_block), malloc(sizeof(float) * per_block),
+                 malloc(sizeof(int32_t) * per_block), blocks};
+    uint8_t *zeros = calloc(row_bytes(bits, cols), 1);
+    int ok = xq.codes && xq.dx && xq.xs && xq.xc && zeros, tasks = (nrows + 15) / 16;
+#pragma omp parallel num_threads(threads) if (ok)
+    {
+        if (ok) {
+#pragma omp for schedule(static)
+            for (int t = 0; t < tokens; t++) quantize_token(x, cols, t, &xq);
+        }
+        __m512i *w = ok ? aligned_alloc(64, sizeof(__m512i) * 8 * blocks) : NULL;
+        __m512i *quads = ok ? aligned_alloc(64, sizeof(__m512i) * 8 * blocks) : NULL;
+        float *d = malloc(sizeof(float) * 16 * blocks), *mn = malloc(sizeof(float) * 16 * blocks);
+        rows16 rw = {w, quads, d, mn};
+        /* a thread without its buffers still meets every barrier below, doing no task */
+        for (int c0 = 0; ok && c0 < tokens; c0 += I8_CHUNK) {
+            int c1 = c0 + I8_CHUNK < tokens ? c0 + I8_CHUNK : tokens;
+#pragma omp for schedule(static)
+            for (int t = 0; t < tasks; t++) {
+                if (!w || !quads || !d || !mn) continue;
+                unpack_task(cols, q, bits, scales, mins, half, has_min, group, 16 * t, nrows, zeros, &rw);
+                task_tokens(&rw, &xq, cols, bits == 8, c0, c1, out, nrows, 16 * t);
+            }
+        }
+        free(w), free(quads), free(d), free(mn);
+    }
+    free(xq.codes), free(xq.dx), free(xq.xs), free(xq.xc), free(zeros);
+    return ok;
+}
+#else
+int pd_gemv_int8(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
+                 const void *mins, int half, int has_min, int group, float *out, int threads) {
+    return 0; /* no AVX-512 VNNI in this build: bf16 or float32 */
+}
+#endif

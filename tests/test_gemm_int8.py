@@ -1,0 +1,140 @@
+"""int8 products (cpu_gemm_dtype int8, native_gemv_int8.c): 4- and 8-bit weight codes times
+int8-quantized activations with AVX-512 VNNI, as llama.cpp multiplies Q4/Q8 blocks. The kernel is
+checked against a float64 product of the exact weights with x rounded per token and block of 32
+as Q8_0 rounds it, and an engine under int8 against the float32 engine. They skip on CPUs without AVX-512 VNNI."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from test_gguf import reference, write_gguf
+
+from pdserve import LLM, SamplingParams
+from pdserve.kernels import dequant_tiles, native_gemv
+
+needs_int8 = pytest.mark.skipif(native_gemv.library() is None or not dequant_tiles.native_int8(),
+                                reason="no compiled kernels or no AVX-512 VNNI on this CPU")
+
+
+@pytest.fixture
+def gemm_dtype():
+    """Restores this process's product dtype after the test."""
+    before = dequant_tiles.gemm_dtype()
+    yield dequant_tiles.set_tile_dtype
+    dequant_tiles.set_tile_dtype(before)
+
+
+def _matrix(rng, bits: int, rows: int, cols: int, group: int, has_min: bool, half: bool):
+    """quant_cpu's layout: codes (4 bits two a byte, column j low nibble and j + 16 high), scales
+    and mins a group; and the codes, scales and mins as float64 per column"""
+    codes = rng.integers(0, 16, (rows, cols)) if bits == 4 else rng.integers(-128, 128, (rows, cols))
+    if bits == 4:
+        runs = codes.reshape(rows, -1, 2, 16).astype(np.uint8)
+        q = np.ascontiguousarray((runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(rows, -1))
+    else:
+        q = codes.astype(np.int8).view(np.uint8)
+    scales = (rng.random((rows, cols // group)) * 0.02 + 0.001).astype(np.float32)
+    mins = ((rng.random((rows, cols // group)) - 0.5) * 0.1).astype(np.float32)
+    stored = [a.astype(np.float16) if half else a for a in (scales, mins)]
+    per_column = [np.repeat(a.astype(np.float64), group, axis=1) for a in stored]
+    bits_of = [a.view(np.uint16) if half else a for a in stored]
+    mins_arg = bits_of[1] if has_min else np.zeros((rows, 0), bits_of[0].dtype)
+    return (q, bits_of[0], mins_arg), codes.astype(np.float64), per_column[0], per_column[1] if has_min else 0.0
+
+
+def _int8_reference(x: np.ndarray, codes, scale, minimum) -> np.ndarray:
+    """x rounded per block as Q8_0 rounds it, times the exact weights (d * q + min), in float64"""
+    tokens, cols = x.shape
+    blocks = x.reshape(tokens, cols // 32, 32)
+    amax = np.abs(blocks).max(axis=2)
+    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    c = np.rint(blocks * inverse[:, :, None]).astype(np.float64)  # x * (127 / amax) in float32, as the kernel
+    xq = (c * (amax / np.float32(127)).astype(np.float64)[:, :, None]).reshape(tokens, cols)
+    return xq @ (codes * scale + minimum).T
+
+
+def _run(x: np.ndarray, matrix, bits: int, has_min: bool, group: int) -> np.ndarray:
+    out = native_gemv.gemv(np.ascontiguousarray(x), bits, *matrix, has_min, group)
+    assert out is not None
+    return out.astype(np.float64)
+
+
+@needs_int8
+@pytest.mark.parametrize("bits, has_min, half, group", [
+    (4, True, True, 32), (4, False, True, 32), (8, False, True, 32), (4, True, False, 64), (8, True, False, 32)])
+@pytest.mark.parametrize("tokens", [2, 7, 9, 33, 200])
+def test_int8_rows_equal_a_float64_evaluation_of_the_same_arithmetic(gemm_dtype, bits, has_min, half, group, tokens):
+    """Rows past a multiple of 16 (the last task's tail) and 16 (the transposed scales), token counts
+    around the kernel's 8-token passes and its 192-token sweeps, both scale widths, groups of 64."""
+    rng = np.random.default_rng(bits * 1000 + tokens)
+    rows, cols = 37, 576
+    matrix, codes, scale, minimum = _matrix(rng, bits, rows, cols, group, has_min, half)
+    x = rng.standard_normal((tokens, cols)).astype(np.float32)
+    gemm_dtype(torch.int8)
+    got = _run(x, matrix, bits, has_min, group)
+    want = _int8_reference(x, codes, scale, minimum)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    exact = x.astype(np.float64) @ (codes * scale + minimum).T
+    assert 0 < np.abs(got - exact).max() < 0.02 * np.abs(exact).max()  # Q8_0's rounding of x, no more
+
+
+@needs_int8
+def test_one_token_and_the_setting_off_stay_float32(gemm_dtype):
+    """A single token (a memory-bound gemv) runs the float32 kernel under int8; float32 runs it for all."""
+    rng = np.random.default_rng(3)
+    matrix, codes, scale, minimum = _matrix(rng, 4, 48, 256, 32, True, True)
+    x = rng.standard_normal((9, 256)).astype(np.float32)
+    exact = x.astype(np.float64) @ (codes * scale + minimum).T
+    gemm_dtype(torch.int8)
+    assert np.allclose(_run(x[:1], matrix, 4, True, 32), exact[:1], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(_run(x, matrix, 4, True, 32), exact, rtol=1e-5, atol=1e-5)
+    gemm_dtype(torch.float32)
+    assert np.allclose(_run(x, matrix, 4, True, 32), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_names_its_dtypes(monkeypatch, gemm_dtype):
+    """int8 is refused without VNNI; set, the tiles of other matrices run bf16 (float32 without
+    native bf16) and a TP worker is told int8."""
+    monkeypatch.setattr(dequant_tiles, "native_int8", lambda: False)
+    with pytest.raises(ValueError, match="AVX-512 VNNI"):
+        dequant_tiles.resolve_gemm_dtype("int8")
+    monkeypatch.setattr(dequant_tiles, "native_int8", lambda: True)
+    assert dequant_tiles.resolve_gemm_dtype("int8") == torch.int8
+    for native_bf16, tiles in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(dequant_tiles, "native_bf16", lambda native_bf16=native_bf16: native_bf16)
+        gemm_dtype(torch.int8)
+        assert (dequant_tiles.tile_dtype(), dequant_tiles.gemm_dtype(), dequant_tiles.int8_products()) == (
+            tiles, torch.int8, True)
+    gemm_dtype(torch.float32)
+    assert not dequant_tiles.int8_products()
+
+
+@needs_int8
+@pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q8_0])
+def test_int8_engine_stays_near_the_float32_engine(tmp_path, gemm_dtype, kind):
+    """A GGUF Llama's prompt logits under int8 (prefill through the int8 kernel at every row count)
+    are within Q8 activations' rounding of float32's, and neither float32's nor bf16's (the int8
+    products ran); its greedy tokens agree with float32's until float32's first near-tie."""
+    path = write_gguf(tmp_path / f"llama.{kind.name}.gguf", "llama", kind)
+    _, ref = reference(path)
+    prompts = [[(7 * i + 3 * n) % ref.config.vocab_size for i in range(n)] for n in (5, 57, 90)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    runs, logits = {}, {}
+    names = ("float32", "bfloat16", "int8") if dequant_tiles.native_bf16() else ("float32", "int8")
+    for name in names:
+        llm = LLM(str(path), num_kv_blocks=64, cpu_gemm_dtype=name)
+        assert dequant_tiles.gemm_dtype() == getattr(torch, name)
+        runs[name] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        logits[name] = llm.engine.prompt_logits(prompts[-1])
+    scale = logits["float32"].abs().max().item()
+    diff = (logits["int8"] - logits["float32"]).abs().max().item()
+    assert 0 < diff < 0.1 * scale
+    if "bfloat16" in logits:
+        assert not torch.equal(logits["int8"], logits["bfloat16"])
+    for full, low in zip(runs["float32"], runs["int8"]):
+        for step, (want, got) in enumerate(zip(full.outputs[0].token_ids, low.outputs[0].token_ids)):
+            if want != got:  # only where float32's top two were within the error of each other
+                (_, first), (_, second) = sorted(full.outputs[0].logprobs[step].top, key=lambda t: -t[1])[:2]
+                assert first - second < 4 * diff
+                break
