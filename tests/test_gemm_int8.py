@@ -63,7 +63,7 @@ def _run(x: np.ndarray, matrix, bits: int, has_min: bool, group: int) -> np.ndar
 @needs_int8
 @pytest.mark.parametrize("bits, has_min, half, group", [
     (4, True, True, 32), (4, False, True, 32), (8, False, True, 32), (4, True, False, 64), (8, True, False, 32)])
-@pytest.mark.parametrize("tokens", [2, 7, 9, 33, 200])
+@pytest.mark.parametrize("tokens", [1, 2, 7, 9, 33, 200])
 def test_int8_rows_equal_a_float64_evaluation_of_the_same_arithmetic(gemm_dtype, bits, has_min, half, group, tokens):
     """Rows past a multiple of 16 (the last task's tail) and 16 (the transposed scales), token counts
     around the kernel's 8-token passes and its 192-token sweeps, both scale widths, groups of 64."""
@@ -80,15 +80,18 @@ def test_int8_rows_equal_a_float64_evaluation_of_the_same_arithmetic(gemm_dtype,
 
 
 @needs_int8
-def test_one_token_and_the_setting_off_stay_float32(gemm_dtype):
-    """A single token (a memory-bound gemv) runs the float32 kernel under int8; float32 runs it for all."""
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_float32_setting_keeps_the_float32_kernels(gemm_dtype, tokens):
+    """Under float32 the same call is exact (the float32 kernels); under int8 it is the int8 product,
+    a single token's too."""
     rng = np.random.default_rng(3)
     matrix, codes, scale, minimum = _matrix(rng, 4, 48, 256, 32, True, True)
-    x = rng.standard_normal((9, 256)).astype(np.float32)
+    x = rng.standard_normal((tokens, 256)).astype(np.float32)
     exact = x.astype(np.float64) @ (codes * scale + minimum).T
     gemm_dtype(torch.int8)
-    assert np.allclose(_run(x[:1], matrix, 4, True, 32), exact[:1], rtol=1e-5, atol=1e-5)
-    assert not np.allclose(_run(x, matrix, 4, True, 32), exact, rtol=1e-5, atol=1e-5)
+    got = _run(x, matrix, 4, True, 32)
+    assert np.abs(got - _int8_reference(x, codes, scale, minimum)).max() <= 1e-5 * np.abs(exact).max()
+    assert not np.allclose(got, exact, rtol=1e-5, atol=1e-5)
     gemm_dtype(torch.float32)
     assert np.allclose(_run(x, matrix, 4, True, 32), exact, rtol=1e-5, atol=1e-5)
 

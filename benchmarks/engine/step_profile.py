@@ -1,6 +1,7 @@
-"""The decode step and the prefill rate at 1, 8, 32 and 128 requests: float32 against bf16 products
-(--cpu-gemm-dtype), and bf16 products over a bf16 KV cache (--kv-cache-dtype), on the default
-model in one process per setting, the batch sizes interleaved over --repeats rounds (medians).
+"""The decode step and the prefill rate at 1, 8, 32 and 128 requests: float32, bf16 and int8 products
+(--cpu-gemm-dtype), bf16 and int8 over a bf16 KV cache (--kv-cache-dtype), on the default model
+in one process per setting, the batch sizes interleaved over --repeats rounds (medians); int8
+where the CPU has AVX-512 VNNI, bf16 where it has AVX-512 BF16 or AMX.
 
     .venv/bin/python -m benchmarks.engine.step_profile [--model M] [--repeats 3] [--batches 1,8,32,128]
 
@@ -14,10 +15,13 @@ import statistics
 import time
 
 from pdserve import LLM, SamplingParams
+from pdserve.kernels.dequant_tiles import resolve_gemm_dtype
 from pdserve.models.gguf import DEFAULT_MODEL
 
-SETTINGS = {"float32": {}, "bfloat16": {"cpu_gemm_dtype": "bfloat16"},
-            "bfloat16 + bf16 KV": {"cpu_gemm_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}}
+SETTINGS = {"float32": {"cpu_gemm_dtype": "float32"}, "bfloat16": {"cpu_gemm_dtype": "bfloat16"},
+            "bfloat16 + bf16 KV": {"cpu_gemm_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
+            "int8": {"cpu_gemm_dtype": "int8"},
+            "int8 + bf16 KV": {"cpu_gemm_dtype": "int8", "kv_cache_dtype": "bfloat16"}}
 
 
 def measure(llm: LLM, batch: int, prompt_len: int, steps: int, seed: int) -> tuple[float, float]:
@@ -42,6 +46,15 @@ def measure(llm: LLM, batch: int, prompt_len: int, steps: int, seed: int) -> tup
     return prefill, statistics.median(times)
 
 
+def runs_here(flags: dict) -> bool:
+    """Whether this CPU takes the setting's products (bf16: AVX-512 BF16 or AMX; int8: VNNI)."""
+    try:
+        resolve_gemm_dtype(flags["cpu_gemm_dtype"])
+    except ValueError:
+        return False
+    return True
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -51,7 +64,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24)
     args = p.parse_args()
     cells: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    for dtype, flags in SETTINGS.items():
+    settings = {name: flags for name, flags in SETTINGS.items() if runs_here(flags)}
+    for dtype, flags in settings.items():
         llm = LLM(args.model, max_num_seqs=max(args.batches), kv_cache_memory_gb=4, **flags)
         for r in range(args.repeats):
             for batch in args.batches:
@@ -59,7 +73,7 @@ def main() -> None:
         del llm
     print("| requests | products | prefill tok/s | decode step ms | decode tok/s |\n|---:|---|---:|---:|---:|")
     for batch in args.batches:
-        for dtype in SETTINGS:
+        for dtype in settings:
             runs = cells[(dtype, batch)]
             prefill = statistics.median(r[0] for r in runs)
             step = statistics.median(r[1] for r in runs)

@@ -21,6 +21,9 @@ each concurrency, each server), so drift in the machine's load hits all of them:
   pdserve-bf16  the same on the bfloat16 directory vLLM serves (held in float32, pdserve's CPU dtype)
   NAME+bf16     the same with --cpu-gemm-dtype bfloat16 --kv-cache-dtype bfloat16 (bf16 products
                 and a bf16 KV cache: what vLLM runs in bfloat16)
+  NAME+int8     the same with --cpu-gemm-dtype int8 (4- and 8-bit weights times int8-rounded
+                activations with AVX-512 VNNI at every row count, llama.cpp's arithmetic; the rest bf16)
+  NAME+int8kv   int8 products and a bf16 KV cache
   NAME+f32      the same with --cpu-gemm-dtype float32 (every product in float32: greedy output
                 exact against a float32 reference)
   NAME+lazy     the same with --no-kv-cache-prefault: the pool's pages written on first use, not at
@@ -54,8 +57,10 @@ from pdserve.wire.transport import free_port
 
 SERVERS = ("vllm", "pdserve-gguf", "pdserve-gguf+bf16", "pdserve-bf16", "pdserve-bf16+bf16", "llama-server",
            "pdserve-gguf+f32", "pdserve-bf16+f32", "pdserve-pd", "pdserve-pd+bf16",
-           "pdserve-gguf+lazy")
+           "pdserve-gguf+lazy", "pdserve-gguf+int8", "pdserve-gguf+int8kv", "pdserve-pd+int8kv")
 VARIANT_FLAGS = {"bf16": ("--cpu-gemm-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"),
+                 "int8": ("--cpu-gemm-dtype", "int8"),
+                 "int8kv": ("--cpu-gemm-dtype", "int8", "--kv-cache-dtype", "bfloat16"),
                  "f32": ("--cpu-gemm-dtype", "float32"),
                  "lazy": ("--no-kv-cache-prefault",)}
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"

@@ -32,7 +32,7 @@ static int int8_many = 0;
 
 void pd_set_int8(int on) { int8_many = on; }
 
-int pd_int8_min_tokens = 2; /* below this the float32 kernels run (one token: a memory-bound gemv) */
+int pd_int8_min_tokens = 1; /* from here int8 (one token: 0.23 ms against float32's 0.36 on SmolLM2's four layer matrices, one Zen 4 core) */
 
 #ifdef __AVX512VNNI__
 /* x's side of the products, by token: codes [tokens][cols] (signed bytes); dx, xs (the sum of the
