@@ -14,10 +14,12 @@
  *
  * vpdpbusd multiplies unsigned bytes by signed ones: the weights go in unsigned (4-bit codes as
  * they are; 8-bit codes + 128, with -128 * sum(c) a token's start to take the offset out), x's
- * codes signed. Layout: x's codes by groups of 16 tokens, then block, then column quad: word
- * [g][blk][p][j] holds token 16g + j's columns 4p .. 4p + 3, so one vector holds a quad of 16
- * tokens and a pass reads each group's codes as one stream. A weight row's quad is broadcast into
- * a register; R rows x NB vectors of 16 tokens stay in registers for a block's 8 quads.
+ * codes signed. A task takes 16 weight rows into a vector's lanes: for each block, 8 vectors,
+ * vector p holding column quad p of each row (a 4 x 4 transpose of the rows' dwords, four rows at a
+ * time), made once a task and read for every token; each token's quad is broadcast from its codes
+ * (by token, [tokens][cols]) into vpdpbusd, and 8 tokens' sums of the 16 rows stay in registers.
+ * So one token costs the rows' unpacking and 8 dot products a block: the int8 product runs from
+ * a single token (a token-major layout, 16 tokens to a vector, wasted 15 lanes of 16 there).
  */
 #include <immintrin.h>
 #include <stdint.h>
