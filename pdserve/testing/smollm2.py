@@ -2,7 +2,8 @@
 loads it, and the checks that compare pdserve's greedy tokens against it.
 
 The reference is transformers' own GGUF path: AutoTokenizer and AutoModelForCausalLM with
-gguf_file=, dequantized to float32, independent of pdserve's view directory and loader.
+gguf_file=, dequantized to float32, independent of pdserve's view directory and loader (and kept
+in the cache directory as transformers saves it, load_reference).
 
 Greedy tokens are checked teacher-forced: one transformers forward over prompt + pdserve's output
 gives transformers' logits at every generated position, and greedy decoding by transformers
@@ -12,10 +13,18 @@ in reduction order; a clear winner that differs is a bug).
 """
 from __future__ import annotations
 
+import copy
+import hashlib
+import importlib.metadata
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
+import safetensors.torch
 import torch
 
+from pdserve.cache_dir import cache_root
 from pdserve.models.gguf import DEFAULT_MODEL, embedded_model_file
 
 NEW_TOKENS = 64
@@ -76,11 +85,53 @@ class Reference:
 
 
 def load_reference() -> Reference:
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: transformers takes ~1 s to import
-    gguf = embedded_model_file(DEFAULT_MODEL)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    """transformers' GGUF load, kept on disk as plain tensors: the load itself parses the GGUF's
+    metadata in Python (about 27 s of CPU on 2 cores, twice over for the tokenizer and the model);
+    the saved tokenizer, config and weights read back in a few seconds, bit for bit the same.
+    Keyed by the GGUF's bytes and the versions that load it, so another file or library loads
+    afresh."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # deferred: ~1 s to import
+    saved = _saved_reference_dir()
+    if not (saved / "complete").is_file():
+        gguf = embedded_model_file(DEFAULT_MODEL)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        _save(saved, tokenizer, model)
+    tokenizer = AutoTokenizer.from_pretrained(str(saved))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(saved)), dtype=torch.float32)
+    safetensors.torch.load_model(model, saved / "model.safetensors")
     return Reference(tokenizer, model.eval())
+
+
+def _saved_reference_dir() -> Path:
+    import transformers
+    key = hashlib.sha256(embedded_model_file(DEFAULT_MODEL).read_bytes())
+    for version in (transformers.__version__, importlib.metadata.version("gguf"), torch.__version__):
+        key.update(version.encode())
+    return cache_root() / "references" / f"smollm2-{key.hexdigest()[:16]}"
+
+
+def _save(target: Path, tokenizer, model) -> None:
+    """Into a folder beside target, then renamed: two workers that load at once each write their
+    own, and a reader never sees half of one. transformers will not save a model it loaded from a
+    GGUF (save_pretrained refuses), so the weights go through safetensors, the config without
+    its GGUF quantization entry."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        tokenizer.save_pretrained(tmp)
+        config = copy.deepcopy(model.config)
+        config.quantization_config = None
+        del config.quantization_config
+        config.save_pretrained(tmp)
+        safetensors.torch.save_model(model, tmp / "model.safetensors")
+        (tmp / "complete").touch()
+        tmp.rename(target)
+    except OSError:
+        if not (target / "complete").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @dataclass
