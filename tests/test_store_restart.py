@@ -15,13 +15,19 @@ from pdserve import LLM
 from pdserve.testing.up_cluster import assert_greedy_matches_offline, node_pids, node_stats, running_cluster, wait_for
 
 
+@pytest.fixture(scope="module")
+def llm():
+    """The offline engine the outputs are checked against, one for the module's five clusters (a
+    prefix cached from an earlier test changes no output): about 3 s of CPU a build saved."""
+    return LLM("builtin:tiny", num_kv_blocks=256)
+
+
 @pytest.mark.parametrize("store", ["default", "32-token chunks", "LMCache config file"])
-def test_prefill_restart_between_writer_and_reader_still_reuses_the_store(store, tmp_path):
+def test_prefill_restart_between_writer_and_reader_still_reuses_the_store(store, tmp_path, llm):
     """default: 256-token chunks, so this 163-token prompt is all tail (direct Redis, block by
     block); with 32-token chunks (a flag, or chunk_size in an LMCache config file) its 160-token
     prefix is 5 LMCache chunks read over resp://."""
     prefix = [(7 * i) % 200 + 20 for i in range(160)]
-    llm = LLM("builtin:tiny", num_kv_blocks=256)
     config = tmp_path / "lmcache.yaml"
     config.write_text("chunk_size: 32\nlocal_cpu: true\nmax_local_cpu_size: 0.05\n")
     flags = {"default": [], "32-token chunks": ["--store-chunk-tokens", "32"],
@@ -42,12 +48,11 @@ def test_prefill_restart_between_writer_and_reader_still_reuses_the_store(store,
 
 
 @pytest.mark.parametrize("scheme", ["direct+redis://", "redis://"])
-def test_flipped_bytes_in_the_store_are_caught_counted_and_recomputed(scheme):
+def test_flipped_bytes_in_the_store_are_caught_counted_and_recomputed(scheme, llm):
     """A byte flipped in every stored value (direct Redis: its checksum; the LMCache store's
     32-token chunks: the digest ledger) is rejected by the reader, counted in /metrics, and the
     prompt is recomputed: the output is still the offline engine's."""
     prefix = [(11 * i) % 200 + 20 for i in range(160)]
-    llm = LLM("builtin:tiny", num_kv_blocks=256)
     with running_cluster("--kv-transfer", "store", "--store", scheme, "--store-chunk-tokens", "32",
                          "--prefill-nodes", "1", "--decode-nodes", "1", "--num-kv-blocks", "256") as (url, proc):
         assert_greedy_matches_offline(url, llm, prefix + [30, 31, 32], 8)
