@@ -73,9 +73,12 @@ def test_int8_rows_equal_a_float64_evaluation_of_the_same_arithmetic(gemm_dtype,
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
     gemm_dtype(torch.int8)
     got = _run(x, matrix, bits, has_min, group)
+    exact = x.astype(np.float64) @ (codes * scale + minimum).T
+    if bits == 8 and tokens < 8:  # 8-bit codes stay float32 below 8 tokens (faster there)
+        assert np.allclose(got, exact, rtol=1e-5, atol=1e-5)
+        return
     want = _int8_reference(x, codes, scale, minimum)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
-    exact = x.astype(np.float64) @ (codes * scale + minimum).T
     assert 0 < np.abs(got - exact).max() < 0.02 * np.abs(exact).max()  # Q8_0's rounding of x, no more
 
 
@@ -141,3 +144,62 @@ def test_int8_engine_stays_near_the_float32_engine(tmp_path, gemm_dtype, kind):
                 (_, first), (_, second) = sorted(full.outputs[0].logprobs[step].top, key=lambda t: -t[1])[:2]
                 assert first - second < 4 * diff
                 break
+
+
+@pytest.mark.parametrize("gguf, vnni, bf16, amx, want", [
+    (True, True, True, False, torch.int8), (True, False, True, False, torch.bfloat16),
+    (False, True, True, False, torch.bfloat16), (True, True, False, False, torch.int8),
+    (False, True, False, False, torch.float32), (True, True, True, True, torch.bfloat16)])
+def test_auto_takes_int8_for_a_gguf_where_the_cpu_has_vnni(monkeypatch, gguf, vnni, bf16, amx, want):
+    """auto without the suite's pin: a GGUF's blocks multiply as llama.cpp multiplies them where the
+    CPU has VNNI and no AMX (whose bf16 tiles stay faster); other checkpoints keep bf16 (or
+    float32); the environment and a flag still win."""
+    monkeypatch.delenv(dequant_tiles.GEMM_DTYPE_ENV, raising=False)
+    monkeypatch.setattr(dequant_tiles, "native_int8", lambda: vnni)
+    monkeypatch.setattr(dequant_tiles, "native_bf16", lambda: bf16)
+    monkeypatch.setattr(dequant_tiles, "native_amx", lambda: amx)
+    assert dequant_tiles.resolve_gemm_dtype("auto", gguf=gguf) == want
+    assert dequant_tiles.resolve_gemm_dtype("float32", gguf=gguf) == torch.float32
+    monkeypatch.setenv(dequant_tiles.GEMM_DTYPE_ENV, "float32")
+    assert dequant_tiles.resolve_gemm_dtype("auto", gguf=gguf) == torch.float32
+
+
+@needs_int8
+@pytest.mark.skipif(dequant_tiles.native_amx(), reason="auto keeps AMX's bf16 tiles on this CPU")
+def test_default_gguf_engine_takes_int8_and_a_bf16_cache(tmp_path, monkeypatch, gemm_dtype):
+    """A default engine on a GGUF without the suite's pin: int8 products and a bf16 K/V cache, the
+    same tokens as an engine given both outright; float32 products keep a float32 cache."""
+    monkeypatch.delenv(dequant_tiles.GEMM_DTYPE_ENV)
+    path = write_gguf(tmp_path / "llama.Q4_1.gguf", "llama", Q.Q4_1)
+    prompts = [[(5 * i + 11) % 200 + 3 for i in range(n)] for n in (40, 70)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    runs = {}
+    for name, flags in (("auto", {}), ("given", {"cpu_gemm_dtype": "int8", "kv_cache_dtype": "bfloat16"}),
+                        ("float32", {"cpu_gemm_dtype": "float32"})):
+        llm = LLM(str(path), num_kv_blocks=64, **flags)
+        want = (torch.float32, torch.float32) if name == "float32" else (torch.int8, torch.bfloat16)
+        assert (dequant_tiles.gemm_dtype(), llm.engine.kv_cache.dtype) == want
+        runs[name] = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert runs["auto"] == runs["given"]
+
+
+def test_auto_kv_is_bf16_only_for_a_cpu_kv_cache_under_low_precision_products(gemm_dtype):
+    """kv_cache_dtype auto: bf16 for a float32 model's K/V cache on CPU when the products run bf16
+    or int8; the model's dtype under float32 products, for MLA's latent cache, a hybrid model's
+    attention layers and on CUDA."""
+    from types import SimpleNamespace
+
+    from pdserve.assembly.build import auto_kv_dtype
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    dense = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    latent = SimpleNamespace(kv_lora_rank=32, qk_rope_head_dim=16, num_attention_heads=4, hidden_size=64)
+    for products, want in ((torch.int8, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                           (torch.float32, torch.float32)):
+        if products == torch.int8 and not dequant_tiles.native_int8():
+            continue
+        gemm_dtype(products)
+        assert auto_kv_dtype(torch.float32, cpu, dense, False) == want
+        assert auto_kv_dtype(torch.float32, cpu, latent, False) == torch.float32
+        assert auto_kv_dtype(torch.float32, cpu, dense, True) == torch.float32
+        assert auto_kv_dtype(torch.bfloat16, cuda, dense, False) == torch.bfloat16

@@ -46,15 +46,16 @@ from pdserve.executor.executor import TPExecutor
 from pdserve.executor.pipeline_runner import PipelineModelRunner
 from pdserve.executor.runner import TPModelRunner
 from pdserve.executor.setup import load_driver_shard, start_executor
-from pdserve.kernels.dequant_tiles import resolve_gemm_dtype, set_tile_dtype
+from pdserve.kernels.dequant_tiles import gemm_dtype, resolve_gemm_dtype, set_tile_dtype
 from pdserve.kernels.fp8_kv import kv_cache_torch_dtype
 from pdserve.kernels.host_memory import keep_large_allocations
 from pdserve.kvstore.layout import KVLayout
-from pdserve.models.gguf import checkpoint_name
+from pdserve.models.gguf import checkpoint_name, is_gguf_view
 from pdserve.models.hybrid import is_hybrid_config
 from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
 from pdserve.models.model_path import context_limit
 from pdserve.models.rope import cover_positions
+from pdserve.protocol.block_keys import kv_entry_dims
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +90,11 @@ class _Target:
 
 def _load_target(config: EngineConfig) -> _Target:
     device = pick_device(config)
-    set_tile_dtype(resolve_gemm_dtype(config.cpu_gemm_dtype))  # this process's tiles (and its TP workers')
+    model_path = resolve_model_path(config.model)
+    # this process's products (and its TP workers'); auto takes llama.cpp's int8 for a GGUF's blocks
+    set_tile_dtype(resolve_gemm_dtype(config.cpu_gemm_dtype, gguf=is_gguf_view(model_path)))
     if device.type == "cpu":
         keep_large_allocations()
-    model_path = resolve_model_path(config.model)
     hf_config = load_hf_config(model_path)
     hybrid = is_hybrid_config(hf_config)
     if hybrid:
@@ -102,7 +104,7 @@ def _load_target(config: EngineConfig) -> _Target:
     # (the same at every TP degree: the cache holds every KV head, see pdserve.executor).
     # The KV dtype, not the model's, goes in the layout and so in the block-key salt: an FP8
     # node and a full-width node never share a block (pdserve.kernels.fp8_kv).
-    kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+    kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, auto_kv_dtype(dtype, device, hf_config, hybrid))
     layout = KVLayout.for_model(hf_config, config.block_size, kv_dtype, checkpoint_name(config.model, model_path))
     if kv_dtype != dtype:
         check_fp8_kv_supported(config, layout)
@@ -120,6 +122,17 @@ def _load_target(config: EngineConfig) -> _Target:
         states, snapshots, blocks = state_pool(config, model, layout, blocks, device)
     kv_cache = zeroed_pool((blocks, *layout.block_shape()), layout.dtype, device, config.kv_cache_prefault)
     return _Target(device, model_path, hf_config, dtype, layout, model, kv_cache, None, states, snapshots)
+
+
+def auto_kv_dtype(dtype: torch.dtype, device: torch.device, hf_config, hybrid: bool) -> torch.dtype:
+    """What kv_cache_dtype auto holds: the model's dtype, but bf16 on a CPU whose products run in
+    bf16 or int8 (cpu_gemm_dtype), as vLLM's CPU backend keeps a bf16 model's cache and llama.cpp
+    an f16 one: a decode step reads half the bytes. K/V caches only (not MLA's latent cache, nor
+    a hybrid model's), from a float32 model."""
+    low = device.type == "cpu" and dtype == torch.float32 and gemm_dtype() != torch.float32
+    if not low or hybrid or kv_entry_dims(hf_config)[0] != 2:
+        return dtype
+    return torch.bfloat16
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,

@@ -12,8 +12,9 @@ from pdserve.engine.speculative_config import parse_speculative_config
 class EngineConfig:
     model: str = "builtin:tiny"
     dtype: str = "auto"  # auto -> float32 on CPU, bfloat16 on CUDA
-    # The paged KV cache's element type: auto (the model's dtype) or fp8 (float8_e4m3fn with
-    # per-layer scales, see pdserve.kernels.fp8_kv).
+    # The paged KV cache's element type: auto (the model's dtype; bfloat16 for a K/V cache on CPU
+    # under bf16 or int8 products, pdserve.assembly.build.auto_kv_dtype), fp8 (float8_e4m3fn with
+    # per-layer scales, see pdserve.kernels.fp8_kv) or bfloat16.
     kv_cache_dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
@@ -38,7 +39,8 @@ class EngineConfig:
     # The dtype of quantized weights' many-row products on CPU (prefill; decode steps past the
     # compiled step's rows): float32 (exact against a float32 reference) or bfloat16 (on CPUs with
     # AMX or AVX-512 BF16: 2.7-4.7x faster tiles; see pdserve.kernels.dequant_tiles). auto:
-    # bfloat16 where the CPU has it, else float32 ($PDSERVE_CPU_GEMM_DTYPE, where set, decides).
+    # int8 for a GGUF on a CPU with VNNI (no AMX), else bfloat16 where the CPU has it, else float32
+    # ($PDSERVE_CPU_GEMM_DTYPE, where set, decides).
     # int8: 4- and 8-bit matrices (GGUF's Q4_0/Q4_1/Q8_0...) multiply int8-quantized activations
     # with AVX-512 VNNI at every row count, as llama.cpp does; the rest as bfloat16.
     cpu_gemm_dtype: str = "auto"

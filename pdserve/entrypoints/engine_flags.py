@@ -18,7 +18,9 @@ def add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) ->
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache; auto: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "bfloat16"],
-                   help="KV cache elements; auto: --dtype's; fp8: float8_e4m3fn with per-layer scales "
+                   help="KV cache elements; auto: --dtype's, but bfloat16 for a K/V cache on CPU under "
+                        "bfloat16 or int8 products (--cpu-gemm-dtype), as vLLM's CPU backend and llama.cpp keep "
+                        "a 16-bit cache; fp8: float8_e4m3fn with per-layer scales "
                         "(the checkpoint's k_scale/v_scale, else 1.0); bfloat16: half float32's bytes "
                         "(rounded, not exact)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
@@ -37,8 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) ->
     p.add_argument("--cpu-gemm-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
                    help="many-row products on CPU (prefill, large batches): float32 (exact against a float32 "
                         "reference) or bfloat16 (CPUs with AMX or AVX-512 BF16: several times faster prefill and "
-                        "large batches; greedy text may differ where two tokens nearly tie); auto: bfloat16 "
-                        "where the CPU has it, else float32 ($PDSERVE_CPU_GEMM_DTYPE, where set, decides); int8: "
+                        "large batches; greedy text may differ where two tokens nearly tie); auto: int8 for a "
+                        "GGUF where the CPU has AVX-512 VNNI and no AMX, else bfloat16 where the CPU has it, else float32 "
+                        "($PDSERVE_CPU_GEMM_DTYPE, where set, decides); int8: "
                         "4- and 8-bit weights (GGUF Q4_0/Q4_1/Q8_0) multiply int8-quantized activations with "
                         "AVX-512 VNNI at any row count, as llama.cpp does, the rest bfloat16")
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "numba", "triton"],

@@ -51,6 +51,16 @@ def native_bf16() -> bool:
 
 
 @cache
+def native_amx() -> bool:
+    """Whether this CPU has AMX's bf16 tiles: /proc/cpuinfo's flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+
+
+@cache
 def native_int8() -> bool:
     """Whether this CPU has AVX-512 VNNI's int8 dot products (vpdpbusd): /proc/cpuinfo's flags."""
     try:
@@ -61,13 +71,17 @@ def native_int8() -> bool:
     return "avx512_vnni" in flags
 
 
-def resolve_gemm_dtype(name: str) -> torch.dtype:
-    """The dtype named (auto, float32 or bfloat16); bfloat16 on a CPU without native bf16 dot
-    products is refused: oneDNN would emulate it, slower than float32. auto: $PDSERVE_CPU_GEMM_DTYPE
-    where set (the test suite pins float32 there, for its float32 references), else bfloat16 where
-    the CPU multiplies it natively, as vLLM's CPU backend runs, and float32 elsewhere."""
+def resolve_gemm_dtype(name: str, gguf: bool = False) -> torch.dtype:
+    """The dtype named (auto, float32, bfloat16 or int8); bfloat16 on a CPU without native bf16 dot
+    products is refused (oneDNN would emulate it, slower than float32), int8 without VNNI. auto:
+    $PDSERVE_CPU_GEMM_DTYPE where set (the test suite pins float32 there, for its float32
+    references); else for a GGUF checkpoint int8 where the CPU has VNNI and no AMX (llama.cpp's
+    arithmetic for its blocks; AMX's bf16 tiles are several times VNNI's int8 rate, and there is
+    no AMX int8 path yet), and otherwise bfloat16 where the CPU multiplies it natively, as vLLM's
+    CPU backend runs, and float32 elsewhere."""
     if name == "auto":
-        name = os.environ.get(GEMM_DTYPE_ENV) or ("bfloat16" if native_bf16() else "float32")
+        name = os.environ.get(GEMM_DTYPE_ENV) or (
+            "int8" if gguf and native_int8() and not native_amx() else "bfloat16" if native_bf16() else "float32")
     if name == "bfloat16" and not native_bf16():
         raise ValueError("cpu_gemm_dtype bfloat16 needs a CPU with AMX or AVX-512 BF16 (/proc/cpuinfo's "
                          "amx_bf16 or avx512_bf16); this one has neither: use float32")

@@ -34,11 +34,12 @@ _SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj
 KV_CACHE_DTYPES = {"fp8": FP8, "bfloat16": torch.bfloat16}  # --kv-cache-dtype's narrow choices
 
 
-def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache's element type: "auto" keeps the model's dtype, "fp8" is float8_e4m3fn,
+def kv_cache_torch_dtype(kv_cache_dtype: str, auto_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type: "auto" is auto_dtype (the model's, or bf16 under a CPU's
+    low-precision products: pdserve.assembly.build.auto_kv_dtype), "fp8" float8_e4m3fn,
     "bfloat16" bfloat16."""
     if kv_cache_dtype == "auto":
-        return model_dtype
+        return auto_dtype
     if kv_cache_dtype in KV_CACHE_DTYPES:
         return KV_CACHE_DTYPES[kv_cache_dtype]
     raise ValueError(f"kv_cache_dtype must be auto, fp8 or bfloat16, got {kv_cache_dtype!r}")

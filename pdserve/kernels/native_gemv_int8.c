@@ -34,7 +34,11 @@ static int int8_many = 0;
 
 void pd_set_int8(int on) { int8_many = on; }
 
-int pd_int8_min_tokens = 1; /* from here int8 (one token: 0.23 ms against float32's 0.36 on SmolLM2's four layer matrices, one Zen 4 core) */
+/* From here int8: 4-bit codes from one token (SmolLM2's four layer matrices, one Zen 4 core: 0.28
+ * ms against float32's 0.41); 8-bit codes, twice the bytes to transpose, from 8 (its Q8_0 LM head
+ * on two threads: 2.40 ms against 1.48 at one token, 2.48 against 2.32 at 4, 3.17 against 4.69 at 8) */
+int pd_int8_min_tokens = 1;
+#define I8_MIN_TOKENS_8BIT 8
 
 #ifdef __AVX512VNNI__
 /* x's side of the products, by token: codes [tokens][cols] (signed bytes); dx, xs (the sum of the
@@ -227,7 +231,8 @@ static void task_tokens(const rows16 *rw, const x_side *xq, int cols, int eight,
 
 int pd_gemv_int8(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
                  const void *mins, int half, int has_min, int group, float *out, int threads) {
-    if (!int8_many || tokens < pd_int8_min_tokens || (bits != 4 && bits != 8) || group % 32 || half > 1 || cols > 8192)
+    if (!int8_many || tokens < (bits == 8 ? I8_MIN_TOKENS_8BIT : pd_int8_min_tokens) || (bits != 4 && bits != 8) ||
+        group % 32 || half > 1 || cols > 8192)
         return 0;
     int blocks = cols / 32;
     long per_block = (long)tokens * blocks;
