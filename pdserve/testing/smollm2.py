@@ -104,7 +104,7 @@ def load_reference() -> Reference:
 
 
 def _saved_reference_dir() -> Path:
-    import transformers
+    import transformers  # deferred: heavy, loaded only when a reference is needed
     key = hashlib.sha256(embedded_model_file(DEFAULT_MODEL).read_bytes())
     for version in (transformers.__version__, importlib.metadata.version("gguf"), torch.__version__):
         key.update(version.encode())
