@@ -40,35 +40,28 @@ GEMM_DTYPE_ENV = "PDSERVE_CPU_GEMM_DTYPE"  # what cpu_gemm_dtype auto means, whe
 
 
 @cache
+def _cpu_flags() -> frozenset[str]:
+    """/proc/cpuinfo's flags (none where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return frozenset()
+
+
 def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AMX or AVX-512 BF16): /proc/cpuinfo's flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    """Whether this CPU multiplies bf16 natively (AMX or AVX-512 BF16)."""
+    return bool({"amx_bf16", "avx512_bf16"} & _cpu_flags())
 
 
-@cache
 def native_amx() -> bool:
-    """Whether this CPU has AMX's bf16 tiles: /proc/cpuinfo's flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    """Whether this CPU has AMX's bf16 tiles."""
+    return "amx_bf16" in _cpu_flags()
 
 
-@cache
 def native_int8() -> bool:
-    """Whether this CPU has AVX-512 VNNI's int8 dot products (vpdpbusd): /proc/cpuinfo's flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_vnni" in flags
+    """Whether this CPU has AVX-512 VNNI's int8 dot products (vpdpbusd)."""
+    return "avx512_vnni" in _cpu_flags()
 
 
 def resolve_gemm_dtype(name: str, gguf: bool = False) -> torch.dtype:
