@@ -228,6 +228,7 @@ def test_state_pool_counts_in_the_memory_budget(checkpoint):
     ("qwen3_5_text", "layer_types", ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
     ("nemotron_h", "moe_latent_size", 16),
     ("nemotron_h", "mlp_hidden_act", "silu"),
+    ("nemotron_h", "time_step_limit", (0.0, 1.0)),
     ("granitemoehybrid", "hidden_act", "gelu"),
     ("falcon_h1", "projectors_bias", True),
     ("falcon_h1", "time_step_limit", (0.0, 1.0)),

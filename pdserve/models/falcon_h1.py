@@ -16,7 +16,6 @@ normed before or after the gate, as mamba_norm_before_gate says).
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ from torch import nn
 from pdserve.models.decoder import build_and_load
 from pdserve.models.hybrid import HybridAttention, HybridDecoderModel
 from pdserve.models.llama import ModelSpec, RMSNorm
-from pdserve.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape
+from pdserve.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape, dt_lower_limit
 from pdserve.models.rope import RotaryEmbedding
 from pdserve.models.state_layers import state_dtype
 from pdserve.models.weights import WeightLoader, check_fields
@@ -37,9 +36,7 @@ _NAMES = ((".mamba.", ".mixer."), (".feed_forward.", ".mlp."), ("final_layernorm
 
 def check_config(config) -> None:
     check_fields(config, {"hidden_act": ("silu",), "mamba_proj_bias": (False,), "projectors_bias": (False,)})
-    limit = config.time_step_limit or (0.0, math.inf)
-    if limit[1] != math.inf:
-        raise ValueError(f"time_step_limit {tuple(limit)} is not supported: only an upper limit of inf")
+    dt_lower_limit(config)  # refuses an upper limit of dt
     if config.mamba_n_heads % config.mamba_n_groups:
         raise ValueError("mamba_n_heads must be a multiple of mamba_n_groups")
     state_dtype(config)  # refuses an unknown mamba_ssm_cache_dtype
@@ -165,9 +162,8 @@ def model_spec(config) -> ModelSpec:
 
 
 def mamba_shape(config) -> Mamba2Shape:
-    limit = config.time_step_limit or (0.0, math.inf)
     return Mamba2Shape(config.hidden_size, config.mamba_n_heads, config.mamba_d_head, config.mamba_n_groups,
-                       config.mamba_d_state, config.mamba_d_conv, config.mamba_chunk_size, limit[0],
+                       config.mamba_d_state, config.mamba_d_conv, config.mamba_chunk_size, dt_lower_limit(config),
                        config.mamba_conv_bias, config.mamba_proj_bias, config.rms_norm_eps)
 
 

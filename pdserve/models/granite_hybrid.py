@@ -18,7 +18,7 @@ from torch import nn
 from pdserve.models.decoder import build_and_load
 from pdserve.models.hybrid import HybridAttention, HybridDecoderModel, kv_indices, state_indices
 from pdserve.models.llama import ModelSpec, RMSNorm
-from pdserve.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape
+from pdserve.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape, dt_lower_limit
 from pdserve.models.moe import DenseMLP, SparseMoE, topk_softmax
 from pdserve.models.rope import RotaryEmbedding
 from pdserve.models.weights import WeightLoader, check_fields
@@ -41,6 +41,7 @@ def check_config(config) -> None:
         raise ValueError(f"layer_types {sorted(bad)} are not supported; supported: {MAMBA}, {ATTENTION}")
     if config.mamba_n_heads * config.mamba_d_head != int(config.mamba_expand * config.hidden_size):
         raise ValueError("mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size")
+    dt_lower_limit(config)  # refuses an upper limit of dt
 
 
 class GraniteHybridModel(HybridDecoderModel):
@@ -85,7 +86,7 @@ def model_spec(config) -> ModelSpec:
 
 def mamba_shape(config) -> Mamba2Shape:
     return Mamba2Shape(config.hidden_size, config.mamba_n_heads, config.mamba_d_head, config.mamba_n_groups,
-                       config.mamba_d_state, config.mamba_d_conv, config.mamba_chunk_size, config.time_step_limit[0],
+                       config.mamba_d_state, config.mamba_d_conv, config.mamba_chunk_size, dt_lower_limit(config),
                        config.mamba_conv_bias, config.mamba_proj_bias, config.rms_norm_eps)
 
 

@@ -11,6 +11,7 @@ chunk), each request's window and state in its slot (ctx.states), as the Gated D
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,10 +48,21 @@ class Mamba2Shape:
     state_size: int
     kernel: int
     chunk: int
-    dt_min: float  # the reference's lower clamp of dt in its chunked scan
+    dt_min: float  # the lower clamp of dt in the chunked scan (time_step_limit[0], dt_lower_limit)
     conv_bias: bool
     proj_bias: bool
     eps: float
+
+
+def dt_lower_limit(config) -> float:
+    """The chunked scan's lower clamp of dt: the config's time_step_limit, (0, inf) where unset.
+    Only the lower bound is supported (every published checkpoint's upper one is inf). Not
+    time_step_min, which only initialises dt_bias: transformers before 5.25 clamped Nemotron-H's
+    dt at time_step_min, 5.25 reads time_step_limit as NVIDIA's own modeling code does."""
+    low, high = getattr(config, "time_step_limit", None) or (0.0, math.inf)
+    if high != math.inf:
+        raise ValueError(f"time_step_limit {(low, high)} is not supported: only an upper limit of inf")
+    return float(low)
 
 
 class Mamba2Mixer(nn.Module):

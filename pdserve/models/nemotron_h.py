@@ -15,7 +15,7 @@ from torch import nn
 from pdserve.models.decoder import build_and_load
 from pdserve.models.hybrid import HybridAttention, HybridDecoderModel, kv_indices, state_indices
 from pdserve.models.llama import Float32ScaleRMSNorm, ModelSpec
-from pdserve.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape
+from pdserve.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape, dt_lower_limit
 from pdserve.models.nemotron_h_moe import NemotronHMoE, checkpoint_target
 from pdserve.models.state_layers import state_dtype
 from pdserve.models.weights import WeightLoader, check_fields
@@ -33,6 +33,7 @@ def check_config(config) -> None:
     if config.mamba_num_heads % config.n_groups:
         raise ValueError("mamba_num_heads must be a multiple of n_groups")
     state_dtype(config)  # refuses an unknown mamba_ssm_cache_dtype
+    dt_lower_limit(config)  # refuses an upper limit of dt
 
 
 class SquaredReluMLP(nn.Module):
@@ -66,7 +67,7 @@ def model_spec(config) -> ModelSpec:
 
 def mamba_shape(config) -> Mamba2Shape:
     return Mamba2Shape(config.hidden_size, config.mamba_num_heads, config.mamba_head_dim, config.n_groups,
-                       config.ssm_state_size, config.conv_kernel, config.chunk_size, config.time_step_min,
+                       config.ssm_state_size, config.conv_kernel, config.chunk_size, dt_lower_limit(config),
                        config.use_conv_bias, config.use_bias, config.layer_norm_epsilon)
 
 
