@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+from pdserve.wire import port_ledger
 from pdserve.wire.transport import port_range
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -38,6 +39,11 @@ def _port_pair_free(port: int) -> bool:
     return True
 
 
+def _claim_pair(port: int) -> bool:
+    """Both ports in the machine's ledger, so a cluster starting beside this one draws neither."""
+    return all(port_ledger.claim("127.0.0.1", p) for p in (port, port + BUS_OFFSET))
+
+
 def free_ports(count: int) -> list[int]:
     """count ports whose cluster-bus ports (port + 10000) are free too, both within free_port's
     range ($PDSERVE_PORT_RANGE: the test suite's workers draw apart)."""
@@ -47,7 +53,7 @@ def free_ports(count: int) -> list[int]:
     ports: list[int] = []
     while len(ports) < count:
         port = random.randrange(lo, hi - BUS_OFFSET)
-        if port not in ports and _port_pair_free(port):
+        if port not in ports and _port_pair_free(port) and _claim_pair(port):
             ports.append(port)
     return ports
 

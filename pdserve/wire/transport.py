@@ -9,6 +9,7 @@ import socket
 import msgspec
 import zmq
 
+from pdserve.wire import port_ledger
 from pdserve.wire.curve_keys import PEER_DOMAIN, make_server
 from pdserve.wire.messages import Message, decode, encode
 
@@ -47,7 +48,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port free on host now, for a server that binds it later. Drawn below the kernel's
     ephemeral range: a port from bind(host, 0) is an ephemeral one, which any outgoing connection
     may take as its source port before the server binds it (seen in CI: a node that imported torch
-    for seconds, then failed with 'Address already in use'). Never the same port twice a process."""
+    for seconds, then failed with 'Address already in use'). Never the same port twice a process,
+    nor one another process of this user drew in the last ten minutes (pdserve.wire.port_ledger)."""
     lo, hi = port_range()
     for _ in range(64 if hi - lo > 1024 else 0):
         port = _ports.randrange(lo, hi)
@@ -59,7 +61,8 @@ def free_port(host: str = "127.0.0.1") -> int:
             except OSError:
                 continue
         _handed_out.add((host, port))
-        return port
+        if port_ledger.claim(host, port):
+            return port
     with socket.socket() as s:  # a narrow range below the ephemeral ports: the kernel's pick
         s.bind((host, 0))
         return s.getsockname()[1]
