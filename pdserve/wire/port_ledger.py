@@ -29,8 +29,8 @@ def _live_claims(text: str, now: float) -> dict[str, float]:
     """'host port expiry' lines -> {'host port': expiry}, without the expired ones."""
     claims = {}
     for line in text.splitlines():
-        host, port, expiry = (line.split() + ["", "", "0"])[:3]
         try:
+            host, port, expiry = line.split()
             if float(expiry) > now:
                 claims[f"{host} {port}"] = float(expiry)
         except ValueError:
