@@ -221,3 +221,17 @@ def test_concurrent_requests_compute_a_shared_prefix_once():
         ref = alone.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     assert engine.pool.num_used == 0
+
+
+def test_the_prefill_cost_estimate_skips_the_first_prefill_step():
+    """The routers' TTFT estimate per prefill node (its pong's prefill_ns_per_token) is no sample
+    of the first prefill-sized step, which pays the kernels' one-time costs; the next is one."""
+    llm = LLM("builtin:tiny", num_kv_blocks=64, max_num_batched_tokens=256)
+    engine = llm.engine
+    prompts = [[3 + (7 * i + k) % 200 for i in range(100)] for k in range(2)]
+    engine.add_request("first", prompts[0], GREEDY)
+    engine.step()
+    assert engine.prefill_s_per_token == 0.0
+    engine.add_request("second", prompts[1], GREEDY)
+    engine.step()
+    assert engine.prefill_s_per_token > 0.0

@@ -33,8 +33,8 @@ from pdserve.engine.state_pool import StatePool, state_layout
 from pdserve.kvstore.memory_store import MemoryKVStore
 from pdserve.kvstore.nixl_transfer import block_digest, nixl_import_error
 from pdserve.models.state_layers import LayerStateSpec
+from pdserve.node.node_stats import NodeStats
 from pdserve.node.pullers import NixlPuller, Read, StorePuller
-from pdserve.node.runtime import NodeStats
 from pdserve.node.store_prefix import StorePrefix, request_block_keys
 from pdserve.node.store_writeback import StoreWriteBack
 from pdserve.protocol.block_keys import state_key

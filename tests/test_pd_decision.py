@@ -131,6 +131,20 @@ def test_step_cost_model_recovers_the_costs_it_is_fed():
     assert fitted.token_s == pytest.approx(COSTS.token_s, rel=0.05)
 
 
+def test_step_cost_model_takes_no_first_step_of_a_kind_as_a_sample():
+    """A node's first decode step and first prefilling step compile or load its kernels: a
+    hundredfold step that the EMA would carry for dozens of steps."""
+    model = StepCostModel()
+    model.observe(4, 0, 100 * COSTS.step_s(4, 0))
+    model.observe(4, 64, 100 * COSTS.step_s(4, 64))
+    assert model.costs() == StepCosts()  # nothing measured yet
+    for _ in range(3):
+        model.observe(4, 0, COSTS.step_s(4, 0))
+        model.observe(4, 64, COSTS.step_s(4, 64))
+    assert model.costs().step_s(4, 0) == pytest.approx(COSTS.step_s(4, 0))
+    assert model.costs().token_s == pytest.approx(COSTS.token_s)
+
+
 def test_request_targets_from_the_body():
     body = CompletionRequest(prompt="x", ttft_slo_ms=500)
     assert body.targets(TARGETS) == Targets(0.5, TARGETS.itl_s)

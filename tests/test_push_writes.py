@@ -35,9 +35,13 @@ NEW_TOKENS = 10
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     path = make_model(tmp_path_factory.mktemp("push_writes"), "llama")
+    # Every prompt through the prefill node: slo placement may have a decode node compute a turn
+    # whose history it holds, and did once in CI (the turn finished there before the kill, with
+    # no resume to count).
     with running_cluster("--model", str(path), "--kv-transfer", "nixl", "--handover", "push",
                          "--prefill-nodes", "1", "--decode-nodes", "2", "--num-kv-blocks", "128",
-                         "--max-num-batched-tokens", "32") as (url, proc):
+                         "--max-num-batched-tokens", "32", "--prefill-placement", "threshold",
+                         "--local-prefill-threshold", "0") as (url, proc):
         yield path, url, proc
 
 
@@ -118,6 +122,11 @@ def _pushed(url: str) -> dict[str, int]:
     return {n: s["prefills_pushed"] for n, s in node_stats(url).items() if s["role"] == "decode"}
 
 
+def _indexed(url: str) -> dict[str, int]:
+    """Blocks the router's prefix index holds per decode node."""
+    return {n: s["index_blocks"] for n, s in node_stats(url).items() if s["role"] == "decode"}
+
+
 def test_a_decode_node_lost_before_its_blocks_are_written_costs_no_request(cluster):
     """A conversation's next turn goes to the decode node holding its history (the router's prefix
     index). With the prefill node stopped (SIGSTOP, under the router's 1.5 s of silence), the turn
@@ -129,11 +138,15 @@ def test_a_decode_node_lost_before_its_blocks_are_written_costs_no_request(clust
     history = [rng.randrange(3, 256) for _ in range(64)]
     turn = history + [rng.randrange(3, 256) for _ in range(70)]
     want_history, want = _transformers(path, [history, turn])
-    before = _pushed(url)
+    before, indexed = _pushed(url), _indexed(url)
     assert _ids(url, str(path), history) == want_history
     wait_for(lambda: sum(_pushed(url).values()) > sum(before.values()))
     pushed = _pushed(url)
     victim = next(n for n, count in pushed.items() if count > before[n])  # it holds the history
+    # The router places the turn by its prefix index, fed by the nodes' KV events: wait until it
+    # holds the history's blocks on the victim, or a loaded machine's late events send the turn
+    # to the other node and the kill below tests nothing (one CI failure: no resume at all).
+    wait_for(lambda: _indexed(url)[victim] >= indexed[victim] + len(history) // BLOCK, timeout_s=30)
     failures = _sum(url, "prefill", "push_write_failures")
     pids = node_pids(proc.pid)
     os.kill(pids["prefill-0"], signal.SIGSTOP)

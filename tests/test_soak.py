@@ -9,6 +9,7 @@ router's keep-alive and the NIXL lease on both (a 5 s lease, so that the pause f
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 MINUTES = 2  # each cluster's; the two run at once (the lead faults land in the first minute; 3 until
 # 2026-12-03: the third minute only repeated the random faults of the second, 60 s of a 40-minute CI budget)
 LEAD = "drain decode,kill redis,stop redis,idle"
+LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")  # a log record's first line
 
 
 def warnings_logged(logs: Path, per_file: int = 12) -> str:
@@ -25,9 +27,29 @@ def warnings_logged(logs: Path, per_file: int = 12) -> str:
     is diagnosed from when CI shows only this test's output."""
     out = []
     for log in sorted(logs.rglob("*.log")):
-        lines = [ln for ln in log.read_text(errors="replace").splitlines() if "WARNING" in ln or "ERROR" in ln]
-        out += [f"--- {log.relative_to(logs)}", *(ln[:300] for ln in lines[-per_file:])]
+        lines = _warnings(log.read_text(errors="replace").splitlines())
+        out += [f"--- {log.relative_to(logs)}", *(_clipped(entry) for entry in lines[-per_file:])]
     return "\n".join(out)
+
+
+def _clipped(entry: str) -> str:
+    """A record's first line and its traceback's last 14 lines, each at most 300 characters."""
+    lines = entry.splitlines()
+    return "\n".join(ln[:300] for ln in (lines if len(lines) <= 15 else [lines[0], *lines[-14:]]))
+
+
+def _warnings(lines: list[str]) -> list[str]:
+    """Warning and error lines, an error's traceback with it (its lines carry no log level), as one
+    entry: the CI run that first met a node's "failed to handle" showed the line without its cause."""
+    kept, in_error = [], False
+    for line in lines:
+        if in_error and not LOG_LINE.match(line):
+            kept[-1] += "\n" + line
+            continue
+        in_error = " ERROR " in line
+        if in_error or " WARNING " in line:
+            kept.append(line)
+    return kept
 
 
 @pytest.mark.timeout(1200)

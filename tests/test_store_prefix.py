@@ -13,7 +13,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.kvstore.factory import make_store
-from pdserve.node.runtime import NodeStats
+from pdserve.node.node_stats import NodeStats
 from pdserve.node.store_prefix import LOOKUP_TIMEOUT_S, StorePrefix
 from pdserve.protocol.block_keys import block_key_chain
 from pdserve.protocol.tpot_budget import StepCosts

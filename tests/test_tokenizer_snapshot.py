@@ -143,3 +143,38 @@ def test_a_node_engine_decodes_without_transformers(role, offline_text):
     out = subprocess.run([sys.executable, "-c", NODE_ENGINE, role], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["SnapshotTokenizer", "False", ascii(offline_text)], out.stdout
+
+
+# A node loads transformers' tokenizer on a thread as it starts (node.main); a structured-output
+# request that comes meanwhile must wait for that load before xgrammar imports transformers'
+# classes: both imports at once failed a soak's first regex request on a restarted node.
+GRAMMAR_WHILE_LOADING = """
+import importlib.abc, re, sys, time
+from pdserve.assembly.build import build_engine
+from pdserve.engine.config import EngineConfig
+from pdserve.node.main import _load_full_tokenizer_beside
+from pdserve.protocol.sampling_params import SamplingParams, StructuredSpec
+engine = build_engine(EngineConfig(model="builtin:tiny", kv_cache_memory_gb=0.1), role="prefill")
+tokenizer, load = engine.tokenizer, engine.tokenizer._load_full
+tokenizer._load_full = lambda path: (time.sleep(1.0), load(path))[1]  # a slow load, still running below
+seen = []
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "xgrammar":
+            seen.append(tokenizer._full is not None)
+        return None
+sys.meta_path.insert(0, Watch())
+_load_full_tokenizer_beside(engine)
+params = SamplingParams(max_tokens=6, temperature=0, structured=StructuredSpec("regex", "[a-z]{6}"))
+engine.add_request("r", [5, 9, 40, 77, 3], params)
+text = ""
+while engine.has_unfinished_requests():
+    text += "".join(o.new_text for o in engine.step())
+print(seen, bool(re.fullmatch("[a-z]{6}", text)), sep="\\n")
+"""
+
+
+def test_a_grammar_request_waits_for_the_tokenizer_load_on_the_start_thread(offline_text):
+    out = subprocess.run([sys.executable, "-c", GRAMMAR_WHILE_LOADING], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["[True]", "True"], out.stdout

@@ -46,6 +46,7 @@ class LLMEngine:
         self.speculator: Speculation | None = None  # see attach_speculator
         self.last_step_tokens = 0
         self.prefill_s_per_token = 0.0  # measured on prefill-sized steps (an EMA); 0: not yet
+        self._cost_warmed = False  # the first prefill-sized step is no sample (_record_step_cost)
         self.cached_prompt_tokens = 0    # prompt tokens of requests sampled here that were not computed
         self.computed_prompt_tokens = 0  # ... and that were
         self.in_flight: InFlightStep | None = None  # with async scheduling: the step launched last
@@ -311,7 +312,14 @@ class LLMEngine:
         self.structured.apply_bitmask(logits, [r.matcher for r in to_sample])
 
     def _record_step_cost(self, seconds: float, num_tokens: int) -> None:
-        """Routers weigh prefill nodes by this cost per prompt token (their TTFT estimate)."""
+        """Routers weigh prefill nodes by this cost per prompt token (their TTFT estimate). The
+        first prefill-sized step pays one-time costs (a prefill node, not warmed up at start,
+        compiles or loads its kernels there): as the EMA's first sample it made a compose demo's
+        prefill node look 50 ms a token for its next dozen prompts, and the router prefilled them
+        on the decode nodes instead."""
+        if not self._cost_warmed:
+            self._cost_warmed = True
+            return
         sample = seconds / num_tokens
         ema = self.prefill_s_per_token
         self.prefill_s_per_token = sample if ema == 0 else ema + COST_EMA_WEIGHT * (sample - ema)

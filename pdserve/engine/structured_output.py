@@ -58,12 +58,23 @@ class StructuredOutputs:
     def _added_tokens(self) -> dict[int, Any]:
         return getattr(self.tokenizer, "added_tokens_decoder", {})
 
-    def _new_compiler(self, kept: dict[int, bytes]):
+    def _xgrammar(self):
+        """xgrammar, imported only once transformers' tokenizer is loaded. A node loads that on a
+        thread of its own as it starts (pdserve.node.main); xgrammar imports transformers' tokenizer
+        classes, and importing both on two threads at once failed a soak's first regex request on
+        a restarted prefill node ("cannot import name 'PreTrainedTokenizerBase'"). full() waits
+        for that thread's load."""
+        if isinstance(self.tokenizer, SnapshotTokenizer):
+            self.tokenizer.full()
         import xgrammar as xgr  # heavy: loaded once a request names a grammar
+        return xgr
+
+    def _new_compiler(self, kept: dict[int, bytes]):
         if self.tokenizer is None:
             raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+        xgr = self._xgrammar()
         stops = self.stop_token_ids or None
-        # xgrammar reads transformers' class: a node's tokenizer snapshot loads it now
+        # xgrammar reads transformers' class: a node's tokenizer snapshot holds it (_xgrammar loaded it)
         hf = self.tokenizer.full() if isinstance(self.tokenizer, SnapshotTokenizer) else self.tokenizer
         info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size, stop_token_ids=stops)
         # Special tokens are dropped from the output text (skip_special_tokens), so the grammar
@@ -93,7 +104,7 @@ class StructuredOutputs:
 
     def new_matcher(self, spec: StructuredSpec, produced: Sequence[int]):
         """A matcher advanced past the tokens already produced (drawn on another node)."""
-        import xgrammar as xgr  # heavy: loaded once a request names a grammar
+        xgr = self._xgrammar()
         matcher = xgr.GrammarMatcher(self.compiled(spec.kind, spec.spec))
         for token in produced:
             if not matcher.accept_token(int(token)):

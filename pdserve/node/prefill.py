@@ -221,6 +221,12 @@ class PrefillNode(StepBudget):
                 self.control.send(put.job.pending.identity, PrefillResult(put.request_id, first=put.first,
                                                                           handover=handover))
 
+    def answer_error(self, identity: bytes, msg: Message, error: str) -> None:
+        if isinstance(msg, PrefillRequest):
+            self._reply_error(identity, msg.request_id, error)  # the router tries another prefill node
+        else:
+            super().answer_error(identity, msg, error)
+
     def _reply_error(self, identity: bytes, rid: str, error: str) -> None:
         log.warning("[%s] rejected: %s", rid, error)
         self.control.send(identity, PrefillResult(rid, error=error))

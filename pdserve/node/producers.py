@@ -25,8 +25,8 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
 from pdserve.kvstore.nixl_transfer import NixlKVAgent, block_digest
+from pdserve.node.node_stats import NodeStats
 from pdserve.node.pullers import agent_instance_name
-from pdserve.node.runtime import NodeStats
 from pdserve.protocol.block_keys import state_key
 from pdserve.wire.handover import KVHandover, NixlHandover, NixlMetadata, StoreHandover, Transport
 from pdserve.wire.messages import PrefillRequest

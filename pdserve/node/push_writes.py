@@ -19,17 +19,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.nixl_transfer import NixlKVAgent, NixlTransferError
+from pdserve.node.node_stats import NodeStats
 from pdserve.wire.handover import WRITES_DONE_PREFIX, NixlHandover, Region, peer_mismatch
 from pdserve.wire.messages import WriteTarget
-
-if TYPE_CHECKING:  # (the node runtime imports the pullers, which import this module's peer)
-    from pdserve.node.runtime import NodeStats
 
 log = logging.getLogger(__name__)
 WRITE_TIMEOUT_S = 0.5  # a WRITE runs on the node's loop thread (over cma: inside the post itself)

@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import zmq
@@ -36,12 +35,14 @@ from pdserve.node.embeddings import EmbeddingQueue
 from pdserve.node.first_token_clock import FirstTokenClocks
 from pdserve.node.kv_events import KVEventPublisher
 from pdserve.node.lora_control import apply_lora_message, lora_pong_fields
+from pdserve.node.node_stats import NodeStats
 from pdserve.protocol.outputs import StepOutput
 from pdserve.spec_decode.speculator import spec_stats
 from pdserve.wire.curve_keys import CONTROL_DOMAIN, CurveContext, NodeKeys, node_context
 from pdserve.wire.messages import (
     ROLES,
     Abort,
+    DecodeRequest,
     Drain,
     EmbedRequest,
     KVSnapshotRequest,
@@ -49,6 +50,7 @@ from pdserve.wire.messages import (
     Message,
     Ping,
     Pong,
+    PrefillRequest,
     TokenDelta,
     UnloadLoRA,
 )
@@ -62,27 +64,6 @@ IDLE_POLL_MS = 5
 # A switching node waits this long after the Drain even when idle: routers that learn of the drain
 # from its next pong (every 0.2 s) may still have sent it work meanwhile.
 SWITCH_SETTLE_S = 0.5
-
-
-@dataclass
-class NodeStats:
-    requests_total: int = 0
-    transfers_ok: int = 0
-    transfers_failed: int = 0
-    leases_expired: int = 0
-    cached_tokens_store: int = 0   # prompt tokens loaded from the KV store instead of computed
-    transfer_bytes_nixl: int = 0
-    transfer_bytes_nixl_written: int = 0  # push mode: a prefill node's WRITEs; a decode node's blocks they landed
-    transfer_bytes_store: int = 0
-    transfer_us_nixl: int = 0      # microseconds spent in KV transfers (pulls, store puts)
-    transfer_us_store: int = 0
-    store_load_us: int = 0         # microseconds spent loading prompt blocks from the store
-    writeback_blocks: int = 0      # a decode node's own prefills' blocks it wrote to the store
-    embedding_requests: int = 0    # /v1/embeddings requests computed here
-    embeddings_loaded: int = 0     # images whose embeddings came from an encoder node (E/P/D)
-    embedding_bytes_store: int = 0  # bytes of image embeddings put in or loaded from the store
-    embedding_bytes_nixl: int = 0   # bytes of image embeddings handed over or READ over NIXL
-    embedding_us_nixl: int = 0      # microseconds spent in those READs
 
 
 class NodeRuntime:
@@ -266,8 +247,19 @@ class NodeRuntime:
                 self.control.send(identity, apply_lora_message(self.engine, msg))
             else:
                 self.handle(identity, msg)
-        except Exception:  # one bad message must not take the node down
+        except Exception as exc:  # one bad message must not take the node down
             log.exception("failed to handle %s", type(msg).__name__)
+            self._answer_failed(identity, msg, f"{self.node_id} failed on it: {type(exc).__name__}: {exc}")
+
+    def _answer_failed(self, identity: bytes, msg: Message, error: str) -> None:
+        """A request whose message raised is answered with the error: its router then moves it
+        on (another prefill node) or ends it, instead of the client's stream staying silent."""
+        try:
+            if isinstance(msg, (PrefillRequest, DecodeRequest)):
+                self.abort(msg.request_id)
+                self.answer_error(identity, msg, error)
+        except Exception:
+            log.exception("could not answer the failed %s", type(msg).__name__)
 
     def pong(self, ping: Ping) -> Pong:
         stats = {k: v for k, v in dataclasses.asdict(self.stats).items() if isinstance(v, int)}
@@ -334,6 +326,10 @@ class NodeRuntime:
     # ---- hooks ----------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:
         raise NotImplementedError
+
+    def answer_error(self, identity: bytes, msg: Message, error: str) -> None:
+        """The request's error, in the reply its sender waits for (a prefill node's PrefillResult)."""
+        self.fail(identity, msg.request_id, error)
 
     def role_idle(self) -> bool:
         """No role-specific work in flight (pending handovers, pulls)."""

@@ -115,9 +115,13 @@ class StepCostModel:
         self.weight = weight
         self._m = {"n": 0.0, "r": 0.0, "t": 0.0, "rr": 0.0, "rt": 0.0}  # EW moments of decode steps
         self.token_s = 0.0
+        self._warmed: set[bool] = set()  # the kinds of step (prefilling or not) seen once
 
     def observe(self, rows: int, prefill_tokens: int, seconds: float) -> None:
         if seconds <= 0 or rows + prefill_tokens == 0:
+            return
+        if (kind := prefill_tokens > 0) not in self._warmed:  # its first pays one-time costs (kernels)
+            self._warmed.add(kind)
             return
         if prefill_tokens == 0:
             self._observe_decode(rows, seconds)

@@ -1,0 +1,25 @@
+"""A node's counters: what it reports in every pong, for the router's /health and /metrics."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class NodeStats:
+    requests_total: int = 0
+    transfers_ok: int = 0
+    transfers_failed: int = 0
+    leases_expired: int = 0
+    cached_tokens_store: int = 0   # prompt tokens loaded from the KV store instead of computed
+    transfer_bytes_nixl: int = 0
+    transfer_bytes_nixl_written: int = 0  # push mode: a prefill node's WRITEs; a decode node's blocks they landed
+    transfer_bytes_store: int = 0
+    transfer_us_nixl: int = 0      # microseconds spent in KV transfers (pulls, store puts)
+    transfer_us_store: int = 0
+    store_load_us: int = 0         # microseconds spent loading prompt blocks from the store
+    writeback_blocks: int = 0      # a decode node's own prefills' blocks it wrote to the store
+    embedding_requests: int = 0    # /v1/embeddings requests computed here
+    embeddings_loaded: int = 0     # images whose embeddings came from an encoder node (E/P/D)
+    embedding_bytes_store: int = 0  # bytes of image embeddings put in or loaded from the store
+    embedding_bytes_nixl: int = 0   # bytes of image embeddings handed over or READ over NIXL
+    embedding_us_nixl: int = 0      # microseconds spent in those READs
