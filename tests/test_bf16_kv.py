@@ -28,7 +28,7 @@ NEW_TOKENS = 12
 MEAN_BOUND, MAX_BOUND = 0.02, 0.15
 
 needs_native = pytest.mark.skipif(native_gemv._why_not() is not None or native_gemv.compiler() is None,
-                                  reason="no AVX-512 or no C compiler: the compiled step does not run")
+                                  reason="neither AVX-512 nor AVX2 or no C compiler: the compiled step does not run")
 
 
 @pytest.fixture(scope="module")

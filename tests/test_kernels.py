@@ -189,7 +189,7 @@ def test_compiled_prefill_takes_the_fresh_prompts(case, monkeypatch):
     (native_prefill.c) and the rest (a prefix) through torch's path: all against float64."""
     from pdserve.kernels import native_gemv, torch_ops
     if DEVICE != "cpu" or native_gemv.library() is None:
-        pytest.skip("no compiled library here (no C compiler, no AVX-512, or a GPU run)")
+        pytest.skip("no compiled library here (no C compiler, neither AVX-512 nor AVX2, or a GPU run)")
     skipped: list[set[int]] = []
     attend_each = torch_ops.attend_each
 

@@ -22,7 +22,7 @@ Q = gguf.GGMLQuantizationType
 SIZES = dict(hidden_size=256, intermediate_size=512)
 
 pytestmark = pytest.mark.skipif(native_gemv.compiler() is None or native_gemv._why_not() is not None,
-                                reason="no C compiler or no AVX-512: the compiled kernels are off")
+                                reason="no C compiler or neither AVX-512 nor AVX2: the compiled kernels are off")
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from pdserve.kernels import native_gemv
 from pdserve.testing.model_factory import assert_greedy_matches_reference, load_reference, make_model
 
 pytestmark = pytest.mark.skipif(native_gemv.compiler() is None or native_gemv._why_not() is not None,
-                                reason="no C compiler or no AVX-512: the compiled kernels are off")
+                                reason="no C compiler or neither AVX-512 nor AVX2: the compiled kernels are off")
 
 
 @pytest.fixture(autouse=True)

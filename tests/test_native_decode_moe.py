@@ -17,7 +17,7 @@ from pdserve.testing.model_factory import assert_greedy_matches_reference, make_
 from pdserve.testing.model_factory import load_reference as load_deepseek_reference
 
 pytestmark = pytest.mark.skipif(native_gemv.compiler() is None or native_gemv._why_not() is not None,
-                                reason="no C compiler or no AVX-512: the compiled kernels are off")
+                                reason="no C compiler or neither AVX-512 nor AVX2: the compiled kernels are off")
 
 # the compiled gemv takes rows of whole 32-column blocks: the shared expert's 48 would be refused;
 # gpt-oss's clamp at 0.5 binds on these weights (at its 7.0 no value reaches it)

@@ -30,7 +30,19 @@ def _available() -> bool:
     return native_gemv._why_not() is None and native_gemv.compiler() is not None
 
 
-needs_native = pytest.mark.skipif(not _available(), reason="no AVX-512 or no C compiler: numba's kernel runs")
+needs_native = pytest.mark.skipif(not _available(), reason="neither AVX-512 nor AVX2 or no C compiler: numba's kernel runs")
+
+
+@pytest.fixture(params=["panels", "tiles"])
+def kernel_path(request):
+    """Past a token, an AVX2 build's products run native_gemv_panels.c's micro-kernel; the tiles
+    it replaced still serve AVX-512 builds (where the panels decline) and the token counts under
+    its threshold: both are checked on an AVX2 machine."""
+    if not _available():
+        pytest.skip("no compiled kernel here")
+    before = native_gemv.set_panels_min_tokens(2 if request.param == "panels" else 1 << 30)
+    yield request.param
+    native_gemv.set_panels_min_tokens(before)
 
 
 def _matrix(rng, rows, cols, bits, group, has_min, half):
@@ -54,7 +66,7 @@ def _dequantized(q, scales, mins, bits, group, has_min):
 @needs_native
 @pytest.mark.parametrize("bits,group,has_min,half",
                          list(itertools.product((4, 8), (16, 32, 64, 96), (False, True), (False, True))))
-def test_matches_the_dequantized_matmul_and_numba(bits, group, has_min, half):
+def test_matches_the_dequantized_matmul_and_numba(bits, group, has_min, half, kernel_path):
     rng = np.random.default_rng(bits * 1000 + group + 10 * has_min + half)
     rows, cols = 37, 576  # rows not a multiple of the kernel's 4 or 16; columns in groups of 96 too
     q, scales, mins = _matrix(rng, rows, cols, bits, group, has_min, half)
@@ -74,7 +86,7 @@ def test_matches_the_dequantized_matmul_and_numba(bits, group, has_min, half):
 
 
 @needs_native
-def test_float32_rows_match_the_matmul():
+def test_float32_rows_match_the_matmul(kernel_path):
     """Unquantized float32 rows (bits 32), read where they lie: past 8 tokens four rows at a time
     times up to 6 tokens (37 rows: 9 fours and a single; 13 and 40 tokens: passes of 6 and the
     rest), at or under 8 tokens through the pair and single tiles."""
@@ -128,7 +140,7 @@ def test_decode_sized_matmuls_take_the_compiled_kernel(monkeypatch):
     calls = []
     real = native_gemv.run
     monkeypatch.setattr(native_gemv, "run", lambda *a: calls.append(a[1]) or real(*a))
-    x = torch.randn(6 + native_gemv.MAX_TOKENS + 1, 128)
+    x = torch.randn(6 + native_gemv.max_tokens() + 1, 128)
     want = x.double() @ _dequantized(q, scales, mins, 4, 32, True).T
     parts = [quant_cpu.packed_matmul(x[:1], m), quant_cpu.packed_matmul(x[1:6], m)]
     assert calls == [1, 5]

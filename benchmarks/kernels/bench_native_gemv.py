@@ -51,14 +51,15 @@ def main() -> None:
     if native_gemv.library() is None:
         raise SystemExit("the compiled kernel is unavailable here (see the log line above)")
     rng = np.random.default_rng(0)
-    print(f"{'tokens':>6} {'matrix':>13} {'numba us':>9} {'tiles+BLAS us':>13} {'native us':>9} {'numba/native':>12}")
+    print(f"{'tokens':>6} {'matrix':>13} {'numba us':>9} {'tiles+BLAS us':>13} {'native us':>9} {'numba/native':>12}"
+          f" {'no panels us':>15} {'no panels/native':>14}")
     for name, rows, cols, bits, has_min in SHAPES:
         q, scales, mins = _matrix(rng, rows, cols, bits, has_min)
         m = quant_cpu.PackedMatrix.of(bits, q, scales, mins, 32)
         for tokens in args.tokens:
             x = torch.randn(tokens, cols)
             kernels = {"numba": lambda: quant_cpu._gemv(x, m), "tiles": lambda: quant_cpu._tiled(x, m),
-                       "native": lambda: quant_cpu.packed_matmul(x, m)}
+                       "native": lambda: quant_cpu.packed_matmul(x, m), "no panels": lambda: _no_panels(x, m)}
             calls = max(2, int(20000 / (rows * cols / 1e4) / max(1, tokens) ** 0.5))
             times = {k: [] for k in kernels}
             for _ in range(args.repeats):
@@ -66,7 +67,18 @@ def main() -> None:
                     times[k].append(_time(fn, calls))
             med = {k: statistics.median(v) for k, v in times.items()}
             print(f"{tokens:>6} {name:>13} {med['numba']:>9.1f} {med['tiles']:>13.1f} {med['native']:>9.1f} "
-                  f"{med['numba'] / med['native']:>11.2f}x")
+                  f"{med['numba'] / med['native']:>11.2f}x {med['no panels']:>15.1f} "
+                  f"{med['no panels'] / med['native']:>14.2f}x")
+
+
+def _no_panels(x, m):
+    """The compiled kernel with native_gemv_panels.c's micro-kernel off (AVX2 builds: the tiles)."""
+    from pdserve.kernels import native_gemv, quant_cpu
+    before = native_gemv.set_panels_min_tokens(1 << 30)
+    try:
+        return quant_cpu.packed_matmul(x, m)
+    finally:
+        native_gemv.set_panels_min_tokens(before)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ each concurrency, each server), so drift in the machine's load hits all of them:
                 VLLM_CPU_OMP_THREADS_BIND=0-(threads-1) and VLLM_CPU_NUM_OF_RESERVED_CPU=0: every core
                 bound to its engine (by default it reserves one for the server), and
                 VLLM_CPU_KVCACHE_SPACE GiB of KV cache
+  vllm-f32      the same in float32 (`--dtype float32`): on a CPU without AVX-512 BF16 or AMX,
+                vLLM's bf16 products are emulated, and float32 is its better setting there
   pdserve-gguf  `pdserve up --prefill-nodes 0 --decode-nodes 1` on the default model (the GGUF,
                 weights kept quantized), default flags otherwise (--cpu-gemm-dtype auto: bf16
                 products past 8-16 rows where the CPU has them; a float32 KV cache)
@@ -55,7 +57,7 @@ from benchmarks.support.cluster import local_cluster, peer_server, source_info
 from pdserve.models.gguf import DEFAULT_MODEL, embedded_model_file
 from pdserve.wire.transport import free_port
 
-SERVERS = ("vllm", "pdserve-gguf", "pdserve-gguf+bf16", "pdserve-bf16", "pdserve-bf16+bf16", "llama-server",
+SERVERS = ("vllm", "vllm-f32", "pdserve-gguf", "pdserve-gguf+bf16", "pdserve-bf16", "pdserve-bf16+bf16", "llama-server",
            "pdserve-gguf+f32", "pdserve-bf16+f32", "pdserve-pd", "pdserve-pd+bf16",
            "pdserve-gguf+lazy", "pdserve-gguf+int8", "pdserve-gguf+int8kv", "pdserve-pd+int8kv")
 VARIANT_FLAGS = {"bf16": ("--cpu-gemm-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"),
@@ -85,10 +87,10 @@ def bf16_checkpoint(out_dir: Path) -> Path:
 
 
 @contextlib.contextmanager
-def vllm_server(args, model_dir: Path, log_path: Path):
+def vllm_server(args, model_dir: Path, log_path: Path, dtype: str = "bfloat16"):
     port = free_port()
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-num-seqs", str(args.max_num_seqs),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs),
            "--max-model-len", "4096", "--served-model-name", "smollm2"]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gb), HF_HUB_OFFLINE="1")
@@ -105,9 +107,10 @@ def pdserve_flags(args, base: str, model: str) -> list[str]:
 
 def start_servers(stack: contextlib.ExitStack, args, bf16_dir: Path, log_dir: Path) -> dict[str, dict]:
     up: dict[str, dict] = {}
-    if "vllm" in args.servers:
-        url, pid, cmd = stack.enter_context(vllm_server(args, bf16_dir, log_dir / "vllm.log"))
-        up["vllm"] = {"url": url, "pid": pid, "cmd": cmd}
+    for name, dtype in (("vllm", "bfloat16"), ("vllm-f32", "float32")):
+        if name in args.servers:
+            url, pid, cmd = stack.enter_context(vllm_server(args, bf16_dir, log_dir / f"{name}.log", dtype))
+            up[name] = {"url": url, "pid": pid, "cmd": cmd}
     if "llama-server" in args.servers:  # benchmarks/peers/build_llama_server.sh builds it (AVX-512, no AMX)
         url, pid, cmd = stack.enter_context(llama_server(args.llama_server, embedded_model_file(DEFAULT_MODEL), args,
                                                          log_dir / "llama-server.log"))
@@ -131,16 +134,17 @@ def medians(cells: list[dict], server: str, conc: int) -> dict:
 
 
 def table(cells: list[dict], concurrency: list[int], servers: list[str]) -> str:
-    ours = [s for s in servers if s != "vllm"]
-    ratio = "vllm" in servers
-    head = ["server", "c", "tok/s", *(["/ vLLM"] if ratio else []), "TTFT p50 ms", "TPOT p50 ms", "runs tok/s"]
-    lines = ["| " + " | ".join(head) + " |", "|---|---:|---:|" + ("---:|" if ratio else "") + "---:|---:|---|"]
+    """Each server's medians; with vLLM in the run, the ratio to its better setting at that concurrency."""
+    peers = [s for s in ("vllm", "vllm-f32") if s in servers]
+    ours = [s for s in servers if s not in peers]
+    head = ["server", "c", "tok/s", *(["/ best vLLM"] if peers else []), "TTFT p50 ms", "TPOT p50 ms", "runs tok/s"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---:|---:|" + ("---:|" if peers else "") + "---:|---:|---|"]
     for conc in concurrency:
-        base = medians(cells, "vllm", conc)["tok_s"] if ratio else None
-        for name in (["vllm"] if ratio else []) + ours:
+        base = max((medians(cells, peer, conc)["tok_s"] for peer in peers), default=None)
+        for name in peers + ours:
             m = medians(cells, name, conc)
             row = [name, str(conc), f"{m['tok_s']:.1f}"]
-            if ratio:
+            if base:
                 row.append(f"{m['tok_s'] / base:.2f}x")
             row += [f"{m['ttft_ms']:.0f}", f"{m['tpot_ms']:.1f}", ", ".join(map(str, m["runs"]))]
             lines.append("| " + " | ".join(row) + " |")
@@ -150,7 +154,7 @@ def table(cells: list[dict], concurrency: list[int], servers: list[str]) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", DEFAULT_VLLM_PYTHON))
-    p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS[:5]))
+    p.add_argument("--servers", nargs="+", choices=SERVERS, default=["vllm", "pdserve-gguf", "pdserve-gguf+bf16", "pdserve-bf16", "pdserve-bf16+bf16"])
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", DEFAULT_LLAMA))
     p.add_argument("--slot-ctx", type=int, default=1024, help="llama-server context per slot")
     p.add_argument("--repeats", type=int, default=3)

@@ -29,7 +29,8 @@ and the parsers disagree. The other pages explain what the flags are for and lin
 `PDSERVE_API_KEY` (the default of `--api-key`), `PDSERVE_CACHE_DIR` (where `builtin:` models and
 the compiled CPU kernels are written, default `~/.cache/pdserve`), `PDSERVE_NATIVE_KERNELS` (`0`:
 run the numba kernels and the Python layers instead of compiling `pdserve/kernels/native_gemv.c`
-and `native_decode.c`), `PDSERVE_CPU_GEMM_DTYPE` (what `--cpu-gemm-dtype auto` means, where set:
+and `native_decode.c`), `PDSERVE_NATIVE_ISA` (`avx2`: build those kernels for AVX2 on an AVX-512
+CPU too, to test that path; default `native`), `PDSERVE_CPU_GEMM_DTYPE` (what `--cpu-gemm-dtype auto` means, where set:
 `float32` or `bfloat16`), `LMCACHE_CONFIG_FILE` (the default of `--lmcache-config`).
 """
 

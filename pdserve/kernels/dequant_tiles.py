@@ -41,12 +41,8 @@ GEMM_DTYPE_ENV = "PDSERVE_CPU_GEMM_DTYPE"  # what cpu_gemm_dtype auto means, whe
 
 @cache
 def _cpu_flags() -> frozenset[str]:
-    """/proc/cpuinfo's flags (none where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return frozenset()
+    """/proc/cpuinfo's flags, as the compiled kernels were built for them (native_gemv)."""
+    return frozenset(native_gemv._cpu_flags().split()) - {"flags", ":"}
 
 
 def native_bf16() -> bool:

@@ -1,9 +1,10 @@
 /* What the bf16 products share (native_gemv_bf16.c: AVX-512 BF16 dot products; native_gemv_amx.c:
  * AMX tiles): the weights' dequantization to bf16 and a 16 x 16 transpose of 32-bit words. */
 #pragma once
-#include <immintrin.h>
+#include "native_simd.h"
 #include <stdint.h>
 
+#if PD_AVX512 /* the kernels that call it are AVX-512 BF16's and AMX's */
 /* r[i] (row i of a 16 x 16 matrix of 32-bit words) -> r[j] (column j), in registers: pairs of
  * rows interleaved by words, then by word pairs, then the 128-bit lanes of four rows' results */
 static inline void transpose16(__m512i r[16]) {
@@ -30,6 +31,7 @@ static inline void transpose16(__m512i r[16]) {
         r[12 + k] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
     }
 }
+#endif
 
 /* rows [n, end) of a matrix (native_gemv.c's layouts), dequantized and rounded to bf16 (nearest
  * even) into buffer [end - n][cols] */

@@ -26,7 +26,7 @@
  * Each row carries its own context length, so a verify row sees the rows before it (their keys are
  * in the cache before any row attends) and not those after: causal among the rows.
  */
-#include <immintrin.h>
+#include "native_simd.h"
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>

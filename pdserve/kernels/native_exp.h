@@ -1,7 +1,7 @@
 /* e^x on 16 float lanes, shared by the compiled decode step (native_decode.c: SiLU, GELU, the
  * softmax) and the prefill attention (native_prefill.c). */
 #pragma once
-#include <immintrin.h>
+#include "native_simd.h"
 
 /* e^x in each lane: Cephes' expf (x = n ln2 + r, a degree-7 polynomial in r, times 2^n), within
  * 2 ulp of glibc's expf (SiLU and the softmax need 16 at a time; expf takes one) */

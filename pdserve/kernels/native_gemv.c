@@ -21,7 +21,7 @@
  * x @ dequantized(w).T up to the order of the sums, as numba's kernel gives it, 1.4 to 2.6 times
  * as fast on SmolLM2's shapes (benchmarks/kernels/bench_native_gemv.py).
  */
-#include <immintrin.h>
+#include "native_simd.h"
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -311,6 +311,7 @@ static int gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrow
                 const void *mins, int half, int has_min, int group, float *out, int threads) {
     if (pd_gemv_int8(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads)) return 0;
     if (pd_gemv_bf16(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads)) return 0;
+    if (pd_gemv_panels(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads)) return 0;
     /* the one-token path finds a block's group by a shift: group / 32 a power of two */
     int one = tokens == 1 && bits != 32 && group % 32 == 0 && ((group / 32) & (group / 32 - 1)) == 0, groups = cols / group;
     float xg[one && has_min ? groups : 1]; /* the one-token path's sums of x over each group */

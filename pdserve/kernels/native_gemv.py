@@ -1,5 +1,9 @@
 """The decode steps' quantized matmul compiled from C (native_gemv.c): AVX-512 intrinsics, OpenMP.
 
+Without AVX-512 (AVX2 with FMA and F16C: AMD before Zen 4, Intel's desktop parts), the same
+sources compile to AVX2: native_simd.h defines the 512-bit intrinsics they use on pairs of
+256-bit registers; the bf16, AMX and VNNI kernels are left out there.
+
 A decode step multiplies a few tokens by every weight. numba's kernel (quant_gemv) widens the
 nibbles and the scales lane by lane; the C kernel decodes a block of 32 columns in a few vector
 instructions, keeps 2 rows x 8 tokens of sums in registers and prefetches the rows ahead. On
@@ -9,7 +13,7 @@ values, in another order of sums.
 
 The library is compiled on first use with the machine's C compiler (`-march=native`) into
 PDSERVE_CACHE_DIR/native, keyed by the source, the flags, the compiler and the CPU's flags, so a
-second process loads it without compiling. Where there is no compiler, no AVX-512 or no source
+second process loads it without compiling. Where there is no compiler, neither AVX-512 nor AVX2, or no source
 (`PDSERVE_NATIVE_KERNELS=0` too), `library()` is None, one log line says why, and numba's kernel
 runs instead.
 
@@ -42,15 +46,21 @@ log = logging.getLogger(__name__)
 # native_decode.c (a decode step through every layer), native_lora.c (its adapter deltas),
 # native_moe.c (its MoE layers' MLP) and native_mla.c (its latent attention layers) are built into
 # the same library: they call pd_gemv. Their header is hashed with them.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_gemv.c", "native_decode.c", "native_lora.c", "native_moe.c",
-                                                              "native_mla.c", "native_tiles.c", "native_gemv_bf16.c",
-                                                              "native_gemv_amx.c", "native_gemv_int8.c", "native_prefill.c", "native_paged.c",
-                                                              "native_rows.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in (
+    "native_gemv.c", "native_decode.c", "native_lora.c", "native_moe.c", "native_mla.c", "native_tiles.c",
+    "native_gemv_bf16.c", "native_gemv_amx.c", "native_gemv_int8.c", "native_gemv_panels.c", "native_prefill.c",
+    "native_paged.c", "native_rows.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_decode.h", "native_quant_blocks.h", "native_exp.h",
-                                                            "native_bf16.h"))
+                                                            "native_bf16.h", "native_simd.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# PDSERVE_NATIVE_ISA=avx2 builds the AVX2 code on an AVX-512 CPU too (native_simd.h's pairs of
+# 256-bit registers), so that path is tested on any machine (tests/test_native_avx2.py)
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}
 _P, _I = ctypes.c_void_p, ctypes.c_int
 MAX_TOKENS = 32  # above this, dequantized tiles through BLAS win (bench_native_gemv.py)
+# ... except on an AVX2 build, whose panels (native_gemv_panels.c) ran 1.0-2.2x the tiles and BLAS
+# from 48 to 256 tokens on SmolLM2's shapes (a 2-core EPYC without AVX-512, 2026-12-04)
+PANELS_MAX_TOKENS = 256
 
 
 def _cache_dir() -> Path:
@@ -58,19 +68,30 @@ def _cache_dir() -> Path:
 
 
 def _cpu_flags() -> str:
+    """/proc/cpuinfo's flags line; under PDSERVE_NATIVE_ISA=avx2 without the AVX-512 and AMX
+    flags, so that the rest of the process (dequant_tiles' bf16 and int8 choices) sees the CPU
+    the library was built for."""
+    line = platform.processor()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+        line = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), line)
     except OSError:
         pass
-    return platform.processor()
+    if os.environ.get("PDSERVE_NATIVE_ISA") == "avx2":
+        line = " ".join(flag for flag in line.split() if not flag.startswith(("avx512", "amx")))
+    return line
+
+
+def _flags() -> tuple[str, ...]:
+    isa = os.environ.get("PDSERVE_NATIVE_ISA", "native")
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"PDSERVE_NATIVE_ISA={isa!r}: expected one of {', '.join(ISA_FLAGS)}")
+    return FLAGS + ISA_FLAGS[isa]
 
 
 def _build_key(compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS))
-    for part in (*FLAGS, version, _cpu_flags(), platform.machine()):
+    for part in (*_flags(), version, _cpu_flags(), platform.machine()):
         h.update(part.encode())
     return h.hexdigest()[:16]
 
@@ -82,7 +103,7 @@ def _compile(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, check=True)
+        subprocess.run([compiler, *_flags(), *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, check=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -92,8 +113,9 @@ def _compile(compiler: str, target: Path) -> None:
 def _why_not() -> str | None:
     if os.environ.get("PDSERVE_NATIVE_KERNELS", "1") == "0":
         return "PDSERVE_NATIVE_KERNELS=0"
-    if platform.machine() not in ("x86_64", "AMD64") or "avx512bw" not in _cpu_flags():
-        return "the CPU has no AVX-512"
+    flags = set(_cpu_flags().split())
+    if platform.machine() not in ("x86_64", "AMD64") or not ({"avx512bw"} <= flags or {"avx2", "fma", "f16c"} <= flags):
+        return "the CPU has neither AVX-512 nor AVX2 with FMA and F16C"
     missing = [source.name for source in SOURCES + HEADERS if not source.exists()]
     if missing:
         return f"{', '.join(missing)} is not installed"
@@ -142,6 +164,14 @@ def library() -> ctypes.CDLL | None:
     lib.pd_rope_rows.restype = None
     lib.pd_silu_mul_bf16.argtypes = [_P, _I, _I, _P, _I]
     lib.pd_silu_mul_bf16.restype = _I
+    # native_paged's and native_prefill's kernels, typed here with the rest so that their callers
+    # take them from library() each call and follow it when a test switches the library off and on
+    lib.pd_paged_attention.argtypes = [_P, ctypes.c_int64, _I, _I, _I, _I, _I, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_int64, ctypes.c_float, _P, _P, _I, ctypes.c_int64, _P, _P, _I, _P, _P, _I]
+    lib.pd_paged_attention.restype = _I
+    lib.pd_prefill_attention.argtypes = [_P, ctypes.c_long, _P, ctypes.c_long, _P, ctypes.c_long, _P, _P, _I, _I, _I, _I,
+                                         ctypes.c_float, _P, _I]
+    lib.pd_prefill_attention.restype = _I
     fn = lib.pd_decode_layers
     fn.argtypes = [_P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _I]
     fn.restype = _I
@@ -164,6 +194,24 @@ def set_int8(on: bool, min_tokens: int | None = None) -> None:
         lib.pd_set_int8(int(on))
         if min_tokens is not None:
             ctypes.c_int.in_dll(lib, "pd_int8_min_tokens").value = min_tokens
+
+
+def max_tokens() -> int:
+    """Up to how many tokens the compiled kernel beats dequantized tiles through BLAS here."""
+    lib = library()
+    built = lib is not None and ctypes.c_int.in_dll(lib, "pd_panels_built").value
+    return PANELS_MAX_TOKENS if built else MAX_TOKENS
+
+
+def set_panels_min_tokens(tokens: int) -> int:
+    """From how many tokens an AVX2 build's products take native_gemv_panels.c's micro-kernel
+    (benchmarks compare it with the tiles it replaces); returns the value it had."""
+    lib = library()
+    if lib is None:
+        return 0
+    setting = ctypes.c_int.in_dll(lib, "pd_panels_min_tokens")
+    before, setting.value = setting.value, tokens
+    return before
 
 
 def matrix_args(bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray, has_min: bool,

@@ -14,7 +14,7 @@
  * Four C tiles hold 32 tokens x 32 rows of float32 sums over all columns, then go to out: each
  * tile loaded serves two products.
  */
-#include <immintrin.h>
+#include "native_simd.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -10,7 +10,7 @@
  * The values multiplied are those of torch's bf16 matmul over the same operands; the float32 sums
  * run over the columns in order, pair by pair.
  */
-#include <immintrin.h>
+#include "native_simd.h"
 #include <stdint.h>
 #include <stdlib.h>
 

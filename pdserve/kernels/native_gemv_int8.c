@@ -21,7 +21,7 @@
  * So one token costs the rows' unpacking and 8 dot products a block: the int8 product runs from
  * a single token (a token-major layout, 16 tokens to a vector, wasted 15 lanes of 16 there).
  */
-#include <immintrin.h>
+#include "native_simd.h"
 #include <stdint.h>
 #include <stdlib.h>
 

@@ -11,26 +11,18 @@ the caller falls back to its own kernel.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
 from pdserve.kernels import native_gemv
 
-_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-@functools.cache
 def _kernel():
+    """The kernel (typed in native_gemv.library()) of the library as it is now: not kept here, so
+    that switching the library off and on (native_gemv.library.cache_clear()) reaches it."""
     lib = native_gemv.library()
-    if lib is None:
-        return None
-    fn = lib.pd_paged_attention
-    fn.argtypes = [_P, _L, _I, _I, _I, _I, _I, _L, _L, _L, ctypes.c_float, _P, _P, _I, _L, _P, _P, _I, _P, _P, _I]
-    fn.restype = _I
-    return fn
+    return None if lib is None else lib.pd_paged_attention
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -13,7 +13,7 @@
  *   O = P V, 4 rows x 64 columns at a time, then / the row's sum.
  * Sums run in another order than torch's kernel (as between any two float32 kernels).
  */
-#include <immintrin.h>
+#include "native_simd.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

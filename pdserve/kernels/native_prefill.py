@@ -6,31 +6,22 @@ plain causal attention over their own K and V: native_prefill.c runs all of them
 region, each KV head's query group reading its keys once. torch's CPU flash attention, called
 per sequence, took a fifth of a bf16 prefill of SmolLM2 there. Every other sequence (a cached
 prefix, a chunk after the first, windows, sinks, images) goes through torch_ops as before. Where
-the compiled library is missing (no compiler, no AVX-512) everything does.
+the compiled library is missing (no compiler, neither AVX-512 nor AVX2) everything does.
 """
 from __future__ import annotations
-
-import ctypes
-import functools
 
 import torch
 
 from pdserve.kernels import native_gemv, torch_ops
 from pdserve.kernels.torch_ops import PREFILL_KEY_ENDS  # noqa: F401  (same contract as torch_ops)
 
-_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 HEAD_DIM_STEP = 64  # the kernel's output tile: head_dim must be a multiple
 
 
-@functools.cache
 def _kernel():
+    """The kernel (typed in native_gemv.library()) of the library as it is now (see native_paged)."""
     lib = native_gemv.library()
-    if lib is None:
-        return None
-    fn = lib.pd_prefill_attention
-    fn.argtypes = [_P, _L, _P, _L, _P, _L, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _I]
-    fn.restype = _I
-    return fn
+    return None if lib is None else lib.pd_prefill_attention
 
 
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

@@ -3,7 +3,7 @@
  * layouts are described at the top of native_gemv.c. */
 #ifndef PD_QUANT_BLOCKS_H
 #define PD_QUANT_BLOCKS_H
-#include <immintrin.h>
+#include "native_simd.h"
 #include <stdint.h>
 
 #define BITS_FP4 3 /* MXFP4 codes: 4 bits a column, looked up rather than widened */
@@ -80,5 +80,10 @@ int pd_gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nro
  * pd_int8_min_tokens tokens when pd_set_int8 is on; 1 if it ran, else 0 */
 int pd_gemv_int8(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
                  const void *mins, int half, int has_min, int group, float *out, int threads);
+
+/* native_gemv_panels.c: on AVX2 without AVX-512, from pd_panels_min_tokens tokens, a GEMM
+ * micro-kernel over dequantized panels of rows; 1 if it ran, else 0 */
+int pd_gemv_panels(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
+                   const void *mins, int half, int has_min, int group, float *out, int threads);
 
 #endif

@@ -4,7 +4,7 @@
  * second thread waited). Each row as pd_add_norm and pd_rope compute it (native_decode.c: sums in
  * another order than numba's), so numba_fused takes them only under bf16 products (not exact by
  * design); float32 keeps numba's values. */
-#include <immintrin.h>
+#include "native_simd.h"
 #include <math.h>
 #include <stdint.h>
 

@@ -8,7 +8,7 @@
  * were in libgomp's spin loops (perf, SmolLM2 Q4_1, 32 prompts of 160 tokens). This library binds
  * torch's libgomp (it is loaded first, with the same soname), so both run in one pool.
  */
-#include <immintrin.h>
+#include "native_simd.h"
 #include <stdint.h>
 
 #include "native_quant_blocks.h"
@@ -24,7 +24,7 @@ static inline __attribute__((always_inline)) void dequant32(const uint8_t *qrow,
     *w0 = _mm512_mul_ps(a, _mm512_set1_ps(scale_at(sc, half, g0)));
     *w1 = _mm512_mul_ps(b, _mm512_set1_ps(scale_at(sc, half, g1)));
     if (has_min) {
-        __asm__("" : "+v"(*w0), "+v"(*w1)); /* keeps the compiler from contracting into a fused multiply-add */
+        PD_OPAQUE(*w0); PD_OPAQUE(*w1); /* keeps the compiler from contracting into a fused multiply-add */
         *w0 = _mm512_add_ps(*w0, _mm512_set1_ps(scale_at(mn, half, g0)));
         *w1 = _mm512_add_ps(*w1, _mm512_set1_ps(scale_at(mn, half, g1)));
     }

@@ -10,8 +10,8 @@ Scales and mins are float32, or float16 kept as their raw 16 bits (see quant_sca
 
 Two ways to multiply, chosen by the number of tokens (see QUANT_GEMV_MAX_TOKENS):
 - gemv (quant_gemv): the weights are decoded as they are read, at 4 or 8 bits instead of 32;
-  decode steps are memory-bound. Up to native_gemv.MAX_TOKENS tokens its compiled kernel runs
-  instead, where it builds;
+  decode steps are memory-bound. Up to native_gemv.max_tokens() tokens its compiled kernel runs
+  instead, where it builds (32; 256 on AVX2, where its panels beat the tiles below);
 - dequantize a tile of rows to float32, multiply it by BLAS, next tile: prefill is
   compute-bound, and the dequantization is amortised over its tokens.
 Both multiply the float32 values transformers computes when it dequantizes the same checkpoint
@@ -131,7 +131,7 @@ def quant_matmul(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tens
 def packed_matmul(x: torch.Tensor, m: PackedMatrix) -> torch.Tensor:
     """quant_matmul over a PackedMatrix."""
     x = x.float().contiguous()
-    if m.native is not None and (x.shape[0] <= native_gemv.MAX_TOKENS or int8_native(m)):  # the compiled kernel
+    if m.native is not None and (x.shape[0] <= native_gemv.max_tokens() or int8_native(m)):  # the compiled kernel
         out = torch.empty(x.shape[0], m.q.shape[0])
         if native_gemv.run(x.data_ptr(), x.shape[0], x.shape[1], m.native, out.data_ptr()):
             return out
