@@ -195,13 +195,22 @@ def test_vllm_spelling_defaults_k_to_the_tree_depth():
 
 def test_served_1p1d_over_the_store_equals_offline():
     """The decode node builds each request's tree from the prompt the handover carries: greedy
-    output through the router equals the offline engine without speculation, and it drafted."""
+    output through the router equals the offline engine without speculation, and the decode
+    node's drafts (how many, how long, how many accepted) are the offline engine's with the same
+    suffix config. builtin:tiny's random weights accept drafts on some CPUs' rounding and none on
+    others (an AVX-512 EPYC: 0 of 21), so the test counts against that reference, not against 0."""
     import openai
 
+    from pdserve.spec_decode.speculator import spec_stats
     from pdserve.testing.up_cluster import node_stats, running_clusters, wait_for
     prompts = ["one two three four five one two three four five one two", "abcabcabcabc " * 4]
-    llm = LLM("builtin:tiny", num_kv_blocks=256)
-    want = llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True), use_tqdm=False)
+    greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    want = LLM("builtin:tiny", num_kv_blocks=256).generate(prompts, greedy, use_tqdm=False)
+    offline = LLM("builtin:tiny", num_kv_blocks=256, speculative_config=SUFFIX)
+    for prompt in prompts:  # one at a time, as the client sends them: the same trees, the global one too
+        offline.generate([prompt], greedy, use_tqdm=False)
+    drafted = {k: v for k, v in spec_stats(offline.engine).items() if k.startswith("spec_num")}
+    assert drafted["spec_num_drafts"] > 0
     flags = ("--kv-transfer", "store", "--num-kv-blocks", "256", "--speculative-config", json.dumps(SUFFIX))
     with running_clusters(flags) as [(url, _)]:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -210,9 +219,11 @@ def test_served_1p1d_over_the_store_equals_offline():
                                           extra_body={"ignore_eos": True, "return_token_ids": True})
             assert r.choices[0].model_extra["token_ids"] == ref.outputs[0].token_ids
             assert r.choices[0].text == ref.outputs[0].text
-        # /health shows each node's counters as of its last pong: wait for the one that counts
-        # both handovers (the first request's drafts were all verified by then).
-        def decode_stats():
-            return next(s for s in node_stats(url).values() if s["role"] == "decode")
-        wait_for(lambda: decode_stats()["transfers_ok"] >= len(prompts))
-        assert decode_stats()["spec_num_accepted_tokens"] > 0
+
+        def decode_drafts():  # as of the decode node's last pong (every 0.2 s)
+            stats = next(s for s in node_stats(url).values() if s["role"] == "decode")
+            return {k: stats.get(k) for k in drafted}
+        try:
+            wait_for(lambda: decode_drafts() == drafted)
+        except AssertionError:
+            assert decode_drafts() == drafted
