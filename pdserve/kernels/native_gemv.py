@@ -196,11 +196,15 @@ def set_int8(on: bool, min_tokens: int | None = None) -> None:
             ctypes.c_int.in_dll(lib, "pd_int8_min_tokens").value = min_tokens
 
 
+def panels_built() -> bool:
+    """Whether this build has native_gemv_panels.c's micro-kernel (AVX2 builds: AVX-512 ones decline)."""
+    lib = library()
+    return lib is not None and bool(ctypes.c_int.in_dll(lib, "pd_panels_built").value)
+
+
 def max_tokens() -> int:
     """Up to how many tokens the compiled kernel beats dequantized tiles through BLAS here."""
-    lib = library()
-    built = lib is not None and ctypes.c_int.in_dll(lib, "pd_panels_built").value
-    return PANELS_MAX_TOKENS if built else MAX_TOKENS
+    return PANELS_MAX_TOKENS if panels_built() else MAX_TOKENS
 
 
 def set_panels_min_tokens(tokens: int) -> int:
