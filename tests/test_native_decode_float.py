@@ -36,6 +36,31 @@ def test_float32_checkpoints_take_the_compiled_step(tmp_path, arch):
     compare_with_python_layers(llm, PROMPTS * 3)  # twelve rows: past 8, each row multiplied 8 tokens at a time
 
 
+def test_a_bf16_checkpoint_in_float32_reads_bf16_rows(tmp_path):
+    """A bf16 checkpoint served in float32 (the directory vLLM serves): every weight is a bf16
+    value, so the compiled step reads each matrix as bf16 rows (bits 16, half float32's bytes)
+    and widens them exactly. Greedy equals transformers' on the same weights, logprobs within
+    1e-4 of the Python layers', at 1, 4 and 12 rows; a float32 checkpoint keeps float32 rows."""
+    import torch
+    from transformers import AutoModelForCausalLM  # heavy: this test's bf16 copy of the checkpoint
+
+    path = make_model(tmp_path, "llama")
+    AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.bfloat16).save_pretrained(path)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
+    native = llm.engine.model.native_decode
+    assert native is not None
+    weights = llm.engine.model.native_decode_weights()
+    assert {m[2] for layer in weights.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)} == {16}
+    steps = native.steps
+    assert_greedy_matches_reference(llm, load_reference(path), PROMPTS[:3], 16)
+    assert native.steps > steps
+    compare_with_python_layers(llm, [PROMPTS[0]])
+    compare_with_python_layers(llm)
+    compare_with_python_layers(llm, PROMPTS * 3)
+    float32 = LLM(str(make_model(tmp_path / "f32", "llama")), dtype="float32", num_kv_blocks=64)
+    assert {m[2] for m in (float32.engine.model.native_decode_weights().layers[0].qkv,)} == {32}
+
+
 def test_a_bfloat16_model_keeps_the_python_layers(tmp_path):
     """Only float32 weights are read as they are: a bfloat16 model's weights are refused."""
     llm = LLM(str(make_model(tmp_path, "llama")), dtype="bfloat16", num_kv_blocks=64)

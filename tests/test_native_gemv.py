@@ -103,6 +103,20 @@ def test_float32_rows_match_the_matmul(kernel_path):
         assert got is not None and np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), tokens
 
 
+def test_bf16_rows_match_the_matmul(kernel_path):
+    """Unquantized bf16 rows (bits 16: a bf16 checkpoint's weights, widened exactly as they are
+    read) through the tiles at 1, 3 and 8 tokens and the decoded rows past 8: the product of their
+    float32 values, as float32 rows give it."""
+    rng = np.random.default_rng(16)
+    w = torch.from_numpy(rng.standard_normal((37, 576)).astype(np.float32)).bfloat16()
+    q, dummy = w.view(torch.uint8).numpy(), np.zeros(1, np.float32)
+    for tokens in (1, 3, 8, 13, 40):
+        x = rng.standard_normal((tokens, 576)).astype(np.float32)
+        got = native_gemv.gemv(x, native_gemv.BITS_BF16, q, dummy, dummy, False, 32)
+        want = (torch.from_numpy(x).double() @ w.double().T).numpy()
+        assert got is not None and np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), tokens
+
+
 @needs_native
 def test_mxfp4_rows_match_the_dequantized_matmul():
     """gpt-oss's MXFP4 rows as held (two e2m1 codes a byte, the low nibble the even column; an

@@ -7,6 +7,8 @@
  *   w = q * scale (+ min);
  * - float32 (bits 32): an unquantized matrix, its rows read as they are (no scales), so a float
  *   model's decode step takes the compiled step too;
+ * - bf16 (bits BITS_BF16): an unquantized matrix whose values are bf16 (a bf16 checkpoint served
+ *   in float32): its rows read as bf16 and widened exactly, half the bytes of float32's;
  * - MXFP4 (bits BITS_FP4, gpt-oss's experts as pdserve.kernels.mxfp4_cpu holds them): two e2m1
  *   codes a byte, byte j holding column 2j in its low nibble and 2j + 1 in its high one, and one
  *   E8M0 power of two a group of 32 (half 2); w = fp4(code) * 2^(e - 127). A code becomes its
@@ -295,7 +297,8 @@ static void fp4_order(const float *x, long values, float *xo) {
 
 int pd_gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
             const void *mins, int half, int has_min, int group, float *out, int threads) {
-    if (cols % 32 || (group != 16 && group % 32) || (bits != 4 && bits != 8 && bits != 32 && bits != BITS_FP4))
+    if (cols % 32 || (group != 16 && group % 32) || (bits != 4 && bits != 8 && bits != 32 && bits != BITS_BF16 &&
+                                                  bits != BITS_FP4))
         return -1;
     if ((bits == BITS_FP4) != (half == 2) || (bits == BITS_FP4 && (group != 32 || has_min))) return -1;
     if (bits != BITS_FP4) return gemv(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads);
@@ -313,7 +316,7 @@ static int gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrow
     if (pd_gemv_bf16(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads)) return 0;
     if (pd_gemv_panels(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads)) return 0;
     /* the one-token path finds a block's group by a shift: group / 32 a power of two */
-    int one = tokens == 1 && bits != 32 && group % 32 == 0 && ((group / 32) & (group / 32 - 1)) == 0, groups = cols / group;
+    int one = tokens == 1 && bits != 32 && bits != BITS_BF16 && group % 32 == 0 && ((group / 32) & (group / 32 - 1)) == 0, groups = cols / group;
     float xg[one && has_min ? groups : 1]; /* the one-token path's sums of x over each group */
     for (int g = 0; one && has_min && g < groups; g++) {
         xg[g] = 0.f;

@@ -265,6 +265,7 @@ def widen_bf16_into(src: torch.Tensor, out: torch.Tensor) -> None:
 
 
 BITS_FP4 = 3  # native_gemv.c's MXFP4 codes (pdserve.kernels.native_matrices.fp4_matrix)
+BITS_BF16 = 16  # native_gemv.c's unquantized bf16 rows (pdserve.kernels.native_matrices.float_matrix)
 
 
 def run(x_ptr: int, tokens: int, cols: int, matrix: tuple, out_ptr: int) -> bool:

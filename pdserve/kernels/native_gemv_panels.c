@@ -147,7 +147,7 @@ static void panel(const float *w, long ld, const float *xt, int tpad, int cols, 
 
 int pd_gemv_panels(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
                    const void *mins, int half, int has_min, int group, float *out, int threads) {
-    if (tokens < pd_panels_min_tokens || (bits != 4 && bits != 8 && bits != 32) || half == 2 || cols > MAX_PANEL_COLS ||
+    if (tokens < pd_panels_min_tokens || (bits != 4 && bits != 8 && bits != 32 && bits != BITS_BF16) || half == 2 || cols > MAX_PANEL_COLS ||
         tokens > PANELS_MAX_TOKENS)
         return 0;
     int tpad = (tokens + 7) / 8 * 8, panels = (nrows + PANEL_ROWS - 1) / PANEL_ROWS;

@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #define BITS_FP4 3 /* MXFP4 codes: 4 bits a column, looked up rather than widened */
+#define BITS_BF16 16 /* unquantized bf16 rows: widened exactly (a shift), no scales */
 
 /* e2m1's 16 values by code: sign bit 8, then 0, 0.5, 1, 1.5, 2, 3, 4, 6 */
 static const float FP4_VALUES[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
@@ -52,6 +53,12 @@ static inline __attribute__((always_inline)) void widen32(const uint8_t *qrow, i
 static inline __attribute__((always_inline)) void decode32(const uint8_t *qrow, int bits, int c, const void *sc,
                                                            const void *mn, int half, int has_min, int group,
                                                            long srow, __m512 *w0, __m512 *w1) {
+    if (bits == BITS_BF16) { /* bf16 -> float32 is exact: the top half of the float's bits */
+        const uint16_t *row = (const uint16_t *)qrow + c * 32;
+        *w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)row)), 16));
+        *w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 16))), 16));
+        return;
+    }
     if (bits == 32) {
         const float *row = (const float *)qrow + c * 32;
         *w0 = _mm512_loadu_ps(row);

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.layers.parallel import get_tp_group
+from pdserve.layers.quant.unquantized import bf16_rows_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -65,8 +66,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden [T, H] -> logits [T, vocab]; shares its weight with the embedding when tied."""
 
     def compute(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = (self.quant_method.apply(self, hidden, None) if self.quant_method is not None
-                  else F.linear(hidden, self.weight))
+        if self.quant_method is not None:
+            logits = self.quant_method.apply(self, hidden, None)
+        else:  # a bf16 checkpoint's head read as bf16 rows at a decode step's few rows (half the bytes)
+            logits = bf16_rows_linear(self, hidden)
+            logits = F.linear(hidden, self.weight) if logits is None else logits
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last(logits)[..., : self.vocab_size]

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.native_decode import DecodeLayer, DecodeWeights
-from pdserve.kernels.native_matrices import float32_on_cpu, float_matrix
+from pdserve.kernels.native_matrices import bf16_matrix, float32_on_cpu, float_matrix
 from pdserve.layers.bf16_mlp import gate_up_silu_down
 from pdserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pdserve.layers.quant.unquantized import UnquantizedLinearMethod
+from pdserve.layers.quant.unquantized import UnquantizedLinearMethod, exact_bf16_weight
 from pdserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from pdserve.models.rope import RotaryEmbedding
 
@@ -245,8 +245,9 @@ def _native_matrix(linear, bias_ok: bool = False) -> tuple | None:
     packed = getattr(linear.quant_method, "packed", None)
     if packed is not None:
         return packed(linear).native
-    if isinstance(linear.quant_method, UnquantizedLinearMethod):
-        return float_matrix(linear.weight)
+    if isinstance(linear.quant_method, UnquantizedLinearMethod):  # bf16 rows where exact: half the bytes
+        rows = exact_bf16_weight(linear)
+        return bf16_matrix(rows) if rows is not None else float_matrix(linear.weight)
     return None
 
 

@@ -4,7 +4,9 @@ Under cpu_gemm_dtype bfloat16 (pdserve.kernels.dequant_tiles) a float32 CPU matr
 of more than BF16_MIN_ROWS rows (prefill) run in bf16 through oneDNN, on a bf16 copy of the
 weights kept beside them (exact for a bf16 checkpoint served in float32; a float32 checkpoint's
 weights round to 8 significant bits). Fewer rows stay float32: decode steps are memory-bound, and
-the compiled step reads the float32 rows themselves."""
+the compiled step reads the float32 rows themselves. A bf16 checkpoint served in float32 has
+exactly-bf16 weights: those few-row products (the compiled step's, the LM head's, the Python
+layers') read bf16 rows instead, half the bytes, widened exactly (exact_bf16_weight)."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.dequant_tiles import tile_dtype
+from pdserve.kernels.native_matrices import bf16_rows_matmul
 from pdserve.layers.quant.base import QuantConfig, QuantMethod
 
 BF16_MIN_ROWS = 16  # as quant_cpu.QUANT_GEMV_MAX_TOKENS: more rows are a prefill's, compute-bound
@@ -25,11 +28,40 @@ class UnquantizedLinearMethod(QuantMethod):
         layer.param_dims["weight"] = (0, 1)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = bf16_rows_linear(layer, x)
+        if y is not None:
+            return y + bias if bias is not None else y
         if (tile_dtype() == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu"
                 and x.numel() > BF16_MIN_ROWS * x.shape[-1]):
             y = F.linear(x.to(torch.bfloat16), _bf16_weight(layer)).to(x.dtype)
             return y + bias if bias is not None else y
         return F.linear(x, layer.weight, bias)
+
+
+def exact_bf16_weight(layer: nn.Module) -> torch.Tensor | None:
+    """The layer's float32 CPU weight as bf16 where that loses nothing (a bf16 checkpoint served in
+    float32), else None: the compiled decode step reads these rows, half the bytes of the float32
+    ones, and widens them exactly (native_gemv.c's bits 16). Checked once per weight storage."""
+    w = layer.weight
+    if w.dtype != torch.float32 or w.device.type != "cpu":
+        return None
+    exact = layer.__dict__.get("_bf16_exact")
+    if exact is None or exact[0] != w.data_ptr():
+        rows = w.detach().to(torch.bfloat16)
+        exact = layer.__dict__["_bf16_exact"] = (w.data_ptr(), torch.equal(rows.float(), w))
+        if exact[1]:  # (a float32 checkpoint's copy is not kept: prefill's bf16 products make their own)
+            layer.__dict__["_bf16_weight"] = (w.data_ptr(), rows)
+    return _bf16_weight(layer) if exact[1] else None
+
+
+def bf16_rows_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """x @ weight.T through the compiled gemv on the weight's exact bf16 rows (float32 sums), for
+    a decode step's few rows (memory-bound: half the bytes of F.linear's float32 rows); None
+    where the weight is not exactly bf16, x has more rows or the gemv does not take them."""
+    if x.dim() != 2 or x.shape[0] > BF16_MIN_ROWS or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    rows = exact_bf16_weight(layer)
+    return bf16_rows_matmul(x, rows) if rows is not None else None
 
 
 def _bf16_weight(layer: nn.Module) -> torch.Tensor:
