@@ -80,8 +80,7 @@ static inline float kv_at(const pd_model *m, const float *plane, long at) {
 /* 16 elements of a cache row from element `at`, as float32 (BF: the cache holds bf16) */
 static inline __attribute__((always_inline)) __m512 kv16(const float *plane, long at, const int BF) {
     if (!BF) return _mm512_loadu_ps(plane + at);
-    __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)plane + at));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    return pd_bf16x16((const uint16_t *)plane + at);
 }
 
 static void store_kv_row(const pd_model *m, float *plane, long at, const float *row, int D) {

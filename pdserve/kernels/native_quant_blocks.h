@@ -55,8 +55,8 @@ static inline __attribute__((always_inline)) void decode32(const uint8_t *qrow, 
                                                            long srow, __m512 *w0, __m512 *w1) {
     if (bits == BITS_BF16) { /* bf16 -> float32 is exact: the top half of the float's bits */
         const uint16_t *row = (const uint16_t *)qrow + c * 32;
-        *w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)row)), 16));
-        *w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 16))), 16));
+        *w0 = pd_bf16x16(row);
+        *w1 = pd_bf16x16(row + 16);
         return;
     }
     if (bits == 32) {

@@ -39,12 +39,6 @@ void pd_rope_rows(float *q, long q_stride, int q_heads, float *k, long k_stride,
     }
 }
 
-#ifdef __AVX512BF16__
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-#endif
-
 /* act [tokens, inter] bf16 = SiLU(gate) * up, gate_up [tokens, 2 inter] bf16 (gate first): the MLP
  * between its bf16 products with no float32 pass over [tokens, inter] (layers/bf16_mlp.py); inter a
  * multiple of 16. SiLU as pd_gate_mul's, rounded to bf16 as the down product's input would be.
@@ -57,9 +51,9 @@ int pd_silu_mul_bf16(const uint16_t *gate_up, int tokens, int inter, uint16_t *a
         const uint16_t *gate = gate_up + (long)t * 2 * inter, *up = gate + inter;
         uint16_t *a = act + (long)t * inter;
         for (int i = 0; i < inter; i += 16) {
-            __m512 g = widen16(gate + i);
+            __m512 g = pd_bf16x16(gate + i);
             __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            _mm256_storeu_si256((__m256i *)(a + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, widen16(up + i))));
+            _mm256_storeu_si256((__m256i *)(a + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, pd_bf16x16(up + i))));
         }
     }
     return 0;

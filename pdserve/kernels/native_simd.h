@@ -159,4 +159,9 @@ PD_INLINE pd_m512i _pd_cvtepu16_epi32(__m256i a) {
        (pd_m512){_mm256_permute2f128_ps(a_.lo, a_.hi, PD_LANE_PAIR(imm)),      \
                  _mm256_permute2f128_ps(b_.lo, b_.hi, PD_LANE_PAIR((imm) >> 4))}; })
 #endif
+
+/* 16 bf16 values at p widened to float32 (exact: a bf16 is a float's upper 16 bits), in either build */
+static inline __attribute__((always_inline)) __m512 pd_bf16x16(const void *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
 #endif

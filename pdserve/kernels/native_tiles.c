@@ -90,10 +90,7 @@ void pd_widen_bf16(const uint16_t *src, long rows, long cols, float *out, long o
         const uint16_t *s = src + r * cols;
         float *o = out + r * out_ld;
         long c = 0;
-        for (; c + 16 <= cols; c += 16) {
-            __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + c))), 16);
-            _mm512_storeu_ps(o + c, _mm512_castsi512_ps(wide));
-        }
+        for (; c + 16 <= cols; c += 16) _mm512_storeu_ps(o + c, pd_bf16x16(s + c));
         for (; c < cols; c++) {
             uint32_t bits = (uint32_t)s[c] << 16;
             __builtin_memcpy(o + c, &bits, 4);
