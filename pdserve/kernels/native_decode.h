@@ -95,7 +95,7 @@ typedef struct {
     const pd_layer *layer;
     pd_reduce reduce; /* NULL: one rank */
     int32_t act;      /* the MLP's gate: 0 SiLU, 1 GELU (tanh approximation: Gemma 3) */
-    int32_t kv_bf16;  /* the KV planes hold bf16 (native_decode.c's kv16), not float32 */
+    int32_t kv_bf16;  /* the KV planes hold bf16 (native_attend.c's kv16), not float32 */
 } pd_model;
 
 /* f(gate) * up for each row's [gate | up] of gu [tokens, 2 * inter] -> act [tokens, inter]: f SiLU,
@@ -106,12 +106,12 @@ void pd_gate_mul(const float *gu, int tokens, int inter, int gelu, float *act);
 int pd_moe_mlp(const pd_moe *e, const float *h, int tokens, int hidden, float *out, int threads);
 
 /* (native_decode.c) h = w * x / rms(x) per row, after x += delta where delta is given; rotate_half
- * RoPE on `heads` heads of one row; a softmax with an optional sink logit */
+ * RoPE on `heads` heads of one row; (native_attend.c) a softmax with an optional sink logit */
 void pd_add_norm(float *x, const float *delta, const float *w, float eps, int tokens, int cols, float *h);
 void pd_rope(float *x, int heads, int dim, const float *cos, const float *sin);
 void pd_softmax(float *s, long length, const float *sink);
 
-/* (native_decode.c) each row's attention over its paged context: row b's query heads start at
+/* (native_attend.c) each row's attention over its paged context: row b's query heads start at
  * q + b * cols, its context is lens[b] tokens through tables[b]; out [tokens, heads * head_dim].
  * 0, or -2 when out of memory */
 int pd_attend(const pd_model *m, const pd_layer *L, const float *q, long cols, int tokens, const int32_t *tables,

@@ -43,11 +43,11 @@ from pdserve.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 
-# native_decode.c (a decode step through every layer), native_lora.c (its adapter deltas),
-# native_moe.c (its MoE layers' MLP) and native_mla.c (its latent attention layers) are built into
-# the same library: they call pd_gemv. Their header is hashed with them.
+# native_decode.c (a decode step through every layer), native_attend.c (its paged attention),
+# native_lora.c (its adapter deltas), native_moe.c (its MoE layers' MLP) and native_mla.c (its
+# latent attention layers) are built into the same library: they call pd_gemv. Their header is hashed with them.
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
-    "native_gemv.c", "native_decode.c", "native_lora.c", "native_moe.c", "native_mla.c", "native_tiles.c",
+    "native_gemv.c", "native_decode.c", "native_attend.c", "native_lora.c", "native_moe.c", "native_mla.c", "native_tiles.c",
     "native_gemv_bf16.c", "native_gemv_amx.c", "native_gemv_int8.c", "native_gemv_panels.c", "native_prefill.c",
     "native_paged.c", "native_rows.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_decode.h", "native_quant_blocks.h", "native_exp.h",

@@ -1,5 +1,5 @@
 /* Paged decode attention on its own (native_paged.py): the compiled step's attention
- * (native_decode.c's pd_attend) for the decode rows of a step the Python layers run, a mixed
+ * (native_attend.c's pd_attend) for the decode rows of a step the Python layers run, a mixed
  * step's or one the compiled step does not take. Over a bf16 cache it reads the blocks as they
  * are; the Python path gathered and widened every block a row reads, each layer. */
 #include <string.h>
