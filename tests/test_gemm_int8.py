@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 from test_gguf import reference, write_gguf
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels import dequant_tiles, native_gemv
+from pdserve.kernels import dequant_tiles, native_gemv, quant_cpu
 from pdserve.testing.model_factory import assert_agrees_until_a_near_tie
 
 needs_int8 = pytest.mark.skipif(native_gemv.library() is None or not dequant_tiles.native_int8(),
@@ -61,19 +61,32 @@ def _run(x: np.ndarray, matrix, bits: int, has_min: bool, group: int) -> np.ndar
     return out.astype(np.float64)
 
 
+def _run_packed(x: np.ndarray, matrix, bits: int, has_min: bool, group: int) -> np.ndarray:
+    """The same product read from the matrix's int8 pack (as a layer's PackedMatrix holds it)."""
+    pack = native_gemv.int8_pack(bits, *matrix, has_min, group)
+    assert pack is not None and pack.ctypes.data % 64 == 0
+    out = np.empty((x.shape[0], matrix[0].shape[0]), dtype=np.float32)
+    assert native_gemv.run(np.ascontiguousarray(x).ctypes.data, x.shape[0], x.shape[1],
+                           native_gemv.matrix_args(bits, *matrix, has_min, group, pack), out.ctypes.data)
+    return out.astype(np.float64)
+
+
 @needs_int8
 @pytest.mark.parametrize("bits, has_min, half, group", [
     (4, True, True, 32), (4, False, True, 32), (8, False, True, 32), (4, True, False, 64), (8, True, False, 32)])
 @pytest.mark.parametrize("tokens", [1, 2, 7, 9, 33, 200])
-def test_int8_rows_equal_a_float64_evaluation_of_the_same_arithmetic(gemm_dtype, bits, has_min, half, group, tokens):
+@pytest.mark.parametrize("packed", [False, True], ids=["packed-per-call", "int8-pack"])
+def test_int8_rows_equal_a_float64_evaluation_of_the_same_arithmetic(gemm_dtype, bits, has_min, half, group, tokens,
+                                                                      packed):
     """Rows past a multiple of 16 (the last task's tail) and 16 (the transposed scales), token counts
-    around the kernel's 8-token passes and its 192-token sweeps, both scale widths, groups of 64."""
+    around the kernel's 8-token passes and its 192-token sweeps, both scale widths, groups of 64;
+    each task's rows packed by the call, or read from the matrix's pack made once."""
     rng = np.random.default_rng(bits * 1000 + tokens)
     rows, cols = 37, 576
     matrix, codes, scale, minimum = _matrix(rng, bits, rows, cols, group, has_min, half)
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
     gemm_dtype(torch.int8)
-    got = _run(x, matrix, bits, has_min, group)
+    got = (_run_packed if packed else _run)(x, matrix, bits, has_min, group)
     exact = x.astype(np.float64) @ (codes * scale + minimum).T
     if bits == 8 and tokens < 8:  # 8-bit codes stay float32 below 8 tokens (faster there)
         assert np.allclose(got, exact, rtol=1e-5, atol=1e-5)
@@ -81,6 +94,24 @@ def test_int8_rows_equal_a_float64_evaluation_of_the_same_arithmetic(gemm_dtype,
     want = _int8_reference(x, codes, scale, minimum)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     assert 0 < np.abs(got - exact).max() < 0.02 * np.abs(exact).max()  # Q8_0's rounding of x, no more
+
+
+@needs_int8
+@pytest.mark.parametrize("bits, half", [(4, True), (8, False)])
+def test_a_layers_int8_pack_gives_the_per_call_values_bit_for_bit(gemm_dtype, bits, half):
+    """A layer's PackedMatrix holds its matrix's int8 pack under int8 products only, and products
+    read from it equal those whose call packs each task itself, bit for bit."""
+    rng = np.random.default_rng(bits)
+    (q, scales, mins), *_ = _matrix(rng, bits, 50, 320, 32, True, half)
+    args = [torch.from_numpy(a) for a in (q, scales, mins)]
+    gemm_dtype(torch.float32)
+    assert quant_cpu.PackedMatrix.of(bits, *args, 32).int8_pack is None
+    gemm_dtype(torch.int8)
+    layer = quant_cpu.PackedMatrix.of(bits, *args, 32)
+    assert layer.int8_pack is not None and layer.native[-1] == layer.int8_pack.ctypes.data
+    x = torch.from_numpy(rng.standard_normal((24, 320)).astype(np.float32))
+    assert torch.equal(quant_cpu.packed_matmul(x, layer), torch.from_numpy(_run(x.numpy(), (q, scales, mins), bits,
+                                                                               True, 32)).float())
 
 
 @needs_int8

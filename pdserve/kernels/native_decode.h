@@ -4,13 +4,14 @@
 #include <stdint.h>
 
 int pd_gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
-            const void *mins, int half, int has_min, int group, float *out, int threads);
+            const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out, int threads);
 
 /* One quantized matrix, as native_gemv.matrix_args describes it (native_decode.py mirrors these). */
 typedef struct {
     const uint8_t *q;
     const void *scales, *mins;
     int32_t nrows, bits, half, has_min, group;
+    const uint8_t *pack; /* its int8 pack (pd_int8_pack), or NULL */
 } pd_matrix;
 
 /* A linear layer's LoRA slots (pdserve.lora.slots.LoRALayerSlots): slot s's A^T is columns
@@ -127,7 +128,7 @@ int pd_mla_attention(const pd_model *m, const pd_layer *L, const float *h, int t
 /* out [tokens, nrows] = x [tokens, cols] @ m.T (pd_gemv); 0, or < 0 for a shape it does not take */
 static inline int pd_matmul(const pd_matrix *m, const float *x, int tokens, int cols, float *out, int threads) {
     return pd_gemv(x, tokens, cols, m->q, m->nrows, m->bits, m->scales, m->mins, m->half, m->has_min, m->group,
-                   out, threads);
+                   m->pack, out, threads);
 }
 
 /* rows [n, width] += bias [width]; nothing where bias is NULL */

@@ -49,16 +49,16 @@ MAX_STEP_TOKENS = 256
 
 class _Matrix(ctypes.Structure):
     _fields_ = [("q", c_void_p), ("scales", c_void_p), ("mins", c_void_p), ("nrows", c_int32), ("bits", c_int32),
-                ("half", c_int32), ("has_min", c_int32), ("group", c_int32)]
+                ("half", c_int32), ("has_min", c_int32), ("group", c_int32), ("pack", c_void_p)]
 
     @classmethod
     def of(cls, args: tuple | None) -> _Matrix:
-        """From native_gemv.matrix_args: (q, rows, bits, scales, mins, half, has_min, group); None:
-        a matrix the layer does not have (all zeros, never read)."""
+        """From native_gemv.matrix_args: (q, rows, bits, scales, mins, half, has_min, group, pack);
+        None: a matrix the layer does not have (all zeros, never read)."""
         if args is None:
             return cls()
-        q, rows, bits, scales, mins, half, has_min, group = args
-        return cls(q, scales, mins, rows, bits, half, has_min, group)
+        q, rows, bits, scales, mins, half, has_min, group, pack = args
+        return cls(q, scales, mins, rows, bits, half, has_min, group, pack)
 
 
 class _Lora(ctypes.Structure):

@@ -284,7 +284,7 @@ static void task_fp4(const float *x, int tokens, int cols, const uint8_t *q, con
  * (columns not a multiple of 32, a group neither 16 nor a multiple of 32): the caller then uses
  * numba's kernel. */
 static int gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
-                const void *mins, int half, int has_min, int group, float *out, int threads);
+                const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out, int threads);
 
 /* x's columns in MXFP4's nibble order: each block of 32 as its 16 even columns, then its 16 odd ones */
 static void fp4_order(const float *x, long values, float *xo) {
@@ -296,23 +296,24 @@ static void fp4_order(const float *x, long values, float *xo) {
 }
 
 int pd_gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
-            const void *mins, int half, int has_min, int group, float *out, int threads) {
+            const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out, int threads) {
     if (cols % 32 || (group != 16 && group % 32) || (bits != 4 && bits != 8 && bits != 32 && bits != BITS_BF16 &&
                                                   bits != BITS_FP4))
         return -1;
     if ((bits == BITS_FP4) != (half == 2) || (bits == BITS_FP4 && (group != 32 || has_min))) return -1;
-    if (bits != BITS_FP4) return gemv(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads);
+    if (bits != BITS_FP4)
+        return gemv(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, pack, out, threads);
     float *xo = malloc(sizeof(float) * tokens * cols);
     if (!xo) return -2;
     fp4_order(x, (long)tokens * cols, xo);
-    int rc = gemv(xo, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads);
+    int rc = gemv(xo, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, NULL, out, threads);
     free(xo);
     return rc;
 }
 
 static int gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
-                const void *mins, int half, int has_min, int group, float *out, int threads) {
-    if (pd_gemv_int8(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads)) return 0;
+                const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out, int threads) {
+    if (pd_gemv_int8(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, pack, out, threads)) return 0;
     if (pd_gemv_bf16(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads)) return 0;
     if (pd_gemv_panels(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads)) return 0;
     /* the one-token path finds a block's group by a shift: group / 32 a power of two */

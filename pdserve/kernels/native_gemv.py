@@ -146,8 +146,12 @@ def library() -> ctypes.CDLL | None:
         log.info("native quantized gemv unavailable (%s): numba's kernel runs instead", reason.strip()[:500])
         return None
     fn = lib.pd_gemv
-    fn.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _P, _I]
+    fn.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _P, _P, _I]
     fn.restype = _I
+    lib.pd_int8_pack_bytes.argtypes = [_I, _I, _I, _I, _I]
+    lib.pd_int8_pack_bytes.restype = ctypes.c_long
+    lib.pd_int8_pack.argtypes = [_P, _I, _I, _I, _P, _P, _I, _I, _I, _P, _I]
+    lib.pd_int8_pack.restype = _I
     lib.pd_dequant_rows.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I]
     lib.pd_dequant_rows.restype = _I
     lib.pd_set_bf16.argtypes = [_I]
@@ -219,14 +223,34 @@ def set_panels_min_tokens(tokens: int) -> int:
 
 
 def matrix_args(bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray, has_min: bool,
-                group: int) -> tuple | None:
+                group: int, pack: np.ndarray | None = None) -> tuple | None:
     """The kernel's arguments that describe one weight matrix (pointers into its arrays, which the
-    caller keeps alive), made once per matrix: building them costs microseconds a call. None when
-    the arrays are not contiguous."""
+    caller keeps alive), made once per matrix: building them costs microseconds a call. pack: the
+    matrix's int8_pack, or None. None when the arrays are not contiguous."""
     if not (q.flags.c_contiguous and scales.flags.c_contiguous and mins.flags.c_contiguous):
         return None
     return (q.ctypes.data, q.shape[0], bits, scales.ctypes.data, mins.ctypes.data if has_min else None,
-            int(scales.dtype == np.uint16), int(has_min), group)
+            int(scales.dtype == np.uint16), int(has_min), group, None if pack is None else pack.ctypes.data)
+
+
+def int8_pack(bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray, has_min: bool,
+              group: int) -> np.ndarray | None:
+    """The matrix's codes and scales in the order the int8 products read them (native_gemv_int8.c's
+    pd_int8_pack: as many bytes as the matrix, 64-byte aligned), made once so that no call
+    gathers and transposes them; None where the library's int8 products do not take the matrix."""
+    lib = library()
+    if lib is None or not (q.flags.c_contiguous and scales.flags.c_contiguous and mins.flags.c_contiguous):
+        return None
+    half, cols = int(scales.dtype == np.uint16), q.shape[1] * 8 // bits if bits in (4, 8) else 0
+    nbytes = lib.pd_int8_pack_bytes(q.shape[0], cols, bits, half, int(has_min)) if cols else -1
+    if nbytes <= 0:
+        return None
+    raw = np.empty(nbytes + 64, dtype=np.uint8)
+    pack = raw[-raw.ctypes.data % 64:][:nbytes]  # (a view: it keeps raw alive)
+    rc = lib.pd_int8_pack(q.ctypes.data, q.shape[0], cols, bits, scales.ctypes.data,
+                          mins.ctypes.data if has_min else None, half, int(has_min), group, pack.ctypes.data,
+                          numba.get_num_threads())
+    return pack if rc == 0 else None
 
 
 def dequant_rows(matrix: tuple, cols: int, start: int, end: int, out_ptr: int, bf16: bool) -> bool:
@@ -235,7 +259,7 @@ def dequant_rows(matrix: tuple, cols: int, start: int, end: int, out_ptr: int, b
     lib = library()
     if lib is None:
         return False
-    q, _, bits, scales, mins, half, has_min, group = matrix
+    q, _, bits, scales, mins, half, has_min, group, _ = matrix
     return lib.pd_dequant_rows(q, cols, bits, scales, mins, half, has_min, group, start, end, out_ptr, int(bf16),
                                numba.get_num_threads()) == 0
 

@@ -82,12 +82,32 @@ static inline void transpose16x4(const __m512i a[4], __m512i v[4]) {
     v[2] = _mm512_unpacklo_epi64(t1, t3), v[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
-/* a task's 16 rows: codes [blocks][8] vectors, and the blocks' scales and mins [blocks][16] in
- * lane order (rows past nrows: zero codes and scales); quads: scratch of 8 vectors a block */
+/* A matrix's int8 pack (pd_int8_pack): for each task of 16 rows, its codes as unpack_task lays them
+ * out before the 4-bit codes' nibbles are split (4 vectors a block; 8-bit codes: 8, offset by
+ * 128), then its blocks' scales and mins in lane order, in the checkpoint's float16 or float32 (so
+ * a decode step reads as many bytes as before); each task 64-byte aligned. Made once per matrix:
+ * every call had gathered the 16 rows' blocks and transposed them and their scales, once per 192
+ * tokens (perf, a 32-request decode step of SmolLM2: a third of the int8 products' time). */
 typedef struct {
-    __m512i *w, *quads;
-    float *d, *mn;
-} rows16;
+    const uint8_t *base;
+    long task_bytes, code_bytes, scale_bytes; /* scale_bytes: a task's scales (and as many mins) */
+    int half, has_min;
+} int8_pack;
+
+static int8_pack pack_layout(const uint8_t *base, int cols, int bits, int half, int has_min) {
+    int blocks = cols / 32;
+    long code_bytes = (long)blocks * (bits == 8 ? 8 : 4) * 64, scale_bytes = (long)blocks * 16 * (half ? 2 : 4);
+    long bytes = code_bytes + scale_bytes * (has_min ? 2 : 1);
+    int8_pack p = {base, (bytes + 63) / 64 * 64, code_bytes, scale_bytes, half, has_min};
+    return p;
+}
+
+/* 16 lane-ordered scales (or mins) of block blk of a task, as float32 */
+static inline __m512 pack_scales16(const int8_pack *p, const uint8_t *task, int mins, int blk) {
+    const uint8_t *at = task + p->code_bytes + (mins ? p->scale_bytes : 0);
+    return p->half ? _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)at + blk))
+                   : _mm512_load_ps((const float *)at + 16 * blk);
+}
 
 /* the 16 rows' bytes gathered four rows to a vector (quads[(blk * halves + h) * 4 + k], rows
  * 4k .. 4k + 3), a quartet at a time: four row pointers live, not sixteen */
@@ -152,53 +172,66 @@ static void lane_scales(const void *s, int half, int group, long sstride, int bl
         }
 }
 
-static void unpack_task(int cols, const uint8_t *q, int bits, const void *sc, const void *mins, int half, int has_min,
-                        int group, int n, int nrows, const uint8_t *zeros, rows16 *out) {
-    int blocks = cols / 32;
-    long qstride = row_bytes(bits, cols), sstride = cols / group;
-    gather_quartets(q, qstride, bits, blocks, n, nrows, zeros, out->quads);
-    const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+/* a task's 16 lane-ordered scales (or mins) a block, written in the pack's format */
+static void store_scales(const float *d, int blocks, int half, uint8_t *at) {
     for (int blk = 0; blk < blocks; blk++) {
-        __m512i *w = out->w + (long)blk * 8;
-        if (bits == 4) {
-            __m512i v[4];
-            transpose16x4(out->quads + (long)blk * 4, v);
-            for (int p = 0; p < 4; p++) { /* byte j: column j in the low nibble, j + 16 in the high one */
-                w[p] = _mm512_and_si512(v[p], low);
-                w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v[p], 4), low);
-            }
-        } else {
-            transpose16x4(out->quads + (long)blk * 8, w);
-            transpose16x4(out->quads + (long)blk * 8 + 4, w + 4);
-            for (int p = 0; p < 8; p++) w[p] = _mm512_xor_si512(w[p], flip);
-        }
+        __m512 v = _mm512_loadu_ps(d + blk * 16);
+        if (half) /* values read from float16: back exactly */
+            _mm256_store_si256((__m256i *)at + blk, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        else
+            _mm512_store_ps((float *)at + 16 * blk, v);
     }
-    lane_scales(sc, half, group, sstride, blocks, n, nrows, out->d);
-    if (has_min)
-        lane_scales(mins, half, group, sstride, blocks, n, nrows, out->mn);
-    else
-        for (int i = 0; i < 16 * blocks; i++) out->mn[i] = 0.f;
 }
 
-/* NT tokens from t0 times the task's 16 rows, into out[t][n .. n + 15] (NT and EIGHT constants
- * once inlined): a block's 8 codes vectors, each token's quad broadcast into vpdpbusd */
-static inline __attribute__((always_inline)) void tokens_int8(const rows16 *rw, const x_side *xq, int cols, int t0,
-                                                              float *out, int nrows, int n, const int NT,
-                                                              const int EIGHT) {
+/* rows n .. n + 15 of the matrix as one task of pack p at `task` (scratch: quads, 8 vectors a
+ * block, and d, 16 floats a block) */
+static void pack_task(int cols, const uint8_t *q, int bits, const void *sc, const void *mins, int half, int has_min,
+                      int group, int n, int nrows, const uint8_t *zeros, __m512i *quads, float *d,
+                      const int8_pack *p, uint8_t *task) {
+    int blocks = cols / 32;
+    long qstride = row_bytes(bits, cols), sstride = cols / group;
+    gather_quartets(q, qstride, bits, blocks, n, nrows, zeros, quads);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i *codes = (__m512i *)task;
+    for (int blk = 0; blk < blocks; blk++) {
+        if (bits == 4) {
+            transpose16x4(quads + (long)blk * 4, codes + (long)blk * 4);
+            continue;
+        }
+        __m512i *w = codes + (long)blk * 8;
+        transpose16x4(quads + (long)blk * 8, w);
+        transpose16x4(quads + (long)blk * 8 + 4, w + 4);
+        for (int k = 0; k < 8; k++) w[k] = _mm512_xor_si512(w[k], flip);
+    }
+    for (int m = 0; m < (has_min ? 2 : 1); m++) {
+        lane_scales(m ? mins : sc, half, group, sstride, blocks, n, nrows, d);
+        store_scales(d, blocks, p->half, task + p->code_bytes + (m ? p->scale_bytes : 0));
+    }
+}
+
+/* NT tokens from t0 times a task's 16 rows (pack p, at `task`), into out[t][n .. n + 15] (NT and
+ * EIGHT constants once inlined): a block's 8 codes vectors (a 4-bit block's nibbles split here),
+ * each token's quad broadcast into vpdpbusd */
+static inline __attribute__((always_inline)) void tokens_int8(const int8_pack *p, const uint8_t *task,
+                                                              const x_side *xq, int cols, int t0, float *out, int nrows,
+                                                              int n, const int NT, const int EIGHT) {
     int blocks = xq->blocks;
+    const __m512i *codes = (const __m512i *)task, low = _mm512_set1_epi8(15);
     __m512 acc[I8_TOKENS];
     for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
     for (int blk = 0; blk < blocks; blk++) {
-        const __m512i *w = rw->w + (long)blk * 8;
-        __m512i ai[I8_TOKENS];
+        __m512i ai[I8_TOKENS], v[4];
         for (int t = 0; t < NT; t++)
             ai[t] = EIGHT ? _mm512_set1_epi32(xq->xc[(long)(t0 + t) * blocks + blk]) : _mm512_setzero_si512();
-        for (int p = 0; p < 8; p++) {
-            __m512i wv = _mm512_load_si512(w + p);
+        if (!EIGHT)
+            for (int k = 0; k < 4; k++) v[k] = _mm512_load_si512(codes + (long)blk * 4 + k);
+        for (int k = 0; k < 8; k++) { /* 4-bit byte j: column j in the low nibble, j + 16 in the high one */
+            __m512i wv = EIGHT ? _mm512_load_si512(codes + (long)blk * 8 + k)
+                               : _mm512_and_si512(k < 4 ? v[k] : _mm512_srli_epi16(v[k - 4], 4), low);
             for (int t = 0; t < NT; t++)
-                ai[t] = _mm512_dpbusd_epi32(ai[t], wv, _mm512_set1_epi32(*(const int32_t *)(xq->codes + (long)(t0 + t) * cols + blk * 32 + 4 * p)));
+                ai[t] = _mm512_dpbusd_epi32(ai[t], wv, _mm512_set1_epi32(*(const int32_t *)(xq->codes + (long)(t0 + t) * cols + blk * 32 + 4 * k)));
         }
-        __m512 dv = _mm512_loadu_ps(rw->d + blk * 16), mv = _mm512_loadu_ps(rw->mn + blk * 16);
+        __m512 dv = pack_scales16(p, task, 0, blk), mv = p->has_min ? pack_scales16(p, task, 1, blk) : _mm512_setzero_ps();
         for (int t = 0; t < NT; t++) {
             long at = (long)(t0 + t) * blocks + blk;
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[t]), _mm512_mul_ps(dv, _mm512_set1_ps(xq->dx[at])), acc[t]);
@@ -210,11 +243,11 @@ static inline __attribute__((always_inline)) void tokens_int8(const rows16 *rw, 
         _mm512_mask_storeu_ps(out + (long)(t0 + t) * nrows + n, keep, _mm512_permutexvar_ps(lane_rows(), acc[t]));
 }
 
-#define TOKENS(NT) (eight ? tokens_int8(rw, xq, cols, t0, out, nrows, n, NT, 1) : tokens_int8(rw, xq, cols, t0, out, nrows, n, NT, 0))
+#define TOKENS(NT) (eight ? tokens_int8(p, task, xq, cols, t0, out, nrows, n, NT, 1) : tokens_int8(p, task, xq, cols, t0, out, nrows, n, NT, 0))
 
 /* the task's rows times tokens [c0, c1), I8_TOKENS at a time */
-static void task_tokens(const rows16 *rw, const x_side *xq, int cols, int eight, int c0, int c1, float *out, int nrows,
-                        int n) {
+static void task_tokens(const int8_pack *p, const uint8_t *task, const x_side *xq, int cols, int eight, int c0, int c1,
+                        float *out, int nrows, int n) {
     for (int t0 = c0; t0 < c1; t0 += I8_TOKENS) {
         switch (c1 - t0 < I8_TOKENS ? c1 - t0 : I8_TOKENS) {
         case 1: TOKENS(1); break;
@@ -229,45 +262,86 @@ static void task_tokens(const rows16 *rw, const x_side *xq, int cols, int eight,
     }
 }
 
-int pd_gemv_int8(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
-                 const void *mins, int half, int has_min, int group, float *out, int threads) {
-    if (!int8_many || tokens < (bits == 8 ? I8_MIN_TOKENS_8BIT : pd_int8_min_tokens) || (bits != 4 && bits != 8) ||
-        group % 32 || half > 1 || cols > 8192)
-        return 0;
-    int blocks = cols / 32;
-    long per_block = (long)tokens * blocks;
-    x_side xq = {malloc((size_t)tokens * cols), malloc(sizeof(float) * per_block), malloc(sizeof(float) * per_block),
-                 malloc(sizeof(int32_t) * per_block), blocks};
+static int int8_takes(int cols, int bits, int half, int group) {
+    return (bits == 4 || bits == 8) && group % 32 == 0 && half <= 1 && cols % 32 == 0 && cols <= 8192;
+}
+
+long pd_int8_pack_bytes(int nrows, int cols, int bits, int half, int has_min) {
+    return (long)((nrows + 15) / 16) * pack_layout(NULL, cols, bits, half, has_min).task_bytes;
+}
+
+int pd_int8_pack(const uint8_t *q, int nrows, int cols, int bits, const void *scales, const void *mins, int half,
+                 int has_min, int group, uint8_t *pack, int threads) {
+    if (!int8_takes(cols, bits, half, group) || ((uintptr_t)pack & 63)) return -1;
+    int blocks = cols / 32, tasks = (nrows + 15) / 16, failed = 0;
+    int8_pack p = pack_layout(pack, cols, bits, half, has_min);
     uint8_t *zeros = calloc(row_bytes(bits, cols), 1);
-    int ok = xq.codes && xq.dx && xq.xs && xq.xc && zeros, tasks = (nrows + 15) / 16;
-#pragma omp parallel num_threads(threads) if (ok)
+#pragma omp parallel num_threads(threads) if (zeros) reduction(| : failed)
     {
-        if (ok) {
+        __m512i *quads = zeros ? aligned_alloc(64, sizeof(__m512i) * 8 * blocks) : NULL;
+        float *d = malloc(sizeof(float) * 16 * blocks);
+        failed |= !quads || !d;
 #pragma omp for schedule(static)
-            for (int t = 0; t < tokens; t++) quantize_token(x, cols, t, &xq);
-        }
-        __m512i *w = ok ? aligned_alloc(64, sizeof(__m512i) * 8 * blocks) : NULL;
-        __m512i *quads = ok ? aligned_alloc(64, sizeof(__m512i) * 8 * blocks) : NULL;
-        float *d = malloc(sizeof(float) * 16 * blocks), *mn = malloc(sizeof(float) * 16 * blocks);
-        rows16 rw = {w, quads, d, mn};
-        /* a thread without its buffers still meets every barrier below, doing no task */
-        for (int c0 = 0; ok && c0 < tokens; c0 += I8_CHUNK) {
-            int c1 = c0 + I8_CHUNK < tokens ? c0 + I8_CHUNK : tokens;
-#pragma omp for schedule(static)
-            for (int t = 0; t < tasks; t++) {
-                if (!w || !quads || !d || !mn) continue;
-                unpack_task(cols, q, bits, scales, mins, half, has_min, group, 16 * t, nrows, zeros, &rw);
-                task_tokens(&rw, &xq, cols, bits == 8, c0, c1, out, nrows, 16 * t);
-            }
-        }
-        free(w), free(quads), free(d), free(mn);
+        for (int t = 0; t < tasks; t++)
+            if (quads && d)
+                pack_task(cols, q, bits, scales, mins, half, has_min, group, 16 * t, nrows, zeros, quads, d, &p,
+                          pack + (long)t * p.task_bytes);
+        free(quads), free(d);
     }
-    free(xq.codes), free(xq.dx), free(xq.xs), free(xq.xc), free(zeros);
-    return ok;
+    free(zeros);
+    return zeros && !failed ? 0 : -2;
+}
+
+/* x's codes (quantize_token) then each task's tokens, I8_CHUNK tokens a sweep over the tasks: from
+ * the matrix's pack where the caller has one, else each task packed here first (float32 scales) */
+static void products(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
+                     const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out,
+                     const x_side *xq, int *failed) {
+    int blocks = cols / 32, tasks = (nrows + 15) / 16;
+#pragma omp for schedule(static)
+    for (int t = 0; t < tokens; t++) quantize_token(x, cols, t, xq);
+    int8_pack p = pack_layout(pack, cols, bits, pack ? half : 0, has_min);
+    uint8_t *own = pack ? NULL : aligned_alloc(64, p.task_bytes), *zeros = pack ? NULL : calloc(row_bytes(bits, cols), 1);
+    __m512i *quads = pack ? NULL : aligned_alloc(64, sizeof(__m512i) * 8 * blocks);
+    float *d = pack ? NULL : malloc(sizeof(float) * 16 * blocks);
+    int ready = pack || (own && zeros && quads && d);
+    if (!ready) *failed = 1; /* a thread without its buffers still meets every barrier below, doing no task */
+    for (int c0 = 0; c0 < tokens; c0 += I8_CHUNK) {
+        int c1 = c0 + I8_CHUNK < tokens ? c0 + I8_CHUNK : tokens;
+#pragma omp for schedule(static)
+        for (int t = 0; t < tasks; t++) {
+            if (!ready) continue;
+            const uint8_t *task = pack ? pack + (long)t * p.task_bytes : own;
+            if (!pack) pack_task(cols, q, bits, scales, mins, half, has_min, group, 16 * t, nrows, zeros, quads, d, &p, own);
+            task_tokens(&p, task, xq, cols, bits == 8, c0, c1, out, nrows, 16 * t);
+        }
+    }
+    free(own), free(zeros), free(quads), free(d);
+}
+
+int pd_gemv_int8(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
+                 const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out, int threads) {
+    if (!int8_many || tokens < (bits == 8 ? I8_MIN_TOKENS_8BIT : pd_int8_min_tokens) || !int8_takes(cols, bits, half, group))
+        return 0;
+    long per_block = (long)tokens * (cols / 32);
+    x_side xq = {malloc((size_t)tokens * cols), malloc(sizeof(float) * per_block), malloc(sizeof(float) * per_block),
+                 malloc(sizeof(int32_t) * per_block), cols / 32};
+    int ok = xq.codes && xq.dx && xq.xs && xq.xc, failed = 0;
+#pragma omp parallel num_threads(threads) if (ok) reduction(| : failed)
+    if (ok) products(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, pack, out, &xq, &failed);
+    free(xq.codes), free(xq.dx), free(xq.xs), free(xq.xc);
+    return ok && !failed;
 }
 #else
 int pd_gemv_int8(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
-                 const void *mins, int half, int has_min, int group, float *out, int threads) {
+                 const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out, int threads) {
     return 0; /* no AVX-512 VNNI in this build: bf16 or float32 */
+}
+
+long pd_int8_pack_bytes(int nrows, int cols, int bits, int half, int has_min) { return -1; }
+
+int pd_int8_pack(const uint8_t *q, int nrows, int cols, int bits, const void *scales, const void *mins, int half,
+                 int has_min, int group, uint8_t *pack, int threads) {
+    return -1;
 }
 #endif

@@ -27,7 +27,7 @@ def float_matrix(weight: torch.Tensor) -> tuple | None:
     if not float32_on_cpu(weight) or weight.shape[1] % 32:
         return None
     # the scales pointer is never read at 32 bits; one group spans the row
-    return (weight.data_ptr(), weight.shape[0], 32, weight.data_ptr(), None, 0, 0, weight.shape[1])
+    return (weight.data_ptr(), weight.shape[0], 32, weight.data_ptr(), None, 0, 0, weight.shape[1], None)
 
 
 def bf16_matrix(rows: torch.Tensor) -> tuple | None:
@@ -36,7 +36,7 @@ def bf16_matrix(rows: torch.Tensor) -> tuple | None:
     read (bits 16): half the bytes of the float32 rows. The caller keeps the tensor alive."""
     if not bf16_on_cpu(rows) or rows.shape[1] % 32:
         return None
-    return (rows.data_ptr(), rows.shape[0], BITS_BF16, rows.data_ptr(), None, 0, 0, rows.shape[1])
+    return (rows.data_ptr(), rows.shape[0], BITS_BF16, rows.data_ptr(), None, 0, 0, rows.shape[1], None)
 
 
 def fp4_matrix(codes: torch.Tensor, scales: torch.Tensor) -> tuple | None:
@@ -47,7 +47,7 @@ def fp4_matrix(codes: torch.Tensor, scales: torch.Tensor) -> tuple | None:
         return None
     if scales.shape != (codes.shape[0], codes.shape[1] // 16) or codes.shape[1] % 16:
         return None
-    return (codes.data_ptr(), codes.shape[0], BITS_FP4, scales.data_ptr(), None, 2, 0, 32)
+    return (codes.data_ptr(), codes.shape[0], BITS_FP4, scales.data_ptr(), None, 2, 0, 32, None)
 
 
 def bf16_rows_matmul(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:

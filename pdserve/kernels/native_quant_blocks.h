@@ -84,9 +84,10 @@ int pd_gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nro
                  const void *mins, int half, int has_min, int group, float *out, int threads);
 
 /* native_gemv_int8.c: the same in int8 products (VNNI) for 4- and 8-bit codes from
- * pd_int8_min_tokens tokens when pd_set_int8 is on; 1 if it ran, else 0 */
+ * pd_int8_min_tokens tokens when pd_set_int8 is on, read from the matrix's pack (pd_int8_pack)
+ * where pack is not NULL; 1 if it ran, else 0 */
 int pd_gemv_int8(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
-                 const void *mins, int half, int has_min, int group, float *out, int threads);
+                 const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out, int threads);
 
 /* native_gemv_panels.c: on AVX2 without AVX-512, from pd_panels_min_tokens tokens, a GEMM
  * micro-kernel over dequantized panels of rows; 1 if it ran, else 0 */

@@ -113,13 +113,16 @@ class PackedMatrix:
     mins: np.ndarray  # empty when has_min is False
     has_min: bool
     native: tuple | None = None  # native_gemv's arguments for this matrix, None where it cannot take it
+    int8_pack: np.ndarray | None = None  # its codes in the int8 products' order, where they run
 
     @classmethod
     def of(cls, bits: int, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
            group: int) -> PackedMatrix:
         qn, sn, mn = _np(q), _np(scales), _mins_np(mins, scales)
-        native = native_gemv.matrix_args(bits, qn, sn, mn, mins is not None, group)
-        return cls(bits, group, qn, sn, mn, mins is not None, native)
+        pack = (native_gemv.int8_pack(bits, qn, sn, mn, mins is not None, group)
+                if dequant_tiles.int8_products() else None)
+        native = native_gemv.matrix_args(bits, qn, sn, mn, mins is not None, group, pack)
+        return cls(bits, group, qn, sn, mn, mins is not None, native, pack)
 
 
 def quant_matmul(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,
