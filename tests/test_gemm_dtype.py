@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from test_gguf import reference, write_gguf
 
@@ -190,10 +191,11 @@ def test_tile_conversions_are_torchs():
 
 
 @needs_bf16
-def test_many_row_norms_and_rope_run_compiled_under_bf16(tile_dtype, monkeypatch):
-    """Past numba_fused.PARALLEL_ROWS, under bf16 products, the residual add + RMSNorm and RoPE
-    run in native_rows.c on every thread (numba's one-thread kernels never called), with numba's
-    values up to the order of the sums; float32 keeps numba's kernels."""
+def test_many_row_norms_rope_and_silu_run_compiled_under_bf16(tile_dtype, monkeypatch):
+    """Past numba_fused.PARALLEL_ROWS, under bf16 products, the residual add + RMSNorm, RoPE and
+    the MLP's SiLU(gate) * up run in native_rows.c on every thread (numba's one-thread kernels and
+    torch's SiLU never called), with their values up to the order of the sums and the exponential;
+    float32 keeps numba's kernels and torch's SiLU."""
     from pdserve.kernels import numba_fused
     gen = torch.Generator().manual_seed(11)
     rows = numba_fused.PARALLEL_ROWS + 5
@@ -201,13 +203,19 @@ def test_many_row_norms_and_rope_run_compiled_under_bf16(tile_dtype, monkeypatch
                    torch.randn(576, generator=gen))
     qkv = torch.randn(rows, 15 * 64, generator=gen)
     cos, sin = torch.randn(rows, 1, 64, generator=gen), torch.randn(rows, 1, 64, generator=gen)
+    gate_up = torch.randn(rows, 2 * 1536, generator=gen) * 4
     tile_dtype(torch.float32)
+    want_act = numba_fused.silu_mul(gate_up)
+    torch.testing.assert_close(want_act, F.silu(gate_up[:, :1536]) * gate_up[:, 1536:], rtol=0, atol=0)
     want_sum, want_norm = numba_fused.rms_norm(x, w, 1e-5, delta)
     want_qkv = qkv.clone()
     numba_fused.rope_(want_qkv[:, :576].view(rows, 9, 64), want_qkv[:, 576:768].view(rows, 3, 64), cos, sin)
     tile_dtype(torch.bfloat16)
     monkeypatch.setattr(numba_fused, "_rms_norm", None)  # a call would fail: the compiled rows must run
     monkeypatch.setattr(numba_fused, "_rope", None)
+    monkeypatch.setattr(numba_fused.F, "silu", None)
+    got_act = numba_fused.silu_mul(gate_up)
+    torch.testing.assert_close(got_act, want_act, rtol=1e-5, atol=1e-5)
     got_sum, got_norm = numba_fused.rms_norm(x, w, 1e-5, delta)
     numba_fused.rope_(qkv[:, :576].view(rows, 9, 64), qkv[:, 576:768].view(rows, 3, 64), cos, sin)
     assert torch.equal(got_sum, want_sum)

@@ -3,7 +3,7 @@
  * (about 4 ms a layer for 2,048 tokens of SmolLM2, an eighth of a bf16 prefill, while torch's
  * second thread waited). Each row as pd_add_norm and pd_rope compute it (native_decode.c: sums in
  * another order than numba's), so numba_fused takes them only under bf16 products (not exact by
- * design); float32 keeps numba's values. */
+ * design); float32 keeps numba's values. So does the MLP's SiLU(gate) * up. */
 #include "native_simd.h"
 #include <math.h>
 #include <stdint.h>
@@ -37,6 +37,14 @@ void pd_rope_rows(float *q, long q_stride, int q_heads, float *k, long k_stride,
         pd_rope(q + t * q_stride, q_heads, dim, cos + (long)t * dim, sin + (long)t * dim);
         pd_rope(k + t * k_stride, k_heads, dim, cos + (long)t * dim, sin + (long)t * dim);
     }
+}
+
+/* act [tokens, inter] = SiLU(gate) * up for gate_up [tokens, 2 inter] (gate first), float32, as
+ * pd_gate_mul computes each row: one pass on every thread, where torch's SiLU and multiply took two
+ * over a strided view (4.4% of an int8 prefill of 32 x 160 tokens, perf) */
+void pd_silu_mul_rows(const float *gate_up, int tokens, int inter, float *act, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < tokens; t++) pd_gate_mul(gate_up + (long)t * 2 * inter, 1, inter, 0, act + (long)t * inter);
 }
 
 /* act [tokens, inter] bf16 = SiLU(gate) * up, gate_up [tokens, 2 inter] bf16 (gate first): the MLP
