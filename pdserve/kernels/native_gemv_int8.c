@@ -16,9 +16,9 @@
  * they are; 8-bit codes + 128, with -128 * sum(c) a token's start to take the offset out), x's
  * codes signed. A task takes 16 weight rows into a vector's lanes: for each block, 8 vectors,
  * vector p holding column quad p of each row (a 4 x 4 transpose of the rows' dwords, four rows at a
- * time), made once a task and read for every token; each token's quad is broadcast from its codes
- * (by token, [tokens][cols]) into vpdpbusd, and 8 tokens' sums of the 16 rows stay in registers.
- * So one token costs the rows' unpacking and 8 dot products a block: the int8 product runs from
+ * time), laid out once per matrix (its int8 pack) and read for every token; each token's quad is
+ * broadcast from its codes (by token, [tokens][cols]) into vpdpbusd, and 8 tokens' sums of the 16
+ * rows stay in registers. So one token costs 8 dot products a block: the int8 product runs from
  * a single token (a token-major layout, 16 tokens to a vector, wasted 15 lanes of 16 there).
  */
 #include "native_simd.h"
@@ -85,23 +85,22 @@ static inline void transpose16x4(const __m512i a[4], __m512i v[4]) {
     v[2] = _mm512_unpacklo_epi64(t1, t3), v[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
-/* A matrix's int8 pack (pd_int8_pack): for each task of 16 rows, its codes as unpack_task lays them
- * out before the 4-bit codes' nibbles are split (4 vectors a block; 8-bit codes: 8, offset by
- * 128), then its blocks' scales and mins in lane order, in the checkpoint's float16 or float32 (so
- * a decode step reads as many bytes as before); each task 64-byte aligned. Made once per matrix:
- * every call had gathered the 16 rows' blocks and transposed them and their scales, once per 192
- * tokens (perf, a 32-request decode step of SmolLM2: a third of the int8 products' time). */
+/* A matrix's int8 pack (pd_int8_pack): for each task of 16 rows, its codes in those vectors, a
+ * 4-bit block's nibbles not yet split (4 vectors a block; 8-bit codes: 8, offset by 128), then
+ * its blocks' scales and mins in lane order, in the checkpoint's float16 or float32 (so a decode
+ * step reads as many bytes as before); each task 64-byte aligned. Made once per matrix: every
+ * call had gathered the 16 rows' blocks and transposed them and their scales, once per 192 tokens
+ * (perf, a 32-request decode step of SmolLM2: a third of the int8 products' time). */
 typedef struct {
-    const uint8_t *base;
     long task_bytes, code_bytes, scale_bytes; /* scale_bytes: a task's scales (and as many mins) */
     int half, has_min;
 } int8_pack;
 
-static int8_pack pack_layout(const uint8_t *base, int cols, int bits, int half, int has_min) {
+static int8_pack pack_layout(int cols, int bits, int half, int has_min) {
     int blocks = cols / 32;
     long code_bytes = (long)blocks * (bits == 8 ? 8 : 4) * 64, scale_bytes = (long)blocks * 16 * (half ? 2 : 4);
     long bytes = code_bytes + scale_bytes * (has_min ? 2 : 1);
-    int8_pack p = {base, (bytes + 63) / 64 * 64, code_bytes, scale_bytes, half, has_min};
+    int8_pack p = {(bytes + 63) / 64 * 64, code_bytes, scale_bytes, half, has_min};
     return p;
 }
 
@@ -270,14 +269,14 @@ static int int8_takes(int cols, int bits, int half, int group) {
 }
 
 long pd_int8_pack_bytes(int nrows, int cols, int bits, int half, int has_min) {
-    return (long)((nrows + 15) / 16) * pack_layout(NULL, cols, bits, half, has_min).task_bytes;
+    return (long)((nrows + 15) / 16) * pack_layout(cols, bits, half, has_min).task_bytes;
 }
 
 int pd_int8_pack(const uint8_t *q, int nrows, int cols, int bits, const void *scales, const void *mins, int half,
                  int has_min, int group, uint8_t *pack, int threads) {
     if (!int8_takes(cols, bits, half, group) || ((uintptr_t)pack & 63)) return -1;
     int blocks = cols / 32, tasks = (nrows + 15) / 16, failed = 0;
-    int8_pack p = pack_layout(pack, cols, bits, half, has_min);
+    int8_pack p = pack_layout(cols, bits, half, has_min);
     uint8_t *zeros = calloc(row_bytes(bits, cols), 1);
 #pragma omp parallel num_threads(threads) if (zeros) reduction(| : failed)
     {
@@ -303,7 +302,7 @@ static void products(const float *x, int tokens, int cols, const uint8_t *q, int
     int blocks = cols / 32, tasks = (nrows + 15) / 16;
 #pragma omp for schedule(static)
     for (int t = 0; t < tokens; t++) quantize_token(x, cols, t, xq);
-    int8_pack p = pack_layout(pack, cols, bits, pack ? half : 0, has_min);
+    int8_pack p = pack_layout(cols, bits, pack ? half : 0, has_min);
     uint8_t *own = pack ? NULL : aligned_alloc(64, p.task_bytes), *zeros = pack ? NULL : calloc(row_bytes(bits, cols), 1);
     __m512i *quads = pack ? NULL : aligned_alloc(64, sizeof(__m512i) * 8 * blocks);
     float *d = pack ? NULL : malloc(sizeof(float) * 16 * blocks);
