@@ -63,11 +63,12 @@ def _run(x: np.ndarray, matrix, bits: int, has_min: bool, group: int) -> np.ndar
 
 def _run_packed(x: np.ndarray, matrix, bits: int, has_min: bool, group: int) -> np.ndarray:
     """The same product read from the matrix's int8 pack (as a layer's PackedMatrix holds it)."""
-    pack = native_gemv.int8_pack(bits, *matrix, has_min, group)
+    args = native_gemv.matrix_args(bits, *matrix, has_min, group)
+    pack = native_gemv.int8_pack(args, x.shape[1])
     assert pack is not None and pack.ctypes.data % 64 == 0
     out = np.empty((x.shape[0], matrix[0].shape[0]), dtype=np.float32)
     assert native_gemv.run(np.ascontiguousarray(x).ctypes.data, x.shape[0], x.shape[1],
-                           native_gemv.matrix_args(bits, *matrix, has_min, group, pack), out.ctypes.data)
+                           native_gemv.with_int8_pack(args, pack), out.ctypes.data)
     return out.astype(np.float64)
 
 

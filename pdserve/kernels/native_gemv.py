@@ -225,34 +225,39 @@ def set_panels_min_tokens(tokens: int) -> int:
 
 
 def matrix_args(bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray, has_min: bool,
-                group: int, pack: np.ndarray | None = None) -> tuple | None:
+                group: int) -> tuple | None:
     """The kernel's arguments that describe one weight matrix (pointers into its arrays, which the
-    caller keeps alive), made once per matrix: building them costs microseconds a call. pack: the
-    matrix's int8_pack, or None. None when the arrays are not contiguous."""
+    caller keeps alive), made once per matrix: building them costs microseconds a call. The last
+    is its int8 pack's (with_int8_pack), None until one is made. None when the arrays are not
+    contiguous."""
     if not (q.flags.c_contiguous and scales.flags.c_contiguous and mins.flags.c_contiguous):
         return None
     return (q.ctypes.data, q.shape[0], bits, scales.ctypes.data, mins.ctypes.data if has_min else None,
-            int(scales.dtype == np.uint16), int(has_min), group, None if pack is None else pack.ctypes.data)
+            int(scales.dtype == np.uint16), int(has_min), group, None)
 
 
-def int8_pack(bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray, has_min: bool,
-              group: int) -> np.ndarray | None:
-    """The matrix's codes and scales in the order the int8 products read them (native_gemv_int8.c's
-    pd_int8_pack: as many bytes as the matrix, 64-byte aligned), made once so that no call
-    gathers and transposes them; None where the library's int8 products do not take the matrix."""
+def int8_pack(matrix: tuple, cols: int) -> np.ndarray | None:
+    """The matrix's (matrix_args) codes and scales in the order the int8 products read them
+    (native_gemv_int8.c's pd_int8_pack: as many bytes as the matrix, 64-byte aligned), made once so
+    that no call gathers and transposes them; None where the library's int8 products do not take
+    the matrix. The caller keeps it alive and passes it on with with_int8_pack."""
     lib = library()
-    if lib is None or not (q.flags.c_contiguous and scales.flags.c_contiguous and mins.flags.c_contiguous):
+    if lib is None:
         return None
-    half, cols = int(scales.dtype == np.uint16), q.shape[1] * 8 // bits if bits in (4, 8) else 0
-    nbytes = lib.pd_int8_pack_bytes(q.shape[0], cols, bits, half, int(has_min)) if cols else -1
+    q, rows, bits, scales, mins, half, has_min, group, _ = matrix
+    nbytes = lib.pd_int8_pack_bytes(rows, cols, bits, half, has_min)
     if nbytes <= 0:
         return None
     raw = np.empty(nbytes + 64, dtype=np.uint8)
     pack = raw[-raw.ctypes.data % 64:][:nbytes]  # (a view: it keeps raw alive)
-    rc = lib.pd_int8_pack(q.ctypes.data, q.shape[0], cols, bits, scales.ctypes.data,
-                          mins.ctypes.data if has_min else None, half, int(has_min), group, pack.ctypes.data,
+    rc = lib.pd_int8_pack(q, rows, cols, bits, scales, mins, half, has_min, group, pack.ctypes.data,
                           numba.get_num_threads())
     return pack if rc == 0 else None
+
+
+def with_int8_pack(matrix: tuple, pack: np.ndarray | None) -> tuple:
+    """matrix_args' tuple whose products read `pack` (int8_pack), or none."""
+    return (*matrix[:-1], None if pack is None else pack.ctypes.data)
 
 
 def dequant_rows(matrix: tuple, cols: int, start: int, end: int, out_ptr: int, bf16: bool) -> bool:

@@ -119,9 +119,12 @@ class PackedMatrix:
     def of(cls, bits: int, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
            group: int) -> PackedMatrix:
         qn, sn, mn = _np(q), _np(scales), _mins_np(mins, scales)
-        pack = (native_gemv.int8_pack(bits, qn, sn, mn, mins is not None, group)
-                if dequant_tiles.int8_products() else None)
-        native = native_gemv.matrix_args(bits, qn, sn, mn, mins is not None, group, pack)
+        native = native_gemv.matrix_args(bits, qn, sn, mn, mins is not None, group)
+        cols = qn.shape[1] * 8 // bits
+        pack = (native_gemv.int8_pack(native, cols)
+                if native is not None and bits in (4, 8) and dequant_tiles.int8_products() else None)
+        if pack is not None:
+            native = native_gemv.with_int8_pack(native, pack)
         return cls(bits, group, qn, sn, mn, mins is not None, native, pack)
 
 
