@@ -17,6 +17,7 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.protocol.sampling_params import StructuredSpec
 from pdserve.testing.up_cluster import (
+    KILL_PACE,
     DecodeNodeKiller,
     node_pids,
     node_stats,
@@ -27,7 +28,7 @@ from pdserve.testing.up_cluster import (
 
 PROMPTS = [f"request {i}: " + "failover keeps every stream alive. " * (1 + i % 4) for i in range(16)]
 SHORT = 24
-LONG = 480  # long enough that a kill after token 20 lands mid-stream at decode speed
+LONG = 480  # with KILL_PACE, long enough that a kill after token 20 lands mid-stream
 
 
 def _blocks_back_to_zero(url: str) -> bool:
@@ -43,7 +44,7 @@ def llm():
 @pytest.fixture(scope="module")
 def cluster():
     with running_cluster("--kv-transfer", "nixl", "--prefill-nodes", "2", "--decode-nodes", "2",
-                         "--num-kv-blocks", "512") as (url, proc):
+                         "--num-kv-blocks", "512", *KILL_PACE) as (url, proc):
         yield url, proc
 
 

@@ -39,12 +39,12 @@ from pdserve.node.store_prefix import StorePrefix, request_block_keys
 from pdserve.node.store_writeback import StoreWriteBack
 from pdserve.protocol.block_keys import state_key
 from pdserve.testing.hybrid_checkpoints import load_reference, make_hybrid_model
-from pdserve.testing.up_cluster import DecodeNodeKiller, node_pids, node_stats, running_clusters, wait_for
+from pdserve.testing.up_cluster import KILL_PACE, DecodeNodeKiller, node_pids, node_stats, running_clusters, wait_for
 from pdserve.wire.compat import KVCompat, compat_mismatch
 from pdserve.wire.handover import NixlHandover, NixlMetadata, StoreHandover, peer_mismatch
 
 NEW_TOKENS = 10
-LONG = 160  # a stream long enough that a kill after token 20 lands mid-stream
+LONG = 160  # with KILL_PACE, a stream long enough that a kill after token 4 lands mid-stream
 COMMON = ("--num-kv-blocks", "96", "--max-num-seqs", "8")
 CLUSTERS = {
     "nixl": ("qwen3_5_text", ("--kv-transfer", "nixl", "--decode-nodes", "2")),
@@ -72,7 +72,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def clusters(checkpoints):
-    flag_sets = [("--model", str(checkpoints[t]), *flags, *COMMON) for t, (_, flags) in CLUSTERS.items()]
+    flag_sets = [("--model", str(checkpoints[t]), *flags, *COMMON, *KILL_PACE) for t, (_, flags) in CLUSTERS.items()]
     with running_clusters(*flag_sets) as started:
         yield dict(zip(CLUSTERS, started))
 

@@ -24,14 +24,14 @@ import openai
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, wait_for
+from pdserve.testing.up_cluster import KILL_PACE, node_pids, node_stats, running_cluster, wait_for
 
 PROMPTS = [[random.Random(i).randrange(5, 250) for _ in range(96)] for i in range(3)]
-LONG = 1200  # the first stream keeps the decode node busy while the others are placed
+LONG = 600  # at KILL_PACE the first stream keeps the decode node busy (6 s) while the others are placed
 SHORT = 48
 FLAGS = ("--kv-transfer", "nixl", "--prefill-nodes", "1", "--decode-nodes", "1", "--num-kv-blocks", "1024",
          "--no-enable-prefix-caching", "--prefill-placement", "slo", "--ttft-slo-ms", "600000",
-         "--itl-slo-ms", "1")
+         "--itl-slo-ms", "1", *KILL_PACE)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ Image = pytest.importorskip("PIL.Image")
 
 from pdserve.offline.llm import LLM  # noqa: E402
 from pdserve.testing.up_cluster import (  # noqa: E402
+    KILL_PACE,
     DecodeNodeKiller,
     node_stats,
     running_clusters,
@@ -25,7 +26,7 @@ from pdserve.testing.up_cluster import (  # noqa: E402
 from pdserve.testing.vlm_chat import CASES, chat, content, data_url, offline, random_pictures  # noqa: E402
 from pdserve.testing.vlm_checkpoints import make_qwen2_5_vl  # noqa: E402
 
-LONG = 400  # a stream long enough that a kill after token 20 lands mid-stream
+LONG = 400  # with KILL_PACE, a stream long enough that a kill after token 20 lands mid-stream
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,8 @@ def llm(checkpoint):
 @pytest.fixture(scope="module")
 def clusters(checkpoint):
     # 256 blocks a node: the default half-gigabyte KV pool a node would take is memory CI lacks
-    common = ("--model", str(checkpoint), "--served-model-name", "vlm", "--prefill-nodes", "1", "--num-kv-blocks", "256")
+    common = ("--model", str(checkpoint), "--served-model-name", "vlm", "--prefill-nodes", "1", "--num-kv-blocks", "256",
+              *KILL_PACE)
     with running_clusters((*common, "--decode-nodes", "2", "--kv-transfer", "store"),
                           (*common, "--decode-nodes", "1", "--kv-transfer", "nixl")) as started:
         yield {"store": started[0], "nixl": started[1]}

@@ -20,12 +20,12 @@ openai = pytest.importorskip("openai")
 Image = pytest.importorskip("PIL.Image")
 
 from pdserve.offline.llm import LLM  # noqa: E402
-from pdserve.testing.up_cluster import DecodeNodeKiller, node_pids, node_stats, running_cluster, wait_for  # noqa: E402
+from pdserve.testing.up_cluster import KILL_PACE, DecodeNodeKiller, node_pids, node_stats, running_cluster, wait_for  # noqa: E402
 from pdserve.testing.vlm_chat import CASES, chat, offline, offline_prompt, random_pictures, transformers_greedy  # noqa: E402
 from pdserve.testing.vlm_checkpoints import load_gemma3_vl_reference, make_gemma3_vl, make_qwen2_5_vl  # noqa: E402
 
 SMALL_KV = ("--num-kv-blocks", "256")
-LONG = 400  # a stream long enough that a kill after token 20 lands mid-stream
+LONG = 400  # with KILL_PACE, a stream long enough that a kill after token 20 lands mid-stream
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_gemma3_epd_over_nixl_equals_transformers(gemma, pictures):
     path, gemma, reference, tokenizer = gemma
     with running_cluster("--model", str(path), "--served-model-name", "vlm", "--prefill-nodes", "1",
                          "--decode-nodes", "2", "--encode-nodes", "1", "--kv-transfer", "nixl",
-                         "--max-num-batched-tokens", "16", *SMALL_KV) as (url, proc):
+                         "--max-num-batched-tokens", "16", *SMALL_KV, *KILL_PACE) as (url, proc):
         for before, which, after in CASES:
             images = [pictures[i] for i in which]
             ids, usage = chat(url, before, images, after)
@@ -89,7 +89,7 @@ def test_gemma3_epd_through_the_store_isolates_images(gemma, pictures):
     path, gemma, reference, tokenizer = gemma
     with running_cluster("--model", str(path), "--served-model-name", "vlm", "--prefill-nodes", "1",
                          "--decode-nodes", "2", "--encode-nodes", "1", "--kv-transfer", "store",
-                         *SMALL_KV) as (url, proc):
+                         *SMALL_KV, *KILL_PACE) as (url, proc):
         for before, which, after in CASES:
             images = [pictures[i] for i in which]
             want = transformers_greedy(reference, tokenizer, before, images, after, 8)

@@ -43,6 +43,7 @@ def _add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     add_context_args(p)
     p.add_argument("--node-id", default=f"{role}-0", help="the name the router, logs and metrics use")
     p.add_argument("--bind", default="tcp://127.0.0.1:5600", help="zmq endpoint for the router")
+    p.add_argument("--step-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # fault injection
     p.add_argument("--store", default=None,
                    help="KV store URL: redis://host:port (LMCache tiers, the default), direct+redis://, memory://")
     _add_store_args(p)
@@ -228,6 +229,9 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     up.add_argument("--curve", action="store_true",
                     help="fresh CURVE keys in a private temporary directory for every node and the router")
     up.add_argument("--decode-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # fault injection
+    # fault injection: every node sleeps this long after each step, so a test's kill lands mid-stream
+    # however fast the machine decodes (a tiny model's 400 tokens took under a second)
+    up.add_argument("--node-step-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     add_http_args(up)
     _add_ray_args(up)
 

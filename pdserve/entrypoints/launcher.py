@@ -105,6 +105,8 @@ class Cluster(ProcessSupervisor):
     def node_cmd(self, role: str, node_id: str, bind: str, extra: list[str]) -> list[str]:
         cmd = [sys.executable, "-m", "pdserve", "--log-level", self.args.log_level, role,
                "--node-id", node_id, "--bind", bind]
+        delay = getattr(self.args, "node_step_delay_ms", 0.0)
+        extra = extra + (["--step-delay-ms", str(delay)] if delay else [])
         return cmd + node_engine_flags(self.args) + extra + self._curve_flags() + self._registry_flags()
 
     def _free_port(self) -> int:

@@ -85,6 +85,7 @@ class NodeRuntime:
         control socket, KV event stream, counters and step thread carry over)."""
         self.engine = engine
         self.node_id = node_id
+        self.step_delay_s = 0.0  # fault injection (--step-delay-ms): a pause after each step
         self.compat = NodeCompat(engine)  # what its KV is, in every pong (the router pairs by it)
         self.poller = zmq.Poller()
         if isinstance(bind, NodeRuntime):
@@ -167,6 +168,8 @@ class NodeRuntime:
             outputs = self._step_answering_pings()
             self.ttft_clocks.stepped(began)
             self.on_outputs(outputs)
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
         if self.cores is not None and not self._computing():
             self.cores.mark_idle()  # nothing to compute (or only KV to wait for): its cores are lent
         self.kv_events.flush()

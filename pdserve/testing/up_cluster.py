@@ -181,6 +181,12 @@ def node_pids(up_pid: int) -> dict[str, int]:
     return out
 
 
+# A cluster whose tests kill a node mid-stream: every step pauses 10 ms, so a tiny model's few
+# hundred tokens take seconds. At full speed a stream's last token could leave the node before the
+# client, lagging on a loaded CI machine, had read its 20th, and the kill found nothing streaming.
+KILL_PACE = ("--node-step-delay-ms", "10")
+
+
 class DecodeNodeKiller:
     """A stream's on_token callback: once the stream has `after` tokens, SIGKILL the decode node
     serving it (the first the router counts a request on); `killed` names it."""
