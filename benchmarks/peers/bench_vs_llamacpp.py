@@ -98,9 +98,10 @@ def process_tree(pid: int) -> list[int]:
 @contextlib.contextmanager
 def llama_server(binary: str, model: Path, args, log_path: Path):
     port = free_port()
+    slots = getattr(args, "llama_slots", None) or SLOTS
     cmd = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "-t", str(args.threads), "-tb", str(args.threads), "-np", str(SLOTS),
-           "-c", str(SLOTS * args.slot_ctx), "--cont-batching", "--no-webui"]
+           "-t", str(args.threads), "-tb", str(args.threads), "-np", str(slots),
+           "-c", str(slots * args.slot_ctx), "--cont-batching", "--no-webui"]
     with peer_server("llama-server", cmd, port, log_path, args.startup_timeout_s) as (url, pid):
         yield url, pid, cmd
 

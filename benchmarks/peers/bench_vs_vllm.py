@@ -161,6 +161,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=["vllm", "pdserve-gguf", "pdserve-gguf+bf16", "pdserve-bf16", "pdserve-bf16+bf16"])
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", DEFAULT_LLAMA))
     p.add_argument("--slot-ctx", type=int, default=1024, help="llama-server context per slot")
+    p.add_argument("--llama-slots", type=int, default=None,
+                   help="llama-server's parallel slots (-np); default: the highest --concurrency, so no "
+                        "request waits for a slot")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--concurrency", default="1,8,32,128", type=lambda s: [int(c) for c in s.split(",")])
     p.add_argument("--rounds", type=int, default=2, help="requests per cell = rounds x concurrency")
@@ -181,6 +184,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    args.llama_slots = args.llama_slots or max(args.concurrency)
     log_dir = Path(args.log_dir or f"/tmp/bench-vs-vllm-{time.strftime('%Y%m%d-%H%M%S')}")
     log_dir.mkdir(parents=True, exist_ok=True)
     bf16_dir = bf16_checkpoint(Path(args.bf16_dir))
