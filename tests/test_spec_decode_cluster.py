@@ -38,14 +38,14 @@ from spec_heads import make_eagle_head
 from pdserve import LLM, SamplingParams
 from pdserve.entrypoints.node_speculation import node_speculative_config
 from pdserve.models.builtin import ensure_builtin_model
-from pdserve.testing.up_cluster import node_pids, node_stats, running_clusters, wait_for
+from pdserve.testing.up_cluster import KILL_PACE, node_pids, node_stats, running_clusters, wait_for
 from pdserve.wire.transport import free_port
 
 TRANSPORTS = ("store", "nixl")
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 3, "0123456789" * 4,
            "speculation across the handover, " * 2]
 MAX_TOKENS = 24
-LONG = 300  # long enough that a kill after token 20 lands mid-stream, with several tokens a step
+LONG = 300  # with KILL_PACE, long enough that a kill after token 20 lands mid-stream, with several tokens a step
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SELF_DRAFT = {"method": "draft_model", "model": "builtin:tiny", "num_speculative_tokens": 3}
 # A node's /health counter -> the router's /metrics series (vLLM's names; per position: position 0's)
@@ -66,7 +66,7 @@ def clusters(tmp_path_factory):
     (or "eagle") -> (url, up process)."""
     specs = json.dumps([NGRAM, SELF_DRAFT])
     flags = [("--kv-transfer", t, "--decode-nodes", "2", "--decode-policy", "round_robin",
-              "--num-kv-blocks", "256", "--speculative-config", specs) for t in TRANSPORTS]
+              "--num-kv-blocks", "256", "--speculative-config", specs, *KILL_PACE) for t in TRANSPORTS]
     head = make_eagle_head(tmp_path_factory.mktemp("eagle"), ensure_builtin_model("builtin:tiny"), seed=5)
     eagle = {"method": "eagle", "model": str(head), "num_speculative_tokens": 3}
     flags.append(("--kv-transfer", "store", "--speculative-config", json.dumps(eagle)))
