@@ -11,6 +11,7 @@ import time
 log = logging.getLogger(__name__)
 MAX_RESTARTS_PER_MIN = 5
 STOP_DEADLINE_S = 10  # SIGTERM, then SIGKILL for what has not exited by then
+KILL_WAIT_S = 10  # then wait this long for each killed process to exit
 
 
 def _die_with_parent() -> None:
@@ -19,6 +20,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def _kill_and_reap(name: str, proc: subprocess.Popen) -> None:
+    """SIGKILL, then wait for the exit: a node with gigabytes mapped takes a moment to die, and
+    `up` returning first left it running, orphaned, past its launcher's exit."""
+    proc.kill()
+    try:
+        proc.wait(timeout=KILL_WAIT_S)
+    except subprocess.TimeoutExpired:
+        log.warning("%s did not exit %d s after SIGKILL", name, KILL_WAIT_S)
 
 
 class ProcessSupervisor:
@@ -76,4 +87,4 @@ class ProcessSupervisor:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop: killing it", name)
-                proc.kill()
+                _kill_and_reap(name, proc)
