@@ -128,7 +128,6 @@ def serve_node(role: str, args) -> NoReturn:
     while (to_role := node.serve_forever()) is not None:
         started = time.perf_counter()
         node = _build_node(to_role, args, engine, node, store)
-        node.step_delay_s = getattr(args, "step_delay_ms", 0.0) / 1000
         log.info("%s is a %s node now (%.3f s to switch)", args.node_id, to_role, time.perf_counter() - started)
     engine.close()  # a TP or PP node's workers stop now, not at the interpreter's exit
     _exit_now(0)

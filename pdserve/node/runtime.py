@@ -126,6 +126,7 @@ class NodeRuntime:
         self.switches = old.switches + 1
         self.intake, self.cores = old.intake, old.cores
         self.registration = old.registration
+        self.step_delay_s = old.step_delay_s
 
     # ---- the loop -------------------------------------------------------------------------
     def serve_forever(self) -> str | None:
