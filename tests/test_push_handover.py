@@ -172,3 +172,39 @@ def test_a_lost_node_fails_only_the_phase_it_serves():
         assert queue.empty()
 
     asyncio.run(run())
+
+
+def test_a_push_stream_moved_off_its_decode_node_voids_the_prefill_nodes_write_target():
+    """The decode node a push-mode request waits on is lost before its handover is made: the
+    prefill node computing the prompt is sent a WriteTarget naming no blocks (its handover then
+    goes at once, for READs, instead of waiting for a target that will not come), and a retry on
+    another prefill node is sent the same; a lost node's late target is not forwarded."""
+    import asyncio
+
+    from pdserve.router.dispatch.inflight import Inflight
+    from pdserve.router.dispatch.nodes import Node
+    from pdserve.wire.handover import NixlMetadata
+    from pdserve.wire.messages import WriteTarget
+
+    async def run():
+        sent: list[tuple[str, object]] = []
+        inflight = Inflight(lambda node_id, msg: sent.append((node_id, msg)))
+        prefill, decode = Node("prefill-0", "prefill", "", None), Node("decode-0", "decode", "", None)
+        inflight.open_stream("r")
+        inflight.assign("r", decode)
+        inflight.expect_reply("r", prefill), inflight.expect_handover("r", prefill)
+        inflight.prefilling["r"] = prefill.node_id
+        inflight.move(decode, ["r"])
+        [(to, void)] = sent
+        assert to == "prefill-0" and isinstance(void, WriteTarget) and void.request_id == "r" and not void.regions
+        assert inflight.write_targets["r"] is void  # what a retry on another prefill node is sent
+        late = WriteTarget("r", NixlMetadata("decode-0", b"x"), 0, [(1, 2, 3)], 30.0)
+        assert inflight.on_write_target(decode, late) is None and inflight.write_targets["r"] is void
+        # Pull mode (no handover to follow): a moved stream's prefill node is sent nothing.
+        inflight.open_stream("p")
+        inflight.assign("p", decode)
+        inflight.prefilling["p"] = prefill.node_id
+        inflight.move(decode, ["p"])
+        assert len(sent) == 1
+
+    asyncio.run(run())

@@ -5,9 +5,10 @@ The decode node admits each request with its blocks allocated and names them (Wr
 prefill node WRITEs each whole block into them as the step that computes it ends, the rest with
 the first token. Checked: greedy output equals transformers'; the decode nodes READ nothing and
 landed by WRITE exactly the prompts' blocks, which the prefill node wrote in more WRITEs than
-requests (per chunk, not once at the end); no block stays allocated. A decode node killed while
-its request's prompt waits to be computed costs no request: the WRITEs to it fail, and the other
-decode node serves the request.
+requests (per chunk, not once at the end), and no handover waited out its target; no block stays
+allocated. A decode node killed while its request's prompt waits to be computed costs no
+request: the WRITEs to it fail (or the router's empty target stops them), and the other decode
+node serves the request.
 """
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def _counters(url: str) -> dict[str, int]:
             "landed": _sum(url, "decode", "transfer_bytes_nixl_written"),
             "pushed": _sum(url, "decode", "prefills_pushed"),
             "written": _sum(url, "prefill", "transfer_bytes_nixl_written"),
-            "writes": _sum(url, "prefill", "push_writes")}
+            "writes": _sum(url, "prefill", "push_writes"),
+            "timeouts": _sum(url, "prefill", "push_target_timeouts")}
 
 
 def _delta(url: str, before: dict[str, int]) -> dict[str, int]:
@@ -112,6 +114,7 @@ def test_blocks_are_written_per_chunk_and_nothing_is_read(cluster):
     assert moved["landed"] == blocks * block_nbytes, moved
     assert moved["pushed"] == len(PROMPTS)
     assert moved["read"] == 0, moved  # pull mode (or writes that did not land) READs them
+    assert moved["timeouts"] == 0, moved  # every handover waited for its decode node's target
     assert moved["written"] == blocks * block_nbytes, moved
     # The 300-token prompt alone takes ten 32-token chunks: written as they completed.
     assert moved["writes"] >= len(PROMPTS) + 4, moved
@@ -131,9 +134,10 @@ def test_a_decode_node_lost_before_its_blocks_are_written_costs_no_request(clust
     """A conversation's next turn goes to the decode node holding its history (the router's prefix
     index). With the prefill node stopped (SIGSTOP, under the router's 1.5 s of silence), the turn
     is admitted there and its WriteTarget sent; that decode node is killed and the prefill node
-    resumed. Its WRITE to the dead node fails (counted), and the request completes on the other
-    decode node with the output unchanged: it READs the handover, or computes the prompt when
-    the router learned of the death only after sending it (pull mode's rule)."""
+    resumed once the router has declared it lost. Its WRITE to the dead node fails (counted; or,
+    when the victim died before naming its blocks, the router's empty target stops it first), the
+    stream's move counts as a decode resume, and the request completes on the other decode node
+    with the output unchanged (it READs the handover)."""
     path, url, proc = cluster
     history = [rng.randrange(3, 256) for _ in range(64)]
     turn = history + [rng.randrange(3, 256) for _ in range(70)]
@@ -147,7 +151,8 @@ def test_a_decode_node_lost_before_its_blocks_are_written_costs_no_request(clust
     # holds the history's blocks on the victim, or a loaded machine's late events send the turn
     # to the other node and the kill below tests nothing (one CI failure: no resume at all).
     wait_for(lambda: _indexed(url)[victim] >= indexed[victim] + len(history) // BLOCK, timeout_s=30)
-    failures = _sum(url, "prefill", "push_write_failures")
+    failures, empty = _sum(url, "prefill", "push_write_failures"), _sum(url, "prefill", "push_targets_empty")
+    timeouts = _sum(url, "prefill", "push_target_timeouts")
     pids = node_pids(proc.pid)
     os.kill(pids["prefill-0"], signal.SIGSTOP)
     try:
@@ -157,6 +162,10 @@ def test_a_decode_node_lost_before_its_blocks_are_written_costs_no_request(clust
                 wait_for(lambda: node_stats(url)[victim]["prefills_pushed"] > pushed[victim], timeout_s=1.0,
                          interval_s=0.05)
             os.kill(pids[victim], signal.SIGKILL)
+            # The prompt computes only once the router has declared the victim lost: the stream
+            # moves while it waits for its first token (counted as a resume, as a move mid-decode
+            # is; CI once resumed the prefill node first and the count depended on that race).
+            wait_for(lambda: not node_stats(url).get(victim, {}).get("healthy"), timeout_s=30, interval_s=0.05)
             os.kill(pids["prefill-0"], signal.SIGCONT)
             got = future.result(timeout=120)
     finally:
@@ -164,5 +173,9 @@ def test_a_decode_node_lost_before_its_blocks_are_written_costs_no_request(clust
     assert got == want
     health = httpx.get(f"{url}/health", timeout=5).json()["failover"]
     assert health["decode_resumes"] >= 1 and health["prefill_retries"] == 0, health
-    wait_for(lambda: _sum(url, "prefill", "push_write_failures") > failures, timeout_s=10)
+    # The prefill node learned of the loss: its WRITE to the victim failed, or (the victim killed
+    # before it named its blocks) the router's empty target said so; never by waiting it out.
+    wait_for(lambda: (_sum(url, "prefill", "push_write_failures") > failures
+                      or _sum(url, "prefill", "push_targets_empty") > empty), timeout_s=10)
+    assert _sum(url, "prefill", "push_target_timeouts") == timeouts
     wait_for(lambda: _blocks_free(url), timeout_s=60)

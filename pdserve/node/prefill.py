@@ -41,7 +41,10 @@ from pdserve.wire.messages import (
 from pdserve.wire.transport import NodeSocket
 
 log = logging.getLogger(__name__)
-TARGET_WAIT_S = 1.0  # push mode: how long a made handover waits for its decode node's WriteTarget
+# Push mode: how long a made handover waits for its decode node's WriteTarget. The router sends
+# an empty one when that node is lost (inflight), so this bounds only a live decode node that is
+# slow to admit the request; at 1 s a loaded machine's slow admission fell back to READs.
+TARGET_WAIT_S = 10.0
 
 
 class PrefillNode(StepBudget):
@@ -56,6 +59,7 @@ class PrefillNode(StepBudget):
         # push mode over NIXL: first token out, the handover waiting for its WriteTarget (since when)
         self.awaiting: dict[str, tuple[PendingPrefill, float]] = {}
         self.whole_requests = 0  # requests prefilled and decoded here (the router's fallback)
+        self.target_timeouts = 0  # push-mode handovers made without a WriteTarget after TARGET_WAIT_S
         self.init_step_budget()
         self.nixl: NixlProducer | None = None
         self.writer: PushWriter | None = None  # push mode: WRITEs into the decode node's blocks
@@ -149,7 +153,9 @@ class PrefillNode(StepBudget):
         pong.stats.update(**self.budget_stats(), whole_requests=self.whole_requests, serves_whole=1,
                           reads_store=int(self.store_prefix is not None),
                           push_writes=self.writer.writes if self.writer is not None else 0,
-                          push_write_failures=self.writer.failures if self.writer is not None else 0)
+                          push_write_failures=self.writer.failures if self.writer is not None else 0,
+                          push_targets_empty=self.writer.empty_targets if self.writer is not None else 0,
+                          push_target_timeouts=self.target_timeouts)
         return pong
 
     def _hand_over(self, pending: PendingPrefill, first: StepOutput) -> None:
@@ -237,7 +243,9 @@ class PrefillNode(StepBudget):
             self.writer.advance()  # the whole blocks the last step computed, into their decode node's
         now = time.monotonic()
         for rid in [r for r, (_, since) in self.awaiting.items() if now - since > TARGET_WAIT_S]:
-            self._hand_over_awaited(rid)  # its decode node is gone or slow: pull mode's handover
+            log.warning("[%s] no WriteTarget in %.0f s: handing over for READs", rid, TARGET_WAIT_S)
+            self.target_timeouts += 1
+            self._hand_over_awaited(rid)  # its decode node is stuck: pull mode's handover
         if self.puts is not None:
             self._finish_puts()
         for producer in self.producers.values():

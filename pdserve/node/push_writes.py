@@ -53,6 +53,7 @@ class PushWriter:
         self.connected: set[str] = set()
         self.writes = 0  # WRITEs posted and done (one per step that completed blocks, one at the end)
         self.failures = 0  # WRITEs that failed (a decode node gone): its requests' blocks are READ
+        self.empty_targets = 0  # targets naming no blocks (no room there, or the router's word that it is lost)
 
     def has(self, rid: str) -> bool:
         return rid in self.targets
@@ -65,6 +66,7 @@ class PushWriter:
             return
         target = Target("", msg.first_block, list(msg.regions), time.monotonic() + msg.lease_s, msg.first_block)
         self.targets[msg.request_id] = target
+        self.empty_targets += not msg.regions
         if not msg.regions or self.engine.kv.states is not None:
             target.broken = True  # (a hybrid model's state slot is READ with the blocks: not pushed)
         elif (why := peer_mismatch(msg.peer, self.engine.salt, self.agent.block_nbytes)) is not None:

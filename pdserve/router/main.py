@@ -82,7 +82,7 @@ def build_backend(prefill_addrs: list[str], decode_addrs: list[str], transfer: s
         raise ValueError("the cluster needs at least one decode node, or a registry to find them in")
     pool = NodePool(prefill_addrs, decode_addrs, curve=curve, encode_addrs=encode_addrs)
     adapters = RouterAdapters(lora_modules, pool)
-    inflight, picker, metrics, index = Inflight(), NodePicker(pool), RouterMetrics(pool.nodes, pool.faults), PrefixIndex()
+    inflight, picker, metrics, index = Inflight(pool.send_later), NodePicker(pool), RouterMetrics(pool.nodes, pool.faults), PrefixIndex()
     kv_tracker, drains = KVEventTracker(index), DrainTracker(inflight)
     events = NodeEvents(pool, inflight, drains, adapters, index, kv_tracker)
     pool.listen(events.on_message, events.on_dead)

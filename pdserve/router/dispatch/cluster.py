@@ -249,7 +249,10 @@ class ClusterBackend:
                 node, pushed = pushed, None
                 tried.add(node.node_id)
                 if self.inflight.owner.get(rid) != node.node_id:  # lost (or rejected) while the prompt computed
-                    _drain(queue)
+                    lost = _drain(queue)  # the stream moves off it as it would mid-decode: counted alike
+                    if lost is not None:
+                        failures, moves = self._count_move(rid, NodeLost(lost.node_id, lost.planned), len(relayed),
+                                                           failures, moves)
                     continue
                 await self.pool.send(node, KVReady(rid, list(relayed), handover))
             else:
@@ -339,7 +342,10 @@ class ClusterBackend:
                                             **self.counters})
 
 
-def _drain(queue: asyncio.Queue) -> None:
-    """Drop what a lost node left in a stream's queue (its Lost marker) before another node serves it."""
+def _drain(queue: asyncio.Queue) -> Lost | None:
+    """Drop what a lost node left in a stream's queue before another node serves it; its Lost marker."""
+    lost = None
     while not queue.empty():
-        queue.get_nowait()
+        item = queue.get_nowait()
+        lost = item if isinstance(item, Lost) else lost
+    return lost

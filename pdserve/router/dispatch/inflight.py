@@ -5,15 +5,19 @@ one the request was moved off, is stale); its awaited reply and its stream have 
 in push mode a prefill node and a decode node serve it at once. A decode stream's tokens go to its queue; a request
 that waits for one reply (a prefill, an embedding) waits on a future. Moving a request off a
 node (the node died, drains, or rejected it) fails that future, or puts a Lost marker in the
-stream's queue, so the path serving it retries elsewhere."""
+stream's queue, so the path serving it retries elsewhere. A push-mode request moved off its
+decode node before its handover was made also tells its prefill node that no blocks await its
+WRITEs (a WriteTarget with none), so the handover it holds for them goes at once, to be READ."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from pdserve.protocol.outputs import StepOutput
 from pdserve.router.dispatch.failover import NodeLost
 from pdserve.router.dispatch.nodes import Node
-from pdserve.wire.messages import EmbedResult, EncodeResult, HandoverMade, PrefillResult, WriteTarget
+from pdserve.wire.handover import NixlMetadata
+from pdserve.wire.messages import EmbedResult, EncodeResult, HandoverMade, Message, PrefillResult, WriteTarget
 
 
 class Lost:
@@ -25,7 +29,8 @@ class Lost:
 
 
 class Inflight:
-    def __init__(self) -> None:
+    def __init__(self, send_later: Callable[[str, Message], None] | None = None) -> None:
+        self.send_later = send_later  # to a node by id, from these callbacks (NodePool.send_later)
         self.streams: dict[str, asyncio.Queue] = {}
         self.replies: dict[str, asyncio.Future] = {}  # request id -> its one reply (prefill, embedding)
         self.owner: dict[str, str | None] = {}  # request id -> the node whose stream tokens count
@@ -130,10 +135,21 @@ class Inflight:
                 self._fail(self.replies.get(rid), NodeLost(node.node_id, planned))
             if streaming:
                 self.owner[rid] = None
+                self._void_write_target(rid)
                 queue = self.streams.get(rid)
                 if queue is not None:
                     queue.put_nowait(Lost(node.node_id, planned))
         return moved
+
+    def _void_write_target(self, rid: str) -> None:
+        """No decode node waits for this request's WRITEs now: a prefill node it goes to (a retry)
+        is sent an empty target, and the one computing it now too while its handover is still to
+        be made (in push mode that handover waits for a target; the stream moves in pull mode)."""
+        void = WriteTarget(rid, NixlMetadata("", b""), 0, [], 0.0)
+        self.write_targets[rid] = void
+        prefill = self.prefilling.get(rid)
+        if prefill is not None and rid in self.handovers and self.send_later is not None:
+            self.send_later(prefill, void)
 
     @staticmethod
     def _fail(fut: asyncio.Future | None, exc: Exception) -> None:

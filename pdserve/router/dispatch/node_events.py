@@ -3,9 +3,8 @@ node dies: replies and tokens go to the requests waiting on them (inflight), pon
 drains, the LoRA adapters and the KV event tracker, KV events to the prefix index."""
 from __future__ import annotations
 
-import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.router.dispatch.adapters import RouterAdapters
 from pdserve.router.dispatch.drain import DrainTracker
@@ -39,13 +38,6 @@ class NodeEvents:
     adapters: RouterAdapters
     index: PrefixIndex
     kv_tracker: KVEventTracker
-    _background: set[asyncio.Task] = field(default_factory=set)  # sends scheduled from a callback
-
-    def _send_later(self, node: Node, msg: Message) -> None:
-        task = asyncio.get_running_loop().create_task(self.pool.send(node, msg))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     def on_dead(self, node: Node) -> None:
         self.index.drop_node(node.node_id)  # it comes back, if at all, with an empty cache
         self.kv_tracker.forget(node.node_id)
@@ -64,15 +56,15 @@ class NodeEvents:
             if self.kv_tracker.apply(node.node_id, msg):
                 log.info("%s: KV event gap (epoch %d, seq %d): asking for a snapshot", node.node_id,
                          msg.epoch, msg.seq)
-                self._send_later(node, KVSnapshotRequest())
+                self.pool.send_later(node.node_id, KVSnapshotRequest())
         elif isinstance(msg, (PrefillResult, EmbedResult, EncodeResult)):  # one reply per request, awaited
             if not self.inflight.awaits_handover(msg.request_id, node.node_id):  # (a handover to follow: still on it)
                 node.requests.discard(msg.request_id)
             self.inflight.on_reply(node, msg)
         elif isinstance(msg, WriteTarget):  # push mode: the decode node's blocks, for the prefill node
-            prefill = self.pool.get(self.inflight.on_write_target(node, msg) or "")
+            prefill = self.inflight.on_write_target(node, msg)
             if prefill is not None:
-                self._send_later(prefill, msg)
+                self.pool.send_later(prefill, msg)
         elif isinstance(msg, HandoverMade):
             node.requests.discard(msg.request_id)
             self.inflight.on_handover(node, msg)
@@ -84,6 +76,6 @@ class NodeEvents:
     def _on_pong(self, node: Node, msg: Pong) -> None:
         self.drains.on_pong(node, msg)
         for load in self.adapters.on_pong(node, msg):  # a node that joined later catches up
-            self._send_later(node, load)
+            self.pool.send_later(node.node_id, load)
         if self.kv_tracker.needs_snapshot(node.node_id):
-            self._send_later(node, KVSnapshotRequest())
+            self.pool.send_later(node.node_id, KVSnapshotRequest())

@@ -101,6 +101,7 @@ class NodePool:
         self.faults = NodeFaults()
         self._tasks: list[asyncio.Task] = []
         self._node_tasks: dict[str, list[asyncio.Task]] = {}
+        self._background: set[asyncio.Task] = set()  # sends scheduled from callbacks (send_later)
         self._started = False
 
     def listen(self, on_message: Callable[[Node, Message], None], on_dead: Callable[[Node], None]) -> None:
@@ -183,6 +184,15 @@ class NodePool:
         if node.closed:  # removed while a request still held it: nothing to send to
             return
         await node.sock.send(encode(msg))
+
+    def send_later(self, node_id: str, msg: Message) -> None:
+        """Send from a callback (not a coroutine): scheduled on the loop; a node not in the pool gets nothing."""
+        node = self.get(node_id)
+        if node is None:
+            return
+        task = asyncio.get_running_loop().create_task(self.send(node, msg))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def mark_dead(self, node: Node, why: str, reason: str) -> None:
         """reason: the loss's label in /metrics (disconnected, silent, refused, removed)."""
