@@ -242,3 +242,35 @@ def test_bf16_mlp_keeps_gate_up_in_bf16(tmp_path, tile_dtype, monkeypatch):
     tile_dtype(torch.float32)
     monkeypatch.undo()
     assert bf16_mlp.gate_up_silu_down(mlp.gate_up_proj, mlp.down_proj, x) is None
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", ["qwen3_5_text", "nemotron_h", "falcon_h1"])
+def test_hybrid_projections_take_bf16_products(tmp_path, tile_dtype, kind):
+    """A hybrid's linear-attention or Mamba2, attention and MLP projections (FloatLinear) follow
+    cpu_gemm_dtype as the other families' layers do. Under bfloat16 a prompt's logits move off
+    float32's (the bf16 products ran; float32's equal transformers', test_models_hybrid), and no
+    further than transformers' own model loaded in bf16 moves off its float32 one (these random
+    checkpoints amplify rounding: the delta rule's decays compound it over the prompt); batched
+    greedy decoding agrees with float32's until the first near-tie."""
+    from family_models import random_prompts
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.layers.quant.unquantized import FloatLinear
+    from pdserve.testing.hybrid_checkpoints import make_hybrid_model
+
+    path = make_hybrid_model(tmp_path, kind)
+    prompts = random_prompts(3, 256, (40, 90, 150))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    runs, logits, theirs = {}, {}, {}
+    for name in ("float32", "bfloat16"):
+        llm = LLM(model=str(path), num_kv_blocks=64, cpu_gemm_dtype=name, enable_prefix_caching=False)
+        assert any(isinstance(m, FloatLinear) for m in llm.engine.runner.model.modules())
+        runs[name] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        logits[name] = llm.engine.prompt_logits(prompts[-1])
+        with torch.no_grad():
+            ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, name))
+            theirs[name] = ref(torch.tensor([prompts[-1]])).logits[0].float()
+    diff = (logits["bfloat16"] - logits["float32"]).abs().max().item()
+    assert 0 < diff <= (theirs["bfloat16"] - theirs["float32"]).abs().max().item()
+    assert_agrees_until_a_near_tie(runs["float32"], runs["bfloat16"], 4 * diff)

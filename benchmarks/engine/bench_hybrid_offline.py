@@ -12,7 +12,9 @@ Three shapes, each a scaled-down copy of its family's proportions:
   chunk 128) beside attention (as above, full rotary), then a SwiGLU MLP 1536, vocab 8192; the
   muP multipliers left at 1 (they cost the same at any value).
 
-Workload: 32 requests of 32-256 prompt tokens, 32 new tokens each, ignore_eos, float32 on CPU.
+Workload: 32 requests of 32-256 prompt tokens, 32 new tokens each, ignore_eos, float32 on CPU
+(`--dtype bfloat16`: pdserve's products in bf16, `--cpu-gemm-dtype bfloat16`, beside
+transformers' model loaded in bf16).
 transformers runs one left-padded `generate` over all requests, with its torch paths for the
 linear layers (the chunked delta rule and SSD scan for the prompt, the one-token update after;
 flash-linear-attention, causal-conv1d and mamba-ssm are CUDA packages). Greedy outputs are
@@ -23,6 +25,7 @@ on a shared machine whose other jobs stop or starve this one, the second is the 
 and one thread (`--threads 1`, `NUMBA_NUM_THREADS=1`) keeps spinning threads out of it.
 
     NUMBA_NUM_THREADS=1 .venv/bin/python -m benchmarks.engine.bench_hybrid_offline --repeats 3 --threads 1
+    NUMBA_NUM_THREADS=1 .venv/bin/python -m benchmarks.engine.bench_hybrid_offline --repeats 3 --threads 1 --dtype bfloat16
     .venv/bin/python -m benchmarks.engine.bench_hybrid_offline --repeats 3
     NUMBA_NUM_THREADS=1 .venv/bin/python -m benchmarks.engine.bench_hybrid_offline --family nemotron_h --profile --threads 1
 """
@@ -64,7 +67,8 @@ HYBRID_PARTS = [
     ("pdserve.models.mamba2_mixer", "Mamba2Mixer", "_convolve", "    their convolution"),
     ("pdserve.models.mamba2_mixer", "Mamba2Mixer", "_scan", "    their scan"),
     ("pdserve.engine.model_runner", "AttentionContext", "attention", "  attention kernels"),
-    ("torch.nn", "Linear", "forward", "  nn.Linear (projections, LM head)"),
+    ("pdserve.layers.quant.unquantized", "FloatLinear", "forward", "  the projections (FloatLinear)"),
+    ("torch.nn", "Linear", "forward", "  nn.Linear (LM head)"),
 ]
 
 
@@ -83,10 +87,11 @@ def clocks(out: dict):
     out["wall"], out["cpu"] = time.perf_counter() - wall, time.process_time() - cpu
 
 
-def run_pdserve(path: Path, prompts, new_tokens: int) -> Timed:
-    """One greedy offline generate over all prompts (after a short warm-up generate)."""
+def run_pdserve(path: Path, prompts, new_tokens: int, dtype: str = "float32") -> Timed:
+    """One greedy offline generate over all prompts (after a short warm-up generate); dtype: the
+    products' (cpu_gemm_dtype: bfloat16 for a prefill's or a batch's many rows)."""
     from pdserve import LLM, SamplingParams
-    llm = LLM(model=str(path), num_kv_blocks=1024, max_num_batched_tokens=2048)
+    llm = LLM(model=str(path), num_kv_blocks=1024, max_num_batched_tokens=2048, cpu_gemm_dtype=dtype)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0][:32]}], params, use_tqdm=False)
     spent: dict = {}
@@ -96,10 +101,11 @@ def run_pdserve(path: Path, prompts, new_tokens: int) -> Timed:
     return Timed(n / spent["wall"], n / spent["cpu"], [o.outputs[0].token_ids for o in outs])
 
 
-def run_transformers(path: Path, prompts, new_tokens: int) -> Timed:
-    """One left-padded greedy generate over all prompts."""
+def run_transformers(path: Path, prompts, new_tokens: int, dtype: str = "float32") -> Timed:
+    """One left-padded greedy generate over all prompts, the model in dtype."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa",
+                                                 dtype=getattr(torch, dtype)).eval()
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -123,8 +129,8 @@ def bench_family(family: str, args: argparse.Namespace, root: Path) -> str:
         return ""
     ours, theirs, agree = [], [], []
     for r in range(args.repeats):  # alternated, so both see the same machine
-        ours.append(run_pdserve(path, prompts, args.new_tokens))
-        theirs.append(run_transformers(path, prompts, args.new_tokens))
+        ours.append(run_pdserve(path, prompts, args.new_tokens, args.dtype))
+        theirs.append(run_transformers(path, prompts, args.new_tokens, args.dtype))
         agree.append(sum(a == b for a, b in zip(ours[-1].tokens, theirs[-1].tokens)))
         print(f"{family} run {r + 1}: pdserve {ours[-1].wall:.1f} tok/s ({ours[-1].cpu:.1f} per CPU s), "
               f"transformers {theirs[-1].wall:.1f} tok/s ({theirs[-1].cpu:.1f} per CPU s), "
@@ -147,6 +153,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads for both engines (0: torch's default, one per core)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="bfloat16: pdserve's products in bf16 (--cpu-gemm-dtype bfloat16), transformers' "
+                             "model in bf16")
     parser.add_argument("--profile", action="store_true",
                         help="instead: pdserve's CPU seconds per part of the model, one run")
     args = parser.parse_args()
@@ -158,7 +167,8 @@ def main() -> None:
     if args.profile:
         return
     print(f"\n{args.requests} requests of {args.prompt_tokens[0]}-{args.prompt_tokens[1]} prompt tokens x {args.new_tokens} new tokens; "
-          f"{torch.get_num_threads()} torch threads; medians of {args.repeats} (the runs: pdserve's / transformers')")
+          f"{torch.get_num_threads()} torch threads; {args.dtype}; medians of {args.repeats} "
+          "(the runs: pdserve's / transformers')")
     print("| model | output tokens/s: pdserve / transformers | per CPU second: pdserve / transformers "
           "| identical greedy outputs |")
     print("|---|---|---|---:|")

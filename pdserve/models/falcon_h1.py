@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.layers.quant.unquantized import FloatLinear
 from pdserve.models.decoder import build_and_load
 from pdserve.models.hybrid import HybridAttention, HybridDecoderModel
 from pdserve.models.llama import ModelSpec, RMSNorm
@@ -113,8 +114,8 @@ class FalconMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, multipliers: list[float]):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = FloatLinear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = FloatLinear(intermediate, hidden, bias=bias)
         self.gate_multiplier, self.down_multiplier = multipliers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import causal_conv, gated_delta, recurrent_cpu
+from pdserve.layers.quant.unquantized import FloatLinear
 from pdserve.models.state_layers import LayerStateSpec
 
 
@@ -50,11 +51,11 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = RMSNormGated(self.v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_size, hidden, bias=False)
-        self.in_proj_qkv = nn.Linear(hidden, self.conv_size, bias=False)
-        self.in_proj_z = nn.Linear(hidden, self.value_size, bias=False)
-        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.out_proj = FloatLinear(self.value_size, hidden, bias=False)
+        self.in_proj_qkv = FloatLinear(hidden, self.conv_size, bias=False)
+        self.in_proj_z = FloatLinear(hidden, self.value_size, bias=False)
+        self.in_proj_b = FloatLinear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = FloatLinear(hidden, self.num_v_heads, bias=False)
 
     def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> LayerStateSpec:
         return LayerStateSpec((self.conv_size, self.kernel - 1), dtype,
@@ -118,8 +119,8 @@ class GroupedGatedDeltaNet(GatedDeltaNet):
         super().__init__(config, state_index)
         del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
         hidden = config.hidden_size
-        self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_size + 2 * self.value_size, bias=False)
-        self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        self.in_proj_qkvz = FloatLinear(hidden, 2 * self.key_size + 2 * self.value_size, bias=False)
+        self.in_proj_ba = FloatLinear(hidden, 2 * self.num_v_heads, bias=False)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         tokens, groups, per = x.shape[0], self.num_k_heads, self.num_v_heads // self.num_k_heads

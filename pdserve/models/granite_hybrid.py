@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pdserve.layers.quant.unquantized import FloatLinear
 from pdserve.models.decoder import build_and_load
 from pdserve.models.hybrid import HybridAttention, HybridDecoderModel, kv_indices, state_indices
 from pdserve.models.llama import ModelSpec, RMSNorm
@@ -59,7 +60,7 @@ class GraniteHybridLayer(nn.Module):
         self.mixer = mixer
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.shared_mlp = DenseMLP(spec.hidden_size, config.shared_intermediate_size)
+        self.shared_mlp = DenseMLP(spec.hidden_size, config.shared_intermediate_size, linear=FloatLinear)
         self.moe = None
         if config.num_local_experts > 0:
             route = functools.partial(topk_softmax, top_k=config.num_experts_per_tok)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.layers.quant.unquantized import FloatLinear
 from pdserve.models.decoder import DecoderModel
 from pdserve.models.llama import ModelSpec
 from pdserve.models.rope import RotaryEmbedding
@@ -51,8 +52,8 @@ class HybridAttention(nn.Module):
         self.kv_index = kv_index
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=bias)
+        self.qkv_proj = FloatLinear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = FloatLinear(self.q_size, spec.hidden_size, bias=bias)
         self.scale = spec.head_dim ** -0.5 if scale is None else scale
 
     def shard_sizes(self) -> list[int]:

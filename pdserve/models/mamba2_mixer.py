@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import causal_conv, mamba2, recurrent_cpu
+from pdserve.layers.quant.unquantized import FloatLinear
 from pdserve.models.state_layers import LayerStateSpec
 
 
@@ -74,14 +75,14 @@ class Mamba2Mixer(nn.Module):
         self.inner = self.heads * self.head_dim
         self.conv_size = self.inner + 2 * self.groups * self.state_size
         self.kernel, self.chunk, self.dt_min = shape.kernel, shape.chunk, shape.dt_min
-        self.in_proj = nn.Linear(shape.hidden, self.inner + self.conv_size + self.heads, bias=shape.proj_bias)
+        self.in_proj = FloatLinear(shape.hidden, self.inner + self.conv_size + self.heads, bias=shape.proj_bias)
         self.conv1d = nn.Conv1d(self.conv_size, self.conv_size, self.kernel, groups=self.conv_size,
                                 bias=shape.conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(self.heads))
         self.A_log = nn.Parameter(torch.zeros(self.heads))
         self.D = nn.Parameter(torch.ones(self.heads))
         self.norm = GroupRMSNormGated(self.inner, self.groups, shape.eps)
-        self.out_proj = nn.Linear(self.inner, shape.hidden, bias=shape.proj_bias)
+        self.out_proj = FloatLinear(self.inner, shape.hidden, bias=shape.proj_bias)
 
     def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> LayerStateSpec:
         return LayerStateSpec((self.conv_size, self.kernel - 1), dtype,

@@ -229,10 +229,11 @@ class DenseMLP(nn.Module):
     """One SwiGLU MLP with gate and up fused into one matmul."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False,
-                 activation: Callable[[torch.Tensor], torch.Tensor] = silu_mul):
+                 activation: Callable[[torch.Tensor], torch.Tensor] = silu_mul, linear: type[nn.Linear] = nn.Linear):
+        """linear: the layers' class (the hybrids pass FloatLinear; the compiled MoE step takes nn.Linear's)."""
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = linear(intermediate, hidden, bias=bias)
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

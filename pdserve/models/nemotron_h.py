@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.layers.quant.unquantized import FloatLinear
 from pdserve.models.decoder import build_and_load
 from pdserve.models.hybrid import HybridAttention, HybridDecoderModel, kv_indices, state_indices
 from pdserve.models.llama import Float32ScaleRMSNorm, ModelSpec
@@ -39,8 +40,8 @@ def check_config(config) -> None:
 class SquaredReluMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool):
         super().__init__()
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.up_proj = FloatLinear(hidden, intermediate, bias=bias)
+        self.down_proj = FloatLinear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor, cos=None, sin=None, ctx=None) -> torch.Tensor:
         return self.down_proj(F.relu(self.up_proj(x)).square())

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pdserve.layers.quant.unquantized import FloatLinear
 from pdserve.models.decoder import build_and_load
 from pdserve.models.gated_deltanet import GatedDeltaNet
 from pdserve.models.gemma3 import GemmaRMSNorm
@@ -48,8 +49,8 @@ class GatedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         # q_proj's rows: per head, head_dim query rows then head_dim gate rows
-        self.qkv_proj = nn.Linear(spec.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.qkv_proj = FloatLinear(spec.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = FloatLinear(self.q_size, spec.hidden_size, bias=False)
         self.q_norm = GemmaRMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.scale = spec.head_dim ** -0.5
@@ -76,7 +77,7 @@ class Qwen35DecoderLayer(nn.Module):
     def __init__(self, config, spec: ModelSpec, mixer: nn.Module, mlp: nn.Module | None = None):
         super().__init__()
         self.mixer = mixer  # GatedDeltaNet (checkpoint: linear_attn) or GatedAttention (self_attn)
-        self.mlp = mlp if mlp is not None else DenseMLP(spec.hidden_size, spec.intermediate_size)
+        self.mlp = mlp if mlp is not None else DenseMLP(spec.hidden_size, spec.intermediate_size, linear=FloatLinear)
         self.input_layernorm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pdserve.layers.quant.unquantized import FloatLinear
 from pdserve.models import qwen3_5
 from pdserve.models.decoder import build_and_load
 from pdserve.models.gated_deltanet import GroupedGatedDeltaNet
@@ -40,7 +41,7 @@ def _is_sparse(config, layer: int) -> bool:
 
 def _mlp(config, spec: ModelSpec, layer: int) -> nn.Module:
     if not _is_sparse(config, layer):
-        return DenseMLP(spec.hidden_size, config.intermediate_size)
+        return DenseMLP(spec.hidden_size, config.intermediate_size, linear=FloatLinear)
     route = functools.partial(softmax_topk, top_k=config.num_experts_per_tok, renormalize=bool(config.norm_topk_prob))
     return SparseMoE(spec.hidden_size, config.moe_intermediate_size, config.num_experts, route,
                      shared_intermediate=config.shared_expert_intermediate_size, shared_gate=True)

@@ -73,8 +73,21 @@ def _bf16_weight(layer: nn.Module) -> torch.Tensor:
     return cached[1]
 
 
+class FloatLinear(nn.Linear):
+    """nn.Linear whose products follow cpu_gemm_dtype as LinearBase's full-precision ones do (bf16
+    for a prefill's or a large batch's rows, a bf16 checkpoint's exact bf16 rows for a few): for
+    the families built from whole nn.Linear layers (the hybrids' linear-attention, Mamba2,
+    attention and MLP projections). Under float32 products it is nn.Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FLOAT_METHOD.apply(self, x, self.bias)
+
+
 class UnquantizedConfig(QuantConfig):
     name = "none"
 
     def linear_method(self, layer: nn.Module, prefix: str) -> QuantMethod:
         return UnquantizedLinearMethod()
+
+
+_FLOAT_METHOD = UnquantizedLinearMethod()
