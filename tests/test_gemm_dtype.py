@@ -274,3 +274,35 @@ def test_hybrid_projections_take_bf16_products(tmp_path, tile_dtype, kind):
     diff = (logits["bfloat16"] - logits["float32"]).abs().max().item()
     assert 0 < diff <= (theirs["bfloat16"] - theirs["float32"]).abs().max().item()
     assert_agrees_until_a_near_tie(runs["float32"], runs["bfloat16"], 4 * diff)
+
+
+def test_a_bf16_hybrid_checkpoint_decodes_on_its_exact_bf16_rows(tmp_path):
+    """A hybrid checkpoint saved in bf16 (as Qwen3.5's are), served in float32: its projections'
+    weights are exactly bf16, so a decode step's few rows multiply the bf16 rows themselves (the
+    compiled gemv, widened exactly: half the bytes) whatever cpu_gemm_dtype says, and greedy
+    decoding equals transformers' float32 model of the same bf16 weights."""
+    from family_models import random_prompts
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.layers.quant.unquantized import FloatLinear
+    from pdserve.testing.hybrid_checkpoints import load_reference, make_hybrid_model
+
+    source = make_hybrid_model(tmp_path / "f32", "qwen3_5_text")
+    path = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.bfloat16).save_pretrained(str(path))
+    for extra in source.iterdir():  # the tokenizer's files
+        if not (path / extra.name).exists():
+            (path / extra.name).write_bytes(extra.read_bytes())
+    ref = load_reference(path)  # float32, from the bf16 weights
+    llm = LLM(model=str(path), num_kv_blocks=64, enable_prefix_caching=False)
+    prompts = random_prompts(4, ref.config.vocab_size, (20, 37))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                        use_tqdm=False)]
+    for prompt, ids in zip(prompts, got):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(prompt):].tolist()
+        assert ids == want
+    floats = [m for m in llm.engine.runner.model.modules() if isinstance(m, FloatLinear)]
+    assert floats and all(m.__dict__.get("_bf16_exact", (0, False))[1] for m in floats)
