@@ -59,6 +59,20 @@ def test_a_closed_node_lends_nothing_and_run_sets_the_threads(board_path, monkey
     assert set_to == [1, 2]  # unchanged: not set again
 
 
+def test_a_step_that_computes_nothing_keeps_the_node_idle(board_path, monkeypatch):
+    """A decode node whose requests all wait for their KV (push mode: admitted while the prompt
+    computes on the prefill node) still steps, computing nothing: it stays idle since when it
+    went idle, so the prefill node keeps borrowing its core; a step that computed is busy."""
+    monkeypatch.setattr("pdserve.node.core_board.set_compute_threads", lambda threads: None)
+    prefill, decode = CoreBoard(board_path, 0, 1, 2), CoreBoard(board_path, 1, 1, 2)
+    went_idle = time.monotonic_ns() - int(LEND_AFTER_S * 1e9)
+    decode.mark_idle(now_ns=went_idle)
+    decode.run(lambda: None, 0, computed=lambda: False)
+    assert prefill.step_threads() == 2
+    decode.run(lambda: None, 0, computed=lambda: True)
+    assert prefill.step_threads() == 1
+
+
 def test_from_env_needs_a_board_a_slot_and_a_share(board_path):
     assert CoreBoard.from_env({}) is None
     assert CoreBoard.from_env({"PDSERVE_CORE_BOARD": board_path, "PDSERVE_CORE_SLOT": str(SLOTS),

@@ -5,6 +5,11 @@ alternate; medians over --repeats runs.
 
     python -m benchmarks.serving.bench_ttft_breakdown --repeats 3
     python -m benchmarks.serving.bench_ttft_breakdown --configs pd-nixl pd-nixl-push
+    python -m benchmarks.serving.bench_ttft_breakdown --model SmolLM2-135M-Instruct --request-rate 1 \
+        --configs pd-nixl-push pd-nixl-push-lend monolithic
+
+pd-nixl-push-lend adds `--lend-idle-cores`: a prefill step of a long prompt borrows the decode
+node's core when that node has idled 0.25 s (pdserve.node.core_board).
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ CONFIGS = {
     "pd-store": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store", *PD),
     "pd-store-push": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store", "--handover", "push",
                       *PD),
+    "pd-nixl-push-lend": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl", "--handover", "push",
+                          "--lend-idle-cores", *PD),
     "monolithic": ("--prefill-nodes", "0", "--decode-nodes", "1", "--kv-cache-memory-gb", "0.5"),
 }
 TOTALS = {"TTFT (client)": "mean_ttft_ms", "TTFT p50 (client)": "p50_ttft_ms", "end to end p50": "p50_e2e_ms"}
@@ -37,6 +44,9 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrivals per second (default: each as the last ends; at 1 a second the "
+                        "decode node idles between requests, so --lend-idle-cores lends its core)")
     p.add_argument("--max-token-id", type=int, default=250)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     args = p.parse_args()
@@ -48,7 +58,7 @@ def main() -> None:
             for name, url in urls.items():  # alternate: a noisy minute hits every config
                 cfg = BenchConfig(base_url=url, workload="random", num_prompts=args.num_prompts,
                                   input_len_min=args.input_len, input_len_max=args.input_len,
-                                  output_len=args.output_len, concurrency=args.concurrency,
+                                  output_len=args.output_len, concurrency=args.concurrency, request_rate=args.request_rate,
                                   max_token_id=args.max_token_id, num_warmup=2, seed=rep, disable_tqdm=True)
                 runs[name].append(asyncio.run(run_benchmark(cfg)))
     print(f"| stage (mean ms, median of {args.repeats}) | " + " | ".join(runs) + " |")

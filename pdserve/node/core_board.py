@@ -93,16 +93,24 @@ class CoreBoard:
         if self.table[self.slot, 1] == 0:
             self.table[self.slot, 1] = time.monotonic_ns() if now_ns is None else now_ns
 
-    def run(self, work: Callable[[], T], prefill_tokens: int | None = None) -> T:
+    def run(self, work: Callable[[], T], prefill_tokens: int | None = None,
+            computed: Callable[[], bool] | None = None) -> T:
         """work() (a step, on the compute thread) with this step's threads; prefill_tokens: the
-        longest prompt it has to compute, in tokens (None: borrow whatever is idle)."""
+        longest prompt it has to compute, in tokens (None: borrow whatever is idle). computed:
+        whether the step computed anything; one that did not (a decode node whose requests all
+        wait for their KV, as a push-mode one does while its prompt computes elsewhere) leaves
+        the node idle since when it was, so its cores stay lent."""
+        idle_since = int(self.table[self.slot, 1])
         threads = self.step_threads(prefill_tokens=prefill_tokens)
         if threads != self.threads:
             set_compute_threads(threads)
             self.threads = threads
         if threads > self.share:
             self.lent_steps += 1
-        return work()
+        result = work()
+        if idle_since and computed is not None and not computed():
+            self.table[self.slot, 1] = idle_since
+        return result
 
     def close(self) -> None:
         self.table[self.slot] = (0, 0)  # leaves: lends nothing, borrows nothing

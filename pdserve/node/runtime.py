@@ -187,7 +187,9 @@ class NodeRuntime:
     def _run_answering_pings(self, work, prefill_tokens: int | None = None):
         """work() (an engine step, or other work on the model) on the step thread; its result.
         prefill_tokens: the longest prompt a step has to compute (None: not a step's)."""
-        step = self._stepper.submit(work if self.cores is None else lambda: self.cores.run(work, prefill_tokens))
+        step = self._stepper.submit(work if self.cores is None else lambda: self.cores.run(
+            work, prefill_tokens, computed=(lambda: self.engine.last_step_tokens > 0) if prefill_tokens is not None
+            else None))
         # Signalled from a done-callback, which runs after the future is marked done: a byte
         # written from inside the step would wake this loop before done() turns true, and the
         # next poll would then sleep its full second with nothing left to wake it.
