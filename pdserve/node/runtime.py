@@ -182,14 +182,14 @@ class NodeRuntime:
     def _step_answering_pings(self) -> list[StepOutput]:
         # (a step borrows idle nodes' cores only for a long prompt to compute: core_board)
         tokens = self.engine.scheduler.longest_prompt_to_compute() if self.cores is not None else None
-        return self._run_answering_pings(self.engine.step, tokens)
+        return self._run_answering_pings(self.engine.step, tokens, lambda: self.engine.last_step_tokens > 0)
 
-    def _run_answering_pings(self, work, prefill_tokens: int | None = None):
+    def _run_answering_pings(self, work, prefill_tokens: int | None = None, computed=None):
         """work() (an engine step, or other work on the model) on the step thread; its result.
-        prefill_tokens: the longest prompt a step has to compute (None: not a step's)."""
-        step = self._stepper.submit(work if self.cores is None else lambda: self.cores.run(
-            work, prefill_tokens, computed=(lambda: self.engine.last_step_tokens > 0) if prefill_tokens is not None
-            else None))
+        prefill_tokens: the longest prompt a step has to compute (None: not a step's); computed:
+        whether a step computed anything (core_board: one that did not keeps the node idle)."""
+        step = self._stepper.submit(work if self.cores is None else lambda: self.cores.run(work, prefill_tokens,
+                                                                                            computed))
         # Signalled from a done-callback, which runs after the future is marked done: a byte
         # written from inside the step would wake this loop before done() turns true, and the
         # next poll would then sleep its full second with nothing left to wake it.
