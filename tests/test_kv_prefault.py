@@ -1,13 +1,17 @@
 """The CPU KV pool written at start (--kv-cache-prefault, issue 61): on where the operator gave the
 pool's size, off for the default pool; the pool's pages are resident once built, and the output is
-the lazily faulted pool's."""
+the lazily written pool's. The lazily written pool gets its pages written just ahead of the blocks
+handed out (pdserve.assembly.pool_pages.WriteAhead)."""
 from __future__ import annotations
 
 import os
 
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.assembly.pool_pages import WriteAhead, zeroed_pool
+from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import prefault_default
 from pdserve.entrypoints.cli import build_parser
 from pdserve.entrypoints.up_commands import node_engine_flags
@@ -81,3 +85,32 @@ def test_tensor_parallel_pool_is_allocated_at_start_where_asked():
     assert allocated[True] >= 0.99, allocated
     assert allocated[False] < 0.5, allocated
     assert outputs[True] == outputs[False]
+
+
+def test_the_default_pool_is_written_just_ahead_of_the_blocks_handed_out():
+    """The lazily written pool (the default's) gets its pages written a chunk ahead of the highest
+    block handed out, in one call, not page by page inside the step; never past that chunk."""
+    pool = zeroed_pool((64, 8, 4096), torch.float32, torch.device("cpu"))  # 128 KiB blocks, 8 MiB
+    block_bytes, chunk = 8 * 4096 * 4, 256 * 1024
+    blocks = BlockPool(64)
+    blocks.fresh_hook = WriteAhead(pool, chunk_bytes=chunk)
+    assert resident_bytes(pool.data_ptr()) == 0
+    first = blocks.allocate(3)  # blocks 0-1 written as block 0 is handed out, then 2-3 with block 2
+    assert resident_bytes(pool.data_ptr()) == 2 * chunk == 4 * block_bytes
+    blocks.free(first)
+    blocks.allocate(1)  # block 3 (fresh blocks leave first): already written
+    assert resident_bytes(pool.data_ptr()) == 4 * block_bytes
+    blocks.allocate(1)  # block 4: one more chunk
+    assert resident_bytes(pool.data_ptr()) == 3 * chunk
+    assert not pool.any()  # still the zeroed pool
+
+
+def test_an_engine_writes_its_default_pool_ahead_and_a_prefaulted_one_at_start():
+    lazy = LLM("builtin:tiny", kv_cache_memory_gb=POOL_GB, kv_cache_prefault=False)
+    prefaulted = LLM("builtin:tiny", kv_cache_memory_gb=POOL_GB, kv_cache_prefault=True)
+    assert isinstance(lazy.engine.kv.pool.fresh_hook, WriteAhead)
+    assert prefaulted.engine.kv.pool.fresh_hook is None
+    pool = lazy.engine.runner.kv_cache
+    lazy.generate([{"prompt_token_ids": list(range(10, 90))}], SamplingParams(max_tokens=4), use_tqdm=False)
+    block_bytes = pool.numel() * pool.element_size() // pool.shape[0]
+    assert resident_bytes(pool.data_ptr()) >= lazy.engine.kv.pool.fresh_from * block_bytes > 0

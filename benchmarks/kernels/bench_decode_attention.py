@@ -18,7 +18,7 @@ import statistics
 import torch
 
 from benchmarks.kernels.bench_cpu_layer_ops import median_us
-from pdserve.assembly.build import zeroed_pool
+from pdserve.assembly.pool_pages import zeroed_pool
 from pdserve.kernels import native_paged, numba_ops
 from pdserve.kernels.fp8_kv import _compact_blocks
 

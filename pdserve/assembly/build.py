@@ -3,17 +3,13 @@ model in this process, or sharded over tensor-parallel workers: pdserve.executor
 runner that goes with it, LoRA, structured outputs and speculation (pdserve.spec_decode)."""
 from __future__ import annotations
 
-import contextlib
-import logging
-import math
-import mmap
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pdserve.assembly.pool_pages import WriteAhead, zeroed_pool
 from pdserve.assembly.setup import (
     check_fp8_kv_supported,
     check_hybrid_supported,
@@ -56,8 +52,6 @@ from pdserve.models.loader import default_dtype, load_hf_config, load_model, res
 from pdserve.models.model_path import context_limit
 from pdserve.models.rope import cover_positions
 from pdserve.protocol.block_keys import kv_entry_dims
-
-log = logging.getLogger(__name__)
 
 
 def build_engine(config: EngineConfig, role: str | None = None) -> LLMEngine:
@@ -135,46 +129,6 @@ def auto_kv_dtype(dtype: torch.dtype, device: torch.device, hf_config, hybrid: b
     return torch.bfloat16
 
 
-def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                prefault: bool = False) -> torch.Tensor:
-    """A zeroed KV pool. On CPU, a fresh anonymous mapping, which the kernel zeroes as its pages
-    are first written: a pool sized to the machine's memory costs only the blocks used, where
-    torch.zeros would write every page at start. Transparent huge pages where the kernel offers
-    them (madvise): first writes into 4 KiB pages took 17x a warm write of a prompt's KV here
-    (67 against 3.8 ms for 480 tokens of SmolLM2), into 2 MiB pages 3x. `prefault`: every page
-    written now (prefault_pages), as vLLM allocates its cache, so no step pays a first write."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (shared would be shmem: no THP)
-    if prefault:
-        prefault_pages(pages, nbytes)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # after a prefault: khugepaged may merge its pages later
-        with contextlib.suppress(OSError):
-            pages.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps `pages`
-
-
-MADV_POPULATE_WRITE = 23  # Linux 5.14; Python's mmap module names it from 3.13 on
-
-
-def prefault_pages(pages: mmap.mmap, nbytes: int) -> None:
-    """Write every page of the pool now, in 4 KiB pages. A prefill writing KV into fresh pages
-    paid the kernel's zeroing and, in a VM, the hypervisor backing them, inside the step (with a
-    4 GiB pool on the 2-core Zen 4 VM: 23% of a prefill's samples in clear_page; served tokens/s
-    at 32 streams about 210 -> 250). Not as huge pages: with the machine's memory fragmented, the
-    kernel compacts memory for each one (4 GiB populated in 21-36 s there, against 2.2 s in 4 KiB
-    pages). The kernel populates the range in one call where it can; else torch writes zeros."""
-    start = time.perf_counter()
-    try:
-        pages.madvise(MADV_POPULATE_WRITE, 0, nbytes)
-    except OSError:  # an older kernel: EINVAL
-        torch.frombuffer(pages, dtype=torch.uint8).zero_()
-    log.info("KV pool: %.2f GiB written at start in %.1f s", nbytes / 2**30, time.perf_counter() - start)
-
-
 def multimodal_inputs(model, encoder_cache_tokens: int) -> MultiModalInputs | None:
     """A vision-language model's image inputs and encoder cache; None for a text model."""
     if not getattr(model, "is_multimodal", False):
@@ -188,6 +142,8 @@ def _parts(config: EngineConfig, t: _Target, role: str | None = None) -> EngineP
     cover_positions(t.model, max_len)  # past max_position_embeddings only when allowed (model_positions)
     salt = t.kv_layout.salt()
     pool = BlockPool(t.kv_cache.shape[0], config.enable_prefix_caching)
+    if t.device.type == "cpu" and t.executor is None and not config.kv_cache_prefault:
+        pool.fresh_hook = WriteAhead(t.kv_cache)  # the pool's pages written just ahead of use
     whole_images = bool(getattr(t.model, "bidirectional_images", False))
     kv = KVCacheManager(pool, config.block_size, salt, kv_window(t.model), whole_images, t.states, t.snapshots)
     lora = start_lora(config, t.model, t.dtype, t.device)

@@ -6,6 +6,7 @@ the same prefix can take it back; eviction is lazy and least-recently-freed firs
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -29,6 +30,11 @@ class BlockPool:
         # KV events: (True, key) when a key enters the prefix cache, (False, key) when it leaves.
         # None (the offline engine) records nothing; a serving node sets a list and drains it.
         self.event_sink: list[tuple[bool, bytes]] | None = None
+        # Never-used blocks leave the queue in index order (they start at its front), so the
+        # highest block handed out is a frontier: fresh_hook(block_id) is called as it passes it
+        # (pdserve.assembly.pool_pages.WriteAhead writes the pool's pages just ahead of it).
+        self.fresh_hook: Callable[[int], None] | None = None
+        self.fresh_from = 0
 
     @property
     def num_blocks(self) -> int:
@@ -44,6 +50,10 @@ class BlockPool:
         ids = []
         for _ in range(n):
             block_id, _ = self.free_queue.popitem(last=False)
+            if block_id >= self.fresh_from:
+                self.fresh_from = block_id + 1
+                if self.fresh_hook is not None:
+                    self.fresh_hook(block_id)
             block = self.blocks[block_id]
             self._evict(block)
             block.ref_cnt = 1

@@ -22,9 +22,9 @@ class EngineConfig:
     # machine's available memory (pdserve.engine.kv_pool_size).
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = 0.5
-    # Write the CPU pool's pages at start (as vLLM allocates its cache) instead of on first use, so
-    # no step pays the first write (pdserve.assembly.build.prefault_pages). The flag's default:
-    # on where the operator gave the pool's size (prefault_default).
+    # Write the CPU pool's pages at start (as vLLM allocates its cache) instead of a chunk ahead of
+    # the blocks handed out (pdserve.assembly.pool_pages). The flag's default: on where the
+    # operator gave the pool's size (prefault_default).
     kv_cache_prefault: bool = False
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
