@@ -19,8 +19,11 @@ needs_int8 = pytest.mark.skipif(native_gemv.library() is None or not dequant_til
 
 
 @pytest.fixture
-def gemm_dtype():
-    """Restores this process's product dtype after the test."""
+def gemm_dtype(monkeypatch):
+    """Restores this process's product dtype after the test. int8 runs at every row count here, on
+    a CPU with AMX too (where the engine hands rows past INT8_MAX_ROWS_AMX to bf16 tiles; see
+    test_amx_cpus_take_int8_up_to_the_crossover_and_bf16_past_it)."""
+    monkeypatch.setattr(dequant_tiles, "INT8_MAX_ROWS_AMX", None)
     before = dequant_tiles.gemm_dtype()
     yield dequant_tiles.set_tile_dtype
     dequant_tiles.set_tile_dtype(before)
@@ -177,10 +180,11 @@ def test_int8_engine_stays_near_the_float32_engine(tmp_path, gemm_dtype, kind):
 @pytest.mark.parametrize("gguf, vnni, bf16, amx, want", [
     (True, True, True, False, torch.int8), (True, False, True, False, torch.bfloat16),
     (False, True, True, False, torch.bfloat16), (True, True, False, False, torch.int8),
-    (False, True, False, False, torch.float32), (True, True, True, True, torch.bfloat16)])
+    (False, True, False, False, torch.float32), (True, True, True, True, torch.int8),
+    (False, True, True, True, torch.bfloat16)])
 def test_auto_takes_int8_for_a_gguf_where_the_cpu_has_vnni(monkeypatch, gguf, vnni, bf16, amx, want):
     """auto without the suite's pin: a GGUF's blocks multiply as llama.cpp multiplies them where the
-    CPU has VNNI and no AMX (whose bf16 tiles stay faster); other checkpoints keep bf16 (or
+    CPU has VNNI (with AMX, up to INT8_MAX_ROWS_AMX rows); other checkpoints keep bf16 (or
     float32); the environment and a flag still win."""
     monkeypatch.delenv(dequant_tiles.GEMM_DTYPE_ENV, raising=False)
     monkeypatch.setattr(dequant_tiles, "native_int8", lambda: vnni)
@@ -193,7 +197,6 @@ def test_auto_takes_int8_for_a_gguf_where_the_cpu_has_vnni(monkeypatch, gguf, vn
 
 
 @needs_int8
-@pytest.mark.skipif(dequant_tiles.native_amx(), reason="auto keeps AMX's bf16 tiles on this CPU")
 def test_default_gguf_engine_takes_int8_and_a_bf16_cache(tmp_path, monkeypatch, gemm_dtype):
     """A default engine on a GGUF without the suite's pin: int8 products and a bf16 K/V cache, the
     same tokens as an engine given both outright; float32 products keep a float32 cache."""
@@ -231,3 +234,30 @@ def test_auto_kv_is_bf16_only_for_a_cpu_kv_cache_under_low_precision_products(ge
         assert auto_kv_dtype(torch.float32, cpu, latent, False) == torch.float32
         assert auto_kv_dtype(torch.float32, cpu, dense, True) == torch.float32
         assert auto_kv_dtype(torch.bfloat16, cuda, dense, False) == torch.bfloat16
+
+
+@needs_int8
+@pytest.mark.skipif(not dequant_tiles.native_bf16(), reason="no native bf16 products on this CPU")
+def test_amx_cpus_take_int8_up_to_the_crossover_and_bf16_past_it(monkeypatch, gemm_dtype):
+    """Under int8 on a CPU with AMX (its presence stood in for where absent): products of up to
+    INT8_MAX_ROWS_AMX rows are the int8 kernel's, past them bf16 tiles' (the values of the bf16
+    setting), in the compiled kernel and in a layer's product; without AMX int8 at every count."""
+    monkeypatch.setattr(dequant_tiles, "INT8_MAX_ROWS_AMX", 40)
+    rng = np.random.default_rng(5)
+    matrix, codes, scale, minimum = _matrix(rng, 4, 48, 256, 32, True, True)
+    layer = quant_cpu.PackedMatrix.of(4, *[torch.from_numpy(a) for a in matrix], 32)
+    x = rng.standard_normal((41, 256)).astype(np.float32)
+    gemm_dtype(torch.bfloat16)
+    bf16, bf16_layer = _run(x, matrix, 4, True, 32), quant_cpu.packed_matmul(torch.from_numpy(x), layer)
+    for amx in (True, False):
+        monkeypatch.setattr(dequant_tiles, "native_amx", lambda amx=amx: amx)
+        gemm_dtype(torch.int8)
+        assert dequant_tiles.int8_products(40) and dequant_tiles.int8_products(41) is not amx
+        int8 = _int8_reference(x[:40], codes, scale, minimum)
+        assert np.abs(_run(x[:40], matrix, 4, True, 32) - int8).max() <= 1e-5 * np.abs(int8).max()
+        past = _run(x, matrix, 4, True, 32)
+        int8 = _int8_reference(x, codes, scale, minimum)
+        assert (np.abs(past - int8).max() <= 1e-5 * np.abs(int8).max()) is not amx
+        if amx:
+            assert np.array_equal(past, bf16)
+            assert torch.equal(quant_cpu.packed_matmul(torch.from_numpy(x), layer), bf16_layer)

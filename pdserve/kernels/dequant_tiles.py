@@ -36,6 +36,12 @@ BF16_TILE_BYTES = 8 << 20
 _tiles: dict[int, np.ndarray] = {}  # columns -> the reused float32 tile buffer
 _tile_dtype = torch.float32
 _int8 = False  # cpu_gemm_dtype int8: 4- and 8-bit matrices' products in int8 (native_gemv_int8.c)
+# Up to how many rows int8 products run where the CPU has AMX: past it AMX's bf16 tiles multiply a
+# 4-bit matrix faster than VNNI's vpdpbusd. The Xeon VM, SmolLM2's decode step over a bf16 cache,
+# int8 against bf16 (ms): 12.6/17.9 at 4 requests, 16.6/24.6 at 8, 24.5/34.7 at 16, 41.4/43.3 at
+# 32, 61.8/61.0 at 48, 81.2/74.6 at 64; a prefill 1,130-1,240 against 2,080-2,430 tokens/s.
+INT8_MAX_ROWS_AMX = 40
+_int8_max_rows: int | None = None  # set_tile_dtype's: INT8_MAX_ROWS_AMX under int8 with AMX, else None
 GEMM_DTYPE_ENV = "PDSERVE_CPU_GEMM_DTYPE"  # what cpu_gemm_dtype auto means, where set
 
 
@@ -64,13 +70,13 @@ def resolve_gemm_dtype(name: str, gguf: bool = False) -> torch.dtype:
     """The dtype named (auto, float32, bfloat16 or int8); bfloat16 on a CPU without native bf16 dot
     products is refused (oneDNN would emulate it, slower than float32), int8 without VNNI. auto:
     $PDSERVE_CPU_GEMM_DTYPE where set (the test suite pins float32 there, for its float32
-    references); else for a GGUF checkpoint int8 where the CPU has VNNI and no AMX (llama.cpp's
-    arithmetic for its blocks; AMX's bf16 tiles are several times VNNI's int8 rate, and there is
-    no AMX int8 path yet), and otherwise bfloat16 where the CPU multiplies it natively, as vLLM's
+    references); else for a GGUF checkpoint int8 where the CPU has VNNI (llama.cpp's arithmetic
+    for its blocks; where it has AMX too, only up to INT8_MAX_ROWS_AMX rows, bf16 tiles past
+    them), and otherwise bfloat16 where the CPU multiplies it natively, as vLLM's
     CPU backend runs, and float32 elsewhere."""
     if name == "auto":
         name = os.environ.get(GEMM_DTYPE_ENV) or (
-            "int8" if gguf and native_int8() and not native_amx() else "bfloat16" if native_bf16() else "float32")
+            "int8" if gguf and native_int8() else "bfloat16" if native_bf16() else "float32")
     if name == "bfloat16" and not native_bf16():
         raise ValueError("cpu_gemm_dtype bfloat16 needs a CPU with AMX or AVX-512 BF16 (/proc/cpuinfo's "
                          "amx_bf16 or avx512_bf16); this one has neither: use float32")
@@ -83,12 +89,13 @@ def resolve_gemm_dtype(name: str, gguf: bool = False) -> torch.dtype:
 def set_tile_dtype(dtype: torch.dtype) -> None:
     """The dtype the products run in, for this process (set as an engine is built). int8: the 4-
     and 8-bit matrices' products in int8, every other product in bf16 where the CPU has it."""
-    global _tile_dtype, _int8
+    global _tile_dtype, _int8, _int8_max_rows
     _int8 = dtype == torch.int8
     _tile_dtype = (torch.bfloat16 if native_bf16() else torch.float32) if _int8 else dtype
+    _int8_max_rows = INT8_MAX_ROWS_AMX if _int8 and native_amx() else None
     if _tile_dtype != torch.float32 or _int8 or native_gemv.library.cache_info().currsize:  # (float32: load it only if loaded)
         native_gemv.set_bf16(_tile_dtype == torch.bfloat16)
-        native_gemv.set_int8(_int8)
+        native_gemv.set_int8(_int8, max_tokens=_int8_max_rows)
 
 
 def tile_dtype() -> torch.dtype:
@@ -101,9 +108,10 @@ def gemm_dtype() -> torch.dtype:
     return torch.int8 if _int8 else _tile_dtype
 
 
-def int8_products() -> bool:
-    """Whether 4- and 8-bit matrices multiply in int8 (the compiled kernel, at any token count)."""
-    return _int8
+def int8_products(rows: int | None = None) -> bool:
+    """Whether 4- and 8-bit matrices multiply in int8 (the compiled kernel): at some row count
+    (rows None), or at `rows` (where the CPU has AMX, up to INT8_MAX_ROWS_AMX; past it bf16 tiles)."""
+    return _int8 and (rows is None or _int8_max_rows is None or rows <= _int8_max_rows)
 
 
 def matmul_by_tiles(x: torch.Tensor, rows: int, fill_tile: Callable[[int, int, np.ndarray], None],

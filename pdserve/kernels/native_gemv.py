@@ -192,14 +192,16 @@ def set_bf16(on: bool) -> None:
         lib.pd_set_bf16(int(on))
 
 
-def set_int8(on: bool, min_tokens: int | None = None) -> None:
-    """From min_tokens tokens (the library's default where None), 4- and 8-bit layouts' products
-    in int8 with VNNI (native_gemv_int8.c), for this process (dequant_tiles.set_tile_dtype)."""
+def set_int8(on: bool, min_tokens: int | None = None, max_tokens: int | None = None) -> None:
+    """From min_tokens tokens (the library's default where None) up to max_tokens (None: no
+    limit), 4- and 8-bit layouts' products in int8 with VNNI (native_gemv_int8.c), for this
+    process (dequant_tiles.set_tile_dtype)."""
     lib = library()
     if lib is not None:
         lib.pd_set_int8(int(on))
         if min_tokens is not None:
             ctypes.c_int.in_dll(lib, "pd_int8_min_tokens").value = min_tokens
+        ctypes.c_int.in_dll(lib, "pd_int8_max_tokens").value = max_tokens if max_tokens is not None else 1 << 30
 
 
 def panels_built() -> bool:

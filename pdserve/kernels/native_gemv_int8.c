@@ -40,6 +40,9 @@ void pd_set_int8(int on) { int8_many = on; }
  * or from 2 read from its pack (nothing to transpose: 0.81-0.93 against 0.82-1.03 ms at one token,
  * 0.61-1.11 against 1.36-1.78 at 2, 1.26-1.38 against 2.25-2.27 at 4; a Zen 4 VM, 2026-12-04) */
 int pd_int8_min_tokens = 1;
+/* Up to here int8 (dequant_tiles.set_tile_dtype): on a CPU with AMX, past it bf16 tiles run a
+ * matrix faster than vpdpbusd (native_gemv_amx.c; dequant_tiles.INT8_MAX_ROWS_AMX) */
+int pd_int8_max_tokens = 1 << 30;
 #define I8_MIN_TOKENS_8BIT 8
 #define I8_MIN_TOKENS_8BIT_PACKED 2
 
@@ -324,7 +327,8 @@ static void products(const float *x, int tokens, int cols, const uint8_t *q, int
 int pd_gemv_int8(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
                  const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out, int threads) {
     int eight_from = pack ? I8_MIN_TOKENS_8BIT_PACKED : I8_MIN_TOKENS_8BIT;
-    if (!int8_many || tokens < (bits == 8 ? eight_from : pd_int8_min_tokens) || !int8_takes(cols, bits, half, group))
+    if (!int8_many || tokens < (bits == 8 ? eight_from : pd_int8_min_tokens) || tokens > pd_int8_max_tokens ||
+        !int8_takes(cols, bits, half, group))
         return 0;
     long per_block = (long)tokens * (cols / 32);
     x_side xq = {malloc((size_t)tokens * cols), malloc(sizeof(float) * per_block), malloc(sizeof(float) * per_block),

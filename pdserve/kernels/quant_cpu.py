@@ -137,17 +137,17 @@ def quant_matmul(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tens
 def packed_matmul(x: torch.Tensor, m: PackedMatrix) -> torch.Tensor:
     """quant_matmul over a PackedMatrix."""
     x = x.float().contiguous()
-    if m.native is not None and (x.shape[0] <= native_gemv.max_tokens() or int8_native(m)):  # the compiled kernel
+    if m.native is not None and (x.shape[0] <= native_gemv.max_tokens() or int8_native(m, x.shape[0])):  # compiled
         out = torch.empty(x.shape[0], m.q.shape[0])
         if native_gemv.run(x.data_ptr(), x.shape[0], x.shape[1], m.native, out.data_ptr()):
             return out
     return _tiled(x, m) if x.shape[0] > QUANT_GEMV_MAX_TOKENS else _gemv(x, m)
 
 
-def int8_native(m: PackedMatrix) -> bool:
-    """Whether the compiled kernel takes m's products at every token count: int8 products of 4-
-    and 8-bit codes in groups of 32 (dequant_tiles.int8_products), faster than bf16 tiles."""
-    return dequant_tiles.int8_products() and m.bits in (4, 8) and m.group % 32 == 0
+def int8_native(m: PackedMatrix, rows: int) -> bool:
+    """Whether the compiled kernel takes m's products of `rows` tokens at any count: int8 products
+    of 4- and 8-bit codes in groups of 32 (dequant_tiles.int8_products), faster than bf16 tiles."""
+    return dequant_tiles.int8_products(rows) and m.bits in (4, 8) and m.group % 32 == 0
 
 
 def gemv(x: torch.Tensor, bits: int, q: torch.Tensor, scales: torch.Tensor,

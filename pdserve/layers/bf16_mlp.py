@@ -41,8 +41,10 @@ def gate_up_silu_down(gate_up: LinearBase, down: LinearBase, x: torch.Tensor) ->
 
 
 def _applies(gate_up: LinearBase, down: LinearBase, x: torch.Tensor) -> bool:
-    # (under int8 products the layers' own path takes 4- and 8-bit matrices through the int8 kernel)
-    return (dequant_tiles.tile_dtype() == torch.bfloat16 and not dequant_tiles.int8_products() and x.device.type == "cpu" and x.dtype == torch.float32
+    # (where int8 products take these rows, the layers' own path takes 4- and 8-bit matrices
+    # through the int8 kernel)
+    return (dequant_tiles.tile_dtype() == torch.bfloat16 and not dequant_tiles.int8_products(x.shape[0])
+            and x.device.type == "cpu" and x.dtype == torch.float32
             and x.dim() == 2 and x.shape[0] >= MIN_ROWS and x.is_contiguous()
             and all(isinstance(layer.quant_method, GroupedLinearMethod) and layer.lora is None
                     and layer.bias is None and layer.tp.size == 1 for layer in (gate_up, down)))
