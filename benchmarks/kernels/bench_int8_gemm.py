@@ -1,6 +1,8 @@
 """The compiled kernel's products by setting (pdserve/kernels/native_gemv*.c): float32, bf16 and
-int8 (native_gemv_int8.c), beside torch's bf16 matmul (oneDNN) over weights dequantized once, on
-SmolLM2-135M's four Q4_1 layer matrices (qkv, o, gate_up, down), from one token to a prefill.
+int8 (native_gemv_int8.c; on a CPU with AMX, AMX's bf16 tiles past INT8_MAX_ROWS_AMX rows, and
+`int8-vnni`: VNNI at every row count), beside torch's bf16 matmul
+(oneDNN) over weights dequantized once, on SmolLM2-135M's four Q4_1 layer matrices (qkv, o,
+gate_up, down), from one token to a prefill.
 
     .venv/bin/python -m benchmarks.kernels.bench_int8_gemm [--tokens 1,2,8,16,32,128,512,2048] \
         [--threads 1] [--repeats 5]
@@ -57,7 +59,17 @@ def _settings() -> list[str]:
     names = ["float32"]
     names += ["bfloat16"] if dequant_tiles.native_bf16() else []
     names += ["int8"] if dequant_tiles.native_int8() else []
+    names += ["int8-vnni"] if dequant_tiles.native_int8() and dequant_tiles.native_amx() else []
     return names
+
+
+def _set(name: str) -> None:
+    """The products of setting `name` for this process (int8-vnni: int8 without AMX's tiles)."""
+    crossover = dequant_tiles.INT8_MAX_ROWS_AMX
+    if name == "int8-vnni":
+        dequant_tiles.INT8_MAX_ROWS_AMX = None
+    dequant_tiles.set_tile_dtype(getattr(torch, name.removesuffix("-vnni")))
+    dequant_tiles.INT8_MAX_ROWS_AMX = crossover
 
 
 def main() -> None:
@@ -82,7 +94,7 @@ def main() -> None:
         runs: dict[str, list[float]] = {name: [] for name in [*settings, "oneDNN"]}
         for _ in range(args.repeats):
             for name in settings:
-                dequant_tiles.set_tile_dtype(getattr(torch, name))
+                _set(name)
                 runs[name].append(_time(lambda: _compiled(matrices, xs, outs, tokens), calls))
             if tokens >= 16:
                 runs["oneDNN"].append(_time(lambda: _onednn(matrices, xs), calls))

@@ -31,8 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) ->
                         f"start, shared by the nodes `pdserve up` runs, at least {KV_POOL_FLOOR_GB} and at most "
                         f"{KV_POOL_CAP_GB:.0f} GB a node)")
     p.add_argument("--kv-cache-prefault", action=argparse.BooleanOptionalAction, default=None,
-                   help="write the KV pool's pages at start, as vLLM allocates its cache, so no step pays a "
-                        "first write into fresh memory (CPU); default: on where --kv-cache-memory-gb or "
+                   help="write the KV pool's pages at start, as vLLM allocates its cache, instead of a chunk ahead "
+                        "of the blocks handed out (CPU); default: on where --kv-cache-memory-gb or "
                         "--num-kv-blocks gives the pool's size, off for the default pool")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (prefill chunks)")
     p.add_argument("--max-num-seqs", type=int, default=128, help="requests in one running batch")
@@ -40,10 +40,11 @@ def add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) ->
                    help="many-row products on CPU (prefill, large batches): float32 (exact against a float32 "
                         "reference) or bfloat16 (CPUs with AMX or AVX-512 BF16: several times faster prefill and "
                         "large batches; greedy text may differ where two tokens nearly tie); auto: int8 for a "
-                        "GGUF where the CPU has AVX-512 VNNI and no AMX, else bfloat16 where the CPU has it, else float32 "
+                        "GGUF where the CPU has AVX-512 VNNI, else bfloat16 where the CPU has it, else float32 "
                         "($PDSERVE_CPU_GEMM_DTYPE, where set, decides); int8: "
                         "4- and 8-bit weights (GGUF Q4_0/Q4_1/Q8_0) multiply int8-quantized activations with "
-                        "AVX-512 VNNI at any row count, as llama.cpp does, the rest bfloat16")
+                        "AVX-512 VNNI, as llama.cpp does, at any row count (up to 40 on CPUs with AMX, whose "
+                        "bf16 tiles are faster past them), the rest bfloat16")
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "numba", "triton"],
                    help="attention kernels; auto: numba on CPU, triton on CUDA")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
