@@ -12,14 +12,14 @@ hypervisor backing it, inside the step, one fault per page. Three ways the pool 
 
 On the 2-core Xeon VM (AMX), an offline prefill of 128 x 160 tokens into fresh blocks of a 4 GiB
 pool took 9.7-10.6 s written on first use in huge pages (the kernel compacting memory for them),
-8.2-9.4 s in 4 KiB pages, 6.9-8.3 s with the pool written at start: populating costs 0.35 s a GiB
-in 4 KiB pages, where first writes inside the step cost several times that.
+8.2-9.4 s in 4 KiB pages, 7.4-7.9 s written ahead, 6.6-8.3 s with the pool written at start:
+populating costs 0.35 s a GiB in 4 KiB pages, where first writes inside the step cost several
+times that.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import logging
 import math
 import mmap
@@ -89,8 +89,7 @@ class WriteAhead:
         end = (block_id + 1) * self.block_bytes
         if end <= self.written or self._madvise is None:
             return
-        target = min(self.total, max(end, self.written + self.chunk))
-        target = min(self.total, -(-target // PAGE) * PAGE)
+        target = min(self.total, -(-max(end, self.written + self.chunk) // PAGE) * PAGE)
         if self._madvise(ctypes.c_void_p(self.base + self.written), ctypes.c_size_t(target - self.written),
                          MADV_POPULATE_WRITE) != 0:
             self._madvise = None  # an older kernel (EINVAL): first writes fault as they come
@@ -99,12 +98,12 @@ class WriteAhead:
 
 
 def _libc_madvise():
-    """libc's madvise through ctypes (it releases the GIL while the kernel writes); None where
-    libc cannot be found."""
-    name = ctypes.util.find_library("c")
-    if name is None:
+    """libc's madvise through ctypes (it releases the GIL while the kernel writes), from the
+    symbols this process has loaded (ctypes.util.find_library would run ldconfig: 76 ms an engine
+    build); None where there is none."""
+    madvise = getattr(ctypes.CDLL(None, use_errno=True), "madvise", None)
+    if madvise is None:
         return None
-    madvise = ctypes.CDLL(name, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
     return madvise
