@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from pdserve.cache_dir import cache_root
+from pdserve.kernels import host_memory
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +255,10 @@ def int8_pack(matrix: tuple, cols: int) -> np.ndarray | None:
     pack = raw[-raw.ctypes.data % 64:][:nbytes]  # (a view: it keeps raw alive)
     rc = lib.pd_int8_pack(q, rows, cols, bits, scales, mins, half, has_min, group, pack.ctypes.data,
                           numba.get_num_threads())
-    return pack if rc == 0 else None
+    if rc != 0:
+        return None
+    host_memory.collapse_later([(pack.ctypes.data, pack.ctypes.data + nbytes)])  # read whole by every decode step
+    return pack
 
 
 def with_int8_pack(matrix: tuple, pack: np.ndarray | None) -> tuple:

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.kernels.fp8_kv import is_kv_scale
+from pdserve.kernels.host_memory import weights_in_huge_pages
 from pdserve.layers.loading import load_param, materialize, process_weights_after_loading
 from pdserve.layers.quant import fp8_block, gptq_awq
 from pdserve.layers.quant.base import quantization_dict
@@ -152,7 +153,14 @@ def safetensors_files(path: Path) -> list[Path]:
 
 def load_model(path: Path, config, dtype: torch.dtype, device: torch.device, vision_tower: bool = True) -> LlamaModel:
     """vision_tower False: a vision-language model's language model only (a TP worker, which
-    takes its embeddings from rank 0)."""
+    takes its embeddings from rank 0). On CPU the weights end in huge pages (host_memory)."""
+    model = _build_and_load(path, config, dtype, device, vision_tower)
+    if device.type == "cpu":
+        weights_in_huge_pages([*model.parameters(), *model.buffers()])
+    return model
+
+
+def _build_and_load(path: Path, config, dtype: torch.dtype, device: torch.device, vision_tower: bool):
     if config.architectures[0] in FAMILY_MODULES:
         # A GGUF checkpoint is handed over as its view's marker file, which checkpoint_tensors reads.
         files = [path / VIEW_MARKER] if is_gguf_view(path) else safetensors_files(path)
