@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from pdserve.kernels.host_memory import libc_madvise
+
 log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14; Python's mmap module names it from 3.13 on
@@ -83,7 +85,7 @@ class WriteAhead:
         # (a small pool, a test's, is written a sixteenth at a time, not whole at its first block)
         self.chunk = max(PAGE, min(chunk_bytes, self.total // 16) // PAGE * PAGE)
         self.written = 0  # bytes from the start, a multiple of PAGE (or the whole pool)
-        self._madvise = _libc_madvise()
+        self._madvise = libc_madvise()
 
     def __call__(self, block_id: int) -> None:
         end = (block_id + 1) * self.block_bytes
@@ -96,14 +98,3 @@ class WriteAhead:
             return
         self.written = target
 
-
-def _libc_madvise():
-    """libc's madvise through ctypes (it releases the GIL while the kernel writes), from the
-    symbols this process has loaded (ctypes.util.find_library would run ldconfig: 76 ms an engine
-    build); None where there is none."""
-    madvise = getattr(ctypes.CDLL(None, use_errno=True), "madvise", None)
-    if madvise is None:
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise

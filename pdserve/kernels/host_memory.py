@@ -74,7 +74,7 @@ def collapse_spans(spans: Iterable[tuple[int, int]]) -> int:
     bytes, a TLB entry per 2 MiB), its edges rounded out to whole huge pages (the neighbours'
     bytes there move with it, unchanged). Returns the bytes collapsed; 0 where the kernel (before
     6.1) or libc does not offer it."""
-    madvise = _madvise()
+    madvise = libc_madvise()
     done = 0
     for lo, hi in spans if madvise is not None else ():
         lo, hi = lo // HUGE_PAGE * HUGE_PAGE, -(-hi // HUGE_PAGE) * HUGE_PAGE
@@ -85,8 +85,10 @@ def collapse_spans(spans: Iterable[tuple[int, int]]) -> int:
 
 
 @functools.cache
-def _madvise():
-    """libc's madvise from the process's own symbols (find_library would run ldconfig), or None"""
+def libc_madvise():
+    """libc's madvise through ctypes (it releases the GIL while the kernel works), from the symbols
+    this process has loaded (ctypes.util.find_library would run ldconfig: 76 ms an engine build);
+    None where there is none. The KV pool's WriteAhead (assembly/pool_pages) takes it too."""
     madvise = getattr(ctypes.CDLL(None, use_errno=True), "madvise", None)
     if madvise is not None:
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
