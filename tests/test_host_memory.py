@@ -9,6 +9,7 @@ import platform
 import numpy as np
 import pytest
 import torch
+from smaps import mapping_bytes
 
 from pdserve import LLM
 from pdserve.kernels import dequant_tiles, host_memory, native_gemv
@@ -18,17 +19,7 @@ needs_collapse = pytest.mark.skipif(KERNEL < (6, 1), reason="MADV_COLLAPSE is Li
 
 
 def huge_bytes(address: int) -> int:
-    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping holds {address:#x}")
+    return mapping_bytes(address, "AnonHugePages")
 
 
 @needs_collapse

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from smaps import mapping_bytes
 
 from pdserve import LLM, SamplingParams
 from pdserve.assembly.pool_pages import WriteAhead, zeroed_pool
@@ -39,17 +40,7 @@ def test_up_forwards_the_choice_to_its_nodes():
 
 
 def resident_bytes(address: int) -> int:
-    """Rss of the mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping holds {address:#x}")
+    return mapping_bytes(address, "Rss")
 
 
 def test_a_prefaulted_pool_is_resident_and_serves_the_same_tokens():
