@@ -101,6 +101,33 @@ def test_int8_rows_equal_a_float64_evaluation_of_the_same_arithmetic(gemm_dtype,
 
 
 @needs_int8
+@pytest.mark.skipif("amx_int8" not in dequant_tiles._cpu_flags(), reason="no AMX int8 tiles on this CPU")
+@pytest.mark.parametrize("bits, has_min, half, group, cols", [
+    (4, True, True, 32, 576), (8, False, True, 32, 576), (4, True, False, 64, 320), (8, True, False, 32, 320)])
+@pytest.mark.parametrize("tokens", [16, 17, 40, 200])
+def test_amx_int8_tiles_give_vnnis_products_bit_for_bit(gemm_dtype, bits, has_min, half, group, cols, tokens):
+    """A pack's products on AMX's int8 tiles (native_gemv_int8_amx.c) equal VNNI's bit for bit:
+    token counts past a 16-token tile and the 192-token sweeps, blocks past a multiple of four
+    (18 and 10 blocks of 32 columns), rows past a task's 16, both scale widths, 4- and 8-bit codes;
+    and the tiles ran (their call count moved) where VNNI's run did not move it."""
+    rng = np.random.default_rng(bits * 1000 + tokens)
+    matrix, *_ = _matrix(rng, bits, 37, cols, group, has_min, half)
+    x = rng.standard_normal((tokens, cols)).astype(np.float32)
+    gemm_dtype(torch.int8)
+    before = native_gemv.set_int8_amx_min_tokens(1 << 30)
+    try:
+        calls = native_gemv.int8_amx_calls()
+        vnni = _run_packed(x, matrix, bits, has_min, group)
+        assert native_gemv.int8_amx_calls() == calls
+        native_gemv.set_int8_amx_min_tokens(1)
+        tiles = _run_packed(x, matrix, bits, has_min, group)
+        assert native_gemv.int8_amx_calls() > calls
+    finally:
+        native_gemv.set_int8_amx_min_tokens(before)
+    assert np.array_equal(tiles, vnni)
+
+
+@needs_int8
 @pytest.mark.parametrize("bits, half", [(4, True), (8, False)])
 def test_a_layers_int8_pack_gives_the_per_call_values_bit_for_bit(gemm_dtype, bits, half):
     """A layer's PackedMatrix holds its matrix's int8 pack under int8 products only, and products

@@ -1,6 +1,7 @@
 """The compiled kernel's products by setting (pdserve/kernels/native_gemv*.c): float32, bf16 and
-int8 (native_gemv_int8.c; on a CPU with AMX, AMX's bf16 tiles past INT8_MAX_ROWS_AMX rows, and
-`int8-vnni`: VNNI at every row count), beside torch's bf16 matmul
+int8 (native_gemv_int8.c; on a CPU with AMX, AMX's int8 tiles from native_gemv_int8_amx.c's
+pd_int8_amx_min_tokens and bf16 tiles past INT8_MAX_ROWS_AMX rows, and `int8-vnni`: VNNI at every
+row count), the int8 products read from each matrix's int8 pack as a layer's are, beside torch's bf16 matmul
 (oneDNN) over weights dequantized once, on SmolLM2-135M's four Q4_1 layer matrices (qkv, o,
 gate_up, down), from one token to a prefill.
 
@@ -33,17 +34,19 @@ def _matrices(rng) -> list[tuple[tuple, int, int, torch.Tensor]]:
         scales = (rng.random((rows, cols // 32), dtype=np.float32) * 0.02).astype(np.float16).view(np.uint16)
         mins = (-rng.random((rows, cols // 32), dtype=np.float32) * 0.01).astype(np.float16).view(np.uint16)
         dense = torch.randn(rows, cols).bfloat16()  # oneDNN's operand (its values do not change its speed)
-        out.append((native_gemv.matrix_args(4, q, scales, mins, True, 32), rows, cols, dense))
+        args = native_gemv.matrix_args(4, q, scales, mins, True, 32)
+        pack = native_gemv.int8_pack(args, cols)  # as a layer's PackedMatrix holds it under int8
+        out.append((native_gemv.with_int8_pack(args, pack), rows, cols, dense, pack))
     return out
 
 
 def _compiled(matrices, xs, outs, tokens: int) -> None:
-    for (matrix, _, cols, _), x, out in zip(matrices, xs, outs):
+    for (matrix, _, cols, *_), x, out in zip(matrices, xs, outs):
         assert native_gemv.run(x.ctypes.data, tokens, cols, matrix, out.ctypes.data)
 
 
 def _onednn(matrices, xs) -> None:
-    for (_, _, _, dense), x in zip(matrices, xs):
+    for (_, _, _, dense, _), x in zip(matrices, xs):
         torch.nn.functional.linear(torch.from_numpy(x).bfloat16(), dense).float()
 
 
@@ -63,13 +66,17 @@ def _settings() -> list[str]:
     return names
 
 
+AMX_INT8_FROM = native_gemv.set_int8_amx_min_tokens(None)  # the library's own
+
+
 def _set(name: str) -> None:
     """The products of setting `name` for this process (int8-vnni: int8 without AMX's tiles)."""
-    crossover = dequant_tiles.INT8_MAX_ROWS_AMX
-    if name == "int8-vnni":
+    crossover, vnni = dequant_tiles.INT8_MAX_ROWS_AMX, name == "int8-vnni"
+    if vnni:
         dequant_tiles.INT8_MAX_ROWS_AMX = None
     dequant_tiles.set_tile_dtype(getattr(torch, name.removesuffix("-vnni")))
     dequant_tiles.INT8_MAX_ROWS_AMX = crossover
+    native_gemv.set_int8_amx_min_tokens(1 << 30 if vnni else AMX_INT8_FROM)
 
 
 def main() -> None:
@@ -88,8 +95,8 @@ def main() -> None:
     print(f"| tokens | {' | '.join(settings)} | oneDNN bf16 | int8 GOP/s | int8 speed-up |")
     print("|---:|" + "---:|" * (len(settings) + 3))
     for tokens in args.tokens:
-        xs = [rng.standard_normal((tokens, cols), dtype=np.float32) for _, _, cols, _ in matrices]
-        outs = [np.empty((tokens, rows), np.float32) for _, rows, _, _ in matrices]
+        xs = [rng.standard_normal((tokens, cols), dtype=np.float32) for _, _, cols, *_ in matrices]
+        outs = [np.empty((tokens, rows), np.float32) for _, rows, *_ in matrices]
         calls = max(1, 2000 // tokens)
         runs: dict[str, list[float]] = {name: [] for name in [*settings, "oneDNN"]}
         for _ in range(args.repeats):

@@ -49,10 +49,10 @@ log = logging.getLogger(__name__)
 # latent attention layers) are built into the same library: they call pd_gemv. Their header is hashed with them.
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "native_gemv.c", "native_decode.c", "native_attend.c", "native_lora.c", "native_moe.c", "native_mla.c", "native_tiles.c",
-    "native_gemv_bf16.c", "native_gemv_amx.c", "native_gemv_int8.c", "native_gemv_panels.c", "native_prefill.c",
+    "native_gemv_bf16.c", "native_gemv_amx.c", "native_gemv_int8.c", "native_gemv_int8_amx.c", "native_gemv_panels.c", "native_prefill.c",
     "native_paged.c", "native_rows.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_decode.h", "native_quant_blocks.h", "native_exp.h",
-                                                            "native_bf16.h", "native_simd.h"))
+                                                            "native_bf16.h", "native_simd.h", "native_int8.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # PDSERVE_NATIVE_ISA=avx2 builds the AVX2 code on an AVX-512 CPU too (native_simd.h's pairs of
 # 256-bit registers), so that path is tested on any machine (tests/test_native_avx2.py)
@@ -225,6 +225,24 @@ def set_panels_min_tokens(tokens: int) -> int:
     setting = ctypes.c_int.in_dll(lib, "pd_panels_min_tokens")
     before, setting.value = setting.value, tokens
     return before
+
+
+def set_int8_amx_min_tokens(tokens: int | None) -> int:
+    """From how many tokens the int8 products read from a pack run on AMX's int8 tiles
+    (native_gemv_int8_amx.c; the same values as VNNI's; None: unchanged); returns the value it had."""
+    lib = library()
+    if lib is None:
+        return 0
+    setting = ctypes.c_int.in_dll(lib, "pd_int8_amx_min_tokens")
+    before = setting.value
+    setting.value = before if tokens is None else tokens
+    return before
+
+
+def int8_amx_calls() -> int:
+    """How many times a thread's int8 products have taken AMX's int8 tiles in this process."""
+    lib = library()
+    return 0 if lib is None else ctypes.c_long.in_dll(lib, "pd_int8_amx_calls").value
 
 
 def matrix_args(bits: int, q: np.ndarray, scales: np.ndarray, mins: np.ndarray, has_min: bool,

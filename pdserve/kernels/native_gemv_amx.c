@@ -36,6 +36,8 @@ void pd_amx_request(void) {
     if (!amx_granted) amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
+int pd_amx_granted(void) { return amx_granted; }
+
 /* palette 1; tiles 0-3: C (16 x 16 float32), 4-5: A, 6-7: B (16 rows of 64 bytes each) */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -145,6 +147,8 @@ int pd_gemv_amx(const float *x, int tokens, int cols, const uint8_t *q, int nrow
 }
 #else
 void pd_amx_request(void) {}
+
+int pd_amx_granted(void) { return 0; }
 
 int pd_gemv_amx(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
                 const void *mins, int half, int has_min, int group, float *out, int threads) {

@@ -24,7 +24,9 @@
 #include "native_simd.h"
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
+#include "native_int8.h"
 #include "native_quant_blocks.h"
 
 #define I8_TOKENS 8    /* tokens a pass holds: 8 int and 8 float sums of 16 rows */
@@ -32,7 +34,10 @@
 
 static int int8_many = 0;
 
-void pd_set_int8(int on) { int8_many = on; }
+void pd_set_int8(int on) {
+    int8_many = on;
+    if (on) pd_amx_request(); /* AMX's int8 tiles, where the CPU has them */
+}
 
 /* From here int8: 4-bit codes from one token (SmolLM2's four layer matrices, one Zen 4 core: 0.28
  * ms against float32's 0.41); 8-bit codes, twice the bytes to transpose, from 8 (its Q8_0 LM head
@@ -47,38 +52,6 @@ int pd_int8_max_tokens = 1 << 30;
 #define I8_MIN_TOKENS_8BIT_PACKED 2
 
 #ifdef __AVX512VNNI__
-/* x's side of the products, by token: codes [tokens][cols] (signed bytes); dx, xs (the sum of the
- * block's rounded values, dx * sum(c)) and xc (-128 * sum(c), for 8-bit weights) [tokens][blocks] */
-typedef struct {
-    int8_t *codes;
-    float *dx, *xs;
-    int32_t *xc;
-    int blocks;
-} x_side;
-
-/* token t's codes, scales and sums (Q8_0's rule) */
-static void quantize_token(const float *x, int cols, int t, const x_side *xq) {
-    for (int blk = 0; blk < xq->blocks; blk++) {
-        const float *row = x + (long)t * cols + blk * 32;
-        long at = (long)t * xq->blocks + blk;
-        __m512 a = _mm512_loadu_ps(row), b = _mm512_loadu_ps(row + 16);
-        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
-        _mm_storeu_si128((__m128i *)(xq->codes + (long)t * cols + blk * 32), _mm512_cvtepi32_epi8(qa));
-        _mm_storeu_si128((__m128i *)(xq->codes + (long)t * cols + blk * 32 + 16), _mm512_cvtepi32_epi8(qb));
-        int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-        xq->dx[at] = amax / 127.f;
-        xq->xs[at] = xq->dx[at] * (float)sum;
-        xq->xc[at] = -128 * sum;
-    }
-}
-
-/* Lane i of a task's vectors holds row 4 (i % 4) + i / 4 of its 16: the order a 4 x 4 transpose
- * of dwords leaves them in (transpose16x4). The order is its own inverse: un-permuting the sums
- * uses the same indices. */
-static inline __m512i lane_rows(void) { return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15); }
-
 /* 4 vectors of 4 rows each (128-bit lane l of a[k]: row 4k + l's 16 bytes) as 4 vectors of dwords:
  * vector p lane i = dword p of row 4 (i % 4) + i / 4 */
 static inline void transpose16x4(const __m512i a[4], __m512i v[4]) {
@@ -86,32 +59,6 @@ static inline void transpose16x4(const __m512i a[4], __m512i v[4]) {
     __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
     v[0] = _mm512_unpacklo_epi64(t0, t2), v[1] = _mm512_unpackhi_epi64(t0, t2);
     v[2] = _mm512_unpacklo_epi64(t1, t3), v[3] = _mm512_unpackhi_epi64(t1, t3);
-}
-
-/* A matrix's int8 pack (pd_int8_pack): for each task of 16 rows, its codes in those vectors, a
- * 4-bit block's nibbles not yet split (4 vectors a block; 8-bit codes: 8, offset by 128), then
- * its blocks' scales and mins in lane order, in the checkpoint's float16 or float32 (so a decode
- * step reads as many bytes as before); each task 64-byte aligned. Made once per matrix: every
- * call had gathered the 16 rows' blocks and transposed them and their scales, once per 192 tokens
- * (perf, a 32-request decode step of SmolLM2: a third of the int8 products' time). */
-typedef struct {
-    long task_bytes, code_bytes, scale_bytes; /* scale_bytes: a task's scales (and as many mins) */
-    int half, has_min;
-} int8_pack;
-
-static int8_pack pack_layout(int cols, int bits, int half, int has_min) {
-    int blocks = cols / 32;
-    long code_bytes = (long)blocks * (bits == 8 ? 8 : 4) * 64, scale_bytes = (long)blocks * 16 * (half ? 2 : 4);
-    long bytes = code_bytes + scale_bytes * (has_min ? 2 : 1);
-    int8_pack p = {(bytes + 63) / 64 * 64, code_bytes, scale_bytes, half, has_min};
-    return p;
-}
-
-/* 16 lane-ordered scales (or mins) of block blk of a task, as float32 */
-static inline __m512 pack_scales16(const int8_pack *p, const uint8_t *task, int mins, int blk) {
-    const uint8_t *at = task + p->code_bytes + (mins ? p->scale_bytes : 0);
-    return p->half ? _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)at + blk))
-                   : _mm512_load_ps((const float *)at + 16 * blk);
 }
 
 /* the 16 rows' bytes gathered four rows to a vector (quads[(blk * halves + h) * 4 + k], rows
@@ -298,7 +245,8 @@ int pd_int8_pack(const uint8_t *q, int nrows, int cols, int bits, const void *sc
 }
 
 /* x's codes (quantize_token) then each task's tokens, I8_CHUNK tokens a sweep over the tasks: from
- * the matrix's pack where the caller has one, else each task packed here first (float32 scales) */
+ * the matrix's pack where the caller has one, else each task packed here first (float32 scales);
+ * a pack's tasks on AMX's int8 tiles from pd_int8_amx_min_tokens tokens (the same bits) */
 static void products(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
                      const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out,
                      const x_side *xq, int *failed) {
@@ -310,7 +258,9 @@ static void products(const float *x, int tokens, int cols, const uint8_t *q, int
     __m512i *quads = pack ? NULL : aligned_alloc(64, sizeof(__m512i) * 8 * blocks);
     float *d = pack ? NULL : malloc(sizeof(float) * 16 * blocks);
     int ready = pack || (own && zeros && quads && d);
+    uint8_t *staging = pack && pd_int8_amx_takes(tokens) ? aligned_alloc(64, 512 * (size_t)blocks) : NULL;
     if (!ready) *failed = 1; /* a thread without its buffers still meets every barrier below, doing no task */
+    if (staging) pd_int8_amx_configure();
     for (int c0 = 0; c0 < tokens; c0 += I8_CHUNK) {
         int c1 = c0 + I8_CHUNK < tokens ? c0 + I8_CHUNK : tokens;
 #pragma omp for schedule(static)
@@ -318,10 +268,12 @@ static void products(const float *x, int tokens, int cols, const uint8_t *q, int
             if (!ready) continue;
             const uint8_t *task = pack ? pack + (long)t * p.task_bytes : own;
             if (!pack) pack_task(cols, q, bits, scales, mins, half, has_min, group, 16 * t, nrows, zeros, quads, d, &p, own);
-            task_tokens(&p, task, xq, cols, bits == 8, c0, c1, out, nrows, 16 * t);
+            if (staging) pd_int8_amx_task(&p, task, xq, cols, bits == 8, c0, c1, out, nrows, 16 * t, staging);
+            else task_tokens(&p, task, xq, cols, bits == 8, c0, c1, out, nrows, 16 * t);
         }
     }
-    free(own), free(zeros), free(quads), free(d);
+    if (staging) pd_int8_amx_release();
+    free(own), free(zeros), free(quads), free(d), free(staging);
 }
 
 int pd_gemv_int8(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
@@ -330,10 +282,17 @@ int pd_gemv_int8(const float *x, int tokens, int cols, const uint8_t *q, int nro
     if (!int8_many || tokens < (bits == 8 ? eight_from : pd_int8_min_tokens) || tokens > pd_int8_max_tokens ||
         !int8_takes(cols, bits, half, group))
         return 0;
-    long per_block = (long)tokens * (cols / 32);
-    x_side xq = {malloc((size_t)tokens * cols), malloc(sizeof(float) * per_block), malloc(sizeof(float) * per_block),
+    /* rows past the tokens, to a multiple of 16, zero: AMX's A tiles take 16 tokens' codes */
+    int padded = (tokens + 15) / 16 * 16;
+    long per_block = (long)padded * (cols / 32), past = (long)(padded - tokens) * (cols / 32);
+    x_side xq = {malloc((size_t)padded * cols), malloc(sizeof(float) * per_block), malloc(sizeof(float) * per_block),
                  malloc(sizeof(int32_t) * per_block), cols / 32};
     int ok = xq.codes && xq.dx && xq.xs && xq.xc, failed = 0;
+    if (ok && past) {
+        memset(xq.codes + (long)tokens * cols, 0, (size_t)(padded - tokens) * cols);
+        memset(xq.dx + per_block - past, 0, sizeof(float) * past), memset(xq.xs + per_block - past, 0, sizeof(float) * past);
+        memset(xq.xc + per_block - past, 0, sizeof(int32_t) * past);
+    }
 #pragma omp parallel num_threads(threads) if (ok) reduction(| : failed)
     if (ok) products(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, pack, out, &xq, &failed);
     free(xq.codes), free(xq.dx), free(xq.xs), free(xq.xc);
