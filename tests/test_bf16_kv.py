@@ -107,3 +107,61 @@ def test_a_prefix_read_back_from_the_bf16_cache_gives_what_computing_it_gave(lla
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     for a, b in zip(warm.outputs[0].logprobs, cold.outputs[0].logprobs):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def _rounded_path(key, value, k_cache, v_cache, slots):
+    """The bf16 cache's store and new-row values as torch computes them (the path before the
+    compiled store): rounded copies, index_put, rounded back."""
+    from pdserve.kernels import torch_ops
+    torch_ops.store_kv(key.to(torch.bfloat16), value.to(torch.bfloat16), k_cache, v_cache, slots)
+    return key.to(torch.bfloat16).float(), value.to(torch.bfloat16).float()
+
+
+@pytest.mark.skipif(native_gemv.library() is None, reason="no compiled kernels here")
+@pytest.mark.parametrize("decode_rows", [0, 3])
+def test_compiled_bf16_store_writes_and_hands_attention_what_torchs_rounding_did(decode_rows, monkeypatch):
+    """NarrowKVOps over a bf16 cache stores a step's keys and values in one compiled pass
+    (native_rows.c's pd_store_kv_bf16) and hands the prefill attention that follows the values
+    it stored, not rounded again: the cache's words, and the prefill's output, equal torch's
+    rounding path bit for bit (denormals and a skipped slot included; decode rows before the
+    prefill's); the compiled pass is what ran (torch's rounding, fp8_kv.quantize, never did)."""
+    from pdserve.kernels import fp8_kv, numba_ops
+    torch.manual_seed(0)
+    prompt, heads, kv_heads, dim, block = 40, 6, 2, 64, 16
+    tokens = decode_rows + prompt
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    qkv[1, heads * dim + 5] = 1e-40  # a denormal key: kept, as torch keeps it
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    slots = torch.randperm(8 * block)[:tokens]
+    slots[0] = -1
+    caches = [torch.zeros(8, 2, 2, block, kv_heads, dim, dtype=torch.bfloat16) for _ in range(2)]
+    ops = fp8_kv.NarrowKVOps(numba_ops, caches[0], [(1.0, 1.0)] * 2)
+    seen_by_attention = []
+    base_prefill = numba_ops.prefill_attention
+
+    class Base:
+        __name__ = numba_ops.__name__
+
+        @staticmethod
+        def prefill_attention(q, k_new, v_new, *rest, **extra):
+            seen_by_attention.append((k_new, v_new))
+            return base_prefill(q, k_new, v_new, *rest, **extra)
+    ops.base = Base
+    cu = torch.tensor([0, prompt], dtype=torch.int32)
+    lens = torch.tensor([prompt], dtype=torch.int32)
+    tables = torch.arange(8, dtype=torch.int32).view(1, 8)
+    kc, vc = caches[0][:, 1, 0], caches[0][:, 1, 1]
+    with monkeypatch.context() as m:
+        m.setattr(fp8_kv, "quantize", lambda *a: pytest.fail("rounded by torch, not by the compiled store"))
+        ops.store_kv(k, v, kc, vc, slots)
+        got = ops.prefill_attention(q[decode_rows:], k[decode_rows:], v[decode_rows:], kc, vc, cu, lens, tables,
+                                    0.125)
+    k_want, v_want = _rounded_path(k, v, caches[1][:, 1, 0], caches[1][:, 1, 1], slots)
+    want = base_prefill(q[decode_rows:], k_want[decode_rows:], v_want[decode_rows:], caches[1][:, 1, 0],
+                        caches[1][:, 1, 1], cu, lens, tables, 0.125)
+    assert torch.equal(caches[0].view(torch.int16), caches[1].view(torch.int16))
+    assert torch.equal(got, want)
+    (k_seen, v_seen), = seen_by_attention
+    assert torch.equal(k_seen, k_want[decode_rows:]) and torch.equal(v_seen, v_want[decode_rows:])

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pdserve.kernels import native_paged, torch_ops
+from pdserve.kernels import native_gemv, native_paged, torch_ops
 
 log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
@@ -114,12 +114,21 @@ class NarrowKVOps:
         # k_views: each layer's K view as the ops get it (a TP rank's starts at its first head).
         k_views = k_views or [kv_cache[:, i, 0] for i in range(kv_cache.shape[1])]
         self._layer_of = {k.data_ptr(): i for i, k in enumerate(k_views)}
+        # the last store_kv's rows and their values as a bf16 cache holds them (store_bf16_rows),
+        # for the prefill_attention that follows it in the same layer
+        self._seen: tuple[torch.Tensor, ...] | None = None
 
     def _scales(self, k_cache: torch.Tensor) -> tuple[float, float]:
         return self.scales[self._layer_of[k_cache.data_ptr()]]
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         ks, vs = self._scales(k_cache)
+        self._seen = None
+        if self.cache_dtype == torch.bfloat16 and (ks, vs) == (1.0, 1.0):
+            seen = store_bf16_rows(key, value, k_cache, v_cache, slot_mapping)
+            if seen is not None:
+                self._seen = (key, value, *seen)
+                return
         # numba's compiled store takes a bf16 cache on CPU (torch's index_put took 1.3 ms a layer
         # for a 2,048-token prefill); FP8, and any cache elsewhere, keep torch's
         store = (self.base.store_kv if self.cache_dtype == torch.bfloat16 and k_cache.device.type == "cpu"
@@ -144,10 +153,23 @@ class NarrowKVOps:
             k, v, tables = _compact_blocks(k_cache, v_cache, block_tables, (ks, vs), q.dtype)
         else:  # no prefix and no window: the base kernel takes every key from k_new / v_new
             k, v, tables = k_cache, v_cache, block_tables
-        k_new = dequantize(quantize(k_new, ks, self.cache_dtype), ks, q.dtype)
-        v_new = dequantize(quantize(v_new, vs, self.cache_dtype), vs, q.dtype)
+        k_new, v_new = self._as_cached(k_new, v_new, (ks, vs), q.dtype)
         return self.base.prefill_attention(q, k_new, v_new, k, v, cu_seqlens_q, context_lens, tables,
                                            scale, **extra)
+
+    def _as_cached(self, k_new: torch.Tensor, v_new: torch.Tensor, scales: tuple[float, float],
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new keys and values as the cache holds them: the values store_kv rounded where these
+        are its rows' tail (a step's prefill rows follow its decode rows), else rounded here."""
+        seen, self._seen = self._seen, None
+        if seen is not None and dtype == torch.float32:
+            key, value, k_seen, v_seen = seen
+            d = key.shape[0] - k_new.shape[0]
+            if all(0 <= d and new.shape == whole[d:].shape and new.stride() == whole.stride()
+                   and new.data_ptr() == whole[d:].data_ptr() for new, whole in ((k_new, key), (v_new, value))):
+                return k_seen[d:], v_seen[d:]
+        return tuple(dequantize(quantize(x, scale, self.cache_dtype), scale, dtype)
+                     for x, scale in zip((k_new, v_new), scales))
 
 
 def narrow_kv_ops(ops, kv_cache: torch.Tensor, model_dtype: torch.dtype, model_path: Path, num_layers: int,
@@ -160,3 +182,25 @@ def narrow_kv_ops(ops, kv_cache: torch.Tensor, model_dtype: torch.dtype, model_p
     if kv_cache.dtype != model_dtype:
         return NarrowKVOps(ops, kv_cache, [(1.0, 1.0)] * num_layers, k_views)
     return ops
+
+
+def store_bf16_rows(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """key, value [T, kv_heads, head_dim] float32 rounded into a bf16 cache's slots in one compiled
+    pass (native_rows.c), and returned as the cache holds them (float32, [T, kv_heads, head_dim]);
+    None where the compiled library or these layouts do not allow it (nothing is written then)."""
+    lib = native_gemv.library()
+    tokens, heads, dim = key.shape if key.dim() == 3 else (0, 0, 0)
+    rows_dense = all(x.dtype == torch.float32 and x.device.type == "cpu" and x.shape == key.shape
+                     and x.stride(2) == 1 and x.stride(1) == dim for x in (key, value))
+    slots_dense = k_cache.dim() == 4 and k_cache.stride()[1:] == (heads * dim, dim, 1) == v_cache.stride()[1:]
+    if (lib is None or not rows_dense or not slots_dense or k_cache.dtype != torch.bfloat16
+            or v_cache.dtype != torch.bfloat16 or k_cache.stride(0) != v_cache.stride(0)
+            or k_cache.shape[2:] != (heads, dim)):
+        return None
+    slots = slot_mapping.to(torch.int64).contiguous()
+    k_seen, v_seen = torch.empty(key.shape), torch.empty(value.shape)
+    lib.pd_store_kv_bf16(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), tokens, heads * dim,
+                         slots.data_ptr(), k_cache.shape[1], k_cache.stride(0), k_cache.data_ptr(),
+                         v_cache.data_ptr(), k_seen.data_ptr(), v_seen.data_ptr(), torch.get_num_threads())
+    return k_seen, v_seen

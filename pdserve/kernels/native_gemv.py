@@ -171,6 +171,9 @@ def library() -> ctypes.CDLL | None:
     lib.pd_silu_mul_rows.restype = None
     lib.pd_silu_mul_bf16.argtypes = [_P, _I, _I, _P, _I]
     lib.pd_silu_mul_bf16.restype = _I
+    lib.pd_store_kv_bf16.argtypes = [_P, ctypes.c_long, _P, ctypes.c_long, _I, _I, _P, _I, ctypes.c_long, _P, _P, _P, _P,
+                                     _I]
+    lib.pd_store_kv_bf16.restype = None
     # native_paged's and native_prefill's kernels, typed here with the rest so that their callers
     # take them from library() each call and follow it when a test switches the library off and on
     lib.pd_paged_attention.argtypes = [_P, ctypes.c_int64, _I, _I, _I, _I, _I, ctypes.c_int64, ctypes.c_int64,
