@@ -306,3 +306,26 @@ def test_a_bf16_hybrid_checkpoint_decodes_on_its_exact_bf16_rows(tmp_path):
         assert ids == want
     floats = [m for m in llm.engine.runner.model.modules() if isinstance(m, FloatLinear)]
     assert floats and all(m.__dict__.get("_bf16_exact", (0, False))[1] for m in floats)
+
+
+@needs_bf16
+@pytest.mark.skipif(not dequant_tiles.avx512_bf16(), reason="the norm's rounding needs AVX-512 BF16")
+def test_bf16_rows_between_norms_and_products_give_the_same_logits(tmp_path, tile_dtype, monkeypatch):
+    """Under bf16 products a many-row step keeps bf16 between its norms and products
+    (layers/bf16_rows.py: the norm rounds its rows, o's and down's results go to the next residual
+    add unwidened): a 300-token prompt's logits equal, bit for bit, those of the same engine with
+    the float32 rows in between; the rounding norm ran (a layer for each of its norms but the last)."""
+    from pdserve.kernels import numba_fused
+    from pdserve.layers import bf16_rows
+    llm = LLM(str(write_gguf(tmp_path / "llama.Q4_1.gguf", "llama", Q.Q4_1)), num_kv_blocks=64,
+              cpu_gemm_dtype="bfloat16", enable_prefix_caching=False)
+    prompt = torch.randint(3, 200, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    calls = []
+    rounding_norm = numba_fused.rms_norm_low
+    monkeypatch.setattr(numba_fused, "rms_norm_low", lambda *a, **k: calls.append(1) or rounding_norm(*a, **k))
+    got = llm.engine.prompt_logits(prompt)
+    layers = len(llm.engine.runner.model.layers)
+    assert len(calls) == 2 * layers
+    monkeypatch.setattr(bf16_rows, "step_takes", lambda *a: False)
+    want = llm.engine.prompt_logits(prompt)
+    assert len(calls) == 2 * layers and torch.equal(got, want)

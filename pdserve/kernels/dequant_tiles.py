@@ -56,6 +56,11 @@ def native_bf16() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & _cpu_flags())
 
 
+def avx512_bf16() -> bool:
+    """Whether this CPU rounds float32 to bf16 in AVX-512 (vcvtne2ps2bf16: the compiled rounding)."""
+    return "avx512_bf16" in _cpu_flags()
+
+
 def native_amx() -> bool:
     """Whether this CPU has AMX's bf16 tiles."""
     return "amx_bf16" in _cpu_flags()

@@ -163,8 +163,8 @@ def library() -> ctypes.CDLL | None:
     lib.pd_round_bf16.restype = _I
     lib.pd_widen_bf16.argtypes = [_P, ctypes.c_long, ctypes.c_long, _P, ctypes.c_long, _I]
     lib.pd_widen_bf16.restype = None
-    lib.pd_norm_rows.argtypes = [_P, _P, _P, _P, ctypes.c_float, _I, _I, _P, _I]
-    lib.pd_norm_rows.restype = None
+    lib.pd_norm_rows.argtypes = [_P, _P, _P, _P, _P, ctypes.c_float, _I, _I, _P, _P, _I]
+    lib.pd_norm_rows.restype = _I
     lib.pd_rope_rows.argtypes = [_P, ctypes.c_long, _I, _P, ctypes.c_long, _I, _I, _P, _P, _I, _I]
     lib.pd_rope_rows.restype = None
     lib.pd_silu_mul_rows.argtypes = [_P, _I, _I, _P, _I]

@@ -11,21 +11,45 @@
 #include "native_decode.h"
 #include "native_exp.h"
 
-/* summed = x + delta (where delta is given; else summed is x), out = w * RMSNorm(summed), per row */
-void pd_norm_rows(const float *x, const float *delta, float *summed, const float *w, float eps, int tokens,
-                  int cols, float *out, int threads) {
+static inline float bf16_widened(uint16_t h);
+
+/* one row: sr = xr + the delta (float32 dr, or bf16 dh widened, exactly; else xr), o = w * RMSNorm(sr) */
+static inline void norm_row(const float *xr, const float *dr, const uint16_t *dh, float *sr, const float *w, float eps,
+                            int cols, float *o) {
+    float ss = 0.f;
+    for (int c = 0; c < cols; c++) {
+        float v = dr ? xr[c] + dr[c] : dh ? xr[c] + bf16_widened(dh[c]) : xr[c];
+        sr[c] = v;
+        ss += v * v;
+    }
+    float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+    for (int c = 0; c < cols; c++) o[c] = w[c] * (sr[c] * inv);
+}
+
+/* summed = x + delta (delta float32, or delta_bf16: a bf16 product's result, widened exactly; else
+ * summed is x), out = w * RMSNorm(summed), per row. out_bf16 instead of out: the normed rows
+ * rounded to bf16 as pd_round_bf16 rounds them, for the bf16 products that take them next
+ * (layers/bf16_rows.py: the rounding pass over them and the float32 rows it read are gone); -1
+ * where that cannot be done here (no AVX-512 BF16, or cols not a multiple of 32). */
+int pd_norm_rows(const float *x, const float *delta, const uint16_t *delta_bf16, float *summed, const float *w,
+                 float eps, int tokens, int cols, float *out, uint16_t *out_bf16, int threads) {
+#ifndef __AVX512BF16__
+    if (out_bf16) return -1;
+#endif
+    if (out_bf16 && cols % 32) return -1;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int t = 0; t < tokens; t++) {
-        const float *xr = x + (long)t * cols;
-        float *sr = summed + (long)t * cols, *o = out + (long)t * cols, ss = 0.f;
-        for (int c = 0; c < cols; c++) {
-            float v = delta ? xr[c] + delta[(long)t * cols + c] : xr[c];
-            sr[c] = v;
-            ss += v * v;
-        }
-        float inv = 1.0f / sqrtf(ss / (float)cols + eps);
-        for (int c = 0; c < cols; c++) o[c] = w[c] * (sr[c] * inv);
+        long at = (long)t * cols;
+        float row[out_bf16 ? cols : 1];
+        float *o = out_bf16 ? row : out + at;
+        norm_row(x + at, delta ? delta + at : NULL, delta_bf16 ? delta_bf16 + at : NULL, summed + at, w, eps, cols, o);
+#ifdef __AVX512BF16__
+        for (int c = 0; out_bf16 && c < cols; c += 32)
+            _mm512_storeu_si512(out_bf16 + at + c,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(o + c + 16), _mm512_loadu_ps(o + c)));
+#endif
     }
+    return 0;
 }
 
 /* RoPE in place on q [tokens, q_heads, dim] and k [tokens, k_heads, dim] (token strides q_stride,

@@ -65,11 +65,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     summed = torch.empty_like(x) if delta is not None else x
     lib = _rows_library(x, weight, *(() if delta is None else (delta,)))
     if lib is not None:
-        lib.pd_norm_rows(x.data_ptr(), None if delta is None else delta.data_ptr(), summed.data_ptr(),
-                         weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+        lib.pd_norm_rows(x.data_ptr(), None if delta is None else delta.data_ptr(), None, summed.data_ptr(),
+                         weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr(), None, torch.get_num_threads())
         return summed, out
     _rms_norm(x.numpy(), (delta if delta is not None else x).numpy(), delta is not None,
               weight.detach().numpy(), np.float32(eps), summed.numpy(), out.numpy())
+    return summed, out
+
+
+def takes_low(x: torch.Tensor) -> bool:
+    """Whether rms_norm_low takes these rows: the many-row ops' (native_rows.c) under bf16
+    products, AVX-512 BF16 for the rounding, rows of a multiple of 32 floats."""
+    return (x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] % 32 == 0 and dequant_tiles.avx512_bf16()
+            and _rows_library(x) is not None)
+
+
+def rms_norm_low(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm's (x + delta, RMSNorm(x + delta)) with the normed rows rounded to bf16 (the bf16
+    products' own rounding of their float32 input: the same words) for rows takes_low takes;
+    delta float32 or bf16 (a bf16 product's result: widened exactly)."""
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    summed = torch.empty_like(x) if delta is not None else x
+    bf16_delta = delta is not None and delta.dtype == torch.bfloat16
+    if delta is not None and not (delta.is_contiguous() and delta.shape == x.shape):
+        raise ValueError("rms_norm_low: delta must be contiguous and shaped as x")
+    rc = native_gemv.library().pd_norm_rows(
+        x.data_ptr(), None if delta is None or bf16_delta else delta.data_ptr(), delta.data_ptr() if bf16_delta else None,
+        summed.data_ptr(), weight.data_ptr(), eps, x.shape[0], x.shape[1], None, out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError("rms_norm_low on rows takes_low does not take")
     return summed, out
 
 

@@ -20,10 +20,12 @@ from pdserve.layers.quant.grouped import GroupedLinearMethod
 MIN_ROWS = native_gemv.MAX_TOKENS + 1  # up to MAX_TOKENS rows the compiled gemv takes each product
 
 
-def gate_up_silu_down(gate_up: LinearBase, down: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
+def gate_up_silu_down(gate_up: LinearBase, down: LinearBase, x: torch.Tensor,
+                      keep_bf16: bool = False) -> torch.Tensor | None:
     """down(SiLU(gate) * up) of x [tokens, hidden] float32, gate_up's rows [gate | up]; None where
-    this path does not apply (the caller runs its layers)."""
-    if not _applies(gate_up, down, x):
+    this path does not apply (the caller runs its layers). keep_bf16 (layers/bf16_rows.py): x may
+    be the norm's rows rounded to bf16 already, and down's result is returned bf16, not widened."""
+    if not _applies(gate_up, down, x, keep_bf16):
         return None
     inter = down.input_size
     gate_up_rows = gate_up.quant_method.packed(gate_up)
@@ -37,14 +39,14 @@ def gate_up_silu_down(gate_up: LinearBase, down: LinearBase, x: torch.Tensor) ->
     if native_gemv.library().pd_silu_mul_bf16(both.data_ptr(), x.shape[0], inter, act.data_ptr(),
                                               torch.get_num_threads()) != 0:
         return None
-    return dequant_tiles.bf16_product(act, down_rows.native, sum(down.output_sizes), keep_bf16=False)
+    return dequant_tiles.bf16_product(act, down_rows.native, sum(down.output_sizes), keep_bf16=keep_bf16)
 
 
-def _applies(gate_up: LinearBase, down: LinearBase, x: torch.Tensor) -> bool:
+def _applies(gate_up: LinearBase, down: LinearBase, x: torch.Tensor, bf16_rows: bool) -> bool:
     # (where int8 products take these rows, the layers' own path takes 4- and 8-bit matrices
     # through the int8 kernel)
     return (dequant_tiles.tile_dtype() == torch.bfloat16 and not dequant_tiles.int8_products(x.shape[0])
-            and x.device.type == "cpu" and x.dtype == torch.float32
+            and x.device.type == "cpu" and (x.dtype == torch.float32 or bf16_rows and x.dtype == torch.bfloat16)
             and x.dim() == 2 and x.shape[0] >= MIN_ROWS and x.is_contiguous()
             and all(isinstance(layer.quant_method, GroupedLinearMethod) and layer.lora is None
                     and layer.bias is None and layer.tp.size == 1 for layer in (gate_up, down)))

@@ -13,6 +13,7 @@ from torch import nn
 
 from pdserve.kernels.native_decode import DecodeLayer, DecodeWeights
 from pdserve.kernels.native_matrices import bf16_matrix, float32_on_cpu, float_matrix
+from pdserve.layers import bf16_rows
 from pdserve.layers.bf16_mlp import gate_up_silu_down
 from pdserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pdserve.layers.quant.unquantized import UnquantizedLinearMethod, exact_bf16_weight
@@ -97,9 +98,12 @@ class Attention(nn.Module):
         self.scale = spec.head_dim ** -0.5
         self.window = spec.layer_windows[layer_idx] if spec.layer_windows else 0
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx, fused=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx, fused=None,
+                low: bool = False) -> torch.Tensor:
+        """low (layers/bf16_rows.py): x may be the norm's bf16 rows, and o's result stays bf16."""
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = bf16_rows.projection(self.qkv_proj, x, keep_bf16=False) if low else self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -109,8 +113,8 @@ class Attention(nn.Module):
             fused.rope_(q, k, cos, sin)  # in place: q, k are this step's own buffers
         else:
             q, k = RotaryEmbedding.apply(q, k, cos, sin)
-        out = ctx.attention(self.layer_idx, q, k, v, self.scale, window=self.window)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        out = ctx.attention(self.layer_idx, q, k, v, self.scale, window=self.window).reshape(tokens, self.q_size)
+        return bf16_rows.projection(self.o_proj, out, keep_bf16=True) if low else self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -129,11 +133,16 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_with(x, self._silu_mul)
 
-    def forward_with(self, x: torch.Tensor, silu_mul) -> torch.Tensor:
+    def forward_with(self, x: torch.Tensor, silu_mul, low: bool = False, keep_bf16: bool = False) -> torch.Tensor:
         """down(silu_mul(gate_up(x))), or under bf16 products at many rows bf16 from gate_up to
-        down in one pass (layers/bf16_mlp.py)."""
-        out = gate_up_silu_down(self.gate_up_proj, self.down_proj, x)
-        return out if out is not None else self.down_proj(silu_mul(self.gate_up_proj(x)))
+        down in one pass (layers/bf16_mlp.py). low (layers/bf16_rows.py): x may be the norm's bf16
+        rows (widened back, exactly, where the pass declines), and down's result stays bf16 where
+        keep_bf16."""
+        out = gate_up_silu_down(self.gate_up_proj, self.down_proj, x, keep_bf16=low and keep_bf16)
+        if out is not None:
+            return out
+        x = x.float() if low else x
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.split(self.intermediate, dim=-1)
@@ -196,16 +205,23 @@ class LlamaModel(nn.Module):
         """The same layers as forward, through fused kernels: each residual add is done by the
         norm that follows it, RoPE in place, SiLU * up in one pass."""
         f = self.fused
+        low = self._plain_layers() and bf16_rows.step_takes(self.layers, x, f)  # bf16 between norms and products
+        norm = f.rms_norm_low if low else f.rms_norm
         norms_after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         first = self.layers[0].input_layernorm
-        x, h = f.rms_norm(x, first.weight, first.eps)
+        x, h = norm(x, first.weight, first.eps)
         for layer, next_norm in zip(self.layers, norms_after):
-            attn = layer.self_attn(h, cos, sin, ctx, fused=f)
+            attn = layer.self_attn(h, cos, sin, ctx, fused=f, low=low)
             post = layer.post_attention_layernorm
-            x, h = f.rms_norm(x, post.weight, post.eps, delta=attn)
-            mlp = layer.mlp.forward_with(h, f.silu_mul)
-            x, h = f.rms_norm(x, next_norm.weight, next_norm.eps, delta=mlp)
+            x, h = norm(x, post.weight, post.eps, delta=attn)
+            last = next_norm is self.norm  # the final norm's rows stay float32, for the LM head
+            mlp = layer.mlp.forward_with(h, f.silu_mul, low=low, keep_bf16=not last)
+            x, h = (f.rms_norm if last else norm)(x, next_norm.weight, next_norm.eps, delta=mlp)
         return h
+
+    def _plain_layers(self) -> bool:
+        return all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention and type(layer.mlp) is MLP
+                   for layer in self.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
