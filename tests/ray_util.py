@@ -26,7 +26,9 @@ TAG = f"{os.getpid() % 10000:04d}"
 # memory and cross-memory attach, which separate machines cannot, and which left about half the
 # runs' NIXL READs between namespaces unanswered until their deadline (the decode node then
 # recomputed, 30 s a request). TCP, as docs/deployment-hosts.md sets for hosts without RDMA.
-LAB_UCX_TLS = "tcp,self"
+LAB_UCX_TLS = os.environ.get("LAB_UCX_TLS", "tcp,self")
+# LAB_UCX_TLS (empty: UCX's own choice) and LAB_KEEP=1 (the lab's Ray logs kept, their folder
+# printed as LAB_TMP) are for chasing that stall (docs/testing.md); CI sets neither.
 SUBNET = f"10.{150 + os.getpid() % 50}.{os.getpid() % 250}"
 # Fast failure detection for the head's GCS: a lost machine's actors restart within seconds.
 HEAD_SYSTEM_CONFIG = '{"health_check_period_ms":500,"health_check_failure_threshold":4,"health_check_timeout_ms":1000}'
@@ -136,6 +138,8 @@ class Lab:
         else:
             cmd += ["--address", f"{self.addr(head)}:{port}"]
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", UCX_TLS=LAB_UCX_TLS)
+        if not LAB_UCX_TLS:
+            env.pop("UCX_TLS")
         proc = subprocess.Popen(["ip", "netns", "exec", self.ns(name), *cmd], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=env)
         proc.host = name
@@ -204,4 +208,7 @@ def ray_cluster(hosts: dict[str, int], cpus: dict[str, int], head: str = "head")
     finally:
         lab.stop_all()
         lab.down()
-        shutil.rmtree(lab.tmp, ignore_errors=True)
+        if os.environ.get("LAB_KEEP"):
+            print("LAB_TMP", lab.tmp)
+        else:
+            shutil.rmtree(lab.tmp, ignore_errors=True)
