@@ -1,6 +1,7 @@
 /* What the bf16 products share (native_gemv_bf16.c: AVX-512 BF16 dot products; native_gemv_amx.c:
  * AMX tiles): the weights' dequantization to bf16 and a 16 x 16 transpose of 32-bit words. */
 #pragma once
+#include "native_amx.h"
 #include "native_simd.h"
 #include <stdint.h>
 
@@ -37,9 +38,6 @@ static inline void transpose16(__m512i r[16]) {
  * even) into buffer [end - n][cols] */
 void pd_dequant_bf16(int cols, const uint8_t *q, int bits, const void *sc, const void *mn, int half, int has_min,
                      int group, int n, int end, uint16_t *buffer);
-
-/* asks the kernel for the AMX tile state once a process (Linux gives it only on request) */
-void pd_amx_request(void);
 
 /* out [tokens, nrows] = x [tokens, cols] @ w^T with bf16 operands on AMX tiles; 0 where this CPU,
  * build or kernel has no AMX (the caller then runs its own products) */

@@ -52,7 +52,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "native_gemv_bf16.c", "native_gemv_amx.c", "native_gemv_int8.c", "native_gemv_int8_amx.c", "native_gemv_panels.c", "native_prefill.c",
     "native_paged.c", "native_rows.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_decode.h", "native_quant_blocks.h", "native_exp.h",
-                                                            "native_bf16.h", "native_simd.h", "native_int8.h"))
+                                                            "native_bf16.h", "native_simd.h", "native_int8.h", "native_amx.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # PDSERVE_NATIVE_ISA=avx2 builds the AVX2 code on an AVX-512 CPU too (native_simd.h's pairs of
 # 256-bit registers), so that path is tested on any machine (tests/test_native_avx2.py)

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native_amx.h"
 #include "native_bf16.h"
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -39,21 +40,13 @@ void pd_amx_request(void) {
 int pd_amx_granted(void) { return amx_granted; }
 
 /* palette 1; tiles 0-3: C (16 x 16 float32), 4-5: A, 6-7: B (16 rows of 64 bytes each) */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 static void configure_tiles(void) {
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
+    tile_config config = tile_config_palette1();
     for (int i = 0; i < 8; i++) {
         config.rows[i] = 16;
         config.colsb[i] = 64;
     }
-    _tile_loadconfig(&config);
+    load_tile_config(&config);
 }
 
 /* buffer [32][cols] bf16 (row-major) -> b [cols / 32][2 tiles][16 pairs][16 rows] words: tile j

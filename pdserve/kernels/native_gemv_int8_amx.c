@@ -13,8 +13,8 @@
  * sums are exact, so both kernels give the same bits (tests/test_native_int8.py). */
 #include "native_simd.h"
 #include <stdint.h>
-#include <string.h>
 
+#include "native_amx.h"
 #include "native_int8.h"
 
 /* From here a pack's products take AMX's int8 tiles (two threads, SmolLM2's four layer matrices:
@@ -28,24 +28,14 @@ long pd_int8_amx_calls = 0; /* threads' calls that took the tiles (the tests see
 
 int pd_int8_amx_takes(int tokens) { return tokens >= pd_int8_amx_min_tokens && pd_amx_granted(); }
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 /* palette 1; tiles 0-1: A (16 tokens x 32 codes), 2-3: B (8 rows: 16 lanes x 4 codes), 4-7: C
  * (16 x 16 int32): four blocks in flight, so the tile unit works while earlier sums go out */
 void pd_int8_amx_configure(void) {
     __atomic_fetch_add(&pd_int8_amx_calls, 1, __ATOMIC_RELAXED);
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
+    tile_config config = tile_config_palette1();
     for (int i = 0; i < 2; i++) config.rows[i] = 16, config.colsb[i] = 32, config.rows[2 + i] = 8, config.colsb[2 + i] = 64;
     for (int i = 4; i < 8; i++) config.rows[i] = 16, config.colsb[i] = 64;
-    /* GCC 12 sees no read of the struct in ldtilecfg's builtin and dropped the stores above */
-    __asm__ volatile("" : : "r"(&config) : "memory");
-    _tile_loadconfig(&config);
+    load_tile_config(&config);
 }
 
 void pd_int8_amx_release(void) { _tile_release(); }

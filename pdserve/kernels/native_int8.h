@@ -4,12 +4,9 @@
  * and the same float32 sums a block, so either gives the same bits. */
 #ifndef PD_INT8_H
 #define PD_INT8_H
+#include "native_amx.h"
 #include "native_simd.h"
 #include <stdint.h>
-
-/* native_gemv_amx.c: whether the process may use AMX tiles (pd_amx_request asks the kernel once) */
-void pd_amx_request(void);
-int pd_amx_granted(void);
 
 #ifdef __AVX512VNNI__
 /* x's side of the products, by token: codes [tokens][cols] (signed bytes); dx, xs (the sum of the
