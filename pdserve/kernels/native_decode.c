@@ -59,16 +59,9 @@ void pd_rope(float *x, int heads, int dim, const float *cos, const float *sin) {
     }
 }
 
-/* A bf16 KV cache (m->kv_bf16: --kv-cache-dtype bfloat16) holds each element's upper 16 bits,
- * rounded to nearest even as torch's float-to-bf16 conversion rounds (NaN kept a NaN); offsets
- * are in elements either way. Half the bytes attention reads at many requests. */
-static inline uint16_t to_bf16_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
+/* A bf16 KV cache (m->kv_bf16: --kv-cache-dtype bfloat16) holds to_bf16_bits of each element
+ * (native_decode.h); offsets are in elements either way. Half the bytes attention reads at many
+ * requests. */
 static void store_kv_row(const pd_model *m, float *plane, long at, const float *row, int D) {
     if (!m->kv_bf16) {
         memcpy(plane + at, row, D * sizeof(float));

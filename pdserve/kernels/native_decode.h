@@ -2,6 +2,25 @@
  * mirrors these structs in ctypes). */
 #pragma once
 #include <stdint.h>
+#include <string.h>
+
+/* A bf16 KV cache's words: each element's upper 16 bits, rounded to nearest even as torch's
+ * float-to-bf16 conversion rounds (denormals kept, NaN kept a NaN). The compiled step's stores and
+ * a prefill's (native_rows.c) both write them; the scalar form vectorizes. */
+static inline uint16_t to_bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* a bf16 word widened to float32, exactly */
+static inline float from_bf16_bits(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 int pd_gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
             const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out, int threads);

@@ -11,8 +11,6 @@
 #include "native_decode.h"
 #include "native_exp.h"
 
-static inline float bf16_widened(uint16_t h);
-
 /* one row: sr = xr + the delta (float32 dr, or bf16 dh widened, exactly; else xr), o = w * RMSNorm(sr).
  * The sum of squares runs in 16 lanes where cols allows: one element after another it was a chain
  * of cols dependent FMAs, 2,300 cycles a 576-wide row, most of a 2,048-token prefill's norm time
@@ -32,7 +30,7 @@ static inline void norm_row(const float *xr, const float *dr, const uint16_t *dh
         ss = _mm512_reduce_add_ps(acc);
     } else
         for (int c = 0; c < cols; c++) {
-            float v = dr ? xr[c] + dr[c] : dh ? xr[c] + bf16_widened(dh[c]) : xr[c];
+            float v = dr ? xr[c] + dr[c] : dh ? xr[c] + from_bf16_bits(dh[c]) : xr[c];
             sr[c] = v;
             ss += v * v;
         }
@@ -108,25 +106,11 @@ int pd_silu_mul_bf16(const uint16_t *gate_up, int tokens, int inter, uint16_t *a
 #endif
 }
 
-/* torch's float32 -> bf16 (nearest even, denormals kept, NaN 0x7FC0): the scalar formula, which the
- * compiler vectorizes on AVX-512 and AVX2 alike */
-static inline uint16_t bf16_nearest(float x) {
-    uint32_t bits;
-    __builtin_memcpy(&bits, &x, 4);
-    return x != x ? 0x7FC0 : (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
-
-static inline float bf16_widened(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float x;
-    __builtin_memcpy(&x, &bits, 4);
-    return x;
-}
-
 /* A bf16 KV cache's store of a step's keys and values (fp8_kv.NarrowKVOps): each token's row of
  * `width` floats (rows k_stride / v_stride apart) rounded to bf16 into its slot (slots < 0 skipped;
  * a slot's heads contiguous, blocks block_stride words apart), and the rounded values widened into
- * k_seen / v_seen [tokens][width]: what a prefill's attention must see, the cache's own values.
+ * k_seen / v_seen [tokens][width]: what a prefill's attention must see, the cache's own values
+ * (to_bf16_bits, as the compiled decode step stores them).
  * One pass in every thread of torch's pool, where torch's conversions and index_put took four
  * passes of about 0.5 ms each per layer of a 2,048-token prefill of SmolLM2. */
 void pd_store_kv_bf16(const float *k, long k_stride, const float *v, long v_stride, int tokens, int width,
@@ -138,8 +122,8 @@ void pd_store_kv_bf16(const float *k, long k_stride, const float *v, long v_stri
         const float *kr = k + t * k_stride, *vr = v + t * v_stride;
         float *ks = k_seen + (long)t * width, *vs = v_seen + (long)t * width;
         uint16_t kb[width], vb[width];
-        for (int c = 0; c < width; c++) kb[c] = bf16_nearest(kr[c]), vb[c] = bf16_nearest(vr[c]);
-        for (int c = 0; c < width; c++) ks[c] = bf16_widened(kb[c]), vs[c] = bf16_widened(vb[c]);
+        for (int c = 0; c < width; c++) kb[c] = to_bf16_bits(kr[c]), vb[c] = to_bf16_bits(vr[c]);
+        for (int c = 0; c < width; c++) ks[c] = from_bf16_bits(kb[c]), vs[c] = from_bf16_bits(vb[c]);
         if (slot < 0) continue;
         __builtin_memcpy(k_cache + at, kb, sizeof(uint16_t) * width);
         __builtin_memcpy(v_cache + at, vb, sizeof(uint16_t) * width);
