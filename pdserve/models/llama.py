@@ -232,8 +232,7 @@ class LlamaModel(nn.Module):
         and LoRA slots), every matrix in a layout the compiled gemv takes, float32 norms on CPU."""
         if type(self) is not LlamaModel:
             return f"{type(self).__name__} is not the plain Llama model"
-        if any(type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention
-               or type(layer.mlp) is not MLP for layer in self.layers):
+        if not self._plain_layers():
             return "the layers are not plain Llama layers"
         layers = [_native_layer(layer) for layer in self.layers]
         if any(layer is None for layer in layers):
