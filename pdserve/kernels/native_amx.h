@@ -33,4 +33,14 @@ static inline void load_tile_config(const tile_config *config) {
     __asm__ volatile("" : : "r"(config) : "memory");
     _tile_loadconfig(config);
 }
+
+/* tiles 0-7 each 16 rows of 64 bytes (16 x 16 float32 or 16 x 32 bf16): the bf16 kernels' layout */
+static inline void load_full_tiles(void) {
+    tile_config config = tile_config_palette1();
+    for (int i = 0; i < 8; i++) {
+        config.rows[i] = 16;
+        config.colsb[i] = 64;
+    }
+    load_tile_config(&config);
+}
 #endif

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "native_gemv.c", "native_decode.c", "native_attend.c", "native_lora.c", "native_moe.c", "native_mla.c", "native_tiles.c",
     "native_gemv_bf16.c", "native_gemv_amx.c", "native_gemv_int8.c", "native_gemv_int8_amx.c", "native_gemv_panels.c", "native_prefill.c",
-    "native_paged.c", "native_rows.c"))
+    "native_prefill_amx.c", "native_paged.c", "native_rows.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_decode.h", "native_quant_blocks.h", "native_exp.h",
                                                             "native_bf16.h", "native_simd.h", "native_int8.h", "native_amx.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -182,6 +182,8 @@ def library() -> ctypes.CDLL | None:
     lib.pd_prefill_attention.argtypes = [_P, ctypes.c_long, _P, ctypes.c_long, _P, ctypes.c_long, _P, _P, _I, _I, _I, _I,
                                          ctypes.c_float, _P, _I]
     lib.pd_prefill_attention.restype = _I
+    lib.pd_prefill_attention_amx.argtypes = lib.pd_prefill_attention.argtypes
+    lib.pd_prefill_attention_amx.restype = _I
     fn = lib.pd_decode_layers
     fn.argtypes = [_P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _I]
     fn.restype = _I

@@ -39,16 +39,6 @@ void pd_amx_request(void) {
 
 int pd_amx_granted(void) { return amx_granted; }
 
-/* palette 1; tiles 0-3: C (16 x 16 float32), 4-5: A, 6-7: B (16 rows of 64 bytes each) */
-static void configure_tiles(void) {
-    tile_config config = tile_config_palette1();
-    for (int i = 0; i < 8; i++) {
-        config.rows[i] = 16;
-        config.colsb[i] = 64;
-    }
-    load_tile_config(&config);
-}
-
 /* buffer [32][cols] bf16 (row-major) -> b [cols / 32][2 tiles][16 pairs][16 rows] words: tile j
  * holds rows 16j .. 16j + 15 */
 static void to_b_tiles(const uint16_t *buffer, int cols, uint32_t *b) {
@@ -123,7 +113,7 @@ int pd_gemv_amx(const float *x, int tokens, int cols, const uint8_t *q, int nrow
     {
         uint16_t buffer[AMX_ROWS * cols];
         uint32_t b[AMX_ROWS * cols / 2] __attribute__((aligned(64)));
-        configure_tiles();
+        load_full_tiles(); /* tiles 0-3: C, 4-5: A, 6-7: B */
         x_bf16(x, tokens, cols, padded, xb); /* its loop's end is the barrier before the products */
 #pragma omp for schedule(static)
         for (int t = 0; t < tasks; t++) {

@@ -1,0 +1,330 @@
+/* native_prefill.c's causal attention of fresh prompts with its two products on AMX bf16 tiles,
+ * for steps whose products are bf16 tiles already (native_prefill.py picks it): queries and
+ * probabilities rounded to bf16, keys and values as they are (a bf16 KV cache's rows, exact).
+ *
+ * Why: in float32 FMAs the prefill attention was 13% of a 2,048-token prefill step of SmolLM2 on
+ * the 2-core AMX Xeon (160-token prompts: ~170 GFLOP/s). One TDPBF16PS multiplies 16 x 32 by
+ * 32 x 16 in about 16 cycles.
+ *
+ * Work items as native_prefill.c's: (sequence, KV head, block of QB queries), the group's query
+ * heads times the block's queries as rows. Per item:
+ *   kb = the keys up to the block's last query as B tiles (16 keys by 16 pairs of dimensions),
+ *   S = Q K^T in C tiles, 16 rows x 32 keys at a time, then * scale,
+ *   each row's softmax over the keys its query sees, divided by its sum, then rounded to bf16,
+ *   vb = the values as B tiles (16 pairs of keys by 16 dimensions),
+ *   O = P V in four C tiles (64 dimensions) a pass, stored straight into out where the tile's
+ *   rows are one head's consecutive queries.
+ * Sums in the tile unit's order; the inputs' rounding makes this bf16 attention, not float32's.
+ */
+#include "native_simd.h"
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native_amx.h"
+#include "native_bf16.h"
+#include "native_exp.h"
+
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+#define QB 32        /* queries per work item, as native_prefill.c */
+#define KEYS_STEP 32 /* keys per A tile of probabilities (and per S pass: two C tiles) */
+
+typedef struct {
+    const float *q, *k, *v;
+    float *out;
+    long q_stride, k_stride, v_stride;
+    int heads, kv_heads, group, D;
+    float scale;
+} amx_args;
+
+typedef struct {
+    int start, kh, q0, q1; /* a sequence's first row of the step, its KV head, queries [q0, q1) */
+    int chunks;            /* the sequence's keys in 16s, padded to 32s: kb's stride between pair chunks */
+    long kb, vb;           /* words into the packed keys and values of (sequence, KV head) */
+} amx_item;
+
+typedef struct {
+    int start, len, kh, n0, n1; /* keys [n0, n1) of (sequence, KV head) to pack, multiples of 32 */
+    int chunks;
+    long kb, vb;
+} pack_job;
+
+typedef struct { /* one thread's buffers, sized for the step's longest item */
+    uint16_t *qb, *pb;    /* A rows: queries [rows][D], probabilities [rows][ld] (bf16) */
+    float *s;             /* scores [rows][ld] float32 */
+} amx_buffers;
+
+/* 32 floats -> 32 bf16 (nearest even) at out */
+static inline void round32(const float *x, uint16_t *out) {
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x)));
+}
+
+/* kb[pc][kc] (tile: row p = pair p of dimension chunk pc, word n = key 16 kc + n) for the chunks
+ * of keys [n0, n1), zero past `keys`: each 16-key chunk's rows in bf16, a 16 x 16 word transpose */
+static void key_tiles(const amx_args *a, const float *k, int keys, int n0, int n1, int chunks, uint32_t *kb) {
+    const int pcs = a->D / 32;
+    for (int kc = n0 / 16; kc < n1 / 16; kc++)
+        for (int pc = 0; pc < pcs; pc++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) {
+                int n = 16 * kc + i;
+                uint16_t row[32] __attribute__((aligned(64)));
+                if (n < keys) round32(k + (long)n * a->k_stride + 32 * pc, row);
+                r[i] = n < keys ? _mm512_load_si512(row) : _mm512_setzero_si512();
+            }
+            transpose16(r);
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512(kb + ((long)pc * chunks + kc) * 256 + 16 * p, r[p]);
+        }
+}
+
+/* vb[kp][dc] (tile: row j = keys 32 kp + 2j and + 2j + 1 interleaved, word d = dimension 16 dc + d)
+ * for keys [n0, n1), zero past `keys` (a zero probability times a zero value: no NaN) */
+static void value_tiles(const amx_args *a, const float *v, int keys, int n0, int n1, uint32_t *vb) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const int dcs = a->D / 16;
+    for (int kp = n0 / 32; kp < n1 / 32; kp++)
+        for (int j = 0; j < 16; j++) {
+            int n = 32 * kp + 2 * j;
+            const float *even = v + (long)n * a->v_stride, *odd = even + a->v_stride;
+            for (int dc = 0; dc < dcs; dc++) {
+                __m512 e = n < keys ? _mm512_loadu_ps(even + 16 * dc) : _mm512_setzero_ps();
+                __m512 o = n + 1 < keys ? _mm512_loadu_ps(odd + 16 * dc) : _mm512_setzero_ps();
+                __m512i both = (__m512i)_mm512_cvtne2ps_pbh(o, e); /* e's 16 words, then o's */
+                _mm512_storeu_si512(vb + ((long)kp * dcs + dc) * 256 + 16 * j, _mm512_permutexvar_epi16(interleave, both));
+            }
+        }
+}
+
+/* s[r][0 : ld] = Q_r . K^T for the 16-row tile at qb (row stride D words); kb's pair chunks are
+ * `chunks` tiles apart */
+static void score_tiles(const uint16_t *qb, int D, const uint32_t *kb, int chunks, int ld, float *s) {
+    for (int kc = 0; kc < ld / 16; kc += 2) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int pc = 0; pc < D / 32; pc++) {
+            _tile_loadd(4, qb + 32 * pc, D * 2);
+            _tile_loadd(6, kb + ((long)pc * chunks + kc) * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, kb + ((long)pc * chunks + kc + 1) * 256, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        _tile_stored(0, s + 16 * kc, ld * 4);
+        _tile_stored(1, s + 16 * kc + 16, ld * 4);
+    }
+}
+
+/* p[0 : ld] = softmax(s[0 : seen] * scale) rounded to bf16, 0 past seen (s is overwritten) */
+static void softmax_bf16(float *s, int seen, int ld, float scale, uint16_t *p) {
+    __m512 most = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+    for (int n = 0; n < seen; n += 16) {
+        __mmask16 m = seen - n >= 16 ? 0xFFFF : (__mmask16)((1u << (seen - n)) - 1);
+        most = _mm512_mask_max_ps(most, m, most, _mm512_loadu_ps(s + n));
+    }
+    /* scale > 0: the peak of the scaled scores is the scaled peak */
+    __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(most) * scale), total = _mm512_setzero_ps();
+    int n = 0;
+    for (; n < seen; n += 16) {
+        __mmask16 m = seen - n >= 16 ? 0xFFFF : (__mmask16)((1u << (seen - n)) - 1);
+        __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + n), sc, top)));
+        _mm512_storeu_ps(s + n, e);
+        total = _mm512_add_ps(total, e);
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    for (int i = 0; i < n; i += 16)
+        _mm256_storeu_si256((__m256i *)(p + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + i), inv)));
+    for (; n < ld; n += 16) _mm256_storeu_si256((__m256i *)(p + n), _mm256_setzero_si256());
+}
+
+/* the 16-row tile's outputs P V over keys [0, seen) into os[r] (NULL: a padding row); straight from
+ * the tiles where the rows are one head's consecutive queries (os[r] = os[0] + r * ld_out) */
+static void output_tiles(const uint16_t *pb, int ld, const uint32_t *vb, int D, int seen, float *const *os,
+                         long ld_out) {
+    float o[16][64] __attribute__((aligned(64)));
+    int direct = 1;
+    for (int r = 0; r < 16; r++) direct &= os[r] != NULL && os[r] == os[0] + r * ld_out;
+    const int dcs = D / 16, kps = (seen + 31) / 32;
+    for (int d0 = 0; d0 < dcs; d0 += 4) { /* 64 dimensions a pass (D is a multiple of 64) */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int kp = 0; kp < kps; kp++) {
+            _tile_loadd(4, pb + 32 * kp, ld * 2);
+            const uint32_t *b = vb + ((long)kp * dcs + d0) * 256;
+            _tile_loadd(6, b, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, b + 256, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(6, b + 512, 64);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(7, b + 768, 64);
+            _tile_dpbf16ps(3, 4, 7);
+        }
+        float *to = direct ? os[0] + 16 * d0 : &o[0][0];
+        long stride = direct ? ld_out * 4 : 256;
+        _tile_stored(0, to, stride);
+        _tile_stored(1, to + 16, stride);
+        _tile_stored(2, to + 32, stride);
+        _tile_stored(3, to + 48, stride);
+        if (direct) continue;
+        for (int r = 0; r < 16; r++)
+            if (os[r]) memcpy(os[r] + 16 * d0, o[r], sizeof o[r]);
+    }
+}
+
+/* One work item: rows r = g * nq + i (query head g of the group, query q0 + i) */
+static void attend_item(const amx_args *a, const amx_item *w, const uint32_t *packed, amx_buffers *buf) {
+    const int keys = w->q1, ld = (keys + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP, nq = w->q1 - w->q0;
+    const int rows = a->group * nq, padded = (rows + 15) / 16 * 16, D = a->D;
+    for (int row = 0; row < padded; row++) {
+        uint16_t *qr = buf->qb + (long)row * D;
+        if (row >= rows) {
+            memset(qr, 0, sizeof(uint16_t) * D);
+            continue;
+        }
+        const float *q = a->q + (long)(w->start + w->q0 + row % nq) * a->q_stride + (long)(w->kh * a->group + row / nq) * D;
+        for (int d = 0; d < D; d += 32) round32(q + d, qr + d);
+    }
+    for (int r0 = 0; r0 < padded; r0 += 16) score_tiles(buf->qb + (long)r0 * D, D, packed + w->kb, w->chunks, ld, buf->s + (long)r0 * ld);
+    for (int row = 0; row < padded; row++) {
+        uint16_t *p = buf->pb + (long)row * ld;
+        if (row < rows) softmax_bf16(buf->s + (long)row * ld, w->q0 + row % nq + 1, ld, a->scale, p);
+        else memset(p, 0, sizeof(uint16_t) * ld);
+    }
+    for (int r0 = 0; r0 < padded; r0 += 16) {
+        float *os[16];
+        int seen = 0; /* keys any of the tile's rows sees: past its own, a row's p is 0 */
+        for (int r = 0; r < 16; r++) {
+            int row = r0 + r, g = row / nq, i = row % nq;
+            os[r] = row < rows ? a->out + ((long)(w->start + w->q0 + i) * a->heads + w->kh * a->group + g) * D : NULL;
+            if (row < rows && w->q0 + i + 1 > seen) seen = w->q0 + i + 1;
+        }
+        output_tiles(buf->pb + (long)r0 * ld, ld, packed + w->vb, D, seen, os, (long)a->heads * D);
+    }
+}
+
+/* (sequence, KV head)'s packed keys and values: where they start in the packed buffer (words) */
+typedef struct {
+    int chunks;
+    long kb, vb;
+} packing;
+
+#define PACK_KEYS 64 /* keys a packing job */
+
+/* The packing jobs and the work items (the last query blocks, with the most keys, first, as
+ * native_prefill.c); *words: the packed buffer's size. NULL when out of memory. */
+static amx_item *plan(const amx_args *a, const int32_t *starts, const int32_t *lens, int seqs, int *count,
+                      pack_job **jobs, int *job_count, long *words, int *longest) {
+    int items = 0, njobs = 0, kv = a->kv_heads;
+    *longest = 0;
+    for (int i = 0; i < seqs; i++) {
+        items += kv * ((lens[i] + QB - 1) / QB);
+        njobs += kv * ((lens[i] + PACK_KEYS - 1) / PACK_KEYS);
+        *longest = lens[i] > *longest ? lens[i] : *longest;
+    }
+    amx_item *work = malloc(sizeof(amx_item) * (items ? items : 1));
+    packing *at = malloc(sizeof(packing) * (size_t)seqs * kv);
+    *jobs = malloc(sizeof(pack_job) * (njobs ? njobs : 1));
+    if (!work || !at || !*jobs) {
+        free(work), free(at), free(*jobs);
+        return NULL;
+    }
+    long used = 0;
+    int n = 0;
+    for (int i = 0; i < seqs; i++) {
+        int ld = (lens[i] + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP;
+        for (int kh = 0; kh < kv; kh++) {
+            packing *p = at + (long)i * kv + kh;
+            *p = (packing){ld / 16, used, used + (long)a->D * ld / 2};
+            used += (long)a->D * ld;
+            for (int n0 = 0; n0 < ld; n0 += PACK_KEYS)
+                (*jobs)[n++] = (pack_job){starts[i], lens[i], kh, n0, n0 + PACK_KEYS < ld ? n0 + PACK_KEYS : ld,
+                                          p->chunks, p->kb, p->vb};
+        }
+    }
+    *job_count = n;
+    n = 0;
+    for (int q1 = (*longest + QB - 1) / QB * QB; q1 > 0; q1 -= QB)
+        for (int i = 0; i < seqs; i++) {
+            if (q1 - QB >= lens[i]) continue;
+            for (int kh = 0; kh < kv; kh++) {
+                packing *p = at + (long)i * kv + kh;
+                work[n++] = (amx_item){starts[i], kh, q1 - QB, q1 < lens[i] ? q1 : lens[i], p->chunks, p->kb, p->vb};
+            }
+        }
+    free(at);
+    *count = n;
+    *words = used;
+    return work;
+}
+
+static void pack(const amx_args *a, const pack_job *j, uint32_t *packed) {
+    key_tiles(a, a->k + (long)j->start * a->k_stride + (long)j->kh * a->D, j->len, j->n0, j->n1, j->chunks,
+              packed + j->kb);
+    value_tiles(a, a->v + (long)j->start * a->v_stride + (long)j->kh * a->D, j->len, j->n0, j->n1, packed + j->vb);
+}
+
+static int alloc_buffers(amx_buffers *b, int D, int ld, int rows) {
+    b->qb = malloc(sizeof(uint16_t) * (size_t)rows * D);
+    b->pb = malloc(sizeof(uint16_t) * (size_t)rows * ld);
+    b->s = malloc(sizeof(float) * (size_t)rows * ld);
+    return b->qb && b->pb && b->s;
+}
+
+static void free_buffers(amx_buffers *b) {
+    free(b->qb);
+    free(b->pb);
+    free(b->s);
+}
+
+/* pd_prefill_attention's contract (native_prefill.c) on AMX tiles; -1 also where the process has
+ * no AMX permission or the shape is not one it takes. Two loops in one parallel region: every
+ * (sequence, KV head)'s keys and values packed into B tiles once, then the work items. */
+int pd_prefill_attention_amx(const float *q, long q_stride, const float *k, long k_stride, const float *v,
+                             long v_stride, const int32_t *starts, const int32_t *lens, int seqs, int heads,
+                             int kv_heads, int D, float scale, float *out, int threads) {
+    pd_amx_request();
+    if (!pd_amx_granted() || D % 64 || heads % kv_heads || seqs <= 0) return -1;
+    amx_args a = {q, k, v, out, q_stride, k_stride, v_stride, heads, kv_heads, heads / kv_heads, D, scale};
+    int n = 0, njobs = 0, longest = 0, failed = 0;
+    long words = 0;
+    pack_job *jobs = NULL;
+    amx_item *work = plan(&a, starts, lens, seqs, &n, &jobs, &njobs, &words, &longest);
+    uint32_t *packed = work ? aligned_alloc(64, sizeof(uint32_t) * (size_t)(words ? words : 16)) : NULL;
+    if (!packed) {
+        free(work), free(jobs);
+        return -2;
+    }
+    const int ld_max = (longest + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP, rows_max = (a.group * QB + 15) / 16 * 16;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(dynamic, 4)
+        for (int j = 0; j < njobs; j++) pack(&a, &jobs[j], packed);
+        amx_buffers buf;
+        int ok = alloc_buffers(&buf, D, ld_max, rows_max);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        load_full_tiles(); /* tiles 0-3: C, 4-5: A, 6-7: B */
+#pragma omp for schedule(dynamic, 1)
+        for (int j = 0; j < n; j++)
+            if (ok) attend_item(&a, &work[j], packed, &buf);
+        _tile_release();
+        free_buffers(&buf);
+    }
+    free(work), free(jobs), free(packed);
+    return failed ? -2 : 0;
+}
+#else
+int pd_prefill_attention_amx(const float *q, long q_stride, const float *k, long k_stride, const float *v,
+                             long v_stride, const int32_t *starts, const int32_t *lens, int seqs, int heads,
+                             int kv_heads, int D, float scale, float *out, int threads) {
+    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)starts, (void)lens, (void)seqs;
+    (void)heads, (void)kv_heads, (void)D, (void)scale, (void)out, (void)threads;
+    return -1;
+}
+#endif

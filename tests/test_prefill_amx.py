@@ -1,0 +1,117 @@
+"""The prefill attention of fresh prompts on AMX's bf16 tiles (native_prefill_amx.c), taken where the
+step's products are bf16 tiles: against a float64 attention of the same bf16-rounded queries (the
+only other rounding is the probabilities', 2^-9 of each), beside prompts with a cached prefix that
+torch's attention takes in the same call; float32 products keep the float32 kernel, bit for bit;
+and an engine's greedy tokens with it against the same engine with the float32 kernel. Needs a CPU
+with AMX: these tests skip elsewhere."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from test_gguf import write_gguf
+
+from pdserve import LLM, SamplingParams
+from pdserve.kernels import dequant_tiles, native_gemv, native_prefill, torch_ops
+from pdserve.testing.model_factory import assert_agrees_until_a_near_tie
+
+needs_amx = pytest.mark.skipif(native_gemv.library() is None or not dequant_tiles.native_amx(),
+                               reason="no AMX tiles (or no compiled kernels) on this CPU")
+
+
+@pytest.fixture
+def bf16_tiles():
+    before = dequant_tiles.tile_dtype()
+    dequant_tiles.set_tile_dtype(torch.bfloat16)
+    yield
+    dequant_tiles.set_tile_dtype(before)
+
+
+def _step(heads: int, kv_heads: int, dim: int, fresh: list[int], cached: tuple[int, int] | None, seed: int):
+    """One prefill step's q, k, v (keys and values bf16-exact: a bf16 cache's rows) and the
+    arguments of prefill_attention: `fresh` prompts' lengths, then one prompt of `cached` =
+    (new tokens, cached prefix) whose prefix is in a paged cache."""
+    gen = torch.Generator().manual_seed(seed)
+    new = fresh + ([cached[0]] if cached else [])
+    contexts = fresh + ([sum(cached)] if cached else [])
+    tokens, block = sum(new), 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    k.copy_(k.bfloat16().float())
+    v.copy_(v.bfloat16().float())
+    blocks = (max(contexts) + block - 1) // block
+    k_cache = torch.randn(len(new) * blocks, block, kv_heads, dim, generator=gen).bfloat16().float()
+    v_cache = torch.randn(len(new) * blocks, block, kv_heads, dim, generator=gen).bfloat16().float()
+    tables = torch.arange(len(new) * blocks, dtype=torch.int32).view(len(new), blocks)
+    cu = torch.tensor([0] + [sum(new[:i + 1]) for i in range(len(new))], dtype=torch.int32)
+    return q, k, v, k_cache, v_cache, cu, torch.tensor(contexts, dtype=torch.int32), tables
+
+
+def _float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
+
+
+@needs_amx
+@pytest.mark.parametrize("heads, kv_heads, dim, fresh", [(9, 3, 64, [1, 17, 40, 160, 33]), (4, 2, 128, [5, 64, 65, 129]),
+                                                         (8, 8, 64, [31, 32, 97])])
+def test_amx_prefill_attention_is_attention_of_bf16_queries(bf16_tiles, heads, kv_heads, dim, fresh):
+    q, k, v, k_cache, v_cache, cu, contexts, tables = _step(heads, kv_heads, dim, fresh, (21, 40), len(fresh))
+    scale = dim ** -0.5
+    calls = native_prefill.amx_calls
+    out = native_prefill.prefill_attention(q, k, v, k_cache, v_cache, cu, contexts, tables, scale)
+    assert native_prefill.amx_calls == calls + 1
+    starts = cu.tolist()
+    for i, length in enumerate(fresh):
+        rows = slice(starts[i], starts[i] + length)
+        want = _float64_attention(q[rows].bfloat16().float(), k[rows], v[rows], scale)
+        # each weight rounded to bf16 after its division: at most 2^-9 of it off
+        bound = 2 ** -9 * v[rows].abs().max().item() + 1e-5
+        assert (out[rows].double() - want).abs().max().item() <= bound
+    last = slice(starts[-2], starts[-1])  # the cached prefix's prompt: torch's attention, as under float32
+    want = torch.empty_like(q)
+    torch_ops.attend_each(q, k, v, k_cache, v_cache, starts, contexts.tolist(), tables, scale, 0, None, None, want,
+                          skip=set(range(len(fresh))))
+    assert torch.equal(out[last], want[last])
+
+
+@needs_amx
+def test_float32_products_keep_the_float32_kernel():
+    assert dequant_tiles.tile_dtype() == torch.float32
+    q, k, v, k_cache, v_cache, cu, contexts, tables = _step(9, 3, 64, [40, 160], None, 3)
+    calls = native_prefill.amx_calls
+    out = native_prefill.prefill_attention(q, k, v, k_cache, v_cache, cu, contexts, tables, 0.125)
+    assert native_prefill.amx_calls == calls
+    want = torch.empty_like(q)
+    starts, lens = torch.tensor([0, 40], dtype=torch.int32), torch.tensor([40, 160], dtype=torch.int32)
+    assert native_gemv.library().pd_prefill_attention(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), starts.data_ptr(),
+        lens.data_ptr(), 2, 9, 3, 64, 0.125, want.data_ptr(), 1) == 0
+    assert torch.equal(out, want)
+
+
+@needs_amx
+def test_engine_with_amx_prefill_attention_agrees_with_float32_attention(tmp_path, monkeypatch):
+    """A bf16-products engine's greedy tokens and prompt logits with the AMX prefill attention
+    against the same engine with the float32 kernel: equal until a near tie, logits close."""
+    path = write_gguf(tmp_path / "llama.Q8_0.gguf", "llama", Q.Q8_0, dims=dict(hidden_size=256))  # head_dim 64
+    llm = LLM(str(path), num_kv_blocks=64, cpu_gemm_dtype="bfloat16", enable_prefix_caching=False)
+    prompts = [[(7 * i + 3 * n) % 200 + 3 for i in range(n)] for n in (24, 57, 90)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    runs, logits = {}, {}
+    for name in ("float32", "amx"):
+        if name == "float32":
+            monkeypatch.setattr(native_prefill, "_kernels", lambda: [native_gemv.library().pd_prefill_attention])
+        calls = native_prefill.amx_calls
+        runs[name] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        logits[name] = llm.engine.prompt_logits(prompts[-1])
+        assert (native_prefill.amx_calls > calls) == (name == "amx")
+        monkeypatch.undo()
+    diff = (logits["amx"] - logits["float32"]).abs().max().item()
+    assert 0 < diff < 0.05 * logits["float32"].abs().max().item()
+    assert_agrees_until_a_near_tie(runs["float32"], runs["amx"], 4 * diff)
