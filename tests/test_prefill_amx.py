@@ -98,20 +98,80 @@ def test_float32_products_keep_the_float32_kernel():
 @needs_amx
 def test_engine_with_amx_prefill_attention_agrees_with_float32_attention(tmp_path, monkeypatch):
     """A bf16-products engine's greedy tokens and prompt logits with the AMX prefill attention
-    against the same engine with the float32 kernel: equal until a near tie, logits close."""
+    against the same engine with the float32 kernel: equal until a near tie, logits close. Steps
+    of 48 tokens split the prompts, so later chunks read their prefix from the bf16 cache."""
     path = write_gguf(tmp_path / "llama.Q8_0.gguf", "llama", Q.Q8_0, dims=dict(hidden_size=256))  # head_dim 64
-    llm = LLM(str(path), num_kv_blocks=64, cpu_gemm_dtype="bfloat16", enable_prefix_caching=False)
+    llm = LLM(str(path), num_kv_blocks=64, cpu_gemm_dtype="bfloat16", enable_prefix_caching=False,
+              max_num_batched_tokens=48)
     prompts = [[(7 * i + 3 * n) % 200 + 3 for i in range(n)] for n in (24, 57, 90)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     runs, logits = {}, {}
+    paged, with_prefix = native_prefill.prefill_attention_bf16_cache, []
+
+    def counted(q, k, v, k_cache, v_cache, cu, contexts, *rest):
+        with_prefix.append(bool((contexts != cu.diff()).any()))
+        return paged(q, k, v, k_cache, v_cache, cu, contexts, *rest)
     for name in ("float32", "amx"):
+        if name == "amx":
+            monkeypatch.setattr(native_prefill, "prefill_attention_bf16_cache", counted)
         if name == "float32":
             monkeypatch.setattr(native_prefill, "_kernels", lambda: [native_gemv.library().pd_prefill_attention])
+            monkeypatch.setattr(native_prefill, "prefill_attention_bf16_cache", lambda *a: None)
         calls = native_prefill.amx_calls
         runs[name] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         logits[name] = llm.engine.prompt_logits(prompts[-1])
         assert (native_prefill.amx_calls > calls) == (name == "amx")
         monkeypatch.undo()
+    assert any(with_prefix)  # chunks after the first took the paged AMX path
     diff = (logits["amx"] - logits["float32"]).abs().max().item()
     assert 0 < diff < 0.05 * logits["float32"].abs().max().item()
     assert_agrees_until_a_near_tie(runs["float32"], runs["amx"], 4 * diff)
+
+
+def _float64_after_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """q's rows are the last q.shape[0] positions of keys: each sees the prefix and itself and before."""
+    group, prefix = q.shape[1] // keys.shape[1], keys.shape[0] - q.shape[0]
+    k, v = keys.double().repeat_interleave(group, 1), values.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    sees = torch.arange(keys.shape[0])[None, :] <= prefix + torch.arange(q.shape[0])[:, None]
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~sees, float("-inf")).softmax(-1), v)
+
+
+@needs_amx
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 2, 128)])
+def test_amx_kernel_reads_a_cached_prefix_from_the_bf16_blocks(bf16_tiles, monkeypatch, heads, kv_heads, dim):
+    """Over a bf16 cache (NarrowKVOps) every prompt of the step, fresh or after a cached prefix,
+    goes through one AMX call that reads the prefix's blocks as they are: the blocks never
+    gathered and widened (_compact_blocks), torch's attention never called; each row against a
+    float64 attention of its bf16 query over the cached and the new keys."""
+    from pdserve.kernels import fp8_kv, numba_ops
+    gen = torch.Generator().manual_seed(dim)
+    block, blocks_each = 16, 12
+    seqs = [(40, 0), (21, 40), (1, 33), (70, 100), (17, 16)]  # (new tokens, cached prefix)
+    cache = torch.zeros(len(seqs) * blocks_each, 2, 2, block, kv_heads, dim, dtype=torch.bfloat16)
+    cache.normal_(generator=gen)
+    kc, vc = cache[:, 1, 0], cache[:, 1, 1]
+    ops = fp8_kv.NarrowKVOps(numba_ops, cache, [(1.0, 1.0)] * 2)
+    tables = torch.randperm(len(seqs) * blocks_each, generator=gen).view(len(seqs), blocks_each).to(torch.int32)
+    tokens = sum(n for n, _ in seqs)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    slots = torch.cat([torch.stack([tables[i, (p + j) // block] * block + (p + j) % block for j in range(n)])
+                       for i, (n, p) in enumerate(seqs)]).long()
+    cu = torch.tensor([0] + [sum(n for n, _ in seqs[:i + 1]) for i in range(len(seqs))], dtype=torch.int32)
+    contexts = torch.tensor([n + p for n, p in seqs], dtype=torch.int32)
+    monkeypatch.setattr(fp8_kv, "_compact_blocks", lambda *a: pytest.fail("blocks gathered and widened"))
+    monkeypatch.setattr(torch_ops, "attend_each", lambda *a, **k: pytest.fail("torch's attention ran"))
+    calls = native_prefill.amx_calls
+    ops.store_kv(k, v, kc, vc, slots)
+    out = ops.prefill_attention(q, k, v, kc, vc, cu, contexts, tables, dim ** -0.5)
+    assert native_prefill.amx_calls == calls + 1
+    for i, (n, p) in enumerate(seqs):
+        positions = torch.arange(n + p)
+        where = tables[i, positions // block].long(), positions % block
+        keys, values = kc[where].float(), vc[where].float()  # the prefix's and the new rows, as cached
+        rows = slice(cu[i].item(), cu[i + 1].item())
+        want = _float64_after_prefix(q[rows].bfloat16().float(), keys, values, dim ** -0.5)
+        assert (out[rows].double() - want).abs().max().item() <= 2 ** -9 * values.abs().max().item() + 1e-5

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pdserve.kernels import native_gemv, native_paged, torch_ops
+from pdserve.kernels import native_gemv, native_paged, native_prefill, torch_ops
 
 log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
@@ -94,10 +94,15 @@ def _compact_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: 
     return k, v, local
 
 
+def _narrowed(extra: dict) -> bool:
+    """Whether a window, sinks or key ends narrow which keys a query sees."""
+    return bool(extra.get("window") or extra.get("sinks") is not None or extra.get("key_ends") is not None)
+
+
 def _reads_cache(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, extra: dict) -> bool:
     """Whether a prefill's attention reads the cache: some sequence has a cached prefix, or a
     window, sinks or key ends route it through a path that gathers from the cache."""
-    if extra.get("window") or extra.get("sinks") is not None or extra.get("key_ends") is not None:
+    if _narrowed(extra):
         return True
     return bool((context_lens.to(cu_seqlens_q.dtype) != cu_seqlens_q.diff()).any())
 
@@ -149,11 +154,17 @@ class NarrowKVOps:
     def prefill_attention(self, q, k_new, v_new, k_cache, v_cache, cu_seqlens_q, context_lens,
                           block_tables, scale, **extra):
         ks, vs = self._scales(k_cache)
+        k_new, v_new = self._as_cached(k_new, v_new, (ks, vs), q.dtype)
+        if self.cache_dtype == torch.bfloat16 and (ks, vs) == (1.0, 1.0) and not _narrowed(extra):
+            # AMX's kernel reads a cached prefix from the bf16 blocks as they are (CPU; None elsewhere)
+            out = native_prefill.prefill_attention_bf16_cache(q, k_new, v_new, k_cache, v_cache, cu_seqlens_q,
+                                                              context_lens, block_tables, scale)
+            if out is not None:
+                return out
         if _reads_cache(cu_seqlens_q, context_lens, extra):
             k, v, tables = _compact_blocks(k_cache, v_cache, block_tables, (ks, vs), q.dtype)
         else:  # no prefix and no window: the base kernel takes every key from k_new / v_new
             k, v, tables = k_cache, v_cache, block_tables
-        k_new, v_new = self._as_cached(k_new, v_new, (ks, vs), q.dtype)
         return self.base.prefill_attention(q, k_new, v_new, k, v, cu_seqlens_q, context_lens, tables,
                                            scale, **extra)
 

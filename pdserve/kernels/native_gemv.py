@@ -184,6 +184,10 @@ def library() -> ctypes.CDLL | None:
     lib.pd_prefill_attention.restype = _I
     lib.pd_prefill_attention_amx.argtypes = lib.pd_prefill_attention.argtypes
     lib.pd_prefill_attention_amx.restype = _I
+    lib.pd_prefill_attention_amx_paged.argtypes = [_P, ctypes.c_long, _P, ctypes.c_long, _P, ctypes.c_long, _P, _P, _P,
+                                                   _I, _I, _I, _I, ctypes.c_float, _P, _P, _I, ctypes.c_long, _P, _I,
+                                                   _P, _I]
+    lib.pd_prefill_attention_amx_paged.restype = _I
     fn = lib.pd_decode_layers
     fn.argtypes = [_P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _I]
     fn.restype = _I

@@ -37,16 +37,23 @@ typedef struct {
     long q_stride, k_stride, v_stride;
     int heads, kv_heads, group, D;
     float scale;
+    /* a cached prefix's keys and values: a bf16 paged cache [blocks][block_size][kv_heads][D]
+     * (blocks block_stride words apart), each sequence's block table max_blocks entries long */
+    const uint16_t *k_cache, *v_cache;
+    const int32_t *tables, *prefix; /* prefix NULL: no sequence has one */
+    int block_size, max_blocks;
+    long block_stride;
 } amx_args;
 
 typedef struct {
-    int start, kh, q0, q1; /* a sequence's first row of the step, its KV head, queries [q0, q1) */
-    int chunks;            /* the sequence's keys in 16s, padded to 32s: kb's stride between pair chunks */
-    long kb, vb;           /* words into the packed keys and values of (sequence, KV head) */
+    int seq, start, kh, q0, q1; /* sequence seq's first row of the step, its KV head, queries [q0, q1) */
+    int prefix;                 /* its cached keys: query i sees keys up to prefix + i */
+    int chunks;                 /* its keys in 16s, padded to 32s: kb's stride between pair chunks */
+    long kb, vb;                /* words into the packed keys and values of (sequence, KV head) */
 } amx_item;
 
 typedef struct {
-    int start, len, kh, n0, n1; /* keys [n0, n1) of (sequence, KV head) to pack, multiples of 32 */
+    int seq, start, len, kh, n0, n1; /* keys [n0, n1) of (sequence, KV head) to pack, multiples of 32 */
     int chunks;
     long kb, vb;
 } pack_job;
@@ -61,18 +68,47 @@ static inline void round32(const float *x, uint16_t *out) {
     _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x)));
 }
 
+/* Where one (sequence, KV head)'s keys or values are: the first `prefix` in the paged cache, the
+ * rest in the step's float32 rows (a bf16 cache's values: rounding them is exact) */
+typedef struct {
+    const float *rows;
+    long stride;
+    const uint16_t *cache; /* the cache plane at this KV head */
+    const int32_t *table;
+    int prefix;
+} kv_source;
+
+static kv_source source_of(const amx_args *a, const pack_job *j, int values) {
+    int prefix = a->prefix ? a->prefix[j->seq] : 0;
+    const float *rows = values ? a->v + (long)j->start * a->v_stride : a->k + (long)j->start * a->k_stride;
+    const uint16_t *cache = values ? a->v_cache : a->k_cache;
+    return (kv_source){rows + (long)j->kh * a->D, values ? a->v_stride : a->k_stride,
+                       prefix ? cache + (long)j->kh * a->D : NULL, prefix ? a->tables + (long)j->seq * a->max_blocks : NULL,
+                       prefix};
+}
+
+/* dimensions [d0, d0 + 16) of key n in bf16 */
+static inline __m256i words16(const amx_args *a, const kv_source *src, int n, int d0) {
+    if (n < src->prefix) {
+        long slot = (long)src->table[n / a->block_size] * a->block_stride + (long)(n % a->block_size) * a->kv_heads * a->D;
+        return _mm256_loadu_si256((const __m256i *)(src->cache + slot + d0));
+    }
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src->rows + (long)(n - src->prefix) * src->stride + d0));
+}
+
+static inline __m512i join(__m256i low, __m256i high) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+}
+
 /* kb[pc][kc] (tile: row p = pair p of dimension chunk pc, word n = key 16 kc + n) for the chunks
  * of keys [n0, n1), zero past `keys`: each 16-key chunk's rows in bf16, a 16 x 16 word transpose */
-static void key_tiles(const amx_args *a, const float *k, int keys, int n0, int n1, int chunks, uint32_t *kb) {
-    const int pcs = a->D / 32;
+static void key_tiles(const amx_args *a, const kv_source *src, int keys, int n0, int n1, int chunks, uint32_t *kb) {
     for (int kc = n0 / 16; kc < n1 / 16; kc++)
-        for (int pc = 0; pc < pcs; pc++) {
+        for (int pc = 0; pc < a->D / 32; pc++) {
             __m512i r[16];
             for (int i = 0; i < 16; i++) {
                 int n = 16 * kc + i;
-                uint16_t row[32] __attribute__((aligned(64)));
-                if (n < keys) round32(k + (long)n * a->k_stride + 32 * pc, row);
-                r[i] = n < keys ? _mm512_load_si512(row) : _mm512_setzero_si512();
+                r[i] = n < keys ? join(words16(a, src, n, 32 * pc), words16(a, src, n, 32 * pc + 16)) : _mm512_setzero_si512();
             }
             transpose16(r);
             for (int p = 0; p < 16; p++) _mm512_storeu_si512(kb + ((long)pc * chunks + kc) * 256 + 16 * p, r[p]);
@@ -81,19 +117,17 @@ static void key_tiles(const amx_args *a, const float *k, int keys, int n0, int n
 
 /* vb[kp][dc] (tile: row j = keys 32 kp + 2j and + 2j + 1 interleaved, word d = dimension 16 dc + d)
  * for keys [n0, n1), zero past `keys` (a zero probability times a zero value: no NaN) */
-static void value_tiles(const amx_args *a, const float *v, int keys, int n0, int n1, uint32_t *vb) {
+static void value_tiles(const amx_args *a, const kv_source *src, int keys, int n0, int n1, uint32_t *vb) {
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                                 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const int dcs = a->D / 16;
     for (int kp = n0 / 32; kp < n1 / 32; kp++)
         for (int j = 0; j < 16; j++) {
             int n = 32 * kp + 2 * j;
-            const float *even = v + (long)n * a->v_stride, *odd = even + a->v_stride;
             for (int dc = 0; dc < dcs; dc++) {
-                __m512 e = n < keys ? _mm512_loadu_ps(even + 16 * dc) : _mm512_setzero_ps();
-                __m512 o = n + 1 < keys ? _mm512_loadu_ps(odd + 16 * dc) : _mm512_setzero_ps();
-                __m512i both = (__m512i)_mm512_cvtne2ps_pbh(o, e); /* e's 16 words, then o's */
-                _mm512_storeu_si512(vb + ((long)kp * dcs + dc) * 256 + 16 * j, _mm512_permutexvar_epi16(interleave, both));
+                __m256i e = n < keys ? words16(a, src, n, 16 * dc) : _mm256_setzero_si256();
+                __m256i o = n + 1 < keys ? words16(a, src, n + 1, 16 * dc) : _mm256_setzero_si256();
+                _mm512_storeu_si512(vb + ((long)kp * dcs + dc) * 256 + 16 * j, _mm512_permutexvar_epi16(interleave, join(e, o)));
             }
         }
 }
@@ -177,7 +211,7 @@ static void output_tiles(const uint16_t *pb, int ld, const uint32_t *vb, int D, 
 
 /* One work item: rows r = g * nq + i (query head g of the group, query q0 + i) */
 static void attend_item(const amx_args *a, const amx_item *w, const uint32_t *packed, amx_buffers *buf) {
-    const int keys = w->q1, ld = (keys + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP, nq = w->q1 - w->q0;
+    const int keys = w->prefix + w->q1, ld = (keys + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP, nq = w->q1 - w->q0;
     const int rows = a->group * nq, padded = (rows + 15) / 16 * 16, D = a->D;
     for (int row = 0; row < padded; row++) {
         uint16_t *qr = buf->qb + (long)row * D;
@@ -191,7 +225,7 @@ static void attend_item(const amx_args *a, const amx_item *w, const uint32_t *pa
     for (int r0 = 0; r0 < padded; r0 += 16) score_tiles(buf->qb + (long)r0 * D, D, packed + w->kb, w->chunks, ld, buf->s + (long)r0 * ld);
     for (int row = 0; row < padded; row++) {
         uint16_t *p = buf->pb + (long)row * ld;
-        if (row < rows) softmax_bf16(buf->s + (long)row * ld, w->q0 + row % nq + 1, ld, a->scale, p);
+        if (row < rows) softmax_bf16(buf->s + (long)row * ld, w->prefix + w->q0 + row % nq + 1, ld, a->scale, p);
         else memset(p, 0, sizeof(uint16_t) * ld);
     }
     for (int r0 = 0; r0 < padded; r0 += 16) {
@@ -200,7 +234,7 @@ static void attend_item(const amx_args *a, const amx_item *w, const uint32_t *pa
         for (int r = 0; r < 16; r++) {
             int row = r0 + r, g = row / nq, i = row % nq;
             os[r] = row < rows ? a->out + ((long)(w->start + w->q0 + i) * a->heads + w->kh * a->group + g) * D : NULL;
-            if (row < rows && w->q0 + i + 1 > seen) seen = w->q0 + i + 1;
+            if (row < rows && w->prefix + w->q0 + i + 1 > seen) seen = w->prefix + w->q0 + i + 1;
         }
         output_tiles(buf->pb + (long)r0 * ld, ld, packed + w->vb, D, seen, os, (long)a->heads * D);
     }
@@ -215,15 +249,18 @@ typedef struct {
 #define PACK_KEYS 64 /* keys a packing job */
 
 /* The packing jobs and the work items (the last query blocks, with the most keys, first, as
- * native_prefill.c); *words: the packed buffer's size. NULL when out of memory. */
+ * native_prefill.c); *words: the packed buffer's size; *most_keys: a sequence's most keys. NULL
+ * when out of memory. */
 static amx_item *plan(const amx_args *a, const int32_t *starts, const int32_t *lens, int seqs, int *count,
-                      pack_job **jobs, int *job_count, long *words, int *longest) {
-    int items = 0, njobs = 0, kv = a->kv_heads;
-    *longest = 0;
+                      pack_job **jobs, int *job_count, long *words, int *most_keys) {
+    int items = 0, njobs = 0, kv = a->kv_heads, longest = 0;
+    *most_keys = 0;
     for (int i = 0; i < seqs; i++) {
+        int keys = (a->prefix ? a->prefix[i] : 0) + lens[i];
         items += kv * ((lens[i] + QB - 1) / QB);
-        njobs += kv * ((lens[i] + PACK_KEYS - 1) / PACK_KEYS);
-        *longest = lens[i] > *longest ? lens[i] : *longest;
+        njobs += kv * ((keys + PACK_KEYS - 1) / PACK_KEYS);
+        longest = lens[i] > longest ? lens[i] : longest;
+        *most_keys = keys > *most_keys ? keys : *most_keys;
     }
     amx_item *work = malloc(sizeof(amx_item) * (items ? items : 1));
     packing *at = malloc(sizeof(packing) * (size_t)seqs * kv);
@@ -235,24 +272,25 @@ static amx_item *plan(const amx_args *a, const int32_t *starts, const int32_t *l
     long used = 0;
     int n = 0;
     for (int i = 0; i < seqs; i++) {
-        int ld = (lens[i] + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP;
+        int keys = (a->prefix ? a->prefix[i] : 0) + lens[i], ld = (keys + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP;
         for (int kh = 0; kh < kv; kh++) {
             packing *p = at + (long)i * kv + kh;
             *p = (packing){ld / 16, used, used + (long)a->D * ld / 2};
             used += (long)a->D * ld;
             for (int n0 = 0; n0 < ld; n0 += PACK_KEYS)
-                (*jobs)[n++] = (pack_job){starts[i], lens[i], kh, n0, n0 + PACK_KEYS < ld ? n0 + PACK_KEYS : ld,
+                (*jobs)[n++] = (pack_job){i, starts[i], keys, kh, n0, n0 + PACK_KEYS < ld ? n0 + PACK_KEYS : ld,
                                           p->chunks, p->kb, p->vb};
         }
     }
     *job_count = n;
     n = 0;
-    for (int q1 = (*longest + QB - 1) / QB * QB; q1 > 0; q1 -= QB)
+    for (int q1 = (longest + QB - 1) / QB * QB; q1 > 0; q1 -= QB)
         for (int i = 0; i < seqs; i++) {
             if (q1 - QB >= lens[i]) continue;
             for (int kh = 0; kh < kv; kh++) {
                 packing *p = at + (long)i * kv + kh;
-                work[n++] = (amx_item){starts[i], kh, q1 - QB, q1 < lens[i] ? q1 : lens[i], p->chunks, p->kb, p->vb};
+                work[n++] = (amx_item){i, starts[i], kh, q1 - QB, q1 < lens[i] ? q1 : lens[i],
+                                       a->prefix ? a->prefix[i] : 0, p->chunks, p->kb, p->vb};
             }
         }
     free(at);
@@ -262,9 +300,9 @@ static amx_item *plan(const amx_args *a, const int32_t *starts, const int32_t *l
 }
 
 static void pack(const amx_args *a, const pack_job *j, uint32_t *packed) {
-    key_tiles(a, a->k + (long)j->start * a->k_stride + (long)j->kh * a->D, j->len, j->n0, j->n1, j->chunks,
-              packed + j->kb);
-    value_tiles(a, a->v + (long)j->start * a->v_stride + (long)j->kh * a->D, j->len, j->n0, j->n1, packed + j->vb);
+    kv_source keys = source_of(a, j, 0), values = source_of(a, j, 1);
+    key_tiles(a, &keys, j->len, j->n0, j->n1, j->chunks, packed + j->kb);
+    value_tiles(a, &values, j->len, j->n0, j->n1, packed + j->vb);
 }
 
 static int alloc_buffers(amx_buffers *b, int D, int ld, int rows) {
@@ -280,31 +318,25 @@ static void free_buffers(amx_buffers *b) {
     free(b->s);
 }
 
-/* pd_prefill_attention's contract (native_prefill.c) on AMX tiles; -1 also where the process has
- * no AMX permission or the shape is not one it takes. Two loops in one parallel region: every
- * (sequence, KV head)'s keys and values packed into B tiles once, then the work items. */
-int pd_prefill_attention_amx(const float *q, long q_stride, const float *k, long k_stride, const float *v,
-                             long v_stride, const int32_t *starts, const int32_t *lens, int seqs, int heads,
-                             int kv_heads, int D, float scale, float *out, int threads) {
-    pd_amx_request();
-    if (!pd_amx_granted() || D % 64 || heads % kv_heads || seqs <= 0) return -1;
-    amx_args a = {q, k, v, out, q_stride, k_stride, v_stride, heads, kv_heads, heads / kv_heads, D, scale};
-    int n = 0, njobs = 0, longest = 0, failed = 0;
+/* Every item of the step in one parallel region: each (sequence, KV head)'s keys and values
+ * packed into B tiles once, then the work items */
+static int attend_all(const amx_args *a, const int32_t *starts, const int32_t *lens, int seqs, int threads) {
+    int n = 0, njobs = 0, most_keys = 0, failed = 0;
     long words = 0;
     pack_job *jobs = NULL;
-    amx_item *work = plan(&a, starts, lens, seqs, &n, &jobs, &njobs, &words, &longest);
+    amx_item *work = plan(a, starts, lens, seqs, &n, &jobs, &njobs, &words, &most_keys);
     uint32_t *packed = work ? aligned_alloc(64, sizeof(uint32_t) * (size_t)(words ? words : 16)) : NULL;
     if (!packed) {
         free(work), free(jobs);
         return -2;
     }
-    const int ld_max = (longest + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP, rows_max = (a.group * QB + 15) / 16 * 16;
+    const int ld_max = (most_keys + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP, rows_max = (a->group * QB + 15) / 16 * 16;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(dynamic, 4)
-        for (int j = 0; j < njobs; j++) pack(&a, &jobs[j], packed);
+        for (int j = 0; j < njobs; j++) pack(a, &jobs[j], packed);
         amx_buffers buf;
-        int ok = alloc_buffers(&buf, D, ld_max, rows_max);
+        int ok = alloc_buffers(&buf, a->D, ld_max, rows_max);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -312,12 +344,40 @@ int pd_prefill_attention_amx(const float *q, long q_stride, const float *k, long
         load_full_tiles(); /* tiles 0-3: C, 4-5: A, 6-7: B */
 #pragma omp for schedule(dynamic, 1)
         for (int j = 0; j < n; j++)
-            if (ok) attend_item(&a, &work[j], packed, &buf);
+            if (ok) attend_item(a, &work[j], packed, &buf);
         _tile_release();
         free_buffers(&buf);
     }
     free(work), free(jobs), free(packed);
     return failed ? -2 : 0;
+}
+
+/* pd_prefill_attention's contract (native_prefill.c) on AMX tiles; -1 also where the process has
+ * no AMX permission or the shape is not one it takes */
+int pd_prefill_attention_amx(const float *q, long q_stride, const float *k, long k_stride, const float *v,
+                             long v_stride, const int32_t *starts, const int32_t *lens, int seqs, int heads,
+                             int kv_heads, int D, float scale, float *out, int threads) {
+    pd_amx_request();
+    if (!pd_amx_granted() || D % 64 || heads % kv_heads || seqs <= 0) return -1;
+    amx_args a = {q, k, v, out, q_stride, k_stride, v_stride, heads, kv_heads, heads / kv_heads, D, scale,
+                  NULL, NULL, NULL, NULL, 1, 0, 0};
+    return attend_all(&a, starts, lens, seqs, threads);
+}
+
+/* The same where sequence i's first prefix[i] keys and values are in a bf16 paged cache
+ * [blocks][block_size][kv_heads][D] (blocks block_stride words apart; its block table
+ * tables[i * max_blocks ...]) and its lens[i] new rows, from starts[i], follow them: query j of
+ * the sequence sees keys up to prefix[i] + j. */
+int pd_prefill_attention_amx_paged(const float *q, long q_stride, const float *k, long k_stride, const float *v,
+                                   long v_stride, const int32_t *starts, const int32_t *lens, const int32_t *prefix,
+                                   int seqs, int heads, int kv_heads, int D, float scale, const uint16_t *k_cache,
+                                   const uint16_t *v_cache, int block_size, long block_stride, const int32_t *tables,
+                                   int max_blocks, float *out, int threads) {
+    pd_amx_request();
+    if (!pd_amx_granted() || D % 64 || heads % kv_heads || seqs <= 0 || block_size <= 0) return -1;
+    amx_args a = {q, k, v, out, q_stride, k_stride, v_stride, heads, kv_heads, heads / kv_heads, D, scale,
+                  k_cache, v_cache, tables, prefix, block_size, max_blocks, block_stride};
+    return attend_all(&a, starts, lens, seqs, threads);
 }
 #else
 int pd_prefill_attention_amx(const float *q, long q_stride, const float *k, long k_stride, const float *v,
@@ -325,6 +385,17 @@ int pd_prefill_attention_amx(const float *q, long q_stride, const float *k, long
                              int kv_heads, int D, float scale, float *out, int threads) {
     (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)starts, (void)lens, (void)seqs;
     (void)heads, (void)kv_heads, (void)D, (void)scale, (void)out, (void)threads;
+    return -1;
+}
+
+int pd_prefill_attention_amx_paged(const float *q, long q_stride, const float *k, long k_stride, const float *v,
+                                   long v_stride, const int32_t *starts, const int32_t *lens, const int32_t *prefix,
+                                   int seqs, int heads, int kv_heads, int D, float scale, const uint16_t *k_cache,
+                                   const uint16_t *v_cache, int block_size, long block_stride, const int32_t *tables,
+                                   int max_blocks, float *out, int threads) {
+    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)starts, (void)lens, (void)prefix;
+    (void)seqs, (void)heads, (void)kv_heads, (void)D, (void)scale, (void)k_cache, (void)v_cache, (void)block_size;
+    (void)block_stride, (void)tables, (void)max_blocks, (void)out, (void)threads;
     return -1;
 }
 #endif
