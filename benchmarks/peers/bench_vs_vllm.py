@@ -41,6 +41,8 @@ Workload, the same client for all (pdserve.loadgen, streamed /v1/completions): p
 --prompt-len random token ids (a different seed per repeat, so no prompt is cached), --output-len
 new tokens with ignore_eos and temperature 0, --rounds x concurrency requests with at most
 `concurrency` in flight. Per cell: output tokens/s, TTFT p50 and TPOT p50, medians of the repeats.
+Every server is up for the whole run (the cells interleave them); while one runs a cell the others
+are stopped (SIGSTOP, resumed after; --keep-idle-running leaves them running, as before).
 """
 from __future__ import annotations
 
@@ -179,6 +181,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--log-dir", default=None)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--keep-idle-running", action="store_true",
+                   help="leave the other servers running during a server's cell (default: stopped, SIGSTOP)")
     return p.parse_args(argv)
 
 
