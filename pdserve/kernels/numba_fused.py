@@ -120,8 +120,11 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 # Past this many rows, under bf16 products, the norms and RoPE run on every thread of torch's pool
 # (native_rows.c; their sums in another order than the kernels above, so not under float32, whose
 # values stay these kernels'): on one thread a 2,048-token prefill's two norms and RoPE took about
-# 4 ms a layer while torch's second thread waited.
-PARALLEL_ROWS = 256
+# 4 ms a layer while torch's second thread waited. From 32 rows, not 256, so that a short prompt's
+# step also keeps bf16 rows between its norms and products (layers/bf16_rows.py): one 160-token
+# prompt's prefill step 105-113 -> 93-94 ms, a 64-token one 79 -> 72 ms (the 2-core AMX Xeon,
+# alternated, medians of 7-12).
+PARALLEL_ROWS = 32
 
 
 def _rows_library(x: torch.Tensor, *others: torch.Tensor):
