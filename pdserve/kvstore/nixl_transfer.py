@@ -19,6 +19,13 @@ Defaults chosen for CPU peers on one host (measured on a 2-core box, see benchma
   the reader's poll/wait and the target's get_notifications (which is also how notifications
   arrive). With error_handling="peer", or across hosts over TCP, the target must call
   get_notifications often, or use progress_thread=True.
+- UCX's adaptive progress off (ENGINE_CONFIG): with it (UCX's default) a worker stops polling its
+  shared-memory FIFOs at creation and waits for a peer's wake-up signal, sent over a Unix socket
+  in the abstract namespace, which does not cross network namespaces. Two nodes in two network
+  namespaces of one kernel (a Ray lab, containers with their own network) are intra-node peers
+  to UCX (same boot id, same IPC namespace), so the reader's wireup request sat in the target's
+  FIFO unread and the READ waited for its deadline (docs/testing.md). Polling always costs the
+  target a check of an empty FIFO per progress call.
 """
 from __future__ import annotations
 
@@ -36,6 +43,8 @@ import xxhash
 logger = logging.getLogger(__name__)
 
 XferState = Literal["DONE", "PROC", "ERR"]
+# UCX settings for every agent's worker (its UCX_* environment variables still take precedence)
+ENGINE_CONFIG = "ADAPTIVE_PROGRESS=n"
 Region = tuple[int, int, int]  # (addr, nbytes, dev_id)
 
 # Quiet UCX's and NIXL's own logging unless the user asked for something else.
@@ -124,7 +133,7 @@ def _create_agent(name: str, error_handling: str, progress_thread: bool,
     nixl_agent, nixl_agent_config = _import_nixl()
     # Backend created by hand: nixl_agent_config cannot pass UCX's error-handling mode.
     agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
-    params = {"ucx_error_handling_mode": error_handling}
+    params = {"ucx_error_handling_mode": error_handling, "engine_config": ENGINE_CONFIG}
     if num_threads > 0:
         params["num_threads"] = str(num_threads)
     try:
