@@ -1,6 +1,8 @@
 /* native_prefill.c's causal attention of fresh prompts with its two products on AMX bf16 tiles,
  * for steps whose products are bf16 tiles already (native_prefill.py picks it): queries and
  * probabilities rounded to bf16, keys and values as they are (a bf16 KV cache's rows, exact).
+ * pd_prefill_attention_amx_paged also takes prompts after a cached prefix, whose keys and values
+ * it reads from a bf16 paged cache's blocks (the prefix's queries are not in the step).
  *
  * Why: in float32 FMAs the prefill attention was 13% of a 2,048-token prefill step of SmolLM2 on
  * the 2-core AMX Xeon (160-token prompts: ~170 GFLOP/s). One TDPBF16PS multiplies 16 x 32 by
