@@ -109,7 +109,10 @@ def test_blocks_are_written_per_chunk_and_nothing_is_read(cluster):
         got = list(pool.map(lambda p: _ids(url, str(path), p), PROMPTS))
     assert got == want
     blocks = sum(-(-len(p) // BLOCK) for p in PROMPTS)
-    wait_for(lambda: _delta(url, before)["landed"] >= blocks * block_nbytes, timeout_s=10)
+    try:
+        wait_for(lambda: _delta(url, before)["landed"] >= blocks * block_nbytes, timeout_s=10)
+    except AssertionError:  # the counters say which way the rest went (READ, or not at all)
+        raise AssertionError(f"{blocks} blocks of {block_nbytes} bytes not landed: {_delta(url, before)}") from None
     moved = _delta(url, before)
     assert moved["landed"] == blocks * block_nbytes, moved
     assert moved["pushed"] == len(PROMPTS)
