@@ -21,6 +21,8 @@ needs_amx = pytest.mark.skipif(native_gemv.library() is None or not dequant_tile
 
 @pytest.fixture
 def bf16_tiles():
+    """bf16 tile products for the test, this process's tile dtype as it was after it (an engine
+    built with cpu_gemm_dtype sets it for the whole process)."""
     before = dequant_tiles.tile_dtype()
     dequant_tiles.set_tile_dtype(torch.bfloat16)
     yield
@@ -96,7 +98,7 @@ def test_float32_products_keep_the_float32_kernel():
 
 
 @needs_amx
-def test_engine_with_amx_prefill_attention_agrees_with_float32_attention(tmp_path, monkeypatch):
+def test_engine_with_amx_prefill_attention_agrees_with_float32_attention(tmp_path, monkeypatch, bf16_tiles):
     """A bf16-products engine's greedy tokens and prompt logits with the AMX prefill attention
     against the same engine with the float32 kernel: equal until a near tie, logits close. Steps
     of 48 tokens split the prompts, so later chunks read their prefix from the bf16 cache."""
