@@ -204,10 +204,7 @@ def store_bf16_rows(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     tokens, heads, dim = key.shape if key.dim() == 3 else (0, 0, 0)
     rows_dense = all(x.dtype == torch.float32 and x.device.type == "cpu" and x.shape == key.shape
                      and x.stride(2) == 1 and x.stride(1) == dim for x in (key, value))
-    slots_dense = k_cache.dim() == 4 and k_cache.stride()[1:] == (heads * dim, dim, 1) == v_cache.stride()[1:]
-    if (lib is None or not rows_dense or not slots_dense or k_cache.dtype != torch.bfloat16
-            or v_cache.dtype != torch.bfloat16 or k_cache.stride(0) != v_cache.stride(0)
-            or k_cache.shape[2:] != (heads, dim)):
+    if lib is None or not rows_dense or not native_prefill.bf16_blocks_dense(k_cache, v_cache, heads, dim):
         return None
     slots = slot_mapping.to(torch.int64).contiguous()
     k_seen, v_seen = torch.empty(key.shape), torch.empty(value.shape)

@@ -33,9 +33,14 @@ def _kernels() -> list:
     lib = native_gemv.library()
     if lib is None:
         return []
-    if dequant_tiles.tile_dtype() == torch.bfloat16 and dequant_tiles.native_amx():
+    if _amx_attention():
         return [lib.pd_prefill_attention_amx, lib.pd_prefill_attention]
     return [lib.pd_prefill_attention]
+
+
+def _amx_attention() -> bool:
+    """Whether the AMX kernel may run: the step's products are bf16 tiles, the CPU has AMX."""
+    return dequant_tiles.tile_dtype() == torch.bfloat16 and dequant_tiles.native_amx()
 
 
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -74,8 +79,8 @@ def prefill_attention_bf16_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: to
     layout it does not take): no window, sinks or key ends here."""
     global amx_calls
     lib = native_gemv.library()
-    if (lib is None or dequant_tiles.tile_dtype() != torch.bfloat16 or not dequant_tiles.native_amx()
-            or not _compiled_shape(q, k_new, v_new, None, None) or not _paged_bf16(k_cache, v_cache, k_new)):
+    if (lib is None or not _amx_attention() or not _compiled_shape(q, k_new, v_new, None, None)
+            or not bf16_blocks_dense(k_cache, v_cache, k_new.shape[1], k_new.shape[2])):
         return None
     new = cu_seqlens_q.diff().to(torch.int32)
     prefix = context_lens.to(torch.int32) - new
@@ -95,11 +100,14 @@ def prefill_attention_bf16_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: to
     return out
 
 
-def _paged_bf16(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor) -> bool:
-    """bf16 caches of [blocks, block_size, kv_heads, head_dim], each block's slots dense."""
-    dense = (k_new.shape[1] * k_new.shape[2], k_new.shape[2], 1)
-    return all(c.dtype == torch.bfloat16 and c.device.type == "cpu" and c.dim() == 4 and c.shape[2:] == k_new.shape[1:]
-               and c.stride()[1:] == dense and c.stride(0) == k_cache.stride(0) for c in (k_cache, v_cache))
+def bf16_blocks_dense(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_heads: int, head_dim: int) -> bool:
+    """bf16 caches on CPU of [blocks, block_size, kv_heads, head_dim], each block's slots dense and
+    K's and V's blocks the same stride apart: the layout the compiled bf16 kernels address by
+    block index alone (this one, and fp8_kv.store_bf16_rows's store)."""
+    dense = (kv_heads * head_dim, head_dim, 1)
+    return all(c.dtype == torch.bfloat16 and c.device.type == "cpu" and c.dim() == 4
+               and tuple(c.shape[2:]) == (kv_heads, head_dim) and c.stride()[1:] == dense
+               and c.stride(0) == k_cache.stride(0) for c in (k_cache, v_cache))
 
 
 def _run_fresh(kernels: list, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
