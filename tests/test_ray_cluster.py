@@ -73,6 +73,10 @@ class RayUp:
         self.proc = self.log_path = None
 
     def start(self, *flags: str) -> list[str]:
+        """`--prefill-placement threshold` with a threshold of 0: every prompt goes to a prefill
+        node, so each test hands KV across machines. The slo placement prices both sides by the
+        nodes' measured step times, and on a loaded CI machine it once sent every prompt to an
+        idle decode node (no handover at all)."""
         self.stop()
         self.runs += 1
         self.log_path = str(self.log_dir / f"up-{self.runs}.log")
@@ -80,7 +84,7 @@ class RayUp:
         self.proc = self.lab.popen("head", [
             sys.executable, "-m", "pdserve", "--log-level", "INFO", "up", "--ray", "auto", "--model", "builtin:tiny",
             "--routers", "2", "--port", str(PORT), "--num-kv-blocks", "512", "--local-prefill-threshold", "0",
-            "--threads-per-node", "1", *flags], self.log_path, env)
+            "--threads-per-node", "1", "--prefill-placement", "threshold", *flags], self.log_path, env)
         return _wait_for_urls(self.proc, self.log_path)
 
     def stop(self) -> None:
