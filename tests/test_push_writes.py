@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from pdserve.testing.model_factory import load_reference, make_model
-from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, wait_for
+from pdserve.testing.up_cluster import cluster_log, node_pids, node_stats, running_cluster, wait_for
 
 rng = random.Random(651)
 BLOCK = 16
@@ -83,7 +83,10 @@ def _counters(url: str) -> dict[str, int]:
             "pushed": _sum(url, "decode", "prefills_pushed"),
             "written": _sum(url, "prefill", "transfer_bytes_nixl_written"),
             "writes": _sum(url, "prefill", "push_writes"),
-            "timeouts": _sum(url, "prefill", "push_target_timeouts")}
+            "write_failures": _sum(url, "prefill", "push_write_failures"),
+            "empty_targets": _sum(url, "prefill", "push_targets_empty"),
+            "timeouts": _sum(url, "prefill", "push_target_timeouts"),
+            "digest_failures": _sum(url, "decode", "integrity_failures")}
 
 
 def _delta(url: str, before: dict[str, int]) -> dict[str, int]:
@@ -96,7 +99,7 @@ def _blocks_free(url: str) -> bool:
 
 
 def test_blocks_are_written_per_chunk_and_nothing_is_read(cluster):
-    path, url, _ = cluster
+    path, url, proc = cluster
     *want, want_one = _transformers(path, [*PROMPTS, ONE_BLOCK_AND_A_TOKEN])
     assert all(len(set(w)) > 1 for w in want)  # greedy text that varies: the comparison means something
     # A prompt of one whole block and one token: two blocks' bytes, to know a block's size.
@@ -111,8 +114,9 @@ def test_blocks_are_written_per_chunk_and_nothing_is_read(cluster):
     blocks = sum(-(-len(p) // BLOCK) for p in PROMPTS)
     try:
         wait_for(lambda: _delta(url, before)["landed"] >= blocks * block_nbytes, timeout_s=10)
-    except AssertionError:  # the counters say which way the rest went (READ, or not at all)
-        raise AssertionError(f"{blocks} blocks of {block_nbytes} bytes not landed: {_delta(url, before)}") from None
+    except AssertionError:  # the counters and the nodes' warnings say which way the rest went
+        raise AssertionError(f"{blocks} blocks of {block_nbytes} bytes not landed: {_delta(url, before)}\n"
+                             f"the cluster's log:\n{cluster_log(proc, 6000)}") from None
     moved = _delta(url, before)
     assert moved["landed"] == blocks * block_nbytes, moved
     assert moved["pushed"] == len(PROMPTS)

@@ -56,6 +56,12 @@ def _stacks_and_log(proc: subprocess.Popen, tail_chars: int = 20000) -> str:
     with contextlib.suppress(OSError):
         os.kill(proc.pid, signal.SIGUSR1)
     time.sleep(2)
+    return cluster_log(proc, tail_chars)
+
+
+def cluster_log(proc: subprocess.Popen, tail_chars: int = 20000) -> str:
+    """The tail of a running_cluster's log (its nodes' warnings: the clusters log at WARNING), for
+    a test's failure message: the file is temporary and gone once the cluster stops."""
     log_file = proc.log_file
     log_file.flush()
     log_file.seek(0)
