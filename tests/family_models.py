@@ -103,6 +103,25 @@ def assert_meaningful(tokens: list[int], gaps: torch.Tensor) -> None:
     assert float(gaps.min()) > 1e-3, f"a top-2 logit gap of {float(gaps.min()):.1e}: a near tie"
 
 
+def meaningful_greedy(ref, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt, each checked meaningful (assert_meaningful)."""
+    out = []
+    for prompt in prompts:
+        tokens, gaps = reference_greedy(ref, prompt, n)
+        assert_meaningful(tokens, gaps)
+        out.append(tokens)
+    return out
+
+
+def hybrid_handover_bytes(path: Path, prompts: list[list[int]]) -> int:
+    """What handing these prompts over moves for a hybrid checkpoint: each prompt's KV blocks and
+    its state slot, as an engine of it lays them out (the same at every TP degree)."""
+    engine = LLM(model=str(path), num_kv_blocks=8, max_num_seqs=1).engine
+    blocks = sum(-(-len(p) // engine.config.block_size) for p in prompts)
+    return (blocks * engine.kv_cache[0].numel() * engine.kv_cache.element_size()
+            + len(prompts) * engine.kv.states.slot_nbytes)
+
+
 def check_prompt_logits(path: Path, ref, lengths=(1, 9, 40, 70)) -> None:
     llm = LLM(model=str(path), num_kv_blocks=64)
     for prompt in random_prompts(1, ref.config.vocab_size, lengths):

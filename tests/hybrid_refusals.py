@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pdserve.engine.config import EngineConfig
 from pdserve.models.hybrid import unsupported_for_hybrid
+from pdserve.models.tp_shard_hybrid import HYBRID_TP_FAMILIES
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "feature-matrix.md"
 # feature -> the engine settings that turn it on
@@ -19,10 +20,19 @@ FEATURES = {
 }
 
 
-def refusal(feature: str) -> str:
+# The page's example of an architecture tensor parallelism does not split yet (a Mamba2 family).
+TP_REFUSED_EXAMPLE = "NemotronHForCausalLM"
+
+
+def refusal(feature: str, architecture: str = TP_REFUSED_EXAMPLE) -> str:
     config = EngineConfig(**FEATURES[feature])
-    (reason,) = unsupported_for_hybrid(config)
+    (reason,) = unsupported_for_hybrid(config, architecture, HYBRID_TP_FAMILIES)
     return reason
+
+
+def refused(feature: str, architecture: str) -> bool:
+    """Whether the feature is refused for this architecture (TP splits some hybrids)."""
+    return bool(unsupported_for_hybrid(EngineConfig(**FEATURES[feature]), architecture, HYBRID_TP_FAMILIES))
 
 
 def hybrid_section() -> str:
@@ -31,11 +41,14 @@ def hybrid_section() -> str:
              "request beside the KV blocks. `tests/test_models_hybrid.py` checks each refusal below at start; "
              "offline greedy decoding, chunked prefill, batched decode, preemption and prefix caching (with "
              "the state snapshotted at block boundaries) match transformers; so does P/D over NIXL and through the "
-             "store, the state handed over with the blocks (`tests/test_hybrid_pd.py`).", "",
+             "store, the state handed over with the blocks (`tests/test_hybrid_pd.py`). Qwen3.5 text and "
+             "Qwen3-Next split over tensor-parallel ranks, and P/D hands over between nodes at different "
+             "degrees (`tests/test_hybrid_tp.py`).", "",
              "| feature | hybrid model |", "|---|---|"]
     lines += ["| prefix caching | ✓ (the state snapshotted at block boundaries; across nodes through the store) |",
               "| P/D handover | ✓ (the state travels with the blocks, over NIXL and through the store) |"]
-    lines += [f"| {name} | ✗ |" for name in FEATURES]
-    lines += [""]
+    lines += [f"| {name} | ✗ |" for name in FEATURES if name != "TP 2"]
+    lines += ["| TP 2 | ✓ Qwen3.5 text, Qwen3-Next (each rank's heads; the state pool whole and shared, "
+              "so the handover is the same at every degree); ✗ the Mamba2 families |", ""]
     lines += [f"- **{name}:** {refusal(name)}" for name in FEATURES]
     return "\n".join(lines) + "\n"

@@ -26,7 +26,7 @@ import openai
 import pytest
 import torch
 import zmq
-from family_models import assert_meaningful, random_prompts, reference_greedy
+from family_models import hybrid_handover_bytes, meaningful_greedy, random_prompts
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.state_pool import StatePool, state_layout
@@ -39,7 +39,15 @@ from pdserve.node.store_prefix import StorePrefix, request_block_keys
 from pdserve.node.store_writeback import StoreWriteBack
 from pdserve.protocol.block_keys import state_key
 from pdserve.testing.hybrid_checkpoints import load_reference, make_hybrid_model
-from pdserve.testing.up_cluster import KILL_PACE, DecodeNodeKiller, node_pids, node_stats, running_clusters, wait_for
+from pdserve.testing.up_cluster import (
+    KILL_PACE,
+    DecodeNodeKiller,
+    decode_stats_after,
+    node_pids,
+    node_stats,
+    running_clusters,
+    wait_for,
+)
 from pdserve.wire.compat import KVCompat, compat_mismatch
 from pdserve.wire.handover import NixlHandover, NixlMetadata, StoreHandover, peer_mismatch
 
@@ -88,19 +96,7 @@ def _complete(url: str, model: str, prompt: list[int], max_tokens: int = NEW_TOK
 
 
 def _greedy(path, prompts: list[list[int]]) -> list[list[int]]:
-    ref = load_reference(path)
-    out = []
-    for prompt in prompts:
-        tokens, gaps = reference_greedy(ref, prompt, NEW_TOKENS)
-        assert_meaningful(tokens, gaps)
-        out.append(tokens)
-    return out
-
-
-def _decode_stats_after(url: str, pulls: int) -> list[dict] | None:
-    """The decode nodes' stats once they have finished `pulls` pulls between them."""
-    nodes = [s for s in node_stats(url).values() if s["role"] == "decode"]
-    return nodes if sum(s["transfers_ok"] + s["transfers_failed"] for s in nodes) >= pulls else None
+    return meaningful_greedy(load_reference(path), prompts, NEW_TOKENS)
 
 
 def _all_returned(url: str) -> bool:
@@ -124,13 +120,9 @@ def test_pd_greedy_matches_transformers(cluster, clusters, checkpoints):
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         got += [ids for ids, _ in pool.map(lambda p: _complete(url, str(path), p), prompts[1:])]
     assert got == want, f"{cluster}: greedy differs from transformers"
-    decode = wait_for(lambda: _decode_stats_after(url, before + len(prompts)))
+    decode = wait_for(lambda: decode_stats_after(url, before + len(prompts)))
     assert sum(s["transfers_failed"] for s in decode) == 0, f"{cluster}: a pull failed and was recomputed"
-    # the bytes moved: each prompt's blocks and its state slot (the node's own layout)
-    engine = LLM(model=str(path), num_kv_blocks=8, max_num_seqs=1).engine
-    blocks = sum(-(-len(p) // 16) for p in prompts)
-    want_bytes = blocks * engine.kv_cache[0].numel() * engine.kv_cache.element_size()
-    want_bytes += len(prompts) * engine.kv.states.slot_nbytes
+    want_bytes = hybrid_handover_bytes(path, prompts)  # each prompt's blocks and its state slot
     assert sum(s[f"transfer_bytes_{transfer}"] for s in decode) - moved == want_bytes
     if transfer == "store":  # and what the prefill nodes put (prefilled in one step: no snapshots)
         wait_for(lambda: sum(s["transfer_bytes_store"] for s in node_stats(url).values()

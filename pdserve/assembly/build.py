@@ -109,7 +109,12 @@ def _load_target(config: EngineConfig) -> _Target:
         executor = start_executor(config, model_path, hf_config, dtype, device,
                                   (blocks, *layout.block_shape()), layout.dtype)
         model = load_driver_shard(executor, model_path, hf_config, dtype, device)
-        return _Target(device, model_path, hf_config, dtype, layout, model, executor.kv_cache, executor)
+        states = snapshots = None
+        kv_cache = executor.kv_cache
+        if hybrid:  # the slots come out of the budget: the pool's blocks past `blocks` stay unwritten
+            states, snapshots, blocks = state_pool(config, model, layout, blocks, device, executor)
+            kv_cache = kv_cache[:blocks]
+        return _Target(device, model_path, hf_config, dtype, layout, model, kv_cache, executor, states, snapshots)
     model = load_model(model_path, hf_config, dtype, device)
     states = snapshots = None
     if hybrid:
@@ -160,7 +165,8 @@ def _parts(config: EngineConfig, t: _Target, role: str | None = None) -> EngineP
         else:
             runner = TPModelRunner(t.model, t.executor, config.block_size, ops, t.device,
                                    lora_batch=lora.batch if lora is not None else None,
-                                   multimodal=multimodal_inputs(t.model, config.encoder_cache_tokens))
+                                   multimodal=multimodal_inputs(t.model, config.encoder_cache_tokens),
+                                   states=t.states)
         if lora is not None:  # the workers load each adapter into the slot the driver does
             lora.on_load = t.executor.load_lora
     else:

@@ -13,6 +13,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_pool_size import default_num_blocks
 from pdserve.engine.state_pool import StatePool, slot_nbytes
 from pdserve.engine.state_snapshots import StateSnapshots
+from pdserve.executor.kv_shared import state_layers
 from pdserve.kernels import get_ops
 from pdserve.kernels.fp8_kv import narrow_kv_ops
 from pdserve.kvstore.layout import KVLayout
@@ -20,6 +21,7 @@ from pdserve.lora.manager import LoRAManager
 from pdserve.models.hybrid import unsupported_for_hybrid
 from pdserve.models.model_path import eos_token_ids, load_decode_tokenizer
 from pdserve.models.model_path import load_tokenizer as load_checkpoint_tokenizer
+from pdserve.models.tp_shard_hybrid import HYBRID_TP_FAMILIES
 
 log = logging.getLogger(__name__)
 
@@ -46,19 +48,20 @@ def num_kv_blocks(config: EngineConfig, layout: KVLayout, max_positions: int) ->
 
 def check_hybrid_supported(config: EngineConfig, hf_config) -> None:
     """Refuse, before anything loads, the settings not implemented for a hybrid model."""
-    refused = unsupported_for_hybrid(config)
+    arch = (getattr(hf_config, "architectures", None) or ["this model"])[0]
+    refused = unsupported_for_hybrid(config, arch, HYBRID_TP_FAMILIES)
     if refused:
-        arch = (getattr(hf_config, "architectures", None) or ["this model"])[0]
         raise ValueError(f"{arch} is a hybrid model (linear-attention or Mamba layers with a recurrent state); "
                          "pdserve does not support these with it yet: " + "; ".join(refused))
 
 
-def state_pool(config: EngineConfig, model, layout: KVLayout, blocks: int, device: torch.device
-               ) -> tuple[StatePool, StateSnapshots | None, int]:
+def state_pool(config: EngineConfig, model, layout: KVLayout, blocks: int, device: torch.device,
+               executor=None) -> tuple[StatePool, StateSnapshots | None, int]:
     """A hybrid model's state pool, one slot per request that may run at once (max_num_seqs);
     with prefix caching, as many snapshots of states at block boundaries (state_snapshots); and
     the KV block count left beside them: a memory budget (kv_cache_memory_gb, or the default
-    pool's) holds them all, an explicit num_kv_blocks is kept as given."""
+    pool's) holds them all, an explicit num_kv_blocks is kept as given. executor: a
+    tensor-parallel node's, whose ranks share the slots' arena (TPExecutor.map_states)."""
     spec = model.state_spec()
     copies = config.max_num_seqs * (2 if config.enable_prefix_caching else 1)
     state_bytes = copies * slot_nbytes(spec)
@@ -70,7 +73,10 @@ def state_pool(config: EngineConfig, model, layout: KVLayout, blocks: int, devic
                              f"({copies} slots of {len(spec)} layers, {state_bytes / 2**20:.1f} MiB) "
                              "and one KV block: raise kv_cache_memory_gb or lower max_num_seqs")
     log.info("state pool: %d slots of %d layers, with snapshots (%.1f MiB)", copies, len(spec), state_bytes / 2**20)
-    pool = StatePool(spec, config.max_num_seqs, device)
+    arena = None
+    if executor is not None:
+        arena = executor.map_states(state_layers(spec), config.max_num_seqs, slot_nbytes(spec))
+    pool = StatePool(spec, config.max_num_seqs, device, arena=arena)
     snapshots = StateSnapshots(pool, config.max_num_seqs, device) if config.enable_prefix_caching else None
     return pool, snapshots, blocks
 

@@ -66,13 +66,19 @@ def _view(arena: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch
 
 
 class StatePool:
-    def __init__(self, spec: list[LayerStateSpec], num_slots: int, device: torch.device):
+    def __init__(self, spec: list[LayerStateSpec], num_slots: int, device: torch.device,
+                 arena: torch.Tensor | None = None):
+        """arena: the [num_slots, slot_nbytes] bytes to use (a tensor-parallel node's shared memory,
+        which every rank maps: pdserve.executor), else zeros of this process's own."""
         if num_slots < 1:
             raise ValueError("the state pool needs at least one slot")
         self.spec = spec
         self.slot_nbytes, offsets = slot_offsets(spec)
         self.layout = state_layout(spec)
-        self.arena = torch.zeros((num_slots, self.slot_nbytes), dtype=torch.uint8, device=device)
+        if arena is not None and tuple(arena.shape) != (num_slots, self.slot_nbytes):
+            raise ValueError(f"a state arena of shape {tuple(arena.shape)} for {num_slots} slots of {self.slot_nbytes} bytes")
+        self.arena = (torch.zeros((num_slots, self.slot_nbytes), dtype=torch.uint8, device=device)
+                      if arena is None else arena)
         self.conv = [_view(self.arena, c, s.conv_shape, s.conv_dtype) for s, (c, _) in zip(spec, offsets)]
         self.state = [_view(self.arena, o, s.state_shape, s.state_dtype) for s, (_, o) in zip(spec, offsets)]
         self.free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first

@@ -23,7 +23,16 @@ import torch
 
 from pdserve.executor.group import DEFAULT_TIMEOUT_S, make_rank_groups, open_store, set_rank_threads
 from pdserve.executor.kv_shared import allocate_shared_file, create_shared_file, fd_path, map_shared
-from pdserve.executor.messages import LoadLoRA, ReportWaits, Shutdown, StepPlan, WorkerSpec, write_message
+from pdserve.executor.messages import (
+    LoadLoRA,
+    MapStates,
+    ReportWaits,
+    Shutdown,
+    StateLayer,
+    StepPlan,
+    WorkerSpec,
+    write_message,
+)
 from pdserve.executor.shm_collectives import ShmCollectives, buffer_bytes
 from pdserve.executor.stage_link import recv_waits
 from pdserve.executor.step_channel import DEFAULT_CAPACITY, StepChannel
@@ -51,7 +60,8 @@ class TPExecutor:
                  kernel_backend: str, kv_shape: tuple[int, ...], threads: int,
                  timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False, pp_size: int = 1,
                  lora_slots: tuple[int, int] = (0, 0), kv_dtype: torch.dtype | None = None,
-                 gemm_dtype: str = "float32", kv_prefault: bool = False):
+                 gemm_dtype: str = "float32", kv_prefault: bool = False, states: bool = False):
+        """states: a hybrid model's, whose recurrent-state arena is shared too (map_states)."""
         if device.type != "cpu":
             raise ValueError("tensor_parallel_size > 1 and pipeline_parallel_size > 1 run on CPU for now (the "
                              "shared KV cache is host memory); see docs/tensor-parallelism.md")
@@ -72,13 +82,15 @@ class TPExecutor:
         self._coll_fds = [create_shared_file(buffer_bytes(tp_size), "collectives") for _ in range(pp_size)
                           ] if tp_size > 1 else []
         self.kv_cache = map_shared(fd_path(self._kv_fd), kv_shape, kv_dtype)
+        # Sized once the driver's model says what a slot holds (map_states); inherited now.
+        self._state_fd = create_shared_file(0, "states") if states else -1
         store = open_store(self.size, timeout_s)
         spec = dict(world_size=self.size, store_host="127.0.0.1", store_port=store.port, model_path=str(model_path),
                     dtype=str(dtype).removeprefix("torch."), device=str(device), kernel_backend=kernel_backend,
                     threads=threads, kv_fd=self._kv_fd, kv_shape=list(kv_shape), payload_fd=self._payload_fd,
                     payload_capacity=DEFAULT_CAPACITY, timeout_s=timeout_s, expert_parallel=expert_parallel,
                     pp_size=pp_size, max_loras=lora_slots[0], max_lora_rank=lora_slots[1],
-                    kv_dtype=str(kv_dtype).removeprefix("torch."), gemm_dtype=gemm_dtype)
+                    kv_dtype=str(kv_dtype).removeprefix("torch."), gemm_dtype=gemm_dtype, state_fd=self._state_fd)
         self.workers = [self._start_watched(WorkerSpec(rank=r, collectives_fd=self._stage_coll_fd(r), **spec))
                         for r in range(1, self.size)]
         self._finalizer = weakref.finalize(self, _close_workers, list(self.workers), self.closing)
@@ -120,7 +132,7 @@ class TPExecutor:
     def _spawn(self, spec: WorkerSpec) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), NUMBA_NUM_THREADS=str(self.threads))
         cmd = [sys.executable, "-m", "pdserve.executor.worker", msgspec.json.encode(spec).decode()]
-        fds = (self._kv_fd, self._payload_fd) + ((spec.collectives_fd,) if spec.collectives_fd >= 0 else ())
+        fds = (self._kv_fd, self._payload_fd) + tuple(fd for fd in (spec.collectives_fd, spec.state_fd) if fd >= 0)
         return subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, pass_fds=fds, preexec_fn=_die_with_parent)
 
     def wait_ready(self) -> None:
@@ -149,14 +161,27 @@ class TPExecutor:
         if not plan.in_shm:
             self.channel.broadcast(flat)
 
+    def map_states(self, layers: list[StateLayer], num_slots: int, slot_nbytes: int) -> torch.Tensor:
+        """The recurrent-state arena ([num_slots, slot_nbytes] bytes, zeros) in shared memory, mapped
+        here and by every worker (before its next step)."""
+        if self._state_fd < 0:
+            raise RuntimeError("this executor was started without a state arena (states=False)")
+        os.ftruncate(self._state_fd, num_slots * slot_nbytes)
+        arena = map_shared(fd_path(self._state_fd), [num_slots, slot_nbytes], torch.uint8)
+        self._tell_workers(MapStates(num_slots, layers))
+        return arena
+
+    def _tell_workers(self, msg) -> None:
+        try:
+            for proc in self.workers:
+                write_message(proc.stdin.fileno(), msg)
+        except OSError as exc:
+            raise WorkerLost(f"a {self.kind} worker is gone: {exc}") from None
+
     def load_lora(self, slot: int, name: str, path: str) -> None:
         """Every worker loads its slice of the adapter at path into slot (before the next step,
         which its pipe delivers after this)."""
-        try:
-            for proc in self.workers:
-                write_message(proc.stdin.fileno(), LoadLoRA(slot, name, path))
-        except OSError as exc:
-            raise WorkerLost(f"a {self.kind} worker is gone: {exc}") from None
+        self._tell_workers(LoadLoRA(slot, name, path))
 
     def worker_waits(self) -> list[float]:
         """Seconds each worker (rank 1, 2, ...) has spent waiting for work: on its pipe between
@@ -191,7 +216,7 @@ class TPExecutor:
             except (OSError, ValueError):
                 pass
         self._finalizer()
-        for fd in (self._kv_fd, self._payload_fd, *self._coll_fds):
+        for fd in (self._kv_fd, self._payload_fd, *self._coll_fds, *([self._state_fd] if self._state_fd >= 0 else [])):
             try:
                 os.close(fd)
             except OSError:

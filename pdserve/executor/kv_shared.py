@@ -17,6 +17,9 @@ import uuid
 
 import torch
 
+from pdserve.executor.messages import StateLayer
+from pdserve.models.state_layers import LayerStateSpec
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -82,3 +85,14 @@ def rank_layer_caches(kv_cache: torch.Tensor, heads: tuple[int, int] | None
             planes = tuple(p.narrow(2, heads[0], heads[1]) for p in planes)
         caches.append(tuple(planes))
     return caches
+
+
+def state_layers(spec: list[LayerStateSpec]) -> list[StateLayer]:
+    """A hybrid model's state spec as the workers' MapStates message carries it."""
+    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+    return [StateLayer(list(s.conv_shape), name(s.conv_dtype), list(s.state_shape), name(s.state_dtype)) for s in spec]
+
+
+def layer_specs(layers: list[StateLayer]) -> list[LayerStateSpec]:
+    return [LayerStateSpec(tuple(s.conv_shape), getattr(torch, s.conv_dtype), tuple(s.state_shape),
+                           getattr(torch, s.state_dtype)) for s in layers]

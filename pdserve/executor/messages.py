@@ -34,6 +34,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     max_lora_rank: int = 0
     kv_dtype: str = ""             # the KV cache's torch dtype name ("": the model's)
     gemm_dtype: str = "float32"    # the quantized tiles' product dtype (kernels.dequant_tiles)
+    state_fd: int = -1             # a hybrid model's shared recurrent-state arena (sized by MapStates)
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="step"):
@@ -59,6 +60,10 @@ class StepPlan(msgspec.Struct, frozen=True, tag="step"):
     # the arrays as a float broadcast (pdserve.executor.step_channel).
     mrope_positions: bool = False
     image_rows: int = 0
+    # A hybrid model (engine.state_pool.StateRows): the decode rows' state slots, then each
+    # prefill chunk's (slot, first row, end row). The driver zeroes fresh slots before sending.
+    state_slots: list[int] = []
+    state_spans: list[tuple[int, int, int]] = []
 
 
 class LoadLoRA(msgspec.Struct, frozen=True, tag="load_lora"):
@@ -67,6 +72,21 @@ class LoadLoRA(msgspec.Struct, frozen=True, tag="load_lora"):
     slot: int
     name: str
     path: str
+
+
+class StateLayer(msgspec.Struct, frozen=True):
+    """One stateful layer's window and state (models.state_layers.LayerStateSpec), dtypes by name."""
+    conv_shape: list[int]
+    conv_dtype: str
+    state_shape: list[int]
+    state_dtype: str
+
+
+class MapStates(msgspec.Struct, frozen=True, tag="map_states"):
+    """Map the node's recurrent-state arena (WorkerSpec.state_fd, now num_slots slots of these
+    layers) before the next step: a hybrid model's pool, sized once the driver's model loaded."""
+    num_slots: int
+    layers: list[StateLayer]
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
@@ -78,7 +98,7 @@ class ReportWaits(msgspec.Struct, frozen=True, tag="report_waits"):
     pipeline's idle stages): one float64 tensor over the node group."""
 
 
-Control = StepPlan | Shutdown | ReportWaits | LoadLoRA
+Control = StepPlan | Shutdown | ReportWaits | LoadLoRA | MapStates
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Control)
 _LEN = struct.Struct("<I")

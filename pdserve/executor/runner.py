@@ -14,6 +14,7 @@ from pdserve.engine.model_runner import AttentionContext, ModelRunner
 from pdserve.engine.multimodal import ImageRows
 from pdserve.engine.prompt_logprobs import prompt_spans
 from pdserve.engine.request import Request
+from pdserve.engine.state_pool import step_rows
 from pdserve.engine.step_inputs import build_step_inputs, is_decode_query
 from pdserve.executor.executor import TPExecutor
 from pdserve.executor.kv_shared import kv_head_range, rank_layer_caches
@@ -23,11 +24,13 @@ from pdserve.executor.step_channel import payload_length
 
 class TPModelRunner(ModelRunner):
     def __init__(self, model, executor: TPExecutor, block_size: int, ops, device: torch.device, lora_batch=None,
-                 multimodal=None):
+                 multimodal=None, states=None):
+        """states: a hybrid model's pool, over the arena every rank maps (TPExecutor.map_states)."""
         self.executor = executor  # (read by _layer_caches, which ModelRunner's constructor calls)
         super().__init__(model, executor.kv_cache, block_size, ops, device, lora_batch=lora_batch,
-                         multimodal=multimodal)
+                         multimodal=multimodal, states=states)
         self.steps, self.send_seconds = 0, 0.0  # for the benchmark's per-step figures
+        self._step_states = None  # the step's StateRows (a hybrid model's), set with its plan
 
     def _layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
         """Rank 0's KV heads of the node's shared cache (the compiled decode step is planned on them)."""
@@ -51,12 +54,22 @@ class TPModelRunner(ModelRunner):
         num_decodes = sum(1 for r, n in items if is_decode_query(r, n))
         spans = prompt_spans(items)
         inputs = build_step_inputs(items, num_decodes, self.block_size)
-        return inputs, spans, make_plan(inputs, inputs.num_decode_tokens, spans, all_logits, in_shm=False)
+        plan = make_plan(inputs, inputs.num_decode_tokens, spans, all_logits, in_shm=False)
+        return inputs, spans, self._with_states(plan, items, inputs.num_decode_tokens)
+
+    def _with_states(self, plan, items, num_decodes: int):
+        """A hybrid model's step: its rows' state slots in the plan (step_rows zeroes the fresh
+        ones in the shared arena, before the workers step)."""
+        self._step_states = None
+        if self.states is None:
+            return plan
+        rows = self._step_states = step_rows(self.states, items, num_decodes, self.device)
+        return msgspec.structs.replace(plan, state_slots=rows.slots.tolist(), state_spans=list(rows.spans))
 
     def _forward_hidden(self, inputs, num_decodes: int, items=()) -> torch.Tensor:
         """Hidden states only (embeddings): the workers run the same forward pass, with no LM
         head passes, so every collective has all its ranks."""
-        plan = make_plan(inputs, num_decodes, [], False, in_shm=False)
+        plan = self._with_states(make_plan(inputs, num_decodes, [], False, in_shm=False), items, num_decodes)
         return self._run_step(msgspec.structs.replace(plan, sample_rows=[]), inputs, items=items)
 
     def _run_step(self, plan, inputs, offset: int = 0, items=(), end: int | None = None) -> torch.Tensor:
@@ -82,7 +95,7 @@ class TPModelRunner(ModelRunner):
         self.send_seconds += time.perf_counter() - started
         self.steps += 1
         token_ids, positions, meta = step_tensors(flat, plan, self.device)
-        ctx = AttentionContext(self.ops, self.layer_caches, meta)
+        ctx = AttentionContext(self.ops, self.layer_caches, meta, self._step_states)
         return self.model(token_ids, positions, ctx) if images is None else self.model(token_ids, positions, ctx,
                                                                                         images=images)
 

@@ -12,17 +12,20 @@ from pdserve.kernels.dequant_tiles import gemm_dtype
 from pdserve.layers.parallel import set_tp_group
 from pdserve.layers.quant.base import quantization_dict
 from pdserve.models import qwen2_5_vl
+from pdserve.models.hybrid import is_hybrid_config
 from pdserve.models.loader import FAMILY_MODULES, load_model
 from pdserve.models.pipeline import cut_to_stage, pp_layer_range
 from pdserve.models.tp_shard import shard_decoder_model
+from pdserve.models.tp_shard_hybrid import HYBRID_TP_FAMILIES, shard_hybrid_model
 
 # Families built from pdserve.layers (sharded as they are built), and families loaded whole
-# and then cut to the rank's slice (pdserve.models.tp_shard); the others refuse TP > 1.
+# and then cut to the rank's slice (pdserve.models.tp_shard, tp_shard_hybrid for the
+# linear-attention hybrids); the others refuse TP > 1.
 LAYER_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                   qwen2_5_vl.ARCHITECTURE)
 SHARDED_AFTER_LOAD = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM",
                       "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM")
-TP_FAMILIES = LAYER_FAMILIES + SHARDED_AFTER_LOAD
+TP_FAMILIES = LAYER_FAMILIES + SHARDED_AFTER_LOAD + HYBRID_TP_FAMILIES
 
 
 # Quantized checkpoints of the families sharded after load that are cut like float ones: MXFP4
@@ -44,6 +47,10 @@ def check_tp_support(hf_config, size: int, expert_parallel: bool = False) -> Non
     heads = hf_config.num_attention_heads
     if heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the {heads} attention heads")
+    for field in ("linear_num_key_heads", "linear_num_value_heads"):  # the linear-attention layers'
+        count = getattr(hf_config, field, None) if arch in HYBRID_TP_FAMILIES else None
+        if count and count % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide {field} ({count})")
     if expert_parallel:
         experts = (getattr(hf_config, "num_experts", None) or getattr(hf_config, "n_routed_experts", None)
                    or getattr(hf_config, "num_local_experts", 0))
@@ -82,7 +89,7 @@ def start_executor(config, model_path, hf_config, dtype: torch.dtype, device: to
                       rank_threads(config), expert_parallel=config.enable_expert_parallel, pp_size=stages,
                       lora_slots=(config.max_loras, config.max_lora_rank) if config.enable_lora else (0, 0),
                       kv_dtype=kv_dtype, gemm_dtype=str(gemm_dtype()).removeprefix("torch."),
-                      kv_prefault=config.kv_cache_prefault)
+                      kv_prefault=config.kv_cache_prefault, states=is_hybrid_config(hf_config))
 
 
 def load_shard(model_path, hf_config, dtype: torch.dtype, device: torch.device, group, expert_parallel: bool,
@@ -97,6 +104,8 @@ def load_shard(model_path, hf_config, dtype: torch.dtype, device: torch.device, 
         set_tp_group(None)  # another engine in this process builds unsharded unless it sets its own
     if hf_config.architectures[0] in SHARDED_AFTER_LOAD and group.size > 1:
         shard_decoder_model(model, group, expert_parallel)
+    elif hf_config.architectures[0] in HYBRID_TP_FAMILIES and group.size > 1:
+        shard_hybrid_model(model, group)
     return cut_to_stage(model, stage, num_stages) if num_stages > 1 else model
 
 

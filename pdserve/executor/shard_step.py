@@ -79,15 +79,16 @@ def step_logits(model, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor:
 
 @torch.inference_mode()
 def run_worker_step(model, ops, layer_caches, device: torch.device, plan: StepPlan, flat: torch.Tensor,
-                    link: StageLink | None = None, images: ImageRows | None = None) -> None:
+                    link: StageLink | None = None, images: ImageRows | None = None, states=None) -> None:
     """A worker's share of a step. Without pipeline stages (link None) the logits it helps
     gather are the driver's to use; with them, a stage before the last hands its hidden states
     on, and the last stage's first rank sends the step's results to the driver. images: a
-    vision-language model's embeddings for the step's placeholder rows (TP only)."""
+    vision-language model's embeddings for the step's placeholder rows (TP only). states: a
+    hybrid model's StateRows (engine.state_pool) over the shared arena (TP only)."""
     token_ids, positions, meta = step_tensors(flat, plan, device)
     if link is not None and not link.role.first:
         model.embed_tokens.hidden = link.recv_hidden(plan.num_tokens)
-    ctx = AttentionContext(ops, layer_caches, meta)
+    ctx = AttentionContext(ops, layer_caches, meta, states)
     hidden = model(token_ids, positions, ctx) if images is None else model(token_ids, positions, ctx, images=images)
     if link is not None and not link.role.last:
         link.send_hidden(hidden)

@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import msgspec
 
-from pdserve.executor.messages import LoadLoRA, ReportWaits, Shutdown, WorkerSpec, read_message
+from pdserve.executor.messages import LoadLoRA, MapStates, ReportWaits, Shutdown, WorkerSpec, read_message
 
 log = logging.getLogger("pdserve.executor.worker")
 
@@ -41,6 +41,8 @@ def main(argv: list[str]) -> int:
             shard.report_waits(waited)
         elif isinstance(msg, LoadLoRA):
             shard.load_lora(msg)
+        elif isinstance(msg, MapStates):
+            shard.map_states(msg)
         else:
             shard.step(msg)
 

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.state_pool import StatePool, StateRows, slot_nbytes
 from pdserve.executor.group import join_store, make_rank_groups, set_rank_threads
-from pdserve.executor.kv_shared import fd_path, kv_head_range, map_shared, rank_layer_caches
-from pdserve.executor.messages import WorkerSpec
+from pdserve.executor.kv_shared import fd_path, kv_head_range, layer_specs, map_shared, rank_layer_caches
+from pdserve.executor.messages import MapStates, WorkerSpec
 from pdserve.executor.setup import load_shard
 from pdserve.executor.shard_step import run_worker_step, step_images
 from pdserve.executor.shm_collectives import ShmCollectives
@@ -72,7 +73,15 @@ class Shard:
                                             self.device)
         if hasattr(self.model, "native_decode_weights"):  # the compiled decode step, as the driver plans it
             self.model.native_decode = native_decode.plan_for(self.model, self.layer_caches, self.device, self.lora)
+        self.state_fd, self.states = spec.state_fd, None  # a hybrid model's pool, once MapStates maps it
         store.set(f"ready/{spec.rank}", "1")
+
+    def map_states(self, msg: MapStates) -> None:
+        """The driver sized the node's recurrent-state arena: map it (every head's window and
+        state; this rank's layers use their heads' part)."""
+        layers = layer_specs(msg.layers)
+        arena = map_shared(fd_path(self.state_fd), [msg.num_slots, slot_nbytes(layers)], torch.uint8)
+        self.states = StatePool(layers, msg.num_slots, self.device, arena=arena)
 
     def report_waits(self, pipe_seconds: float) -> None:
         """Rank 0 asked (ReportWaits): the seconds this rank waited for work, on its pipe and
@@ -91,8 +100,12 @@ class Shard:
         values = None
         if plan.image_rows:  # a vision-language model's embeddings, after the arrays
             values = self.channel.receive_embeddings(plan.image_rows, self.model.spec.hidden_size, torch.float32)
+        states = None
+        if self.states is not None:
+            states = StateRows(self.states, torch.tensor(plan.state_slots, dtype=torch.int64), len(plan.state_slots),
+                               [tuple(span) for span in plan.state_spans])
         self._run_step(self.model, self.ops, self.layer_caches, self.device, plan, flat, self.link,
-                       step_images(flat, plan, values))
+                       step_images(flat, plan, values), states)
 
 
 def driver_check():

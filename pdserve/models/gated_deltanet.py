@@ -56,10 +56,16 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = FloatLinear(hidden, self.value_size, bias=False)
         self.in_proj_b = FloatLinear(hidden, self.num_v_heads, bias=False)
         self.in_proj_a = FloatLinear(hidden, self.num_v_heads, bias=False)
+        # The pool's window and state hold every head (at any TP degree, as the KV cache does):
+        # this layer's channels of the window ((first, count) runs) and its first value head.
+        # Tensor parallelism cuts them (pdserve.models.tp_shard_hybrid).
+        self.full_conv_size, self.full_v_heads = self.conv_size, self.num_v_heads
+        self.conv_parts: list[tuple[int, int]] = [(0, self.conv_size)]
+        self.first_v_head = 0
 
     def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> LayerStateSpec:
-        return LayerStateSpec((self.conv_size, self.kernel - 1), dtype,
-                              (self.num_v_heads, self.k_dim, self.v_dim), state_dtype)
+        return LayerStateSpec((self.full_conv_size, self.kernel - 1), dtype,
+                              (self.full_v_heads, self.k_dim, self.v_dim), state_dtype)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The convolution's input [T, q | k | v], the gate z [T, Hv * dv], b and a [T, Hv]."""
@@ -79,8 +85,22 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.view(tokens, self.value_size))
 
     def _convolve(self, mixed: torch.Tensor, states) -> torch.Tensor:
-        """The causal convolution of every row, continuing each request's window (updated)."""
-        windows, weight, d = states.pool.conv[self.state_index], self.conv1d.weight[:, 0], states.num_decodes
+        """The causal convolution of every row, continuing each request's window (updated). A
+        tensor-parallel rank's channels are runs of the pool's window (its q, k and v heads'):
+        the convolution is per channel, so each run is convolved on its own."""
+        windows, weight = states.pool.conv[self.state_index], self.conv1d.weight[:, 0]
+        if len(self.conv_parts) == 1:
+            return self._convolve_channels(mixed, windows, weight, states)
+        pieces, at = [], 0
+        for first, count in self.conv_parts:
+            pieces.append(self._convolve_channels(mixed[:, at:at + count].contiguous(), windows.narrow(1, first, count),
+                                                  weight[at:at + count], states))
+            at += count
+        return torch.cat(pieces, dim=-1)
+
+    def _convolve_channels(self, mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, states
+                           ) -> torch.Tensor:
+        d = states.num_decodes
         pieces = []
         if d and recurrent_cpu.usable(windows):  # compiled, the windows updated in place
             pieces.append(recurrent_cpu.conv_step(mixed[:d], windows, states.slots, weight, None))
@@ -95,6 +115,8 @@ class GatedDeltaNet(nn.Module):
     def _mix(self, q, k, v, g, beta, states) -> torch.Tensor:
         """The delta rule over every row, from and into each request's recurrent state."""
         pool, d = states.pool.state[self.state_index], states.num_decodes
+        if self.num_v_heads != self.full_v_heads:  # a tensor-parallel rank's heads of it
+            pool = pool.narrow(1, self.first_v_head, self.num_v_heads)
         pieces = []
         if d and recurrent_cpu.usable(pool):  # compiled, the states updated in place
             pieces.append(recurrent_cpu.gated_delta_step(q[:d], k[:d], v[:d], g[:d], beta[:d], pool, states.slots))

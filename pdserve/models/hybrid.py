@@ -84,15 +84,19 @@ def state_indices(layer_types: list[str], stateful: tuple[str, ...]) -> list[int
     return kv_indices(layer_types, stateful)
 
 
-def unsupported_for_hybrid(config) -> list[str]:
+def unsupported_for_hybrid(config, architecture: str = "", tp_families: tuple[str, ...] = ()) -> list[str]:
     """The engine settings pdserve does not implement for hybrid models yet, each with why; empty:
-    the config can run. (Checked at start-up by pdserve.assembly.)"""
+    the config can run. tp_families: the hybrid architectures tensor parallelism splits.
+    (Checked at start-up by pdserve.assembly.)"""
     refused = []
     if config.speculative_config is not None:
         refused.append("speculative decoding (speculative_config): rejected drafts would need the recurrent "
                        "state rolled back")
     if config.enable_lora:
         refused.append("LoRA adapters (enable_lora, lora_modules): the linear-attention and Mamba layers take none")
-    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
-        refused.append("tensor or pipeline parallelism (tensor_parallel_size, pipeline_parallel_size)")
+    if config.pipeline_parallel_size > 1:
+        refused.append("pipeline parallelism (pipeline_parallel_size)")
+    if config.tensor_parallel_size > 1 and architecture not in tp_families:
+        refused.append(f"tensor parallelism (tensor_parallel_size) for {architecture}: only "
+                       f"{', '.join(tp_families)} are split so far")
     return refused

@@ -105,14 +105,19 @@ def _whole_blocks(cols: torch.Tensor, block: int, width: int) -> torch.Tensor:
     return _rows(start // block, -(-(end - start) // block))
 
 
+def kv_share(kv_heads: int, group: TPGroup) -> tuple[int, int]:
+    """(KV heads a rank keeps, its first): a contiguous share each, or with fewer KV heads than
+    ranks one head replicated on size // kv_heads ranks (as QKVParallelLinear splits them)."""
+    if kv_heads >= group.size:
+        local = divide(kv_heads, group.size, "KV heads")
+        return local, group.rank * local
+    return 1, group.rank // divide(group.size, kv_heads, "ranks per KV head")
+
+
 def _shard_attention(attn: PagedAttention, group: TPGroup) -> None:
     d, heads, kv_heads = attn.head_dim, attn.num_heads, attn.num_kv_heads
     local_heads = divide(heads, group.size, "attention heads")
-    if kv_heads >= group.size:
-        local_kv = divide(kv_heads, group.size, "KV heads")
-        kv_start = group.rank * local_kv
-    else:
-        local_kv, kv_start = 1, group.rank // divide(group.size, kv_heads, "ranks per KV head")
+    local_kv, kv_start = kv_share(kv_heads, group)
     q = _rows(group.rank * local_heads * d, local_heads * d)
     k = _rows(heads * d + kv_start * d, local_kv * d)
     v = k + kv_heads * d

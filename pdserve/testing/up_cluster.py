@@ -235,3 +235,10 @@ def assert_greedy_matches_offline(url: str, llm, prompt: list[int], max_tokens: 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     want = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
     assert r.choices[0].model_extra["token_ids"] == want
+
+
+def decode_stats_after(url: str, pulls: int) -> list[dict] | None:
+    """The decode nodes' stats once they have finished `pulls` handovers between them (landed or
+    failed), else None (for wait_for)."""
+    nodes = [s for s in node_stats(url).values() if s["role"] == "decode"]
+    return nodes if sum(s["transfers_ok"] + s["transfers_failed"] for s in nodes) >= pulls else None
