@@ -20,8 +20,8 @@ FEATURES = {
 }
 
 
-# The page's example of an architecture tensor parallelism does not split yet (a Mamba2 family).
-TP_REFUSED_EXAMPLE = "NemotronHForCausalLM"
+# The page's example of an architecture tensor parallelism does not split yet.
+TP_REFUSED_EXAMPLE = "Qwen3_5ForConditionalGeneration"
 
 
 def refusal(feature: str, architecture: str = TP_REFUSED_EXAMPLE) -> str:
@@ -41,14 +41,14 @@ def hybrid_section() -> str:
              "request beside the KV blocks. `tests/test_models_hybrid.py` checks each refusal below at start; "
              "offline greedy decoding, chunked prefill, batched decode, preemption and prefix caching (with "
              "the state snapshotted at block boundaries) match transformers; so does P/D over NIXL and through the "
-             "store, the state handed over with the blocks (`tests/test_hybrid_pd.py`). Qwen3.5 text and "
-             "Qwen3-Next split over tensor-parallel ranks, and P/D hands over between nodes at different "
-             "degrees (`tests/test_hybrid_tp.py`).", "",
+             "store, the state handed over with the blocks (`tests/test_hybrid_pd.py`). The text models split "
+             "over tensor-parallel ranks, and P/D hands over between nodes at different degrees "
+             "(`tests/test_hybrid_tp.py`).", "",
              "| feature | hybrid model |", "|---|---|"]
     lines += ["| prefix caching | ✓ (the state snapshotted at block boundaries; across nodes through the store) |",
               "| P/D handover | ✓ (the state travels with the blocks, over NIXL and through the store) |"]
     lines += [f"| {name} | ✗ |" for name in FEATURES if name != "TP 2"]
-    lines += ["| TP 2 | ✓ Qwen3.5 text, Qwen3-Next (each rank's heads; the state pool whole and shared, "
-              "so the handover is the same at every degree); ✗ the Mamba2 families |", ""]
+    lines += ["| TP 2 | ✓ (each rank's heads; the state pool whole and shared, so the handover is the same at "
+              "every degree); ✗ Qwen3.5 with images |", ""]
     lines += [f"- **{name}:** {refusal(name)}" for name in FEATURES]
     return "\n".join(lines) + "\n"

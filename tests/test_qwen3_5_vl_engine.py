@@ -8,8 +8,11 @@ state snapshot, taken only by a prompt with the same image.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from hybrid_refusals import FEATURES, refusal
 
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
@@ -18,6 +21,8 @@ from pdserve.offline.llm import LLM  # noqa: E402
 from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
 from pdserve.testing.vlm_chat import random_pictures  # noqa: E402
 from pdserve.testing.vlm_checkpoints import load_qwen3_5_vl_reference, make_qwen3_5_vl  # noqa: E402
+
+ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -103,3 +108,10 @@ def test_interleaved_sections_differ_from_contiguous_ones(checkpoint):
     from pdserve.models.qwen3_5_vl import InterleavedMRotaryEmbedding
     rope = InterleavedMRotaryEmbedding(load_hf_config(checkpoint), 16, 64)
     assert rope._axis.tolist() == [0, 1, 2, 0, 1, 2, 0, 0] * 2  # mrope_section [4, 2, 2]
+
+
+def test_tensor_parallelism_is_refused_at_start(checkpoint):
+    """Its text model splits (tests/test_hybrid_tp.py), the image model does not yet: refused at
+    start with the feature-matrix page's words (hybrid_refusals)."""
+    with pytest.raises(ValueError, match=re.escape(refusal("TP 2", ARCHITECTURE))):
+        LLM(model=str(checkpoint), num_kv_blocks=32, **FEATURES["TP 2"])

@@ -47,7 +47,9 @@ def check_tp_support(hf_config, size: int, expert_parallel: bool = False) -> Non
     heads = hf_config.num_attention_heads
     if heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the {heads} attention heads")
-    for field in ("linear_num_key_heads", "linear_num_value_heads"):  # the linear-attention layers'
+    # the linear-attention and Mamba2 layers' heads, and Mamba2's groups (split whole)
+    for field in ("linear_num_key_heads", "linear_num_value_heads", "mamba_num_heads", "mamba_n_heads",
+                  "n_groups", "mamba_n_groups"):
         count = getattr(hf_config, field, None) if arch in HYBRID_TP_FAMILIES else None
         if count and count % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide {field} ({count})")

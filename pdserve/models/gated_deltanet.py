@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import causal_conv, gated_delta, recurrent_cpu
+from pdserve.kernels import gated_delta, recurrent_cpu
 from pdserve.layers.quant.unquantized import FloatLinear
+from pdserve.models.state_conv import convolve_runs
 from pdserve.models.state_layers import LayerStateSpec
 
 
@@ -85,32 +86,9 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.view(tokens, self.value_size))
 
     def _convolve(self, mixed: torch.Tensor, states) -> torch.Tensor:
-        """The causal convolution of every row, continuing each request's window (updated). A
-        tensor-parallel rank's channels are runs of the pool's window (its q, k and v heads'):
-        the convolution is per channel, so each run is convolved on its own."""
-        windows, weight = states.pool.conv[self.state_index], self.conv1d.weight[:, 0]
-        if len(self.conv_parts) == 1:
-            return self._convolve_channels(mixed, windows, weight, states)
-        pieces, at = [], 0
-        for first, count in self.conv_parts:
-            pieces.append(self._convolve_channels(mixed[:, at:at + count].contiguous(), windows.narrow(1, first, count),
-                                                  weight[at:at + count], states))
-            at += count
-        return torch.cat(pieces, dim=-1)
-
-    def _convolve_channels(self, mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, states
-                           ) -> torch.Tensor:
-        d = states.num_decodes
-        pieces = []
-        if d and recurrent_cpu.usable(windows):  # compiled, the windows updated in place
-            pieces.append(recurrent_cpu.conv_step(mixed[:d], windows, states.slots, weight, None))
-        elif d:
-            out, windows[states.slots] = causal_conv.causal_conv_step(mixed[:d], windows[states.slots], weight, None)
-            pieces.append(out)
-        for slot, start, end in states.spans:
-            out, windows[slot] = causal_conv.causal_conv(mixed[start:end], windows[slot], weight, None)
-            pieces.append(out)
-        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        """The causal convolution of every row, continuing each request's window (updated)."""
+        return convolve_runs(mixed, states.pool.conv[self.state_index], self.conv1d.weight[:, 0], None,
+                             self.conv_parts, states)
 
     def _mix(self, q, k, v, g, beta, states) -> torch.Tensor:
         """The delta rule over every row, from and into each request's recurrent state."""

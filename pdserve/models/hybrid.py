@@ -97,6 +97,6 @@ def unsupported_for_hybrid(config, architecture: str = "", tp_families: tuple[st
     if config.pipeline_parallel_size > 1:
         refused.append("pipeline parallelism (pipeline_parallel_size)")
     if config.tensor_parallel_size > 1 and architecture not in tp_families:
-        refused.append(f"tensor parallelism (tensor_parallel_size) for {architecture}: only "
-                       f"{', '.join(tp_families)} are split so far")
+        refused.append(f"tensor parallelism (tensor_parallel_size) for {architecture}: only the text models "
+                       f"({', '.join(tp_families)}) are split so far")
     return refused

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import causal_conv, mamba2, recurrent_cpu
+from pdserve.kernels import mamba2, recurrent_cpu
 from pdserve.layers.quant.unquantized import FloatLinear
+from pdserve.models.state_conv import convolve_runs
 from pdserve.models.state_layers import LayerStateSpec
 
 
@@ -83,10 +84,16 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(self.heads))
         self.norm = GroupRMSNormGated(self.inner, self.groups, shape.eps)
         self.out_proj = FloatLinear(self.inner, shape.hidden, bias=shape.proj_bias)
+        # The pool's window and state hold every head (at any TP degree, as the KV cache does):
+        # this layer's channels of the window ((first, count) runs: its x, B and C) and its first
+        # head. Tensor parallelism cuts them (pdserve.models.tp_shard_hybrid).
+        self.full_conv_size, self.full_heads = self.conv_size, self.heads
+        self.conv_parts: list[tuple[int, int]] = [(0, self.conv_size)]
+        self.first_head = 0
 
     def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> LayerStateSpec:
-        return LayerStateSpec((self.conv_size, self.kernel - 1), dtype,
-                              (self.heads, self.head_dim, self.state_size), state_dtype)
+        return LayerStateSpec((self.full_conv_size, self.kernel - 1), dtype,
+                              (self.full_heads, self.head_dim, self.state_size), state_dtype)
 
     def forward(self, x: torch.Tensor, cos, sin, ctx) -> torch.Tensor:
         tokens = x.shape[0]
@@ -101,20 +108,13 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self.norm(y.reshape(tokens, self.inner), gate).to(x.dtype))
 
     def _convolve(self, xbc: torch.Tensor, states) -> torch.Tensor:
-        windows, weight, bias = states.pool.conv[self.state_index], self.conv1d.weight[:, 0], self.conv1d.bias
-        pieces, d = [], states.num_decodes
-        if d and recurrent_cpu.usable(windows):  # compiled, the windows updated in place
-            pieces.append(recurrent_cpu.conv_step(xbc[:d], windows, states.slots, weight, bias))
-        elif d:
-            out, windows[states.slots] = causal_conv.causal_conv_step(xbc[:d], windows[states.slots], weight, bias)
-            pieces.append(out)
-        for slot, start, end in states.spans:
-            out, windows[slot] = causal_conv.causal_conv(xbc[start:end], windows[slot], weight, bias)
-            pieces.append(out)
-        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        return convolve_runs(xbc, states.pool.conv[self.state_index], self.conv1d.weight[:, 0], self.conv1d.bias,
+                             self.conv_parts, states)
 
     def _scan(self, xs, dt, B, C, states) -> torch.Tensor:
         pool, d = states.pool.state[self.state_index], states.num_decodes
+        if self.heads != self.full_heads:  # a tensor-parallel rank's heads of it
+            pool = pool.narrow(1, self.first_head, self.heads)
         A = -torch.exp(self.A_log.float())
         pieces = []
         if d and recurrent_cpu.usable(pool):  # compiled, the states updated in place
