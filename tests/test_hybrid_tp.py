@@ -77,6 +77,25 @@ def test_tp2_greedy_equals_transformers(kind, checkpoints):
         llm.close()
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5_text", "nemotron_h"])
+def test_tp2_prefix_cache_takes_the_state_snapshot(kind, checkpoints):
+    """At TP 2 a prompt sharing a block-aligned prefix takes its blocks and the state snapshot
+    at the boundary, restored into the shared arena that every rank reads: the 36-token prompt
+    computes 4 tokens past the cached 32, its tokens hanging on the restored state."""
+    path = checkpoints[kind]
+    base, tail = random_prompts(23, 250, (40, 7))
+    prompts = [base + tail, base[:36]]
+    want = _greedy(path, prompts)
+    llm = LLM(model=str(path), tensor_parallel_size=2, num_kv_blocks=32, max_num_batched_tokens=32, max_num_seqs=2)
+    try:
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+        assert outs[1].num_cached_tokens == 32, "the second prompt should take the first's two shared blocks"
+        assert [o.outputs[0].token_ids for o in outs] == want
+    finally:
+        llm.close()
+
+
 @pytest.fixture(scope="module")
 def clusters(checkpoints):
     flag_sets = [("--model", str(checkpoints[kind]), *flags, *COMMON) for kind, _, flags in CLUSTERS.values()]
