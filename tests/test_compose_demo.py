@@ -280,7 +280,10 @@ def test_prefill_container_killed_under_load_loses_nothing_and_restarts(demo, of
         time.sleep(1.0)
         _kill_main_process(demo, "prefill-0")
         futures += [pool.submit(stream_ids, demo, p) for p in prompts[24:]]  # after the kill
-        outputs = [f.result(timeout=600) for f in futures]
+        try:
+            outputs = [f.result(timeout=600) for f in futures]
+        except Exception as exc:  # (a stream that failed: the router's log says which nodes it lost and why)
+            raise AssertionError(f"{exc!r}\nthe containers' last log lines:\n{demo.logs()}") from exc
     assert outputs == expected  # no request failed, none changed
     failover = httpx.get(f"{demo.url}/health", timeout=5).json()["failover"]
     print(f"failover counters after the kill: {failover}")
