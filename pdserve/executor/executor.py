@@ -216,7 +216,9 @@ class TPExecutor:
             except (OSError, ValueError):
                 pass
         self._finalizer()
-        for fd in (self._kv_fd, self._payload_fd, *self._coll_fds, *([self._state_fd] if self._state_fd >= 0 else [])):
+        for fd in (self._kv_fd, self._payload_fd, *self._coll_fds, self._state_fd):
+            if fd < 0:
+                continue  # (no state arena: not a hybrid model)
             try:
                 os.close(fd)
             except OSError:

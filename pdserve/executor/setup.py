@@ -19,8 +19,8 @@ from pdserve.models.tp_shard import shard_decoder_model
 from pdserve.models.tp_shard_hybrid import HYBRID_TP_FAMILIES, shard_hybrid_model
 
 # Families built from pdserve.layers (sharded as they are built), and families loaded whole
-# and then cut to the rank's slice (pdserve.models.tp_shard, tp_shard_hybrid for the
-# linear-attention hybrids); the others refuse TP > 1.
+# and then cut to the rank's slice (pdserve.models.tp_shard, tp_shard_hybrid for the hybrids
+# with linear-attention or Mamba2 layers); the others refuse TP > 1.
 LAYER_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                   qwen2_5_vl.ARCHITECTURE)
 SHARDED_AFTER_LOAD = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM",
@@ -47,12 +47,12 @@ def check_tp_support(hf_config, size: int, expert_parallel: bool = False) -> Non
     heads = hf_config.num_attention_heads
     if heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the {heads} attention heads")
-    # the linear-attention and Mamba2 layers' heads, and Mamba2's groups (split whole)
-    for field in ("linear_num_key_heads", "linear_num_value_heads", "mamba_num_heads", "mamba_n_heads",
-                  "n_groups", "mamba_n_groups"):
-        count = getattr(hf_config, field, None) if arch in HYBRID_TP_FAMILIES else None
-        if count and count % size:
-            raise ValueError(f"tensor_parallel_size={size} does not divide {field} ({count})")
+    if arch in HYBRID_TP_FAMILIES:  # the linear-attention and Mamba2 heads, Mamba2's groups (split whole)
+        for field in ("linear_num_key_heads", "linear_num_value_heads", "mamba_num_heads", "mamba_n_heads",
+                      "n_groups", "mamba_n_groups"):
+            count = getattr(hf_config, field, None)
+            if count and count % size:
+                raise ValueError(f"tensor_parallel_size={size} does not divide {field} ({count})")
     if expert_parallel:
         experts = (getattr(hf_config, "num_experts", None) or getattr(hf_config, "n_routed_experts", None)
                    or getattr(hf_config, "num_local_experts", 0))

@@ -84,7 +84,7 @@ def state_indices(layer_types: list[str], stateful: tuple[str, ...]) -> list[int
     return kv_indices(layer_types, stateful)
 
 
-def unsupported_for_hybrid(config, architecture: str = "", tp_families: tuple[str, ...] = ()) -> list[str]:
+def unsupported_for_hybrid(config, architecture: str, tp_families: tuple[str, ...]) -> list[str]:
     """The engine settings pdserve does not implement for hybrid models yet, each with why; empty:
     the config can run. tp_families: the hybrid architectures tensor parallelism splits.
     (Checked at start-up by pdserve.assembly.)"""
