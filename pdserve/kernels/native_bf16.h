@@ -39,7 +39,12 @@ static inline void transpose16(__m512i r[16]) {
 void pd_dequant_bf16(int cols, const uint8_t *q, int bits, const void *sc, const void *mn, int half, int has_min,
                      int group, int n, int end, uint16_t *buffer);
 
-/* out [tokens, nrows] = x [tokens, cols] @ w^T with bf16 operands on AMX tiles; 0 where this CPU,
- * build or kernel has no AMX (the caller then runs its own products) */
+/* out [tokens, nrows] = x [tokens, cols] @ w^T with bf16 operands on AMX tiles (B tiles from pack, a
+ * pd_bf16_tiles_pack of bf16 rows, where given); 0 where this CPU, build or kernel has no AMX (the
+ * caller then runs its own products) */
 int pd_gemv_amx(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
-                const void *mins, int half, int has_min, int group, float *out, int threads);
+                const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out, int threads);
+
+/* the bytes of a pack of bf16 rows [nrows][cols] in AMX's B-tile layout (-1: none in this build) */
+long pd_bf16_tiles_bytes(int nrows, int cols);
+int pd_bf16_tiles_pack(const uint16_t *rows, int nrows, int cols, uint8_t *pack, int threads);

@@ -314,7 +314,7 @@ int pd_gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, i
 static int gemv(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
                 const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out, int threads) {
     if (pd_gemv_int8(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, pack, out, threads)) return 0;
-    if (pd_gemv_bf16(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads)) return 0;
+    if (pd_gemv_bf16(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, pack, out, threads)) return 0;
     if (pd_gemv_panels(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads)) return 0;
     /* the one-token path finds a block's group by a shift: group / 32 a power of two */
     int one = tokens == 1 && bits != 32 && bits != BITS_BF16 && group % 32 == 0 && ((group / 32) & (group / 32 - 1)) == 0, groups = cols / group;

@@ -153,6 +153,10 @@ def library() -> ctypes.CDLL | None:
     lib.pd_int8_pack_bytes.restype = ctypes.c_long
     lib.pd_int8_pack.argtypes = [_P, _I, _I, _I, _P, _P, _I, _I, _I, _P, _I]
     lib.pd_int8_pack.restype = _I
+    lib.pd_bf16_tiles_bytes.argtypes = [_I, _I]
+    lib.pd_bf16_tiles_bytes.restype = ctypes.c_long
+    lib.pd_bf16_tiles_pack.argtypes = [_P, _I, _I, _P, _I]
+    lib.pd_bf16_tiles_pack.restype = _I
     lib.pd_dequant_rows.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I]
     lib.pd_dequant_rows.restype = _I
     lib.pd_set_bf16.argtypes = [_I]

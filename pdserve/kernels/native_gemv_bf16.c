@@ -154,9 +154,9 @@ static void task_bf16(const uint32_t *xp, int tokens, int padded, int cols, cons
 }
 
 int pd_gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
-                 const void *mins, int half, int has_min, int group, float *out, int threads) {
+                 const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out, int threads) {
     if (!bf16_many || tokens <= 8 || (bits != 4 && bits != 8 && bits != 32 && bits != BITS_BF16) || cols > 8192) return 0;
-    if (pd_gemv_amx(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, out, threads)) return 1;
+    if (pd_gemv_amx(x, tokens, cols, q, nrows, bits, scales, mins, half, has_min, group, pack, out, threads)) return 1;
     int padded = (tokens + 15) / 16 * 16;
     uint32_t *xp = malloc(sizeof(uint32_t) * (size_t)(cols / 2) * padded);
     if (!xp) return 0;
@@ -175,7 +175,7 @@ int pd_gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nro
 }
 #else
 int pd_gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
-                 const void *mins, int half, int has_min, int group, float *out, int threads) {
+                 const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out, int threads) {
     return 0; /* no AVX-512 BF16 in this build: float32 */
 }
 #endif

@@ -78,10 +78,11 @@ static inline __attribute__((always_inline)) void decode32(const uint8_t *qrow, 
     }
 }
 
-/* native_gemv_bf16.c: x @ w.T in bf16 products past 8 tokens when pd_set_bf16 is on; returns 1
- * if it ran, 0 if the shape or the setting leaves it to the float32 kernels */
+/* native_gemv_bf16.c: x @ w.T in bf16 products past 8 tokens when pd_set_bf16 is on (bf16 rows'
+ * AMX tiles read from pack, a pd_bf16_tiles_pack, where given); returns 1 if it ran, 0 if the shape
+ * or the setting leaves it to the float32 kernels */
 int pd_gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
-                 const void *mins, int half, int has_min, int group, float *out, int threads);
+                 const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out, int threads);
 
 /* native_gemv_int8.c: the same in int8 products (VNNI) for 4- and 8-bit codes from
  * pd_int8_min_tokens tokens when pd_set_int8 is on, read from the matrix's pack (pd_int8_pack)

@@ -16,7 +16,7 @@ from pdserve.kernels.native_matrices import bf16_matrix, float32_on_cpu, float_m
 from pdserve.layers import bf16_rows
 from pdserve.layers.bf16_mlp import gate_up_silu_down
 from pdserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pdserve.layers.quant.unquantized import UnquantizedLinearMethod, exact_bf16_weight
+from pdserve.layers.quant.unquantized import UnquantizedLinearMethod, bf16_tiles_of, exact_bf16_weight
 from pdserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from pdserve.models.rope import RotaryEmbedding
 
@@ -261,8 +261,8 @@ def _native_matrix(linear, bias_ok: bool = False) -> tuple | None:
     if packed is not None:
         return packed(linear).native
     if isinstance(linear.quant_method, UnquantizedLinearMethod):  # bf16 rows where exact: half the bytes
-        rows = exact_bf16_weight(linear)
-        return bf16_matrix(rows) if rows is not None else float_matrix(linear.weight)
+        rows, tiles = exact_bf16_weight(linear), bf16_tiles_of(linear)  # (tiles: AMX's layout, made once)
+        return bf16_matrix(rows, tiles) if rows is not None else float_matrix(linear.weight, tiles)
     return None
 
 

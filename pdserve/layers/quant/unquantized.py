@@ -1,10 +1,12 @@
 """Full-precision weights: one [out, in] matrix per rank, multiplied with F.linear.
 
 Under cpu_gemm_dtype bfloat16 (pdserve.kernels.dequant_tiles) a float32 CPU matrix's products
-of more than BF16_MIN_ROWS rows (prefill) run in bf16 through oneDNN, on a bf16 copy of the
+of more than BF16_MIN_ROWS rows (prefill, large batches) run in bf16, on a bf16 copy of the
 weights kept beside them (exact for a bf16 checkpoint served in float32; a float32 checkpoint's
-weights round to 8 significant bits). Fewer rows stay float32: decode steps are memory-bound, and
-the compiled step reads the float32 rows themselves. A bf16 checkpoint served in float32 has
+weights round to 8 significant bits): on a CPU with AMX through the compiled gemv's tiles, from
+a copy laid out as its B tiles (native_matrices.bf16_tiles: 1.3-3x oneDNN's F.linear with its
+conversions, 16-512 rows of SmolLM2's shapes), elsewhere through oneDNN. Fewer rows stay float32:
+decode steps are memory-bound, and the compiled step reads the float32 rows themselves. A bf16 checkpoint served in float32 has
 exactly-bf16 weights: those few-row products (the compiled step's, the LM head's, the Python
 layers') read bf16 rows instead, half the bytes, widened exactly (exact_bf16_weight)."""
 from __future__ import annotations
@@ -14,10 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.dequant_tiles import tile_dtype
-from pdserve.kernels.native_matrices import bf16_rows_matmul
+from pdserve.kernels.native_matrices import bf16_rows_matmul, bf16_tiles
 from pdserve.layers.quant.base import QuantConfig, QuantMethod
 
 BF16_MIN_ROWS = 16  # as quant_cpu.QUANT_GEMV_MAX_TOKENS: more rows are a prefill's, compute-bound
+# past this the tiles' pass over every token per 32 weight rows leaves L2, and oneDNN's blocking
+# was level or ahead (2048 rows); up to it the tiles ran 1.3-3x F.linear (SmolLM2's shapes)
+BF16_TILES_MAX_ROWS = 512
 
 
 class UnquantizedLinearMethod(QuantMethod):
@@ -55,13 +60,29 @@ def exact_bf16_weight(layer: nn.Module) -> torch.Tensor | None:
 
 
 def bf16_rows_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """x @ weight.T through the compiled gemv on the weight's exact bf16 rows (float32 sums), for
-    a decode step's few rows (memory-bound: half the bytes of F.linear's float32 rows); None
-    where the weight is not exactly bf16, x has more rows or the gemv does not take them."""
-    if x.dim() != 2 or x.shape[0] > BF16_MIN_ROWS or x.dtype != torch.float32 or x.device.type != "cpu":
+    """x @ weight.T through the compiled gemv: for a decode step's few rows on the weight's exact
+    bf16 rows (float32 sums; memory-bound: half the bytes of F.linear's float32 rows), for more
+    on AMX's tiles from bf16_tiles; None where neither applies or the gemv does not take them."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
-    rows = exact_bf16_weight(layer)
-    return bf16_rows_matmul(x, rows) if rows is not None else None
+    if x.shape[0] <= BF16_MIN_ROWS:
+        rows = exact_bf16_weight(layer)
+        return bf16_rows_matmul(x, rows, bf16_tiles_of(layer)) if rows is not None else None
+    tiles = bf16_tiles_of(layer) if x.shape[0] <= BF16_TILES_MAX_ROWS else None
+    return bf16_rows_matmul(x, _bf16_weight(layer), tiles) if tiles is not None else None
+
+
+def bf16_tiles_of(layer: nn.Module) -> torch.Tensor | None:
+    """The layer's bf16 weight laid out as AMX's B tiles (native_matrices.bf16_tiles), made on first
+    use and again when the weight's storage changes; None but under bf16 products on a CPU with AMX
+    (the copy is kept only where its products run)."""
+    w = layer.weight
+    if tile_dtype() != torch.bfloat16 or w.dtype != torch.float32 or w.device.type != "cpu":
+        return None
+    cached = layer.__dict__.get("_bf16_tiles")
+    if cached is None or cached[0] != w.data_ptr():
+        cached = layer.__dict__["_bf16_tiles"] = (w.data_ptr(), bf16_tiles(_bf16_weight(layer)))
+    return cached[1]
 
 
 def _bf16_weight(layer: nn.Module) -> torch.Tensor:
