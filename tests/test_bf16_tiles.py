@@ -82,16 +82,40 @@ def test_python_layers_and_the_lm_head_take_the_tiles_past_16_rows(bf16_products
     assert fresh.__dict__.get("_bf16_tiles", (0, None))[1] is None
 
 
-def test_a_bf16_checkpoint_decodes_many_rows_on_the_tiles(tmp_path, bf16_products):
-    """A Llama saved in bf16, 20 prompts decoded together (steps of 20 rows: the compiled step's
-    products and the LM head on the tiles): float32 products give transformers' greedy tokens, bf16
-    products on the tiles agree with them until a near tie, and every matrix has its pack."""
+def _bf16_checkpoint(tmp_path):
     source = make_model(tmp_path, "llama")
     path = tmp_path / "bf16"
     AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.bfloat16).save_pretrained(str(path))
     for extra in source.iterdir():  # the tokenizer's files
         if not (path / extra.name).exists():
             (path / extra.name).write_bytes(extra.read_bytes())
+    return path
+
+
+@pytest.mark.skipif(not dequant_tiles.avx512_bf16(), reason="the norm's rounding needs AVX-512 BF16")
+def test_prefill_past_the_tiles_rows_keeps_bf16_between_norms_and_products(tmp_path, monkeypatch):
+    """A bf16 checkpoint's 600-token prompt (past the tiles' 512 rows: oneDNN's bf16 passes): the
+    norms round their rows and the products take and give bf16 (layers/bf16_rows.py, the MLP in one
+    pass), and its logits equal, bit for bit, the same engine's with float32 rows in between."""
+    from pdserve.kernels import numba_fused
+    from pdserve.layers import bf16_rows
+    llm = LLM(str(_bf16_checkpoint(tmp_path)), num_kv_blocks=64, cpu_gemm_dtype="bfloat16",
+              enable_prefix_caching=False, max_num_batched_tokens=1024)
+    prompt = torch.randint(3, 200, (600,), generator=torch.Generator().manual_seed(5)).tolist()
+    calls = []
+    rounding_norm = numba_fused.rms_norm_low
+    monkeypatch.setattr(numba_fused, "rms_norm_low", lambda *a, **k: calls.append(1) or rounding_norm(*a, **k))
+    got = llm.engine.prompt_logits(prompt)
+    assert len(calls) == 2 * len(llm.engine.runner.model.layers)
+    monkeypatch.setattr(bf16_rows, "step_takes", lambda *a: False)
+    assert torch.equal(got, llm.engine.prompt_logits(prompt))
+
+
+def test_a_bf16_checkpoint_decodes_many_rows_on_the_tiles(tmp_path, bf16_products):
+    """A Llama saved in bf16, 20 prompts decoded together (steps of 20 rows: the compiled step's
+    products and the LM head on the tiles): float32 products give transformers' greedy tokens, bf16
+    products on the tiles agree with them until a near tie, and every matrix has its pack."""
+    path = _bf16_checkpoint(tmp_path)
     ref = load_reference(path)
     prompts = [[(11 * i + 7 * n) % ref.config.vocab_size for i in range(n)] for n in range(12, 32)]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)

@@ -43,6 +43,21 @@ class UnquantizedLinearMethod(QuantMethod):
         return F.linear(x, layer.weight, bias)
 
 
+def bf16_pass_takes(layer: nn.Module, rows: int) -> bool:
+    """Whether the layer's product of `rows` rows is one bf16 pass through oneDNN (apply's path past
+    the tiles' rows, or on a CPU without AMX): bf16 products, a float32 CPU weight."""
+    w = layer.weight
+    return (tile_dtype() == torch.bfloat16 and w.dtype == torch.float32 and w.device.type == "cpu"
+            and rows > BF16_MIN_ROWS and (rows > BF16_TILES_MAX_ROWS or bf16_tiles_of(layer) is None))
+
+
+def bf16_product(layer: nn.Module, x: torch.Tensor, keep_bf16: bool) -> torch.Tensor:
+    """apply's oneDNN pass (bf16_pass_takes) for x float32 or already bf16: the bf16 result as it
+    is where keep_bf16 (layers/bf16_rows.py), else widened, as apply returns it."""
+    y = F.linear(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), _bf16_weight(layer))
+    return y if keep_bf16 else y.float()
+
+
 def exact_bf16_weight(layer: nn.Module) -> torch.Tensor | None:
     """The layer's float32 CPU weight as bf16 where that loses nothing (a bf16 checkpoint served in
     float32), else None: the compiled decode step reads these rows, half the bytes of the float32
