@@ -1,9 +1,9 @@
 """The decode step and the prefill rate at 1, 8, 32 and 128 requests: float32, bf16 and int8 products
-(--cpu-gemm-dtype), bf16 and int8 over a bf16 KV cache (--kv-cache-dtype), on the default model
+(--cpu-gemm-dtype; "auto": the engine's defaults, not run unless --settings names it), bf16 and int8 over a bf16 KV cache (--kv-cache-dtype), on the default model
 in one process per setting, the batch sizes interleaved over --repeats rounds (medians); int8
 where the CPU has AVX-512 VNNI, bf16 where it has AVX-512 BF16 or AMX.
 
-    .venv/bin/python -m benchmarks.engine.step_profile [--model M] [--repeats 3] [--batches 1,8,32,128]
+    .venv/bin/python -m benchmarks.engine.step_profile [--model M] [--repeats 3] [--batches 1,8,32,128] [--settings auto ...]
 
 Each cell: --prompt-len random token ids per request, prefilled (tokens/s over the prefill steps),
 then --steps decode steps of all requests (median step time, and requests / step time)."""
@@ -18,7 +18,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.kernels.dequant_tiles import resolve_gemm_dtype
 from pdserve.models.gguf import DEFAULT_MODEL
 
-SETTINGS = {"float32": {"cpu_gemm_dtype": "float32"}, "bfloat16": {"cpu_gemm_dtype": "bfloat16"},
+SETTINGS = {"auto": {}, "float32": {"cpu_gemm_dtype": "float32"}, "bfloat16": {"cpu_gemm_dtype": "bfloat16"},
             "bfloat16 + bf16 KV": {"cpu_gemm_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
             "int8": {"cpu_gemm_dtype": "int8"},
             "int8 + bf16 KV": {"cpu_gemm_dtype": "int8", "kv_cache_dtype": "bfloat16"}}
@@ -49,7 +49,7 @@ def measure(llm: LLM, batch: int, prompt_len: int, steps: int, seed: int) -> tup
 def runs_here(flags: dict) -> bool:
     """Whether this CPU takes the setting's products (bf16: AVX-512 BF16 or AMX; int8: VNNI)."""
     try:
-        resolve_gemm_dtype(flags["cpu_gemm_dtype"])
+        resolve_gemm_dtype(flags.get("cpu_gemm_dtype", "auto"))
     except ValueError:
         return False
     return True
@@ -62,9 +62,10 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32,128", type=lambda s: [int(b) for b in s.split(",")])
     p.add_argument("--prompt-len", type=int, default=160)
     p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=[s for s in SETTINGS if s != "auto"])
     args = p.parse_args()
     cells: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    settings = {name: flags for name, flags in SETTINGS.items() if runs_here(flags)}
+    settings = {name: SETTINGS[name] for name in args.settings if runs_here(SETTINGS[name])}
     for dtype, flags in settings.items():
         llm = LLM(args.model, max_num_seqs=max(args.batches), kv_cache_memory_gb=4, **flags)
         for r in range(args.repeats):
