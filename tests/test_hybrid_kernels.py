@@ -3,7 +3,8 @@ the torch steps they replace, on a real StatePool arena: the same outputs, the n
 windows and states updated in place, every other slot left as it was. And the engine's decode
 takes them (the family tests against transformers then cover them end to end).
 
-Also the Mamba2 chunked scan against its one-token recurrence, over spans cut across chunks."""
+Also the Mamba2 chunked scan and the gated delta rule's compiled chunked form against their
+one-token recurrences, over spans cut across chunks."""
 from __future__ import annotations
 
 import pytest
@@ -78,6 +79,30 @@ def test_conv_step_matches_torch(pool, bias):
 def test_other_dtypes_take_the_torch_steps():
     assert not recurrent_cpu.usable(torch.zeros(2, 3, 4, dtype=torch.bfloat16))
     assert not recurrent_cpu.usable(torch.zeros(2, 3, 4)[:, :, :2])  # a slot's part not contiguous
+
+
+@pytest.mark.parametrize("length", [1, 7, 16, 45, 100])
+def test_gated_delta_chunked_matches_the_recurrence(length, monkeypatch):
+    """The compiled chunked form (native_delta.c, chunk 16) over spans under a chunk, exactly one
+    and several with a partial last one, from a non-zero state, decays up to e^-20 a token: the
+    token-by-token recurrence's outputs and final state, and the compiled kernel ran."""
+    torch.manual_seed(length)
+    v_dim = 32  # (the kernel takes head sizes in sixteens)
+    q, k = torch.randn(length, K_HEADS, K_DIM), torch.randn(length, K_HEADS, K_DIM)
+    v, g = torch.randn(length, V_HEADS, v_dim), -torch.rand(length, V_HEADS) * 20
+    beta, state = torch.rand(length, V_HEADS), torch.randn(V_HEADS, K_DIM, v_dim) * 0.5
+    ran = []
+    compiled = gated_delta._compiled
+    monkeypatch.setattr(gated_delta, "_compiled", lambda *a: ran.append(compiled(*a)) or ran[-1])
+    out, final = gated_delta.chunked(q, k, v, g, beta, state, chunk=16)
+    assert ran and ran[0] is not None
+    current, want = state[None], []
+    for t in range(length):
+        one, current = gated_delta.recurrent_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1],
+                                                  current)
+        want.append(one)
+    assert torch.allclose(out, torch.cat(want), atol=1e-5, rtol=1e-4)
+    assert torch.allclose(final, current[0], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("length", [1, 7, 32, 45, 100])

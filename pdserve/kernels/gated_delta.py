@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import native_gemv
+
 CHUNK = 64  # the reference's chunk length for prefill
 
 
@@ -43,6 +45,10 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     (float32). Returns the output [T, Hv, dv] in v's dtype and the state after the span."""
     length, dtype = q.shape[0], v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, v.shape[1])
+    compiled = _compiled(q, k, v, g, beta, state, chunk)
+    if compiled is not None:
+        out, state = compiled
+        return out.transpose(0, 1).to(dtype), state
     pad = (chunk - length % chunk) % chunk
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
@@ -68,6 +74,24 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ corrected
     out = out.reshape(heads, n * chunk, -1)[:, :length]
     return out.transpose(0, 1).to(dtype), state
+
+
+def _compiled(q, k, v, g, beta, state, chunk: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The same over _prepare's heads-first float32 tensors in native_delta.c (each 64 x 64 block
+    kept in a thread's buffers: torch's form passed over [heads, chunks, 64, 64] intermediates op
+    by op); None without the compiled library or on another device."""
+    lib = native_gemv.library() if q.device.type == "cpu" else None
+    if lib is None:
+        return None
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    state = state.float().contiguous().clone()
+    out = torch.empty_like(v)
+    heads, length, dk = k.shape
+    if lib.pd_gated_delta_chunked(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), heads,
+                                  length, dk, v.shape[-1], state.data_ptr(), out.data_ptr(), chunk,
+                                  torch.get_num_threads()) != 0:
+        return None
+    return out, state
 
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
