@@ -287,12 +287,8 @@ def test_a_bf16_hybrid_checkpoint_decodes_on_its_exact_bf16_rows(tmp_path):
     from pdserve.layers.quant.unquantized import FloatLinear
     from pdserve.testing.hybrid_checkpoints import load_reference, make_hybrid_model
 
-    source = make_hybrid_model(tmp_path / "f32", "qwen3_5_text")
-    path = tmp_path / "bf16"
-    AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.bfloat16).save_pretrained(str(path))
-    for extra in source.iterdir():  # the tokenizer's files
-        if not (path / extra.name).exists():
-            (path / extra.name).write_bytes(extra.read_bytes())
+    path = make_hybrid_model(tmp_path, "qwen3_5_text")  # saved again in bf16 over itself (the tokenizer stays)
+    AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).save_pretrained(str(path))
     ref = load_reference(path)  # float32, from the bf16 weights
     llm = LLM(model=str(path), num_kv_blocks=64, enable_prefix_caching=False)
     prompts = random_prompts(4, ref.config.vocab_size, (20, 37))

@@ -45,23 +45,18 @@ def test_prompt_logits_match(checkpoint):
     farther than that from its float64 model (the delta rule's chunked form over large decays, a
     150-token prompt: 2e-4), within twice that distance: the compiled chunk rounds otherwise than
     torch's ops (and lands nearer the float64 logits)."""
+    from transformers import AutoModelForCausalLM
     path, ref = checkpoint
+    # float64 (MoE experts in their eager loop: torch's grouped matmul takes no float64)
+    exact = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64, experts_implementation="eager").eval()
     llm = LLM(model=str(path), num_kv_blocks=32, enable_prefix_caching=False)
     for prompt in random_prompts(1, ref.config.vocab_size, (1, 9, 150)):
         with torch.no_grad():
             theirs = ref(torch.tensor([prompt])).logits[0]
-        bound = max(1e-4, 2 * _float32_error(path, prompt, theirs))
+            float32_error = (exact(torch.tensor([prompt])).logits[0] - theirs.double()).abs().max().item()
+        bound = max(1e-4, 2 * float32_error)
         diff = (llm.engine.prompt_logits(prompt) - theirs).abs().max().item()
         assert diff < bound, f"{path.name}: max |logit diff| {diff:.2e} for a {len(prompt)}-token prompt"
-
-
-def _float32_error(path, prompt: list[int], theirs: torch.Tensor) -> float:
-    """How far transformers' float32 logits are from its float64 model's (MoE experts in their eager
-    loop: torch's grouped matmul takes no float64)."""
-    from transformers import AutoModelForCausalLM
-    exact = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64, experts_implementation="eager").eval()
-    with torch.no_grad():
-        return (exact(torch.tensor([prompt])).logits[0] - theirs.double()).abs().max().item()
 
 
 @pytest.mark.parametrize("norm", [dict(mamba_rms_norm=False), dict(mamba_norm_before_gate=True)])

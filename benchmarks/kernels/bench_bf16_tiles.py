@@ -1,8 +1,8 @@
 """Unquantized weights' bf16 products at 16-2048 rows on SmolLM2's shapes: oneDNN's F.linear with
 the float32 -> bf16 -> float32 conversions the Python layers pay, the compiled gemv's AMX tiles
 copying and transposing the bf16 rows every call, and the same tiles loaded from the pack made
-once (pdserve.kernels.native_matrices.bf16_tiles). Needs AMX. Milliseconds a call, medians of
---repeats rounds with the three timed in turn.
+once (pdserve.kernels.native_matrices.bf16_tiles). Needs AMX. Milliseconds a call (the median of
+10 calls), medians of --repeats rounds with the three timed in turn.
 
     .venv/bin/python -m benchmarks.kernels.bench_bf16_tiles [--rows 16 32 128 512 2048] [--repeats 5]
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.kernels.bench_cpu_layer_ops import median_us
 from pdserve.kernels.dequant_tiles import native_amx, set_tile_dtype
 from pdserve.kernels.native_matrices import bf16_rows_matmul, bf16_tiles
 
@@ -22,12 +22,8 @@ SHAPES = {"qkv 960 x 576": (960, 576), "gate_up 3072 x 576": (3072, 576), "down 
           "LM head 49152 x 576": (49152, 576)}
 
 
-def _ms(fn, calls: int = 10) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e3
+def _ms(fn) -> float:
+    return median_us(fn, calls=10) / 1e3
 
 
 def main() -> None:
