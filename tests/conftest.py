@@ -14,6 +14,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 import pytest
 import torch
 
+from pdserve.kernels import dequant_tiles
 from pdserve.testing.private_cache import private_cache_dir
 from pdserve.testing.shared_clusters import SharedClusters, file_seconds, group_map, longest_first
 from pdserve.wire.transport import PORT_RANGE_ENV, port_range
@@ -28,6 +29,18 @@ if not torch.cuda.is_available():
 # here, in this process and every node it starts; the bf16 products are tested where a test asks
 # for them (test_gemm_dtype) and auto's choice in test_gemm_dtype too.
 os.environ.setdefault("PDSERVE_CPU_GEMM_DTYPE", "float32")
+
+
+@pytest.fixture(autouse=True)
+def _products_dtype_restored():
+    """Building an engine sets this process's product dtype (dequant_tiles.set_tile_dtype): a test
+    that builds one in bf16 or int8 must not leave the next test on an xdist worker running its
+    float32 kernels in bf16 (stop 82's failure in test_kernels)."""
+    before = dequant_tiles.gemm_dtype()
+    yield
+    if dequant_tiles.gemm_dtype() != before:
+        dequant_tiles.set_tile_dtype(before)
+
 
 # ---- pytest-xdist workers (`-n`, docs/testing.md) -------------------------------------------------
 # Each worker draws its ports from its own slice of free_port's range, and so does every process it
