@@ -39,8 +39,11 @@ _int8 = False  # cpu_gemm_dtype int8: 4- and 8-bit matrices' products in int8 (n
 # Up to how many rows int8 products run where the CPU has AMX: past it AMX's bf16 tiles multiply a
 # 4-bit matrix faster than VNNI's vpdpbusd. The Xeon VM, SmolLM2's decode step over a bf16 cache,
 # int8 against bf16 (ms): 12.6/17.9 at 4 requests, 16.6/24.6 at 8, 24.5/34.7 at 16, 41.4/43.3 at
-# 32, 61.8/61.0 at 48, 81.2/74.6 at 64; a prefill 1,130-1,240 against 2,080-2,430 tokens/s.
-INT8_MAX_ROWS_AMX = 40
+# 32, 61.8/61.0 at 48, 81.2/74.6 at 64; a prefill 1,130-1,240 against 2,080-2,430 tokens/s. Those
+# int8 steps were VNNI's: with AMX's int8 tiles (native_gemv_int8_amx.c, later), the default GGUF's
+# decode step over its bf16 cache, offline, 2026-12-06 (int8 / bf16 tiles, two runs each): 41.5,
+# 40.6 / 51.0, 58.0 ms at 48 requests; 72.8, 64.1 / 64.1, 79.6 at 56; 75.1, 77.9 / 64.0, 71.6 at 64.
+INT8_MAX_ROWS_AMX = 48
 _int8_max_rows: int | None = None  # set_tile_dtype's: INT8_MAX_ROWS_AMX under int8 with AMX, else None
 GEMM_DTYPE_ENV = "PDSERVE_CPU_GEMM_DTYPE"  # what cpu_gemm_dtype auto means, where set
 
