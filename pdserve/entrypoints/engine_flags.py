@@ -43,7 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) ->
                         "GGUF where the CPU has AVX-512 VNNI, else bfloat16 where the CPU has it, else float32 "
                         "($PDSERVE_CPU_GEMM_DTYPE, where set, decides); int8: "
                         "4- and 8-bit weights (GGUF Q4_0/Q4_1/Q8_0) multiply int8-quantized activations with "
-                        "AVX-512 VNNI, as llama.cpp does, at any row count (up to 40 on CPUs with AMX, whose "
+                        "AVX-512 VNNI, as llama.cpp does, at any row count (up to 48 on CPUs with AMX, whose "
                         "bf16 tiles are faster past them), the rest bfloat16")
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "numba", "triton"],
                    help="attention kernels; auto: numba on CPU, triton on CUDA")
