@@ -91,6 +91,41 @@ def _compiled(x: torch.Tensor, packed) -> torch.Tensor:
     return out
 
 
+@needs_bf16
+@pytest.mark.skipif(not dequant_tiles.native_amx() or native_gemv.library() is None,
+                    reason="no AMX tiles or no compiled gemv on this machine")
+def test_amx_products_take_the_compiled_kernel_up_to_its_rows(tile_dtype, monkeypatch):
+    """Under bf16 products on AMX's tiles a quantized matrix's products of up to AMX_MAX_TOKENS
+    rows (a large decode step's LM head) run in the compiled kernel: float32 sums of bf16
+    products, exact against float64. Past them, dequantized tiles through oneDNN (its results
+    rounded to bf16); under float32 products the compiled kernel stops at MAX_TOKENS."""
+    rng = np.random.default_rng(7)
+    rows, cols, group = 70, 192, 32
+    q = rng.integers(0, 16, (rows, cols)).astype(np.uint8)
+    scales = (rng.random((rows, cols // group)) * 0.1 + 0.01).astype(np.float32)
+    mins = (rng.random((rows, cols // group)) * -0.5).astype(np.float32)
+    w = q.astype(np.float64) * np.repeat(scales, group, 1) + np.repeat(mins, group, 1)
+    packed = quant_cpu.PackedMatrix.of(4, torch.from_numpy(_pack(q, 4)), torch.from_numpy(scales),
+                                       torch.from_numpy(mins), group)
+    bf16_w = torch.from_numpy(w).float().to(torch.bfloat16).double()
+    calls = []
+    real = native_gemv.run
+    monkeypatch.setattr(native_gemv, "run", lambda *a: calls.append(a[1]) or real(*a))
+    tile_dtype(torch.bfloat16)
+    most = native_gemv.AMX_MAX_TOKENS
+    for tokens in (64, most):
+        x = torch.from_numpy(rng.standard_normal((tokens, cols)).astype(np.float32))
+        got = quant_cpu.packed_matmul(x, packed)
+        assert calls[-1] == tokens
+        assert torch.allclose(got.double(), x.to(torch.bfloat16).double() @ bf16_w.T, rtol=1e-5, atol=1e-4)
+    x = torch.from_numpy(rng.standard_normal((most + 1, cols)).astype(np.float32))
+    got = quant_cpu.packed_matmul(x, packed)
+    assert calls == [64, most] and torch.equal(got.to(torch.bfloat16).float(), got)
+    tile_dtype(torch.float32)
+    quant_cpu.packed_matmul(x[:64], packed)
+    assert calls == [64, most]
+
+
 def test_bf16_is_refused_without_native_dot_products(monkeypatch):
     monkeypatch.setattr(dequant_tiles, "native_bf16", lambda: False)
     with pytest.raises(ValueError, match="AVX-512 BF16"):

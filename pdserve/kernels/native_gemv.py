@@ -62,6 +62,12 @@ MAX_TOKENS = 32  # above this, dequantized tiles through BLAS win (bench_native_
 # ... except on an AVX2 build, whose panels (native_gemv_panels.c) ran 1.0-2.2x the tiles and BLAS
 # from 48 to 256 tokens on SmolLM2's shapes (a 2-core EPYC without AVX-512, 2026-12-04)
 PANELS_MAX_TOKENS = 256
+# ... and where bf16 products run on AMX's tiles (32 rows dequantized into B tiles a task,
+# native_gemv_amx.c): against dequantized tiles through oneDNN, the Xeon VM, 2026-12-06, two
+# threads (ms): a Q8_0 [49,152, 576] LM head 7.98 / 11.39 at 64 tokens, 14.2 / 15.7 at 128, 41.8
+# / 40.4 at 256; a Q4_1 [3,072, 576] gate_up 0.53 / 0.87 at 64, 0.86 / 1.06 at 128, 1.53 / 1.76 at 256
+AMX_MAX_TOKENS = 128
+_amx_products = False  # set_bf16's: bf16 products, and the library was granted AMX's tiles
 
 
 def _cache_dir() -> Path:
@@ -163,6 +169,8 @@ def library() -> ctypes.CDLL | None:
     lib.pd_dequant_rows.restype = _I
     lib.pd_set_bf16.argtypes = [_I]
     lib.pd_set_bf16.restype = None
+    lib.pd_amx_granted.argtypes = []
+    lib.pd_amx_granted.restype = _I
     lib.pd_set_int8.argtypes = [_I]
     lib.pd_set_int8.restype = None
     lib.pd_round_bf16.argtypes = [_P, ctypes.c_long, ctypes.c_long, _P, _I]
@@ -203,9 +211,11 @@ def library() -> ctypes.CDLL | None:
 def set_bf16(on: bool) -> None:
     """Past TOKENS_PER_PASS tokens, integer layouts' products in bf16 (native_gemv.c's
     task_many_bf16) or float32; for this process (pdserve.kernels.dequant_tiles.set_tile_dtype)."""
+    global _amx_products
     lib = library()
     if lib is not None:
         lib.pd_set_bf16(int(on))
+        _amx_products = bool(on) and bool(lib.pd_amx_granted())
 
 
 def set_int8(on: bool, min_tokens: int | None = None, max_tokens: int | None = None) -> None:
@@ -228,7 +238,9 @@ def panels_built() -> bool:
 
 def max_tokens() -> int:
     """Up to how many tokens the compiled kernel beats dequantized tiles through BLAS here."""
-    return PANELS_MAX_TOKENS if panels_built() else MAX_TOKENS
+    if panels_built():
+        return PANELS_MAX_TOKENS
+    return AMX_MAX_TOKENS if _amx_products else MAX_TOKENS
 
 
 def set_panels_min_tokens(tokens: int) -> int:

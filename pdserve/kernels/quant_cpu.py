@@ -11,7 +11,8 @@ Scales and mins are float32, or float16 kept as their raw 16 bits (see quant_sca
 Two ways to multiply, chosen by the number of tokens (see QUANT_GEMV_MAX_TOKENS):
 - gemv (quant_gemv): the weights are decoded as they are read, at 4 or 8 bits instead of 32;
   decode steps are memory-bound. Up to native_gemv.max_tokens() tokens its compiled kernel runs
-  instead, where it builds (32; 256 on AVX2, where its panels beat the tiles below);
+  instead, where it builds (32; 256 on AVX2, where its panels beat the tiles below; 128 under
+  bf16 products on AMX's tiles);
 - dequantize a tile of rows to float32, multiply it by BLAS, next tile: prefill is
   compute-bound, and the dequantization is amortised over its tokens.
 Both multiply the float32 values transformers computes when it dequantizes the same checkpoint
