@@ -27,10 +27,8 @@ pytestmark = pytest.mark.skipif(not dequant_tiles.native_amx() or native_gemv.li
 
 @pytest.fixture
 def bf16_products():
-    before = dequant_tiles.tile_dtype()
+    """bf16 tile products for the test (conftest.py puts this process's dtype back after it)."""
     dequant_tiles.set_tile_dtype(torch.bfloat16)
-    yield
-    dequant_tiles.set_tile_dtype(before)
 
 
 def _run(x: torch.Tensor, matrix: tuple, rows: int) -> torch.Tensor:

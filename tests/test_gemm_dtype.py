@@ -20,10 +20,8 @@ needs_bf16 = pytest.mark.skipif(not dequant_tiles.native_bf16(), reason="no AVX-
 
 @pytest.fixture
 def tile_dtype():
-    """Restores this process's tile dtype after the test."""
-    before = dequant_tiles.tile_dtype()
-    yield dequant_tiles.set_tile_dtype
-    dequant_tiles.set_tile_dtype(before)
+    """Sets this process's tile dtype (conftest.py puts it back after the test)."""
+    return dequant_tiles.set_tile_dtype
 
 
 def _tiles_product(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
@@ -58,14 +56,8 @@ def test_compiled_bf16_rows_equal_a_float64_product_of_bf16_operands(tile_dtype,
     task_many_bf16): w dequantized then rounded to bf16, x rounded to bf16, float32 sums; up to 8
     tokens, and with float32 set, every product stays float32."""
     rng = np.random.default_rng(bits + tokens)
-    rows, cols, group = 70, 192, 32
-    q = rng.integers(0, 16 if bits == 4 else 127, (rows, cols)).astype(np.uint8 if bits == 4 else np.int8)
-    scales = (rng.random((rows, cols // group)) * 0.1 + 0.01).astype(np.float32)
-    mins = (rng.random((rows, cols // group)) * -0.5).astype(np.float32)
-    w = q.astype(np.float64) * np.repeat(scales, group, 1) + np.repeat(mins, group, 1)
-    packed = quant_cpu.PackedMatrix.of(bits, torch.from_numpy(_pack(q, bits)), torch.from_numpy(scales),
-                                       torch.from_numpy(mins), group)
-    x = torch.from_numpy(rng.standard_normal((tokens, cols)).astype(np.float32))
+    w, packed = _grouped_matrix(rng, bits)
+    x = torch.from_numpy(rng.standard_normal((tokens, w.shape[1])).astype(np.float32))
     bf16 = torch.from_numpy(w).float().to(torch.bfloat16).double()
     exact = x.to(torch.bfloat16).double() @ bf16.T
     full = x.double() @ torch.from_numpy(w).T
@@ -76,6 +68,17 @@ def test_compiled_bf16_rows_equal_a_float64_product_of_bf16_operands(tile_dtype,
     assert torch.allclose(_compiled(x[:8], packed).double(), full[:8], rtol=1e-5, atol=1e-4)
     tile_dtype(torch.float32)
     assert torch.allclose(_compiled(x, packed).double(), full, rtol=1e-5, atol=1e-4)
+
+
+def _grouped_matrix(rng, bits: int, rows: int = 70, cols: int = 192, group: int = 32):
+    """A random 4- or 8-bit matrix with float32 scales and mins: (its float64 values, packed)."""
+    q = rng.integers(0, 16 if bits == 4 else 127, (rows, cols)).astype(np.uint8 if bits == 4 else np.int8)
+    scales = (rng.random((rows, cols // group)) * 0.1 + 0.01).astype(np.float32)
+    mins = (rng.random((rows, cols // group)) * -0.5).astype(np.float32)
+    w = q.astype(np.float64) * np.repeat(scales, group, 1) + np.repeat(mins, group, 1)
+    packed = quant_cpu.PackedMatrix.of(bits, torch.from_numpy(_pack(q, bits)), torch.from_numpy(scales),
+                                       torch.from_numpy(mins), group)
+    return w, packed
 
 
 def _pack(q: np.ndarray, bits: int) -> np.ndarray:
@@ -100,13 +103,8 @@ def test_amx_products_take_the_compiled_kernel_up_to_its_rows(tile_dtype, monkey
     products, exact against float64. Past them, dequantized tiles through oneDNN (its results
     rounded to bf16); under float32 products the compiled kernel stops at MAX_TOKENS."""
     rng = np.random.default_rng(7)
-    rows, cols, group = 70, 192, 32
-    q = rng.integers(0, 16, (rows, cols)).astype(np.uint8)
-    scales = (rng.random((rows, cols // group)) * 0.1 + 0.01).astype(np.float32)
-    mins = (rng.random((rows, cols // group)) * -0.5).astype(np.float32)
-    w = q.astype(np.float64) * np.repeat(scales, group, 1) + np.repeat(mins, group, 1)
-    packed = quant_cpu.PackedMatrix.of(4, torch.from_numpy(_pack(q, 4)), torch.from_numpy(scales),
-                                       torch.from_numpy(mins), group)
+    w, packed = _grouped_matrix(rng, 4)
+    cols = w.shape[1]
     bf16_w = torch.from_numpy(w).float().to(torch.bfloat16).double()
     calls = []
     real = native_gemv.run

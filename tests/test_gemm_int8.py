@@ -20,13 +20,11 @@ needs_int8 = pytest.mark.skipif(native_gemv.library() is None or not dequant_til
 
 @pytest.fixture
 def gemm_dtype(monkeypatch):
-    """Restores this process's product dtype after the test. int8 runs at every row count here, on
-    a CPU with AMX too (where the engine hands rows past INT8_MAX_ROWS_AMX to bf16 tiles; see
-    test_amx_cpus_take_int8_up_to_the_crossover_and_bf16_past_it)."""
+    """Sets this process's product dtype (conftest.py puts it back after the test). int8 runs at
+    every row count here, on a CPU with AMX too (where the engine hands rows past
+    INT8_MAX_ROWS_AMX to bf16 tiles; see test_amx_cpus_take_int8_up_to_the_crossover_and_bf16_past_it)."""
     monkeypatch.setattr(dequant_tiles, "INT8_MAX_ROWS_AMX", None)
-    before = dequant_tiles.gemm_dtype()
-    yield dequant_tiles.set_tile_dtype
-    dequant_tiles.set_tile_dtype(before)
+    return dequant_tiles.set_tile_dtype
 
 
 def _matrix(rng, bits: int, rows: int, cols: int, group: int, has_min: bool, half: bool):

@@ -65,14 +65,10 @@ def test_an_engine_collapses_its_weights_and_int8_packs(monkeypatch):
         assert any(lo <= storage.data_ptr() and storage.data_ptr() + storage.nbytes() <= hi for lo, hi in spans)
     if native_gemv.library() is None or not dequant_tiles.native_int8():
         return
-    before = dequant_tiles.gemm_dtype()
-    dequant_tiles.set_tile_dtype("int8")
-    try:
-        rng = np.random.default_rng(0)
-        q = rng.integers(0, 256, (64, 128), dtype=np.uint8)
-        scales = rng.random((64, 8), dtype=np.float32).astype(np.float16)
-        matrix = native_gemv.matrix_args(4, q, scales, np.zeros_like(scales), True, 32)
-        pack = native_gemv.int8_pack(matrix, 256)
-        assert pack is not None and (pack.ctypes.data, pack.ctypes.data + pack.nbytes) in spans
-    finally:
-        dequant_tiles.set_tile_dtype(before)
+    dequant_tiles.set_tile_dtype(torch.int8)  # (conftest.py puts it back after the test)
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 256, (64, 128), dtype=np.uint8)
+    scales = rng.random((64, 8), dtype=np.float32).astype(np.float16)
+    matrix = native_gemv.matrix_args(4, q, scales, np.zeros_like(scales), True, 32)
+    pack = native_gemv.int8_pack(matrix, 256)
+    assert pack is not None and (pack.ctypes.data, pack.ctypes.data + pack.nbytes) in spans

@@ -223,10 +223,7 @@ def test_tiled_products_take_the_native_tiles_and_agree_with_numbas(dtype, monke
     q, scales, mins = _matrix(rng, 300, 576, 4, 32, True, True)
     m = quant_cpu.PackedMatrix(4, 32, q, scales, mins, True, native_gemv.matrix_args(4, q, scales, mins, True, 32))
     x = torch.from_numpy(rng.standard_normal((70, 576)).astype(np.float32))
-    dequant_tiles.set_tile_dtype(dtype)
-    try:
-        numba_tiles = quant_cpu._tiled(x, quant_cpu.PackedMatrix(4, 32, q, scales, mins, True, None))
-        monkeypatch.setattr(quant_cpu, "_dequantize", None)  # the numba fill would raise if called
-        assert torch.equal(quant_cpu._tiled(x, m), numba_tiles)
-    finally:
-        dequant_tiles.set_tile_dtype(torch.float32)
+    dequant_tiles.set_tile_dtype(dtype)  # (conftest.py puts it back after the test)
+    numba_tiles = quant_cpu._tiled(x, quant_cpu.PackedMatrix(4, 32, q, scales, mins, True, None))
+    monkeypatch.setattr(quant_cpu, "_dequantize", None)  # the numba fill would raise if called
+    assert torch.equal(quant_cpu._tiled(x, m), numba_tiles)

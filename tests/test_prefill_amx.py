@@ -21,12 +21,8 @@ needs_amx = pytest.mark.skipif(native_gemv.library() is None or not dequant_tile
 
 @pytest.fixture
 def bf16_tiles():
-    """bf16 tile products for the test, this process's tile dtype as it was after it (an engine
-    built with cpu_gemm_dtype sets it for the whole process)."""
-    before = dequant_tiles.tile_dtype()
+    """bf16 tile products for the test (conftest.py puts this process's dtype back after it)."""
     dequant_tiles.set_tile_dtype(torch.bfloat16)
-    yield
-    dequant_tiles.set_tile_dtype(before)
 
 
 def _step(heads: int, kv_heads: int, dim: int, fresh: list[int], cached: tuple[int, int] | None, seed: int):
