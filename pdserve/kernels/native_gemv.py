@@ -177,6 +177,8 @@ def library() -> ctypes.CDLL | None:
     lib.pd_round_bf16.restype = _I
     lib.pd_widen_bf16.argtypes = [_P, ctypes.c_long, ctypes.c_long, _P, ctypes.c_long, _I]
     lib.pd_widen_bf16.restype = None
+    lib.pd_argmax_rows.argtypes = [_P, ctypes.c_long, ctypes.c_long, ctypes.c_long, _P, _I]
+    lib.pd_argmax_rows.restype = _I
     lib.pd_norm_rows.argtypes = [_P, _P, _P, _P, _P, ctypes.c_float, _I, _I, _P, _P, _I]
     lib.pd_norm_rows.restype = _I
     lib.pd_rope_rows.argtypes = [_P, ctypes.c_long, _I, _P, ctypes.c_long, _I, _I, _P, _P, _I, _I]
@@ -332,6 +334,19 @@ def round_bf16(x: torch.Tensor) -> torch.Tensor:
         if lib.pd_round_bf16(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()) == 0:
             return out
     return x.to(torch.bfloat16)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """Each row's index of its first largest value (x float32 [rows, cols] on CPU, columns
+    contiguous), as torch's max(dim=-1).indices gives it, on torch's threads (native_rows.c); None
+    where the library cannot (no library or no AVX-512, another layout, a NaN in a row)."""
+    lib = library()
+    if lib is None or not (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
+                           and x.stride(1) == 1 and x.shape[1] > 0):
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    rc = lib.pd_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out if rc == 0 else None
 
 
 def widen_bf16_into(src: torch.Tensor, out: torch.Tensor) -> None:
