@@ -83,3 +83,21 @@ def test_rows_it_does_not_take_fall_back():
     assert native_paged.paged_decode_attention(q.to(torch.bfloat16), k_cache, v_cache, tables, lens, 0.125) is None
     fp16 = k_cache.half()
     assert native_paged.paged_decode_attention(q, fp16, fp16, tables, lens, 0.125) is None
+
+
+@pytest.mark.parametrize("dtype,window,with_sinks", [(torch.bfloat16, 0, False), (torch.bfloat16, 40, True),
+                                                     (torch.float32, 0, False)])
+def test_many_sequences_take_one_item_each_with_the_same_values(dtype, window, with_sinks):
+    """From 4 sequences a thread, each work item is a sequence with all its KV heads in turn (the
+    heads' rows share cache lines): against the float64 attention, and bit for bit the values of
+    the same rows in batches too small for that (one item per sequence and KV head)."""
+    count = 4 * torch.get_num_threads() + 4
+    lens = [1 + (37 * i) % 300 for i in range(count)]
+    q, k_cache, v_cache, tables, lens_t = _paged(dtype, 64, lens, seed=11)
+    sinks = torch.randn(HEADS) if with_sinks else None
+    out = native_paged.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, 0.125, window, sinks)
+    ref = _reference(q, k_cache, v_cache, tables, lens_t, 0.125, window, sinks)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    small = [native_paged.paged_decode_attention(q[i:i + 2], k_cache, v_cache, tables[i:i + 2], lens_t[i:i + 2], 0.125,
+                                                 window, sinks) for i in range(0, count, 2)]
+    assert torch.equal(out, torch.cat(small))

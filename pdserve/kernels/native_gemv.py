@@ -177,6 +177,8 @@ def library() -> ctypes.CDLL | None:
     lib.pd_round_bf16.restype = _I
     lib.pd_widen_bf16.argtypes = [_P, ctypes.c_long, ctypes.c_long, _P, ctypes.c_long, _I]
     lib.pd_widen_bf16.restype = None
+    lib.pd_set_attend_sequence_items_from.argtypes = [_I]
+    lib.pd_set_attend_sequence_items_from.restype = _I
     lib.pd_argmax_rows.argtypes = [_P, ctypes.c_long, ctypes.c_long, ctypes.c_long, _P, _I]
     lib.pd_argmax_rows.restype = _I
     lib.pd_norm_rows.argtypes = [_P, _P, _P, _P, _P, ctypes.c_float, _I, _I, _P, _P, _I]
@@ -266,6 +268,14 @@ def set_int8_amx_min_tokens(tokens: int | None) -> int:
     before = setting.value
     setting.value = before if tokens is None else tokens
     return before
+
+
+def set_attend_sequence_items_from(tokens: int) -> int:
+    """The decode attention's work items are whole sequences (their KV heads in turn) from this many
+    sequences a step (0: native_attend.c's default, 4 a thread); returns the setting it replaced,
+    -1 without the library. For benchmarks that alternate it in one process."""
+    lib = library()
+    return -1 if lib is None else lib.pd_set_attend_sequence_items_from(tokens)
 
 
 def int8_amx_calls() -> int:
