@@ -4,6 +4,7 @@ slo placement still prices where the prompt goes; and the KV pool's default size
 machine's memory (pdserve.engine.kv_pool_size)."""
 from __future__ import annotations
 
+from pdserve import LLM
 from pdserve.cluster.planner import DEFAULT_ITL_SLO_MS, DEFAULT_TTFT_SLO_MS, planner_targets_ms, target_flags
 from pdserve.engine.kv_pool_size import (
     KV_POOL_CAP_GB,
@@ -87,3 +88,15 @@ def test_default_pool_holds_64_requests_of_2k_tokens_of_the_default_model():
     assert blocks * 16 >= 64 * 2048
     # a tiny model never gets more blocks than its longest requests could fill at the batch's size
     assert default_num_blocks(1024, 16, 128, 512, nodes=1, available=21 * GB) == 128 * 512 // 16
+
+
+def test_the_offline_llm_takes_the_nodes_default_pool():
+    """LLM(...) with no pool size gets the same default as a node (it had a fixed 0.5 GB, which
+    preempted 128 requests of a few hundred tokens on the default model): here the tiny model's
+    cap, max_num_seqs requests of its full length (0.5 GB of its small blocks is more than that)."""
+    llm = LLM("builtin:tiny")
+    engine = llm.engine
+    cap = engine.config.max_num_seqs * -(-engine.max_model_len // engine.config.block_size)
+    assert engine.kv.pool.num_blocks == cap
+    explicit = LLM("builtin:tiny", kv_cache_memory_gb=0.5).engine.kv.pool.num_blocks
+    assert explicit != cap, "the tiny model's 0.5 GB must differ from the cap for this test to tell them apart"
