@@ -5,13 +5,14 @@ weights, as numba's kernel does, and the CPU path uses it up to 32 tokens. It is
 with the machine's compiler."""
 from __future__ import annotations
 
+import ctypes
 import itertools
 
 import numpy as np
 import pytest
 import torch
 
-from pdserve.kernels import mxfp4_cpu, native_gemv, quant_cpu, quant_gemv
+from pdserve.kernels import dequant_tiles, mxfp4_cpu, native_gemv, numba_fused, quant_cpu, quant_gemv
 from pdserve.kernels.native_matrices import fp4_matrix
 
 
@@ -227,3 +228,37 @@ def test_tiled_products_take_the_native_tiles_and_agree_with_numbas(dtype, monke
     numba_tiles = quant_cpu._tiled(x, quant_cpu.PackedMatrix(4, 32, q, scales, mins, True, None))
     monkeypatch.setattr(quant_cpu, "_dequantize", None)  # the numba fill would raise if called
     assert torch.equal(quant_cpu._tiled(x, m), numba_tiles)
+
+
+def test_compiled_norms_sum_in_lanes_under_bf16_products_only():
+    """The compiled step's residual add + RMSNorm (pd_add_norm): under bf16 products its sum of
+    squares runs in 16 lanes, the Python layers' many-row norm's order (pd_norm_rows), so both
+    give the same bits; under float32 products element by element (numba's order), other bits.
+    Both within float32 rounding of a float64 norm."""
+    lib = native_gemv.library()
+    if lib is None or not dequant_tiles.native_bf16():
+        pytest.skip("no compiled kernels or no bf16 products on this machine")
+    fn = lib.pd_add_norm
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_void_p]
+    fn.restype = None
+    g = torch.Generator().manual_seed(5)
+    rows, cols, eps = numba_fused.PARALLEL_ROWS + 8, 576, 1e-5  # (the many-row norm from PARALLEL_ROWS)
+    x, delta = torch.randn(rows, cols, generator=g) * 3, torch.randn(rows, cols, generator=g)
+    w = torch.rand(cols, generator=g) + 0.5
+    summed64 = x.double() + delta.double()
+    ref = w.double() * summed64 * torch.rsqrt(summed64.pow(2).mean(-1, keepdim=True) + eps)
+
+    def compiled() -> torch.Tensor:
+        xs, h = x.clone(), torch.empty(rows, cols)
+        fn(xs.data_ptr(), delta.data_ptr(), w.data_ptr(), eps, rows, cols, h.data_ptr())
+        return h
+
+    dequant_tiles.set_tile_dtype(torch.bfloat16)  # (conftest restores the process's setting)
+    lanes = compiled()
+    assert torch.equal(lanes, numba_fused.rms_norm(x, w, eps, delta)[1]), "the Python layers' bits"
+    dequant_tiles.set_tile_dtype(torch.float32)
+    serial = compiled()
+    assert not torch.equal(serial, lanes)
+    for h in (lanes, serial):
+        torch.testing.assert_close(h.double(), ref, atol=1e-5, rtol=1e-5)

@@ -34,6 +34,9 @@ static inline void transpose16(__m512i r[16]) {
 }
 #endif
 
+/* whether pd_set_bf16 turned the bf16 products on (native_gemv_bf16.c) */
+int pd_bf16_on(void);
+
 /* rows [n, end) of a matrix (native_gemv.c's layouts), dequantized and rounded to bf16 (nearest
  * even) into buffer [end - n][cols] */
 void pd_dequant_bf16(int cols, const uint8_t *q, int bits, const void *sc, const void *mn, int half, int has_min,

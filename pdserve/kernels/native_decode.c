@@ -32,15 +32,23 @@
 #include <string.h>
 
 #include "native_decode.h"
+#include "native_bf16.h"
 #include "native_exp.h"
 
-/* h = w * (x / sqrt(mean(x^2) + eps)) for each of the tokens' rows, after x += delta when delta is given */
+/* h = w * (x / sqrt(mean(x^2) + eps)) for each of the tokens' rows, after x += delta when delta is
+ * given. The sum of squares runs element by element (numba's and transformers' float32 order),
+ * or under bf16 products in 16 lanes as the Python layers' norms then sum (native_rows.c: the
+ * same values as theirs): one element after another it was a chain of dependent FMAs, 3.8% of a
+ * 128-request step of the default GGUF (perf). */
 void pd_add_norm(float *x, const float *delta, const float *w, float eps, int tokens, int cols, float *h) {
+    int lanes = cols % 16 == 0 && pd_bf16_on();
     for (int t = 0; t < tokens; t++) {
         float *xr = x + (long)t * cols, *hr = h + (long)t * cols, ss = 0.f;
         if (delta)
             for (int c = 0; c < cols; c++) xr[c] += delta[(long)t * cols + c];
-        for (int c = 0; c < cols; c++) ss += xr[c] * xr[c];
+        if (lanes) ss = pd_squares16(xr, cols);
+        else
+            for (int c = 0; c < cols; c++) ss += xr[c] * xr[c];
         float inv = 1.0f / sqrtf(ss / (float)cols + eps);
         for (int c = 0; c < cols; c++) hr[c] = w[c] * (xr[c] * inv);
     }

@@ -128,6 +128,8 @@ int pd_moe_mlp(const pd_moe *e, const float *h, int tokens, int hidden, float *o
 /* (native_decode.c) h = w * x / rms(x) per row, after x += delta where delta is given; rotate_half
  * RoPE on `heads` heads of one row; (native_attend.c) a softmax with an optional sink logit */
 void pd_add_norm(float *x, const float *delta, const float *w, float eps, int tokens, int cols, float *h);
+/* (native_rows.c) a row's sum of squares in 16 lanes (cols a multiple of 16) */
+float pd_squares16(const float *x, int cols);
 void pd_rope(float *x, int heads, int dim, const float *cos, const float *sin);
 void pd_softmax(float *s, long length, const float *sink);
 

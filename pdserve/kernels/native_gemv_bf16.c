@@ -28,6 +28,8 @@ void pd_set_bf16(int on) {
     if (on) pd_amx_request();
 }
 
+int pd_bf16_on(void) { return bf16_many; }
+
 #ifdef __AVX512BF16__
 /* x [tokens, cols] float32 -> xp [cols / 2][padded] 32-bit words, each a pair of bf16: token t's
  * columns 2p and 2p + 1 (tokens past `tokens` are zero). Item i is 16 tokens by 16 column pairs,
