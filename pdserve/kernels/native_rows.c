@@ -11,10 +11,6 @@
 #include "native_decode.h"
 #include "native_exp.h"
 
-/* one row: sr = xr + the delta (float32 dr, or bf16 dh widened, exactly; else xr), o = w * RMSNorm(sr).
- * The sum of squares runs in 16 lanes where cols allows: one element after another it was a chain
- * of cols dependent FMAs, 2,300 cycles a 576-wide row, most of a 2,048-token prefill's norm time
- * once its rows went out in bf16 (layers/bf16_rows.py) */
 /* the sum of x[c]^2 over a row whose cols are a multiple of 16, in 16 lanes then _mm512_reduce_add_ps:
  * norm_row's order, which pd_add_norm takes too under bf16 products */
 float pd_squares16(const float *x, int cols) {
@@ -26,6 +22,10 @@ float pd_squares16(const float *x, int cols) {
     return _mm512_reduce_add_ps(acc);
 }
 
+/* one row: sr = xr + the delta (float32 dr, or bf16 dh widened, exactly; else xr), o = w * RMSNorm(sr).
+ * The sum of squares runs in 16 lanes where cols allows: one element after another it was a chain
+ * of cols dependent FMAs, 2,300 cycles a 576-wide row, most of a 2,048-token prefill's norm time
+ * once its rows went out in bf16 (layers/bf16_rows.py) */
 static inline void norm_row(const float *xr, const float *dr, const uint16_t *dh, float *sr, const float *w, float eps,
                             int cols, float *o) {
     float ss = 0.f;
