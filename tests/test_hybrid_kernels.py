@@ -12,7 +12,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.state_pool import StatePool
-from pdserve.kernels import causal_conv, gated_delta, mamba2, recurrent_cpu
+from pdserve.kernels import causal_conv, denormals, gated_delta, mamba2, recurrent_cpu
 from pdserve.models.state_layers import LayerStateSpec
 from pdserve.testing.hybrid_checkpoints import make_hybrid_model
 
@@ -105,6 +105,25 @@ def test_gated_delta_chunked_matches_the_recurrence(length, monkeypatch):
     assert torch.allclose(final, current[0], atol=1e-5, rtol=1e-4)
 
 
+def test_compiled_delta_rule_flushes_denormals_inside_and_leaves_the_caller_as_it_was():
+    """native_delta.c runs with denormals flushed (a strongly decaying head's e^(d_i - d_j) put
+    whole blocks below 1.2e-38, each value a microcode assist): values that small read as zero
+    there, so denormal values give exactly zero where torch's recurrence keeps them. The caller's
+    threads get their mode back: torch's own ops after the call, on this thread and on its OpenMP
+    threads, still keep denormals."""
+    torch.manual_seed(0)
+    length, v_dim = 40, 32
+    q, k = torch.randn(length, K_HEADS, K_DIM), torch.randn(length, K_HEADS, K_DIM)
+    v = torch.full((length, V_HEADS, v_dim), 1e-39)
+    g, beta, state = torch.zeros(length, V_HEADS), torch.ones(length, V_HEADS), torch.zeros(V_HEADS, K_DIM, v_dim)
+    out, final = gated_delta.chunked(q, k, v, g, beta, state, chunk=16)
+    assert torch.count_nonzero(out) == 0 and torch.count_nonzero(final) == 0
+    want, _ = gated_delta.recurrent_step(q[:1], k[:1], v[:1], g[:1], beta[:1], state[None])
+    assert torch.count_nonzero(want) > 0  # (torch keeps them: what the kernel flushed)
+    assert torch.tensor([1e-39]).mul(1.0).item() != 0.0
+    assert bool((torch.full((1 << 20,), 1e-39) * 1.0).ne(0).all())
+
+
 @pytest.mark.parametrize("length", [1, 7, 32, 45, 100])
 def test_mamba2_chunked_matches_the_recurrence(length):
     """Spans shorter than a chunk, one chunk, and several with a partial last one (chunk 32),
@@ -121,6 +140,26 @@ def test_mamba2_chunked_matches_the_recurrence(length):
         ys.append(out)
     assert torch.allclose(y, torch.cat(ys), atol=1e-4, rtol=1e-4)
     assert torch.allclose(final, current[0], atol=1e-4, rtol=1e-4)
+
+
+def test_mamba2_chunked_flushes_denormals_on_every_thread_and_gives_the_mode_back():
+    """mamba2.chunked's torch ops run with denormals flushed on this thread and torch's OpenMP
+    threads (denormals.flushed: its decays across a chunk make blocks of them): denormal inputs
+    read as zero, so the output is exactly zero where the unflushed recurrence keeps them, and a
+    parallel op inside the block flushes too. After it every thread keeps denormals again."""
+    torch.manual_seed(0)
+    length = 40
+    x, dt = torch.full((length, HEADS, HEAD_DIM), 1e-39), torch.rand(length, HEADS) * 0.5
+    B, C = torch.randn(length, GROUPS, SIZE), torch.randn(length, GROUPS, SIZE)
+    A, D, state = -torch.rand(HEADS) * 2, torch.randn(HEADS), torch.zeros(HEADS, HEAD_DIM, SIZE)
+    y, _ = mamba2.chunked(x, dt, A, B, C, D, state, chunk=32)
+    assert torch.count_nonzero(y) == 0
+    want, _ = mamba2.recurrent_step(x[:1], dt[:1], A, B[:1], C[:1], D, state[None])
+    assert torch.count_nonzero(want) > 0
+    many = torch.full((1 << 20,), 1e-39)
+    with denormals.flushed():
+        assert torch.count_nonzero(many * 1.0) == 0
+    assert bool((many * 1.0).ne(0).all()) and torch.tensor([1e-39]).mul(1.0).item() != 0.0
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5_text", "nemotron_h"])

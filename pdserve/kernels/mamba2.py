@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import denormals
+
 
 def segment_sum(x: torch.Tensor) -> torch.Tensor:
     """[..., T] -> [..., T, T]: entry (i, j) is x[j+1] + ... + x[i] for j <= i, -inf above
@@ -42,11 +44,19 @@ def balanced_chunk(length: int, most: int) -> int:
 def chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
             D: torch.Tensor, state: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's span: x [T, H, P], dt [T, H] (discretised), A, D [H], B, C [T, G, N],
-    state [H, P, N]. Returns y [T, H, P] in float32 and the state after the span.
+    state [H, P, N]. Returns y [T, H, P] in float32 and the state after the span. On the CPU with
+    denormals flushed (denormals.py: the decays across a chunk make blocks of them)."""
+    if x.device.type != "cpu":
+        return _chunked(x, dt, A, B, C, D, state, chunk)
+    with denormals.flushed():
+        return _chunked(x, dt, A, B, C, D, state, chunk)
 
-    Laid out heads first ([H, chunks, l, ...]) so every product is one batched matmul; C B^T is
-    computed once per group and shared by the group's heads (the reference repeats B and C per
-    head first)."""
+
+def _chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             D: torch.Tensor, state: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunked's arithmetic, laid out heads first ([H, chunks, l, ...]) so every product is one
+    batched matmul; C B^T is computed once per group and shared by the group's heads (the
+    reference repeats B and C per head first)."""
     length, heads, head_dim = x.shape
     groups = B.shape[1]
     chunk = balanced_chunk(length, chunk)

@@ -119,6 +119,7 @@ int pd_gated_delta_chunked(const float *q, const float *k, const float *v, const
                            all + (3L + dk + 2 * C) * C, all + (3L + dk + 2 * C + dv) * C,
                            all + (3L + 2 * dk + 2 * C + dv) * C};
         failed = all == NULL;
+        unsigned int csr = pd_denormals_flush();
 #pragma omp for schedule(dynamic, 1)
         for (int h = 0; h < heads; h++) {
             if (failed) continue;
@@ -131,6 +132,7 @@ int pd_gated_delta_chunked(const float *q, const float *k, const float *v, const
                 apply_chunk(q + at * dk, L, C, dk, dv, state + (long)h * dk * dv, out + at * dv, &b);
             }
         }
+        pd_denormals_restore(csr);
         free(all);
     }
     return failed ? -2 : 0;
