@@ -12,7 +12,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.state_pool import StatePool
-from pdserve.kernels import causal_conv, denormals, gated_delta, mamba2, recurrent_cpu
+from pdserve.kernels import causal_conv, denormals, gated_delta, mamba2, native_gemv, recurrent_cpu
 from pdserve.models.state_layers import LayerStateSpec
 from pdserve.testing.hybrid_checkpoints import make_hybrid_model
 
@@ -37,6 +37,19 @@ def pool():
 SLOTS_USED = torch.tensor([7, 0, 3, 8, 2])
 
 
+@pytest.fixture(params=["compiled", "numba"])
+def step_kernels(request, monkeypatch):
+    """The decode steps from native_recurrent.c (numba's kernels made to fail), or numba's (the
+    library switched off: a build without a C compiler)."""
+    if request.param == "numba":
+        monkeypatch.setattr(native_gemv, "library", lambda: None)
+    else:
+        assert native_gemv.library() is not None
+        for name in ("_gated_delta_kernel", "_mamba2_kernel", "_conv_kernel"):
+            monkeypatch.setattr(recurrent_cpu, name, None)
+    return request.param
+
+
 def check_in_place(view: torch.Tensor, before: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.allclose(view[SLOTS_USED], want, atol=1e-5, rtol=1e-5)
     others = torch.ones(SLOTS, dtype=torch.bool)
@@ -44,7 +57,7 @@ def check_in_place(view: torch.Tensor, before: torch.Tensor, want: torch.Tensor)
     assert torch.equal(view[others], before[others]), "a slot outside the step changed"
 
 
-def test_gated_delta_step_matches_torch(pool):
+def test_gated_delta_step_matches_torch(pool, step_kernels):
     view, before = pool.state[1], pool.state[1].clone()
     q, k = torch.randn(ROWS, K_HEADS, K_DIM), torch.randn(ROWS, K_HEADS, K_DIM)
     v, g, beta = torch.randn(ROWS, V_HEADS, V_DIM), -torch.rand(ROWS, V_HEADS), torch.rand(ROWS, V_HEADS)
@@ -54,7 +67,7 @@ def test_gated_delta_step_matches_torch(pool):
     check_in_place(view, before, want_state)
 
 
-def test_mamba2_step_matches_torch(pool):
+def test_mamba2_step_matches_torch(pool, step_kernels):
     view, before = pool.state[0], pool.state[0].clone()
     x, dt = torch.randn(ROWS, HEADS, HEAD_DIM), torch.rand(ROWS, HEADS)
     B, C = torch.randn(ROWS, GROUPS, SIZE), torch.randn(ROWS, GROUPS, SIZE)
@@ -66,7 +79,7 @@ def test_mamba2_step_matches_torch(pool):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_conv_step_matches_torch(pool, bias):
+def test_conv_step_matches_torch(pool, bias, step_kernels):
     view, before = pool.conv[0], pool.conv[0].clone()
     x, weight = torch.randn(ROWS, CHANNELS), torch.randn(CHANNELS, 4)
     b = torch.randn(CHANNELS) if bias else None
@@ -74,6 +87,27 @@ def test_conv_step_matches_torch(pool, bias):
     got = recurrent_cpu.conv_step(x, view, SLOTS_USED, weight, b)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
     check_in_place(view, before, want_windows)
+
+
+def test_compiled_decode_steps_flush_denormals(pool):
+    """native_recurrent.c's steps flush denormals (a decay e^g below 1.2e-38, or a state decayed
+    there, cost a microcode assist per value): a state decayed by e^-90 with nothing added is
+    exactly zero in the pool where torch's step keeps it, in both the delta rule and Mamba2."""
+    assert native_gemv.library() is not None
+    view = pool.state[1]
+    view[SLOTS_USED] = 1.0
+    zeros = torch.zeros(ROWS, V_HEADS)
+    q, k, v = torch.randn(ROWS, K_HEADS, K_DIM), torch.randn(ROWS, K_HEADS, K_DIM), torch.zeros(ROWS, V_HEADS, V_DIM)
+    _, want = gated_delta.recurrent_step(q, k, v, zeros - 90, zeros, view[SLOTS_USED])
+    recurrent_cpu.gated_delta_step(q, k, v, zeros - 90, zeros, view, SLOTS_USED)
+    assert torch.count_nonzero(want) == want.numel() and torch.count_nonzero(view[SLOTS_USED]) == 0
+    view = pool.state[0]
+    view[SLOTS_USED] = 1.0
+    x, dt = torch.zeros(ROWS, HEADS, HEAD_DIM), torch.ones(ROWS, HEADS)
+    B, C, A = torch.randn(ROWS, GROUPS, SIZE), torch.randn(ROWS, GROUPS, SIZE), torch.full((HEADS,), -90.0)
+    _, want = mamba2.recurrent_step(x, dt, A, B, C, torch.zeros(HEADS), view[SLOTS_USED])
+    recurrent_cpu.mamba2_step(x, dt, A, B, C, torch.zeros(HEADS), view, SLOTS_USED)
+    assert torch.count_nonzero(want) == want.numel() and torch.count_nonzero(view[SLOTS_USED]) == 0
 
 
 def test_other_dtypes_take_the_torch_steps():

@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "native_gemv.c", "native_decode.c", "native_attend.c", "native_lora.c", "native_moe.c", "native_mla.c", "native_tiles.c",
     "native_gemv_bf16.c", "native_gemv_amx.c", "native_gemv_int8.c", "native_gemv_int8_amx.c", "native_gemv_panels.c", "native_prefill.c",
-    "native_prefill_amx.c", "native_paged.c", "native_rows.c", "native_delta.c", "native_denormals.c"))
+    "native_prefill_amx.c", "native_paged.c", "native_rows.c", "native_delta.c", "native_denormals.c",
+    "native_recurrent.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_decode.h", "native_quant_blocks.h", "native_exp.h",
                                                             "native_bf16.h", "native_simd.h", "native_int8.h", "native_amx.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
