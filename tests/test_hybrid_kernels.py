@@ -17,7 +17,7 @@ from pdserve.models.state_layers import LayerStateSpec
 from pdserve.testing.hybrid_checkpoints import make_hybrid_model
 
 ROWS, SLOTS = 5, 9
-HEADS, HEAD_DIM, GROUPS, SIZE = 4, 8, 2, 16  # Mamba2
+HEADS, HEAD_DIM, GROUPS, SIZE = 4, 16, 2, 16  # Mamba2 (the compiled scan takes sizes in sixteens)
 K_HEADS, V_HEADS, K_DIM, V_DIM = 2, 4, 16, 8  # Gated DeltaNet
 CHANNELS = 40
 
@@ -158,11 +158,23 @@ def test_compiled_delta_rule_flushes_denormals_inside_and_leaves_the_caller_as_i
     assert bool((torch.full((1 << 20,), 1e-39) * 1.0).ne(0).all())
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def mamba2_scan(request, monkeypatch):
+    """The chunked scan from native_recurrent.c (torch's form made to fail), or torch's (the
+    compiled scan declining, as it does without the library or for head sizes not in sixteens)."""
+    if request.param == "torch":
+        monkeypatch.setattr(mamba2, "_compiled", lambda *args: None)
+    else:
+        assert native_gemv.library() is not None
+        monkeypatch.setattr(mamba2, "_chunked", None)
+    return request.param
+
+
 @pytest.mark.parametrize("length", [1, 7, 32, 45, 100])
-def test_mamba2_chunked_matches_the_recurrence(length):
+def test_mamba2_chunked_matches_the_recurrence(length, mamba2_scan):
     """Spans shorter than a chunk, one chunk, and several with a partial last one (chunk 32),
-    from a non-zero state: the chunked form gives the token-by-token recurrence's outputs and
-    final state."""
+    from a non-zero state, compiled and in torch: the chunked form gives the token-by-token
+    recurrence's outputs and final state."""
     torch.manual_seed(length)
     x, dt = torch.randn(length, HEADS, HEAD_DIM), torch.rand(length, HEADS) * 0.5
     B, C = torch.randn(length, GROUPS, SIZE), torch.randn(length, GROUPS, SIZE)
@@ -176,7 +188,7 @@ def test_mamba2_chunked_matches_the_recurrence(length):
     assert torch.allclose(final, current[0], atol=1e-4, rtol=1e-4)
 
 
-def test_mamba2_chunked_flushes_denormals_on_every_thread_and_gives_the_mode_back():
+def test_mamba2_chunked_flushes_denormals_on_every_thread_and_gives_the_mode_back(mamba2_scan):
     """mamba2.chunked's torch ops run with denormals flushed on this thread and torch's OpenMP
     threads (denormals.flushed: its decays across a chunk make blocks of them): denormal inputs
     read as zero, so the output is exactly zero where the unflushed recurrence keeps them, and a

@@ -14,10 +14,12 @@ below at time_step_min, as the reference does there (and not in its one-token up
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import denormals
+from pdserve.kernels import denormals, native_gemv
 
 
 def segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -48,8 +50,29 @@ def chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     denormals flushed (denormals.py: the decays across a chunk make blocks of them)."""
     if x.device.type != "cpu":
         return _chunked(x, dt, A, B, C, D, state, chunk)
+    compiled = _compiled(x, dt, A, B, C, D, state, balanced_chunk(x.shape[0], chunk))
+    if compiled is not None:
+        return compiled
     with denormals.flushed():
         return _chunked(x, dt, A, B, C, D, state, chunk)
+
+
+def _compiled(x, dt, A, B, C, D, state, chunk: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The same scan in native_recurrent.c (per head, chunk by chunk, each chunk's blocks in a
+    thread's buffers, denormals flushed; torch's form passed over [heads, chunks, l, l] temporaries
+    op by op: 0.27 of a Nemotron-H-shaped run's 0.86 s); None without the compiled library."""
+    lib = native_gemv.library()
+    if lib is None:
+        return None
+    x, dt, A, B, C, D = (t.detach().float().contiguous() for t in (x, dt, A, B, C, D))
+    state = state.float().contiguous().clone()
+    y = torch.empty_like(x)
+    length, heads, head_dim = x.shape
+    if lib.pd_mamba2_chunked(*(ctypes.c_void_p(t.data_ptr()) for t in (x, dt, A, B, C, D)), length, heads, head_dim,
+                             B.shape[1], B.shape[2], chunk, ctypes.c_void_p(state.data_ptr()),
+                             ctypes.c_void_p(y.data_ptr()), torch.get_num_threads()) != 0:
+        return None
+    return y, state
 
 
 def _chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,

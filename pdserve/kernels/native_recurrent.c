@@ -8,9 +8,11 @@
  *
  * The arena is the pool view's whole storage as float32: a request's state is at
  * offset + slot * stride. Rows of x and the outputs are contiguous float32. */
+#include "native_exp.h"
 #include "native_simd.h"
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* one (request, value head): q and k normalised (eps 1e-6 inside the root), q scaled; the state
  * decayed, read along k; corrected along k by (v - read) * beta; read along q */
@@ -101,4 +103,96 @@ void pd_conv_step(const float *x, int rows, int channels, int width, float *aren
             out[(long)b * channels + c] = bias ? acc + bias[c] : acc;
         }
     }
+}
+
+/* One Mamba2 span's chunked scan (kernels/mamba2.py's chunked, its arithmetic per chunk of L
+ * tokens, the last one short): per group and chunk CB[i][j] = C_i . B_j; per head, with
+ * seg(i, j) = dtA_{j+1} + ... + dtA_i (summed along, as the reference's segment sums) and cum the
+ * running sum of dtA from the chunk's start:
+ *   y_i = sum_{j<=i} CB[i][j] e^seg(i,j) xdt_j + e^cum_i (S C_i) + D x_i
+ *   S <- S e^cum_last + sum_j e^(cum_last - cum_j) xdt_j B_j^T
+ * x [T][H][P], dt [T][H], A, D [H], B, C [T][G][N], state [H][P][N] (updated), y [T][H][P];
+ * P and N multiples of 16 (else -1: torch's form runs). */
+/* a . b and y += a x over n floats, n a multiple of 16 */
+static inline float dot16(const float *a, const float *b, int n) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int k = 0; k < n; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+static inline void axpy16(float *y, float a, const float *x, int n) {
+    __m512 av = _mm512_set1_ps(a);
+    for (int k = 0; k < n; k += 16) _mm512_storeu_ps(y + k, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + k), _mm512_loadu_ps(y + k)));
+}
+
+/* CB of one group's chunk [L][L] (lower triangle) */
+static void chunk_cb(const float *B, const float *C, int groups, int size, int L, float *cb) {
+    long row = (long)groups * size;
+    for (int i = 0; i < L; i++)
+        for (int j = 0; j <= i; j++) cb[i * L + j] = dot16(C + i * row, B + j * row, size);
+}
+
+/* one head's chunk: y [L][P] from S (chunk start) and CB, then S carried past the chunk */
+static void mamba2_chunk(const float *x, const float *dt, float A, float D, const float *B, const float *C,
+                         const float *cb, int heads, int P, int groups, int N, int L, float *S, float *y,
+                         float *buf) {
+    float *dta = buf, *cum = buf + L, *seg = buf + 2 * L, *xdt = buf + 3 * L + 16; /* seg [L + 16], xdt [L][P] */
+    long xrow = (long)heads * P, brow = (long)groups * N;
+    float run = 0.f;
+    for (int t = 0; t < L; t++) {
+        dta[t] = A * dt[(long)t * heads];
+        cum[t] = run += dta[t];
+        for (int p = 0; p < P; p++) xdt[t * P + p] = x[t * xrow + p] * dt[(long)t * heads];
+    }
+    for (int i = 0; i < L; i++) {
+        float *yi = y + i * xrow, acc = 0.f, e = expf(cum[i]);
+        seg[i] = 0.f;
+        for (int j = i - 1; j >= 0; j--) seg[j] = acc += dta[j + 1];
+        for (int j = 0; j <= i; j += 16) /* (lanes past i: unused; seg and cb are padded by 16) */
+            _mm512_storeu_ps(seg + j, _mm512_mul_ps(exp16(_mm512_loadu_ps(seg + j)), _mm512_loadu_ps(cb + i * L + j)));
+        for (int p = 0; p < P; p++) yi[p] = e * dot16(C + i * brow, S + p * N, N) + D * x[i * xrow + p];
+        for (int j = 0; j <= i; j++) axpy16(yi, seg[j], xdt + j * P, P);
+    }
+    float last = cum[L - 1], carry = expf(last);
+    for (long k = 0; k < (long)P * N; k++) S[k] *= carry;
+    for (int j = 0; j < L; j++) {
+        float w = expf(last - cum[j]);
+        for (int p = 0; p < P; p++) axpy16(S + p * N, xdt[j * P + p] * w, B + j * brow, N);
+    }
+}
+
+int pd_mamba2_chunked(const float *x, const float *dt, const float *A, const float *B, const float *C, const float *D,
+                      int T, int heads, int P, int groups, int N, int L, float *state, float *y, int threads) {
+    if (P % 16 || N % 16) return -1;
+    int chunks = (T + L - 1) / L, per_group = heads / groups, failed = 0;
+    float *cbs = calloc((size_t)groups * chunks * L * L + 16, sizeof(float));
+    if (!cbs) return -2;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        unsigned int csr = pd_denormals_flush();
+        float *buf = calloc((size_t)L * (3 + P) + 16, sizeof(float));
+        failed = buf == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < groups * chunks; item++) {
+            int g = item / chunks, c0 = item % chunks * L, len = T - c0 < L ? T - c0 : L;
+            chunk_cb(B + ((long)c0 * groups + g) * N, C + ((long)c0 * groups + g) * N, groups, N, len,
+                     cbs + (long)item * L * L);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int h = 0; h < heads; h++) {
+            if (failed) continue;
+            int g = h / per_group;
+            for (int c = 0; c < chunks; c++) {
+                int c0 = c * L, len = T - c0 < L ? T - c0 : L;
+                long bc = ((long)c0 * groups + g) * N;
+                mamba2_chunk(x + ((long)c0 * heads + h) * P, dt + (long)c0 * heads + h, A[h], D[h], B + bc, C + bc,
+                             cbs + ((long)g * chunks + c) * L * L, heads, P, groups, N, len,
+                             state + (long)h * P * N, y + ((long)c0 * heads + h) * P, buf);
+            }
+        }
+        free(buf);
+        pd_denormals_restore(csr);
+    }
+    free(cbs);
+    return failed ? -2 : 0;
 }
