@@ -309,6 +309,22 @@ def test_hybrid_projections_take_bf16_products(tmp_path, tile_dtype, kind):
     assert_agrees_until_a_near_tie(runs["float32"], runs["bfloat16"], 4 * diff)
 
 
+@needs_bf16
+def test_a_hybrids_lm_head_takes_bf16_products(tmp_path, tile_dtype):
+    """The hybrids' LM head (a FloatLinear, as their layers' projections) follows cpu_gemm_dtype:
+    under bfloat16 a decode step's 32 rows of logits are float32 sums of bf16 products (float64's
+    of the bf16-rounded operands, within float32 rounding), not the float32 product's values."""
+    from pdserve.testing.hybrid_checkpoints import make_hybrid_model
+
+    llm = LLM(model=str(make_hybrid_model(tmp_path, "qwen3_5_text")), num_kv_blocks=64, cpu_gemm_dtype="bfloat16")
+    model = llm.engine.runner.model
+    hidden = torch.randn(32, model.lm_head.in_features)
+    got = model.compute_logits(hidden).double()
+    want = hidden.bfloat16().double() @ model.lm_head.weight.bfloat16().double().T
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(got, F.linear(hidden, model.lm_head.weight).double(), rtol=1e-5, atol=1e-4)
+
+
 def test_a_bf16_hybrid_checkpoint_decodes_on_its_exact_bf16_rows(tmp_path):
     """A hybrid checkpoint saved in bf16 (as Qwen3.5's are), served in float32: its projections'
     weights are exactly bf16, so a decode step's few rows multiply the bf16 rows themselves (the
