@@ -139,6 +139,38 @@ def test_gated_delta_chunked_matches_the_recurrence(length, monkeypatch):
     assert torch.allclose(final, current[0], atol=1e-5, rtol=1e-4)
 
 
+def test_a_steps_prompt_spans_take_one_compiled_call_with_each_spans_chunked_values():
+    """gated_delta.spans_compiled (every prefill span of a step in one call, from the layer's
+    token-major rows, q and k strided views not yet normalised) against `chunked` span by span:
+    the same outputs in each span's rows and the same states, updated in place in their slots of
+    a pool view narrowed to some heads (as a tensor-parallel rank's), other slots untouched."""
+    torch.manual_seed(3)
+    lengths, v_dim, heads = [1, 7, 16, 45, 100], 32, 2 * V_HEADS
+    total = sum(lengths) + 3  # (three decode rows first, which the call leaves alone)
+    mixed = torch.randn(total, 2 * K_HEADS * K_DIM + heads * v_dim)
+    q, k, v = mixed.split([K_HEADS * K_DIM, K_HEADS * K_DIM, heads * v_dim], dim=-1)
+    q, k, v = q.view(total, K_HEADS, K_DIM), k.view(total, K_HEADS, K_DIM), v.reshape(total, heads, v_dim)
+    g, beta = -torch.rand(total, heads) * 5, torch.rand(total, heads)
+    whole = torch.randn(SLOTS, 2 * heads, K_DIM, v_dim)
+    pool = whole.narrow(1, heads, heads)
+    before = whole.clone()
+    spans, row = [], 3
+    for slot, n in zip((4, 0, 7, 2, 8), lengths):
+        spans.append((slot, row, row + n))
+        row += n
+    want_states = {slot: gated_delta.chunked(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], pool[slot], chunk=16)
+                   for slot, a, b in spans}
+    out = gated_delta.spans_compiled(q, k, v, g, beta, pool, spans, chunk=16)
+    assert out is not None
+    for slot, a, b in spans:
+        want_out, want_state = want_states[slot]
+        assert torch.allclose(out[a:b], want_out, atol=1e-5, rtol=1e-4)
+        assert torch.allclose(pool[slot], want_state, atol=1e-5, rtol=1e-4)
+    assert torch.equal(whole[:, :heads], before[:, :heads])
+    untouched = [s for s in range(SLOTS) if s not in (4, 0, 7, 2, 8)]
+    assert torch.equal(whole[untouched], before[untouched])
+
+
 def test_compiled_delta_rule_flushes_denormals_inside_and_leaves_the_caller_as_it_was():
     """native_delta.c runs with denormals flushed (a strongly decaying head's e^(d_i - d_j) put
     whole blocks below 1.2e-38, each value a microcode assist): values that small read as zero

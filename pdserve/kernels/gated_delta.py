@@ -15,6 +15,8 @@ reference does inside its kernels.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
@@ -92,6 +94,30 @@ def _compiled(q, k, v, g, beta, state, chunk: int) -> tuple[torch.Tensor, torch.
                                   torch.get_num_threads()) != 0:
         return None
     return out, state
+
+
+def spans_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   pool: torch.Tensor, spans: list[tuple[int, int, int]], chunk: int = CHUNK) -> torch.Tensor | None:
+    """Every prefill span of a step through `chunked`'s arithmetic in one compiled call
+    (native_delta.c pd_gated_delta_spans), from the step's token-major rows as the layer has them
+    (q, k [T, Hk, dk] not yet normalised, v [T, Hv, dv], g, beta [T, Hv], float32 on the CPU),
+    each span's state updated in place in the pool's float32 view [slots, Hv, dk, dv] (spans:
+    (slot, first row, end row)). Returns the output [T, Hv, dv] with the spans' rows written; None
+    where the compiled library or the tensors' layout does not allow it."""
+    lib = native_gemv.library() if q.device.type == "cpu" else None
+    rows_ok = all(x.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] for x in (q, k, v))
+    if lib is None or not rows_ok:
+        return None
+    g, beta = (x.float().contiguous() for x in (g, beta))
+    out = torch.empty(v.shape)
+    table = torch.tensor(spans, dtype=torch.int64)
+    ptr = ctypes.c_void_p
+    failed = lib.pd_gated_delta_spans(
+        *(ptr(x.data_ptr()) for x in (q, k, v, g, beta)), *(ctypes.c_long(x.stride(0)) for x in (q, k, v)),
+        k.shape[1], v.shape[1], k.shape[2], v.shape[2], ptr(pool.untyped_storage().data_ptr()),
+        ctypes.c_long(pool.storage_offset()), ctypes.c_long(pool.stride(0)), ptr(table.data_ptr()), len(spans),
+        ptr(out.data_ptr()), chunk, torch.get_num_threads())
+    return None if failed else out
 
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -18,6 +18,7 @@
 #include "native_exp.h"
 #include "native_simd.h"
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -130,6 +131,74 @@ int pd_gated_delta_chunked(const float *q, const float *k, const float *v, const
                 for (int i = 0; i < L; i++) b.decay[i] = sum += g[at + i];
                 solve_chunk(q + at * dk, k + at * dk, v + at * dv, beta + at, L, C, dk, dv, &b);
                 apply_chunk(q + at * dk, L, C, dk, dv, state + (long)h * dk * dv, out + at * dv, &b);
+            }
+        }
+        pd_denormals_restore(csr);
+        free(all);
+    }
+    return failed ? -2 : 0;
+}
+
+/* A chunk of one span's rows for value head h, gathered heads-first into the chunk buffers' own
+ * copies (q normalised and scaled, k normalised, as gated_delta._prepare does), the decays summed */
+typedef struct {
+    const float *q, *k, *v, *g, *beta;
+    long q_row, k_row, v_row; /* floats between rows */
+    int k_heads, v_heads, dk, dv;
+} token_rows;
+
+static void gather_chunk(const token_rows *x, long first, int L, int h, float *q, float *k, float *v, float *beta,
+                         float *decay) {
+    int kh = h / (x->v_heads / x->k_heads);
+    float scale = 1.f / sqrtf((float)x->dk), sum = 0.f;
+    for (int i = 0; i < L; i++) {
+        const float *qi = x->q + (first + i) * x->q_row + (long)kh * x->dk, *ki = x->k + (first + i) * x->k_row + (long)kh * x->dk;
+        float qq = 0.f, kk = 0.f;
+        for (int r = 0; r < x->dk; r++) qq += qi[r] * qi[r], kk += ki[r] * ki[r];
+        float qs = scale / sqrtf(qq + 1e-6f), ks = 1.f / sqrtf(kk + 1e-6f);
+        for (int r = 0; r < x->dk; r++) q[(long)i * x->dk + r] = qi[r] * qs, k[(long)i * x->dk + r] = ki[r] * ks;
+        memcpy(v + (long)i * x->dv, x->v + (first + i) * x->v_row + (long)h * x->dv, sizeof(float) * x->dv);
+        long gi = (first + i) * x->v_heads + h;
+        beta[i] = x->beta[gi];
+        decay[i] = sum += x->g[gi];
+    }
+}
+
+/* Every prefill span of a step in one call: spans [n][3] (state slot, first row, end row) of q, k
+ * [rows][k_heads][dk] and v [rows][v_heads][dv] (row strides q_row, k_row, v_row floats; not yet
+ * normalised), g, beta [rows][v_heads]; each span's state at arena + offset + slot * stride
+ * ([v_heads][dk][dv], updated in place); out [rows][v_heads][dv] (the spans' rows written). Work
+ * items are (span, value head), so a step's short prompts share the threads; the Python per span
+ * (heads-first copies, norms, a call, a concatenation) was a third of a Qwen3.5-shaped prefill. */
+int pd_gated_delta_spans(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                         long q_row, long k_row, long v_row, int k_heads, int v_heads, int dk, int dv, float *arena,
+                         long offset, long stride, const int64_t *spans, int n, float *out, int C, int threads) {
+    if (C % 16 || dk % 16 || dv % 16 || v_heads % k_heads) return -1;
+    token_rows x = {q, k, v, g, beta, q_row, k_row, v_row, k_heads, v_heads, dk, dv};
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *all = malloc(sizeof(float) * (size_t)C * (3 + dk + 2 * C + dv + 2 * dk + 2 * dk + 2 * dv + 1));
+        chunk_buffers b = {all, all + C, all + 2 * C, all + 3 * C, all + (3L + dk) * C, all + (3L + dk + C) * C,
+                           all + (3L + dk + 2 * C) * C, all + (3L + dk + 2 * C + dv) * C,
+                           all + (3L + 2 * dk + 2 * C + dv) * C};
+        float *qc = all + (3L + 3 * dk + 2 * C + dv) * C, *kc = qc + (long)C * dk, *vc = kc + (long)C * dk,
+              *oc = vc + (long)C * dv, *bc = oc + (long)C * dv;
+        failed = all == NULL;
+        unsigned int csr = pd_denormals_flush();
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < n * v_heads; item++) {
+            if (failed) continue;
+            const int64_t *span = spans + 3L * (item / v_heads);
+            int h = item % v_heads;
+            float *S = arena + offset + span[0] * stride + (long)h * dk * dv;
+            for (long c0 = span[1]; c0 < span[2]; c0 += C) {
+                int L = span[2] - c0 < C ? (int)(span[2] - c0) : C;
+                gather_chunk(&x, c0, L, h, qc, kc, vc, bc, b.decay);
+                solve_chunk(qc, kc, vc, bc, L, C, dk, dv, &b);
+                apply_chunk(qc, L, C, dk, dv, S, oc, &b);
+                for (int i = 0; i < L; i++)
+                    memcpy(out + ((c0 + i) * v_heads + h) * (long)dv, oc + (long)i * dv, sizeof(float) * dv);
             }
         }
         pd_denormals_restore(csr);

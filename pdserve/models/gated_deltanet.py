@@ -95,8 +95,14 @@ class GatedDeltaNet(nn.Module):
         pool, d = states.pool.state[self.state_index], states.num_decodes
         if self.num_v_heads != self.full_v_heads:  # a tensor-parallel rank's heads of it
             pool = pool.narrow(1, self.first_v_head, self.num_v_heads)
+        compiled = recurrent_cpu.usable(pool)  # compiled, the states updated in place
+        out = gated_delta.spans_compiled(q, k, v, g, beta, pool, states.spans) if compiled and states.spans else None
+        if out is not None:  # every prompt span in one call: only the decode rows are left
+            if d:
+                out[:d] = recurrent_cpu.gated_delta_step(q[:d], k[:d], v[:d], g[:d], beta[:d], pool, states.slots)
+            return out
         pieces = []
-        if d and recurrent_cpu.usable(pool):  # compiled, the states updated in place
+        if d and compiled:
             pieces.append(recurrent_cpu.gated_delta_step(q[:d], k[:d], v[:d], g[:d], beta[:d], pool, states.slots))
         elif d:
             out, new = gated_delta.recurrent_step(q[:d], k[:d], v[:d], g[:d], beta[:d], pool[states.slots])
