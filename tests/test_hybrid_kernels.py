@@ -171,6 +171,35 @@ def test_a_steps_prompt_spans_take_one_compiled_call_with_each_spans_chunked_val
     assert torch.equal(whole[untouched], before[untouched])
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_steps_prompt_spans_convolve_in_one_compiled_call_as_causal_conv(pool, bias):
+    """recurrent_cpu.conv_spans (every prefill span of a step in one call) against
+    causal_conv.causal_conv span by span: spans of 1 and 2 tokens (shorter than the window, which
+    carries over), of exactly a window, and longer; channels that are not a multiple of the
+    64-channel blocks; windows a run of the pool's channels (a tensor-parallel rank's), updated in
+    place, other channels and slots untouched."""
+    torch.manual_seed(5)
+    whole = pool.conv[0]
+    windows, before = whole.narrow(1, 3, 30), whole.clone()
+    lengths, slots = [1, 2, 3, 19, 70], [6, 1, 4, 0, 8]
+    total = sum(lengths) + 2
+    x = torch.randn(total, 30 + 5)[:, 2:32]  # (a strided view of the layer's wider rows)
+    weight, b = torch.randn(30, 4), (torch.randn(30) if bias else None)
+    spans, row = [], 2
+    for slot, n in zip(slots, lengths):
+        spans.append((slot, row, row + n))
+        row += n
+    want = {slot: causal_conv.causal_conv(x[a:c], windows[slot].clone(), weight, b) for slot, a, c in spans}
+    out = recurrent_cpu.conv_spans(x, windows, spans, weight, b)
+    assert out is not None
+    for slot, a, c in spans:
+        assert torch.allclose(out[a:c], want[slot][0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(windows[slot], want[slot][1])
+    others = torch.ones_like(whole, dtype=torch.bool)
+    others[slots, 3:33] = False
+    assert torch.equal(whole[others], before[others])
+
+
 def test_compiled_delta_rule_flushes_denormals_inside_and_leaves_the_caller_as_it_was():
     """native_delta.c runs with denormals flushed (a strongly decaying head's e^(d_i - d_j) put
     whole blocks below 1.2e-38, each value a microcode assist): values that small read as zero

@@ -196,3 +196,40 @@ int pd_mamba2_chunked(const float *x, const float *dt, const float *A, const flo
     free(cbs);
     return failed ? -2 : 0;
 }
+
+/* Every prefill span of a step through the causal convolution (causal_conv.causal_conv's values):
+ * x [rows][channels] (row stride x_row), each span's window [channels][width] at arena + offset +
+ * slot * stride (the span's first inputs continue it; updated to its last width inputs), the
+ * weight transposed, taps [width + 1][channels], bias or NULL; out [rows][channels], the spans'
+ * rows written. Items are (span, block of 64 channels); each output row's channels in vectors. */
+#define CONV_BLOCK 64
+void pd_conv_spans(const float *x, long x_row, int channels, int width, float *arena, long offset, long stride,
+                   const int64_t *spans, int n, const float *taps, const float *bias, float *out, int threads) {
+    int blocks = (channels + CONV_BLOCK - 1) / CONV_BLOCK;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int item = 0; item < n * blocks; item++) {
+        const int64_t *span = spans + 3L * (item / blocks);
+        int c0 = item % blocks * CONV_BLOCK, cn = channels - c0 < CONV_BLOCK ? channels - c0 : CONV_BLOCK;
+        long first = span[1], T = span[2] - span[1];
+        float *win = arena + offset + span[0] * stride, before[(width > 0 ? width : 1) * CONV_BLOCK];
+        for (int j = 0; j < width; j++) /* the window as rows: input j - width of the span */
+            for (int c = 0; c < cn; c++) before[j * CONV_BLOCK + c] = win[(long)(c0 + c) * width + j];
+        for (long t = 0; t < T; t++) {
+            float acc[CONV_BLOCK];
+            for (int c = 0; c < cn; c++) acc[c] = 0.f;
+            for (int i = 0; i <= width; i++) {
+                long s = t - width + i;
+                const float *in = s < 0 ? before + (width + s) * CONV_BLOCK : x + (first + s) * x_row + c0;
+                const float *w = taps + (long)i * channels + c0;
+                for (int c = 0; c < cn; c++) acc[c] += in[c] * w[c];
+            }
+            float *o = out + (first + t) * (long)channels + c0;
+            for (int c = 0; c < cn; c++) o[c] = bias ? acc[c] + bias[c0 + c] : acc[c];
+        }
+        for (int j = 0; j < width; j++) { /* the last width inputs (from `before` where the span is shorter) */
+            long s = T - width + j;
+            for (int c = 0; c < cn; c++)
+                win[(long)(c0 + c) * width + j] = s < 0 ? before[(width + s) * CONV_BLOCK + c] : x[(first + s) * x_row + c0 + c];
+        }
+    }
+}

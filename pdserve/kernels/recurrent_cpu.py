@@ -222,6 +222,25 @@ def conv_step(x: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor, weigh
     return torch.from_numpy(out).to(x.dtype)
 
 
+def conv_spans(x: torch.Tensor, windows: torch.Tensor, spans: list[tuple[int, int, int]], weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor | None:
+    """causal_conv.causal_conv over every prefill span of a step in one compiled call, each span's
+    window continued and updated in place: x [T, C] float32 (rows in the step's order), windows the
+    pool's [slots, C, K-1] float32 view, spans (slot, first row, end row). Returns [T, C] float32
+    with the spans' rows written; None without the compiled library."""
+    lib = native_gemv.library()
+    if lib is None or x.dtype != torch.float32 or x.stride(-1) != 1:
+        return None
+    taps = weight.detach().float().t().contiguous()  # [K, C]: a row's channels in vectors
+    bias = None if bias is None else _c32(bias)
+    table = torch.tensor(spans, dtype=torch.int64)
+    out = torch.empty(x.shape)
+    lib.pd_conv_spans(_ptr(x), ctypes.c_long(x.stride(0)), x.shape[1], weight.shape[1] - 1, *_arena_args(windows),
+                      _ptr(table), len(spans), _ptr(taps), None if bias is None else _ptr(bias), _ptr(out),
+                      torch.get_num_threads())
+    return out
+
+
 @njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
 def _conv_kernel(x, flat, offset, stride, slots, weight, bias, has_bias, out):  # pragma: no cover
     rows, channels = x.shape
