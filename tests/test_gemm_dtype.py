@@ -310,6 +310,28 @@ def test_hybrid_projections_take_bf16_products(tmp_path, tile_dtype, kind):
 
 
 @needs_bf16
+def test_a_hybrid_mlps_prefill_rows_go_from_gate_up_to_down_in_bf16(tile_dtype, monkeypatch):
+    """The hybrids' SwiGLU MLP (DenseMLP of FloatLinear layers) under bfloat16: a prefill's rows
+    (past the AMX tiles' 512) take gate_up's bf16 result through SiLU * up in one compiled pass
+    into down's bf16 input (float_swiglu_bf16), with the values of the layers' path (which widens,
+    runs SiLU * up in float32 and rounds back); a decode step's rows keep the layers."""
+    from pdserve.layers.quant import unquantized
+    from pdserve.models import moe
+
+    dequant_tiles.set_tile_dtype(torch.bfloat16)
+    torch.manual_seed(0)
+    mlp = moe.DenseMLP(128, 384, linear=unquantized.FloatLinear)
+    took = []
+    monkeypatch.setattr(moe, "float_swiglu_bf16", lambda *a: took.append(unquantized.float_swiglu_bf16(*a)) or took[-1])
+    for rows, fused in ((600, True), (32, False)):
+        x = torch.randn(rows, 128)
+        want = mlp.down_proj(moe.silu_mul(mlp.gate_up_proj(x)))
+        got = mlp(x)
+        assert (took[-1] is not None) == fused
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@needs_bf16
 def test_a_hybrids_lm_head_takes_bf16_products(tmp_path, tile_dtype):
     """The hybrids' LM head (a FloatLinear, as their layers' projections) follows cpu_gemm_dtype:
     under bfloat16 a decode step's 32 rows of logits are float32 sums of bf16 products (float64's

@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.layers.quant.unquantized import float_swiglu_bf16
+
 # (logits [T, E] in float32, correction bias [E] or None) -> (weights [T, K] float32, ids [T, K])
 RouteFn = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
@@ -237,6 +239,10 @@ class DenseMLP(nn.Module):
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation is silu_mul:  # a prefill's rows of FloatLinear layers under bf16 products
+            y = float_swiglu_bf16(self.gate_up_proj, self.down_proj, x)
+            if y is not None:
+                return y
         return self.down_proj(self.activation(self.gate_up_proj(x)))
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels import native_gemv
 from pdserve.kernels.dequant_tiles import tile_dtype
 from pdserve.kernels.native_matrices import bf16_rows_matmul, bf16_tiles
 from pdserve.layers.quant.base import QuantConfig, QuantMethod
@@ -117,6 +118,27 @@ class FloatLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _FLOAT_METHOD.apply(self, x, self.bias)
+
+
+def float_swiglu_bf16(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """down(SiLU(gate) * up) of x [rows, hidden] float32 for FloatLinear layers (gate_up's rows
+    [gate | up], no biases) whose products are each one oneDNN bf16 pass (bf16_pass_takes: a
+    prefill's rows): gate_up's bf16 result goes through SiLU * up in one compiled pass
+    (native_rows.c) straight into down's bf16 input, where FloatLinear widened it to float32, ran
+    SiLU and the product over float32 and rounded it back (a third of a Qwen3.5-shaped prefill's
+    elementwise time). The same bf16 values in and out as that path's roundings, up to SiLU's
+    exp. None where this does not apply (the caller runs its layers)."""
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if not (isinstance(gate_up, FloatLinear) and isinstance(down, FloatLinear) and gate_up.bias is None
+            and down.bias is None and x.dtype == torch.float32 and bf16_pass_takes(gate_up, rows)
+            and bf16_pass_takes(down, rows)):
+        return None
+    lib, inter = native_gemv.library(), down.in_features
+    both = bf16_product(gate_up, x, keep_bf16=True).contiguous()
+    act = torch.empty(rows, inter, dtype=torch.bfloat16)
+    if lib is None or lib.pd_silu_mul_bf16(both.data_ptr(), rows, inter, act.data_ptr(), torch.get_num_threads()) != 0:
+        return None
+    return bf16_product(down, act, keep_bf16=False)
 
 
 class UnquantizedConfig(QuantConfig):
