@@ -20,11 +20,7 @@ FEATURES = {
 }
 
 
-# The page's example of an architecture tensor parallelism does not split yet.
-TP_REFUSED_EXAMPLE = "Qwen3_5ForConditionalGeneration"
-
-
-def refusal(feature: str, architecture: str = TP_REFUSED_EXAMPLE) -> str:
+def refusal(feature: str, architecture: str = "Qwen3_5ForCausalLM") -> str:
     config = EngineConfig(**FEATURES[feature])
     (reason,) = unsupported_for_hybrid(config, architecture, HYBRID_TP_FAMILIES)
     return reason
@@ -41,14 +37,15 @@ def hybrid_section() -> str:
              "request beside the KV blocks. `tests/test_models_hybrid.py` checks each refusal below at start; "
              "offline greedy decoding, chunked prefill, batched decode, preemption and prefix caching (with "
              "the state snapshotted at block boundaries) match transformers; so does P/D over NIXL and through the "
-             "store, the state handed over with the blocks (`tests/test_hybrid_pd.py`). The text models split "
-             "over tensor-parallel ranks, and P/D hands over between nodes at different degrees "
-             "(`tests/test_hybrid_tp.py`).", "",
+             "store, the state handed over with the blocks (`tests/test_hybrid_pd.py`). Every one splits "
+             "over tensor-parallel ranks (Qwen3.5 with images: its language model, the tower on rank 0), and "
+             "P/D hands over between nodes at different degrees (`tests/test_hybrid_tp.py`, "
+             "`tests/test_qwen3_5_vl_engine.py`).", "",
              "| feature | hybrid model |", "|---|---|"]
     lines += ["| prefix caching | ✓ (the state snapshotted at block boundaries; across nodes through the store) |",
               "| P/D handover | ✓ (the state travels with the blocks, over NIXL and through the store) |"]
     lines += [f"| {name} | ✗ |" for name in FEATURES if name != "TP 2"]
     lines += ["| TP 2 | ✓ (each rank's heads; the state pool whole and shared, so the handover is the same at "
-              "every degree); ✗ Qwen3.5 with images |", ""]
-    lines += [f"- **{name}:** {refusal(name)}" for name in FEATURES]
+              "every degree) |", ""]
+    lines += [f"- **{name}:** {refusal(name)}" for name in FEATURES if name != "TP 2"]
     return "\n".join(lines) + "\n"

@@ -4,15 +4,12 @@ the hybrid language model (Gated DeltaNet state beside paged KV) with the tower'
 its image placeholders and interleaved M-RoPE positions. Prompts with one and two images of
 different sizes and text around them; chunked prefill cutting through an image and through the
 delta rule's 64-token chunks; a batch of requests of different lengths; a prefix cached with its
-state snapshot, taken only by a prompt with the same image.
+state snapshot, taken only by a prompt with the same image; tensor parallelism.
 """
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
-from hybrid_refusals import FEATURES, refusal
 
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
@@ -21,8 +18,6 @@ from pdserve.offline.llm import LLM  # noqa: E402
 from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
 from pdserve.testing.vlm_chat import random_pictures  # noqa: E402
 from pdserve.testing.vlm_checkpoints import load_qwen3_5_vl_reference, make_qwen3_5_vl  # noqa: E402
-
-ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -110,8 +105,20 @@ def test_interleaved_sections_differ_from_contiguous_ones(checkpoint):
     assert rope._axis.tolist() == [0, 1, 2, 0, 1, 2, 0, 0] * 2  # mrope_section [4, 2, 2]
 
 
-def test_tensor_parallelism_is_refused_at_start(checkpoint):
-    """Its text model splits (tests/test_hybrid_tp.py), the image model does not yet: refused at
-    start with the feature-matrix page's words (hybrid_refusals)."""
-    with pytest.raises(ValueError, match=re.escape(refusal("TP 2", ARCHITECTURE))):
-        LLM(model=str(checkpoint), num_kv_blocks=32, **FEATURES["TP 2"])
+def test_tensor_parallel_greedy_equals_transformers(checkpoint, reference, pictures):
+    """At TP 2 the language model splits as the text model's (each rank its delta-rule and
+    attention heads) and the tower stays on rank 0, which encodes and sends the embeddings: prompts
+    with one and two images, one cut by 16-token steps, give transformers' tokens."""
+    llm = LLM(str(checkpoint), tensor_parallel_size=2, block_size=16, max_num_batched_tokens=16, max_num_seqs=2,
+              enable_prefix_caching=False)
+    try:
+        mixer = next(layer.mixer for layer in llm.engine.model.layers if hasattr(layer.mixer, "conv_parts"))
+        assert 2 * mixer.conv_size == mixer.full_conv_size, "rank 0 is not split"
+        prompts = [(chat(llm.get_tokenizer(), before, len(which), after), [pictures[i] for i in which])
+                   for before, which, after in CASES[:2]]
+        outs = llm.generate([request(llm, p, ims) for p, ims in prompts], GREEDY, use_tqdm=False)
+        for (prompt, images), out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == reference_greedy(llm, reference, prompt, images), prompt
+        assert llm.engine.kv.states.num_in_use() == 0
+    finally:
+        llm.close()

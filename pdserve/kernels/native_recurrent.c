@@ -56,8 +56,23 @@ void pd_gated_delta_step(const float *q, const float *k, const float *v, const f
     }
 }
 
-/* x [rows][heads][head_dim], dt [rows][heads] (discretised), A, D [heads], B, C [rows][groups][size]:
- * per (request, head) state [head_dim][size] <- state * e^(dt A) + dt B x; y = state C + x D */
+/* one (request, head): state [head_dim][size] <- state * e^(dt A) + dt B x; y = state C + x D */
+static void mamba2_item(const float *x, float step, float A, float D, const float *b, const float *c, int head_dim,
+                        int size, float *S, float *y) {
+    float decay = expf(step * A), dt_b[size];
+    for (int n = 0; n < size; n++) dt_b[n] = step * b[n];
+    for (int p = 0; p < head_dim; p++) {
+        float acc = 0.f;
+        for (int n = 0; n < size; n++) {
+            float s = S[p * size + n] * decay + dt_b[n] * x[p];
+            S[p * size + n] = s;
+            acc += s * c[n];
+        }
+        y[p] = acc + x[p] * D;
+    }
+}
+
+/* x [rows][heads][head_dim], dt [rows][heads] (discretised), A, D [heads], B, C [rows][groups][size] */
 void pd_mamba2_step(const float *x, const float *dt, const float *A, const float *B, const float *C, const float *D,
                     int rows, int heads, int head_dim, int groups, int size, float *arena, long offset, long stride,
                     const int64_t *slots, float *out, int threads) {
@@ -68,19 +83,9 @@ void pd_mamba2_step(const float *x, const float *dt, const float *A, const float
 #pragma omp for schedule(static)
         for (int item = 0; item < rows * heads; item++) {
             int r = item / heads, h = item % heads;
-            const float *b = B + ((long)r * groups + h / per_group) * size, *c = C + ((long)r * groups + h / per_group) * size;
-            float step = dt[item], decay = expf(step * A[h]), dt_b[size];
-            for (int n = 0; n < size; n++) dt_b[n] = step * b[n];
-            float *S = arena + offset + slots[r] * stride + (long)h * head_dim * size;
-            for (int p = 0; p < head_dim; p++) {
-                float xp = x[(long)item * head_dim + p], acc = 0.f;
-                for (int n = 0; n < size; n++) {
-                    float s = S[p * size + n] * decay + dt_b[n] * xp;
-                    S[p * size + n] = s;
-                    acc += s * c[n];
-                }
-                out[(long)item * head_dim + p] = acc + xp * D[h];
-            }
+            long bc = ((long)r * groups + h / per_group) * size;
+            mamba2_item(x + (long)item * head_dim, dt[item], A[h], D[h], B + bc, C + bc, head_dim, size,
+                        arena + offset + slots[r] * stride + (long)h * head_dim * size, out + (long)item * head_dim);
         }
         pd_denormals_restore(csr);
     }

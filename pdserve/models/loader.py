@@ -164,7 +164,10 @@ def _build_and_load(path: Path, config, dtype: torch.dtype, device: torch.device
     if config.architectures[0] in FAMILY_MODULES:
         # A GGUF checkpoint is handed over as its view's marker file, which checkpoint_tensors reads.
         files = [path / VIEW_MARKER] if is_gguf_view(path) else safetensors_files(path)
-        return _family(config.architectures[0]).build_model(config, files, dtype, device)
+        model = _family(config.architectures[0]).build_model(config, files, dtype, device)
+        if not vision_tower and getattr(model, "visual", None) is not None:
+            model.visual = None  # (a TP worker: rank 0 encodes and sends the embeddings)
+        return model
     spec = spec_from_config(config)
     multimodal = config.architectures[0] == qwen2_5_vl.ARCHITECTURE
     rope = (MRotaryEmbedding if multimodal else RotaryEmbedding)(config, spec.head_dim, spec.max_position_embeddings)

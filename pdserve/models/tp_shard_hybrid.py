@@ -46,9 +46,11 @@ from pdserve.models.tp_shard import (
     kv_share,
 )
 
-# The hybrid architectures whose every layer this module splits.
+# The hybrid architectures whose every layer this module splits (Qwen3.5 with images: its
+# language model's; the tower stays whole on rank 0, which encodes and sends the embeddings, as
+# Qwen2.5-VL's does).
 HYBRID_TP_FAMILIES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
-                      "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM")
+                      "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM", "Qwen3_5ForConditionalGeneration")
 # A layer's token mixers and MLPs, by the names the families give them; each one's output is
 # summed over ranks (Granite's MoE and shared MLP apart, Falcon-H1's Mamba and attention apart).
 _PARTS = ("mixer", "self_attn", "mlp", "shared_mlp", "moe")
