@@ -117,6 +117,8 @@ def spans_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         k.shape[1], v.shape[1], k.shape[2], v.shape[2], ptr(pool.untyped_storage().data_ptr()),
         ctypes.c_long(pool.storage_offset()), ctypes.c_long(pool.stride(0)), ptr(table.data_ptr()), len(spans),
         ptr(out.data_ptr()), chunk, torch.get_num_threads())
+    if failed == -2:  # (a thread's buffers could not be had: some spans' states may have moved on)
+        raise MemoryError("pd_gated_delta_spans: no memory for a thread's chunk buffers")
     return None if failed else out
 
 

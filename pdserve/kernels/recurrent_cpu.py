@@ -16,7 +16,7 @@ on the CPU (`usable`); other dtypes and devices take the torch steps.
 Where the compiled library builds, the same steps run from native_recurrent.c instead: on torch's
 OpenMP pool (numba's is a second libgomp in the process), with denormals flushed (a strongly
 decaying head's e^g and decayed states fall below float32's normal range, each value a
-microcode assist: the delta rule's step inside a Qwen3.5-shaped engine 0.58 -> 0.15 ms). The
+microcode assist: the delta rule's step inside a Qwen3.5-shaped engine 0.58 -> 0.19 ms). The
 numba kernels stay for builds without a C compiler.
 """
 from __future__ import annotations
