@@ -163,6 +163,19 @@ def bf16_product(x: torch.Tensor, native: tuple, rows: int, keep_bf16: bool) -> 
         native, cols, start, end, tile.data_ptr(), True), keep_low=keep_bf16)
 
 
+def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """SiLU(gate) * up of a bf16 product's rows gate_up [rows, 2 * I] (gate first) in one compiled
+    pass (native_rows.c), bf16 in and out: what passes between a bf16 MLP's two products, which
+    need not widen it. None without the library or for I not in sixteens."""
+    lib = native_gemv.library()
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    act = torch.empty(rows, inter, dtype=torch.bfloat16)
+    gate_up = gate_up.contiguous()
+    if lib is None or lib.pd_silu_mul_bf16(gate_up.data_ptr(), rows, inter, act.data_ptr(), torch.get_num_threads()) != 0:
+        return None
+    return act
+
+
 def _tile_products(x: torch.Tensor, rows: int, tile: torch.Tensor, fill: Callable[[int, int], bool],
                    keep_low: bool = False) -> torch.Tensor | None:
     """x @ w.T, w's rows filled tile by tile into `tile` by fill(start, end) (False: it does not

@@ -64,6 +64,16 @@ typedef struct { /* a thread's buffers for one chunk of C tokens (C a multiple o
     /* [C] x 3, kt [dk][C], gk and gq [C][C] (then M's and intra's lower triangles), u [C][dv], w and qd [C][dk] */
 } chunk_buffers;
 
+/* floats of one thread's chunk_buffers, and the buffers laid out from `all` in the struct's order */
+static size_t chunk_floats(int C, int dk, int dv) { return (size_t)C * (3 + 3 * dk + 2 * C + dv); }
+
+static chunk_buffers chunk_buffers_in(float *all, int C, int dk, int dv) {
+    chunk_buffers b = {all, all + C, all + 2 * C, all + 3 * C, all + (3L + dk) * C, all + (3L + dk + C) * C,
+                       all + (3L + dk + 2 * C) * C, all + (3L + dk + 2 * C + dv) * C,
+                       all + (3L + 2 * dk + 2 * C + dv) * C};
+    return b;
+}
+
 /* rows [0, L) of U = M^-1 vb and W = M^-1 (kb e^d), and intra (in gq, zero above the diagonal) */
 static void solve_chunk(const float *q, const float *k, const float *v, const float *beta, int L, int C, int dk,
                         int dv, const chunk_buffers *b) {
@@ -115,10 +125,8 @@ int pd_gated_delta_chunked(const float *q, const float *k, const float *v, const
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *all = malloc(sizeof(float) * (size_t)C * (3 + dk + 2 * C + dv + 2 * dk));
-        chunk_buffers b = {all, all + C, all + 2 * C, all + 3 * C, all + (3L + dk) * C, all + (3L + dk + C) * C,
-                           all + (3L + dk + 2 * C) * C, all + (3L + dk + 2 * C + dv) * C,
-                           all + (3L + 2 * dk + 2 * C + dv) * C};
+        float *all = malloc(sizeof(float) * chunk_floats(C, dk, dv));
+        chunk_buffers b = chunk_buffers_in(all, C, dk, dv);
         failed = all == NULL;
         unsigned int csr = pd_denormals_flush();
 #pragma omp for schedule(dynamic, 1)
@@ -178,11 +186,10 @@ int pd_gated_delta_spans(const float *q, const float *k, const float *v, const f
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *all = malloc(sizeof(float) * (size_t)C * (3 + dk + 2 * C + dv + 2 * dk + 2 * dk + 2 * dv + 1));
-        chunk_buffers b = {all, all + C, all + 2 * C, all + 3 * C, all + (3L + dk) * C, all + (3L + dk + C) * C,
-                           all + (3L + dk + 2 * C) * C, all + (3L + dk + 2 * C + dv) * C,
-                           all + (3L + 2 * dk + 2 * C + dv) * C};
-        float *qc = all + (3L + 3 * dk + 2 * C + dv) * C, *kc = qc + (long)C * dk, *vc = kc + (long)C * dk,
+        /* then a chunk's gathered q, k, v, its output and its betas */
+        float *all = malloc(sizeof(float) * (chunk_floats(C, dk, dv) + (size_t)C * (2 * dk + 2 * dv + 1)));
+        chunk_buffers b = chunk_buffers_in(all, C, dk, dv);
+        float *qc = all + chunk_floats(C, dk, dv), *kc = qc + (long)C * dk, *vc = kc + (long)C * dk,
               *oc = vc + (long)C * dv, *bc = oc + (long)C * dv;
         failed = all == NULL;
         unsigned int csr = pd_denormals_flush();

@@ -29,15 +29,11 @@ def gate_up_silu_down(gate_up: LinearBase, down: LinearBase, x: torch.Tensor,
     be the norm's rows rounded to bf16 already, and down's result is returned bf16, not widened."""
     if not _applies(gate_up, down, x, keep_bf16):
         return None
-    inter = down.input_size
     both = bf16_linear(gate_up, x, keep_bf16=True)
     if both is None:
         return None
-    act = torch.empty(x.shape[0], inter, dtype=torch.bfloat16)
-    if native_gemv.library().pd_silu_mul_bf16(both.data_ptr(), x.shape[0], inter, act.data_ptr(),
-                                              torch.get_num_threads()) != 0:
-        return None
-    return bf16_linear(down, act, keep_bf16=keep_bf16)
+    act = dequant_tiles.silu_mul_bf16(both)
+    return None if act is None else bf16_linear(down, act, keep_bf16=keep_bf16)
 
 
 def one_bf16_pass(linear: LinearBase, rows: int) -> bool:

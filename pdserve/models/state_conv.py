@@ -31,14 +31,13 @@ def convolve(x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, bias:
              states) -> torch.Tensor:
     """The one-token queries batched (compiled where the windows allow), then each prefill chunk
     (all of them in one compiled call where the windows allow)."""
-    pieces, d = [], states.num_decodes
-    out = recurrent_cpu.conv_spans(x, windows, states.spans, weight, bias) \
-        if states.spans and recurrent_cpu.usable(windows) else None
+    pieces, d, compiled = [], states.num_decodes, recurrent_cpu.usable(windows)
+    out = recurrent_cpu.conv_spans(x, windows, states.spans, weight, bias) if compiled and states.spans else None
     if out is not None:
         if d:
             out[:d] = recurrent_cpu.conv_step(x[:d], windows, states.slots, weight, bias)
         return out
-    if d and recurrent_cpu.usable(windows):  # compiled, the windows updated in place
+    if d and compiled:  # compiled, the windows updated in place
         pieces.append(recurrent_cpu.conv_step(x[:d], windows, states.slots, weight, bias))
     elif d:
         out, windows[states.slots] = causal_conv.causal_conv_step(x[:d], windows[states.slots], weight, bias)

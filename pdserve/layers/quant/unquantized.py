@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import native_gemv
-from pdserve.kernels.dequant_tiles import tile_dtype
+from pdserve.kernels.dequant_tiles import silu_mul_bf16, tile_dtype
 from pdserve.kernels.native_matrices import bf16_rows_matmul, bf16_tiles
 from pdserve.layers.quant.base import QuantConfig, QuantMethod
 
@@ -133,12 +132,8 @@ def float_swiglu_bf16(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> t
             and down.bias is None and x.dtype == torch.float32 and bf16_pass_takes(gate_up, rows)
             and bf16_pass_takes(down, rows)):
         return None
-    lib, inter = native_gemv.library(), down.in_features
-    both = bf16_product(gate_up, x, keep_bf16=True).contiguous()
-    act = torch.empty(rows, inter, dtype=torch.bfloat16)
-    if lib is None or lib.pd_silu_mul_bf16(both.data_ptr(), rows, inter, act.data_ptr(), torch.get_num_threads()) != 0:
-        return None
-    return bf16_product(down, act, keep_bf16=False)
+    act = silu_mul_bf16(bf16_product(gate_up, x, keep_bf16=True))
+    return None if act is None else bf16_product(down, act, keep_bf16=False)
 
 
 class UnquantizedConfig(QuantConfig):
