@@ -91,17 +91,19 @@ def _bf16_checkpoint(tmp_path):
 def test_prefill_past_the_tiles_rows_keeps_bf16_between_norms_and_products(tmp_path, monkeypatch):
     """A bf16 checkpoint's 600-token prompt (past the tiles' 512 rows: oneDNN's bf16 passes): the
     norms round their rows and the products take and give bf16 (layers/bf16_rows.py, the MLP in one
-    pass), and its logits equal, bit for bit, the same engine's with float32 rows in between."""
+    pass, qkv's rows widened and rotated in one), and its logits equal, bit for bit, the same engine's with float32 rows in between."""
     from pdserve.kernels import numba_fused
     from pdserve.layers import bf16_rows
     llm = LLM(str(_bf16_checkpoint(tmp_path)), num_kv_blocks=64, cpu_gemm_dtype="bfloat16",
               enable_prefix_caching=False, max_num_batched_tokens=1024)
     prompt = torch.randint(3, 200, (600,), generator=torch.Generator().manual_seed(5)).tolist()
-    calls = []
-    rounding_norm = numba_fused.rms_norm_low
+    calls, roped = [], []
+    rounding_norm, widen_rope = numba_fused.rms_norm_low, numba_fused.widen_rope
     monkeypatch.setattr(numba_fused, "rms_norm_low", lambda *a, **k: calls.append(1) or rounding_norm(*a, **k))
+    monkeypatch.setattr(numba_fused, "widen_rope", lambda *a, **k: roped.append(1) or widen_rope(*a, **k))
     got = llm.engine.prompt_logits(prompt)
     assert len(calls) == 2 * len(llm.engine.runner.model.layers)
+    assert len(roped) == len(llm.engine.runner.model.layers)  # qkv's bf16 rows widened and rotated at once
     monkeypatch.setattr(bf16_rows, "step_takes", lambda *a: False)
     assert torch.equal(got, llm.engine.prompt_logits(prompt))
 

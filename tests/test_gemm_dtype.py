@@ -257,6 +257,30 @@ def test_many_row_norms_rope_and_silu_run_compiled_under_bf16(tile_dtype, monkey
 
 
 @needs_bf16
+@pytest.mark.parametrize("q_heads,k_heads,dim", [(9, 3, 64), (3, 1, 6)])
+def test_widen_rope_is_the_widening_then_rope(tile_dtype, q_heads, k_heads, dim):
+    """numba_fused.widen_rope (native_rows.c): a bf16 qkv product's rows widened and q's and k's
+    heads rotated in one pass give, bit for bit, the rows widened by torch then rope_ (rows of 576
+    + 2 x 192 columns, and of 30: past the 16-lane loop); v as widened; below
+    PARALLEL_ROWS, or under float32 products, it declines (the caller takes the two steps)."""
+    from pdserve.kernels import numba_fused
+    gen = torch.Generator().manual_seed(13)
+    rows, width = numba_fused.PARALLEL_ROWS + 7, (q_heads + 2 * k_heads) * dim
+    qkv = torch.randn(rows, width, generator=gen).bfloat16()
+    cos, sin = torch.randn(rows, 1, dim, generator=gen), torch.randn(rows, 1, dim, generator=gen)
+    tile_dtype(torch.bfloat16)
+    want = qkv.float()
+    numba_fused.rope_(want[:, :q_heads * dim].view(rows, q_heads, dim),
+                      want[:, q_heads * dim:(q_heads + k_heads) * dim].view(rows, k_heads, dim), cos, sin)
+    got = numba_fused.widen_rope(qkv, q_heads, k_heads, cos, sin)
+    assert got is not None and torch.equal(got, want)
+    assert numba_fused.widen_rope(qkv[:numba_fused.PARALLEL_ROWS - 1], q_heads, k_heads,
+                                  cos[:numba_fused.PARALLEL_ROWS - 1], sin[:numba_fused.PARALLEL_ROWS - 1]) is None
+    tile_dtype(torch.float32)
+    assert numba_fused.widen_rope(qkv, q_heads, k_heads, cos, sin) is None
+
+
+@needs_bf16
 def test_bf16_mlp_keeps_gate_up_in_bf16(tmp_path, tile_dtype, monkeypatch):
     """Under bf16 products a many-row MLP step goes gate_up -> SiLU * up -> down in bf16
     (layers/bf16_mlp.py): the layers' values (gate_up widened, torch's SiLU and multiply, rounded

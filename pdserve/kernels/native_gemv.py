@@ -186,6 +186,8 @@ def library() -> ctypes.CDLL | None:
     lib.pd_norm_rows.restype = _I
     lib.pd_rope_rows.argtypes = [_P, ctypes.c_long, _I, _P, ctypes.c_long, _I, _I, _P, _P, _I, _I]
     lib.pd_rope_rows.restype = None
+    lib.pd_widen_rope_rows.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _I]
+    lib.pd_widen_rope_rows.restype = None
     lib.pd_silu_mul_rows.argtypes = [_P, _I, _I, _P, _I]
     lib.pd_silu_mul_rows.restype = None
     lib.pd_silu_mul_bf16.argtypes = [_P, _I, _I, _P, _I]

@@ -117,6 +117,23 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     _rope(k.numpy(), c.numpy(), s.numpy())
 
 
+def widen_rope(qkv: torch.Tensor, q_heads: int, k_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """qkv [T, (q_heads + 2 k_heads) D] bf16 (a bf16 product's rows) widened to float32 with q's and
+    k's heads rotated (rope_'s values) in one compiled pass; None where it does not take these rows
+    (the caller widens them and runs rope_)."""
+    tokens, width = qkv.shape
+    dim = width // (q_heads + 2 * k_heads)
+    c, s = cos.reshape(tokens, dim), sin.reshape(tokens, dim)
+    lib = _rows_library(qkv, c, s)
+    if lib is None or qkv.dtype != torch.bfloat16 or c.dtype != torch.float32 or not c.is_contiguous() \
+            or not s.is_contiguous():
+        return None
+    out = torch.empty(tokens, width)
+    lib.pd_widen_rope_rows(qkv.data_ptr(), tokens, q_heads, k_heads, dim, c.data_ptr(), s.data_ptr(), out.data_ptr(),
+                           torch.get_num_threads())
+    return out
+
+
 # Past this many rows, under bf16 products, the norms and RoPE run on every thread of torch's pool
 # (native_rows.c; their sums in another order than the kernels above, so not under float32, whose
 # values stay these kernels'): on one thread a 2,048-token prefill's two norms and RoPE took about

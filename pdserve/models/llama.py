@@ -102,19 +102,34 @@ class Attention(nn.Module):
                 low: bool = False) -> torch.Tensor:
         """low (layers/bf16_rows.py): x may be the norm's bf16 rows, and o's result stays bf16."""
         tokens = x.shape[0]
-        qkv = bf16_rows.projection(self.qkv_proj, x, keep_bf16=False) if low else self.qkv_proj(x)
+        qkv, roped = self._qkv(x, cos, sin, fused, low)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if fused is not None:
+        if not roped and fused is not None:
             fused.rope_(q, k, cos, sin)  # in place: q, k are this step's own buffers
-        else:
+        elif not roped:
             q, k = RotaryEmbedding.apply(q, k, cos, sin)
         out = ctx.attention(self.layer_idx, q, k, v, self.scale, window=self.window).reshape(tokens, self.q_size)
         return bf16_rows.projection(self.o_proj, out, keep_bf16=True) if low else self.o_proj(out)
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused, low: bool) -> tuple[torch.Tensor, bool]:
+        """qkv_proj(x) float32, and whether q and k are rotated already: under bf16 rows (low) the
+        product's bf16 result is widened and rotated in one pass where the fused ops take it."""
+        if not low:
+            return self.qkv_proj(x), False
+        widen_rope = getattr(fused, "widen_rope", None)
+        if widen_rope is None or self.q_norm is not None:
+            return bf16_rows.projection(self.qkv_proj, x, keep_bf16=False), False
+        qkv = bf16_rows.projection(self.qkv_proj, x, keep_bf16=True)
+        if qkv.dtype == torch.bfloat16:
+            roped = widen_rope(qkv, self.num_heads, self.num_kv_heads, cos, sin)
+            if roped is not None:
+                return roped, True
+        return qkv.float(), False
 
 
 class MLP(nn.Module):
