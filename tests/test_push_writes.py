@@ -128,6 +128,39 @@ def test_blocks_are_written_per_chunk_and_nothing_is_read(cluster):
     wait_for(lambda: _blocks_free(url), timeout_s=30)
 
 
+def _turn(url: str, model: str, prompt: list[int], new_tokens: int) -> list[int]:
+    r = _client(url).completions.create(model=model, prompt=prompt, max_tokens=new_tokens, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+    return r.choices[0].model_extra["token_ids"]
+
+
+def test_a_next_turn_reads_the_answer_from_its_decode_node_and_computes_only_the_rest(cluster):
+    """A conversation's next turn (node.borrowed_prefix): its decode node holds the history, the
+    earlier prompt and the answer it generated (five blocks), the prefill node only the earlier
+    prompt (four). The router asks the decode node to lend its blocks after the prefill node's;
+    the prefill node READs the answer's whole block from it instead of computing it, computes
+    only the rest of the turn (28 of its 108 tokens, not 44), and the answer is transformers'."""
+    path, url, proc = cluster
+    first = [rng.randrange(3, 256) for _ in range(64)]
+    question = [rng.randrange(3, 256) for _ in range(20)]
+    pushed, indexed = _pushed(url), _indexed(url)
+    answer = _turn(url, str(path), first, 24)  # tokens 64-87: one whole block (64-79) computed on the decode node
+    second = first + answer + question
+    (want,) = _transformers(path, [second])
+    wait_for(lambda: sum(_pushed(url).values()) > sum(pushed.values()))
+    holder = next(n for n, count in _pushed(url).items() if count > pushed[n])
+    # The router must know the answer's block is there (the decode node's KV events) before the turn
+    wait_for(lambda: _indexed(url)[holder] >= indexed[holder] + 5, timeout_s=30)
+    computed = lambda: node_stats(url)["prefill-0"]["computed_tokens"]  # noqa: E731
+    borrowed = lambda: node_stats(url)["prefill-0"]["kv_tokens_borrowed"]  # noqa: E731
+    before = (computed(), borrowed(), _sum(url, "prefill", "kv_borrow_failures"))
+    assert _turn(url, str(path), second, NEW_TOKENS) == want
+    wait_for(lambda: computed() > before[0])
+    assert (borrowed() - before[1], _sum(url, "prefill", "kv_borrow_failures") - before[2]) == (16, 0)
+    assert computed() - before[0] == len(second) - 80
+    wait_for(lambda: _blocks_free(url), timeout_s=30)
+
+
 def _pushed(url: str) -> dict[str, int]:
     return {n: s["prefills_pushed"] for n, s in node_stats(url).items() if s["role"] == "decode"}
 

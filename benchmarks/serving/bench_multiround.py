@@ -7,9 +7,12 @@ pdserve version reports them) give, summed over the turn's requests:
   computed     prompt tokens the prefill nodes computed (found in no cache)
   loaded       prompt tokens nodes loaded from the KV store instead of computing them
   put          KV bytes the prefill nodes put in the store (their handovers)
-  pulled       KV bytes the decode nodes took: store fetches and NIXL READs (the handovers)
+  pulled       KV bytes the decode nodes took: store fetches, NIXL READs and push mode's WRITEs
+               that landed in them (the handovers)
+  lent         KV bytes the prefill nodes READ from a decode node's blocks instead of computing
+               them (--handover push over NIXL: the last answer, which only the decode node holds)
   written      KV bytes the decode nodes wrote back to the store (prompts they computed, answers)
-  moved        everything that crossed a node's edge: put + pulled + written + loaded's bytes
+  moved        everything that crossed a node's edge: put + pulled + written + lent + loaded's bytes
   shares       pulled and moved / (the turn's prompt tokens x KV bytes per token), beside the
                share of the prompt's tokens new since the last turn (the question and answer)
 Greedy answers are kept in --output-json; --same-as OTHER.json checks they are token for token
@@ -34,7 +37,7 @@ import httpx
 from benchmarks.support.cluster import local_cluster
 from pdserve.loadgen.bench import BenchConfig, send_request
 
-COUNTERS = ("computed", "loaded", "put", "pulled", "written")
+COUNTERS = ("computed", "loaded", "put", "pulled", "written", "lent")
 
 
 def node_counters(url: str, block_size: int) -> tuple[dict[str, int], int]:
@@ -49,10 +52,12 @@ def node_counters(url: str, block_size: int) -> tuple[dict[str, int], int]:
         if node["role"] == "prefill":
             out["computed"] += get("computed_tokens")
             out["put"] += get("transfer_bytes_store")
+            out["lent"] += get("transfer_bytes_nixl")  # (a prefill node READs only what it borrows)
         else:
             written = get("writeback_blocks") * block_size * per_token
             out["written"] += written
-            out["pulled"] += get("transfer_bytes_store") + get("transfer_bytes_nixl")  # (write-backs apart)
+            out["pulled"] += (get("transfer_bytes_store") + get("transfer_bytes_nixl")  # (write-backs apart)
+                              + get("transfer_bytes_nixl_written"))
     return out, per_token
 
 
@@ -76,7 +81,7 @@ async def run_turns(url: str, args) -> tuple[list[dict], list[list[list[int]]]]:
             prompt_tokens = sum(len(p) for p in prompts)
             new = sum(len(p) - (len(h) if turn else 0) for p, h in zip(prompts, histories))
             new += sum(len(a[-1]) - 1 for a in answers) if turn else 0  # the answers the prefill node lacks
-            moved = diff["put"] + diff["pulled"] + diff["written"] + diff["loaded"] * per_token
+            moved = diff["put"] + diff["pulled"] + diff["written"] + diff["lent"] + diff["loaded"] * per_token
             whole = prompt_tokens * per_token
             rows.append({"turn": turn + 1, "prompt_tokens": prompt_tokens, "new_share": new / prompt_tokens, **diff,
                          "moved": moved, "pulled_share": diff["pulled"] / whole, "moved_share": moved / whole,
@@ -88,7 +93,7 @@ async def run_turns(url: str, args) -> tuple[list[dict], list[list[list[int]]]]:
 
 
 def one_run(args, rep: int) -> tuple[list[dict], list]:
-    flags = ["--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", args.transfer,
+    flags = ["--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", args.transfer, "--handover", args.handover,
              "--local-prefill-threshold", "0", "--prefill-placement", "threshold", "--kv-cache-memory-gb", "0.5"]
     with local_cluster(*flags, "--model", args.model) as c:
         # A fresh cluster per repeat (its own Redis): no turn finds another repeat's blocks.
@@ -98,10 +103,10 @@ def one_run(args, rep: int) -> tuple[list[dict], list]:
 
 def table(runs: list[list[dict]]) -> str:
     lines = ["| turn | prompt tokens | new share | computed | loaded | put KiB | pulled KiB | written KiB "
-             "| pulled share | moved share | TTFT ms |", "|" + " --- |" * 11]
+             "| lent KiB | pulled share | moved share | TTFT ms |", "|" + " --- |" * 12]
     for rows in zip(*runs):
         m = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        kib = [f"{m[k] / 1024:.0f}" for k in ("put", "pulled", "written")]
+        kib = [f"{m.get(k, 0) / 1024:.0f}" for k in ("put", "pulled", "written", "lent")]
         lines.append(f"| {m['turn']:.0f} | {m['prompt_tokens']:.0f} | {m['new_share']:.2f} | {m['computed']:.0f} "
                      f"| {m['loaded']:.0f} | {' | '.join(kib)} | {m['pulled_share']:.2f} | {m['moved_share']:.2f} "
                      f"| {m['ttft_ms']:.1f} |")
@@ -111,6 +116,7 @@ def table(runs: list[list[dict]]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--transfer", choices=("store", "nixl"), default="store")
+    p.add_argument("--handover", choices=("pull", "push"), default="pull", help="pdserve up's --handover")
     p.add_argument("--model", default="builtin:tiny")
     p.add_argument("--vocab", type=int, default=250, help="prompt token ids stay below this")
     p.add_argument("--users", type=int, default=2)

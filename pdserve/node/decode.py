@@ -142,16 +142,20 @@ class DecodeNode(StepBudget):
         self.placements["prefills_handed_over"] += 1
         self._admit_pull(req, handover, store_prefix=False)
 
-    def write_target(self, rid: str, req: Request | None, lease_s: float) -> WriteTarget | None:
+    def write_target(self, rid: str, req: Request | None, lease_s: float, lend_from_tokens: int = -1
+                     ) -> WriteTarget | None:
         """Where a prefill node may WRITE the blocks a push-mode request waits with (req: None when
         it has none); no regions: nothing to write (none lacking, no room, a hybrid model's state),
-        said so that its handover need not wait for this. None: this node has no NIXL agent."""
+        said so that its handover need not wait for this. None: this node has no NIXL agent.
+        lend_from_tokens >= 0: the blocks this node holds after that many tokens are lent too
+        (node.borrowed_prefix), for the prefill node to READ instead of compute."""
         puller, bs = self.pullers.get(NixlHandover), self.engine.config.block_size
         if not isinstance(puller, NixlPuller):
             return None
         n_blocks = 0 if req is None or req.state_slot is not None else -(-len(req.prompt_token_ids) // bs)
-        first = 0 if req is None else max(req.num_computed_tokens // bs, req.num_slid_blocks)
-        return puller.write_target(rid, req.block_ids[:n_blocks] if req else [], min(first, n_blocks), lease_s)
+        first = min(0 if req is None else max(req.num_computed_tokens // bs, req.num_slid_blocks), n_blocks)
+        lend_from = first if lend_from_tokens < 0 or req is None else max(lend_from_tokens // bs, req.num_slid_blocks)
+        return puller.write_target(rid, req.block_ids[:n_blocks] if req else [], first, lease_s, min(lend_from, first))
 
     def _stored_prefix(self, msg: DecodeRequest) -> StoreHandover | None:
         """A prompt this node computes itself fetches the leading blocks the store holds and its

@@ -11,6 +11,8 @@ class NodeStats:
     transfers_failed: int = 0
     leases_expired: int = 0
     cached_tokens_store: int = 0   # prompt tokens loaded from the KV store instead of computed
+    kv_tokens_borrowed: int = 0    # a prefill node's prompt tokens READ from its decode node's blocks instead
+    kv_borrow_failures: int = 0    # ... and the prompts that awaited some and computed them (node.borrowed_prefix)
     transfer_bytes_nixl: int = 0
     transfer_bytes_nixl_written: int = 0  # push mode: a prefill node's WRITEs; a decode node's blocks they landed
     transfer_bytes_store: int = 0

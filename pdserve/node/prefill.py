@@ -18,6 +18,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import RequestStatus
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
+from pdserve.node.borrowed_prefix import BorrowedPrefix
 from pdserve.node.producers import MISSING, NixlProducer, PendingPrefill, Producer, StoreProducer
 from pdserve.node.push_writes import PushWriter
 from pdserve.node.runtime import NodeRuntime
@@ -63,10 +64,12 @@ class PrefillNode(StepBudget):
         self.init_step_budget()
         self.nixl: NixlProducer | None = None
         self.writer: PushWriter | None = None  # push mode: WRITEs into the decode node's blocks
+        self.borrowed: BorrowedPrefix | None = None  # ... and READs of the blocks it lends
         if nixl_side_channel:
             self.nixl = NixlProducer(engine, node_id, self.ctx, nixl_side_channel, advertise_host, lease_s, self.stats)
             self.poller.register(self.nixl.side.sock, zmq.POLLIN)
             self.writer = PushWriter(engine, self.nixl.agent, self.stats)
+            self.borrowed = BorrowedPrefix(engine, self.nixl.agent, self.stats)
         producers = [StoreProducer(engine, store, self.stats)] if store is not None else []
         self.puts = StorePuts(producers[0]) if producers else None  # store handovers, off this loop
         # By the transport a request names.
@@ -100,9 +103,10 @@ class PrefillNode(StepBudget):
         prefix = self.store_prefix
         keys = request_block_keys(self.engine, req.prompt_token_ids, req.cache_salt, req.adapter, req.images)
         stored = prefix.stored_tokens(keys, len(req.prompt_token_ids)) if prefix else 0
+        borrow = self.borrowed.tokens_to_borrow(req, stored) if self.borrowed is not None else 0
         try:
             engine_req = self.engine.add_request(rid, req.prompt_token_ids, params, hold_blocks=True,
-                                                 remote_kv_tokens=stored,
+                                                 remote_kv_tokens=stored or borrow,
                                                  continues_elsewhere=req.params.max_tokens > 1,
                                                  cache_salt=req.cache_salt, lora_name=req.adapter,
                                                  images=req.images)
@@ -113,6 +117,8 @@ class PrefillNode(StepBudget):
             # (When the cache had no room for the stored blocks the request just computes.)
             prefix.load(engine_req, keys, stored)
             self.ttft_clocks.landed(rid)
+        elif borrow and engine_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.borrowed.await_target(engine_req, borrow)  # the decode node's WriteTarget lends them
         self.pending[rid] = PendingPrefill(identity, req, keys, stored)
         # Until its blocks are free: a router that goes silent takes its prefills and leases with it.
         self.origin[rid] = identity
@@ -210,6 +216,8 @@ class PrefillNode(StepBudget):
         if pending is None or pending.request.transfer != "nixl":
             return self.writer.decline(msg)
         self.writer.take(msg)
+        if self.borrowed.take(msg, self.writer.peer_of(rid)) is not None:
+            self.ttft_clocks.landed(rid)
         if rid in self.awaiting:
             self._hand_over_awaited(rid)
 
@@ -241,6 +249,8 @@ class PrefillNode(StepBudget):
     def poll_background(self) -> None:
         if self.writer is not None and self.writer.targets:
             self.writer.advance()  # the whole blocks the last step computed, into their decode node's
+        if self.borrowed is not None and self.borrowed.waiting:
+            self.borrowed.expire()
         now = time.monotonic()
         for rid in [r for r, (_, since) in self.awaiting.items() if now - since > TARGET_WAIT_S]:
             log.warning("[%s] no WriteTarget in %.0f s: handing over for READs", rid, TARGET_WAIT_S)
@@ -263,6 +273,7 @@ class PrefillNode(StepBudget):
             producer.forget(request_id)
         if self.writer is not None:
             self.writer.forget(request_id)
+            self.borrowed.forget(request_id)
         if self.puts is not None and self.puts.abort(request_id):
             return  # its blocks stay held until its put ends (store_puts)
         super().abort(request_id)

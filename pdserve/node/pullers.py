@@ -177,13 +177,18 @@ class NixlPuller:
         self._landed: list[str] = []  # ... reported by the next poll()
         self._metadata: NixlMetadata | None = None
 
-    def write_target(self, rid: str, block_ids: list[int], first: int, lease_s: float) -> WriteTarget:
+    def write_target(self, rid: str, block_ids: list[int], first: int, lease_s: float,
+                     lend_from: int | None = None) -> WriteTarget:
         """Where a push-mode request's prefill node may WRITE blocks [first:] of its prompt
-        (block_ids: the prompt's local blocks), with this agent's handshake."""
+        (block_ids: the prompt's local blocks), with this agent's handshake; and blocks
+        [lend_from, first), which this node holds, lent for a READ with their digests."""
         if self._metadata is None:
             self._metadata = NixlMetadata(self.agent.name, self.agent.metadata(), kv_salt=self.kv_salt,
                                           block_nbytes=self.agent.block_nbytes)
-        return WriteTarget(rid, self._metadata, first, self.agent.block_regions(block_ids[first:]), lease_s)
+        lent = block_ids[first if lend_from is None else lend_from:first]
+        return WriteTarget(rid, self._metadata, first, self.agent.block_regions(block_ids[first:]), lease_s,
+                           held_from=first - len(lent), held=self.agent.block_regions(lent),
+                           held_digests=block_digest(self.kv_cache, lent) if lent else [])
 
     def writes_done(self) -> list[str]:
         """Requests whose prefill nodes said they write no more into their blocks."""

@@ -83,6 +83,11 @@ class PushWriter:
             log.warning("[%s] cannot reach %s to write: %s", msg.request_id, msg.peer.agent_name, exc)
             target.broken = True
 
+    def peer_of(self, rid: str) -> str:
+        """The loaded agent of the request's target's decode node; "" when it cannot be written to."""
+        target = self.targets.get(rid)
+        return target.peer if target is not None and not target.broken else ""
+
     def decline(self, msg: WriteTarget) -> None:
         """A target for a request this node no longer computes (it ended, or came late): tell
         the decode node no WRITE will come, so that an aborted request's blocks are freed now."""

@@ -273,7 +273,8 @@ class NodeRuntime:
         stats.update(kv_blocks_in_use=engine.pool.num_used, running=len(sched.running),
                      waiting=len(sched.waiting), preemptions=sched.num_preemptions,
                      cached_tokens=engine.cached_prompt_tokens, computed_tokens=engine.computed_prompt_tokens,
-                     cached_tokens_local=max(engine.cached_prompt_tokens - self.stats.cached_tokens_store, 0),
+                     cached_tokens_local=max(engine.cached_prompt_tokens - self.stats.cached_tokens_store
+                                             - self.stats.kv_tokens_borrowed, 0),
                      cached_blocks=len(engine.pool.cached), kv_event_seq=self.kv_events.seq,
                      prefill_ns_per_token=int(engine.prefill_s_per_token * 1e9),
                      integrity_failures=self.integrity_failures(),

@@ -123,6 +123,11 @@ class DecodeRequest(msgspec.Struct, tag=True):
     # the prompt's blocks and waits in WAITING_FOR_REMOTE_KVS for a KVReady with the first
     # token and the handover (handover and first_token_ids are empty here).
     push: bool = False
+    # Push mode over NIXL: the leading prompt tokens the prefill node holds (the router's prefix
+    # index), where this node is believed to hold more (an earlier turn's answer): its WriteTarget
+    # lends the blocks it holds after them (WriteTarget.held), which the prefill node READs
+    # instead of computing. -1: lend none.
+    lend_from_tokens: int = -1
 
     def pulls_kv(self) -> bool:
         """The receiver pulls the prompt's KV (store fetch or NIXL READ), rather than computing it."""
@@ -148,6 +153,12 @@ class WriteTarget(msgspec.Struct, tag=True):
     first_block: int    # the first prompt block the decode node lacks; regions start at it
     regions: list[Region]
     lease_s: float
+    # Blocks [held_from, first_block) of the prompt, which the decode node holds (its prefix
+    # cache) and lends for a READ under the same lease (DecodeRequest.lend_from_tokens), with
+    # their xxh3-64 digests; none: nothing lent.
+    held_from: int = 0
+    held: list[Region] = []
+    held_digests: list[int] = []
 
 
 class EncodeRequest(msgspec.Struct, tag=True):

@@ -221,8 +221,18 @@ class ClusterBackend:
         self.inflight.assign(rid, node)
         await self.adapters.send_ahead(node, scope.adapter)
         await self.pool.send(node, DecodeRequest(rid, request.prompt, params, itl_slo_s=decision.itl_target_s,
-                                                 cache_salt=scope.cache_salt, adapter=scope.adapter, push=True))
+                                                 cache_salt=scope.cache_salt, adapter=scope.adapter, push=True,
+                                                 lend_from_tokens=self._lend_from(decision)))
         return node
+
+    def _lend_from(self, decision: PlacementDecision) -> int:
+        """Over NIXL, where the decode node holds a whole block more of the prompt than the prefill
+        node (a conversation's last answer, which only it computed): the prefill node's tokens,
+        after which the decode node lends its blocks to be READ instead of computed; else -1."""
+        plan = decision.plan
+        more = plan.decode_cached_tokens - plan.prefill_cached_tokens
+        return (plan.prefill_cached_tokens if self.dispatch.prefill.transfer == "nixl"
+                and more >= self.planner.block_size else -1)
 
     async def _drop_push(self, node: Node, rid: str) -> None:
         """The first token ended the request: its decode node waits for a token it will not get."""

@@ -109,7 +109,9 @@ class Planner:
                 scores["placement"] = outcome.choice.scores()
                 d_node, p_node = outcome.decode, outcome.prefill
                 cached = self.costs.held_tokens(d_node, held, prompt_len)
-        plan = RoutePlan(d_node.node_id, p_node.node_id if p_node else None, cached, scores)
+        p_cached = self.costs.held_tokens(p_node, held, prompt_len) if p_node else 0
+        plan = RoutePlan(d_node.node_id, p_node.node_id if p_node else None, cached, scores,
+                         prefill_cached_tokens=p_cached)
         log.debug("[%s] route: decode=%s (%s, %d cached tokens) prefill=%s (%s) scores=%s", rid, plan.decode,
                   self.decode_policy, cached, plan.prefill, self.prefill_policy, scores)
         return plan

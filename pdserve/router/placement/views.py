@@ -35,3 +35,4 @@ class RoutePlan:
     prefill: str | None            # None: the decode node prefills the prompt itself
     decode_cached_tokens: int = 0  # prompt tokens the decode node is believed to hold
     scores: dict = field(default_factory=dict)
+    prefill_cached_tokens: int = 0  # ... and the prefill node
