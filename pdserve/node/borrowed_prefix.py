@@ -29,7 +29,9 @@ from pdserve.wire.messages import PrefillRequest, WriteTarget
 
 log = logging.getLogger(__name__)
 TARGET_WAIT_S = 2.0  # the decode node's target comes with its admission: milliseconds, unless it is lost
-READ_TIMEOUT_S = 5.0
+# The READ runs on the node's loop thread (over cma: inside the post itself), as push mode's WRITEs
+# do (push_writes.WRITE_TIMEOUT_S): a dead peer must not hold the loop past the router's pings.
+READ_TIMEOUT_S = 0.5
 
 
 class BorrowedPrefix:
