@@ -34,9 +34,10 @@ def test_a_lend_that_falls_short_or_never_comes_computes_the_prompt(how, monkeyp
     engine = build_engine(EngineConfig(model="builtin:tiny", num_kv_blocks=64))
     stats = NodeStats()
     borrowed = BorrowedPrefix(engine, None, stats)  # (no READ is posted on these paths)
-    msg = PrefillRequest("a", PROMPT, GREEDY, "nixl", decode_holds_tokens=88, push=True)
+    msg = PrefillRequest("a", PROMPT, GREEDY, "nixl", decode_holds_tokens=88, push=True, decode_lends=True)
     assert borrowed.tokens_to_borrow(msg, stored=0) == 80  # whole blocks only
-    assert borrowed.tokens_to_borrow(PrefillRequest("b", PROMPT, GREEDY, "nixl", decode_holds_tokens=88), 0) == 0
+    no_lend = PrefillRequest("b", PROMPT, GREEDY, "nixl", decode_holds_tokens=88, push=True)  # the router asked none
+    assert borrowed.tokens_to_borrow(no_lend, stored=0) == 0
     req = engine.add_request("a", PROMPT, GREEDY, hold_blocks=True, remote_kv_tokens=80)
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     borrowed.await_target(req, 80)

@@ -41,9 +41,9 @@ class BorrowedPrefix:
 
     def tokens_to_borrow(self, msg: PrefillRequest, stored: int) -> int:
         """Leading prompt tokens worth awaiting from the decode node (whole blocks before the last
-        prompt token, which is always computed); 0: none (not push mode over NIXL, a stored prefix
-        loads instead, or a model with recurrent state, whose state is not lent)."""
-        if not msg.push or msg.transfer != "nixl" or stored or self.engine.kv.states is not None:
+        prompt token, which is always computed); 0: none (the router asked the decode node for no
+        lend, a stored prefix loads instead, or a model with recurrent state, whose state is not lent)."""
+        if not msg.decode_lends or msg.transfer != "nixl" or stored or self.engine.kv.states is not None:
             return 0
         bs = self.engine.config.block_size
         return min(msg.decode_holds_tokens, len(msg.prompt_token_ids) - 1) // bs * bs

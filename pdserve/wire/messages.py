@@ -88,6 +88,9 @@ class PrefillRequest(msgspec.Struct, tag=True):
     # before the put (PrefillResult.handover_follows), and the handover after it (HandoverMade);
     # so does a NIXL one's when the decode node's WriteTarget has not come by the first token.
     push: bool = False
+    # Push mode over NIXL: the decode node was asked to lend its blocks after this node's
+    # (DecodeRequest.lend_from_tokens): the prompt awaits them (node.borrowed_prefix).
+    decode_lends: bool = False
 
 
 class PrefillResult(msgspec.Struct, tag=True):

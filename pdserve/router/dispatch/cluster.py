@@ -188,7 +188,8 @@ class ClusterBackend:
             return None, None
         first, handover = await self.dispatch.prefill.prefill(rid, request.prompt, params, timer, plan.prefill,
                                                               request.scope, embeddings, plan.decode_cached_tokens,
-                                                              push=pushed)
+                                                              push=pushed,
+                                                              decode_lends=pushed and self._lend_from(decision) >= 0)
         if first is not None:
             timer.tokens(len(first.new_token_ids), first.num_cached_tokens, first.timing)
             if handover is not None or not pushed:  # (else it follows: counted then)

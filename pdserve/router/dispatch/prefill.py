@@ -39,13 +39,14 @@ class PrefillDispatch:
     async def prefill(self, rid: str, prompt: list[int], params: SamplingParams, timer: RequestTimer,
                       preferred: str | None = None, scope: KVScope = NO_SCOPE,
                       embeddings: list[EmbeddingHandover] | None = None, decode_holds: int = 0,
-                      push: bool = False) -> tuple[StepOutput | None, KVHandover | None]:
+                      push: bool = False, decode_lends: bool = False) -> tuple[StepOutput | None, KVHandover | None]:
         """The first token and the handover; (None, None) when no prefill node can do it, so the
         decode node prefills the prompt itself. embeddings: where an encoder node's NIXL READs wait.
         decode_holds: leading prompt tokens the decode node holds (their blocks are not handed over).
         push: its decode node waits already; a store handover (or a NIXL one whose WriteTarget had
         not come) then comes after the first token
-        (handover None here; follow() waits for it)."""
+        (handover None here; follow() waits for it). decode_lends: the decode node was asked to
+        lend its blocks after the prefill node's (DecodeRequest.lend_from_tokens)."""
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
             node = self.picker.preferred(preferred, tried) or self.picker.pick("prefill", tried)
@@ -55,7 +56,8 @@ class PrefillDispatch:
             if attempt == 0:
                 timer.dispatched()
             try:
-                return await self._prefill_on(node, rid, prompt, params, scope, embeddings or [], decode_holds, push)
+                return await self._prefill_on(node, rid, prompt, params, scope, embeddings or [], decode_holds, push,
+                                              decode_lends)
             except (NodeLost, BackendError) as exc:
                 await self.pool.send(node, Abort(rid))  # a hung node that comes back drops it
                 self.counters["prefill_retries"] += 1
@@ -70,7 +72,8 @@ class PrefillDispatch:
 
     async def _prefill_on(self, node: Node, rid: str, prompt: list[int], params: SamplingParams,
                           scope: KVScope = NO_SCOPE, embeddings: list[EmbeddingHandover] | None = None,
-                          decode_holds: int = 0, push: bool = False) -> tuple[StepOutput, KVHandover | None]:
+                          decode_holds: int = 0, push: bool = False, decode_lends: bool = False
+                          ) -> tuple[StepOutput, KVHandover | None]:
         fut = self.inflight.expect_reply(rid, node)
         follows = push
         if follows:  # registered before the prompt goes: its HandoverMade may come right after the token
@@ -83,7 +86,8 @@ class PrefillDispatch:
             await self.pool.send(node, PrefillRequest(rid, prompt, params, self.transfer,
                                                       cache_salt=scope.cache_salt, adapter=scope.adapter,
                                                       images=list(scope.images), embeddings=embeddings or [],
-                                                      decode_holds_tokens=decode_holds, push=follows))
+                                                      decode_holds_tokens=decode_holds, push=follows,
+                                                      decode_lends=decode_lends))
             # A WriteTarget that comes from now on is forwarded there, also after the first token (a
             # node that computes the prompt no more declines it: the decode node frees its blocks).
             self.inflight.prefilling[rid] = node.node_id
