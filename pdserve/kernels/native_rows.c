@@ -95,11 +95,8 @@ void pd_widen_rope_rows(const uint16_t *qkv, int tokens, int q_heads, int k_head
     long width = (long)(q_heads + 2 * k_heads) * dim;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int t = 0; t < tokens; t++) {
-        const uint16_t *s = qkv + t * width;
         float *o = out + t * width;
-        long c = 0;
-        for (; c + 16 <= width; c += 16) _mm512_storeu_ps(o + c, pd_bf16x16(s + c));
-        for (; c < width; c++) o[c] = from_bf16_bits(s[c]);
+        pd_widen_row(qkv + t * width, width, o);
         pd_rope(o, q_heads, dim, cos + (long)t * dim, sin + (long)t * dim);
         pd_rope(o + (long)q_heads * dim, k_heads, dim, cos + (long)t * dim, sin + (long)t * dim);
     }

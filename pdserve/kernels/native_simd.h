@@ -11,6 +11,7 @@
 #ifndef PD_SIMD_H
 #define PD_SIMD_H
 #include <immintrin.h>
+#include <stdint.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define PD_AVX512 1
 /* an optimisation barrier on a vector: the compiler may not fuse arithmetic across it */
@@ -163,6 +164,16 @@ PD_INLINE pd_m512i _pd_cvtepu16_epi32(__m256i a) {
 /* 16 bf16 values at p widened to float32 (exact: a bf16 is a float's upper 16 bits), in either build */
 static inline __attribute__((always_inline)) __m512 pd_bf16x16(const void *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* o[0 : cols] = s[0 : cols] (bf16) widened to float32, exactly */
+static inline void pd_widen_row(const uint16_t *s, long cols, float *o) {
+    long c = 0;
+    for (; c + 16 <= cols; c += 16) _mm512_storeu_ps(o + c, pd_bf16x16(s + c));
+    for (; c < cols; c++) {
+        uint32_t bits = (uint32_t)s[c] << 16;
+        __builtin_memcpy(o + c, &bits, 4);
+    }
 }
 /* Denormal floats flushed to zero (MXCSR's FTZ and DAZ) on the calling thread until
  * pd_denormals_restore: returns the register to restore. Each operation on a denormal takes a

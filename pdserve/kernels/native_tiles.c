@@ -86,14 +86,5 @@ int pd_round_bf16(const float *x, long rows, long cols, uint16_t *out, int threa
 /* out[r][0 : cols] (row stride out_ld floats) = src[r][0 : cols] (bf16, row stride cols), exactly */
 void pd_widen_bf16(const uint16_t *src, long rows, long cols, float *out, long out_ld, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long r = 0; r < rows; r++) {
-        const uint16_t *s = src + r * cols;
-        float *o = out + r * out_ld;
-        long c = 0;
-        for (; c + 16 <= cols; c += 16) _mm512_storeu_ps(o + c, pd_bf16x16(s + c));
-        for (; c < cols; c++) {
-            uint32_t bits = (uint32_t)s[c] << 16;
-            __builtin_memcpy(o + c, &bits, 4);
-        }
-    }
+    for (long r = 0; r < rows; r++) pd_widen_row(src + r * cols, cols, out + r * out_ld);
 }
