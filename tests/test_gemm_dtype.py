@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from test_gguf import reference, write_gguf
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels import dequant_tiles, native_gemv, quant_cpu
+from pdserve.kernels import dequant_tiles, native_gemv, native_rows, quant_cpu
 from pdserve.testing.model_factory import assert_agrees_until_a_near_tie, assert_greedy_matches_reference
 
 needs_bf16 = pytest.mark.skipif(not dequant_tiles.native_bf16(), reason="no AVX-512 BF16 or AMX on this CPU")
@@ -215,10 +215,10 @@ def test_tile_conversions_are_torchs():
     rounds it (normal values; a ragged tail past the last 32), the bf16 result widened exactly
     into strided columns of the float32 output, its neighbours untouched."""
     x = torch.randn(67, 45, generator=torch.Generator().manual_seed(5)) * 100
-    assert torch.equal(native_gemv.round_bf16(x).view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(native_rows.round_bf16(x).view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
     src = (torch.randn(67, 45) * 100).to(torch.bfloat16)
     out = torch.full((67, 60), 7.0)
-    native_gemv.widen_bf16_into(src, out[:, 5:50])
+    native_rows.widen_bf16_into(src, out[:, 5:50])
     assert torch.equal(out[:, 5:50], src.float())
     assert bool((out[:, :5] == 7.0).all()) and bool((out[:, 50:] == 7.0).all())
 

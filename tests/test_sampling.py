@@ -116,12 +116,12 @@ def test_greedy_tokens_are_argmax_ties_included():
 
 
 def test_compiled_argmax_is_torch_max_on_ties_tails_infinities_and_nans():
-    """greedy_tokens' CPU path, the compiled library's argmax (native_gemv.argmax_rows), picks what
+    """greedy_tokens' CPU path, the compiled library's argmax (native_rows.argmax_rows), picks what
     torch's max(dim=-1).indices picks: the first of tied maxima (within a 16-wide vector, across
     vectors, in a tail past the last whole 16), on all -inf rows, +inf, mixed signed zeros, and
     rows that are strided views; a row holding a NaN goes back to torch (NaN's index)."""
     from pdserve.engine.sampler import greedy_tokens
-    from pdserve.kernels import dequant_tiles, native_gemv
+    from pdserve.kernels import dequant_tiles, native_gemv, native_rows
     if native_gemv.library() is None or "avx512f" not in dequant_tiles._cpu_flags():
         pytest.skip("the compiled argmax needs the library and AVX-512")
     for cols in (5, 16, 33, 49152, 49157):
@@ -134,11 +134,11 @@ def test_compiled_argmax_is_torch_max_on_ties_tails_infinities_and_nans():
         wide[4, [cols // 2, cols - 2]] = 50.0
         wide[5, cols:] = 1e9  # past the view's columns: never picked
         logits = wide[:, :cols]
-        native = native_gemv.argmax_rows(logits)
+        native = native_rows.argmax_rows(logits)
         assert native is not None and torch.equal(native, logits.max(dim=-1).indices), cols
         assert torch.equal(greedy_tokens(logits), logits.max(dim=-1).indices)
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(1))
     logits[2, 40] = float("nan")
-    assert native_gemv.argmax_rows(logits) is None
+    assert native_rows.argmax_rows(logits) is None
     assert greedy_tokens(logits).tolist() == logits.max(dim=-1).indices.tolist()
     assert greedy_tokens(logits)[2].item() == 40

@@ -166,12 +166,16 @@ class LLMEngine:
         if biased and (min(biased) < 0 or max(biased) >= vocab):
             raise ValueError(f"logit_bias and bad word token ids must be in [0, {vocab})")
 
-    def report_remote_kv(self, request_id: str, ok: bool) -> None:
-        """The remote KV of a WAITING_FOR_REMOTE_KVS request landed whole (ok) or failed."""
+    def report_remote_kv(self, request_id: str, ok: bool, cached_tokens: int = 0) -> None:
+        """The remote KV of a WAITING_FOR_REMOTE_KVS request landed whole (ok) or failed. A prefix
+        loaded rather than computed here (from the store, or lent by a decode node) gives
+        cached_tokens: the prompt's first cached_tokens count as cached (usage's cached_tokens)."""
         req = self.scheduler.requests.get(request_id)
         if req is None or req.remote_kv is None:
             return
         req.remote_kv.landed, req.remote_kv.failed, req.remote_kv.in_flight = ok, not ok, False
+        if ok:
+            req.num_cached_tokens = max(req.num_cached_tokens, cached_tokens)
 
     def continue_remote(self, request_id: str, output_token_ids: list[int]) -> Request | None:
         """A first_token_pending request's first token(s), drawn elsewhere: replayed as

@@ -26,7 +26,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from pdserve.kernels import native_gemv
+from pdserve.kernels import native_gemv, native_rows
 
 TILE_BYTES = 1 << 20
 # bf16 tiles hold a whole matrix up to this size (SmolLM2's MLP is 3.4 MB): oneDNN's bf16 product
@@ -187,7 +187,7 @@ def _tile_products(x: torch.Tensor, rows: int, tile: torch.Tensor, fill: Callabl
     if low:
         out = None if keep_low else torch.empty(x.shape[0], rows)
         x_low = (x if x.dtype == _tile_dtype else
-                 native_gemv.round_bf16(x) if _tile_dtype == torch.bfloat16 else x.to(_tile_dtype))
+                 native_rows.round_bf16(x) if _tile_dtype == torch.bfloat16 else x.to(_tile_dtype))
     else:
         out_t = torch.empty(rows, x.shape[0])
     if keep_low and (not low or tile_rows < rows):
@@ -200,7 +200,7 @@ def _tile_products(x: torch.Tensor, rows: int, tile: torch.Tensor, fill: Callabl
         if keep_low:
             return torch.mm(x_low, filled.to(_tile_dtype).T)
         if low:
-            native_gemv.widen_bf16_into(torch.mm(x_low, filled.to(_tile_dtype).T), out[:, start:end])
+            native_rows.widen_bf16_into(torch.mm(x_low, filled.to(_tile_dtype).T), out[:, start:end])
         else:
             torch.mm(filled, x.T, out=out_t[start:end])
     return out if low else out_t.T.contiguous()

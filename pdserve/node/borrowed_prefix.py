@@ -105,6 +105,4 @@ class BorrowedPrefix:
 
     def _landed(self, req: Request, ok: bool, tokens: int) -> None:
         self.stats.kv_borrow_failures += not ok
-        self.engine.report_remote_kv(req.request_id, ok=ok)
-        if ok:
-            req.num_cached_tokens = max(req.num_cached_tokens, tokens)
+        self.engine.report_remote_kv(req.request_id, ok=ok, cached_tokens=tokens)

@@ -308,12 +308,11 @@ class DecodeNode(StepBudget):
         """A stored prefix that did not land is computed here: it was never owed by a peer."""
         if ok:
             self.ttft_clocks.landed(pull.req.request_id)
-            pull.req.num_cached_tokens = max(pull.req.num_cached_tokens, pull.handover.num_tokens)
             self.store_prefix.count_loaded(pull.nbytes // self.block_nbytes * self.engine.config.block_size)
             self.stats.store_load_us += int((time.perf_counter() - pull.started) * 1e6)
         else:
             log.info("[%s] stored prefix did not load: computing it", pull.req.request_id)
-        self.engine.report_remote_kv(pull.req.request_id, ok)
+        self.engine.report_remote_kv(pull.req.request_id, ok, cached_tokens=pull.handover.num_tokens)
 
     def _count_transfer(self, pull: Pull) -> None:
         bytes_name, us_name = f"transfer_bytes_{pull.path}", f"transfer_us_{pull.path}"

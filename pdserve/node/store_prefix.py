@@ -105,9 +105,8 @@ class StorePrefix:
             loaded = -1
         self.stats.store_load_us += int((time.perf_counter() - t0) * 1e6)
         ok = loaded == len(wanted)
-        self.engine.report_remote_kv(req.request_id, ok=ok)
+        self.engine.report_remote_kv(req.request_id, ok=ok, cached_tokens=stored)
         if ok:
-            req.num_cached_tokens = max(req.num_cached_tokens, stored)
             self.count_loaded(stored - local)
         return ok
 

@@ -119,8 +119,11 @@ class ClusterBackend:
             stage = "prefill"
             # E/P/D: an encoder node's embeddings, when one is up (over NIXL: where they wait)
             embeddings = await self.dispatch.encode.encode(request_id, scope.images) if scope.images else []
-            pushed = await self._push(request, params, decision) if self._pushes(request, params, decision) else None
-            first, handover = await self._prefill(request, params, timer, decision, embeddings, pushed is not None)
+            lend_from = self._lend_from(decision)
+            pushed = (await self._push(request, params, decision, lend_from)
+                      if self._pushes(request, params, decision) else None)
+            first, handover = await self._prefill(request, params, timer, decision, embeddings, pushed is not None,
+                                                  decode_lends=pushed is not None and lend_from >= 0)
             if first is not None:
                 reason = first.finish_reason if first.finished else reason
                 stage = "handover"
@@ -176,9 +179,10 @@ class ClusterBackend:
 
     async def _prefill(self, request: PlacementRequest, params: SamplingParams, timer: RequestTimer,
                        decision: PlacementDecision, embeddings: list[EmbeddingHandover] | None = None,
-                       pushed: bool = False) -> tuple[StepOutput | None, KVHandover | None]:
+                       pushed: bool = False, decode_lends: bool = False) -> tuple[StepOutput | None, KVHandover | None]:
         """The first token and the handover from the prefill node placement chose; (None, None)
-        when the decode node prefills the prompt (placed there, or no prefill node could)."""
+        when the decode node prefills the prompt (placed there, or no prefill node could).
+        decode_lends: the pushed decode node lends its blocks past the prefill node's (_lend_from)."""
         rid, plan = request.request_id, decision.plan
         if plan.prefill is None:
             self.metrics.handovers.labels("local").inc()
@@ -188,8 +192,7 @@ class ClusterBackend:
             return None, None
         first, handover = await self.dispatch.prefill.prefill(rid, request.prompt, params, timer, plan.prefill,
                                                               request.scope, embeddings, plan.decode_cached_tokens,
-                                                              push=pushed,
-                                                              decode_lends=pushed and self._lend_from(decision) >= 0)
+                                                              push=pushed, decode_lends=decode_lends)
         if first is not None:
             timer.tokens(len(first.new_token_ids), first.num_cached_tokens, first.timing)
             if handover is not None or not pushed:  # (else it follows: counted then)
@@ -209,10 +212,11 @@ class ClusterBackend:
         return (self.handover_mode == "push" and decision.plan.prefill is not None and not request.scope.images
                 and params.prompt_logprobs is None and params.structured is None)
 
-    async def _push(self, request: PlacementRequest, params: SamplingParams,
-                    decision: PlacementDecision) -> Node | None:
-        """Send the decode node the request now, to wait for its KV while the prompt computes;
-        None when its node is not up (the request then goes there, or elsewhere, in pull mode)."""
+    async def _push(self, request: PlacementRequest, params: SamplingParams, decision: PlacementDecision,
+                    lend_from: int) -> Node | None:
+        """Send the decode node the request now, to wait for its KV while the prompt computes (and
+        lend its blocks past lend_from's tokens where that is not -1); None when its node is not up
+        (the request then goes there, or elsewhere, in pull mode)."""
         rid, scope = request.request_id, request.scope
         node = self.dispatch.picker.preferred(decision.plan.decode, set())
         if node is None:
@@ -223,7 +227,7 @@ class ClusterBackend:
         await self.adapters.send_ahead(node, scope.adapter)
         await self.pool.send(node, DecodeRequest(rid, request.prompt, params, itl_slo_s=decision.itl_target_s,
                                                  cache_salt=scope.cache_salt, adapter=scope.adapter, push=True,
-                                                 lend_from_tokens=self._lend_from(decision)))
+                                                 lend_from_tokens=lend_from))
         return node
 
     def _lend_from(self, decision: PlacementDecision) -> int:
