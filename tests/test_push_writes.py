@@ -82,6 +82,7 @@ def _counters(url: str) -> dict[str, int]:
             "landed": _sum(url, "decode", "transfer_bytes_nixl_written"),
             "pushed": _sum(url, "decode", "prefills_pushed"),
             "written": _sum(url, "prefill", "transfer_bytes_nixl_written"),
+            "write_us": _sum(url, "prefill", "transfer_us_nixl_written"),
             "writes": _sum(url, "prefill", "push_writes"),
             "write_failures": _sum(url, "prefill", "push_write_failures"),
             "empty_targets": _sum(url, "prefill", "push_targets_empty"),
@@ -123,6 +124,7 @@ def test_blocks_are_written_per_chunk_and_nothing_is_read(cluster):
     assert moved["read"] == 0, moved  # pull mode (or writes that did not land) READs them
     assert moved["timeouts"] == 0, moved  # every handover waited for its decode node's target
     assert moved["written"] == blocks * block_nbytes, moved
+    assert moved["write_us"] > 0, moved  # the time the WRITEs held the prefill node's loop (its cost to TTFT)
     # The 300-token prompt alone takes ten 32-token chunks: written as they completed.
     assert moved["writes"] >= len(PROMPTS) + 4, moved
     wait_for(lambda: _blocks_free(url), timeout_s=30)

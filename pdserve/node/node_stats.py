@@ -18,6 +18,7 @@ class NodeStats:
     transfer_bytes_store: int = 0
     transfer_us_nixl: int = 0      # microseconds spent in KV transfers (pulls, store puts)
     transfer_us_store: int = 0
+    transfer_us_nixl_written: int = 0  # push mode: microseconds a prefill node's WRITEs held its loop (cma copies inside the post)
     store_load_us: int = 0         # microseconds spent loading prompt blocks from the store
     writeback_blocks: int = 0      # a decode node's own prefills' blocks it wrote to the store
     embedding_requests: int = 0    # /v1/embeddings requests computed here

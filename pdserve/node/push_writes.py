@@ -141,7 +141,7 @@ class PushWriter:
         if target.upto < slid or time.monotonic() > target.lease_end:
             target.broken = True  # blocks slid away here, or the decode node may have freed them
             return
-        start = target.upto - target.first_block
+        start, t0 = target.upto - target.first_block, time.perf_counter()
         try:
             handle = self.agent.start_write(target.peer, block_ids[target.upto:upto],
                                             target.regions[start:upto - target.first_block],
@@ -155,6 +155,7 @@ class PushWriter:
             target.broken = True
             return
         self.stats.transfer_bytes_nixl_written += handle.nbytes
+        self.stats.transfer_us_nixl_written += int((time.perf_counter() - t0) * 1e6)
         self.writes += 1
         target.upto = upto
 

@@ -39,6 +39,7 @@ NODE_COUNTERS = {
     "transfer_bytes_nixl_written": ("pdserve_kv_transfer_bytes", "", {"path": "nixl_write"}),
     "transfer_us_nixl": ("pdserve_kv_transfer_seconds", "seconds spent moving KV", {"path": "nixl"}),
     "transfer_us_store": ("pdserve_kv_transfer_seconds", "", {"path": "store"}),
+    "transfer_us_nixl_written": ("pdserve_kv_transfer_seconds", "", {"path": "nixl_write"}),
     "transfers_failed": ("pdserve_kv_transfer_failures", "KV transfers that failed", {"reason": "pull_failed"}),
     "leases_expired": ("pdserve_kv_transfer_failures", "", {"reason": "lease_expired"}),
     "integrity_failures": ("pdserve_kv_transfer_failures", "", {"reason": "digest_mismatch"}),
