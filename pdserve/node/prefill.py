@@ -12,8 +12,6 @@ import dataclasses
 import logging
 import time
 
-import zmq
-
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import RequestStatus
 from pdserve.kvstore.base import KVStore
@@ -27,7 +25,7 @@ from pdserve.node.store_prefix import StorePrefix, request_block_keys
 from pdserve.node.store_puts import StorePuts
 from pdserve.protocol.grammar import DEAD_END_FINISH
 from pdserve.protocol.outputs import StepOutput
-from pdserve.wire.handover import KVHandover, NixlMetadataRequest
+from pdserve.wire.handover import KVHandover
 from pdserve.wire.messages import (
     DecodeRequest,
     HandoverMade,
@@ -39,7 +37,6 @@ from pdserve.wire.messages import (
     Rejected,
     WriteTarget,
 )
-from pdserve.wire.transport import NodeSocket
 
 log = logging.getLogger(__name__)
 # Push mode: how long a made handover waits for its decode node's WriteTarget. The router sends
@@ -67,7 +64,6 @@ class PrefillNode(StepBudget):
         self.borrowed: BorrowedPrefix | None = None  # ... and READs of the blocks it lends
         if nixl_side_channel:
             self.nixl = NixlProducer(engine, node_id, self.ctx, nixl_side_channel, advertise_host, lease_s, self.stats)
-            self.poller.register(self.nixl.side.sock, zmq.POLLIN)
             self.writer = PushWriter(engine, self.nixl.agent, self.stats)
             self.borrowed = BorrowedPrefix(engine, self.nixl.agent, self.stats)
         producers = [StoreProducer(engine, store, self.stats)] if store is not None else []
@@ -75,14 +71,9 @@ class PrefillNode(StepBudget):
         # By the transport a request names.
         self.producers: dict[str, Producer] = {p.transport: p for p in [*producers, self.nixl] if p is not None}
 
-    def socket_for(self, raw) -> NodeSocket:
-        return self.nixl.side if self.nixl is not None and raw is self.nixl.side.sock else self.control
-
     # ---- requests -------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: Message) -> None:
-        if isinstance(msg, NixlMetadataRequest) and self.nixl is not None:
-            self.nixl.side.send(identity, self.nixl.metadata())
-        elif isinstance(msg, PrefillRequest):
+        if isinstance(msg, PrefillRequest):
             self._admit(identity, msg)
         elif isinstance(msg, WriteTarget):
             self._take_target(msg)

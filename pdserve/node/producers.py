@@ -25,6 +25,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import KVStoreError
 from pdserve.kvstore.nixl_transfer import NixlKVAgent, block_digest
+from pdserve.node.metadata_server import MetadataServer
 from pdserve.node.node_stats import NodeStats
 from pdserve.node.pullers import agent_instance_name
 from pdserve.protocol.block_keys import state_key
@@ -186,10 +187,11 @@ class NixlProducer:
         states = engine.kv.states  # a hybrid model's state slots are READ with the blocks
         self.agent = NixlKVAgent(agent_instance_name(node_id), engine.kv_cache,  # new each process
                                  state_arena=None if states is None else states.arena)
-        self.side = NodeSocket(ctx, side_channel)
+        side = NodeSocket(ctx, side_channel)  # bound now: a taken port fails the node's start
         # Bound on e.g. tcp://0.0.0.0:5701; decode nodes must dial a name they can reach.
         self.side_channel = advertised(side_channel, advertise_host)
         self.leases: dict[str, float] = {}  # request id -> monotonic expiry of its pinned blocks
+        self.side = MetadataServer(side, self.metadata())  # the handshake, off the node's loop
 
     def metadata(self) -> NixlMetadata:
         """The handshake's answer: the agent, and what a reader checks before it READs."""

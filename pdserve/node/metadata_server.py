@@ -1,0 +1,48 @@
+"""A prefill node's NIXL side channel, answered on a thread of its own.
+
+A decode node handshakes (pullers.fetch_peer_metadata) the first time it READs from a prefill
+node or tells it a request's blocks may be freed: a request on this channel, waiting up to 3 s
+for the agent's metadata. Answered by the node's loop, it waited whenever the loop was busy. In
+push mode the loop WRITEs into that same decode node, and a fresh pair's early WRITE completes
+only once the decode node progresses its UCX worker, which it does not while its own loop waits
+for this answer: both nodes stood still until the WRITE's 0.5 s deadline (the WRITE failed and
+the decode node READ instead), or, with a 5 s deadline, 2-3 s with both silent to the router
+(docs/benchmarks/handover.md). The answer does not change once the agent is up, so a thread
+sends a copy and never waits on the loop.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from pdserve.wire.handover import NixlMetadata, NixlMetadataRequest
+from pdserve.wire.transport import NodeSocket
+
+log = logging.getLogger(__name__)
+POLL_MS = 100  # how soon close() is noticed
+
+
+class MetadataServer:
+    """Answers NixlMetadataRequest on `side` (which it owns from here on) with `metadata`."""
+
+    def __init__(self, side: NodeSocket, metadata: NixlMetadata):
+        self.side, self.metadata = side, metadata
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="nixl-side-channel", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.side.sock.poll(POLL_MS):
+                continue
+            while (item := self.side.recv()) is not None:
+                identity, msg = item
+                if isinstance(msg, NixlMetadataRequest):
+                    self.side.send(identity, self.metadata)
+                else:
+                    log.warning("the NIXL side channel ignores %s", type(msg).__name__)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * POLL_MS / 1000)
+        self.side.close()
