@@ -20,6 +20,7 @@ from pdserve.wire.transport import NodeSocket
 
 log = logging.getLogger(__name__)
 POLL_MS = 100  # how soon close() is noticed
+JOIN_S = 5.0  # close() waits this long for the thread (a loaded machine may not run it for a while)
 
 
 class MetadataServer:
@@ -43,6 +44,10 @@ class MetadataServer:
                     log.warning("the NIXL side channel ignores %s", type(msg).__name__)
 
     def close(self) -> None:
+        """Stop the thread, then close the socket: never under the thread, which may be polling it."""
         self._stop.set()
-        self._thread.join(timeout=2 * POLL_MS / 1000)
+        self._thread.join(timeout=JOIN_S)
+        if self._thread.is_alive():
+            log.warning("the NIXL side channel's thread did not stop in %.0f s: its socket is left open", JOIN_S)
+            return
         self.side.close()
