@@ -30,8 +30,8 @@ each concurrency, each server), so drift in the machine's load hits all of them:
                 exact against a float32 reference)
   NAME+lazy     the same with --no-kv-cache-prefault: the pool's pages written on first use, not at
                 start (with --kv-cache-memory-gb given, pdserve writes them at start, as vLLM does)
-  NAME+chunk1024  the same with --max-num-batched-tokens 1024 (prompt chunks of 1,024 tokens a step,
-                not 2,048); NAME+chunk4096 with 4,096
+  NAME+chunkN   the same with --max-num-batched-tokens N, N one of 1024, 2048 (the default, named),
+                4096, 8192 (prompt chunks of N tokens a step)
   pdserve-pd    `pdserve up --prefill-nodes 1 --decode-nodes 1` on the default GGUF: 1P1D over the
                 default transport, the cores divided between the two nodes (one each here)
   llama-server  (--servers ... llama-server, once benchmarks/peers/build_llama_server.sh has built
@@ -61,17 +61,17 @@ from benchmarks.support.cluster import local_cluster, peer_server, source_info
 from pdserve.models.gguf import DEFAULT_MODEL, embedded_model_file
 from pdserve.wire.transport import free_port
 
+CHUNKS = (1024, 2048, 4096, 8192)  # the NAME+chunkN variants' step budgets
 SERVERS = ("vllm", "vllm-f32", "pdserve-gguf", "pdserve-gguf+bf16", "pdserve-bf16", "pdserve-bf16+bf16", "llama-server",
            "pdserve-gguf+f32", "pdserve-bf16+f32", "pdserve-pd", "pdserve-pd+bf16",
            "pdserve-gguf+lazy", "pdserve-gguf+int8", "pdserve-gguf+int8kv", "pdserve-pd+int8kv",
-           "pdserve-gguf+chunk1024", "pdserve-gguf+chunk2048", "pdserve-gguf+chunk4096", "pdserve-gguf+chunk8192")
+           *(f"pdserve-gguf+chunk{n}" for n in CHUNKS))
 VARIANT_FLAGS = {"bf16": ("--cpu-gemm-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"),
                  "int8": ("--cpu-gemm-dtype", "int8"),
                  "int8kv": ("--cpu-gemm-dtype", "int8", "--kv-cache-dtype", "bfloat16"),
                  "f32": ("--cpu-gemm-dtype", "float32"),
                  "lazy": ("--no-kv-cache-prefault",),
-                 "chunk1024": ("--max-num-batched-tokens", "1024"),
-                 **{f"chunk{n}": ("--max-num-batched-tokens", str(n)) for n in (2048, 4096, 8192)}}
+                 **{f"chunk{n}": ("--max-num-batched-tokens", str(n)) for n in CHUNKS}}
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 
 
