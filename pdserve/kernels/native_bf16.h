@@ -48,6 +48,10 @@ void pd_dequant_bf16(int cols, const uint8_t *q, int bits, const void *sc, const
 int pd_gemv_amx(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
                 const void *mins, int half, int has_min, int group, const uint8_t *pack, float *out, int threads);
 
+/* x [tokens, cols] float32 -> xp [cols / 2][padded] words, each token t's columns 2p and 2p + 1 as a
+ * pair of bf16 (tokens past `tokens` zero); a work-shared loop, called inside a parallel region */
+void pd_x_pairs(const float *x, int tokens, int cols, int padded, uint32_t *xp);
+
 /* the bytes of a pack of bf16 rows [nrows][cols] in AMX's B-tile layout (-1: none in this build) */
 long pd_bf16_tiles_bytes(int nrows, int cols);
 int pd_bf16_tiles_pack(const uint16_t *rows, int nrows, int cols, uint8_t *pack, int threads);

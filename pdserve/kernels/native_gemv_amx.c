@@ -8,15 +8,15 @@
  * the pairs of a vdpbf16ps.
  *
  * Each task dequantizes 32 weight rows to bf16 (pd_dequant_bf16, the same values as the AVX-512
- * kernel) and lays them out as two B tiles per 32 columns: 16 rows of 16 words, word [p][n]
- * holding columns 2p and 2p + 1 of weight row n (a 16 x 16 transpose of words). x is rounded to
- * bf16 once a call, row-major, so each A tile (16 tokens x 32 columns) loads straight from it.
- * Four C tiles hold 32 tokens x 32 rows of float32 sums over all columns, then go to out: each
- * tile loaded serves two products.
+ * kernel), row-major, and they load straight as two A tiles per 32 columns (16 rows x 32 columns);
+ * x goes once a call into pairs (pd_x_pairs: word [p][t] holds columns 2p and 2p + 1 of token t),
+ * whose rows load as B tiles. Four C tiles hold 32 rows x 32 tokens of float32 sums over all
+ * columns, then go to out turned (rows_into_out): each tile loaded serves two products.
  *
- * Unquantized rows need no dequantization, only that layout: pd_bf16_tiles_pack lays their bf16
- * values out once (as many bytes as bf16 rows), and a call given the pack loads its B tiles from it.
- * The per-call copy and transpose had been 31% of a 32-request step of the bf16 SmolLM2.
+ * Unquantized rows need no dequantization: pd_bf16_tiles_pack lays their bf16 values out once as B
+ * tiles (16 rows of 16 words, word [p][n] holding columns 2p and 2p + 1 of weight row n), x then
+ * rounded row-major as A tiles (tiles_into_out); the pack has as many bytes as the bf16 rows. The
+ * per-call copy and transpose had been 31% of a 32-request step of the bf16 SmolLM2.
  */
 #include "native_simd.h"
 #include <stdint.h>
@@ -95,6 +95,60 @@ static void tiles_into_out(const uint16_t *xb, int cols, const uint32_t *b, int 
     }
 }
 
+/* sums [32 rows][32 tokens] of a pass (weight rows by tokens from t0) -> out [token][n + row], each
+ * 16 x 16 quarter turned in registers */
+static void sums_into_out(float (*sums)[AMX_TOKENS], int t0, int tokens, float *out, int nrows, int n, int rows) {
+    for (int i = 0; i < 2 && 16 * i < rows; i++) {
+        int left = rows - 16 * i;
+        __mmask16 mask = (__mmask16)(left >= 16 ? 0xFFFF : (1u << left) - 1);
+        for (int j = 0; j < 2 && t0 + 16 * j < tokens; j++) {
+            __m512i r[16];
+            for (int k = 0; k < 16; k++) r[k] = _mm512_load_si512(&sums[16 * i + k][16 * j]);
+            transpose16(r);
+            for (int k = 0; k < 16 && t0 + 16 * j + k < tokens; k++)
+                _mm512_mask_storeu_ps(out + (long)(t0 + 16 * j + k) * nrows + n + 16 * i, mask, (__m512)r[k]);
+        }
+    }
+}
+
+/* out[t][n .. n + rows) for every token, the weight rows as A tiles straight from buffer [32][cols]
+ * (bf16, row-major: an A tile's row is 32 columns of a weight row) and x's pairs xp as B tiles
+ * ([cols / 2][padded]: a B tile's row is one column pair of 16 tokens). The same products in the
+ * same order as tiles_into_out with the operands' roles swapped, so the same sums, bit for bit,
+ * with no transpose of the weights: to_b_tiles was 5% of a 128-request step of the default GGUF,
+ * the sums' turn costs a sixteenth of it. C tile 2i + j: rows 16i .. by tokens t0 + 16j .. */
+static void rows_into_out(const uint16_t *buffer, int cols, const uint32_t *xp, int tokens, int padded, float *out,
+                          int nrows, int n, int rows) {
+    float sums[AMX_ROWS][AMX_TOKENS] __attribute__((aligned(64)));
+    const long wstride = (long)cols * 2, xstride = (long)padded * 4;
+    for (int t0 = 0; t0 < padded; t0 += AMX_TOKENS) {
+        int two = padded - t0 >= 32;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int c = 0; c < cols / 32; c++) {
+            _tile_loadd(4, buffer + 32 * c, wstride);
+            _tile_loadd(5, buffer + (long)16 * cols + 32 * c, wstride);
+            _tile_loadd(6, xp + (long)16 * c * padded + t0, xstride);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) {
+                _tile_loadd(7, xp + (long)16 * c * padded + t0 + 16, xstride);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, &sums[0][0], sizeof(float) * AMX_TOKENS);
+        _tile_stored(2, &sums[16][0], sizeof(float) * AMX_TOKENS);
+        if (two) {
+            _tile_stored(1, &sums[0][16], sizeof(float) * AMX_TOKENS);
+            _tile_stored(3, &sums[16][16], sizeof(float) * AMX_TOKENS);
+        }
+        sums_into_out(sums, t0, tokens, out, nrows, n, rows);
+    }
+}
+
 /* x [tokens, cols] float32 -> xb [padded][cols] bf16 (nearest even; rows past tokens zero) */
 static void x_bf16(const float *x, int tokens, int cols, int padded, uint16_t *xb) {
 #pragma omp for schedule(static)
@@ -133,30 +187,30 @@ int pd_gemv_amx(const float *x, int tokens, int cols, const uint8_t *q, int nrow
     if (bits != BITS_BF16 && bits != 32) pack = NULL; /* (an int8 pack is the int8 products'; float32 rows'
                                                          pack holds them rounded, as pd_dequant_bf16 does) */
     int padded = (tokens + 15) / 16 * 16, tasks = (nrows + AMX_ROWS - 1) / AMX_ROWS;
-    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)cols * padded);
-    if (!xb) return 0;
+    /* x as A tiles (xb: rows of bf16) beside a pack's B tiles, as B tiles (pairs) beside dequantized rows */
+    void *xs = malloc(sizeof(uint16_t) * (size_t)cols * padded);
+    if (!xs) return 0;
 #pragma omp parallel num_threads(threads)
     {
         uint16_t buffer[AMX_ROWS * cols];
-        uint32_t b[AMX_ROWS * cols / 2] __attribute__((aligned(64)));
         load_full_tiles(); /* tiles 0-3: C, 4-5: A, 6-7: B */
-        x_bf16(x, tokens, cols, padded, xb); /* its loop's end is the barrier before the products */
+        /* the x loop's end is the barrier before the products */
+        pack ? x_bf16(x, tokens, cols, padded, xs) : pd_x_pairs(x, tokens, cols, padded, xs);
 #pragma omp for schedule(static)
         for (int t = 0; t < tasks; t++) {
             int n = t * AMX_ROWS, rows = n + AMX_ROWS < nrows ? AMX_ROWS : nrows - n;
             if (pack) {
-                tiles_into_out(xb, cols, (const uint32_t *)(pack + (long)t * AMX_ROWS * cols * 2), tokens, padded, out,
+                tiles_into_out(xs, cols, (const uint32_t *)(pack + (long)t * AMX_ROWS * cols * 2), tokens, padded, out,
                                nrows, n, rows);
                 continue;
             }
             if (rows < AMX_ROWS) memset(buffer, 0, sizeof(uint16_t) * AMX_ROWS * cols); /* the last rows' sums: 0 */
             pd_dequant_bf16(cols, q, bits, scales, mins, half, has_min, group, n, n + rows, buffer);
-            to_b_tiles(buffer, cols, b);
-            tiles_into_out(xb, cols, b, tokens, padded, out, nrows, n, rows);
+            rows_into_out(buffer, cols, xs, tokens, padded, out, nrows, n, rows);
         }
         _tile_release();
     }
-    free(xb);
+    free(xs);
     return 1;
 }
 #else

@@ -34,8 +34,9 @@ int pd_bf16_on(void) { return bf16_many; }
 /* x [tokens, cols] float32 -> xp [cols / 2][padded] 32-bit words, each a pair of bf16: token t's
  * columns 2p and 2p + 1 (tokens past `tokens` are zero). Item i is 16 tokens by 16 column pairs,
  * rounded as rows and turned into columns in registers (word by word, the stores were a sixth of
- * a 128-request step, on one thread while the other waited). Called inside a parallel region. */
-static void x_pairs(const float *x, int tokens, int cols, int padded, uint32_t *xp) {
+ * a 128-request step, on one thread while the other waited). Called inside a parallel region; also
+ * native_gemv_amx.c's B tiles of x. */
+void pd_x_pairs(const float *x, int tokens, int cols, int padded, uint32_t *xp) {
     int pair_groups = cols / 32, items = padded / 16 * pair_groups;
 #pragma omp for schedule(static)
     for (int i = 0; i < items; i++) {
@@ -165,7 +166,7 @@ int pd_gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nro
     int tasks = (nrows + BF16_ROWS - 1) / BF16_ROWS;
 #pragma omp parallel num_threads(threads)
     {
-        x_pairs(x, tokens, cols, padded, xp); /* its loop's end is the barrier before the products */
+        pd_x_pairs(x, tokens, cols, padded, xp); /* its loop's end is the barrier before the products */
 #pragma omp for schedule(static)
         for (int t = 0; t < tasks; t++) {
             int n = t * BF16_ROWS, end = n + BF16_ROWS < nrows ? n + BF16_ROWS : nrows;
