@@ -138,7 +138,7 @@ void pd_dequant_bf16(int cols, const uint8_t *q, int bits, const void *sc, const
         const uint8_t *qrow = q + (n + r) * qstride;
         for (int c = 0; c < cols / 32; c++) {
             if (by_table) {
-                lut32_bf16(qrow, c, sc, mn, half, has_min, (n + r) * sstride + c * 32 / group, buffer + (long)r * cols + c * 32);
+                lut32_bf16(qrow, c, sc, mn, half, has_min, (n + r) * sstride + group_of(c * 32, group), buffer + (long)r * cols + c * 32);
                 continue;
             }
             __m512 w0, w1;

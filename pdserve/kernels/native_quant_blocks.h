@@ -25,6 +25,16 @@ static inline __attribute__((always_inline)) float scale_at(const void *s, int h
     return half ? _cvtsh_ss(((const uint16_t *)s)[idx]) : ((const float *)s)[idx];
 }
 
+/* the group of column col: a shift for the usual group sizes, where an integer division a half
+ * block (as written plainly before) made a Q8_0 row's dequantization a third slower: the default
+ * GGUF's LM head into bf16 on one thread took 7.8 ms with them, 5.5 without (pd_dequant_bf16, the
+ * whole matrix in one call, medians of 3 runs of 15, builds alternated) */
+static inline __attribute__((always_inline)) long group_of(int col, int group) {
+    if (group == 32) return col >> 5;
+    if (group == 16) return col >> 4;
+    return col / group;
+}
+
 /* bytes of a block of 32 columns, and of a row of cols columns: two values a byte, one, or a
  * float32 each */
 static inline int block_bytes(int bits) { return bits == BITS_FP4 ? 16 : 4 * bits; }
@@ -67,7 +77,7 @@ static inline __attribute__((always_inline)) void decode32(const uint8_t *qrow, 
     }
     __m512 a, b;
     widen32(qrow, bits, c, &a, &b);
-    long g0 = srow + (c * 32) / group, g1 = srow + (c * 32 + 16) / group;
+    long g0 = srow + group_of(c * 32, group), g1 = srow + group_of(c * 32 + 16, group);
     __m512 s0 = _mm512_set1_ps(scale_at(sc, half, g0)), s1 = _mm512_set1_ps(scale_at(sc, half, g1));
     if (has_min) {
         *w0 = _mm512_fmadd_ps(a, s0, _mm512_set1_ps(scale_at(mn, half, g0)));

@@ -20,7 +20,7 @@ static inline __attribute__((always_inline)) void dequant32(const uint8_t *qrow,
                                                             long srow, __m512 *w0, __m512 *w1) {
     __m512 a, b;
     widen32(qrow, bits, c, &a, &b);
-    long g0 = srow + (c * 32) / group, g1 = srow + (c * 32 + 16) / group;
+    long g0 = srow + group_of(c * 32, group), g1 = srow + group_of(c * 32 + 16, group);
     *w0 = _mm512_mul_ps(a, _mm512_set1_ps(scale_at(sc, half, g0)));
     *w1 = _mm512_mul_ps(b, _mm512_set1_ps(scale_at(sc, half, g1)));
     if (has_min) {
