@@ -284,14 +284,16 @@ def test_widen_rope_is_the_widening_then_rope(tile_dtype, q_heads, k_heads, dim)
 def test_bf16_mlp_keeps_gate_up_in_bf16(tmp_path, tile_dtype, monkeypatch):
     """Under bf16 products a many-row MLP step goes gate_up -> SiLU * up -> down in bf16
     (layers/bf16_mlp.py): the layers' values (gate_up widened, torch's SiLU and multiply, rounded
-    again for down) up to SiLU's exponential; few rows and float32 never take it."""
+    again for down) up to SiLU's exponential; few rows (those the compiled kernel takes) and float32
+    never take it."""
     from pdserve.layers import bf16_mlp
     llm = LLM(str(write_gguf(tmp_path / "llama.Q4_1.gguf", "llama", Q.Q4_1)), num_kv_blocks=64,
               cpu_gemm_dtype="bfloat16")
     mlp = next(m for m in llm.engine.runner.model.modules() if type(m).__name__ == "MLP")
-    x = torch.randn(bf16_mlp.MIN_ROWS + 7, mlp.gate_up_proj.input_size, generator=torch.Generator().manual_seed(4))
+    fewest = max(bf16_mlp.MIN_ROWS, native_gemv.max_tokens() + 1)  # (fewer: the compiled kernel's rows)
+    x = torch.randn(fewest + 7, mlp.gate_up_proj.input_size, generator=torch.Generator().manual_seed(4))
     assert bf16_mlp.gate_up_silu_down(mlp.gate_up_proj, mlp.down_proj, x) is not None
-    assert bf16_mlp.gate_up_silu_down(mlp.gate_up_proj, mlp.down_proj, x[:bf16_mlp.MIN_ROWS - 1]) is None
+    assert bf16_mlp.gate_up_silu_down(mlp.gate_up_proj, mlp.down_proj, x[:fewest - 1]) is None
     got = mlp(x)
     monkeypatch.setattr(bf16_mlp, "MIN_ROWS", 1 << 30)
     want = mlp(x)

@@ -63,11 +63,12 @@ MAX_TOKENS = 32  # above this, dequantized tiles through BLAS win (bench_native_
 # ... except on an AVX2 build, whose panels (native_gemv_panels.c) ran 1.0-2.2x the tiles and BLAS
 # from 48 to 256 tokens on SmolLM2's shapes (a 2-core EPYC without AVX-512, 2026-12-04)
 PANELS_MAX_TOKENS = 256
-# ... and where bf16 products run on AMX's tiles (32 rows dequantized into B tiles a task,
-# native_gemv_amx.c): against dequantized tiles through oneDNN, the Xeon VM, 2026-12-06, two
-# threads (ms): a Q8_0 [49,152, 576] LM head 7.98 / 11.39 at 64 tokens, 14.2 / 15.7 at 128, 41.8
-# / 40.4 at 256; a Q4_1 [3,072, 576] gate_up 0.53 / 0.87 at 64, 0.86 / 1.06 at 128, 1.53 / 1.76 at 256
-AMX_MAX_TOKENS = 128
+# ... and where bf16 products run on AMX's tiles (32 rows dequantized a task, native_gemv_amx.c):
+# against dequantized tiles through oneDNN (a whole-matrix tile for a layer's matrices), the Xeon
+# VM, 2026-12-06, two threads, medians of 9 (ms): SmolLM2's four Q4_1 layer matrices 1.82 / 2.82 at
+# 128 tokens, 3.68 / 4.42 at 256, 8.34 / 7.13 at 512; the Q8_0 [49,152, 576] LM head 18.9 / 27.6
+# at 128, 46.4 / 49.6 at 256, 63.3 / 63.4 at 384 (benchmarks/kernels/bench_bf16_crossover.py)
+AMX_MAX_TOKENS = 256
 _amx_products = False  # set_bf16's: bf16 products, and the library was granted AMX's tiles
 
 
