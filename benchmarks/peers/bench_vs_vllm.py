@@ -32,6 +32,8 @@ each concurrency, each server), so drift in the machine's load hits all of them:
                 start (with --kv-cache-memory-gb given, pdserve writes them at start, as vLLM does)
   NAME+chunkN   the same with --max-num-batched-tokens N, N one of 1024, 2048 (the default, named),
                 4096, 8192 (prompt chunks of N tokens a step)
+  pdserve-gguf@base  pdserve-gguf run from another checkout (--baseline-src DIR, e.g. a `git worktree`
+                of an earlier commit): a change measured beside its baseline in one run
   pdserve-pd    `pdserve up --prefill-nodes 1 --decode-nodes 1` on the default GGUF: 1P1D over the
                 default transport, the cores divided between the two nodes (one each here)
   llama-server  (--servers ... llama-server, once benchmarks/peers/build_llama_server.sh has built
@@ -65,7 +67,7 @@ CHUNKS = (1024, 2048, 4096, 8192)  # the NAME+chunkN variants' step budgets
 SERVERS = ("vllm", "vllm-f32", "pdserve-gguf", "pdserve-gguf+bf16", "pdserve-bf16", "pdserve-bf16+bf16", "llama-server",
            "pdserve-gguf+f32", "pdserve-bf16+f32", "pdserve-pd", "pdserve-pd+bf16",
            "pdserve-gguf+lazy", "pdserve-gguf+int8", "pdserve-gguf+int8kv", "pdserve-pd+int8kv",
-           *(f"pdserve-gguf+chunk{n}" for n in CHUNKS))
+           *(f"pdserve-gguf+chunk{n}" for n in CHUNKS), "pdserve-gguf@base")
 VARIANT_FLAGS = {"bf16": ("--cpu-gemm-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"),
                  "int8": ("--cpu-gemm-dtype", "int8"),
                  "int8kv": ("--cpu-gemm-dtype", "int8", "--kv-cache-dtype", "bfloat16"),
@@ -123,11 +125,15 @@ def start_servers(stack: contextlib.ExitStack, args, bf16_dir: Path, log_dir: Pa
                                                          log_dir / "llama-server.log"))
         up["llama-server"] = {"url": url, "pid": pid, "cmd": " ".join(cmd)}
     for name in (s for s in SERVERS if s.startswith("pdserve-") and s in args.servers):
-        base, _, variant = name.partition("+")
+        name_here, _, checkout = name.partition("@")
+        base, _, variant = name_here.partition("+")
         model = str(bf16_dir) if base == "pdserve-bf16" else DEFAULT_MODEL
         flags = pdserve_flags(args, base, model) + list(VARIANT_FLAGS.get(variant, ()))
+        if checkout and not args.baseline_src:
+            raise SystemExit(f"{name} needs --baseline-src (the checkout to run it from)")
         cluster = stack.enter_context(local_cluster(*flags, log_path=str(log_dir / f"{name}.log"),
-                                                    startup_timeout_s=args.startup_timeout_s))
+                                                    startup_timeout_s=args.startup_timeout_s,
+                                                    source=args.baseline_src if checkout else None))
         up[name] = {"url": cluster.url, "pid": cluster.proc.pid, "cmd": "pdserve up " + " ".join(flags)}
     return up
 
@@ -178,6 +184,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-kv-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--bf16-dir", default=os.path.expanduser("~/.cache/pdserve/smollm2-135m-bf16"))
     p.add_argument("--pdserve-flag", action="append", default=[], help="extra flag for `pdserve up`")
+    p.add_argument("--baseline-src", default=None, help="the checkout pdserve-gguf@base runs from")
     p.add_argument("--request-timeout-s", type=float, default=1800.0)
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--log-dir", default=None)

@@ -155,7 +155,9 @@ def stop_cluster(c: Cluster, timeout_s: float = 30.0) -> None:
 
 
 def start_cluster(*flags: str, log_path: str | None = None, startup_timeout_s: float = 300.0,
-                  log_level: str = "WARNING") -> Cluster:
+                  log_level: str = "WARNING", source: str | None = None) -> Cluster:
+    """`pdserve up` with flags on a free loopback port, once healthy; source: another checkout's
+    directory to run pdserve from (its own package first on the path: a baseline beside this one)."""
     port = free_port()
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="pdserve-up-", suffix=".log")
@@ -168,8 +170,9 @@ def start_cluster(*flags: str, log_path: str | None = None, startup_timeout_s: f
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
+        env = None if source is None else dict(os.environ, PYTHONPATH=os.path.abspath(source))
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env=env, cwd=source)
     c = Cluster(f"http://127.0.0.1:{port}", proc, log_path, tuple(flags))
     try:
         _wait_healthy(c, startup_timeout_s)

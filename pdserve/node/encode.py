@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import logging
 
-import zmq
-
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.embedding_nixl import EmbeddingPublisher
+from pdserve.node.metadata_server import MetadataServer
 from pdserve.node.producers import advertised
 from pdserve.node.runtime import NodeRuntime
 from pdserve.wire.embedding_handover import EmbeddingHandover
-from pdserve.wire.handover import NixlMetadata, NixlMetadataRequest
+from pdserve.wire.handover import NixlMetadata
 from pdserve.wire.messages import EncodeRequest, EncodeResult, Message
 from pdserve.wire.transport import NodeSocket
 
@@ -43,19 +42,16 @@ class EncodeNode(NodeRuntime):
         if nixl_side_channel:
             self.nixl = EmbeddingPublisher(f"{node_id}-embeddings", engine.config.encoder_cache_tokens,
                                            mm.model.spec.hidden_size, engine.dtype, lease_s)
-            self.side = NodeSocket(self.ctx, nixl_side_channel)
+            side = NodeSocket(self.ctx, nixl_side_channel)  # bound now: a taken port fails the node's start
             self.side_channel = advertised(nixl_side_channel, advertise_host)
-            self.poller.register(self.side.sock, zmq.POLLIN)
-
-    def socket_for(self, raw) -> NodeSocket:
-        return self.side if self.nixl is not None and raw is self.side.sock else self.control
+            arena = self.nixl.arena
+            # the handshake, off the node's loop (as a prefill node's: node/metadata_server.py), so a
+            # reader's first READ never waits for an encoder step
+            self.side = MetadataServer(side, NixlMetadata(arena.agent.name, arena.agent.metadata(),
+                                                          kv_salt=engine.salt, block_nbytes=arena.block_nbytes))
 
     def handle(self, identity: bytes, msg: Message) -> None:
-        if isinstance(msg, NixlMetadataRequest) and self.nixl is not None:
-            arena = self.nixl.arena
-            self.side.send(identity, NixlMetadata(arena.agent.name, arena.agent.metadata(),
-                                                  kv_salt=self.engine.salt, block_nbytes=arena.block_nbytes))
-        elif isinstance(msg, EncodeRequest):
+        if isinstance(msg, EncodeRequest):
             self.queue.append((identity, msg))
             self.stats.requests_total += 1
         else:

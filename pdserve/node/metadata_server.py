@@ -1,4 +1,4 @@
-"""A prefill node's NIXL side channel, answered on a thread of its own.
+"""A node's NIXL side channel (a prefill node's, an encoder node's), answered on a thread of its own.
 
 A decode node handshakes (pullers.fetch_peer_metadata) the first time it READs from a prefill
 node or tells it a request's blocks may be freed: a request on this channel, waiting up to 3 s
@@ -8,7 +8,8 @@ only once the decode node progresses its UCX worker, which it does not while its
 for this answer: both nodes stood still until the WRITE's 0.5 s deadline (the WRITE failed and
 the decode node READ instead), or, with a 5 s deadline, 2-3 s with both silent to the router
 (docs/benchmarks/handover.md). The answer does not change once the agent is up, so a thread
-sends a copy and never waits on the loop.
+sends a copy and never waits on the loop. An encoder node (E/P/D) serves its embeddings' arena the
+same way, so a prefill node's first READ of an image never waits for an encoder step.
 """
 from __future__ import annotations
 
