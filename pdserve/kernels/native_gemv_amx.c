@@ -56,38 +56,50 @@ static void to_b_tiles(const uint16_t *buffer, int cols, uint32_t *b) {
         }
 }
 
-/* out[t][n .. n + rows) for every token, from the B tiles b: per pass, C tile 2i + j holds tokens
- * 16i .. 16i + 15 of the pass by rows 16j .. 16j + 15 (each A tile loaded once for both B tiles) */
+/* A pass's four C tiles (AMX_TOKENS = AMX_ROWS = 32: 32 x 32 sums) into sums [32][32], C tile
+ * 2i + j = A tile i by B tile j over every column, then stored at sums[16i][16j]: the A tiles from
+ * a (the second a_half bytes on, where A1), the B tiles from b (the second b_half on, where B1), each
+ * moving a_step / b_step bytes a 32-column step, their rows a_stride / b_stride bytes apart. A
+ * tile 1 or B tile 1 is left out where the pass has only 16 tokens (A1, B1 0). */
+static inline __attribute__((always_inline)) void pass_sums(const char *a, long a_half, long a_step, long a_stride,
+                                                            int A1, const char *b, long b_half, long b_step,
+                                                            long b_stride, int B1, int steps,
+                                                            float (*sums)[32]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int c = 0; c < steps; c++) {
+        _tile_loadd(4, a + c * a_step, a_stride);
+        _tile_loadd(6, b + c * b_step, b_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        if (A1) {
+            _tile_loadd(5, a + c * a_step + a_half, a_stride);
+            _tile_dpbf16ps(2, 5, 6);
+        }
+        if (B1) {
+            _tile_loadd(7, b + c * b_step + b_half, b_stride);
+            _tile_dpbf16ps(1, 4, 7);
+            if (A1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, &sums[0][0], sizeof(float) * 32);
+    if (B1) _tile_stored(1, &sums[0][16], sizeof(float) * 32);
+    if (A1) _tile_stored(2, &sums[16][0], sizeof(float) * 32);
+    if (A1 && B1) _tile_stored(3, &sums[16][16], sizeof(float) * 32);
+}
+
+/* out[t][n .. n + rows) for every token, x's rows (xb) as A tiles and the pack's B tiles b: a
+ * pass's sums [tokens][rows] */
 static void tiles_into_out(const uint16_t *xb, int cols, const uint32_t *b, int tokens, int padded, float *out,
                            int nrows, int n, int rows) {
     float sums[AMX_TOKENS][AMX_ROWS] __attribute__((aligned(64)));
-    const long stride = (long)cols * 2;
+    __mmask16 low = (__mmask16)((1u << (rows < 16 ? rows : 16)) - 1);
+    __mmask16 high = (__mmask16)(rows > 16 ? (1u << (rows - 16)) - 1 : 0);
     for (int t0 = 0; t0 < padded; t0 += AMX_TOKENS) {
         int two = padded - t0 >= 32;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int c = 0; c < cols / 32; c++) {
-            _tile_loadd(6, b + (long)c * 512, 64);
-            _tile_loadd(7, b + (long)c * 512 + 256, 64);
-            _tile_loadd(4, xb + (long)t0 * cols + 32 * c, stride);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (two) {
-                _tile_loadd(5, xb + (long)(t0 + 16) * cols + 32 * c, stride);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-        }
-        _tile_stored(0, &sums[0][0], sizeof(float) * AMX_ROWS);
-        _tile_stored(1, &sums[0][16], sizeof(float) * AMX_ROWS);
-        if (two) {
-            _tile_stored(2, &sums[16][0], sizeof(float) * AMX_ROWS);
-            _tile_stored(3, &sums[16][16], sizeof(float) * AMX_ROWS);
-        }
-        __mmask16 low = (__mmask16)((1u << (rows < 16 ? rows : 16)) - 1);
-        __mmask16 high = (__mmask16)(rows > 16 ? (1u << (rows - 16)) - 1 : 0);
+        pass_sums((const char *)(xb + (long)t0 * cols), (long)16 * cols * 2, 64, (long)cols * 2, two,
+                  (const char *)b, 1024, 2048, 64, 1, cols / 32, sums);
         for (int t = t0; t < t0 + (two ? 32 : 16) && t < tokens; t++) {
             _mm512_mask_storeu_ps(out + (long)t * nrows + n, low, _mm512_load_ps(&sums[t - t0][0]));
             if (high) _mm512_mask_storeu_ps(out + (long)t * nrows + n + 16, high, _mm512_load_ps(&sums[t - t0][16]));
@@ -116,35 +128,14 @@ static void sums_into_out(float (*sums)[AMX_TOKENS], int t0, int tokens, float *
  * ([cols / 2][padded]: a B tile's row is one column pair of 16 tokens). The same products in the
  * same order as tiles_into_out with the operands' roles swapped, so the same sums, bit for bit,
  * with no transpose of the weights: to_b_tiles was 5% of a 128-request step of the default GGUF,
- * the sums' turn costs a sixteenth of it. C tile 2i + j: rows 16i .. by tokens t0 + 16j .. */
+ * the sums' turn costs a sixteenth of it. A pass's sums: [rows][tokens]. */
 static void rows_into_out(const uint16_t *buffer, int cols, const uint32_t *xp, int tokens, int padded, float *out,
                           int nrows, int n, int rows) {
     float sums[AMX_ROWS][AMX_TOKENS] __attribute__((aligned(64)));
-    const long wstride = (long)cols * 2, xstride = (long)padded * 4;
     for (int t0 = 0; t0 < padded; t0 += AMX_TOKENS) {
-        int two = padded - t0 >= 32;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int c = 0; c < cols / 32; c++) {
-            _tile_loadd(4, buffer + 32 * c, wstride);
-            _tile_loadd(5, buffer + (long)16 * cols + 32 * c, wstride);
-            _tile_loadd(6, xp + (long)16 * c * padded + t0, xstride);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(2, 5, 6);
-            if (two) {
-                _tile_loadd(7, xp + (long)16 * c * padded + t0 + 16, xstride);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-        }
-        _tile_stored(0, &sums[0][0], sizeof(float) * AMX_TOKENS);
-        _tile_stored(2, &sums[16][0], sizeof(float) * AMX_TOKENS);
-        if (two) {
-            _tile_stored(1, &sums[0][16], sizeof(float) * AMX_TOKENS);
-            _tile_stored(3, &sums[16][16], sizeof(float) * AMX_TOKENS);
-        }
+        pass_sums((const char *)buffer, (long)16 * cols * 2, 64, (long)cols * 2, 1,
+                  (const char *)(xp + t0), 64, (long)16 * padded * 4, (long)padded * 4, padded - t0 >= 32,
+                  cols / 32, sums);
         sums_into_out(sums, t0, tokens, out, nrows, n, rows);
     }
 }
