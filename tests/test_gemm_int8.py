@@ -235,9 +235,30 @@ def test_default_gguf_engine_takes_int8_and_a_bf16_cache(tmp_path, monkeypatch, 
         llm = LLM(str(path), num_kv_blocks=64, **flags)
         want = (torch.float32, torch.float32) if name == "float32" else (torch.int8, torch.bfloat16)
         assert (dequant_tiles.gemm_dtype(), llm.engine.kv_cache.dtype) == want
+        linear = name != "float32" and not dequant_tiles.native_amx()  # the step's default budget follows
+        assert llm.engine.config.max_num_batched_tokens == (1024 if linear else 2048)
         runs[name] = [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     assert runs["auto"] == runs["given"]
+
+
+def test_a_steps_default_budget_is_1024_tokens_where_int8_products_run_without_amx(monkeypatch, gemm_dtype):
+    """max_num_batched_tokens unset: 1,024 tokens on a CPU whose products run int8 without AMX (there
+    a step's cost grows with its tokens from the first), 2,048 under AMX's tiles (AMX stood in for
+    where absent), under other products and on CUDA; a budget given wins."""
+    from pdserve.assembly import setup
+    from pdserve.engine.config import EngineConfig
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for products in (torch.int8, torch.float32):
+        if products == torch.int8 and not dequant_tiles.native_int8():
+            continue
+        gemm_dtype(products)
+        for amx in (True, False):
+            monkeypatch.setattr(setup, "native_amx", lambda amx=amx: amx)
+            linear = products == torch.int8 and not amx
+            assert setup.step_tokens(EngineConfig(), cpu) == (1024 if linear else 2048)
+            assert setup.step_tokens(EngineConfig(), cuda) == 2048
+            assert setup.step_tokens(EngineConfig(max_num_batched_tokens=512), cpu) == 512
 
 
 def test_auto_kv_is_bf16_only_for_a_cpu_kv_cache_under_low_precision_products(gemm_dtype):

@@ -63,7 +63,7 @@ from benchmarks.support.cluster import local_cluster, peer_server, source_info
 from pdserve.models.gguf import DEFAULT_MODEL, embedded_model_file
 from pdserve.wire.transport import free_port
 
-CHUNKS = (1024, 2048, 4096, 8192)  # the NAME+chunkN variants' step budgets
+CHUNKS = (512, 1024, 2048, 4096, 8192)  # the NAME+chunkN variants' step budgets
 SERVERS = ("vllm", "vllm-f32", "pdserve-gguf", "pdserve-gguf+bf16", "pdserve-bf16", "pdserve-bf16+bf16", "llama-server",
            "pdserve-gguf+f32", "pdserve-bf16+f32", "pdserve-pd", "pdserve-pd+bf16",
            "pdserve-gguf+lazy", "pdserve-gguf+int8", "pdserve-gguf+int8kv", "pdserve-pd+int8kv",

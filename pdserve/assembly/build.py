@@ -23,6 +23,7 @@ from pdserve.assembly.setup import (
     pick_device,
     start_lora,
     state_pool,
+    step_tokens,
     use_async_scheduling,
 )
 from pdserve.assembly.speculation import make_speculator
@@ -87,6 +88,7 @@ def _load_target(config: EngineConfig) -> _Target:
     model_path = resolve_model_path(config.model)
     # this process's products (and its TP workers'); auto takes llama.cpp's int8 for a GGUF's blocks
     set_tile_dtype(resolve_gemm_dtype(config.cpu_gemm_dtype, gguf=is_gguf_view(model_path)))
+    config.max_num_batched_tokens = step_tokens(config, device)
     if device.type == "cpu":
         keep_large_allocations()
     hf_config = load_hf_config(model_path)

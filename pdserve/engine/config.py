@@ -28,7 +28,8 @@ class EngineConfig:
     # the blocks handed out (pdserve.assembly.pool_pages). The flag's default: on where the
     # operator gave the pool's size (prefault_default).
     kv_cache_prefault: bool = False
-    max_num_batched_tokens: int = 2048
+    # A step's tokens (prefill chunks); None: default_step_tokens, once the products are chosen.
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 128
     max_model_len: int | None = None
     # max_model_len past the config's max_position_embeddings (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN):
@@ -80,7 +81,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_num_batched_tokens < self.block_size:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
