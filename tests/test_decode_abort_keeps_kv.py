@@ -30,7 +30,7 @@ from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.testing.redis_server import redis_server
 from pdserve.testing.up_cluster import wait_for
 from pdserve.wire.handover import StoreHandover
-from pdserve.wire.messages import Abort, DecodeRequest, TokenDelta, decode, encode
+from pdserve.wire.messages import Abort, DecodeRequest, decode, encode, token_outputs
 from pdserve.wire.transport import free_port
 
 PROMPT = [(i * 37) % 250 + 3 for i in range(100)]  # 6 full blocks of 16 and a partial one
@@ -88,12 +88,12 @@ def _stream(sock, rid: str) -> tuple[list[int], int]:
     while time.monotonic() < deadline:
         if not sock.poll(200):
             continue
-        msg = decode(sock.recv())
-        if isinstance(msg, TokenDelta) and msg.output.request_id == rid:
-            tokens += msg.output.new_token_ids
-            cached = max(cached, msg.output.num_cached_tokens)
-            if msg.output.finished:
-                return tokens, cached
+        for out in token_outputs(decode(sock.recv())):
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+                cached = max(cached, out.num_cached_tokens)
+                if out.finished:
+                    return tokens, cached
     raise AssertionError(f"{rid} did not finish")
 
 

@@ -25,7 +25,7 @@ from pdserve.node.decode import DecodeNode
 from pdserve.testing.redis_server import redis_server
 from pdserve.testing.up_cluster import node_stats, wait_for
 from pdserve.wire.handover import StoreHandover
-from pdserve.wire.messages import DecodeRequest, TokenDelta, decode, encode
+from pdserve.wire.messages import DecodeRequest, decode, encode, token_outputs
 from pdserve.wire.transport import free_port
 
 BS = 16  # the cluster's block size (pdserve up's default)
@@ -151,11 +151,11 @@ def test_a_decode_node_lacking_the_unsent_prefix_computes_it_whatever_its_failur
             sock.send(encode(DecodeRequest("a", PROMPT, greedy, [first], handover)))
             tokens, error, deadline = [], None, time.monotonic() + 60
             while time.monotonic() < deadline:
-                if sock.poll(200) and isinstance(msg := decode(sock.recv()), TokenDelta):
-                    tokens += msg.output.new_token_ids
-                    error = msg.output.error
-                    if msg.output.finished:
-                        break
+                outs = token_outputs(decode(sock.recv())) if sock.poll(200) else []
+                tokens += [t for out in outs for t in out.new_token_ids]
+                error = outs[-1].error if outs else error
+                if outs and outs[-1].finished:
+                    break
             sock.close()
     reference = LLM("builtin:tiny", num_kv_blocks=64).generate({"prompt_token_ids": PROMPT}, greedy, use_tqdm=False)
     if said_to_hold:

@@ -56,7 +56,7 @@ import zmq
 from benchmarks.support.cluster import http_json, local_cluster, source_info
 from pdserve.loadgen.metrics import percentile
 from pdserve.protocol.sampling_params import SamplingParams
-from pdserve.wire.messages import DecodeRequest, TokenDelta, decode, encode
+from pdserve.wire.messages import DecodeRequest, decode, encode, token_outputs
 from pdserve.wire.transport import free_port
 
 QS = (50, 90, 99)
@@ -94,12 +94,13 @@ class DirectClient:
         while True:
             if not self.sock.poll(self.timeout_ms):
                 raise TimeoutError(f"no finished TokenDelta for {rid} in {self.timeout_ms} ms")
-            msg = decode(self.sock.recv())
-            if isinstance(msg, TokenDelta) and msg.output.request_id == rid:
-                tokens += len(msg.output.new_token_ids)
-                if msg.output.finished:
-                    if msg.output.finish_reason == "error":
-                        raise RuntimeError(f"direct request failed: {msg.output.error}")
+            for out in token_outputs(decode(self.sock.recv())):
+                if out.request_id != rid:
+                    continue
+                tokens += len(out.new_token_ids)
+                if out.finished:
+                    if out.finish_reason == "error":
+                        raise RuntimeError(f"direct request failed: {out.error}")
                     return time.perf_counter() - t0, tokens
 
     def close(self) -> None:
@@ -311,7 +312,7 @@ def serve_instrumented_router(args: argparse.Namespace) -> int:
     import pdserve.router.routes.app as app_mod
     from pdserve.router.main import build_app
     from pdserve.wire.messages import DecodeRequest as DR
-    from pdserve.wire.messages import TokenDelta as TD
+    from pdserve.wire.messages import token_outputs as outputs_of
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     current: contextvars.ContextVar[dict | None] = contextvars.ContextVar("stamps", default=None)
@@ -357,8 +358,9 @@ def serve_instrumented_router(args: argparse.Namespace) -> int:
     real_on_message = events_mod.NodeEvents.on_message
 
     def timed_on_message(self, node, msg):
-        if isinstance(msg, TD) and msg.output.finished and msg.output.request_id in by_rid:
-            by_rid[msg.output.request_id]["delta"] = now_ns()
+        for out in outputs_of(msg):
+            if out.finished and out.request_id in by_rid:
+                by_rid[out.request_id]["delta"] = now_ns()
         return real_on_message(self, node, msg)
 
     events_mod.NodeEvents.on_message = timed_on_message

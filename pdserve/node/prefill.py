@@ -138,12 +138,14 @@ class PrefillNode(StepBudget):
         self.hold_itl_target(rid, msg.itl_slo_s)
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
+        whole = []  # whole requests' outputs, streamed as a decode node's are
         for out in outputs:
             pending = self.pending.pop(out.request_id, None)
             if pending is not None:
                 self._hand_over(pending, out)
-            else:  # a whole request
-                self.reply_delta(out)
+            else:
+                whole.append(out)
+        super().on_outputs(whole)
 
     def pong(self, ping: Ping) -> Pong:
         pong = super().pong(ping)

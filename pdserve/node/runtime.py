@@ -52,6 +52,7 @@ from pdserve.wire.messages import (
     Pong,
     PrefillRequest,
     TokenDelta,
+    TokenDeltas,
     UnloadLoRA,
 )
 from pdserve.wire.transport import NodeSocket
@@ -352,17 +353,23 @@ class NodeRuntime:
         self.ttft_clocks.forget(request_id)
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
+        """A step's outputs, one message a router (a lone output as a TokenDelta)."""
+        by_router: dict[bytes, list[StepOutput]] = {}
         for out in outputs:
-            self.reply_delta(out)
+            identity = self.take_delta(out)
+            if identity is not None:
+                by_router.setdefault(identity, []).append(out)
+        for identity, outs in by_router.items():
+            self.control.send(identity, TokenDelta(outs[0]) if len(outs) == 1 else TokenDeltas(outs))
 
-    def reply_delta(self, out: StepOutput) -> None:
+    def take_delta(self, out: StepOutput) -> bytes | None:
+        """The router an output goes to (None: none waits for it), its bookkeeping done."""
         identity = self.origin.get(out.request_id)
         if out.timing is None:  # its first output from here: where its time went
             out.timing = self.ttft_clocks.first_token(out.request_id)
-        if identity is not None:
-            self.control.send(identity, TokenDelta(out))
         if out.finished:
             self.origin.pop(out.request_id, None)
+        return identity
 
     def fail(self, identity: bytes, request_id: str, error: str) -> None:
         log.warning("[%s] failed: %s", request_id, error)

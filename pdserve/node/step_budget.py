@@ -84,12 +84,12 @@ class StepBudget(NodeRuntime):
             stats["stream_slack_us"] = int(slack_s * 1e6)
         return stats
 
-    def reply_delta(self, out) -> None:
+    def take_delta(self, out) -> bytes | None:
         if out.finished:
             self._forget(out.request_id)
         elif out.request_id in self.itl_targets:
             self._tick_clock(out)
-        super().reply_delta(out)
+        return super().take_delta(out)
 
     def _forget(self, request_id: str) -> None:
         self.itl_targets.pop(request_id, None)

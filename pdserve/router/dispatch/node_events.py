@@ -24,7 +24,9 @@ from pdserve.wire.messages import (
     PrefillResult,
     Rejected,
     TokenDelta,
+    TokenDeltas,
     WriteTarget,
+    token_outputs,
 )
 
 log = logging.getLogger("pdserve.router.dispatch.cluster")
@@ -68,10 +70,11 @@ class NodeEvents:
         elif isinstance(msg, HandoverMade):
             node.requests.discard(msg.request_id)
             self.inflight.on_handover(node, msg)
-        elif isinstance(msg, TokenDelta):
-            if msg.output.finished:
-                node.requests.discard(msg.output.request_id)
-            self.inflight.on_output(node, msg.output)
+        elif isinstance(msg, (TokenDelta, TokenDeltas)):  # a step's outputs for this router
+            for out in token_outputs(msg):
+                if out.finished:
+                    node.requests.discard(out.request_id)
+                self.inflight.on_output(node, out)
 
     def _on_pong(self, node: Node, msg: Pong) -> None:
         self.drains.on_pong(node, msg)
