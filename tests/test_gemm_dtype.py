@@ -361,6 +361,23 @@ def test_a_hybrid_mlps_prefill_rows_go_from_gate_up_to_down_in_bf16(tile_dtype, 
 
 
 @needs_bf16
+def test_an_lm_heads_logits_past_16_rows_are_float32_sums_of_bf16_products(tile_dtype):
+    """An unquantized LM head under bfloat16 at 40 rows (a decode step's, past the exact bf16 rows'
+    16): the float32 sums of bf16 products (float64's of the bf16-rounded operands, within float32
+    rounding), on a CPU with AMX's tiles or with AVX-512 BF16 alone, not the float32 product."""
+    from pdserve.layers.vocab import ParallelLMHead
+
+    gen = torch.Generator().manual_seed(3)
+    head = ParallelLMHead(1000, 128)
+    head.weight.data.copy_(torch.randn(1000, 128, generator=gen))
+    x = torch.randn(40, 128, generator=gen)
+    dequant_tiles.set_tile_dtype(torch.bfloat16)
+    got = head(x).double()
+    assert torch.allclose(got, x.bfloat16().double() @ head.weight.bfloat16().double().T, rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(got, x.double() @ head.weight.double().T, rtol=1e-5, atol=1e-4)
+
+
+@needs_bf16
 def test_a_hybrids_lm_head_takes_bf16_products(tmp_path, tile_dtype):
     """The hybrids' LM head (a FloatLinear, as their layers' projections) follows cpu_gemm_dtype:
     under bfloat16 a decode step's 32 rows of logits are float32 sums of bf16 products (float64's

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.layers.parallel import get_tp_group
-from pdserve.layers.quant.unquantized import bf16_rows_linear
+from pdserve.layers.quant.unquantized import bf16_head_logits, bf16_rows_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -70,6 +70,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = self.quant_method.apply(self, hidden, None)
         else:  # a bf16 checkpoint's head read as bf16 rows at a decode step's few rows (half the bytes)
             logits = bf16_rows_linear(self, hidden)
+            logits = bf16_head_logits(self, hidden) if logits is None else logits
             logits = F.linear(hidden, self.weight) if logits is None else logits
         if self.tp.size == 1:
             return logits

@@ -87,6 +87,18 @@ def bf16_rows_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return bf16_rows_matmul(x, _bf16_weight(layer), tiles) if tiles is not None else None
 
 
+def bf16_head_logits(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """An unquantized LM head's logits where bf16_rows_linear declines under bf16 products (more
+    rows than a decode step's few, no AMX tiles): float32 sums of bf16 products in the compiled
+    gemv (AVX-512 BF16), as AMX's tiles give. The float32 product they replace read the float32
+    weight (113 MB for SmolLM2) and MKL repacked it every call: 27% of a 32-request decode step
+    of SmolLM2's bf16 checkpoint on a Zen 5 VM."""
+    if (tile_dtype() != torch.bfloat16 or x.dim() != 2 or x.shape[0] <= BF16_MIN_ROWS
+            or layer.weight.dtype != torch.float32 or layer.weight.device.type != "cpu"):
+        return None
+    return bf16_rows_matmul(x, _bf16_weight(layer))
+
+
 def bf16_tiles_of(layer: nn.Module) -> torch.Tensor | None:
     """The layer's bf16 weight laid out as AMX's B tiles (native_matrices.bf16_tiles), made on first
     use and again when the weight's storage changes; None but under bf16 products on a CPU with AMX
