@@ -30,8 +30,9 @@ STEP_TOKENS = 2048  # a step's tokens by default (vLLM's CPU server's default to
 # ... where a CPU's products run int8 without AMX (VNNI at every row count: a GGUF on Zen 4 or 5),
 # a step's cost grows with its tokens from the first (the default GGUF on a 2-core Zen 5, one
 # process: 160 tokens 47.5 ms, 2,080 tokens 611 ms), so smaller chunks cost nothing and a burst's
-# first prompts finish sooner: served beside 2,048 (2026-12-06, medians of 3), TTFT p50 at 8 / 32
-# / 128 streams 462 / 1,454 / 4,477 -> 378 / 1,164 / 4,224 ms, tokens/s within the runs' spread.
+# first prompts finish sooner: served beside 2,048 (2026-12-06, medians of 5), TTFT p50 at 32
+# streams 1,528 -> 1,265 ms, TPOT p50 28.0 -> 32.9 ms, tokens/s the same; at 128 the same TTFT
+# (docs/benchmarks/vs-vllm.md, Zen 5).
 # AMX's tiles dequantize every matrix a step (~47 ms on the Xeon VM): larger steps there.
 STEP_TOKENS_LINEAR_CPU = 1024
 

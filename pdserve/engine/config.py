@@ -28,7 +28,7 @@ class EngineConfig:
     # the blocks handed out (pdserve.assembly.pool_pages). The flag's default: on where the
     # operator gave the pool's size (prefault_default).
     kv_cache_prefault: bool = False
-    # A step's tokens (prefill chunks); None: default_step_tokens, once the products are chosen.
+    # A step's tokens (prefill chunks); None: assembly.setup.step_tokens's, once the products are chosen.
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 128
     max_model_len: int | None = None
