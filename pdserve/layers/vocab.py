@@ -68,7 +68,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             logits = self.quant_method.apply(self, hidden, None)
-        else:  # a bf16 checkpoint's head read as bf16 rows at a decode step's few rows (half the bytes)
+        else:  # a bf16 checkpoint's head read as bf16 rows at a decode step's few rows (half the bytes),
+            # bf16 products past them under cpu_gemm_dtype bfloat16, else the float32 product
             logits = bf16_rows_linear(self, hidden)
             logits = bf16_head_logits(self, hidden) if logits is None else logits
             logits = F.linear(hidden, self.weight) if logits is None else logits

@@ -89,8 +89,8 @@ def bf16_rows_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
 
 def bf16_head_logits(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """An unquantized LM head's logits where bf16_rows_linear declines under bf16 products (more
-    rows than a decode step's few, no AMX tiles): float32 sums of bf16 products in the compiled
-    gemv (AVX-512 BF16), as AMX's tiles give. The float32 product they replace read the float32
+    rows than a decode step's few, and no AMX tiles or more rows than theirs): float32 sums of bf16
+    products in the compiled gemv (AVX-512 BF16 or AMX), as AMX's tiles give. The float32 product they replace read the float32
     weight (113 MB for SmolLM2) and MKL repacked it every call: 27% of a 32-request decode step
     of SmolLM2's bf16 checkpoint on a Zen 5 VM."""
     if (tile_dtype() != torch.bfloat16 or x.dim() != 2 or x.shape[0] <= BF16_MIN_ROWS
