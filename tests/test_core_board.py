@@ -5,6 +5,8 @@ on lent cores, its board file gone once it stops."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -47,14 +49,14 @@ def test_a_step_with_little_prompt_to_compute_borrows_nothing(board_path):
 
 def test_a_closed_node_lends_nothing_and_run_sets_the_threads(board_path, monkeypatch):
     set_to: list[int] = []
-    monkeypatch.setattr("pdserve.node.core_board.set_compute_threads", set_to.append)
+    monkeypatch.setattr("pdserve.node.core_board.set_compute_threads", lambda n: set_to.append(n) or n)
     a, b = CoreBoard(board_path, 0, 1, 2), CoreBoard(board_path, 1, 1, 2)
     b.close()  # share 0: its slot lends nothing
     assert a.run(lambda: "step") == "step" and set_to == [1] and a.lent_steps == 0
     b = CoreBoard(board_path, 1, 1, 2)
     b.mark_idle(now_ns=time.monotonic_ns() - int(LEND_AFTER_S * 1e9))
     a.run(lambda: None)
-    assert set_to == [1, 2] and a.lent_steps == 1
+    assert set_to == [1, 2] and a.lent_steps == 1 and a.widest_lent_threads == 2
     a.run(lambda: None)
     assert set_to == [1, 2]  # unchanged: not set again
 
@@ -71,6 +73,34 @@ def test_a_step_that_computes_nothing_keeps_the_node_idle(board_path, monkeypatc
     assert prefill.step_threads() == 2
     decode.run(lambda: None, 0, computed=lambda: True)
     assert prefill.step_threads() == 1
+
+
+def test_a_step_with_nothing_ready_to_compute_never_marks_the_node_busy(board_path, monkeypatch):
+    """A push-mode decode node steps while its request waits for the KV its prefill node
+    computes. Marked busy during such a step, it lent nothing to the prefill step that began
+    meanwhile (that very prompt's): so a step with nothing ready leaves the slot as it is, and
+    runs on the node's own share."""
+    set_to: list[int] = []
+    monkeypatch.setattr("pdserve.node.core_board.set_compute_threads", lambda n: set_to.append(n) or n)
+    prefill, decode = CoreBoard(board_path, 0, 1, 2), CoreBoard(board_path, 1, 1, 2)
+    decode.mark_idle(now_ns=time.monotonic_ns() - int(LEND_AFTER_S * 1e9))
+    seen_during = decode.run(lambda: prefill.step_threads(), 0, computed=lambda: False, ready=False)
+    assert seen_during == 2 and prefill.step_threads() == 2 and set_to == [1]
+    assert decode.run(lambda: prefill.step_threads(), 0, computed=lambda: False) == 1  # (ready: busy meanwhile)
+
+
+def test_a_lending_nodes_compiled_kernels_can_take_the_lent_cores():
+    """The compiled kernels (the products) run at numba's count, which numba caps at the pool it
+    sized at start (NUMBA_NUM_THREADS): a lending node's pool is the machine's, its count its
+    share until a step borrows. (Sized to the share, a lent step ran its products on one thread.)"""
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="2")
+    code = ("from pdserve.executor.group import set_rank_threads; import numba;"
+            "print(set_rank_threads(1), numba.get_num_threads(), set_rank_threads(2), numba.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "1", "2", "2"]
+    capped = dict(env, NUMBA_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=capped, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "1", "1", "1"]  # what a pool sized to the share allows
 
 
 def test_from_env_needs_a_board_a_slot_and_a_share(board_path):
@@ -103,6 +133,8 @@ def test_pdserve_up_lends_idle_cores_and_serves_the_same_tokens():
             if length == 60:
                 assert sum(s.get("lent_core_steps", 0) for s in node_stats(url).values()) == 0
         wait_for(lambda: sum(s.get("lent_core_steps", 0) for s in node_stats(url).values()) > 0, timeout_s=10)
+        # a lent step ran the compiled kernels on both cores, not on the node's one
+        assert max(s.get("widest_lent_threads", 0) for s in node_stats(url).values()) == 2
         board = _board_of(node_pids(proc.pid))
         assert board is not None and os.path.exists(board)
     assert not os.path.exists(board)

@@ -140,6 +140,28 @@ def test_remote_kv_deadline_and_failure_fall_back_to_local_compute(llm):
     assert engine.pool.num_in_use() == 0
 
 
+def test_a_step_has_work_ready_only_once_a_remote_waits_is_over(llm):
+    """has_work_ready (the core board's hint: a step with nothing ready leaves its node idle, its
+    core lent) is false while every request waits for its KV, and true once the KV landed, the
+    transfer failed, or its deadline passed, as the step then computes."""
+    receiver = LLM("builtin:tiny", num_kv_blocks=32, remote_kv_timeout_s=0.3).engine
+    sched = receiver.scheduler
+    assert not sched.has_work_ready()
+    receiver.add_request("landing", list(range(10, 60)), GREEDY, output_token_ids=[3], remote_kv_tokens=50)
+    receiver.add_request("failing", list(range(70, 110)), GREEDY, output_token_ids=[3], remote_kv_tokens=40)
+    receiver.step()
+    assert not sched.has_work_ready() and receiver.last_step_tokens == 0
+    receiver.report_remote_kv("landing", ok=True)
+    assert sched.has_work_ready()
+    receiver.step()
+    receiver.abort_request("landing")
+    assert not sched.has_work_ready()
+    time.sleep(0.35)  # "failing" is past its deadline: it computes its prompt
+    assert sched.has_work_ready()
+    receiver.add_request("local", [1, 2, 3], GREEDY)
+    assert sched.has_work_ready()
+
+
 def _drain_until(engine, request_id: str) -> list[int]:
     """Step until request_id finishes (others may still be pending)."""
     tokens: list[int] = []

@@ -80,6 +80,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_work_ready(self) -> bool:
+        """Whether a step would compute now: a running request, or a waiting one not waiting for
+        remote KV, or whose wait is over (its KV landed, its transfer failed or timed out)."""
+        return bool(self.running) or any(r.status != RequestStatus.WAITING_FOR_REMOTE_KVS or _wait_over(r.remote_kv)
+                                         for r in self.waiting)
+
     def longest_prompt_to_compute(self) -> int:
         """The most prompt tokens one running or waiting request has yet to compute (a request
         waiting for remote KV counts none; cached prefixes are found only when scheduled)."""
@@ -241,13 +247,13 @@ class Scheduler:
     def _resolve_remote(self, req: Request) -> bool:
         """True once the request may run: its KV landed, its transfer failed or timed out."""
         remote = req.remote_kv
+        if not _wait_over(remote):
+            return False
         if remote.landed:
             # Keep one token to compute so there are logits to sample from.
             req.num_computed_tokens = max(req.num_computed_tokens, min(remote.num_tokens, req.num_tokens - 1))
             if self.kv.snapshots is not None and req.num_computed_tokens == remote.num_tokens:
                 self.kv.commit(req)  # a hybrid's landed state, snapshotted if it ends on a boundary
-        elif remote.in_flight or (not remote.failed and time.monotonic() < remote.deadline):
-            return False
         # On failure or timeout the request recomputes into the blocks it already holds; one
         # whose leading blocks slid out (never landed) starts again from its prefix cache.
         req.remote_kv = None
@@ -287,3 +293,9 @@ class Scheduler:
         if req is not None:
             self.kv.free(req)
         return req is not None
+
+
+def _wait_over(remote: RemoteKV) -> bool:
+    """A request's wait for its remote KV is over: landed, or failed or timed out with no
+    transfer still in flight."""
+    return remote.landed or not (remote.in_flight or (not remote.failed and time.monotonic() < remote.deadline))

@@ -67,8 +67,11 @@ class Cluster(ProcessSupervisor):
             # Each node gets its share of the cores: nodes that each size their torch and numba
             # pools to every core oversubscribe the machine (measured: 0.3x the throughput).
             env.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
-            if lend_cores:  # and borrows idle nodes' cores (pdserve.node.core_board)
-                env.update(self._board_env(name))
+            if lend_cores and (board := self._board_env(name)):  # borrows idle nodes' cores (core_board)
+                # numba's pool is sized once, at its start, to NUMBA_NUM_THREADS, and its count caps
+                # the compiled kernels' threads (the products): sized to the share, a lent step ran
+                # them on one thread. The board sets the count a step runs at.
+                env.update(board, NUMBA_NUM_THREADS=str(max(machine_cores(), threads)))
         self.launch(name, cmd, env)
 
     def _board_env(self, name: str) -> dict[str, str]:

@@ -96,16 +96,20 @@ class NodeTPGroup(TPGroup):
             self.seconds[0] += time.perf_counter() - start
 
 
-def set_rank_threads(threads: int) -> None:
-    """Compute threads of this rank's torch and numba pools (one per rank on a 2-core machine).
+def set_rank_threads(threads: int) -> int:
+    """Compute threads of this rank's torch and numba pools (one per rank on a 2-core machine);
+    the count numba took (the compiled kernels run at it), at most its pool's NUMBA_NUM_THREADS.
 
     numba first: its first set_num_threads starts its OpenMP pool, which sets the process's
     OpenMP thread count (torch's too, the same libgomp) to NUMBA_NUM_THREADS. Set the other way
     round, a TP driver kept torch at every core, and its idle OpenMP thread spun on the core
     its worker rank computes on."""
+    taken = threads
     try:
         import numba  # optional here: a rank runs the torch kernels without it
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        taken = min(threads, numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(taken)
     except ImportError:
         pass
     torch.set_num_threads(threads)
+    return taken

@@ -31,7 +31,12 @@ to 62% of requests within their targets).
 
 Thread counts change between steps only: torch's intra-op pool (process-wide) and numba's
 (per calling thread, so on the compute thread that runs the steps; the compiled kernels take
-numba's count per call).
+numba's count per call). numba caps its count at the pool it sizes at start (NUMBA_NUM_THREADS),
+so the launcher sizes a lending node's pool to the machine and the board sets the count.
+
+A step with nothing ready to compute (a push-mode decode node's, whose requests all wait for the
+KV their prefill node computes) does not mark the node busy: marked busy while it ran, the node
+lent nothing to the prefill step that began meanwhile, that very prompt's.
 """
 from __future__ import annotations
 
@@ -63,6 +68,8 @@ class CoreBoard:
         self.table[slot] = (share, 0)
         self.threads = 0  # what the pools are set to now (0: not set by the board yet)
         self.lent_steps = 0  # steps run on more than the node's share (in its stats)
+        self.kernel_threads = 0  # the compiled kernels' threads now (numba's count; at most its pool's)
+        self.widest_lent_threads = 0  # the most of them a lent step ran (in its stats)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> CoreBoard | None:
@@ -94,23 +101,33 @@ class CoreBoard:
             self.table[self.slot, 1] = time.monotonic_ns() if now_ns is None else now_ns
 
     def run(self, work: Callable[[], T], prefill_tokens: int | None = None,
-            computed: Callable[[], bool] | None = None) -> T:
+            computed: Callable[[], bool] | None = None, ready: bool = True) -> T:
         """work() (a step, on the compute thread) with this step's threads; prefill_tokens: the
-        longest prompt it has to compute, in tokens (None: borrow whatever is idle). computed:
-        whether the step computed anything; one that did not (a decode node whose requests all
-        wait for their KV, as a push-mode one does while its prompt computes elsewhere) leaves
-        the node idle since when it was, so its cores stay lent."""
+        longest prompt it has to compute, in tokens (None: borrow whatever is idle). ready:
+        whether the step has anything to compute; one that has not (a decode node whose requests
+        all wait for their KV, as a push-mode one does while its prompt computes elsewhere) runs
+        on the node's share without marking it busy: marked busy, however briefly, the node
+        lent nothing to the prefill step that began meanwhile, and in push mode that is the
+        step of the very prompt its request waits for. computed: whether the step computed
+        anything; one that did not leaves the node idle since when it was, so its cores stay lent."""
+        if not ready:
+            self._set_threads(self.share)
+            return work()
         idle_since = int(self.table[self.slot, 1])
         threads = self.step_threads(prefill_tokens=prefill_tokens)
-        if threads != self.threads:
-            set_compute_threads(threads)
-            self.threads = threads
+        self._set_threads(threads)
         if threads > self.share:
             self.lent_steps += 1
+            self.widest_lent_threads = max(self.widest_lent_threads, self.kernel_threads)
         result = work()
         if idle_since and computed is not None and not computed():
             self.table[self.slot, 1] = idle_since
         return result
+
+    def _set_threads(self, threads: int) -> None:
+        if threads != self.threads:
+            self.kernel_threads = set_compute_threads(threads)
+            self.threads = threads
 
     def close(self) -> None:
         self.table[self.slot] = (0, 0)  # leaves: lends nothing, borrows nothing
@@ -121,8 +138,8 @@ def machine_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def set_compute_threads(threads: int) -> None:
-    """torch's pool and numba's (this thread's) at `threads`."""
+def set_compute_threads(threads: int) -> int:
+    """torch's pool and numba's (this thread's) at `threads`; the compiled kernels' count now."""
     # deferred: loads torch; this module is imported by the launcher, which stays torch-free
     from pdserve.executor.group import set_rank_threads
-    set_rank_threads(threads)
+    return set_rank_threads(threads)

@@ -182,15 +182,17 @@ class NodeRuntime:
 
     def _step_answering_pings(self) -> list[StepOutput]:
         # (a step borrows idle nodes' cores only for a long prompt to compute: core_board)
-        tokens = self.engine.scheduler.longest_prompt_to_compute() if self.cores is not None else None
-        return self._run_answering_pings(self.engine.step, tokens, lambda: self.engine.last_step_tokens > 0)
+        sched, tokens, ready = self.engine.scheduler, None, True
+        if self.cores is not None:
+            tokens, ready = sched.longest_prompt_to_compute(), sched.has_work_ready()
+        return self._run_answering_pings(self.engine.step, tokens, lambda: self.engine.last_step_tokens > 0, ready)
 
-    def _run_answering_pings(self, work, prefill_tokens: int | None = None, computed=None):
+    def _run_answering_pings(self, work, prefill_tokens: int | None = None, computed=None, ready: bool = True):
         """work() (an engine step, or other work on the model) on the step thread; its result.
-        prefill_tokens: the longest prompt a step has to compute (None: not a step's); computed:
-        whether a step computed anything (core_board: one that did not keeps the node idle)."""
+        prefill_tokens: the longest prompt a step has to compute (None: not a step's); computed,
+        ready: whether a step computed anything, whether it had anything to (core_board)."""
         step = self._stepper.submit(work if self.cores is None else lambda: self.cores.run(work, prefill_tokens,
-                                                                                            computed))
+                                                                                            computed, ready))
         # Signalled from a done-callback, which runs after the future is marked done: a byte
         # written from inside the step would wake this loop before done() turns true, and the
         # next poll would then sleep its full second with nothing left to wake it.
@@ -285,7 +287,7 @@ class NodeRuntime:
                      lora_slot_loads=engine.lora.slot_loads if engine.lora is not None else 0,
                      **footprint(self.engine), **spec_stats(engine), **encoder_stats(engine))
         if self.cores is not None:  # steps run on lent cores (pdserve.node.core_board)
-            stats.update(lent_core_steps=self.cores.lent_steps)
+            stats.update(lent_core_steps=self.cores.lent_steps, widest_lent_threads=self.cores.widest_lent_threads)
         return Pong(ping.seq, self.node_id, self.role, len(sched.requests),
                     engine.pool.num_free, engine.pool.num_blocks, stats,
                     kv_salt=engine.salt, state=self.state(), compat=self.compat.current(), **lora_pong_fields(engine))
