@@ -230,6 +230,24 @@ def test_prompts_queued_on_the_decode_node_count_as_its_rows():
     assert plan.prefill == "p0" and plan.scores["placement"]["reason"] == "decode steps at their ITL target"
 
 
+def test_push_mode_requests_waiting_on_a_decode_node_are_not_its_rows():
+    """A push-mode request is on its decode node from its arrival, waiting for a prompt another
+    node computes: node_view does not count it as a decode row (pull mode's would not be there
+    at all), so it does not make the decode node look too busy to prefill a prompt itself."""
+    from pdserve.router.dispatch.node_view import node_view
+    from pdserve.router.dispatch.nodes import Node
+
+    node = Node("d0", "decode", "tcp://127.0.0.1:1", sock=None, healthy=True,
+                stats={"free_blocks": 100, "total_blocks": 100, "step_base_us": 10_000, "decode_row_us": 40_000,
+                       "mixed_prefill_ns_per_token": 500_000})
+    node.requests = {"a", "b", "c"}
+    node.pushed = {"b", "c", "gone"}  # (one that ended before its KVReady: no longer a request there)
+    view = node_view(node)
+    assert view.decode_rows == 1 and view.in_flight == 1
+    node.pushed.clear()  # their KVReady went: they decode there now
+    assert node_view(node).decode_rows == 3
+
+
 def test_decode_at_its_target_sends_the_request_whole_to_an_idle_prefill_node():
     """The monolithic fallback (rule 2): the decode node has no room beside its streams, so a
     prefill node that serves whole requests, where a stream would decode faster (fewer streams,

@@ -88,7 +88,8 @@ def measure(url: str, args, rate: float, run: int) -> dict:
             "failed": report["failed"], "ttft_p50_ms": report["p50_ttft_ms"], "ttft_p90_ms": report["p90_ttft_ms"],
             "tpot_p50_ms": report["p50_tpot_ms"], "tpot_p90_ms": report["p90_tpot_ms"],
             "cached_share": report.get("cached_token_share"), "bound_optimal": report.get("cache_bound_optimal"),
-            "bound_infinite": report.get("cache_bound_infinite")}
+            "bound_infinite": report.get("cache_bound_infinite"),
+            "stages_mean_ms": {k: round(v["mean_ms"], 1) for k, v in (report.get("ttft_breakdown") or {}).items()}}
 
 
 def run_layout(name: str, args) -> dict[float, list[dict]]:
@@ -107,13 +108,24 @@ def run_layout(name: str, args) -> dict[float, list[dict]]:
         asyncio.run(run_benchmark(warm))  # untimed: first steps, the nodes' first cost measurements
         for rate in args.rates:
             for run in range(args.runs):
-                before = c.health().get("failover", {})
+                before, lends = c.health().get("failover", {}), _lend_counters(c)
                 row = measure(c.url, args, rate, run)
                 after = c.health().get("failover", {})
                 row.update({k: after.get(k, 0) - before.get(k, 0) for k in ("placed_local", "placed_remote", "placed_whole")})
+                row.update({k: v - lends[k] for k, v in _lend_counters(c).items()})
                 out.setdefault(rate, []).append(row)
                 print(f"{name} rate {rate} run {run}: {json.dumps(row)}", flush=True)
     return out
+
+
+LEND_COUNTERS = ("kv_tokens_borrowed", "kv_borrow_failures", "kv_borrow_wait_us")
+
+
+def _lend_counters(c) -> dict[str, int]:
+    """Push mode's lends, summed over the nodes: tokens READ from a decode node instead of
+    computed, prompts that awaited a lend and computed it, and how long they waited for targets."""
+    nodes = c.nodes().values()
+    return {k: sum(int(n.get(k, 0)) for n in nodes) for k in LEND_COUNTERS}
 
 
 def kv_capacity_tokens(c, block_size: int = 16) -> int:
@@ -123,7 +135,7 @@ def kv_capacity_tokens(c, block_size: int = 16) -> int:
 
 def median_row(rows: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in rows if r[k] is not None)
-            if any(r[k] is not None for r in rows) else None for k in rows[0]}
+            if any(r[k] is not None for r in rows) else None for k in rows[0] if k != "stages_mean_ms"}
 
 
 def table(results: dict[str, dict[float, list[dict]]], rates: list[float]) -> str:

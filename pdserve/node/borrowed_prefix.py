@@ -12,8 +12,12 @@ Such a request is admitted waiting for those tokens (WAITING_FOR_REMOTE_KVS, as 
 waits for its load). When the target comes, the lent blocks this node lacks are READ into the
 request's blocks and checked against their digests; then the request computes the rest, and the
 writer WRITEs only the blocks after the decode node's. A target that lends less than awaited, a
-READ or digest that fails, or no target within TARGET_WAIT_S: the request computes the whole
-prompt, as before. The decode node's request holds the lent blocks (its prefix cache's) until
+READ or digest that fails, or no target in time: the request computes the whole prompt, as
+before. In time is while waiting still beats computing: no longer than this node takes to compute
+the tokens awaited (prefill_s_per_token), at most TARGET_WAIT_S. The decode node answers a push
+only between its steps, and one in a long step (a prompt it computes itself) held the prompt
+here for up to TARGET_WAIT_S to save a fraction of that: waiting no longer than the compute it
+saves costs at most twice the better choice, whenever the target comes. The decode node's request holds the lent blocks (its prefix cache's) until
 the writes end or its lease passes, so a READ within the lease reads them whole.
 """
 from __future__ import annotations
@@ -28,7 +32,10 @@ from pdserve.node.node_stats import NodeStats
 from pdserve.wire.messages import PrefillRequest, WriteTarget
 
 log = logging.getLogger(__name__)
-TARGET_WAIT_S = 2.0  # the decode node's target comes with its admission: milliseconds, unless it is lost
+TARGET_WAIT_S = 2.0  # the decode node's target comes with its admission: after its step, or never if it is lost
+# ... but at least this long: the target comes after the decode node's step in progress and two
+# hops through the router, and a wait shorter than that would seldom see one on a loaded machine
+MIN_WAIT_S = 0.25
 # The READ runs on the node's loop thread (over cma: inside the post itself), as push mode's WRITEs
 # do (push_writes.WRITE_TIMEOUT_S): a dead peer must not hold the loop past the router's pings.
 READ_TIMEOUT_S = 0.5
@@ -37,7 +44,7 @@ READ_TIMEOUT_S = 0.5
 class BorrowedPrefix:
     def __init__(self, engine: LLMEngine, agent: NixlKVAgent, stats: NodeStats):
         self.engine, self.agent, self.stats = engine, agent, stats
-        self.waiting: dict[str, tuple[int, float]] = {}  # request id -> (tokens awaited, since when)
+        self.waiting: dict[str, tuple[int, float, float]] = {}  # request id -> (tokens awaited, since, until)
 
     def tokens_to_borrow(self, msg: PrefillRequest, stored: int) -> int:
         """Leading prompt tokens worth awaiting from the decode node (whole blocks before the last
@@ -49,8 +56,11 @@ class BorrowedPrefix:
         return min(msg.decode_holds_tokens, len(msg.prompt_token_ids) - 1) // bs * bs
 
     def await_target(self, req: Request, tokens: int) -> None:
-        """The request waits for `tokens` (it is WAITING_FOR_REMOTE_KVS: its own cache held fewer)."""
-        self.waiting[req.request_id] = (tokens, time.monotonic())
+        """The request waits for `tokens` (it is WAITING_FOR_REMOTE_KVS: its own cache held fewer),
+        for as long as computing the ones it lacks would take (module doc)."""
+        now, per_token = time.monotonic(), self.engine.prefill_s_per_token
+        wait_s = TARGET_WAIT_S if per_token <= 0 else (tokens - req.num_computed_tokens) * per_token
+        self.waiting[req.request_id] = (tokens, now, now + min(max(wait_s, MIN_WAIT_S), TARGET_WAIT_S))
 
     def take(self, target: WriteTarget, peer: str) -> bool | None:
         """READ what the target lends into its waiting request (peer: the decode node's agent,
@@ -59,7 +69,8 @@ class BorrowedPrefix:
         rid = target.request_id
         if rid not in self.waiting:
             return None
-        tokens, _ = self.waiting.pop(rid)
+        tokens, since, _ = self.waiting.pop(rid)
+        self.stats.kv_borrow_wait_us += int((time.monotonic() - since) * 1e6)
         req = self.engine.scheduler.requests.get(rid)
         if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             return None
@@ -70,9 +81,10 @@ class BorrowedPrefix:
     def expire(self) -> None:
         """Requests whose target did not come in time compute their whole prompt."""
         now = time.monotonic()
-        for rid in [r for r, (_, since) in self.waiting.items() if now - since > TARGET_WAIT_S]:
-            tokens, _ = self.waiting.pop(rid)
-            log.warning("[%s] no WriteTarget in %.0f s: computing the prefix it held", rid, TARGET_WAIT_S)
+        for rid in [r for r, (_, _, until) in self.waiting.items() if now > until]:
+            tokens, since, _ = self.waiting.pop(rid)
+            self.stats.kv_borrow_wait_us += int((now - since) * 1e6)
+            log.info("[%s] no WriteTarget in %.2f s: computing the %d tokens it would lend", rid, now - since, tokens)
             req = self.engine.scheduler.requests.get(rid)
             if req is not None:
                 self._landed(req, False, tokens)

@@ -13,6 +13,7 @@ class NodeStats:
     cached_tokens_store: int = 0   # prompt tokens loaded from the KV store instead of computed
     kv_tokens_borrowed: int = 0    # a prefill node's prompt tokens READ from its decode node's blocks instead
     kv_borrow_failures: int = 0    # ... and the prompts that awaited some and computed them (node.borrowed_prefix)
+    kv_borrow_wait_us: int = 0     # ... microseconds those prompts waited for their decode node's WriteTarget
     transfer_bytes_nixl: int = 0
     transfer_bytes_nixl_written: int = 0  # push mode: a prefill node's WRITEs; a decode node's blocks they landed
     transfer_bytes_store: int = 0

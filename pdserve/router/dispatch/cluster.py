@@ -112,7 +112,7 @@ class ClusterBackend:
         relayed: list[int] = []  # every token id the client has been sent, in order
         reason = "abort"  # unless the stream reaches its end
         stage = "queued"  # where an abort (a client gone) found it, for /metrics
-        decision = None
+        decision = pushed = None
         try:
             request = PlacementRequest(request_id, prompt_token_ids, params.max_tokens, session, targets, scope, pin)
             decision = await self._place(request)
@@ -150,6 +150,8 @@ class ClusterBackend:
         finally:
             if reason == "abort":
                 self.metrics.aborts.labels(stage).inc()
+            if pushed is not None:  # (ended before its KVReady went)
+                pushed.pushed.discard(request_id)
             self._end(request_id, timer, reason, decision, adapter)
 
     def _end(self, rid: str, timer: RequestTimer, reason: str, decision: PlacementDecision | None,
@@ -224,6 +226,7 @@ class ClusterBackend:
         if request.pin is not None:
             request.pin.node_id = node.node_id
         self.inflight.assign(rid, node)
+        node.pushed.add(rid)  # (a decode row once its KVReady goes: node_view)
         await self.adapters.send_ahead(node, scope.adapter)
         await self.pool.send(node, DecodeRequest(rid, request.prompt, params, itl_slo_s=decision.itl_target_s,
                                                  cache_salt=scope.cache_salt, adapter=scope.adapter, push=True,
@@ -243,6 +246,7 @@ class ClusterBackend:
         """The first token ended the request: its decode node waits for a token it will not get."""
         await self.pool.send(node, Abort(rid))
         node.requests.discard(rid)
+        node.pushed.discard(rid)
 
     def _unqueue_local(self, node_id: str, rid: str) -> None:
         node = self.pool.get(node_id)
@@ -269,6 +273,7 @@ class ClusterBackend:
                         failures, moves = self._count_move(rid, NodeLost(lost.node_id, lost.planned), len(relayed),
                                                            failures, moves)
                     continue
+                node.pushed.discard(rid)
                 await self.pool.send(node, KVReady(rid, list(relayed), handover))
             else:
                 node = await self._send_decode(request, params, relayed, handover, timer, decision, tried,
@@ -308,6 +313,7 @@ class ClusterBackend:
         if first_dispatch and not relayed:
             timer.dispatched()
         self.inflight.assign(rid, node)
+        node.pushed.add(rid)  # (a decode row once its KVReady goes: node_view)
         await self.adapters.send_ahead(node, scope.adapter)
         await self.pool.send(node, DecodeRequest(rid, request.prompt, params, list(relayed), handover,
                                                  itl_slo_s=decision.itl_target_s, cache_salt=scope.cache_salt,

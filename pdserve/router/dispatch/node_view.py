@@ -13,16 +13,18 @@ def node_view(node: Node, adapter_cost: int = 0) -> NodeView:
     """What the planner sees of a node: the router's own counts and the node's last report. On a
     decode node, queued_tokens are the prompt tokens it prefills itself that have no first token
     yet; its decode rows are every request the router has there, those queued prompts included:
-    they decode beside any prompt queued after them by the time its prefill runs. On a prefill
+    they decode beside any prompt queued after them by the time its prefill runs, but not the
+    push-mode requests waiting there for a prompt that computes elsewhere. On a prefill
     node, the decode rows are the whole requests the router placed there."""
     stats = node.stats
     store_tokens = stats.get("cached_tokens_store", 0)
+    requests = len(node.requests - node.pushed) if node.pushed else len(node.requests)
     costs = StepCosts(stats.get("step_base_us", 0) / 1e6, stats.get("decode_row_us", 0) / 1e6,
                       stats.get("mixed_prefill_ns_per_token", 0) / 1e9)
-    return NodeView(node.node_id, len(node.requests), stats.get("free_blocks", 0), stats.get("total_blocks", 0),
+    return NodeView(node.node_id, requests, stats.get("free_blocks", 0), stats.get("total_blocks", 0),
                     sum(node.queued_tokens.values()), stats.get("prefill_ns_per_token", 0) / 1e9,
                     stats.get("store_load_us", 0) / 1e6 / store_tokens if store_tokens else 0.0,
-                    decode_rows=len(node.whole) if node.role == "prefill" else len(node.requests), step_costs=costs,
+                    decode_rows=len(node.whole) if node.role == "prefill" else requests, step_costs=costs,
                     max_step_tokens=stats.get("max_num_batched_tokens", 2048), adapter_cost=adapter_cost,
                     takes_whole=bool(stats.get("serves_whole", 0)),
                     stream_slack_s=stats["stream_slack_us"] / 1e6 if "stream_slack_us" in stats else math.inf,

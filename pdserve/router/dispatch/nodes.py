@@ -46,6 +46,9 @@ class Node:
     last_pong: float = 0.0
     stats: dict = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)  # request ids in flight on this node
+    # ... of them, push-mode requests that wait here for a prompt another node computes: not
+    # decode rows yet (node_view), as pull mode's would not be here at all until their handover
+    pushed: set[str] = field(default_factory=set)
     disconnected: bool = False  # its TCP connection closed (a dead process), not merely silent
     kv_salt: bytes = b""  # the node's block-key salt, from its pongs
     queued_tokens: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens sent to prefill
