@@ -379,10 +379,11 @@ def test_an_lm_heads_logits_past_16_rows_are_float32_sums_of_bf16_products(tile_
 
 @needs_bf16
 def test_a_hybrids_lm_head_takes_bf16_products(tmp_path, tile_dtype):
-    """The hybrids' LM head (a FloatLinear, as their layers' projections) follows cpu_gemm_dtype:
-    under bfloat16 a decode step's 32 rows of logits are float32 sums of bf16 products (float64's
-    of the bf16-rounded operands, within float32 rounding; on a CPU without AMX, oneDNN's bf16 pass,
-    whose sums come back rounded to bf16: within a bf16 step), not the float32 product's values."""
+    """The hybrids' LM head (a FloatLMHead, a FloatLinear as their layers' projections) follows
+    cpu_gemm_dtype: under bfloat16 a decode step's 32 rows of logits are float32 sums of bf16
+    products (float64's of the bf16-rounded operands, within float32 rounding), on a CPU without
+    AMX too, where FloatLinear's oneDNN pass returned them rounded to bf16; not the float32
+    product's values."""
     from pdserve.testing.hybrid_checkpoints import make_hybrid_model
 
     llm = LLM(model=str(make_hybrid_model(tmp_path, "qwen3_5_text")), num_kv_blocks=64, cpu_gemm_dtype="bfloat16")
@@ -390,8 +391,7 @@ def test_a_hybrids_lm_head_takes_bf16_products(tmp_path, tile_dtype):
     hidden = torch.randn(32, model.lm_head.in_features)
     got = model.compute_logits(hidden).double()
     want = hidden.bfloat16().double() @ model.lm_head.weight.bfloat16().double().T
-    within = {"rtol": 1e-5, "atol": 1e-4} if dequant_tiles.native_amx() else {"rtol": 2 ** -7, "atol": 1e-3}
-    assert torch.allclose(got, want, **within)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
     assert not torch.allclose(got, F.linear(hidden, model.lm_head.weight).double(), rtol=1e-5, atol=1e-4)
 
 

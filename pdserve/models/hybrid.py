@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.layers.quant.unquantized import FloatLinear
+from pdserve.layers.quant.unquantized import FloatLinear, FloatLMHead
 from pdserve.models.decoder import DecoderModel
 from pdserve.models.llama import ModelSpec
 from pdserve.models.rope import RotaryEmbedding
@@ -35,8 +35,9 @@ class HybridDecoderModel(DecoderModel):
         super().__init__(*args, cuda_graph_safe=False, **kwargs)
         self.state_dtype = state_dtype
         # the LM head's products follow cpu_gemm_dtype as the layers' do (a 32-row decode step's
-        # float32 product over a vocab of 8,192 was 2 of a Qwen3.5-shaped step's 13.5 ms)
-        self.lm_head = FloatLinear(self.spec.hidden_size, self.spec.vocab_size, bias=False)
+        # float32 product over a vocab of 8,192 was 2 of a Qwen3.5-shaped step's 13.5 ms), with
+        # float32 sums, as the Llama family's head (FloatLMHead)
+        self.lm_head = FloatLMHead(self.spec.hidden_size, self.spec.vocab_size, bias=False)
 
     def state_spec(self) -> list[LayerStateSpec]:
         """Per stateful layer, in state_index order: its window's and its state's shapes and dtypes."""

@@ -131,6 +131,21 @@ class FloatLinear(nn.Linear):
         return _FLOAT_METHOD.apply(self, x, self.bias)
 
 
+class FloatLMHead(FloatLinear):
+    """The hybrids' LM head: a FloatLinear whose logits, where its products would be oneDNN's one
+    bf16 pass (bf16_pass_takes: past a decode step's few rows on a CPU without AMX, past the
+    tiles' rows on one with it), are float32 sums of bf16 products (bf16_head_logits), as
+    ParallelLMHead's are. The one pass returns its sums rounded to bf16: a step of 2^-8 in every
+    logit, enough to turn a greedy near tie, and the two families' heads then differed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None and x.dim() == 2 and bf16_pass_takes(self, x.shape[0]):
+            logits = bf16_head_logits(self, x)
+            if logits is not None:
+                return logits
+        return super().forward(x)
+
+
 def float_swiglu_bf16(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """down(SiLU(gate) * up) of x [rows, hidden] float32 for FloatLinear layers (gate_up's rows
     [gate | up], no biases) whose products are each one oneDNN bf16 pass (bf16_pass_takes: a

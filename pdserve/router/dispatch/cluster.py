@@ -313,7 +313,6 @@ class ClusterBackend:
         if first_dispatch and not relayed:
             timer.dispatched()
         self.inflight.assign(rid, node)
-        node.pushed.add(rid)  # (a decode row once its KVReady goes: node_view)
         await self.adapters.send_ahead(node, scope.adapter)
         await self.pool.send(node, DecodeRequest(rid, request.prompt, params, list(relayed), handover,
                                                  itl_slo_s=decision.itl_target_s, cache_salt=scope.cache_salt,
