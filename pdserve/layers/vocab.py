@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.layers.parallel import get_tp_group
-from pdserve.layers.quant.unquantized import bf16_head_logits, bf16_rows_linear
+from pdserve.layers.quant.unquantized import unquantized_head_logits
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -68,11 +68,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             logits = self.quant_method.apply(self, hidden, None)
-        else:  # a bf16 checkpoint's head read as bf16 rows at a decode step's few rows (half the bytes),
-            # bf16 products past them under cpu_gemm_dtype bfloat16, else the float32 product
-            logits = bf16_rows_linear(self, hidden)
-            logits = bf16_head_logits(self, hidden) if logits is None else logits
-            logits = F.linear(hidden, self.weight) if logits is None else logits
+        else:
+            logits = unquantized_head_logits(self, hidden)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last(logits)[..., : self.vocab_size]

@@ -17,8 +17,9 @@ before. In time is while waiting still beats computing: no longer than this node
 the tokens awaited (prefill_s_per_token), at most TARGET_WAIT_S. The decode node answers a push
 only between its steps, and one in a long step (a prompt it computes itself) held the prompt
 here for up to TARGET_WAIT_S to save a fraction of that: waiting no longer than the compute it
-saves costs at most twice the better choice, whenever the target comes. The decode node's request holds the lent blocks (its prefix cache's) until
-the writes end or its lease passes, so a READ within the lease reads them whole.
+saves costs at most twice the better choice, whenever the target comes. The decode node's
+request holds the lent blocks (its prefix cache's) until the writes end or its lease passes, so
+a READ within the lease reads them whole.
 """
 from __future__ import annotations
 

@@ -99,6 +99,17 @@ def bf16_head_logits(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return bf16_rows_matmul(x, _bf16_weight(layer))
 
 
+def unquantized_head_logits(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An unquantized LM head's logits (no bias), for every family's head: a bf16 checkpoint's
+    exact bf16 rows at a decode step's few rows (half the bytes) or AMX's tiles, float32 sums of
+    bf16 products past them under cpu_gemm_dtype bfloat16 (bf16_head_logits), else the float32
+    product. Never oneDNN's one bf16 pass, whose sums come back rounded to bf16: a step of 2^-8
+    in every logit, enough to turn a greedy near tie."""
+    logits = bf16_rows_linear(layer, x)
+    logits = bf16_head_logits(layer, x) if logits is None else logits
+    return F.linear(x, layer.weight) if logits is None else logits
+
+
 def bf16_tiles_of(layer: nn.Module) -> torch.Tensor | None:
     """The layer's bf16 weight laid out as AMX's B tiles (native_matrices.bf16_tiles), made on first
     use and again when the weight's storage changes; None but under bf16 products on a CPU with AMX
@@ -132,18 +143,12 @@ class FloatLinear(nn.Linear):
 
 
 class FloatLMHead(FloatLinear):
-    """The hybrids' LM head: a FloatLinear whose logits, where its products would be oneDNN's one
-    bf16 pass (bf16_pass_takes: past a decode step's few rows on a CPU without AMX, past the
-    tiles' rows on one with it), are float32 sums of bf16 products (bf16_head_logits), as
-    ParallelLMHead's are. The one pass returns its sums rounded to bf16: a step of 2^-8 in every
-    logit, enough to turn a greedy near tie, and the two families' heads then differed."""
+    """The hybrids' LM head: its logits as ParallelLMHead's (unquantized_head_logits), where
+    FloatLinear's oneDNN pass would have rounded them to bf16 (past a decode step's few rows on a
+    CPU without AMX, past the tiles' rows on one with it)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None and x.dim() == 2 and bf16_pass_takes(self, x.shape[0]):
-            logits = bf16_head_logits(self, x)
-            if logits is not None:
-                return logits
-        return super().forward(x)
+        return unquantized_head_logits(self, x) if self.bias is None and x.dim() == 2 else super().forward(x)
 
 
 def float_swiglu_bf16(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> torch.Tensor | None:

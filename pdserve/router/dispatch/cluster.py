@@ -246,7 +246,6 @@ class ClusterBackend:
         """The first token ended the request: its decode node waits for a token it will not get."""
         await self.pool.send(node, Abort(rid))
         node.requests.discard(rid)
-        node.pushed.discard(rid)
 
     def _unqueue_local(self, node_id: str, rid: str) -> None:
         node = self.pool.get(node_id)
