@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import signal
-import threading
 
 import httpx
 import openai
@@ -85,19 +84,25 @@ def test_prefill_node_killed_under_load_costs_no_request(cluster, llm):
     url, proc = cluster
     want = _reference(llm, PROMPTS, SHORT, temperature=0)
     client = _client(url)
-    started = threading.Event()
     victim = node_pids(proc.pid)["prefill-0"]
     lost = {"node": "prefill-0", "role": "prefill"}
     losses, rejoins = router_counter(url, "pdserve_node_losses", **lost), router_counter(url, "pdserve_node_rejoins", **lost)
+    moved = _failover(url)["prefill_retries"] + _failover(url)["local_prefills"]
+    # Stopped (SIGSTOP) first, so that the kill lands while it holds prefills: running, a tiny
+    # model's prefills end within one step, and on a fast machine the kill after the first token
+    # found prefill-0 idle (CI once: nothing moved). It is killed well inside the router's 1.5 s
+    # of silence (DEAD_AFTER_S), so the router learns of it by the closed connection.
+    os.kill(victim, signal.SIGSTOP)
     with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futures = [pool.submit(_stream_ids, client, p, SHORT, lambda n: started.set(), temperature=0)
-                   for p in PROMPTS]
-        started.wait(60)
-        os.kill(victim, signal.SIGKILL)
+        futures = [pool.submit(_stream_ids, client, p, SHORT, temperature=0) for p in PROMPTS]
+        try:
+            wait_for(lambda: node_stats(url)["prefill-0"]["routed_requests"] > 0, timeout_s=10, interval_s=0.02)
+        finally:
+            os.kill(victim, signal.SIGKILL)  # also when the wait failed: never leave it stopped
         got = [f.result() for f in futures]  # any failed request raises here
     assert got == want
-    # The kill landed while prefill-0 held prefills, and they moved (not just new ones avoided it).
-    assert _failover(url)["prefill_retries"] + _failover(url)["local_prefills"] > 0
+    # The prefills prefill-0 held moved (not just new ones avoided it).
+    assert _failover(url)["prefill_retries"] + _failover(url)["local_prefills"] > moved
     _wait_restarted(url, proc, "prefill-0", victim)
     # /metrics counts the fault (a closed connection: the kernel closes a killed process's) and the return.
     assert router_counter(url, "pdserve_node_losses", reason="disconnected", **lost) >= 1
