@@ -204,6 +204,9 @@ def library() -> ctypes.CDLL | None:
     lib.pd_prefill_attention.argtypes = [_P, ctypes.c_long, _P, ctypes.c_long, _P, ctypes.c_long, _P, _P, _I, _I, _I, _I,
                                          ctypes.c_float, _P, _I]
     lib.pd_prefill_attention.restype = _I
+    lib.pd_prefill_attention_prefixed.argtypes = [_P, ctypes.c_long, _P, ctypes.c_long, _P, ctypes.c_long, _P, _P, _P,
+                                                  _P, _I, _I, _I, _I, ctypes.c_float, _P, _I]
+    lib.pd_prefill_attention_prefixed.restype = _I
     lib.pd_prefill_attention_amx.argtypes = lib.pd_prefill_attention.argtypes
     lib.pd_prefill_attention_amx.restype = _I
     lib.pd_prefill_attention_amx_paged.argtypes = [_P, ctypes.c_long, _P, ctypes.c_long, _P, ctypes.c_long, _P, _P, _P,
