@@ -10,7 +10,8 @@ each server) while the others are stopped (SIGSTOP):
   vllm-pd          two `python -m vllm.entrypoints.openai.api_server` on the bf16 directory
                    (`bench_vs_vllm`'s), each with `--kv-transfer-config` NixlConnector and
                    `kv_buffer_device` cpu: the prefill server's engine bound to core 0, the decode
-                   server's to core 1 (VLLM_CPU_OMP_THREADS_BIND), their NIXL side channels on
+                   server's to the last core (VLLM_CPU_OMP_THREADS_BIND; --vllm-pd-cores shared:
+                   both on every core, which did not start in 600 s on 2), their NIXL side channels on
                    127.0.0.1; and benchmarks/peers/vllm_pd_proxy.py in front (vLLM's example proxy:
                    prefill with max_tokens 1, then decode with the blocks' kv_transfer_params)
   vllm             one vLLM server with both cores (the monolithic peer)
@@ -70,7 +71,10 @@ def vllm_env(args, cores: str, **extra: str) -> dict:
 def vllm_pd(stack: contextlib.ExitStack, args, model_dir: Path, log_dir: Path) -> dict:
     """vLLM's prefill server on core 0, its decode server on core 1, the proxy in front."""
     urls, pids = {}, []
-    for role, core in (("prefill", "0"), ("decode", "1")):
+    last = (os.cpu_count() or 2) - 1
+    cores = {"prefill": "0", "decode": str(last)} if args.vllm_pd_cores == "split" else \
+        {"prefill": f"0-{last}", "decode": f"0-{last}"}
+    for role, core in cores.items():
         port = free_port()
         connector = dict(NIXL_CONNECTOR, kv_role="kv_producer" if role == "prefill" else "kv_consumer")
         cmd = vllm_command(args, model_dir, port, "--kv-transfer-config", json.dumps(connector))
@@ -161,6 +165,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace", default=None, help="the Mooncake conversation trace (default: bench_goodput's slice)")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", DEFAULT_VLLM_PYTHON))
     p.add_argument("--vllm-kv-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE per vLLM server")
+    p.add_argument("--vllm-pd-cores", choices=("split", "shared"), default="split",
+                   help="vllm-pd's engines: one core each (split), or every core each (shared)")
     p.add_argument("--max-model-len", type=int, default=8192, help="vLLM's (SmolLM2's context)")
     p.add_argument("--bf16-dir", default=os.path.expanduser("~/.cache/pdserve/smollm2-135m-bf16"))
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
