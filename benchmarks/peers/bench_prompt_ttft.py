@@ -3,9 +3,9 @@ long prompt costs alone, its chunks and its attention included).
 
     .venv/bin/python -m benchmarks.peers.bench_prompt_ttft --lengths 160,700,1500,2400 --repeats 5
 
-Servers (both cores each, up together, measured in turn while the other is stopped): `vllm` on the
+Servers (every core each, up together, measured in turn while the others are stopped): `vllm` on the
 bf16 directory (bench_vs_vllm's), `pdserve` monolithic on the default GGUF
-(`pdserve up --prefill-nodes 0 --decode-nodes 1 --threads-per-node 2`), `pdserve@base` the same
+(`pdserve up --prefill-nodes 0 --decode-nodes 1 --threads-per-node N`), `pdserve@base` the same
 from another checkout (--baseline-src DIR). Each request: random token ids (new ones every time, so
 nothing is cached), 8 tokens streamed with ignore_eos; TTFT is the first streamed chunk's arrival.
 Reported: the median of --repeats per length, after one untimed request per length.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import random
 import statistics
 import time
@@ -26,7 +27,8 @@ from benchmarks.peers.bench_vs_vllm import DEFAULT_VLLM_PYTHON, bf16_checkpoint,
 from benchmarks.support.cluster import local_cluster, source_info
 from pdserve.models.gguf import DEFAULT_MODEL
 
-MONOLITHIC = ("--model", DEFAULT_MODEL, "--prefill-nodes", "0", "--decode-nodes", "1", "--threads-per-node", "2")
+CORES = os.cpu_count() or 2
+MONOLITHIC = ("--model", DEFAULT_MODEL, "--prefill-nodes", "0", "--decode-nodes", "1", "--threads-per-node", str(CORES))
 
 
 def first_chunk_s(url: str, model: str, prompt: list[int]) -> float:
@@ -54,7 +56,7 @@ def measure(url: str, lengths: list[int], repeats: int, rng: random.Random) -> d
 def start_servers(stack: contextlib.ExitStack, args, log_dir: Path) -> dict[str, dict]:
     up = {}
     if "vllm" in args.servers:
-        args.threads, args.max_num_seqs = 2, 128  # what bench_vs_vllm's vllm_server reads
+        args.threads, args.max_num_seqs = CORES, 128  # what bench_vs_vllm's vllm_server reads
         url, pid, _ = stack.enter_context(vllm_server(args, bf16_checkpoint(Path(args.bf16_dir)), log_dir / "vllm.log"))
         up["vllm"] = {"url": url, "pid": pid}
     for name in ("pdserve", "pdserve@base"):
