@@ -51,6 +51,12 @@ def _failover(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=5).json()["failover"]
 
 
+def _prefills_moved(url: str) -> int:
+    """Prefills the router retried on another prefill node or gave to the decode node."""
+    failover = _failover(url)
+    return failover["prefill_retries"] + failover["local_prefills"]
+
+
 def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
@@ -87,7 +93,7 @@ def test_prefill_node_killed_under_load_costs_no_request(cluster, llm):
     victim = node_pids(proc.pid)["prefill-0"]
     lost = {"node": "prefill-0", "role": "prefill"}
     losses, rejoins = router_counter(url, "pdserve_node_losses", **lost), router_counter(url, "pdserve_node_rejoins", **lost)
-    moved = _failover(url)["prefill_retries"] + _failover(url)["local_prefills"]
+    moved = _prefills_moved(url)
     # Stopped (SIGSTOP) first, so that the kill lands while it holds prefills: running, a tiny
     # model's prefills end within one step, and on a fast machine the kill after the first token
     # found prefill-0 idle (CI once: nothing moved). It is killed well inside the router's 1.5 s
@@ -102,7 +108,7 @@ def test_prefill_node_killed_under_load_costs_no_request(cluster, llm):
         got = [f.result() for f in futures]  # any failed request raises here
     assert got == want
     # The prefills prefill-0 held moved (not just new ones avoided it).
-    assert _failover(url)["prefill_retries"] + _failover(url)["local_prefills"] > moved
+    assert _prefills_moved(url) > moved
     _wait_restarted(url, proc, "prefill-0", victim)
     # /metrics counts the fault (a closed connection: the kernel closes a killed process's) and the return.
     assert router_counter(url, "pdserve_node_losses", reason="disconnected", **lost) >= 1

@@ -83,16 +83,16 @@ def _run_prefixed(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_c
     prompt in 1,024-token chunks prefilled in 1.81 s against 1.25 s as one fresh chunk (Zen 5)."""
     if not (k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.device.type == "cpu"):
         return False
-    ks, vs, kv_starts, row = [], [], [], 0
-    for i in seqs:
-        rows, prefix = slice(cu[i], cu[i + 1]), contexts[i] - (cu[i + 1] - cu[i])
-        ks += [torch_ops.gather_kv(k_cache, block_tables[i], prefix), k_new[rows]]
-        vs += [torch_ops.gather_kv(v_cache, block_tables[i], prefix), v_new[rows]]
-        kv_starts.append(row)
-        row += contexts[i]
+    lens = [cu[i + 1] - cu[i] for i in seqs]
+    prefixes = [contexts[i] - n for i, n in zip(seqs, lens)]
+    ks, vs, kv_starts = [], [], [0]
+    for i, prefix in zip(seqs, prefixes):
+        ks += [torch_ops.gather_kv(k_cache, block_tables[i], prefix), k_new[cu[i]:cu[i + 1]]]
+        vs += [torch_ops.gather_kv(v_cache, block_tables[i], prefix), v_new[cu[i]:cu[i + 1]]]
+        kv_starts.append(kv_starts[-1] + contexts[i])  # each sequence's rows of k and v, prefix first
     k, v = torch.cat(ks), torch.cat(vs)
-    starts, lens = _int32([cu[i] for i in seqs]), _int32([cu[i + 1] - cu[i] for i in seqs])
-    prefixes, kv_rows = _int32([contexts[i] - (cu[i + 1] - cu[i]) for i in seqs]), _int32(kv_starts)
+    starts, lens, prefixes = _int32([cu[i] for i in seqs]), _int32(lens), _int32(prefixes)
+    kv_rows = _int32(kv_starts[:-1])
     rc = native_gemv.library().pd_prefill_attention_prefixed(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), starts.data_ptr(),
         kv_rows.data_ptr(), prefixes.data_ptr(), lens.data_ptr(), len(seqs), q.shape[1], k.shape[1], q.shape[2],
