@@ -95,14 +95,25 @@ def bf16_checkpoint(out_dir: Path) -> Path:
     return out_dir
 
 
+def vllm_command(args, model_dir: Path, port: int, dtype: str = "bfloat16", max_model_len: int = 4096,
+                 extra: tuple[str, ...] = ()) -> list[str]:
+    """vLLM's OpenAI server on 127.0.0.1:port (args: vllm_python, max_num_seqs); bench_vs_vllm_pd's too."""
+    return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs),
+            "--max-model-len", str(max_model_len), "--served-model-name", "smollm2", *extra]
+
+
+def vllm_env(args, cores: str, **extra: str) -> dict:
+    """Its environment: its engine's OpenMP threads bound to `cores`, none reserved, args.vllm_kv_gb of KV."""
+    return dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gb), HF_HUB_OFFLINE="1", **extra)
+
+
 @contextlib.contextmanager
 def vllm_server(args, model_dir: Path, log_path: Path, dtype: str = "bfloat16"):
     port = free_port()
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs),
-           "--max-model-len", "4096", "--served-model-name", "smollm2"]
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-               VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gb), HF_HUB_OFFLINE="1")
+    cmd = vllm_command(args, model_dir, port, dtype)
+    env = vllm_env(args, f"0-{args.threads - 1}")
     with peer_server("vllm", cmd, port, log_path, args.startup_timeout_s, env=env) as (url, pid):
         yield url, pid, " ".join(cmd)
 

@@ -30,11 +30,8 @@ plus `pip install nixl` there (its NixlConnector imports it).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import dataclasses
 import json
-import math
 import os
 import signal
 import statistics
@@ -43,10 +40,9 @@ import time
 from pathlib import Path
 
 from benchmarks.peers.bench_vs_llamacpp import load_average, paused, process_tree
-from benchmarks.peers.bench_vs_vllm import DEFAULT_VLLM_PYTHON, bf16_checkpoint
-from benchmarks.serving.bench_goodput import TRACE_SLICE, bench_config, measure
+from benchmarks.peers.bench_vs_vllm import DEFAULT_VLLM_PYTHON, bf16_checkpoint, vllm_command, vllm_env
+from benchmarks.serving.bench_goodput import TRACE_SLICE, measure, warm_up
 from benchmarks.support.cluster import local_cluster, peer_server, source_info
-from pdserve.loadgen.bench import run_benchmark
 from pdserve.models.gguf import DEFAULT_MODEL
 from pdserve.wire.transport import free_port
 
@@ -55,17 +51,6 @@ PDSERVE = {"pdserve-pd": PD, "pdserve-pd-bf16": PD, "pdserve-pd-lend": (*PD, "--
            "pdserve-mono": ("--prefill-nodes", "0", "--decode-nodes", "1", "--threads-per-node", str(os.cpu_count() or 2))}
 SERVERS = ("vllm-pd", "vllm", *PDSERVE)
 NIXL_CONNECTOR = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}  # and the server's kv_role
-
-
-def vllm_command(args, model_dir: Path, port: int, *extra: str) -> list[str]:
-    return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-num-seqs", "128",
-            "--max-model-len", str(args.max_model_len), "--served-model-name", "smollm2", *extra]
-
-
-def vllm_env(args, cores: str, **extra: str) -> dict:
-    return dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gb), HF_HUB_OFFLINE="1", **extra)
 
 
 def vllm_pd(stack: contextlib.ExitStack, args, model_dir: Path, log_dir: Path) -> dict:
@@ -77,7 +62,8 @@ def vllm_pd(stack: contextlib.ExitStack, args, model_dir: Path, log_dir: Path) -
     for role, core in cores.items():
         port = free_port()
         connector = dict(NIXL_CONNECTOR, kv_role="kv_producer" if role == "prefill" else "kv_consumer")
-        cmd = vllm_command(args, model_dir, port, "--kv-transfer-config", json.dumps(connector))
+        cmd = vllm_command(args, model_dir, port, max_model_len=args.max_model_len,
+                           extra=("--kv-transfer-config", json.dumps(connector)))
         env = vllm_env(args, core, VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
                        VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
         urls[role], pid = stack.enter_context(peer_server(f"vllm-{role}", cmd, port, log_dir / f"vllm-{role}.log",
@@ -96,7 +82,7 @@ def start_servers(stack: contextlib.ExitStack, args, bf16_dir: Path, log_dir: Pa
         up["vllm-pd"] = vllm_pd(stack, args, bf16_dir, log_dir)
     if "vllm" in args.servers:
         port = free_port()
-        cmd = vllm_command(args, bf16_dir, port)
+        cmd = vllm_command(args, bf16_dir, port, max_model_len=args.max_model_len)
         url, pid = stack.enter_context(peer_server("vllm", cmd, port, log_dir / "vllm.log", args.startup_timeout_s,
                                                    env=vllm_env(args, f"0-{(os.cpu_count() or 2) - 1}")))
         up["vllm"] = {"url": url, "pids": [pid], "cmd": " ".join(cmd)}
@@ -111,25 +97,21 @@ def start_servers(stack: contextlib.ExitStack, args, bf16_dir: Path, log_dir: Pa
     return up
 
 
-def warm_up(url: str, args) -> None:
-    """Two random prompts of the trace's config, untimed (as bench_goodput's layouts): the first
-    steps of each shape, the nodes' first cost measurements."""
-    cfg = bench_config(url, args, math.inf, 1000)
-    asyncio.run(run_benchmark(dataclasses.replace(cfg, num_prompts=2, trace=None, workload="random")))
-
-
 def run_rows(up: dict[str, dict], args) -> dict[str, dict[float, list[dict]]]:
     """Every rate, run and server in turn, the other servers stopped meanwhile."""
     results: dict[str, dict[float, list[dict]]] = {name: {} for name in up}
     trees = {name: [p for pid in u["pids"] for p in process_tree(pid)] for name, u in up.items()}
+
+    def others(name: str) -> list[int]:
+        return [p for other, pids in trees.items() if other != name for p in pids]
+
     for name, u in up.items():
-        with paused([p for other, pids in trees.items() if other != name for p in pids]):
+        with paused(others(name)):
             warm_up(u["url"], args)
     for rate in args.rates:
         for run in range(args.runs):
             for name, u in up.items():
-                others = [p for other, pids in trees.items() if other != name for p in pids]
-                with paused(others):
+                with paused(others(name)):
                     row = measure(u["url"], args, rate, run)
                 results[name].setdefault(rate, []).append(row)
                 print(f"{name} rate {rate} run {run}: {json.dumps(row)}", flush=True)
@@ -165,6 +147,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace", default=None, help="the Mooncake conversation trace (default: bench_goodput's slice)")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", DEFAULT_VLLM_PYTHON))
     p.add_argument("--vllm-kv-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE per vLLM server")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="vLLM's batch")
     p.add_argument("--vllm-pd-cores", choices=("split", "shared"), default="split",
                    help="vllm-pd's engines: one core each (split), or every core each (shared)")
     p.add_argument("--max-model-len", type=int, default=8192, help="vLLM's (SmolLM2's context)")

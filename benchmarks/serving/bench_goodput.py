@@ -92,6 +92,16 @@ def measure(url: str, args, rate: float, run: int) -> dict:
             "stages_mean_ms": {k: round(v["mean_ms"], 1) for k, v in (report.get("ttft_breakdown") or {}).items()}}
 
 
+def warm_up(url: str, args) -> None:
+    """Two requests of the workload's config, untimed: first steps, the nodes' first cost
+    measurements. A trace warms up on random prompts of its config's lengths (no trace entry is
+    used up)."""
+    cfg = bench_config(url, args, math.inf, 1000)
+    warm = dataclasses.replace(cfg, num_prompts=2, trace=None,
+                               workload="random" if cfg.workload == "trace" else cfg.workload)
+    asyncio.run(run_benchmark(warm))
+
+
 def run_layout(name: str, args) -> dict[float, list[dict]]:
     transfer = () if "--kv-transfer" in LAYOUTS[name] else ("--kv-transfer", "nixl")
     flags = LAYOUTS[name] + ("--model", args.model, "--ttft-slo-ms", str(args.ttft_slo_ms),
@@ -101,11 +111,7 @@ def run_layout(name: str, args) -> dict[float, list[dict]]:
     with local_cluster(*flags, log_path=log_path) as c:
         if args.workload == "conversation" and args.cache_capacity_tokens is None:
             args = argparse.Namespace(**{**vars(args), "cache_capacity_tokens": kv_capacity_tokens(c)})
-        cfg = bench_config(c.url, args, math.inf, 1000)
-        # A trace warms up on random prompts of its config's lengths (no trace entry is used up).
-        warm = dataclasses.replace(cfg, num_prompts=2, trace=None,
-                                   workload="random" if cfg.workload == "trace" else cfg.workload)
-        asyncio.run(run_benchmark(warm))  # untimed: first steps, the nodes' first cost measurements
+        warm_up(c.url, args)
         for rate in args.rates:
             for run in range(args.runs):
                 before, lends = c.health().get("failover", {}), _lend_counters(c)
