@@ -50,10 +50,11 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "native_gemv.c", "native_decode.c", "native_attend.c", "native_lora.c", "native_moe.c", "native_mla.c", "native_tiles.c",
     "native_gemv_bf16.c", "native_gemv_amx.c", "native_gemv_int8.c", "native_gemv_int8_amx.c", "native_gemv_panels.c", "native_prefill.c",
-    "native_prefill_amx.c", "native_paged.c", "native_rows.c", "native_delta.c", "native_denormals.c",
+    "native_prefill_amx.c", "native_prefill_dpbf16.c", "native_paged.c", "native_rows.c", "native_delta.c", "native_denormals.c",
     "native_recurrent.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("native_decode.h", "native_quant_blocks.h", "native_exp.h",
-                                                            "native_bf16.h", "native_simd.h", "native_int8.h", "native_amx.h"))
+                                                            "native_bf16.h", "native_simd.h", "native_int8.h", "native_amx.h",
+                                                            "native_prefill_bf16.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # PDSERVE_NATIVE_ISA=avx2 builds the AVX2 code on an AVX-512 CPU too (native_simd.h's pairs of
 # 256-bit registers), so that path is tested on any machine (tests/test_native_avx2.py)
@@ -213,6 +214,10 @@ def library() -> ctypes.CDLL | None:
                                                    _I, _I, _I, _I, ctypes.c_float, _P, _P, _I, ctypes.c_long, _P, _I,
                                                    _P, _I]
     lib.pd_prefill_attention_amx_paged.restype = _I
+    lib.pd_prefill_attention_dpbf16.argtypes = lib.pd_prefill_attention.argtypes
+    lib.pd_prefill_attention_dpbf16.restype = _I
+    lib.pd_prefill_attention_dpbf16_paged.argtypes = lib.pd_prefill_attention_amx_paged.argtypes
+    lib.pd_prefill_attention_dpbf16_paged.restype = _I
     fn = lib.pd_decode_layers
     fn.argtypes = [_P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _I]
     fn.restype = _I

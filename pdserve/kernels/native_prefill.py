@@ -10,12 +10,13 @@ cache before its new keys. Windows, sinks and images go through torch_ops, as do
 where the compiled library is missing (no compiler, neither AVX-512 nor AVX2).
 
 Where the step's products are bf16 tiles already (dequant_tiles.tile_dtype(), never under float32
-products) and the CPU has AMX, the same attention runs with its two products on AMX's bf16 tiles
-(native_prefill_amx.c): queries and probabilities rounded to bf16, as vLLM's CPU attention does.
-Over a bf16 KV cache (fp8_kv.NarrowKVOps) prefill_attention_bf16_cache gives that kernel the
-prompts with a cached prefix too, read from the cache's blocks. On the 2-core AMX Xeon, a layer
-of 13 SmolLM2 prompts of 160 tokens: 2.7 -> 1.55 ms; 128 such prompts through 10 prefill steps
-4.90 s (float32 kernel), 4.61 s (AMX, fresh prompts), 4.26 s (AMX, cached prefixes too).
+products), the same attention runs with its two products in bf16: on AMX's tiles where the CPU has
+them (native_prefill_amx.c), else in AVX-512 BF16's vdpbf16ps (native_prefill_dpbf16.c, Zen 4
+and 5): queries and probabilities rounded to bf16, as vLLM's CPU attention does. Over a bf16 KV
+cache (fp8_kv.NarrowKVOps) prefill_attention_bf16_cache gives that kernel the prompts with a
+cached prefix too, read from the cache's blocks. On the 2-core AMX Xeon, a layer of 13 SmolLM2
+prompts of 160 tokens: 2.7 -> 1.55 ms; 128 such prompts through 10 prefill steps 4.90 s (float32
+kernel), 4.61 s (AMX, fresh prompts), 4.26 s (AMX, cached prefixes too).
 """
 from __future__ import annotations
 
@@ -25,23 +26,30 @@ from pdserve.kernels import dequant_tiles, native_gemv, torch_ops
 from pdserve.kernels.torch_ops import PREFILL_KEY_ENDS  # noqa: F401  (same contract as torch_ops)
 
 HEAD_DIM_STEP = 64  # the kernel's output tile: head_dim must be a multiple
-amx_calls = 0  # calls the AMX kernel took (tests check which kernel ran)
+bf16_calls = 0  # calls a bf16 kernel (AMX's or vdpbf16ps') took (tests check which kernel ran)
 
 
 def _kernels() -> list:
     """The kernels to try in order (typed in native_gemv.library(), the library as it is now, see
-    native_paged): AMX's under bf16 tile products, then float32's; none without the library."""
+    native_paged): a bf16 one under bf16 tile products, then float32's; none without the library."""
     lib = native_gemv.library()
     if lib is None:
         return []
-    if _amx_attention():
-        return [lib.pd_prefill_attention_amx, lib.pd_prefill_attention]
+    backend = bf16_backend()
+    if backend:
+        return [getattr(lib, f"pd_prefill_attention_{backend}"), lib.pd_prefill_attention]
     return [lib.pd_prefill_attention]
 
 
-def _amx_attention() -> bool:
-    """Whether the AMX kernel may run: the step's products are bf16 tiles, the CPU has AMX."""
-    return dequant_tiles.tile_dtype() == torch.bfloat16 and dequant_tiles.native_amx()
+def bf16_backends() -> list[str]:
+    """The bf16 kernels this CPU runs, the first preferred: "amx" (its tiles), "dpbf16" (AVX-512 BF16)."""
+    return ["amx"] * dequant_tiles.native_amx() + ["dpbf16"] * dequant_tiles.avx512_bf16()
+
+
+def bf16_backend() -> str | None:
+    """The bf16 kernel to run: the step's products are bf16 tiles and the CPU has one (else None)."""
+    backends = bf16_backends()
+    return backends[0] if backends and dequant_tiles.tile_dtype() == torch.bfloat16 else None
 
 
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -108,14 +116,14 @@ def prefill_attention_bf16_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: to
                                  v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                                  block_tables: torch.Tensor, scale: float) -> torch.Tensor | None:
     """Every sequence of a prefill step, fresh or after a cached prefix in a bf16 paged cache
-    [blocks, block_size, kv_heads, head_dim] (fp8_kv.NarrowKVOps's), in one call of the AMX
+    [blocks, block_size, kv_heads, head_dim] (fp8_kv.NarrowKVOps's), in one call of a bf16
     kernel, the prefix read from the cache's blocks as they are (torch's path gathered and widened
     them, then attended each such sequence apart: a twentieth of a prefill of 128 prompts whose
-    chunks straddle steps); None where that kernel does not apply (float32 products, no AMX, a
-    layout it does not take): no window, sinks or key ends here."""
-    global amx_calls
-    lib = native_gemv.library()
-    if (lib is None or not _amx_attention() or not _compiled_shape(q, k_new, v_new, None, None)
+    chunks straddle steps); None where no such kernel applies (float32 products, neither AMX nor
+    AVX-512 BF16, a layout it does not take): no window, sinks or key ends here."""
+    global bf16_calls
+    lib, backend = native_gemv.library(), bf16_backend()
+    if (lib is None or backend is None or not _compiled_shape(q, k_new, v_new, None, None)
             or not bf16_blocks_dense(k_cache, v_cache, k_new.shape[1], k_new.shape[2])):
         return None
     new = cu_seqlens_q.diff().to(torch.int32)
@@ -125,14 +133,14 @@ def prefill_attention_bf16_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: to
     starts = cu_seqlens_q[:-1].to(torch.int32).contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     out = torch.empty(q.shape, dtype=q.dtype)
-    rc = lib.pd_prefill_attention_amx_paged(
+    rc = getattr(lib, f"pd_prefill_attention_{backend}_paged")(
         q.data_ptr(), q.stride(0), k_new.data_ptr(), k_new.stride(0), v_new.data_ptr(), v_new.stride(0),
         starts.data_ptr(), new.data_ptr(), prefix.data_ptr(), len(new), q.shape[1], k_new.shape[1], q.shape[2], scale,
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], k_cache.stride(0), tables.data_ptr(), tables.shape[1],
         out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         return None
-    amx_calls += 1
+    bf16_calls += 1
     return out
 
 
@@ -149,13 +157,13 @@ def bf16_blocks_dense(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_heads: in
 def _run_fresh(kernels: list, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
                lens: torch.Tensor, scale: float, out: torch.Tensor) -> bool:
     """The fresh sequences' attention into out by the first kernel that takes them."""
-    global amx_calls
+    global bf16_calls
     for kernel in kernels:
         rc = kernel(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), starts.data_ptr(),
                     lens.data_ptr(), len(starts), q.shape[1], k.shape[1], q.shape[2], scale, out.data_ptr(),
                     torch.get_num_threads())
         if rc == 0:
-            amx_calls += len(kernels) > 1 and kernel is kernels[0]
+            bf16_calls += len(kernels) > 1 and kernel is kernels[0]
             return True
     return False
 

@@ -1,9 +1,10 @@
-"""The prefill attention of fresh prompts on AMX's bf16 tiles (native_prefill_amx.c), taken where the
-step's products are bf16 tiles: against a float64 attention of the same bf16-rounded queries (the
-only other rounding is the probabilities', 2^-9 of each), beside prompts with a cached prefix that
-torch's attention takes in the same call; float32 products keep the float32 kernel, bit for bit;
-and an engine's greedy tokens with it against the same engine with the float32 kernel. Needs a CPU
-with AMX: these tests skip elsewhere."""
+"""The bf16 prefill attention, on AMX's tiles (native_prefill_amx.c) and in AVX-512 BF16's vdpbf16ps
+(native_prefill_dpbf16.c), taken where the step's products are bf16 tiles: against a float64
+attention of the same bf16-rounded queries (the only other rounding is the probabilities', 2^-9 of
+each), beside prompts with a cached prefix that the float32 kernel takes in the same call; float32
+products keep the float32 kernel, bit for bit; and an engine's greedy tokens with it against the
+same engine with the float32 kernel. Each test runs once for each kernel this CPU has (AMX on the
+Xeons, vdpbf16ps on AMX's Xeons and on Zen 4 and 5) and skips where it has neither."""
 from __future__ import annotations
 
 import pytest
@@ -15,12 +16,18 @@ from pdserve import LLM, SamplingParams
 from pdserve.kernels import dequant_tiles, native_gemv, native_prefill, torch_ops
 from pdserve.testing.model_factory import assert_agrees_until_a_near_tie
 
-needs_amx = pytest.mark.skipif(native_gemv.library() is None or not dequant_tiles.native_amx(),
-                               reason="no AMX tiles (or no compiled kernels) on this CPU")
+
+@pytest.fixture(params=["amx", "dpbf16"])
+def backend(request, monkeypatch) -> str:
+    """Each bf16 kernel in turn, where this CPU has it (skipped where not), as the one picked."""
+    if native_gemv.library() is None or request.param not in native_prefill.bf16_backends():
+        pytest.skip(f"no {request.param} kernel (or no compiled kernels) on this CPU")
+    monkeypatch.setattr(native_prefill, "bf16_backends", lambda: [request.param])
+    return request.param
 
 
 @pytest.fixture
-def bf16_tiles():
+def bf16_tiles(backend):
     """bf16 tile products for the test (conftest.py puts this process's dtype back after it)."""
     dequant_tiles.set_tile_dtype(torch.bfloat16)
 
@@ -55,15 +62,14 @@ def _float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
 
 
-@needs_amx
 @pytest.mark.parametrize("heads, kv_heads, dim, fresh", [(9, 3, 64, [1, 17, 40, 160, 33]), (4, 2, 128, [5, 64, 65, 129]),
                                                          (8, 8, 64, [31, 32, 97])])
-def test_amx_prefill_attention_is_attention_of_bf16_queries(bf16_tiles, heads, kv_heads, dim, fresh):
+def test_bf16_prefill_attention_is_attention_of_bf16_queries(bf16_tiles, heads, kv_heads, dim, fresh):
     q, k, v, k_cache, v_cache, cu, contexts, tables = _step(heads, kv_heads, dim, fresh, (21, 40), len(fresh))
     scale = dim ** -0.5
-    calls = native_prefill.amx_calls
+    calls = native_prefill.bf16_calls
     out = native_prefill.prefill_attention(q, k, v, k_cache, v_cache, cu, contexts, tables, scale)
-    assert native_prefill.amx_calls == calls + 1
+    assert native_prefill.bf16_calls == calls + 1
     starts = cu.tolist()
     for i, length in enumerate(fresh):
         rows = slice(starts[i], starts[i] + length)
@@ -71,20 +77,20 @@ def test_amx_prefill_attention_is_attention_of_bf16_queries(bf16_tiles, heads, k
         # each weight rounded to bf16 after its division: at most 2^-9 of it off
         bound = 2 ** -9 * v[rows].abs().max().item() + 1e-5
         assert (out[rows].double() - want).abs().max().item() <= bound
-    last = slice(starts[-2], starts[-1])  # the cached prefix's prompt: torch's attention, as under float32
-    want = torch.empty_like(q)
-    torch_ops.attend_each(q, k, v, k_cache, v_cache, starts, contexts.tolist(), tables, scale, 0, None, None, want,
-                          skip=set(range(len(fresh))))
-    assert torch.equal(out[last], want[last])
+    # the cached prefix's prompt (a float32 cache): the float32 kernel's, as under float32 products
+    last, prefix = slice(starts[-2], starts[-1]), contexts[-1].item() - (starts[-1] - starts[-2])
+    keys = torch.cat([torch_ops.gather_kv(k_cache, tables[-1], prefix), k[last]])
+    values = torch.cat([torch_ops.gather_kv(v_cache, tables[-1], prefix), v[last]])
+    want = _float64_after_prefix(q[last], keys, values, scale)
+    assert (out[last].double() - want).abs().max().item() < 1e-5
 
 
-@needs_amx
-def test_float32_products_keep_the_float32_kernel():
+def test_float32_products_keep_the_float32_kernel(backend):
     assert dequant_tiles.tile_dtype() == torch.float32
     q, k, v, k_cache, v_cache, cu, contexts, tables = _step(9, 3, 64, [40, 160], None, 3)
-    calls = native_prefill.amx_calls
+    calls = native_prefill.bf16_calls
     out = native_prefill.prefill_attention(q, k, v, k_cache, v_cache, cu, contexts, tables, 0.125)
-    assert native_prefill.amx_calls == calls
+    assert native_prefill.bf16_calls == calls
     want = torch.empty_like(q)
     starts, lens = torch.tensor([0, 40], dtype=torch.int32), torch.tensor([40, 160], dtype=torch.int32)
     assert native_gemv.library().pd_prefill_attention(
@@ -93,9 +99,8 @@ def test_float32_products_keep_the_float32_kernel():
     assert torch.equal(out, want)
 
 
-@needs_amx
-def test_engine_with_amx_prefill_attention_agrees_with_float32_attention(tmp_path, monkeypatch, bf16_tiles):
-    """A bf16-products engine's greedy tokens and prompt logits with the AMX prefill attention
+def test_engine_with_bf16_prefill_attention_agrees_with_float32_attention(tmp_path, monkeypatch, bf16_tiles):
+    """A bf16-products engine's greedy tokens and prompt logits with the bf16 prefill attention
     against the same engine with the float32 kernel: equal until a near tie, logits close. Steps
     of 48 tokens split the prompts, so later chunks read their prefix from the bf16 cache."""
     path = write_gguf(tmp_path / "llama.Q8_0.gguf", "llama", Q.Q8_0, dims=dict(hidden_size=256))  # head_dim 64
@@ -109,21 +114,21 @@ def test_engine_with_amx_prefill_attention_agrees_with_float32_attention(tmp_pat
     def counted(q, k, v, k_cache, v_cache, cu, contexts, *rest):
         with_prefix.append(bool((contexts != cu.diff()).any()))
         return paged(q, k, v, k_cache, v_cache, cu, contexts, *rest)
-    for name in ("float32", "amx"):
-        if name == "amx":
-            monkeypatch.setattr(native_prefill, "prefill_attention_bf16_cache", counted)
-        if name == "float32":
-            monkeypatch.setattr(native_prefill, "_kernels", lambda: [native_gemv.library().pd_prefill_attention])
-            monkeypatch.setattr(native_prefill, "prefill_attention_bf16_cache", lambda *a: None)
-        calls = native_prefill.amx_calls
-        runs[name] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        logits[name] = llm.engine.prompt_logits(prompts[-1])
-        assert (native_prefill.amx_calls > calls) == (name == "amx")
-        monkeypatch.undo()
-    assert any(with_prefix)  # chunks after the first took the paged AMX path
-    diff = (logits["amx"] - logits["float32"]).abs().max().item()
+    for name in ("float32", "bf16"):
+        with pytest.MonkeyPatch.context() as patch:  # this run's kernels only (the backend's stays)
+            if name == "bf16":
+                patch.setattr(native_prefill, "prefill_attention_bf16_cache", counted)
+            if name == "float32":
+                patch.setattr(native_prefill, "_kernels", lambda: [native_gemv.library().pd_prefill_attention])
+                patch.setattr(native_prefill, "prefill_attention_bf16_cache", lambda *a: None)
+            calls = native_prefill.bf16_calls
+            runs[name] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            logits[name] = llm.engine.prompt_logits(prompts[-1])
+            assert (native_prefill.bf16_calls > calls) == (name == "bf16")
+    assert any(with_prefix)  # chunks after the first took the paged bf16 path
+    diff = (logits["bf16"] - logits["float32"]).abs().max().item()
     assert 0 < diff < 0.05 * logits["float32"].abs().max().item()
-    assert_agrees_until_a_near_tie(runs["float32"], runs["amx"], 4 * diff)
+    assert_agrees_until_a_near_tie(runs["float32"], runs["bf16"], 4 * diff)
 
 
 def _float64_after_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -135,11 +140,10 @@ def _float64_after_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~sees, float("-inf")).softmax(-1), v)
 
 
-@needs_amx
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 2, 128)])
-def test_amx_kernel_reads_a_cached_prefix_from_the_bf16_blocks(bf16_tiles, monkeypatch, heads, kv_heads, dim):
+def test_bf16_kernel_reads_a_cached_prefix_from_the_bf16_blocks(bf16_tiles, monkeypatch, heads, kv_heads, dim):
     """Over a bf16 cache (NarrowKVOps) every prompt of the step, fresh or after a cached prefix,
-    goes through one AMX call that reads the prefix's blocks as they are: the blocks never
+    goes through one call of the bf16 kernel that reads the prefix's blocks as they are: the blocks never
     gathered and widened (_compact_blocks), torch's attention never called; each row against a
     float64 attention of its bf16 query over the cached and the new keys."""
     from pdserve.kernels import fp8_kv, numba_ops
@@ -162,10 +166,10 @@ def test_amx_kernel_reads_a_cached_prefix_from_the_bf16_blocks(bf16_tiles, monke
     contexts = torch.tensor([n + p for n, p in seqs], dtype=torch.int32)
     monkeypatch.setattr(fp8_kv, "_compact_blocks", lambda *a: pytest.fail("blocks gathered and widened"))
     monkeypatch.setattr(torch_ops, "attend_each", lambda *a, **k: pytest.fail("torch's attention ran"))
-    calls = native_prefill.amx_calls
+    calls = native_prefill.bf16_calls
     ops.store_kv(k, v, kc, vc, slots)
     out = ops.prefill_attention(q, k, v, kc, vc, cu, contexts, tables, dim ** -0.5)
-    assert native_prefill.amx_calls == calls + 1
+    assert native_prefill.bf16_calls == calls + 1
     for i, (n, p) in enumerate(seqs):
         positions = torch.arange(n + p)
         where = tables[i, positions // block].long(), positions % block
