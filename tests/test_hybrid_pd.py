@@ -30,8 +30,9 @@ from family_models import hybrid_handover_bytes, meaningful_greedy, random_promp
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.state_pool import StatePool, state_layout
+from pdserve.kvstore.block_digest import block_digest
 from pdserve.kvstore.memory_store import MemoryKVStore
-from pdserve.kvstore.nixl_transfer import block_digest, nixl_import_error
+from pdserve.kvstore.nixl_transfer import nixl_import_error
 from pdserve.models.state_layers import LayerStateSpec
 from pdserve.node.node_stats import NodeStats
 from pdserve.node.pullers import NixlPuller, Read, StorePuller

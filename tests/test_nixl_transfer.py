@@ -14,12 +14,11 @@ import msgspec
 import pytest
 import torch
 
+from pdserve.kvstore.block_digest import block_digest, mismatched_blocks
 from pdserve.kvstore.nixl_transfer import (
     NixlKVAgent,
     NixlTimeoutError,
     NixlTransferError,
-    block_digest,
-    mismatched_blocks,
     nixl_import_error,
 )
 from pdserve.wire.handover import NixlHandover, NixlMetadata

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdserve.kvstore.nixl_transfer import NixlKVAgent, NixlTransferError, block_digest, mismatched_blocks
+from pdserve.kvstore.block_digest import block_digest, mismatched_blocks
+from pdserve.kvstore.nixl_transfer import NixlKVAgent, NixlTransferError
 
 log = logging.getLogger(__name__)
 BLOCK_ROWS = 16  # embedding rows a block holds: an image wastes less than one block

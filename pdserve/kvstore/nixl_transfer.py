@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-import xxhash
 
 logger = logging.getLogger(__name__)
 
@@ -81,29 +80,6 @@ def nixl_import_error() -> str | None:
     except ImportError as exc:
         return str(exc)
     return None
-
-
-def _block_bytes(blocks: torch.Tensor, i: int) -> memoryview:
-    # uint8 view first: numpy has no bfloat16, and this avoids a copy for contiguous blocks.
-    return memoryview(blocks[i].contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def block_digest(kv_cache: torch.Tensor, block_ids: Iterable[int]) -> list[int]:
-    """xxh3_64 (seed 0) of each block's bytes; equal on both sides iff the bytes are equal."""
-    ids = [int(b) for b in block_ids]
-    if kv_cache.device.type == "cpu":  # hashed in place
-        return [xxhash.xxh3_64_intdigest(_block_bytes(kv_cache, b)) for b in ids]
-    host = kv_cache[ids].cpu()  # GPU blocks: gathered and copied to the host once
-    return [xxhash.xxh3_64_intdigest(_block_bytes(host, i)) for i in range(len(ids))]
-
-
-def mismatched_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int],
-                      digests: Sequence[int]) -> list[int]:
-    """Positions i where kv_cache[block_ids[i]] does not match digests[i]."""
-    if len(block_ids) != len(digests):
-        raise ValueError(f"{len(digests)} digests for {len(block_ids)} blocks")
-    actual = block_digest(kv_cache, block_ids)
-    return [i for i, (a, e) in enumerate(zip(actual, digests)) if a != e]
 
 
 def coalesce_pairs(local: Sequence[Region], remote: Sequence[Region]

@@ -28,7 +28,8 @@ import time
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.kvstore.nixl_transfer import NixlKVAgent, NixlTransferError, mismatched_blocks
+from pdserve.kvstore.block_digest import mismatched_blocks
+from pdserve.kvstore.nixl_transfer import NixlKVAgent, NixlTransferError
 from pdserve.node.node_stats import NodeStats
 from pdserve.wire.messages import PrefillRequest, WriteTarget
 

@@ -23,8 +23,9 @@ import zmq
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.base import KVStore
+from pdserve.kvstore.block_digest import block_digest
 from pdserve.kvstore.errors import KVStoreError
-from pdserve.kvstore.nixl_transfer import NixlKVAgent, block_digest
+from pdserve.kvstore.nixl_transfer import NixlKVAgent
 from pdserve.node.metadata_server import MetadataServer
 from pdserve.node.node_stats import NodeStats
 from pdserve.node.pullers import agent_instance_name

@@ -31,13 +31,12 @@ import zmq
 
 from pdserve.engine.state_pool import StatePool
 from pdserve.kvstore.base import KVStore
+from pdserve.kvstore.block_digest import block_digest, mismatched_blocks
 from pdserve.kvstore.errors import KVStoreError
 from pdserve.kvstore.nixl_transfer import (
     NixlKVAgent,
     NixlReadHandle,
     NixlTransferError,
-    block_digest,
-    mismatched_blocks,
 )
 from pdserve.protocol.block_keys import state_key
 from pdserve.wire.handover import (

@@ -12,7 +12,6 @@ prefix cache included), control socket and KV event stream.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -36,8 +35,8 @@ from pdserve.node.first_token_clock import FirstTokenClocks
 from pdserve.node.kv_events import KVEventPublisher
 from pdserve.node.lora_control import apply_lora_message, lora_pong_fields
 from pdserve.node.node_stats import NodeStats
+from pdserve.node.pong_stats import pong_stats
 from pdserve.protocol.outputs import StepOutput
-from pdserve.spec_decode.speculator import spec_stats
 from pdserve.wire.curve_keys import CONTROL_DOMAIN, CurveContext, NodeKeys, node_context
 from pdserve.wire.messages import (
     ROLES,
@@ -271,24 +270,10 @@ class NodeRuntime:
             log.exception("could not answer the failed %s", type(msg).__name__)
 
     def pong(self, ping: Ping) -> Pong:
-        stats = {k: v for k, v in dataclasses.asdict(self.stats).items() if isinstance(v, int)}
-        engine, sched = self.engine, self.engine.scheduler
-        stats.update(kv_blocks_in_use=engine.pool.num_used, running=len(sched.running),
-                     waiting=len(sched.waiting), preemptions=sched.num_preemptions,
-                     cached_tokens=engine.cached_prompt_tokens, computed_tokens=engine.computed_prompt_tokens,
-                     cached_tokens_local=max(engine.cached_prompt_tokens - self.stats.cached_tokens_store
-                                             - self.stats.kv_tokens_borrowed, 0),
-                     cached_blocks=len(engine.pool.cached), kv_event_seq=self.kv_events.seq,
-                     prefill_ns_per_token=int(engine.prefill_s_per_token * 1e9),
-                     integrity_failures=self.integrity_failures(),
-                     state_slots_in_use=engine.kv.states.num_in_use() if engine.kv.states is not None else 0)
-        stats.update(role_switches=self.switches, tensor_parallel_size=engine.config.tensor_parallel_size,
-                     pipeline_parallel_size=engine.config.pipeline_parallel_size,
-                     lora_slot_loads=engine.lora.slot_loads if engine.lora is not None else 0,
-                     **footprint(self.engine), **spec_stats(engine), **encoder_stats(engine))
-        if self.cores is not None:  # steps run on lent cores (pdserve.node.core_board)
-            stats.update(lent_core_steps=self.cores.lent_steps, widest_lent_threads=self.cores.widest_lent_threads)
-        return Pong(ping.seq, self.node_id, self.role, len(sched.requests),
+        engine = self.engine
+        stats = pong_stats(engine, self.stats, self.kv_events.seq, self.integrity_failures(), self.switches,
+                           self.cores)
+        return Pong(ping.seq, self.node_id, self.role, len(engine.scheduler.requests),
                     engine.pool.num_free, engine.pool.num_blocks, stats,
                     kv_salt=engine.salt, state=self.state(), compat=self.compat.current(), **lora_pong_fields(engine))
 
@@ -399,13 +384,3 @@ class NodeRuntime:
             store.close()
         if isinstance(self.ctx, CurveContext):
             self.ctx.authenticator.stop()
-
-
-def encoder_stats(engine) -> dict[str, int]:
-    """A vision-language model's encoder cache: images found there, images encoded and the
-    embeddings those runs gave (nothing for a text model)."""
-    stats = engine.encoder_stats
-    if stats is None:
-        return {}
-    return {"encoder_cache_hits": stats.hits, "encoder_runs": stats.encoder_runs,
-            "encoded_tokens": stats.encoded_tokens}
