@@ -55,3 +55,31 @@ def test_bench_reports_each_stage_of_a_pd_request(plain_cluster):
     assert stages["compute"]["mean_ms"] > 0.1 and stages["load"]["mean_ms"] == 0.0  # nothing stored to load
     assert stages["transfer"]["mean_ms"] > 0 and stages["first_decode_step"]["mean_ms"] > 0
     assert "TTFT breakdown (ms)" in format_report(report)
+
+
+def _handover_stage_s(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(float(line.split()[1]) for line in text.splitlines()
+               if line.startswith("pdserve_request_stage_seconds_sum") and 'stage="handover"' in line)
+
+
+def _store_put_s(url: str) -> float:
+    """Seconds the prefill nodes spent putting handovers into the store (their NodeStats)."""
+    nodes = httpx.get(f"{url}/health").json()["nodes"]
+    return sum(n.get("transfer_us_store", 0) for n in nodes if n["role"] == "prefill") / 1e6
+
+
+def test_a_store_puts_first_token_does_not_wait_for_the_put(store_cluster):
+    """Pull mode through the store: the prefill node sends the first token before its put
+    (PrefillRequest.put_after_token) and the handover after it; the router sends the decode node
+    the request once it comes. The puts took their time, the first tokens waited for none of it:
+    a first token that waited for its put would count the put in its handover stage."""
+    n = 4
+    cfg = BenchConfig(base_url=store_cluster, workload="random", num_prompts=n, input_len_min=300, input_len_max=400,
+                      output_len=4, max_token_id=250, num_warmup=0, concurrency=1, disable_tqdm=True)
+    handover0, put0 = _handover_stage_s(store_cluster), _store_put_s(store_cluster)
+    report = asyncio.run(run_benchmark(cfg))
+    assert report["completed"] == n, report["errors"]
+    handover_s, put_s = _handover_stage_s(store_cluster) - handover0, _store_put_s(store_cluster) - put0
+    assert put_s > 0  # every request was handed over through the store
+    assert handover_s < 0.25 * put_s, (handover_s, put_s)

@@ -166,7 +166,7 @@ class PrefillNode(StepBudget):
         first.timing, made = self.ttft_clocks.first_token(rid), time.perf_counter()
         producer = self.producers[req.transfer]
         if not done and producer is not self.nixl:  # the store: the put runs off this loop
-            if req.push:  # its decode node waits already: the first token need not wait for the put
+            if req.push or req.put_after_token:  # the first token need not wait for the put
                 _handover_time(first, made)
                 self.control.send(pending.identity, PrefillResult(rid, first=first, handover_follows=True))
             self.puts.start(producer.prepare(pending), first, made)
@@ -221,7 +221,7 @@ class PrefillNode(StepBudget):
     def _finish_puts(self) -> None:
         for put, handover in self.puts.finished():
             self._release(put.request_id)
-            if not put.aborted and put.job.pending.request.push:
+            if not put.aborted and (put.job.pending.request.push or put.job.pending.request.put_after_token):
                 self.control.send(put.job.pending.identity, HandoverMade(put.request_id, handover))
             elif not put.aborted:
                 _handover_time(put.first, put.made)

@@ -88,6 +88,10 @@ class PrefillRequest(msgspec.Struct, tag=True):
     # before the put (PrefillResult.handover_follows), and the handover after it (HandoverMade);
     # so does a NIXL one's when the decode node's WriteTarget has not come by the first token.
     push: bool = False
+    # Pull mode through the store: the same, the router sending the decode node the request once
+    # the HandoverMade comes; the put no longer holds the first token (an older node ignores it
+    # and answers with the handover, which the router takes as before).
+    put_after_token: bool = False
     # Push mode over NIXL: the decode node was asked to lend its blocks after this node's
     # (DecodeRequest.lend_from_tokens): the prompt awaits them (node.borrowed_prefix).
     decode_lends: bool = False
@@ -98,12 +102,12 @@ class PrefillResult(msgspec.Struct, tag=True):
     first: StepOutput | None = None  # the first token, as the client will see it
     handover: KVHandover | None = None
     error: str | None = None
-    handover_follows: bool = False  # the handover comes in a HandoverMade (PrefillRequest.push)
+    handover_follows: bool = False  # the handover comes in a HandoverMade (PrefillRequest.push, .put_after_token)
 
 
 class HandoverMade(msgspec.Struct, tag=True):
-    """Prefill node -> router: a push-mode request's handover, made after its first token went
-    out (None: it failed, the decode node computes the prompt)."""
+    """Prefill node -> router: a handover made after its first token went out (push mode, or a
+    store put in pull mode; None: it failed, the decode node computes the prompt)."""
     request_id: str
     handover: KVHandover | None = None
 

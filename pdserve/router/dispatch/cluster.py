@@ -133,7 +133,7 @@ class ClusterBackend:
                 relayed += first.new_token_ids
                 if first.finished:
                     return
-                if pushed is not None and handover is None:  # a store handover follows its first token
+                if handover is None and self.dispatch.prefill.follows(request_id):  # a store put's, say
                     handover = self._handed_over(await self.dispatch.prefill.follow(request_id))
                 # The prompt logprobs came with the first token: the decode node owes none.
                 params = dataclasses.replace(params, prompt_logprobs=None)
@@ -197,7 +197,7 @@ class ClusterBackend:
                                                               push=pushed, decode_lends=decode_lends)
         if first is not None:
             timer.tokens(len(first.new_token_ids), first.num_cached_tokens, first.timing)
-            if handover is not None or not pushed:  # (else it follows: counted then)
+            if not self.dispatch.prefill.follows(rid):  # (else it follows: counted then)
                 self._handed_over(handover)
         return first, handover
 

@@ -34,7 +34,8 @@ class PrefillDispatch:
     transfer: str  # how handovers travel: the router's --kv-transfer ("nixl" or "store")
     # local_prefills: prompts the decode node prefilled after every prefill node failed them
     counters: dict[str, int] = field(default_factory=lambda: {"prefill_retries": 0, "local_prefills": 0})
-    following: dict[str, Node] = field(default_factory=dict)  # push mode: handovers after their first token
+    # handovers after their first token (push mode; a store put in pull mode too): their nodes
+    following: dict[str, Node] = field(default_factory=dict)
 
     async def prefill(self, rid: str, prompt: list[int], params: SamplingParams, timer: RequestTimer,
                       preferred: str | None = None, scope: KVScope = NO_SCOPE,
@@ -43,9 +44,9 @@ class PrefillDispatch:
         """The first token and the handover; (None, None) when no prefill node can do it, so the
         decode node prefills the prompt itself. embeddings: where an encoder node's NIXL READs wait.
         decode_holds: leading prompt tokens the decode node holds (their blocks are not handed over).
-        push: its decode node waits already; a store handover (or a NIXL one whose WriteTarget had
-        not come) then comes after the first token
-        (handover None here; follow() waits for it). decode_lends: the decode node was asked to
+        push: its decode node waits already; a NIXL handover whose WriteTarget had not come then
+        comes after the first token. A store handover does in either mode (handover None here;
+        follows() says so, follow() waits for it). decode_lends: the decode node was asked to
         lend its blocks after the prefill node's (DecodeRequest.lend_from_tokens)."""
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
@@ -75,7 +76,7 @@ class PrefillDispatch:
                           decode_holds: int = 0, push: bool = False, decode_lends: bool = False
                           ) -> tuple[StepOutput, KVHandover | None]:
         fut = self.inflight.expect_reply(rid, node)
-        follows = push
+        follows = push or self.transfer == "store"  # a store put follows the first token in either mode
         if follows:  # registered before the prompt goes: its HandoverMade may come right after the token
             self.inflight.expect_handover(rid, node)
         node.requests.add(rid)
@@ -86,7 +87,8 @@ class PrefillDispatch:
             await self.pool.send(node, PrefillRequest(rid, prompt, params, self.transfer,
                                                       cache_salt=scope.cache_salt, adapter=scope.adapter,
                                                       images=list(scope.images), embeddings=embeddings or [],
-                                                      decode_holds_tokens=decode_holds, push=follows,
+                                                      decode_holds_tokens=decode_holds, push=push,
+                                                      put_after_token=follows and not push,
                                                       decode_lends=decode_lends))
             # A WriteTarget that comes from now on is forwarded there, also after the first token (a
             # node that computes the prompt no more declines it: the decode node frees its blocks).
@@ -110,6 +112,10 @@ class PrefillDispatch:
             raise BackendError(f"prefill failed: {result.error}")
         return result.first, result.handover
 
+    def follows(self, rid: str) -> bool:
+        """Whether rid's handover comes after its first token (follow() waits for it)."""
+        return rid in self.following
+
     def forget(self, rid: str) -> None:
         """The request ended without waiting for its handover to follow (its client left)."""
         node = self.following.pop(rid, None)
@@ -117,7 +123,7 @@ class PrefillDispatch:
             node.requests.discard(rid)
 
     async def follow(self, rid: str) -> KVHandover | None:
-        """A push-mode handover made after its first token (prefill(push=True)); None when there
+        """A handover made after its first token (push mode, a store put); None when there
         is none to wait for, or its node was lost or stayed silent (the decode node then computes
         the prompt)."""
         node = self.following.pop(rid, None)
