@@ -1,6 +1,6 @@
 """Cores lent between the nodes of one machine (pdserve.node.core_board): a node's step runs on
 its own share plus the shares of the nodes idle at that moment, never on a busy node's; and
-`pdserve up --lend-idle-cores` serves the same greedy tokens as the offline engine with steps run
+`pdserve up` (lending by default) serves the same greedy tokens as the offline engine with steps run
 on lent cores, its board file gone once it stops."""
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def test_from_env_needs_a_board_a_slot_and_a_share(board_path):
     assert (board.slot, board.share) == (3, 1)
 
 
-def test_pdserve_up_lends_idle_cores_and_serves_the_same_tokens():
+def test_pdserve_up_lends_idle_cores_by_default_and_serves_the_same_tokens():
     pytest.importorskip("openai")
     from pdserve.offline.llm import LLM
     from pdserve.testing.up_cluster import (
@@ -123,7 +123,7 @@ def test_pdserve_up_lends_idle_cores_and_serves_the_same_tokens():
     )
 
     llm = LLM("builtin:tiny", num_kv_blocks=512)
-    flags = ("--lend-idle-cores", "--lend-min-prompt-tokens", "100", "--threads-per-node", "1", "--kv-transfer", "nixl")
+    flags = ("--lend-min-prompt-tokens", "100", "--threads-per-node", "1", "--kv-transfer", "nixl")  # lending: the default
     with running_cluster(*flags) as (url, proc):
         for length in (60, 120, 120):  # under the threshold of prompt tokens, then over it
             # Both nodes idle past LEND_AFTER_S first: each prompt's first step then borrows (back
@@ -139,6 +139,21 @@ def test_pdserve_up_lends_idle_cores_and_serves_the_same_tokens():
         assert board is not None and os.path.exists(board)
     assert not os.path.exists(board)
 
+
+
+def test_no_lend_idle_cores_keeps_each_node_on_its_share():
+    """--no-lend-idle-cores: no board in the nodes' environments, no lent step, the same tokens."""
+    pytest.importorskip("openai")
+    from pdserve.offline.llm import LLM
+    from pdserve.testing.up_cluster import assert_greedy_matches_offline, node_pids, node_stats, running_cluster
+
+    llm = LLM("builtin:tiny", num_kv_blocks=512)
+    flags = ("--no-lend-idle-cores", "--lend-min-prompt-tokens", "100", "--threads-per-node", "1")
+    with running_cluster(*flags) as (url, proc):
+        time.sleep(2 * LEND_AFTER_S)
+        assert_greedy_matches_offline(url, llm, list(range(120, 240)), 16)
+        assert sum(s.get("lent_core_steps", 0) for s in node_stats(url).values()) == 0
+        assert _board_of(node_pids(proc.pid)) == ""
 
 def _board_of(pids: dict[str, int]) -> str | None:
     """The core board named in the nodes' environments (every node names the same one)."""

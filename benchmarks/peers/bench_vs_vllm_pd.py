@@ -15,12 +15,13 @@ each server) while the others are stopped (SIGSTOP):
                    127.0.0.1; and benchmarks/peers/vllm_pd_proxy.py in front (vLLM's example proxy:
                    prefill with max_tokens 1, then decode with the blocks' kv_transfer_params)
   vllm             one vLLM server with every core (the monolithic peer)
-  pdserve-pd       `pdserve up --prefill-nodes 1 --decode-nodes 1 --kv-transfer nixl` on the
-                   default model (the GGUF), one core a node, every other flag at its default
+  pdserve-pd       `pdserve up --prefill-nodes 1 --decode-nodes 1 --kv-transfer nixl
+                   --no-lend-idle-cores` on the default model (the GGUF), one core a node, every
+                   other flag at its default
                    (--tell-targets: also the run's TTFT and ITL targets, --ttft-slo-ms and
                    --itl-slo-ms, which its placement and chunking read; vLLM has no such setting)
   pdserve-pd-bf16  the same on vLLM's bf16 directory
-  pdserve-pd-lend  pdserve-pd with --lend-idle-cores (a step borrows the idle node's core)
+  pdserve-pd-lend  pdserve-pd lending cores, as by default (a step borrows the idle node's core)
   pdserve-mono     `pdserve up --prefill-nodes 0 --decode-nodes 1 --threads-per-node N` (monolithic, every core)
 
 Per cell: goodput attainment (requests within both targets), TTFT p50/p90, TPOT p50/p90 and the
@@ -46,8 +47,8 @@ from benchmarks.support.cluster import local_cluster, peer_server, source_info
 from pdserve.models.gguf import DEFAULT_MODEL
 from pdserve.wire.transport import free_port
 
-PD = ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl")
-PDSERVE = {"pdserve-pd": PD, "pdserve-pd-bf16": PD, "pdserve-pd-lend": (*PD, "--lend-idle-cores"),
+PD = ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl", "--no-lend-idle-cores")
+PDSERVE = {"pdserve-pd": PD, "pdserve-pd-bf16": PD, "pdserve-pd-lend": (*PD[:-1], "--lend-idle-cores"),
            "pdserve-mono": ("--prefill-nodes", "0", "--decode-nodes", "1", "--threads-per-node", str(os.cpu_count() or 2))}
 SERVERS = ("vllm-pd", "vllm", *PDSERVE)
 NIXL_CONNECTOR = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}  # and the server's kv_role

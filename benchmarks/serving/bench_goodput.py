@@ -40,14 +40,15 @@ from pdserve.loadgen.trace import TraceScale
 from pdserve.models.gguf import DEFAULT_MODEL
 
 LAYOUTS = {
-    "pd-slo": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1", "--prefill-placement", "slo"),
+    "pd-slo": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1", "--prefill-placement", "slo",
+               "--no-lend-idle-cores"),
     # The same, each step on the idle node's core too (pdserve.node.core_board).
     "pd-slo-lend": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1",
                     "--prefill-placement", "slo", "--lend-idle-cores"),
     # pd-slo in push mode: the decode request goes out with the prefill request, and the prefill
     # node WRITEs the blocks into the decode node's as its chunks complete (docs/handover.md).
     "pd-slo-push": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1",
-                    "--prefill-placement", "slo", "--handover", "push"),
+                    "--prefill-placement", "slo", "--handover", "push", "--no-lend-idle-cores"),
     "mono-2x1": ("--prefill-nodes", "0", "--decode-nodes", "2", "--threads-per-node", "1"),
     "mono-1x2": ("--prefill-nodes", "0", "--decode-nodes", "1", "--threads-per-node", "2"),
     "pd-threshold": ("--prefill-nodes", "1", "--decode-nodes", "1", "--threads-per-node", "1",

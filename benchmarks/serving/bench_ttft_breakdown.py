@@ -8,8 +8,9 @@ alternate; medians over --repeats runs.
     python -m benchmarks.serving.bench_ttft_breakdown --model SmolLM2-135M-Instruct --request-rate 1 \
         --configs pd-nixl-push pd-nixl-push-lend monolithic
 
-pd-nixl-push-lend adds `--lend-idle-cores`: a prefill step of a long prompt borrows the decode
-node's core when that node has idled 0.25 s (pdserve.node.core_board).
+The pd configs run each node on its own core (`--no-lend-idle-cores`), but pd-nixl-lend and
+pd-nixl-push-lend, which lend as `pdserve up` does by default: a prefill step of a long prompt
+borrows the decode node's core when that node has idled 0.25 s (pdserve.node.core_board).
 """
 from __future__ import annotations
 
@@ -23,12 +24,15 @@ from pdserve.loadgen.bench import BenchConfig, run_benchmark
 from pdserve.router.dispatch.metrics import STAGES
 
 PD = ("--local-prefill-threshold", "0", "--prefill-placement", "threshold", "--kv-cache-memory-gb", "0.5")
+NO_LEND = ("--no-lend-idle-cores",)  # each node on its own core: the -lend configs lend (the default)
 CONFIGS = {
-    "pd-nixl": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl", *PD),
-    "pd-nixl-push": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl", "--handover", "push", *PD),
-    "pd-store": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store", *PD),
+    "pd-nixl": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl", *PD, *NO_LEND),
+    "pd-nixl-push": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl", "--handover", "push", *PD,
+                     *NO_LEND),
+    "pd-store": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store", *PD, *NO_LEND),
     "pd-store-push": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store", "--handover", "push",
-                      *PD),
+                      *PD, *NO_LEND),
+    "pd-nixl-lend": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl", "--lend-idle-cores", *PD),
     "pd-nixl-push-lend": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl", "--handover", "push",
                           "--lend-idle-cores", *PD),
     "monolithic": ("--prefill-nodes", "0", "--decode-nodes", "1", "--kv-cache-memory-gb", "0.5"),

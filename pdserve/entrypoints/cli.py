@@ -215,9 +215,10 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
                           "the list's length; null: no speculation on that node)")
     up.add_argument("--threads-per-node", type=int, default=None,
                     help="compute threads per node (default: the machine's cores divided among the nodes)")
-    up.add_argument("--lend-idle-cores", action="store_true",
-                    help="a node runs each step on its own threads plus those of the nodes idle for 0.25 s "
-                         "(nodes of one rank; see docs/disaggregation.md)")
+    up.add_argument("--lend-idle-cores", action=argparse.BooleanOptionalAction, default=True,
+                    help="a node runs a long prompt's step on its own threads plus those of the nodes idle for "
+                         "0.25 s (nodes of one rank; on by default, --no-lend-idle-cores: each node keeps its "
+                         "share; see docs/disaggregation.md)")
     up.add_argument("--lend-min-prompt-tokens", type=int, default=None,
                     help="--lend-idle-cores: a step borrows cores only for a prompt with at least this many "
                          "tokens left to compute (default 512)")
