@@ -140,7 +140,6 @@ def test_pdserve_up_lends_idle_cores_by_default_and_serves_the_same_tokens():
     assert not os.path.exists(board)
 
 
-
 def test_no_lend_idle_cores_keeps_each_node_on_its_share():
     """--no-lend-idle-cores: no board in the nodes' environments, no lent step, the same tokens."""
     pytest.importorskip("openai")
@@ -154,6 +153,7 @@ def test_no_lend_idle_cores_keeps_each_node_on_its_share():
         assert_greedy_matches_offline(url, llm, list(range(120, 240)), 16)
         assert sum(s.get("lent_core_steps", 0) for s in node_stats(url).values()) == 0
         assert _board_of(node_pids(proc.pid)) == ""
+
 
 def _board_of(pids: dict[str, int]) -> str | None:
     """The core board named in the nodes' environments (every node names the same one)."""

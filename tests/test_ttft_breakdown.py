@@ -11,7 +11,8 @@ import httpx
 
 from pdserve.loadgen.bench import BenchConfig, run_benchmark
 from pdserve.loadgen.metrics import format_report
-from pdserve.loadgen.stages import stage_breakdown
+from pdserve.loadgen.stages import scrape_stages, stage_breakdown
+from pdserve.testing.up_cluster import node_stats
 
 FIRST_TOKEN = ("router", "queue", "load", "compute", "handover", "wire")
 
@@ -57,16 +58,19 @@ def test_bench_reports_each_stage_of_a_pd_request(plain_cluster):
     assert "TTFT breakdown (ms)" in format_report(report)
 
 
+async def _scrape(url: str) -> dict[str, dict] | None:
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        return await scrape_stages(client)
+
+
 def _handover_stage_s(url: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    return sum(float(line.split()[1]) for line in text.splitlines()
-               if line.startswith("pdserve_request_stage_seconds_sum") and 'stage="handover"' in line)
+    """Seconds the router counted in first tokens' handover stage so far."""
+    return (asyncio.run(_scrape(url)) or {}).get("handover", {"sum": 0.0})["sum"]
 
 
 def _store_put_s(url: str) -> float:
     """Seconds the prefill nodes spent putting handovers into the store (their NodeStats)."""
-    nodes = httpx.get(f"{url}/health").json()["nodes"]
-    return sum(n.get("transfer_us_store", 0) for n in nodes if n["role"] == "prefill") / 1e6
+    return sum(n.get("transfer_us_store", 0) for n in node_stats(url).values() if n["role"] == "prefill") / 1e6
 
 
 def test_a_store_puts_first_token_does_not_wait_for_the_put(store_cluster):

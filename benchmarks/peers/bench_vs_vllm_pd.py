@@ -47,8 +47,9 @@ from benchmarks.support.cluster import local_cluster, peer_server, source_info
 from pdserve.models.gguf import DEFAULT_MODEL
 from pdserve.wire.transport import free_port
 
-PD = ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl", "--no-lend-idle-cores")
-PDSERVE = {"pdserve-pd": PD, "pdserve-pd-bf16": PD, "pdserve-pd-lend": (*PD[:-1], "--lend-idle-cores"),
+PD_NODES = ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl")
+PD = (*PD_NODES, "--no-lend-idle-cores")  # one core a node, as measured before lending was the default
+PDSERVE = {"pdserve-pd": PD, "pdserve-pd-bf16": PD, "pdserve-pd-lend": (*PD_NODES, "--lend-idle-cores"),
            "pdserve-mono": ("--prefill-nodes", "0", "--decode-nodes", "1", "--threads-per-node", str(os.cpu_count() or 2))}
 SERVERS = ("vllm-pd", "vllm", *PDSERVE)
 NIXL_CONNECTOR = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}  # and the server's kv_role

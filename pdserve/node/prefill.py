@@ -166,7 +166,7 @@ class PrefillNode(StepBudget):
         first.timing, made = self.ttft_clocks.first_token(rid), time.perf_counter()
         producer = self.producers[req.transfer]
         if not done and producer is not self.nixl:  # the store: the put runs off this loop
-            if req.push or req.put_after_token:  # the first token need not wait for the put
+            if _token_before_put(req):
                 _handover_time(first, made)
                 self.control.send(pending.identity, PrefillResult(rid, first=first, handover_follows=True))
             self.puts.start(producer.prepare(pending), first, made)
@@ -221,7 +221,7 @@ class PrefillNode(StepBudget):
     def _finish_puts(self) -> None:
         for put, handover in self.puts.finished():
             self._release(put.request_id)
-            if not put.aborted and (put.job.pending.request.push or put.job.pending.request.put_after_token):
+            if not put.aborted and _token_before_put(put.job.pending.request):
                 self.control.send(put.job.pending.identity, HandoverMade(put.request_id, handover))
             elif not put.aborted:
                 _handover_time(put.first, put.made)
@@ -285,6 +285,12 @@ class PrefillNode(StepBudget):
             self.writer.close()
         for producer in self.producers.values():
             producer.close()
+
+
+def _token_before_put(req: PrefillRequest) -> bool:
+    """Whether a store handover's first token goes before its put, the handover after it
+    (HandoverMade): push mode (its decode node waits already), or the router asked for it."""
+    return req.push or req.put_after_token
 
 
 def _handover_time(first: StepOutput, made: float) -> None:
