@@ -2,11 +2,13 @@
 cluster (separate processes, NIXL agents in each, the official openai client).
 
 The decode node admits each request with its blocks allocated and names them (WriteTarget); the
-prefill node WRITEs each whole block into them as the step that computes it ends, the rest with
-the first token. Checked: greedy output equals transformers'; the decode nodes READ nothing and
-landed by WRITE exactly the prompts' blocks, which the prefill node wrote in more WRITEs than
-requests (per chunk, not once at the end), and no handover waited out its target; no block stays
-allocated. A decode node killed while its request's prompt waits to be computed costs no
+prefill node WRITEs the blocks each step fills into them a group of layers at a time, while the
+step's later layers compute (layer-wise streaming, the default), or each whole block as the step
+that computes it ends and the rest with the first token (`--push-layer-groups 0`). Checked, both
+ways: greedy output equals transformers'; the decode nodes READ nothing and landed by WRITE
+exactly the prompts' blocks (their digests checked there), which the prefill node wrote once
+each, in more WRITEs than requests (per chunk or per layer group, not once at the end), and no
+handover waited out its target; no block stays allocated. A decode node killed while its request's prompt waits to be computed costs no
 request: the WRITEs to it fail (or the router's empty target stops them), and the other decode
 node serves the request.
 """
@@ -34,16 +36,24 @@ NEW_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    path = make_model(tmp_path_factory.mktemp("push_writes"), "llama")
+def model_path(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("push_writes"), "llama")
+
+
+def _push_cluster(path, *flags: str):
     # Every prompt through the prefill node: slo placement may have a decode node compute a turn
     # whose history it holds, and did once in CI (the turn finished there before the kill, with
     # no resume to count).
-    with running_cluster("--model", str(path), "--kv-transfer", "nixl", "--handover", "push",
-                         "--prefill-nodes", "1", "--decode-nodes", "2", "--num-kv-blocks", "128",
-                         "--max-num-batched-tokens", "32", "--prefill-placement", "threshold",
-                         "--local-prefill-threshold", "0") as (url, proc):
-        yield path, url, proc
+    return running_cluster("--model", str(path), "--kv-transfer", "nixl", "--handover", "push",
+                           "--prefill-nodes", "1", "--decode-nodes", "2", "--num-kv-blocks", "128",
+                           "--max-num-batched-tokens", "32", "--prefill-placement", "threshold",
+                           "--local-prefill-threshold", "0", *flags)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_path):
+    with _push_cluster(model_path) as (url, proc):
+        yield model_path, url, proc
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -84,6 +94,7 @@ def _counters(url: str) -> dict[str, int]:
             "written": _sum(url, "prefill", "transfer_bytes_nixl_written"),
             "write_us": _sum(url, "prefill", "transfer_us_nixl_written"),
             "writes": _sum(url, "prefill", "push_writes"),
+            "layer_writes": _sum(url, "prefill", "push_layer_writes"),
             "write_failures": _sum(url, "prefill", "push_write_failures"),
             "empty_targets": _sum(url, "prefill", "push_targets_empty"),
             "timeouts": _sum(url, "prefill", "push_target_timeouts"),
@@ -99,8 +110,21 @@ def _blocks_free(url: str) -> bool:
                for s in node_stats(url).values() if s["healthy"])
 
 
-def test_blocks_are_written_per_chunk_and_nothing_is_read(cluster):
-    path, url, proc = cluster
+def test_blocks_are_written_per_layer_group_and_nothing_is_read(cluster):
+    moved = _pushed_and_landed(*cluster)
+    # The steps that filled blocks wrote them from inside their forward pass, in two groups of the
+    # model's two layers (the 300-token prompt alone fills blocks in ten steps or more). A WRITE
+    # after a step is a prompt's whose target came after its first step: at most one a prompt.
+    assert moved["layer_writes"] >= 10 and moved["writes"] - moved["layer_writes"] <= len(PROMPTS), str(moved)
+
+
+def test_blocks_are_written_per_chunk_without_layer_streaming(model_path):
+    with _push_cluster(model_path, "--push-layer-groups", "0") as (url, proc):
+        moved = _pushed_and_landed(model_path, url, proc)
+    assert moved["layer_writes"] == 0, moved
+
+
+def _pushed_and_landed(path, url: str, proc) -> dict[str, int]:
     *want, want_one = _transformers(path, [*PROMPTS, ONE_BLOCK_AND_A_TOKEN])
     assert all(len(set(w)) > 1 for w in want)  # greedy text that varies: the comparison means something
     # A prompt of one whole block and one token: two blocks' bytes, to know a block's size.
@@ -128,6 +152,7 @@ def test_blocks_are_written_per_chunk_and_nothing_is_read(cluster):
     # The 300-token prompt alone takes ten 32-token chunks: written as they completed.
     assert moved["writes"] >= len(PROMPTS) + 4, moved
     wait_for(lambda: _blocks_free(url), timeout_s=30)
+    return moved
 
 
 def _turn(url: str, model: str, prompt: list[int], new_tokens: int) -> list[int]:

@@ -5,8 +5,13 @@ alternate; medians over --repeats runs.
 
     python -m benchmarks.serving.bench_ttft_breakdown --repeats 3
     python -m benchmarks.serving.bench_ttft_breakdown --configs pd-nixl pd-nixl-push
+    python -m benchmarks.serving.bench_ttft_breakdown --model SmolLM2-135M-Instruct --input-len 2048 \
+        --num-prompts 8 --configs pd-nixl-push pd-nixl-push-whole   # layer-wise streaming against whole blocks
     python -m benchmarks.serving.bench_ttft_breakdown --model SmolLM2-135M-Instruct --request-rate 1 \
         --configs pd-nixl-push pd-nixl-push-lend monolithic
+
+pd-nixl-push WRITEs each step's blocks a group of layers at a time as the layers compute (the
+default, `--push-layer-groups 4`), pd-nixl-push-whole whole blocks after each step (0).
 
 The pd configs run each node on its own core (`--no-lend-idle-cores`), but pd-nixl-lend and
 pd-nixl-push-lend, which lend as `pdserve up` does by default: a prefill step of a long prompt
@@ -29,6 +34,8 @@ CONFIGS = {
     "pd-nixl": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl", *PD, *NO_LEND),
     "pd-nixl-push": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl", "--handover", "push", *PD,
                      *NO_LEND),
+    "pd-nixl-push-whole": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "nixl", "--handover", "push",
+                           "--push-layer-groups", "0", *PD, *NO_LEND),
     "pd-store": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store", *PD, *NO_LEND),
     "pd-store-push": ("--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store", "--handover", "push",
                       *PD, *NO_LEND),

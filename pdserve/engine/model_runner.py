@@ -19,6 +19,9 @@ from pdserve.engine.step_inputs import KeptTableRows, build_step_inputs, fill_de
 from pdserve.kernels import get_fused_layer_ops, native_decode
 
 HiddenSink = Callable[[list[tuple[Request, int]], torch.Tensor], None]
+# Given a step's items before its forward pass: a callable told each layer's index as that layer's
+# KV lands in the cache (push mode's layer-wise WRITEs), or None for a step it need not hear of.
+LayerListener = Callable[[list[tuple[Request, int]]], Callable[[int], None] | None]
 
 
 @dataclass
@@ -39,9 +42,10 @@ class AttentionContext:
     """Handed to the model for one forward pass: each layer's attention goes through here."""
 
     def __init__(self, ops, layer_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                 states: StateRows | None = None):
+                 states: StateRows | None = None, on_stored: Callable[[int], None] | None = None):
         self.ops, self.layer_caches, self.meta = ops, layer_caches, meta
         self.states = states  # a hybrid model's state slots for this step's rows (engine.state_pool)
+        self.on_stored = on_stored  # told each layer once its KV is in the cache (see LayerListener)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,6 +54,8 @@ class AttentionContext:
         k_cache, v_cache = self.layer_caches[layer]
         m = self.meta
         self.ops.store_kv(k, v, k_cache, v_cache, m.slot_mapping)
+        if self.on_stored is not None:
+            self.on_stored(layer)
         extra = {}
         if window:
             extra["window"] = window
@@ -85,6 +91,7 @@ class ModelRunner:
         self.multimodal = multimodal  # a vision-language model's images and [3, T] positions
         self.lora_batch = lora_batch  # pdserve.lora.slots.LoRABatch: set to each step's adapter runs
         self._hidden_sink: HiddenSink | None = None  # see set_hidden_sink
+        self.layer_listener: LayerListener | None = None  # push mode's layer-wise WRITEs (node.push_writes)
         self.layer_caches = self._layer_caches(kv_cache)
         model.fused = get_fused_layer_ops(ops, device.type)
         # One compiled call for a decode step's layers, for a model that declares it can take it.
@@ -146,14 +153,15 @@ class ModelRunner:
         (bidirectional images)."""
         mm = self.multimodal
         states = None if self.states is None else step_rows(self.states, items, meta.num_decodes, self.device)
+        stored = self.layer_listener(items) if self.layer_listener is not None else None
         if mm is None:
-            return self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta, states))
+            return self.model(token_ids, positions, AttentionContext(self.ops, self.layer_caches, meta, states, stored))
         if getattr(self.model, "uses_mrope", True):
             positions = torch.from_numpy(mm.positions(items, inputs.ints64[1])).to(self.device)
         if getattr(self.model, "bidirectional_images", False):
             ends = image_key_ends(items, inputs.ints64[1], meta.num_decodes)
             meta.prefill_key_ends = torch.from_numpy(ends).to(self.device) if ends is not None else None
-        ctx = AttentionContext(self.ops, self.layer_caches, meta, states)  # states: a hybrid's (Qwen3.5)
+        ctx = AttentionContext(self.ops, self.layer_caches, meta, states, stored)  # states: a hybrid's (Qwen3.5)
         return self.model(token_ids, positions, ctx, images=mm.image_rows(items, self.device))
 
     def _ordered(self, items: list[tuple[Request, int]]) -> list[tuple[Request, int]]:

@@ -168,7 +168,8 @@ class Cluster(ProcessSupervisor):
         self._next_index[role] += 1
         if role == "encode":  # the tower only, a token KV cache, and the embeddings' path
             return self._start(role, node_id, self._encode_flags() + ["--num-kv-blocks", "16"])
-        extra = ["--lease-s", str(a.lease_s)] + self._store_flags(self._store)
+        extra = ["--lease-s", str(a.lease_s), "--push-layer-groups", str(a.push_layer_groups)]
+        extra += self._store_flags(self._store)
         if a.kv_transfer == "nixl":
             extra += ["--nixl-side-channel", self._loopback()]
         if role == "decode":

@@ -41,7 +41,8 @@ def node_templates(args, cluster) -> dict[str, list[str]]:
     if args.curve:
         raise ValueError("--curve makes its keys in a local directory; on Ray give every machine the same "
                          "`pdserve keys` directory and start nodes by hand, or run without --curve")
-    common = ["--lease-s", str(args.lease_s), "--advertise-host", "{ip}"] + cluster._store_flags(store)
+    common = ["--lease-s", str(args.lease_s), "--push-layer-groups", str(args.push_layer_groups),
+              "--advertise-host", "{ip}"] + cluster._store_flags(store)
     if args.kv_transfer == "nixl":
         common += ["--nixl-side-channel", "tcp://{ip}:{port:side}"]
     decode = ["--on-transfer-failure", args.on_transfer_failure] + (["--nixl"] if args.kv_transfer == "nixl" else [])

@@ -39,12 +39,13 @@ from typing import Any, Literal
 
 import torch
 
+from pdserve.kvstore.descriptor_regions import Region, coalesce_pairs, layer_slices
+
 logger = logging.getLogger(__name__)
 
 XferState = Literal["DONE", "PROC", "ERR"]
 # UCX settings for every agent's worker (its UCX_* environment variables still take precedence)
 ENGINE_CONFIG = "ADAPTIVE_PROGRESS=n"
-Region = tuple[int, int, int]  # (addr, nbytes, dev_id)
 
 # Quiet UCX's and NIXL's own logging unless the user asked for something else.
 _QUIET_ENV = {"UCX_LOG_LEVEL": "error", "NIXL_LOG_LEVEL": "WARN"}
@@ -80,28 +81,6 @@ def nixl_import_error() -> str | None:
     except ImportError as exc:
         return str(exc)
     return None
-
-
-def coalesce_pairs(local: Sequence[Region], remote: Sequence[Region]
-                   ) -> tuple[list[Region], list[Region]]:
-    """Merge neighbouring descriptor pairs that are contiguous on both sides.
-
-    Fewer, larger descriptors mean fewer UCX operations; runs of consecutive block ids
-    (common: blocks are often allocated in order) collapse into one descriptor.
-    """
-    out_l: list[Region] = []
-    out_r: list[Region] = []
-    for (la, ln, ld), (ra, rn, rd) in zip(local, remote):
-        if out_l:
-            pla, pln, pld = out_l[-1]
-            pra, prn, prd = out_r[-1]
-            if pla + pln == la and pra + prn == ra and pld == ld and prd == rd:
-                out_l[-1] = (pla, pln + ln, pld)
-                out_r[-1] = (pra, prn + rn, prd)
-                continue
-        out_l.append((la, ln, ld))
-        out_r.append((ra, rn, rd))
-    return out_l, out_r
 
 
 def _create_agent(name: str, error_handling: str, progress_thread: bool,
@@ -255,11 +234,18 @@ class NixlKVAgent:
         return self._post("READ", peer, local, remote, notif, timeout_s)
 
     def start_write(self, peer: str, local_block_ids: Sequence[int], remote_regions: Sequence[Region],
-                    notif: bytes = b"", timeout_s: float = 30.0) -> NixlReadHandle:
+                    notif: bytes = b"", timeout_s: float = 30.0,
+                    layers: tuple[int, int, int] | None = None) -> NixlReadHandle:
         """WRITE local block local_block_ids[i] into the peer's remote_regions[i] (push mode: the
-        decode node's blocks waiting for this prompt); polled and waited on as a READ is."""
+        decode node's blocks waiting for this prompt); polled and waited on as a READ is.
+        layers (start, end, of): only layers [start, end) of each block's `of`, which lie one
+        after another in a block-major cache."""
         local = self._check_pairs(remote_regions, local_block_ids)
-        return self._post("WRITE", peer, local, [tuple(map(int, r)) for r in remote_regions], notif, timeout_s)
+        remote = [tuple(map(int, r)) for r in remote_regions]
+        if layers is not None:
+            start, end, of = layers
+            local, remote = (layer_slices(regions, start, end, of) for regions in (local, remote))
+        return self._post("WRITE", peer, local, remote, notif, timeout_s)
 
     def _post(self, op: str, peer: str, local: list[Region], remote: list[Region], notif: bytes,
               timeout_s: float) -> NixlReadHandle:

@@ -107,7 +107,8 @@ def _build_node(role: str, args, engine, bind, store):
     if role == "prefill":
         from pdserve.node.prefill import PrefillNode  # heavy: torch and the engine, for node processes only
         return PrefillNode(engine, bind, args.node_id, store=store, nixl_side_channel=nixl_side_channel,
-                           lease_s=getattr(args, "lease_s", 30.0), advertise_host=getattr(args, "advertise_host", None))
+                           lease_s=getattr(args, "lease_s", 30.0), advertise_host=getattr(args, "advertise_host", None),
+                           layer_groups=getattr(args, "push_layer_groups", 0))
     from pdserve.node.decode import DecodeNode  # heavy: torch and the engine, for node processes only
     return DecodeNode(engine, bind, args.node_id, store=store,
                       use_nixl=getattr(args, "nixl", False) or bool(nixl_side_channel),

@@ -49,7 +49,9 @@ class PrefillNode(StepBudget):
     role = "prefill"
 
     def __init__(self, engine: LLMEngine, bind: str | NodeRuntime, node_id: str, store: KVStore | None = None,
-                 nixl_side_channel: str | None = None, lease_s: float = 30.0, advertise_host: str | None = None):
+                 nixl_side_channel: str | None = None, lease_s: float = 30.0, advertise_host: str | None = None,
+                 layer_groups: int = 0):
+        """layer_groups: push mode's layer-wise WRITEs (node.push_writes; 0: whole blocks after each step)."""
         super().__init__(engine, bind, node_id)
         self.store = store
         self.store_prefix = StorePrefix(engine, store, self.stats) if store is not None else None
@@ -64,7 +66,7 @@ class PrefillNode(StepBudget):
         self.borrowed: BorrowedPrefix | None = None  # ... and READs of the blocks it lends
         if nixl_side_channel:
             self.nixl = NixlProducer(engine, node_id, self.ctx, nixl_side_channel, advertise_host, lease_s, self.stats)
-            self.writer = PushWriter(engine, self.nixl.agent, self.stats)
+            self.writer = PushWriter(engine, self.nixl.agent, self.stats, layer_groups)
             self.borrowed = BorrowedPrefix(engine, self.nixl.agent, self.stats)
         producers = [StoreProducer(engine, store, self.stats)] if store is not None else []
         self.puts = StorePuts(producers[0]) if producers else None  # store handovers, off this loop
@@ -152,6 +154,7 @@ class PrefillNode(StepBudget):
         pong.stats.update(**self.budget_stats(), whole_requests=self.whole_requests, serves_whole=1,
                           reads_store=int(self.store_prefix is not None),
                           push_writes=self.writer.writes if self.writer is not None else 0,
+                          push_layer_writes=self.writer.layer_writes if self.writer is not None else 0,
                           push_write_failures=self.writer.failures if self.writer is not None else 0,
                           push_targets_empty=self.writer.empty_targets if self.writer is not None else 0,
                           push_target_timeouts=self.target_timeouts)

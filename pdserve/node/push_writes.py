@@ -13,12 +13,21 @@ node, which READs as in pull mode.
 No WRITE is posted once the target's lease has passed since it came (the decode node holds an
 aborted request's blocks until then, or until the "done" notification sent here when this node
 stops writing for the request), and a WRITE that fails stops the writes to that target.
+
+Layer-wise streaming (layer_groups > 0): during a step, each group of layers' slice of the blocks
+the step fills (the block-major cache holds a block's layers one after another) is WRITTEN as
+soon as the last layer of the group has stored its KV, while the later layers compute; a step
+whose every group went needs no write after it, and the last chunk's blocks, the partial one
+included, are in place when the first token is drawn. A step whose layers did not all report
+(a model whose attention does not go through AttentionContext, a tensor-parallel runner) is
+written after it, whole blocks, as without streaming.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -42,18 +51,35 @@ class Target:
     broken: bool = False    # a WRITE failed or the lease passed: nothing more is written
 
 
+@dataclasses.dataclass
+class StreamedBlocks:
+    """One request's blocks that a step fills, written a group of layers at a time."""
+    target: Target
+    rid: str
+    first: int              # prompt block index of block_ids[0]
+    end: int                # ... one past the last
+    block_ids: list[int]
+
+
 def done_notification(request_id: str) -> bytes:
     return WRITES_DONE_PREFIX + request_id.encode()
 
 
 class PushWriter:
-    def __init__(self, engine: LLMEngine, agent: NixlKVAgent, stats: NodeStats):
+    def __init__(self, engine: LLMEngine, agent: NixlKVAgent, stats: NodeStats, layer_groups: int = 0):
         self.engine, self.agent, self.stats = engine, agent, stats
         self.targets: dict[str, Target] = {}
         self.connected: set[str] = set()
         self.writes = 0  # WRITEs posted and done (one per step that completed blocks, one at the end)
         self.failures = 0  # WRITEs that failed (a decode node gone): its requests' blocks are READ
         self.empty_targets = 0  # targets naming no blocks (no room there, or the router's word that it is lost)
+        self.layer_writes = 0  # of the WRITEs, those posted mid-step: one group of layers of a step's blocks
+        self.num_layers = int(engine.kv_cache.shape[1])
+        bounds = sorted({round((g + 1) * self.num_layers / layer_groups) for g in range(layer_groups)}
+                        ) if layer_groups > 0 else []
+        self.group_ends = {end - 1: end for end in bounds if end > 0}  # a group's last layer -> its end
+        if self.group_ends and hasattr(engine.runner, "layer_listener"):
+            engine.runner.layer_listener = self.stream_step
 
     def has(self, rid: str) -> bool:
         return rid in self.targets
@@ -134,6 +160,67 @@ class PushWriter:
         except NixlTransferError as exc:
             log.debug("[%s] could not tell %s the writes ended (its lease frees them): %s", rid, target.peer, exc)
 
+    def stream_step(self, items) -> Callable[[int], None] | None:
+        """The runner's LayerListener: a step's blocks of requests with a live target, or None."""
+        bs, plans = self.engine.config.block_size, []
+        for req, n in items:
+            target = self.targets.get(req.request_id)
+            if target is None or target.broken:
+                continue
+            # The whole blocks the step completes, and the prompt's partial last block with its last
+            # chunk: no block is written twice.
+            done = req.num_computed_tokens + n
+            first = max(target.first_block, target.upto)
+            end = min(-(-done // bs) if done >= req.num_prompt_tokens else done // bs,
+                      target.first_block + len(target.regions))
+            if end <= first:
+                continue
+            if first < req.num_slid_blocks or time.monotonic() > target.lease_end:
+                target.broken = True
+                continue
+            plans.append(StreamedBlocks(target, req.request_id, first, end, list(req.block_ids[first:end])))
+        if not plans:
+            return None
+        expected = iter(range(self.num_layers))
+        return lambda layer: self._layer_stored(plans, layer, next(expected, -1))
+
+    def _layer_stored(self, plans: list[StreamedBlocks], layer: int, expected: int) -> None:
+        if layer != expected:  # layers out of order: this step is written after it, as without streaming
+            plans.clear()
+        end = self.group_ends.get(layer)
+        if end is None or not plans:
+            return
+        start = max((k for k in self.group_ends.values() if k < end), default=0)
+        for plan in plans:
+            if not plan.target.broken:
+                self._write_layers(plan, start, end)
+        if end == self.num_layers:
+            for plan in plans:  # every layer of the step's blocks is there
+                if not plan.target.broken:
+                    plan.target.upto = max(plan.target.upto, plan.end)
+
+    def _write_layers(self, plan: StreamedBlocks, start: int, end: int) -> None:
+        target, t0 = plan.target, time.perf_counter()
+        regions = target.regions[plan.first - target.first_block:plan.end - target.first_block]
+        try:
+            handle = self.agent.start_write(target.peer, plan.block_ids, regions, timeout_s=WRITE_TIMEOUT_S,
+                                            layers=(start, end, self.num_layers))
+            self.agent.wait(handle)
+        except (NixlTransferError, ValueError, IndexError) as exc:
+            self._failed(plan.rid, target, exc)
+            return
+        self.stats.transfer_bytes_nixl_written += handle.nbytes
+        self.stats.transfer_us_nixl_written += int((time.perf_counter() - t0) * 1e6)
+        self.writes += 1
+        self.layer_writes += 1
+
+    def _failed(self, rid: str, target: Target, exc: Exception) -> None:
+        log.warning("[%s] WRITE into %s failed (the decode node will READ): %s", rid, target.peer, exc)
+        self.failures += 1
+        for other in self.targets.values():  # a peer gone fails them all: one timeout, not one each
+            other.broken = other.broken or other.peer == target.peer
+        target.broken = True
+
     def _write(self, rid: str, target: Target, block_ids: list[int], slid: int, upto: int) -> None:
         upto = min(upto, target.first_block + len(target.regions))
         if upto <= target.upto:
@@ -148,11 +235,7 @@ class PushWriter:
                                             timeout_s=WRITE_TIMEOUT_S)
             self.agent.wait(handle)
         except (NixlTransferError, ValueError, IndexError) as exc:
-            log.warning("[%s] WRITE into %s failed (the decode node will READ): %s", rid, target.peer, exc)
-            self.failures += 1
-            for other in self.targets.values():  # a peer gone fails them all: one timeout, not one each
-                other.broken = other.broken or other.peer == target.peer
-            target.broken = True
+            self._failed(rid, target, exc)
             return
         self.stats.transfer_bytes_nixl_written += handle.nbytes
         self.stats.transfer_us_nixl_written += int((time.perf_counter() - t0) * 1e6)
