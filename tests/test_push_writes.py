@@ -8,7 +8,7 @@ that computes it ends and the rest with the first token (`--push-layer-groups 0`
 ways: greedy output equals transformers'; the decode nodes READ nothing and landed by WRITE
 exactly the prompts' blocks (their digests checked there), which the prefill node wrote once
 each, in more WRITEs than requests (per chunk or per layer group, not once at the end), and no
-handover waited out its target; no block stays allocated. A decode node killed while its request's prompt waits to be computed costs no
+handover waited out its target; no block stays allocated. The same for an MLA model's latents. A decode node killed while its request's prompt waits to be computed costs no
 request: the WRITEs to it fail (or the router's empty target stops them), and the other decode
 node serves the request.
 """
@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from pdserve.testing.model_factory import load_reference, make_model
+from pdserve.testing.model_factory import load_reference, make_deepseek, make_model
 from pdserve.testing.up_cluster import cluster_log, node_pids, node_stats, running_cluster, wait_for
 
 rng = random.Random(651)
@@ -122,6 +122,14 @@ def test_blocks_are_written_per_chunk_without_layer_streaming(model_path):
     with _push_cluster(model_path, "--push-layer-groups", "0") as (url, proc):
         moved = _pushed_and_landed(model_path, url, proc)
     assert moved["layer_writes"] == 0, moved
+
+
+def test_an_mla_models_latents_are_written_per_layer_group(tmp_path):
+    """MLA stores its own latents (models/mla.py) and says so to the step's AttentionContext."""
+    path = make_deepseek(tmp_path, "deepseek_v3")
+    with _push_cluster(path) as (url, proc):
+        moved = _pushed_and_landed(path, url, proc)
+    assert moved["layer_writes"] >= 10 and moved["writes"] - moved["layer_writes"] <= len(PROMPTS), str(moved)
 
 
 def _pushed_and_landed(path, url: str, proc) -> dict[str, int]:

@@ -47,6 +47,12 @@ class AttentionContext:
         self.states = states  # a hybrid model's state slots for this step's rows (engine.state_pool)
         self.on_stored = on_stored  # told each layer once its KV is in the cache (see LayerListener)
 
+    def layer_stored(self, layer: int) -> None:
+        """Layer `layer`'s KV for this step is in the cache (a model that stores its own, as MLA
+        does, says so here too)."""
+        if self.on_stored is not None:
+            self.on_stored(layer)
+
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """window > 0: the layer's sliding window in tokens; sinks [heads]: its attention sinks
@@ -54,8 +60,7 @@ class AttentionContext:
         k_cache, v_cache = self.layer_caches[layer]
         m = self.meta
         self.ops.store_kv(k, v, k_cache, v_cache, m.slot_mapping)
-        if self.on_stored is not None:
-            self.on_stored(layer)
+        self.layer_stored(layer)
         extra = {}
         if window:
             extra["window"] = window

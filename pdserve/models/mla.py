@@ -110,6 +110,7 @@ class MLAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(compressed), k_pe[:, 0]], dim=-1)
         cache, meta = ctx.layer_caches[self.layer_idx][0], ctx.meta
         mla_ops.store_latent(latent, cache, meta.slot_mapping)
+        ctx.layer_stored(self.layer_idx)
         d = meta.num_decodes
         parts = []
         if d:
