@@ -19,8 +19,8 @@ the step fills (the block-major cache holds a block's layers one after another) 
 soon as the last layer of the group has stored its KV, while the later layers compute; a step
 whose every group went needs no write after it, and the last chunk's blocks, the partial one
 included, are in place when the first token is drawn. A step whose layers did not all report
-(a model whose attention does not go through AttentionContext, a tensor-parallel runner) is
-written after it, whole blocks, as without streaming.
+in order (AttentionContext.layer_stored; a tensor- or pipeline-parallel runner's steps do not)
+is written after it, whole blocks, as without streaming.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class PushWriter:
         self.engine, self.agent, self.stats = engine, agent, stats
         self.targets: dict[str, Target] = {}
         self.connected: set[str] = set()
-        self.writes = 0  # WRITEs posted and done (one per step that completed blocks, one at the end)
+        self.writes = 0  # WRITEs posted and done (per layer group of a step, or per step and one at the end)
         self.failures = 0  # WRITEs that failed (a decode node gone): its requests' blocks are READ
         self.empty_targets = 0  # targets naming no blocks (no room there, or the router's word that it is lost)
         self.layer_writes = 0  # of the WRITEs, those posted mid-step: one group of layers of a step's blocks
