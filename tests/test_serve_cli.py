@@ -130,6 +130,15 @@ def test_cli_errors_are_one_line_not_usage(capsys):
     assert "invalid choice: 'pythonic'" in err and "usage:" not in err
 
 
+@pytest.mark.parametrize("command", [["up"], ["prefill", "--model", "builtin:tiny"]])
+def test_a_negative_count_of_layer_groups_is_refused(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--push-layer-groups", "-1"])
+    assert exit_.value.code == 2
+    assert "--push-layer-groups: -1 groups of layers: give 0 (whole blocks) or more" in capsys.readouterr().err
+    assert build_parser().parse_args([*command, "--push-layer-groups", "0"]).push_layer_groups == 0
+
+
 def test_serve_exits_nonzero_with_the_message():
     cmd = [sys.executable, "-m", "pdserve", "serve", "builtin:tiny", "--trust-remote-code"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)

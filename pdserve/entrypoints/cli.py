@@ -25,6 +25,14 @@ from pdserve.wire.curve_keys import run_keys
 
 # Push mode's layer-wise WRITEs: a step's blocks go in this many slices of layers (node.push_writes).
 PUSH_LAYER_GROUPS = 4
+def layer_groups(text: str) -> int:
+    """--push-layer-groups: a count of groups, 0 for none."""
+    count = int(text)
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"{count} groups of layers: give 0 (whole blocks) or more")
+    return count
+
+
 PUSH_LAYER_GROUPS_HELP = ("push mode: WRITE a step's blocks in this many groups of layers, each as soon as its last "
                           "layer has stored its KV, while the later layers compute (layer-wise streaming); 0: whole "
                           "blocks after each step")
@@ -124,7 +132,7 @@ def _add_cluster_parsers(sub) -> None:
     for p in (pre, dec):  # a decode node uses them once switched to prefill (pdserve scale --switch)
         p.add_argument("--nixl-side-channel", default=None, help="zmq endpoint serving NIXL metadata")
         p.add_argument("--lease-s", type=float, default=30.0, help="seconds NIXL-pinned blocks are kept")
-        p.add_argument("--push-layer-groups", type=int, default=PUSH_LAYER_GROUPS, help=PUSH_LAYER_GROUPS_HELP)
+        p.add_argument("--push-layer-groups", type=layer_groups, default=PUSH_LAYER_GROUPS, help=PUSH_LAYER_GROUPS_HELP)
         p.add_argument("--advertise-host", default=None,
                        help="host name decode nodes dial for the side channel (when bound to 0.0.0.0)")
     dec.add_argument("--nixl", action="store_true", help="pull KV over NIXL")
@@ -207,7 +215,7 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
                          "direct+redis://) or no --store, --kv-transfer store starts a redis-server for the cluster")
     _add_store_args(up)
     up.add_argument("--lease-s", type=float, default=30.0, help="seconds NIXL-pinned blocks are kept")
-    up.add_argument("--push-layer-groups", type=int, default=PUSH_LAYER_GROUPS, help=PUSH_LAYER_GROUPS_HELP)
+    up.add_argument("--push-layer-groups", type=layer_groups, default=PUSH_LAYER_GROUPS, help=PUSH_LAYER_GROUPS_HELP)
     up.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute",
                     help="when a KV pull fails: compute the prompt on the decode node, or fail the request")
     for role in ("prefill", "decode"):
