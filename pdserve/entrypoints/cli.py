@@ -25,6 +25,11 @@ from pdserve.wire.curve_keys import run_keys
 
 # Push mode's layer-wise WRITEs: a step's blocks go in this many slices of layers (node.push_writes).
 PUSH_LAYER_GROUPS = 4
+PUSH_LAYER_GROUPS_HELP = ("push mode: WRITE a step's blocks in this many groups of layers, each as soon as its last "
+                          "layer has stored its KV, while the later layers compute (layer-wise streaming); 0: whole "
+                          "blocks after each step")
+
+
 def layer_groups(text: str) -> int:
     """--push-layer-groups: a count of groups, 0 for none."""
     count = int(text)
@@ -32,10 +37,6 @@ def layer_groups(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{count} groups of layers: give 0 (whole blocks) or more")
     return count
 
-
-PUSH_LAYER_GROUPS_HELP = ("push mode: WRITE a step's blocks in this many groups of layers, each as soon as its last "
-                          "layer has stored its KV, while the later layers compute (layer-wise streaming); 0: whole "
-                          "blocks after each step")
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve import LLM, SamplingParams  # heavy: LLM loads torch and the engine, for `pdserve generate` only

@@ -61,6 +61,12 @@ class StreamedBlocks:
     block_ids: list[int]
 
 
+def layer_group_spans(num_layers: int, groups: int) -> dict[int, tuple[int, int]]:
+    """Up to `groups` runs of layers of near-equal length, [start, end) keyed by each one's last layer."""
+    ends = sorted({round((g + 1) * num_layers / groups) for g in range(groups)} - {0}) if groups > 0 else []
+    return {end - 1: (start, end) for start, end in zip([0, *ends], ends)}
+
+
 def done_notification(request_id: str) -> bytes:
     return WRITES_DONE_PREFIX + request_id.encode()
 
@@ -75,10 +81,8 @@ class PushWriter:
         self.empty_targets = 0  # targets naming no blocks (no room there, or the router's word that it is lost)
         self.layer_writes = 0  # of the WRITEs, those posted mid-step: one group of layers of a step's blocks
         self.num_layers = int(engine.kv_cache.shape[1])
-        bounds = sorted({round((g + 1) * self.num_layers / layer_groups) for g in range(layer_groups)}
-                        ) if layer_groups > 0 else []
-        self.group_ends = {end - 1: end for end in bounds if end > 0}  # a group's last layer -> its end
-        if self.group_ends and hasattr(engine.runner, "layer_listener"):
+        self.groups = layer_group_spans(self.num_layers, layer_groups)
+        if self.groups:
             engine.runner.layer_listener = self.stream_step
 
     def has(self, rid: str) -> bool:
@@ -173,12 +177,9 @@ class PushWriter:
             first = max(target.first_block, target.upto)
             end = min(-(-done // bs) if done >= req.num_prompt_tokens else done // bs,
                       target.first_block + len(target.regions))
-            if end <= first:
+            if end <= first or not self._usable(target, first, req.num_slid_blocks):
                 continue
-            if first < req.num_slid_blocks or time.monotonic() > target.lease_end:
-                target.broken = True
-                continue
-            plans.append(StreamedBlocks(target, req.request_id, first, end, list(req.block_ids[first:end])))
+            plans.append(StreamedBlocks(target, req.request_id, first, end, req.block_ids[first:end]))
         if not plans:
             return None
         expected = iter(range(self.num_layers))
@@ -187,32 +188,41 @@ class PushWriter:
     def _layer_stored(self, plans: list[StreamedBlocks], layer: int, expected: int) -> None:
         if layer != expected:  # layers out of order: this step is written after it, as without streaming
             plans.clear()
-        end = self.group_ends.get(layer)
-        if end is None or not plans:
+        span = self.groups.get(layer)
+        if span is None or not plans:
             return
-        start = max((k for k in self.group_ends.values() if k < end), default=0)
         for plan in plans:
-            if not plan.target.broken:
-                self._write_layers(plan, start, end)
-        if end == self.num_layers:
+            if not plan.target.broken and self._post(plan.rid, plan.target, plan.block_ids, plan.first, plan.end,
+                                                     (*span, self.num_layers)):
+                self.layer_writes += 1
+        if span[1] == self.num_layers:
             for plan in plans:  # every layer of the step's blocks is there
                 if not plan.target.broken:
                     plan.target.upto = max(plan.target.upto, plan.end)
 
-    def _write_layers(self, plan: StreamedBlocks, start: int, end: int) -> None:
-        target, t0 = plan.target, time.perf_counter()
-        regions = target.regions[plan.first - target.first_block:plan.end - target.first_block]
+    def _usable(self, target: Target, first: int, slid: int) -> bool:
+        """Whether blocks from `first` may still be written (marks the target broken if not)."""
+        if first < slid or time.monotonic() > target.lease_end:
+            target.broken = True  # blocks slid away here, or the decode node may have freed them
+        return not target.broken
+
+    def _post(self, rid: str, target: Target, block_ids: list[int], first: int, end: int,
+              layers: tuple[int, int, int] | None = None) -> bool:
+        """WRITE prompt blocks [first, end) (block_ids: this node's) into the target, all their
+        layers or layers (start, end, of); False when it failed."""
+        t0 = time.perf_counter()
         try:
-            handle = self.agent.start_write(target.peer, plan.block_ids, regions, timeout_s=WRITE_TIMEOUT_S,
-                                            layers=(start, end, self.num_layers))
+            handle = self.agent.start_write(target.peer, block_ids,
+                                            target.regions[first - target.first_block:end - target.first_block],
+                                            timeout_s=WRITE_TIMEOUT_S, layers=layers)
             self.agent.wait(handle)
         except (NixlTransferError, ValueError, IndexError) as exc:
-            self._failed(plan.rid, target, exc)
-            return
+            self._failed(rid, target, exc)
+            return False
         self.stats.transfer_bytes_nixl_written += handle.nbytes
         self.stats.transfer_us_nixl_written += int((time.perf_counter() - t0) * 1e6)
         self.writes += 1
-        self.layer_writes += 1
+        return True
 
     def _failed(self, rid: str, target: Target, exc: Exception) -> None:
         log.warning("[%s] WRITE into %s failed (the decode node will READ): %s", rid, target.peer, exc)
@@ -223,24 +233,10 @@ class PushWriter:
 
     def _write(self, rid: str, target: Target, block_ids: list[int], slid: int, upto: int) -> None:
         upto = min(upto, target.first_block + len(target.regions))
-        if upto <= target.upto:
+        if upto <= target.upto or not self._usable(target, target.upto, slid):
             return
-        if target.upto < slid or time.monotonic() > target.lease_end:
-            target.broken = True  # blocks slid away here, or the decode node may have freed them
-            return
-        start, t0 = target.upto - target.first_block, time.perf_counter()
-        try:
-            handle = self.agent.start_write(target.peer, block_ids[target.upto:upto],
-                                            target.regions[start:upto - target.first_block],
-                                            timeout_s=WRITE_TIMEOUT_S)
-            self.agent.wait(handle)
-        except (NixlTransferError, ValueError, IndexError) as exc:
-            self._failed(rid, target, exc)
-            return
-        self.stats.transfer_bytes_nixl_written += handle.nbytes
-        self.stats.transfer_us_nixl_written += int((time.perf_counter() - t0) * 1e6)
-        self.writes += 1
-        target.upto = upto
+        if self._post(rid, target, block_ids[target.upto:upto], target.upto, upto):
+            target.upto = upto
 
     def close(self) -> None:
         for rid in list(self.targets):
