@@ -21,7 +21,8 @@ from pdserve.testing.model_factory import load_reference, make_model
 from pdserve.testing.up_cluster import node_pids, node_stats, running_cluster, running_clusters, wait_for
 
 CLUSTERS = {"push-nixl": ("--kv-transfer", "nixl", "--handover", "push"),
-            "push-store": ("--kv-transfer", "store", "--handover", "push", "--store-chunk-tokens", "32"),
+            "push-store": ("--kv-transfer", "store", "--handover", "push", "--store-chunk-tokens", "32",
+                           "--prefetch-stored-prefix"),
             "pull-nixl": ("--kv-transfer", "nixl", "--handover", "pull")}
 rng = random.Random(65)
 # Around block boundaries (16-token blocks): a prompt that fills its last block, one a token past.
@@ -111,6 +112,24 @@ def test_a_first_token_that_ends_the_request_frees_the_waiting_blocks(setup):
         assert len(_ids(_client(url), str(path), PROMPTS[3], max_tokens=1, temperature=0)) == 1
         wait_for(lambda u=url: _decode_stat(u, "prefills_pushed") > pushed)  # it did wait there (pongs lag)
         wait_for(lambda u=url: _blocks_free(u), timeout_s=30)
+
+
+def test_a_pushed_prompt_loads_its_stored_prefix_while_the_prefill_node_computes(setup):
+    """Over the store, the decode node of a pushed turn whose history left both nodes' caches
+    (but not the store) loads that history's blocks as soon as it admits the request, before
+    the first token: only the rest moves after it. Output stays transformers'."""
+    path, urls = setup
+    url, client = urls["push-store"], _client(urls["push-store"])
+    history = [rng.randrange(3, 256) for _ in range(160)]
+    turns = [history + [rng.randrange(3, 256) for _ in range(20)] for _ in range(2)]
+    want = _transformers(path, turns, NEW_TOKENS)
+    assert _ids(client, str(path), turns[0], temperature=0) == want[0]
+    for _ in range(6):  # 156 blocks of other prompts: the history leaves both nodes' 128-block caches
+        _ids(client, str(path), [rng.randrange(3, 256) for _ in range(400)], max_tokens=2, temperature=0)
+    before = _decode_stat(url, "store_prefetched_tokens")
+    assert _ids(client, str(path), turns[1], stream=True, temperature=0) == want[1]
+    wait_for(lambda: _decode_stat(url, "store_prefetched_tokens") - before == len(history))
+    wait_for(lambda: _blocks_free(url), timeout_s=30)
 
 
 FAULT_PROMPTS = [f"push {i}: the decode node waits for a prefill node that dies. " * (2 + i) for i in range(4)]

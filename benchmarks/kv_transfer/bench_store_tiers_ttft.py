@@ -3,12 +3,14 @@
     .venv/bin/python -m benchmarks.kv_transfer.bench_store_tiers_ttft [--prefix-len 2048] [--trials 3]
         [--model SmolLM2-135M-Instruct]  # any model pdserve serves, instead of the bench model
         [--tiers Redis]                  # only these rows
+        [--flags "--handover push --prefetch-stored-prefix"]  # more `pdserve up` flags
 
 1 prefill + 1 decode node over the default store (LMCache, 256-token chunks, its own Redis), the
 ~32M bench model served (support/bench_model.py) unless --model names another. Each trial: cold = prefix + question A (nothing cached
 anywhere); then a filler prompt of the same length, which evicts the prefix from the prefill
 node's paged cache (--num-kv-blocks holds one such prompt) so the warm request gets no local
-hit; warm = prefix + question B. Where the warm prefix comes from is set by an LMCache config
+hit; warm = prefix + question B (its `transfer` stage, the decode node's load after the first
+token, is read from the router's /metrics). Where the warm prefix comes from is set by an LMCache config
 file per row:
   CPU tier    max_local_cpu_size 1 GB: the prefill node's own CPU tier still holds the chunks
   disk tier   a 24 MiB CPU tier (the filler evicts the prefix from it) and a 1 GB disk tier
@@ -17,6 +19,7 @@ file per row:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import statistics
 import tempfile
@@ -26,6 +29,7 @@ import httpx
 
 from benchmarks.support.bench_model import build_served_model
 from benchmarks.support.cluster import local_cluster, ttft_ms
+from pdserve.loadgen.stages import scrape_stages, stage_breakdown
 
 # Small enough that the filler evicts the prefix from it, big enough for two chunks of SmolLM2's
 # float32 KV (11.8 MB each): LMCache stages every chunk in the CPU tier, and stores nothing without room.
@@ -47,10 +51,17 @@ def tier_configs(root: Path) -> dict[str, str]:
     return paths
 
 
-def run_tier(model: Path | str, config: str, args) -> list[tuple[float, float]]:
+def _stages(url: str) -> dict | None:
+    async def scrape() -> dict | None:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            return await scrape_stages(client)
+    return asyncio.run(scrape())
+
+
+def run_tier(model: Path | str, config: str, args) -> list[tuple[float, float, float]]:
     blocks = (args.prefix_len + args.question_len) // 16 + 8  # one prompt's blocks, a little spare
     flags = ["--model", str(model), "--prefill-nodes", "1", "--decode-nodes", "1", "--kv-transfer", "store",
-             "--num-kv-blocks", str(blocks), "--lmcache-config", config, "--local-prefill-threshold", "0"]
+             "--num-kv-blocks", str(blocks), "--lmcache-config", config, "--local-prefill-threshold", "0", *args.flags.split()]
     pairs = []
     with local_cluster(*flags) as c, httpx.Client() as client:
         model_id = client.get(f"{c.url}/v1/models", timeout=10).json()["data"][0]["id"]
@@ -61,9 +72,11 @@ def run_tier(model: Path | str, config: str, args) -> list[tuple[float, float]]:
             prefix = draw(args.prefix_len)
             cold = ttft_ms(client, c.url, model_id, prefix + draw(args.question_len))
             ttft_ms(client, c.url, model_id, draw(args.prefix_len + args.question_len))  # the filler
+            before = _stages(c.url)
             warm = ttft_ms(client, c.url, model_id, prefix + draw(args.question_len))
-            pairs.append((cold, warm))
-            print(f"  cold {cold:.0f} ms, warm {warm:.0f} ms", flush=True)
+            transfer = (stage_breakdown(before, _stages(c.url)) or {}).get("transfer", {}).get("mean_ms", 0.0)
+            pairs.append((cold, warm, transfer))
+            print(f"  cold {cold:.0f} ms, warm {warm:.0f} ms, warm transfer {transfer:.1f} ms", flush=True)
     return pairs
 
 
@@ -75,6 +88,7 @@ def main() -> None:
     ap.add_argument("--model", default=None,
                     help="a model pdserve serves (e.g. SmolLM2-135M-Instruct, the default GGUF); default: the ~32M bench model")
     ap.add_argument("--tiers", default="CPU tier,disk tier,Redis", help="comma-separated rows to run")
+    ap.add_argument("--flags", default="", help="more `pdserve up` flags, e.g. \"--handover push\"")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp())
     model = args.model or build_served_model(root / "llama-32m")
@@ -85,13 +99,13 @@ def main() -> None:
             continue
         print(f"{name}:", flush=True)
         pairs = run_tier(model, config, args)
-        rows[name] = (statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs))
+        rows[name] = tuple(statistics.median(p[i] for p in pairs) for i in range(3))
     print(f"\n{Path(str(model)).name}, {args.prefix_len}-token shared prefix + {args.question_len}-token question, 1P1D over the "
           f"default store, no local hit, medians of {args.trials} trials\n")
-    print("| warm prefix from | cold TTFT ms | warm TTFT ms | warm / cold |")
-    print("|---|---:|---:|---:|")
-    for name, (cold, warm) in rows.items():
-        print(f"| {name} | {cold:.0f} | {warm:.0f} | 1/{cold / warm:.1f} |")
+    print("| warm prefix from | cold TTFT ms | warm TTFT ms | warm / cold | warm transfer ms |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (cold, warm, transfer) in rows.items():
+        print(f"| {name} | {cold:.0f} | {warm:.0f} | 1/{cold / warm:.1f} | {transfer:.1f} |")
 
 
 if __name__ == "__main__":

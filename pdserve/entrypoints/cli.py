@@ -25,6 +25,10 @@ from pdserve.wire.curve_keys import run_keys
 
 # Push mode's layer-wise WRITEs: a step's blocks go in this many slices of layers (node.push_writes).
 PUSH_LAYER_GROUPS = 4
+PREFETCH_HELP = ("push mode over the store: a decode node loads the leading blocks the store already holds "
+                 "(an earlier turn's) as it admits a request, while the prefill node computes the prompt, "
+                 "instead of after the first token. Off by default: the two nodes then read the same prefix "
+                 "at once, which on a shared Redis slows the prefill node's own load (docs: the handover)")
 PUSH_LAYER_GROUPS_HELP = ("push mode: WRITE a step's blocks in this many groups of layers, each as soon as its last "
                           "layer has stored its KV, while the later layers compute (layer-wise streaming); 0: whole "
                           "blocks after each step")
@@ -140,6 +144,7 @@ def _add_cluster_parsers(sub) -> None:
     dec.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute",
                      help="when a KV pull fails: compute the prompt here, or fail the request")
     dec.add_argument("--pull-delay-s", type=float, default=0.0, help="fault injection: delay each KV pull")
+    dec.add_argument("--prefetch-stored-prefix", action="store_true", help=PREFETCH_HELP)
     _add_speculative_args(dec)
     dec.set_defaults(func=partial(_run_node, "decode"))
     enc = sub.add_parser("encode", help="run one encoder node: a vision-language model's image encoder (E/P/D)")
@@ -217,6 +222,7 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     _add_store_args(up)
     up.add_argument("--lease-s", type=float, default=30.0, help="seconds NIXL-pinned blocks are kept")
     up.add_argument("--push-layer-groups", type=layer_groups, default=PUSH_LAYER_GROUPS, help=PUSH_LAYER_GROUPS_HELP)
+    up.add_argument("--prefetch-stored-prefix", action="store_true", help=PREFETCH_HELP)
     up.add_argument("--on-transfer-failure", choices=["recompute", "fail"], default="recompute",
                     help="when a KV pull fails: compute the prompt on the decode node, or fail the request")
     for role in ("prefill", "decode"):

@@ -175,6 +175,7 @@ class Cluster(ProcessSupervisor):
         if role == "decode":
             extra += ["--nixl"] if a.kv_transfer == "nixl" else []
             extra += ["--on-transfer-failure", a.on_transfer_failure, "--pull-delay-s", str(a.decode_pull_delay_s)]
+            extra += ["--prefetch-stored-prefix"] if getattr(a, "prefetch_stored_prefix", False) else []
             spec = node_speculative_config(getattr(a, "speculative_config", None), index)
             extra += ["--speculative-config", spec] if spec else []
         extra += node_parallel_flags(a, role, index)

@@ -46,6 +46,7 @@ def node_templates(args, cluster) -> dict[str, list[str]]:
     if args.kv_transfer == "nixl":
         common += ["--nixl-side-channel", "tcp://{ip}:{port:side}"]
     decode = ["--on-transfer-failure", args.on_transfer_failure] + (["--nixl"] if args.kv_transfer == "nixl" else [])
+    decode += ["--prefetch-stored-prefix"] if getattr(args, "prefetch_stored_prefix", False) else []
     spec = pool_speculative_config(getattr(args, "speculative_config", None))
     decode += ["--speculative-config", spec] if spec else []
     templates = {role: cluster.node_cmd(role, "{node_id}", "tcp://{ip}:{port:control}",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ class Pull:
     # was up); it is admitted once the aborted pull ends.
     resume: tuple[bytes, DecodeRequest] | None = None
     store_prefix: bool = False      # the leading blocks of a prompt computed here, from the store
+    prefetch: bool = False          # a push-mode request's stored prefix, loaded before its KVReady
     unowed: bool = False            # it reads blocks the sender did not put (StoreHandover.put_from)
 
 
@@ -61,8 +63,10 @@ class DecodeNode(StepBudget):
     role = "decode"
 
     def __init__(self, engine: LLMEngine, bind: str | NodeRuntime, node_id: str, store: KVStore | None = None,
-                 use_nixl: bool = False, on_transfer_failure: str = "recompute", pull_delay_s: float = 0.0):
+                 use_nixl: bool = False, on_transfer_failure: str = "recompute", pull_delay_s: float = 0.0,
+                 prefetch_stored_prefix: bool = False):
         super().__init__(engine, bind, node_id)
+        self.prefetches = prefetch_stored_prefix  # push mode over the store: prefetch_stored_prefix
         self.store = store
         self.on_transfer_failure = on_transfer_failure
         self.pull_delay_s = pull_delay_s  # fault injection for tests: wait before pulling
@@ -80,6 +84,8 @@ class DecodeNode(StepBudget):
         # prefills_pushed: requests admitted before their prompt was computed (push mode)
         self.placements = {"prefills_local": 0, "prefills_handed_over": 0, "prefills_pushed": 0}
         self.push = PushIntake(self)  # push-mode requests waiting for their first token and handover
+        # request id -> its KVReady's admit_pushed arguments, come while its stored prefix loads
+        self.after_prefetch: dict[str, tuple[bytes, DecodeRequest, KVReady]] = {}
         self.init_step_budget()
 
     def pull_state(self, request_id: str) -> PullState | None:
@@ -126,6 +132,9 @@ class DecodeNode(StepBudget):
         """A push-mode request's first token and handover came (node.push_intake): its blocks
         are allocated already, so its pull starts now; with no handover it computes its prompt."""
         rid, handover = msg.request_id, ready.handover
+        if (pull := self.pulls.get(rid)) is not None and pull.prefetch:
+            self.after_prefetch[rid] = (identity, msg, ready)  # (the pull goes on from where it ends)
+            return
         req = self.engine.continue_remote(rid, ready.first_token_ids)
         if req is None:
             if handover is not None:
@@ -141,6 +150,28 @@ class DecodeNode(StepBudget):
             return self.engine.report_remote_kv(rid, False)  # computed here, into its blocks
         self.placements["prefills_handed_over"] += 1
         self._admit_pull(req, handover, store_prefix=False)
+
+    def prefetch_stored_prefix(self, req: Request, msg: DecodeRequest) -> None:
+        """A push-mode request's leading blocks that the store holds already (an earlier turn, a
+        shared prefix) load while its prefill node computes the prompt, so that after the first
+        token only the rest moves. Not over NIXL, whose WRITEs may be landing in the same blocks,
+        nor for a hybrid model, whose state comes with the whole prompt."""
+        puller, bs = self.pullers.get(StoreHandover), self.engine.config.block_size
+        if not self.prefetches or puller is None or NixlHandover in self.pullers or req.state_slot is not None:
+            return
+        keys = request_block_keys(self.engine, msg.prompt_token_ids, msg.cache_salt, msg.adapter, msg.images)
+        first = max(req.num_computed_tokens // bs, req.num_slid_blocks)
+        if first >= (len(msg.prompt_token_ids) - 1) // bs:
+            return  # every block a store could hold is cached here
+        stored = self.store_prefix.stored_tokens(keys, len(msg.prompt_token_ids))
+        if stored // bs <= first:
+            return
+        now = time.monotonic()
+        handover = self.store_prefix.handover(keys, stored)
+        if puller.start(req.request_id, handover, req.block_ids[:stored // bs], first, now, math.inf):
+            self.pulls[req.request_id] = Pull(PullState.PULLING, req, handover, now, path=puller.path,
+                                              started=time.perf_counter(), nbytes=(stored // bs - first) * self.block_nbytes,
+                                              prefetch=True)
 
     def write_target(self, rid: str, req: Request | None, lease_s: float, lend_from_tokens: int = -1
                      ) -> WriteTarget | None:
@@ -280,12 +311,14 @@ class DecodeNode(StepBudget):
             self.release_sender(release, rid)
         pull = self.pulls.pop(rid, None)
         if pull is not None and pull.state is PullState.ABANDONED:
-            if ok:  # its client left while the prompt's KV was landing: keep it for the next one
+            if ok and not pull.prefetch:  # its client left while the prompt's KV was landing: keep it for the next one
                 self.engine.cache_landed_kv(rid)
             super().abort(rid)
             if pull.resume is not None:
                 self.handle(*pull.resume)
             return
+        if pull is not None and pull.prefetch:
+            return self._finish_prefetch(pull, ok)
         if pull is not None and pull.store_prefix:
             return self._finish_store_prefix(pull, ok)
         if ok:
@@ -314,6 +347,16 @@ class DecodeNode(StepBudget):
             log.info("[%s] stored prefix did not load: computing it", pull.req.request_id)
         self.engine.report_remote_kv(pull.req.request_id, ok, cached_tokens=pull.handover.num_tokens)
 
+    def _finish_prefetch(self, pull: Pull, ok: bool) -> None:
+        """A push-mode request's stored prefix loaded (or not: its KVReady's pull moves it all)."""
+        req = pull.req
+        if ok:
+            req.num_computed_tokens = max(req.num_computed_tokens, pull.handover.num_tokens)
+            self.stats.store_prefetched_tokens += pull.nbytes // self.block_nbytes * self.engine.config.block_size
+            self.stats.store_load_us += int((time.perf_counter() - pull.started) * 1e6)
+        if (ready := self.after_prefetch.pop(req.request_id, None)) is not None:
+            self.admit_pushed(*ready)
+
     def _count_transfer(self, pull: Pull) -> None:
         bytes_name, us_name = f"transfer_bytes_{pull.path}", f"transfer_us_{pull.path}"
         if pull.written:  # landed by the prefill node's WRITEs (push mode): nothing was READ
@@ -326,6 +369,7 @@ class DecodeNode(StepBudget):
         if self.push.forget(request_id):
             return  # its blocks wait for the writes to end (push_intake: fenced)
         self.streams.pop(request_id, None)
+        self.after_prefetch.pop(request_id, None)
         pull = self.pulls.get(request_id)
         if pull is not None and pull.state is not PullState.DELAYED:
             # A pull in flight writes into the request's blocks: free them only once it ends.

@@ -113,7 +113,8 @@ def _build_node(role: str, args, engine, bind, store):
     return DecodeNode(engine, bind, args.node_id, store=store,
                       use_nixl=getattr(args, "nixl", False) or bool(nixl_side_channel),
                       on_transfer_failure=getattr(args, "on_transfer_failure", "recompute"),
-                      pull_delay_s=getattr(args, "pull_delay_s", 0.0))
+                      pull_delay_s=getattr(args, "pull_delay_s", 0.0),
+                      prefetch_stored_prefix=getattr(args, "prefetch_stored_prefix", False))
 
 
 def serve_node(role: str, args) -> NoReturn:

@@ -21,6 +21,7 @@ class NodeStats:
     transfer_us_store: int = 0
     transfer_us_nixl_written: int = 0  # push mode: microseconds a prefill node's WRITEs held its loop (cma copies inside the post)
     store_load_us: int = 0         # microseconds spent loading prompt blocks from the store
+    store_prefetched_tokens: int = 0  # a decode node's: push-mode prompt tokens loaded from the store before the KVReady
     writeback_blocks: int = 0      # a decode node's own prefills' blocks it wrote to the store
     embedding_requests: int = 0    # /v1/embeddings requests computed here
     embeddings_loaded: int = 0     # images whose embeddings came from an encoder node (E/P/D)

@@ -45,6 +45,7 @@ class PushHost(Protocol):
 
     def handle(self, identity: bytes, msg: Message) -> None: ...
     def admit_pushed(self, identity: bytes, msg: DecodeRequest, ready: KVReady) -> None: ...
+    def prefetch_stored_prefix(self, req: Request, msg: DecodeRequest) -> None: ...
     def release_sender(self, handover: KVHandover, rid: str) -> None: ...
     def write_target(self, rid: str, req: Request | None, lease_s: float, lend_from_tokens: int = -1
                      ) -> WriteTarget | None: ...
@@ -86,6 +87,8 @@ class PushIntake:
             if target.regions or target.held:
                 self.granted[rid] = time.monotonic() + WRITE_LEASE_S + FENCE_MARGIN_S
             node.control.send(identity, target)
+        if allocated:
+            node.prefetch_stored_prefix(req, msg)
 
     def ready(self, msg: KVReady) -> None:
         node, rid = self.node, msg.request_id
