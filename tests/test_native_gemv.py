@@ -119,6 +119,26 @@ def test_bf16_rows_match_the_matmul(kernel_path):
 
 
 @needs_native
+@pytest.mark.parametrize("tokens", [13, 40, 130])
+def test_bf16_rows_read_in_place_give_the_bf16_products_of_their_values(tokens):
+    """Under bf16 products (past 8 tokens), bf16 rows are multiplied where they lie, not copied a
+    task: 37 rows (a last task of 5), the sums equal those of the same values held as float32
+    rows (copied and rounded a task), bit for bit, and those of bf16 operands in float64."""
+    if not dequant_tiles.native_bf16() or dequant_tiles.native_amx():
+        pytest.skip("no AVX-512 BF16 here, or AMX tiles (their own path, tests/test_bf16_tiles.py)")
+    rng = np.random.default_rng(tokens)
+    w = torch.from_numpy(rng.standard_normal((37, 576)).astype(np.float32)).bfloat16()
+    x = rng.standard_normal((tokens, 576)).astype(np.float32)
+    dummy = np.zeros(1, np.float32)
+    dequant_tiles.set_tile_dtype(torch.bfloat16)  # (conftest.py puts it back after the test)
+    got = native_gemv.gemv(x, native_gemv.BITS_BF16, w.view(torch.uint8).numpy(), dummy, dummy, False, 32)
+    from_float = native_gemv.gemv(x, 32, w.float().numpy(), dummy, dummy, False, 32)
+    assert got is not None and np.array_equal(got, from_float)
+    exact = (torch.from_numpy(x).bfloat16().double() @ w.double().T).numpy()
+    assert np.abs(got - exact).max() <= 1e-5 * np.abs(exact).max()
+
+
+@needs_native
 def test_mxfp4_rows_match_the_dequantized_matmul():
     """gpt-oss's MXFP4 rows as held (two e2m1 codes a byte, the low nibble the even column; an
     E8M0 power of two per 32 columns), through every pass: the one-token path that scales each

@@ -34,6 +34,7 @@ each concurrency, each server), so drift in the machine's load hits all of them:
                 4096, 8192 (prompt chunks of N tokens a step)
   pdserve-gguf@base  pdserve-gguf run from another checkout (--baseline-src DIR, e.g. a `git worktree`
                 of an earlier commit): a change measured beside its baseline in one run
+                (pdserve-bf16@base: the same for pdserve-bf16)
   pdserve-pd    `pdserve up --prefill-nodes 1 --decode-nodes 1` on the default GGUF: 1P1D over the
                 default transport, the cores divided between the two nodes (one each here)
   llama-server  (--servers ... llama-server, once benchmarks/peers/build_llama_server.sh has built
@@ -67,7 +68,7 @@ CHUNKS = (512, 1024, 2048, 4096, 8192)  # the NAME+chunkN variants' step budgets
 SERVERS = ("vllm", "vllm-f32", "pdserve-gguf", "pdserve-gguf+bf16", "pdserve-bf16", "pdserve-bf16+bf16", "llama-server",
            "pdserve-gguf+f32", "pdserve-bf16+f32", "pdserve-pd", "pdserve-pd+bf16",
            "pdserve-gguf+lazy", "pdserve-gguf+int8", "pdserve-gguf+int8kv", "pdserve-pd+int8kv",
-           *(f"pdserve-gguf+chunk{n}" for n in CHUNKS), "pdserve-gguf@base")
+           *(f"pdserve-gguf+chunk{n}" for n in CHUNKS), "pdserve-gguf@base", "pdserve-bf16@base")
 VARIANT_FLAGS = {"bf16": ("--cpu-gemm-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"),
                  "int8": ("--cpu-gemm-dtype", "int8"),
                  "int8kv": ("--cpu-gemm-dtype", "int8", "--kv-cache-dtype", "bfloat16"),
