@@ -25,13 +25,14 @@ from pdserve.wire.curve_keys import run_keys
 
 # Push mode's layer-wise WRITEs: a step's blocks go in this many slices of layers (node.push_writes).
 PUSH_LAYER_GROUPS = 4
+PUSH_LAYER_GROUPS_HELP = ("push mode: WRITE a step's blocks in this many groups of layers, each as soon as its last "
+                          "layer has stored its KV, while the later layers compute (layer-wise streaming); 0: whole "
+                          "blocks after each step")
+# Push mode over the store: --prefetch-stored-prefix (node.decode's prefetch_stored_prefix).
 PREFETCH_HELP = ("push mode over the store: a decode node loads the leading blocks the store already holds "
                  "(an earlier turn's) as it admits a request, while the prefill node computes the prompt, "
                  "instead of after the first token. Off by default: the two nodes then read the same prefix "
                  "at once, which on a shared Redis slows the prefill node's own load (docs: the handover)")
-PUSH_LAYER_GROUPS_HELP = ("push mode: WRITE a step's blocks in this many groups of layers, each as soon as its last "
-                          "layer has stored its KV, while the later layers compute (layer-wise streaming); 0: whole "
-                          "blocks after each step")
 
 
 def layer_groups(text: str) -> int:
