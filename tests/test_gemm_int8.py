@@ -4,6 +4,8 @@ checked against a float64 product of the exact weights with x rounded per token 
 as Q8_0 rounds it, and an engine under int8 against the float32 engine. They skip on CPUs without AVX-512 VNNI."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -242,23 +244,25 @@ def test_default_gguf_engine_takes_int8_and_a_bf16_cache(tmp_path, monkeypatch, 
     assert runs["auto"] == runs["given"]
 
 
-def test_a_steps_default_budget_is_1024_tokens_where_int8_products_run_without_amx(monkeypatch, gemm_dtype):
-    """max_num_batched_tokens unset: 1,024 tokens on a CPU whose products run int8 without AMX (there
-    a step's cost grows with its tokens from the first), 2,048 under AMX's tiles (AMX stood in for
-    where absent), under other products and on CUDA; a budget given wins."""
+def test_a_steps_default_budget_is_1024_tokens_where_products_need_no_dequantizing_without_amx(
+        monkeypatch, gemm_dtype):
+    """max_num_batched_tokens unset: 1,024 tokens on a CPU without AMX whose products run int8, or
+    bf16 over weights that are not quantized (there a step's cost grows with its tokens from the
+    first), 2,048 under AMX's tiles (AMX stood in for where absent), for bf16 products over
+    quantized weights (dequantized a step), under float32 products and on CUDA; a budget given wins."""
     from pdserve.assembly import setup
     from pdserve.engine.config import EngineConfig
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    for products in (torch.int8, torch.float32):
+    for products in (torch.int8, torch.bfloat16, torch.float32):
         if products == torch.int8 and not dequant_tiles.native_int8():
             continue
         gemm_dtype(products)
-        for amx in (True, False):
+        for amx, quantized in itertools.product((True, False), (True, False)):
             monkeypatch.setattr(setup, "native_amx", lambda amx=amx: amx)
-            linear = products == torch.int8 and not amx
-            assert setup.step_tokens(EngineConfig(), cpu) == (1024 if linear else 2048)
-            assert setup.step_tokens(EngineConfig(), cuda) == 2048
-            assert setup.step_tokens(EngineConfig(max_num_batched_tokens=512), cpu) == 512
+            linear = not amx and (products == torch.int8 or (products == torch.bfloat16 and not quantized))
+            assert setup.step_tokens(EngineConfig(), cpu, quantized) == (1024 if linear else 2048)
+            assert setup.step_tokens(EngineConfig(), cuda, quantized) == 2048
+            assert setup.step_tokens(EngineConfig(max_num_batched_tokens=512), cpu, quantized) == 512
 
 
 def test_auto_kv_is_bf16_only_for_a_cpu_kv_cache_under_low_precision_products(gemm_dtype):

@@ -68,7 +68,8 @@ CHUNKS = (512, 1024, 2048, 4096, 8192)  # the NAME+chunkN variants' step budgets
 SERVERS = ("vllm", "vllm-f32", "pdserve-gguf", "pdserve-gguf+bf16", "pdserve-bf16", "pdserve-bf16+bf16", "llama-server",
            "pdserve-gguf+f32", "pdserve-bf16+f32", "pdserve-pd", "pdserve-pd+bf16",
            "pdserve-gguf+lazy", "pdserve-gguf+int8", "pdserve-gguf+int8kv", "pdserve-pd+int8kv",
-           *(f"pdserve-gguf+chunk{n}" for n in CHUNKS), "pdserve-gguf@base", "pdserve-bf16@base")
+           *(f"pdserve-{m}+chunk{n}" for m in ("gguf", "bf16") for n in CHUNKS), "pdserve-gguf@base",
+           "pdserve-bf16@base")
 VARIANT_FLAGS = {"bf16": ("--cpu-gemm-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"),
                  "int8": ("--cpu-gemm-dtype", "int8"),
                  "int8kv": ("--cpu-gemm-dtype", "int8", "--kv-cache-dtype", "bfloat16"),

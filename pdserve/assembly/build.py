@@ -47,6 +47,7 @@ from pdserve.kernels.dequant_tiles import gemm_dtype, resolve_gemm_dtype, set_ti
 from pdserve.kernels.fp8_kv import kv_cache_torch_dtype
 from pdserve.kernels.host_memory import keep_large_allocations
 from pdserve.kvstore.layout import KVLayout
+from pdserve.layers.quant.base import quantization_dict
 from pdserve.models.gguf import checkpoint_name, is_gguf_view
 from pdserve.models.hybrid import is_hybrid_config
 from pdserve.models.loader import default_dtype, load_hf_config, load_model, resolve_model_path
@@ -88,10 +89,11 @@ def _load_target(config: EngineConfig) -> _Target:
     model_path = resolve_model_path(config.model)
     # this process's products (and its TP workers'); auto takes llama.cpp's int8 for a GGUF's blocks
     set_tile_dtype(resolve_gemm_dtype(config.cpu_gemm_dtype, gguf=is_gguf_view(model_path)))
-    config.max_num_batched_tokens = step_tokens(config, device)
     if device.type == "cpu":
         keep_large_allocations()
     hf_config = load_hf_config(model_path)
+    quantized = is_gguf_view(model_path) or quantization_dict(hf_config) is not None
+    config.max_num_batched_tokens = step_tokens(config, device, quantized)
     hybrid = is_hybrid_config(hf_config)
     if hybrid:
         check_hybrid_supported(config, hf_config)

@@ -32,8 +32,12 @@ STEP_TOKENS = 2048  # a step's tokens by default (vLLM's CPU server's default to
 # process: 160 tokens 47.5 ms, 2,080 tokens 611 ms), so smaller chunks cost nothing and a burst's
 # first prompts finish sooner: served beside 2,048 (2026-12-06, medians of 5), TTFT p50 at 32
 # streams 1,528 -> 1,265 ms, TPOT p50 28.0 -> 32.9 ms, tokens/s the same; at 128 the same TTFT
-# (docs/benchmarks/vs-vllm.md, Zen 5).
-# AMX's tiles dequantize every matrix a step (~47 ms on the Xeon VM): larger steps there.
+# (docs/benchmarks/vs-vllm.md, Zen 5). The same for bf16 products over weights that are not
+# quantized (a bf16 checkpoint: oneDNN's products on a bf16 copy kept at load), served beside 2,048
+# (2026-12-07, medians of 3): TTFT p50 at 32 streams 1,510 -> 1,101 ms, at 128 4,326 -> 3,986,
+# tokens/s within the runs' spread.
+# AMX's tiles dequantize every matrix a step (~47 ms on the Xeon VM), and so do bf16 products over
+# quantized weights anywhere: larger steps there.
 STEP_TOKENS_LINEAR_CPU = 1024
 
 
@@ -43,11 +47,14 @@ def pick_device(config: EngineConfig) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def step_tokens(config: EngineConfig, device: torch.device) -> int:
-    """config.max_num_batched_tokens, or the default for this device and its products (set_tile_dtype's)."""
+def step_tokens(config: EngineConfig, device: torch.device, quantized: bool) -> int:
+    """config.max_num_batched_tokens, or the default for this device and its products (set_tile_dtype's);
+    quantized: the checkpoint's weights are (a GGUF's blocks, a quantization_config's)."""
     if config.max_num_batched_tokens is not None:
         return config.max_num_batched_tokens
-    linear = device.type == "cpu" and gemm_dtype() == torch.int8 and not native_amx()
+    products = gemm_dtype()
+    linear = (device.type == "cpu" and not native_amx()
+              and (products == torch.int8 or (products == torch.bfloat16 and not quantized)))
     return STEP_TOKENS_LINEAR_CPU if linear else STEP_TOKENS
 
 

@@ -35,8 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser, tensor_parallel: bool = True) ->
                         "of the blocks handed out (CPU); default: on where --kv-cache-memory-gb or "
                         "--num-kv-blocks gives the pool's size, off for the default pool")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per engine step (prefill chunks); default 2048, 1024 on a CPU whose products run "
-                        "int8 without AMX (a GGUF on AVX-512 VNNI: its step's cost grows with its tokens)")
+                   help="tokens per engine step (prefill chunks); default 2048, 1024 on a CPU without AMX whose "
+                        "products run int8 (a GGUF on AVX-512 VNNI), or bf16 over weights that are not quantized "
+                        "(a bf16 checkpoint): there a step's cost grows with its tokens")
     p.add_argument("--max-num-seqs", type=int, default=128, help="requests in one running batch")
     p.add_argument("--cpu-gemm-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
                    help="many-row products on CPU (prefill, large batches): float32 (exact against a float32 "
