@@ -88,12 +88,12 @@ def _load_target(config: EngineConfig) -> _Target:
     device = pick_device(config)
     model_path = resolve_model_path(config.model)
     # this process's products (and its TP workers'); auto takes llama.cpp's int8 for a GGUF's blocks
-    set_tile_dtype(resolve_gemm_dtype(config.cpu_gemm_dtype, gguf=is_gguf_view(model_path)))
+    gguf = is_gguf_view(model_path)
+    set_tile_dtype(resolve_gemm_dtype(config.cpu_gemm_dtype, gguf=gguf))
     if device.type == "cpu":
         keep_large_allocations()
     hf_config = load_hf_config(model_path)
-    quantized = is_gguf_view(model_path) or quantization_dict(hf_config) is not None
-    config.max_num_batched_tokens = step_tokens(config, device, quantized)
+    config.max_num_batched_tokens = step_tokens(config, device, gguf or quantization_dict(hf_config) is not None)
     hybrid = is_hybrid_config(hf_config)
     if hybrid:
         check_hybrid_supported(config, hf_config)

@@ -33,9 +33,9 @@ STEP_TOKENS = 2048  # a step's tokens by default (vLLM's CPU server's default to
 # first prompts finish sooner: served beside 2,048 (2026-12-06, medians of 5), TTFT p50 at 32
 # streams 1,528 -> 1,265 ms, TPOT p50 28.0 -> 32.9 ms, tokens/s the same; at 128 the same TTFT
 # (docs/benchmarks/vs-vllm.md, Zen 5). The same for bf16 products over weights that are not
-# quantized (a bf16 checkpoint: oneDNN's products on a bf16 copy kept at load), served beside 2,048
-# (2026-12-07, medians of 3): TTFT p50 at 32 streams 1,510 -> 1,101 ms, at 128 4,326 -> 3,986,
-# tokens/s within the runs' spread.
+# quantized (oneDNN's products on a bf16 copy made once and kept). Measured on a bf16 checkpoint,
+# served beside 2,048 (2026-12-07, medians of 3): TTFT p50 at 32 streams 1,510 -> 1,101 ms, at
+# 128 4,326 -> 3,986, tokens/s within the runs' spread.
 # AMX's tiles dequantize every matrix a step (~47 ms on the Xeon VM), and so do bf16 products over
 # quantized weights anywhere: larger steps there.
 STEP_TOKENS_LINEAR_CPU = 1024
