@@ -304,10 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # every flag belongs to the load generator, --help included
-        from pdserve.loadgen.cli import main as bench_main  # deferred: the load generator (httpx)
+        from pdserve.loadgen.cli import main as bench_main  # deferred: the load generator (aiohttp)
         return bench_main(argv[1:])
     if argv[:1] == ["bench-plot"]:
-        # deferred: the load generator (httpx), which only `pdserve bench-plot` runs
+        # deferred: the load generator (aiohttp), which only `pdserve bench-plot` runs
         from pdserve.loadgen.plot import plot_main
         return plot_main(argv[1:])
     args, unknown = build_parser().parse_known_args(argv)

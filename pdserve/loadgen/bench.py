@@ -1,4 +1,4 @@
-"""Load generator for any OpenAI-compatible server (streams /v1/completions over httpx).
+"""Load generator for any OpenAI-compatible server (streams /v1/completions over aiohttp).
 
 Workloads:
   random         num_prompts prompts, lengths uniform in [input_len_min, input_len_max].
@@ -13,6 +13,10 @@ Load: --concurrency caps requests in flight; --request-rate spaces arrivals (of 
 one request each, or one user for multi-round) as a Poisson process. Both may be combined.
 Prompts are token-id lists by default (exact lengths); --prompt-mode text sends random words.
 Requests set ignore_eos and a fixed max_tokens so every request generates output_len tokens.
+
+The client is aiohttp (C-parsed HTTP, as vLLM's `bench serve` uses): it runs on the machine it
+measures, and each token it reads takes CPU from the server. httpx's streaming took about 115 us
+of CPU a token (pure-Python h11), aiohttp about 30 (docs/benchmarks/vs-vllm.md).
 
     python -m benchmarks.serving.serve_bench --base-url http://127.0.0.1:8000 --workload random \
         --num-prompts 200 --concurrency 16 --output-json out.json
@@ -30,11 +34,11 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-import httpx
+import aiohttp
 from tqdm.asyncio import tqdm
 
 from pdserve.loadgen.metrics import RequestResult, compute_metrics, latency_samples
-from pdserve.loadgen.stages import scrape_stages, stage_breakdown
+from pdserve.loadgen.stages import parse_stages, stage_breakdown
 from pdserve.loadgen.trace import TraceScale
 from pdserve.loadgen.trace_replay import replay_trace
 
@@ -223,11 +227,33 @@ class _StreamTracker:
         self.result.token_ids.extend(ids)
 
 
-def _parse_sse(line: str) -> dict[str, Any] | None | str:
-    if not line.startswith("data:"):
+@dataclass
+class Client:
+    """The run's HTTP session and the server's base URL (paths are joined to it)."""
+    session: aiohttp.ClientSession
+    base_url: str
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+
+def _parse_sse(line: bytes) -> dict[str, Any] | None | str:
+    if not line.startswith(b"data:"):
         return None
     data = line[5:].strip()
-    return "[DONE]" if data == "[DONE]" else json.loads(data)
+    return "[DONE]" if data == b"[DONE]" else json.loads(data)
+
+
+async def _sse_events(resp: aiohttp.ClientResponse):
+    """The response's SSE data events, parsed. Lines are split here rather than by
+    StreamReader.readline, whose buffer limit a long first chunk (a prompt's token ids) exceeds."""
+    pending = b""
+    async for chunk in resp.content.iter_any():
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            event = _parse_sse(line)
+            if event is not None:
+                yield event
 
 
 def _payload(cfg: BenchConfig, prompt: Prompt, max_tokens: int | None) -> dict[str, Any]:
@@ -238,25 +264,24 @@ def _payload(cfg: BenchConfig, prompt: Prompt, max_tokens: int | None) -> dict[s
             "return_token_ids": isinstance(prompt, list)}
 
 
-async def send_request(client: httpx.AsyncClient, cfg: BenchConfig,
+async def send_request(client: Client, cfg: BenchConfig,
                        prompt: Prompt, max_tokens: int | None = None) -> RequestResult:
     result = RequestResult(prompt_tokens=len(prompt) if isinstance(prompt, list)
                            else len(prompt.split()))
     start = time.perf_counter()
     tracker = _StreamTracker(result, start)
     try:
-        async with client.stream("POST", "/v1/completions", json=_payload(cfg, prompt, max_tokens)) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                result.error = f"HTTP {resp.status_code}: {body[:300]}"
+        async with client.session.post(client.url("/v1/completions"), json=_payload(cfg, prompt, max_tokens)) as resp:
+            if resp.status != 200:
+                body = (await resp.read()).decode(errors="replace")
+                result.error = f"HTTP {resp.status}: {body[:300]}"
                 return result
-            async for line in resp.aiter_lines():
-                event = _parse_sse(line)
+            async for event in _sse_events(resp):
                 if event == "[DONE]":
                     break
                 if isinstance(event, dict):
                     tracker.on_event(event, time.perf_counter())
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.e2e_s = time.perf_counter() - start
     result.output_tokens = result.output_tokens or tracker.chunk_tokens
@@ -266,7 +291,7 @@ async def send_request(client: httpx.AsyncClient, cfg: BenchConfig,
 
 # ---------------------------------------------------------------- load
 
-async def _run_session(client: httpx.AsyncClient, cfg: BenchConfig, session: Session,
+async def _run_session(client: Client, cfg: BenchConfig, session: Session,
                        limiter: asyncio.Semaphore | None, results: list[RequestResult],
                        pbar: tqdm | None) -> None:
     history: Prompt = "" if cfg.prompt_mode == "text" else []
@@ -284,7 +309,7 @@ async def _run_session(client: httpx.AsyncClient, cfg: BenchConfig, session: Ses
         history = _concat(prompt, result.text if isinstance(prompt, str) else result.token_ids)
 
 
-async def _run_load(client: httpx.AsyncClient, cfg: BenchConfig, sessions: list[Session],
+async def _run_load(client: Client, cfg: BenchConfig, sessions: list[Session],
                     pbar: tqdm | None) -> list[RequestResult]:
     limiter = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
     arrivals = random.Random(cfg.seed + 1)
@@ -299,7 +324,7 @@ async def _run_load(client: httpx.AsyncClient, cfg: BenchConfig, sessions: list[
     return results
 
 
-async def _warm_up(client: httpx.AsyncClient, cfg: BenchConfig) -> None:
+async def _warm_up(client: Client, cfg: BenchConfig) -> None:
     """Untimed requests (own seed, so they do not pre-warm the measured prompts' cache)."""
     rng = random.Random(cfg.seed + 12345)
     prompts = [_random_prompt(rng, max(cfg.input_len_min, 1), cfg) for _ in range(cfg.num_warmup)]
@@ -309,15 +334,14 @@ async def _warm_up(client: httpx.AsyncClient, cfg: BenchConfig) -> None:
         logger.warning("%d/%d warm-up requests failed: %s", len(failed), len(results), failed[0])
 
 
-async def _resolve_model(client: httpx.AsyncClient, cfg: BenchConfig) -> str:
+async def _resolve_model(client: Client, cfg: BenchConfig) -> str:
     if cfg.model:
         return cfg.model
-    resp = await client.get("/v1/models")
-    resp.raise_for_status()
-    return resp.json()["data"][0]["id"]
+    async with client.session.get(client.url("/v1/models"), raise_for_status=True) as resp:
+        return (await resp.json())["data"][0]["id"]
 
 
-async def _run_workload(client: httpx.AsyncClient, cfg: BenchConfig) -> tuple[list[RequestResult], float, dict]:
+async def _run_workload(client: Client, cfg: BenchConfig) -> tuple[list[RequestResult], float, dict]:
     sessions = build_sessions(cfg, random.Random(cfg.seed))
     pbar = None if cfg.disable_tqdm else tqdm(total=sum(len(s.questions) for s in sessions), desc=cfg.workload)
     start = time.perf_counter()
@@ -328,7 +352,7 @@ async def _run_workload(client: httpx.AsyncClient, cfg: BenchConfig) -> tuple[li
     return results, duration, {}
 
 
-async def _replay(client: httpx.AsyncClient, cfg: BenchConfig) -> tuple[list[RequestResult], float, dict]:
+async def _replay(client: Client, cfg: BenchConfig) -> tuple[list[RequestResult], float, dict]:
     limiter = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else contextlib.nullcontext()
 
     async def send(prompt: list[int], max_tokens: int) -> RequestResult:
@@ -340,20 +364,31 @@ async def _replay(client: httpx.AsyncClient, cfg: BenchConfig) -> tuple[list[Req
 
 # ---------------------------------------------------------------- entry points
 
+async def _scrape_stages(client: Client) -> dict[str, dict] | None:
+    """The router's stage histograms (pdserve.loadgen.stages); None from a server without them."""
+    try:
+        async with client.session.get(client.url("/metrics")) as resp:
+            return parse_stages(await resp.text()) if resp.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+
+
 async def run_benchmark(config: BenchConfig | dict[str, Any]) -> dict[str, Any]:
     """Runs one benchmark and returns the metrics (also written to config.output_json)."""
     cfg = config if isinstance(config, BenchConfig) else BenchConfig(**config)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(cfg.timeout_s)) as client:
+    # limit=0: no cap (an open-loop run without --concurrency); timeouts per read, as httpx's were
+    connector = aiohttp.TCPConnector(limit=cfg.concurrency or 0)
+    timeout = aiohttp.ClientTimeout(total=None, connect=cfg.timeout_s, sock_read=cfg.timeout_s)
+    async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as session:
+        client = Client(session, cfg.base_url.rstrip("/"))
         cfg.model = await _resolve_model(client, cfg)
         if cfg.num_warmup:
             await _warm_up(client, cfg)
         run = _replay if cfg.trace is not None else _run_workload
-        before = await scrape_stages(client)  # a pdserve router's TTFT breakdown, read around the run
+        before = await _scrape_stages(client)  # a pdserve router's TTFT breakdown, read around the run
         results, duration, extra = await run(client, cfg)
-        stages = stage_breakdown(before, await scrape_stages(client))
+        stages = stage_breakdown(before, await _scrape_stages(client))
     report = {"config": asdict(cfg), **compute_metrics(results, duration, cfg), **extra,
               "ttft_breakdown": stages, "samples_s": latency_samples(results)}
     if cfg.output_json:

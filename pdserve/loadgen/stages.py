@@ -18,10 +18,13 @@ async def scrape_stages(client: httpx.AsyncClient) -> dict[str, dict] | None:
         resp = await client.get("/metrics")
     except httpx.HTTPError:
         return None
-    if resp.status_code != 200:
-        return None
+    return parse_stages(resp.text) if resp.status_code == 200 else None
+
+
+def parse_stages(metrics_text: str) -> dict[str, dict] | None:
+    """scrape_stages' answer from a /metrics body already read."""
     stages: dict[str, dict] = defaultdict(lambda: {"sum": 0.0, "count": 0.0, "buckets": {}})
-    for family in text_string_to_metric_families(resp.text):
+    for family in text_string_to_metric_families(metrics_text):
         if family.name != METRIC:
             continue
         for sample in family.samples:
