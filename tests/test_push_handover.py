@@ -35,7 +35,7 @@ def setup(tmp_path_factory):
     path = make_model(tmp_path_factory.mktemp("push_pd"), "llama")
     flag_sets = [("--model", str(path), *flags, "--num-kv-blocks", "128") for flags in CLUSTERS.values()]
     with running_clusters(*flag_sets) as clusters:
-        yield path, dict(zip(CLUSTERS, (url for url, _ in clusters)))
+        yield path, dict(zip(CLUSTERS, (url for url, _ in clusters))), dict(zip(CLUSTERS, (p.pid for _, p in clusters)))
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -78,7 +78,7 @@ def _blocks_free(url: str) -> bool:
 
 
 def test_push_greedy_equals_transformers_and_pull(setup):
-    path, urls = setup
+    path, urls, _ = setup
     want = _transformers(path, PROMPTS, NEW_TOKENS)
     assert all(len(set(w)) > 1 for w in want)  # greedy text that varies: the comparison means something
     got = {}
@@ -98,14 +98,14 @@ def test_push_greedy_equals_transformers_and_pull(setup):
 
 
 def test_push_seeded_sampling_equals_pull(setup):
-    path, urls = setup
+    path, urls, _ = setup
     sampling = dict(temperature=1.0, top_p=0.9, seed=7)
     got = {name: [_ids(_client(url), str(path), p, **sampling) for p in PROMPTS[2:4]] for name, url in urls.items()}
     assert got["push-nixl"] == got["pull-nixl"] == got["push-store"]
 
 
 def test_a_first_token_that_ends_the_request_frees_the_waiting_blocks(setup):
-    path, urls = setup
+    path, urls, _ = setup
     for name in ("push-nixl", "push-store"):
         url = urls[name]
         pushed = _decode_stat(url, "prefills_pushed")
@@ -114,11 +114,14 @@ def test_a_first_token_that_ends_the_request_frees_the_waiting_blocks(setup):
         wait_for(lambda u=url: _blocks_free(u), timeout_s=30)
 
 
-def test_a_pushed_prompt_loads_its_stored_prefix_while_the_prefill_node_computes(setup):
+def test_a_pushed_prompt_loads_its_stored_prefix_once_the_prefill_node_has_loaded_it(setup):
     """Over the store, the decode node of a pushed turn whose history left both nodes' caches
-    (but not the store) loads that history's blocks as soon as it admits the request, before
-    the first token: only the rest moves after it. Output stays transformers'."""
-    path, urls = setup
+    (but not the store) loads that history's blocks before the first token, so that only the rest
+    moves after it; but only once the prefill node's own load of them is over (PrefixLoaded), not
+    beside it. While the prefill node is stopped (SIGSTOP, for less than the router's 1.5 s to
+    call it dead) the decode node holds the request and loads nothing; once it runs again the
+    decode node loads exactly the history. Output stays transformers'."""
+    path, urls, ups = setup
     url, client = urls["push-store"], _client(urls["push-store"])
     history = [rng.randrange(3, 256) for _ in range(160)]
     turns = [history + [rng.randrange(3, 256) for _ in range(20)] for _ in range(2)]
@@ -126,8 +129,22 @@ def test_a_pushed_prompt_loads_its_stored_prefix_while_the_prefill_node_computes
     assert _ids(client, str(path), turns[0], temperature=0) == want[0]
     for _ in range(6):  # 156 blocks of other prompts: the history leaves both nodes' 128-block caches
         _ids(client, str(path), [rng.randrange(3, 256) for _ in range(400)], max_tokens=2, temperature=0)
-    before = _decode_stat(url, "store_prefetched_tokens")
-    assert _ids(client, str(path), turns[1], stream=True, temperature=0) == want[1]
+    prefill = node_pids(ups["push-store"])["prefill-0"]
+    pushed, before = _decode_stat(url, "prefills_pushed"), _decode_stat(url, "store_prefetched_tokens")
+    moved = _moved(url)
+    os.kill(prefill, signal.SIGSTOP)
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            turn = pool.submit(_ids, client, str(path), turns[1], stream=True, temperature=0)
+            assert wait_for(lambda: _decode_stat(url, "prefills_pushed") > pushed, timeout_s=1.0)  # admitted, waiting
+            time.sleep(0.25)  # a pong after the admission's: a prefetch started there would show by now
+            assert _decode_stat(url, "store_prefetched_tokens") == before
+            os.kill(prefill, signal.SIGCONT)
+            assert turn.result(timeout=120) == want[1]
+    finally:
+        os.kill(prefill, signal.SIGCONT)
+    if _moved(url) != moved:  # (a loaded machine stretched the stop past 1.5 s)
+        pytest.skip("the router called the stopped prefill node dead: the turn was computed elsewhere")
     wait_for(lambda: _decode_stat(url, "store_prefetched_tokens") - before == len(history))
     wait_for(lambda: _blocks_free(url), timeout_s=30)
 
@@ -163,6 +180,12 @@ def test_prefill_node_dead_while_the_decode_node_waits_costs_no_request():
 def _client_health(url: str) -> dict:
     import httpx
     return httpx.get(f"{url}/health", timeout=5).json()["failover"]
+
+
+def _moved(url: str) -> int:
+    """Prompts the router took off a prefill node it called dead (retried, or computed locally)."""
+    failover = _client_health(url)
+    return failover["prefill_retries"] + failover["local_prefills"]
 
 
 def test_a_lost_node_fails_only_the_phase_it_serves():

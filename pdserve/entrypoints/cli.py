@@ -30,9 +30,10 @@ PUSH_LAYER_GROUPS_HELP = ("push mode: WRITE a step's blocks in this many groups 
                           "blocks after each step")
 # Push mode over the store: --prefetch-stored-prefix (node.decode's prefetch_stored_prefix).
 PREFETCH_HELP = ("push mode over the store: a decode node loads the leading blocks the store already holds "
-                 "(an earlier turn's) as it admits a request, while the prefill node computes the prompt, "
-                 "instead of after the first token. Off by default: the two nodes then read the same prefix "
-                 "at once, which on a shared Redis slows the prefill node's own load (docs: the handover)")
+                 "(an earlier turn's) while the prefill node computes the prompt, once the prefill node's own "
+                 "load of them is over, instead of after the first token. Off by default: on one machine the "
+                 "load's CPU (Redis', the disk's) still slows the prefill node's compute, hence the first "
+                 "token, while the second comes sooner (docs: the handover)")
 
 
 def layer_groups(text: str) -> int:

@@ -28,7 +28,17 @@ from pdserve.node.step_budget import StepBudget
 from pdserve.node.store_prefix import StorePrefix, request_block_keys
 from pdserve.node.store_writeback import StoreWriteBack
 from pdserve.wire.handover import KVHandover, NixlHandover, StoreHandover
-from pdserve.wire.messages import DecodeRequest, KVReady, Message, Ping, Pong, PrefillRequest, Rejected, WriteTarget
+from pdserve.wire.messages import (
+    DecodeRequest,
+    KVReady,
+    Message,
+    Ping,
+    Pong,
+    PrefillRequest,
+    PrefixLoaded,
+    Rejected,
+    WriteTarget,
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +96,8 @@ class DecodeNode(StepBudget):
         self.push = PushIntake(self)  # push-mode requests waiting for their first token and handover
         # request id -> its KVReady's admit_pushed arguments, come while its stored prefix loads
         self.after_prefetch: dict[str, tuple[bytes, DecodeRequest, KVReady]] = {}
+        # request id -> its DecodeRequest, whose prefetch waits for the prefill node's PrefixLoaded
+        self.prefetch_due: dict[str, DecodeRequest] = {}
         self.init_step_budget()
 
     def pull_state(self, request_id: str) -> PullState | None:
@@ -98,6 +110,8 @@ class DecodeNode(StepBudget):
             return
         if isinstance(msg, KVReady):
             return self.push.ready(msg)
+        if isinstance(msg, PrefixLoaded):
+            return self._prefetch_after_load(msg.request_id)
         if not isinstance(msg, DecodeRequest):
             log.warning("decode node ignores %s", type(msg).__name__)
             return
@@ -132,6 +146,7 @@ class DecodeNode(StepBudget):
         """A push-mode request's first token and handover came (node.push_intake): its blocks
         are allocated already, so its pull starts now; with no handover it computes its prompt."""
         rid, handover = msg.request_id, ready.handover
+        self.prefetch_due.pop(rid, None)  # (its PrefixLoaded never came: nothing was prefetched)
         if (pull := self.pulls.get(rid)) is not None and pull.prefetch:
             self.after_prefetch[rid] = (identity, msg, ready)  # (the pull goes on from where it ends)
             return
@@ -151,14 +166,26 @@ class DecodeNode(StepBudget):
         self.placements["prefills_handed_over"] += 1
         self._admit_pull(req, handover, store_prefix=False)
 
+    def await_prefill_load(self, req: Request, msg: DecodeRequest) -> None:
+        """A push-mode request admitted with its blocks: its stored prefix is prefetched once the
+        prefill node's own load of it is over (PrefixLoaded), not beside it. Two loads of one
+        prefix at once slowed the prefill node's, hence the first token (docs/benchmarks/handover.md).
+        Not over NIXL, whose WRITEs may be landing in the same blocks, nor for a hybrid model,
+        whose state comes with the whole prompt."""
+        if (self.prefetches and StoreHandover in self.pullers and NixlHandover not in self.pullers
+                and req.state_slot is None):
+            self.prefetch_due[msg.request_id] = msg
+
+    def _prefetch_after_load(self, rid: str) -> None:
+        msg, req = self.prefetch_due.pop(rid, None), self.engine.get_request(rid)
+        if msg is not None and req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.prefetch_stored_prefix(req, msg)
+
     def prefetch_stored_prefix(self, req: Request, msg: DecodeRequest) -> None:
         """A push-mode request's leading blocks that the store holds already (an earlier turn, a
         shared prefix) load while its prefill node computes the prompt, so that after the first
-        token only the rest moves. Not over NIXL, whose WRITEs may be landing in the same blocks,
-        nor for a hybrid model, whose state comes with the whole prompt."""
+        token only the rest moves."""
         puller, bs = self.pullers.get(StoreHandover), self.engine.config.block_size
-        if not self.prefetches or puller is None or NixlHandover in self.pullers or req.state_slot is not None:
-            return
         keys = request_block_keys(self.engine, msg.prompt_token_ids, msg.cache_salt, msg.adapter, msg.images)
         first = max(req.num_computed_tokens // bs, req.num_slid_blocks)
         if first >= (len(msg.prompt_token_ids) - 1) // bs:
@@ -370,6 +397,7 @@ class DecodeNode(StepBudget):
             return  # its blocks wait for the writes to end (push_intake: fenced)
         self.streams.pop(request_id, None)
         self.after_prefetch.pop(request_id, None)
+        self.prefetch_due.pop(request_id, None)
         pull = self.pulls.get(request_id)
         if pull is not None and pull.state is not PullState.DELAYED:
             # A pull in flight writes into the request's blocks: free them only once it ends.

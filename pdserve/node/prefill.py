@@ -34,6 +34,7 @@ from pdserve.wire.messages import (
     Pong,
     PrefillRequest,
     PrefillResult,
+    PrefixLoaded,
     Rejected,
     WriteTarget,
 )
@@ -112,6 +113,8 @@ class PrefillNode(StepBudget):
             self.ttft_clocks.landed(rid)
         elif borrow and engine_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             self.borrowed.await_target(engine_req, borrow)  # the decode node's WriteTarget lends them
+        if req.push and req.transfer == "store":  # (the load above is over: the decode node's may start)
+            self.control.send(identity, PrefixLoaded(rid))
         self.pending[rid] = PendingPrefill(identity, req, keys, stored)
         # Until its blocks are free: a router that goes silent takes its prefills and leases with it.
         self.origin[rid] = identity

@@ -16,7 +16,7 @@ from pdserve.wire.handover import KVHandover, NixlMetadata, NixlMetadataRequest,
 
 # Bump when routers and nodes can no longer read each other's messages: a router keeps a node whose
 # pongs say another version out of its rotation, with one clear error, instead of mis-serving it.
-WIRE_VERSION = 3  # 2: PrefillRequest and DecodeRequest carry the prompt's images; 3: TokenDeltas
+WIRE_VERSION = 4  # 2: PrefillRequest and DecodeRequest carry the prompt's images; 3: TokenDeltas; 4: PrefixLoaded
 
 
 class Ping(msgspec.Struct, tag=True):
@@ -110,6 +110,13 @@ class HandoverMade(msgspec.Struct, tag=True):
     store put in pull mode; None: it failed, the decode node computes the prompt)."""
     request_id: str
     handover: KVHandover | None = None
+
+
+class PrefixLoaded(msgspec.Struct, tag=True):
+    """Prefill node -> router -> the decode node a push-mode request waits on: the prefill node's
+    load of the prompt's stored prefix is over (or it had none to load), so the decode node's own
+    load of that prefix (--prefetch-stored-prefix) no longer competes with it for the store."""
+    request_id: str
 
 
 class DecodeRequest(msgspec.Struct, tag=True):
@@ -282,7 +289,8 @@ class OwnerReply(msgspec.Struct, tag=True):
     nodes: dict[str, str] = {}       # node id -> role, every node the owner runs
 
 
-Message = (Ping | Pong | PrefillRequest | PrefillResult | HandoverMade | DecodeRequest | KVReady | WriteTarget
+Message = (Ping | Pong | PrefillRequest | PrefillResult | HandoverMade | PrefixLoaded | DecodeRequest | KVReady
+           | WriteTarget
            | TokenDelta | TokenDeltas | Abort
            | EncodeRequest | EncodeResult | EmbedRequest | EmbedResult | LoadLoRA | UnloadLoRA | LoRAReply
            | NixlMetadataRequest | NixlMetadata | KVEvents | KVSnapshotRequest | Drain | Rejected
@@ -301,6 +309,6 @@ def decode(data: bytes) -> Message:
 
 
 __all__ = ["KVEvents", "KVSnapshotRequest", "Ping", "Pong", "PrefillRequest", "PrefillResult",
-           "HandoverMade", "DecodeRequest", "KVReady", "WriteTarget", "EncodeRequest", "EncodeResult", "EmbedRequest", "EmbedResult", "LoadLoRA", "UnloadLoRA", "LoRAReply", "TokenDelta", "TokenDeltas", "token_outputs", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
+           "HandoverMade", "PrefixLoaded", "DecodeRequest", "KVReady", "WriteTarget", "EncodeRequest", "EncodeResult", "EmbedRequest", "EmbedResult", "LoadLoRA", "UnloadLoRA", "LoRAReply", "TokenDelta", "TokenDeltas", "token_outputs", "Abort", "Drain", "Rejected", "StartNode", "StopNode", "ListNodes", "SetNodeRole", "ROLES",
            "OwnerReply", "NixlMetadataRequest", "NixlMetadata", "Message", "encode", "decode", "WIRE_VERSION", "StepOutput",
            "TokenLogprob"]

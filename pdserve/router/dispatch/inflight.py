@@ -17,7 +17,15 @@ from pdserve.protocol.outputs import StepOutput
 from pdserve.router.dispatch.failover import NodeLost
 from pdserve.router.dispatch.nodes import Node
 from pdserve.wire.handover import NixlMetadata
-from pdserve.wire.messages import EmbedResult, EncodeResult, HandoverMade, Message, PrefillResult, WriteTarget
+from pdserve.wire.messages import (
+    EmbedResult,
+    EncodeResult,
+    HandoverMade,
+    Message,
+    PrefillResult,
+    PrefixLoaded,
+    WriteTarget,
+)
 
 
 class Lost:
@@ -109,6 +117,14 @@ class Inflight:
             return None  # (stale: the request left that decode node)
         self.write_targets[msg.request_id] = msg
         return self.prefilling.get(msg.request_id)
+
+    def on_prefix_loaded(self, node: Node, msg: PrefixLoaded) -> str | None:
+        """The decode node the request waits on (its node id), if `node` is the prefill node
+        computing it now; None for a stale message (the prefill moved, or the stream ended)."""
+        rid = msg.request_id
+        if self.prefilling.get(rid) != node.node_id or rid not in self.streams:
+            return None
+        return self.owner.get(rid)
 
     def on_output(self, node: Node, out: StepOutput) -> None:
         queue = self.streams.get(out.request_id)

@@ -22,6 +22,7 @@ from pdserve.wire.messages import (
     Message,
     Pong,
     PrefillResult,
+    PrefixLoaded,
     Rejected,
     TokenDelta,
     TokenDeltas,
@@ -67,6 +68,10 @@ class NodeEvents:
             prefill = self.inflight.on_write_target(node, msg)
             if prefill is not None:
                 self.pool.send_later(prefill, msg)
+        elif isinstance(msg, PrefixLoaded):  # push mode: the decode node may load the stored prefix now
+            decode = self.inflight.on_prefix_loaded(node, msg)
+            if decode is not None:
+                self.pool.send_later(decode, msg)
         elif isinstance(msg, HandoverMade):
             node.requests.discard(msg.request_id)
             self.inflight.on_handover(node, msg)
