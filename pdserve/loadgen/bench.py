@@ -1,4 +1,4 @@
-"""Load generator for any OpenAI-compatible server (streams /v1/completions over aiohttp).
+"""Load generator for any OpenAI-compatible server (streams /v1/completions: pdserve.loadgen.client).
 
 Workloads:
   random         num_prompts prompts, lengths uniform in [input_len_min, input_len_max].
@@ -13,10 +13,6 @@ Load: --concurrency caps requests in flight; --request-rate spaces arrivals (of 
 one request each, or one user for multi-round) as a Poisson process. Both may be combined.
 Prompts are token-id lists by default (exact lengths); --prompt-mode text sends random words.
 Requests set ignore_eos and a fixed max_tokens so every request generates output_len tokens.
-
-The client is aiohttp (C-parsed HTTP, as vLLM's `bench serve` uses): it runs on the machine it
-measures, and each token it reads takes CPU from the server. httpx's streaming took about 115 us
-of CPU a token (pure-Python h11), aiohttp about 30 (docs/benchmarks/vs-vllm.md).
 
     python -m benchmarks.serving.serve_bench --base-url http://127.0.0.1:8000 --workload random \
         --num-prompts 200 --concurrency 16 --output-json out.json
@@ -37,8 +33,9 @@ from typing import Any
 import aiohttp
 from tqdm.asyncio import tqdm
 
+from pdserve.loadgen.client import Client, first_model, scrape_router_stages, stream_completion
 from pdserve.loadgen.metrics import RequestResult, compute_metrics, latency_samples
-from pdserve.loadgen.stages import parse_stages, stage_breakdown
+from pdserve.loadgen.stages import stage_breakdown
 from pdserve.loadgen.trace import TraceScale
 from pdserve.loadgen.trace_replay import replay_trace
 
@@ -194,68 +191,6 @@ def build_sessions(cfg: BenchConfig, rng: random.Random) -> list[Session]:
 
 # ---------------------------------------------------------------- one request
 
-class _StreamTracker:
-    """Turns SSE events into timings; an event carrying text or ids counts as a token arrival."""
-
-    def __init__(self, result: RequestResult, start: float) -> None:
-        self.result = result
-        self.start = start
-        self.last = start
-        self.chunk_tokens = 0
-
-    def on_event(self, event: dict[str, Any], now: float) -> None:
-        if "error" in event:
-            self.result.error = str(event["error"].get("message", event["error"]))
-        if event.get("usage"):
-            usage = event["usage"]
-            self.result.prompt_tokens = usage.get("prompt_tokens", 0)
-            self.result.output_tokens = usage.get("completion_tokens", 0)
-            self.result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        for choice in event.get("choices") or []:
-            ids = choice.get("token_ids") or []
-            if choice.get("text") or ids:
-                self._on_tokens(choice.get("text") or "", ids, now)
-
-    def _on_tokens(self, text: str, ids: list[int], now: float) -> None:
-        if self.result.ttft_s is None:
-            self.result.ttft_s = now - self.start
-        else:
-            self.result.itls_s.append(now - self.last)
-        self.last = now
-        self.chunk_tokens += len(ids) or 1
-        self.result.text += text
-        self.result.token_ids.extend(ids)
-
-
-@dataclass
-class Client:
-    """The run's HTTP session and the server's base URL (paths are joined to it)."""
-    session: aiohttp.ClientSession
-    base_url: str
-
-    def url(self, path: str) -> str:
-        return self.base_url + path
-
-
-def _parse_sse(line: bytes) -> dict[str, Any] | None | str:
-    if not line.startswith(b"data:"):
-        return None
-    data = line[5:].strip()
-    return "[DONE]" if data == b"[DONE]" else json.loads(data)
-
-
-async def _sse_events(resp: aiohttp.ClientResponse):
-    """The response's SSE data events, parsed. Lines are split here rather than by
-    StreamReader.readline, whose buffer limit a long first chunk (a prompt's token ids) exceeds."""
-    pending = b""
-    async for chunk in resp.content.iter_any():
-        *lines, pending = (pending + chunk).split(b"\n")
-        for line in lines:
-            event = _parse_sse(line)
-            if event is not None:
-                yield event
-
-
 def _payload(cfg: BenchConfig, prompt: Prompt, max_tokens: int | None) -> dict[str, Any]:
     return {"model": cfg.model, "prompt": prompt, "max_tokens": max_tokens or cfg.output_len,
             "temperature": cfg.temperature, "ignore_eos": True, "stream": True,
@@ -266,27 +201,8 @@ def _payload(cfg: BenchConfig, prompt: Prompt, max_tokens: int | None) -> dict[s
 
 async def send_request(client: Client, cfg: BenchConfig,
                        prompt: Prompt, max_tokens: int | None = None) -> RequestResult:
-    result = RequestResult(prompt_tokens=len(prompt) if isinstance(prompt, list)
-                           else len(prompt.split()))
-    start = time.perf_counter()
-    tracker = _StreamTracker(result, start)
-    try:
-        async with client.session.post(client.url("/v1/completions"), json=_payload(cfg, prompt, max_tokens)) as resp:
-            if resp.status != 200:
-                body = (await resp.read()).decode(errors="replace")
-                result.error = f"HTTP {resp.status}: {body[:300]}"
-                return result
-            async for event in _sse_events(resp):
-                if event == "[DONE]":
-                    break
-                if isinstance(event, dict):
-                    tracker.on_event(event, time.perf_counter())
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-    result.e2e_s = time.perf_counter() - start
-    result.output_tokens = result.output_tokens or tracker.chunk_tokens
-    result.success = result.error is None and result.ttft_s is not None
-    return result
+    prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+    return await stream_completion(client, _payload(cfg, prompt, max_tokens), prompt_tokens)
 
 
 # ---------------------------------------------------------------- load
@@ -334,13 +250,6 @@ async def _warm_up(client: Client, cfg: BenchConfig) -> None:
         logger.warning("%d/%d warm-up requests failed: %s", len(failed), len(results), failed[0])
 
 
-async def _resolve_model(client: Client, cfg: BenchConfig) -> str:
-    if cfg.model:
-        return cfg.model
-    async with client.session.get(client.url("/v1/models"), raise_for_status=True) as resp:
-        return (await resp.json())["data"][0]["id"]
-
-
 async def _run_workload(client: Client, cfg: BenchConfig) -> tuple[list[RequestResult], float, dict]:
     sessions = build_sessions(cfg, random.Random(cfg.seed))
     pbar = None if cfg.disable_tqdm else tqdm(total=sum(len(s.questions) for s in sessions), desc=cfg.workload)
@@ -364,15 +273,6 @@ async def _replay(client: Client, cfg: BenchConfig) -> tuple[list[RequestResult]
 
 # ---------------------------------------------------------------- entry points
 
-async def _scrape_stages(client: Client) -> dict[str, dict] | None:
-    """The router's stage histograms (pdserve.loadgen.stages); None from a server without them."""
-    try:
-        async with client.session.get(client.url("/metrics")) as resp:
-            return parse_stages(await resp.text()) if resp.status == 200 else None
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        return None
-
-
 async def run_benchmark(config: BenchConfig | dict[str, Any]) -> dict[str, Any]:
     """Runs one benchmark and returns the metrics (also written to config.output_json)."""
     cfg = config if isinstance(config, BenchConfig) else BenchConfig(**config)
@@ -382,13 +282,13 @@ async def run_benchmark(config: BenchConfig | dict[str, Any]) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=None, connect=cfg.timeout_s, sock_read=cfg.timeout_s)
     async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as session:
         client = Client(session, cfg.base_url.rstrip("/"))
-        cfg.model = await _resolve_model(client, cfg)
+        cfg.model = cfg.model or await first_model(client)
         if cfg.num_warmup:
             await _warm_up(client, cfg)
         run = _replay if cfg.trace is not None else _run_workload
-        before = await _scrape_stages(client)  # a pdserve router's TTFT breakdown, read around the run
+        before = await scrape_router_stages(client)  # a pdserve router's TTFT breakdown, read around the run
         results, duration, extra = await run(client, cfg)
-        stages = stage_breakdown(before, await _scrape_stages(client))
+        stages = stage_breakdown(before, await scrape_router_stages(client))
     report = {"config": asdict(cfg), **compute_metrics(results, duration, cfg), **extra,
               "ttft_breakdown": stages, "samples_s": latency_samples(results)}
     if cfg.output_json:

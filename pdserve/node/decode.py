@@ -12,19 +12,18 @@ each step prefills only the prompt tokens the tightest target leaves after the d
 streams late."""
 from __future__ import annotations
 
-import enum
 import logging
-import math
 import time
-from dataclasses import dataclass
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.kvstore.base import KVStore
+from pdserve.node.pull_record import Pull, PullState
 from pdserve.node.pullers import NixlPuller, Puller, StorePuller
 from pdserve.node.push_intake import PushIntake
 from pdserve.node.runtime import NodeRuntime
 from pdserve.node.step_budget import StepBudget
+from pdserve.node.store_prefetch import StorePrefetch
 from pdserve.node.store_prefix import StorePrefix, request_block_keys
 from pdserve.node.store_writeback import StoreWriteBack
 from pdserve.wire.handover import KVHandover, NixlHandover, StoreHandover
@@ -43,32 +42,6 @@ from pdserve.wire.messages import (
 log = logging.getLogger(__name__)
 
 
-class PullState(enum.Enum):
-    DELAYED = "delayed"      # admitted; its pull starts once pull_delay_s has passed
-    PULLING = "pulling"      # a READ or fetch writes into the request's blocks
-    ABANDONED = "abandoned"  # aborted while pulling: its blocks are freed once the pull ends
-
-
-@dataclass
-class Pull:
-    state: PullState
-    req: Request
-    handover: KVHandover
-    received_at: float
-    due: float = 0.0                # DELAYED: when the pull may start
-    path: str = ""                  # PULLING: the puller's transport, and what it moves
-    started: float = 0.0
-    nbytes: int = 0                 # the blocks' bytes
-    written: bool = False           # push mode: the prefill node WROTE them here (nothing READ)
-    state_nbytes: int = 0           # a hybrid model's state slot, moved with them
-    # ABANDONED: the router resumed the request here under the same id (no other decode node
-    # was up); it is admitted once the aborted pull ends.
-    resume: tuple[bytes, DecodeRequest] | None = None
-    store_prefix: bool = False      # the leading blocks of a prompt computed here, from the store
-    prefetch: bool = False          # a push-mode request's stored prefix, loaded before its KVReady
-    unowed: bool = False            # it reads blocks the sender did not put (StoreHandover.put_from)
-
-
 class DecodeNode(StepBudget):
     role = "decode"
 
@@ -76,7 +49,6 @@ class DecodeNode(StepBudget):
                  use_nixl: bool = False, on_transfer_failure: str = "recompute", pull_delay_s: float = 0.0,
                  prefetch_stored_prefix: bool = False):
         super().__init__(engine, bind, node_id)
-        self.prefetches = prefetch_stored_prefix  # push mode over the store: prefetch_stored_prefix
         self.store = store
         self.on_transfer_failure = on_transfer_failure
         self.pull_delay_s = pull_delay_s  # fault injection for tests: wait before pulling
@@ -94,10 +66,7 @@ class DecodeNode(StepBudget):
         # prefills_pushed: requests admitted before their prompt was computed (push mode)
         self.placements = {"prefills_local": 0, "prefills_handed_over": 0, "prefills_pushed": 0}
         self.push = PushIntake(self)  # push-mode requests waiting for their first token and handover
-        # request id -> its KVReady's admit_pushed arguments, come while its stored prefix loads
-        self.after_prefetch: dict[str, tuple[bytes, DecodeRequest, KVReady]] = {}
-        # request id -> its DecodeRequest, whose prefetch waits for the prefill node's PrefixLoaded
-        self.prefetch_due: dict[str, DecodeRequest] = {}
+        self.prefetch = StorePrefetch(self, prefetch_stored_prefix)  # their stored prefixes, meanwhile
         self.init_step_budget()
 
     def pull_state(self, request_id: str) -> PullState | None:
@@ -111,7 +80,7 @@ class DecodeNode(StepBudget):
         if isinstance(msg, KVReady):
             return self.push.ready(msg)
         if isinstance(msg, PrefixLoaded):
-            return self._prefetch_after_load(msg.request_id)
+            return self.prefetch.prefix_loaded(msg.request_id)
         if not isinstance(msg, DecodeRequest):
             log.warning("decode node ignores %s", type(msg).__name__)
             return
@@ -146,10 +115,8 @@ class DecodeNode(StepBudget):
         """A push-mode request's first token and handover came (node.push_intake): its blocks
         are allocated already, so its pull starts now; with no handover it computes its prompt."""
         rid, handover = msg.request_id, ready.handover
-        self.prefetch_due.pop(rid, None)  # (its PrefixLoaded never came: nothing was prefetched)
-        if (pull := self.pulls.get(rid)) is not None and pull.prefetch:
-            self.after_prefetch[rid] = (identity, msg, ready)  # (the pull goes on from where it ends)
-            return
+        if self.prefetch.park(identity, msg, ready):
+            return  # its stored prefix is loading: admitted once that ends (the pull goes on from there)
         req = self.engine.continue_remote(rid, ready.first_token_ids)
         if req is None:
             if handover is not None:
@@ -165,40 +132,6 @@ class DecodeNode(StepBudget):
             return self.engine.report_remote_kv(rid, False)  # computed here, into its blocks
         self.placements["prefills_handed_over"] += 1
         self._admit_pull(req, handover, store_prefix=False)
-
-    def await_prefill_load(self, req: Request, msg: DecodeRequest) -> None:
-        """A push-mode request admitted with its blocks: its stored prefix is prefetched once the
-        prefill node's own load of it is over (PrefixLoaded), not beside it. Two loads of one
-        prefix at once slowed the prefill node's, hence the first token (docs/benchmarks/handover.md).
-        Not over NIXL, whose WRITEs may be landing in the same blocks, nor for a hybrid model,
-        whose state comes with the whole prompt."""
-        if (self.prefetches and StoreHandover in self.pullers and NixlHandover not in self.pullers
-                and req.state_slot is None):
-            self.prefetch_due[msg.request_id] = msg
-
-    def _prefetch_after_load(self, rid: str) -> None:
-        msg, req = self.prefetch_due.pop(rid, None), self.engine.get_request(rid)
-        if msg is not None and req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            self.prefetch_stored_prefix(req, msg)
-
-    def prefetch_stored_prefix(self, req: Request, msg: DecodeRequest) -> None:
-        """A push-mode request's leading blocks that the store holds already (an earlier turn, a
-        shared prefix) load while its prefill node computes the prompt, so that after the first
-        token only the rest moves."""
-        puller, bs = self.pullers.get(StoreHandover), self.engine.config.block_size
-        keys = request_block_keys(self.engine, msg.prompt_token_ids, msg.cache_salt, msg.adapter, msg.images)
-        first = max(req.num_computed_tokens // bs, req.num_slid_blocks)
-        if first >= (len(msg.prompt_token_ids) - 1) // bs:
-            return  # every block a store could hold is cached here
-        stored = self.store_prefix.stored_tokens(keys, len(msg.prompt_token_ids))
-        if stored // bs <= first:
-            return
-        now = time.monotonic()
-        handover = self.store_prefix.handover(keys, stored)
-        if puller.start(req.request_id, handover, req.block_ids[:stored // bs], first, now, math.inf):
-            self.pulls[req.request_id] = Pull(PullState.PULLING, req, handover, now, path=puller.path,
-                                              started=time.perf_counter(), nbytes=(stored // bs - first) * self.block_nbytes,
-                                              prefetch=True)
 
     def write_target(self, rid: str, req: Request | None, lease_s: float, lend_from_tokens: int = -1
                      ) -> WriteTarget | None:
@@ -345,7 +278,7 @@ class DecodeNode(StepBudget):
                 self.handle(*pull.resume)
             return
         if pull is not None and pull.prefetch:
-            return self._finish_prefetch(pull, ok)
+            return self.prefetch.finished(pull, ok)
         if pull is not None and pull.store_prefix:
             return self._finish_store_prefix(pull, ok)
         if ok:
@@ -374,16 +307,6 @@ class DecodeNode(StepBudget):
             log.info("[%s] stored prefix did not load: computing it", pull.req.request_id)
         self.engine.report_remote_kv(pull.req.request_id, ok, cached_tokens=pull.handover.num_tokens)
 
-    def _finish_prefetch(self, pull: Pull, ok: bool) -> None:
-        """A push-mode request's stored prefix loaded (or not: its KVReady's pull moves it all)."""
-        req = pull.req
-        if ok:
-            req.num_computed_tokens = max(req.num_computed_tokens, pull.handover.num_tokens)
-            self.stats.store_prefetched_tokens += pull.nbytes // self.block_nbytes * self.engine.config.block_size
-            self.stats.store_load_us += int((time.perf_counter() - pull.started) * 1e6)
-        if (ready := self.after_prefetch.pop(req.request_id, None)) is not None:
-            self.admit_pushed(*ready)
-
     def _count_transfer(self, pull: Pull) -> None:
         bytes_name, us_name = f"transfer_bytes_{pull.path}", f"transfer_us_{pull.path}"
         if pull.written:  # landed by the prefill node's WRITEs (push mode): nothing was READ
@@ -396,8 +319,7 @@ class DecodeNode(StepBudget):
         if self.push.forget(request_id):
             return  # its blocks wait for the writes to end (push_intake: fenced)
         self.streams.pop(request_id, None)
-        self.after_prefetch.pop(request_id, None)
-        self.prefetch_due.pop(request_id, None)
+        self.prefetch.forget(request_id)
         pull = self.pulls.get(request_id)
         if pull is not None and pull.state is not PullState.DELAYED:
             # A pull in flight writes into the request's blocks: free them only once it ends.

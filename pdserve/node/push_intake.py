@@ -24,6 +24,7 @@ from typing import Protocol
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.node.store_prefetch import StorePrefetch
 from pdserve.wire.handover import KVHandover
 from pdserve.wire.messages import DecodeRequest, KVReady, Message, WriteTarget
 from pdserve.wire.transport import NodeSocket
@@ -42,10 +43,10 @@ class PushHost(Protocol):
     origin: dict[str, bytes]
     placements: dict[str, int]
     control: NodeSocket
+    prefetch: StorePrefetch
 
     def handle(self, identity: bytes, msg: Message) -> None: ...
     def admit_pushed(self, identity: bytes, msg: DecodeRequest, ready: KVReady) -> None: ...
-    def await_prefill_load(self, req: Request, msg: DecodeRequest) -> None: ...
     def release_sender(self, handover: KVHandover, rid: str) -> None: ...
     def write_target(self, rid: str, req: Request | None, lease_s: float, lend_from_tokens: int = -1
                      ) -> WriteTarget | None: ...
@@ -88,7 +89,7 @@ class PushIntake:
                 self.granted[rid] = time.monotonic() + WRITE_LEASE_S + FENCE_MARGIN_S
             node.control.send(identity, target)
         if allocated:
-            node.await_prefill_load(req, msg)
+            node.prefetch.await_prefill_load(req, msg)
 
     def ready(self, msg: KVReady) -> None:
         node, rid = self.node, msg.request_id
