@@ -52,16 +52,17 @@ void pd_x_pairs(const float *x, int tokens, int cols, int padded, uint32_t *xp) 
     }
 }
 
-/* sums of R rows (w's first R) by NB vectors of 16 tokens from t0, into sums[t][r0 + r] (R and NB
- * constants once inlined) */
+/* sums of R rows (w's first R) by NB vectors of 16 tokens from t0, into sums[(r0 + r) * padded + t]
+ * (R and NB constants once inlined) */
 static inline __attribute__((always_inline)) void pass_bf16(const uint32_t *w, const uint32_t *xp, int cols, int padded,
-                                                            int t0, float (*sums)[BF16_ROWS], int r0, const int R,
-                                                            const int NB) {
+                                                            int t0, float *sums, int r0, const char *ahead,
+                                                            const int R, const int NB) {
     __m512 acc[BF16_PASS_ROWS][BF16_MAX_BLOCKS];
     for (int r = 0; r < R; r++)
         for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
     long half = cols / 2;
     for (long p = 0; p < half; p++) {
+        _mm_prefetch(ahead + 64 * p, _MM_HINT_T0); /* a pass's iterations span the next 16 rows' lines */
         __m512bh xv[BF16_MAX_BLOCKS];
         for (int b = 0; b < NB; b++) xv[b] = (__m512bh)_mm512_loadu_si512(xp + p * padded + t0 + 16 * b);
         for (int r = 0; r < R; r++) {
@@ -70,14 +71,10 @@ static inline __attribute__((always_inline)) void pass_bf16(const uint32_t *w, c
         }
     }
     for (int r = 0; r < R; r++)
-        for (int b = 0; b < NB; b++) {
-            float lanes[16];
-            _mm512_storeu_ps(lanes, acc[r][b]);
-            for (int i = 0; i < 16; i++) sums[t0 + 16 * b + i][r0 + r] = lanes[i];
-        }
+        for (int b = 0; b < NB; b++) _mm512_storeu_ps(sums + (long)(r0 + r) * padded + t0 + 16 * b, acc[r][b]);
 }
 
-#define PASS(R, NB) pass_bf16(w, xp, cols, padded, t0, sums, r, R, NB)
+#define PASS(R, NB) pass_bf16(w, xp, cols, padded, t0, sums, r, ahead, R, NB)
 #define BY_BLOCKS(R)                 \
     switch (nb) {                    \
     case 1: PASS(R, 1); break;       \
@@ -86,12 +83,14 @@ static inline __attribute__((always_inline)) void pass_bf16(const uint32_t *w, c
     }
 
 /* rows first_row .. first_row + rows - 1 (dequantized in rows_w) into every token. The sums gather
- * in a task-local [tokens][16] block and go out a token's 16 columns (one cache line) at a time:
- * stored lane by lane into out's rows, a matrix whose row length is a multiple of 4 KiB (SmolLM2's
- * gate_up and LM head) put every token's line in the same cache set, and the step ran slower. */
+ * in a task-local [16 rows][padded] block, a register's 16 tokens a store, and go out a token's 16
+ * columns (one cache line) at a time, 16 tokens turned in registers: stored lane by lane into
+ * out's rows, a matrix whose row length is a multiple of 4 KiB (SmolLM2's gate_up and LM head) put
+ * every token's line in the same cache set, and the step ran slower; gathered lane by lane into a
+ * [tokens][16] block, the scalar stores were a sixth of the products. */
 static void rows_bf16(const uint32_t *rows_w, int rows, const uint32_t *xp, int cols, int padded, int tokens,
-                      float *out, int nrows, int first_row) {
-    float (*sums)[BF16_ROWS] = __builtin_alloca(sizeof(float) * BF16_ROWS * padded);
+                      float *out, int nrows, int first_row, const char *ahead) {
+    float *sums = __builtin_alloca(sizeof(float) * BF16_ROWS * padded);
     for (int t0 = 0; t0 < tokens; t0 += 16 * BF16_MAX_BLOCKS) {
         int left = (tokens - t0 + 15) / 16, nb = left < BF16_MAX_BLOCKS ? left : BF16_MAX_BLOCKS;
         for (int r = 0; r < rows; r += BF16_PASS_ROWS) {
@@ -108,8 +107,15 @@ static void rows_bf16(const uint32_t *rows_w, int rows, const uint32_t *xp, int 
             }
         }
     }
-    for (int t = 0; t < tokens; t++)
-        for (int r = 0; r < rows; r++) out[(long)t * nrows + first_row + r] = sums[t][r];
+    __mmask16 keep = rows >= 16 ? 0xffff : (__mmask16)((1u << rows) - 1);
+    for (int t0 = 0; t0 < tokens; t0 += 16) {
+        __m512i by_row[16];
+        for (int r = 0; r < 16; r++)
+            by_row[r] = r < rows ? _mm512_loadu_si512(sums + (long)r * padded + t0) : _mm512_setzero_si512();
+        transpose16(by_row); /* by_row[j]: token t0 + j's 16 rows */
+        for (int j = 0; j < 16 && t0 + j < tokens; j++)
+            _mm512_mask_storeu_ps(out + (long)(t0 + j) * nrows + first_row, keep, (__m512)by_row[j]);
+    }
 }
 
 /* 32 columns of a 4-bit row whose 32 share one scale (and min): the block's 16 possible values
@@ -153,13 +159,17 @@ static void task_bf16(const uint32_t *xp, int tokens, int padded, int cols, cons
                       const void *mn, int half, int has_min, int group, float *out, int nrows, int n, int end) {
     if (bits == BITS_BF16) { /* bf16 rows are the buffer's layout already: read in place (copying them
                               * through float32 was a fifth of a bf16 checkpoint's 32-request step) */
-        rows_bf16((const uint32_t *)(q + (long)n * row_bytes(bits, cols)), end - n, xp, cols, padded, tokens, out,
-                  nrows, n);
+        /* the matrix's next 16 rows (the thread's next task, under the static schedule) are
+         * fetched while these compute: eight rows' streams of broadcast pairs from memory stalled
+         * the products */
+        const uint8_t *rows = q + (long)n * row_bytes(bits, cols);
+        const uint8_t *ahead = end + BF16_ROWS <= nrows ? rows + (long)BF16_ROWS * row_bytes(bits, cols) : rows;
+        rows_bf16((const uint32_t *)rows, end - n, xp, cols, padded, tokens, out, nrows, n, (const char *)ahead);
         return;
     }
     uint16_t buffer[BF16_ROWS * cols];
     pd_dequant_bf16(cols, q, bits, sc, mn, half, has_min, group, n, end, buffer);
-    rows_bf16((const uint32_t *)buffer, end - n, xp, cols, padded, tokens, out, nrows, n);
+    rows_bf16((const uint32_t *)buffer, end - n, xp, cols, padded, tokens, out, nrows, n, (const char *)buffer);
 }
 
 int pd_gemv_bf16(const float *x, int tokens, int cols, const uint8_t *q, int nrows, int bits, const void *scales,
