@@ -166,12 +166,13 @@ static void pack_task(int cols, const uint8_t *q, int bits, const void *sc, cons
  * each token's quad broadcast into vpdpbusd */
 static inline __attribute__((always_inline)) void tokens_int8(const int8_pack *p, const uint8_t *task,
                                                               const x_side *xq, int cols, int t0, float *out, int nrows,
-                                                              int n, const int NT, const int EIGHT) {
-    int blocks = xq->blocks;
+                                                              int n, const char *ahead, const int NT, const int EIGHT) {
+    int blocks = xq->blocks, per_block = ahead ? (p->task_bytes / 64 + blocks) / blocks : 0; /* the next task's lines */
     const __m512i *codes = (const __m512i *)task, low = _mm512_set1_epi8(15);
     __m512 acc[I8_TOKENS];
     for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
     for (int blk = 0; blk < blocks; blk++) {
+        for (int l = 0; l < per_block; l++) _mm_prefetch(ahead + ((long)blk * per_block + l) * 64, _MM_HINT_T0);
         __m512i ai[I8_TOKENS], v[4];
         for (int t = 0; t < NT; t++)
             ai[t] = EIGHT ? _mm512_set1_epi32(xq->xc[(long)(t0 + t) * blocks + blk]) : _mm512_setzero_si512();
@@ -195,12 +196,13 @@ static inline __attribute__((always_inline)) void tokens_int8(const int8_pack *p
         _mm512_mask_storeu_ps(out + (long)(t0 + t) * nrows + n, keep, _mm512_permutexvar_ps(lane_rows(), acc[t]));
 }
 
-#define TOKENS(NT) (eight ? tokens_int8(p, task, xq, cols, t0, out, nrows, n, NT, 1) : tokens_int8(p, task, xq, cols, t0, out, nrows, n, NT, 0))
+#define TOKENS(NT) (eight ? tokens_int8(p, task, xq, cols, t0, out, nrows, n, ahead, NT, 1) \
+                        : tokens_int8(p, task, xq, cols, t0, out, nrows, n, ahead, NT, 0))
 
 /* the task's rows times tokens [c0, c1), I8_TOKENS at a time */
 static void task_tokens(const int8_pack *p, const uint8_t *task, const x_side *xq, int cols, int eight, int c0, int c1,
-                        float *out, int nrows, int n) {
-    for (int t0 = c0; t0 < c1; t0 += I8_TOKENS) {
+                        float *out, int nrows, int n, const char *ahead) {
+    for (int t0 = c0; t0 < c1; t0 += I8_TOKENS, ahead = NULL) { /* (the first tokens' pass fetches them) */
         switch (c1 - t0 < I8_TOKENS ? c1 - t0 : I8_TOKENS) {
         case 1: TOKENS(1); break;
         case 2: TOKENS(2); break;
@@ -269,7 +271,10 @@ static void products(const float *x, int tokens, int cols, const uint8_t *q, int
             const uint8_t *task = pack ? pack + (long)t * p.task_bytes : own;
             if (!pack) pack_task(cols, q, bits, scales, mins, half, has_min, group, 16 * t, nrows, zeros, quads, d, &p, own);
             if (staging) pd_int8_amx_task(&p, task, xq, cols, bits == 8, c0, c1, out, nrows, 16 * t, staging);
-            else task_tokens(&p, task, xq, cols, bits == 8, c0, c1, out, nrows, 16 * t);
+            else /* the pack's next task (the thread's next, under the static schedule) fetched while
+                  * this one computes: a decode step's products waited on memory (bf16's did too) */
+                task_tokens(&p, task, xq, cols, bits == 8, c0, c1, out, nrows, 16 * t,
+                            (const char *)(pack && t + 1 < tasks ? task + p.task_bytes : task));
         }
     }
     if (staging) pd_int8_amx_release();
