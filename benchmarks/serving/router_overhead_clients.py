@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import zmq
 
+from benchmarks.support.cluster import child_pids
 from pdserve.loadgen.metrics import percentile
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.wire.messages import DecodeRequest, decode, encode, token_outputs
@@ -185,23 +186,18 @@ def proc_cpu_s(pid: int) -> float:
 
 
 def cluster_pids(up_pid: int) -> dict[str, int]:
+    """'router' and each node id -> the pid of `pdserve up`'s child running it."""
     out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in child_pids(up_pid):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid != up_pid:
+        except OSError:
             continue
         if b"router" in cmd:
-            out["router"] = int(entry)
+            out["router"] = pid
         elif b"--node-id" in cmd:
-            out[cmd[cmd.index(b"--node-id") + 1].decode()] = int(entry)
+            out[cmd[cmd.index(b"--node-id") + 1].decode()] = pid
     return out
 
 
