@@ -35,6 +35,10 @@
 /* Each row's bytes this far ahead are prefetched: the hardware prefetcher alone left SmolLM2's
  * 28 MB int8 LM head at 11 GB/s (2.7 ms); with this, 1.1 ms, about a one-thread copy's bandwidth. */
 #define PREFETCH_BYTES 4096
+/* ... and a bf16 matrix's rows (a bf16 checkpoint's) this far: a one-token step of SmolLM2's bf16
+ * checkpoint waited on memory at 4096 (8.5 ms a step against 6.2-6.3 at 16 KiB, alternated in one
+ * process, 2-core Zen 5 VM); 8 and 32 KiB in between and the same */
+#define PREFETCH_BYTES_BF16 16384
 /* task_many keeps two dequantized rows on the stack, 64 KiB at most: within L2, and well within a
  * thread's stack */
 #define MAX_DECODED_COLS 8192
@@ -53,7 +57,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int cols,
     for (int c = 0; c < cols / 32; c++) {
         __m512 w[ROWS_PER_PASS][2];
         for (int r = 0; r < R; r++) {
-            _mm_prefetch((const char *)(q + (n + r) * qstride) + c * block_bytes(bits) + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(q + (n + r) * qstride) + c * block_bytes(bits) +
+                             (bits == BITS_BF16 ? PREFETCH_BYTES_BF16 : PREFETCH_BYTES), _MM_HINT_T0);
             decode32(q + (n + r) * qstride, bits, c, sc, mn, half, has_min, group, (n + r) * sstride, &w[r][0], &w[r][1]);
         }
         for (int t = 0; t < NT; t++) {
