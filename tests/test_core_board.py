@@ -47,6 +47,23 @@ def test_a_step_with_little_prompt_to_compute_borrows_nothing(board_path):
     assert prefill.step_threads(now_ns=later) == 2  # (work that is not a step: whatever is idle)
 
 
+def test_a_decode_step_has_no_prompt_left_and_borrows_with_no_minimum(board_path):
+    """A decoding request has computed past its prompt: none of it is left (the count was
+    negative, so that `--lend-min-prompt-tokens 0` never let a decode node's steps borrow)."""
+    from pdserve import LLM, SamplingParams  # the engine: only this test steps one
+    engine = LLM("builtin:tiny", num_kv_blocks=64).engine
+    engine.add_request("r", list(range(5, 25)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    request = engine.scheduler.requests["r"]
+    assert request.num_computed_tokens > request.num_prompt_tokens  # decoding
+    left = engine.scheduler.longest_prompt_to_compute()
+    assert left == 0
+    prefill, decode = CoreBoard(board_path, 0, 1, 2), CoreBoard(board_path, 1, 1, 2, min_prefill_tokens=0)
+    prefill.mark_idle(now_ns=10**12)
+    assert decode.step_threads(now_ns=10**12 + int(LEND_AFTER_S * 1e9), prefill_tokens=left) == 2
+
+
 def test_a_closed_node_lends_nothing_and_run_sets_the_threads(board_path, monkeypatch):
     set_to: list[int] = []
     monkeypatch.setattr("pdserve.node.core_board.set_compute_threads", lambda n: set_to.append(n) or n)

@@ -90,7 +90,8 @@ class Scheduler:
         """The most prompt tokens one running or waiting request has yet to compute (a request
         waiting for remote KV counts none; cached prefixes are found only when scheduled)."""
         ready = [r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS]
-        return max((r.num_prompt_tokens - r.num_computed_tokens for r in (*self.running, *ready)), default=0)
+        # (a decoding request has computed past its prompt: none left, not a negative count)
+        return max((max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in (*self.running, *ready)), default=0)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()

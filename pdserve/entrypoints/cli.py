@@ -245,7 +245,7 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
                          "share; see docs/disaggregation.md)")
     up.add_argument("--lend-min-prompt-tokens", type=int, default=None,
                     help="--lend-idle-cores: a step borrows cores only for a prompt with at least this many "
-                         "tokens left to compute (default 512)")
+                         "tokens left to compute (default 512; 0: every step, a decode node's too)")
     add_admission_args(up)
     add_routing_args(up)
     add_planner_args(up)
