@@ -54,7 +54,6 @@ from benchmarks.serving.router_overhead_clients import (
     DirectClient,
     RawHTTPClient,
     RouterClient,
-    cluster_pids,
     cpu_per_request,
     cpu_table,
     measure,
@@ -63,6 +62,7 @@ from benchmarks.serving.router_overhead_clients import (
     table,
 )
 from benchmarks.support.cluster import http_json, local_cluster, source_info
+from pdserve.testing.up_cluster import node_pids
 from pdserve.wire.transport import free_port
 
 # ------------------------------------------------------------------------------ instrumented router
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             res = measure(direct, router, args.requests, args.warmup, args.prompt_len, args.max_tokens,
                           args.seed, (args.min_token_id, args.max_token_id), raw)
-            pids = cluster_pids(c.proc.pid)
+            pids = node_pids(c.proc.pid)
             report["pids"] = pids
             report["cpu"] = cpu_per_request(direct, router, raw, pids, args.requests, args.prompt_len,
                                             args.max_tokens, args.seed + 3, (args.min_token_id, args.max_token_id))

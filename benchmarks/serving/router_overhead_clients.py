@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import zmq
 
-from benchmarks.support.cluster import child_pids
 from pdserve.loadgen.metrics import percentile
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.wire.messages import DecodeRequest, decode, encode, token_outputs
@@ -183,22 +182,6 @@ def proc_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def cluster_pids(up_pid: int) -> dict[str, int]:
-    """'router' and each node id -> the pid of `pdserve up`'s child running it."""
-    out = {}
-    for pid in child_pids(up_pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"router" in cmd:
-            out["router"] = pid
-        elif b"--node-id" in cmd:
-            out[cmd[cmd.index(b"--node-id") + 1].decode()] = pid
-    return out
 
 
 def cpu_per_request(direct: DirectClient, router: RouterClient, raw: RawHTTPClient, pids: dict[str, int],

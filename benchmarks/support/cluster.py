@@ -84,8 +84,8 @@ def ttft_ms(client: httpx.Client, url: str, model: str, prompt: list[int]) -> fl
     return ttft
 
 
-def _children_by_parent() -> dict[int, list[int]]:
-    """Every process's children, by parent pid (read from /proc, so no psutil is needed)."""
+def descendant_pids(pid: int) -> list[int]:
+    """Every descendant of pid (read from /proc, so no psutil is needed)."""
     parents: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -96,17 +96,6 @@ def _children_by_parent() -> dict[int, list[int]]:
         except (OSError, IndexError, ValueError):
             continue
         parents.setdefault(ppid, []).append(int(entry))
-    return parents
-
-
-def child_pids(pid: int) -> list[int]:
-    """pid's direct children."""
-    return _children_by_parent().get(pid, [])
-
-
-def descendant_pids(pid: int) -> list[int]:
-    """Every descendant of pid."""
-    parents = _children_by_parent()
     out, todo = [], [pid]
     while todo:
         for child in parents.get(todo.pop(), []):
